@@ -1,0 +1,386 @@
+"""Cost model: bytes and FLOPs of every node, measured without real memory, symbolic in the batch size.
+
+Each node of the model graph is run under ``FakeTensorMode`` twice, at two
+microbatch sizes; every quantity is linear in the batch size ``B`` for the
+models we train (attention is quadratic in sequence length, not in batch), so two
+measurements give exact affine expressions ``c0 + c1*B`` (sympy via ``.expr``).
+
+>>> gm = trace(model, batch); annotate(gm, batch, microbatch=4)
+>>> gm.graph.nodes[5].meta["harmony.cost"].out_bytes.expr
+524288*B
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import sympy
+import torch
+import torch.fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.nn.utils.stateless import _reparametrize_module
+from torch.utils.flop_counter import FlopCounterMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map_only
+
+from harmony.compiler.meta import COST, STATE
+from harmony.errors import InputError
+from harmony.runtime.memory import CountAllocations, MemoryMeter
+
+B = sympy.Symbol("B", positive=True, integer=True)
+
+
+@dataclass(frozen=True)
+class Affine:
+    """``c0 + c1 * B``: a byte or FLOP count as a function of the microbatch size ``B``."""
+
+    c0: float
+    c1: float
+
+    def at(self, b: int) -> float:
+        return self.c0 + self.c1 * b
+
+    @property
+    def expr(self) -> sympy.Expr:
+        return sympy.nsimplify(round(self.c0)) + sympy.nsimplify(round(self.c1)) * B
+
+    def __add__(self, other: "Affine") -> "Affine":
+        return Affine(self.c0 + other.c0, self.c1 + other.c1)
+
+    @staticmethod
+    def fit(b1: int, v1: float, b2: int, v2: float) -> "Affine":
+        c1 = (v2 - v1) / (b2 - b1)
+        return Affine(v1 - c1 * b1, c1)
+
+
+ZERO = Affine(0.0, 0.0)
+
+
+@dataclass(frozen=True)
+class NodeCost:
+    """What one node of the model graph costs. Bytes are of new storages the node allocates."""
+
+    out_bytes: Affine          # the node's outputs
+    saved_bytes: Affine        # new tensors autograd keeps for backward (may include the output)
+    saves_output: bool         # the output itself is kept for backward
+    saved_inputs: tuple        # positions in node.all_input_nodes whose values backward keeps
+    fwd_extra: Affine          # transient bytes above what survives the node, during forward
+    bwd_peak: Affine           # bytes the node's backward allocates at its peak (grads + temporaries)
+    fwd_flops: Affine
+    bwd_flops: Affine
+    alias_of: int | None = None  # position in node.all_input_nodes whose storage the output shares (a view)
+    mutates: tuple = ()        # buffers the node writes in place (BatchNorm running stats)
+    random: bool = False       # draws random numbers (dropout): recompute must replay the RNG
+
+
+_RANDOM_OPS = ("dropout", "bernoulli", "rand", "normal", "multinomial")
+
+
+def state_names(gm: torch.fx.GraphModule) -> dict[int, str]:
+    """id(tensor) -> canonical name, for every parameter and buffer (a tied tensor gets its first name)."""
+    names: dict[int, str] = {}
+    for name, t in list(gm.named_parameters()) + list(gm.named_buffers()):
+        names.setdefault(id(t), name)
+    return names
+
+
+def _node_state(gm, node, names) -> tuple:
+    if node.op == "get_attr":
+        t = _getattr(gm, node.target)
+        return (names[id(t)],) if isinstance(t, torch.Tensor) and id(t) in names else ()
+    if node.op == "call_module":
+        mod = gm.get_submodule(node.target)
+        ts = list(mod.parameters()) + list(mod.buffers())
+        return tuple(dict.fromkeys(names[id(t)] for t in ts))
+    return ()
+
+
+def _getattr(obj, target: str):
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+class _Writes(TorchDispatchMode):
+    """Records the storages every op writes in place, from the op schemas (``Tensor(a!)`` arguments)."""
+
+    def __init__(self):
+        super().__init__()
+        self.written: set[int] = set()
+
+    # ops that update running statistics without saying so in their schema: (training flag, written args)
+    UNANNOTATED = {"aten::native_batch_norm": (5, (3, 4)), "aten::cudnn_batch_norm": (5, (3, 4)),
+                   "aten::miopen_batch_norm": (5, (3, 4))}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        values = list(args) + [kwargs.get(a.name) for a in func._schema.arguments[len(args):]]
+        for arg, value in zip(func._schema.arguments, values):
+            if arg.alias_info is not None and arg.alias_info.is_write:
+                self.written.update(id(t.untyped_storage()) for t in _tensors(value))
+        if func._schema.name in self.UNANNOTATED:
+            flag, written = self.UNANNOTATED[func._schema.name]
+            if values[flag]:
+                self.written.update(id(t.untyped_storage()) for i in written for t in _tensors(values[i]))
+        return func(*args, **kwargs)
+
+
+class _Measure(torch.fx.Interpreter):
+    """Runs the graph on fake tensors and records, per node, bytes, FLOPs and saved tensors."""
+
+    def __init__(self, gm, state_ids):
+        super().__init__(gm, garbage_collect_values=False)
+        self.state_ids = state_ids  # storage ids of fake parameters and buffers
+        self.records = {}
+        self.vals = {}   # node -> its fake output value, at this microbatch size
+
+    def run_node(self, n):
+        if n.op in ("placeholder", "output", "get_attr"):
+            self.vals[n] = super().run_node(n)
+            return self.vals[n]
+        inputs = [self.env[a] for a in n.all_input_nodes]
+        in_storages = {id(s.untyped_storage()) for s in _tensors(inputs)}
+        saved = {}
+
+        def pack(t):
+            saved.setdefault(id(t.untyped_storage()), t)
+            return t
+
+        meter = MemoryMeter("analysis")
+        writes = _Writes()
+        # detached inputs keep the node's autograd graph local, so its backward is measured alone
+        args, kwargs = self.fetch_args_kwargs_from_env(n)
+        args, kwargs = tree_map_only(torch.Tensor, _leaf, (args, kwargs))
+        inputs = [_leaf(t) if isinstance(t, torch.Tensor) else t for t in inputs]
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            with FlopCounterMode(display=False) as fc, CountAllocations(meter), writes:
+                out = getattr(self, n.op)(n.target, args, kwargs)
+        fwd_flops = fc.get_total_flops()
+        outs = list(_tensors(out))
+        out_ids = {id(t.untyped_storage()) for t in outs}
+        out_bytes = sum({id(t.untyped_storage()): t.untyped_storage().nbytes() for t in outs
+                         if id(t.untyped_storage()) not in in_storages}.values())
+        saved_new = {k: t for k, t in saved.items() if k not in in_storages and k not in self.state_ids}
+        saved_bytes = sum(t.untyped_storage().nbytes() for t in saved_new.values())
+        alias_of = next((i for i, a in enumerate(inputs) for t in _tensors(a)
+                         if id(t.untyped_storage()) in out_ids), None)
+        saved_inputs = tuple(i for i, a in enumerate(inputs)
+                             if any(id(t.untyped_storage()) in saved for t in _tensors(a)))
+        survivors = meter.live
+        fwd_extra = max(0, meter.peak - survivors)
+        own = list(self.module.get_submodule(n.target).parameters()) if n.op == "call_module" else []
+        bwd_peak, bwd_flops = self._backward(inputs, outs, own)
+        mutated = tuple(name for name, t in self.state_bufs if id(t.untyped_storage()) in writes.written)
+        random = any(r in str(getattr(n.target, "__name__", n.target)).lower() for r in _RANDOM_OPS)
+        if n.op == "call_module":
+            mod = self.module.get_submodule(n.target)
+            random = random or any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in mod.modules())
+        self.records[n] = dict(out_bytes=out_bytes, saved_bytes=saved_bytes,
+                               saves_output=bool(out_ids & saved_new.keys()),
+                               saved_inputs=saved_inputs, alias_of=alias_of, fwd_extra=fwd_extra, bwd_peak=bwd_peak,
+                               fwd_flops=fwd_flops, bwd_flops=bwd_flops, mutates=mutated, random=random)
+        self.vals[n] = out
+        return out
+
+    def _backward(self, inputs, outs, own_params):
+        outs = [t for t in outs if t.requires_grad and t.grad_fn is not None]
+        wrt = [t for t in _tensors(inputs) if t.requires_grad]
+        wrt += [p for p in own_params if p.requires_grad and not any(p is w for w in wrt)]
+        if not outs or not wrt:
+            return 0, 0
+        meter = MemoryMeter("analysis-bwd")
+        with FlopCounterMode(display=False) as fc, CountAllocations(meter):
+            grads = [torch.ones_like(t) for t in outs]
+            torch.autograd.grad(outs, wrt, grads, retain_graph=True, allow_unused=True)
+        return meter.peak, fc.get_total_flops()
+
+
+def _leaf(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().requires_grad_(t.requires_grad) if t.is_floating_point() else t
+
+
+def _tensors(tree):
+    return (t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor))
+
+
+def _resize(t: torch.Tensor, batch: int, mode: FakeTensorMode) -> torch.Tensor:
+    shape = (batch,) + tuple(t.shape[1:]) if t.dim() else ()
+    with mode:
+        out = torch.empty(shape, dtype=t.dtype)
+    return out
+
+
+def _measure_at(gm, batch, b):
+    mode = FakeTensorMode(allow_non_fake_inputs=True)   # constants the tracer lifted (GPT-2 masks) are real
+    fake_state = {}
+    for name, t in list(gm.named_parameters(remove_duplicate=False)) + list(gm.named_buffers(remove_duplicate=False)):
+        fake_state[name] = mode.from_tensor(t)
+        if isinstance(t, torch.nn.Parameter):
+            fake_state[name].requires_grad_(t.requires_grad)
+    # tied tensors must stay one tensor under the fake mode too
+    by_id = {}
+    for name, t in list(gm.named_parameters(remove_duplicate=False)) + list(gm.named_buffers(remove_duplicate=False)):
+        by_id.setdefault(id(t), fake_state[name])
+        fake_state[name] = by_id[id(t)]
+    inputs = [_resize(t, b, mode) for t in batch]
+    interp = _Measure(gm, {id(t.untyped_storage()) for t in fake_state.values()})
+    bufs = dict(gm.named_buffers())
+    interp.state_bufs = [(n, by_id[id(t)]) for n, t in bufs.items()]
+    with mode, _reparametrize_module(gm, fake_state, tie_weights=True):
+        try:
+            interp.run(*inputs)
+        except Exception as e:  # noqa: BLE001 - a shape mismatch surfaces here first
+            raise InputError(f"the example batch does not fit the model at microbatch size {b}: "
+                             f"{type(e).__name__}: {e}. Check that every batch tensor has the batch "
+                             f"in dimension 0 and the shapes the model expects.") from e
+    return interp.records, FakeRun(mode, interp.vals, by_id)
+
+
+@dataclass
+class FakeRun:
+    """The fake values of one analysis run, kept so packs can be measured at the same microbatch size."""
+
+    mode: FakeTensorMode
+    vals: dict            # node -> fake value
+    state: dict           # id(real parameter or buffer) -> its fake twin
+
+
+def annotate(gm: torch.fx.GraphModule, batch: tuple, microbatch: int) -> FakeRun:
+    """Write a ``NodeCost`` (key ``harmony.cost``) and the state it reads (``harmony.state``) on every node.
+
+    Measures at microbatch sizes ``microbatch`` and ``2 * microbatch``; returns the fake run
+    at ``microbatch`` (``measure_pack`` reuses it).
+    """
+    names = state_names(gm)
+    b1, b2 = microbatch, 2 * microbatch
+    r1, run = _measure_at(gm, batch, b1)
+    r2, _ = _measure_at(gm, batch, b2)
+    for node in gm.graph.nodes:
+        node.meta[STATE] = _node_state(gm, node, names)
+        if node not in r1:
+            continue
+        a, b = r1[node], r2[node]
+
+        def fit(k):
+            return Affine.fit(b1, a[k], b2, b[k])
+
+        node.meta[COST] = NodeCost(
+            out_bytes=fit("out_bytes"), saved_bytes=fit("saved_bytes"), saves_output=a["saves_output"],
+            saved_inputs=a["saved_inputs"], alias_of=a["alias_of"], fwd_extra=fit("fwd_extra"), bwd_peak=fit("bwd_peak"),
+            fwd_flops=fit("fwd_flops"), bwd_flops=fit("bwd_flops"), mutates=a["mutates"], random=a["random"])
+    return run
+
+
+def _fake_state_of(module, run):
+    out = {}
+    for name, t in list(module.named_parameters(remove_duplicate=False)) + list(module.named_buffers(remove_duplicate=False)):
+        if id(t) in run.state:   # constants the tracer lifted stay real (the fake mode accepts them)
+            out[name] = run.state[id(t)]
+    return out
+
+
+def measure_pack(module: torch.fx.GraphModule, inputs: list, grad_inputs: list[bool], run: FakeRun,
+                 loss_output: bool) -> dict:
+    """Bytes a pack allocates at its peak, run exactly as the runtime runs it, on fake tensors.
+
+    Every figure counts the bytes newly allocated during the op, results included:
+    fwd_peak (no grad), fwd_keep_peak and saved_bytes (graph kept), out_bytes, and the
+    backward of a kept forward (bwd_peak) and recompute + backward (bwd_recompute_peak),
+    each when the parameters have no gradient yet and, suffixed ``_accum``, when they
+    have one to accumulate into.
+    """
+    out = {}
+    with run.mode, _reparametrize_module(module, _fake_state_of(module, run), tie_weights=True):
+        leaves = [(_leaf(x).requires_grad_(g and x.is_floating_point()) if isinstance(x, torch.Tensor) else x)
+                  for x, g in zip(inputs, grad_inputs)]
+
+        def measured(fn):
+            meter = MemoryMeter("pack")
+            with CountAllocations(meter):
+                result = fn()
+            return result, meter
+
+        outs, meter = measured(lambda: _no_grad(module, leaves))
+        out["fwd_peak"] = meter.peak
+        out["out_bytes"] = sum(t.untyped_storage().nbytes() for t in _tensors(outs))
+        del outs
+        for suffix in ("", "_accum"):       # the second round finds the gradients of the first
+            outs, meter = measured(lambda: _with_grad(module, leaves))
+            out["fwd_keep_peak" + suffix] = meter.peak
+            out["saved_bytes" + suffix] = meter.live - out["out_bytes"]
+            seeds = _seeds(outs, loss_output)
+            _, meter = measured(lambda: _run_backward(*seeds))
+            out["bwd_peak" + suffix] = meter.peak
+            del outs, seeds
+        _clear_grads(module)
+        for suffix in ("", "_accum"):
+            _, meter = measured(lambda: _run_backward(*_seeds(_with_grad(module, leaves), loss_output)))
+            out["bwd_recompute_peak" + suffix] = meter.peak
+        _clear_grads(module)
+    return out
+
+
+def _no_grad(module, leaves):
+    with torch.no_grad():
+        return module(*leaves)
+
+
+def _with_grad(module, leaves):
+    with torch.enable_grad():
+        return module(*leaves)
+
+
+def _seeds(outs, loss_output):
+    outs = [t for t in _tensors(outs) if t.requires_grad]
+    if loss_output:
+        return [outs[0] / 2], [None]
+    return outs, [torch.ones_like(t) for t in outs]
+
+
+def _run_backward(tensors, grads):
+    if tensors:
+        torch.autograd.backward(tensors, grads)
+
+
+def _clear_grads(module):
+    for p in module.parameters():
+        p.grad = None
+
+
+def optimizer_profile(optimizer: type, kwargs: dict) -> dict:
+    """Optimizer-state bytes per parameter byte, and the step's transient bytes, measured on real tensors.
+
+    Steps over one, two and three equal tensors tell a for-loop implementation (temporaries
+    of the largest tensor, plus one left over from the tensor before) from a foreach or
+    fused one (temporaries of every tensor at once).
+    """
+    n = 3000
+
+    def measure(count):
+        ps = [torch.nn.Parameter(torch.zeros(n)) for _ in range(count)]
+        opt = optimizer(ps, **kwargs)
+        for p in ps:
+            p.grad = torch.zeros_like(p)
+        opt.step()                      # creates the state
+        state = sum(v.untyped_storage().nbytes() for st in opt.state.values() for v in st.values()
+                    if isinstance(v, torch.Tensor))
+        meter = MemoryMeter("optimizer")
+        with CountAllocations(meter):
+            opt.step()
+        return state, meter.peak / (4 * n)
+
+    state, one = measure(1)
+    _, two = measure(2)
+    _, three = measure(3)
+    follows = "sum" if three - two > 0.5 * max(two - one, 1e-9) and three - two > 0.5 else "largest"
+    return {"state_per_byte": state / (4 * n), "extra_first": one, "extra_second": two - one,
+            "extra_follows": follows}
+
+
+def step_extra(profile: dict, sizes: list[int]) -> int:
+    """Transient bytes of one optimizer step over tensors of ``sizes`` bytes (see optimizer_profile)."""
+    if not sizes:
+        return 0
+    if profile["extra_follows"] == "sum":
+        return int(profile["extra_first"] * sum(sizes))
+    top = sorted(sizes, reverse=True) + [0]
+    return int(profile["extra_first"] * top[0] + profile["extra_second"] * top[1])

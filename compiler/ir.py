@@ -1,0 +1,66 @@
+"""The program a pass receives and returns: the model graph, its packs, the schedule graph, reports."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from harmony.runtime.plan import Plan
+
+
+@dataclass
+class CompileConfig:
+    memory_budget: int                 # bytes per device
+    microbatches: int
+    batch_size: int
+    policy: str = "harmony"            # harmony | sequential | ondemand
+    optimizer: type = torch.optim.AdamW
+    optimizer_kwargs: dict = field(default_factory=dict)
+    copy_bandwidth: float = 8e9        # bytes/s host<->device, for the planner's time model
+    flops: float = 60e9                # FLOP/s of the device, for the planner's time model
+    headroom: float = 0.05             # share of the budget the planner leaves for its prediction error
+
+    @property
+    def usable_budget(self) -> int:
+        """The bytes the planner may fill: the budget less the headroom for prediction error."""
+        return int(self.memory_budget * (1 - self.headroom))
+
+    @property
+    def microbatch_size(self) -> int:
+        return self.batch_size // self.microbatches
+
+
+@dataclass
+class PassReport:
+    """What one pass did, in numbers: ``rows`` is a table (list of dicts), ``totals`` a dict."""
+
+    title: str
+    rows: list[dict] = field(default_factory=list)
+    totals: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+@dataclass
+class PassResult:
+    program: "Program"
+    report: PassReport
+
+
+@dataclass
+class Program:
+    model: torch.nn.Module
+    gm: torch.fx.GraphModule           # the model graph (trace), annotated by cost
+    example_batch: tuple
+    config: CompileConfig
+    fake: Any = None                   # FakeRun of the cost analysis (fake values at the microbatch size)
+    fake_batch_bytes: dict = field(default_factory=dict)  # one microbatch of each model input
+    optim_profile: dict = field(default_factory=dict)   # bytes of optimizer state per parameter byte, ...
+    units: list[list[torch.fx.Node]] = field(default_factory=list)  # narrowest-cut layers, in order
+    plan: Plan | None = None           # packs (partition), residency (swap)
+    schedule: torch.fx.Graph | None = None
+    capabilities: set[str] = field(default_factory=set)
+    reports: list[PassReport] = field(default_factory=list)
+    history: list[tuple[str, str]] = field(default_factory=list)  # (pass name, schedule code after it)
+    predicted_peak: int = 0

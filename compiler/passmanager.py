@@ -1,0 +1,65 @@
+"""The pass manager: checks requires/provides, runs each pass, then lints, verifies, times and snapshots."""
+from __future__ import annotations
+
+import importlib
+import time
+
+from harmony.compiler.ir import PassReport, Program
+from harmony.compiler.verify import verify
+from harmony.errors import ConfigError, HarmonyError, PassError
+
+DEFAULT_PIPELINE = ("partition", "schedule", "swap", "prefetch")
+BASE_CAPABILITIES = {"cost"}
+
+
+def load(name: str):
+    try:
+        return importlib.import_module(f"harmony.passes.{name}")
+    except ModuleNotFoundError as e:
+        if e.name != f"harmony.passes.{name}":
+            raise
+        raise ConfigError(f"unknown pass {name!r}; the passes are {', '.join(DEFAULT_PIPELINE)}") from None
+
+
+def check_order(passes) -> None:
+    have = set(BASE_CAPABILITIES)
+    for i, p in enumerate(passes):
+        missing = set(p.REQUIRES) - have
+        if missing:
+            before = [q.NAME for q in passes[:i]] or ["nothing"]
+            raise ConfigError(f"pass {p.NAME!r} requires {sorted(missing)}, which no pass before it provides "
+                              f"(passes before it: {', '.join(before)}); put a pass that provides it first")
+        have |= set(p.PROVIDES)
+
+
+def schedule_code(program: Program) -> str:
+    if program.schedule is None:
+        return ""
+    return program.schedule.python_code("self").src
+
+
+def run_passes(program: Program, names=DEFAULT_PIPELINE) -> Program:
+    passes = [load(n) for n in names]
+    check_order(passes)
+    done: list[str] = []
+    for p in passes:
+        start = time.perf_counter()
+        try:
+            result = p.run(program, None)
+            program = result.program
+            if program.schedule is not None:
+                program.schedule.lint()
+            if "residency" in program.capabilities | set(p.PROVIDES):
+                verify(program)
+        except HarmonyError as e:
+            e.add_note(f"while running pass {p.NAME!r} after passes {done or '[]'}")
+            raise
+        except Exception as e:  # noqa: BLE001 - any other failure is a compiler bug: name where it happened
+            raise PassError(f"pass {p.NAME!r} failed after passes {done or '[]'}: {type(e).__name__}: {e}") from e
+        report: PassReport = result.report
+        report.seconds = time.perf_counter() - start
+        program.reports.append(report)
+        program.capabilities |= set(p.PROVIDES)
+        program.history.append((p.NAME, schedule_code(program)))
+        done.append(p.NAME)
+    return program

@@ -1,0 +1,100 @@
+"""verify: replay a schedule's effects to check residency and predict each device's peak memory.
+
+Runs every op's ``effect`` from the op table in schedule order, freeing each value
+after its last use exactly as the executor does, so the predicted curve has the
+runtime's shape; the op's transient bytes come from the pack measurements of the
+cost model.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch.fx
+
+from harmony.errors import BudgetError
+from harmony.runtime.executor import last_uses
+from harmony.runtime.ops import MemoryModel, Predicted, op_of, state_names
+
+NEEDS = {"forward": ("params",), "backward": ("params", "grads"), "step": ("params", "grads", "optim")}
+
+
+@dataclass
+class MemoryCurve:
+    nodes: list                     # call_function nodes in order
+    before: list                    # device bytes live before each node
+    peak_at: list                   # device bytes at the peak of each node
+    moved: dict = field(default_factory=dict)
+    missing: list = field(default_factory=list)   # (node, kind, name) used while not resident
+
+    @property
+    def peak(self) -> int:
+        return max(self.peak_at, default=0)
+
+    def argmax(self) -> int:
+        return max(range(len(self.peak_at)), key=self.peak_at.__getitem__)
+
+
+def state_sizes(program) -> dict:
+    gm, prof = program.gm, program.optim_profile
+    sizes = {}
+    for n, t in list(gm.named_parameters()) + list(gm.named_buffers()):
+        b = t.numel() * t.element_size()
+        sizes[("params", n)] = b
+        if isinstance(t, torch.nn.Parameter) and t.requires_grad:
+            sizes[("grads", n)] = b
+            sizes[("optim", n)] = int(prof.get("state_per_byte", 0) * b)
+    return sizes
+
+
+def memory_curve(program, graph: torch.fx.Graph | None = None, check_residency: bool = True) -> MemoryCurve:
+    graph = graph if graph is not None else program.schedule
+    plan = program.plan
+    model = MemoryModel(plan, state_sizes(program))
+    for pack, what in sorted(plan.resident):
+        model.hold(what, state_names(plan.packs[pack], what))
+    model.moved = {"h2d": 0, "d2h": 0}
+    free_after = last_uses(graph)
+    env: dict = {}
+    curve = MemoryCurve([], [], [])
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        op = op_of(node)
+        name = node.target.__name__
+        if check_residency and name in NEEDS:
+            spec = plan.packs[node.args[0]]
+            for kind in NEEDS[name]:
+                for s in (state_names(spec, kind)):
+                    if not model.resident(kind, s):
+                        curve.missing.append((node, kind, s))
+        args = torch.fx.node.map_arg(node.args, env.__getitem__)
+        kwargs = torch.fx.node.map_arg(node.kwargs, env.__getitem__)
+        before = model.live
+        value, transient = op.effect(model, *args, **kwargs)
+        env[node] = value
+        curve.nodes.append(node)
+        curve.before.append(before)
+        out = value.bytes if isinstance(value, Predicted) and value.on_device else 0
+        curve.peak_at.append(max(before + transient, model.live + out))
+        model.live += out
+        for dead in free_after[node]:
+            v = env.pop(dead, None)
+            if isinstance(v, Predicted) and v.on_device:
+                model.live -= v.bytes
+    curve.moved = dict(model.moved)
+    return curve
+
+
+def verify(program) -> MemoryCurve:
+    """Raise if state is used where it is not resident, or the predicted peak exceeds the budget."""
+    curve = memory_curve(program, check_residency=program.config.policy != "ondemand")
+    if curve.missing:
+        node, kind, s = curve.missing[0]
+        raise AssertionError(f"{node.format_node()} uses {kind} of {s!r}, which is not on the device there")
+    budget = program.config.memory_budget
+    if program.config.policy != "ondemand" and curve.peak > budget:
+        at = curve.nodes[curve.argmax()]
+        raise BudgetError(f"predicted peak {curve.peak / 2**20:.1f} MiB at {at.name} exceeds the budget of "
+                          f"{budget / 2**20:.1f} MiB", min_budget=curve.peak)
+    program.predicted_peak = curve.peak
+    return curve

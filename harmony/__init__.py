@@ -1,0 +1,18 @@
+"""Harmony: train models bigger than your hardware comfortably holds.
+
+>>> sm = harmony.compile(model, example_batch=(x, y), memory_budget="512MiB", microbatches=8)
+>>> loss = sm(x, y)
+>>> print(sm.report())
+"""
+from harmony import errors
+from harmony.api import ScheduledModule, compile
+
+__all__ = ["compile", "ScheduledModule", "errors"]
+__version__ = "0.1.0"
+
+
+def __getattr__(name):
+    if name == "viz":   # drawings and reports load on first use
+        import harmony.viz as viz
+        return viz
+    raise AttributeError(f"module 'harmony' has no attribute {name!r}")

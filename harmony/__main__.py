@@ -1,0 +1,75 @@
+"""``python -m harmony demo``: compile and train the built-in GPT under a memory budget smaller than its training state."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import harmony
+from harmony.models import GPT, GPTConfig, copy_task
+from harmony.units import fmt_bytes
+
+
+def demo(args) -> int:
+    torch.manual_seed(args.seed)
+    c = GPTConfig(vocab=args.vocab, seq=args.seq, layers=args.layers, width=args.width, heads=args.heads)
+    model = GPT(c)
+    n = sum(p.numel() for p in model.parameters())
+    state = 16 * n   # fp32 parameter, gradient and two Adam moments
+    budget = int(state * args.budget)
+    print(f"model: GPT, {args.layers} layers, width {args.width}, {n / 1e6:.2f}M parameters; "
+          f"training state {fmt_bytes(state)} (16 B/param with AdamW)")
+    print(f"device budget: {fmt_bytes(budget)} = {args.budget:.0%} of the training state; "
+          f"batch {args.batch} in {args.microbatches} microbatches; policy {args.policy}")
+    data = copy_task(c, args.batch, args.steps, seed=args.seed)
+    x, y = next(copy_task(c, args.batch, 1, seed=args.seed))
+    t0 = time.perf_counter()
+    sm = harmony.compile(model, example_batch=(x, y), optimizer=torch.optim.AdamW,
+                         optimizer_kwargs={"lr": args.lr}, memory_budget=budget,
+                         microbatches=args.microbatches, policy=args.policy)
+    print(f"compiled in {time.perf_counter() - t0:.1f} s: {len(sm.plan.packs)} packs")
+    from tqdm import tqdm
+    bar = tqdm(data, total=args.steps, desc="training", unit="step", file=sys.stdout, mininterval=0.5)
+    first = last = None
+    for x, y in bar:
+        loss = sm(x, y).item()
+        first = loss if first is None else first
+        last = loss
+        bar.set_postfix(loss=f"{loss:.3f}", peak=fmt_bytes(sm.stats["measured_peak"]))
+    bar.close()
+    print(f"loss {first:.3f} -> {last:.3f} over {args.steps} steps\n")
+    print(sm.report())
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    files = harmony.viz.draw(sm, "plan", out_dir=out)
+    print("drawings: " + ", ".join(str(f) for f in files))
+    sm.close()
+    return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m harmony", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+    d = sub.add_parser("demo", help="train the built-in GPT under a memory budget (the main job)")
+    d.add_argument("--layers", type=int, default=6)
+    d.add_argument("--width", type=int, default=256)
+    d.add_argument("--heads", type=int, default=4)
+    d.add_argument("--seq", type=int, default=64)
+    d.add_argument("--vocab", type=int, default=128)
+    d.add_argument("--batch", type=int, default=16)
+    d.add_argument("--microbatches", type=int, default=4)
+    d.add_argument("--steps", type=int, default=60)
+    d.add_argument("--budget", type=float, default=0.4, help="device budget as a share of the training state")
+    d.add_argument("--policy", default="harmony", choices=["harmony", "sequential", "ondemand"])
+    d.add_argument("--lr", type=float, default=1e-3)
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--out", default="harmony-demo", help="where the drawings go")
+    args = p.parse_args(argv)
+    return demo(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

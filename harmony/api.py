@@ -1,0 +1,143 @@
+"""``harmony.compile``: an ordinary ``nn.Module`` in, a ``ScheduledModule`` that trains it under a budget out."""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from harmony.compiler import cost
+from harmony.compiler.ir import CompileConfig, Program
+from harmony.compiler.passmanager import DEFAULT_PIPELINE, run_passes, schedule_code
+from harmony.compiler.trace import trace
+from harmony.compiler.verify import memory_curve
+from harmony.errors import ConfigError, InputError
+from harmony.runtime.executor import Runtime
+from harmony.runtime.ondemand import OnDemand
+from harmony.units import parse_bytes
+
+POLICIES = ("harmony", "sequential", "ondemand")
+
+
+def compile(model: torch.nn.Module, example_batch, *, optimizer=torch.optim.AdamW, optimizer_kwargs=None,
+            memory_budget="1GiB", microbatches: int = 1, policy: str = "harmony", loss_fn=None,
+            leaf_modules=(), passes=DEFAULT_PIPELINE, device="cpu") -> "ScheduledModule":
+    """Plan and build a training step for ``model`` that fits ``memory_budget`` per device.
+
+    >>> sm = harmony.compile(model, example_batch=(x, y), memory_budget="512MiB", microbatches=8)
+    >>> loss = sm(x, y)          # forward, backward and optimizer update of one whole batch
+    """
+    t0 = time.perf_counter()
+    if policy not in POLICIES:
+        raise ConfigError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
+    names, batch = _batch_items(example_batch)
+    sizes = {t.shape[0] for t in batch if isinstance(t, torch.Tensor) and t.dim() > 0}
+    if not batch or len(sizes) != 1:
+        raise InputError(f"example_batch must hold tensors whose dimension 0 is the batch and agrees; "
+                         f"got batch sizes {sorted(sizes)}")
+    batch_size = sizes.pop()
+    if not isinstance(microbatches, int) or microbatches < 1 or batch_size % microbatches:
+        raise ConfigError(f"microbatches={microbatches!r} must be a positive divisor of the batch size "
+                          f"{batch_size}; divisors: {[d for d in range(1, batch_size + 1) if batch_size % d == 0]}")
+    if not (isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer)):
+        raise ConfigError(f"optimizer must be a torch.optim.Optimizer class, got {optimizer!r}")
+    config = CompileConfig(memory_budget=parse_bytes(memory_budget), microbatches=microbatches,
+                           batch_size=batch_size, policy=policy, optimizer=optimizer,
+                           optimizer_kwargs=dict(optimizer_kwargs or {}))
+    example = dict(zip(names, batch)) if names else tuple(batch)
+    gm = trace(model, example, loss_fn=loss_fn, leaf_modules=leaf_modules)
+    t_trace = time.perf_counter()
+    program = Program(model=model, gm=gm, example_batch=tuple(batch), config=config)
+    program.fake = cost.annotate(gm, tuple(batch), config.microbatch_size)
+    program.optim_profile = cost.optimizer_profile(optimizer, config.optimizer_kwargs)
+    t_cost = time.perf_counter()
+    program = run_passes(program, passes)
+    sm = ScheduledModule(program, device)
+    sm.compile_seconds = dict(trace=t_trace - t0, cost=t_cost - t_trace, passes=time.perf_counter() - t_cost,
+                              total=time.perf_counter() - t0)
+    return sm
+
+
+def _batch_items(batch):
+    if isinstance(batch, dict):
+        return list(batch), list(batch.values())
+    if isinstance(batch, torch.Tensor):
+        return None, [batch]
+    if isinstance(batch, (tuple, list)):
+        return None, list(batch)
+    raise InputError(f"example_batch must be a tuple of tensors or a dict of them, got {type(batch).__name__}")
+
+
+class ScheduledModule(torch.nn.Module):
+    """A compiled training step: ``sm(*batch)`` runs forward, backward and the optimizer update.
+
+    ``.code`` is the schedule as Python, ``.report()`` what every pass did, ``.history``
+    the schedule after each pass, ``.stats`` the last step's measured memory and traffic.
+    """
+
+    def __init__(self, program: Program, device="cpu"):
+        super().__init__()
+        self.program = program
+        self.model = program.model
+        plan = program.plan
+        gm = program.gm
+        tensors = dict(gm.named_parameters())
+        tensors.update(dict(gm.named_buffers()))
+        optimizers = {}
+        cfg = program.config
+        for spec in plan.packs:
+            owned = [tensors[n] for n in spec.owned]
+            if owned:
+                opt = cfg.optimizer(owned, **cfg.optimizer_kwargs)
+                for n in spec.owned:
+                    optimizers[n] = opt
+        self.optimizers = list(dict.fromkeys(optimizers.values()))
+        self.runtime = Runtime(plan, program.schedule, tensors, optimizers, cfg.memory_budget, device,
+                               on_demand=OnDemand if cfg.policy == "ondemand" else None)
+        self.stats: dict = {}
+        self.steps = 0
+        self.predicted = memory_curve(program, check_residency=False)
+
+    @property
+    def code(self) -> str:
+        return schedule_code(self.program)
+
+    @property
+    def graph(self):
+        return self.program.schedule
+
+    @property
+    def history(self):
+        return self.program.history
+
+    @property
+    def plan(self):
+        return self.program.plan
+
+    def forward(self, *batch, **named):
+        plan = self.program.plan
+        if named and not batch:
+            batch = tuple(named[n] for n in plan.input_names if n in named)
+        if len(batch) != len(plan.input_names):
+            raise InputError(f"expected {len(plan.input_names)} batch tensors ({', '.join(plan.input_names)}), "
+                             f"got {len(batch)}")
+        for name, x, ex in zip(plan.input_names, batch, self.program.example_batch):
+            if not isinstance(x, torch.Tensor) or x.shape != ex.shape or x.dtype != ex.dtype:
+                got = f"{tuple(x.shape)} {x.dtype}" if isinstance(x, torch.Tensor) else type(x).__name__
+                raise InputError(f"batch tensor {name!r}: expected shape {tuple(ex.shape)} {ex.dtype} as in "
+                                 f"example_batch, got {got}; compile again for other shapes")
+        t0 = time.perf_counter()
+        loss = self.runtime.run(dict(zip(plan.input_names, batch)))
+        rt = self.runtime
+        self.steps += 1
+        self.stats = dict(step_seconds=time.perf_counter() - t0, measured_peak=rt.meter.peak,
+                          predicted_peak=self.predicted.peak, budget=rt.meter.budget,
+                          h2d_bytes=rt.state.moved["h2d"], d2h_bytes=rt.state.moved["d2h"],
+                          predicted_h2d=self.predicted.moved["h2d"], predicted_d2h=self.predicted.moved["d2h"])
+        return loss
+
+    def report(self, fmt: str = "text") -> str:
+        from harmony.viz.report import render
+        return render(self, fmt)
+
+    def close(self):
+        self.runtime.close()

@@ -1,0 +1,362 @@
+"""partition: cut the model graph into contiguous layer packs, chosen by an exact dynamic program.
+
+Cut points are the narrowest gaps of the graph (the fewest activation bytes cross
+them: between transformer blocks, and between a block's two residual halves), so
+the unit of choice is a layer. A pack is a contiguous run of layers; its working
+set (parameters, gradients, optimizer state for the step, one microbatch's
+activations and recompute) must fit the device budget. Among the partitions that
+fit, the dynamic program picks the one with the least predicted iteration time:
+compute (forward, backward and, for every pack but the last, recompute) plus the
+time of swap traffic that compute cannot hide.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.fx
+
+from harmony.compiler.cost import measure_pack, step_extra
+from harmony.compiler.ir import PassReport, PassResult, Program
+from harmony.compiler.meta import COST, MODULE_PATH, PACK, STATE
+from harmony.errors import BudgetError
+from harmony.runtime.plan import PackSpec, Plan
+from harmony.units import fmt_bytes
+
+NAME = "partition"
+REQUIRES = {"cost"}
+PROVIDES = {"packs"}
+
+COMPUTE_OPS = ("call_function", "call_method", "call_module")
+
+
+@dataclass
+class Unit:
+    nodes: list
+    params: frozenset        # trainable state names
+    buffers: frozenset
+    fwd_flops: float
+    bwd_flops: float
+    kept: float              # activation bytes kept for backward, one microbatch
+    peak: float              # transient bytes of its forward, one microbatch
+    bwd: float               # transient bytes of its backward, one microbatch
+    cross_in: float          # activation bytes entering it
+
+
+def compute_nodes(gm) -> list:
+    return [n for n in gm.graph.nodes if n.op in COMPUTE_OPS]
+
+
+def storage_root(node):
+    """The node whose output owns the storage this node's output lives in (itself unless a view)."""
+    while node.op in COMPUTE_OPS and node.meta[COST].alias_of is not None:
+        node = node.all_input_nodes[node.meta[COST].alias_of]
+    return node
+
+
+def _crossing(nodes, b) -> tuple[list[float], list[int]]:
+    """Bytes and number of tensors crossing each gap (gap g sits before nodes[g]); a view keeps its base alive."""
+    index = {n: i for i, n in enumerate(nodes)}
+    last_use = {}
+    for i, n in enumerate(nodes):
+        root = storage_root(n)
+        for u in n.users:
+            last_use[root] = max(last_use.get(root, i), index.get(u, len(nodes)))
+    diff = [0.0] * (len(nodes) + 2)
+    count = [0] * (len(nodes) + 2)
+    for i, n in enumerate(nodes):
+        last = last_use.get(n, i)
+        size = n.meta[COST].out_bytes.at(b)
+        if last > i and size > 0:   # live across every gap g with i < g <= last
+            diff[i + 1] += size
+            diff[last + 1] -= size
+            count[i + 1] += 1
+            count[last + 1] -= 1
+    out, num, acc, k = [], [], 0.0, 0
+    for g in range(len(nodes)):
+        acc += diff[g]
+        k += count[g]
+        out.append(acc)
+        num.append(k)
+    return out, num
+
+
+def find_units(program: Program) -> list[Unit]:
+    """Layers: the runs of nodes between the narrowest gaps of the graph.
+
+    A gap is narrow when the fewest tensors cross it (between two layers of an MLP or
+    CNN one activation crosses, inside a block several do), or when the bytes crossing
+    it are within 1.5x of the least (between transformer blocks the hidden state and
+    a mask cross, while the fewest tensors cross where the position ids are made);
+    crossings under a quarter of the median (index tensors) do not set the least.
+    """
+    gm, b = program.gm, program.config.microbatch_size
+    nodes = compute_nodes(gm)
+    cross, count = _crossing(nodes, b)
+    fewest = min((c for c in count[1:] if c > 0), default=0)
+    positive = sorted(c for c in cross[1:] if c > 0)
+    median = positive[len(positive) // 2] if positive else 0.0
+    least = min((c for c in positive if c >= 0.25 * median), default=0.0)   # ignore tiny index tensors
+    cuts = [0] + [g for g in range(1, len(nodes)) if count[g] <= fewest or cross[g] <= 1.5 * least] + [len(nodes)]
+    names = dict(program.gm.named_parameters())
+    units = []
+    for s, e in zip(cuts, cuts[1:]):
+        if e > s:
+            units.append(_summarise(nodes[s:e], cross[s], names, b))
+    return units
+
+
+def _state_of(node):
+    names = set(node.meta.get(STATE, ()))
+    for a in node.all_input_nodes:
+        if a.op == "get_attr":
+            names |= set(a.meta.get(STATE, ()))
+    return names
+
+
+def _summarise(nodes, cross_in, trainable, b) -> Unit:
+    inside = set(nodes)
+    state = set().union(*(_state_of(n) for n in nodes))
+    params = frozenset(s for s in state if s in trainable and trainable[s].requires_grad)
+    kept = live = peak = bwd = 0.0
+    saved_by_user = set()
+    for n in nodes:
+        c = n.meta[COST]
+        kept += c.saved_bytes.at(b)
+        for i in c.saved_inputs:
+            a = n.all_input_nodes[i]
+            if a in inside and a not in saved_by_user and not a.meta[COST].saves_output:
+                saved_by_user.add(a)
+                kept += a.meta[COST].out_bytes.at(b)
+    remaining = {n: sum(1 for u in n.users) for n in nodes}
+    for n in nodes:
+        c = n.meta[COST]
+        live += c.out_bytes.at(b)
+        peak = max(peak, live + c.fwd_extra.at(b))
+        bwd = max(bwd, c.bwd_peak.at(b))
+        for a in n.all_input_nodes:
+            if a in remaining:
+                remaining[a] -= 1
+                if remaining[a] == 0 and a not in saved_by_user:
+                    live -= a.meta[COST].out_bytes.at(b)
+    return Unit(nodes, params, frozenset(state - params),
+                sum(n.meta[COST].fwd_flops.at(b) for n in nodes),
+                sum(n.meta[COST].bwd_flops.at(b) for n in nodes), kept, peak, bwd, cross_in)
+
+
+class _Need:
+    """Working set and time of a candidate pack (units s..e-1), from unit summaries."""
+
+    def __init__(self, program: Program, units: list[Unit]):
+        self.p, self.units = program, units
+        self.sizes = {n: t.numel() * t.element_size() for n, t in
+                      list(program.gm.named_parameters()) + list(program.gm.named_buffers())}
+        self.state_per_byte = program.optim_profile["state_per_byte"]
+
+    def __call__(self, s: int, e: int, last: bool) -> tuple[float, float]:
+        us = self.units[s:e]
+        params = frozenset().union(*(u.params for u in us))
+        bufs = frozenset().union(*(u.buffers for u in us))
+        pbytes = sum(self.sizes[n] for n in params)
+        bbytes = sum(self.sizes[n] for n in bufs)
+        extra = step_extra(self.p.optim_profile, [self.sizes[n] for n in params])
+        kept = sum(u.kept for u in us)
+        boundary = us[0].cross_in + (self.units[e].cross_in if e < len(self.units) else 0)
+        act = max(max(u.peak for u in us) + boundary, kept + max(u.bwd for u in us) + 2 * boundary)
+        need = pbytes + bbytes + pbytes + max(self.state_per_byte * pbytes + extra, act)
+        cfg = self.p.config
+        m = cfg.microbatches
+        flops = sum(u.fwd_flops + u.bwd_flops + (0 if last else u.fwd_flops) for u in us) * m
+        traffic = (pbytes + bbytes) * (1 if last else 2) + pbytes * 2 * self.state_per_byte
+        seconds = max(flops / cfg.flops, traffic / cfg.copy_bandwidth) + 1e-4
+        return need, seconds
+
+
+def plan_packs(program: Program, units: list[Unit], budget: float) -> list[tuple[int, int]] | None:
+    """Exact DP over contiguous partitions: least predicted time, every pack within ``budget``."""
+    need = _Need(program, units)
+    n = len(units)
+    best = [math.inf] * (n + 1)
+    choice = [0] * (n + 1)
+    best[0] = 0.0
+    for e in range(1, n + 1):          # prefix [0, e) made of non-last packs
+        for s in range(e - 1, -1, -1):
+            size, secs = need(s, e, last=False)
+            if size > budget:
+                break                  # a longer pack only needs more
+            if best[s] + secs < best[e]:
+                best[e], choice[e] = best[s] + secs, s
+    final, start = math.inf, None
+    for s in range(n - 1, -1, -1):     # the last pack runs forward and backward without recompute
+        size, secs = need(s, n, last=True)
+        if size > budget:
+            break
+        if best[s] + secs < final:
+            final, start = best[s] + secs, s
+    if start is None:
+        return None
+    cuts, e = [(start, n)], start
+    while e > 0:
+        cuts.append((choice[e], e))
+        e = choice[e]
+    return cuts[::-1]
+
+
+# -- building the packs ----------------------------------------------------------------------------
+def build_packs(program: Program, cuts: list[tuple[int, int]], units: list[Unit]) -> list[PackSpec]:
+    gm = program.gm
+    pack_of = {}
+    for i, (s, e) in enumerate(cuts):
+        for u in units[s:e]:
+            for node in u.nodes:
+                pack_of[node] = i
+                node.meta[PACK] = i
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    loss_node = output.args[0]
+    trainable = {n for n, p in gm.named_parameters() if p.requires_grad}
+    sizes = {n: t.numel() * t.element_size() for n, t in list(gm.named_parameters()) + list(gm.named_buffers())}
+    specs = []
+    users_of = {}
+    for i in range(len(cuts)):
+        nodes = [n for n in gm.graph.nodes if pack_of.get(n) == i]
+        inputs, seen = [], set()
+        for n in nodes:
+            for a in n.all_input_nodes:
+                if a.op != "get_attr" and pack_of.get(a) != i and a not in seen:
+                    seen.add(a)
+                    inputs.append(a)
+        outputs = [n for n in nodes if n is loss_node or any(pack_of.get(u, len(cuts)) > i for u in n.users
+                                                               if u is not output)]
+        state = set().union(*(_state_of(n) for n in nodes))
+        module = _split(gm, nodes, inputs, outputs)
+        specs.append(PackSpec(
+            index=i, name=_pack_name(nodes), module=module,
+            inputs=[a.name for a in inputs],
+            outputs=["loss" if n is loss_node else n.name for n in outputs],
+            params=sorted(s for s in state if s in trainable),
+            buffers=sorted(s for s in state if s not in trainable),
+            owned=[], mutated=sorted({m for n in nodes for m in n.meta[COST].mutates}),
+            random=any(n.meta[COST].random for n in nodes)))
+        users_of[i] = (inputs, nodes)
+    for p in trainable:                # a parameter's gradient is complete after the last backward using it
+        users = [s.index for s in specs if p in s.params]
+        if users:
+            specs[min(users)].owned.append(p)
+    prof = program.optim_profile
+    for spec in specs:
+        inputs, nodes = users_of[spec.index]
+        spec.param_bytes = sum(sizes[n] for n in spec.params)
+        spec.buffer_bytes = sum(sizes[n] for n in spec.buffers)
+        owned = [sizes[n] for n in spec.owned]
+        spec.optim_bytes = int(prof["state_per_byte"] * sum(owned))
+        spec.step_extra = step_extra(prof, owned)
+        spec.fwd_flops = int(sum(n.meta[COST].fwd_flops.at(program.config.microbatch_size) for n in nodes))
+        spec.bwd_flops = int(sum(n.meta[COST].bwd_flops.at(program.config.microbatch_size) for n in nodes))
+        vals = [program.fake.vals[a] for a in inputs]
+        grad_inputs = [a.op != "placeholder" for a in inputs]
+        m = measure_pack(spec.module, vals, grad_inputs, program.fake, loss_output="loss" in spec.outputs)
+        spec.fwd_peak, spec.fwd_keep_peak = m["fwd_peak"], m["fwd_keep_peak"]
+        spec.saved_bytes, spec.out_bytes = m["saved_bytes"], m["out_bytes"]
+        spec.bwd_peak, spec.bwd_recompute_peak = m["bwd_peak"], m["bwd_recompute_peak"]
+        spec.bwd_peak_accum, spec.bwd_recompute_peak_accum = m["bwd_peak_accum"], m["bwd_recompute_peak_accum"]
+        spec.in_bytes = sum(_tensor_bytes(program.fake.vals[a]) for a in inputs if a.op != "placeholder")
+    return specs
+
+
+def _tensor_bytes(v, floating: bool = True) -> int:
+    if not isinstance(v, torch.Tensor) or (floating and not v.is_floating_point()):
+        return 0
+    return v.untyped_storage().nbytes()
+
+
+def _smallest_budget(program: Program, units: list[Unit]) -> int:
+    """The budget at which every layer fits alone, measured, with the planner's headroom added back."""
+    n = len(units)
+    specs = build_packs(program, [(i, i + 1) for i in range(n)], units)
+    need = max(measured_need(program, s, i == n - 1) for i, s in enumerate(specs))
+    return int(need / (1 - program.config.headroom) * 1.05) + 1
+
+
+def _split(gm, nodes, inputs, outputs) -> torch.fx.GraphModule:
+    g = torch.fx.Graph()
+    env = {a: g.placeholder(a.name) for a in inputs}
+    for n in nodes:
+        for a in n.all_input_nodes:
+            if a.op == "get_attr" and a not in env:
+                env[a] = g.node_copy(a)
+        env[n] = g.node_copy(n, lambda x: env[x])
+    g.output(tuple(env[n] for n in outputs))
+    return torch.fx.GraphModule(gm, g)
+
+
+def _pack_name(nodes) -> str:
+    paths = [n.meta.get(MODULE_PATH, "") for n in nodes]
+    paths = [p for p in paths if p] or ["(top level)"]
+    return paths[0] if paths[0] == paths[-1] else f"{paths[0]} .. {paths[-1]}"
+
+
+def measured_need(program: Program, spec: PackSpec, last: bool) -> int:
+    """Device bytes a pack needs alone, from its measured figures: the most of its phases.
+
+    Everything else (other packs, other microbatches' activations) is assumed swapped
+    or stashed out; the swap pass then checks the whole schedule.
+    """
+    state = spec.param_bytes + spec.buffer_bytes
+    grads = spec.param_bytes
+    inputs = spec.in_bytes + sum(program.fake_batch_bytes.get(n, 0) for n in spec.inputs)
+    step = state + grads + spec.optim_bytes + spec.step_extra
+    if last:
+        compute = max(inputs + spec.fwd_keep_peak, inputs + spec.out_bytes + spec.saved_bytes + spec.bwd_peak)
+    else:
+        compute = max(inputs + spec.fwd_peak,
+                      inputs + spec.out_bytes + spec.bwd_recompute_peak + grads)
+    return int(max(state + grads + compute, step))
+
+
+def _choose(program: Program, units: list[Unit], budget: int):
+    """The DP on unit estimates, corrected by measuring the packs it picks until they fit."""
+    target = budget
+    for _ in range(8):
+        cuts = plan_packs(program, units, target)
+        if cuts is None:
+            return None, None
+        specs = build_packs(program, cuts, units)
+        worst = max(measured_need(program, s, i == len(specs) - 1) for i, s in enumerate(specs))
+        if worst <= budget:
+            return cuts, specs
+        target = int(target * budget / worst * 0.97)
+    return None, None
+
+
+def run(program: Program, ctx) -> PassResult:
+    start = time.perf_counter()
+    cfg = program.config
+    units = find_units(program)
+    program.units = [u.nodes for u in units]
+    program.fake_batch_bytes = {ph.name: _tensor_bytes(program.fake.vals[ph], floating=False)
+                                for ph in program.gm.graph.nodes if ph.op == "placeholder"}
+    cuts, specs = _choose(program, units, cfg.usable_budget)
+    if cuts is None:
+        floor = _smallest_budget(program, units)
+        raise BudgetError(
+            f"memory_budget={fmt_bytes(cfg.memory_budget)} is below what one layer needs at microbatch size "
+            f"{cfg.microbatch_size}: the smallest budget that works is {fmt_bytes(floor)} ({floor} bytes). "
+            f"Raise memory_budget, or use more microbatches.", min_budget=floor)
+    batch_bytes = dict(program.fake_batch_bytes)
+    program.plan = Plan(packs=specs, microbatches=cfg.microbatches, microbatch_size=cfg.microbatch_size,
+                        input_names=list(batch_bytes), batch_bytes=batch_bytes, policy=cfg.policy)
+    need = _Need(program, units)
+    rows = [dict(pack=s.index, layers=s.name, units=e - b, params_MiB=s.param_bytes / 2**20,
+                 saved_MiB=s.saved_bytes / 2**20, recompute="no" if i == len(cuts) - 1 else "yes",
+                 need_MiB=measured_need(program, s, i == len(cuts) - 1) / 2**20,
+                 GFLOP=(s.fwd_flops + s.bwd_flops) / 1e9)
+            for i, (s, (b, e)) in enumerate(zip(specs, cuts))]
+    report = PassReport("partition: layer packs", rows, totals=dict(
+        layers=len(units), packs=len(specs), usable_budget_MiB=cfg.usable_budget / 2**20,
+        objective_s=sum(need(b, e, i == len(cuts) - 1)[1] for i, (b, e) in enumerate(cuts)),
+        solve_s=time.perf_counter() - start))
+    report.notes.append(f"cut points: {len(units) - 1} narrowest gaps of the graph; "
+                        f"packs chosen by an exact DP over {len(units)} layers")
+    return PassResult(program, report)

@@ -1,0 +1,98 @@
+"""The executor: one loop over the schedule graph and the op table, with a trace event per op."""
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.fx
+
+from harmony.runtime.memory import CountAllocations, MemoryMeter
+from harmony.runtime.ops import op_of, state_names
+from harmony.runtime.plan import Plan
+from harmony.runtime.state import TieredState
+
+
+@dataclass
+class TraceEvent:
+    """One op as it ran: the same record the simulator produces, so viz/ draws both alike."""
+
+    name: str
+    kind: str          # compute | copy | sync
+    stream: str
+    start: float       # seconds since the step began
+    end: float
+    live_bytes: int    # device bytes after the op
+    peak_bytes: int    # device bytes at the op's peak
+
+
+def last_uses(graph: torch.fx.Graph) -> dict[torch.fx.Node, list[torch.fx.Node]]:
+    """node -> values whose last use is that node (so the loop frees them right after it)."""
+    last: dict[torch.fx.Node, torch.fx.Node] = {}
+    for node in graph.nodes:
+        for inp in node.all_input_nodes:
+            last[inp] = node
+    out: dict[torch.fx.Node, list[torch.fx.Node]] = {n: [] for n in graph.nodes}
+    for value, user in last.items():
+        out[user].append(value)
+    for node in graph.nodes:   # values nobody reads die at once
+        if node not in last:
+            out[node].append(node)
+    return out
+
+
+class Runtime:
+    """Executes a schedule graph on real tensors, one device, enforcing its memory budget."""
+
+    def __init__(self, plan: Plan, graph: torch.fx.Graph, tensors: dict, optimizers: dict,
+                 budget: int | None, device: torch.device | str = "cpu", on_demand=None):
+        self.plan = plan
+        self.graph = graph
+        self.device = torch.device(device)
+        self.meter = MemoryMeter(f"{self.device.type}:logical" if self.device.type == "cpu" else str(self.device),
+                                 budget)
+        self.state = TieredState(tensors, optimizers, self.meter, self.device)
+        self.on_demand = on_demand(self) if on_demand is not None else None
+        self.free_after = last_uses(graph)
+        self.rng: dict = {}
+        self.losses: list[torch.Tensor] = []
+        self.batch: dict[str, torch.Tensor] = {}
+        self.events: list[TraceEvent] = []
+        for pack, what in sorted(plan.resident):
+            self.state.wait(self.state.fetch(what, state_names(plan.packs[pack], what)))
+
+    @contextlib.contextmanager
+    def counting(self):
+        """Count (and on demand, fetch) every tensor the ops inside allocate or touch."""
+        with CountAllocations(self.meter, self.on_demand):
+            yield
+
+    def run(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """One training iteration; returns the mean loss over microbatches."""
+        self.batch, self.losses, self.events = batch, [], []
+        self.state.moved.clear()
+        self.meter.reset_peak()
+        if self.on_demand is not None:
+            self.on_demand.start_step()
+        env: dict[torch.fx.Node, object] = {}
+        t0 = time.perf_counter()
+        for node in self.graph.nodes:
+            if node.op != "call_function":
+                continue
+            op = op_of(node)
+            args = torch.fx.node.map_arg(node.args, env.__getitem__)
+            kwargs = torch.fx.node.map_arg(node.kwargs, env.__getitem__)
+            start = time.perf_counter() - t0
+            peak, self.meter.peak = self.meter.peak, self.meter.live
+            env[node] = op.execute(self, *args, **kwargs)
+            self.events.append(TraceEvent(node.name, op.kind, "compute" if op.kind == "compute" else "copy",
+                                          start, time.perf_counter() - t0, self.meter.live, self.meter.peak))
+            self.meter.peak = max(peak, self.meter.peak)
+            for dead in self.free_after[node]:
+                env.pop(dead, None)
+        self.batch = {}
+        return torch.stack(self.losses).mean()
+
+    def close(self):
+        self.state.close()

@@ -1,0 +1,115 @@
+"""Exact accounting of the bytes that live on a device.
+
+``MemoryMeter`` counts every storage that is allocated while it is active (each
+op output whose storage is new) plus the tensors the runtime registers
+explicitly (copies made by ``swap_in``). A storage is counted once, however many
+views share it, and uncounted the moment it is freed (a ``weakref.finalize`` on
+the storage object, which PyTorch keeps alive exactly as long as the storage).
+It works on real and on fake tensors, so the cost model and the runtime measure
+memory with the same code.
+"""
+from __future__ import annotations
+
+import threading
+import weakref
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from harmony.errors import DeviceOutOfMemory
+
+
+def _storages(tree):
+    for t in tree_flatten(tree)[0]:
+        if isinstance(t, torch.Tensor):
+            yield t.untyped_storage()
+
+
+class MemoryMeter:
+    """Live and peak bytes of one (logical) device, with an optional enforced budget."""
+
+    def __init__(self, name: str = "device", budget: int | None = None):
+        self.name = name
+        self.budget = budget
+        self.live = 0
+        self.peak = 0
+        self._sizes: dict[int, int] = {}
+        self._lock = threading.Lock()
+        self.on_pressure = None  # callable(bytes_needed) -> bytes_freed, for on-demand eviction
+
+    def _release(self, key: int) -> None:
+        with self._lock:
+            self.live -= self._sizes.pop(key, 0)
+
+    def track(self, tensor_or_storage, enforce: bool = True) -> None:
+        """Count a storage as living on this device until it is freed."""
+        s = tensor_or_storage
+        if isinstance(s, torch.Tensor):
+            s = s.untyped_storage()
+        n = s.nbytes()
+        key = id(s)
+        if n == 0 or key in self._sizes:
+            return
+        with self._lock:
+            self._sizes[key] = n
+            self.live += n
+            self.peak = max(self.peak, self.live)
+            over = self.budget is not None and self.live > self.budget
+        weakref.finalize(s, self._release, key)
+        if over and enforce:
+            self._over_budget(n)
+
+    def _over_budget(self, n: int) -> None:
+        if self.on_pressure is not None:
+            self.on_pressure(self.live - self.budget)
+        if self.live > self.budget:
+            raise DeviceOutOfMemory(
+                f"{self.name}: {self.live / 2**20:.1f} MiB live after allocating {n / 2**20:.2f} MiB, "
+                f"over its budget of {self.budget / 2**20:.1f} MiB. The plan under-predicted this "
+                f"device's memory; compile with a smaller memory_budget to leave headroom, and "
+                f"report the model so the cost model can be fixed.")
+
+    def untrack(self, tensor_or_storage) -> None:
+        """Stop counting a storage (it moved to another tier while still referenced)."""
+        s = tensor_or_storage
+        if isinstance(s, torch.Tensor):
+            s = s.untyped_storage()
+        self._release(id(s))
+
+    def holds(self, tensor: torch.Tensor) -> bool:
+        return id(tensor.untyped_storage()) in self._sizes
+
+    def holds_storage(self, storage) -> bool:
+        return id(storage) in self._sizes
+
+    def reset_peak(self) -> None:
+        self.peak = self.live
+
+
+class CountAllocations(TorchDispatchMode):
+    """Counts every new storage an op creates on ``meter`` (inputs' storages and views are not new).
+
+    An ``observer`` sees each op before it runs and the bytes it allocated after: the
+    on-demand mode fetches what an op touches and makes room for what it will allocate.
+    """
+
+    def __init__(self, meter: MemoryMeter, observer=None):
+        super().__init__()
+        self.meter = meter
+        self.observer = observer   # .before_op(func, args, kwargs) and .after_op(new_bytes)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.observer is not None:
+            self.observer.before_op(func, args, kwargs)
+        out = func(*args, **kwargs)
+        inputs = {id(s) for s in _storages((args, kwargs))}
+        new = 0
+        for s in _storages(out):
+            if id(s) not in inputs and not self.meter.holds_storage(s):
+                new += s.nbytes()
+                self.meter.track(s)
+        if self.observer is not None:
+            self.observer.after_op(new)
+        return out

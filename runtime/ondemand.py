@@ -1,0 +1,130 @@
+"""On-demand residency, the virtualized-memory baseline (CUDA unified memory, IBM LMS).
+
+Nothing is planned: all state starts on the host; an op that touches a parameter,
+buffer, gradient or optimizer-state tensor on the host fetches it first, and when
+the device budget is hit the least recently used state not needed by the current op
+goes back to the host (written back only if it changed). Before each op it also
+makes room for the bytes that op allocated in the previous step (the largest seen so
+far in the first step), as a virtual-memory system that knows the access pattern
+would. Activations are not evictable here, so the schedule's packs still recompute
+to bound them.
+"""
+from __future__ import annotations
+
+import weakref
+from collections import OrderedDict
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+
+class OnDemand:
+    def __init__(self, rt):
+        self.rt = rt
+        # device-resident state, least recently used first; weak, so freed grads are not kept alive
+        self.lru: OrderedDict[int, weakref.ref] = OrderedDict()
+        self.version: dict[int, int] = {}
+        self.master = {id(t): t.data for t in rt.state.tensors.values()}   # host copies of params, buffers
+        self.persistent = {id(t) for t in rt.state.tensors.values()}
+        self.on_host: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # evicted grads, state
+        self.busy: set[int] = set()
+        self.allocs: list[int] = []       # bytes each op of the previous step allocated, in order
+        self.current: list[int] = []
+        self.largest = 0
+        rt.meter.on_pressure = self.evict
+        rt.state.fetch = self._no_fetch
+
+    @staticmethod
+    def _no_fetch(kind, names):
+        raise AssertionError("the ondemand policy plans no swap_in")
+
+    def _managed(self):
+        """Parameters, buffers, grads and optimizer state, discovered afresh (grads come and go)."""
+        st = self.rt.state
+        out = list(st.tensors.values())
+        out += [p.grad for p in st.tensors.values() if getattr(p, "grad", None) is not None]
+        for opt in dict.fromkeys(st.optimizers.values()):
+            out += [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+        return out
+
+    def start_step(self):
+        if self.current:
+            self.allocs = self.current
+        self.current = []
+
+    def _is_managed_on_host(self, t) -> bool:
+        key = id(t)
+        return (key in self.persistent or self.on_host.get(key) is t) and not self.rt.meter.holds(t)
+
+    def before_op(self, func, args, kwargs):
+        tensors = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
+        self.busy = {id(t) for t in tensors}
+        for t in tensors:
+            if id(t) in self.lru:
+                self.lru.move_to_end(id(t))
+            elif self._is_managed_on_host(t):
+                self.fetch(t)
+        i = len(self.current)
+        room = self.allocs[i] if i < len(self.allocs) else self.largest
+        meter = self.rt.meter
+        if meter.budget is not None and meter.live + room > meter.budget:
+            self.evict(meter.live + room - meter.budget)
+
+    def after_op(self, new_bytes: int):
+        self.current.append(new_bytes)
+        self.largest = max(self.largest, new_bytes)
+
+    def fetch(self, t: torch.Tensor):
+        meter = self.rt.meter
+        n = t.untyped_storage().nbytes()
+        if meter.budget is not None and meter.live + n > meter.budget:
+            self.evict(meter.live + n - meter.budget)
+        dev = torch.empty_like(t.data, device=self.rt.device)
+        meter.track(dev)
+        dev.copy_(t.data)
+        self.rt.state.moved["h2d"] += n
+        t.data = dev
+        self.on_host.pop(id(t), None)
+        self.lru[id(t)] = weakref.ref(t)
+        self.version[id(t)] = t._version
+
+    def evict(self, needed: int):
+        """Send least recently used state to the host until ``needed`` bytes are really free.
+
+        A tensor whose storage something else still holds (a view saved for backward)
+        frees nothing when evicted, so progress is measured on the meter, not assumed.
+        """
+        meter = self.rt.meter
+        target = meter.live - needed
+        self._evict_lru(target)
+        if meter.live > target:   # new grads and optimizer state become evictable
+            for t in self._managed():
+                if id(t) not in self.lru and meter.holds(t):
+                    self.lru[id(t)] = weakref.ref(t)
+                    self.lru.move_to_end(id(t), last=False)
+                    self.version[id(t)] = -1
+            self._evict_lru(target)
+
+    def _evict_lru(self, target: int) -> None:
+        meter = self.rt.meter
+        for key in list(self.lru):
+            if meter.live <= target:
+                return
+            if key in self.busy:
+                continue
+            t = self.lru.pop(key)()
+            if t is None or not meter.holds(t):
+                continue
+            n = t.untyped_storage().nbytes()
+            if key in self.persistent:
+                host = self.master[key]
+                # buffers are always written back: batch norm updates running stats without a version bump
+                if self.version.get(key) != t._version or not isinstance(t, torch.nn.Parameter):
+                    host.copy_(t.data)
+                    self.rt.state.moved["d2h"] += n
+            else:
+                host = torch.empty_like(t.data, device="cpu")
+                host.copy_(t.data)
+                self.rt.state.moved["d2h"] += n
+                self.on_host[key] = t
+            t.data = host

@@ -1,0 +1,53 @@
+"""What the compiler hands the runtime: one ``PackSpec`` per layer pack, plain data and callables.
+
+The runtime never imports the compiler; everything it needs to execute or cost a
+schedule is here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class PackSpec:
+    index: int
+    name: str                     # e.g. "blocks.0 .. blocks.3"
+    module: torch.fx.GraphModule  # the pack's forward: inputs -> outputs
+    inputs: list[str]             # value names the pack reads (model placeholders or other packs' outputs)
+    outputs: list[str]            # value names the pack produces for later packs (or "loss")
+    params: list[str]             # trainable state the pack reads (canonical names)
+    buffers: list[str]            # buffers the pack reads
+    owned: list[str]              # params whose gradient is complete after this pack's backward
+    mutated: list[str]            # buffers written in forward: restored after a recompute
+    random: bool                  # replays the RNG on recompute
+    # predicted sizes at the compiled microbatch size (bytes) and work (FLOPs)
+    param_bytes: int = 0
+    buffer_bytes: int = 0
+    optim_bytes: int = 0          # optimizer state of the owned params
+    step_extra: int = 0           # transient bytes of the optimizer step
+    in_bytes: int = 0             # one microbatch's float inputs from other packs (their gradients)
+    out_bytes: int = 0            # one microbatch's outputs
+    saved_bytes: int = 0          # one microbatch's activations kept for backward
+    fwd_peak: int = 0             # bytes a forward without grad allocates at its peak (outputs included)
+    fwd_keep_peak: int = 0        # bytes a forward that keeps the graph allocates at its peak
+    bwd_peak: int = 0             # bytes a backward of a kept forward allocates at its peak
+    bwd_recompute_peak: int = 0   # bytes recompute + backward allocate at their peak
+    bwd_peak_accum: int = 0       # the same two once the parameters have gradients to accumulate into
+    bwd_recompute_peak_accum: int = 0
+    fwd_flops: int = 0
+    bwd_flops: int = 0
+
+
+@dataclass
+class Plan:
+    """Everything static about a compiled program that the runtime needs."""
+
+    packs: list[PackSpec]
+    microbatches: int
+    microbatch_size: int
+    input_names: list[str]
+    batch_bytes: dict[str, int] = field(default_factory=dict)  # one microbatch of each input
+    resident: set = field(default_factory=set)   # (pack, what) kept on the device for the whole run
+    policy: str = "harmony"

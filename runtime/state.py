@@ -1,0 +1,144 @@
+"""Where training state lives: the device tier (accounted, budgeted) and the host tier.
+
+Every parameter, buffer, gradient and optimizer-state tensor has one home tier at
+a time; the tensor objects the user and the optimizer hold never change, only
+what they point to (``param.data``, ``param.grad``, ``optimizer.state[p][k]``),
+as ZeRO-Offload does. Moving a tensor between tiers is a real copy, counted in
+``moved`` and, on the device side, in the ``MemoryMeter``.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from harmony.runtime.memory import MemoryMeter
+
+
+class CopyEngine:
+    """Asynchronous copies: a worker thread on the CPU, a side stream where CUDA exists."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="harmony-copy")
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def submit(self, fn) -> Future:
+        if self.stream is None:
+            return self.pool.submit(fn)
+        with torch.cuda.stream(self.stream):
+            fn()
+        fut: Future = Future()
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        fut.set_result(event)
+        return fut
+
+    def join(self, fut: Future) -> None:
+        res = fut.result()
+        if self.stream is not None:
+            torch.cuda.current_stream(self.device).wait_event(res)
+
+    def close(self):
+        self.pool.shutdown(wait=True)
+
+
+class TieredState:
+    """Parameters, buffers, grads and optimizer state of one device and its host, with refcounted residency.
+
+    The host keeps the master copy of every parameter and buffer that is not resident;
+    the device copy is a cache, written back only when the optimizer changed it.
+    Gradients and optimizer state are moved, not cached.
+    """
+
+    KINDS = ("params", "grads", "optim")
+
+    def __init__(self, tensors: dict[str, torch.Tensor], optimizers: dict[str, torch.optim.Optimizer],
+                 meter: MemoryMeter, device: torch.device):
+        self.tensors = tensors            # name -> the user's Parameter / buffer object (never replaced)
+        self.optimizers = optimizers      # param name -> the optimizer that steps it
+        self.meter = meter
+        self.device = device
+        self.copier = CopyEngine(device)
+        self.refs: Counter = Counter()    # (kind, name) -> holds on the device copy
+        self.master = {name: t.data for name, t in tensors.items()}  # host copies of params and buffers
+        self.dirty: set[str] = set()      # params changed on the device since they came in
+        self.moved = Counter()            # "h2d" / "d2h" -> bytes since the counter was cleared
+        self.pin = device.type == "cuda"
+
+    def _on_device(self, t: torch.Tensor) -> bool:
+        return self.meter.holds(t)
+
+    def _to_host(self, src: torch.Tensor) -> torch.Tensor:
+        dst = torch.empty(src.shape, dtype=src.dtype, pin_memory=self.pin)
+        dst.copy_(src)
+        self.moved["d2h"] += src.numel() * src.element_size()
+        return dst
+
+    def _slots(self, kind: str, name: str):
+        """(read, write) pairs for the tensors of one kind of one parameter."""
+        t = self.tensors[name]
+        if kind == "params":
+            return [(lambda t=t: t.data, lambda d, t=t: setattr(t, "data", d))]
+        if kind == "grads":
+            return [(lambda t=t: t.grad, lambda d, t=t: setattr(t, "grad", d))]
+        state = self.optimizers[name].state.get(t, {}) if name in self.optimizers else {}
+        return [((lambda s=state, k=k: s[k]), (lambda d, s=state, k=k: s.__setitem__(k, d)))
+                for k, v in state.items() if isinstance(v, torch.Tensor)]
+
+    def fetch(self, kind: str, names: list[str]) -> Future | None:
+        """Start bringing ``names`` onto the device: device memory is reserved now, the copy runs async."""
+        jobs = []
+        for name in names:
+            self.refs[(kind, name)] += 1
+            if self.refs[(kind, name)] > 1:
+                continue
+            for read, write in self._slots(kind, name):
+                src = read()
+                if src is None or self._on_device(src):
+                    continue
+                dst = torch.empty_like(src, device=self.device)
+                self.meter.track(dst)
+                self.moved["h2d"] += src.numel() * src.element_size()
+                jobs.append((write, dst, src))
+        if not jobs:
+            return None
+
+        def copy():
+            for _, dst, src in jobs:
+                dst.copy_(src, non_blocking=self.pin)
+        fut = self.copier.submit(copy)
+        fut.harmony_jobs = jobs
+        return fut
+
+    def wait(self, fut: Future | None) -> None:
+        if fut is None:
+            return
+        self.copier.join(fut)
+        for write, dst, _ in fut.harmony_jobs:
+            write(dst)
+        fut.harmony_jobs = ()
+
+    def release(self, kind: str, names: list[str]) -> None:
+        """Drop one hold; the last one sends changed state to the host and frees the device copy."""
+        for name in names:
+            self.refs[(kind, name)] -= 1
+            if self.refs[(kind, name)] > 0:
+                continue
+            if kind == "params":
+                t = self.tensors[name]
+                if self._on_device(t.data):
+                    if name in self.dirty:
+                        self.master[name].copy_(t.data)
+                        self.moved["d2h"] += t.numel() * t.element_size()
+                    t.data = self.master[name]
+                self.dirty.discard(name)
+                continue
+            for read, write in self._slots(kind, name):
+                v = read()
+                if v is not None and self._on_device(v):
+                    write(self._to_host(v))
+
+    def close(self):
+        self.copier.close()

@@ -1,0 +1,276 @@
+"""What a compiled program is and what every pass did, as text, markdown or JSON.
+
+>>> print(render(sm))                       # or sm.report(); "markdown" and "json" alike
+Harmony report: GPT, 120,576 parameters
+training state  1.84 MiB (params 471.00 KiB, grads 471.00 KiB, optimizer 942.23 KiB)
+budget          1.84 MiB per device (100% of the training state), policy harmony,
+                4 microbatches of 2 (batch 8), optimizer AdamW
+compile         1.30 s (trace 816 ms, cost 267 ms, passes 217 ms)
+...
+== last step ==
+peak       1.55 MiB measured vs 1.58 MiB predicted (ratio 0.98), budget 1.84 MiB (84% used)
+moved h2d  434.50 KiB measured vs 1.34 MiB predicted (ratio 0.32)
+
+All three formats are views of one plain dict (``summary(sm)``), so the JSON holds
+exactly what the text shows, unformatted.
+"""
+from __future__ import annotations
+
+import json
+import math
+import textwrap
+
+from harmony.errors import ConfigError
+from harmony.units import fmt_bytes
+
+FORMATS = ("text", "markdown", "json")
+
+
+def render(sm, fmt: str = "text") -> str:
+    """``sm``'s report in ``fmt`` ("text", "markdown" or "json")."""
+    if fmt not in FORMATS:
+        raise ConfigError(f"unknown report format {fmt!r}; choose one of {', '.join(FORMATS)}")
+    data = summary(sm)
+    if fmt == "json":
+        return json.dumps(_plain(data), indent=2)
+    return _Writer(markdown=fmt == "markdown").document(data)
+
+
+# -- the content -------------------------------------------------------------------------------
+def summary(sm) -> dict:
+    """Everything the report shows, as plain data: model, compile times, passes, packs, last step."""
+    program = sm.program
+    cfg = program.config
+    return dict(
+        model=_model(program),
+        config=dict(memory_budget=cfg.memory_budget, policy=cfg.policy, microbatches=cfg.microbatches,
+                    microbatch_size=cfg.microbatch_size, batch_size=cfg.batch_size,
+                    optimizer=getattr(cfg.optimizer, "__name__", str(cfg.optimizer))),
+        compile_seconds=dict(getattr(sm, "compile_seconds", {}) or {}),
+        passes=[dict(title=r.title, seconds=r.seconds, rows=list(r.rows), totals=dict(r.totals),
+                     notes=list(r.notes)) for r in program.reports],
+        packs=_packs(program),
+        last_step=dict(sm.stats) if getattr(sm, "stats", None) else None,
+    )
+
+
+def _model(program) -> dict:
+    gm = program.gm
+    params = list(gm.parameters())          # unique: a tied weight counts once
+    param_bytes = sum(p.numel() * p.element_size() for p in params)
+    grad_bytes = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
+    buffer_bytes = sum(b.numel() * b.element_size() for b in gm.buffers())
+    optim_bytes = sum(s.optim_bytes for s in program.plan.packs) if program.plan else 0
+    return dict(name=type(program.model).__name__, params=sum(p.numel() for p in params),
+                param_bytes=param_bytes, grad_bytes=grad_bytes, optim_bytes=optim_bytes,
+                buffer_bytes=buffer_bytes,
+                state_bytes=param_bytes + grad_bytes + optim_bytes + buffer_bytes)
+
+
+def _packs(program) -> list[dict]:
+    if program.plan is None:
+        return []
+    order = {"params": 0, "grads": 1, "optim": 2}
+    resident: dict[int, list[str]] = {}
+    for pack, what in sorted(program.plan.resident, key=lambda pw: (pw[0], order.get(pw[1], 3), pw[1])):
+        resident.setdefault(pack, []).append(what)
+    numel = {n: p.numel() for n, p in program.gm.named_parameters()}
+    return [dict(pack=s.index, name=s.name, params=sum(numel.get(n, 0) for n in s.params),
+                 param_bytes=s.param_bytes, saved_bytes=s.saved_bytes,
+                 fwd_GFLOP=s.fwd_flops / 1e9, bwd_GFLOP=s.bwd_flops / 1e9,
+                 resident="+".join(resident.get(s.index, [])) or "-")
+            for s in program.plan.packs]
+
+
+def _plain(x):
+    """``x`` with only JSON types: tuples/sets become lists, non-finite floats null, the rest str."""
+    if isinstance(x, dict):
+        return {str(k): _plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_plain(v) for v in x]
+    if isinstance(x, (set, frozenset)):
+        return sorted((_plain(v) for v in x), key=str)
+    if isinstance(x, bool) or x is None or isinstance(x, (int, str)):
+        return x
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if hasattr(x, "item") and getattr(x, "ndim", 1) == 0:   # numpy / torch scalars
+        return _plain(x.item())
+    return str(x)
+
+
+# -- formatting one value -------------------------------------------------------------------------
+def fmt_seconds(s: float) -> str:
+    if s >= 1:
+        return f"{s:.2f} s"
+    if s >= 1e-3:
+        return f"{_sig(s * 1e3)} ms"
+    return f"{_sig(s * 1e6)} µs"
+
+
+def _sig(v: float, digits: int = 3) -> str:
+    """``v`` with ``digits`` significant digits, without exponent notation for everyday sizes."""
+    if v == 0 or not math.isfinite(v):
+        return "0" if v == 0 else str(v)
+    if abs(v) >= 10 ** (digits - 1):
+        return f"{v:,.0f}"
+    if abs(v) < 1e-4:
+        return f"{v:.{digits - 1}e}"
+    decimals = digits - 1 - math.floor(math.log10(abs(v)))
+    return f"{v:.{decimals}f}"
+
+
+def fmt_value(key: str, value) -> str:
+    """One cell: bytes as KiB/MiB, seconds as s/ms, floats to 3 significant digits, ints with commas."""
+    k = str(key).lower()
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, (int, float)) and (k.endswith("bytes") or k in ("budget", "peak")):
+        return fmt_bytes(value)
+    if isinstance(value, (int, float)) and (k.endswith("_s") or k.endswith("seconds") or k == "s"):
+        return fmt_seconds(float(value))
+    if isinstance(value, int):
+        return f"{value:,}" if abs(value) >= 10_000 else str(value)
+    if isinstance(value, float):
+        return _sig(value)
+    if isinstance(value, (list, tuple, set)):
+        return ", ".join(str(v) for v in value)
+    return str(value)
+
+
+def _wrap(line: str, indent: int = 4) -> str:
+    """``line`` folded at 100 columns; a break falls after a comma when one is near, never inside a pair."""
+    chunks = line.replace(", ", ",\0").split("\0")
+    out, current = [], ""
+    for chunk in chunks:
+        if current and len(current) + 1 + len(chunk) > 100:
+            out.append(current)
+            current = " " * indent + chunk
+        else:
+            current = f"{current} {chunk}" if current else chunk
+    out.append(current)
+    return "\n".join(textwrap.fill(o, width=100, subsequent_indent=" " * indent, break_on_hyphens=False)
+                     for o in out)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+# -- writing -----------------------------------------------------------------------------------
+class _Writer:
+    """Turns ``summary()`` into aligned text tables or markdown tables."""
+
+    def __init__(self, markdown: bool):
+        self.md = markdown
+        self.lines: list[str] = []
+
+    def document(self, d: dict) -> str:
+        self.header(d)
+        for p in d["passes"]:
+            self.heading(f"{p['title']}  ({fmt_seconds(p['seconds'])})")
+            self.table(p["rows"])
+            if p["totals"]:
+                self.pairs([(k, fmt_value(k, v)) for k, v in p["totals"].items()], inline=True)
+            self.notes(p["notes"])
+            if not (p["rows"] or p["totals"] or p["notes"]):
+                self.lines.append("(nothing reported)")
+        self.heading("packs")
+        self.table(d["packs"])
+        self.heading("last step")
+        self.last_step(d["last_step"], d["config"]["memory_budget"])
+        return "\n".join(self.lines).rstrip() + "\n"
+
+    def header(self, d):
+        m, c, t = d["model"], d["config"], d["compile_seconds"]
+        title = f"Harmony report: {m['name']}, {m['params']:,} parameters"
+        self.lines.append(f"# {title}" if self.md else title)
+        if self.md:
+            self.lines.append("")
+        state = (f"{fmt_bytes(m['state_bytes'])} (params {fmt_bytes(m['param_bytes'])}, "
+                 f"grads {fmt_bytes(m['grad_bytes'])}, optimizer {fmt_bytes(m['optim_bytes'])}"
+                 + (f", buffers {fmt_bytes(m['buffer_bytes'])}" if m["buffer_bytes"] else "") + ")")
+        budget = (f"{fmt_bytes(c['memory_budget'])} per device "
+                  f"({c['memory_budget'] / max(m['state_bytes'], 1):.0%} of the training state), "
+                  f"policy {c['policy']}, {c['microbatches']} microbatches of {c['microbatch_size']} "
+                  f"(batch {c['batch_size']}), optimizer {c['optimizer']}")
+        parts = ", ".join(f"{k} {fmt_seconds(v)}" for k, v in t.items() if k != "total")
+        compile_ = f"{fmt_seconds(t['total'])} ({parts})" if "total" in t else (parts or "-")
+        self.pairs([("training state", state), ("budget", budget), ("compile", compile_)])
+
+    def heading(self, title: str):
+        self.lines += ["", f"## {title}", ""] if self.md else ["", f"== {title} =="]
+
+    def notes(self, notes: list[str]):
+        if self.md and notes:
+            self.lines.append("")
+        for note in notes:
+            self.lines.append(f"- *{note}*" if self.md else _wrap(f"note: {note}"))
+
+    def pairs(self, items, inline: bool = False):
+        if not items:
+            return
+        if self.md:
+            if inline:
+                self.lines += [""] if self.lines[-1] else []
+                self.lines += ["**totals:** " + ", ".join(f"{k} **{v}**" for k, v in items)]
+            else:
+                self.lines += [f"- **{k}**: {v}" for k, v in items]
+            return
+        if inline:
+            self.lines.append(_wrap("totals: " + ", ".join(f"{k} {v}" for k, v in items)))
+            return
+        width = max(len(k) for k, _ in items)
+        self.lines += [_wrap(f"{k:<{width}}  {v}", indent=width + 2) for k, v in items]
+
+    def table(self, rows: list[dict]):
+        if not rows:
+            return
+        cols = list(dict.fromkeys(k for r in rows for k in r))
+        cells = [[fmt_value(c, r.get(c)) for c in cols] for r in rows]
+        numeric = [all(_is_number(r.get(c)) or r.get(c) is None for r in rows) for c in cols]
+        if self.md:
+            self.lines.append("| " + " | ".join(cols) + " |")
+            self.lines.append("|" + "|".join("---:" if n else "---" for n in numeric) + "|")
+            self.lines += ["| " + " | ".join(v.replace("|", "\\|") for v in row) + " |" for row in cells]
+            return
+        widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
+
+        def line(values):
+            return "  ".join(v.rjust(w) if n else v.ljust(w)
+                             for v, w, n in zip(values, widths, numeric)).rstrip()
+
+        self.lines.append(line(cols))
+        self.lines.append("  ".join("-" * w for w in widths))
+        self.lines += [line(row) for row in cells]
+
+    def last_step(self, s: dict | None, budget: int):
+        if not s:
+            self.lines.append("no step run yet: call sm(*batch) once to measure memory and traffic")
+            return
+        items = []
+        if "measured_peak" in s:
+            meas, pred, bud = s["measured_peak"], s.get("predicted_peak"), s.get("budget") or budget
+            line = f"{fmt_bytes(meas)} measured"
+            if pred:
+                line += f" vs {fmt_bytes(pred)} predicted (ratio {meas / pred:.2f})"
+            if bud:
+                line += f", budget {fmt_bytes(bud)} ({meas / bud:.0%} used)"
+            items.append(("peak", line))
+        for way in ("h2d", "d2h"):
+            if f"{way}_bytes" in s:
+                meas, pred = s[f"{way}_bytes"], s.get(f"predicted_{way}")
+                line = f"{fmt_bytes(meas)} measured"
+                if pred is not None:
+                    line += f" vs {fmt_bytes(pred)} predicted"
+                    if pred:
+                        line += f" (ratio {meas / pred:.2f})"
+                items.append((f"moved {way}", line))
+        if "step_seconds" in s:
+            items.append(("step time", fmt_seconds(s["step_seconds"])))
+        known = {"measured_peak", "predicted_peak", "budget", "h2d_bytes", "d2h_bytes", "predicted_h2d",
+                 "predicted_d2h", "step_seconds"}
+        items += [(k, fmt_value(k, v)) for k, v in s.items() if k not in known]
+        self.pairs(items)
