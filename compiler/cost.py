@@ -16,7 +16,9 @@ from dataclasses import dataclass
 import sympy
 import torch
 import torch.fx
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException,
+                                           FakeTensorMode, unset_fake_temporarily)
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils.flop_counter import FlopCounterMode
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -27,6 +29,28 @@ from harmony.errors import InputError
 from harmony.runtime.memory import CountAllocations, MemoryMeter
 
 B = sympy.Symbol("B", positive=True, integer=True)
+
+
+def _register_cpu_attention_flops():
+    """torch counts the CUDA attention kernels but not the CPU one: count it the same way."""
+    from torch.utils import flop_counter as fcm
+    aten = torch.ops.aten
+    fwd = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    bwd = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+    if fwd is None or fwd.default in fcm.flop_registry:
+        return
+
+    @fcm.register_flop_formula(fwd)
+    def _fwd(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+        return fcm.sdpa_flop_count(query_shape, key_shape, value_shape)
+
+    if bwd is not None:
+        @fcm.register_flop_formula(bwd)
+        def _bwd(grad_out_shape, query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+            return fcm.sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
+
+
+_register_cpu_attention_flops()
 
 
 @dataclass(frozen=True)
@@ -137,7 +161,31 @@ class _Measure(torch.fx.Interpreter):
         if n.op in ("placeholder", "output", "get_attr"):
             self.vals[n] = super().run_node(n)
             return self.vals[n]
+        try:
+            out = self._measure(n, real=False)
+        except (DataDependentOutputException, DynamicOutputShapeException, GuardOnDataDependentSymNode):
+            # a leaf module that branches on data cannot run on fake tensors: measure it once on zeros
+            with unset_fake_temporarily():
+                out = self._measure(n, real=True)
+            out = tree_map_only(torch.Tensor, lambda t: self.mode.from_tensor(t.detach()).requires_grad_(
+                t.requires_grad), out)
+        self.vals[n] = out
+        return out
+
+    def _real(self, t: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(tuple(t.shape), dtype=t.dtype).requires_grad_(t.requires_grad)
+
+    def _call(self, n, args, kwargs, real: bool):
+        if not real or n.op != "call_module":
+            return getattr(self, n.op)(n.target, args, kwargs)
+        mod = self.module.get_submodule(n.target)
+        state = {k: self.real_of[id(v)] for k, v in list(mod.named_parameters()) + list(mod.named_buffers())}
+        return torch.func.functional_call(mod, state, args, kwargs)
+
+    def _measure(self, n, real: bool):
         inputs = [self.env[a] for a in n.all_input_nodes]
+        if real:
+            inputs = [tree_map_only(torch.Tensor, self._real, t) for t in inputs]
         in_storages = {id(s.untyped_storage()) for s in _tensors(inputs)}
         saved = {}
 
@@ -149,17 +197,25 @@ class _Measure(torch.fx.Interpreter):
         writes = _Writes()
         # detached inputs keep the node's autograd graph local, so its backward is measured alone
         args, kwargs = self.fetch_args_kwargs_from_env(n)
-        args, kwargs = tree_map_only(torch.Tensor, _leaf, (args, kwargs))
-        inputs = [_leaf(t) if isinstance(t, torch.Tensor) else t for t in inputs]
+        if real:
+            swap = {id(a): r for a, r in zip(_tensors([self.env[a] for a in n.all_input_nodes]), _tensors(inputs))}
+            args, kwargs = tree_map_only(torch.Tensor, lambda t: swap.get(id(t), t), (args, kwargs))
+        leaves = {}
+
+        def leaf(t):
+            return leaves.setdefault(id(t), _leaf(t))
+        args, kwargs = tree_map_only(torch.Tensor, leaf, (args, kwargs))
+        inputs = [tree_map_only(torch.Tensor, leaf, t) for t in inputs]
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             with FlopCounterMode(display=False) as fc, CountAllocations(meter), writes:
-                out = getattr(self, n.op)(n.target, args, kwargs)
+                out = self._call(n, args, kwargs, real)
         fwd_flops = fc.get_total_flops()
         outs = list(_tensors(out))
         out_ids = {id(t.untyped_storage()) for t in outs}
         out_bytes = sum({id(t.untyped_storage()): t.untyped_storage().nbytes() for t in outs
                          if id(t.untyped_storage()) not in in_storages}.values())
-        saved_new = {k: t for k, t in saved.items() if k not in in_storages and k not in self.state_ids}
+        saved_new = {k: t for k, t in saved.items() if k not in in_storages and k not in self.state_ids
+                     and k not in self.real_state_ids}
         saved_bytes = sum(t.untyped_storage().nbytes() for t in saved_new.values())
         alias_of = next((i for i, a in enumerate(inputs) for t in _tensors(a)
                          if id(t.untyped_storage()) in out_ids), None)
@@ -168,6 +224,8 @@ class _Measure(torch.fx.Interpreter):
         survivors = meter.live
         fwd_extra = max(0, meter.peak - survivors)
         own = list(self.module.get_submodule(n.target).parameters()) if n.op == "call_module" else []
+        if real:
+            own = [self.real_of[id(p)] for p in own]
         bwd_peak, bwd_flops = self._backward(inputs, outs, own)
         mutated = tuple(name for name, t in self.state_bufs if id(t.untyped_storage()) in writes.written)
         random = any(r in str(getattr(n.target, "__name__", n.target)).lower() for r in _RANDOM_OPS)
@@ -178,7 +236,6 @@ class _Measure(torch.fx.Interpreter):
                                saves_output=bool(out_ids & saved_new.keys()),
                                saved_inputs=saved_inputs, alias_of=alias_of, fwd_extra=fwd_extra, bwd_peak=bwd_peak,
                                fwd_flops=fwd_flops, bwd_flops=bwd_flops, mutates=mutated, random=random)
-        self.vals[n] = out
         return out
 
     def _backward(self, inputs, outs, own_params):
@@ -223,6 +280,10 @@ def _measure_at(gm, batch, b):
         fake_state[name] = by_id[id(t)]
     inputs = [_resize(t, b, mode) for t in batch]
     interp = _Measure(gm, {id(t.untyped_storage()) for t in fake_state.values()})
+    interp.mode = mode
+    reals = list(gm.parameters()) + list(gm.buffers())
+    interp.real_of = {id(by_id[id(t)]): t for t in reals}
+    interp.real_state_ids = {id(t.untyped_storage()) for t in reals}
     bufs = dict(gm.named_buffers())
     interp.state_bufs = [(n, by_id[id(t)]) for n, t in bufs.items()]
     with mode, _reparametrize_module(gm, fake_state, tie_weights=True):
@@ -288,34 +349,49 @@ def measure_pack(module: torch.fx.GraphModule, inputs: list, grad_inputs: list[b
     each when the parameters have no gradient yet and, suffixed ``_accum``, when they
     have one to accumulate into.
     """
+    try:
+        with run.mode, _reparametrize_module(module, _fake_state_of(module, run), tie_weights=True):
+            return _profile_pack(module, inputs, grad_inputs, loss_output)
+    except (DataDependentOutputException, DynamicOutputShapeException, GuardOnDataDependentSymNode):
+        # a leaf module that branches on data: measure the pack once on real zeros
+        with unset_fake_temporarily():
+            zeros = [torch.zeros(tuple(x.shape), dtype=x.dtype) if isinstance(x, torch.Tensor) else x
+                     for x in inputs]
+            out = _profile_pack(module, zeros, grad_inputs, loss_output)
+        for p in module.parameters():
+            p.grad = None
+        return out
+
+
+def _profile_pack(module, inputs, grad_inputs, loss_output) -> dict:
+    """The measurements of ``measure_pack``, on whatever tensors (fake or real) it is given."""
     out = {}
-    with run.mode, _reparametrize_module(module, _fake_state_of(module, run), tie_weights=True):
-        leaves = [(_leaf(x).requires_grad_(g and x.is_floating_point()) if isinstance(x, torch.Tensor) else x)
-                  for x, g in zip(inputs, grad_inputs)]
+    leaves = [(_leaf(x).requires_grad_(g and x.is_floating_point()) if isinstance(x, torch.Tensor) else x)
+              for x, g in zip(inputs, grad_inputs)]
 
-        def measured(fn):
-            meter = MemoryMeter("pack")
-            with CountAllocations(meter):
-                result = fn()
-            return result, meter
+    def measured(fn):
+        meter = MemoryMeter("pack")
+        with CountAllocations(meter):
+            result = fn()
+        return result, meter
 
-        outs, meter = measured(lambda: _no_grad(module, leaves))
-        out["fwd_peak"] = meter.peak
-        out["out_bytes"] = sum(t.untyped_storage().nbytes() for t in _tensors(outs))
-        del outs
-        for suffix in ("", "_accum"):       # the second round finds the gradients of the first
-            outs, meter = measured(lambda: _with_grad(module, leaves))
-            out["fwd_keep_peak" + suffix] = meter.peak
-            out["saved_bytes" + suffix] = meter.live - out["out_bytes"]
-            seeds = _seeds(outs, loss_output)
-            _, meter = measured(lambda: _run_backward(*seeds))
-            out["bwd_peak" + suffix] = meter.peak
-            del outs, seeds
-        _clear_grads(module)
-        for suffix in ("", "_accum"):
-            _, meter = measured(lambda: _run_backward(*_seeds(_with_grad(module, leaves), loss_output)))
-            out["bwd_recompute_peak" + suffix] = meter.peak
-        _clear_grads(module)
+    outs, meter = measured(lambda: _no_grad(module, leaves))
+    out["fwd_peak"] = meter.peak
+    out["out_bytes"] = sum(t.untyped_storage().nbytes() for t in _tensors(outs))
+    del outs
+    for suffix in ("", "_accum"):       # the second round finds the gradients of the first
+        outs, meter = measured(lambda: _with_grad(module, leaves))
+        out["fwd_keep_peak" + suffix] = meter.peak
+        out["saved_bytes" + suffix] = meter.live - out["out_bytes"]
+        seeds = _seeds(outs, loss_output)
+        _, meter = measured(lambda: _run_backward(*seeds))
+        out["bwd_peak" + suffix] = meter.peak
+        del outs, seeds
+    _clear_grads(module)
+    for suffix in ("", "_accum"):
+        _, meter = measured(lambda: _run_backward(*_seeds(_with_grad(module, leaves), loss_output)))
+        out["bwd_recompute_peak" + suffix] = meter.peak
+    _clear_grads(module)
     return out
 
 

@@ -91,11 +91,13 @@ class ScheduledModule(torch.nn.Module):
                 for n in spec.owned:
                     optimizers[n] = opt
         self.optimizers = list(dict.fromkeys(optimizers.values()))
-        self.runtime = Runtime(plan, program.schedule, tensors, optimizers, cfg.memory_budget, device,
-                               on_demand=OnDemand if cfg.policy == "ondemand" else None)
         self.stats: dict = {}
         self.steps = 0
-        self.predicted = memory_curve(program, check_residency=False)
+        self.runtime = self.predicted = None
+        if program.schedule is not None:   # a pipeline cut short (passes=...) can be inspected, not run
+            self.runtime = Runtime(plan, program.schedule, tensors, optimizers, cfg.memory_budget, device,
+                                   on_demand=OnDemand if cfg.policy == "ondemand" else None)
+            self.predicted = memory_curve(program, check_residency=False)
 
     @property
     def code(self) -> str:
@@ -115,6 +117,9 @@ class ScheduledModule(torch.nn.Module):
 
     def forward(self, *batch, **named):
         plan = self.program.plan
+        if self.runtime is None:
+            raise ConfigError(f"this module was compiled with passes={[h[0] for h in self.history]}, which "
+                              f"make no schedule; compile with the default passes to train")
         if named and not batch:
             batch = tuple(named[n] for n in plan.input_names if n in named)
         if len(batch) != len(plan.input_names):
@@ -140,4 +145,5 @@ class ScheduledModule(torch.nn.Module):
         return render(self, fmt)
 
     def close(self):
-        self.runtime.close()
+        if self.runtime is not None:
+            self.runtime.close()

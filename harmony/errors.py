@@ -31,3 +31,7 @@ class PassError(HarmonyError):
 
 class DeviceOutOfMemory(HarmonyError):
     """The runtime measured more live bytes on a device than its budget allows."""
+
+
+class CommunicationError(HarmonyError):
+    """A collective across ranks failed or timed out (a peer died or stalled); names the op, rank and timeout."""

@@ -216,7 +216,10 @@ def _unstash_effect(m, value):
 
 
 def _stash_cost(plan, hw, value):
-    return "d2h", 0.0
+    # one cost for both directions: stash reads a value on the device, unstash one on the host
+    if value.on_device:
+        return "d2h", value.bytes / hw.d2h_bandwidth
+    return "h2d", value.bytes / hw.h2d_bandwidth
 
 
 # -- forward / backward / step -----------------------------------------------------------------
@@ -264,7 +267,7 @@ def _forward_effect(m, pack, mb, *inputs, keep=False):
 
 
 def _forward_cost(plan, hw, pack, mb, *inputs, keep=False):
-    return "compute", plan.packs[pack].fwd_flops / hw.flops
+    return "compute", plan.packs[pack].fwd_flops / hw.flops + hw.op_latency
 
 
 def _backward_execute(rt, pack, mb, *inputs, saved=None, grads=()):
@@ -324,7 +327,7 @@ def _backward_effect(m, pack, mb, *inputs, saved=None, grads=()):
 def _backward_cost(plan, hw, pack, mb, *inputs, saved=None, grads=()):
     spec = plan.packs[pack]
     flops = spec.bwd_flops + (spec.fwd_flops if saved is None else 0)
-    return "compute", flops / hw.flops
+    return "compute", flops / hw.flops + hw.op_latency
 
 
 def _step_execute(rt, pack):
@@ -351,7 +354,7 @@ def _step_effect(m, pack):
 
 def _step_cost(plan, hw, pack):
     spec = plan.packs[pack]
-    return "compute", 4 * (spec.param_bytes * 2 + spec.optim_bytes) / hw.memory_bandwidth
+    return "compute", 4 * (spec.param_bytes * 2 + spec.optim_bytes) / hw.memory_bandwidth + hw.op_latency
 
 
 register(swap_in, _swap_in_execute, _swap_in_effect, _swap_in_cost, "copy")

@@ -11,7 +11,7 @@ from harmony.models import GPT, GPTConfig, copy_task
 
 
 class MLP(nn.Module):
-    def __init__(self, sizes=(32, 128, 128, 128, 128, 10)):
+    def __init__(self, sizes=(32,) + (128,) * 8 + (10,)):
         super().__init__()
         self.layers = nn.Sequential(*[m for a, b in zip(sizes, sizes[1:]) for m in (nn.Linear(a, b), nn.ReLU())][:-1])
 
@@ -20,9 +20,9 @@ class MLP(nn.Module):
 
 
 class CNN(nn.Module):
-    """Seven conv layers with BatchNorm: running statistics must advance once per microbatch."""
+    """Eleven conv layers with BatchNorm: running statistics must advance once per microbatch."""
 
-    def __init__(self, width=32, depth=6):
+    def __init__(self, width=32, depth=10):
         super().__init__()
         layers = [nn.Conv2d(3, width, 3, padding=1), nn.BatchNorm2d(width), nn.ReLU()]
         for _ in range(depth):

@@ -1,0 +1,409 @@
+"""Hardware descriptions: devices, host, disk and network, as figures the simulator and planner read.
+
+>>> hw = Hardware.preset("a100-40gb", count=4, link="pcie4")
+>>> hw.devices[0].flops, hw.devices[0].h2d_bandwidth          # dense fp32 FLOP/s, bytes/s
+(19500000000000.0, 31500000000.0)
+>>> Hardware.preset(["l4", "l4", "a6000", "p40"])               # a mixed cluster (Cephalo's example)
+>>> Hardware.this_machine()                                     # the cached profile, else detect()
+
+Units everywhere: bytes, bytes per second, seconds, FLOP/s.
+
+GPU figures are the vendor's datasheet numbers, each cited on its preset. Three
+conventions apply to all of them:
+
+- FLOP/s are peak and dense. NVIDIA's Ampere and later datasheets star their Tensor
+  Core figures "with sparsity" (2:4 structured sparsity, twice the dense rate); the
+  presets hold half of those starred numbers, which is the dense rate.
+- Memory sizes are binary: a "40GB" HBM2 or "24GB" GDDR6 board holds 40 or 24 GiB.
+  Some of it goes to the CUDA context and ECC, so a budget should stay below it.
+- The host link is PCIe x16 at the PCI-SIG per-direction rate (8, 16, 32 GT/s per lane,
+  128b/130b encoding: 15.75, 31.5, 63 GB/s for gen 3, 4, 5); NVIDIA's datasheets quote
+  the two directions together (32, 64, 128 GB/s). Measured pinned copies reach roughly
+  80% of the per-direction rate; pass ``link=<bytes/s>`` for a measured figure (the
+  Harmony paper's scheduler assumes about 11.5 GB/s on PCIe 3).
+
+Host, disk and network figures of a preset are nominal placeholders, not from any
+spec sheet (``NOMINAL``); pass your own as keyword arguments.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import mmap
+import os
+import re
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from harmony.errors import ConfigError
+
+GiB = 2**30
+T = 1e12
+GB = 1e9
+
+PCIE = {"pcie3": 15.75 * GB, "pcie4": 31.5 * GB, "pcie5": 63.0 * GB}   # x16, bytes/s per direction
+
+# Nominal placeholders (not measured, not from a spec sheet): override them for real setups.
+NOMINAL = dict(host_memory=256 * GiB, host_flops=1 * T, host_memory_bandwidth=100 * GB,
+               disk_read_bandwidth=3.5 * GB, disk_write_bandwidth=3.0 * GB,   # one PCIe 3 x4 NVMe drive
+               network_bandwidth=1.25 * GB, network_latency=50e-6)          # 10 Gb/s Ethernet
+NOMINAL_CORE_FLOPS = 40e9      # fp32 matmul FLOP/s one AVX2 core sustains, roughly; profile() measures
+NOMINAL_MEMCPY = 10 * GB       # bytes/s a large memcpy copies on a few server cores, roughly; profile() measures
+
+
+@dataclass(frozen=True)
+class Device:
+    """One accelerator (or a logical device on the CPU) as the simulator sees it.
+
+    ``peak_flops`` maps a dtype ("fp32", "tf32", "fp16", "bf16", "fp8") to dense peak
+    FLOP/s; ``dtype`` picks the one compute is costed at (``flops``). ``speed_factor``
+    is for emulation only: the simulator (and an emulating runtime) stretch compute time
+    by it, while the FLOP/s figures stay the spec sheet's; reports call such a device
+    emulated. ``op_latency`` is a fixed cost per compute op (kernel launches, dispatch).
+    """
+
+    name: str
+    memory: int                            # bytes
+    peak_flops: dict[str, float]           # dtype -> dense FLOP/s
+    h2d_bandwidth: float                   # bytes/s host -> device
+    d2h_bandwidth: float                   # bytes/s device -> host
+    memory_bandwidth: float                # bytes/s of device memory (read + write traffic)
+    dtype: str = "fp32"
+    speed_factor: float = 1.0
+    op_latency: float = 0.0                # seconds per compute op
+    link: str = ""                         # what the host link is, for reports ("pcie4", "memcpy", ...)
+    source: str = ""                       # where the figures come from
+
+    def __post_init__(self):
+        if self.dtype not in self.peak_flops:
+            raise ConfigError(f"device {self.name!r} has no {self.dtype} FLOP/s figure; "
+                              f"it has {', '.join(self.peak_flops)}")
+        if self.speed_factor <= 0:
+            raise ConfigError(f"device {self.name!r}: speed_factor must be positive, got {self.speed_factor}")
+
+    @property
+    def flops(self) -> float:
+        """Peak FLOP/s at ``dtype`` (not stretched by ``speed_factor``)."""
+        return self.peak_flops[self.dtype]
+
+    @property
+    def emulated(self) -> bool:
+        return self.speed_factor != 1.0
+
+    def replace(self, **changes) -> "Device":
+        """A copy with some fields changed: ``dev.replace(memory=8 * GiB, dtype="bf16")``."""
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def preset(cls, name: str, link: str | float | None = None) -> "Device":
+        """A GPU from ``PRESETS`` by name (case, dashes and spaces ignored), on its own or another host link."""
+        key = _key(name)
+        if key not in PRESETS:
+            raise ConfigError(f"no hardware preset {name!r}; presets: {', '.join(PRESETS)}")
+        dev = PRESETS[key]
+        if link is None:
+            return dev
+        if isinstance(link, str):
+            if link not in PCIE:
+                raise ConfigError(f"unknown link {link!r}; choose one of {', '.join(PCIE)} or give bytes/s")
+            return dev.replace(h2d_bandwidth=PCIE[link], d2h_bandwidth=PCIE[link], link=link)
+        return dev.replace(h2d_bandwidth=float(link), d2h_bandwidth=float(link), link=f"{link / GB:g} GB/s")
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """Devices and what they share: host memory and CPU, disk, network."""
+
+    devices: tuple[Device, ...]
+    host_memory: int = NOMINAL["host_memory"]
+    host_flops: float = NOMINAL["host_flops"]                       # CPU FLOP/s (optimizer step on the host)
+    host_memory_bandwidth: float = NOMINAL["host_memory_bandwidth"]
+    disk_read_bandwidth: float = NOMINAL["disk_read_bandwidth"]
+    disk_write_bandwidth: float = NOMINAL["disk_write_bandwidth"]
+    disk_free: int = 0                                             # bytes free where offload files go (0: unknown)
+    network_bandwidth: float = NOMINAL["network_bandwidth"]        # bytes/s per rank
+    network_latency: float = NOMINAL["network_latency"]            # seconds per message
+    notes: tuple[str, ...] = field(default_factory=tuple)          # what is measured, nominal or emulated
+
+    def __post_init__(self):
+        object.__setattr__(self, "devices", tuple(self.devices))
+        if not self.devices:
+            raise ConfigError("a Hardware needs at least one device")
+
+    @property
+    def emulated(self) -> bool:
+        return any(d.emulated for d in self.devices)
+
+    def replace(self, **changes) -> "Hardware":
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def preset(cls, name, count: int = 1, link: str | float | None = None, **host) -> "Hardware":
+        """``count`` GPUs of preset ``name`` (or a list of names, one per device) on one host.
+
+        ``link``: "pcie3", "pcie4", "pcie5" or bytes/s, for every device (default: each GPU's own).
+        ``host``: any other ``Hardware`` field (host_memory, network_bandwidth, ...).
+        """
+        names = [name] * count if isinstance(name, str) else list(name)
+        devices = tuple(Device.preset(n, link) for n in names)
+        nominal = [k for k in NOMINAL if k not in host]
+        notes = (f"GPU figures: vendor datasheets (dense peak); nominal, not measured: {', '.join(nominal)}",)
+        return cls(devices, notes=notes, **host)
+
+    def logical(self, budgets, speed_factors=None) -> "Hardware":
+        """This hardware's first device as several logical devices, each with its own memory budget.
+
+        ``speed_factors`` (one per device) stretch compute time: emulated slower devices.
+        """
+        budgets = list(budgets)
+        factors = list(speed_factors) if speed_factors is not None else [1.0] * len(budgets)
+        if len(factors) != len(budgets):
+            raise ConfigError(f"{len(budgets)} budgets but {len(factors)} speed factors")
+        base = self.devices[0]
+        devices = tuple(base.replace(name=f"{base.name} #{i}" + (f" (emulated x{f:g})" if f != 1 else ""),
+                                     memory=int(b), speed_factor=float(f))
+                        for i, (b, f) in enumerate(zip(budgets, factors)))
+        notes = self.notes + (("emulated: speed factors stretch compute time",) if any(f != 1 for f in factors) else ())
+        return self.replace(devices=devices, notes=notes)
+
+    def describe(self) -> str:
+        """One line per device and one for the host, as a person reads them."""
+        lines = []
+        for i, d in enumerate(self.devices):
+            emu = f", emulated: compute x{d.speed_factor:g}" if d.emulated else ""
+            lines.append(f"device {i}: {d.name}, {d.memory / GiB:.1f} GiB, {d.flops / T:.3g} TFLOP/s {d.dtype}, "
+                         f"h2d {d.h2d_bandwidth / GB:.3g} GB/s ({d.link}), memory {d.memory_bandwidth / GB:.4g} GB/s"
+                         f"{emu}")
+        lines.append(f"host: {self.host_memory / GiB:.1f} GiB, disk read {self.disk_read_bandwidth / GB:.3g} GB/s, "
+                     f"write {self.disk_write_bandwidth / GB:.3g} GB/s, network {self.network_bandwidth / GB:.3g} "
+                     f"GB/s + {self.network_latency * 1e6:.0f} us")
+        return "\n".join(lines + list(self.notes))
+
+    # -- this machine ----------------------------------------------------------------------------
+    @classmethod
+    def detect(cls, path=None) -> "Hardware":
+        """This machine without measuring: cores, RAM (/proc/meminfo), free disk (statvfs); nominal speeds.
+
+        The one device is the CPU as a logical device holding all RAM; give it a budget
+        with ``hw.logical([budget])``.
+        """
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        ram = _meminfo("MemTotal")
+        dev = Device(name=f"cpu ({cores} cores{', ' + _cpu_model() if _cpu_model() else ''})", memory=ram,
+                     peak_flops={"fp32": cores * NOMINAL_CORE_FLOPS}, h2d_bandwidth=NOMINAL_MEMCPY,
+                     d2h_bandwidth=NOMINAL_MEMCPY, memory_bandwidth=2 * NOMINAL_MEMCPY, link="memcpy",
+                     source="Hardware.detect: nominal per-core FLOP/s and memcpy rate, not measured")
+        return cls((dev,), host_memory=ram, host_flops=cores * NOMINAL_CORE_FLOPS,
+                   host_memory_bandwidth=2 * NOMINAL_MEMCPY, disk_free=_disk_free(path),
+                   notes=("detected, not measured: speeds are nominal; Hardware.profile() measures them",))
+
+    @classmethod
+    def profile(cls, seconds: float = 8.0, path=None, threads: int = 2, save: bool = True) -> "Hardware":
+        """Measure this machine in about ``seconds``: fp32 matmul FLOP/s, memcpy and disk bandwidth.
+
+        A 2048 x 2048 fp32 matmul at ``threads`` threads (median of a few), a large
+        ``copy_`` (bytes copied per second: the logical device's host link), and a temporary
+        file in ``path`` written and read back with O_DIRECT where the file system allows it,
+        else with fsync and ``posix_fadvise(DONTNEED)`` so the page cache does not answer.
+        The result is cached for ``this_machine()`` when ``save``.
+        """
+        base = cls.detect(path)
+        flops = _matmul_flops(0.4 * seconds, threads)
+        copy = _memcpy_bandwidth(0.2 * seconds)
+        read, write, how = _disk_bandwidth(0.4 * seconds, path)
+        cpu = base.devices[0]
+        dev = cpu.replace(name=cpu.name.replace("cores", f"cores, {threads} threads"), peak_flops={"fp32": flops},
+                          h2d_bandwidth=copy, d2h_bandwidth=copy, memory_bandwidth=2 * copy,
+                          source=f"Hardware.profile {time.strftime('%Y-%m-%d %H:%M')}: measured")
+        hw = base.replace(devices=(dev,), host_flops=flops, host_memory_bandwidth=2 * copy,
+                          disk_read_bandwidth=read, disk_write_bandwidth=write,
+                          notes=(f"measured by Hardware.profile: fp32 matmul at {threads} threads, memcpy, "
+                                 f"disk ({how}); nominal, not measured: network",))
+        if save:
+            _cache_path().parent.mkdir(parents=True, exist_ok=True)
+            _cache_path().write_text(json.dumps(dataclasses.asdict(hw), indent=1))
+        return hw
+
+    @classmethod
+    def this_machine(cls, path=None) -> "Hardware":
+        """The cached profile of this machine if it still matches (cores and RAM), else ``detect()``."""
+        detected = cls.detect(path)
+        try:
+            cached = cls.from_dict(json.loads(_cache_path().read_text()))
+        except (OSError, ValueError, TypeError, KeyError, ConfigError):
+            return detected
+        if cached.host_memory != detected.host_memory or cached.devices[0].name.split(",")[0] != \
+                detected.devices[0].name.split(",")[0]:
+            return detected
+        return cached.replace(disk_free=detected.disk_free)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Hardware":
+        d = dict(d)
+        d["devices"] = tuple(Device(**dev) for dev in d["devices"])
+        d["notes"] = tuple(d.get("notes", ()))
+        return cls(**d)
+
+
+def _key(name: str) -> str:
+    return re.sub(r"[^a-z0-9]", "", name.lower())
+
+
+def _gpu(name, memory_gib, flops_t: dict, memory_gbs, link, source) -> Device:
+    return Device(name=name, memory=memory_gib * GiB, peak_flops={k: v * T for k, v in flops_t.items()},
+                  h2d_bandwidth=PCIE[link], d2h_bandwidth=PCIE[link], memory_bandwidth=memory_gbs * GB,
+                  link=link, source=source)
+
+
+# Tensor Core figures are dense: half of the datasheets' "with sparsity" figures where those are starred.
+_V100 = ("NVIDIA Tesla V100 GPU Accelerator datasheet, SXM2 column: FP32 15.7 TFLOPS, Tensor (FP16 in, "
+         "FP32 accumulate) 125 TFLOPS, HBM2 900 GB/s; host link PCIe Gen3 x16")
+_A100 = ("NVIDIA A100 Tensor Core GPU datasheet, SXM column: FP32 19.5 TFLOPS; TF32 / BF16 / FP16 Tensor "
+         "156 / 312 / 312 TFLOPS dense (312 / 624 / 624 with sparsity); PCIe Gen4 64 GB/s both ways")
+PRESETS: dict[str, Device] = {_key(k): v for k, v in {
+    "v100-16gb": _gpu("Tesla V100 SXM2 16GB", 16, dict(fp32=15.7, fp16=125), 900, "pcie3", _V100),
+    "v100-32gb": _gpu("Tesla V100 SXM2 32GB", 32, dict(fp32=15.7, fp16=125), 900, "pcie3", _V100),
+    "a100-40gb": _gpu("A100 SXM4 40GB", 40, dict(fp32=19.5, tf32=156, bf16=312, fp16=312), 1555, "pcie4",
+                      _A100 + "; 40GB HBM2 1,555 GB/s"),
+    "a100-80gb": _gpu("A100 SXM4 80GB", 80, dict(fp32=19.5, tf32=156, bf16=312, fp16=312), 2039, "pcie4",
+                      _A100 + "; 80GB HBM2e 2,039 GB/s"),
+    "h100-sxm": _gpu("H100 SXM5 80GB", 80, dict(fp32=67, tf32=494.5, bf16=989.5, fp16=989.5, fp8=1979), 3350,
+                     "pcie5", "NVIDIA H100 Tensor Core GPU datasheet, SXM column: FP32 67 TFLOPS; TF32 / BF16 / "
+                     "FP16 / FP8 Tensor 989 / 1,979 / 1,979 / 3,958 TFLOPS with sparsity, so approximately "
+                     "494.5 / 989.5 / 989.5 / 1,979 dense; HBM3 3.35 TB/s; PCIe Gen5 128 GB/s both ways"),
+    "rtx3090": _gpu("GeForce RTX 3090", 24, dict(fp32=35.6, tf32=35.6, fp16=71, bf16=71), 936, "pcie4",
+                    "NVIDIA Ampere GA102 GPU architecture whitepaper, GeForce RTX 3090 column: FP32 35.6 TFLOPS; "
+                    "TF32 Tensor 35.6, FP16 and BF16 Tensor with FP32 accumulate 71 TFLOPS dense (142 with FP16 "
+                    "accumulate); GDDR6X 936 GB/s; PCIe Gen4 x16"),
+    "gtx1080ti": _gpu("GeForce GTX 1080 Ti", 11, dict(fp32=11.3), 484, "pcie3",
+                      "NVIDIA GeForce GTX 1080 Ti specifications: 3,584 CUDA cores at 1,582 MHz boost, so FP32 "
+                      "approximately 11.3 TFLOPS (2 FLOP per core per clock); 11 GB GDDR5X at 11 Gbps on 352 bits, "
+                      "484 GB/s; PCIe Gen3 x16. Pascal GeForce has no fast FP16, so no fp16 figure"),
+    "l4": _gpu("L4", 24, dict(fp32=30.3, tf32=60, fp16=121, bf16=121, fp8=242.5), 300, "pcie4",
+               "NVIDIA L4 Tensor Core GPU datasheet: FP32 30.3 TFLOPS; TF32 / FP16 / BF16 / FP8 Tensor 120 / 242 / "
+               "242 / 485 TFLOPS with sparsity, so approximately 60 / 121 / 121 / 242.5 dense; 24GB GDDR6 300 GB/s; "
+               "PCIe Gen4 x16 64 GB/s both ways"),
+    "t4": _gpu("T4", 16, dict(fp32=8.1, fp16=65), 320, "pcie3",
+               "NVIDIA T4 Tensor Core GPU datasheet: single precision 8.1 TFLOPS, mixed precision (FP16/FP32) "
+               "65 TFLOPS; 16GB GDDR6, approximately 320 GB/s (the datasheet says 320+ GB/s); PCIe Gen3 x16"),
+    "a6000": _gpu("RTX A6000", 48, dict(fp32=38.7, tf32=77.4, fp16=154.8, bf16=154.8), 768, "pcie4",
+                  "NVIDIA RTX A6000 datasheet: single precision 38.7 TFLOPS, Tensor 309.7 TFLOPS with sparsity, "
+                  "so approximately 154.8 dense FP16/BF16 (TF32 approximately half of that); 48GB GDDR6 "
+                  "768 GB/s; PCIe Gen4 x16"),
+    "p40": _gpu("Tesla P40", 24, dict(fp32=12.0), 346, "pcie3",
+                "NVIDIA Tesla P40 datasheet: single precision 12 TFLOPS (at boost clock), INT8 47 TOPS; 24GB "
+                "GDDR5 346 GB/s; PCIe Gen3 x16. No fast FP16 on Pascal GP102, so no fp16 figure"),
+}.items()}
+PRESETS[_key("h100")] = PRESETS[_key("h100-sxm")]
+
+
+# -- reading this machine ---------------------------------------------------------------------------
+def _meminfo(key: str) -> int:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def _disk_free(path=None) -> int:
+    st = os.statvfs(path or tempfile.gettempdir())
+    return st.f_bavail * st.f_frsize
+
+
+def _cache_path() -> Path:
+    """$HARMONY_CACHE_DIR/hardware.json, else the XDG cache directory."""
+    root = os.environ.get("HARMONY_CACHE_DIR") or \
+        Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "harmony"
+    return Path(root) / "hardware.json"
+
+
+def _timed(fn, budget: float, at_least: int = 2) -> list[float]:
+    """Seconds of each run of ``fn`` after one warm-up, until ``budget`` seconds pass (at least ``at_least`` runs)."""
+    stop = time.perf_counter() + budget
+    fn()
+    times: list[float] = []
+    while len(times) < at_least or time.perf_counter() < stop:
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def _median(xs: list[float]) -> float:
+    return sorted(xs)[len(xs) // 2]
+
+
+def _matmul_flops(budget: float, threads: int, n: int = 2048) -> float:
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        out = torch.empty(n, n)
+        times = _timed(lambda: torch.mm(a, b, out=out), budget)
+    finally:
+        torch.set_num_threads(before)
+    return 2 * n**3 / _median(times)
+
+
+def _memcpy_bandwidth(budget: float, size: int = 128 * 2**20) -> float:
+    import torch
+
+    src = torch.ones(size // 4)
+    dst = torch.full_like(src, 2.0)         # touched, so the timed copies take no page faults
+    return size / _median(_timed(lambda: dst.copy_(src), budget))
+
+
+def _disk_bandwidth(budget: float, path=None, block: int = 16 * 2**20, cap: int = 1 * GiB):
+    """(read, write) bytes/s of a temporary file, and how it was measured."""
+    buf = mmap.mmap(-1, block)              # page aligned, as O_DIRECT wants
+    buf.write(os.urandom(4096) * (block // 4096))
+    fd, name = tempfile.mkstemp(prefix="harmony-disk-", dir=path)
+    os.close(fd)
+    try:
+        direct = getattr(os, "O_DIRECT", 0)
+        try:
+            fd = os.open(name, os.O_WRONLY | direct)
+            os.write(fd, buf)
+        except OSError:                      # tmpfs and some others refuse O_DIRECT
+            direct = 0
+            fd = os.open(name, os.O_WRONLY)
+        how = "O_DIRECT" if direct else "fsync + posix_fadvise DONTNEED"
+        os.lseek(fd, 0, os.SEEK_SET)
+        written, t0 = 0, time.perf_counter()
+        while written < cap and (written == 0 or time.perf_counter() - t0 < budget / 2):
+            written += os.write(fd, buf)
+        os.fsync(fd)
+        write = written / (time.perf_counter() - t0)
+        os.close(fd)
+        fd = os.open(name, os.O_RDONLY | direct)
+        if not direct and hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        got, t0 = 0, time.perf_counter()
+        while got < written:
+            n = os.readv(fd, [buf])
+            if n <= 0:
+                break
+            got += n
+        read = got / (time.perf_counter() - t0)
+        os.close(fd)
+    finally:
+        os.unlink(name)
+        buf.close()
+    return read, write, how

@@ -1,0 +1,511 @@
+"""Gradient all-reduce across ranks, plain or compressed (CGX-style), on ``torch.distributed``.
+
+Every rank calls ``allreduce(tensors, spec)`` with the same list of tensors (same shapes,
+same order); afterwards each tensor holds the **average** over ranks, like DDP. Kinds:
+
+* ``none``      -- fp32 ``all_reduce``.
+* ``fp16/bf16`` -- divide by world size, cast, ``all_reduce``, cast back (DDP's fp16 hook).
+* ``quantized`` -- bucketed max-min quantization with levels packed densely into bytes, run
+  as scatter-reduce then all-gather: each rank owns one chunk of the fused buffer, receives
+  that chunk quantized from every peer (``all_to_all_single``), reduces in fp32, quantizes
+  the result once and all-gathers the packed bytes. Every rank decodes the same bytes, so the
+  result is bitwise identical on every rank.
+
+Tensors with dimension <= 1 or fewer than ``min_size`` elements (biases, norms) are reduced
+uncompressed -- CGX's rule. Small tensors are fused into buffers of up to ``fusion_bytes``.
+
+    >>> spec = CompressionSpec("quantized", bits=4)
+    >>> p = quantize(torch.linspace(0, 1, 1000), bits=4, bucket_size=512, rounding="nearest")
+    >>> p.nbytes, wire_bytes(1000, 4, 512)
+    (516, 516)
+
+Only ``torch.distributed`` moves bytes (gloo on the CPU; the same calls run on NCCL).
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from harmony.errors import CommunicationError, ConfigError
+
+KINDS = ("none", "fp16", "bf16", "quantized")
+ROUNDINGS = ("stochastic", "nearest")
+META_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
+DEFAULT_MIN_SIZE = 16            # CGX leaves layers smaller than this uncompressed
+DEFAULT_FUSION_BYTES = 64 << 20  # fp32 bytes per fused buffer
+
+
+# -- the compression spec -------------------------------------------------------------------------
+@dataclass(frozen=True)
+class CompressionSpec:
+    """How one tensor travels: ``kind`` none | fp16 | bf16 | quantized.
+
+    ``bits`` (1..8), ``bucket_size`` (elements sharing one min and scale), ``rounding``
+    (stochastic | nearest) and ``meta`` (fp32 | fp16, dtype of min and scale on the wire)
+    apply to ``quantized``. ``error_feedback`` keeps what compression lost and adds it to the
+    next call's input (needs an ``error_feedback_state`` dict passed to ``allreduce``).
+    """
+
+    kind: str = "quantized"
+    bits: int = 4
+    bucket_size: int = 512
+    rounding: str = "stochastic"
+    error_feedback: bool = False
+    meta: str = "fp32"
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ConfigError(f"CompressionSpec.kind={self.kind!r} is not one of {KINDS}")
+        if isinstance(self.bits, bool) or not isinstance(self.bits, int) or not 1 <= self.bits <= 8:
+            raise ConfigError(f"CompressionSpec.bits={self.bits!r} is out of range: use an integer in 1..8")
+        if isinstance(self.bucket_size, bool) or not isinstance(self.bucket_size, int) or self.bucket_size < 1:
+            raise ConfigError(f"CompressionSpec.bucket_size={self.bucket_size!r} is invalid: use an integer >= 1")
+        if self.rounding not in ROUNDINGS:
+            raise ConfigError(f"CompressionSpec.rounding={self.rounding!r} is not one of {ROUNDINGS}")
+        if self.meta not in META_DTYPES:
+            raise ConfigError(f"CompressionSpec.meta={self.meta!r} is not one of {tuple(META_DTYPES)}")
+
+    @property
+    def lossy(self) -> bool:
+        return self.kind != "none"
+
+    @property
+    def meta_dtype(self) -> torch.dtype:
+        return META_DTYPES[self.meta]
+
+
+NO_COMPRESSION = CompressionSpec("none")
+
+
+def spec_for(tensor: torch.Tensor, spec: CompressionSpec, min_size: int = DEFAULT_MIN_SIZE) -> CompressionSpec:
+    """The spec ``tensor`` actually travels with: uncompressed if ``dim <= 1`` or ``numel < min_size``.
+
+    >>> spec_for(torch.zeros(768), CompressionSpec(bits=4)).kind
+    'none'
+    """
+    if spec.kind == "none" or tensor.dim() <= 1 or tensor.numel() < min_size:
+        return NO_COMPRESSION
+    return spec
+
+
+# -- bit packing ----------------------------------------------------------------------------------
+def pack_bits(levels: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack uint8 ``levels`` (< 2**bits) densely: 8 values -> ``bits`` bytes, little-endian bit order.
+
+    Returns ``ceil(numel * bits / 8)`` bytes. Vectorised: one op per (value slot, byte) pair of
+    an 8-value group, at most 16 ops whatever the length.
+
+    >>> pack_bits(torch.tensor([1, 2, 3, 4, 5, 6, 7, 0], dtype=torch.uint8), 3).tolist()
+    [209, 88, 31]
+    """
+    _check_bits(bits)
+    levels = levels.reshape(-1).to(torch.uint8)
+    n = levels.numel()
+    if bits == 8:
+        return levels.clone()
+    groups = -(-n // 8)
+    if groups * 8 != n:
+        levels = torch.cat([levels, levels.new_zeros(groups * 8 - n)])
+    v = levels.view(groups, 8)
+    out = torch.zeros(groups, bits, dtype=torch.uint8, device=levels.device)
+    for i in range(8):
+        start = bits * i                 # first bit of value i inside its group
+        byte, shift = divmod(start, 8)
+        out[:, byte] |= v[:, i] << shift  # uint8 shift drops the bits that spill over
+        if shift + bits > 8:
+            out[:, byte + 1] |= v[:, i] >> (8 - shift)
+    return out.view(-1)[: -(-n * bits // 8)]
+
+
+def unpack_bits(data: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
+    """Inverse of ``pack_bits``: ``numel`` uint8 levels from densely packed bytes."""
+    _check_bits(bits)
+    if bits == 8:
+        return data[:numel].clone()
+    groups = -(-numel // 8)
+    need = groups * bits
+    if data.numel() < need:
+        data = torch.cat([data, data.new_zeros(need - data.numel())])
+    d = data[:need].view(groups, bits)
+    mask = (1 << bits) - 1
+    out = torch.empty(groups, 8, dtype=torch.uint8, device=data.device)
+    for i in range(8):
+        byte, shift = divmod(bits * i, 8)
+        v = d[:, byte] >> shift
+        if shift + bits > 8:
+            v = v | (d[:, byte + 1] << (8 - shift))
+        out[:, i] = v & mask
+    return out.view(-1)[:numel]
+
+
+def _check_bits(bits: int) -> None:
+    if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 8:
+        raise ConfigError(f"bits={bits!r} is out of range: use an integer in 1..8")
+
+
+# -- bucketed max-min quantization ----------------------------------------------------------------
+@dataclass
+class Packed:
+    """A quantized tensor: per-bucket ``mins`` and ``scales`` plus densely packed levels."""
+
+    data: torch.Tensor     # uint8, ceil(numel * bits / 8) bytes
+    mins: torch.Tensor     # (buckets,) meta dtype
+    scales: torch.Tensor   # (buckets,) meta dtype; value = min + level * scale
+    numel: int
+    bits: int
+    bucket_size: int
+    shape: torch.Size
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() + self.mins.numel() * self.mins.element_size() * 2
+
+    def to_wire(self) -> torch.Tensor:
+        """One uint8 tensor: mins, scales, levels -- exactly ``nbytes`` long."""
+        return torch.cat([self.mins.view(torch.uint8), self.scales.view(torch.uint8), self.data])
+
+    @classmethod
+    def from_wire(cls, buf: torch.Tensor, numel: int, bits: int, bucket_size: int,
+                  meta_dtype: torch.dtype = torch.float32, shape=None) -> "Packed":
+        buckets = -(-numel // bucket_size)
+        m = buckets * torch.tensor([], dtype=meta_dtype).element_size()
+        meta = buf[: 2 * m].clone().view(meta_dtype)   # clone: the slice may be misaligned
+        return cls(buf[2 * m: 2 * m + -(-numel * bits // 8)], meta[:buckets], meta[buckets:],
+                   numel, bits, bucket_size, torch.Size(shape if shape is not None else (numel,)))
+
+
+def wire_bytes(numel: int, bits: int, bucket_size: int = 512, meta_dtype: torch.dtype = torch.float32) -> int:
+    """Exact bytes of ``quantize(t, bits, bucket_size)`` on the wire for a tensor of ``numel`` elements."""
+    _check_bits(bits)
+    buckets = -(-numel // bucket_size)
+    return -(-numel * bits // 8) + 2 * buckets * torch.tensor([], dtype=meta_dtype).element_size()
+
+
+def quantize(t: torch.Tensor, bits: int, bucket_size: int = 512, rounding: str = "stochastic",
+             generator: torch.Generator | None = None, meta_dtype: torch.dtype = torch.float32) -> Packed:
+    """Bucketed max-min quantization of ``t`` to ``bits`` bits per element.
+
+    Each bucket of ``bucket_size`` consecutive elements stores its min and
+    ``scale = (max - min) / (2**bits - 1)``; an element becomes the level
+    ``round((x - min) / scale)`` (nearest: error <= scale/2) or ``floor((x - min) / scale + u)``
+    with ``u ~ U[0, 1)`` (stochastic: unbiased, error < scale).
+
+    >>> p = quantize(torch.tensor([0.0, 0.3, 1.0]), bits=2, rounding="nearest")
+    >>> dequantize(p).tolist()
+    [0.0, 0.3333333432674408, 1.0]
+    """
+    _check_bits(bits)
+    if rounding not in ROUNDINGS:
+        raise ConfigError(f"rounding={rounding!r} is not one of {ROUNDINGS}")
+    x = t.detach().reshape(-1).float()
+    n = x.numel()
+    top = (1 << bits) - 1
+    buckets = -(-n // bucket_size)
+    if n == 0:
+        empty = x.new_zeros(0).to(meta_dtype)
+        return Packed(x.new_zeros(0, dtype=torch.uint8), empty, empty.clone(), 0, bits, bucket_size, t.shape)
+    if buckets * bucket_size != x.numel():     # repeat the last value: the last bucket's range is unchanged
+        x = torch.cat([x, x[-1:].expand(buckets * bucket_size - x.numel())])
+    xb = x.view(buckets, bucket_size)
+    lo, hi = torch.aminmax(xb, dim=1)
+    scale = (hi - lo) / top
+    if meta_dtype != torch.float32:
+        lo, scale = _round_meta(lo, hi, scale, top, meta_dtype)
+    lo32, scale32 = lo.float(), scale.float()
+    inv = torch.where(scale32 > 0, 1.0 / scale32, torch.zeros_like(scale32))
+    y = (xb - lo32[:, None]).mul_(inv[:, None])          # in [0, top] up to rounding
+    if rounding == "stochastic":
+        y.add_(torch.rand(y.shape, generator=generator, device=y.device))
+    else:
+        y.add_(0.5)
+    levels = y.clamp_(0, top).to(torch.uint8)            # truncation == floor for y >= 0
+    return Packed(pack_bits(levels.view(-1)[:n], bits), lo.to(meta_dtype), scale.to(meta_dtype),
+                  n, bits, bucket_size, t.shape)
+
+
+def _round_meta(lo, hi, scale, top, dtype):
+    """Round min down and scale up to ``dtype`` so [min, min + top * scale] still covers the bucket."""
+    info = torch.finfo(dtype)
+    lo_h = lo.clamp(info.min, info.max).to(dtype)
+    lo_h = torch.where(lo_h.float() > lo, torch.nextafter(lo_h, lo_h.new_tensor(-math.inf)), lo_h)
+    scale_h = ((hi - lo_h.float()) / top).clamp(max=info.max).to(dtype)
+    scale_h = torch.where(lo_h.float() + scale_h.float() * top < hi,
+                          torch.nextafter(scale_h, scale_h.new_tensor(math.inf)), scale_h)
+    return lo_h, scale_h
+
+
+def dequantize(p: Packed, out: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 tensor of ``p.shape`` from a ``Packed`` (into ``out``, a flat fp32 tensor, if given)."""
+    levels = unpack_bits(p.data, p.bits, p.numel)
+    buckets = p.mins.numel()
+    padded = buckets * p.bucket_size
+    lv = levels.float()
+    if padded != p.numel:
+        lv = torch.cat([lv, lv.new_zeros(padded - p.numel)])
+    lv = lv.view(buckets, p.bucket_size)
+    lv.mul_(p.scales.float()[:, None]).add_(p.mins.float()[:, None])
+    flat = lv.view(-1)[: p.numel]
+    if out is not None:
+        out.copy_(flat)
+        return out
+    return flat.reshape(p.shape)
+
+
+# -- byte and time accounting ---------------------------------------------------------------------
+@dataclass
+class CommStats:
+    """What one or more ``allreduce`` calls cost this rank.
+
+    ``wire_bytes`` is what this rank sends (ring all-reduce for none/fp16/bf16; the two
+    phases of scatter-reduce-allgather for quantized); ``fp32_bytes`` is what a ring fp32
+    all-reduce of the same tensors would send.
+    """
+
+    wire_bytes: int = 0
+    fp32_bytes: int = 0
+    seconds: float = 0.0
+    calls: int = 0
+    tensors: int = 0
+    compressed: int = 0      # tensors that travelled quantized or in half precision
+
+    @property
+    def ratio(self) -> float:
+        """fp32 bytes / wire bytes (how much less this sends than fp32)."""
+        return self.fp32_bytes / self.wire_bytes if self.wire_bytes else float("inf")
+
+    def __add__(self, other: "CommStats") -> "CommStats":
+        return CommStats(self.wire_bytes + other.wire_bytes, self.fp32_bytes + other.fp32_bytes,
+                         self.seconds + other.seconds, self.calls + other.calls,
+                         self.tensors + other.tensors, self.compressed + other.compressed)
+
+
+def ring_bytes(nbytes: int, world: int) -> int:
+    """Bytes one rank sends in a ring all-reduce of ``nbytes``."""
+    return 2 * (world - 1) * nbytes // world if world > 1 else 0
+
+
+# -- process group helpers ------------------------------------------------------------------------
+def init_process_group(timeout: float = 60.0, backend: str | None = None, **kwargs) -> None:
+    """``dist.init_process_group`` from the torchrun environment with a timeout in seconds.
+
+    The backend defaults to nccl when CUDA is available, else gloo. The timeout bounds every
+    collective: a rank that dies or stalls makes the others fail instead of hanging.
+    """
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend, timeout=timedelta(seconds=timeout), **kwargs)
+
+
+def _wait(work, what: str, timeout: float | None, group) -> None:
+    try:
+        if timeout is None:
+            work.wait()
+        else:
+            work.wait(timedelta(seconds=timeout))
+    except (RuntimeError, dist.DistError) as e:
+        raise _comm_error(what, e, timeout, group) from e
+
+
+def _comm_error(what: str, e: BaseException, timeout, group) -> CommunicationError:
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    limit = f" within {timeout:g} s" if timeout is not None else ""
+    return CommunicationError(
+        f"{what} failed on rank {rank} of {world}{limit}: {str(e).splitlines()[0] if str(e) else type(e).__name__}. "
+        f"A peer rank probably died or stalled; check its log. The process group is no longer "
+        f"usable: destroy it and restart all ranks (torchrun --max-restarts does this).")
+
+
+def _run(what: str, timeout, group, fn, *args, **kwargs):
+    """Launch an async collective, turning launch-time failures into CommunicationError."""
+    try:
+        return fn(*args, group=group, async_op=True, **kwargs)
+    except (RuntimeError, dist.DistError) as e:
+        raise _comm_error(what, e, timeout, group) from e
+
+
+# -- allreduce ------------------------------------------------------------------------------------
+def allreduce(tensors: Sequence[torch.Tensor], spec: CompressionSpec | Sequence[CompressionSpec] = NO_COMPRESSION,
+              group=None, error_feedback_state: dict | None = None, *, min_size: int = DEFAULT_MIN_SIZE,
+              timeout: float | None = None, generator: torch.Generator | None = None,
+              fusion_bytes: int = DEFAULT_FUSION_BYTES) -> CommStats:
+    """Average ``tensors`` over the ranks of ``group``, in place; returns what it cost.
+
+    ``spec`` is one ``CompressionSpec`` for all tensors or one per tensor (layer-wise bits);
+    ``spec_for`` keeps small and 1-d tensors uncompressed. With ``error_feedback`` the caller
+    passes the same dict as ``error_feedback_state`` on every call (residuals are keyed by the
+    tensor's position in ``tensors``). ``timeout`` (seconds) bounds each wait; failures raise
+    ``CommunicationError``.
+    """
+    start = time.perf_counter()
+    tensors = list(tensors)
+    specs = list(spec) if isinstance(spec, (list, tuple)) else [spec] * len(tensors)
+    if len(specs) != len(tensors):
+        raise ConfigError(f"allreduce got {len(specs)} specs for {len(tensors)} tensors; pass one spec or one per tensor")
+    specs = [spec_for(t, s, min_size) for t, s in zip(tensors, specs)]
+    if any(s.error_feedback for s in specs) and error_feedback_state is None:
+        raise ConfigError("a spec has error_feedback=True but allreduce got no error_feedback_state; "
+                          "pass the same dict (e.g. {}) on every call")
+    world = dist.get_world_size(group)
+    stats = CommStats(tensors=len(tensors), compressed=sum(s.lossy for s in specs), calls=1)
+    jobs = [_Job(idx, tensors, s, group, world, error_feedback_state, timeout, generator)
+            for s, idx in _fuse(tensors, specs, fusion_bytes)]
+    # Three sweeps so each buffer's compression overlaps the previous buffer's transfer.
+    for job in jobs:
+        job.launch()
+    for job in jobs:
+        job.reduce()
+    for job in jobs:
+        job.finish()
+        stats.wire_bytes += job.wire_bytes
+        stats.fp32_bytes += ring_bytes(4 * job.numel, world)
+    stats.seconds = time.perf_counter() - start
+    return stats
+
+
+def _fuse(tensors, specs, fusion_bytes):
+    """Group tensor indices by spec (first-seen order), then cut each group into fused buffers."""
+    groups: dict[CompressionSpec, list[int]] = {}
+    for i, s in enumerate(specs):
+        groups.setdefault(s, []).append(i)
+    for s, idx in groups.items():
+        cur, size = [], 0
+        for i in idx:
+            n = tensors[i].numel() * 4
+            if cur and size + n > fusion_bytes:
+                yield s, cur
+                cur, size = [], 0
+            cur.append(i)
+            size += n
+        if cur:
+            yield s, cur
+
+
+@dataclass
+class _Job:
+    """One fused buffer travelling through launch -> reduce -> finish."""
+
+    idx: list[int]
+    tensors: list
+    spec: CompressionSpec
+    group: object
+    world: int
+    ef: dict | None
+    timeout: float | None
+    generator: torch.Generator | None
+    wire_bytes: int = 0
+    numel: int = 0
+    work: object = None
+    buf: torch.Tensor | None = None
+    state: dict = field(default_factory=dict)
+
+    def launch(self):
+        ts = [self.tensors[i] for i in self.idx]
+        self.numel = sum(t.numel() for t in ts)
+        device = ts[0].device
+        self.buf = torch.empty(self.numel, dtype=torch.float32, device=device)
+        off = 0
+        for i, t in zip(self.idx, ts):
+            piece = self.buf[off: off + t.numel()]
+            piece.copy_(t.detach().reshape(-1))
+            if self.spec.error_feedback and i in self.ef:
+                r = self.ef[i]
+                if r.shape != t.shape:
+                    raise ConfigError(f"error_feedback_state[{i}] has shape {tuple(r.shape)} but tensor {i} "
+                                      f"has shape {tuple(t.shape)}; pass tensors in the same order every call")
+                piece.add_(r.reshape(-1))
+            off += t.numel()
+        kind = self.spec.kind
+        if kind == "none":
+            self.wire_bytes = ring_bytes(4 * self.numel, self.world)
+            self.work = _run("all_reduce(fp32)", self.timeout, self.group, dist.all_reduce, self.buf)
+        elif kind in ("fp16", "bf16"):
+            dt = torch.float16 if kind == "fp16" else torch.bfloat16
+            half = (self.buf / self.world).to(dt)
+            if self.spec.error_feedback:
+                self._keep_residual(self.buf - half.float() * self.world)
+            self.state["half"] = half
+            self.wire_bytes = ring_bytes(2 * self.numel, self.world)
+            self.work = _run(f"all_reduce({kind})", self.timeout, self.group, dist.all_reduce, half)
+        else:
+            self._launch_quantized()
+
+    def _launch_quantized(self):
+        s, w, rank = self.spec, self.world, dist.get_rank(self.group)
+        n = self.numel
+        # Chunks aligned to whole buckets so every bucket lives in one chunk (tiny buffers: no alignment).
+        chunk = -(-n // (w * s.bucket_size)) * s.bucket_size if n >= w * s.bucket_size else -(-n // w)
+        if chunk * w != n:   # repeat the last value: keeps the last bucket's range
+            self.buf = torch.cat([self.buf, self.buf[-1:].expand(chunk * w - n)])
+        chunks = self.buf.view(w, chunk)
+        wb = wire_bytes(chunk, s.bits, s.bucket_size, s.meta_dtype)
+        send = torch.zeros(w * wb, dtype=torch.uint8, device=self.buf.device)
+        residual = torch.zeros_like(self.buf) if s.error_feedback else None
+        for j in range(w):
+            if j == rank:          # our own chunk stays fp32 on this rank
+                continue
+            p = quantize(chunks[j], s.bits, s.bucket_size, s.rounding, self.generator, s.meta_dtype)
+            send[j * wb: (j + 1) * wb] = p.to_wire()
+            if residual is not None:
+                residual[j * chunk: (j + 1) * chunk] = chunks[j] - dequantize(p)
+        recv = torch.empty_like(send)
+        self.state.update(chunk=chunk, wb=wb, recv=recv, residual=residual, rank=rank)
+        self.wire_bytes = 2 * (w - 1) * wb
+        self.work = _run("all_to_all_single(quantized)", self.timeout, self.group,
+                         dist.all_to_all_single, recv, send)
+
+    def reduce(self):
+        if self.spec.kind != "quantized":
+            return
+        _wait(self.work, "all_to_all_single(quantized)", self.timeout, self.group)
+        s, w, st = self.spec, self.world, self.state
+        chunk, wb, rank, recv = st["chunk"], st["wb"], st["rank"], st["recv"]
+        acc = self.buf[rank * chunk: (rank + 1) * chunk].clone()
+        for j in range(w):
+            if j != rank:
+                p = Packed.from_wire(recv[j * wb: (j + 1) * wb], chunk, s.bits, s.bucket_size, s.meta_dtype)
+                acc += dequantize(p)
+        acc /= w
+        mine = quantize(acc, s.bits, s.bucket_size, s.rounding, self.generator, s.meta_dtype)
+        if st["residual"] is not None:   # the owner also keeps what re-quantization lost (x w: it is averaged)
+            st["residual"][rank * chunk: (rank + 1) * chunk] = (acc - dequantize(mine)) * w
+        gathered = torch.empty(w * wb, dtype=torch.uint8, device=acc.device)
+        st["gathered"] = gathered
+        all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        self.work = _run("all_gather(quantized)", self.timeout, self.group, all_gather, gathered, mine.to_wire())
+
+    def finish(self):
+        kind, st = self.spec.kind, self.state
+        _wait(self.work, f"collective({kind})", self.timeout, self.group)
+        if kind == "none":
+            out = self.buf.div_(self.world)
+        elif kind in ("fp16", "bf16"):
+            out = st["half"].float()
+        else:
+            s, chunk, wb = self.spec, st["chunk"], st["wb"]
+            out = torch.empty(self.world * chunk, dtype=torch.float32, device=self.buf.device)
+            for j in range(self.world):
+                p = Packed.from_wire(st["gathered"][j * wb: (j + 1) * wb], chunk, s.bits, s.bucket_size, s.meta_dtype)
+                dequantize(p, out=out[j * chunk: (j + 1) * chunk])
+            if st["residual"] is not None:
+                self._keep_residual(st["residual"])
+        off = 0
+        for i in self.idx:
+            t = self.tensors[i]
+            with torch.no_grad():
+                t.copy_(out[off: off + t.numel()].view_as(t))
+            off += t.numel()
+        self.buf = None
+        self.state.clear()
+
+    def _keep_residual(self, flat):
+        off = 0
+        for i in self.idx:
+            t = self.tensors[i]
+            self.ef[i] = flat[off: off + t.numel()].reshape(t.shape).clone()
+            off += t.numel()

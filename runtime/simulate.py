@@ -1,0 +1,154 @@
+"""simulate: a schedule's step time on a hardware description, as a discrete-event simulation over streams.
+
+>>> sim = simulate(sm.graph, sm.plan, Hardware.preset("a100-40gb"), memory=sm.predicted)
+>>> print(sim.summary())
+simulated step 1.234 s on device 0 (A100 SXM4 40GB)
+stream     busy s    util
+compute     1.100   89.1%
+h2d         0.420   34.0%
+...
+
+One loop over the schedule in program order and one table of streams. Each device has a
+compute stream and one stream per copy engine (h2d, d2h, disk, network); an op runs on
+the stream its ``cost`` names, for the seconds it returns, and every stream runs its ops
+in program order, one at a time. An op starts when its stream is free and:
+
+- its inputs (the fx nodes it reads) are done: a forward waits for its ``load_batch``,
+  an ``unstash`` for its ``stash``;
+- on the compute stream, a ``wait(h)`` holds everything after it until ``h`` is done;
+- a copy out of device memory (d2h, network) also waits for the compute issued before
+  it, since it reads what that compute wrote (a CUDA event recorded at issue);
+- a ``swap_in`` of some state waits for the ``release`` of the same state before it:
+  the write-back must land on the host before the host copy is read again.
+
+The costs read ``Device`` fields (``harmony.compiler.hardware``); the runtime never
+imports the compiler, so any object with those fields works. A device's
+``speed_factor`` stretches compute time: emulation, and the summary says so.
+The memory curve comes from ``compiler.verify.memory_curve`` run by the caller.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch.fx
+
+from harmony.runtime.executor import TraceEvent
+from harmony.runtime.ops import MemoryModel, op_of, state_names
+from harmony.runtime.plan import Plan
+
+STREAMS = ("compute", "h2d", "d2h", "disk", "network")
+READS_DEVICE = {"d2h", "network"}      # copies out of device memory: after the compute issued before them
+STATE_COPIES = {"swap_in", "release"}  # ops on (pack, kind) of training state
+
+
+@dataclass
+class SimEvent(TraceEvent):
+    """A ``TraceEvent`` of the simulator, with the device it ran on (viz/ draws each device apart)."""
+
+    device: str = "device 0"
+
+
+@dataclass
+class Simulation:
+    step_seconds: float
+    busy: dict[str, float]                 # stream -> seconds it ran ops
+    events: list[SimEvent]                 # one per op, in program order
+    device: str
+    speed_factor: float = 1.0              # the device's; other than 1 means an emulated device
+    memory: list[tuple[float, int]] = field(default_factory=list)   # (seconds, device bytes); [] without a curve
+
+    @property
+    def utilisation(self) -> dict[str, float]:
+        """Share of the step each stream was busy, 0..1."""
+        return {s: b / self.step_seconds if self.step_seconds else 0.0 for s, b in self.busy.items()}
+
+    @property
+    def emulated(self) -> bool:
+        return self.speed_factor != 1.0
+
+    @property
+    def peak_bytes(self) -> int:
+        return max((b for _, b in self.memory), default=0)
+
+    def summary(self) -> str:
+        emu = f", emulated: compute time x{self.speed_factor:g}" if self.emulated else ""
+        lines = [f"simulated step {self.step_seconds:.4g} s on {self.device}{emu}",
+                 f"{'stream':<9}{'busy s':>9}{'util':>8}"]
+        for s, b in self.busy.items():
+            lines.append(f"{s:<9}{b:>9.4g}{self.utilisation[s]:>8.1%}")
+        if self.memory:
+            lines.append(f"peak device bytes {self.peak_bytes / 2**20:.1f} MiB (predicted by verify)")
+        return "\n".join(lines)
+
+
+def simulate(graph: torch.fx.Graph, plan: Plan, hw, device: int = 0, memory=None) -> Simulation:
+    """Simulate one step of ``graph`` on ``hw.devices[device]`` (``hw`` may also be a single ``Device``).
+
+    ``memory``: the ``MemoryCurve`` of ``compiler.verify.memory_curve`` for this graph; its
+    per-op bytes are placed at the simulated times (events' live/peak bytes, ``.memory``).
+    """
+    dev = hw.devices[device] if hasattr(hw, "devices") else hw
+    label = f"device {device} ({dev.name})"
+    free = dict.fromkeys(STREAMS, 0.0)     # when each stream next idles
+    busy = dict.fromkeys(STREAMS, 0.0)
+    done: dict[torch.fx.Node, float] = {}  # when each op's result is ready
+    written_back: dict[tuple, float] = {}  # (pack, kind) -> end of its last release
+    # the values' sizes, as costs see them (stash's bytes): the effects on a model without state sizes
+    model = MemoryModel(plan, defaultdict(int))
+    for pack, what in sorted(plan.resident):
+        model.hold(what, state_names(plan.packs[pack], what))
+    values: dict[torch.fx.Node, object] = {}
+    events: list[SimEvent] = []
+    nodes = [n for n in graph.nodes if n.op == "call_function"]
+    for node in nodes:
+        op, name = op_of(node), node.target.__name__
+        args = torch.fx.node.map_arg(node.args, values.__getitem__)
+        kwargs = torch.fx.node.map_arg(node.kwargs, values.__getitem__)
+        stream, seconds = op.cost(plan, dev, *args, **kwargs)
+        values[node], _ = op.effect(model, *args, **kwargs)
+        ready = max((done[n] for n in node.all_input_nodes), default=0.0)
+        if stream == "sync":               # a wait: the compute stream idles until what it waits for is done
+            stream, start, end = "compute", free["compute"], max(free["compute"], ready)
+        else:
+            if stream == "compute":
+                seconds *= dev.speed_factor
+            if stream in READS_DEVICE:
+                ready = max(ready, free["compute"])
+            if name == "swap_in":
+                ready = max(ready, written_back.get(tuple(node.args[:2]), 0.0))
+            free.setdefault(stream, 0.0)
+            busy.setdefault(stream, 0.0)
+            start = max(free[stream], ready)
+            end = start + seconds
+            busy[stream] += seconds
+        if name == "release":
+            written_back[tuple(node.args[:2])] = end
+        free[stream] = done[node] = end
+        events.append(SimEvent(node.name, op.kind, stream, start, end, 0, 0, label))
+    sim = Simulation(max(free.values()), busy, events, label, dev.speed_factor)
+    if memory is not None:
+        _place_memory(sim, nodes, memory)
+    return sim
+
+
+def _place_memory(sim: Simulation, nodes: list, curve) -> None:
+    """Put the curve's per-op bytes on the simulated clock.
+
+    The curve is in program order, so each op's bytes count from the time the schedule
+    has reached it (the latest start of it and every op before it); between two ops the
+    device holds the earlier op's peak, an upper envelope.
+    """
+    index = {n: i for i, n in enumerate(curve.nodes)}
+    if any(n not in index for n in nodes):
+        raise ValueError("the memory curve is of another schedule graph: compute it with "
+                         "memory_curve(program, graph) for the graph you simulate")
+    reached = 0.0
+    for node, ev in zip(nodes, sim.events):
+        i = index[node]
+        reached = max(reached, ev.start)
+        ev.peak_bytes = curve.peak_at[i]
+        ev.live_bytes = curve.before[i + 1] if i + 1 < len(curve.before) else curve.before[i]
+        sim.memory += [(reached, curve.before[i]), (reached, curve.peak_at[i])]
+    if sim.memory:
+        sim.memory.append((sim.step_seconds, sim.events[-1].live_bytes))

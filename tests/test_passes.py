@@ -1,0 +1,148 @@
+"""Graph-shape checks after each pass: counts and order of the ops it inserts."""
+import sys
+import types
+
+import pytest
+import torch
+
+import harmony
+from harmony.compiler.meta import PACK
+from harmony.errors import ConfigError, PassError
+from harmony.runtime import ops
+from models import CASES, training_state_bytes
+
+
+def compiled(frac=0.5, policy="harmony", microbatches=4, passes=None, case="gpt", layers=6, **kw):
+    model, data = CASES[case](layers=layers, **kw)
+    extra = {"passes": passes} if passes else {}
+    sm = harmony.compile(model, example_batch=data[0], memory_budget=int(training_state_bytes(model) * frac),
+                         microbatches=microbatches, policy=policy, **extra)
+    return sm, data
+
+
+def calls(sm):
+    return [n for n in sm.graph.nodes if n.op == "call_function"]
+
+
+def names(sm, op=None):
+    return [n for n in calls(sm) if op is None or n.target is op]
+
+
+def test_partition_covers_every_node_once_in_order():
+    sm, _ = compiled(passes=("partition",))
+    packs = [n.meta[PACK] for n in sm.program.gm.graph.nodes if PACK in n.meta]
+    assert packs == sorted(packs) and set(packs) == set(range(len(sm.plan.packs)))
+    owned = [p for spec in sm.plan.packs for p in spec.owned]
+    assert sorted(owned) == sorted(n for n, p in sm.program.gm.named_parameters())
+    for spec in sm.plan.packs[1:]:
+        assert spec.inputs, "every pack after the first reads something from the one before"
+
+
+def test_harmony_schedule_runs_each_pack_over_all_microbatches():
+    sm, _ = compiled(passes=("partition", "schedule"))
+    n_packs, m = len(sm.plan.packs), 4
+    fwd = [(n.args[0], n.args[1]) for n in names(sm, ops.forward)]
+    bwd = [(n.args[0], n.args[1]) for n in names(sm, ops.backward)]
+    assert len(fwd) == len(bwd) == n_packs * m
+    last = n_packs - 1
+    # forward: pack-major for every pack but the last; the last pack runs forward+backward per microbatch
+    assert fwd == [(p, mb) for p in range(n_packs) for mb in range(m)]
+    order = [(n.target.__name__, n.args[0], n.args[1] if len(n.args) > 1 else None) for n in calls(sm)
+             if n.target in (ops.forward, ops.backward)]
+    tail = [o for o in order if o[1] == last]
+    assert tail == [(k, last, mb) for mb in range(m) for k in ("forward", "backward")]
+    assert bwd[m:] == [(p, mb) for p in reversed(range(last)) for mb in range(m)]
+    steps = [n.args[0] for n in names(sm, ops.step)]
+    assert steps == list(reversed(range(n_packs))), "each pack steps right after its backward"
+    assert all(n.kwargs["saved"] is None for n in names(sm, ops.backward) if n.args[0] != last)
+
+
+def test_sequential_schedule_is_microbatch_major():
+    sm, _ = compiled(policy="sequential", passes=("partition", "schedule"))
+    n_packs = len(sm.plan.packs)
+    fwd = [(n.args[1], n.args[0]) for n in names(sm, ops.forward)]
+    assert fwd == sorted(fwd)
+    assert [n.args[0] for n in names(sm, ops.step)] == list(reversed(range(n_packs)))
+    assert calls(sm)[-1].target is ops.step
+
+
+def test_swap_brings_weights_in_once_per_phase_under_harmony():
+    sm, _ = compiled(frac=0.25, passes=("partition", "schedule", "swap"))
+    n_packs = len(sm.plan.packs)
+    params_in = [n.args[0] for n in names(sm, ops.swap_in) if n.args[1] == "params"]
+    resident = {p for p, k in sm.plan.resident if k == "params"}
+    for p in range(n_packs):
+        expected = 0 if p in resident else (1 if p == n_packs - 1 else 2)
+        assert params_in.count(p) == expected, (p, params_in)
+    # every swap_in is waited on before the first op of its visit, and released after the last
+    for h in names(sm, ops.swap_in):
+        waits = [u for u in h.users if u.target is ops.wait]
+        assert len(waits) == 1
+    assert len(names(sm, ops.swap_in)) == len(names(sm, ops.release))
+
+
+def test_sequential_swaps_every_pack_every_microbatch():
+    sm, _ = compiled(frac=0.25, policy="sequential", passes=("partition", "schedule", "swap"))
+    resident = {p for p, k in sm.plan.resident if k == "params"}
+    swapped = [p for p in range(len(sm.plan.packs)) if p not in resident]
+    params_in = [n.args[0] for n in names(sm, ops.swap_in) if n.args[1] == "params"]
+    for p in swapped:
+        assert params_in.count(p) >= 4
+
+
+def test_nothing_to_do_when_everything_fits():
+    sm, data = compiled(frac=4.0)
+    assert not names(sm, ops.swap_in) and not names(sm, ops.release) and not names(sm, ops.stash)
+    assert len(sm.plan.packs) == 1
+    sm(*data[0])
+    assert sm.stats["h2d_bytes"] == sm.stats["predicted_h2d"]   # only the batch comes in
+
+
+def test_stash_moves_pack_inputs_out_between_forward_and_recompute():
+    sm, _ = compiled(frac=0.25, microbatches=8)
+    stashes = names(sm, ops.stash)
+    assert stashes, "a tight budget with 8 microbatches must stash activations"
+    for s in stashes:
+        assert all(u.target is ops.unstash for u in s.users)
+
+
+def test_prefetch_hoists_swap_ins_over_compute_within_budget():
+    before, _ = compiled(frac=0.5, passes=("partition", "schedule", "swap"))
+    after, _ = compiled(frac=0.5)
+    report = after.program.reports[-1]
+    assert report.totals["swap_ins_hoisted"] > 0
+    assert after.predicted.peak <= after.program.config.usable_budget
+
+    def gap(sm):   # ops between each swap_in and its wait
+        order = {n: i for i, n in enumerate(calls(sm))}
+        return sum(order[next(iter(h.users))] - order[h] for h in names(sm, ops.swap_in))
+    assert gap(after) > gap(before)
+
+
+def test_history_has_the_schedule_after_each_pass():
+    sm, _ = compiled()
+    assert [h[0] for h in sm.history] == ["partition", "schedule", "swap", "prefetch"]
+    assert "swap_in" in sm.code and "def forward" in sm.code
+
+
+def test_unknown_pass_and_policy_and_order():
+    model, data = CASES["gpt"]()
+    with pytest.raises(ConfigError, match="unknown pass 'fuse'"):
+        harmony.compile(model, example_batch=data[0], passes=("partition", "fuse"))
+    with pytest.raises(ConfigError, match="unknown policy"):
+        harmony.compile(model, example_batch=data[0], policy="lru")
+    with pytest.raises(ConfigError, match="requires \\['packs'\\]"):
+        harmony.compile(model, example_batch=data[0], passes=("schedule",))
+
+
+def test_a_failing_pass_is_named_with_the_passes_before_it(monkeypatch):
+    broken = types.ModuleType("harmony.passes.broken")
+    broken.NAME, broken.REQUIRES, broken.PROVIDES = "broken", {"schedule"}, set()
+
+    def run(program, ctx):
+        raise ValueError("boom")
+    broken.run = run
+    monkeypatch.setitem(sys.modules, "harmony.passes.broken", broken)
+    model, data = CASES["gpt"]()
+    with pytest.raises(PassError, match=r"pass 'broken' failed after passes \['partition', 'schedule'\]"):
+        harmony.compile(model, example_batch=data[0], passes=("partition", "schedule", "broken"))
