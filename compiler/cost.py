@@ -450,13 +450,3 @@ def optimizer_profile(optimizer: type, kwargs: dict) -> dict:
     follows = "sum" if three - two > 0.5 * max(two - one, 1e-9) and three - two > 0.5 else "largest"
     return {"state_per_byte": state / (4 * n), "extra_first": one, "extra_second": two - one,
             "extra_follows": follows}
-
-
-def step_extra(profile: dict, sizes: list[int]) -> int:
-    """Transient bytes of one optimizer step over tensors of ``sizes`` bytes (see optimizer_profile)."""
-    if not sizes:
-        return 0
-    if profile["extra_follows"] == "sum":
-        return int(profile["extra_first"] * sum(sizes))
-    top = sorted(sizes, reverse=True) + [0]
-    return int(profile["extra_first"] * top[0] + profile["extra_second"] * top[1])

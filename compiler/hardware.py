@@ -3,8 +3,12 @@
 >>> hw = Hardware.preset("a100-40gb", count=4, link="pcie4")
 >>> hw.devices[0].flops, hw.devices[0].h2d_bandwidth          # dense fp32 FLOP/s, bytes/s
 (19500000000000.0, 31500000000.0)
->>> Hardware.preset(["l4", "l4", "a6000", "p40"])               # a mixed cluster (Cephalo's example)
->>> Hardware.this_machine()                                     # the cached profile, else detect()
+>>> mixed = Hardware.preset(["l4", "l4", "a6000", "p40"])       # a mixed cluster (Cephalo's example)
+>>> cpu = Hardware.this_machine().logical([512 * 2**20])        # this CPU as a device with a 512 MiB budget
+>>> print(Hardware.profile(seconds=8).describe())               # measure this machine (and cache it)
+device 0: cpu (2 cores, AMD EPYC), 23.5 GiB, 0.0902 TFLOP/s fp32, h2d 13.4 GB/s (memcpy), memory 26.87 GB/s
+host: 23.5 GiB, disk read 3.26 GB/s, write 3.17 GB/s, network 1.25 GB/s + 50 us
+measured by Hardware.profile: fp32 matmul at 2 threads, memcpy, disk (O_DIRECT); nominal, not measured: network
 
 Units everywhere: bytes, bytes per second, seconds, FLOP/s.
 
@@ -19,8 +23,9 @@ conventions apply to all of them:
 - The host link is PCIe x16 at the PCI-SIG per-direction rate (8, 16, 32 GT/s per lane,
   128b/130b encoding: 15.75, 31.5, 63 GB/s for gen 3, 4, 5); NVIDIA's datasheets quote
   the two directions together (32, 64, 128 GB/s). Measured pinned copies reach roughly
-  80% of the per-direction rate; pass ``link=<bytes/s>`` for a measured figure (the
-  Harmony paper's scheduler assumes about 11.5 GB/s on PCIe 3).
+  80% of the per-direction rate; pass ``link=<bytes/s>`` for a measured figure
+  (msr-fiddle/harmony's scheduler, 3_scheduler/sched_args.py, defaults to a swap
+  bandwidth of 11.5 GiB/s per direction for its GTX 1080 Ti servers: ``link=11.5 * 2**30``).
 
 Host, disk and network figures of a preset are nominal placeholders, not from any
 spec sheet (``NOMINAL``); pass your own as keyword arguments.
@@ -162,7 +167,8 @@ class Hardware:
         if len(factors) != len(budgets):
             raise ConfigError(f"{len(budgets)} budgets but {len(factors)} speed factors")
         base = self.devices[0]
-        devices = tuple(base.replace(name=f"{base.name} #{i}" + (f" (emulated x{f:g})" if f != 1 else ""),
+        devices = tuple(base.replace(name=base.name + (f" #{i}" if len(budgets) > 1 else "")
+                                     + (f" (emulated x{f:g})" if f != 1 else ""),
                                      memory=int(b), speed_factor=float(f))
                         for i, (b, f) in enumerate(zip(budgets, factors)))
         notes = self.notes + (("emulated: speed factors stretch compute time",) if any(f != 1 for f in factors) else ())
@@ -190,8 +196,8 @@ class Hardware:
         with ``hw.logical([budget])``.
         """
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        ram = _meminfo("MemTotal")
-        dev = Device(name=f"cpu ({cores} cores{', ' + _cpu_model() if _cpu_model() else ''})", memory=ram,
+        ram, model = _meminfo("MemTotal"), _cpu_model()
+        dev = Device(name=f"cpu ({cores} cores{', ' + model if model else ''})", memory=ram,
                      peak_flops={"fp32": cores * NOMINAL_CORE_FLOPS}, h2d_bandwidth=NOMINAL_MEMCPY,
                      d2h_bandwidth=NOMINAL_MEMCPY, memory_bandwidth=2 * NOMINAL_MEMCPY, link="memcpy",
                      source="Hardware.detect: nominal per-core FLOP/s and memcpy rate, not measured")
@@ -214,7 +220,7 @@ class Hardware:
         copy = _memcpy_bandwidth(0.2 * seconds)
         read, write, how = _disk_bandwidth(0.4 * seconds, path)
         cpu = base.devices[0]
-        dev = cpu.replace(name=cpu.name.replace("cores", f"cores, {threads} threads"), peak_flops={"fp32": flops},
+        dev = cpu.replace(peak_flops={"fp32": flops},
                           h2d_bandwidth=copy, d2h_bandwidth=copy, memory_bandwidth=2 * copy,
                           source=f"Hardware.profile {time.strftime('%Y-%m-%d %H:%M')}: measured")
         hw = base.replace(devices=(dev,), host_flops=flops, host_memory_bandwidth=2 * copy,
@@ -377,15 +383,9 @@ def _disk_bandwidth(budget: float, path=None, block: int = 16 * 2**20, cap: int 
     fd, name = tempfile.mkstemp(prefix="harmony-disk-", dir=path)
     os.close(fd)
     try:
-        direct = getattr(os, "O_DIRECT", 0)
-        try:
-            fd = os.open(name, os.O_WRONLY | direct)
-            os.write(fd, buf)
-        except OSError:                      # tmpfs and some others refuse O_DIRECT
-            direct = 0
-            fd = os.open(name, os.O_WRONLY)
+        direct = os.O_DIRECT if _takes_direct_io(name, buf) else 0
         how = "O_DIRECT" if direct else "fsync + posix_fadvise DONTNEED"
-        os.lseek(fd, 0, os.SEEK_SET)
+        fd = os.open(name, os.O_WRONLY | direct)
         written, t0 = 0, time.perf_counter()
         while written < cap and (written == 0 or time.perf_counter() - t0 < budget / 2):
             written += os.write(fd, buf)
@@ -407,3 +407,20 @@ def _disk_bandwidth(budget: float, path=None, block: int = 16 * 2**20, cap: int 
         os.unlink(name)
         buf.close()
     return read, write, how
+
+
+def _takes_direct_io(name: str, buf) -> bool:
+    """Whether the file system under ``name`` takes an O_DIRECT write (tmpfs and some others refuse it)."""
+    if not hasattr(os, "O_DIRECT"):
+        return False
+    try:
+        fd = os.open(name, os.O_WRONLY | os.O_DIRECT)
+    except OSError:
+        return False
+    try:
+        os.write(fd, buf)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)

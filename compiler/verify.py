@@ -63,7 +63,10 @@ def memory_curve(program, graph: torch.fx.Graph | None = None, check_residency: 
         name = node.target.__name__
         if check_residency and name in NEEDS:
             spec = plan.packs[node.args[0]]
-            for kind in NEEDS[name]:
+            kinds = NEEDS[name]
+            if name == "step" and node.kwargs.get("stream"):
+                kinds = ("params", "grads")   # a streaming step brings the optimizer state itself
+            for kind in kinds:
                 for s in (state_names(spec, kind)):
                     if not model.resident(kind, s):
                         curve.missing.append((node, kind, s))

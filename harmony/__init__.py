@@ -6,8 +6,9 @@
 """
 from harmony import errors
 from harmony.api import ScheduledModule, compile
+from harmony.compiler.hardware import Device, Hardware
 
-__all__ = ["compile", "ScheduledModule", "errors"]
+__all__ = ["compile", "ScheduledModule", "Hardware", "Device", "errors"]
 __version__ = "0.1.0"
 
 

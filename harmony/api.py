@@ -20,11 +20,15 @@ POLICIES = ("harmony", "sequential", "ondemand")
 
 def compile(model: torch.nn.Module, example_batch, *, optimizer=torch.optim.AdamW, optimizer_kwargs=None,
             memory_budget="1GiB", microbatches: int = 1, policy: str = "harmony", loss_fn=None,
-            leaf_modules=(), passes=DEFAULT_PIPELINE, device="cpu") -> "ScheduledModule":
+            leaf_modules=(), passes=DEFAULT_PIPELINE, device="cpu", hardware=None) -> "ScheduledModule":
     """Plan and build a training step for ``model`` that fits ``memory_budget`` per device.
 
     >>> sm = harmony.compile(model, example_batch=(x, y), memory_budget="512MiB", microbatches=8)
     >>> loss = sm(x, y)          # forward, backward and optimizer update of one whole batch
+
+    ``hardware`` (a ``Hardware``, ``Device`` or preset name such as ``"a100-40gb"``) gives the
+    planner the device's FLOP/s and host-link bandwidth to weigh compute against traffic;
+    by default it plans for this machine's CPU.
     """
     t0 = time.perf_counter()
     if policy not in POLICIES:
@@ -43,6 +47,9 @@ def compile(model: torch.nn.Module, example_batch, *, optimizer=torch.optim.Adam
     config = CompileConfig(memory_budget=parse_bytes(memory_budget), microbatches=microbatches,
                            batch_size=batch_size, policy=policy, optimizer=optimizer,
                            optimizer_kwargs=dict(optimizer_kwargs or {}))
+    if hardware is not None:
+        dev = _device_of(hardware)
+        config.flops, config.copy_bandwidth = dev.flops, dev.h2d_bandwidth
     example = dict(zip(names, batch)) if names else tuple(batch)
     gm = trace(model, example, loss_fn=loss_fn, leaf_modules=leaf_modules)
     t_trace = time.perf_counter()
@@ -55,6 +62,17 @@ def compile(model: torch.nn.Module, example_batch, *, optimizer=torch.optim.Adam
     sm.compile_seconds = dict(trace=t_trace - t0, cost=t_cost - t_trace, passes=time.perf_counter() - t_cost,
                               total=time.perf_counter() - t0)
     return sm
+
+
+def _device_of(hardware):
+    from harmony.compiler.hardware import Device, Hardware
+    if isinstance(hardware, str):
+        return Device.preset(hardware)
+    if isinstance(hardware, Hardware):
+        return hardware.devices[0]
+    if isinstance(hardware, Device):
+        return hardware
+    raise ConfigError(f"hardware={hardware!r}: give a Hardware, a Device or a preset name such as 'a100-40gb'")
 
 
 def _batch_items(batch):
@@ -139,6 +157,17 @@ class ScheduledModule(torch.nn.Module):
                           h2d_bytes=rt.state.moved["h2d"], d2h_bytes=rt.state.moved["d2h"],
                           predicted_h2d=self.predicted.moved["h2d"], predicted_d2h=self.predicted.moved["d2h"])
         return loss
+
+    def simulate(self, hardware=None, device: int = 0):
+        """One step simulated on ``hardware``: a ``Hardware``, a preset name, or None (this machine under the budget)."""
+        from harmony.compiler.hardware import Hardware
+        from harmony.runtime.simulate import simulate
+        if self.predicted is None:
+            raise ConfigError("this module has no schedule to simulate; compile with the default passes")
+        if hardware is None or isinstance(hardware, str):
+            hardware = Hardware.preset(hardware) if hardware else \
+                Hardware.this_machine().logical([self.program.config.memory_budget])
+        return simulate(self.graph, self.plan, hardware, device, memory=self.predicted)
 
     def report(self, fmt: str = "text") -> str:
         from harmony.viz.report import render

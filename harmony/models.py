@@ -59,6 +59,11 @@ class GPT(nn.Module):
         self.head = nn.Linear(c.width, c.vocab, bias=False)
         if c.tie:
             self.head.weight = self.tok.weight
+        for m in self.modules():   # GPT-2's initialisation: small weights, so the first loss is about ln(vocab)
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, std=0.02)
+            if isinstance(m, nn.Linear) and m.bias is not None:
+                nn.init.zeros_(m.bias)
 
     def forward(self, idx, targets):
         t = idx.shape[1]

@@ -18,11 +18,11 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 
-from harmony.compiler.cost import measure_pack, step_extra
+from harmony.compiler.cost import measure_pack
 from harmony.compiler.ir import PassReport, PassResult, Program
 from harmony.compiler.meta import COST, MODULE_PATH, PACK, STATE
 from harmony.errors import BudgetError
-from harmony.runtime.plan import PackSpec, Plan
+from harmony.runtime.plan import PackSpec, Plan, step_extra
 from harmony.units import fmt_bytes
 
 NAME = "partition"
@@ -161,17 +161,40 @@ class _Need:
         bufs = frozenset().union(*(u.buffers for u in us))
         pbytes = sum(self.sizes[n] for n in params)
         bbytes = sum(self.sizes[n] for n in bufs)
-        extra = step_extra(self.p.optim_profile, [self.sizes[n] for n in params])
+        prof = self.p.optim_profile   # the step brings one parameter's optimizer state in at a time
+        extra = max((self.state_per_byte * self.sizes[n] + step_extra(prof, [self.sizes[n]]) for n in params),
+                    default=0)
         kept = sum(u.kept for u in us)
         boundary = us[0].cross_in + (self.units[e].cross_in if e < len(self.units) else 0)
         act = max(max(u.peak for u in us) + boundary, kept + max(u.bwd for u in us) + 2 * boundary)
-        need = pbytes + bbytes + pbytes + max(self.state_per_byte * pbytes + extra, act)
+        need = pbytes + bbytes + pbytes + max(extra, act)
         cfg = self.p.config
         m = cfg.microbatches
         flops = sum(u.fwd_flops + u.bwd_flops + (0 if last else u.fwd_flops) for u in us) * m
         traffic = (pbytes + bbytes) * (1 if last else 2) + pbytes * 2 * self.state_per_byte
         seconds = max(flops / cfg.flops, traffic / cfg.copy_bandwidth) + 1e-4
         return need, seconds
+
+    def traffic(self, s: int, e: int, last: bool) -> float:
+        """Bytes a swapped pack moves per iteration: weights in per phase, out once updated, optimizer state in and out."""
+        params = frozenset().union(*(u.params for u in self.units[s:e]))
+        pbytes = sum(self.sizes[n] for n in params)
+        return pbytes * ((1 if last else 2) + 1) + pbytes * 2 * self.state_per_byte
+
+    def plan_cost(self, cuts, budget: float) -> tuple[float, float]:
+        """(seconds, bytes moved) of a partition, counting what the room left beside the largest pack keeps resident."""
+        last = len(cuts) - 1
+        moved = sum(self.traffic(s, e, i == last) for i, (s, e) in enumerate(cuts))
+        room = budget - max(self(s, e, i == last)[0] for i, (s, e) in enumerate(cuts))
+        total = sum(self.sizes[n] for n in frozenset().union(*(u.params for u in self.units)))
+        left = max(0.0, moved - 3 * min(max(room, 0.0), total))
+        share = left / moved if moved else 0.0     # the traffic residency does not save
+        cfg, m = self.p.config, self.p.config.microbatches
+        seconds = 0.0
+        for i, (s, e) in enumerate(cuts):
+            flops = sum(u.fwd_flops * (1 if i == last else 2) + u.bwd_flops for u in self.units[s:e]) * m
+            seconds += max(flops / cfg.flops, share * self.traffic(s, e, i == last) / cfg.copy_bandwidth) + 1e-4
+        return seconds, left
 
 
 def plan_packs(program: Program, units: list[Unit], budget: float) -> list[tuple[int, int]] | None:
@@ -252,6 +275,8 @@ def build_packs(program: Program, cuts: list[tuple[int, int]], units: list[Unit]
         owned = [sizes[n] for n in spec.owned]
         spec.optim_bytes = int(prof["state_per_byte"] * sum(owned))
         spec.step_extra = step_extra(prof, owned)
+        spec.stream_step_peak = max((int(prof["state_per_byte"] * b) + step_extra(prof, [b]) for b in owned),
+                                    default=0)
         spec.fwd_flops = int(sum(n.meta[COST].fwd_flops.at(program.config.microbatch_size) for n in nodes))
         spec.bwd_flops = int(sum(n.meta[COST].bwd_flops.at(program.config.microbatch_size) for n in nodes))
         vals = [program.fake.vals[a] for a in inputs]
@@ -306,7 +331,7 @@ def measured_need(program: Program, spec: PackSpec, last: bool) -> int:
     state = spec.param_bytes + spec.buffer_bytes
     grads = spec.param_bytes
     inputs = spec.in_bytes + sum(program.fake_batch_bytes.get(n, 0) for n in spec.inputs)
-    step = state + grads + spec.optim_bytes + spec.step_extra
+    step = state + grads + spec.stream_step_peak
     if last:
         compute = max(inputs + spec.fwd_keep_peak, inputs + spec.out_bytes + spec.saved_bytes + spec.bwd_peak)
     else:
@@ -315,9 +340,32 @@ def measured_need(program: Program, spec: PackSpec, last: bool) -> int:
     return int(max(state + grads + compute, step))
 
 
+def _working_set_cap(program: Program, units: list[Unit], budget: int) -> int:
+    """The largest working set a pack may have: smaller packs leave room for resident state.
+
+    Tries caps from the budget down to the largest single layer's need; keeps the one
+    with the least predicted time, and among those within 2% of it the least traffic.
+    """
+    need = _Need(program, units)
+    n = len(units)
+    floor = max([need(i, i + 1, False)[0] for i in range(n - 1)] + [need(n - 1, n, True)[0]])
+    if floor >= budget:
+        return budget
+    plans = []
+    for k in range(10):
+        cap = budget * (floor / budget) ** (k / 9)
+        cuts = plan_packs(program, units, cap)
+        if cuts is not None:
+            plans.append((cap, *need.plan_cost(cuts, budget)))
+    if not plans:
+        return budget
+    fastest = min(p[1] for p in plans)
+    return int(min((p for p in plans if p[1] <= fastest * 1.02), key=lambda p: p[2])[0])
+
+
 def _choose(program: Program, units: list[Unit], budget: int):
     """The DP on unit estimates, corrected by measuring the packs it picks until they fit."""
-    target = budget
+    target = _working_set_cap(program, units, budget)
     for _ in range(8):
         cuts = plan_packs(program, units, target)
         if cuts is None:

@@ -5,10 +5,11 @@
 2. Otherwise each visit of a pack (a run of ops on it) gets ``swap_in`` + ``wait``
    before its first op and ``release`` after its last, for the kinds of state the ops
    need: parameters (forward), plus gradients (backward), plus optimizer state (step).
-3. Activation handles that live across the peak are stashed to the host after their
-   first use and unstashed before each later use, largest first, until the predicted
-   peak fits.
-4. Packs are then made resident, most traffic saved per byte first, while it fits.
+3. Every activation handle that a later op reads is stashed to the host (after its
+   first use when it has two, the pack's forward and its recompute).
+4. From that least-memory plan, state and activation groups are kept on the device,
+   most bytes moved saved per byte held first (parameters: 3 per byte, optimizer
+   state and activations: 2), while the predicted peak fits.
 """
 from __future__ import annotations
 
@@ -52,21 +53,26 @@ def _visits(graph):
 
 
 def insert_swaps(graph: torch.fx.Graph, resident: set) -> None:
+    """Swap ops around each visit; a step whose optimizer state is not resident streams it in and out."""
     for p, first, last, kinds in _visits(graph):
-        for kind in KINDS:
+        for kind in ("params", "grads"):
             if kind not in kinds or (p, kind) in resident:
                 continue
-            # optimizer state is only needed by the step: bring it in just for that op
-            lo = first if kind != "optim" else next(n for n in _range(first, last) if n.target is ops.step)
-            with graph.inserting_before(lo):
+            with graph.inserting_before(first):
                 h = graph.call_function(ops.swap_in, (p, kind))
                 h.name = graph._graph_namespace.create_name(f"{kind}{p}", h)
                 w = graph.call_function(ops.wait, (h,))
-            hi = last if kind != "optim" else lo
-            with graph.inserting_after(hi):
+            with graph.inserting_after(last):
                 r = graph.call_function(ops.release, (p, kind))
             for x in (h, w, r):
                 x.meta[SCHEDULE] = {"pack": p, "kind": kind}
+    mark_streams(graph, resident)
+
+
+def mark_streams(graph: torch.fx.Graph, resident: set) -> None:
+    for n in _calls(graph):
+        if n.target is ops.step:
+            n.kwargs = {**n.kwargs, "stream": (n.args[0], "optim") not in resident}
 
 
 def _range(a, b):
@@ -99,36 +105,17 @@ def stash_value(graph: torch.fx.Graph, value: torch.fx.Node) -> bool:
     return True
 
 
-def _stash_until_fits(program: Program, budget: int) -> int:
-    """Stash the activation handles live across the predicted peak, the pack with most bytes there first."""
-    graph = program.schedule
-    stashed = 0
-    tried = set()
-    while True:
-        curve = memory_curve(program, check_residency=False)
-        if curve.peak <= budget:
-            return stashed
-        at = curve.argmax()
-        order = {n: i for i, n in enumerate(curve.nodes)}
-        groups: dict = {}
-        sizes = {}
-        for n in curve.nodes:   # pack outputs (forward) and gradients of pack inputs (backward)
-            if n.target in (ops.forward, ops.backward) and n not in tried and not n.kwargs.get("keep"):
-                users = [order[u] for u in n.users if u in order]
-                if users and order[n] < at <= max(users):
-                    key = (n.target, n.args[0])
-                    groups.setdefault(key, []).append(n)
-                    spec = program.plan.packs[n.args[0]]
-                    sizes[key] = sizes.get(key, 0) + (spec.out_bytes if n.target is ops.forward else spec.in_bytes)
-        if not groups:
-            return -1
-        key = max(groups, key=sizes.__getitem__)
-        # every microbatch of that pack alike, also the ones not live at this peak
-        for n in curve.nodes:
-            if (n.target, n.args[0]) == key and n not in tried and not n.kwargs.get("keep"):
-                tried.add(n)
-                stashed += stash_value(graph, n)
-        tried.update(groups[key])
+def stash_groups(graph: torch.fx.Graph) -> dict:
+    """Activation handles that could go to the host, grouped by (op, pack) over all microbatches.
+
+    Pack outputs (``forward``, unless the pack's backward reuses its graph at once) and
+    gradients of pack inputs (``backward``) that a later op reads.
+    """
+    groups: dict = {}
+    for n in _calls(graph):
+        if n.target in (ops.forward, ops.backward) and not n.kwargs.get("keep") and n.users:
+            groups.setdefault((n.target.__name__, n.args[0]), []).append(n.name)
+    return groups
 
 
 def _drop_swaps(graph: torch.fx.Graph, pack: int, kinds) -> None:
@@ -140,25 +127,46 @@ def _drop_swaps(graph: torch.fx.Graph, pack: int, kinds) -> None:
             graph.erase_node(n)
 
 
+def _build(base: torch.fx.Graph, resident: set, stashed: set, groups: dict) -> torch.fx.Graph:
+    """The swapped schedule with ``resident`` state left in place and the ``stashed`` groups sent to the host."""
+    g = _copy(base)
+    for pack, kind in resident:
+        _drop_swaps(g, pack, (kind,))
+    mark_streams(g, resident)
+    by_name = {n.name: n for n in g.nodes}
+    for key in stashed:
+        for name in groups[key]:
+            stash_value(g, by_name[name])
+    return g
+
+
 def run(program: Program, ctx) -> PassResult:
     start = time.perf_counter()
     plan, budget = program.plan, program.config.usable_budget
-    all_state = {(p.index, k) for p in plan.packs for k in KINDS}
     report = PassReport("swap: data movement")
     if program.config.policy == "ondemand":
         report.notes.append("policy ondemand: no planned movement; the runtime fetches state when an op "
                             "touches it and evicts the least recently used state when the budget is hit")
         return PassResult(program, report)
-    plan.resident = set(all_state)
+    plan.resident = {(p.index, k) for p in plan.packs for k in KINDS}
     if memory_curve(program, check_residency=False).peak <= budget:
         report.notes.append("everything fits the budget: all state stays resident, no swap inserted")
         report.totals = dict(resident_packs=len(plan.packs), swaps=0, stashes=0)
         return PassResult(program, report)
+
+    # start from the least memory: every pack swapped, every activation handle stashed ...
     plan.resident = set()
     insert_swaps(program.schedule, plan.resident)
-    stashed = _stash_until_fits(program, budget)
-    curve = memory_curve(program, check_residency=False)
-    if stashed < 0 or curve.peak > budget:
+    base = program.schedule
+    groups = stash_groups(base)
+    chosen = (set(), set(groups))
+
+    def fits(resident, stashed):
+        program.schedule, plan.resident = _build(base, resident, stashed, groups), resident
+        return memory_curve(program, check_residency=False)
+
+    curve = fits(*chosen)
+    if curve.peak > budget:
         at = curve.nodes[curve.argmax()]
         need = int(program.config.memory_budget * curve.peak / budget * 1.05) + 1
         raise BudgetError(
@@ -166,31 +174,51 @@ def run(program: Program, ctx) -> PassResult:
             f"and every activation stashed, the predicted peak is {fmt_bytes(curve.peak)} at {at.name}, over "
             f"the {fmt_bytes(budget)} the planner may fill. Raise memory_budget to about {fmt_bytes(need)} "
             f"({need} bytes) or use more microbatches.", min_budget=need)
-    # keep packs resident where it still fits: most bytes moved per byte held first
-    resident_rows = []
-    for p in sorted(plan.packs, key=lambda s: -(s.param_bytes + s.buffer_bytes)):
-        for kinds in (("params", "grads", "optim"), ("params", "grads"), ("params",)):
-            trial = plan.resident | {(p.index, k) for k in kinds}
-            saved = program.schedule
-            g = _copy(saved)
-            _drop_swaps(g, p.index, kinds)
-            program.schedule, old = g, plan.resident
-            plan.resident = trial
-            if memory_curve(program, check_residency=False).peak <= budget:
-                resident_rows.append(dict(pack=p.index, resident="+".join(kinds)))
-                break
-            program.schedule, plan.resident = saved, old
+    # ... then keep on the device what saves the most bytes moved per byte held, while it fits
+    n_packs, m = len(plan.packs), plan.microbatches
+    candidates = []
+    for spec in plan.packs:
+        phases = m if program.config.policy == "sequential" else 1
+        per_byte = phases * (2 if spec.index == n_packs - 1 else 3)   # in for forward and backward, out once
+        candidates.append((per_byte, spec.param_bytes + spec.buffer_bytes, ("params", spec.index)))
+        candidates.append((2, spec.optim_bytes, ("optim", spec.index)))   # in and out around the step
+    for key, names in groups.items():
+        spec = plan.packs[key[1]]
+        size = (spec.out_bytes if key[0] == "forward" else spec.in_bytes) * len(names)
+        candidates.append((2, size, ("keep",) + key))                   # out and back in
+    # Where compute outweighs copies (a CPU, a fast link), hiding copies behind compute matters more
+    # than their volume: leave room to prefetch the largest pack's weights. Where copies outweigh
+    # compute, every byte not moved is time saved: fill the budget.
+    cfg = program.config
+    compute = sum(s.fwd_flops * 2 + s.bwd_flops for s in plan.packs) * m / cfg.flops
+    copies = sum(c[0] * c[1] for c in candidates) / cfg.copy_bandwidth
+    room = budget - (max(s.param_bytes + s.buffer_bytes for s in plan.packs) if compute > copies else 0)
+    rows = []
+    for per_byte, size, what in sorted(candidates, key=lambda c: (-c[0], -c[1])):
+        if size == 0:
+            continue
+        resident, stashed = chosen
+        if what[0] == "keep":
+            trial = (resident, stashed - {what[1:]})
+        else:
+            kinds = (what[0], "grads") if what[0] == "params" else (what[0],)
+            trial = (resident | {(what[1], k) for k in kinds}, stashed)
+        if fits(*trial).peak <= room:
+            chosen = trial
+            rows.append(dict(kept=what[0] if what[0] != "keep" else f"{what[1]} outputs" if what[1] == "forward"
+                             else "input grads", pack=what[-1], MiB=size / 2**20, saves_per_byte=per_byte))
+    curve = fits(*chosen)
     counts = {}
     for n in _calls(program.schedule):
         counts[n.target.__name__] = counts.get(n.target.__name__, 0) + 1
-    report.rows = resident_rows
-    curve = memory_curve(program, check_residency=False)
+    report.rows = rows
     report.totals = dict(swap_ins=counts.get("swap_in", 0), releases=counts.get("release", 0),
                          stashes=counts.get("stash", 0), unstashes=counts.get("unstash", 0),
-                         resident=len(resident_rows), predicted_peak_MiB=curve.peak / 2**20,
+                         kept_on_device=len(rows), predicted_peak_MiB=curve.peak / 2**20,
                          h2d_MiB=curve.moved["h2d"] / 2**20, d2h_MiB=curve.moved["d2h"] / 2**20,
                          seconds=time.perf_counter() - start)
-    report.notes.append("forced by the budget: the state of all packs does not fit at once")
+    report.notes.append("forced by the budget: the state of all packs does not fit at once; started from "
+                        "everything swapped and stashed, then kept on the device what saves most traffic per byte")
     return PassResult(program, report)
 
 

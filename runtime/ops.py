@@ -88,7 +88,7 @@ def forward(pack: int, mb: int, *inputs, keep: bool = False): ...
 def backward(pack: int, mb: int, *inputs, saved=None, grads=()): ...
 def stash(value): ...
 def unstash(value): ...
-def step(pack: int): ...
+def step(pack: int, stream: bool = False): ...
 
 
 OPS: dict[str, OpDef] = {}
@@ -150,7 +150,8 @@ def _release_effect(m, pack, what):
 
 def _release_cost(plan, hw, pack, what):
     spec = plan.packs[pack]
-    size = {"params": spec.param_bytes, "grads": 0, "optim": spec.optim_bytes}[what]
+    # the whole write-back; the simulator scales it by what the effect moves (dirty params, existing grads)
+    size = {"params": spec.param_bytes, "grads": spec.param_bytes, "optim": spec.optim_bytes}[what]
     return "d2h", size / hw.d2h_bandwidth
 
 
@@ -330,18 +331,41 @@ def _backward_cost(plan, hw, pack, mb, *inputs, saved=None, grads=()):
     return "compute", flops / hw.flops + hw.op_latency
 
 
-def _step_execute(rt, pack):
+def _step_execute(rt, pack, stream=False):
+    """The optimizer update of the parameters whose gradients this pack completed.
+
+    ``stream``: their optimizer state lives on the host; bring each parameter's in, step
+    it alone, and send it back, so the device holds one parameter's state at a time.
+    """
     spec = rt.plan.packs[pack]
-    params = [rt.state.tensors[n] for n in spec.owned]
-    with rt.counting():
-        for opt in dict.fromkeys(rt.state.optimizers[n] for n in spec.owned):
-            opt.step()
-    for p in params:
-        p.grad = None
+    if not stream:
+        with rt.counting():
+            for opt in dict.fromkeys(rt.state.optimizers[n] for n in spec.owned):
+                opt.step()
+    else:
+        for n in spec.owned:      # moves happen outside the counting mode: host copies are not device bytes
+            rt.state.wait(rt.state.fetch("optim", [n]))
+            with rt.counting():
+                _step_one(rt.state.optimizers[n], rt.state.tensors[n])
+            rt.state.release("optim", [n])
+    for n in spec.owned:
+        rt.state.tensors[n].grad = None
     rt.state.dirty.update(spec.owned)
 
 
-def _step_effect(m, pack):
+def _step_one(opt: torch.optim.Optimizer, param: torch.Tensor) -> None:
+    """Step one parameter with its optimizer: its group sees only it for the call."""
+    for group in opt.param_groups:
+        if any(p is param for p in group["params"]):
+            kept, group["params"] = group["params"], [param]
+            try:
+                opt.step()
+            finally:
+                group["params"] = kept
+            return
+
+
+def _step_effect(m, pack, stream=False):
     spec = m.plan.packs[pack]
     for n in spec.owned:
         if n in m.grads_exist:
@@ -349,10 +373,15 @@ def _step_effect(m, pack):
             if m.resident("grads", n):
                 m.live -= m.sizes[("grads", n)]
     m.dirty.update(spec.owned)
+    if stream:
+        moved = sum(m.sizes.get(("optim", n), 0) for n in spec.owned)
+        m.moved["h2d"] += moved
+        m.moved["d2h"] += moved
+        return None, spec.stream_step_peak
     return None, spec.step_extra
 
 
-def _step_cost(plan, hw, pack):
+def _step_cost(plan, hw, pack, stream=False):
     spec = plan.packs[pack]
     return "compute", 4 * (spec.param_bytes * 2 + spec.optim_bytes) / hw.memory_bandwidth + hw.op_latency
 

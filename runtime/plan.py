@@ -10,6 +10,16 @@ from dataclasses import dataclass, field
 import torch
 
 
+def step_extra(profile: dict, sizes: list[int]) -> int:
+    """Transient bytes of one optimizer step over tensors of ``sizes`` bytes (see optimizer_profile)."""
+    if not sizes:
+        return 0
+    if profile["extra_follows"] == "sum":
+        return int(profile["extra_first"] * sum(sizes))
+    top = sorted(sizes, reverse=True) + [0]
+    return int(profile["extra_first"] * top[0] + profile["extra_second"] * top[1])
+
+
 @dataclass
 class PackSpec:
     index: int
@@ -26,7 +36,8 @@ class PackSpec:
     param_bytes: int = 0
     buffer_bytes: int = 0
     optim_bytes: int = 0          # optimizer state of the owned params
-    step_extra: int = 0           # transient bytes of the optimizer step
+    step_extra: int = 0           # transient bytes of the optimizer step over the whole pack
+    stream_step_peak: int = 0     # peak bytes of a step that brings each parameter's optimizer state in turn
     in_bytes: int = 0             # one microbatch's float inputs from other packs (their gradients)
     out_bytes: int = 0            # one microbatch's outputs
     saved_bytes: int = 0          # one microbatch's activations kept for backward

@@ -55,3 +55,84 @@ def chrome_trace(events, path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(dict(traceEvents=trace_events(events), displayTimeUnit="ms")))
     return path
+
+
+# -- memory over time, as an SVG line plot (no plotting library) --------------------------------
+def memory_points(sim_or_events) -> list[tuple[float, int]]:
+    """(seconds, device bytes) in time order: a ``Simulation``'s ``memory``, or from trace events.
+
+    From events (measured or simulated alike): the op's peak bytes from its start to its
+    end, then its live bytes until the next op.
+    """
+    memory = getattr(sim_or_events, "memory", None)
+    if memory:
+        return [(float(t), int(b)) for t, b in memory]
+    events = sorted(getattr(sim_or_events, "events", sim_or_events), key=lambda e: float(_get(e, "start", 0.0)))
+    points: list[tuple[float, int]] = []
+    for e in events:
+        start, end = float(_get(e, "start", 0.0)), float(_get(e, "end", 0.0))
+        peak, live = int(_get(e, "peak_bytes", 0) or 0), int(_get(e, "live_bytes", 0) or 0)
+        points += [(start, peak), (end, peak), (end, live)]
+    return points
+
+
+def memory_plot(sim_or_events, path, budget: int | None = None, title: str = "device memory") -> Path:
+    """Write device bytes over time as an SVG step plot; returns the path.
+
+    >>> memory_plot(sim, "memory.svg", budget=sm.runtime.meter.budget)   # or memory_plot(sm.runtime.events, ...)
+    PosixPath('memory.svg')
+    """
+    from xml.sax.saxutils import escape
+
+    from harmony.errors import ConfigError
+    from harmony.units import fmt_bytes
+
+    points = memory_points(sim_or_events)
+    if not any(b for _, b in points):
+        raise ConfigError("no memory numbers to plot: run a step first, or simulate with "
+                          "memory=memory_curve(program, graph)")
+    w, h, left, right, top, bottom = 720, 360, 90, 20, 34, 48
+    t_max = max(t for t, _ in points) or 1.0
+    b_max = max(max(b for _, b in points), budget or 0) * 1.05
+
+    def x(t):
+        return left + (w - left - right) * t / t_max
+
+    def y(b):
+        return h - bottom - (h - top - bottom) * b / b_max
+
+    steps, t_prev, b_prev = [], 0.0, None
+    for t, b in points:            # horizontal to the next time, then vertical to the next value
+        t = max(t, t_prev)         # overlapping copies may end after the next op starts
+        if b_prev is not None:
+            steps.append((t, b_prev))
+        steps.append((t, b))
+        t_prev, b_prev = t, b
+    unit = (1e-3, "ms") if t_max < 1 else (1.0, "s")
+    svg = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" '
+           f'font-size="11">',
+           f'<rect width="{w}" height="{h}" fill="white"/>',
+           f'<text x="{w / 2}" y="20" text-anchor="middle" font-size="14">{escape(title)}</text>',
+           f'<line x1="{left}" y1="{y(0)}" x2="{w - right}" y2="{y(0)}" stroke="black"/>',
+           f'<line x1="{left}" y1="{y(0)}" x2="{left}" y2="{top}" stroke="black"/>']
+    for k in range(5):
+        t, b = t_max * k / 4, b_max / 1.05 * k / 4
+        svg.append(f'<line x1="{x(t):.1f}" y1="{y(0)}" x2="{x(t):.1f}" y2="{y(0) + 4}" stroke="black"/>')
+        svg.append(f'<text x="{x(t):.1f}" y="{y(0) + 16}" text-anchor="middle">{t / unit[0]:.3g}</text>')
+        svg.append(f'<line x1="{left - 4}" y1="{y(b):.1f}" x2="{w - right}" y2="{y(b):.1f}" stroke="#ddd"/>')
+        svg.append(f'<text x="{left - 6}" y="{y(b) + 4:.1f}" text-anchor="end">{fmt_bytes(b)}</text>')
+    svg.append(f'<text x="{(left + w - right) / 2}" y="{h - 10}" text-anchor="middle">time ({unit[1]})</text>')
+    svg.append(f'<text x="14" y="{(top + h - bottom) / 2}" text-anchor="middle" '
+               f'transform="rotate(-90 14 {(top + h - bottom) / 2})">device bytes</text>')
+    if budget:
+        svg.append(f'<line x1="{left}" y1="{y(budget):.1f}" x2="{w - right}" y2="{y(budget):.1f}" '
+                   f'stroke="#c00" stroke-dasharray="6 4"/>')
+        svg.append(f'<text x="{w - right}" y="{y(budget) - 4:.1f}" text-anchor="end" fill="#c00">'
+                   f'budget {fmt_bytes(budget)}</text>')
+    svg.append('<polyline fill="none" stroke="#1f77b4" stroke-width="1.5" points="'
+               + " ".join(f"{x(t):.1f},{y(b):.1f}" for t, b in steps) + '"/>')
+    svg.append("</svg>")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(svg) + "\n")
+    return path

@@ -1,0 +1,373 @@
+"""The simulator on hand-built schedules with exactly known times, and the hardware descriptions.
+
+Every hand-built case runs on a unit device: 1e9 FLOP/s and 1e9 bytes/s on every link,
+so a pack of 1e9 FLOPs or 1e9 bytes takes exactly one second. Times are sums of exact
+binary fractions, so they are compared with ``==``.
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.fx
+
+import harmony
+from harmony.compiler.hardware import PCIE, PRESETS, Device, Hardware
+from harmony.compiler.verify import memory_curve
+from harmony.errors import ConfigError
+from harmony.models import GPT, GPTConfig, copy_task
+from harmony.runtime import ops
+from harmony.runtime.plan import PackSpec, Plan
+from harmony.runtime.simulate import simulate
+from harmony.viz import timeline
+
+G = 10**9
+UNIT = Device(name="unit", memory=100 * G, peak_flops={"fp32": 1e9}, h2d_bandwidth=1e9, d2h_bandwidth=1e9,
+              memory_bandwidth=1e9)
+FAST_MEMORY = UNIT.replace(memory_bandwidth=8e9)     # an optimizer step of a 1e9-byte pack: 4 * 2e9 / 8e9 = 1 s
+
+
+def pack(i, fwd=G, bwd=2 * G, param_bytes=G, out_bytes=0) -> PackSpec:
+    return PackSpec(index=i, name=f"p{i}", module=None, inputs=[], outputs=[], params=[f"w{i}"], buffers=[],
+                    owned=[f"w{i}"], mutated=[], random=False, param_bytes=param_bytes, out_bytes=out_bytes,
+                    fwd_flops=fwd, bwd_flops=bwd)
+
+
+def plan(*packs, batch_bytes=None) -> Plan:
+    return Plan(packs=list(packs), microbatches=1, microbatch_size=1, input_names=["x"],
+                batch_bytes=batch_bytes or {})
+
+
+class Schedule:
+    """Builds a schedule graph call by call: ``s.forward(0, 0)`` appends ``forward(0, 0)``."""
+
+    def __init__(self):
+        self.g = torch.fx.Graph()
+
+    def __getattr__(self, name):
+        fn = getattr(ops, name)
+        return lambda *args, **kwargs: self.g.call_function(fn, args, kwargs)
+
+    def done(self) -> torch.fx.Graph:
+        self.g.output(None)
+        return self.g
+
+
+def spans(sim):
+    return [(e.name, e.stream, e.start, e.end) for e in sim.events]
+
+
+# -- exactly known times ---------------------------------------------------------------------------
+def test_two_independent_computes_serialise_on_one_stream():
+    s = Schedule()
+    s.forward(0, 0)
+    s.forward(1, 0)
+    sim = simulate(s.done(), plan(pack(0), pack(1)), UNIT)
+    assert sim.step_seconds == 2.0
+    assert [(e.stream, e.start, e.end) for e in sim.events] == [("compute", 0.0, 1.0), ("compute", 1.0, 2.0)]
+    assert sim.busy["compute"] == 2.0 and sim.utilisation["compute"] == 1.0
+    assert sim.utilisation["h2d"] == sim.utilisation["d2h"] == 0.0
+
+
+def test_swap_in_overlaps_compute_max_not_sum():
+    s = Schedule()
+    s.forward(0, 0)
+    s.swap_in(1, "params")          # issued after the forward, runs beside it on h2d
+    sim = simulate(s.done(), plan(pack(0), pack(1)), UNIT)
+    assert sim.step_seconds == 1.0
+    assert spans(sim)[1][1:] == ("h2d", 0.0, 1.0)
+    assert sim.utilisation == {"compute": 1.0, "h2d": 1.0, "d2h": 0.0, "disk": 0.0, "network": 0.0}
+
+
+def test_wait_blocks_compute_until_the_copy_finishes():
+    s = Schedule()
+    h = s.swap_in(1, "params")      # 2 s on h2d
+    s.forward(0, 0)                 # 0..1 on compute, beside the copy
+    s.wait(h)                       # compute idles 1..2
+    s.forward(1, 0)                 # 2..3, not 1..2
+    sim = simulate(s.done(), plan(pack(0), pack(1, param_bytes=2 * G)), UNIT)
+    assert [e[1:] for e in spans(sim)] == [("h2d", 0.0, 2.0), ("compute", 0.0, 1.0), ("compute", 1.0, 2.0),
+                                           ("compute", 2.0, 3.0)]
+    assert sim.events[2].kind == "sync"
+    assert sim.step_seconds == 3.0
+    assert sim.busy == {"compute": 2.0, "h2d": 2.0, "d2h": 0.0, "disk": 0.0, "network": 0.0}
+    assert sim.utilisation["compute"] == sim.utilisation["h2d"] == pytest.approx(2 / 3)
+
+
+def test_wait_on_a_finished_copy_costs_nothing():
+    s = Schedule()
+    h = s.swap_in(1, "params")
+    s.forward(0, 0)
+    s.forward(0, 1)                 # the copy (1 s) is done by now
+    s.wait(h)
+    s.forward(1, 0)
+    sim = simulate(s.done(), plan(pack(0), pack(1)), UNIT)
+    assert sim.step_seconds == 3.0
+    assert spans(sim)[3][2:] == (2.0, 2.0)
+
+
+def test_release_starts_after_the_compute_before_it():
+    s = Schedule()
+    h = s.swap_in(0, "params")      # 0..1
+    s.wait(h)
+    s.step(0)                       # 1..2: 4 * 2e9 bytes at 8e9 bytes/s; the parameters are now dirty
+    s.release(0, "params")          # no fx input, but it reads what the step wrote: 2..3 on d2h
+    sim = simulate(s.done(), plan(pack(0)), FAST_MEMORY)
+    assert spans(sim)[-1][1:] == ("d2h", 2.0, 3.0)
+    assert sim.step_seconds == 3.0
+    assert sim.utilisation["compute"] == sim.utilisation["h2d"] == sim.utilisation["d2h"] == pytest.approx(1 / 3)
+
+
+def test_release_is_asynchronous_to_later_compute():
+    s = Schedule()
+    h = s.swap_in(0, "params")      # 0..2
+    s.wait(h)
+    s.step(0)                       # 2..4
+    s.release(0, "params")          # 4..6 on d2h
+    s.forward(1, 0)                 # 4..5: does not wait for the write-back
+    sim = simulate(s.done(), plan(pack(0, param_bytes=2 * G), pack(1)), FAST_MEMORY)
+    assert [e[2:] for e in spans(sim)] == [(0.0, 2.0), (0.0, 2.0), (2.0, 4.0), (4.0, 6.0), (4.0, 5.0)]
+    assert sim.step_seconds == 6.0
+
+
+def test_swap_in_waits_for_the_write_back_of_the_same_state():
+    s = Schedule()
+    h = s.swap_in(0, "params")      # 0..1
+    s.wait(h)
+    s.step(0)                       # 1..2
+    s.release(0, "params")          # 2..3 on d2h
+    s.swap_in(1, "params")          # other state: 1..2 on h2d
+    s.swap_in(0, "params")          # same state: after its write-back, 3..4
+    sim = simulate(s.done(), plan(pack(0), pack(1)), FAST_MEMORY)
+    assert [e[2:] for e in spans(sim)][-3:] == [(2.0, 3.0), (1.0, 2.0), (3.0, 4.0)]
+
+
+def test_copies_move_only_what_is_not_already_there():
+    s = Schedule()
+    p = s.swap_in(0, "params")      # 0..1
+    g = s.swap_in(0, "grads")       # no gradients exist yet: nothing to fetch, 0 s
+    s.wait(p)
+    s.wait(g)
+    s.backward(0, 0)                # recompute: 1..4
+    s.release(0, "grads")           # the gradients now exist: 4..5 on d2h
+    s.release(0, "params")          # clean: dropped, not written back, 0 s
+    sim = simulate(s.done(), plan(pack(0)), UNIT)
+    assert [e[1:] for e in spans(sim)] == [("h2d", 0.0, 1.0), ("h2d", 1.0, 1.0), ("compute", 0.0, 1.0),
+                                           ("compute", 1.0, 1.0), ("compute", 1.0, 4.0), ("d2h", 4.0, 5.0),
+                                           ("d2h", 5.0, 5.0)]
+    assert sim.busy["h2d"] == sim.busy["d2h"] == 1.0
+
+
+def test_copy_stream_runs_in_program_order():
+    s = Schedule()
+    s.swap_in(0, "params")
+    s.swap_in(1, "params")
+    sim = simulate(s.done(), plan(pack(0), pack(1)), UNIT)
+    assert [e[2:] for e in spans(sim)] == [(0.0, 1.0), (1.0, 2.0)]
+    assert sim.utilisation["h2d"] == 1.0 and sim.utilisation["compute"] == 0.0
+
+
+def test_compute_waits_for_its_inputs_load_batch_and_unstash():
+    s = Schedule()
+    b = s.load_batch(0, ("x",))     # 0..1 on h2d
+    a = s.forward(0, 0, b)          # 1..2: needs the batch
+    st = s.stash(a)                 # 2..4 on d2h (2e9 bytes of output)
+    u = s.unstash(st)               # 4..6 on h2d
+    s.forward(1, 0, u)              # 6..7
+    sim = simulate(s.done(), plan(pack(0, out_bytes=2 * G), pack(1), batch_bytes={"x": G}), UNIT)
+    assert [e[1:] for e in spans(sim)] == [("h2d", 0.0, 1.0), ("compute", 1.0, 2.0), ("d2h", 2.0, 4.0),
+                                           ("h2d", 4.0, 6.0), ("compute", 6.0, 7.0)]
+    assert sim.busy == {"compute": 2.0, "h2d": 3.0, "d2h": 2.0, "disk": 0.0, "network": 0.0}
+
+
+def test_backward_recompute_and_step_costs():
+    s = Schedule()
+    a = s.forward(0, 0, keep=True)                  # 1 s
+    s.backward(0, 0, saved=a)                       # kept: bwd only, 2 s
+    s.backward(0, 0)                                # recompute: fwd + bwd, 3 s
+    s.step(0)                                       # 4 * (2 * 1e9 param bytes + 0) / 1e9 = 8 s
+    sim = simulate(s.done(), plan(pack(0)), UNIT)
+    assert [e.end - e.start for e in sim.events] == [1.0, 2.0, 3.0, 8.0]
+    assert sim.step_seconds == 14.0
+
+
+def test_speed_factor_stretches_compute_only_and_says_emulated():
+    s = Schedule()
+    s.swap_in(1, "params")
+    s.forward(0, 0)
+    sim = simulate(s.done(), plan(pack(0), pack(1)), UNIT.replace(speed_factor=2.0))
+    assert sim.busy["compute"] == 2.0 and sim.busy["h2d"] == 1.0
+    assert sim.step_seconds == 2.0 and sim.emulated
+    assert "emulated" in sim.summary()
+    assert "emulated" not in simulate(s.g, plan(pack(0), pack(1)), UNIT).summary()
+
+
+def test_op_latency_is_paid_per_compute_op():
+    s = Schedule()
+    s.forward(0, 0)
+    s.forward(1, 0)
+    sim = simulate(s.done(), plan(pack(0), pack(1)), UNIT.replace(op_latency=0.25))
+    assert sim.step_seconds == 2.5
+
+
+def test_device_index_picks_the_device_and_labels_events():
+    s = Schedule()
+    s.forward(0, 0)
+    hw = Hardware((UNIT, UNIT.replace(name="half", peak_flops={"fp32": 5e8})))
+    sim = simulate(s.done(), plan(pack(0)), hw, device=1)
+    assert sim.step_seconds == 2.0
+    assert sim.events[0].device == "device 1 (half)"
+
+
+# -- memory over time ------------------------------------------------------------------------------
+def _two_op_schedule():
+    s = Schedule()
+    h = s.swap_in(1, "params")      # 0..2
+    s.forward(0, 0)                 # 0..1
+    s.wait(h)                       # 1..2
+    s.forward(1, 0)                 # 2..3
+    g = s.done()
+    nodes = [n for n in g.nodes if n.op == "call_function"]
+    curve = SimpleNamespace(nodes=nodes, before=[10, 30, 30, 30], peak_at=[30, 35, 30, 50])
+    return g, plan(pack(0), pack(1, param_bytes=2 * G)), curve
+
+
+def test_memory_curve_is_placed_on_the_simulated_clock():
+    g, p, curve = _two_op_schedule()
+    sim = simulate(g, p, UNIT, memory=curve)
+    assert [e.peak_bytes for e in sim.events] == [30, 35, 30, 50]
+    assert [e.live_bytes for e in sim.events] == [30, 30, 30, 30]
+    assert sim.memory == [(0.0, 10), (0.0, 30), (0.0, 30), (0.0, 35), (1.0, 30), (1.0, 30), (2.0, 30), (2.0, 50),
+                          (3.0, 30)]
+    assert sim.peak_bytes == 50
+    assert "peak device bytes" in sim.summary()
+
+
+def test_memory_curve_of_another_graph_is_an_error():
+    g, p, curve = _two_op_schedule()
+    other, _, _ = _two_op_schedule()
+    with pytest.raises(ValueError, match="another schedule graph"):
+        simulate(other, p, UNIT, memory=curve)
+
+
+def test_memory_plot_writes_an_svg_step_line(tmp_path):
+    g, p, curve = _two_op_schedule()
+    sim = simulate(g, p, UNIT, memory=curve)
+    path = timeline.memory_plot(sim, tmp_path / "mem.svg", budget=60, title="a <small> test")
+    svg = path.read_text()
+    assert svg.startswith("<svg") and svg.rstrip().endswith("</svg>")
+    assert "a &lt;small&gt; test" in svg and "budget" in svg and "time (s)" in svg
+    xs = [float(p.split(",")[0]) for p in re.search(r'polyline[^>]*points="([^"]+)"', svg).group(1).split()]
+    assert xs == sorted(xs)         # a step line never goes back in time
+    with pytest.raises(ConfigError, match="memory"):
+        timeline.memory_plot(simulate(g, p, UNIT), tmp_path / "none.svg")
+
+
+def test_memory_plot_of_trace_events(tmp_path):
+    events = [dict(name="a", start=0.0, end=1.0, live_bytes=5, peak_bytes=8),
+              dict(name="b", start=1.0, end=2.0, live_bytes=3, peak_bytes=9)]
+    assert timeline.memory_points(events) == [(0.0, 8), (1.0, 8), (1.0, 5), (1.0, 9), (2.0, 9), (2.0, 3)]
+    assert timeline.memory_plot(events, tmp_path / "m.svg").exists()
+
+
+# -- a compiled program, end to end ----------------------------------------------------------------
+def test_simulate_a_compiled_schedule(tmp_path):
+    torch.manual_seed(0)
+    c = GPTConfig(layers=2, width=64)
+    model = GPT(c)
+    x, y = next(copy_task(c, 8, 1))
+    state = sum(p.numel() for p in model.parameters()) * 16
+    sm = harmony.compile(model, (x, y), memory_budget=state, microbatches=4)
+    try:
+        hw = Hardware.preset("gtx1080ti")
+        curve = memory_curve(sm.program, sm.graph, check_residency=False)
+        sim = simulate(sm.graph, sm.plan, hw, memory=curve)
+        nodes = [n for n in sm.graph.nodes if n.op == "call_function"]
+        assert [e.name for e in sim.events] == [n.name for n in nodes]
+        dev = hw.devices[0]
+        # forward/backward/step costs read only the pack and whether a backward has saved activations
+        compute = sum(ops.op_of(n).cost(sm.plan, dev, *n.args, **n.kwargs)[1] for n in nodes
+                      if n.target in (ops.forward, ops.backward, ops.step))
+        assert sim.busy["compute"] == pytest.approx(compute)
+        assert sim.step_seconds >= max(sim.busy.values())
+        assert all(0.0 <= u <= 1.0 + 1e-9 for u in sim.utilisation.values())
+        assert sim.peak_bytes == curve.peak
+        trace = json.loads(timeline.chrome_trace(sim.events, tmp_path / "sim.json").read_text())["traceEvents"]
+        names = {e["args"]["name"] for e in trace if e["name"] == "process_name"}
+        assert names == {"harmony device 0 (GeForce GTX 1080 Ti)"}
+        assert timeline.memory_plot(sim, tmp_path / "mem.svg", budget=state).exists()
+    finally:
+        sm.close()
+
+
+# -- hardware descriptions -------------------------------------------------------------------------
+def test_every_preset_loads_with_positive_figures_and_a_source():
+    assert {"v10016gb", "v10032gb", "a10040gb", "a10080gb", "h100sxm", "rtx3090", "gtx1080ti", "l4", "t4",
+            "a6000", "p40"} <= set(PRESETS)
+    for name, dev in PRESETS.items():
+        hw = Hardware.preset(name)
+        d = hw.devices[0]
+        assert d.memory >= 11 * 2**30 and d.flops > 1e12 and d.memory_bandwidth > 1e11
+        assert d.h2d_bandwidth in PCIE.values() and d.d2h_bandwidth == d.h2d_bandwidth
+        assert "datasheet" in d.source or "specifications" in d.source or "whitepaper" in d.source
+        assert all(v > 0 for v in d.peak_flops.values())
+
+
+def test_preset_figures_are_the_datasheets():
+    a100 = Device.preset("A100-40GB")
+    assert (a100.memory, a100.flops, a100.peak_flops["bf16"], a100.memory_bandwidth) == \
+        (40 * 2**30, 19.5e12, 312e12, 1555e9)
+    assert Device.preset("h100").peak_flops["bf16"] == 989.5e12           # dense: half the sparsity figure
+    assert Device.preset("l4").peak_flops["fp16"] == 121e12
+    assert Device.preset("p40").memory_bandwidth == 346e9
+
+
+def test_preset_count_link_and_mixed_clusters():
+    hw = Hardware.preset("a100-40gb", count=4, link="pcie4")
+    assert len(hw.devices) == 4 and hw.devices[3].h2d_bandwidth == 31.5e9
+    assert Hardware.preset("gtx1080ti", link=11.5e9).devices[0].h2d_bandwidth == 11.5e9
+    mixed = Hardware.preset(["l4", "l4", "a6000", "p40"], network_bandwidth=3e9)
+    assert [d.name for d in mixed.devices] == ["L4", "L4", "RTX A6000", "Tesla P40"]
+    assert mixed.network_bandwidth == 3e9 and "nominal" in mixed.notes[0]
+    with pytest.raises(ConfigError, match="no hardware preset"):
+        Hardware.preset("a100-96gb")
+    with pytest.raises(ConfigError, match="unknown link"):
+        Hardware.preset("t4", link="pcie9")
+    with pytest.raises(ConfigError, match="no bf16"):
+        Device.preset("p40").replace(dtype="bf16")
+    assert Device.preset("a100-40gb").replace(dtype="bf16").flops == 312e12
+
+
+def test_logical_devices_with_budgets_and_emulated_speed():
+    hw = Hardware.preset("t4").logical([1 * 2**30, 2 * 2**30], speed_factors=[1, 3])
+    assert [d.memory for d in hw.devices] == [2**30, 2 * 2**30]
+    assert hw.emulated and "emulated" in hw.devices[1].name and "emulated" in hw.describe()
+    with pytest.raises(ConfigError):
+        hw.logical([1, 2], speed_factors=[1])
+
+
+def test_detect_reads_this_machine_without_measuring():
+    hw = Hardware.detect()
+    dev = hw.devices[0]
+    assert dev.memory == hw.host_memory > 0 and dev.flops > 0 and hw.disk_free > 0
+    assert "not measured" in hw.notes[0]
+
+
+def test_profile_measures_and_this_machine_uses_the_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("HARMONY_CACHE_DIR", str(tmp_path / "cache"))
+    assert "not measured" in Hardware.this_machine().notes[0]          # no cache yet: detect()
+    hw = Hardware.profile(seconds=1, path=tmp_path)
+    dev = hw.devices[0]
+    for v in (dev.flops, dev.h2d_bandwidth, dev.memory_bandwidth, hw.disk_read_bandwidth,
+              hw.disk_write_bandwidth):
+        assert v > 0 and math.isfinite(v)
+    assert "measured" in hw.notes[0]
+    assert list(tmp_path.glob("harmony-disk-*")) == []                  # the temp file is gone
+    cached = Hardware.this_machine()
+    assert cached.devices[0].flops == dev.flops and cached.disk_read_bandwidth == hw.disk_read_bandwidth
+    budgeted = cached.logical([512 * 2**20])                              # a logical CPU device with a budget
+    assert budgeted.devices[0].memory == 512 * 2**20 and budgeted.devices[0].h2d_bandwidth == dev.h2d_bandwidth
