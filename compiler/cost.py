@@ -344,10 +344,10 @@ def measure_pack(module: torch.fx.GraphModule, inputs: list, grad_inputs: list[b
     """Bytes a pack allocates at its peak, run exactly as the runtime runs it, on fake tensors.
 
     Every figure counts the bytes newly allocated during the op, results included:
-    fwd_peak (no grad), fwd_keep_peak and saved_bytes (graph kept), out_bytes, and the
-    backward of a kept forward (bwd_peak) and recompute + backward (bwd_recompute_peak),
-    each when the parameters have no gradient yet and, suffixed ``_accum``, when they
-    have one to accumulate into.
+    fwd_peak (no grad) and out_bytes; for the last pack (``loss_output``, which keeps its
+    graph) fwd_keep_peak, saved_bytes and the backward's bwd_peak; for the others,
+    which recompute, bwd_recompute_peak (recompute + backward). Each when the parameters
+    have no gradient yet and, suffixed ``_accum``, when they have one to accumulate into.
     """
     try:
         with run.mode, _reparametrize_module(module, _fake_state_of(module, run), tie_weights=True):
@@ -380,17 +380,19 @@ def _profile_pack(module, inputs, grad_inputs, loss_output) -> dict:
     out["out_bytes"] = sum(t.untyped_storage().nbytes() for t in _tensors(outs))
     del outs
     for suffix in ("", "_accum"):       # the second round finds the gradients of the first
-        outs, meter = measured(lambda: _with_grad(module, leaves))
-        out["fwd_keep_peak" + suffix] = meter.peak
-        out["saved_bytes" + suffix] = meter.live - out["out_bytes"]
-        seeds = _seeds(outs, loss_output)
-        _, meter = measured(lambda: _run_backward(*seeds))
-        out["bwd_peak" + suffix] = meter.peak
-        del outs, seeds
-    _clear_grads(module)
-    for suffix in ("", "_accum"):
-        _, meter = measured(lambda: _run_backward(*_seeds(_with_grad(module, leaves), loss_output)))
-        out["bwd_recompute_peak" + suffix] = meter.peak
+        if loss_output:                 # the last pack keeps its forward's graph for its backward
+            outs, meter = measured(lambda: _with_grad(module, leaves))
+            out["fwd_keep_peak" + suffix] = meter.peak
+            out["saved_bytes" + suffix] = meter.live - out["out_bytes"]
+            seeds = _seeds(outs, loss_output)
+            _, meter = measured(lambda: _run_backward(*seeds))
+            out["bwd_peak" + suffix] = meter.peak
+            del outs, seeds
+            out["bwd_recompute_peak" + suffix] = 0
+        else:                           # every other pack recomputes its forward inside its backward
+            _, meter = measured(lambda: _run_backward(*_seeds(_with_grad(module, leaves), loss_output)))
+            out["bwd_recompute_peak" + suffix] = meter.peak
+            out["fwd_keep_peak" + suffix] = out["saved_bytes" + suffix] = out["bwd_peak" + suffix] = 0
     _clear_grads(module)
     return out
 

@@ -279,11 +279,17 @@ def build_packs(program: Program, cuts: list[tuple[int, int]], units: list[Unit]
                                     default=0)
         spec.fwd_flops = int(sum(n.meta[COST].fwd_flops.at(program.config.microbatch_size) for n in nodes))
         spec.bwd_flops = int(sum(n.meta[COST].bwd_flops.at(program.config.microbatch_size) for n in nodes))
-        vals = [program.fake.vals[a] for a in inputs]
-        grad_inputs = [a.op != "placeholder" for a in inputs]
-        m = measure_pack(spec.module, vals, grad_inputs, program.fake, loss_output="loss" in spec.outputs)
+        key = (tuple(nodes), "loss" in spec.outputs)
+        if key not in program.pack_measurements:   # the DP's corrections revisit the same packs
+            vals = [program.fake.vals[a] for a in inputs]
+            grad_inputs = [a.op != "placeholder" for a in inputs]
+            program.pack_measurements[key] = measure_pack(spec.module, vals, grad_inputs, program.fake,
+                                                          loss_output="loss" in spec.outputs)
+        m = program.pack_measurements[key]
         spec.fwd_peak, spec.fwd_keep_peak = m["fwd_peak"], m["fwd_keep_peak"]
         spec.saved_bytes, spec.out_bytes = m["saved_bytes"], m["out_bytes"]
+        if not spec.saved_bytes:   # a recomputing pack never keeps its graph: show the estimate
+            spec.saved_bytes = int(sum(u.kept for u in units if u.nodes[0] in nodes))
         spec.bwd_peak, spec.bwd_recompute_peak = m["bwd_peak"], m["bwd_recompute_peak"]
         spec.bwd_peak_accum, spec.bwd_recompute_peak_accum = m["bwd_peak_accum"], m["bwd_recompute_peak_accum"]
         spec.in_bytes = sum(_tensor_bytes(program.fake.vals[a]) for a in inputs if a.op != "placeholder")
