@@ -56,6 +56,7 @@ NOMINAL = dict(host_memory=256 * GiB, host_flops=1 * T, host_memory_bandwidth=10
                network_bandwidth=1.25 * GB, network_latency=50e-6)          # 10 Gb/s Ethernet
 NOMINAL_CORE_FLOPS = 40e9      # fp32 matmul FLOP/s one AVX2 core sustains, roughly; profile() measures
 NOMINAL_MEMCPY = 10 * GB       # bytes/s a large memcpy copies on a few server cores, roughly; profile() measures
+PROFILE_VERSION = 2            # bumped when profile() measures more: older caches are not used
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,20 @@ class Device:
     FLOP/s; ``dtype`` picks the one compute is costed at (``flops``). ``speed_factor``
     is for emulation only: the simulator (and an emulating runtime) stretch compute time
     by it, while the FLOP/s figures stay the spec sheet's; reports call such a device
-    emulated. ``op_latency`` is a fixed cost per compute op (kernel launches, dispatch).
+    emulated.
+
+    How fast compute really goes, beyond the peak: ``efficiency`` is the share of peak
+    FLOP/s a layer pack's mix of ops sustains (matmuls at a pack's shapes, plus the
+    elementwise, normalisation and softmax ops around them that move bytes rather than
+    multiply); ``kernel_latency`` is the fixed cost of each tensor op a pack dispatches
+    (a kernel launch on a GPU; on the CPU runtime, PyTorch's dispatch plus the runtime's
+    allocation accounting); ``op_latency`` is a fixed cost per schedule op (the executor's
+    loop). ``Hardware.profile`` measures all three on this machine; presets keep the
+    datasheet peak (efficiency 1, no latencies) unless told otherwise.
+    ``sync_copies``: the runtime on the CPU runs compute on the thread that issues the ops,
+    so a copy is issued only when the compute before it is done, and every copy but a
+    ``swap_in`` (the one with a copy engine, a worker thread) blocks the compute stream:
+    write-backs, stashes, unstashes and batch loads run on that thread.
     """
 
     name: str
@@ -77,7 +91,10 @@ class Device:
     memory_bandwidth: float                # bytes/s of device memory (read + write traffic)
     dtype: str = "fp32"
     speed_factor: float = 1.0
-    op_latency: float = 0.0                # seconds per compute op
+    op_latency: float = 0.0                # seconds per compute op of the schedule
+    efficiency: float = 1.0                # share of peak FLOP/s a layer pack's compute sustains
+    kernel_latency: float = 0.0            # seconds per tensor op (kernel) a compute op dispatches
+    sync_copies: bool = False              # copies follow the compute before them; all but swap_in block it
     link: str = ""                         # what the host link is, for reports ("pcie4", "memcpy", ...)
     source: str = ""                       # where the figures come from
 
@@ -87,11 +104,19 @@ class Device:
                               f"it has {', '.join(self.peak_flops)}")
         if self.speed_factor <= 0:
             raise ConfigError(f"device {self.name!r}: speed_factor must be positive, got {self.speed_factor}")
+        if not 0 < self.efficiency <= 1:
+            raise ConfigError(f"device {self.name!r}: efficiency is a share of peak FLOP/s in (0, 1], "
+                              f"got {self.efficiency}")
 
     @property
     def flops(self) -> float:
         """Peak FLOP/s at ``dtype`` (not stretched by ``speed_factor``)."""
         return self.peak_flops[self.dtype]
+
+    @property
+    def effective_flops(self) -> float:
+        """FLOP/s a layer pack sustains: peak at ``dtype`` times ``efficiency``."""
+        return self.flops * self.efficiency
 
     @property
     def emulated(self) -> bool:
@@ -179,9 +204,11 @@ class Hardware:
         lines = []
         for i, d in enumerate(self.devices):
             emu = f", emulated: compute x{d.speed_factor:g}" if d.emulated else ""
-            lines.append(f"device {i}: {d.name}, {d.memory / GiB:.1f} GiB, {d.flops / T:.3g} TFLOP/s {d.dtype}, "
-                         f"h2d {d.h2d_bandwidth / GB:.3g} GB/s ({d.link}), memory {d.memory_bandwidth / GB:.4g} GB/s"
-                         f"{emu}")
+            eff = f" ({d.efficiency:.0%} sustained by a layer pack)" if d.efficiency != 1 else ""
+            lat = f", {d.kernel_latency * 1e6:.3g} us per tensor op" if d.kernel_latency else ""
+            lines.append(f"device {i}: {d.name}, {d.memory / GiB:.1f} GiB, {d.flops / T:.3g} TFLOP/s {d.dtype}{eff}"
+                         f"{lat}, h2d {d.h2d_bandwidth / GB:.3g} GB/s ({d.link}), memory "
+                         f"{d.memory_bandwidth / GB:.4g} GB/s{emu}")
         lines.append(f"host: {self.host_memory / GiB:.1f} GiB, disk read {self.disk_read_bandwidth / GB:.3g} GB/s, "
                      f"write {self.disk_write_bandwidth / GB:.3g} GB/s, network {self.network_bandwidth / GB:.3g} "
                      f"GB/s + {self.network_latency * 1e6:.0f} us")
@@ -200,36 +227,53 @@ class Hardware:
         dev = Device(name=f"cpu ({cores} cores{', ' + model if model else ''})", memory=ram,
                      peak_flops={"fp32": cores * NOMINAL_CORE_FLOPS}, h2d_bandwidth=NOMINAL_MEMCPY,
                      d2h_bandwidth=NOMINAL_MEMCPY, memory_bandwidth=2 * NOMINAL_MEMCPY, link="memcpy",
+                     sync_copies=True,
                      source="Hardware.detect: nominal per-core FLOP/s and memcpy rate, not measured")
         return cls((dev,), host_memory=ram, host_flops=cores * NOMINAL_CORE_FLOPS,
                    host_memory_bandwidth=2 * NOMINAL_MEMCPY, disk_free=_disk_free(path),
                    notes=("detected, not measured: speeds are nominal; Hardware.profile() measures them",))
 
     @classmethod
-    def profile(cls, seconds: float = 8.0, path=None, threads: int = 2, save: bool = True) -> "Hardware":
-        """Measure this machine in about ``seconds``: fp32 matmul FLOP/s, memcpy and disk bandwidth.
+    def profile(cls, seconds: float = 8.0, path=None, threads: int = 2, save: bool = True,
+                block: tuple[int, int] = (512, 512)) -> "Hardware":
+        """Measure this machine in about ``seconds``: FLOP/s, per-op latency, memcpy and disk bandwidth.
 
-        A 2048 x 2048 fp32 matmul at ``threads`` threads (median of a few), a large
-        ``copy_`` (bytes copied per second: the logical device's host link), and a temporary
-        file in ``path`` written and read back with O_DIRECT where the file system allows it,
-        else with fsync and ``posix_fadvise(DONTNEED)`` so the page cache does not answer.
+        - peak: a 2048 x 2048 fp32 matmul at ``threads`` threads (median of a few);
+        - ``kernel_latency``: a tiny op (16 floats) as the runtime runs it, under its
+          allocation accounting: what every tensor op pays before it computes anything;
+        - ``efficiency``: a transformer block (pre-norm, GELU; ``block`` = (width, tokens per
+          microbatch), in sequences of 128) run as a pack's backward runs it (forward without
+          grad, then forward again with grad and backward), FLOPs counted by
+          ``torch.utils.flop_counter``; its time less its tensor ops times ``kernel_latency``,
+          against the matmul peak. Pass the width and tokens per microbatch of the model you
+          will simulate: small matmuls run further below peak than large ones;
+        - the host link: a large ``copy_`` (bytes copied per second);
+        - disk: a temporary file in ``path`` written and read back with O_DIRECT where the
+          file system allows it, else with fsync and ``posix_fadvise(DONTNEED)``.
+
+        The device is the CPU as the runtime uses it: copies other than ``swap_in`` run on
+        the issuing thread, so ``sync_copies``.
         The result is cached for ``this_machine()`` when ``save``.
         """
         base = cls.detect(path)
-        flops = _matmul_flops(0.4 * seconds, threads)
-        copy = _memcpy_bandwidth(0.2 * seconds)
-        read, write, how = _disk_bandwidth(0.4 * seconds, path)
+        flops = _matmul_flops(0.25 * seconds, threads)
+        latency = _kernel_latency(0.05 * seconds)
+        efficiency = _block_efficiency(0.2 * seconds, flops, latency, threads, *block)
+        copy = _memcpy_bandwidth(0.15 * seconds)
+        read, write, how = _disk_bandwidth(0.35 * seconds, path)
         cpu = base.devices[0]
-        dev = cpu.replace(peak_flops={"fp32": flops},
+        dev = cpu.replace(peak_flops={"fp32": flops}, efficiency=efficiency, kernel_latency=latency,
                           h2d_bandwidth=copy, d2h_bandwidth=copy, memory_bandwidth=2 * copy,
                           source=f"Hardware.profile {time.strftime('%Y-%m-%d %H:%M')}: measured")
         hw = base.replace(devices=(dev,), host_flops=flops, host_memory_bandwidth=2 * copy,
                           disk_read_bandwidth=read, disk_write_bandwidth=write,
-                          notes=(f"measured by Hardware.profile: fp32 matmul at {threads} threads, memcpy, "
-                                 f"disk ({how}); nominal, not measured: network",))
+                          notes=(f"measured by Hardware.profile: fp32 matmul at {threads} threads, tensor-op "
+                                 f"latency, a transformer block of width {block[0]} on {block[1]} tokens, "
+                                 f"memcpy, disk ({how}); nominal, not measured: network",))
         if save:
             _cache_path().parent.mkdir(parents=True, exist_ok=True)
-            _cache_path().write_text(json.dumps(dataclasses.asdict(hw), indent=1))
+            _cache_path().write_text(json.dumps(dict(dataclasses.asdict(hw), profile_version=PROFILE_VERSION),
+                                                indent=1))
         return hw
 
     @classmethod
@@ -237,7 +281,10 @@ class Hardware:
         """The cached profile of this machine if it still matches (cores and RAM), else ``detect()``."""
         detected = cls.detect(path)
         try:
-            cached = cls.from_dict(json.loads(_cache_path().read_text()))
+            raw = json.loads(_cache_path().read_text())
+            if raw.pop("profile_version", None) != PROFILE_VERSION:
+                return detected        # a profile that measured less than this one does
+            cached = cls.from_dict(raw)
         except (OSError, ValueError, TypeError, KeyError, ConfigError):
             return detected
         if cached.host_memory != detected.host_memory or cached.devices[0].name.split(",")[0] != \
@@ -366,6 +413,64 @@ def _matmul_flops(budget: float, threads: int, n: int = 2048) -> float:
     finally:
         torch.set_num_threads(before)
     return 2 * n**3 / _median(times)
+
+
+def _kernel_latency(budget: float, n: int = 200) -> float:
+    """Seconds per tiny tensor op under the runtime's allocation accounting (dispatch + bookkeeping)."""
+    import torch
+
+    from harmony.runtime.memory import CountAllocations, MemoryMeter
+
+    x = torch.ones(16)
+
+    def ops():
+        with CountAllocations(MemoryMeter("profile")):
+            for _ in range(n):
+                x.add(1.0)
+    return _median(_timed(ops, budget, at_least=3)) / n
+
+
+def _block_efficiency(budget: float, peak: float, latency: float, threads: int, width: int = 512,
+                      tokens: int = 512, seq: int = 128) -> float:
+    """Share of ``peak`` a transformer block sustains, run as a recomputing backward runs it."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from harmony.runtime.memory import CountAllocations, MemoryMeter
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += 1
+            return func(*args, **(kwargs or {}))
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        torch.manual_seed(0)
+        layer = torch.nn.TransformerEncoderLayer(width, max(1, width // 64), 4 * width, dropout=0.0,
+                                                 activation="gelu", batch_first=True, norm_first=True)
+        x = torch.randn(max(1, tokens // seq), seq, width)
+        seed = torch.ones_like(x)
+
+        def pack():          # forward without grad, then recompute with grad and backward
+            with torch.no_grad():
+                layer(x)
+            leaf = x.detach().requires_grad_()
+            torch.autograd.backward(layer(leaf), seed)
+
+        def timed():
+            with CountAllocations(MemoryMeter("profile")):
+                pack()
+        with FlopCounterMode(display=False) as fc, Count() as count:
+            pack()
+        times = _timed(timed, budget, at_least=3)
+    finally:
+        torch.set_num_threads(before)
+    compute = max(_median(times) - count.n * latency, 0.05 * _median(times))
+    return min(1.0, fc.get_total_flops() / compute / peak)
 
 
 def _memcpy_bandwidth(budget: float, size: int = 128 * 2**20) -> float:

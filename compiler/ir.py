@@ -20,6 +20,7 @@ class CompileConfig:
     copy_bandwidth: float = 8e9        # bytes/s host<->device, for the planner's time model
     flops: float = 60e9                # FLOP/s of the device, for the planner's time model
     headroom: float = 0.05             # share of the budget the planner leaves for its prediction error
+    optimizer_on: str = "auto"         # where the optimizer steps: auto | device | host (offload pass)
 
     @property
     def usable_budget(self) -> int:

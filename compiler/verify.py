@@ -66,6 +66,8 @@ def memory_curve(program, graph: torch.fx.Graph | None = None, check_residency: 
             kinds = NEEDS[name]
             if name == "step" and node.kwargs.get("stream"):
                 kinds = ("params", "grads")   # a streaming step brings the optimizer state itself
+            if name == "step" and node.kwargs.get("where") == "host":
+                kinds = ()                    # a host step works on the host copies
             for kind in kinds:
                 for s in (state_names(spec, kind)):
                     if not model.resident(kind, s):

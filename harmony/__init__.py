@@ -6,9 +6,10 @@
 """
 from harmony import errors
 from harmony.api import ScheduledModule, compile
+from harmony.checkpoint import load, save
 from harmony.compiler.hardware import Device, Hardware
 
-__all__ = ["compile", "ScheduledModule", "Hardware", "Device", "errors"]
+__all__ = ["compile", "ScheduledModule", "Hardware", "Device", "errors", "save", "load"]
 __version__ = "0.1.0"
 
 

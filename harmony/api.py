@@ -13,6 +13,7 @@ from harmony.compiler.verify import memory_curve
 from harmony.errors import ConfigError, InputError
 from harmony.runtime.executor import Runtime
 from harmony.runtime.ondemand import OnDemand
+from harmony.process import peak_rss_bytes
 from harmony.units import parse_bytes
 
 POLICIES = ("harmony", "sequential", "ondemand")
@@ -20,12 +21,16 @@ POLICIES = ("harmony", "sequential", "ondemand")
 
 def compile(model: torch.nn.Module, example_batch, *, optimizer=torch.optim.AdamW, optimizer_kwargs=None,
             memory_budget="1GiB", microbatches: int = 1, policy: str = "harmony", loss_fn=None,
-            leaf_modules=(), passes=DEFAULT_PIPELINE, device="cpu", hardware=None) -> "ScheduledModule":
+            leaf_modules=(), passes=DEFAULT_PIPELINE, device="cpu", hardware=None,
+            optimizer_on="auto") -> "ScheduledModule":
     """Plan and build a training step for ``model`` that fits ``memory_budget`` per device.
 
     >>> sm = harmony.compile(model, example_batch=(x, y), memory_budget="512MiB", microbatches=8)
     >>> loss = sm(x, y)          # forward, backward and optimizer update of one whole batch
 
+    ``optimizer_on``: ``"host"`` steps the optimizer on host copies while the device runs the next
+    pack's backward (its state never touches the device), ``"device"`` brings the state to the
+    device, ``"auto"`` (default) chooses host when the training state does not fit the budget.
     ``hardware`` (a ``Hardware``, ``Device`` or preset name such as ``"a100-40gb"``) gives the
     planner the device's FLOP/s and host-link bandwidth to weigh compute against traffic;
     by default it plans for this machine's CPU.
@@ -46,7 +51,7 @@ def compile(model: torch.nn.Module, example_batch, *, optimizer=torch.optim.Adam
         raise ConfigError(f"optimizer must be a torch.optim.Optimizer class, got {optimizer!r}")
     config = CompileConfig(memory_budget=parse_bytes(memory_budget), microbatches=microbatches,
                            batch_size=batch_size, policy=policy, optimizer=optimizer,
-                           optimizer_kwargs=dict(optimizer_kwargs or {}))
+                           optimizer_kwargs=dict(optimizer_kwargs or {}), optimizer_on=optimizer_on)
     if hardware is not None:
         dev = _device_of(hardware)
         config.flops, config.copy_bandwidth = dev.flops, dev.h2d_bandwidth
@@ -155,7 +160,8 @@ class ScheduledModule(torch.nn.Module):
         self.stats = dict(step_seconds=time.perf_counter() - t0, measured_peak=rt.meter.peak,
                           predicted_peak=self.predicted.peak, budget=rt.meter.budget,
                           h2d_bytes=rt.state.moved["h2d"], d2h_bytes=rt.state.moved["d2h"],
-                          predicted_h2d=self.predicted.moved["h2d"], predicted_d2h=self.predicted.moved["d2h"])
+                          predicted_h2d=self.predicted.moved["h2d"], predicted_d2h=self.predicted.moved["d2h"],
+                          peak_rss_bytes=peak_rss_bytes())
         return loss
 
     def simulate(self, hardware=None, device: int = 0):
@@ -168,6 +174,16 @@ class ScheduledModule(torch.nn.Module):
             hardware = Hardware.preset(hardware) if hardware else \
                 Hardware.this_machine().logical([self.program.config.memory_budget])
         return simulate(self.graph, self.plan, hardware, device, memory=self.predicted)
+
+    def state_dict(self) -> dict:
+        """The training state (parameters, optimizer state, hyperparameters, step, RNG), referencing live tensors."""
+        from harmony.checkpoint import state_dict
+        return state_dict(self)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restore the training state from ``state_dict()`` in place; a mismatch raises ``CheckpointError``."""
+        from harmony.checkpoint import load_state_dict
+        load_state_dict(self, state_dict)
 
     def report(self, fmt: str = "text") -> str:
         from harmony.viz.report import render

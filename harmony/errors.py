@@ -35,3 +35,7 @@ class DeviceOutOfMemory(HarmonyError):
 
 class CommunicationError(HarmonyError):
     """A collective across ranks failed or timed out (a peer died or stalled); names the op, rank and timeout."""
+
+
+class CheckpointError(HarmonyError):
+    """A checkpoint could not be saved or loaded (full disk, unwritable path, damaged or mismatched files)."""

@@ -167,6 +167,8 @@ class _Need:
         kept = sum(u.kept for u in us)
         boundary = us[0].cross_in + (self.units[e].cross_in if e < len(self.units) else 0)
         act = max(max(u.peak for u in us) + boundary, kept + max(u.bwd for u in us) + 2 * boundary)
+        if self.p.config.optimizer_on != "device":
+            extra = 0          # the optimizer steps on the host (offload pass)
         need = pbytes + bbytes + pbytes + max(extra, act)
         cfg = self.p.config
         m = cfg.microbatches
@@ -337,7 +339,7 @@ def measured_need(program: Program, spec: PackSpec, last: bool) -> int:
     state = spec.param_bytes + spec.buffer_bytes
     grads = spec.param_bytes
     inputs = spec.in_bytes + sum(program.fake_batch_bytes.get(n, 0) for n in spec.inputs)
-    step = state + grads + spec.stream_step_peak
+    step = state + grads + (spec.stream_step_peak if program.config.optimizer_on == "device" else 0)
     if last:
         compute = max(inputs + spec.fwd_keep_peak, inputs + spec.out_bytes + spec.saved_bytes + spec.bwd_peak)
     else:
@@ -374,8 +376,11 @@ def _choose(program: Program, units: list[Unit], budget: int):
     target = _working_set_cap(program, units, budget)
     for _ in range(8):
         cuts = plan_packs(program, units, target)
-        if cuts is None:
-            return None, None
+        if cuts is None:   # the estimates say no; measured, every layer alone may still fit
+            cuts = [(i, i + 1) for i in range(len(units))]
+            specs = build_packs(program, cuts, units)
+            fits = all(measured_need(program, s, i == len(specs) - 1) <= budget for i, s in enumerate(specs))
+            return (cuts, specs) if fits else (None, None)
         specs = build_packs(program, cuts, units)
         worst = max(measured_need(program, s, i == len(specs) - 1) for i, s in enumerate(specs))
         if worst <= budget:

@@ -25,7 +25,7 @@ from harmony.runtime import ops
 from harmony.units import fmt_bytes
 
 NAME = "swap"
-REQUIRES = {"schedule"}
+REQUIRES = {"schedule", "placement"}
 PROVIDES = {"residency"}
 KINDS = ("params", "grads", "optim")
 NEEDS = {"forward": ("params",), "backward": ("params", "grads"), "step": ("params", "grads", "optim")}
@@ -40,7 +40,7 @@ def _visits(graph):
     out, cur = [], None
     for n in _calls(graph):
         name = n.target.__name__
-        if name not in NEEDS:
+        if name not in NEEDS or n.kwargs.get("where") == "host":   # a host step needs nothing on the device
             continue
         p = n.args[0]
         if cur and cur[0] == p:
@@ -71,7 +71,7 @@ def insert_swaps(graph: torch.fx.Graph, resident: set) -> None:
 
 def mark_streams(graph: torch.fx.Graph, resident: set) -> None:
     for n in _calls(graph):
-        if n.target is ops.step:
+        if n.target is ops.step and n.kwargs.get("where") != "host":
             n.kwargs = {**n.kwargs, "stream": (n.args[0], "optim") not in resident}
 
 
@@ -178,6 +178,8 @@ def run(program: Program, ctx) -> PassResult:
     n_packs, m = len(plan.packs), plan.microbatches
     candidates = []
     for spec in plan.packs:
+        if plan.step_on.get(spec.index) == "host":
+            continue    # its optimizer updates the host copy: the weights must come in afresh
         phases = m if program.config.policy == "sequential" else 1
         per_byte = phases * (2 if spec.index == n_packs - 1 else 3)   # in for forward and backward, out once
         candidates.append((per_byte, spec.param_bytes + spec.buffer_bytes, ("params", spec.index)))
@@ -192,6 +194,8 @@ def run(program: Program, ctx) -> PassResult:
     cfg = program.config
     compute = sum(s.fwd_flops * 2 + s.bwd_flops for s in plan.packs) * m / cfg.flops
     copies = sum(c[0] * c[1] for c in candidates) / cfg.copy_bandwidth
+    if plan.step_on and "host" in plan.step_on.values():
+        copies = 0.0    # weights come in every phase anyway: overlap is what is left to win
     room = budget - (max(s.param_bytes + s.buffer_bytes for s in plan.packs) if compute > copies else 0)
     rows = []
     for per_byte, size, what in sorted(candidates, key=lambda c: (-c[0], -c[1])):

@@ -113,38 +113,74 @@ def choose_bits(errors: Mapping[str, Mapping[int, float]], sizes: Mapping[str, i
     uniform_bytes = sum(cost[n, uniform_bits] for n in names)
     norm = budget if budget > 0 else 1.0      # keep the constraint's coefficients near 1 for CBC
 
-    def solve(relax: bool):
+    def solve(relax: bool, rhs: float):
         prob = pulp.LpProblem("adaptive_bits", pulp.LpMinimize)
         cat = pulp.LpContinuous if relax else pulp.LpBinary
         x = {k: pulp.LpVariable(f"x{i}", 0, 1, cat) for i, k in enumerate(cost)}
         prob += pulp.lpSum(cost[k] * v for k, v in x.items())
         for n in names:
             prob += pulp.lpSum(x[n, b] for b in errors[n]) == 1
-        # A hair of slack below the budget absorbs CBC's feasibility tolerance.
-        prob += pulp.lpSum(errors[k[0]][k[1]] / norm * v for k, v in x.items()) <= budget / norm * (1 - 1e-7)
+        prob += pulp.lpSum(errors[k[0]][k[1]] / norm * v for k, v in x.items()) <= budget / norm * rhs
         prob.solve(pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit))
         return prob, x
 
+    def total_error(bits):
+        return sum(errors[n][bits[n]] for n in names)
+
     start = time.perf_counter()
-    bits = {n: uniform_bits for n in names}
+    bits = {n: uniform_bits for n in names}          # always feasible: the fallback
     status, lower = "empty", 0.0
     if names:
-        lp, _ = solve(relax=True)
+        lp, _ = solve(relax=True, rhs=1.0)
         lower = pulp.value(lp.objective) if lp.status == pulp.LpStatusOptimal else float(uniform_bytes)
-        prob, x = solve(relax=False)
-        status = pulp.LpStatus[prob.status]
-        if prob.status == pulp.LpStatusOptimal:
+        # CBC accepts solutions within its feasibility tolerance (~1e-7 of the budget); if the
+        # answer breaks the budget in exact arithmetic, solve again with that much margin.
+        for rhs in (1.0, 1.0 - 1e-6):
+            prob, x = solve(relax=False, rhs=rhs)
+            status = pulp.LpStatus[prob.status]
+            if prob.status != pulp.LpStatusOptimal:
+                continue
             chosen = {n: max(errors[n], key=lambda b: x[n, b].value() or 0.0) for n in names}
-            if sum(errors[n][chosen[n]] for n in names) <= budget:   # check in exact arithmetic
-                bits = chosen
-            else:
-                status = "infeasible after rounding; kept uniform bits"
+            if total_error(chosen) <= budget * (1 + 1e-12):
+                if sum(cost[n, chosen[n]] for n in names) <= sum(cost[n, bits[n]] for n in names):
+                    bits = chosen
+                break
+        else:
+            status = f"{status}; no solution within the budget in exact arithmetic, kept uniform bits"
     seconds = time.perf_counter() - start
     objective = sum(cost[n, bits[n]] for n in names)
     report = dict(bits=bits, objective_bytes=objective, uniform_bytes=uniform_bytes,
-                  lower_bound_bytes=lower, error=sum(errors[n][bits[n]] for n in names), error_budget=budget,
+                  lower_bound_bytes=lower, error=total_error(bits), error_budget=budget,
                   uniform_bits=uniform_bits, status=status, solve_seconds=seconds,
                   rows=[(n, int(sizes[n]), bits[n], cost[n, bits[n]], errors[n][bits[n]]) for n in names])
+    return bits, report
+
+
+def choose_bits_across_ranks(errors: Mapping[str, Mapping[int, float]], sizes: Mapping[str, int],
+                            uniform_bits: int = 4, group=None, **kwargs) -> tuple[dict[str, int], dict]:
+    """``choose_bits`` on the errors averaged over ranks; every rank ends with rank 0's bits.
+
+    Every rank must quantize a tensor with the same bits: each rank solves the same program on
+    the same averaged errors, then rank 0's answer is broadcast (a tensor, no pickling).
+    """
+    import torch.distributed as dist
+
+    names = list(errors)
+    cands = sorted({b for n in names for b in errors[n]})
+    table = torch.tensor([[errors[n].get(b, float("nan")) for b in cands] for n in names], dtype=torch.float64)
+    dist.all_reduce(table, group=group)
+    table /= dist.get_world_size(group)
+    mean = {n: {b: float(table[i, j]) for j, b in enumerate(cands) if b in errors[n]} for i, n in enumerate(names)}
+    bits, report = choose_bits(mean, sizes, uniform_bits, **kwargs)
+    agreed = torch.tensor([bits[n] for n in names], dtype=torch.int64)
+    dist.broadcast(agreed, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    if agreed.tolist() != [bits[n] for n in names]:
+        bits = dict(zip(names, agreed.tolist()))
+        report["status"] += "; replaced by rank 0's bits"
+        bucket, meta = kwargs.get("bucket_size", 512), kwargs.get("meta_dtype", torch.float32)
+        cost = {n: wire_bytes(int(sizes[n]), bits[n], bucket, meta) for n in names}
+        report.update(bits=bits, objective_bytes=sum(cost.values()), error=sum(mean[n][bits[n]] for n in names),
+                      rows=[(n, int(sizes[n]), bits[n], cost[n], mean[n][bits[n]]) for n in names])
     return bits, report
 
 

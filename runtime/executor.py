@@ -91,6 +91,7 @@ class Runtime:
             self.meter.peak = max(peak, self.meter.peak)
             for dead in self.free_after[node]:
                 env.pop(dead, None)
+        self.state.drain()    # the last packs' optimizer steps may still run on the host
         self.batch = {}
         return torch.stack(self.losses).mean()
 

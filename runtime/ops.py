@@ -88,7 +88,7 @@ def forward(pack: int, mb: int, *inputs, keep: bool = False): ...
 def backward(pack: int, mb: int, *inputs, saved=None, grads=()): ...
 def stash(value): ...
 def unstash(value): ...
-def step(pack: int, stream: bool = False): ...
+def step(pack: int, stream: bool = False, where: str = "device"): ...
 
 
 OPS: dict[str, OpDef] = {}
@@ -267,8 +267,35 @@ def _forward_effect(m, pack, mb, *inputs, keep=False):
     return Predicted(spec.out_bytes), spec.fwd_peak
 
 
+def _pack_compute_cost(hw, flops: float, tensor_ops: float) -> float:
+    """Seconds of compute on ``hw``: FLOPs at the rate a layer pack sustains, plus a fixed cost per tensor op.
+
+    The rate is the peak times the device's ``efficiency`` (matmuls at a pack's shapes and the
+    memory-bound ops around them); each tensor op (kernel) pays ``kernel_latency`` (launch,
+    dispatch, the runtime's accounting), and the schedule op itself ``op_latency``.
+    """
+    rate = hw.flops * getattr(hw, "efficiency", 1.0)
+    return flops / rate + tensor_ops * getattr(hw, "kernel_latency", 0.0) + hw.op_latency
+
+
+def _kernels_cost(spec, phase: str) -> float:
+    """Tensor ops one ``phase`` ("forward", "backward", "step") of a pack dispatches, estimated.
+
+    The plan does not keep the ops a pack dispatches, so they are estimated from the
+    parameter tensors it reads, which they follow closely in layer stacks: a linear layer's
+    weight and bias take a matmul, a view and an add forward and about twice that backward.
+    Counted on the built-in GPT (fx front end, packs of one to three blocks): 2.6 to 2.8
+    ops per parameter tensor forward, 5.6 to 5.9 backward (without the recompute), and
+    21 per parameter for an Adam(W) step (its for-loop implementation, the CPU default).
+    """
+    per_tensor = {"forward": 2.7, "backward": 5.8, "step": 21.0}[phase]
+    tensors = len(spec.owned) if phase == "step" else len(spec.params) + len(spec.buffers)
+    return per_tensor * max(tensors, 1)
+
+
 def _forward_cost(plan, hw, pack, mb, *inputs, keep=False):
-    return "compute", plan.packs[pack].fwd_flops / hw.flops + hw.op_latency
+    spec = plan.packs[pack]
+    return "compute", _pack_compute_cost(hw, spec.fwd_flops, _kernels_cost(spec, "forward"))
 
 
 def _backward_execute(rt, pack, mb, *inputs, saved=None, grads=()):
@@ -327,17 +354,34 @@ def _backward_effect(m, pack, mb, *inputs, saved=None, grads=()):
 
 def _backward_cost(plan, hw, pack, mb, *inputs, saved=None, grads=()):
     spec = plan.packs[pack]
-    flops = spec.bwd_flops + (spec.fwd_flops if saved is None else 0)
-    return "compute", flops / hw.flops + hw.op_latency
+    recompute = saved is None
+    flops = spec.bwd_flops + (spec.fwd_flops if recompute else 0)
+    ops = _kernels_cost(spec, "backward") + (_kernels_cost(spec, "forward") if recompute else 0)
+    return "compute", _pack_compute_cost(hw, flops, ops)
 
 
-def _step_execute(rt, pack, stream=False):
+def _step_execute(rt, pack, stream=False, where="device"):
     """The optimizer update of the parameters whose gradients this pack completed.
 
-    ``stream``: their optimizer state lives on the host; bring each parameter's in, step
-    it alone, and send it back, so the device holds one parameter's state at a time.
+    ``where="host"``: the pack's gradients and weights are already on the host (its
+    releases ran first); the optimizer steps the host copies on a host thread, overlapped
+    with the next pack's backward, and the pack's next swap_in waits for it (ZeRO-Offload).
+    ``stream``: the optimizer state lives on the host; bring each parameter's in, step it
+    alone on the device, and send it back, so the device holds one parameter's state at a time.
     """
     spec = rt.plan.packs[pack]
+    if where == "host":
+        params = [rt.state.tensors[n] for n in spec.owned]
+        opts = list(dict.fromkeys(rt.state.optimizers[n] for n in spec.owned))
+
+        def update():
+            for opt in opts:
+                opt.step()
+            for p in params:
+                p.grad = None
+        fut = rt.state.host_pool.submit(update)
+        rt.state.pending.update((n, fut) for n in spec.owned)
+        return
     if not stream:
         with rt.counting():
             for opt in dict.fromkeys(rt.state.optimizers[n] for n in spec.owned):
@@ -365,8 +409,11 @@ def _step_one(opt: torch.optim.Optimizer, param: torch.Tensor) -> None:
             return
 
 
-def _step_effect(m, pack, stream=False):
+def _step_effect(m, pack, stream=False, where="device"):
     spec = m.plan.packs[pack]
+    if where == "host":      # gradients left with the pack's release; nothing here touches the device
+        m.grads_exist -= set(spec.owned)
+        return None, 0
     for n in spec.owned:
         if n in m.grads_exist:
             m.grads_exist.discard(n)
@@ -381,9 +428,22 @@ def _step_effect(m, pack, stream=False):
     return None, spec.step_extra
 
 
-def _step_cost(plan, hw, pack, stream=False):
+def _step_cost(plan, hw, pack, stream=False, where="device"):
+    """An optimizer step is memory-bound: its traffic at memory bandwidth, plus a fixed cost per tensor op.
+
+    Traffic: Adam(W) reads parameter, gradient and state and writes parameter and state,
+    and its for-loop form makes temporaries of the parameter's size on the way; counted as
+    4 x (2 P + O) bytes. A streamed step also copies each parameter's optimizer state in
+    and back out, one parameter at a time, on the compute stream's critical path.
+    """
     spec = plan.packs[pack]
-    return "compute", 4 * (spec.param_bytes * 2 + spec.optim_bytes) / hw.memory_bandwidth + hw.op_latency
+    traffic = 4 * (spec.param_bytes * 2 + spec.optim_bytes)
+    if where == "host":      # the host's own memory, outside the runtime's accounting: plain dispatch
+        return "host", traffic / getattr(hw, "host_memory_bandwidth", hw.memory_bandwidth)
+    seconds = traffic / hw.memory_bandwidth + _pack_compute_cost(hw, 0, _kernels_cost(spec, "step"))
+    if stream:
+        seconds += spec.optim_bytes / hw.h2d_bandwidth + spec.optim_bytes / hw.d2h_bandwidth
+    return "compute", seconds
 
 
 register(swap_in, _swap_in_execute, _swap_in_effect, _swap_in_cost, "copy")

@@ -61,4 +61,5 @@ class Plan:
     input_names: list[str]
     batch_bytes: dict[str, int] = field(default_factory=dict)  # one microbatch of each input
     resident: set = field(default_factory=set)   # (pack, what) kept on the device for the whole run
+    step_on: dict = field(default_factory=dict)  # pack -> "device" | "host": where its optimizer steps
     policy: str = "harmony"

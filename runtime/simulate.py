@@ -36,7 +36,7 @@ The memory curve comes from ``compiler.verify.memory_curve`` run by the caller.
 """
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from dataclasses import dataclass, field
 
 import torch.fx
@@ -67,6 +67,7 @@ class Simulation:
     device: str
     speed_factor: float = 1.0              # the device's; other than 1 means an emulated device
     memory: list[tuple[float, int]] = field(default_factory=list)   # (seconds, device bytes); [] without a curve
+    moved: dict[str, int] = field(default_factory=dict)             # bytes copied per direction ("h2d", "d2h")
 
     @property
     def utilisation(self) -> dict[str, float]:
@@ -87,6 +88,9 @@ class Simulation:
                  f"{'stream':<9}{'busy':>12}{'util':>8}"]
         for s, b in self.busy.items():
             lines.append(f"{s:<9}{_seconds(b):>12}{self.utilisation[s]:>8.1%}")
+        if self.moved:
+            lines.append(f"copied {self.moved.get('h2d', 0) / 2**20:.1f} MiB in, "
+                         f"{self.moved.get('d2h', 0) / 2**20:.1f} MiB out")
         if self.memory:
             lines.append(f"peak device bytes {self.peak_bytes / 2**20:.1f} MiB (predicted by verify)")
         return "\n".join(lines)
@@ -110,14 +114,17 @@ def simulate(graph: torch.fx.Graph, plan: Plan, hw, device: int = 0, memory=None
     """Simulate one step of ``graph`` on ``hw.devices[device]`` (``hw`` may also be a single ``Device``).
 
     ``memory``: the ``MemoryCurve`` of ``compiler.verify.memory_curve`` for this graph; its
-    per-op bytes are placed at the simulated times (events' live/peak bytes, ``.memory``).
+    per-op bytes are placed at the simulated times (events' live/peak bytes, ``.memory``),
+    and under the ``ondemand`` policy they are what the state must fit beside.
     """
-    dev = hw.devices[device] if hasattr(hw, "devices") else hw
+    dev = _OnHost(hw.devices[device], hw) if hasattr(hw, "devices") else hw
     label = f"device {device} ({dev.name})"
     free = dict.fromkeys(STREAMS, 0.0)     # when each stream next idles
     busy = dict.fromkeys(STREAMS, 0.0)
+    moved = {"h2d": 0, "d2h": 0}
     done: dict[torch.fx.Node, float] = {}  # when each op's result is ready
     written_back: dict[tuple, float] = {}  # (pack, kind) -> end of its last release
+    host_steps: dict[int, float] = {}      # pack -> end of its optimizer step on the host
     # The effects, replayed, give the values as costs see them (a stash's bytes) and which state a copy
     # really moves. Tolerant of schedules verify would reject (a release with no swap_in): that is verify's job.
     model = MemoryModel(plan, _OnePerTensor(), refs=defaultdict(int))
@@ -125,22 +132,57 @@ def simulate(graph: torch.fx.Graph, plan: Plan, hw, device: int = 0, memory=None
         model.hold(what, state_names(plan.packs[pack], what))
     values: dict[torch.fx.Node, object] = {}
     events: list[SimEvent] = []
+    op_events: list[SimEvent] = []         # one per schedule op, in program order
     nodes = [n for n in graph.nodes if n.op == "call_function"]
-    for node in nodes:
+    on_demand = _OnDemand(plan, dev, nodes, memory) if plan.policy == "ondemand" else None
+
+    def run(stream, start, seconds, name, kind):
+        free.setdefault(stream, 0.0)
+        busy[stream] = busy.get(stream, 0.0) + seconds
+        free[stream] = start + seconds
+        events.append(SimEvent(name, kind, stream, start, start + seconds, 0, 0, label))
+        return events[-1]
+
+    for i, node in enumerate(nodes):
         op, name = op_of(node), node.target.__name__
         args = torch.fx.node.map_arg(node.args, values.__getitem__)
         kwargs = torch.fx.node.map_arg(node.kwargs, values.__getitem__)
         stream, seconds = op.cost(plan, dev, *args, **kwargs)
-        moved = sum(model.moved.values())
+        before = sum(model.moved.values())
         values[node], _ = op.effect(model, *args, **kwargs)
         if name in STATE_COPIES:
             # the cost is for all of the pack's state of that kind; only part of it may move: clean
             # parameters are dropped, not written back, and gradients not yet made are not fetched
             names = state_names(plan.packs[node.args[0]], node.args[1])
-            seconds *= (sum(model.moved.values()) - moved) / len(names) if names else 0.0
+            seconds *= (sum(model.moved.values()) - before) / len(names) if names else 0.0
+        if stream in moved:
+            moved[stream] += int(seconds * (dev.h2d_bandwidth if stream == "h2d" else dev.d2h_bandwidth))
+        if name == "step" and node.kwargs.get("stream") and node.kwargs.get("where", "device") == "device":
+            optim = plan.packs[node.args[0]].optim_bytes
+            moved["h2d"] += optim
+            moved["d2h"] += optim
         ready = max((done[n] for n in node.all_input_nodes), default=0.0)
+        if name == "swap_in" and node.args[1] == "params" and node.args[0] in host_steps:
+            # the runtime waits for the host's update of these weights before it copies them,
+            # on the thread that issues the copy: the compute stream stalls until then
+            settled = host_steps.pop(node.args[0])
+            free["compute"] = max(free["compute"], settled)
+            ready = max(ready, settled)
+        if on_demand is not None and op.kind == "compute":
+            # the ondemand runtime fetches what an op touches, and evicts to make room, before it runs
+            fetched, evicted = on_demand.touch(i, node)
+            for copy_stream, size, what in (("d2h", evicted, "evict"), ("h2d", fetched, "fetch")):
+                if size:
+                    at = max(free["compute"], free[copy_stream], ready)
+                    copy = run(copy_stream, at, size / getattr(dev, f"{copy_stream}_bandwidth"),
+                               f"{node.name}.{what}", "copy")
+                    free["compute"] = copy.end
+                    moved[copy_stream] += size
         if stream == "sync":               # a wait: the compute stream idles until what it waits for is done
-            stream, start, end = "compute", free["compute"], max(free["compute"], ready)
+            start, end = free["compute"], max(free["compute"], ready)
+            ev = SimEvent(node.name, op.kind, "compute", start, end, 0, 0, label)
+            events.append(ev)
+            free["compute"] = end
         else:
             if stream == "compute":
                 seconds *= dev.speed_factor
@@ -148,22 +190,107 @@ def simulate(graph: torch.fx.Graph, plan: Plan, hw, device: int = 0, memory=None
                 ready = max(ready, free["compute"])
             if name == "swap_in":
                 ready = max(ready, written_back.get(tuple(node.args[:2]), 0.0))
-            free.setdefault(stream, 0.0)
-            busy.setdefault(stream, 0.0)
-            start = max(free[stream], ready)
-            end = start + seconds
-            busy[stream] += seconds
+            if name == "step" and stream == "host":   # it updates the host copies the releases wrote
+                ready = max([ready, free["compute"]] + [t for (p, _), t in written_back.items()
+                                                        if p == node.args[0]])
+            sync = getattr(dev, "sync_copies", False) and op.kind == "copy"
+            if sync:                       # issued once the compute before it is done
+                ready = max(ready, free["compute"])
+            blocking = sync and name != "swap_in"      # a copy the issuing thread makes itself
+            ev = run(stream, max(free.get(stream, 0.0), ready), seconds, node.name, op.kind)
+            if blocking:
+                free["compute"] = ev.end
+            if name == "step" and stream == "host":
+                host_steps[node.args[0]] = ev.end
         if name == "release":
-            written_back[tuple(node.args[:2])] = end
-        free[stream] = done[node] = end
-        events.append(SimEvent(node.name, op.kind, stream, start, end, 0, 0, label))
-    sim = Simulation(max(free.values()), busy, events, label, dev.speed_factor)
+            written_back[tuple(node.args[:2])] = ev.end
+        done[node] = ev.end
+        op_events.append(ev)
+    sim = Simulation(max(free.values()), busy, events, label, dev.speed_factor, moved=moved)
     if memory is not None:
-        _place_memory(sim, nodes, memory)
+        _place_memory(sim, nodes, op_events, memory)
     return sim
 
 
-def _place_memory(sim: Simulation, nodes: list, curve) -> None:
+class _OnHost:
+    """A device as the costs see it, with its host's figures (a step on the host reads the host's bandwidth)."""
+
+    def __init__(self, device, hardware):
+        self._device, self._hardware = device, hardware
+
+    def __getattr__(self, name):
+        try:
+            return getattr(self._device, name)
+        except AttributeError:
+            return getattr(self._hardware, name)
+
+
+class _OnDemand:
+    """What the ``ondemand`` runtime moves, replayed at the granularity of a pack's state of one kind.
+
+    The schedule has no copies: the runtime fetches each parameter, gradient or optimizer
+    state an op touches when it is not on the device, on the thread that runs the op, and
+    evicts the least recently used state the op does not touch until the op's own bytes
+    fit (written back unless it is an unchanged parameter). The replay does the same with
+    whole (pack, kind) groups: a forward touches the pack's parameters, a backward its
+    parameters and gradients (made by the first backward of the step), a step all three.
+    The room at each op is the budget less the activations and transients the memory curve
+    predicts there (the curve of an ondemand schedule holds no state). The schedule is
+    replayed once first, so the step simulated starts from where the previous one left off.
+    """
+
+    def __init__(self, plan, dev, nodes, curve):
+        self.plan = plan
+        self.lru: OrderedDict[tuple, int] = OrderedDict()    # (pack, kind) -> bytes, least recent first
+        self.dirty: set[int] = set()                         # packs whose parameters changed
+        self.grads: set[int] = set()                         # packs whose gradients exist
+        self.optim: set[int] = set()                         # packs whose optimizer state exists
+        taken = curve.peak_at if curve is not None else [0] * len(nodes)
+        self.room = [dev.memory - t for t in taken]
+        for i, node in enumerate(nodes):                     # the previous step
+            if op_of(node).kind == "compute":
+                self.touch(i, node)
+
+    def size(self, pack, kind) -> int:
+        spec = self.plan.packs[pack]
+        return {"params": spec.param_bytes + spec.buffer_bytes, "grads": spec.param_bytes,
+                "optim": spec.optim_bytes}[kind]
+
+    def touch(self, i, node) -> tuple[int, int]:
+        """Bytes fetched and written back before op ``i`` runs; updates residency to after it."""
+        name, pack = node.target.__name__, node.args[0]
+        kinds = {"forward": ["params"], "backward": ["params", "grads"],
+                 "step": ["params", "grads", "optim"]}.get(name, [])
+        exists = {"params": True, "grads": pack in self.grads, "optim": pack in self.optim}
+        fetch = [k for k in kinds if exists[k] and (pack, k) not in self.lru]
+        # gradients a first backward makes, and optimizer state a first step makes, are new bytes too
+        new = [k for k in kinds if not exists[k]]
+        need = sum(self.size(pack, k) for k in fetch + new)
+        evicted = 0
+        for key in list(self.lru):
+            if sum(self.lru.values()) + need <= self.room[i]:
+                break
+            if key[0] == pack and key[1] in kinds:
+                continue
+            size = self.lru.pop(key)
+            if key[1] != "params" or key[0] in self.dirty:
+                evicted += size
+            if key[1] == "params":
+                self.dirty.discard(key[0])
+        for k in kinds:
+            self.lru[(pack, k)] = self.size(pack, k)
+            self.lru.move_to_end((pack, k))
+        if name == "backward":
+            self.grads.add(pack)
+        if name == "step":                                   # gradients are freed; weights and state changed
+            self.grads.discard(pack)
+            self.lru.pop((pack, "grads"), None)
+            self.optim.add(pack)
+            self.dirty.add(pack)
+        return sum(self.size(pack, k) for k in fetch), evicted
+
+
+def _place_memory(sim: Simulation, nodes: list, op_events: list, curve) -> None:
     """Put the curve's per-op bytes on the simulated clock.
 
     The curve is in program order, so each op's bytes count from the time the schedule
@@ -175,11 +302,11 @@ def _place_memory(sim: Simulation, nodes: list, curve) -> None:
         raise ValueError("the memory curve is of another schedule graph: compute it with "
                          "memory_curve(program, graph) for the graph you simulate")
     reached = 0.0
-    for node, ev in zip(nodes, sim.events):
+    for node, ev in zip(nodes, op_events):
         i = index[node]
         reached = max(reached, ev.start)
         ev.peak_bytes = curve.peak_at[i]
         ev.live_bytes = curve.before[i + 1] if i + 1 < len(curve.before) else curve.before[i]
         sim.memory += [(reached, curve.before[i]), (reached, curve.peak_at[i])]
     if sim.memory:
-        sim.memory.append((sim.step_seconds, sim.events[-1].live_bytes))
+        sim.memory.append((sim.step_seconds, op_events[-1].live_bytes))

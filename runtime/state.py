@@ -66,6 +66,19 @@ class TieredState:
         self.dirty: set[str] = set()      # params changed on the device since they came in
         self.moved = Counter()            # "h2d" / "d2h" -> bytes since the counter was cleared
         self.pin = device.type == "cuda"
+        self.host_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="harmony-host")
+        self.pending: dict[str, Future] = {}  # param name -> optimizer step running on the host
+
+    def settle(self, names) -> None:
+        """Wait for host optimizer steps still updating these parameters."""
+        for name in names:
+            fut = self.pending.pop(name, None)
+            if fut is not None:
+                fut.result()
+
+    def drain(self) -> None:
+        """Wait for every host optimizer step (the end of an iteration)."""
+        self.settle(list(self.pending))
 
     def _on_device(self, t: torch.Tensor) -> bool:
         return self.meter.holds(t)
@@ -90,6 +103,8 @@ class TieredState:
     def fetch(self, kind: str, names: list[str]) -> Future | None:
         """Start bringing ``names`` onto the device: device memory is reserved now, the copy runs async."""
         jobs = []
+        if kind == "params":
+            self.settle(names)
         for name in names:
             self.refs[(kind, name)] += 1
             if self.refs[(kind, name)] > 1:
@@ -141,4 +156,6 @@ class TieredState:
                     write(self._to_host(v))
 
     def close(self):
+        self.drain()
         self.copier.close()
+        self.host_pool.shutdown(wait=True)

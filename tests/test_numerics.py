@@ -53,6 +53,18 @@ def test_matches_eager_under_a_tight_budget(case, policy):
     assert len(sm.plan.packs) > 1 or policy == "ondemand"
 
 
+@pytest.mark.parametrize("case", ["mlp", "gpt"])
+def test_optimizer_on_the_device_matches_eager(case):
+    """The streamed device step (optimizer state brought in per parameter) is bitwise too."""
+    model, data = CASES[case]()
+    ref, _ = eager_accumulate(model, data, 4)
+    ours = copy.deepcopy(model)
+    sm, _, _ = run_compiled(ours, data, 4, int(training_state_bytes(model) * 0.5), optimizer_on="device")
+    assert any(n.kwargs.get("stream") for n in sm.graph.nodes if n.op == "call_function" and n.target.__name__ == "step")
+    for (name, a), b in zip(ours.named_parameters(), ref.parameters()):
+        assert torch.equal(a, b), name
+
+
 @pytest.mark.parametrize("case", ["hf-gpt2", "hf-bert"])
 @pytest.mark.parametrize("policy", POLICIES)
 def test_hugging_face_models_match_eager(case, policy):

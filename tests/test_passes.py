@@ -12,9 +12,11 @@ from harmony.runtime import ops
 from models import CASES, training_state_bytes
 
 
-def compiled(frac=0.5, policy="harmony", microbatches=4, passes=None, case="gpt", layers=6, **kw):
+def compiled(frac=0.5, policy="harmony", microbatches=4, passes=None, case="gpt", layers=6, optimizer_on="auto",
+             **kw):
     model, data = CASES[case](layers=layers, **kw)
     extra = {"passes": passes} if passes else {}
+    extra["optimizer_on"] = optimizer_on
     sm = harmony.compile(model, example_batch=data[0], memory_budget=int(training_state_bytes(model) * frac),
                          microbatches=microbatches, policy=policy, **extra)
     return sm, data
@@ -67,7 +69,7 @@ def test_sequential_schedule_is_microbatch_major():
 
 
 def test_swap_brings_weights_in_once_per_phase_under_harmony():
-    sm, _ = compiled(frac=0.25, passes=("partition", "schedule", "swap"))
+    sm, _ = compiled(frac=0.25, passes=("partition", "schedule", "offload", "swap"))
     n_packs = len(sm.plan.packs)
     params_in = [n.args[0] for n in names(sm, ops.swap_in) if n.args[1] == "params"]
     resident = {p for p, k in sm.plan.resident if k == "params"}
@@ -82,7 +84,7 @@ def test_swap_brings_weights_in_once_per_phase_under_harmony():
 
 
 def test_sequential_swaps_every_pack_every_microbatch():
-    sm, _ = compiled(frac=0.25, policy="sequential", passes=("partition", "schedule", "swap"))
+    sm, _ = compiled(frac=0.25, policy="sequential", passes=("partition", "schedule", "offload", "swap"))
     resident = {p for p, k in sm.plan.resident if k == "params"}
     swapped = [p for p in range(len(sm.plan.packs)) if p not in resident]
     params_in = [n.args[0] for n in names(sm, ops.swap_in) if n.args[1] == "params"]
@@ -99,7 +101,7 @@ def test_nothing_to_do_when_everything_fits():
 
 
 def test_stash_moves_pack_inputs_out_between_forward_and_recompute():
-    sm, _ = compiled(frac=0.25, microbatches=8)
+    sm, _ = compiled(frac=0.25, microbatches=8, optimizer_on="device")
     stashes = names(sm, ops.stash)
     assert stashes, "a tight budget with 8 microbatches must stash activations"
     for s in stashes:
@@ -107,7 +109,7 @@ def test_stash_moves_pack_inputs_out_between_forward_and_recompute():
 
 
 def test_prefetch_hoists_swap_ins_over_compute_within_budget():
-    before, _ = compiled(frac=0.5, passes=("partition", "schedule", "swap"))
+    before, _ = compiled(frac=0.5, passes=("partition", "schedule", "offload", "swap"))
     after, _ = compiled(frac=0.5)
     report = after.program.reports[-1]
     assert report.totals["swap_ins_hoisted"] > 0
@@ -121,7 +123,7 @@ def test_prefetch_hoists_swap_ins_over_compute_within_budget():
 
 def test_history_has_the_schedule_after_each_pass():
     sm, _ = compiled()
-    assert [h[0] for h in sm.history] == ["partition", "schedule", "swap", "prefetch"]
+    assert [h[0] for h in sm.history] == ["partition", "schedule", "offload", "swap", "prefetch"]
     assert "swap_in" in sm.code and "def forward" in sm.code
 
 
@@ -146,3 +148,25 @@ def test_a_failing_pass_is_named_with_the_passes_before_it(monkeypatch):
     model, data = CASES["gpt"]()
     with pytest.raises(PassError, match=r"pass 'broken' failed after passes \['partition', 'schedule'\]"):
         harmony.compile(model, example_batch=data[0], passes=("partition", "schedule", "broken"))
+
+
+def test_offload_steps_on_the_host_when_the_state_does_not_fit():
+    sm, data = compiled(frac=0.25)
+    steps = names(sm, ops.step)
+    assert steps and all(n.kwargs["where"] == "host" for n in steps)
+    assert not any(n.args[1] == "optim" for n in names(sm, ops.swap_in))
+    order = {n: i for i, n in enumerate(calls(sm))}
+    for st in steps:   # the pack's gradients and weights leave before its host step
+        rel = [n for n in names(sm, ops.release) if n.args[0] == st.args[0] and n.args[1] == "grads"]
+        assert rel and max(order[r] for r in rel) < order[st]
+    sm(*data[0])
+    assert sm.stats["measured_peak"] <= sm.program.config.memory_budget
+
+
+def test_offload_keeps_the_step_on_the_device_when_asked_or_when_all_fits():
+    sm, _ = compiled(frac=0.5, optimizer_on="device")
+    assert all(n.kwargs["where"] == "device" for n in names(sm, ops.step))
+    sm, _ = compiled(frac=4.0)
+    assert all(n.kwargs["where"] == "device" for n in names(sm, ops.step))
+    with pytest.raises(ConfigError, match="optimizer_on"):
+        compiled(optimizer_on="gpu")

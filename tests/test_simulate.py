@@ -6,6 +6,7 @@ binary fractions, so they are compared with ``==``.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -289,10 +290,16 @@ def test_simulate_a_compiled_schedule(tmp_path):
         nodes = [n for n in sm.graph.nodes if n.op == "call_function"]
         assert [e.name for e in sim.events] == [n.name for n in nodes]
         dev = hw.devices[0]
-        # forward/backward/step costs read only the pack and whether a backward has saved activations
-        compute = sum(ops.op_of(n).cost(sm.plan, dev, *n.args, **n.kwargs)[1] for n in nodes
-                      if n.target in (ops.forward, ops.backward, ops.step))
-        assert sim.busy["compute"] == pytest.approx(compute)
+        # forward/backward/step costs read only the pack and whether a backward has saved activations;
+        # a step on the host (offload) runs on the host stream
+        costs = [ops.op_of(n).cost(sm.plan, dev, *n.args, **n.kwargs) for n in nodes
+                 if n.target in (ops.forward, ops.backward, ops.step)]
+        assert sim.busy["compute"] == pytest.approx(sum(t for stream, t in costs if stream == "compute"))
+        # the host step reads the host's memory bandwidth, which the simulator takes from the Hardware
+        host = [n for n in nodes if n.target is ops.step and n.kwargs.get("where") == "host"]
+        assert sim.busy.get("host", 0.0) == pytest.approx(sum(
+            4 * (2 * sm.plan.packs[n.args[0]].param_bytes + sm.plan.packs[n.args[0]].optim_bytes)
+            / hw.host_memory_bandwidth for n in host))
         assert sim.step_seconds >= max(sim.busy.values())
         assert all(0.0 <= u <= 1.0 + 1e-9 for u in sim.utilisation.values())
         assert sim.peak_bytes == curve.peak
@@ -360,14 +367,125 @@ def test_detect_reads_this_machine_without_measuring():
 def test_profile_measures_and_this_machine_uses_the_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("HARMONY_CACHE_DIR", str(tmp_path / "cache"))
     assert "not measured" in Hardware.this_machine().notes[0]          # no cache yet: detect()
-    hw = Hardware.profile(seconds=1, path=tmp_path)
+    hw = Hardware.profile(seconds=1, path=tmp_path, block=(64, 128))
     dev = hw.devices[0]
     for v in (dev.flops, dev.h2d_bandwidth, dev.memory_bandwidth, hw.disk_read_bandwidth,
-              hw.disk_write_bandwidth):
+              hw.disk_write_bandwidth, dev.kernel_latency):
         assert v > 0 and math.isfinite(v)
+    assert 0 < dev.efficiency <= 1 and dev.sync_copies
+    assert "per tensor op" in hw.describe()
     assert "measured" in hw.notes[0]
     assert list(tmp_path.glob("harmony-disk-*")) == []                  # the temp file is gone
     cached = Hardware.this_machine()
     assert cached.devices[0].flops == dev.flops and cached.disk_read_bandwidth == hw.disk_read_bandwidth
     budgeted = cached.logical([512 * 2**20])                              # a logical CPU device with a budget
     assert budgeted.devices[0].memory == 512 * 2**20 and budgeted.devices[0].h2d_bandwidth == dev.h2d_bandwidth
+
+
+def test_a_cached_profile_of_an_older_version_is_not_used(tmp_path, monkeypatch):
+    monkeypatch.setenv("HARMONY_CACHE_DIR", str(tmp_path))
+    old = dataclasses.asdict(Hardware.detect().replace(notes=("measured, long ago",)))
+    (tmp_path / "hardware.json").write_text(json.dumps(old))          # no profile_version: before latencies
+    assert "not measured" in Hardware.this_machine().notes[0]
+
+
+def test_efficiency_must_be_a_share():
+    with pytest.raises(ConfigError, match="efficiency"):
+        UNIT.replace(efficiency=1.5)
+    assert UNIT.replace(efficiency=0.25).effective_flops == 2.5e8
+
+
+# -- the costs of this machine: efficiency, per-op latency, blocking copies, host steps, ondemand ----------
+def test_efficiency_and_kernel_latency_in_compute_costs():
+    s = Schedule()
+    s.forward(0, 0)                 # 1e9 FLOPs at 0.5 x 1e9 FLOP/s = 2 s, plus 2.7 ops per parameter tensor
+    s.backward(0, 0)                # recompute: 3e9 FLOPs = 6 s, plus (2.7 + 5.8) ops per tensor
+    s.step(0)                       # 8 s of memory traffic, plus 21 ops per tensor
+    p = plan(pack(0))               # one parameter tensor
+    sim = simulate(s.done(), p, UNIT.replace(efficiency=0.5, kernel_latency=0.5))
+    assert [e.end - e.start for e in sim.events] == pytest.approx([2 + 2.7 * 0.5, 6 + 8.5 * 0.5, 8 + 21 * 0.5])
+
+
+def test_a_streamed_step_pays_for_its_copies():
+    s = Schedule()
+    s.step(0, stream=True)          # 8 s of traffic, and 2e9 bytes of optimizer state in and out
+    p = plan(PackSpec(**{**vars(pack(0)), "optim_bytes": 2 * G}))
+    sim = simulate(s.done(), p, FAST_MEMORY)        # traffic 4 * (2e9 + 2e9) / 8e9 = 2 s
+    assert sim.step_seconds == 2.0 + 2.0 + 2.0
+    assert sim.moved == {"h2d": 2 * G, "d2h": 2 * G}
+
+
+def test_sync_copies_block_compute_but_swap_in_does_not():
+    s = Schedule()
+    h = s.swap_in(1, "params")      # 0..1 on h2d, beside compute
+    a = s.forward(0, 0)             # 0..1
+    s.stash(a)                      # 1..2 on d2h; blocks compute on a synchronous runtime
+    s.forward(0, 1)                 # 2..3, not 1..2
+    s.wait(h)
+    p = plan(pack(0, out_bytes=G), pack(1))
+    sim = simulate(s.done(), p, UNIT.replace(sync_copies=True))
+    assert [e[2:] for e in spans(sim)] == [(0.0, 1.0), (0.0, 1.0), (1.0, 2.0), (2.0, 3.0), (3.0, 3.0)]
+    async_sim = simulate(s.g, p, UNIT)
+    assert spans(async_sim)[3][2:] == (1.0, 2.0) and async_sim.step_seconds == 2.0
+    assert sim.moved == {"h2d": G, "d2h": G}
+
+
+def test_a_host_step_follows_the_write_back_and_the_next_swap_in_waits_for_it():
+    s = Schedule()
+    s.swap_in(0, "grads")           # no gradients yet: nothing to fetch, 0 s
+    s.backward(0, 0)                # 0..1: makes them
+    s.release(0, "grads")           # 1..2 on d2h, after the backward
+    s.step(0, where="host")         # 4 * (2e9 + 0) / 8e9 = 1 s on the host stream, after the write-back: 2..3
+    s.forward(1, 0)                 # compute goes on beside the host step: 1..2
+    s.swap_in(0, "params")          # the issuing thread waits for the host update: compute stalls to 3
+    s.forward(1, 1)                 # 3..4
+    hw = Hardware((UNIT,), host_memory_bandwidth=8e9)
+    sim = simulate(s.done(), plan(pack(0, bwd=G, fwd=0), pack(1)), hw)
+    assert [e[1:] for e in spans(sim)] == [("h2d", 0.0, 0.0), ("compute", 0.0, 1.0), ("d2h", 1.0, 2.0),
+                                           ("host", 2.0, 3.0), ("compute", 1.0, 2.0), ("h2d", 3.0, 4.0),
+                                           ("compute", 3.0, 4.0)]
+    assert sim.busy["host"] == 1.0 and sim.step_seconds == 4.0
+
+
+def _ondemand_plan(*packs):
+    p = plan(*packs)
+    p.policy = "ondemand"
+    return p
+
+
+def test_ondemand_fetches_on_the_compute_stream_and_evicts_least_recently_used():
+    s = Schedule()
+    for mb in range(2):             # sequential order: each microbatch through both packs
+        a = s.forward(0, mb)
+        s.forward(1, mb, a)
+    g = s.done()
+    # room for one pack's parameters (1e9 bytes): every forward fetches, nothing is dirty to write back
+    p = _ondemand_plan(pack(0), pack(1))
+    sim = simulate(g, p, UNIT.replace(memory=int(1.5 * G)))
+    names = [e.name for e in sim.events]
+    assert names == ["forward.fetch", "forward", "forward_1.fetch", "forward_1",
+                     "forward_2.fetch", "forward_2", "forward_3.fetch", "forward_3"]
+    assert [e[1:] for e in spans(sim)][:4] == [("h2d", 0.0, 1.0), ("compute", 1.0, 2.0), ("h2d", 2.0, 3.0),
+                                               ("compute", 3.0, 4.0)]
+    assert sim.step_seconds == 8.0 and sim.moved == {"h2d": 4 * G, "d2h": 0}
+    # room for both: after the previous step left them on the device, nothing moves
+    roomy = simulate(g, p, UNIT.replace(memory=3 * G))
+    assert roomy.step_seconds == 4.0 and roomy.moved == {"h2d": 0, "d2h": 0}
+
+
+def test_ondemand_writes_back_changed_state_and_leaves_room_for_activations():
+    s = Schedule()
+    s.backward(0, 0)                # makes gradients (1e9 bytes) beside the parameters
+    s.step(0)                       # needs optimizer state too: 3e9 bytes of state
+    g = s.done()
+    nodes = [n for n in g.nodes if n.op == "call_function"]
+    p = _ondemand_plan(pack(0, fwd=0, bwd=G))
+    p.packs[0].optim_bytes = G
+    curve = SimpleNamespace(nodes=nodes, before=[0, 0], peak_at=[G, 0])   # the backward's activations
+    sim = simulate(g, p, UNIT.replace(memory=3 * G, memory_bandwidth=8e9), memory=curve)
+    # the previous step left parameters (changed) and optimizer state on the device; the backward
+    # needs room for its activations and new gradients: the optimizer state (written back) goes
+    assert [(e.name, e.stream, e.start, e.end) for e in sim.events] == [
+        ("backward.evict", "d2h", 0.0, 1.0), ("backward", "compute", 1.0, 2.0),
+        ("step.fetch", "h2d", 2.0, 3.0), ("step", "compute", 3.0, 4.5)]     # 4 * (2e9 + 1e9) / 8e9 = 1.5 s
+    assert sim.moved == {"h2d": G, "d2h": G}

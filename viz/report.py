@@ -270,7 +270,10 @@ class _Writer:
                 items.append((f"moved {way}", line))
         if "step_seconds" in s:
             items.append(("step time", fmt_seconds(s["step_seconds"])))
+        if "peak_rss_bytes" in s:
+            items.append(("process RSS", f"{fmt_bytes(s['peak_rss_bytes'])} peak resident memory of this process "
+                                         f"(getrusage; host and the CPU's logical device together)"))
         known = {"measured_peak", "predicted_peak", "budget", "h2d_bytes", "d2h_bytes", "predicted_h2d",
-                 "predicted_d2h", "step_seconds"}
+                 "predicted_d2h", "step_seconds", "peak_rss_bytes"}
         items += [(k, fmt_value(k, v)) for k, v in s.items() if k not in known]
         self.pairs(items)

@@ -1,0 +1,313 @@
+"""One full gradient sync of GPT-2 small (124M parameters), side by side, under torchrun.
+
+Peers: gloo fp32 all_reduce, DDP's fp16_compress_hook, DDP's PowerSGD hook (rank 4); Harmony's
+quantized all-reduce (scatter-reduce + all-gather of densely packed levels) at 8, 4, 2 bits and
+with layer-wise adaptive bits (total error <= uniform 4 bits). Prints seconds per sync (slowest
+rank), bytes each rank sends, the ratio to fp32 and the error against the exact fp32 average.
+
+    sudo benchmarks/netns.sh 1gbit 4 --reps 2        # rate-limited loopback in a namespace
+    torchrun --nproc_per_node 2 benchmarks/allreduce.py --reps 2        # unlimited loopback
+    torchrun --nproc_per_node 2 benchmarks/allreduce.py --convergence   # 200 steps, fp32 vs 4-bit vs adaptive
+
+Gradients are random: per rank Gaussian, with one scale per tensor drawn log-uniformly from
+[1e-4, 1e-1] (the same on every rank), since real layers' gradients differ in size by orders of
+magnitude and that is what adaptive bits exploit.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from harmony.runtime.adaptive_bits import ErrorMeter, choose_bits_across_ranks, specs_for_bits
+from harmony.runtime.collectives import (DEFAULT_MIN_SIZE, CompressionSpec, allreduce, init_process_group,
+                                         ring_bytes, spec_for)
+
+MB = 1e6
+
+
+# -- the gradient set ------------------------------------------------------------------------------
+def gpt2_shapes(n_layer: int = 12, n_embd: int = 768) -> list[tuple[str, tuple[int, ...]]]:
+    """Parameter shapes of ``GPT2LMHeadModel(GPT2Config())`` (built on the meta device; the head is tied).
+
+    The defaults are GPT-2 small (124M); smaller values make a quick smoke test.
+    """
+    try:
+        from transformers import GPT2Config, GPT2LMHeadModel
+        with torch.device("meta"):
+            model = GPT2LMHeadModel(GPT2Config(n_layer=n_layer, n_embd=n_embd, n_head=max(1, n_embd // 64)))
+        return [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+    except ImportError:   # the same shapes, written out
+        d = n_embd
+        shapes = [("transformer.wte.weight", (50257, d)), ("transformer.wpe.weight", (1024, d))]
+        for i in range(n_layer):
+            h = f"transformer.h.{i}."
+            shapes += [(h + "ln_1.weight", (d,)), (h + "ln_1.bias", (d,)), (h + "attn.c_attn.weight", (d, 3 * d)),
+                       (h + "attn.c_attn.bias", (3 * d,)), (h + "attn.c_proj.weight", (d, d)),
+                       (h + "attn.c_proj.bias", (d,)), (h + "ln_2.weight", (d,)), (h + "ln_2.bias", (d,)),
+                       (h + "mlp.c_fc.weight", (d, 4 * d)), (h + "mlp.c_fc.bias", (4 * d,)),
+                       (h + "mlp.c_proj.weight", (4 * d, d)), (h + "mlp.c_proj.bias", (d,))]
+        return shapes + [("transformer.ln_f.weight", (d,)), ("transformer.ln_f.bias", (d,))]
+
+
+def random_grads(shapes, rank: int, seed: int = 0) -> list[torch.Tensor]:
+    scales = torch.empty(len(shapes)).uniform_(-4, -1, generator=torch.Generator().manual_seed(seed))
+    g = torch.Generator().manual_seed(seed * 1000 + rank + 1)
+    return [torch.randn(s, generator=g).mul_(10 ** float(k)) for (_, s), k in zip(shapes, scales)]
+
+
+# -- the methods -----------------------------------------------------------------------------------
+class _Inject(torch.autograd.Function):
+    """A backward that hands fixed gradients to the parameters, so DDP's hooks see exactly them."""
+
+    @staticmethod
+    def forward(ctx, holder, *params):
+        ctx.holder = holder
+        return params[0].new_zeros(())
+
+    @staticmethod
+    def backward(ctx, _):
+        return (None, *ctx.holder.grads)
+
+
+class _Holder(nn.Module):
+    def __init__(self, shapes):
+        super().__init__()
+        self.ps = nn.ParameterList(nn.Parameter(torch.zeros(s)) for _, s in shapes)
+        self.grads = None
+
+    def forward(self):
+        return _Inject.apply(self, *self.ps)
+
+
+def powersgd_bytes(shapes, world: int, rank_: int = 4, min_rate: float = 2.0) -> int:
+    """Bytes one rank sends under DDP's PowerSGD hook: P and Q all-reduced, small tensors in fp32."""
+    total = 0
+    for _, s in shapes:
+        rows, cols = s[0], math.prod(s[1:]) if len(s) > 1 else 1
+        if len(s) > 1 and (rows + cols) * rank_ * min_rate < rows * cols:
+            total += ring_bytes(4 * rank_ * rows, world) + ring_bytes(4 * rank_ * cols, world)
+        else:
+            total += ring_bytes(4 * rows * cols, world)
+    return total
+
+
+def run_ddp(shapes, grads, hook: str, reps: int, warmup: int):
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    holder = _Holder(shapes)
+    holder.grads = grads
+    # PowerSGD's callbacks block a gloo worker thread while waiting for their next all_reduce; with
+    # gloo's two worker threads, two buckets in flight deadlock. One bucket avoids it.
+    cap = 25 if hook != "powersgd" else 1 + sum(4 * math.prod(s) for _, s in shapes) / 2**20
+    ddp = DDP(holder, init_sync=False, bucket_cap_mb=cap, gradient_as_bucket_view=True)
+    if hook == "fp16":
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    elif hook == "powersgd":
+        state = powerSGD_hook.PowerSGDState(None, matrix_approximation_rank=4, start_powerSGD_iter=2,
+                                            min_compression_rate=2, use_error_feedback=True, warm_start=True)
+        ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+        warmup = max(warmup, 2)      # PowerSGD all-reduces plainly before start_powerSGD_iter
+
+    def once():
+        for p in holder.ps:
+            if p.grad is not None:
+                p.grad.zero_()
+        dist.barrier()
+        start = time.perf_counter()
+        ddp().backward()              # DDP's reducer finishes every bucket before backward returns
+        return time.perf_counter() - start
+
+    times = _repeat(once, reps, warmup)
+    result = [p.grad.detach().clone() for p in holder.ps]
+    del ddp, holder
+    return times, result
+
+
+def run_harmony(grads, spec, reps: int, warmup: int):
+    stats = None
+
+    def once():
+        nonlocal stats, work
+        work = [g.clone() for g in grads]
+        dist.barrier()
+        stats = allreduce(work, spec, timeout=600)
+        return stats.seconds
+
+    work = None
+    times = _repeat(once, reps, warmup)
+    return times, work, stats
+
+
+def _repeat(once, reps, warmup):
+    for _ in range(warmup):
+        once()
+    times = []
+    for _ in range(reps):
+        t = torch.tensor([once()], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)     # a sync is as slow as its slowest rank
+        times.append(float(t))
+    return times
+
+
+def adaptive_specs(shapes, grads, uniform_bits: int, base: CompressionSpec, min_size: int = DEFAULT_MIN_SIZE):
+    """Measure on this rank's gradients, agree on one plan across ranks, return (specs, report)."""
+    names = [n for n, _ in shapes]
+    meter = ErrorMeter(bucket_size=base.bucket_size, rounding=base.rounding)
+    meter.update({n: g for n, g in zip(names, grads) if spec_for(g, base, min_size).kind == "quantized"})
+    bits, report = choose_bits_across_ranks(meter.errors(), meter.sizes, uniform_bits, bucket_size=base.bucket_size)
+    return specs_for_bits(names, bits, base), report
+
+
+# -- the sync benchmark ----------------------------------------------------------------------------
+def sync_benchmark(args):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    shapes = gpt2_shapes(args.n_layer, args.n_embd)
+    n = sum(math.prod(s) for _, s in shapes)
+    grads = random_grads(shapes, rank)
+    fp32_bytes = ring_bytes(4 * n, world)
+    rows, reference = [], None
+
+    def record(name, times, result, sent, note=""):
+        nonlocal reference
+        if rank != 0:           # only rank 0 keeps the reference and prints
+            return
+        if reference is None:
+            reference = result
+        num = sum(float((a - b).double().pow(2).sum()) for a, b in zip(result, reference))
+        den = sum(float(b.double().pow(2).sum()) for b in reference)
+        rows.append((name, min(times), sum(times) / len(times), sent, math.sqrt(num / den), note))
+        print(f"  {name}: {[round(t, 3) for t in times]} s", flush=True)
+
+    methods = args.methods.split(",")
+    if rank == 0:
+        print(f"GPT-2 (n_layer={args.n_layer}, n_embd={args.n_embd}) gradient sync: {n / 1e6:.1f}M parameters in {len(shapes)} tensors, {world} ranks, "
+              f"link {args.link}, torch threads {torch.get_num_threads()}, {args.reps} reps after {args.warmup} warm-up",
+              flush=True)
+    # fp32 first: its result is the exact average every other method is compared with.
+    times, result, _ = run_harmony(grads, CompressionSpec("none"), args.reps, args.warmup)
+    record("fp32 all_reduce (gloo)", times, result, fp32_bytes)
+    if "ddp-fp16" in methods:
+        times, result = run_ddp(shapes, grads, "fp16", args.reps, args.warmup)
+        record("DDP fp16_compress_hook", times, result, ring_bytes(2 * n, world))
+    if "ddp-powersgd" in methods:
+        times, result = run_ddp(shapes, grads, "powersgd", args.reps, args.warmup)
+        record("DDP PowerSGD hook, rank 4", times, result, powersgd_bytes(shapes, world),
+               "one DDP bucket (gloo deadlocks with more); same grads every rep: warm start flatters its error")
+    base = CompressionSpec("quantized", bits=4, bucket_size=args.bucket, rounding="stochastic")
+    for b in (8, 4, 2):
+        if f"q{b}" in methods:
+            spec = CompressionSpec("quantized", bits=b, bucket_size=args.bucket, rounding="stochastic")
+            times, result, stats = run_harmony(grads, spec, args.reps, args.warmup)
+            record(f"Harmony {b}-bit", times, result, stats.wire_bytes)
+    if "adaptive" in methods:
+        specs, report = adaptive_specs(shapes, grads, 4, base)
+        times, result, stats = run_harmony(grads, specs, args.reps, args.warmup)
+        hist = {}
+        for s in specs:
+            if s.kind == "quantized":
+                hist[s.bits] = hist.get(s.bits, 0) + 1
+        record("Harmony adaptive (<= 4-bit error)", times, result, stats.wire_bytes,
+               f"bits:tensors {dict(sorted(hist.items()))}; ILP {report['solve_seconds']:.2f} s predicts "
+               f"{report['objective_bytes'] / report['uniform_bytes']:.2f}x uniform 4-bit's bytes")
+    if rank == 0:
+        print_table(rows, fp32_bytes)
+
+
+def print_table(rows, fp32_bytes):
+    base = rows[0][1]
+    print(f"\n{'method':36s} {'s/sync min':>10s} {'mean':>8s} {'MB sent/rank':>12s} {'bytes vs fp32':>13s} "
+          f"{'speedup':>8s} {'rel L2 err':>10s}  note")
+    for name, tmin, tmean, sent, err, note in rows:
+        print(f"{name:36s} {tmin:10.3f} {tmean:8.3f} {sent / MB:12.1f} {sent / fp32_bytes:13.3f} "
+              f"{base / tmin:7.2f}x {err:10.2e}  {note}")
+
+
+# -- convergence -----------------------------------------------------------------------------------
+def convergence(args):
+    from harmony.models import GPT, GPTConfig, copy_task
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = GPTConfig()
+    per_rank = args.batch // world
+    base = CompressionSpec("quantized", bits=4, bucket_size=args.bucket, rounding="stochastic")
+    curves = {}
+    for mode in ("fp32", "4-bit", "adaptive"):
+        torch.manual_seed(0)
+        model = GPT(cfg)
+        params = list(model.parameters())
+        names = [n for n, _ in model.named_parameters()]
+        opt = torch.optim.AdamW(params, lr=args.lr)
+        spec = CompressionSpec("none") if mode == "fp32" else base
+        meter = ErrorMeter(bucket_size=base.bucket_size) if mode == "adaptive" else None
+        gen = torch.Generator().manual_seed(1234 + rank)
+        losses, comm = [], None
+        for step, (x, y) in enumerate(copy_task(cfg, args.batch, args.steps, seed=1)):
+            mine = slice(rank * per_rank, (rank + 1) * per_rank)
+            loss = model(x[mine], y[mine])
+            opt.zero_grad(set_to_none=False)
+            loss.backward()
+            grads = [p.grad for p in params]
+            if meter is not None and step < args.warmup_steps:        # measure on real gradients, sync in fp32
+                meter.update({n: g for n, g in zip(names, grads) if spec_for(g, base).kind == "quantized"})
+                stats = allreduce(grads, CompressionSpec("none"))
+                if step == args.warmup_steps - 1:
+                    bits, report = choose_bits_across_ranks(meter.errors(), meter.sizes, 4, bucket_size=base.bucket_size)
+                    spec = specs_for_bits(names, bits, base)
+                    if rank == 0:
+                        print(f"adaptive bits after {args.warmup_steps} warm-up steps: "
+                              f"{sorted(bits.values())}; predicted {report['objective_bytes']} B vs uniform-4 "
+                              f"{report['uniform_bytes']} B", flush=True)
+            else:
+                stats = allreduce(grads, spec, generator=gen)
+            comm = stats if comm is None else comm + stats
+            opt.step()
+            t = loss.detach().reshape(1)
+            dist.all_reduce(t)
+            losses.append(float(t) / world)
+        curves[mode] = (losses, comm)
+    if rank == 0:
+        ref = sum(curves["fp32"][0][-10:]) / 10
+        marks = [0, args.steps // 4, args.steps // 2, 3 * args.steps // 4, args.steps - 1]
+        print(f"\nconvergence: harmony.models.GPT {GPTConfig()} on copy_task, global batch {args.batch}, "
+              f"{world} ranks, AdamW lr {args.lr}, {args.steps} steps")
+        print(f"{'mode':10s} " + " ".join(f"{'step ' + str(m):>9s}" for m in marks)
+              + f" {'last-10 mean':>12s} {'vs fp32':>8s} {'bytes vs fp32':>13s}")
+        for mode, (losses, comm) in curves.items():
+            end = sum(losses[-10:]) / 10
+            print(f"{mode:10s} " + " ".join(f"{losses[m]:9.4f}" for m in marks)
+                  + f" {end:12.4f} {100 * (end - ref) / ref:+7.2f}% {comm.wire_bytes / comm.fp32_bytes:13.3f}")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--bucket", type=int, default=512, help="elements per quantization bucket")
+    ap.add_argument("--methods", default="ddp-fp16,ddp-powersgd,q8,q4,q2,adaptive")
+    ap.add_argument("--link", default="unlimited loopback", help="label printed with the table")
+    ap.add_argument("--timeout", type=float, default=900.0, help="seconds before a stuck collective fails")
+    ap.add_argument("--n-layer", type=int, default=12, help="GPT-2 small: 12")
+    ap.add_argument("--n-embd", type=int, default=768, help="GPT-2 small: 768")
+    ap.add_argument("--convergence", action="store_true", help="train a small GPT: fp32 vs 4-bit vs adaptive")
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--warmup-steps", type=int, default=5, help="adaptive: steps measuring errors before choosing")
+    args = ap.parse_args()
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    init_process_group(timeout=args.timeout, backend="gloo")
+    try:
+        convergence(args) if args.convergence else sync_benchmark(args)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

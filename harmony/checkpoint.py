@@ -1,0 +1,661 @@
+"""Checkpoints of a compiled training run: a state dict in memory, and a crash-safe directory on disk.
+
+A checkpoint holds what a resumed run needs to continue bitwise as if it had never
+stopped: every parameter and buffer, each parameter's optimizer state, the optimizer
+hyperparameters, the step count and torch's RNG state.
+
+>>> harmony.save(sm, "ckpt")          # after some steps
+>>> harmony.load(sm2, "ckpt")         # sm2: the same model compiled again, any budget
+CheckpointInfo(path=PosixPath('/.../ckpt'), step=2, recovered=False)
+
+On disk::
+
+    ckpt/manifest.json   format, step, hyperparameters; per file its bytes, sha256 and tensor shapes
+    ckpt/pack-000.pt     pack 0's parameters, buffers and optimizer state: plain dicts of tensors
+    ckpt/...
+    ckpt/rng.pt          torch's RNG state
+
+Saving writes ``ckpt.tmp-<pid>`` completely (each file and the directory fsynced), then
+renames ``ckpt`` to ``ckpt.old``, the new one to ``ckpt``, and removes ``ckpt.old``. A
+process killed at any moment leaves a complete checkpoint under ``ckpt`` or, between the
+two renames, under ``ckpt.old``, which ``load`` falls back to (and the next ``save``
+puts back). Loading reads files with ``torch.load(weights_only=True)`` only after the
+manifest matches the model and every file matches its checksum.
+
+Tensors are referenced where the runtime keeps them (device copy or host master), never
+gathered first: the writer pulls one pack's state at a time, the unit the runtime moves.
+"""
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import shutil
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from harmony.errors import CheckpointError
+from harmony.units import fmt_bytes
+
+FORMAT = 1
+KIND = "harmony-checkpoint"
+MANIFEST = "manifest.json"
+
+
+@dataclass
+class CheckpointInfo:
+    """What ``load`` loaded: the directory, the step it was saved at, and whether it was ``<dir>.old``."""
+
+    path: Path
+    step: int
+    recovered: bool
+
+
+# -- the live state of a ScheduledModule ---------------------------------------------------------
+class _Live:
+    """Where a compiled module's training state lives right now, read and written in place."""
+
+    def __init__(self, sm):
+        gm = sm.program.gm
+        self.sm = sm
+        self.tensors = {**dict(gm.named_parameters()), **dict(gm.named_buffers())}
+        self.tiers = sm.runtime.state if sm.runtime is not None else None
+        if hasattr(self.tiers, "drain"):   # no background optimizer step may still write what we read or replace
+            self.tiers.drain()
+        name_of = {id(t): n for n, t in self.tensors.items()}
+        self.optimizers: dict[str, torch.optim.Optimizer] = {}
+        self.groups: list[list[tuple[list[str], dict]]] = []   # per optimizer, per group: names, group
+        for opt in sm.optimizers:
+            groups = []
+            for group in opt.param_groups:
+                names = [name_of[id(p)] for p in group["params"]]
+                groups.append((names, group))
+                self.optimizers.update(dict.fromkeys(names, opt))
+            self.groups.append(groups)
+
+    def optim_state(self, name: str) -> dict:
+        opt = self.optimizers.get(name)
+        return opt.state.get(self.tensors[name], {}) if opt is not None else {}
+
+    def layout(self) -> list[tuple[str, int | None, list[str]]]:
+        """(file stem, pack, names) per file: a parameter goes with the pack that owns its update,
+        a buffer (or an un-owned parameter) with the first pack that reads it."""
+        packs = getattr(getattr(self.sm.program, "plan", None), "packs", None) or []
+        home: dict[str, int] = {}
+        for spec in packs:
+            for n in spec.owned:
+                home.setdefault(n, spec.index)
+        for spec in packs:
+            for n in list(spec.params) + list(spec.buffers):
+                home.setdefault(n, spec.index)
+        files = [(f"pack-{spec.index:03d}", spec.index, [n for n in self.tensors if home.get(n) == spec.index])
+                 for spec in packs]
+        rest = [n for n in self.tensors if n not in home]
+        if rest:
+            files.append(("rest", None, rest))
+        return [f for f in files if f[2]]
+
+    def payload(self, names: list[str]) -> dict:
+        """One file's plain dicts of tensors, referencing the live tensors (a view is cut to its own bytes).
+
+        This is the one place that pulls state from its tier; a disk tier reads the pack's
+        file here, so saving holds one pack's state at a time, never the whole model's.
+        """
+        model = {n: _own_bytes(self.tensors[n].data) for n in names}
+        optim = {n: {k: _own_bytes(v) if isinstance(v, torch.Tensor) else v for k, v in self.optim_state(n).items()}
+                 for n in names if self.optim_state(n)}
+        return {"model": model, "optimizer": optim}
+
+    def nbytes(self) -> int:
+        total = sum(_nbytes(t) for t in self.tensors.values())
+        return total + sum(_nbytes(v) for n in self.optimizers for v in self.optim_state(n).values()
+                           if isinstance(v, torch.Tensor))
+
+    # -- writing, in place --------------------------------------------------------------------
+    def write_tensor(self, name: str, value: torch.Tensor) -> None:
+        """Copy into the tensor the runtime reads, and into its host master if that is another copy."""
+        t = self.tensors[name]
+        with torch.no_grad():
+            t.data.copy_(value)
+            master = self.tiers.master.get(name) if self.tiers is not None else None
+            if master is not None and master.untyped_storage().data_ptr() != t.data.untyped_storage().data_ptr():
+                master.copy_(value)
+
+    def write_optim(self, name: str, values: dict) -> None:
+        """Replace one parameter's optimizer state: into its tensors where they exist, else new ones
+        in the tier the runtime keeps that parameter's optimizer state in between steps."""
+        opt, p = self.optimizers[name], self.tensors[name]
+        current = opt.state.get(p, {})
+        resident = self.tiers is not None and self.tiers.refs[("optim", name)] > 0
+        state = {}
+        for k, v in values.items():
+            old = current.get(k)
+            if not isinstance(v, torch.Tensor):
+                state[k] = v
+            elif isinstance(old, torch.Tensor) and old.shape == v.shape and old.dtype == v.dtype:
+                with torch.no_grad():
+                    old.copy_(v)
+                state[k] = old
+            else:
+                state[k] = self._new(v, resident)
+        opt.state[p] = state
+
+    def _new(self, v: torch.Tensor, resident: bool) -> torch.Tensor:
+        if self.tiers is None:
+            return v.detach().to("cpu", copy=True)
+        if resident:   # on the device, counted against its budget like the runtime's own copies
+            dst = torch.empty_like(v, device=self.tiers.device)
+            self.tiers.meter.track(dst)
+        else:
+            dst = torch.empty(v.shape, dtype=v.dtype, pin_memory=self.tiers.pin)
+        return dst.copy_(v)
+
+    def clear_optim(self, keep: set[str]) -> None:
+        """Parameters without optimizer state in the checkpoint had none when it was saved."""
+        for n, opt in self.optimizers.items():
+            if n not in keep:
+                opt.state.pop(self.tensors[n], None)
+
+    def write_groups(self, saved: list[dict]) -> None:
+        by_name = {n: g for g in saved for n in g["params"]}
+        for groups in self.groups:
+            for names, group in groups:
+                for k, v in by_name[names[0]].items():
+                    if k != "params":
+                        group[k] = _like(group.get(k), v)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _own_bytes(t: torch.Tensor) -> torch.Tensor:
+    """``torch.save`` writes a tensor's whole storage: a view into a larger buffer is copied out first."""
+    t = t.detach()
+    if t.storage_offset() == 0 and t.is_contiguous() and t.untyped_storage().nbytes() == _nbytes(t):
+        return t
+    return t.clone()
+
+
+def _like(current, value):
+    """A saved hyperparameter in the type the optimizer holds now (JSON turns tuples into lists)."""
+    if isinstance(current, torch.Tensor):
+        with torch.no_grad():
+            current.copy_(torch.as_tensor(value, dtype=current.dtype))
+        return current
+    if isinstance(current, tuple) and isinstance(value, list):
+        return tuple(value)
+    return value
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _spec(t) -> dict | None:
+    return {"shape": list(t.shape), "dtype": _dtype_name(t.dtype)} if isinstance(t, torch.Tensor) else None
+
+
+# -- state dicts -------------------------------------------------------------------------------
+def state_dict(sm) -> dict:
+    """The training state of ``sm``, referencing its live tensors (no copies).
+
+    >>> sd = sm.state_dict()
+    >>> sorted(sd)
+    ['format', 'model', 'optimizer', 'param_groups', 'rng', 'step']
+
+    The tensors are the ones the runtime trains: save or clone them before the next step.
+    """
+    live = _Live(sm)
+    return {
+        "format": FORMAT,
+        "model": {n: t.data for n, t in live.tensors.items()},
+        "optimizer": {n: dict(live.optim_state(n)) for n in live.optimizers if live.optim_state(n)},
+        "param_groups": [[{"params": list(names), **{k: v for k, v in g.items() if k != "params"}}
+                          for names, g in groups] for groups in live.groups],
+        "step": sm.steps,
+        "rng": _rng_state(),
+    }
+
+
+def load_state_dict(sm, sd: dict) -> None:
+    """Restore ``sm`` from ``sd`` (from ``state_dict``) in place, after checking it matches the model.
+
+    >>> sm2.load_state_dict(sm.state_dict())
+
+    A mismatch raises ``CheckpointError`` before anything is changed.
+    """
+    if not isinstance(sd, dict) or sd.get("format") != FORMAT:
+        got = sd.get("format") if isinstance(sd, dict) else type(sd).__name__
+        raise CheckpointError(f"state dict has format {got!r}, this Harmony reads format {FORMAT}; "
+                              f"pass the dict that ScheduledModule.state_dict() returns")
+    for key in ("model", "optimizer", "param_groups", "step", "rng"):
+        if key not in sd:
+            raise CheckpointError(f"state dict has no {key!r} entry; pass the dict that "
+                                  f"ScheduledModule.state_dict() returns")
+    live = _Live(sm)
+    model = {n: _spec(t) for n, t in sd["model"].items()}
+    optim = {n: {k: _spec(v) for k, v in s.items()} for n, s in sd["optimizer"].items()}
+    groups = [g for per_opt in sd["param_groups"] for g in per_opt]
+    _check(live, model, optim, groups, "the state dict")
+    for n, t in sd["model"].items():
+        live.write_tensor(n, t)
+    for n, s in sd["optimizer"].items():
+        live.write_optim(n, s)
+    live.clear_optim(set(sd["optimizer"]))
+    live.write_groups(groups)
+    sm.steps = int(sd["step"])
+    _set_rng_state(sd["rng"])
+
+
+def _check(live: _Live, model: dict, optim: dict, groups: list[dict], where: str) -> None:
+    """Every mismatch between a checkpoint's contents and the compiled model, in one error."""
+    problems = []
+    missing = [n for n in live.tensors if n not in model]
+    extra = [n for n in model if n not in live.tensors]
+    if missing:
+        problems.append(f"{len(missing)} tensors of the model are missing ({_few(missing)})")
+    if extra:
+        problems.append(f"{len(extra)} tensors are not in the model ({_few(extra)})")
+    wrong = []
+    for n, spec in model.items():
+        if n in live.tensors:
+            t = live.tensors[n]
+            if spec is None or spec != _spec(t):
+                wrong.append(f"{n}: checkpoint {_show(spec)}, model {_show(_spec(t))}")
+    for n, state in optim.items():
+        if n not in live.optimizers:
+            wrong.append(f"optimizer state for {n!r}, which is not a trained parameter of this model")
+            continue
+        for k, spec in state.items():
+            old = live.optim_state(n).get(k)
+            if isinstance(old, torch.Tensor) and spec is not None and spec["shape"] != list(old.shape):
+                wrong.append(f"optimizer state {n}[{k!r}]: checkpoint {_show(spec)}, now {_show(_spec(old))}")
+    if wrong:
+        problems.append(f"{len(wrong)} entries do not match: " + "; ".join(wrong[:5])
+                        + (" ..." if len(wrong) > 5 else ""))
+    saved = {}
+    for g in groups:
+        for n in g.get("params", []):
+            saved[n] = g
+    unplaced = [n for n in live.optimizers if n not in saved]
+    if unplaced:
+        problems.append(f"no optimizer hyperparameters for {len(unplaced)} parameters ({_few(unplaced)})")
+    for opt_groups in live.groups:
+        for names, group in opt_groups:
+            found = [saved[n] for n in names if n in saved]
+            if not found:
+                continue
+            keys = {k for k in found[0] if k != "params"}
+            unknown = sorted(keys - set(group))
+            if unknown:
+                cls = type(live.optimizers[names[0]]).__name__
+                problems.append(f"hyperparameters {unknown} are unknown to this model's {cls}: "
+                                f"the checkpoint was saved with another optimizer class")
+                break
+            differ = [n for n, g in zip(names, found) if g is not found[0]
+                      and any(_plain(g.get(k)) != _plain(found[0].get(k)) for k in keys)]
+            if differ:
+                problems.append(f"{names[0]} and {differ[0]} share an optimizer group here but had different "
+                                f"hyperparameters when saved")
+    if problems:
+        raise CheckpointError(f"{where} does not match the compiled model: " + "; ".join(problems) +
+                              ". Load a checkpoint saved from the same model (same parameter names and shapes, "
+                              "as in model.state_dict()) and the same optimizer class; the memory budget and "
+                              "microbatches may differ. Nothing was changed.")
+
+
+def _few(names: list[str]) -> str:
+    return ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
+
+
+def _show(spec) -> str:
+    return "a non-tensor" if spec is None else f"{tuple(spec['shape'])} {spec['dtype']}"
+
+
+def _plain(v):
+    if isinstance(v, torch.Tensor):
+        return v.tolist()
+    return list(v) if isinstance(v, tuple) else v
+
+
+def _rng_state() -> dict:
+    rng = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        rng["cuda"] = torch.cuda.get_rng_state_all()
+    return rng
+
+
+def _set_rng_state(rng: dict) -> None:
+    torch.set_rng_state(rng["cpu"])
+    if rng.get("cuda") and torch.cuda.is_available() and len(rng["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(rng["cuda"])
+
+
+# -- checkpoint directories --------------------------------------------------------------------
+def save(sm, path, *, progress=None) -> Path:
+    """Write ``sm``'s training state to the directory ``path``, replacing the checkpoint there atomically.
+
+    >>> harmony.save(sm, "runs/ckpt")
+    PosixPath('/.../runs/ckpt')
+
+    ``progress(done, total, file)`` is called after each file is durably written. A full
+    disk or an unwritable path raises ``CheckpointError``; the previous checkpoint stays
+    intact and no temporary files are left behind.
+    """
+    target, old, tmp = _paths(path)
+    live = _Live(sm)
+    groups = [[{"params": list(names), **{k: _jsonable(v) for k, v in g.items() if k != "params"}}
+               for names, g in per_opt] for per_opt in live.groups]
+    try:
+        json.dumps(groups)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"cannot save to {target}: an optimizer hyperparameter is not a number, "
+                              f"string, bool or list ({e}); keep hyperparameters plain values") from None
+    need = live.nbytes()
+    previous = False
+    try:
+        _recover(target, old)
+        previous = _check_replaceable(target)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        _remove_stale_temps(target)
+        usage = shutil.disk_usage(target.parent)
+        if usage.total and usage.free < need:   # (pseudo file systems such as /proc report no size at all)
+            raise OSError(errno.ENOSPC, f"{fmt_bytes(usage.free)} free, the checkpoint needs at least "
+                          f"{fmt_bytes(need)}", str(target.parent))
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+        layout = live.layout()
+        total = len(layout) + 2
+        files = []
+        for i, (stem, pack, names) in enumerate(layout):
+            payload = live.payload(names)
+            name = f"{stem}.pt"
+            size, digest = _write_file(tmp / name, payload)
+            files.append({"name": name, "pack": pack, "bytes": size, "sha256": digest,
+                          "model": {n: _spec(t) for n, t in payload["model"].items()},
+                          "optimizer": {n: {k: _spec(v) for k, v in s.items()}
+                                        for n, s in payload["optimizer"].items()}})
+            del payload
+            if progress is not None:
+                progress(i + 1, total, tmp / name)
+        size, digest = _write_file(tmp / "rng.pt", _rng_state())
+        files.append({"name": "rng.pt", "pack": None, "bytes": size, "sha256": digest, "rng": True})
+        if progress is not None:
+            progress(total - 1, total, tmp / "rng.pt")
+        manifest = {"format": KIND, "version": FORMAT, "step": sm.steps, "torch": torch.__version__,
+                    "param_groups": groups, "files": files}
+        _write_bytes(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
+        if progress is not None:
+            progress(total, total, tmp / MANIFEST)
+        _fsync_dir(tmp)
+        _commit(tmp, target, old)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(_explain_save(e, target, need, previous)) from e
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
+
+
+def load(sm, path) -> CheckpointInfo:
+    """Restore ``sm`` in place from the checkpoint directory ``path`` written by ``save``.
+
+    >>> harmony.load(sm, "runs/ckpt")
+    CheckpointInfo(path=PosixPath('/.../runs/ckpt'), step=2, recovered=False)
+
+    The manifest is checked against the model and every file against its checksum before
+    anything changes. If only ``<path>.old`` exists (a save was killed between its two
+    renames) that is loaded, with a warning.
+    """
+    target, old, _ = _paths(path)
+    src, recovered = _find(target, old)
+    manifest = _read_manifest(src)
+    live = _Live(sm)
+    packs = [f for f in manifest["files"] if not f.get("rng")]
+    model = {n: s for f in packs for n, s in f.get("model", {}).items()}
+    optim = {n: s for f in packs for n, s in f.get("optimizer", {}).items()}
+    groups = [g for per_opt in manifest["param_groups"] for g in per_opt]
+    _check(live, model, optim, groups, f"checkpoint {src}")
+    try:
+        for f in manifest["files"]:
+            _verify(src, f)
+    except OSError as e:
+        raise CheckpointError(f"could not read checkpoint {src}: {e.strerror or e} ({e.filename}); "
+                              f"nothing was changed. Check the file system, or load an older checkpoint.") from e
+    try:
+        for f in packs:
+            data = _read_file(src / f["name"])
+            if set(data.get("model", {})) != set(f.get("model", {})) or \
+                    set(data.get("optimizer", {})) != set(f.get("optimizer", {})):
+                raise CheckpointError(f"{src / f['name']} does not hold the tensors its manifest lists; "
+                                      f"the checkpoint is damaged. The model may be partly loaded: load another "
+                                      f"checkpoint before training.")
+            for n, t in data["model"].items():
+                live.write_tensor(n, t)
+            for n, s in data["optimizer"].items():
+                live.write_optim(n, s)
+            del data
+        rng = next(_read_file(src / f["name"]) for f in manifest["files"] if f.get("rng"))
+    except OSError as e:
+        raise CheckpointError(f"could not read checkpoint {src}: {e.strerror or e} ({e.filename}). The model "
+                              f"may be partly loaded: load again, or another checkpoint, before training.") from e
+    live.clear_optim(set(optim))
+    live.write_groups(groups)
+    sm.steps = int(manifest["step"])
+    _set_rng_state(rng)
+    if recovered:
+        warnings.warn(f"{target} is missing: a save was interrupted between its renames; loaded the previous "
+                      f"checkpoint {src} (step {sm.steps}). The next harmony.save to {target} moves it back.",
+                      stacklevel=2)
+    return CheckpointInfo(src, int(manifest["step"]), recovered)
+
+
+def _jsonable(v):
+    if isinstance(v, torch.Tensor):
+        return v.tolist()
+    return list(v) if isinstance(v, tuple) else v
+
+
+def _paths(path) -> tuple[Path, Path, Path]:
+    target = Path(os.path.abspath(os.fspath(path)))
+    return (target, target.with_name(target.name + ".old"),
+            target.with_name(f"{target.name}.tmp-{os.getpid()}"))
+
+
+def _is_checkpoint(d: Path) -> bool:
+    return (d / MANIFEST).is_file()
+
+
+def _recover(target: Path, old: Path) -> None:
+    """A save killed between its two renames left only ``<dir>.old``: put it back first."""
+    if not target.exists() and _is_checkpoint(old):
+        os.rename(old, target)
+        _fsync_dir(target.parent)
+
+
+def _check_replaceable(target: Path) -> bool:
+    """True if a previous checkpoint is there; refuse to replace anything that is not one."""
+    if not target.exists():
+        return False
+    if not target.is_dir():
+        raise CheckpointError(f"cannot save a checkpoint to {target}: it is a file, not a directory; "
+                              f"choose another path")
+    if _is_checkpoint(target):
+        return True
+    if any(target.iterdir()):
+        raise CheckpointError(f"cannot save a checkpoint to {target}: the directory holds files and no "
+                              f"{MANIFEST}, so it is not a Harmony checkpoint and would be replaced; "
+                              f"choose another path or empty it")
+    return False
+
+
+def _remove_stale_temps(target: Path) -> None:
+    """Temp directories of saves whose process died (SIGKILL leaves them; nothing else does)."""
+    for d in target.parent.glob(f"{target.name}.tmp-*"):
+        pid = d.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and (int(pid) == os.getpid() or not _alive(int(pid))):
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _commit(tmp: Path, target: Path, old: Path) -> None:
+    if target.exists():
+        if old.exists():
+            shutil.rmtree(old)
+        os.rename(target, old)
+        _fsync_dir(target.parent)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            os.rename(old, target)
+            raise
+        _fsync_dir(target.parent)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, target)
+        _fsync_dir(target.parent)
+
+
+class _HashingWriter:
+    """A file that hashes what it is given, so a checkpoint is read back by nobody to get its sha256."""
+
+    def __init__(self, f):
+        self.f, self.sha, self.size = f, hashlib.sha256(), 0
+        self.error: OSError | None = None
+
+    def write(self, b) -> int:
+        self.sha.update(b)
+        self.size += len(b)
+        try:
+            return self.f.write(b)
+        except OSError as e:
+            self.error = e
+            raise
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def _write_file(path: Path, obj) -> tuple[int, str]:
+    """``torch.save`` to a new file, fsynced; returns (bytes, sha256)."""
+    with open(path, "xb") as f:
+        w = _HashingWriter(f)
+        try:
+            torch.save(obj, w)
+        except Exception:
+            if w.error is not None:   # torch's zip writer turns a failed write (ENOSPC) into a RuntimeError
+                raise w.error from None
+            raise
+        f.flush()
+        os.fsync(f.fileno())
+    return w.size, w.sha.hexdigest()
+
+
+def _write_bytes(path: Path, data: bytes) -> None:
+    with open(path, "xb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(d: Path) -> None:
+    fd = os.open(d, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _explain_save(e: OSError, target: Path, need: int, previous: bool) -> str:
+    where = e.filename or target.parent
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        todo = (f"the file system holding {target.parent} is full: free at least {fmt_bytes(need)} there (the new "
+                f"checkpoint is complete before the old one is removed, so both need room) or save elsewhere")
+    elif e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        todo = "that location is not writable: save to a directory you can write to, or fix its permissions"
+    elif e.errno in (errno.ENOTDIR, errno.EEXIST):
+        todo = "a part of that path is a file, not a directory: choose another path"
+    elif e.errno == errno.ENOENT:
+        todo = ("it cannot be created there (a part of the path is missing, or the file system, like /proc, "
+                "takes no new files): save to a writable directory")
+    else:
+        todo = "check the path and the file system"
+    kept = (f"The previous checkpoint at {target} is intact" if previous
+            else f"Nothing was at {target} before and nothing was written there")
+    return (f"could not save the checkpoint to {target}: {e.strerror or e} ({where}); {todo}. "
+            f"{kept}, and no temporary files were left behind.")
+
+
+def _find(target: Path, old: Path) -> tuple[Path, bool]:
+    if _is_checkpoint(target):
+        return target, False
+    if not target.exists() and _is_checkpoint(old):
+        return old, True
+    temps = sorted(p.name for p in target.parent.glob(f"{target.name}.tmp-*")) if target.parent.is_dir() else []
+    if target.exists():
+        why = f"{target} has no {MANIFEST}, so it is not a complete Harmony checkpoint"
+    else:
+        why = f"there is no checkpoint at {target} (nor {old.name})"
+    if temps:
+        why += f"; {', '.join(temps)} beside it are saves that never completed"
+    raise CheckpointError(f"cannot load: {why}. Pass the directory harmony.save wrote.")
+
+
+def _read_manifest(src: Path) -> dict:
+    try:
+        manifest = json.loads((src / MANIFEST).read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"cannot read {src / MANIFEST}: {e}; the checkpoint is damaged, "
+                              f"load an older one") from e
+    if not isinstance(manifest, dict) or manifest.get("format") != KIND:
+        raise CheckpointError(f"{src / MANIFEST} is not a Harmony checkpoint manifest")
+    if manifest.get("version") != FORMAT:
+        raise CheckpointError(f"{src} has checkpoint format {manifest.get('version')!r}; this Harmony reads "
+                              f"format {FORMAT}: load it with the Harmony version that wrote it")
+    for f in manifest.get("files", []):
+        name = f.get("name", "")
+        if not name or name != os.path.basename(name) or name.startswith("."):
+            raise CheckpointError(f"{src / MANIFEST} names a file outside the checkpoint ({name!r}); refusing it")
+    if not any(f.get("rng") for f in manifest.get("files", [])) or "param_groups" not in manifest:
+        raise CheckpointError(f"{src / MANIFEST} is incomplete (no RNG file or hyperparameters); load an older one")
+    return manifest
+
+
+def _verify(src: Path, f: dict) -> None:
+    path = src / f["name"]
+    sha, size = hashlib.sha256(), 0
+    with open(path, "rb") as fh:
+        while chunk := fh.read(1 << 20):
+            sha.update(chunk)
+            size += len(chunk)
+    if size != f["bytes"] or sha.hexdigest() != f["sha256"]:
+        raise CheckpointError(f"{path} is damaged: {size} bytes with sha256 {sha.hexdigest()[:12]}..., the "
+                              f"manifest says {f['bytes']} bytes with {f['sha256'][:12]}...; nothing was changed. "
+                              f"Load an older checkpoint.")
+
+
+def _read_file(path: Path) -> dict:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except OSError:
+        raise
+    except Exception as e:   # weights_only refuses anything but tensors and plain containers
+        raise CheckpointError(f"{path} cannot be loaded as plain tensors ({type(e).__name__}: {e}); "
+                              f"Harmony never unpickles arbitrary objects. The model may be partly loaded: "
+                              f"load another checkpoint before training.") from e
