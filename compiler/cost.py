@@ -262,7 +262,7 @@ def _tensors(tree):
 def _resize(t: torch.Tensor, batch: int, mode: FakeTensorMode) -> torch.Tensor:
     shape = (batch,) + tuple(t.shape[1:]) if t.dim() else ()
     with mode:
-        out = torch.empty(shape, dtype=t.dtype)
+        out = torch.empty(shape, dtype=t.dtype, device=t.device)
     return out
 
 
