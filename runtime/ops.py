@@ -188,7 +188,7 @@ def _load_batch_cost(plan, hw, mb, names):
 
 
 def _stash_execute(rt, acts):
-    return Acts({k: rt.state._to_host(v) if isinstance(v, torch.Tensor) else v for k, v in acts.values.items()},
+    return Acts({k: rt.state.to_host(v) if isinstance(v, torch.Tensor) else v for k, v in acts.values.items()},
                 on_device=False)
 
 

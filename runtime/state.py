@@ -83,7 +83,8 @@ class TieredState:
     def _on_device(self, t: torch.Tensor) -> bool:
         return self.meter.holds(t)
 
-    def _to_host(self, src: torch.Tensor) -> torch.Tensor:
+    def to_host(self, src: torch.Tensor) -> torch.Tensor:
+        """A host copy of a device tensor, counted as bytes moved device-to-host."""
         dst = torch.empty(src.shape, dtype=src.dtype, pin_memory=self.pin)
         dst.copy_(src)
         self.moved["d2h"] += src.numel() * src.element_size()
@@ -153,7 +154,7 @@ class TieredState:
             for read, write in self._slots(kind, name):
                 v = read()
                 if v is not None and self._on_device(v):
-                    write(self._to_host(v))
+                    write(self.to_host(v))
 
     def close(self):
         self.drain()
