@@ -8,6 +8,7 @@ rank), bytes each rank sends, the ratio to fp32 and the error against the exact 
     sudo benchmarks/netns.sh 1gbit 4 --reps 2        # rate-limited loopback in a namespace
     torchrun --nproc_per_node 2 benchmarks/allreduce.py --reps 2        # unlimited loopback
     torchrun --nproc_per_node 2 benchmarks/allreduce.py --convergence   # 200 steps, fp32 vs 4-bit vs adaptive
+    torchrun --nproc_per_node 2 benchmarks/allreduce.py --compiled --steps 40   # through harmony.compile
 
 Gradients are random: per rank Gaussian, with one scale per tensor drawn log-uniformly from
 [1e-4, 1e-1] (the same on every rank), since real layers' gradients differ in size by orders of
@@ -285,6 +286,75 @@ def convergence(args):
                   + f" {end:12.4f} {100 * (end - ref) / ref:+7.2f}% {comm.wire_bytes / comm.fp32_bytes:13.3f}")
 
 
+# -- training through harmony.compile ------------------------------------------------------------------
+def compiled(args):
+    """Train through ``harmony.compile(..., data_parallel=None)``: the compress pass's all-reduces in the schedule.
+
+    Every rank compiles the same GPT on its shard of each global batch, under a memory budget of
+    ``--budget-frac`` of its training state (0.5: the state is swapped and the optimizer steps on
+    the host, behind each pack's all-reduce). Prints, per compression, the median step time, the
+    seconds the host thread spent communicating per step, bytes per step against fp32 and the
+    loss at the end; every rank's parameters are hashed to show they agree.
+    """
+    import hashlib
+
+    import harmony
+    import harmony.data
+    from harmony.models import GPT, GPTConfig, copy_task
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = GPTConfig(layers=args.n_layer_compiled, width=args.width)
+    modes = args.compression.split(",")
+    rows = []
+    for mode in modes:
+        torch.manual_seed(0)
+        model = GPT(cfg)
+        state = 16 * sum(p.numel() for p in model.parameters())
+        data = list(copy_task(cfg, args.batch, args.steps, seed=1))
+        sm = harmony.compile(model, example_batch=harmony.data.shard(data[0]), microbatches=args.microbatches,
+                             memory_budget=int(state * args.budget_frac), optimizer_kwargs=dict(lr=args.lr),
+                             compression=None if mode == "fp32" else mode)
+        times, comm, wire, fp32, losses = [], [], [], [], []
+        for x, y in data:
+            loss = sm(*harmony.data.shard((x, y)))
+            t = loss.detach().reshape(1)
+            dist.all_reduce(t)
+            losses.append(float(t) / world)
+            s = sm.stats
+            times.append(s["step_seconds"])
+            comm.append(s["comm_seconds"])
+            wire.append(s["comm_wire_bytes"])
+            fp32.append(s["comm_fp32_bytes"])
+        h = hashlib.sha256()
+        for p in model.parameters():
+            h.update(p.detach().numpy().tobytes())
+        digests = [None] * world
+        dist.all_gather_object(digests, h.hexdigest()[:12])
+        where = {n.kwargs.get("where", "device") for n in sm.graph.nodes
+                 if n.op == "call_function" and n.target.__name__ == "allreduce"}
+        sm.close()
+        med = sorted(times)[len(times) // 2]
+        rows.append((mode, len(sm.plan.packs), ",".join(sorted(where)), med, sum(comm[1:]) / max(len(comm) - 1, 1),
+                     wire[-1], wire[-1] / fp32[-1], sum(losses[-10:]) / len(losses[-10:]),
+                     len(set(digests)) == 1, sm.stats.get("adaptive_bits")))
+    if rank == 0:
+        print(f"\nharmony.compile data parallel: GPT {cfg}, global batch {args.batch} on {world} ranks, "
+              f"{args.microbatches} microbatches per rank, budget {args.budget_frac:g} x training state, "
+              f"AdamW lr {args.lr}, {args.steps} steps")
+        print(f"{'compression':12s} {'packs':>5s} {'all-reduce':>10s} {'step s':>8s} {'comm s':>8s} "
+              f"{'KB/step':>9s} {'vs fp32':>8s} {'last-10 loss':>12s} {'ranks equal':>11s}")
+        for mode, packs, where, med, c, w, ratio, end, same, bits in rows:
+            print(f"{mode:12s} {packs:5d} {where:>10s} {med:8.4f} {c:8.4f} {w / 1e3:9.1f} {ratio:8.3f} "
+                  f"{end:12.4f} {str(same):>11s}")
+            if bits:
+                hist = {}
+                for b in bits.values():
+                    hist[b] = hist.get(b, 0) + 1
+                print(f"{'':12s} adaptive bits:layers {dict(sorted(hist.items()))}")
+        print("comm s: seconds the host thread spent in all-reduces per step (after the first), overlapped "
+              "with the next pack's backward where the optimizer steps on the host")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=2)
@@ -300,11 +370,22 @@ def main():
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--warmup-steps", type=int, default=5, help="adaptive: steps measuring errors before choosing")
+    ap.add_argument("--compiled", action="store_true", help="train through harmony.compile(data_parallel) instead")
+    ap.add_argument("--compression", default="fp32,fp16,4bit,adaptive", help="--compiled: modes to compare")
+    ap.add_argument("--n-layer-compiled", type=int, default=4, help="--compiled: GPT layers")
+    ap.add_argument("--width", type=int, default=128, help="--compiled: GPT width")
+    ap.add_argument("--microbatches", type=int, default=4, help="--compiled: microbatches per rank")
+    ap.add_argument("--budget-frac", type=float, default=0.5, help="--compiled: memory budget / training state")
     args = ap.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     init_process_group(timeout=args.timeout, backend="gloo")
     try:
-        convergence(args) if args.convergence else sync_benchmark(args)
+        if args.compiled:
+            compiled(args)
+        elif args.convergence:
+            convergence(args)
+        else:
+            sync_benchmark(args)
     finally:
         dist.destroy_process_group()
 

@@ -5,10 +5,11 @@
 (19500000000000.0, 31500000000.0)
 >>> mixed = Hardware.preset(["l4", "l4", "a6000", "p40"])       # a mixed cluster (Cephalo's example)
 >>> cpu = Hardware.this_machine().logical([512 * 2**20])        # this CPU as a device with a 512 MiB budget
+>>> torch.set_num_threads(1)
 >>> print(Hardware.profile(seconds=8).describe())               # measure this machine (and cache it)
-device 0: cpu (2 cores, AMD EPYC), 23.5 GiB, 0.0902 TFLOP/s fp32, h2d 13.4 GB/s (memcpy), memory 26.87 GB/s
-host: 23.5 GiB, disk read 3.26 GB/s, write 3.17 GB/s, network 1.25 GB/s + 50 us
-measured by Hardware.profile: fp32 matmul at 2 threads, memcpy, disk (O_DIRECT); nominal, not measured: network
+device 0: cpu (2 cores, AMD EPYC), 23.5 GiB, 0.1 TFLOP/s fp32 (90% sustained by a layer pack), 16.7 us per tensor op, h2d 16.4 GB/s (memcpy), memory 32.75 GB/s
+host: 23.5 GiB, disk read 1.13 GB/s, write 2.06 GB/s, network 1.25 GB/s + 50 us
+measured by Hardware.profile: fp32 matmul at 1 threads, tensor-op latency, a transformer block of width 512 on 512 tokens, memcpy, disk (O_DIRECT); nominal, not measured: network
 
 Units everywhere: bytes, bytes per second, seconds, FLOP/s.
 
@@ -234,15 +235,16 @@ class Hardware:
                    notes=("detected, not measured: speeds are nominal; Hardware.profile() measures them",))
 
     @classmethod
-    def profile(cls, seconds: float = 8.0, path=None, threads: int = 2, save: bool = True,
-                block: tuple[int, int] = (512, 512)) -> "Hardware":
+    def profile(cls, seconds: float = 8.0, path=None, threads: int | None = None, save: bool = True,
+                block: tuple[int, ...] = (512, 512)) -> "Hardware":
         """Measure this machine in about ``seconds``: FLOP/s, per-op latency, memcpy and disk bandwidth.
 
-        - peak: a 2048 x 2048 fp32 matmul at ``threads`` threads (median of a few);
+        - peak: a 2048 x 2048 fp32 matmul at ``threads`` threads (default: as many as torch
+          uses now, which the runtime will use too), median of a few;
         - ``kernel_latency``: a tiny op (16 floats) as the runtime runs it, under its
           allocation accounting: what every tensor op pays before it computes anything;
         - ``efficiency``: a transformer block (pre-norm, GELU; ``block`` = (width, tokens per
-          microbatch), in sequences of 128) run as a pack's backward runs it (forward without
+          microbatch[, sequence length, default 128])) run as a pack's backward runs it (forward without
           grad, then forward again with grad and backward), FLOPs counted by
           ``torch.utils.flop_counter``; its time less its tensor ops times ``kernel_latency``,
           against the matmul peak. Pass the width and tokens per microbatch of the model you
@@ -252,10 +254,17 @@ class Hardware:
           file system allows it, else with fsync and ``posix_fadvise(DONTNEED)``.
 
         The device is the CPU as the runtime uses it: copies other than ``swap_in`` run on
-        the issuing thread, so ``sync_copies``.
+        the issuing thread, so ``sync_copies``. On a machine shared with other busy processes,
+        measure (and train) with one intra-op thread: with two on two cores, every op waits
+        at its barrier for a thread the other processes preempted, and a transformer block
+        ran ten times slower at random here (0.05 s or 0.53 s), while one thread ran it in
+        0.08 s every time.
         The result is cached for ``this_machine()`` when ``save``.
         """
         base = cls.detect(path)
+        if threads is None:
+            import torch
+            threads = torch.get_num_threads()
         flops = _matmul_flops(0.25 * seconds, threads)
         latency = _kernel_latency(0.05 * seconds)
         efficiency = _block_efficiency(0.2 * seconds, flops, latency, threads, *block)

@@ -21,6 +21,14 @@ class CompileConfig:
     flops: float = 60e9                # FLOP/s of the device, for the planner's time model
     headroom: float = 0.05             # share of the budget the planner leaves for its prediction error
     optimizer_on: str = "auto"         # where the optimizer steps: auto | device | host (offload pass)
+    data_parallel: bool = False        # average gradients over the ranks of torch.distributed (compress pass)
+    world_size: int | None = 1         # ranks the plan runs on; None: not checked (data_parallel=False)
+    compression: Any = None            # CompressionSpec of the gradient all-reduce (None: fp32)
+    adaptive: bool = False             # per-layer bits chosen after adaptive_warmup steps (CGX)
+    adaptive_warmup: int = 3
+    min_size: int = 16                 # tensors with fewer elements (or dim <= 1) travel uncompressed
+    host_memory_budget: int | None = None   # bytes of host memory for training state; None: no limit (offload pass)
+    offload_dir: str | None = None     # where the disk tier makes its private directory; None: the temp directory
 
     @property
     def usable_budget(self) -> int:

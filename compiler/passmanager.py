@@ -8,7 +8,7 @@ from harmony.compiler.ir import PassReport, Program
 from harmony.compiler.verify import verify
 from harmony.errors import ConfigError, HarmonyError, PassError
 
-DEFAULT_PIPELINE = ("partition", "schedule", "offload", "swap", "prefetch")
+DEFAULT_PIPELINE = ("partition", "schedule", "offload", "compress", "swap", "prefetch")
 BASE_CAPABILITIES = {"cost"}
 
 

@@ -1,6 +1,7 @@
 """``harmony.compile``: an ordinary ``nn.Module`` in, a ``ScheduledModule`` that trains it under a budget out."""
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -10,6 +11,7 @@ from harmony.compiler.ir import CompileConfig, Program
 from harmony.compiler.passmanager import DEFAULT_PIPELINE, run_passes, schedule_code
 from harmony.compiler.trace import trace
 from harmony.compiler.verify import memory_curve
+from harmony.data import check_world, resolve as resolve_data_parallel
 from harmony.errors import ConfigError, InputError
 from harmony.runtime.executor import Runtime
 from harmony.runtime.ondemand import OnDemand
@@ -22,7 +24,8 @@ POLICIES = ("harmony", "sequential", "ondemand")
 def compile(model: torch.nn.Module, example_batch, *, optimizer=torch.optim.AdamW, optimizer_kwargs=None,
             memory_budget="1GiB", microbatches: int = 1, policy: str = "harmony", loss_fn=None,
             leaf_modules=(), passes=DEFAULT_PIPELINE, device="cpu", hardware=None,
-            optimizer_on="auto") -> "ScheduledModule":
+            optimizer_on="auto", host_memory_budget=None, offload_dir=None,
+            data_parallel=None, compression=None, min_size: int = 16) -> "ScheduledModule":
     """Plan and build a training step for ``model`` that fits ``memory_budget`` per device.
 
     >>> sm = harmony.compile(model, example_batch=(x, y), memory_budget="512MiB", microbatches=8)
@@ -34,6 +37,18 @@ def compile(model: torch.nn.Module, example_batch, *, optimizer=torch.optim.Adam
     ``hardware`` (a ``Hardware``, ``Device`` or preset name such as ``"a100-40gb"``) gives the
     planner the device's FLOP/s and host-link bandwidth to weigh compute against traffic;
     by default it plans for this machine's CPU.
+    ``host_memory_budget`` (e.g. ``"4GiB"``; default no limit) bounds the host's share of training
+    state when the optimizer steps on the host: packs whose optimizer state does not fit keep it
+    on disk, in a private directory made under ``offload_dir`` (default the temp directory) and
+    removed by ``close()`` or at exit.
+    ``data_parallel``: ``None`` (default) trains data-parallel when this process is one rank of
+    several (torchrun; the process group is initialised if it is not), ``True`` requires it,
+    ``False`` trains each process alone. Every rank compiles and runs the same plan on its own
+    batch (``example_batch`` is one rank's; ``harmony.data.shard`` cuts it), and each pack's
+    gradients are averaged across ranks right after its backward. ``compression``: ``None`` (fp32),
+    ``"fp16"``, ``"bf16"``, ``"4bit"`` (any of 1..8 bits), ``"adaptive"`` (bits per layer after a
+    warm-up) or a ``CompressionSpec``; tensors of dimension <= 1 or fewer than ``min_size``
+    elements stay uncompressed.
     """
     t0 = time.perf_counter()
     if policy not in POLICIES:
@@ -51,7 +66,11 @@ def compile(model: torch.nn.Module, example_batch, *, optimizer=torch.optim.Adam
         raise ConfigError(f"optimizer must be a torch.optim.Optimizer class, got {optimizer!r}")
     config = CompileConfig(memory_budget=parse_bytes(memory_budget), microbatches=microbatches,
                            batch_size=batch_size, policy=policy, optimizer=optimizer,
-                           optimizer_kwargs=dict(optimizer_kwargs or {}), optimizer_on=optimizer_on)
+                           optimizer_kwargs=dict(optimizer_kwargs or {}), optimizer_on=optimizer_on,
+                           host_memory_budget=None if host_memory_budget is None
+                           else parse_bytes(host_memory_budget, "host_memory_budget"),
+                           offload_dir=None if offload_dir is None else os.fspath(offload_dir),
+                           **resolve_data_parallel(data_parallel, compression, min_size))
     if hardware is not None:
         dev = _device_of(hardware)
         config.flops, config.copy_bandwidth = dev.flops, dev.h2d_bandwidth
@@ -121,6 +140,14 @@ class ScheduledModule(torch.nn.Module):
             self.runtime = Runtime(plan, program.schedule, tensors, optimizers, cfg.memory_budget, device,
                                    on_demand=OnDemand if cfg.policy == "ondemand" else None)
             self.predicted = memory_curve(program, check_residency=False)
+            if "disk" in getattr(plan, "optim_on", {}).values():   # the disk tier: its directory is made now
+                from harmony.runtime.disk import DiskTier
+                try:
+                    self.runtime.state.disk = DiskTier.create(plan, program.schedule, tensors, optimizers,
+                                                              cfg.offload_dir)
+                except BaseException:
+                    self.runtime.close()
+                    raise
 
     @property
     def code(self) -> str:
@@ -143,6 +170,7 @@ class ScheduledModule(torch.nn.Module):
         if self.runtime is None:
             raise ConfigError(f"this module was compiled with passes={[h[0] for h in self.history]}, which "
                               f"make no schedule; compile with the default passes to train")
+        check_world(self.program.config, self.program.capabilities)   # a plan is for one world size
         if named and not batch:
             batch = tuple(named[n] for n in plan.input_names if n in named)
         if len(batch) != len(plan.input_names):
@@ -162,6 +190,11 @@ class ScheduledModule(torch.nn.Module):
                           h2d_bytes=rt.state.moved["h2d"], d2h_bytes=rt.state.moved["d2h"],
                           predicted_h2d=self.predicted.moved["h2d"], predicted_d2h=self.predicted.moved["d2h"],
                           peak_rss_bytes=peak_rss_bytes())
+        if getattr(rt.state, "disk", None) is not None:
+            self.stats.update(rt.state.disk.step_stats())
+        if self.program.config.data_parallel:     # bytes on the wire vs fp32, seconds communicating, bits
+            from harmony.passes.compress import step_stats
+            self.stats.update(step_stats(self))
         return loss
 
     def simulate(self, hardware=None, device: int = 0):

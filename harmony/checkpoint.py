@@ -66,6 +66,7 @@ class _Live:
         self.tiers = sm.runtime.state if sm.runtime is not None else None
         if hasattr(self.tiers, "drain"):   # no background optimizer step may still write what we read or replace
             self.tiers.drain()
+        self.disk = getattr(self.tiers, "disk", None)   # optimizer state of disk-placed packs (runtime/disk.py)
         name_of = {id(t): n for n, t in self.tensors.items()}
         self.optimizers: dict[str, torch.optim.Optimizer] = {}
         self.groups: list[list[tuple[list[str], dict]]] = []   # per optimizer, per group: names, group
@@ -78,8 +79,30 @@ class _Live:
             self.groups.append(groups)
 
     def optim_state(self, name: str) -> dict:
+        """One parameter's optimizer state as the optimizer holds it (placeholders for state on disk)."""
         opt = self.optimizers.get(name)
         return opt.state.get(self.tensors[name], {}) if opt is not None else {}
+
+    def optim_states(self, names) -> dict[str, dict]:
+        """The real optimizer state of ``names`` that have some; state on disk is read, a pack at a time."""
+        names = [n for n in names if self.optim_state(n)]
+        real = self.disk.state_of(names) if self.disk is not None else {}
+        return {n: real.get(n) or self.optim_state(n) for n in names}
+
+    def write_optims(self, states: dict, names) -> None:
+        """``write_optim`` for each of ``states``; a disk-placed pack among ``names`` gets its whole state
+        (its parameters without an entry in ``states`` have none) and is written to its file once."""
+        packs: dict[int, dict] = {}
+        for n in names:
+            if self.disk is not None and n in self.disk.pack_of:
+                packs.setdefault(self.disk.pack_of[n], {})
+        for n, s in states.items():
+            if self.disk is not None and n in self.disk.pack_of:
+                packs.setdefault(self.disk.pack_of[n], {})[n] = s
+            else:
+                self.write_optim(n, s)
+        for pack, given in packs.items():
+            self.disk.set_state(pack, given)
 
     def layout(self) -> list[tuple[str, int | None, list[str]]]:
         """(file stem, pack, names) per file: a parameter goes with the pack that owns its update,
@@ -106,8 +129,8 @@ class _Live:
         file here, so saving holds one pack's state at a time, never the whole model's.
         """
         model = {n: _own_bytes(self.tensors[n].data) for n in names}
-        optim = {n: {k: _own_bytes(v) if isinstance(v, torch.Tensor) else v for k, v in self.optim_state(n).items()}
-                 for n in names if self.optim_state(n)}
+        optim = {n: {k: _own_bytes(v) if isinstance(v, torch.Tensor) else v for k, v in s.items()}
+                 for n, s in self.optim_states(names).items()}
         return {"model": model, "optimizer": optim}
 
     def nbytes(self) -> int:
@@ -209,12 +232,14 @@ def state_dict(sm) -> dict:
     ['format', 'model', 'optimizer', 'param_groups', 'rng', 'step']
 
     The tensors are the ones the runtime trains: save or clone them before the next step.
+    Optimizer state the runtime keeps on disk (``host_memory_budget``) is read into new
+    tensors, so this dict holds all of it in memory; ``harmony.save`` reads one pack at a time.
     """
     live = _Live(sm)
     return {
         "format": FORMAT,
         "model": {n: t.data for n, t in live.tensors.items()},
-        "optimizer": {n: dict(live.optim_state(n)) for n in live.optimizers if live.optim_state(n)},
+        "optimizer": {n: dict(s) for n, s in live.optim_states(list(live.optimizers)).items()},
         "param_groups": [[{"params": list(names), **{k: v for k, v in g.items() if k != "params"}}
                           for names, g in groups] for groups in live.groups],
         "step": sm.steps,
@@ -244,8 +269,7 @@ def load_state_dict(sm, sd: dict) -> None:
     _check(live, model, optim, groups, "the state dict")
     for n, t in sd["model"].items():
         live.write_tensor(n, t)
-    for n, s in sd["optimizer"].items():
-        live.write_optim(n, s)
+    live.write_optims(sd["optimizer"], list(live.optimizers))
     live.clear_optim(set(sd["optimizer"]))
     live.write_groups(groups)
     sm.steps = int(sd["step"])
@@ -439,8 +463,7 @@ def load(sm, path) -> CheckpointInfo:
                                       f"checkpoint before training.")
             for n, t in data["model"].items():
                 live.write_tensor(n, t)
-            for n, s in data["optimizer"].items():
-                live.write_optim(n, s)
+            live.write_optims(data["optimizer"], list(data["model"]))
             del data
         rng = next(_read_file(src / f["name"]) for f in manifest["files"] if f.get("rng"))
     except OSError as e:

@@ -39,3 +39,8 @@ class CommunicationError(HarmonyError):
 
 class CheckpointError(HarmonyError):
     """A checkpoint could not be saved or loaded (full disk, unwritable path, damaged or mismatched files)."""
+
+
+class OffloadError(HarmonyError):
+    """The disk tier failed: its directory could not be made, or a pack's optimizer state not written or read
+    (a full disk, an unwritable path). Names the file and what to do."""

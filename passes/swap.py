@@ -28,7 +28,8 @@ NAME = "swap"
 REQUIRES = {"schedule", "placement"}
 PROVIDES = {"residency"}
 KINDS = ("params", "grads", "optim")
-NEEDS = {"forward": ("params",), "backward": ("params", "grads"), "step": ("params", "grads", "optim")}
+NEEDS = {"forward": ("params",), "backward": ("params", "grads"), "step": ("params", "grads", "optim"),
+         "allreduce": ("grads",)}
 
 
 def _calls(graph):

@@ -2,20 +2,23 @@
 
 >>> sim = simulate(sm.graph, sm.plan, Hardware.preset("gtx1080ti"), memory=sm.predicted)
 >>> print(sim.summary())              # a 4-layer GPT of width 128, 4 microbatches, 60% of its state
-simulated step 0.9421 ms on device 0 (GeForce GTX 1080 Ti)
+simulated step 0.9851 ms on device 0 (GeForce GTX 1080 Ti)
 stream           busy    util
-compute      0.402 ms   42.7%
-h2d         0.6728 ms   71.4%
-d2h         0.5479 ms   58.2%
+compute     0.2895 ms   29.4%
+h2d         0.3528 ms   35.8%
+d2h         0.2202 ms   22.4%
 disk              0 s    0.0%
 network           0 s    0.0%
-peak device bytes 6.7 MiB (predicted by verify)
+host        0.5445 ms   55.3%
+copied 5.3 MiB in, 3.3 MiB out
+peak device bytes 6.4 MiB (predicted by verify)
 >>> chrome_trace(sim.events + sm.runtime.events, "both.json")   # prediction beside reality, one viewer
 
 One loop over the schedule in program order and one table of streams. Each device has a
-compute stream and one stream per copy engine (h2d, d2h, disk, network); an op runs on
-the stream its ``cost`` names, for the seconds it returns, and every stream runs its ops
-in program order, one at a time. An op starts when its stream is free and:
+compute stream and one stream per copy engine (h2d, d2h, disk, network), and its host a
+``host`` stream (optimizer steps on host copies); an op runs on the stream its ``cost``
+names, for the seconds it returns, and every stream runs its ops in program order, one
+at a time. An op starts when its stream is free and:
 
 - its inputs (the fx nodes it reads) are done: a forward waits for its ``load_batch``,
   an ``unstash`` for its ``stash``;
@@ -23,16 +26,31 @@ in program order, one at a time. An op starts when its stream is free and:
 - a copy out of device memory (d2h, network) also waits for the compute issued before
   it, since it reads what that compute wrote (a CUDA event recorded at issue);
 - a ``swap_in`` of some state waits for the ``release`` of the same state before it:
-  the write-back must land on the host before the host copy is read again.
+  the write-back must land on the host before the host copy is read again;
+- a step on the host waits for its pack's releases (it updates the host copies they
+  wrote) and for the compute issued before it; the next ``swap_in`` of that pack's
+  weights waits for the step, and so does the thread issuing it: the compute stream
+  stalls until the update is done, as the runtime's ``fetch`` does;
+- on a device with ``sync_copies`` (the CPU, where one thread runs compute and issues
+  copies) a copy starts only after the compute before it, and every copy but a
+  ``swap_in`` holds the compute stream until it is done.
 
 A ``swap_in`` or ``release`` moves only the state that is not already where it goes,
 as the op's ``effect`` says: a release of clean parameters drops them (no copy), a
-swap_in of gradients not yet made fetches nothing.
+swap_in of gradients not yet made fetches nothing. ``Simulation.moved`` adds up the
+bytes copied each way.
 
-The costs read ``Device`` fields (``harmony.compiler.hardware``); the runtime never
-imports the compiler, so any object with those fields works. A device's
-``speed_factor`` stretches compute time: emulation, and the summary says so.
-The memory curve comes from ``compiler.verify.memory_curve`` run by the caller.
+The ``ondemand`` policy plans no copies: its runtime fetches state when an op touches
+it and evicts the least recently used. The simulator replays that at the granularity of
+a pack's parameters, gradients or optimizer state (``_OnDemand``), in the room the memory
+curve's activations leave under the budget, and puts the fetches and write-backs before
+the op that needs them, which waits for them (events ``<op>.fetch``, ``<op>.evict``).
+
+The costs read ``Device`` fields (``harmony.compiler.hardware``), and a host step the
+``Hardware``'s host figures; the runtime never imports the compiler, so any object with
+those fields works. A device's ``speed_factor`` stretches compute time: emulation, and
+the summary says so. The memory curve comes from ``compiler.verify.memory_curve`` run by
+the caller.
 """
 from __future__ import annotations
 

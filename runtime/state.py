@@ -68,17 +68,25 @@ class TieredState:
         self.pin = device.type == "cuda"
         self.host_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="harmony-host")
         self.pending: dict[str, Future] = {}  # param name -> optimizer step running on the host
+        self.disk = None                  # runtime.disk.DiskTier: optimizer state of the disk-placed packs
 
     def settle(self, names) -> None:
         """Wait for host optimizer steps still updating these parameters."""
         for name in names:
             fut = self.pending.pop(name, None)
             if fut is not None:
-                fut.result()
+                try:
+                    fut.result()
+                except BaseException:   # report a failed step once, not again for each of its parameters
+                    for n in [n for n, f in self.pending.items() if f is fut]:
+                        del self.pending[n]
+                    raise
 
     def drain(self) -> None:
-        """Wait for every host optimizer step (the end of an iteration)."""
+        """Wait for every host optimizer step and its disk writes (the end of an iteration)."""
         self.settle(list(self.pending))
+        if self.disk is not None:
+            self.disk.flush()
 
     def _on_device(self, t: torch.Tensor) -> bool:
         return self.meter.holds(t)
@@ -157,6 +165,10 @@ class TieredState:
                     write(self.to_host(v))
 
     def close(self):
-        self.drain()
-        self.copier.close()
-        self.host_pool.shutdown(wait=True)
+        try:
+            self.drain()
+        finally:
+            self.copier.close()
+            self.host_pool.shutdown(wait=True)
+            if self.disk is not None:
+                self.disk.close()

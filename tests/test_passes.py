@@ -123,7 +123,7 @@ def test_prefetch_hoists_swap_ins_over_compute_within_budget():
 
 def test_history_has_the_schedule_after_each_pass():
     sm, _ = compiled()
-    assert [h[0] for h in sm.history] == ["partition", "schedule", "offload", "swap", "prefetch"]
+    assert [h[0] for h in sm.history] == ["partition", "schedule", "offload", "compress", "swap", "prefetch"]
     assert "swap_in" in sm.code and "def forward" in sm.code
 
 

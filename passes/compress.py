@@ -1,0 +1,350 @@
+"""compress: average each pack's gradients across data-parallel ranks, right after its last backward.
+
+With ``world_size > 1`` every pack that owns trainable parameters gets one
+``allreduce(pack, kind, ...)`` op right after the backward that completes its gradients
+(CGX / DDP): the op averages the pack's gradients over ranks in place, compressed as the
+``compression`` spec says (tensors of dimension <= 1 or fewer than ``min_size`` elements
+travel uncompressed, fused into one buffer: CGX's rule for biases and norms).
+
+Every collective runs on the runtime's one host thread, in schedule order, so every rank
+issues the same collectives in the same order. How it overlaps compute depends on where
+the optimizer steps (the offload pass decided that):
+
+* **host step** (the training state does not fit the budget): the swap pass releases the
+  pack's gradients to the host after its backward; ``allreduce(..., where='host')`` then
+  averages the host copies on the host thread and the host step, queued behind it on the
+  same thread, updates the weights -- while the device runs the next pack's backward.
+* **device step, all state resident**: the all-reduce of pack ``p`` runs on the host thread
+  while the device runs the backward of the next pack; a ``wait`` joins it before the next
+  all-reduce is issued (one in flight, so one communication buffer on the device) and, in
+  the ``harmony`` policy, pack ``p``'s step moves after that wait.
+* **device step with swapped state** (``optimizer_on='device'`` under a tight budget) and the
+  ``ondemand`` policy: synchronous (``sync=True``); deferring the step would swap the pack's
+  state in twice.
+
+The pass also makes every rank start equal (rank 0's parameters and buffers are broadcast,
+as DDP's constructor does) and checks that every rank compiled the same communication plan.
+"""
+from __future__ import annotations
+
+import hashlib
+import re
+import time
+
+import torch
+import torch.fx
+
+from harmony.compiler.ir import PassReport, PassResult, Program
+from harmony.compiler.meta import SCHEDULE
+from harmony.errors import ConfigError
+from harmony.runtime import ops
+from harmony.runtime.collectives import (DEFAULT_FUSION_BYTES, NO_COMPRESSION, CompressionSpec, ring_bytes,
+                                         spec_for, wire_bytes)
+
+NAME = "compress"
+REQUIRES = {"schedule", "placement"}
+PROVIDES = {"communication"}
+ADAPTIVE_WARMUP = 3          # steps measuring quantization errors (sent in fp32) before bits are fixed
+NAMED = ("none", "fp32", "fp16", "bf16", "Nbit (N in 1..8)", "adaptive")
+
+
+# -- the user's compression argument --------------------------------------------------------------
+def parse_compression(compression) -> tuple[CompressionSpec, bool]:
+    """``compression=`` of ``harmony.compile`` -> (spec, adaptive).
+
+    ``None``/"none"/"fp32": plain fp32; "fp16"/"bf16"; "4bit" (any of 1..8): quantized, stochastic
+    rounding, buckets of 512; "adaptive": per-layer bits chosen after a warm-up so that the total
+    error is at most uniform 4-bit's; or a ``CompressionSpec``.
+    """
+    if compression is None:
+        return NO_COMPRESSION, False
+    if isinstance(compression, CompressionSpec):
+        return compression, False
+    if isinstance(compression, str):
+        c = compression.strip().lower()
+        if c in ("none", "fp32"):
+            return NO_COMPRESSION, False
+        if c in ("fp16", "bf16"):
+            return CompressionSpec(c), False
+        if c == "adaptive":
+            return CompressionSpec("quantized", bits=4), True
+        m = re.fullmatch(r"(\d+)[- ]?bits?", c)
+        if m:
+            return CompressionSpec("quantized", bits=int(m[1])), False   # bits out of 1..8: ConfigError there
+    raise ConfigError(f"compression={compression!r}: use None, one of {', '.join(NAMED)}, "
+                      f"or a harmony.runtime.collectives.CompressionSpec")
+
+
+def spec_kwargs(spec: CompressionSpec) -> dict:
+    """The fields of ``spec`` that differ from the defaults, as the allreduce op's keyword arguments."""
+    default = CompressionSpec(spec.kind)
+    return {k: getattr(spec, k) for k in ("bits", "bucket_size", "rounding", "error_feedback", "meta")
+            if getattr(spec, k) != getattr(default, k) or (spec.kind == "quantized" and k == "bits")}
+
+
+def label(spec: CompressionSpec, adaptive: bool = False) -> str:
+    if adaptive:
+        return f"adaptive bits (total error <= uniform {spec.bits}-bit)"
+    if spec.kind == "quantized":
+        return f"{spec.bits}-bit, buckets of {spec.bucket_size}, {spec.rounding} rounding" + \
+            (", error feedback" if spec.error_feedback else "")
+    return {"none": "fp32 (uncompressed)"}.get(spec.kind, spec.kind)
+
+
+# -- bytes on the wire, predicted exactly as collectives.allreduce counts them --------------------------
+def predict_wire(tensors, specs, world: int, fusion_bytes: int = DEFAULT_FUSION_BYTES) -> int:
+    """Bytes one rank sends for ``allreduce(tensors, specs)`` (specs already passed through ``spec_for``)."""
+    groups: dict = {}
+    for t, s in zip(tensors, specs):
+        groups.setdefault(s, []).append(t.numel())
+    total = 0
+    for s, sizes in groups.items():
+        cur: list[int] = []
+        for n in sizes + [None]:
+            if n is not None and not (cur and 4 * (sum(cur) + n) > fusion_bytes):
+                cur.append(n)
+                continue
+            if cur:
+                total += _job_bytes(cur, s, world)
+            cur = [n] if n is not None else []
+    return total
+
+
+def _job_bytes(sizes, s: CompressionSpec, world: int) -> int:
+    n = sum(sizes)
+    if s.kind == "none":
+        return ring_bytes(4 * n, world)
+    if s.kind in ("fp16", "bf16"):
+        return ring_bytes(2 * n, world)
+    off = sum(-(-k // s.bucket_size) * s.bucket_size for k in sizes)
+    align = s.bucket_size
+    chunk = -(-off // (world * align)) * align if off >= world * align else -(-off // world)
+    return 2 * (world - 1) * wire_bytes(chunk, s.bits, s.bucket_size, s.meta_dtype)
+
+
+# -- the pass ---------------------------------------------------------------------------------------
+def _calls(graph):
+    return [n for n in graph.nodes if n.op == "call_function"]
+
+
+def _copy(graph: torch.fx.Graph) -> torch.fx.Graph:
+    g = torch.fx.Graph()
+    env: dict = {}
+    for n in graph.nodes:
+        env[n] = g.node_copy(n, lambda x: env[x])
+        env[n].name = n.name
+        env[n].meta = dict(n.meta)
+    return g
+
+
+def _emit(graph, after, fn, args, kwargs, name):
+    with graph.inserting_after(after):
+        node = graph.call_function(fn, args, kwargs)
+    node._rename(name)       # a readable name in the plan and in the runtime's trace events
+    node.meta[SCHEDULE] = {"pack": args[0] if isinstance(args[0], int) else None}
+    return node
+
+
+def insert(graph: torch.fx.Graph, packs: list[int], plan, kwargs: dict, policy: str, sync: bool) -> dict:
+    """Insert the all-reduces (and the waits that join them) into ``graph``; returns pack -> overlap mode."""
+    last_bwd, steps = {}, {}
+    for n in _calls(graph):
+        if n.target is ops.backward:
+            last_bwd[n.args[0]] = n
+        elif n.target is ops.step:
+            steps[n.args[0]] = n
+    order = {n: i for i, n in enumerate(_calls(graph))}
+    issue = sorted((p for p in packs if p in last_bwd), key=lambda p: order[last_bwd[p]])
+    ars, mode = {}, {}
+    for p in issue:
+        host = plan.step_on.get(p) == "host"
+        kw = dict(kwargs, where="host") if host else dict(kwargs, sync=True) if sync else dict(kwargs)
+        ars[p] = _emit(graph, last_bwd[p], ops.allreduce, (p, kw.pop("kind")), kw, f"ar{p}")
+        mode[p] = ("host thread, before the host step" if host else
+                   "synchronous" if sync else "host thread, joined by wait")
+    if sync:
+        return mode
+    device = [p for p in issue if plan.step_on.get(p) != "host"]
+    for k, p in enumerate(device):       # one all-reduce in flight: join it before the next is issued
+        nxt = ars[device[k + 1]] if k + 1 < len(device) else None
+        step = steps.get(p)
+        order = {n: i for i, n in enumerate(_calls(graph))}
+        if nxt is not None and (policy == "harmony" or step is None or order[nxt] < order[step]):
+            _emit(graph, nxt.prev, ops.wait, (ars[p],), {}, f"join_ar{p}")
+            if step is not None and order[step] < order[nxt]:
+                nxt.append(step)      # harmony: the step follows the next pack's backward, which hides the all-reduce
+            mode[p] += "; overlaps the next pack's backward"
+        elif step is not None:
+            _emit(graph, step.prev, ops.wait, (ars[p],), {}, f"join_ar{p}")
+            mode[p] += ("; overlaps the ops before its step" if order[step] > order[ars[p]] + 1 else
+                        "; nothing to overlap: its step follows at once")
+    return mode
+
+
+def owned_grads(program: Program) -> dict[int, list[tuple[str, torch.Tensor]]]:
+    params = dict(program.gm.named_parameters())
+    out = {}
+    for spec in program.plan.packs:   # in the model's order: ``owned`` comes from a set, whose order varies by process
+        mine = set(spec.owned)
+        got = [(n, t) for n, t in params.items() if n in mine and t.requires_grad]
+        if got:
+            out[spec.index] = got
+    return out
+
+
+def broadcast_state(program: Program) -> int:
+    """Rank 0's parameters and buffers to every rank (fused per dtype); returns the bytes broadcast."""
+    import torch.distributed as dist
+
+    tensors = [t for _, t in program.gm.named_parameters()] + [t for _, t in program.gm.named_buffers()]
+    by_dtype: dict = {}
+    for t in dict((id(t), t) for t in tensors).values():
+        by_dtype.setdefault(t.dtype, []).append(t)
+    total = 0
+    with torch.no_grad():
+        for ts in by_dtype.values():
+            flat = torch.cat([t.detach().reshape(-1) for t in ts])
+            dist.broadcast(flat, src=0)
+            off = 0
+            for t in ts:
+                t.copy_(flat[off: off + t.numel()].view_as(t))
+                off += t.numel()
+            total += flat.numel() * flat.element_size()
+    return total
+
+
+def check_same_plan(signature: str) -> None:
+    """Every rank must issue the same collectives: compare a digest of the communication plan."""
+    import torch.distributed as dist
+
+    digest = int.from_bytes(hashlib.sha256(signature.encode()).digest()[:7], "little")
+    mine = torch.tensor([digest], dtype=torch.int64)
+    every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    differ = [r for r, d in enumerate(every) if int(d) != digest]
+    if differ:
+        raise ConfigError(f"rank {dist.get_rank()} compiled another communication plan than ranks {differ}: "
+                          f"every rank must compile the same model into the same packs (same memory_budget, "
+                          f"policy and microbatches) with the same compression and min_size")
+
+
+def run(program: Program, ctx) -> PassResult:
+    start = time.perf_counter()
+    cfg, plan = program.config, program.plan
+    world = getattr(cfg, "world_size", 1) or 1
+    report = PassReport("compress: gradient all-reduce across ranks")
+    if not getattr(cfg, "data_parallel", False) or world <= 1:
+        report.notes.append("one rank: no gradient to average, nothing inserted")
+        report.totals = dict(world_size=world, allreduces=0)
+        return PassResult(program, report)
+    spec = cfg.compression or NO_COMPRESSION
+    adaptive = bool(getattr(cfg, "adaptive", False))
+    warmup = getattr(cfg, "adaptive_warmup", ADAPTIVE_WARMUP) if adaptive else 0
+    min_size = cfg.min_size
+    kwargs = dict(kind=spec.kind, world=world, **spec_kwargs(spec))
+    if min_size != 16:
+        kwargs["min_size"] = min_size
+    if warmup:
+        kwargs["warmup"] = warmup
+    owned = owned_grads(program)
+
+    import torch.distributed as dist
+    live = dist.is_available() and dist.is_initialized() and dist.get_world_size() == world
+    signature = repr((world, spec, adaptive, warmup, min_size, plan.microbatches, cfg.policy,
+                      [(p, [(n, tuple(t.shape)) for n, t in owned[p]]) for p in sorted(owned)]))
+    broadcast = None
+    if live:
+        check_same_plan(signature)
+        broadcast = broadcast_state(program)
+
+    # the plan: all-reduce after each pack's last backward; asynchronous where nothing swaps the
+    # gradients under it, else synchronous
+    from harmony.passes.offload import everything_fits
+    base = program.schedule
+    host = any(plan.step_on.get(p) == "host" for p in owned)
+    sync = cfg.policy == "ondemand"
+    program.schedule = _copy(base)
+    mode = insert(program.schedule, list(owned), plan, kwargs, cfg.policy, sync)
+    why = ""
+    if not sync and not host and not everything_fits(program):
+        program.schedule = _copy(base)
+        mode = insert(program.schedule, list(owned), plan, kwargs, cfg.policy, True)
+        why = ("synchronous: the optimizer steps on the device and the pack's state is swapped, so its "
+               "step must follow its backward at once (deferring it would swap the state in twice)")
+    elif sync:
+        why = "synchronous: the ondemand runtime moves state on the main thread as ops touch it"
+
+    rows, tot_wire, tot_fp32 = [], 0, 0
+    for p in sorted(owned, key=lambda q: -q):
+        ts = [t for _, t in owned[p]]
+        specs = [spec_for(t, spec, min_size) for t in ts]
+        fp32 = predict_wire(ts, [NO_COMPRESSION] * len(ts), world)
+        wire = predict_wire(ts, specs, world)        # adaptive: uniform bits, which its choice may only undercut
+        tot_wire, tot_fp32 = tot_wire + wire, tot_fp32 + fp32
+        rows.append(dict(pack=p, layers=plan.packs[p].name, tensors=len(ts),
+                         compressed=sum(s.lossy for s in specs), elements=sum(t.numel() for t in ts),
+                         fp32_MiB=fp32 / 2**20, wire_MiB=wire / 2**20, overlap=mode.get(p, "")))
+    report.rows = rows
+    report.totals = dict(world_size=world, compression=label(spec, adaptive), allreduces=len(mode),
+                         wire_bytes_per_step=tot_wire, fp32_bytes_per_step=tot_fp32,
+                         ratio=tot_fp32 / tot_wire if tot_wire else 1.0, min_size=min_size,
+                         seconds=time.perf_counter() - start)
+    if warmup:
+        report.totals["warmup_wire_bytes_per_step"] = tot_fp32
+    if broadcast is not None:
+        report.totals["broadcast_bytes"] = broadcast
+        report.notes.append("rank 0's parameters and buffers were broadcast to every rank (as DDP's constructor "
+                            "does); buffers (batch-norm statistics) are not synchronised after that")
+    report.notes.append(f"each rank runs this schedule on its own shard (example_batch is one rank's batch); "
+                        f"gradients of the loss scaled by 1/microbatches, averaged over {world} ranks, are the "
+                        f"gradients of the mean loss over the global batch of {cfg.batch_size * world}")
+    if warmup:
+        report.notes.append(f"adaptive: the first {warmup} steps send fp32 and measure each layer's quantization "
+                            f"error at 2, 3, 4, 6, 8 bits; then an integer program fixes bits per layer (total "
+                            f"error <= uniform {spec.bits}-bit). Bytes above are uniform {spec.bits}-bit's; "
+                            f"once chosen, bits per layer appear here (per pack) and in .stats['adaptive_bits']")
+    if why:
+        report.notes.append(why)
+    elif not host and any("next pack" in m for m in mode.values()):
+        report.notes.append("asynchronous: each all-reduce runs on the host thread while the next pack's backward "
+                            "runs; one in flight at a time, and each pack steps once its all-reduce is joined")
+    elif not host:
+        report.notes.append("not overlapped: all state fits in one pack, so its all-reduce follows the whole backward "
+                            "and its step waits for it (DDP overlaps buckets inside one backward with autograd "
+                            "hooks; the schedule's unit is the pack)")
+    else:
+        report.notes.append("asynchronous: the host thread averages the gradients the swap pass released to the "
+                            "host, then steps the optimizer, while the device runs the next pack's backward")
+    return PassResult(program, report)
+
+
+# -- what a step measured (ScheduledModule.stats) -----------------------------------------------------
+def step_stats(sm) -> dict:
+    """Measured communication of the last step, for ``sm.stats``; fills adaptive bits into the report once."""
+    got = ops.comm_stats(sm.runtime)
+    if got is None:
+        return {}
+    waited = sum(e.end - e.start for e in sm.runtime.events if e.name.startswith("join_ar"))
+    out = dict(comm_wire_bytes=got["wire_bytes"], comm_fp32_bytes=got["fp32_bytes"],
+               comm_ratio=got["fp32_bytes"] / got["wire_bytes"] if got["wire_bytes"] else 1.0,
+               comm_seconds=got["seconds"], comm_wait_seconds=waited, comm_calls=got["calls"])
+    bits = got.get("bits")
+    if bits is not None:
+        out["adaptive_bits"] = dict(bits["bits"])
+        report = next((r for r in sm.program.reports if r.title.startswith("compress")), None)
+        if report is not None and "adaptive_layer_bytes" not in report.totals:
+            # the integer program's bytes count each quantized layer alone; the step's also count the
+            # uncompressed tensors and the chunking of fused buffers
+            report.totals.update(wire_bytes_after_warmup=got["wire_bytes"],
+                                 adaptive_layer_bytes=bits["objective_bytes"],
+                                 adaptive_uniform_bytes=bits["uniform_bytes"],
+                                 adaptive_lower_bound_bytes=bits["lower_bound_bytes"],
+                                 adaptive_solve_seconds=bits["solve_seconds"], adaptive_status=bits["status"])
+            chosen = bits["bits"]
+            for row in report.rows:      # bits: layers, e.g. "3:2 4:3" = two layers at 3 bits, three at 4
+                hist: dict = {}
+                for n in sm.plan.packs[row["pack"]].owned:
+                    if n in chosen:
+                        hist[chosen[n]] = hist.get(chosen[n], 0) + 1
+                row["bits"] = " ".join(f"{b}:{k}" for b, k in sorted(hist.items())) or "-"
+    return out

@@ -1,0 +1,691 @@
+"""The disk tier: optimizer state of the packs the offload pass placed on disk, a file per pack.
+
+``DiskStore`` is the I/O: a private directory (mode 0700) that is removed when the store
+is closed, garbage collected, or the process exits (``weakref.finalize``, which runs at
+exit through ``atexit``; also when the exit is an uncaught exception), and a thread pool
+of two workers moving whole packs between aligned host buffers and files::
+
+    with DiskStore("/nvme/scratch") as store:
+        m, v = store.empty([((1024, 1024), torch.float32)] * 2)    # 4 KiB-aligned views of one buffer
+        store.write(3, [m, v]).result()                           # pack 3's file
+        store.read(3, into=[m, v]).result()
+
+The tensors of a pack sit in its file one after the other (at 64-byte boundaries), the
+file padded to 4 KiB, in the same layout ``empty`` gives the buffer, so a pack is one
+4 KiB-aligned contiguous range in memory and on disk, moved in 16 MiB ``pwrite``/``preadv``
+calls. Where the file system takes ``O_DIRECT`` (probed once per store: open, write and
+read back one aligned block) the I/O bypasses the page cache; elsewhere it is buffered,
+and each file's pages are dropped after it is written (``fdatasync`` +
+``POSIX_FADV_DONTNEED``) or read, so the page cache neither hides the disk nor grows.
+``HARMONY_DIRECT_IO=0`` forces buffered I/O.
+
+``DiskTier`` is what the runtime uses: the optimizer state of disk-placed packs lives in
+their files between steps. A host step of such a pack (``ops.step(where="host")``, on the
+host thread) calls ``begin(pack)``, which starts reading the state of the next
+disk-placed pack in step order (the schedule's order of ``step`` ops: under the harmony
+policy the packs step last to first) and puts this pack's state, read ahead by the step
+before, into its optimizer; then the optimizer steps; then ``end(pack)`` writes the state
+back and leaves placeholders. The last disk pack of a step starts reading the first one
+of the next step, so that read overlaps the next forward pass. Between steps
+``optimizer.state[param]`` holds the real scalar entries (Adam's ``step``) and, for every
+other tensor, a ``meta`` tensor of the same shape and dtype: no memory, and any use of it
+outside a step fails loudly (``optimizer.state_dict()`` shows them too: use
+``sm.state_dict()`` or ``harmony.save``, which read the files). At most two packs' state
+is in host memory at once: a step first waits for the write of the pack stepped before it
+(which had this pack's backward to finish), then starts reading the next pack's, so one
+pack's buffer is stepping while one is read or written; the offload pass reserves that
+much of ``host_memory_budget``. ``harmony.checkpoint`` reads and writes a pack's state
+through ``state_of`` and ``set_state``, one pack at a time.
+
+A write that fails (a full disk, a path that became unwritable) raises ``OffloadError``
+at the end of the training step, removes the partial file, and keeps that pack's state
+in host memory, so nothing is lost and nothing partial is left on disk.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import tempfile
+import threading
+import time
+import weakref
+from concurrent.futures import Future, ThreadPoolExecutor, wait as wait_all
+from pathlib import Path
+
+import torch
+
+from harmony.errors import OffloadError
+from harmony.units import fmt_bytes
+
+ALIGN = 4096                   # file offsets, buffer addresses and lengths of direct I/O
+SLOT = 64                      # tensors of a pack start at multiples of this within its range
+CHUNK = 16 << 20               # bytes per pwrite/preadv call
+PREFIX = "harmony-offload-"
+O_DIRECT = getattr(os, "O_DIRECT", 0)
+
+# the system calls, by name so tests can inject failures (ENOSPC) exactly at the write
+_pwrite = os.pwrite
+_preadv = os.preadv
+_open = os.open
+
+
+def _up(n: int, to: int = ALIGN) -> int:
+    return -(-n // to) * to
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def aligned_buffer(nbytes: int) -> torch.Tensor:
+    """A uint8 tensor of ``nbytes`` rounded up to 4 KiB whose first byte is 4 KiB-aligned."""
+    size = _up(max(nbytes, 1))
+    raw = torch.empty(size + ALIGN, dtype=torch.uint8)
+    start = (-raw.data_ptr()) % ALIGN
+    return raw[start:start + size]
+
+
+def layout(specs) -> tuple[list[int], int]:
+    """Offsets of tensors of ``specs`` [(shape, dtype)] packed at 64-byte boundaries, and the total padded to 4 KiB."""
+    offsets, at = [], 0
+    for shape, dtype in specs:
+        offsets.append(at)
+        at += _up(_numel(shape) * _itemsize(dtype), SLOT)
+    return offsets, _up(at)
+
+
+def _cleanup(path: str, pool: ThreadPoolExecutor) -> None:
+    pool.shutdown(wait=True, cancel_futures=True)
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale(parent: Path) -> list[str]:
+    """Offload directories left by processes that died without running their exit handlers (SIGKILL)."""
+    removed = []
+    try:
+        entries = list(parent.iterdir())
+    except OSError:
+        return removed
+    for d in entries:
+        if not d.name.startswith(PREFIX):
+            continue
+        pid = d.name[len(PREFIX):].split("-", 1)[0]
+        try:
+            mine = d.is_dir() and not d.is_symlink() and d.stat().st_uid == os.getuid()
+        except OSError:
+            continue
+        if mine and pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+            shutil.rmtree(d, ignore_errors=True)
+            removed.append(d.name)
+    return removed
+
+
+class DiskStore:
+    """Files of pack state in a private directory, written and read by two worker threads.
+
+    ``dir``: where to make the private directory (``offload_dir``; default the system's
+    temp directory). ``direct``: None probes the file system for ``O_DIRECT``, False
+    forces buffered I/O (so does ``HARMONY_DIRECT_IO=0``), True requires direct I/O.
+    """
+
+    def __init__(self, dir=None, *, direct: bool | None = None, workers: int = 2):
+        parent = Path(os.path.abspath(os.fspath(dir))) if dir is not None else Path(tempfile.gettempdir())
+        try:
+            parent.mkdir(parents=True, exist_ok=True)
+            self.stale_removed = remove_stale(parent)
+            self.path = Path(tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=parent))
+            os.chmod(self.path, 0o700)
+        except OSError as e:
+            raise OffloadError(_explain(e, f"create the offload directory in {parent}", parent, 0)) from e
+        self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="harmony-disk")
+        self._finalizer = weakref.finalize(self, _cleanup, str(self.path), self.pool)
+        self._lock = threading.Lock()
+        self._writes: dict[int, Future] = {}      # pack -> its write under way (a read of the pack waits for it)
+        self.buffer_bytes = self.buffer_peak = 0  # host bytes of the aligned buffers alive now, and their peak
+        self.counters = dict(read_bytes=0, read_seconds=0.0, write_bytes=0, write_seconds=0.0, direct_ops=0,
+                             read_issued=0, write_issued=0,
+                             buffered_ops=0)
+        env = os.environ.get("HARMONY_DIRECT_IO", "").strip().lower()
+        if direct is None and env in ("0", "false", "no", "off"):
+            direct = False
+        if direct is False:
+            self.direct, self.why = False, "buffered I/O forced (direct=False or HARMONY_DIRECT_IO=0)"
+        else:
+            try:
+                self.direct, self.why = self._probe()
+            except OSError as e:
+                self.close()
+                raise OffloadError(_explain(e, f"write a probe block to {self.path}", self.path, ALIGN)) from e
+            if direct and not self.direct:
+                self.close()
+                raise OffloadError(f"direct I/O was required but {self.why}; pass another offload_dir, or "
+                                   f"direct=None to fall back to buffered I/O")
+
+    # -- setup ------------------------------------------------------------------------------
+    def _probe(self) -> tuple[bool, str]:
+        """(direct?, why): open, write and read back one aligned block with O_DIRECT."""
+        if not O_DIRECT:
+            return False, "this platform has no O_DIRECT: buffered I/O with fadvise"
+        probe = self.path / ".probe"
+        buf = aligned_buffer(ALIGN)
+        buf.fill_(0x5A)
+        try:
+            try:
+                fd = _open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | O_DIRECT, 0o600)
+            except OSError as e:
+                if e.errno in (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP):
+                    return False, f"the file system under {self.path.parent} refuses O_DIRECT ({e.strerror}): " \
+                                  f"buffered I/O with fadvise"
+                raise
+            try:
+                try:
+                    _pwrite(fd, memoryview(buf.numpy()), 0)
+                except OSError as e:
+                    if e.errno == errno.EINVAL:
+                        return False, f"O_DIRECT writes fail under {self.path.parent} ({e.strerror}): buffered I/O"
+                    raise
+            finally:
+                os.close(fd)
+            back = aligned_buffer(ALIGN)
+            fd = _open(probe, os.O_RDONLY | O_DIRECT)
+            try:
+                got = _preadv(fd, [memoryview(back.numpy())], 0)
+            finally:
+                os.close(fd)
+            if got != ALIGN or not torch.equal(back, buf):
+                return False, "O_DIRECT read back differently: buffered I/O with fadvise"
+            return True, "direct I/O (O_DIRECT, 4 KiB-aligned buffers)"
+        finally:
+            try:
+                probe.unlink()
+            except OSError:
+                pass
+
+    # -- buffers ----------------------------------------------------------------------------
+    def empty(self, specs) -> list[torch.Tensor]:
+        """Tensors of ``specs`` [(shape, dtype)] as views of one 4 KiB-aligned buffer, in file layout.
+
+        The buffer's bytes count in ``buffer_bytes`` (and its peak) until the last view is freed.
+        """
+        offsets, total = layout(specs)
+        buf = aligned_buffer(total)
+        st = buf.untyped_storage()
+        with self._lock:
+            self.buffer_bytes += st.nbytes()
+            self.buffer_peak = max(self.buffer_peak, self.buffer_bytes)
+        weakref.finalize(st, self._freed, st.nbytes())
+        return [buf[o:o + _numel(shape) * _itemsize(dtype)].view(dtype).view(shape)
+                for (shape, dtype), o in zip(specs, offsets)]
+
+    def _freed(self, nbytes: int) -> None:
+        with self._lock:
+            self.buffer_bytes -= nbytes
+
+    def file(self, pack: int) -> Path:
+        return self.path / f"pack-{pack:03d}.bin"
+
+    @staticmethod
+    def _range(tensors) -> tuple[torch.Tensor, int] | None:
+        """The one aligned uint8 range holding ``tensors`` in file layout, if they are views made by ``empty``."""
+        if not tensors:
+            return None
+        first = tensors[0]
+        st = first.untyped_storage()
+        start = first.data_ptr() - st.data_ptr()
+        offsets, total = layout([(t.shape, t.dtype) for t in tensors])
+        if first.device.type != "cpu" or first.data_ptr() % ALIGN or st.nbytes() < start + total:
+            return None
+        for t, o in zip(tensors, offsets):
+            if (not t.is_contiguous() or t.untyped_storage().data_ptr() != st.data_ptr()
+                    or t.data_ptr() != first.data_ptr() + o):
+                return None
+        return torch.empty(0, dtype=torch.uint8).set_(st, start, (total,)), total
+
+    # -- I/O ------------------------------------------------------------------------------
+    def write(self, pack: int, tensors) -> Future:
+        """Write ``tensors`` (a list) as pack ``pack``'s file; the future resolves when it is on disk.
+
+        Tensors from ``empty`` are written from where they are; others are first copied into an
+        aligned buffer. The caller must not change them until the future resolves.
+        """
+        tensors = list(tensors)
+        rng = self._range(tensors)
+        if rng is None:
+            staged = self.empty([(t.shape, t.dtype) for t in tensors])
+            for dst, src in zip(staged, tensors):
+                dst.copy_(src)
+            rng = self._range(staged)
+        buf, total = rng
+        with self._lock:
+            self.counters["write_issued"] += total
+        fut = self.pool.submit(self._write_job, pack, [buf], total)   # the job drops the buffer when done
+        with self._lock:
+            self._writes[pack] = fut
+        fut.add_done_callback(lambda f, pack=pack: self._forget(pack, f))
+        return fut
+
+    def _forget(self, pack: int, fut: Future) -> None:
+        with self._lock:
+            if self._writes.get(pack) is fut:
+                del self._writes[pack]
+
+    def read(self, pack: int, into) -> Future:
+        """Read pack ``pack``'s file into ``into`` (same shapes and dtypes as written), after any write of it."""
+        into = list(into)
+        rng = self._range(into)
+        staged = None
+        if rng is None:
+            staged = self.empty([(t.shape, t.dtype) for t in into])
+            rng = self._range(staged)
+        buf, total = rng
+        with self._lock:
+            self.counters["read_issued"] += total
+
+        def job():
+            self._read_job(pack, buf, total)
+            if staged is not None:
+                for dst, src in zip(into, staged):
+                    dst.copy_(src)
+        with self._lock:
+            before = self._writes.get(pack)
+        return self._after(before, job)
+
+    def _after(self, dep: Future | None, job) -> Future:
+        """``job`` on the pool once ``dep`` is done (without occupying a worker while it waits)."""
+        if dep is None or dep.done():
+            return self.pool.submit(job)
+        out: Future = Future()
+        holder = [job]        # ``dep`` keeps its callbacks: let it drop the job (and its buffer) once submitted
+
+        def go(_):
+            try:
+                inner = self.pool.submit(holder.pop())
+            except RuntimeError as e:      # the pool was shut down
+                out.set_exception(e)
+                return
+            inner.add_done_callback(lambda f: out.set_exception(f.exception()) if f.exception()
+                                    else out.set_result(f.result()))
+        dep.add_done_callback(go)
+        return out
+
+    def _write_job(self, pack: int, holder: list, total: int) -> None:
+        path = self.file(pack)
+        direct = self.direct
+        mv = memoryview(holder.pop().numpy())
+        t0 = time.perf_counter()
+        try:
+            fd = _open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (O_DIRECT if direct else 0), 0o600)
+            try:
+                at = 0
+                while at < total:
+                    n = _pwrite(fd, mv[at:min(at + CHUNK, total)], at)
+                    if n <= 0:
+                        raise OSError(errno.EIO, "short write", str(path))
+                    at += n
+                if not direct:
+                    os.fdatasync(fd)
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+        except OSError as e:
+            try:
+                path.unlink()
+            except OSError:
+                pass
+            raise OffloadError(_explain(e, f"write the optimizer state of pack {pack} to {path}", path, total)) from e
+        finally:
+            mv.release()
+        self._count("write", total, time.perf_counter() - t0, direct)
+
+    def _read_job(self, pack: int, buf: torch.Tensor, total: int) -> None:
+        path = self.file(pack)
+        direct = self.direct
+        mv = memoryview(buf.numpy())
+        t0 = time.perf_counter()
+        try:
+            fd = _open(path, os.O_RDONLY | (O_DIRECT if direct else 0))
+            try:
+                at = 0
+                while at < total:
+                    n = _preadv(fd, [mv[at:min(at + CHUNK, total)]], at)
+                    if n <= 0:
+                        raise OSError(errno.EIO, f"the file ends at {at} of {total} bytes", str(path))
+                    at += n
+                if not direct:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+        except OSError as e:
+            raise OffloadError(_explain(e, f"read the optimizer state of pack {pack} from {path}", path, total)) from e
+        self._count("read", total, time.perf_counter() - t0, direct)
+
+    def _count(self, way: str, nbytes: int, seconds: float, direct: bool) -> None:
+        with self._lock:
+            self.counters[f"{way}_bytes"] += nbytes
+            self.counters[f"{way}_seconds"] += seconds
+            self.counters["direct_ops" if direct else "buffered_ops"] += 1
+
+    def remove(self, pack: int) -> None:
+        with self._lock:
+            fut = self._writes.pop(pack, None)
+        if fut is not None:
+            wait_all([fut])
+        try:
+            self.file(pack).unlink()
+        except FileNotFoundError:
+            pass
+
+    def flush(self) -> None:
+        """Wait for every write (errors are the futures' to report)."""
+        with self._lock:
+            futs = list(self._writes.values())
+        wait_all(futs)
+
+    def stats(self) -> dict:
+        """Cumulative bytes and seconds of reads and writes, and the achieved GB/s (10^9 bytes/s)."""
+        with self._lock:
+            c = dict(self.counters)
+        c["read_GBps"] = c["read_bytes"] / c["read_seconds"] / 1e9 if c["read_seconds"] else 0.0
+        c["write_GBps"] = c["write_bytes"] / c["write_seconds"] / 1e9 if c["write_seconds"] else 0.0
+        c["direct"] = self.direct
+        c["buffer_bytes"], c["buffer_peak"] = self.buffer_bytes, self.buffer_peak
+        return c
+
+    # -- lifetime ---------------------------------------------------------------------------
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive
+
+    def close(self) -> None:
+        """Finish the I/O under way and remove the directory with everything in it."""
+        self._finalizer()
+
+    def __enter__(self) -> "DiskStore":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"DiskStore({str(self.path)!r}, direct={self.direct})"
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _explain(e: OSError, what: str, where, nbytes: int) -> str:
+    """What failed, where, and what to do, for an OSError of the disk tier."""
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        todo = (f"the file system is full: free at least {fmt_bytes(nbytes)} there, pass offload_dir= naming a disk "
+                f"with room, or raise host_memory_budget so fewer packs keep their optimizer state on disk")
+    elif e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        todo = ("that location is not writable: pass offload_dir= naming a directory you can write to, "
+                "or fix its permissions")
+    elif e.errno in (errno.ENOTDIR, errno.EEXIST):
+        todo = "a part of that path is a file, not a directory: pass another offload_dir="
+    else:
+        todo = "check the file system, or pass another offload_dir="
+    loc = str(e.filename or where)
+    return f"could not {what}: {e.strerror or e}{'' if loc in what else f' ({loc})'}; {todo}"
+
+
+# -- the runtime's view: optimizer state of disk-placed packs ---------------------------------------
+def _large(v) -> bool:
+    """State that goes to disk: tensors with elements per parameter (not 0-d counters such as Adam's step)."""
+    return isinstance(v, torch.Tensor) and v.dim() > 0
+
+
+def step_order(graph) -> list[int]:
+    """Packs in the order the schedule steps them (the ``step`` ops' order)."""
+    from harmony.runtime import ops
+    return [n.args[0] for n in graph.nodes if n.op == "call_function" and n.target is ops.step]
+
+
+class DiskTier:
+    """The optimizer state of disk-placed packs: on disk between steps, in an aligned host buffer during one."""
+
+    def __init__(self, store: DiskStore, packs: dict[int, list[str]], tensors: dict, optimizers: dict,
+                 order: list[int]):
+        self.store = store
+        self.names = {p: list(ns) for p, ns in packs.items()}     # pack -> params whose state is on disk
+        self.pack_of = {n: p for p, ns in self.names.items() for n in ns}
+        self.tensors, self.optimizers = tensors, optimizers
+        self.order = [p for p in dict.fromkeys(order)]
+        self.layouts: dict[int, list[tuple[str, str, tuple, torch.dtype]]] = {}   # what each file holds
+        self._reads: dict[int, tuple[Future, list[torch.Tensor]]] = {}
+        self._live: dict[int, list[torch.Tensor]] = {}       # installed in the optimizer during a step
+        self._kept: dict[int, list[torch.Tensor]] = {}       # a write failed: the state stays in memory
+        self._writing: list[tuple[int, Future]] = []
+        self._inflight: dict[int, list[torch.Tensor]] = {}   # buffers being written (kept if the write fails)
+        self._errors: list[BaseException] = []
+        self._lock = threading.Lock()
+        disk_order = [p for p in self.order if p in self.names]
+        # the last disk pack of a step reads ahead the first one of the next step, across the forward pass
+        self._wrap = (disk_order[-1], disk_order[0]) if len(disk_order) > 1 else None
+        self.wait_seconds = 0.0                              # the host thread blocked on reads
+        self.on_demand = 0                                   # reads not started ahead of their step
+        self._last = dict(store.stats(), wait_seconds=0.0, on_demand=0)
+
+    @classmethod
+    def create(cls, plan, graph, tensors: dict, optimizers: dict, offload_dir=None) -> "DiskTier | None":
+        """The tier of the packs ``plan.optim_on`` places on disk, or None if there are none."""
+        placed = getattr(plan, "optim_on", {}) or {}
+        packs = {s.index: [n for n in s.owned if n in optimizers] for s in plan.packs if placed.get(s.index) == "disk"}
+        if not packs:
+            return None
+        return cls(DiskStore(offload_dir), packs, tensors, optimizers, step_order(graph))
+
+    def holds(self, pack: int) -> bool:
+        return pack in self.names
+
+    # -- the host step -------------------------------------------------------------------------
+    def begin(self, pack: int) -> None:
+        """Start reading the next disk pack's state; put this pack's into its optimizer (waiting if needed)."""
+        nxt = self._next(pack)
+        if pack in self.names or nxt is not None:
+            self._settle_writes()    # the previous pack's buffer goes before the next one's comes
+        if nxt is not None:
+            self.prefetch(nxt)
+        if pack not in self.names:
+            return
+        views = self._take(pack)
+        if views is not None:
+            self._install(pack, views)
+
+    def end(self, pack: int) -> None:
+        """After the step: write the pack's state back, leave placeholders, let the buffer go once written."""
+        if pack not in self.names:
+            return
+        entries = [(n, k, v) for n in self.names[pack]
+                   for k, v in self.optimizers[n].state.get(self.tensors[n], {}).items() if _large(v)]
+        lay = [(n, k, tuple(v.shape), v.dtype) for n, k, v in entries]
+        live = self._live.pop(pack, None)
+        if live is not None and len(live) == len(entries) and all(a is e[2] for a, e in zip(live, entries)):
+            views = live
+        else:      # the first step (the optimizer made its state) or the optimizer replaced a tensor
+            views = self.store.empty([(s, d) for _, _, s, d in lay])
+            for dst, (_, _, src) in zip(views, entries):
+                dst.copy_(src)
+        self.layouts[pack] = lay
+        self._placeholders(pack)
+        if not lay:
+            self.store.remove(pack)
+            return
+        self._settle_writes()
+        with self._lock:
+            self._inflight[pack] = views
+        fut = self.store.write(pack, views)
+        del views
+        self._writing.append((pack, fut))
+        if self._wrap is not None and pack == self._wrap[0]:
+            self.prefetch(self._wrap[1])
+
+    def abort(self, pack: int) -> None:
+        """The step failed: leave placeholders; the file keeps the state from before the step."""
+        views = self._live.pop(pack, None)
+        if views is not None and pack in self.layouts:
+            self._placeholders(pack)
+
+    def prefetch(self, pack: int) -> None:
+        if pack in self._reads or pack in self._kept or pack not in self.layouts or not self.layouts[pack]:
+            return
+        views = self.store.empty([(s, d) for _, _, s, d in self.layouts[pack]])
+        self._reads[pack] = (self.store.read(pack, into=views), views)
+
+    def _next(self, pack: int) -> int | None:
+        if pack not in self.order:
+            return None
+        for p in self.order[self.order.index(pack) + 1:]:
+            if p in self.names:
+                return p
+        return None
+
+    def _take(self, pack: int) -> list[torch.Tensor] | None:
+        with self._lock:
+            kept = self._kept.pop(pack, None)
+        if kept is not None:
+            return kept
+        if not self.layouts.get(pack):
+            return None          # never stepped: the optimizer makes its state
+        if pack not in self._reads:
+            self.on_demand += 1
+            self.prefetch(pack)
+        fut, views = self._reads.pop(pack)
+        t0 = time.perf_counter()
+        try:
+            fut.result()
+        finally:
+            self.wait_seconds += time.perf_counter() - t0
+        return views
+
+    def _install(self, pack: int, views: list[torch.Tensor]) -> None:
+        for (n, k, _, _), v in zip(self.layouts[pack], views):
+            self.optimizers[n].state.setdefault(self.tensors[n], {})[k] = v
+        self._live[pack] = views
+
+    def _placeholders(self, pack: int) -> None:
+        for n, k, shape, dtype in self.layouts.get(pack, ()):
+            self.optimizers[n].state[self.tensors[n]][k] = torch.empty(shape, dtype=dtype, device="meta")
+
+    def _settle_writes(self) -> None:
+        """Let earlier writes finish and free their buffers, or keep them if a write failed (``flush`` raises)."""
+        writing, self._writing = self._writing, []
+        for pack, fut in writing:
+            wait_all([fut])
+            e = fut.exception()
+            with self._lock:
+                views = self._inflight.pop(pack, None)
+                if e is None:
+                    continue
+                self._kept[pack] = views
+            if isinstance(e, OffloadError):
+                e.add_note(f"the optimizer state of pack {pack} is kept in host memory and no partial file is "
+                           f"left in {self.store.path}; after making room, resume from your last checkpoint "
+                           f"(harmony.load) or save one now (harmony.save)")
+            self._errors.append(e)
+
+    def flush(self) -> None:
+        """Wait for the writes of this step; raise the first that failed (the end of a training step)."""
+        self._settle_writes()
+        with self._lock:
+            errors, self._errors = self._errors, []
+        if errors:
+            raise errors[0]
+
+    # -- checkpoints: one pack at a time --------------------------------------------------------
+    def state_of(self, names) -> dict[str, dict]:
+        """Real optimizer state of ``names`` that live on disk: {name: {key: tensor}}, read pack by pack."""
+        out: dict[str, dict] = {}
+        for pack in dict.fromkeys(self.pack_of[n] for n in names if n in self.pack_of):
+            with self._lock:
+                views = self._kept.get(pack)
+            lay = self.layouts.get(pack, [])
+            if views is None and lay:
+                views = self.store.empty([(s, d) for _, _, s, d in lay])
+                self.store.read(pack, into=views).result()
+            big = {(n, k): v for (n, k, _, _), v in zip(lay, views or [])}
+            for n in self.names[pack]:
+                if n not in names:
+                    continue
+                state = self.optimizers[n].state.get(self.tensors[n], {})
+                if state:
+                    out[n] = {k: big.get((n, k), v) for k, v in state.items()}
+        return out
+
+    def set_state(self, pack: int, states: dict) -> None:
+        """Replace pack ``pack``'s optimizer state with ``states`` {name: {key: value}} (names missing: none)."""
+        self.flush()
+        old = self._reads.pop(pack, None)
+        if old is not None:
+            wait_all([old[0]])
+        with self._lock:
+            self._kept.pop(pack, None)
+        self._live.pop(pack, None)
+        lay, values = [], []
+        for n in self.names[pack]:
+            p, s = self.tensors[n], states.get(n) or {}
+            new = {}
+            for k, v in s.items():
+                if _large(v):
+                    lay.append((n, k, tuple(v.shape), v.dtype))
+                    values.append(v)
+                else:
+                    new[k] = v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v
+            if s:
+                self.optimizers[n].state[p] = new
+            else:
+                self.optimizers[n].state.pop(p, None)
+        self.layouts[pack] = lay
+        self._placeholders(pack)
+        if lay:
+            views = self.store.empty([(s, d) for _, _, s, d in lay])
+            with torch.no_grad():
+                for dst, src in zip(views, values):
+                    dst.copy_(src)
+            self.store.write(pack, views).result()
+        else:
+            self.store.remove(pack)
+
+    # -- reports and lifetime ------------------------------------------------------------------
+    def step_stats(self) -> dict:
+        """This step's disk traffic and speed (since the last call), for ``sm.stats`` and the report."""
+        now = dict(self.store.stats(), wait_seconds=self.wait_seconds, on_demand=self.on_demand)
+        d = {k: now[k] - self._last.get(k, 0) for k in ("read_bytes", "read_seconds", "write_bytes", "write_seconds",
+                                                        "read_issued", "write_issued", "wait_seconds", "on_demand")}
+        self._last = now
+        with self.store._lock:       # the next step's peak starts from what is alive now
+            self.store.buffer_peak = self.store.buffer_bytes
+        # bytes are counted when issued: a read started at the end of a step for the next one belongs
+        # to this step's plan, while GB/s use the I/O that finished, with its seconds
+        return dict(disk_read_bytes=d["read_issued"], disk_write_bytes=d["write_issued"],
+                    disk_read_GBps=d["read_bytes"] / d["read_seconds"] / 1e9 if d["read_seconds"] else 0.0,
+                    disk_write_GBps=d["write_bytes"] / d["write_seconds"] / 1e9 if d["write_seconds"] else 0.0,
+                    disk_wait_seconds=d["wait_seconds"], disk_reads_not_ahead=d["on_demand"],
+                    disk_buffer_peak_bytes=now["buffer_peak"], disk_io=self.store.why,
+                    offload_dir=str(self.store.path))
+
+    def close(self) -> None:
+        try:
+            wait_all([f for _, f in self._writing])
+        finally:
+            self._writing = []
+            self.store.close()

@@ -1,0 +1,318 @@
+"""Data parallelism: the compress pass, the allreduce op and harmony.data, on 2 and 3 gloo ranks.
+
+Each multi-process test spawns its ranks once (``_spawn`` from test_collectives: the parent hosts
+the TCPStore) and runs several checks per process group; tensors come back as numpy arrays.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+import harmony
+import harmony.data
+from harmony.errors import ConfigError, InputError
+from harmony.passes import compress
+from harmony.runtime import ops
+from models import CASES, eager_full, training_state_bytes
+from test_collectives import _digest, _spawn
+
+SGD = dict(optimizer=torch.optim.SGD, optimizer_kwargs=dict(lr=0.1, momentum=0.9))
+ADAMW = dict(optimizer=torch.optim.AdamW, optimizer_kwargs=dict(lr=1e-3))
+STEPS = 3
+
+
+def _case(batch, tie=False):
+    return CASES["gpt"](batch=batch, tie=tie)   # 3 blocks, width 64: 3 packs at half its training state
+
+
+def _train(rank, frac, steps=STEPS, batch=8, perturb=True, keep=False, tie=False, **kw):
+    """Compile on this rank's shard and train ``steps`` batches; parameters, digest, stats, report."""
+    model, data = _case(batch, tie)
+    if perturb and rank:                       # ranks start apart: compile must broadcast rank 0's state
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.01 * rank)
+    budget = int(training_state_bytes(model) * frac)
+    sm = harmony.compile(model, example_batch=harmony.data.shard(data[0]), memory_budget=budget,
+                         microbatches=2, **kw)
+    stats = []
+    for i in range(steps):
+        sm(*harmony.data.shard(data[i % len(data)]))
+        stats.append(dict(sm.stats))
+    if not keep:
+        sm.close()
+    params = [p.detach() for p in model.parameters()]
+    report = next(r for r in sm.program.reports if r.title.startswith("compress"))
+    out = dict(params=[p.numpy().copy() for p in params], digest=_digest(params), stats=stats,
+               totals=dict(report.totals), rows=list(report.rows), notes=list(report.notes),
+               where={n.kwargs.get("where", "device") for n in sm.graph.nodes if n.target is ops.allreduce},
+               ops=[n.target.__name__ for n in sm.graph.nodes if n.op == "call_function"])
+    if keep:
+        out["sm"] = (sm, harmony.data.shard(data[0]))
+    return out
+
+
+def _two_ranks(rank, world):
+    import torch.distributed as dist
+
+    out = {"sgd": _train(rank, 0.5, **SGD), "adamw": _train(rank, 0.5, **ADAMW),
+           "q4": _train(rank, 0.5, compression="4bit", keep=True, **SGD),
+           "sgd_device": _train(rank, 0.5, optimizer_on="device", tie=True, **SGD),   # tied embedding + head
+           "deferred": _deferred(rank)}
+    try:   # ranks that compile different communication plans are told so, not left to hang
+        compress.check_same_plan("4bit" if rank == 0 else "fp32")
+        out["mismatch"] = "no error"
+    except ConfigError as e:
+        out["mismatch"] = str(e)
+    sm, batch = out["q4"].pop("sm")
+    sim = sm.simulate("a100-40gb")           # the simulator costs the all-reduces on the network stream
+    out["sim_network"] = sim.busy.get("network", 0.0)
+    dist.destroy_process_group()               # now one process: the plan is for two
+    try:
+        sm(*batch)
+        out["wrong_world"] = "no error"
+    except ConfigError as e:
+        out["wrong_world"] = str(e)
+    sm.close()
+    return out
+
+
+def _deferred(rank):
+    """The asynchronous device-step path: several packs, all state resident, steps after the next backward.
+
+    A budget that fits all state gives one pack, so the packs come from a tight budget and the
+    budget is then raised before compress runs (what a multi-device or larger plan would give).
+    """
+    from harmony.api import ScheduledModule
+    from harmony.compiler.verify import verify
+
+    model, data = _case(8)
+    budget = int(training_state_bytes(model) * 0.5)
+    sm = harmony.compile(model, example_batch=harmony.data.shard(data[0]), memory_budget=budget,
+                         microbatches=2, optimizer_on="device", passes=("partition", "schedule", "offload"), **SGD)
+    program = sm.program
+    program.config.memory_budget = budget * 8
+    program.plan.resident = {(p.index, k) for p in program.plan.packs for k in ("params", "grads", "optim")}
+    program = compress.run(program, None).program
+    program.capabilities |= compress.PROVIDES | {"residency"}
+    verify(program)
+    sm = ScheduledModule(program)
+    for b in data:
+        sm(*harmony.data.shard(b))
+    sm.close()
+    params = [p.detach() for p in model.parameters()]
+    return dict(params=[p.numpy().copy() for p in params], digest=_digest(params), stats=dict(sm.stats),
+                packs=len(program.plan.packs),
+                ops=[(n.target.__name__, n.args[0] if n.args and isinstance(n.args[0], int) else None)
+                     for n in program.schedule.nodes if n.op == "call_function"])
+
+
+def _reference(batch, steps=STEPS, tie=False, **kw):
+    """Eager PyTorch on the whole (concatenated) batch."""
+    model, data = _case(batch, tie)
+    opt = kw["optimizer"]
+    ref, _ = eager_full(model, [data[i % len(data)] for i in range(steps)], opt, **kw["optimizer_kwargs"])
+    return [p.detach() for p in ref.parameters()]
+
+
+def _close(params, ref, rtol, atol):
+    worst = max(float((torch.from_numpy(a) - b).abs().max()) for a, b in zip(params, ref))
+    ok = all(torch.allclose(torch.from_numpy(a), b, rtol=rtol, atol=atol) for a, b in zip(params, ref))
+    return ok, worst
+
+
+def _ok(res, world):
+    assert sorted(res) == list(range(world)), res
+    for r, v in res.items():
+        assert isinstance(v, dict), f"rank {r}: {v}"
+
+
+def _with_references(world, fn, batch, **spawn):
+    """Spawn the ranks; meanwhile compute the eager references (SGD, AdamW) on the whole batch here."""
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(1) as pool:
+        refs = pool.submit(lambda: {"sgd": _reference(batch, **SGD), "adamw": _reference(batch, **ADAMW),
+                                    "sgd_tied": _reference(batch, tie=True, **SGD)})
+        res = _spawn(world, fn, **spawn)
+        res["ref"] = refs.result()
+    return res
+
+
+@pytest.fixture(scope="module")
+def two():
+    res = _with_references(2, _two_ranks, 8, timeout=150)
+    _ok({r: v for r, v in res.items() if r != "ref"}, 2)
+    return res
+
+
+def test_two_ranks_equal_single_process_training_on_the_whole_batch(two):
+    r0, r1 = two[0], two[1]
+    sgd_ref, adamw_ref, tied_ref = two["ref"]["sgd"], two["ref"]["adamw"], two["ref"]["sgd_tied"]
+    # a budget that forces swapping: the optimizer steps on the host, behind each pack's all-reduce
+    assert r0["sgd"]["where"] == {"host"} and r0["sgd"]["totals"]["allreduces"] == 3
+    assert "swap_in" in r0["sgd"]["ops"] and "release" in r0["sgd"]["ops"]
+    for key, ref, tol in (("sgd", sgd_ref, (1e-5, 1e-6)), ("sgd_device", tied_ref, (1e-5, 1e-6)),
+                          ("deferred", sgd_ref, (1e-5, 1e-6)), ("adamw", adamw_ref, (1e-3, 1e-4))):
+        assert r0[key]["digest"] == r1[key]["digest"], f"{key}: ranks differ"
+        ok, worst = _close(r0[key]["params"], ref, *tol)
+        assert ok, f"{key}: max difference to eager full batch {worst}"
+    for key in ("sgd", "q4"):                                   # the device budget holds with the comm buffers
+        s = r0[key]["stats"][-1]
+        assert s["measured_peak"] <= s["budget"] and s["measured_peak"] <= s["predicted_peak"] * 1.1
+
+
+def test_device_steps_synchronous_under_swapping_and_deferred_when_resident(two):
+    r0 = two[0]
+    assert r0["sgd_device"]["where"] == {"device"} and "synchronous" in " ".join(r0["sgd_device"]["notes"])
+    # several packs, all state resident: each step waits until the next pack's all-reduce is issued
+    d = r0["deferred"]["ops"]
+    assert r0["deferred"]["packs"] == 3 and d.count(("wait", None)) == 3
+    for p in (2, 1):
+        assert d.index(("step", p)) > d.index(("allreduce", p - 1)) > d.index(("backward", p - 1))
+    assert r0["deferred"]["stats"]["measured_peak"] <= r0["deferred"]["stats"]["predicted_peak"] * 1.1
+
+
+def test_4bit_parameters_are_identical_on_every_rank_and_bytes_as_predicted(two):
+    q, sgd = two[0]["q4"], two[0]["sgd"]
+    assert q["digest"] == two[1]["q4"]["digest"]
+    last = q["stats"][-1]
+    assert last["comm_wire_bytes"] == q["totals"]["wire_bytes_per_step"]
+    assert last["comm_fp32_bytes"] == q["totals"]["fp32_bytes_per_step"] == sgd["stats"][-1]["comm_wire_bytes"]
+    assert last["comm_ratio"] > 5 and last["comm_seconds"] > 0
+    assert two[0]["sim_network"] > 0
+    ok, worst = _close(q["params"], two["ref"]["sgd"], 0, 0.05)   # compressed, yet near the exact result
+    assert ok and worst > 1e-6, worst
+
+
+def test_other_plans_and_world_sizes_are_config_errors(two):
+    for r in (0, 1):
+        assert "another communication plan" in two[r]["mismatch"]
+        assert "compiled for 2 ranks" in two[r]["wrong_world"] and "one process" in two[r]["wrong_world"]
+
+
+def _three_ranks(rank, world):
+    """Uncompressed and adaptive training on 3 ranks; then the last rank dies and the others must fail."""
+    import torch.distributed as dist
+
+    out = {"sgd_fits": _train(rank, 4.0, batch=12, **SGD),
+           "adaptive": _train(rank, 0.5, steps=5, batch=12, compression="adaptive", keep=True, **ADAMW)}
+    every = [None] * world
+    dist.all_gather_object(every, {k: v["digest"] for k, v in out.items()})
+    out["digests"] = every
+    sm, batch = out["adaptive"].pop("sm")
+    if rank == world - 1:
+        os._exit(1)                            # dies without a word between two steps
+    start = time.monotonic()
+    try:
+        sm(*batch)
+        sm(*batch)
+        out["dead"] = ("no error", time.monotonic() - start, "")
+    except Exception as e:  # noqa: BLE001 - reported to the parent
+        out["dead"] = (type(e).__name__, time.monotonic() - start, str(e))
+    return out
+
+
+@pytest.fixture(scope="module")
+def three():
+    res = _with_references(3, _three_ranks, 12, timeout=150, pg_timeout=20, wait_for=[0, 1])
+    assert set(res) == {0, 1, "ref"}, res
+    for r, v in res.items():
+        assert isinstance(v, dict), f"rank {r}: {v}"
+    return res
+
+
+def test_three_ranks_equal_single_process_and_each_other(three):
+    for key in ("sgd_fits", "adaptive"):
+        assert len({d[key] for d in three[0]["digests"]}) == 1, f"{key}: parameters differ between ranks"
+    f = three[0]["sgd_fits"]     # all state fits: one pack, the step on the device after a wait
+    ok, worst = _close(f["params"], three["ref"]["sgd"], 1e-5, 1e-6)
+    assert ok, f"max difference to eager full batch {worst}"
+    assert f["where"] == {"device"} and "wait" in f["ops"] and "swap_in" not in f["ops"]
+    assert f["stats"][-1]["comm_wire_bytes"] == f["totals"]["wire_bytes_per_step"] == f["totals"]["fp32_bytes_per_step"]
+    assert f["stats"][-1]["measured_peak"] <= f["stats"][-1]["predicted_peak"]
+
+
+def test_adaptive_bits_are_fixed_after_the_warmup_and_agree(three):
+    a = three[0]["adaptive"]
+    bits = [s.get("adaptive_bits") for s in a["stats"]]
+    assert bits[:3] == [None] * 3 and bits[3] and bits[3] == bits[4]       # 3 warm-up steps, then fixed
+    assert three[1]["adaptive"]["stats"][-1]["adaptive_bits"] == bits[4]
+    assert set(bits[4].values()) <= {2, 3, 4, 6, 8}
+    warm, after = a["stats"][2]["comm_wire_bytes"], a["stats"][4]["comm_wire_bytes"]
+    assert warm == a["stats"][2]["comm_fp32_bytes"] and after < warm / 4
+    assert a["totals"]["adaptive_layer_bytes"] <= a["totals"]["adaptive_uniform_bytes"]
+    assert a["totals"]["wire_bytes_after_warmup"] == after
+    assert a["totals"]["warmup_wire_bytes_per_step"] == warm and after <= a["totals"]["wire_bytes_per_step"] * 1.05
+    per_pack = [c.split(":") for row in a["rows"] for c in row["bits"].split()]
+    assert sum(int(k) for _, k in per_pack) == len(bits[4])
+
+
+def test_a_dead_rank_makes_the_others_fail_instead_of_hanging(three):
+    for r in (0, 1):
+        kind, seconds, msg = three[r]["dead"]
+        assert kind == "CommunicationError", three[r]["dead"]
+        assert seconds < 25 and "restart" in msg
+
+
+# -- one process --------------------------------------------------------------------------------
+def test_one_process_inserts_nothing_and_checks_its_world(monkeypatch):
+    model, data = _case(8)
+    sm = harmony.compile(model, example_batch=data[0], memory_budget=int(training_state_bytes(model) * 0.5),
+                         microbatches=2, compression="4bit")
+    assert not any(n.target is ops.allreduce for n in sm.graph.nodes if n.op == "call_function")
+    assert [h[0] for h in sm.history][2:4] == ["offload", "compress"]
+    assert sm.program.config.world_size == 1 and not sm.program.config.data_parallel
+    sm(*data[0])
+    assert not any(k.startswith("comm_") for k in sm.stats)
+    monkeypatch.setattr(harmony.data, "current_world", lambda: 4)     # as if run under torchrun with 4 ranks
+    with pytest.raises(ConfigError, match="compiled for 1 rank but runs in a group of 4 ranks"):
+        sm(*data[0])
+    sm.close()
+    alone = harmony.compile(model, example_batch=data[0], memory_budget="64MiB", data_parallel=False)
+    alone(*data[0])                            # data_parallel=False: each process trains alone, unchecked
+    alone.close()
+
+
+def test_bad_data_parallel_arguments_are_config_errors():
+    model, data = _case(8)
+    with pytest.raises(ConfigError, match="torchrun"):
+        harmony.compile(model, example_batch=data[0], data_parallel=True)
+    with pytest.raises(ConfigError, match="1..8"):
+        harmony.compile(model, example_batch=data[0], compression="12bit")
+    with pytest.raises(ConfigError, match="compression='zip'"):
+        harmony.compile(model, example_batch=data[0], compression="zip")
+    with pytest.raises(ConfigError, match="min_size"):
+        harmony.compile(model, example_batch=data[0], min_size=-1)
+    assert compress.parse_compression("fp16")[0].kind == "fp16"
+    assert compress.parse_compression("adaptive") == (compress.CompressionSpec(bits=4), True)
+    assert compress.parse_compression("2bit")[0].bits == 2
+
+
+def test_shard_gives_each_rank_its_rows():
+    x, y = torch.arange(12).view(6, 2), torch.arange(6)
+    parts = [harmony.data.shard((x, y), rank=r, world=3) for r in range(3)]
+    assert torch.equal(torch.cat([p[0] for p in parts]), x) and torch.equal(torch.cat([p[1] for p in parts]), y)
+    d = harmony.data.shard({"ids": x, "n": 5}, rank=1, world=2)
+    assert torch.equal(d["ids"], x[3:]) and d["n"] == 5
+    ds = torch.utils.data.TensorDataset(torch.arange(10))
+    assert [int(ds_i[0]) for ds_i in harmony.data.shard(ds, rank=1, world=3)] == [1, 4, 7]
+    assert harmony.data.shard(x) is not None                     # no process group: the whole batch
+    assert torch.equal(harmony.data.shard(x), x)
+    with pytest.raises(InputError, match="evenly"):
+        harmony.data.shard(x, rank=0, world=4)
+    with pytest.raises(ConfigError, match="rank"):
+        harmony.data.shard(x, rank=2, world=2)
+
+
+def test_predicted_wire_bytes_match_the_collective():
+    from harmony.runtime.collectives import CompressionSpec, spec_for
+    ts = [torch.zeros(64, 96), torch.zeros(300), torch.zeros(3, 5), torch.zeros(40, 128), torch.zeros(7, 11, 13)]
+    for spec in (CompressionSpec("none"), CompressionSpec("fp16"), CompressionSpec(bits=4),
+                 CompressionSpec(bits=3, bucket_size=100)):
+        specs = [spec_for(t, spec) for t in ts]
+        for world in (2, 3, 4):
+            got = compress.predict_wire(ts, specs, world)
+            assert got > 0 and (spec.kind != "none" or got == 2 * (world - 1) * 4 * sum(t.numel() for t in ts) // world)

@@ -1,0 +1,344 @@
+"""The disk tier: optimizer state on disk is bitwise the all-on-host run; files are private and cleaned up;
+a full disk or an unwritable path raises OffloadError and leaves nothing behind; direct and buffered I/O."""
+import errno
+import os
+import stat
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import harmony
+import harmony.runtime.disk as disk
+from harmony.errors import BudgetError, OffloadError
+from harmony.models import GPT, GPTConfig, copy_task
+from harmony.runtime.disk import DiskStore
+
+CFG = GPTConfig(layers=4, width=64, vocab=64, seq=16, tie=False)
+TINY = GPTConfig(layers=2, width=32, vocab=64, seq=16, tie=False)     # for the error paths: quicker to compile
+DATA = list(copy_task(CFG, 8, 3))
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def model(seed=0, cfg=CFG):
+    torch.manual_seed(seed)
+    return GPT(cfg)
+
+
+def state_bytes(m) -> int:
+    return 16 * sum(p.numel() for p in m.parameters())      # fp32 parameter, gradient, Adam m and v
+
+
+def compile_gpt(frac=0.5, cfg=CFG, **kw):
+    """The GPT under ``frac`` of its training state on the device, microbatches 4, the step on the host."""
+    m = model(cfg=cfg)
+    return harmony.compile(m, example_batch=DATA[0], memory_budget=int(state_bytes(m) * frac), microbatches=4,
+                           optimizer_on="host", **kw)
+
+
+def smallest_host_budget(cfg=CFG) -> int:
+    """The smallest host budget (every pack's optimizer state on disk), as the BudgetError names it."""
+    m = model(cfg=cfg)
+    with pytest.raises(BudgetError, match="Raise host_memory_budget to at least") as e:
+        harmony.compile(m, example_batch=DATA[0], memory_budget=state_bytes(m) // 2, microbatches=4,
+                        optimizer_on="host", host_memory_budget=state_bytes(m) // 4,
+                        passes=("partition", "schedule", "offload"))
+    return e.value.min_budget
+
+
+def train(sm, batches):
+    return [sm(x, y).item() for x, y in batches]
+
+
+def params(sm):
+    return {n: p.detach().clone() for n, p in sm.program.gm.named_parameters()}
+
+
+def assert_bitwise(sm, expected):
+    got = params(sm)
+    assert got.keys() == expected.keys()
+    for n in expected:
+        assert torch.equal(got[n], expected[n]), n
+
+
+def pack_files(path: Path):
+    return sorted(p.name for p in path.iterdir()) if path.exists() else []
+
+
+def offload_dirs(parent: Path):
+    return sorted(p.name for p in parent.iterdir() if p.name.startswith(disk.PREFIX))
+
+
+@pytest.fixture(scope="module")
+def host_run():
+    """The reference: every pack's optimizer state on the host, no host budget."""
+    sm = compile_gpt()
+    assert set(sm.plan.optim_on.values()) == {"host"}
+    losses = train(sm, DATA)
+    p = params(sm)
+    sm.close()
+    return losses, p
+
+
+@pytest.fixture(scope="module")
+def min_host_budget():
+    return smallest_host_budget()
+
+
+@pytest.fixture(scope="module")
+def tiny_budget():
+    return smallest_host_budget(TINY)
+
+
+@pytest.fixture(scope="module")
+def disk_run(min_host_budget, tmp_path_factory):
+    """Every pack's optimizer state on disk: one step, a checkpoint and a state dict, two more steps."""
+    root = tmp_path_factory.mktemp("disk_run")
+    sm = compile_gpt(host_memory_budget=min_host_budget, offload_dir=root)
+    losses = train(sm, DATA[:1])
+    harmony.save(sm, root / "ckpt")
+    sd = sm.state_dict()            # in memory: the disk state read back into real tensors
+    sd["model"] = {n: t.clone() for n, t in sd["model"].items()}      # (it references the live parameters)
+    sd["optimizer"] = {n: {k: v.clone() for k, v in st.items()} for n, st in sd["optimizer"].items()}
+    losses += train(sm, DATA[1:])
+    store = sm.runtime.state.disk.store
+    yield dict(sm=sm, losses=losses, root=root, ckpt=root / "ckpt", sd=sd, store=store)
+    sm.close()
+    assert not store.path.exists() and offload_dirs(root) == []
+
+
+# -- numerics ----------------------------------------------------------------------------------
+def test_disk_placement_is_bitwise_the_all_on_host_run(host_run, disk_run):
+    sm, store = disk_run["sm"], disk_run["store"]
+    assert set(sm.plan.optim_on.values()) == {"disk"} and len(sm.plan.packs) > 1
+    assert store.direct, store.why          # /tmp here is ext4: the probe finds O_DIRECT
+    assert disk_run["losses"] == host_run[0]
+    assert_bitwise(sm, host_run[1])
+    # every step read and wrote every pack's state, by direct I/O, and the report says how fast
+    c = store.stats()
+    assert c["direct_ops"] > 0 and c["buffered_ops"] == 0
+    s = sm.stats
+    assert s["disk_read_bytes"] > 0 and s["disk_write_bytes"] == s["disk_read_bytes"]
+    assert s["disk_read_GBps"] > 0 and s["disk_write_GBps"] > 0
+    # each pack's state was read ahead of its step, and at most two packs' buffers were alive at once
+    assert s["disk_reads_not_ahead"] == 0
+    biggest = max(store.file(p.index).stat().st_size for p in sm.plan.packs)
+    assert 0 < s["disk_buffer_peak_bytes"] <= 2 * (biggest + disk.ALIGN)
+    report = sm.report()
+    assert "disk_read_GBps" in report and "disk_write_GBps" in report and "direct I/O" in report
+    offload = next(r for r in sm.program.reports if r.title.startswith("offload"))
+    assert [r["optimizer_state"] for r in offload.rows] == ["disk"] * len(sm.plan.packs)
+    assert offload.totals["step_disk_read_bytes"] == sum(p.optim_bytes for p in sm.plan.packs)
+    assert offload.totals["host_planned_bytes"] <= offload.totals["host_budget_bytes"]
+    # between steps the optimizer holds meta placeholders for what is on disk, real scalars (Adam's step)
+    for opt in sm.optimizers:
+        for st in opt.state.values():
+            assert st["exp_avg"].device.type == "meta" and st["exp_avg_sq"].device.type == "meta"
+            assert st["step"].device.type == "cpu" and st["step"].item() == len(DATA)
+    assert stat.S_IMODE(store.path.stat().st_mode) == 0o700
+    assert pack_files(store.path) == [f"pack-{p.index:03d}.bin" for p in sm.plan.packs]
+
+
+def test_mixed_placement_buffered_io_is_bitwise_too(host_run, tmp_path, monkeypatch):
+    """Smaller packs (30% device budget): the first-stepped packs go to disk, the last-stepped stay on the host."""
+    monkeypatch.setenv("HARMONY_DIRECT_IO", "0")
+    m = model()
+    sm = compile_gpt(frac=0.3, host_memory_budget=int(state_bytes(m) * 0.8), offload_dir=tmp_path)
+    placed = sm.plan.optim_on
+    assert {"host", "disk"} <= set(placed.values())
+    order = disk.step_order(sm.graph)
+    kinds = [placed[p] for p in order]       # disk packs first in step order, then host ones
+    assert kinds == sorted(kinds, key=lambda k: k == "host")
+    assert order == sorted(order, reverse=True)    # the harmony policy steps packs last to first
+    store = sm.runtime.state.disk.store
+    assert not store.direct and "forced" in store.why
+    assert train(sm, DATA) == host_run[0]
+    assert_bitwise(sm, host_run[1])
+    c = store.stats()
+    assert c["buffered_ops"] > 0 and c["direct_ops"] == 0
+    assert sm.stats["disk_reads_not_ahead"] == 0
+    assert "buffered I/O" in sm.report()
+    path = store.path
+    sm.close()
+    assert not path.exists() and offload_dirs(tmp_path) == []
+
+
+def test_a_host_budget_below_the_minimum_names_it(min_host_budget):
+    m = model()
+    assert state_bytes(m) // 4 < min_host_budget < state_bytes(m)   # the fixture's BudgetError named it
+
+
+# -- checkpoints ---------------------------------------------------------------------------------
+def test_checkpoints_read_and_write_disk_state_pack_by_pack(host_run, disk_run, min_host_budget, tmp_path):
+    assert all(st["exp_avg"].device.type == "cpu" for st in disk_run["sd"]["optimizer"].values())
+    b = compile_gpt(host_memory_budget=min_host_budget, offload_dir=tmp_path)
+    harmony.load(b, disk_run["ckpt"])           # written to b's files, pack by pack
+    for opt in b.optimizers:
+        assert all(st["exp_avg"].device.type == "meta" for st in opt.state.values())
+    assert train(b, DATA[1:]) == host_run[0][1:]
+    assert_bitwise(b, host_run[1])
+    b.load_state_dict(disk_run["sd"])           # the in-memory state dict: back to after step 1
+    train(b, DATA[1:])
+    assert_bitwise(b, host_run[1])
+    b.close()
+
+
+# -- files: permissions, cleanup, errors --------------------------------------------------------
+def test_the_directory_is_private_and_removed_on_close_and_on_an_exception(tmp_path):
+    with DiskStore(tmp_path) as store:
+        assert stat.S_IMODE(store.path.stat().st_mode) == 0o700
+        (t,) = store.empty([((1000,), torch.float32)])
+        t.normal_()
+        store.write(0, [t]).result()
+        assert stat.S_IMODE(store.file(0).stat().st_mode) == 0o600
+    assert not store.path.exists() and store.closed
+    with pytest.raises(KeyError):
+        with DiskStore(tmp_path) as store:
+            raise KeyError("boom")
+    assert not store.path.exists()
+    store = DiskStore(tmp_path)
+    path = store.path
+    del store                      # garbage collected: weakref.finalize removes it
+    assert not path.exists()
+    # a directory of a process killed with SIGKILL (no exit handlers) goes when the next store starts
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = tmp_path / f"{disk.PREFIX}{dead.pid}-abc"
+    stale.mkdir()
+    with DiskStore(tmp_path) as store:
+        assert store.stale_removed == [stale.name] and not stale.exists()
+    assert offload_dirs(tmp_path) == []
+
+
+def test_an_exception_inside_a_step_leaves_no_directory(tiny_budget, tmp_path):
+    sm = compile_gpt(cfg=TINY, host_memory_budget=tiny_budget, offload_dir=tmp_path)
+    train(sm, DATA[:1])
+
+    def broken(*a, **k):
+        raise RuntimeError("injected failure in the optimizer step")
+    sm.optimizers[0].step = broken
+    with pytest.raises(RuntimeError, match="injected"):
+        sm(*DATA[1])
+    path = sm.runtime.state.disk.store.path
+    assert path.exists()
+    sm.close()
+    assert not path.exists()
+    # and in a process that dies of the exception: removed at exit
+    script = textwrap.dedent(f"""
+        import sys, torch, harmony
+        sys.path.insert(0, {str(ROOT / 'tests')!r})
+        from test_disk import compile_gpt, DATA, TINY
+        sm = compile_gpt(cfg=TINY, host_memory_budget={tiny_budget}, offload_dir={str(tmp_path)!r})
+        sm(*DATA[0])
+        print(sm.runtime.state.disk.store.path, flush=True)
+        def broken(*a, **k):
+            raise RuntimeError("injected failure in the optimizer step")
+        sm.optimizers[0].step = broken
+        sm(*DATA[1])
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode != 0 and "injected failure" in out.stderr
+    made = Path(out.stdout.strip().splitlines()[-1])
+    assert made.parent == tmp_path and not made.exists()
+    assert offload_dirs(tmp_path) == []
+
+
+def test_enospc_at_the_write_call_raises_offload_error_and_leaves_nothing(tiny_budget, tmp_path, monkeypatch):
+    sm = compile_gpt(cfg=TINY, host_memory_budget=tiny_budget, offload_dir=tmp_path)
+    tier = sm.runtime.state.disk
+    real = disk._pwrite
+
+    def full(fd, data, offset):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(disk, "_pwrite", full)
+    with pytest.raises(OffloadError, match="file system is full") as e:
+        sm(*DATA[0])
+    msg = str(e.value) + "".join(getattr(e.value, "__notes__", []))
+    assert str(tier.store.path) in msg and "offload_dir=" in msg and "harmony.load" in msg
+    assert pack_files(tier.store.path) == []         # no partial files
+    # nothing was lost: the state stayed in memory, and with room again the next step writes it
+    monkeypatch.setattr(disk, "_pwrite", real)
+    sm(*DATA[1])
+    assert len(pack_files(tier.store.path)) == len(sm.plan.packs)
+    path = tier.store.path
+    sm.close()
+    assert not path.exists() and offload_dirs(tmp_path) == []
+
+
+def test_a_real_full_file_system(tmp_path):
+    """A 64 KiB tmpfs: the write fails with ENOSPC, the partial file is removed (needs root to mount)."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a small tmpfs here")
+    try:
+        with DiskStore(mnt) as store:
+            (t,) = store.empty([((1 << 20,), torch.float32)])
+            with pytest.raises(OffloadError, match="file system is full: free at least 4.00 MiB"):
+                store.write(0, [t]).result()
+            assert pack_files(store.path) == []
+        assert offload_dirs(mnt) == []
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)
+
+
+def test_an_unwritable_offload_dir_is_a_clear_error(tiny_budget, tmp_path, monkeypatch):
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    with pytest.raises(OffloadError, match="create the offload directory .* pass another offload_dir="):
+        DiskStore(afile / "sub")
+
+    def denied(*a, **k):
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(tmp_path))
+    monkeypatch.setattr(disk.tempfile, "mkdtemp", denied)
+    with pytest.raises(OffloadError, match="not writable"):
+        compile_gpt(cfg=TINY, host_memory_budget=tiny_budget, offload_dir=tmp_path)
+
+
+# -- I/O paths ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("direct", [None, False])
+def test_round_trip_direct_and_buffered(tmp_path, direct):
+    with DiskStore(tmp_path, direct=direct) as store:
+        assert store.direct == (direct is None)        # ext4 takes O_DIRECT; False forces buffered
+        specs = [((300, 7), torch.float32), ((5,), torch.bfloat16), ((3, 3), torch.float64)]
+        views = store.empty(specs)
+        assert views[0].data_ptr() % disk.ALIGN == 0
+        for v in views:
+            v.copy_(torch.randn(v.shape).to(v.dtype))
+        store.write(1, views).result()
+        assert store.file(1).stat().st_size % disk.ALIGN == 0
+        back = store.empty(specs)
+        store.read(1, into=back).result()
+        assert all(torch.equal(a, b) for a, b in zip(views, back))
+        # tensors from anywhere go through an aligned staging buffer
+        plain = [torch.randn(1001), torch.randn(2, 2)]
+        store.write(2, plain)
+        got = [torch.empty(1001), torch.empty(2, 2)]
+        store.read(2, into=got).result()          # waits for the write of the same pack
+        assert all(torch.equal(a, b) for a, b in zip(plain, got))
+        c = store.stats()
+        assert c["read_bytes"] == c["write_bytes"] > 0 and c["read_GBps"] > 0 and c["write_GBps"] > 0
+        assert (c["direct_ops"] > 0) == store.direct and (c["buffered_ops"] > 0) != store.direct
+
+
+def test_the_probe_falls_back_to_buffered_io_where_o_direct_is_refused(tmp_path, monkeypatch):
+    """tmpfs before Linux 6.6 (and some network file systems) refuse O_DIRECT at open with EINVAL."""
+    real = disk._open
+
+    def no_direct(path, flags, *mode):
+        if flags & disk.O_DIRECT:
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL), str(path))
+        return real(path, flags, *mode)
+    monkeypatch.setattr(disk, "_open", no_direct)
+    with DiskStore(tmp_path) as store:
+        assert not store.direct and "refuses O_DIRECT" in store.why
+        (t,) = store.empty([((100,), torch.float32)])
+        store.write(0, [t]).result()
+        assert store.stats()["buffered_ops"] == 1
+    with pytest.raises(OffloadError, match="direct I/O was required"):
+        DiskStore(tmp_path, direct=True)
+    assert offload_dirs(tmp_path) == []
