@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 
 from harmony.errors import CheckpointError
+from harmony.process import pid_alive
 from harmony.units import fmt_bytes
 
 FORMAT = 1
@@ -523,18 +524,8 @@ def _remove_stale_temps(target: Path) -> None:
     """Temp directories of saves whose process died (SIGKILL leaves them; nothing else does)."""
     for d in target.parent.glob(f"{target.name}.tmp-*"):
         pid = d.name.rsplit("-", 1)[-1]
-        if pid.isdigit() and (int(pid) == os.getpid() or not _alive(int(pid))):
+        if pid.isdigit() and (int(pid) == os.getpid() or not pid_alive(int(pid))):
             shutil.rmtree(d, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _commit(tmp: Path, target: Path, old: Path) -> None:

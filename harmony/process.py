@@ -1,6 +1,7 @@
 """Facts about this process that reports quote."""
 from __future__ import annotations
 
+import os
 import resource
 import sys
 
@@ -15,3 +16,14 @@ def peak_rss_bytes() -> int:
     """
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this id exists (one that is not ours counts as alive)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

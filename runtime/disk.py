@@ -56,6 +56,7 @@ from pathlib import Path
 import torch
 
 from harmony.errors import OffloadError
+from harmony.process import pid_alive
 from harmony.units import fmt_bytes
 
 ALIGN = 4096                   # file offsets, buffer addresses and lengths of direct I/O
@@ -100,16 +101,6 @@ def _cleanup(path: str, pool: ThreadPoolExecutor) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def remove_stale(parent: Path) -> list[str]:
     """Offload directories left by processes that died without running their exit handlers (SIGKILL)."""
     removed = []
@@ -125,7 +116,7 @@ def remove_stale(parent: Path) -> list[str]:
             mine = d.is_dir() and not d.is_symlink() and d.stat().st_uid == os.getuid()
         except OSError:
             continue
-        if mine and pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+        if mine and pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
             shutil.rmtree(d, ignore_errors=True)
             removed.append(d.name)
     return removed
