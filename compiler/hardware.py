@@ -241,11 +241,13 @@ class Hardware:
 
         - peak: a 2048 x 2048 fp32 matmul at ``threads`` threads (default: as many as torch
           uses now, which the runtime will use too), median of a few;
-        - ``kernel_latency``: a tiny op (16 floats) as the runtime runs it, under its
-          allocation accounting: what every tensor op pays before it computes anything;
-        - ``efficiency``: a transformer block (pre-norm, GELU; ``block`` = (width, tokens per
-          microbatch[, sequence length, default 128])) run as a pack's backward runs it (forward without
-          grad, then forward again with grad and backward), FLOPs counted by
+        - ``kernel_latency``: the time per tensor op of a transformer block too small to
+          compute anything (width 16, 8 tokens), run as below: what every op pays besides
+          its arithmetic (dispatch, module calls, autograd, the runtime's accounting);
+        - ``efficiency``: transformer blocks (pre-norm, GELU; ``block`` = (width, tokens per
+          microbatch[, sequence length, default 128]); as many distinct layers as hold 64 MiB
+          of weights, at most 8, so caches start cold as in a step) run as a pack's backward
+          runs them (forward without grad, then forward again with grad and backward), FLOPs counted by
           ``torch.utils.flop_counter``; its time less its tensor ops times ``kernel_latency``,
           against the matmul peak. Pass the width and tokens per microbatch of the model you
           will simulate: small matmuls run further below peak than large ones;
@@ -266,7 +268,7 @@ class Hardware:
             import torch
             threads = torch.get_num_threads()
         flops = _matmul_flops(0.25 * seconds, threads)
-        latency = _kernel_latency(0.05 * seconds)
+        latency = _kernel_latency(0.05 * seconds, threads)
         efficiency = _block_efficiency(0.2 * seconds, flops, latency, threads, *block)
         copy = _memcpy_bandwidth(0.15 * seconds)
         read, write, how = _disk_bandwidth(0.35 * seconds, path)
@@ -424,62 +426,82 @@ def _matmul_flops(budget: float, threads: int, n: int = 2048) -> float:
     return 2 * n**3 / _median(times)
 
 
-def _kernel_latency(budget: float, n: int = 200) -> float:
-    """Seconds per tiny tensor op under the runtime's allocation accounting (dispatch + bookkeeping)."""
-    import torch
+def _kernel_latency(budget: float, threads: int) -> float:
+    """Seconds per tensor op of a transformer block too small to compute anything (width 16, 8 tokens).
 
-    from harmony.runtime.memory import CountAllocations, MemoryMeter
-
-    x = torch.ones(16)
-
-    def ops():
-        with CountAllocations(MemoryMeter("profile")):
-            for _ in range(n):
-                x.add(1.0)
-    return _median(_timed(ops, budget, at_least=3)) / n
+    What every op pays besides its arithmetic, as a pack's ops pay it: PyTorch's dispatch,
+    module calls, autograd's bookkeeping and the runtime's allocation accounting.
+    """
+    block = _Block(16, 8, 8, threads, layers=1)
+    try:
+        return _median(_timed(block.run, budget, at_least=5)) / block.ops
+    finally:
+        block.close()
 
 
 def _block_efficiency(budget: float, peak: float, latency: float, threads: int, width: int = 512,
                       tokens: int = 512, seq: int = 128) -> float:
-    """Share of ``peak`` a transformer block sustains, run as a recomputing backward runs it."""
-    import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils.flop_counter import FlopCounterMode
-
-    from harmony.runtime.memory import CountAllocations, MemoryMeter
-
-    class Count(TorchDispatchMode):
-        n = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.n += 1
-            return func(*args, **(kwargs or {}))
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
+    """Share of ``peak`` a transformer block sustains, run as a recomputing backward runs it, net of op latency."""
+    block = _Block(width, tokens, seq, threads)
     try:
-        torch.manual_seed(0)
-        layer = torch.nn.TransformerEncoderLayer(width, max(1, width // 64), 4 * width, dropout=0.0,
-                                                 activation="gelu", batch_first=True, norm_first=True)
-        x = torch.randn(max(1, tokens // seq), seq, width)
-        seed = torch.ones_like(x)
-
-        def pack():          # forward without grad, then recompute with grad and backward
-            with torch.no_grad():
-                layer(x)
-            leaf = x.detach().requires_grad_()
-            torch.autograd.backward(layer(leaf), seed)
-
-        def timed():
-            with CountAllocations(MemoryMeter("profile")):
-                pack()
-        with FlopCounterMode(display=False) as fc, Count() as count:
-            pack()
-        times = _timed(timed, budget, at_least=3)
+        t = _median(_timed(block.run, budget, at_least=3))
     finally:
-        torch.set_num_threads(before)
-    compute = max(_median(times) - count.n * latency, 0.05 * _median(times))
-    return min(1.0, fc.get_total_flops() / compute / peak)
+        block.close()
+    compute = max(t - block.ops * latency, 0.05 * t)
+    return min(1.0, block.flops / compute / peak)
+
+
+class _Block:
+    """Pre-norm GELU transformer blocks run as a pack's backward runs them: forward without grad,
+    then forward again with grad and backward, under the runtime's allocation accounting.
+
+    A pack holds several layers whose weights have left the caches by the time it runs
+    again, so unless told otherwise there are as many distinct layers as it takes to hold
+    64 MiB of weights (at most 8): the caches start cold for each, as in a step.
+    """
+
+    def __init__(self, width: int, tokens: int, seq: int, threads: int, layers: int | None = None):
+        import torch
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils.flop_counter import FlopCounterMode
+
+        class Count(TorchDispatchMode):
+            n = 0
+
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                self.n += 1
+                return func(*args, **(kwargs or {}))
+
+        self.threads = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        torch.manual_seed(0)
+        seq = min(seq, tokens)
+        if layers is None:
+            layers = max(1, min(8, -(-64 * 2**20 // (12 * width * width * 4))))
+        self.layer = torch.nn.Sequential(*(torch.nn.TransformerEncoderLayer(
+            width, max(1, width // 64), 4 * width, dropout=0.0, activation="gelu", batch_first=True,
+            norm_first=True) for _ in range(layers)))
+        self.x = torch.randn(max(1, tokens // seq), seq, width)
+        self.seed = torch.ones_like(self.x)
+        with FlopCounterMode(display=False) as fc, Count() as count:
+            self.pack()
+        self.flops, self.ops = fc.get_total_flops(), count.n
+
+    def pack(self):
+        import torch
+        with torch.no_grad():
+            self.layer(self.x)
+        leaf = self.x.detach().requires_grad_()
+        torch.autograd.backward(self.layer(leaf), self.seed)
+
+    def run(self):
+        from harmony.runtime.memory import CountAllocations, MemoryMeter
+        with CountAllocations(MemoryMeter("profile")):
+            self.pack()
+
+    def close(self):
+        import torch
+        torch.set_num_threads(self.threads)
 
 
 def _memcpy_bandwidth(budget: float, size: int = 128 * 2**20) -> float:

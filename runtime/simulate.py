@@ -279,6 +279,8 @@ class _OnDemand:
         name, pack = node.target.__name__, node.args[0]
         kinds = {"forward": ["params"], "backward": ["params", "grads"],
                  "step": ["params", "grads", "optim"]}.get(name, [])
+        if node.kwargs.get("where", "device") != "device":      # a step on host copies touches nothing here
+            kinds = []
         exists = {"params": True, "grads": pack in self.grads, "optim": pack in self.optim}
         fetch = [k for k in kinds if exists[k] and (pack, k) not in self.lru]
         # gradients a first backward makes, and optimizer state a first step makes, are new bytes too
