@@ -76,8 +76,6 @@ class Affine:
         return Affine(v1 - c1 * b1, c1)
 
 
-ZERO = Affine(0.0, 0.0)
-
 
 @dataclass(frozen=True)
 class NodeCost:

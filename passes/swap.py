@@ -76,15 +76,6 @@ def mark_streams(graph: torch.fx.Graph, resident: set) -> None:
             n.kwargs = {**n.kwargs, "stream": (n.args[0], "optim") not in resident}
 
 
-def _range(a, b):
-    n = a
-    while True:
-        yield n
-        if n is b:
-            return
-        n = n.next
-
-
 def stash_value(graph: torch.fx.Graph, value: torch.fx.Node) -> bool:
     """Send ``value`` to the host and bring it back before its later uses.
 

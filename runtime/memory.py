@@ -70,13 +70,6 @@ class MemoryMeter:
                 f"device's memory; compile with a smaller memory_budget to leave headroom, and "
                 f"report the model so the cost model can be fixed.")
 
-    def untrack(self, tensor_or_storage) -> None:
-        """Stop counting a storage (it moved to another tier while still referenced)."""
-        s = tensor_or_storage
-        if isinstance(s, torch.Tensor):
-            s = s.untyped_storage()
-        self._release(id(s))
-
     def holds(self, tensor: torch.Tensor) -> bool:
         return id(tensor.untyped_storage()) in self._sizes
 

@@ -52,8 +52,6 @@ class TieredState:
     Gradients and optimizer state are moved, not cached.
     """
 
-    KINDS = ("params", "grads", "optim")
-
     def __init__(self, tensors: dict[str, torch.Tensor], optimizers: dict[str, torch.optim.Optimizer],
                  meter: MemoryMeter, device: torch.device):
         self.tensors = tensors            # name -> the user's Parameter / buffer object (never replaced)

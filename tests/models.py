@@ -135,3 +135,15 @@ def run_compiled(model, data, microbatches, budget, policy="harmony", **kw):
         stats.append(dict(sm.stats))
     sm.close()
     return sm, stats, losses
+
+
+def params(sm):
+    """The compiled module's parameters, copied (by the names of its traced graph)."""
+    return {n: p.detach().clone() for n, p in sm.program.gm.named_parameters()}
+
+
+def assert_bitwise(sm, expected):
+    got = params(sm)
+    assert got.keys() == expected.keys()
+    for n in expected:
+        assert torch.equal(got[n], expected[n]), n

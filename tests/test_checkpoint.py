@@ -17,6 +17,7 @@ import harmony.checkpoint as ckpt
 from harmony.errors import CheckpointError
 from harmony.models import GPT, GPTConfig, copy_task
 from harmony.process import peak_rss_bytes
+from models import assert_bitwise, params
 
 CFG = GPTConfig(layers=4, width=64, vocab=64, seq=16, tie=False)
 TINY = GPTConfig(layers=1, width=32, vocab=64, seq=16, tie=False)
@@ -34,17 +35,6 @@ def compile_gpt(cfg=CFG, frac=0.5, seed=0):
 def train(sm, batches):
     for x, y in batches:
         sm(x, y)
-
-
-def params(sm):
-    return {n: p.detach().clone() for n, p in sm.program.gm.named_parameters()}
-
-
-def assert_bitwise(sm, expected):
-    got = params(sm)
-    assert got.keys() == expected.keys()
-    for n in expected:
-        assert torch.equal(got[n], expected[n]), n
 
 
 def no_temps(target: Path):

@@ -16,6 +16,7 @@ import harmony.runtime.disk as disk
 from harmony.errors import BudgetError, OffloadError
 from harmony.models import GPT, GPTConfig, copy_task
 from harmony.runtime.disk import DiskStore
+from models import assert_bitwise, params
 
 CFG = GPTConfig(layers=4, width=64, vocab=64, seq=16, tie=False)
 TINY = GPTConfig(layers=2, width=32, vocab=64, seq=16, tie=False)     # for the error paths: quicker to compile
@@ -51,17 +52,6 @@ def smallest_host_budget(cfg=CFG) -> int:
 
 def train(sm, batches):
     return [sm(x, y).item() for x, y in batches]
-
-
-def params(sm):
-    return {n: p.detach().clone() for n, p in sm.program.gm.named_parameters()}
-
-
-def assert_bitwise(sm, expected):
-    got = params(sm)
-    assert got.keys() == expected.keys()
-    for n in expected:
-        assert torch.equal(got[n], expected[n]), n
 
 
 def pack_files(path: Path):
