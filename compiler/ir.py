@@ -29,6 +29,8 @@ class CompileConfig:
     min_size: int = 16                 # tensors with fewer elements (or dim <= 1) travel uncompressed
     host_memory_budget: int | None = None   # bytes of host memory for training state; None: no limit (offload pass)
     offload_dir: str | None = None     # where the disk tier makes its private directory; None: the temp directory
+    weights_on: str = "auto"           # fp32 weights between uses: auto | host | disk (offload pass)
+    disk_group_bytes: int = 32 << 20   # weights per file of a pack wholly on disk (it steps a file at a time)
 
     @property
     def usable_budget(self) -> int:

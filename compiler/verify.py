@@ -43,6 +43,12 @@ def state_sizes(program) -> dict:
         if isinstance(t, torch.nn.Parameter) and t.requires_grad:
             sizes[("grads", n)] = b
             sizes[("optim", n)] = int(prof.get("state_per_byte", 0) * b)
+    from harmony.runtime.disk import ALIGN, layout
+    tensors = dict(gm.named_parameters())
+    for groups in (getattr(program.plan, "disk_groups", None) or {}).values():
+        for names in groups:    # a wholly-disk pack's weights come in as one aligned buffer per file
+            _, total = layout([(tensors[n].shape, tensors[n].dtype) for n in names])
+            sizes[("params", names[0])] += total + ALIGN - sum(sizes[("params", n)] for n in names)
     return sizes
 
 
@@ -66,7 +72,7 @@ def memory_curve(program, graph: torch.fx.Graph | None = None, check_residency: 
             kinds = NEEDS[name]
             if name == "step" and node.kwargs.get("stream"):
                 kinds = ("params", "grads")   # a streaming step brings the optimizer state itself
-            if name == "step" and node.kwargs.get("where") == "host":
+            if name == "step" and node.kwargs.get("where") in ("host", "disk"):
                 kinds = ()                    # a host step works on the host copies
             for kind in kinds:
                 for s in (state_names(spec, kind)):

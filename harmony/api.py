@@ -24,7 +24,8 @@ POLICIES = ("harmony", "sequential", "ondemand")
 def compile(model: torch.nn.Module, example_batch, *, optimizer=torch.optim.AdamW, optimizer_kwargs=None,
             memory_budget="1GiB", microbatches: int = 1, policy: str = "harmony", loss_fn=None,
             leaf_modules=(), passes=DEFAULT_PIPELINE, device="cpu", hardware=None,
-            optimizer_on="auto", host_memory_budget=None, offload_dir=None,
+            optimizer_on="auto", host_memory_budget=None, offload_dir=None, weights_on="auto",
+            disk_group_bytes="32MiB",
             data_parallel=None, compression=None, min_size: int = 16) -> "ScheduledModule":
     """Plan and build a training step for ``model`` that fits ``memory_budget`` per device.
 
@@ -40,7 +41,11 @@ def compile(model: torch.nn.Module, example_batch, *, optimizer=torch.optim.Adam
     ``host_memory_budget`` (e.g. ``"4GiB"``; default no limit) bounds the host's share of training
     state when the optimizer steps on the host: packs whose optimizer state does not fit keep it
     on disk, in a private directory made under ``offload_dir`` (default the temp directory) and
-    removed by ``close()`` or at exit.
+    removed by ``close()`` or at exit; if that is not enough, packs go to disk wholly, fp32
+    weights too (what lets a model whose weights exceed host memory train): such a pack's
+    weights are read from disk for its forward and backward, and it steps one file of at
+    most ``disk_group_bytes`` of weights at a time. ``weights_on`` (``"auto"``, ``"host"``,
+    ``"disk"``) overrides that choice for the fp32 weights of host-stepped packs.
     ``data_parallel``: ``None`` (default) trains data-parallel when this process is one rank of
     several (torchrun; the process group is initialised if it is not), ``True`` requires it,
     ``False`` trains each process alone. Every rank compiles and runs the same plan on its own
@@ -70,6 +75,7 @@ def compile(model: torch.nn.Module, example_batch, *, optimizer=torch.optim.Adam
                            host_memory_budget=None if host_memory_budget is None
                            else parse_bytes(host_memory_budget, "host_memory_budget"),
                            offload_dir=None if offload_dir is None else os.fspath(offload_dir),
+                           weights_on=weights_on, disk_group_bytes=parse_bytes(disk_group_bytes, "disk_group_bytes"),
                            **resolve_data_parallel(data_parallel, compression, min_size))
     if hardware is not None:
         dev = _device_of(hardware)
@@ -86,6 +92,24 @@ def compile(model: torch.nn.Module, example_batch, *, optimizer=torch.optim.Adam
     sm.compile_seconds = dict(trace=t_trace - t0, cost=t_cost - t_trace, passes=time.perf_counter() - t_cost,
                               total=time.perf_counter() - t0)
     return sm
+
+
+def _disk_stats(state) -> dict:
+    """This step's disk traffic of both disk tiers (optimizer state alone; packs wholly on disk), summed."""
+    tiers = [t.step_stats() for t in (getattr(state, "disk", None), getattr(state, "params_disk", None))
+             if t is not None]
+    if not tiers:
+        return {}
+    out = dict(tiers[0])
+    for t in tiers[1:]:
+        for k in ("disk_read_bytes", "disk_write_bytes", "disk_read_done", "disk_write_done", "disk_read_seconds",
+                  "disk_write_seconds", "disk_wait_seconds", "disk_reads_not_ahead", "disk_buffer_peak_bytes"):
+            out[k] = out.get(k, 0) + t[k]
+        out.setdefault("disk_weight_step_seconds", t.get("disk_weight_step_seconds", 0.0))
+    for way in ("read", "write"):     # GB/s of the I/O that finished in this step, with its seconds
+        sec = out[f"disk_{way}_seconds"]
+        out[f"disk_{way}_GBps"] = out[f"disk_{way}_done"] / sec / 1e9 if sec else 0.0
+    return out
 
 
 def _device_of(hardware):
@@ -126,12 +150,11 @@ class ScheduledModule(torch.nn.Module):
         tensors.update(dict(gm.named_buffers()))
         optimizers = {}
         cfg = program.config
-        for spec in plan.packs:
-            owned = [tensors[n] for n in spec.owned]
-            if owned:
-                opt = cfg.optimizer(owned, **cfg.optimizer_kwargs)
-                for n in spec.owned:
-                    optimizers[n] = opt
+        for spec in plan.packs:     # one optimizer per pack; per file for a pack wholly on disk
+            for names in plan.disk_groups.get(spec.index) or [spec.owned]:
+                if names:
+                    opt = cfg.optimizer([tensors[n] for n in names], **cfg.optimizer_kwargs)
+                    optimizers.update(dict.fromkeys(names, opt))
         self.optimizers = list(dict.fromkeys(optimizers.values()))
         self.stats: dict = {}
         self.steps = 0
@@ -140,11 +163,17 @@ class ScheduledModule(torch.nn.Module):
             self.runtime = Runtime(plan, program.schedule, tensors, optimizers, cfg.memory_budget, device,
                                    on_demand=OnDemand if cfg.policy == "ondemand" else None)
             self.predicted = memory_curve(program, check_residency=False)
-            if "disk" in getattr(plan, "optim_on", {}).values():   # the disk tier: its directory is made now
+            if "disk" in getattr(plan, "optim_on", {}).values():   # the disk tiers: their directories are made now
                 from harmony.runtime.disk import DiskTier
+                from harmony.runtime.diskparams import DiskParams
+                state = self.runtime.state
                 try:
-                    self.runtime.state.disk = DiskTier.create(plan, program.schedule, tensors, optimizers,
-                                                              cfg.offload_dir)
+                    state.disk = DiskTier.create(plan, program.schedule, tensors, optimizers, cfg.offload_dir)
+                    state.params_disk = DiskParams.create(plan, program.schedule, tensors, optimizers,
+                                                          self.runtime.meter, device, cfg.offload_dir)
+                    if state.params_disk is not None:   # the weights are in their files: no host copy stays
+                        for n in state.params_disk.pack_of:
+                            state.master[n] = tensors[n].data
                 except BaseException:
                     self.runtime.close()
                     raise
@@ -190,8 +219,7 @@ class ScheduledModule(torch.nn.Module):
                           h2d_bytes=rt.state.moved["h2d"], d2h_bytes=rt.state.moved["d2h"],
                           predicted_h2d=self.predicted.moved["h2d"], predicted_d2h=self.predicted.moved["d2h"],
                           peak_rss_bytes=peak_rss_bytes())
-        if getattr(rt.state, "disk", None) is not None:
-            self.stats.update(rt.state.disk.step_stats())
+        self.stats.update(_disk_stats(rt.state))
         if self.program.config.data_parallel:     # bytes on the wire vs fp32, seconds communicating, bits
             from harmony.passes.compress import step_stats
             self.stats.update(step_stats(self))

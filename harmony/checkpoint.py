@@ -68,6 +68,8 @@ class _Live:
         if hasattr(self.tiers, "drain"):   # no background optimizer step may still write what we read or replace
             self.tiers.drain()
         self.disk = getattr(self.tiers, "disk", None)   # optimizer state of disk-placed packs (runtime/disk.py)
+        self.pdisk = getattr(self.tiers, "params_disk", None)   # packs wholly on disk (runtime/diskparams.py)
+        self._weights: dict[int, dict] = {}   # group -> weights given to write_tensor, written with its state
         name_of = {id(t): n for n, t in self.tensors.items()}
         self.optimizers: dict[str, torch.optim.Optimizer] = {}
         self.groups: list[list[tuple[list[str], dict]]] = []   # per optimizer, per group: names, group
@@ -88,22 +90,56 @@ class _Live:
         """The real optimizer state of ``names`` that have some; state on disk is read, a pack at a time."""
         names = [n for n in names if self.optim_state(n)]
         real = self.disk.state_of(names) if self.disk is not None else {}
+        if self.pdisk is not None:
+            for gid, files in self._groups(names):
+                for n in files:
+                    real[n] = {k: files[n].get(k, v) for k, v in self.optim_state(n).items()}
         return {n: real.get(n) or self.optim_state(n) for n in names}
+
+    def _groups(self, names):
+        """(group, {name: {key: tensor}}) of the wholly-disk packs' files holding ``names``, read one at a time."""
+        wanted: dict[int, list[str]] = {}
+        for n in names:
+            if self.pdisk is not None and self.pdisk.holds(n):
+                wanted.setdefault(self.pdisk.pack_of[n], []).append(n)
+        for gid, ns in wanted.items():
+            held = self.pdisk.read_group(gid)
+            files: dict[str, dict] = {n: {} for n in ns}
+            for (n, k), v in held.items():
+                if n in files:
+                    files[n][k] = v
+            yield gid, files
+
+    def weights(self, names) -> dict[str, torch.Tensor]:
+        """The fp32 weights and buffers of ``names``: the tensors the runtime reads, or read from their files."""
+        out = {n: self.tensors[n].data for n in names}
+        if self.pdisk is not None:
+            from harmony.runtime.diskparams import PARAM
+            for _, files in self._groups(names):
+                out.update({n: f[PARAM] for n, f in files.items()})
+        return out
 
     def write_optims(self, states: dict, names) -> None:
         """``write_optim`` for each of ``states``; a disk-placed pack among ``names`` gets its whole state
         (its parameters without an entry in ``states`` have none) and is written to its file once."""
         packs: dict[int, dict] = {}
+        files: dict[int, dict] = {}
         for n in names:
             if self.disk is not None and n in self.disk.pack_of:
                 packs.setdefault(self.disk.pack_of[n], {})
+            elif self.pdisk is not None and self.pdisk.holds(n):
+                files.setdefault(self.pdisk.pack_of[n], {})
         for n, s in states.items():
             if self.disk is not None and n in self.disk.pack_of:
                 packs.setdefault(self.disk.pack_of[n], {})[n] = s
+            elif self.pdisk is not None and self.pdisk.holds(n):
+                files.setdefault(self.pdisk.pack_of[n], {})[n] = s
             else:
                 self.write_optim(n, s)
         for pack, given in packs.items():
             self.disk.set_state(pack, given)
+        for gid in dict.fromkeys(list(files) + list(self._weights)):   # weights and state: one write per file
+            self.pdisk.write_group(gid, self._weights.pop(gid, {}), files.get(gid))
 
     def layout(self) -> list[tuple[str, int | None, list[str]]]:
         """(file stem, pack, names) per file: a parameter goes with the pack that owns its update,
@@ -129,7 +165,7 @@ class _Live:
         This is the one place that pulls state from its tier; a disk tier reads the pack's
         file here, so saving holds one pack's state at a time, never the whole model's.
         """
-        model = {n: _own_bytes(self.tensors[n].data) for n in names}
+        model = {n: _own_bytes(t) for n, t in self.weights(names).items()}
         optim = {n: {k: _own_bytes(v) if isinstance(v, torch.Tensor) else v for k, v in s.items()}
                  for n, s in self.optim_states(names).items()}
         return {"model": model, "optimizer": optim}
@@ -143,6 +179,9 @@ class _Live:
     def write_tensor(self, name: str, value: torch.Tensor) -> None:
         """Copy into the tensor the runtime reads, and into its host master if that is another copy."""
         t = self.tensors[name]
+        if self.pdisk is not None and self.pdisk.holds(name):   # its file is written with its state (write_optims)
+            self._weights.setdefault(self.pdisk.pack_of[name], {})[name] = value
+            return
         with torch.no_grad():
             t.data.copy_(value)
             master = self.tiers.master.get(name) if self.tiers is not None else None
@@ -239,7 +278,7 @@ def state_dict(sm) -> dict:
     live = _Live(sm)
     return {
         "format": FORMAT,
-        "model": {n: t.data for n, t in live.tensors.items()},
+        "model": live.weights(list(live.tensors)),
         "optimizer": {n: dict(s) for n, s in live.optim_states(list(live.optimizers)).items()},
         "param_groups": [[{"params": list(names), **{k: v for k, v in g.items() if k != "params"}}
                           for names, g in groups] for groups in live.groups],

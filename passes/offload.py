@@ -31,6 +31,14 @@ step later, which seem to have "more time to be read", is right only without rea
 across iterations; largest-first moves fewer packs for the same bytes but can put the
 last-stepped pack on disk.) Every disk pack's state is read once and written once per
 step.
+
+If the host cannot hold the fp32 weights either (a model bigger than host memory), packs
+go to disk *wholly* (``plan.master_on``), again first-stepped first: their weights and
+optimizer state live in files of at most ``disk_group_bytes`` of weights
+(runtime/diskparams.py), the weights are read from disk for each phase that needs them,
+and the pack steps right after its backward a file at a time, so the host holds three
+files and one file's gradients, never a whole pack. ``weights_on`` overrides the choice.
+Wholly-disk packs and data-parallel training do not combine yet (a ``ConfigError``).
 """
 from __future__ import annotations
 
@@ -46,6 +54,7 @@ NAME = "offload"
 REQUIRES = {"schedule"}
 PROVIDES = {"placement"}
 PLACES = ("auto", "device", "host")
+WEIGHTS = ("auto", "host", "disk")     # where a host-stepped pack's fp32 weights live between uses
 
 
 def everything_fits(program: Program) -> bool:
@@ -77,80 +86,131 @@ def run(program: Program, ctx) -> PassResult:
             n.kwargs = {**n.kwargs, "where": place}
     host = place == "host"
     budget = getattr(cfg, "host_memory_budget", None)
-    disk, need = place_optimizer_state(program) if host else (set(), {})
-    plan.optim_on = {p.index: "disk" if p.index in disk else place for p in plan.packs}
+    disk, whole, need = place_state(program) if host else (set(), set(), {})
+    if whole and cfg.data_parallel and (cfg.world_size or 1) > 1:
+        raise ConfigError(f"packs {sorted(whole)} would keep their weights on disk, which data-parallel training does "
+                          f"not support yet (their gradients are averaged on the device, then stepped from disk); "
+                          f"raise host_memory_budget, or pass weights_on='host'")
+    plan.optim_on = {p.index: "disk" if p.index in disk | whole else place for p in plan.packs}
+    plan.master_on = {p.index: "disk" if p.index in whole else "host" for p in plan.packs}
+    plan.disk_groups = need.get("groups", {}) if whole else {}
+    for n in program.schedule.nodes:
+        if n.op == "call_function" and n.target is ops.step and n.args[0] in whole:
+            n.kwargs = {**n.kwargs, "where": "disk"}
     rows = []
     for spec in plan.packs:
         where = plan.optim_on[spec.index]
         on_disk = spec.optim_bytes if where == "disk" else 0
-        rows.append(dict(pack=spec.index, layers=spec.name, step_on=place,
+        weights = spec.index in whole
+        owned = need.get("owned", {}).get(spec.index, 0)
+        rows.append(dict(pack=spec.index, layers=spec.name, step_on="host (inline, by file)" if weights else place,
+                         weights="disk" if weights else "host",
                          optimizer_state=where if host else "device (streamed or resident)",
                          optim_MiB=spec.optim_bytes / 2**20,
                          grads_out_MiB=(spec.param_bytes if host else 0) / 2**20,
-                         disk_read_MiB=on_disk / 2**20, disk_write_MiB=on_disk / 2**20))
-    disk_bytes = sum(s.optim_bytes for s in plan.packs if s.index in disk)
-    totals = dict(step_on=place, disk_packs=len(disk), step_disk_read_bytes=disk_bytes,
-                  step_disk_write_bytes=disk_bytes, seconds=time.perf_counter() - start)
+                         disk_read_MiB=(on_disk + (3 * owned if weights else 0)) / 2**20,
+                         disk_write_MiB=(on_disk + (owned if weights else 0)) / 2**20))
+    disk_read = sum(r["disk_read_MiB"] for r in rows) * 2**20
+    disk_write = sum(r["disk_write_MiB"] for r in rows) * 2**20
+    totals = dict(step_on=place, disk_packs=len(disk), disk_weight_packs=len(whole),
+                  step_disk_read_bytes=int(disk_read), step_disk_write_bytes=int(disk_write),
+                  seconds=time.perf_counter() - start)
     if host and budget is not None:
         totals.update(host_budget_bytes=budget, host_planned_bytes=need["planned"],
                       host_minimum_bytes=need["minimum"])
-    report = PassReport("offload: where the optimizer steps and where its state lives", rows, totals=totals)
+    report = PassReport("offload: where the optimizer steps and where weights and its state live", rows,
+                        totals=totals)
     report.notes.append(f"chosen because {reason}")
     if host and budget is None:
-        report.notes.append("no host_memory_budget: every pack's optimizer state stays in host memory")
+        report.notes.append("no host_memory_budget: every pack's weights and optimizer state stay in host memory")
     elif host:
         report.notes.append(
             f"host_memory_budget {fmt_bytes(budget)} holds {fmt_bytes(need['planned'])}: master parameters and "
-            f"buffers {fmt_bytes(need['masters'])}, gradients of two packs {fmt_bytes(need['grads'])}, optimizer "
-            f"state of {len(plan.packs) - len(disk)} host packs {fmt_bytes(need['host_optim'])}"
-            + (f", buffers of 2 disk packs in flight {fmt_bytes(need['staging'])}" if disk else ""))
+            f"buffers {fmt_bytes(need['masters'])}, gradients {fmt_bytes(need['grads'])}, optimizer "
+            f"state of {len(plan.packs) - len(disk) - len(whole)} host packs {fmt_bytes(need['host_optim'])}"
+            + (f", disk buffers in flight {fmt_bytes(need['staging'])}" if disk or whole else ""))
         if disk:
             report.notes.append(
-                f"{len(disk)} packs keep their optimizer state on disk ({fmt_bytes(disk_bytes)} read and written per "
-                f"step): the first-stepped ones, so their writes overlap the backward of the packs after them "
-                f"and each read overlaps the compute before its step")
+                f"{len(disk)} packs keep their optimizer state on disk: the first-stepped ones, so their writes "
+                f"overlap the backward of the packs after them and each read overlaps the compute before its step")
+        if whole:
+            groups = sum(len(g) for g in plan.disk_groups.values())
+            report.notes.append(
+                f"{len(whole)} packs keep their fp32 weights on disk too ({groups} files of at most "
+                f"{fmt_bytes(cfg.disk_group_bytes)} of weights): weights are read from disk for the forward and "
+                f"for the backward, and the pack steps a file at a time on the host right after its backward, so "
+                f"the host never holds a whole pack (the host could not hold these weights)")
     elif budget is not None:
         report.notes.append("host_memory_budget is not used: the optimizer steps on the device")
     return PassResult(program, report)
 
 
-def place_optimizer_state(program: Program) -> tuple[set[int], dict]:
-    """(packs whose optimizer state goes to disk, the host bytes planned) under ``host_memory_budget``.
+def place_state(program: Program) -> tuple[set[int], set[int], dict]:
+    """(packs with optimizer state on disk, packs wholly on disk, the host bytes planned) under ``host_memory_budget``.
 
-    Walks the packs in step order (the schedule's order of ``step`` ops), moving each to disk
-    until the host holds what the budget allows; raises ``BudgetError`` naming the smallest
-    host budget if even every pack on disk does not fit.
+    Walks the packs in step order (the schedule's order of ``step`` ops), moving each one's
+    optimizer state to disk until the host holds what the budget allows; if that is not
+    enough, moves packs wholly (weights too, runtime/diskparams.py) to disk in the same order.
+    Raises ``BudgetError`` naming the smallest host budget if even every pack on disk does not fit.
     """
+    from harmony.runtime.diskparams import groups_of
     cfg, plan = program.config, program.plan
     budget = getattr(cfg, "host_memory_budget", None)
     gm = program.gm
-    masters = sum(t.numel() * t.element_size() for t in gm.parameters()) + \
-        sum(t.numel() * t.element_size() for t in gm.buffers())
-    grads = 2 * max((s.param_bytes for s in plan.packs), default=0)
+    sizes = {n: t.numel() * t.element_size() for n, t in gm.named_parameters()}
+    buffers = sum(t.numel() * t.element_size() for t in gm.buffers())
+    owned = {s.index: sum(sizes.get(n, 0) for n in s.owned) for s in plan.packs}
     optim = {s.index: s.optim_bytes for s in plan.packs}
+    groups = groups_of(plan, set(optim), cfg.disk_group_bytes, sizes)
+    # a wholly-disk pack's largest file: its largest group's weights and their share of the optimizer state
+    file_bytes = {p: max((sum(sizes[n] for n in g) * (1 + optim[p] / max(owned[p], 1)) for g in gs), default=0)
+                  for p, gs in groups.items()}
+    group_grads = {p: max((sum(sizes[n] for n in g) for g in gs), default=0) for p, gs in groups.items()}
     order = [n.args[0] for n in program.schedule.nodes if n.op == "call_function" and n.target is ops.step]
     order = list(dict.fromkeys(order + [s.index for s in plan.packs]))   # packs without a step op last
 
-    def need(disk: set[int]) -> dict:
-        host_optim = sum(b for p, b in optim.items() if p not in disk)
-        staging = 2 * max((optim[p] for p in disk), default=0)
-        return dict(masters=masters, grads=grads, host_optim=host_optim, staging=staging,
-                    planned=masters + grads + host_optim + staging)
+    def need(disk: set[int], whole: set[int]) -> dict:
+        masters = buffers + sum(b for p, b in owned.items() if p not in whole)
+        grads = 2 * max((s.param_bytes for s in plan.packs if s.index not in whole), default=0) + \
+            max((group_grads[p] for p in whole), default=0)
+        host_optim = sum(b for p, b in optim.items() if p not in disk and p not in whole)
+        staging = 2 * max((optim[p] for p in disk), default=0) + 3 * max((file_bytes[p] for p in whole), default=0)
+        return dict(masters=masters, grads=grads, host_optim=host_optim, staging=int(staging),
+                    planned=int(masters + grads + host_optim + staging))
 
-    minimum = need(set(optim))["planned"]
+    weights_on = getattr(cfg, "weights_on", "auto")
+    if weights_on not in WEIGHTS:
+        raise ConfigError(f"weights_on={weights_on!r}; choose one of {', '.join(WEIGHTS)}")
+    packs = {p for p in optim if owned[p]}
+    if weights_on == "host":
+        minimum = need(set(optim), set())["planned"]
+    else:
+        minimum = need(set(), packs)["planned"]
     disk: set[int] = set()
-    if budget is not None:
+    whole: set[int] = packs if weights_on == "disk" else set()
+    if budget is not None and weights_on != "disk":
         for p in order:
-            if need(disk)["planned"] <= budget:
+            if need(disk, whole)["planned"] <= budget:
                 break
             if optim[p]:
                 disk.add(p)
-        if need(disk)["planned"] > budget:
-            raise BudgetError(
-                f"host_memory_budget={fmt_bytes(budget)} cannot hold the host's share of training state: the master "
-                f"parameters and buffers ({fmt_bytes(masters)}), two packs' gradients ({fmt_bytes(grads)}) and "
-                f"two packs' optimizer state in flight to and from disk ({fmt_bytes(need(set(optim))['staging'])}) "
-                f"need {fmt_bytes(minimum)} with every pack's optimizer state on disk. Raise host_memory_budget to at "
-                f"least {fmt_bytes(minimum)} ({minimum} bytes).",
-                min_budget=minimum)
-    return disk, dict(need(disk), minimum=minimum)
+        for p in order if weights_on == "auto" else ():
+            if need(disk, whole)["planned"] <= budget:
+                break
+            if owned[p]:
+                disk.discard(p)
+                whole.add(p)
+    if budget is not None and need(disk, whole)["planned"] > budget:
+        what = ("with every pack's optimizer state on disk the host still needs the fp32 weights "
+                f"({fmt_bytes(need(set(optim), set())['masters'])}), two packs' gradients and two packs' optimizer "
+                f"state in flight" if weights_on == "host" else
+                f"with every pack's weights and optimizer state on disk the host still needs buffers "
+                f"({fmt_bytes(buffers)}), a file's gradients and three files of weights and optimizer state in "
+                f"flight")
+        todo = ("weights_on='auto' to let weights go to disk too, or " if weights_on == "host" else "")
+        raise BudgetError(
+            f"host_memory_budget={fmt_bytes(budget)} cannot hold the host's share of training state: {what}, "
+            f"{fmt_bytes(minimum)}. Raise host_memory_budget to at least {fmt_bytes(minimum)} ({minimum} bytes), "
+            f"or compile with {todo}a smaller disk_group_bytes.",
+            min_budget=minimum)
+    return disk, whole, dict(need(disk, whole), minimum=minimum, groups={p: groups[p] for p in whole}, owned=owned)

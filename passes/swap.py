@@ -41,7 +41,7 @@ def _visits(graph):
     out, cur = [], None
     for n in _calls(graph):
         name = n.target.__name__
-        if name not in NEEDS or n.kwargs.get("where") == "host":   # a host step needs nothing on the device
+        if name not in NEEDS or n.kwargs.get("where") in ("host", "disk"):   # a host step needs nothing on the device
             continue
         p = n.args[0]
         if cur and cur[0] == p:
@@ -71,8 +71,17 @@ def insert_swaps(graph: torch.fx.Graph, resident: set) -> None:
 
 
 def mark_streams(graph: torch.fx.Graph, resident: set) -> None:
+    last_release: dict = {}
+    for n in _calls(graph):     # a disk step right after its pack's release takes the gradients from the device
+        if n.target is ops.release and n.args[1] == "grads":
+            last_release[n.args[0]] = n
+        elif n.target in (ops.forward, ops.backward):    # compute in between: they go to the host as usual
+            last_release.clear()
+        elif n.target is ops.step and n.kwargs.get("where") == "disk" and n.args[0] in last_release:
+            r = last_release.pop(n.args[0])
+            r.kwargs = {**r.kwargs, "handoff": True}
     for n in _calls(graph):
-        if n.target is ops.step and n.kwargs.get("where") != "host":
+        if n.target is ops.step and n.kwargs.get("where") not in ("host", "disk"):
             n.kwargs = {**n.kwargs, "stream": (n.args[0], "optim") not in resident}
 
 

@@ -480,7 +480,9 @@ class DiskTier:
     def create(cls, plan, graph, tensors: dict, optimizers: dict, offload_dir=None) -> "DiskTier | None":
         """The tier of the packs ``plan.optim_on`` places on disk, or None if there are none."""
         placed = getattr(plan, "optim_on", {}) or {}
-        packs = {s.index: [n for n in s.owned if n in optimizers] for s in plan.packs if placed.get(s.index) == "disk"}
+        whole = getattr(plan, "master_on", {}) or {}     # packs wholly on disk have a tier of their own
+        packs = {s.index: [n for n in s.owned if n in optimizers] for s in plan.packs
+                 if placed.get(s.index) == "disk" and whole.get(s.index) != "disk"}
         if not packs:
             return None
         return cls(DiskStore(offload_dir), packs, tensors, optimizers, step_order(graph))
@@ -672,7 +674,8 @@ class DiskTier:
                     disk_write_GBps=d["write_bytes"] / d["write_seconds"] / 1e9 if d["write_seconds"] else 0.0,
                     disk_wait_seconds=d["wait_seconds"], disk_reads_not_ahead=d["on_demand"],
                     disk_buffer_peak_bytes=now["buffer_peak"], disk_io=self.store.why,
-                    offload_dir=str(self.store.path))
+                    offload_dir=str(self.store.path), disk_read_done=d["read_bytes"], disk_read_seconds=d["read_seconds"],
+                    disk_write_done=d["write_bytes"], disk_write_seconds=d["write_seconds"])
 
     def close(self) -> None:
         try:

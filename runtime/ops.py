@@ -82,7 +82,7 @@ class OpDef:
 # -- stubs: the names a schedule graph calls ----------------------------------------------------
 def swap_in(pack: int, what: str): ...
 def wait(handle): ...
-def release(pack: int, what: str): ...
+def release(pack: int, what: str, handoff: bool = False): ...
 def load_batch(mb: int, names: tuple): ...
 def forward(pack: int, mb: int, *inputs, keep: bool = False): ...
 def backward(pack: int, mb: int, *inputs, saved=None, grads=()): ...
@@ -136,11 +136,15 @@ def _wait_execute(rt, handle):
     rt.state.wait(handle)
 
 
-def _release_execute(rt, pack, what):
-    rt.state.release(what, state_names(rt.plan.packs[pack], what))
+def _release_execute(rt, pack, what, handoff=False):
+    keep = ()
+    pd = rt.state.params_disk
+    if handoff and pd is not None:   # the disk step after it takes this pack's own gradients from the device
+        keep = {n for n in rt.plan.packs[pack].owned if pd.holds(n)}
+    rt.state.release(what, state_names(rt.plan.packs[pack], what), keep=keep)
 
 
-def _release_effect(m, pack, what):
+def _release_effect(m, pack, what, handoff=False):
     names = state_names(m.plan.packs[pack], what)
     m.drop(what, names, write_back=bool(m.dirty & set(names)))
     if what == "params":
@@ -148,7 +152,7 @@ def _release_effect(m, pack, what):
     return None, 0
 
 
-def _release_cost(plan, hw, pack, what):
+def _release_cost(plan, hw, pack, what, handoff=False):
     spec = plan.packs[pack]
     # the whole write-back; the simulator scales it by what the effect moves (dirty params, existing grads)
     size = {"params": spec.param_bytes, "grads": spec.param_bytes, "optim": spec.optim_bytes}[what]
@@ -363,6 +367,8 @@ def _backward_cost(plan, hw, pack, mb, *inputs, saved=None, grads=()):
 def _step_execute(rt, pack, stream=False, where="device"):
     """The optimizer update of the parameters whose gradients this pack completed.
 
+    ``where="disk"``: the pack's weights and optimizer state are in files; its gradients
+    leave the device a group at a time as the groups step on the host (runtime/diskparams.py).
     ``where="host"``: the pack's gradients and weights are already on the host (its
     releases ran first); the optimizer steps the host copies on a host thread, overlapped
     with the next pack's backward, and the pack's next swap_in waits for it (ZeRO-Offload).
@@ -370,6 +376,9 @@ def _step_execute(rt, pack, stream=False, where="device"):
     alone on the device, and send it back, so the device holds one parameter's state at a time.
     """
     spec = rt.plan.packs[pack]
+    if where == "disk":      # weights and state in files: step group by group, inline (runtime/diskparams.py)
+        rt.state.params_disk.step(pack, rt.state.to_host)
+        return
     if where == "host":
         params = [rt.state.tensors[n] for n in spec.owned]
         opts = list(dict.fromkeys(rt.state.optimizers[n] for n in spec.owned))
@@ -421,7 +430,7 @@ def _step_one(opt: torch.optim.Optimizer, param: torch.Tensor) -> None:
 
 def _step_effect(m, pack, stream=False, where="device"):
     spec = m.plan.packs[pack]
-    if where == "host":      # gradients left with the pack's release; nothing here touches the device
+    if where in ("host", "disk"):   # gradients left with the pack's release; nothing here touches the device
         m.grads_exist -= set(spec.owned)
         return None, 0
     for n in spec.owned:
@@ -448,7 +457,7 @@ def _step_cost(plan, hw, pack, stream=False, where="device"):
     """
     spec = plan.packs[pack]
     traffic = 4 * (spec.param_bytes * 2 + spec.optim_bytes)
-    if where == "host":      # the host's own memory, outside the runtime's accounting: plain dispatch
+    if where in ("host", "disk"):   # the host's own memory, outside the runtime's accounting: plain dispatch
         return "host", traffic / getattr(hw, "host_memory_bandwidth", hw.memory_bandwidth)
     seconds = traffic / hw.memory_bandwidth + _pack_compute_cost(hw, 0, _kernels_cost(spec, "step"))
     if stream:

@@ -62,4 +62,7 @@ class Plan:
     batch_bytes: dict[str, int] = field(default_factory=dict)  # one microbatch of each input
     resident: set = field(default_factory=set)   # (pack, what) kept on the device for the whole run
     step_on: dict = field(default_factory=dict)  # pack -> "device" | "host": where its optimizer steps
+    optim_on: dict = field(default_factory=dict)  # pack -> "device" | "host" | "disk": its optimizer state
+    master_on: dict = field(default_factory=dict)  # pack -> "host" | "disk": its fp32 weights between uses
+    disk_groups: dict = field(default_factory=dict)  # pack -> [[param names]]: a file each (wholly-disk packs)
     policy: str = "harmony"

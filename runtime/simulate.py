@@ -220,6 +220,8 @@ def simulate(graph: torch.fx.Graph, plan: Plan, hw, device: int = 0, memory=None
                 free["compute"] = ev.end
             if name == "step" and stream == "host":
                 host_steps[node.args[0]] = ev.end
+                if node.kwargs.get("where") == "disk":   # a disk pack steps inline, group by group
+                    free["compute"] = max(free["compute"], ev.end)
         if name == "release":
             written_back[tuple(node.args[:2])] = ev.end
         done[node] = ev.end

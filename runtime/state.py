@@ -67,6 +67,7 @@ class TieredState:
         self.host_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="harmony-host")
         self.pending: dict[str, Future] = {}  # param name -> optimizer step running on the host
         self.disk = None                  # runtime.disk.DiskTier: optimizer state of the disk-placed packs
+        self.params_disk = None           # runtime.diskparams.DiskParams: packs wholly on disk (weights too)
 
     def settle(self, names) -> None:
         """Wait for host optimizer steps still updating these parameters."""
@@ -85,6 +86,8 @@ class TieredState:
         self.settle(list(self.pending))
         if self.disk is not None:
             self.disk.flush()
+        if self.params_disk is not None:
+            self.params_disk.flush()
 
     def _on_device(self, t: torch.Tensor) -> bool:
         return self.meter.holds(t)
@@ -109,12 +112,15 @@ class TieredState:
 
     def fetch(self, kind: str, names: list[str]) -> Future | None:
         """Start bringing ``names`` onto the device: device memory is reserved now, the copy runs async."""
-        jobs = []
+        jobs, reads, from_disk = [], [], []
         if kind == "params":
             self.settle(names)
         for name in names:
             self.refs[(kind, name)] += 1
             if self.refs[(kind, name)] > 1:
+                continue
+            if kind == "params" and self.params_disk is not None and self.params_disk.holds(name):
+                from_disk.append(name)
                 continue
             for read, write in self._slots(kind, name):
                 src = read()
@@ -124,12 +130,21 @@ class TieredState:
                 self.meter.track(dst)
                 self.moved["h2d"] += src.numel() * src.element_size()
                 jobs.append((write, dst, src))
+        if from_disk:        # weights of packs wholly on disk: read from their files (into device memory on the CPU)
+            reads, placed = self.params_disk.read_params(from_disk)
+            for name, dst, src in placed:
+                t = self.tensors[name]
+                jobs.append((lambda d, t=t: setattr(t, "data", d), dst, src))
+                self.moved["h2d"] += dst.numel() * dst.element_size()
         if not jobs:
             return None
 
         def copy():
+            for r in reads:
+                r.result()
             for _, dst, src in jobs:
-                dst.copy_(src, non_blocking=self.pin)
+                if dst is not src:
+                    dst.copy_(src, non_blocking=self.pin)
         fut = self.copier.submit(copy)
         fut.harmony_jobs = jobs
         return fut
@@ -142,11 +157,14 @@ class TieredState:
             write(dst)
         fut.harmony_jobs = ()
 
-    def release(self, kind: str, names: list[str]) -> None:
-        """Drop one hold; the last one sends changed state to the host and frees the device copy."""
+    def release(self, kind: str, names: list[str], keep=()) -> None:
+        """Drop one hold; the last one sends changed state to the host and frees the device copy.
+
+        ``keep``: names whose device copy stays where it is (gradients a disk step takes from the device).
+        """
         for name in names:
             self.refs[(kind, name)] -= 1
-            if self.refs[(kind, name)] > 0:
+            if self.refs[(kind, name)] > 0 or name in keep:
                 continue
             if kind == "params":
                 t = self.tensors[name]
@@ -170,3 +188,5 @@ class TieredState:
             self.host_pool.shutdown(wait=True)
             if self.disk is not None:
                 self.disk.close()
+            if self.params_disk is not None:
+                self.params_disk.close()

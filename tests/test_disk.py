@@ -36,6 +36,7 @@ def state_bytes(m) -> int:
 def compile_gpt(frac=0.5, cfg=CFG, **kw):
     """The GPT under ``frac`` of its training state on the device, microbatches 4, the step on the host."""
     m = model(cfg=cfg)
+    kw.setdefault("weights_on", "host")     # optimizer state alone on disk (test_disk_params.py: weights too)
     return harmony.compile(m, example_batch=DATA[0], memory_budget=int(state_bytes(m) * frac), microbatches=4,
                            optimizer_on="host", **kw)
 
@@ -45,7 +46,7 @@ def smallest_host_budget(cfg=CFG) -> int:
     m = model(cfg=cfg)
     with pytest.raises(BudgetError, match="Raise host_memory_budget to at least") as e:
         harmony.compile(m, example_batch=DATA[0], memory_budget=state_bytes(m) // 2, microbatches=4,
-                        optimizer_on="host", host_memory_budget=state_bytes(m) // 4,
+                        optimizer_on="host", host_memory_budget=state_bytes(m) // 4, weights_on="host",
                         passes=("partition", "schedule", "offload"))
     return e.value.min_budget
 

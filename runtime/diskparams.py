@@ -1,0 +1,369 @@
+"""Packs wholly on disk: their fp32 master weights and optimizer state live in files, not in host memory.
+
+The offload pass places a pack here (``plan.master_on[pack] == "disk"``) when even with
+its optimizer state on disk the host cannot hold its fp32 weights: this is what lets a
+model whose weights exceed host memory train (ZeRO-Infinity's parameter offload).
+
+The pack's trainable parameters are cut into *groups* of at most ``plan.disk_group_bytes``
+of weights (``groups_of``; parameters read by the same packs go together, so a tied
+parameter gets its own group). Each group is one file of the ``DiskStore``: the weights
+first, then the optimizer state once the first step made it. Between uses a parameter's
+``.data`` is a placeholder of the right shape and dtype (one NaN broadcast to it: no
+memory, and any use of it outside a swap_in shows as NaN), and its optimizer state holds
+``meta`` tensors, as ``runtime/disk.py`` does for optimizer state alone.
+
+* ``swap_in(pack, "params")`` reads the weights of the pack's groups (a prefix of each
+  file) straight into device memory on the CPU device, which the ``MemoryMeter`` counts
+  like any copy; on an accelerator into a host buffer, then copied. The copy thread waits
+  for the read, so the prefetch pass's hoisting overlaps disk reads with compute too.
+  ``release`` drops the device copy: weights of a disk pack are never dirty there.
+* ``release(pack, "grads")`` leaves the gradients on the device and ``step(pack,
+  where="disk")`` consumes them group by group, inline: it takes the group's file (read
+  ahead while the group before it stepped), moves the group's gradients to the host
+  (freeing them on the device), runs the user's optimizer on the host weights, and writes
+  weights and state back in the background. The host holds three groups' files at a time
+  (one stepping, one read ahead, one being written) and one group's gradients, never a
+  whole pack. The step is not overlapped with the next pack's backward (as a host step of
+  a host pack is), because that would keep the whole pack's gradients in host memory.
+* Every group's file is read once and written once per step; the weights' prefix is read
+  once more for each phase that needs them on the device (forward and backward).
+
+A failed write raises ``OffloadError`` at the end of the step; the group's buffer is kept
+in host memory (no partial file), so the next step and checkpoints still see its state.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future, wait as wait_all
+
+import torch
+
+from harmony.errors import OffloadError
+
+PARAM = "param"     # the layout key of a group's weights (optimizer state keys are the optimizer's)
+_NAN: dict[torch.dtype, torch.Tensor] = {}
+
+
+def placeholder(t: torch.Tensor) -> torch.Tensor:
+    """A tensor of ``t``'s shape and dtype that holds no memory: one NaN broadcast to the shape."""
+    if t.dtype not in _NAN:
+        _NAN[t.dtype] = torch.full((), float("nan"), dtype=t.dtype)
+    return _NAN[t.dtype].expand(t.shape)
+
+
+def is_placeholder(t) -> bool:
+    return isinstance(t, torch.Tensor) and t.dim() > 0 and t.numel() > 1 and all(s == 0 for s in t.stride())
+
+
+def groups_of(plan, packs, group_bytes: int, sizes: dict[str, int]) -> dict[int, list[list[str]]]:
+    """Each pack's owned parameters cut into groups of at most ``group_bytes`` (one larger parameter alone).
+
+    Parameters go together only if the same packs read them, so reading a group for one
+    pack never brings another pack's weights.
+    """
+    readers: dict[str, tuple] = {}
+    for spec in plan.packs:
+        for n in spec.params:
+            readers[n] = readers.get(n, ()) + (spec.index,)
+    out: dict[int, list[list[str]]] = {}
+    for spec in plan.packs:
+        if spec.index not in packs:
+            continue
+        groups: list[list[str]] = []
+        open_: dict[tuple, tuple[list[str], int]] = {}
+        for n in spec.owned:
+            key = readers.get(n, (spec.index,))
+            cur, used = open_.get(key, (None, 0))
+            if cur is None or (used + sizes[n] > group_bytes and cur):
+                cur, used = [], 0
+                groups.append(cur)
+            cur.append(n)
+            open_[key] = (cur, used + sizes[n])
+        out[spec.index] = groups
+    return out
+
+
+class DiskParams:
+    """Weights and optimizer state of the disk-placed packs, a file per group; see the module docstring."""
+
+    def __init__(self, store, pack_groups: dict[int, list[list[str]]], tensors: dict, optimizers: dict,
+                 order: list[int], meter, device: torch.device):
+        self.store = store
+        self.tensors, self.optimizers = tensors, optimizers
+        self.meter, self.device = meter, torch.device(device)
+        self.groups: list[list[str]] = []
+        self.pack_groups: dict[int, list[int]] = {}
+        for pack, groups in pack_groups.items():
+            self.pack_groups[pack] = []
+            for names in groups:
+                self.pack_groups[pack].append(len(self.groups))
+                self.groups.append(list(names))
+        self.pack_of = {n: g for g, names in enumerate(self.groups) for n in names}   # name -> group (file)
+        self.order = [g for p in dict.fromkeys(list(order) + list(pack_groups)) for g in self.pack_groups.get(p, [])]
+        self.layouts: dict[int, list[tuple[str, str, tuple, torch.dtype]]] = {}
+        self._reads: dict[int, tuple[Future, list[torch.Tensor]]] = {}
+        self._writing: list[tuple[int, Future, list[torch.Tensor]]] = []
+        self._kept: dict[int, list[torch.Tensor]] = {}      # a write failed: the group stays in host memory
+        self._errors: list[BaseException] = []
+        self._lock = threading.Lock()
+        self.wait_seconds = self.step_seconds = 0.0
+        self.on_demand = 0
+        self._last = dict(store.stats(), wait_seconds=0.0, step_seconds=0.0, on_demand=0)
+
+    @classmethod
+    def create(cls, plan, graph, tensors: dict, optimizers: dict, meter, device, offload_dir=None) -> "DiskParams | None":
+        """Write the weights of the packs ``plan.master_on`` places on disk to their files, leave placeholders."""
+        from harmony.runtime.disk import DiskStore, step_order
+        placed = getattr(plan, "master_on", {}) or {}
+        groups = {p: g for p, g in (getattr(plan, "disk_groups", {}) or {}).items() if placed.get(p) == "disk"}
+        if not groups:
+            return None
+        self = cls(DiskStore(offload_dir), groups, tensors, optimizers, step_order(graph), meter, device)
+        try:
+            for gid, names in enumerate(self.groups):
+                lay = [(n, PARAM, tuple(tensors[n].shape), tensors[n].dtype) for n in names]
+                views = self.store.empty([(s, d) for _, _, s, d in lay])
+                with torch.no_grad():
+                    for v, n in zip(views, names):
+                        v.copy_(tensors[n].data)
+                self.store.write(gid, views).result()
+                self.layouts[gid] = lay
+                for n in names:
+                    tensors[n].data = placeholder(tensors[n])
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def holds(self, name: str) -> bool:
+        return name in self.pack_of
+
+    # -- weights for the device ---------------------------------------------------------------------
+    def read_params(self, names) -> tuple[list[Future], list[tuple[str, torch.Tensor, torch.Tensor]]]:
+        """Start reading the weights of ``names`` (whole groups) for the device.
+
+        Returns the reads' futures and (name, device tensor, host view) triples: on the CPU
+        device the two are the same tensor, read straight into memory the meter counts.
+        """
+        futs, out = [], []
+        for gid in dict.fromkeys(self.pack_of[n] for n in names):
+            lay = [e for e in self.layouts[gid] if e[1] == PARAM]
+            views = self.store.empty([(s, d) for _, _, s, d in lay])
+            kept = self._kept.get(gid)
+            if kept is not None:       # its last write failed: the weights are in host memory
+                for v, k in zip(views, kept):
+                    v.copy_(k)
+            else:
+                futs.append(self.store.read(gid, into=views))
+            for (n, _, _, _), v in zip(lay, views):
+                if self.device.type == "cpu":
+                    self.meter.track(v)
+                    out.append((n, v, v))
+                else:
+                    dst = torch.empty_like(v, device=self.device)
+                    self.meter.track(dst)
+                    out.append((n, dst, v))
+        return futs, out
+
+    # -- the optimizer step, group by group ---------------------------------------------------------
+    def step(self, pack: int, to_host) -> None:
+        """Step pack ``pack``'s groups on the host: gradients leave the device a group at a time."""
+        t0 = time.perf_counter()
+        for gid in self.pack_groups.get(pack, []):
+            self._settle_writes(keep=1)
+            views = self._take(gid)
+            nxt = self._next(gid)
+            if nxt is not None:
+                self._prefetch(nxt)
+            self._step_group(gid, views, to_host)
+        self.step_seconds += time.perf_counter() - t0
+
+    def _step_group(self, gid: int, views: list[torch.Tensor], to_host) -> None:
+        names = self.groups[gid]
+        lay = self.layouts[gid]
+        held = {(n, k): v for (n, k, _, _), v in zip(lay, views)}
+        for n in names:
+            t = self.tensors[n]
+            g, t.grad = t.grad, None
+            if g is not None and self.meter.holds(g):
+                g = to_host(g)           # the device copy goes with the last reference to it
+            t.data = held[(n, PARAM)]
+            t.grad = g
+            opt = self.optimizers.get(n)
+            if opt is not None:
+                state = opt.state.setdefault(t, {})
+                for (m, k), v in held.items():
+                    if m == n and k != PARAM:
+                        state[k] = v
+        opts = list(dict.fromkeys(self.optimizers[n] for n in names if n in self.optimizers))
+        try:
+            for opt in opts:
+                opt.step()
+        except BaseException:
+            self._leave(gid)
+            raise
+        entries = [(n, PARAM, self.tensors[n].data) for n in names]
+        for n in names:
+            opt = self.optimizers.get(n)
+            for k, v in (opt.state.get(self.tensors[n], {}) if opt is not None else {}).items():
+                if isinstance(v, torch.Tensor) and v.dim() > 0:
+                    entries.append((n, k, v))
+        new_lay = [(n, k, tuple(v.shape), v.dtype) for n, k, v in entries]
+        if new_lay == lay and all(a is b for a, (_, _, b) in zip(views, entries)):
+            out = views
+        else:            # the first step made the optimizer state: a buffer in file layout for all of it
+            out = self.store.empty([(s, d) for _, _, s, d in new_lay])
+            with torch.no_grad():
+                for dst, (_, _, src) in zip(out, entries):
+                    dst.copy_(src)
+        self.layouts[gid] = new_lay
+        self._leave(gid)
+        fut = self.store.write(gid, out)
+        self._writing.append((gid, fut, out))
+        if nxt_wrap := self._wrap(gid):
+            self._prefetch(nxt_wrap)
+
+    def _leave(self, gid: int) -> None:
+        """Placeholders for the group's weights and optimizer state; gradients are done with."""
+        for n, k, shape, dtype in self.layouts[gid]:
+            t = self.tensors[n]
+            if k == PARAM:
+                t.grad = None
+                t.data = placeholder(t)
+            else:
+                self.optimizers[n].state[t][k] = torch.empty(shape, dtype=dtype, device="meta")
+
+    def _next(self, gid: int) -> int | None:
+        i = self.order.index(gid) if gid in self.order else -1
+        return self.order[i + 1] if 0 <= i < len(self.order) - 1 else None
+
+    def _wrap(self, gid: int) -> int | None:
+        """The last group of a step reads the first one of the next step ahead, across the forward pass."""
+        return self.order[0] if len(self.order) > 1 and gid == self.order[-1] else None
+
+    def _prefetch(self, gid: int) -> None:
+        if gid in self._reads or gid in self._kept:
+            return
+        views = self.store.empty([(s, d) for _, _, s, d in self.layouts[gid]])
+        self._reads[gid] = (self.store.read(gid, into=views), views)
+
+    def _take(self, gid: int) -> list[torch.Tensor]:
+        with self._lock:
+            kept = self._kept.pop(gid, None)
+        if kept is not None:
+            return kept
+        if gid not in self._reads:
+            self.on_demand += 1
+            self._prefetch(gid)
+        fut, views = self._reads.pop(gid)
+        t0 = time.perf_counter()
+        try:
+            fut.result()
+        finally:
+            self.wait_seconds += time.perf_counter() - t0
+        return views
+
+    def _settle_writes(self, keep: int = 0) -> None:
+        """Wait until at most ``keep`` writes are under way; a failed one keeps its buffer in memory."""
+        while len(self._writing) > keep:
+            gid, fut, views = self._writing.pop(0)
+            wait_all([fut])
+            e = fut.exception()
+            if e is None:
+                continue
+            with self._lock:
+                self._kept[gid] = views
+            if isinstance(e, OffloadError):
+                e.add_note(f"the weights and optimizer state of parameter group {gid} "
+                           f"({', '.join(self.groups[gid][:3])}{', ...' if len(self.groups[gid]) > 3 else ''}) are "
+                           f"kept in host memory and no partial file is left in {self.store.path}; after making "
+                           f"room, resume from your last checkpoint (harmony.load) or save one now (harmony.save)")
+            self._errors.append(e)
+
+    def flush(self) -> None:
+        """Wait for this step's writes; raise the first that failed (the end of a training step)."""
+        self._settle_writes()
+        self.store.flush()
+        errors, self._errors = self._errors, []
+        if errors:
+            raise errors[0]
+
+    # -- checkpoints: a group at a time --------------------------------------------------------------
+    def read_group(self, gid: int) -> dict[tuple[str, str], torch.Tensor]:
+        """A group's weights and optimizer state, {(name, key): tensor}, read from its file."""
+        self.flush()
+        lay = self.layouts[gid]
+        with self._lock:
+            views = self._kept.get(gid)
+        if views is None:
+            views = self.store.empty([(s, d) for _, _, s, d in lay])
+            self.store.read(gid, into=views).result()
+        return {(n, k): v for (n, k, _, _), v in zip(lay, views)}
+
+    def write_group(self, gid: int, params: dict[str, torch.Tensor], states: dict[str, dict] | None) -> None:
+        """Replace a group's weights (those given) and, if ``states`` is given, its optimizer state."""
+        cur = self.read_group(gid)
+        old = self._reads.pop(gid, None)
+        if old is not None:
+            wait_all([old[0]])
+        with self._lock:
+            self._kept.pop(gid, None)
+        lay, values = [], []
+        for n in self.groups[gid]:
+            t = self.tensors[n]
+            lay.append((n, PARAM, tuple(t.shape), t.dtype))
+            values.append(params.get(n, cur[(n, PARAM)]))
+        for n in self.groups[gid]:
+            t, opt = self.tensors[n], self.optimizers.get(n)
+            if opt is None:
+                continue
+            if states is None:
+                for (m, k), v in cur.items():
+                    if m == n and k != PARAM:
+                        lay.append((n, k, tuple(v.shape), v.dtype))
+                        values.append(v)
+                continue
+            s, small = states.get(n) or {}, {}
+            for k, v in s.items():
+                if isinstance(v, torch.Tensor) and v.dim() > 0:
+                    lay.append((n, k, tuple(v.shape), v.dtype))
+                    values.append(v)
+                else:
+                    small[k] = v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v
+            if s:
+                opt.state[t] = small
+            else:
+                opt.state.pop(t, None)
+        views = self.store.empty([(s, d) for _, _, s, d in lay])
+        with torch.no_grad():
+            for dst, src in zip(views, values):
+                dst.copy_(src)
+        self.store.write(gid, views).result()
+        self.layouts[gid] = lay
+        self._leave(gid)
+
+    # -- reports and lifetime -------------------------------------------------------------------------
+    def step_stats(self) -> dict:
+        """This step's disk traffic of the disk-placed packs (since the last call)."""
+        now = dict(self.store.stats(), wait_seconds=self.wait_seconds, step_seconds=self.step_seconds,
+                   on_demand=self.on_demand)
+        d = {k: now[k] - self._last.get(k, 0) for k in ("read_bytes", "read_seconds", "write_bytes", "write_seconds",
+                                                        "read_issued", "write_issued", "wait_seconds",
+                                                        "step_seconds", "on_demand")}
+        self._last = now
+        with self.store._lock:
+            self.store.buffer_peak = self.store.buffer_bytes
+        return dict(disk_read_bytes=d["read_issued"], disk_write_bytes=d["write_issued"],
+                    disk_read_done=d["read_bytes"], disk_read_seconds=d["read_seconds"],
+                    disk_write_done=d["write_bytes"], disk_write_seconds=d["write_seconds"],
+                    disk_wait_seconds=d["wait_seconds"], disk_reads_not_ahead=d["on_demand"],
+                    disk_buffer_peak_bytes=now["buffer_peak"], disk_io=self.store.why,
+                    offload_dir=str(self.store.path), disk_weight_step_seconds=d["step_seconds"])
+
+    def close(self) -> None:
+        try:
+            wait_all([f for _, f, _ in self._writing])
+        finally:
+            self._writing = []
+            self.store.close()

@@ -1,0 +1,195 @@
+"""Packs wholly on disk (fp32 weights and optimizer state in files): bitwise the all-on-host run under
+harmony and sequential; no host copy of the weights stays between uses; device peak within the budget
+and the prediction; checkpoints resume bitwise and load across placements; a full disk keeps the state
+in memory and leaves no partial file; files are private and removed on close; a host budget below
+the minimum names it."""
+import errno
+import os
+import stat
+
+import pytest
+import torch
+
+import harmony
+import harmony.runtime.disk as disk
+from harmony.errors import BudgetError, ConfigError, OffloadError
+from harmony.models import GPT, GPTConfig, copy_task
+from harmony.runtime.diskparams import PARAM, is_placeholder
+from models import assert_bitwise, params
+
+CFG = GPTConfig(layers=3, width=64, vocab=64, seq=16)          # tied embedding and head: a group of its own
+DATA = list(copy_task(CFG, 8, 3))
+GROUP = "24KiB"      # several files per pack
+
+
+def model(seed=0):
+    torch.manual_seed(seed)
+    return GPT(CFG)
+
+
+def state_bytes(m) -> int:
+    return 16 * sum(p.numel() for p in m.parameters())
+
+
+def compile_gpt(policy="harmony", seed=0, **kw):
+    m = model(seed)
+    kw.setdefault("weights_on", "disk")
+    return harmony.compile(m, example_batch=DATA[0], memory_budget=state_bytes(m) // 3, microbatches=4,
+                           policy=policy, optimizer_on="host", disk_group_bytes=GROUP, **kw)
+
+
+def train(sm, batches):
+    return [sm(x, y).item() for x, y in batches]
+
+
+def offload_dirs(parent):
+    return sorted(p.name for p in parent.iterdir() if p.name.startswith(disk.PREFIX))
+
+
+@pytest.fixture(scope="module", params=["harmony", "sequential"])
+def runs(request, tmp_path_factory):
+    """The same three steps with every pack's weights on the host, and wholly on disk."""
+    ref = compile_gpt(request.param, weights_on="host")
+    assert set(ref.plan.master_on.values()) == {"host"}
+    ref_losses = train(ref, DATA)
+    ref_params = params(ref)
+    ref.close()
+    root = tmp_path_factory.mktemp("weights")
+    sm = compile_gpt(request.param, offload_dir=root)
+    yield dict(sm=sm, root=root, losses=train(sm, DATA), ref_losses=ref_losses, ref_params=ref_params)
+    pd = sm.runtime.state.params_disk
+    sm.close()
+    assert not pd.store.path.exists() and offload_dirs(root) == []
+
+
+def disk_params(sm) -> dict:
+    """Every parameter's current value, reading wholly-disk packs' weights from their files."""
+    return {n: t.clone() for n, t in sm.state_dict()["model"].items()}
+
+
+def test_weights_on_disk_are_bitwise_the_all_on_host_run(runs):
+    sm = runs["sm"]
+    assert runs["losses"] == runs["ref_losses"]
+    assert_bitwise(sm, runs["ref_params"])
+    pd = sm.runtime.state.params_disk
+    assert set(sm.plan.master_on.values()) == {"disk"} and len(pd.groups) > len(sm.plan.packs)
+    # the tied embedding/head is read by two packs: it is a file of its own
+    tied = [g for g in pd.groups if "tok.weight" in g]
+    assert tied == [["tok.weight"]]
+    # between steps no parameter holds memory: weights and optimizer state are in the files
+    for n, t in sm.program.gm.named_parameters():
+        assert is_placeholder(t.data) and t.grad is None, n
+    for opt in sm.optimizers:
+        for st in opt.state.values():
+            assert st["exp_avg"].device.type == "meta" and st["step"].item() == len(DATA)
+    assert stat.S_IMODE(pd.store.path.stat().st_mode) == 0o700
+    assert len(list(pd.store.path.iterdir())) == len(pd.groups)
+
+
+def test_the_budget_holds_and_the_prediction_is_close(runs):
+    s = runs["sm"].stats
+    assert s["measured_peak"] <= s["budget"]
+    assert abs(s["predicted_peak"] - s["measured_peak"]) <= 0.10 * s["measured_peak"]
+
+
+def test_each_file_is_read_ahead_and_the_traffic_is_as_planned(runs):
+    sm = runs["sm"]
+    s = sm.stats
+    files = sum(f.stat().st_size for f in sm.runtime.state.params_disk.store.path.iterdir())
+    weights = sum(t.numel() * 4 for t in sm.program.gm.parameters())
+    assert s["disk_reads_not_ahead"] == 0
+    assert s["disk_write_bytes"] == files                 # every file written once per step
+    if sm.plan.policy == "harmony":    # and read once, plus the weights in each phase (the last pack's once)
+        assert files + weights < s["disk_read_bytes"] <= files + 2 * weights + 2 * 4096 * len(sm.runtime.state.params_disk.groups)
+    else:                                                 # sequential: the weights come in for every microbatch
+        assert s["disk_read_bytes"] > files + 2 * weights
+    offload = next(r for r in sm.program.reports if r.title.startswith("offload"))
+    assert offload.totals["disk_weight_packs"] == len(sm.plan.packs)
+    text = sm.report()
+    assert "weights" in text and "disk_read_GBps" in text
+
+
+def test_checkpoints_resume_bitwise_and_load_across_placements(tmp_path):
+    ref = compile_gpt()
+    ref_losses = train(ref, DATA)
+    ref_params = params(ref)
+    ref.close()
+    a = compile_gpt(offload_dir=tmp_path)
+    train(a, DATA[:2])
+    harmony.save(a, tmp_path / "ckpt")
+    sd = a.state_dict()
+    sd = dict(sd, model={n: t.clone() for n, t in sd["model"].items()},
+              optimizer={n: {k: v.clone() for k, v in s.items()} for n, s in sd["optimizer"].items()})
+    a.close()
+    b = compile_gpt(seed=1, offload_dir=tmp_path)              # other weights: the load must replace them all
+    harmony.load(b, tmp_path / "ckpt")
+    assert train(b, DATA[2:]) == ref_losses[2:]
+    assert_bitwise(b, ref_params)
+    b.close()
+    c = compile_gpt(seed=1, weights_on="host")                 # the same state, weights kept on the host
+    c.load_state_dict(sd)
+    assert train(c, DATA[2:]) == ref_losses[2:]
+    assert_bitwise(c, ref_params)
+    c.close()
+    assert offload_dirs(tmp_path) == []
+
+
+def test_a_full_disk_keeps_the_state_in_memory_and_leaves_no_partial_file(tmp_path, monkeypatch):
+    sm = compile_gpt(offload_dir=tmp_path)
+    pd = sm.runtime.state.params_disk
+    train(sm, DATA[:1])
+    before = disk_params(sm)
+    real = disk._pwrite
+    sizes = {f.name: f.stat().st_size for f in pd.store.path.iterdir()}
+
+    def full(fd, data, offset):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(disk, "_pwrite", full)
+    with pytest.raises(OffloadError, match="file system is full") as e:
+        sm(*DATA[1])
+    notes = "".join(getattr(e.value, "__notes__", []))
+    assert "kept in host memory" in notes and "harmony.load" in notes
+    # the failed files were removed, not left half-written; the others are whole
+    for f in pd.store.path.iterdir():
+        assert f.stat().st_size == sizes[f.name]
+    assert len(pd._kept) > 0
+    after = disk_params(sm)                                   # the stepped state is readable from memory
+    assert any(not torch.equal(before[n], after[n]) for n in before)
+    monkeypatch.setattr(disk, "_pwrite", real)
+    sm(*DATA[2])                                              # with room again, everything is written
+    assert pd._kept == {} and len(list(pd.store.path.iterdir())) == len(pd.groups)
+    path = pd.store.path
+    sm.close()
+    assert not path.exists() and offload_dirs(tmp_path) == []
+
+
+def test_auto_places_weights_on_disk_only_when_the_host_cannot_hold_them():
+    m = model()
+    roomy = compile_gpt(weights_on="auto", host_memory_budget=state_bytes(m),
+                        passes=("partition", "schedule", "offload"))
+    assert set(roomy.plan.master_on.values()) == {"host"}
+    with pytest.raises(BudgetError, match="with every pack's weights and optimizer state on disk") as e:
+        compile_gpt(weights_on="auto", host_memory_budget=4096, passes=("partition", "schedule", "offload"))
+    tight = compile_gpt(weights_on="auto", host_memory_budget=e.value.min_budget)
+    assert set(tight.plan.master_on.values()) == {"disk"}
+    assert tight.program.reports[2].totals["host_planned_bytes"] <= e.value.min_budget
+    train(tight, DATA[:1])
+    tight.close()
+    # a budget between: the first-stepped packs go wholly to disk, the last-stepped one keeps its weights on
+    # the host and its optimizer state on disk; both tiers in one step, still bitwise the all-on-host run
+    mid = compile_gpt(weights_on="auto", host_memory_budget=e.value.min_budget + state_bytes(m) // 4)
+    assert set(mid.plan.master_on.values()) == {"host", "disk"}
+    assert set(mid.plan.optim_on.values()) == {"disk"}
+    assert mid.runtime.state.disk is not None and mid.runtime.state.params_disk is not None
+    ref = compile_gpt(weights_on="host")
+    assert train(mid, DATA) == train(ref, DATA)
+    assert_bitwise(mid, params(ref))
+    mid.close()
+    ref.close()
+
+
+def test_bad_choices_are_clear_errors():
+    with pytest.raises(ConfigError, match="weights_on='cloud'; choose one of auto, host, disk"):
+        compile_gpt(weights_on="cloud", passes=("partition", "schedule", "offload"))
+    with pytest.raises(BudgetError, match="weights_on='auto' to let weights go to disk"):
+        compile_gpt(weights_on="host", host_memory_budget=4096, passes=("partition", "schedule", "offload"))
