@@ -27,6 +27,10 @@ at a time. An op starts when its stream is free and:
   it, since it reads what that compute wrote (a CUDA event recorded at issue);
 - a ``swap_in`` of some state waits for the ``release`` of the same state before it:
   the write-back must land on the host before the host copy is read again;
+- the disk tiers' I/O runs on the ``disk`` stream (``disk_io``): a wholly-disk pack's
+  weights are read before their ``swap_in`` copies them; a step whose pack keeps files on
+  disk reads them ahead (from the start of the step before it in step order) and writes
+  them after it; a wholly-disk pack's step runs inline, holding the compute stream;
 - a step on the host waits for its pack's releases (it updates the host copies they
   wrote) and for the compute issued before it; the next ``swap_in`` of that pack's
   weights waits for the step, and so does the thread issuing it: the compute stream
@@ -143,6 +147,12 @@ def simulate(graph: torch.fx.Graph, plan: Plan, hw, device: int = 0, memory=None
     done: dict[torch.fx.Node, float] = {}  # when each op's result is ready
     written_back: dict[tuple, float] = {}  # (pack, kind) -> end of its last release
     host_steps: dict[int, float] = {}      # pack -> end of its optimizer step on the host
+    disk_after: dict[int, float] = {}      # pack -> when the step before it started (its files' read-ahead)
+    step_order = [n.args[0] for n in graph.nodes if n.op == "call_function" and n.target.__name__ == "step"]
+
+    def plan_packs_after(node):
+        i = step_order.index(node.args[0])
+        return step_order[i + 1:i + 2]
     # The effects, replayed, give the values as costs see them (a stash's bytes) and which state a copy
     # really moves. Tolerant of schedules verify would reject (a release with no swap_in): that is verify's job.
     model = MemoryModel(plan, _OnePerTensor(), refs=defaultdict(int))
@@ -211,6 +221,10 @@ def simulate(graph: torch.fx.Graph, plan: Plan, hw, device: int = 0, memory=None
             if name == "step" and stream == "host":   # it updates the host copies the releases wrote
                 ready = max([ready, free["compute"]] + [t for (p, _), t in written_back.items()
                                                         if p == node.args[0]])
+            disk = disk_io(plan, node, dev)
+            if disk["read"]:               # the read from disk comes first: weights for the device, a step's files
+                start = max(free["disk"], ready if name == "swap_in" else disk_after.get(node.args[0], 0.0))
+                ready = max(ready, run("disk", start, disk["read"], f"{node.name}.read", "disk").end)
             sync = getattr(dev, "sync_copies", False) and op.kind == "copy"
             if sync:                       # issued once the compute before it is done
                 ready = max(ready, free["compute"])
@@ -222,6 +236,10 @@ def simulate(graph: torch.fx.Graph, plan: Plan, hw, device: int = 0, memory=None
                 host_steps[node.args[0]] = ev.end
                 if node.kwargs.get("where") == "disk":   # a disk pack steps inline, group by group
                     free["compute"] = max(free["compute"], ev.end)
+            if disk["write"]:              # written back once stepped; the next pack's read may start meanwhile
+                run("disk", max(free["disk"], ev.end), disk["write"], f"{node.name}.write", "disk")
+            if name == "step" and disk["read"]:
+                disk_after.update({p: ev.start for p in plan_packs_after(node)})
         if name == "release":
             written_back[tuple(node.args[:2])] = ev.end
         done[node] = ev.end
@@ -230,6 +248,31 @@ def simulate(graph: torch.fx.Graph, plan: Plan, hw, device: int = 0, memory=None
     if memory is not None:
         _place_memory(sim, nodes, op_events, memory)
     return sim
+
+
+def disk_io(plan: Plan, node, dev) -> dict:
+    """Seconds an op reads from and writes to disk (the disk tiers: runtime/disk.py, runtime/diskparams.py).
+
+    A ``swap_in`` of a wholly-disk pack's weights reads them; the step of a wholly-disk pack
+    reads and writes its files (weights and optimizer state), that of a pack with optimizer
+    state alone on disk reads and writes that state.
+    """
+    name = node.target.__name__
+    if name not in ("swap_in", "step"):
+        return {"read": 0.0, "write": 0.0}
+    pack = node.args[0]
+    spec = plan.packs[pack]
+    whole = (getattr(plan, "master_on", None) or {}).get(pack) == "disk"
+    optim = (getattr(plan, "optim_on", None) or {}).get(pack) == "disk"
+    read = written = 0
+    if name == "swap_in" and node.args[1] == "params" and whole:
+        read = spec.param_bytes
+    elif name == "step" and (whole or optim):
+        written = spec.optim_bytes + (spec.param_bytes if whole else 0)
+        read = written
+    rbw = getattr(dev, "disk_read_bandwidth", 0) or 1e30
+    wbw = getattr(dev, "disk_write_bandwidth", 0) or 1e30
+    return {"read": read / rbw, "write": written / wbw}
 
 
 class _OnHost:

@@ -196,6 +196,30 @@ def test_backward_recompute_and_step_costs():
     assert sim.step_seconds == 14.0
 
 
+def test_disk_reads_come_before_their_copy_and_step_and_writes_after():
+    """A pack wholly on disk: its weights are read before they are copied in, its files read ahead of its
+    inline step (which holds the compute stream) and written after it, one disk stream in program order."""
+    p = pack(0)
+    p.optim_bytes = 2 * G
+    pl = plan(p)
+    pl.master_on, pl.optim_on = {0: "disk"}, {0: "disk"}
+    hw = Hardware((UNIT,), host_memory_bandwidth=16e9, disk_read_bandwidth=1e9, disk_write_bandwidth=0.5e9)
+    s = Schedule()
+    h = s.swap_in(0, "params")                      # disk read 1e9 B: 0-1 s; then the copy in: 1-2 s
+    s.wait(h)
+    s.forward(0, 0)                                 # 2-3 s
+    s.release(0, "params")                          # clean weights: dropped, nothing moves
+    s.step(0, where="disk")                         # files read 1-4 s (read ahead); step 4-5 s; written 5-11 s
+    s.forward(0, 1)                                 # the inline step held the compute stream: 5-6 s
+    sim = simulate(s.done(), pl, hw)
+    got = {(name, stream): (start, end) for name, stream, start, end in spans(sim)}
+    assert got[("swap_in.read", "disk")] == (0.0, 1.0) and got[("swap_in", "h2d")] == (1.0, 2.0)
+    assert got[("forward", "compute")] == (2.0, 3.0)
+    assert got[("step.read", "disk")] == (1.0, 4.0) and got[("step", "host")] == (4.0, 5.0)
+    assert got[("step.write", "disk")] == (5.0, 11.0) and got[("forward_1", "compute")] == (5.0, 6.0)
+    assert sim.step_seconds == 11.0 and sim.busy["disk"] == 10.0
+
+
 def test_speed_factor_stretches_compute_only_and_says_emulated():
     s = Schedule()
     s.swap_in(1, "params")
