@@ -451,6 +451,24 @@ def step_order(graph) -> list[int]:
     return [n.args[0] for n in graph.nodes if n.op == "call_function" and n.target is ops.step]
 
 
+def take(tier, key) -> list[torch.Tensor]:
+    """A file's buffer for a step: kept in memory after a failed write, else its read ahead (started now if not)."""
+    with tier._lock:
+        kept = tier._kept.pop(key, None)
+    if kept is not None:
+        return kept
+    if key not in tier._reads:
+        tier.on_demand += 1
+        tier.prefetch(key)
+    fut, views = tier._reads.pop(key)
+    t0 = time.perf_counter()
+    try:
+        fut.result()
+    finally:
+        tier.wait_seconds += time.perf_counter() - t0
+    return views
+
+
 class DiskTier:
     """The optimizer state of disk-placed packs: on disk between steps, in an aligned host buffer during one."""
 
@@ -553,22 +571,9 @@ class DiskTier:
         return None
 
     def _take(self, pack: int) -> list[torch.Tensor] | None:
-        with self._lock:
-            kept = self._kept.pop(pack, None)
-        if kept is not None:
-            return kept
-        if not self.layouts.get(pack):
+        if pack not in self._kept and not self.layouts.get(pack):
             return None          # never stepped: the optimizer makes its state
-        if pack not in self._reads:
-            self.on_demand += 1
-            self.prefetch(pack)
-        fut, views = self._reads.pop(pack)
-        t0 = time.perf_counter()
-        try:
-            fut.result()
-        finally:
-            self.wait_seconds += time.perf_counter() - t0
-        return views
+        return take(self, pack)
 
     def _install(self, pack: int, views: list[torch.Tensor]) -> None:
         for (n, k, _, _), v in zip(self.layouts[pack], views):

@@ -175,7 +175,7 @@ class DiskParams:
             views = self._take(gid)
             nxt = self._next(gid)
             if nxt is not None:
-                self._prefetch(nxt)
+                self.prefetch(nxt)
             self._step_group(gid, views, to_host)
         self.step_seconds += time.perf_counter() - t0
 
@@ -222,7 +222,7 @@ class DiskParams:
         fut = self.store.write(gid, out)
         self._writing.append((gid, fut, out))
         if nxt_wrap := self._wrap(gid):
-            self._prefetch(nxt_wrap)
+            self.prefetch(nxt_wrap)
 
     def _leave(self, gid: int) -> None:
         """Placeholders for the group's weights and optimizer state; gradients are done with."""
@@ -242,27 +242,15 @@ class DiskParams:
         """The last group of a step reads the first one of the next step ahead, across the forward pass."""
         return self.order[0] if len(self.order) > 1 and gid == self.order[-1] else None
 
-    def _prefetch(self, gid: int) -> None:
+    def prefetch(self, gid: int) -> None:
         if gid in self._reads or gid in self._kept:
             return
         views = self.store.empty([(s, d) for _, _, s, d in self.layouts[gid]])
         self._reads[gid] = (self.store.read(gid, into=views), views)
 
     def _take(self, gid: int) -> list[torch.Tensor]:
-        with self._lock:
-            kept = self._kept.pop(gid, None)
-        if kept is not None:
-            return kept
-        if gid not in self._reads:
-            self.on_demand += 1
-            self._prefetch(gid)
-        fut, views = self._reads.pop(gid)
-        t0 = time.perf_counter()
-        try:
-            fut.result()
-        finally:
-            self.wait_seconds += time.perf_counter() - t0
-        return views
+        from harmony.runtime.disk import take
+        return take(self, gid)
 
     def _settle_writes(self, keep: int = 0) -> None:
         """Wait until at most ``keep`` writes are under way; a failed one keeps its buffer in memory."""
