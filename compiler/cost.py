@@ -431,7 +431,7 @@ def optimizer_profile(optimizer: type, kwargs: dict) -> dict:
     """
     n = 3000
 
-    def measure(count):
+    def measure(count, n=n):
         ps = [torch.nn.Parameter(torch.zeros(n)) for _ in range(count)]
         opt = optimizer(ps, **kwargs)
         for p in ps:
@@ -445,8 +445,10 @@ def optimizer_profile(optimizer: type, kwargs: dict) -> dict:
         return state, meter.peak / (4 * n)
 
     state, one = measure(1)
+    double, _ = measure(1, 2 * n)      # state = a * bytes + c per tensor (Adam's step counter is c)
     _, two = measure(2)
     _, three = measure(3)
     follows = "sum" if three - two > 0.5 * max(two - one, 1e-9) and three - two > 0.5 else "largest"
-    return {"state_per_byte": state / (4 * n), "extra_first": one, "extra_second": two - one,
-            "extra_follows": follows}
+    per_byte = (double - state) / (4 * n)
+    return {"state_per_byte": per_byte, "state_per_tensor": state - per_byte * 4 * n, "extra_first": one,
+            "extra_second": two - one, "extra_follows": follows}

@@ -13,7 +13,8 @@ import torch.fx
 
 from harmony.errors import BudgetError
 from harmony.runtime.executor import last_uses
-from harmony.runtime.ops import MemoryModel, Predicted, op_of, state_names
+from harmony.runtime.ops import MemoryModel, Predicted, op_of, resident_state, state_names
+from harmony.runtime.plan import optim_state_bytes
 
 NEEDS = {"forward": ("params",), "backward": ("params", "grads"), "step": ("params", "grads", "optim")}
 
@@ -42,7 +43,7 @@ def state_sizes(program) -> dict:
         sizes[("params", n)] = b
         if isinstance(t, torch.nn.Parameter) and t.requires_grad:
             sizes[("grads", n)] = b
-            sizes[("optim", n)] = int(prof.get("state_per_byte", 0) * b)
+            sizes[("optim", n)] = optim_state_bytes(prof, b)
     from harmony.runtime.disk import ALIGN, layout
     tensors = dict(gm.named_parameters())
     for groups in (getattr(program.plan, "disk_groups", None) or {}).values():
@@ -56,8 +57,8 @@ def memory_curve(program, graph: torch.fx.Graph | None = None, check_residency: 
     graph = graph if graph is not None else program.schedule
     plan = program.plan
     model = MemoryModel(plan, state_sizes(program))
-    for pack, what in sorted(plan.resident):
-        model.hold(what, state_names(plan.packs[pack], what))
+    for what, names in resident_state(plan):
+        model.hold(what, names)
     model.moved = {"h2d": 0, "d2h": 0}
     free_after = last_uses(graph)
     env: dict = {}

@@ -22,7 +22,7 @@ from harmony.compiler.cost import measure_pack
 from harmony.compiler.ir import PassReport, PassResult, Program
 from harmony.compiler.meta import COST, MODULE_PATH, PACK, STATE
 from harmony.errors import BudgetError
-from harmony.runtime.plan import PackSpec, Plan, step_extra
+from harmony.runtime.plan import PackSpec, Plan, optim_state_bytes, step_extra
 from harmony.units import fmt_bytes
 
 NAME = "partition"
@@ -275,9 +275,9 @@ def build_packs(program: Program, cuts: list[tuple[int, int]], units: list[Unit]
         spec.param_bytes = sum(sizes[n] for n in spec.params)
         spec.buffer_bytes = sum(sizes[n] for n in spec.buffers)
         owned = [sizes[n] for n in spec.owned]
-        spec.optim_bytes = int(prof["state_per_byte"] * sum(owned))
+        spec.optim_bytes = sum(optim_state_bytes(prof, b) for b in owned)
         spec.step_extra = step_extra(prof, owned)
-        spec.stream_step_peak = max((int(prof["state_per_byte"] * b) + step_extra(prof, [b]) for b in owned),
+        spec.stream_step_peak = max((optim_state_bytes(prof, b) + step_extra(prof, [b]) for b in owned),
                                     default=0)
         spec.fwd_flops = int(sum(n.meta[COST].fwd_flops.at(program.config.microbatch_size) for n in nodes))
         spec.bwd_flops = int(sum(n.meta[COST].bwd_flops.at(program.config.microbatch_size) for n in nodes))

@@ -19,7 +19,7 @@ import torch.fx
 
 from harmony.compiler.ir import PassReport, PassResult, Program
 from harmony.compiler.meta import SCHEDULE
-from harmony.compiler.verify import memory_curve
+from harmony.compiler.verify import memory_curve, state_sizes
 from harmony.errors import BudgetError
 from harmony.runtime import ops
 from harmony.units import fmt_bytes
@@ -149,6 +149,7 @@ def run(program: Program, ctx) -> PassResult:
         report.notes.append("policy ondemand: no planned movement; the runtime fetches state when an op "
                             "touches it and evicts the least recently used state when the budget is hit")
         return PassResult(program, report)
+    plan.optim_resident = {}
     plan.resident = {(p.index, k) for p in plan.packs for k in KINDS}
     if memory_curve(program, check_residency=False).peak <= budget:
         report.notes.append("everything fits the budget: all state stays resident, no swap inserted")
@@ -212,6 +213,7 @@ def run(program: Program, ctx) -> PassResult:
             chosen = trial
             rows.append(dict(kept=what[0] if what[0] != "keep" else f"{what[1]} outputs" if what[1] == "forward"
                              else "input grads", pack=what[-1], MiB=size / 2**20, saves_per_byte=per_byte))
+    rows += keep_optimizer_parts(program, chosen, fits, room)
     curve = fits(*chosen)
     counts = {}
     for n in _calls(program.schedule):
@@ -225,6 +227,44 @@ def run(program: Program, ctx) -> PassResult:
     report.notes.append("forced by the budget: the state of all packs does not fit at once; started from "
                         "everything swapped and stashed, then kept on the device what saves most traffic per byte")
     return PassResult(program, report)
+
+
+def keep_optimizer_parts(program: Program, chosen, fits, room: int) -> list[dict]:
+    """Fill what room is left with single parameters' optimizer state, largest first.
+
+    A pack's optimizer state is kept whole or not at all above; what is left over is often
+    most of a pack's. A parameter whose state stays on the device is neither brought in nor
+    sent out by its streamed step (2 bytes saved per byte held, as for the whole pack's).
+    Held for the whole run, it adds its bytes at every point of the memory curve, so the
+    room left is filled by size, then checked once with the curve (dropping the smallest
+    until it fits).
+    """
+    plan = program.plan
+    slack = room - fits(*chosen).peak
+    if slack <= 0:
+        return []
+    sizes = state_sizes(program)
+    parts = sorted(((sizes.get(("optim", n), 0), n) for spec in plan.packs
+                    if (spec.index, "optim") not in chosen[0] and plan.step_on.get(spec.index) != "host"
+                    for n in spec.owned), reverse=True)
+    kept: dict[str, int] = {}
+    for size, n in parts:
+        if 0 < size <= slack:
+            kept[n] = size
+            slack -= size
+    while kept:
+        plan.optim_resident = kept
+        if fits(*chosen).peak <= room:
+            break
+        kept = dict(list(kept.items())[:-1])
+    plan.optim_resident = kept
+    rows = []
+    for spec in plan.packs:
+        held = [n for n in spec.owned if n in kept]
+        if held:
+            rows.append(dict(kept=f"optimizer state of {len(held)}/{len(spec.owned)} params", pack=spec.index,
+                             MiB=sum(kept[n] for n in held) / 2**20, saves_per_byte=2))
+    return rows
 
 
 def _copy(graph: torch.fx.Graph) -> torch.fx.Graph:

@@ -9,7 +9,7 @@ import torch
 import torch.fx
 
 from harmony.runtime.memory import CountAllocations, MemoryMeter
-from harmony.runtime.ops import op_of, state_names
+from harmony.runtime.ops import op_of, resident_state
 from harmony.runtime.plan import Plan
 from harmony.runtime.state import TieredState
 
@@ -59,8 +59,8 @@ class Runtime:
         self.losses: list[torch.Tensor] = []
         self.batch: dict[str, torch.Tensor] = {}
         self.events: list[TraceEvent] = []
-        for pack, what in sorted(plan.resident):
-            self.state.wait(self.state.fetch(what, state_names(plan.packs[pack], what)))
+        for what, names in resident_state(plan):
+            self.state.wait(self.state.fetch(what, names))
 
     @contextlib.contextmanager
     def counting(self):

@@ -111,6 +111,14 @@ def state_names(spec, what: str) -> list[str]:
     return spec.owned
 
 
+def resident_state(plan):
+    """(kind, names) held on the device for the whole run: whole packs' state, and single parameters' optimizer state."""
+    for pack, what in sorted(plan.resident):
+        yield what, state_names(plan.packs[pack], what)
+    if getattr(plan, "optim_resident", None):
+        yield "optim", sorted(plan.optim_resident)
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -439,8 +447,8 @@ def _step_effect(m, pack, stream=False, where="device"):
             if m.resident("grads", n):
                 m.live -= m.sizes[("grads", n)]
     m.dirty.update(spec.owned)
-    if stream:
-        moved = sum(m.sizes.get(("optim", n), 0) for n in spec.owned)
+    if stream:   # what is not held on the device comes in and goes back out
+        moved = sum(m.sizes.get(("optim", n), 0) for n in spec.owned if not m.resident("optim", n))
         m.moved["h2d"] += moved
         m.moved["d2h"] += moved
         return None, spec.stream_step_peak
@@ -461,8 +469,16 @@ def _step_cost(plan, hw, pack, stream=False, where="device"):
         return "host", traffic / getattr(hw, "host_memory_bandwidth", hw.memory_bandwidth)
     seconds = traffic / hw.memory_bandwidth + _pack_compute_cost(hw, 0, _kernels_cost(spec, "step"))
     if stream:
-        seconds += spec.optim_bytes / hw.h2d_bandwidth + spec.optim_bytes / hw.d2h_bandwidth
+        optim = streamed_optim_bytes(plan, pack)
+        seconds += optim / hw.h2d_bandwidth + optim / hw.d2h_bandwidth
     return "compute", seconds
+
+
+def streamed_optim_bytes(plan, pack: int) -> int:
+    """A streamed step's optimizer state that comes in and goes out: the pack's, less what stays resident."""
+    spec = plan.packs[pack]
+    kept = getattr(plan, "optim_resident", None) or {}
+    return spec.optim_bytes - sum(kept.get(n, 0) for n in spec.owned)
 
 
 # -- allreduce: data-parallel gradient averaging (inserted by the compress pass) ----------------------

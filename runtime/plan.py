@@ -10,6 +10,11 @@ from dataclasses import dataclass, field
 import torch
 
 
+def optim_state_bytes(profile: dict, nbytes: int) -> int:
+    """Optimizer-state bytes of one parameter tensor of ``nbytes`` (see optimizer_profile)."""
+    return int(round(profile.get("state_per_byte", 0) * nbytes + profile.get("state_per_tensor", 0)))
+
+
 def step_extra(profile: dict, sizes: list[int]) -> int:
     """Transient bytes of one optimizer step over tensors of ``sizes`` bytes (see optimizer_profile)."""
     if not sizes:
@@ -61,6 +66,8 @@ class Plan:
     input_names: list[str]
     batch_bytes: dict[str, int] = field(default_factory=dict)  # one microbatch of each input
     resident: set = field(default_factory=set)   # (pack, what) kept on the device for the whole run
+    optim_resident: dict = field(default_factory=dict)  # param -> its optimizer state's bytes, kept on the device
+                                                         # alone (its pack's optimizer state is not in resident)
     step_on: dict = field(default_factory=dict)  # pack -> "device" | "host": where its optimizer steps
     optim_on: dict = field(default_factory=dict)  # pack -> "device" | "host" | "disk": its optimizer state
     master_on: dict = field(default_factory=dict)  # pack -> "host" | "disk": its fp32 weights between uses

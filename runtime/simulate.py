@@ -64,7 +64,7 @@ from dataclasses import dataclass, field
 import torch.fx
 
 from harmony.runtime.executor import TraceEvent
-from harmony.runtime.ops import MemoryModel, op_of, state_names
+from harmony.runtime.ops import MemoryModel, op_of, resident_state, state_names, streamed_optim_bytes
 from harmony.runtime.plan import Plan
 
 STREAMS = ("compute", "h2d", "d2h", "disk", "network")
@@ -156,8 +156,8 @@ def simulate(graph: torch.fx.Graph, plan: Plan, hw, device: int = 0, memory=None
     # The effects, replayed, give the values as costs see them (a stash's bytes) and which state a copy
     # really moves. Tolerant of schedules verify would reject (a release with no swap_in): that is verify's job.
     model = MemoryModel(plan, _OnePerTensor(), refs=defaultdict(int))
-    for pack, what in sorted(plan.resident):
-        model.hold(what, state_names(plan.packs[pack], what))
+    for what, names in resident_state(plan):
+        model.hold(what, names)
     values: dict[torch.fx.Node, object] = {}
     events: list[SimEvent] = []
     op_events: list[SimEvent] = []         # one per schedule op, in program order
@@ -186,7 +186,7 @@ def simulate(graph: torch.fx.Graph, plan: Plan, hw, device: int = 0, memory=None
         if stream in moved:
             moved[stream] += int(seconds * (dev.h2d_bandwidth if stream == "h2d" else dev.d2h_bandwidth))
         if name == "step" and node.kwargs.get("stream") and node.kwargs.get("where", "device") == "device":
-            optim = plan.packs[node.args[0]].optim_bytes
+            optim = streamed_optim_bytes(plan, node.args[0])
             moved["h2d"] += optim
             moved["d2h"] += optim
         ready = max((done[n] for n in node.all_input_nodes), default=0.0)

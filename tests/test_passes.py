@@ -170,3 +170,32 @@ def test_offload_keeps_the_step_on_the_device_when_asked_or_when_all_fits():
     assert all(n.kwargs["where"] == "device" for n in names(sm, ops.step))
     with pytest.raises(ConfigError, match="optimizer_on"):
         compiled(optimizer_on="gpu")
+
+
+def test_swap_keeps_single_parameters_optimizer_state_in_the_room_left():
+    """Planned for a GPU (copies dear), a pack's optimizer state that does not fit whole stays in part: its
+    streamed step skips those parameters, the traffic falls by twice their bytes, numerics stay bitwise."""
+    import copy
+    from models import eager_accumulate, run_compiled
+    model, data = CASES["gpt"](layers=6, width=64)
+    budget = training_state_bytes(model) // 2
+    ref, _ = eager_accumulate(model, data, 4)
+    ours = copy.deepcopy(model)
+    sm, stats, _ = run_compiled(ours, data, 4, budget, hardware="gtx1080ti", optimizer_on="device")
+    stats = stats[-1]
+    kept = sm.plan.optim_resident
+    assert kept and all((p.index, "optim") not in sm.plan.resident for p in sm.plan.packs if set(p.owned) & set(kept))
+    assert stats["measured_peak"] <= budget
+    assert stats["h2d_bytes"] == stats["predicted_h2d"] and stats["d2h_bytes"] == stats["predicted_d2h"]
+    for (name, a), b in zip(ours.named_parameters(), ref.parameters()):
+        assert torch.equal(a, b), name
+    # the same plan without them moves exactly twice their bytes more (in and out around each step)
+    assert "optim (" in sm.report()
+    held = sum(kept.values())
+    program = sm.program
+    before = harmony.compiler.verify.memory_curve(program, check_residency=False).moved
+    program.plan.optim_resident = {}
+    after = harmony.compiler.verify.memory_curve(program, check_residency=False).moved
+    assert after["h2d"] - before["h2d"] == held and after["d2h"] - before["d2h"] == held
+    swap_report = next(r for r in program.reports if r.title.startswith("swap"))
+    assert any(str(r["kept"]).startswith("optimizer state of") for r in swap_report.rows)

@@ -74,6 +74,11 @@ def _packs(program) -> list[dict]:
     resident: dict[int, list[str]] = {}
     for pack, what in sorted(program.plan.resident, key=lambda pw: (pw[0], order.get(pw[1], 3), pw[1])):
         resident.setdefault(pack, []).append(what)
+    kept = getattr(program.plan, "optim_resident", None) or {}
+    for s in program.plan.packs:
+        held = sum(1 for n in s.owned if n in kept)
+        if held:
+            resident.setdefault(s.index, []).append(f"optim ({held}/{len(s.owned)} params)")
     numel = {n: p.numel() for n, p in program.gm.named_parameters()}
     return [dict(pack=s.index, name=s.name, params=sum(numel.get(n, 0) for n in s.params),
                  param_bytes=s.param_bytes, saved_bytes=s.saved_bytes,
