@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from harmony.runtime.plan import Plan
+from harmony.runtime.precision import compute_dtype
 
 
 @dataclass
@@ -29,6 +30,13 @@ class CompileConfig:
     min_size: int = 16                 # tensors with fewer elements (or dim <= 1) travel uncompressed
     host_memory_budget: int | None = None   # bytes of host memory for training state; None: no limit (offload pass)
     offload_dir: str | None = None     # where the disk tier makes its private directory; None: the temp directory
+    precision: str = "fp32"            # fp32 | bf16 | fp16: dtype of the device's copies (runtime/precision.py)
+    loss_scaling: dict = field(default_factory=dict)   # fp16: LossScaler arguments (GradScaler's)
+
+    @property
+    def compute_dtype(self):
+        """The dtype of float state and activations on the device; None for fp32 (nothing is cast)."""
+        return compute_dtype(self.precision)
 
     @property
     def usable_budget(self) -> int:

@@ -14,6 +14,7 @@ import torch.fx
 from harmony.errors import BudgetError
 from harmony.runtime.executor import last_uses
 from harmony.runtime.ops import MemoryModel, Predicted, op_of, state_names
+from harmony.runtime.precision import device_bytes
 
 NEEDS = {"forward": ("params",), "backward": ("params", "grads"), "step": ("params", "grads", "optim")}
 
@@ -36,13 +37,14 @@ class MemoryCurve:
 
 def state_sizes(program) -> dict:
     gm, prof = program.gm, program.optim_profile
+    dtype = program.config.compute_dtype   # mixed precision: device copies and gradients in the compute dtype
     sizes = {}
     for n, t in list(gm.named_parameters()) + list(gm.named_buffers()):
-        b = t.numel() * t.element_size()
+        b = device_bytes(t, dtype)
         sizes[("params", n)] = b
         if isinstance(t, torch.nn.Parameter) and t.requires_grad:
             sizes[("grads", n)] = b
-            sizes[("optim", n)] = int(prof.get("state_per_byte", 0) * b)
+            sizes[("optim", n)] = int(prof.get("state_per_byte", 0) * t.numel() * t.element_size())
     return sizes
 
 

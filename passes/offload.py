@@ -65,7 +65,9 @@ def run(program: Program, ctx) -> PassResult:
         raise ConfigError(f"optimizer_on={cfg.optimizer_on!r}; choose one of {', '.join(PLACES)}")
     place = cfg.optimizer_on
     reason = f"optimizer_on={place!r}"
-    if place == "auto":
+    if cfg.precision != "fp32":   # compile() refuses optimizer_on="device" with mixed precision
+        place, reason = "host", f"precision={cfg.precision!r}: fp32 master weights and optimizer state stay on the host"
+    elif place == "auto":
         fits = everything_fits(program)
         place = "device" if fits or cfg.policy == "ondemand" else "host"
         reason = ("all training state fits the budget" if fits else
@@ -127,6 +129,9 @@ def place_optimizer_state(program: Program) -> tuple[set[int], dict]:
     masters = sum(t.numel() * t.element_size() for t in gm.parameters()) + \
         sum(t.numel() * t.element_size() for t in gm.buffers())
     grads = 2 * max((s.param_bytes for s in plan.packs), default=0)
+    if cfg.precision != "fp32":   # a pack's gradients arrive in the compute dtype and step as fp32 copies;
+        held = [s.param_bytes + s.master_bytes for s in plan.packs]   # fp16 holds them all until the last
+        grads = sum(held) if cfg.precision == "fp16" else 2 * max(held, default=0)   # is checked for overflow
     optim = {s.index: s.optim_bytes for s in plan.packs}
     order = [n.args[0] for n in program.schedule.nodes if n.op == "call_function" and n.target is ops.step]
     order = list(dict.fromkeys(order + [s.index for s in plan.packs]))   # packs without a step op last

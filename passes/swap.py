@@ -141,7 +141,8 @@ def run(program: Program, ctx) -> PassResult:
                             "touches it and evicts the least recently used state when the budget is hit")
         return PassResult(program, report)
     plan.resident = {(p.index, k) for p in plan.packs for k in KINDS}
-    if memory_curve(program, check_residency=False).peak <= budget:
+    mixed = program.config.precision != "fp32"   # host steps update fp32 masters: compute copies come in afresh
+    if not mixed and memory_curve(program, check_residency=False).peak <= budget:
         report.notes.append("everything fits the budget: all state stays resident, no swap inserted")
         report.totals = dict(resident_packs=len(plan.packs), swaps=0, stashes=0)
         return PassResult(program, report)

@@ -49,6 +49,7 @@ class PackSpec:
     bwd_recompute_peak_accum: int = 0
     fwd_flops: int = 0
     bwd_flops: int = 0
+    master_bytes: int = 0         # the host's fp32 masters of ``params`` (param_bytes is the device copies)
 
 
 @dataclass
@@ -63,3 +64,5 @@ class Plan:
     resident: set = field(default_factory=set)   # (pack, what) kept on the device for the whole run
     step_on: dict = field(default_factory=dict)  # pack -> "device" | "host": where its optimizer steps
     policy: str = "harmony"
+    precision: str = "fp32"                      # fp32 | bf16 | fp16: dtype of device copies (runtime/precision.py)
+    loss_scaling: dict = field(default_factory=dict)   # fp16: LossScaler arguments

@@ -67,6 +67,7 @@ class TieredState:
         self.host_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="harmony-host")
         self.pending: dict[str, Future] = {}  # param name -> optimizer step running on the host
         self.disk = None                  # runtime.disk.DiskTier: optimizer state of the disk-placed packs
+        self.compute_dtype = None         # mixed precision: dtype of device copies of float params and buffers
 
     def settle(self, names) -> None:
         """Wait for host optimizer steps still updating these parameters."""
@@ -120,9 +121,11 @@ class TieredState:
                 src = read()
                 if src is None or self._on_device(src):
                     continue
-                dst = torch.empty_like(src, device=self.device)
+                # mixed precision: a parameter's device copy is cast to the compute dtype, its master stays fp32
+                cast = self.compute_dtype if kind == "params" and src.is_floating_point() else None
+                dst = torch.empty_like(src, device=self.device, dtype=cast)
                 self.meter.track(dst)
-                self.moved["h2d"] += src.numel() * src.element_size()
+                self.moved["h2d"] += dst.numel() * dst.element_size()
                 jobs.append((write, dst, src))
         if not jobs:
             return None
