@@ -101,6 +101,10 @@ class LossScaler:
         return not skip
 
     def state_dict(self) -> dict:
-        return dict(scale=self.scale.item(), growth_tracker=int(self.growth_tracker.item()),
-                    growth_factor=self.growth_factor, backoff_factor=self.backoff_factor,
-                    growth_interval=self.growth_interval)
+        """What a resumed run needs (plain numbers: checkpoints keep it in their JSON manifest)."""
+        return dict(scale=self.scale.item(), growth_tracker=int(self.growth_tracker.item()), skipped=self.skipped)
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scale.fill_(float(state["scale"]))
+        self.growth_tracker.fill_(int(state["growth_tracker"]))
+        self.skipped = int(state.get("skipped", 0))

@@ -205,6 +205,8 @@ def test_checkpoint_saves_fp32_masters_and_resumes_bitwise(tmp_path):
     sm(*data[0])
     sd = sm.state_dict()
     assert all(t.dtype == torch.float32 for t in sd["model"].values())
+    masters = sm.runtime.state.master          # the host's fp32 masters themselves, not copies of device values
+    assert all(t.data_ptr() == masters[n].data_ptr() for n, t in sd["model"].items())
     assert all(v.dtype == torch.float32 for s in sd["optimizer"].values() for v in s.values() if v.dim())
     harmony.save(sm, tmp_path / "ckpt")
     sm.close()
@@ -215,3 +217,46 @@ def test_checkpoint_saves_fp32_masters_and_resumes_bitwise(tmp_path):
         sm2(*b)
     sm2.close()
     _assert_bitwise(second, whole)
+
+
+def test_fp16_resume_continues_the_loss_scale_bitwise(tmp_path):
+    """The loss scale and its growth count travel in the checkpoint: 1 step, save, load into a fresh
+    module, 2 steps equals 3 uninterrupted steps, parameters and scale."""
+    model, data = CASES["mlp"]()
+    budget = int(training_state_bytes(model) * 0.2)
+    scaling = dict(init_scale=2.0 ** 10, growth_interval=1)
+    whole = copy.deepcopy(model)
+    sm, _, _ = run_compiled(whole, data, 4, budget, precision="fp16", loss_scaling=scaling)
+    assert sm.loss_scale == 2.0 ** 13
+
+    first = copy.deepcopy(model)
+    sm1 = harmony.compile(first, example_batch=data[0], memory_budget=budget, microbatches=4, precision="fp16",
+                          loss_scaling=scaling)
+    sm1(*data[0])
+    assert sm1.state_dict()["loss_scaler"]["scale"] == 2.0 ** 11
+    harmony.save(sm1, tmp_path / "ckpt")
+    sm1.close()
+    second = copy.deepcopy(model)
+    sm2 = harmony.compile(second, example_batch=data[0], memory_budget=budget, microbatches=4, precision="fp16",
+                          loss_scaling=scaling)
+    harmony.load(sm2, tmp_path / "ckpt")
+    assert sm2.loss_scale == 2.0 ** 11
+    for b in data[1:]:
+        sm2(*b)
+    sm2.close()
+    assert sm2.loss_scale == sm.loss_scale
+    _assert_bitwise(second, whole)
+
+
+def test_bf16_with_optimizer_state_on_disk_matches_eager(tmp_path):
+    """A host budget that holds the fp32 masters but not all the optimizer state sends packs' state to
+    disk; the numerics do not change."""
+    model, data = CASES["gpt"]()
+    ref, _ = eager_mixed(model, data, 4, torch.bfloat16)
+    masters = 4 * sum(p.numel() for p in model.parameters())
+    ours = copy.deepcopy(model)
+    sm, stats, _ = run_compiled(ours, data, 4, int(training_state_bytes(model) * 0.2), precision="bf16",
+                                host_memory_budget=int(masters * 3.6), offload_dir=tmp_path)
+    assert "disk" in sm.plan.optim_on.values()
+    assert stats[-1]["disk_read_bytes"] > 0
+    _assert_bitwise(ours, ref)
