@@ -215,7 +215,11 @@ def run(program: Program, ctx) -> PassResult:
                          h2d_MiB=curve.moved["h2d"] / 2**20, d2h_MiB=curve.moved["d2h"] / 2**20,
                          seconds=time.perf_counter() - start)
     report.notes.append("forced by the budget: the state of all packs does not fit at once; started from "
-                        "everything swapped and stashed, then kept on the device what saves most traffic per byte")
+                        "everything swapped and stashed, then kept on the device what saves most traffic per byte"
+                        if not mixed else
+                        f"precision={program.config.precision!r}: the host steps the fp32 masters, so every pack's "
+                        f"compute copy comes in afresh and its gradients leave after its backward; then kept on "
+                        f"the device what saves most traffic per byte")
     return PassResult(program, report)
 
 

@@ -463,6 +463,7 @@ def _step_cost(plan, hw, pack, stream=False, where="device"):
     spec = plan.packs[pack]
     traffic = 4 * (spec.param_bytes * 2 + spec.optim_bytes)
     if where == "host":      # the host's own memory, outside the runtime's accounting: plain dispatch
+        traffic = 4 * ((spec.master_bytes or spec.param_bytes) * 2 + spec.optim_bytes)   # fp32 masters
         return "host", traffic / getattr(hw, "host_memory_bandwidth", hw.memory_bandwidth)
     seconds = traffic / hw.memory_bandwidth + _pack_compute_cost(hw, 0, _kernels_cost(spec, "step"))
     if stream:

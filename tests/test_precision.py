@@ -260,3 +260,15 @@ def test_bf16_with_optimizer_state_on_disk_matches_eager(tmp_path):
     assert "disk" in sm.plan.optim_on.values()
     assert stats[-1]["disk_read_bytes"] > 0
     _assert_bitwise(ours, ref)
+
+
+def test_report_shows_the_precision_and_bytes_per_tier():
+    model, data = CASES["mlp"]()
+    sm, _, _ = run_compiled(copy.deepcopy(model), data[:1], 4, int(training_state_bytes(model) * 0.2), precision="bf16")
+    text, summary = sm.report(), __import__("json").loads(sm.report("json"))
+    n = sum(p.numel() for p in model.parameters())
+    tiers = summary["tiers"]
+    assert tiers["precision"] == "bf16" and tiers["compute_dtype"] == "bfloat16"
+    assert tiers["device_copy_bytes"] == 2 * n and tiers["master_bytes"] == 4 * n
+    assert tiers["host_bytes"] == 4 * n + sum(s.optim_bytes for s in sm.plan.packs) and tiers["disk_bytes"] == 0
+    assert "precision" in text and "bf16: device copies in bfloat16" in text and "between steps" in text
