@@ -103,7 +103,7 @@ def run(program: Program, ctx) -> PassResult:
     elif host:
         report.notes.append(
             f"host_memory_budget {fmt_bytes(budget)} holds {fmt_bytes(need['planned'])}: master parameters and "
-            f"buffers {fmt_bytes(need['masters'])}, gradients of two packs {fmt_bytes(need['grads'])}, optimizer "
+            f"buffers {fmt_bytes(need['masters'])}, {_grads_held(cfg)} {fmt_bytes(need['grads'])}, optimizer "
             f"state of {len(plan.packs) - len(disk)} host packs {fmt_bytes(need['host_optim'])}"
             + (f", buffers of 2 disk packs in flight {fmt_bytes(need['staging'])}" if disk else ""))
         if disk:
@@ -114,6 +114,12 @@ def run(program: Program, ctx) -> PassResult:
     elif budget is not None:
         report.notes.append("host_memory_budget is not used: the optimizer steps on the device")
     return PassResult(program, report)
+
+
+def _grads_held(cfg) -> str:
+    """Which gradients the host holds at once: fp16 keeps every pack's until the overflow check."""
+    return {"fp32": "gradients of two packs", "bf16": "gradients of two packs (bf16 and fp32)",
+            "fp16": "gradients of every pack (fp16 steps after the last is checked for overflow)"}[cfg.precision]
 
 
 def place_optimizer_state(program: Program) -> tuple[set[int], dict]:
@@ -153,7 +159,7 @@ def place_optimizer_state(program: Program) -> tuple[set[int], dict]:
         if need(disk)["planned"] > budget:
             raise BudgetError(
                 f"host_memory_budget={fmt_bytes(budget)} cannot hold the host's share of training state: the master "
-                f"parameters and buffers ({fmt_bytes(masters)}), two packs' gradients ({fmt_bytes(grads)}) and "
+                f"parameters and buffers ({fmt_bytes(masters)}), {_grads_held(cfg)} ({fmt_bytes(grads)}) and "
                 f"two packs' optimizer state in flight to and from disk ({fmt_bytes(need(set(optim))['staging'])}) "
                 f"need {fmt_bytes(minimum)} with every pack's optimizer state on disk. Raise host_memory_budget to at "
                 f"least {fmt_bytes(minimum)} ({minimum} bytes).",
