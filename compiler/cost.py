@@ -178,7 +178,8 @@ class _Measure(torch.fx.Interpreter):
         if not real or n.op != "call_module":
             return getattr(self, n.op)(n.target, args, kwargs)
         mod = self.module.get_submodule(n.target)
-        state = {k: self.real_of[id(v)].to(v.dtype) for k, v in list(mod.named_parameters()) + list(mod.named_buffers())}
+        state = {k: self.real_of[id(v)].to(v.dtype)    # the compute dtype's twin under mixed precision
+                 for k, v in list(mod.named_parameters()) + list(mod.named_buffers())}
         return torch.func.functional_call(mod, state, args, kwargs)
 
     def _measure(self, n, real: bool):

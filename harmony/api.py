@@ -91,6 +91,12 @@ def compile(model: torch.nn.Module, example_batch, *, optimizer=torch.optim.Adam
         config.flops, config.copy_bandwidth = dev.flops, dev.h2d_bandwidth
     example = dict(zip(names, batch)) if names else tuple(batch)
     gm = trace(model, example, loss_fn=loss_fn, leaf_modules=leaf_modules)
+    if precision != "fp32":   # the host's masters are the model's own tensors: they must be the fp32 ones
+        low = [(n, p.dtype) for n, p in gm.named_parameters() if p.is_floating_point() and p.dtype != torch.float32]
+        if low:
+            raise ConfigError(f"precision={precision!r} keeps the model's parameters as fp32 master weights, but "
+                              f"{len(low)} are not fp32 (first: {low[0][0]} is {low[0][1]}); pass the model in fp32 "
+                              f"(model.float()) and let Harmony make the {precision} copies")
     t_trace = time.perf_counter()
     program = Program(model=model, gm=gm, example_batch=tuple(batch), config=config)
     program.fake = cost.annotate(gm, tuple(batch), config.microbatch_size, dtype=config.compute_dtype)

@@ -88,8 +88,9 @@ def test_bf16_differs_from_fp32():
 
 def test_loss_is_fp32_and_integer_inputs_are_not_cast():
     model, data = CASES["gpt"]()
-    sm = harmony.compile(copy.deepcopy(model), example_batch=data[0], memory_budget=int(training_state_bytes(model) * 0.2),
-                         microbatches=2, precision="bf16")
+    budget = int(training_state_bytes(model) * 0.2)
+    sm = harmony.compile(copy.deepcopy(model), example_batch=data[0], memory_budget=budget, microbatches=2,
+                         precision="bf16")
     seen = {}
     forward = sm.plan.packs[0].module.forward
 
@@ -196,6 +197,12 @@ def test_bad_mixed_precision_configurations_raise(kw, match):
     model, data = CASES["mlp"]()
     with pytest.raises(ConfigError, match=match):
         harmony.compile(model, example_batch=data[0], **kw)
+
+
+def test_a_model_already_in_half_precision_is_refused():
+    model, data = CASES["mlp"]()
+    with pytest.raises(ConfigError, match=r"model.float\(\)"):
+        harmony.compile(model.to(torch.bfloat16), example_batch=data[0], precision="bf16")
 
 
 def test_checkpoint_saves_fp32_masters_and_resumes_bitwise(tmp_path):

@@ -5,6 +5,8 @@ Harmony report: GPT, 120,576 parameters
 training state  1.84 MiB (params 471.00 KiB, grads 471.00 KiB, optimizer 942.23 KiB)
 budget          1.84 MiB per device (100% of the training state), policy harmony,
                 4 microbatches of 2 (batch 8), optimizer AdamW
+precision       fp32: device copies in the model's dtype (471.00 KiB), masters 471.00 KiB on the host
+between steps   device 1.84 MiB resident, host 471.00 KiB, disk 0 B
 compile         1.30 s (trace 816 ms, cost 267 ms, passes 217 ms)
 ...
 == last step ==
@@ -238,7 +240,8 @@ class _Writer:
         tiers = d.get("tiers")
         if tiers:
             copies = (f"{tiers['precision']}: device copies in {tiers['compute_dtype']} "
-                      f"({fmt_bytes(tiers['device_copy_bytes'])}), masters {fmt_bytes(tiers['master_bytes'])} on the host"
+                      f"({fmt_bytes(tiers['device_copy_bytes'])}), "
+                      f"masters {fmt_bytes(tiers['master_bytes'])} on the host"
                       + (", optimizer steps fp32 masters on the host" if tiers["precision"] != "fp32" else ""))
             rest = (f"device {fmt_bytes(tiers['device_bytes'])} resident, host {fmt_bytes(tiers['host_bytes'])}, "
                     f"disk {fmt_bytes(tiers['disk_bytes'])}")
