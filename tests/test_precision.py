@@ -86,8 +86,10 @@ def test_bf16_differs_from_fp32():
     assert any(not torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
 
 
-def test_loss_is_fp32_and_integer_inputs_are_not_cast():
-    model, data = CASES["gpt"]()
+@pytest.mark.parametrize("case, first_pack_reads", [("gpt", torch.int64), ("mlp", torch.bfloat16)])
+def test_loss_is_fp32_and_only_float_inputs_are_cast(case, first_pack_reads):
+    """The GPT's first pack reads token ids, which stay int64; the MLP's reads features, cast to bf16."""
+    model, data = CASES[case]()
     budget = int(training_state_bytes(model) * 0.2)
     sm = harmony.compile(copy.deepcopy(model), example_batch=data[0], memory_budget=budget, microbatches=2,
                          precision="bf16")
@@ -101,7 +103,7 @@ def test_loss_is_fp32_and_integer_inputs_are_not_cast():
     loss = sm(*data[0])
     sm.close()
     assert loss.dtype == torch.float32
-    assert torch.int64 in seen.values() and torch.float32 not in seen.values()
+    assert first_pack_reads in seen.values() and torch.float32 not in seen.values(), seen
 
 
 def test_bf16_device_peak_is_clearly_below_fp32_at_the_same_plan():
@@ -283,3 +285,22 @@ def test_report_shows_the_precision_and_bytes_per_tier():
     assert tiers["device_copy_bytes"] == 2 * n and tiers["master_bytes"] == 4 * n
     assert tiers["host_bytes"] == 4 * n + sum(s.optim_bytes for s in sm.plan.packs) and tiers["disk_bytes"] == 0
     assert "precision" in text and "bf16: device copies in bfloat16" in text and "between steps" in text
+
+
+def test_tied_embedding_and_head_are_close_in_bf16():
+    """The built-in GPT's default ties its embedding and head: that weight is used by two packs and gets
+    its two gradient contributions per microbatch summed in another order than eager's single backward
+    (DESIGN.md's one exception to bitwise), and in bf16 each order rounds at 8 bits of mantissa. With SGD
+    (an update proportional to the gradient, unlike Adam's normalised one) the parameters after 3 steps
+    stay close (the weights move by up to 0.07 in these steps); after the first step every weight
+    feeds on the tied one, so only closeness is asserted."""
+    model, data = CASES["gpt"](tie=True)
+    sgd = dict(lr=0.1, momentum=0.9)
+    ref, _ = eager_mixed(model, data, 4, torch.bfloat16, optimizer=torch.optim.SGD, **sgd)
+    ours = copy.deepcopy(model)
+    sm, _, _ = run_compiled(ours, data, 4, int(training_state_bytes(model) * 0.3), precision="bf16",
+                            optimizer=torch.optim.SGD, optimizer_kwargs=sgd)
+    tied = "tok.weight"
+    assert sum(tied in p.params for p in sm.plan.packs) == 2
+    diffs = {n: (a - b).abs().max().item() for (n, a), b in zip(ours.named_parameters(), ref.parameters())}
+    assert max(diffs.values()) < 3e-4, diffs   # measured 1.4e-4; fp32 training lands 6e-4 from this reference
