@@ -8,7 +8,8 @@ state never touches the device (ZeRO-Offload); the weights' next ``swap_in`` wai
 that step. With ``optimizer_on="auto"`` the step stays on the device when all training
 state fits the budget, and goes to the host otherwise: that is when the device has no
 room for optimizer state, and the host step moves only gradients (P bytes out) instead
-of optimizer state (2 x 2P) and updated weights (P).
+of optimizer state (2 x 2P) and updated weights (P). Mixed precision (``precision=``) always
+steps on the host: the fp32 masters and optimizer state never come to the device.
 
 Where a host-stepped pack's optimizer state lives between steps (``plan.optim_on``):
 ``host`` while ``host_memory_budget`` allows, else ``disk`` (a file per pack under
