@@ -27,6 +27,7 @@ from torch.utils._pytree import tree_flatten, tree_map_only
 from harmony.compiler.meta import COST, STATE
 from harmony.errors import InputError
 from harmony.runtime.memory import CountAllocations, MemoryMeter
+from harmony.runtime.precision import device_dtype
 
 B = sympy.Symbol("B", positive=True, integer=True)
 
@@ -177,7 +178,8 @@ class _Measure(torch.fx.Interpreter):
         if not real or n.op != "call_module":
             return getattr(self, n.op)(n.target, args, kwargs)
         mod = self.module.get_submodule(n.target)
-        state = {k: self.real_of[id(v)] for k, v in list(mod.named_parameters()) + list(mod.named_buffers())}
+        state = {k: self.real_of[id(v)].to(v.dtype)    # the compute dtype's twin under mixed precision
+                 for k, v in list(mod.named_parameters()) + list(mod.named_buffers())}
         return torch.func.functional_call(mod, state, args, kwargs)
 
     def _measure(self, n, real: bool):
@@ -257,18 +259,26 @@ def _tensors(tree):
     return (t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor))
 
 
-def _resize(t: torch.Tensor, batch: int, mode: FakeTensorMode) -> torch.Tensor:
+def _resize(t: torch.Tensor, batch: int, mode: FakeTensorMode, dtype=None) -> torch.Tensor:
     shape = (batch,) + tuple(t.shape[1:]) if t.dim() else ()
     with mode:
-        out = torch.empty(shape, dtype=t.dtype, device=t.device)
+        out = torch.empty(shape, dtype=device_dtype(t, dtype), device=t.device)
     return out
 
 
-def _measure_at(gm, batch, b):
+def _fake(t: torch.Tensor, mode: FakeTensorMode, dtype) -> torch.Tensor:
+    """A fake twin of a parameter or buffer as the device holds it (cast to the compute dtype if float)."""
+    if device_dtype(t, dtype) == t.dtype:
+        return mode.from_tensor(t)
+    with mode:
+        return torch.empty_strided(tuple(t.shape), t.stride(), dtype=dtype, device=t.device)
+
+
+def _measure_at(gm, batch, b, dtype=None):
     mode = FakeTensorMode(allow_non_fake_inputs=True)   # constants the tracer lifted (GPT-2 masks) are real
     fake_state = {}
     for name, t in list(gm.named_parameters(remove_duplicate=False)) + list(gm.named_buffers(remove_duplicate=False)):
-        fake_state[name] = mode.from_tensor(t)
+        fake_state[name] = _fake(t, mode, dtype)
         if isinstance(t, torch.nn.Parameter):
             fake_state[name].requires_grad_(t.requires_grad)
     # tied tensors must stay one tensor under the fake mode too
@@ -276,7 +286,7 @@ def _measure_at(gm, batch, b):
     for name, t in list(gm.named_parameters(remove_duplicate=False)) + list(gm.named_buffers(remove_duplicate=False)):
         by_id.setdefault(id(t), fake_state[name])
         fake_state[name] = by_id[id(t)]
-    inputs = [_resize(t, b, mode) for t in batch]
+    inputs = [_resize(t, b, mode, dtype) for t in batch]
     interp = _Measure(gm, {id(t.untyped_storage()) for t in fake_state.values()})
     interp.mode = mode
     reals = list(gm.parameters()) + list(gm.buffers())
@@ -291,7 +301,7 @@ def _measure_at(gm, batch, b):
             raise InputError(f"the example batch does not fit the model at microbatch size {b}: "
                              f"{type(e).__name__}: {e}. Check that every batch tensor has the batch "
                              f"in dimension 0 and the shapes the model expects.") from e
-    return interp.records, FakeRun(mode, interp.vals, by_id)
+    return interp.records, FakeRun(mode, interp.vals, by_id, dtype)
 
 
 @dataclass
@@ -301,18 +311,20 @@ class FakeRun:
     mode: FakeTensorMode
     vals: dict            # node -> fake value
     state: dict           # id(real parameter or buffer) -> its fake twin
+    dtype: torch.dtype | None = None   # compute dtype of the twins and float inputs (None: as the model's)
 
 
-def annotate(gm: torch.fx.GraphModule, batch: tuple, microbatch: int) -> FakeRun:
+def annotate(gm: torch.fx.GraphModule, batch: tuple, microbatch: int, dtype: torch.dtype | None = None) -> FakeRun:
     """Write a ``NodeCost`` (key ``harmony.cost``) and the state it reads (``harmony.state``) on every node.
 
     Measures at microbatch sizes ``microbatch`` and ``2 * microbatch``; returns the fake run
-    at ``microbatch`` (``measure_pack`` reuses it).
+    at ``microbatch`` (``measure_pack`` reuses it). ``dtype`` (mixed precision): float
+    parameters, buffers and inputs are measured as the device holds them, in that dtype.
     """
     names = state_names(gm)
     b1, b2 = microbatch, 2 * microbatch
-    r1, run = _measure_at(gm, batch, b1)
-    r2, _ = _measure_at(gm, batch, b2)
+    r1, run = _measure_at(gm, batch, b1, dtype)
+    r2, _ = _measure_at(gm, batch, b2, dtype)
     for node in gm.graph.nodes:
         node.meta[STATE] = _node_state(gm, node, names)
         if node not in r1:
@@ -355,7 +367,11 @@ def measure_pack(module: torch.fx.GraphModule, inputs: list, grad_inputs: list[b
         with unset_fake_temporarily():
             zeros = [torch.zeros(tuple(x.shape), dtype=x.dtype) if isinstance(x, torch.Tensor) else x
                      for x in inputs]
-            out = _profile_pack(module, zeros, grad_inputs, loss_output)
+            cast = {n: t.detach().to(device_dtype(t, run.dtype)).requires_grad_(t.requires_grad)   # as on the device
+                    for n, t in list(module.named_parameters()) + list(module.named_buffers())
+                    if device_dtype(t, run.dtype) != t.dtype}
+            with _reparametrize_module(module, cast, tie_weights=True):
+                out = _profile_pack(module, zeros, grad_inputs, loss_output)
         for p in module.parameters():
             p.grad = None
         return out

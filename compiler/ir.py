@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from harmony.runtime.plan import Plan
+from harmony.runtime.precision import compute_dtype
 
 
 @dataclass
@@ -31,6 +32,13 @@ class CompileConfig:
     offload_dir: str | None = None     # where the disk tier makes its private directory; None: the temp directory
     weights_on: str = "auto"           # fp32 weights between uses: auto | host | disk (offload pass)
     disk_group_bytes: int = 32 << 20   # weights per file of a pack wholly on disk (it steps a file at a time)
+    precision: str = "fp32"            # fp32 | bf16 | fp16: dtype of the device's copies (runtime/precision.py)
+    loss_scaling: dict = field(default_factory=dict)   # fp16: LossScaler arguments (GradScaler's)
+
+    @property
+    def compute_dtype(self):
+        """The dtype of float state and activations on the device; None for fp32 (nothing is cast)."""
+        return compute_dtype(self.precision)
 
     @property
     def usable_budget(self) -> int:

@@ -15,6 +15,7 @@ from harmony.errors import BudgetError
 from harmony.runtime.executor import last_uses
 from harmony.runtime.ops import MemoryModel, Predicted, op_of, resident_state, state_names
 from harmony.runtime.plan import optim_state_bytes
+from harmony.runtime.precision import device_bytes
 
 NEEDS = {"forward": ("params",), "backward": ("params", "grads"), "step": ("params", "grads", "optim")}
 
@@ -37,13 +38,14 @@ class MemoryCurve:
 
 def state_sizes(program) -> dict:
     gm, prof = program.gm, program.optim_profile
+    dtype = program.config.compute_dtype   # mixed precision: device copies and gradients in the compute dtype
     sizes = {}
     for n, t in list(gm.named_parameters()) + list(gm.named_buffers()):
-        b = t.numel() * t.element_size()
+        b = device_bytes(t, dtype)
         sizes[("params", n)] = b
         if isinstance(t, torch.nn.Parameter) and t.requires_grad:
             sizes[("grads", n)] = b
-            sizes[("optim", n)] = optim_state_bytes(prof, b)
+            sizes[("optim", n)] = optim_state_bytes(prof, t.numel() * t.element_size())
     from harmony.runtime.disk import ALIGN, layout
     tensors = dict(gm.named_parameters())
     for groups in (getattr(program.plan, "disk_groups", None) or {}).values():

@@ -23,13 +23,13 @@ def demo(args) -> int:
     print(f"model: GPT, {args.layers} layers, width {args.width}, {n / 1e6:.2f}M parameters; "
           f"training state {fmt_bytes(state)} (16 B/param with AdamW)")
     print(f"device budget: {fmt_bytes(budget)} = {args.budget:.0%} of the training state; "
-          f"batch {args.batch} in {args.microbatches} microbatches; policy {args.policy}")
+          f"batch {args.batch} in {args.microbatches} microbatches; policy {args.policy}; precision {args.precision}")
     data = copy_task(c, args.batch, args.steps, seed=args.seed)
     x, y = next(copy_task(c, args.batch, 1, seed=args.seed))
     t0 = time.perf_counter()
     sm = harmony.compile(model, example_batch=(x, y), optimizer=torch.optim.AdamW,
                          optimizer_kwargs={"lr": args.lr}, memory_budget=budget,
-                         microbatches=args.microbatches, policy=args.policy)
+                         microbatches=args.microbatches, policy=args.policy, precision=args.precision)
     print(f"compiled in {time.perf_counter() - t0:.1f} s: {len(sm.plan.packs)} packs")
     from tqdm import tqdm
     bar = tqdm(data, total=args.steps, desc="training", unit="step", file=sys.stdout, mininterval=0.5)
@@ -65,6 +65,8 @@ def main(argv=None) -> int:
     d.add_argument("--budget", type=float, default=0.4, help="device budget as a share of the training state")
     d.add_argument("--policy", default="harmony", choices=["harmony", "sequential", "ondemand"])
     d.add_argument("--lr", type=float, default=1e-3)
+    d.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"],
+                   help="bf16/fp16: compute copies on the device, fp32 masters and optimizer on the host")
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--out", default="harmony-demo", help="where the drawings go")
     args = p.parse_args(argv)

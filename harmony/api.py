@@ -15,6 +15,7 @@ from harmony.data import check_world, resolve as resolve_data_parallel
 from harmony.errors import ConfigError, InputError
 from harmony.runtime.executor import Runtime
 from harmony.runtime.ondemand import OnDemand
+from harmony.runtime.precision import PRECISIONS, SCALING_DEFAULTS
 from harmony.process import peak_rss_bytes
 from harmony.units import parse_bytes
 
@@ -25,8 +26,8 @@ def compile(model: torch.nn.Module, example_batch, *, optimizer=torch.optim.Adam
             memory_budget="1GiB", microbatches: int = 1, policy: str = "harmony", loss_fn=None,
             leaf_modules=(), passes=DEFAULT_PIPELINE, device="cpu", hardware=None,
             optimizer_on="auto", host_memory_budget=None, offload_dir=None, weights_on="auto",
-            disk_group_bytes="32MiB",
-            data_parallel=None, compression=None, min_size: int = 16) -> "ScheduledModule":
+            disk_group_bytes="32MiB", data_parallel=None, compression=None, min_size: int = 16,
+            precision: str = "fp32", loss_scaling=None) -> "ScheduledModule":
     """Plan and build a training step for ``model`` that fits ``memory_budget`` per device.
 
     >>> sm = harmony.compile(model, example_batch=(x, y), memory_budget="512MiB", microbatches=8)
@@ -54,6 +55,14 @@ def compile(model: torch.nn.Module, example_batch, *, optimizer=torch.optim.Adam
     ``"fp16"``, ``"bf16"``, ``"4bit"`` (any of 1..8 bits), ``"adaptive"`` (bits per layer after a
     warm-up) or a ``CompressionSpec``; tensors of dimension <= 1 or fewer than ``min_size``
     elements stay uncompressed.
+    ``precision``: ``"fp32"`` (default: everything fp32), ``"bf16"`` or ``"fp16"``: the device holds
+    compute copies of the float parameters and buffers in that dtype, runs the packs on float batch
+    tensors cast to it (integer ones, such as token ids, are not cast) and accumulates gradients in it;
+    the optimizer steps fp32 master weights with fp32 gradients and fp32 state on the host (or disk),
+    as ZeRO-Offload does, so ``optimizer_on`` must be ``"auto"`` or ``"host"``. The loss returned is
+    fp32. ``loss_scaling`` (fp16 only): ``torch.amp.GradScaler``'s ``init_scale``, ``growth_factor``,
+    ``backoff_factor``, ``growth_interval`` (defaults 2**16, 2, 0.5, 2000); a step with an inf or nan
+    gradient is skipped and the scale backed off (``sm.loss_scale``).
     """
     t0 = time.perf_counter()
     if policy not in POLICIES:
@@ -69,6 +78,7 @@ def compile(model: torch.nn.Module, example_batch, *, optimizer=torch.optim.Adam
                           f"{batch_size}; divisors: {[d for d in range(1, batch_size + 1) if batch_size % d == 0]}")
     if not (isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer)):
         raise ConfigError(f"optimizer must be a torch.optim.Optimizer class, got {optimizer!r}")
+    optimizer_on, loss_scaling = _check_precision(precision, loss_scaling, optimizer_on, policy)
     config = CompileConfig(memory_budget=parse_bytes(memory_budget), microbatches=microbatches,
                            batch_size=batch_size, policy=policy, optimizer=optimizer,
                            optimizer_kwargs=dict(optimizer_kwargs or {}), optimizer_on=optimizer_on,
@@ -76,15 +86,25 @@ def compile(model: torch.nn.Module, example_batch, *, optimizer=torch.optim.Adam
                            else parse_bytes(host_memory_budget, "host_memory_budget"),
                            offload_dir=None if offload_dir is None else os.fspath(offload_dir),
                            weights_on=weights_on, disk_group_bytes=parse_bytes(disk_group_bytes, "disk_group_bytes"),
+                           precision=precision, loss_scaling=loss_scaling,
                            **resolve_data_parallel(data_parallel, compression, min_size))
+    if config.data_parallel and precision != "fp32":
+        raise ConfigError(f"precision={precision!r} is not supported with data-parallel training yet: the gradient "
+                          f"all-reduce expects fp32 gradients; use precision='fp32' or train one process")
     if hardware is not None:
         dev = _device_of(hardware)
         config.flops, config.copy_bandwidth = dev.flops, dev.h2d_bandwidth
     example = dict(zip(names, batch)) if names else tuple(batch)
     gm = trace(model, example, loss_fn=loss_fn, leaf_modules=leaf_modules)
+    if precision != "fp32":   # the host's masters are the model's own tensors: they must be the fp32 ones
+        low = [(n, p.dtype) for n, p in gm.named_parameters() if p.is_floating_point() and p.dtype != torch.float32]
+        if low:
+            raise ConfigError(f"precision={precision!r} keeps the model's parameters as fp32 master weights, but "
+                              f"{len(low)} are not fp32 (first: {low[0][0]} is {low[0][1]}); pass the model in fp32 "
+                              f"(model.float()) and let Harmony make the {precision} copies")
     t_trace = time.perf_counter()
     program = Program(model=model, gm=gm, example_batch=tuple(batch), config=config)
-    program.fake = cost.annotate(gm, tuple(batch), config.microbatch_size)
+    program.fake = cost.annotate(gm, tuple(batch), config.microbatch_size, dtype=config.compute_dtype)
     program.optim_profile = cost.optimizer_profile(optimizer, config.optimizer_kwargs)
     t_cost = time.perf_counter()
     program = run_passes(program, passes)
@@ -110,6 +130,35 @@ def _disk_stats(state) -> dict:
         sec = out[f"disk_{way}_seconds"]
         out[f"disk_{way}_GBps"] = out[f"disk_{way}_done"] / sec / 1e9 if sec else 0.0
     return out
+
+
+def _check_precision(precision, loss_scaling, optimizer_on, policy):
+    """Validated (optimizer_on, loss scaling arguments) for ``precision``; mixed precision steps on the host."""
+    if precision not in PRECISIONS:
+        raise ConfigError(f"precision={precision!r}; choose one of {', '.join(map(repr, PRECISIONS))}")
+    if loss_scaling is not None and precision != "fp16":
+        raise ConfigError(f"loss_scaling is for precision='fp16' (got precision={precision!r}): bf16 has fp32's "
+                          f"exponent range and needs no scaling; drop loss_scaling or use fp16")
+    if precision == "fp32":
+        return optimizer_on, {}
+    if optimizer_on == "device":
+        raise ConfigError(f"precision={precision!r} with optimizer_on='device': mixed precision keeps the fp32 master "
+                          f"weights and optimizer state on the host and steps there, so the device never holds "
+                          f"them; use optimizer_on='host' (or 'auto'), or precision='fp32' to step on the device")
+    if policy == "ondemand":
+        raise ConfigError(f"precision={precision!r} needs a planned schedule; the ondemand baseline moves fp32 state "
+                          f"as ops touch it. Use policy='harmony' or 'sequential', or precision='fp32'")
+    scaling = dict(SCALING_DEFAULTS) if precision == "fp16" else {}
+    unknown = set(loss_scaling or {}) - set(SCALING_DEFAULTS)
+    if unknown:
+        raise ConfigError(f"loss_scaling has unknown keys {sorted(unknown)}; the keys are "
+                          f"{', '.join(SCALING_DEFAULTS)} (torch.amp.GradScaler's)")
+    scaling.update(loss_scaling or {})
+    if scaling and not (scaling["init_scale"] > 0 and scaling["growth_factor"] > 1 and 0 < scaling["backoff_factor"] < 1
+                        and int(scaling["growth_interval"]) >= 1):
+        raise ConfigError(f"loss_scaling={loss_scaling!r}: need init_scale > 0, growth_factor > 1, "
+                          f"0 < backoff_factor < 1 and growth_interval >= 1")
+    return ("host" if optimizer_on == "auto" else optimizer_on), scaling
 
 
 def _device_of(hardware):
@@ -220,10 +269,18 @@ class ScheduledModule(torch.nn.Module):
                           predicted_h2d=self.predicted.moved["h2d"], predicted_d2h=self.predicted.moved["d2h"],
                           peak_rss_bytes=peak_rss_bytes())
         self.stats.update(_disk_stats(rt.state))
+        if rt.scaler is not None:   # the scale the next step uses, and the steps skipped for inf/nan so far
+            self.stats.update(loss_scale=self.loss_scale, skipped_steps=rt.scaler.skipped)
         if self.program.config.data_parallel:     # bytes on the wire vs fp32, seconds communicating, bits
             from harmony.passes.compress import step_stats
             self.stats.update(step_stats(self))
         return loss
+
+    @property
+    def loss_scale(self) -> float | None:
+        """fp16: the loss scale the next step multiplies the loss by; None without loss scaling."""
+        scaler = getattr(self.runtime, "scaler", None)
+        return None if scaler is None else scaler.scale.item()
 
     def simulate(self, hardware=None, device: int = 0):
         """One step simulated on ``hardware``: a ``Hardware``, a preset name, or None (this machine under the budget)."""

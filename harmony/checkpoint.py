@@ -2,7 +2,9 @@
 
 A checkpoint holds what a resumed run needs to continue bitwise as if it had never
 stopped: every parameter and buffer, each parameter's optimizer state, the optimizer
-hyperparameters, the step count and torch's RNG state.
+hyperparameters, the step count, torch's RNG state and, under fp16, the loss scale.
+Under mixed precision the parameters saved are the fp32 masters: the runtime's tensors
+point at them between steps (the device's compute copies live only within a step).
 
 >>> harmony.save(sm, "ckpt")          # after some steps
 >>> harmony.load(sm2, "ckpt")         # sm2: the same model compiled again, any budget
@@ -284,7 +286,19 @@ def state_dict(sm) -> dict:
                           for names, g in groups] for groups in live.groups],
         "step": sm.steps,
         "rng": _rng_state(),
+        **({"loss_scaler": _scaler(sm).state_dict()} if _scaler(sm) is not None else {}),
     }
+
+
+def _scaler(sm):
+    """fp16's loss scaler (runtime/precision.py), whose scale a resumed run continues from; else None."""
+    return getattr(sm.runtime, "scaler", None)
+
+
+def _load_scaler(sm, state: dict | None) -> None:
+    """Continue from the saved loss scale; a checkpoint without one (fp32, bf16) leaves the initial scale."""
+    if state is not None and _scaler(sm) is not None:
+        _scaler(sm).load_state_dict(state)
 
 
 def load_state_dict(sm, sd: dict) -> None:
@@ -314,6 +328,7 @@ def load_state_dict(sm, sd: dict) -> None:
     live.write_groups(groups)
     sm.steps = int(sd["step"])
     _set_rng_state(sd["rng"])
+    _load_scaler(sm, sd.get("loss_scaler"))
 
 
 def _check(live: _Live, model: dict, optim: dict, groups: list[dict], where: str) -> None:
@@ -454,6 +469,8 @@ def save(sm, path, *, progress=None) -> Path:
             progress(total - 1, total, tmp / "rng.pt")
         manifest = {"format": KIND, "version": FORMAT, "step": sm.steps, "torch": torch.__version__,
                     "param_groups": groups, "files": files}
+        if _scaler(sm) is not None:
+            manifest["loss_scaler"] = _scaler(sm).state_dict()
         _write_bytes(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
         if progress is not None:
             progress(total, total, tmp / MANIFEST)
@@ -513,6 +530,7 @@ def load(sm, path) -> CheckpointInfo:
     live.write_groups(groups)
     sm.steps = int(manifest["step"])
     _set_rng_state(rng)
+    _load_scaler(sm, manifest.get("loss_scaler"))
     if recovered:
         warnings.warn(f"{target} is missing: a save was interrupted between its renames; loaded the previous "
                       f"checkpoint {src} (step {sm.steps}). The next harmony.save to {target} moves it back.",

@@ -8,7 +8,8 @@ state never touches the device (ZeRO-Offload); the weights' next ``swap_in`` wai
 that step. With ``optimizer_on="auto"`` the step stays on the device when all training
 state fits the budget, and goes to the host otherwise: that is when the device has no
 room for optimizer state, and the host step moves only gradients (P bytes out) instead
-of optimizer state (2 x 2P) and updated weights (P).
+of optimizer state (2 x 2P) and updated weights (P). Mixed precision (``precision=``) always
+steps on the host: the fp32 masters and optimizer state never come to the device.
 
 Where a host-stepped pack's optimizer state lives between steps (``plan.optim_on``):
 ``host`` while ``host_memory_budget`` allows, else ``disk`` (a file per pack under
@@ -74,7 +75,9 @@ def run(program: Program, ctx) -> PassResult:
         raise ConfigError(f"optimizer_on={cfg.optimizer_on!r}; choose one of {', '.join(PLACES)}")
     place = cfg.optimizer_on
     reason = f"optimizer_on={place!r}"
-    if place == "auto":
+    if cfg.precision != "fp32":   # compile() refuses optimizer_on="device" with mixed precision
+        place, reason = "host", f"precision={cfg.precision!r}: fp32 master weights and optimizer state stay on the host"
+    elif place == "auto":
         fits = everything_fits(program)
         place = "device" if fits or cfg.policy == "ondemand" else "host"
         reason = ("all training state fits the budget" if fits else
@@ -126,7 +129,7 @@ def run(program: Program, ctx) -> PassResult:
     elif host:
         report.notes.append(
             f"host_memory_budget {fmt_bytes(budget)} holds {fmt_bytes(need['planned'])}: master parameters and "
-            f"buffers {fmt_bytes(need['masters'])}, gradients {fmt_bytes(need['grads'])}, optimizer "
+            f"buffers {fmt_bytes(need['masters'])}, {_grads_held(cfg)} {fmt_bytes(need['grads'])}, optimizer "
             f"state of {len(plan.packs) - len(disk) - len(whole)} host packs {fmt_bytes(need['host_optim'])}"
             + (f", disk buffers in flight {fmt_bytes(need['staging'])}" if disk or whole else ""))
         if disk:
@@ -145,6 +148,12 @@ def run(program: Program, ctx) -> PassResult:
     return PassResult(program, report)
 
 
+def _grads_held(cfg) -> str:
+    """Which gradients the host holds at once: fp16 keeps every pack's until the overflow check."""
+    return {"fp32": "gradients of two packs", "bf16": "gradients of two packs (bf16 and fp32)",
+            "fp16": "gradients of every pack (fp16 steps after the last is checked for overflow)"}[cfg.precision]
+
+
 def place_state(program: Program) -> tuple[set[int], set[int], dict]:
     """(packs with optimizer state on disk, packs wholly on disk, the host bytes planned) under ``host_memory_budget``.
 
@@ -160,6 +169,9 @@ def place_state(program: Program) -> tuple[set[int], set[int], dict]:
     sizes = {n: t.numel() * t.element_size() for n, t in gm.named_parameters()}
     buffers = sum(t.numel() * t.element_size() for t in gm.buffers())
     owned = {s.index: sum(sizes.get(n, 0) for n in s.owned) for s in plan.packs}
+    # a pack's gradients on the host between its release and its step; under mixed precision they arrive in
+    # the compute dtype and step as fp32 copies, and fp16 holds every pack's until the last is checked
+    held = {s.index: s.param_bytes + (s.master_bytes if cfg.precision != "fp32" else 0) for s in plan.packs}
     optim = {s.index: s.optim_bytes for s in plan.packs}
     groups = groups_of(plan, set(optim), cfg.disk_group_bytes, sizes)
     # a wholly-disk pack's largest file: its largest group's weights and their share of the optimizer state
@@ -171,7 +183,8 @@ def place_state(program: Program) -> tuple[set[int], set[int], dict]:
 
     def need(disk: set[int], whole: set[int]) -> dict:
         masters = buffers + sum(b for p, b in owned.items() if p not in whole)
-        grads = 2 * max((s.param_bytes for s in plan.packs if s.index not in whole), default=0) + \
+        host_held = [b for p, b in held.items() if p not in whole]
+        grads = (sum(host_held) if cfg.precision == "fp16" else 2 * max(host_held, default=0)) + \
             max((group_grads[p] for p in whole), default=0)
         host_optim = sum(b for p, b in optim.items() if p not in disk and p not in whole)
         staging = 2 * max((optim[p] for p in disk), default=0) + 3 * max((file_bytes[p] for p in whole), default=0)
@@ -181,6 +194,12 @@ def place_state(program: Program) -> tuple[set[int], set[int], dict]:
     weights_on = getattr(cfg, "weights_on", "auto")
     if weights_on not in WEIGHTS:
         raise ConfigError(f"weights_on={weights_on!r}; choose one of {', '.join(WEIGHTS)}")
+    if cfg.precision != "fp32":          # the disk step does not yet cast weights and gradients
+        if weights_on == "disk":
+            raise ConfigError(f"weights_on='disk' with precision={cfg.precision!r}: packs wholly on disk train in "
+                              f"fp32 only for now; use precision='fp32', or weights_on='host' with a "
+                              f"host_memory_budget that holds the fp32 weights")
+        weights_on = "host"
     packs = {p for p in optim if owned[p]}
     if weights_on == "host":
         minimum = need(set(optim), set())["planned"]

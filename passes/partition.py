@@ -23,6 +23,7 @@ from harmony.compiler.ir import PassReport, PassResult, Program
 from harmony.compiler.meta import COST, MODULE_PATH, PACK, STATE
 from harmony.errors import BudgetError
 from harmony.runtime.plan import PackSpec, Plan, optim_state_bytes, step_extra
+from harmony.runtime.precision import device_bytes
 from harmony.units import fmt_bytes
 
 NAME = "partition"
@@ -151,9 +152,9 @@ class _Need:
 
     def __init__(self, program: Program, units: list[Unit]):
         self.p, self.units = program, units
-        self.sizes = {n: t.numel() * t.element_size() for n, t in
-                      list(program.gm.named_parameters()) + list(program.gm.named_buffers())}
-        self.state_per_byte = program.optim_profile["state_per_byte"]
+        self.sizes = device_sizes(program)       # bytes on the device (compute copies under mixed precision)
+        self.master = {n: t.numel() * t.element_size() for n, t in program.gm.named_parameters()}
+        self.state_per_byte = program.optim_profile["state_per_byte"]   # per byte of fp32 master
 
     def __call__(self, s: int, e: int, last: bool) -> tuple[float, float]:
         us = self.units[s:e]
@@ -162,7 +163,7 @@ class _Need:
         pbytes = sum(self.sizes[n] for n in params)
         bbytes = sum(self.sizes[n] for n in bufs)
         prof = self.p.optim_profile   # the step brings one parameter's optimizer state in at a time
-        extra = max((self.state_per_byte * self.sizes[n] + step_extra(prof, [self.sizes[n]]) for n in params),
+        extra = max((self.state_per_byte * self.master[n] + step_extra(prof, [self.master[n]]) for n in params),
                     default=0)
         kept = sum(u.kept for u in us)
         boundary = us[0].cross_in + (self.units[e].cross_in if e < len(self.units) else 0)
@@ -173,7 +174,7 @@ class _Need:
         cfg = self.p.config
         m = cfg.microbatches
         flops = sum(u.fwd_flops + u.bwd_flops + (0 if last else u.fwd_flops) for u in us) * m
-        traffic = (pbytes + bbytes) * (1 if last else 2) + pbytes * 2 * self.state_per_byte
+        traffic = (pbytes + bbytes) * (1 if last else 2) + sum(self.master[n] for n in params) * 2 * self.state_per_byte
         seconds = max(flops / cfg.flops, traffic / cfg.copy_bandwidth) + 1e-4
         return need, seconds
 
@@ -181,7 +182,7 @@ class _Need:
         """Bytes a swapped pack moves per iteration: weights in per phase, out once updated, optimizer state in and out."""
         params = frozenset().union(*(u.params for u in self.units[s:e]))
         pbytes = sum(self.sizes[n] for n in params)
-        return pbytes * ((1 if last else 2) + 1) + pbytes * 2 * self.state_per_byte
+        return pbytes * ((1 if last else 2) + 1) + sum(self.master[n] for n in params) * 2 * self.state_per_byte
 
     def plan_cost(self, cuts, budget: float) -> tuple[float, float]:
         """(seconds, bytes moved) of a partition, counting what the room left beside the largest pack keeps resident."""
@@ -241,7 +242,8 @@ def build_packs(program: Program, cuts: list[tuple[int, int]], units: list[Unit]
     output = next(n for n in gm.graph.nodes if n.op == "output")
     loss_node = output.args[0]
     trainable = {n for n, p in gm.named_parameters() if p.requires_grad}
-    sizes = {n: t.numel() * t.element_size() for n, t in list(gm.named_parameters()) + list(gm.named_buffers())}
+    sizes = device_sizes(program)
+    master = {n: t.numel() * t.element_size() for n, t in gm.named_parameters()}
     specs = []
     users_of = {}
     for i in range(len(cuts)):
@@ -274,7 +276,8 @@ def build_packs(program: Program, cuts: list[tuple[int, int]], units: list[Unit]
         inputs, nodes = users_of[spec.index]
         spec.param_bytes = sum(sizes[n] for n in spec.params)
         spec.buffer_bytes = sum(sizes[n] for n in spec.buffers)
-        owned = [sizes[n] for n in spec.owned]
+        spec.master_bytes = sum(master[n] for n in spec.params)
+        owned = [master[n] for n in spec.owned]     # optimizer state is per fp32 master byte
         spec.optim_bytes = sum(optim_state_bytes(prof, b) for b in owned)
         spec.step_extra = step_extra(prof, owned)
         spec.stream_step_peak = max((optim_state_bytes(prof, b) + step_extra(prof, [b]) for b in owned),
@@ -296,6 +299,13 @@ def build_packs(program: Program, cuts: list[tuple[int, int]], units: list[Unit]
         spec.bwd_peak_accum, spec.bwd_recompute_peak_accum = m["bwd_peak_accum"], m["bwd_recompute_peak_accum"]
         spec.in_bytes = sum(_tensor_bytes(program.fake.vals[a]) for a in inputs if a.op != "placeholder")
     return specs
+
+
+def device_sizes(program: Program) -> dict[str, int]:
+    """Bytes of each parameter and buffer on the device: in the compute dtype under mixed precision."""
+    dtype = program.config.compute_dtype
+    return {n: device_bytes(t, dtype) for n, t in
+            list(program.gm.named_parameters()) + list(program.gm.named_buffers())}
 
 
 def _tensor_bytes(v, floating: bool = True) -> int:
@@ -405,7 +415,8 @@ def run(program: Program, ctx) -> PassResult:
             f"Raise memory_budget, or use more microbatches.", min_budget=floor)
     batch_bytes = dict(program.fake_batch_bytes)
     program.plan = Plan(packs=specs, microbatches=cfg.microbatches, microbatch_size=cfg.microbatch_size,
-                        input_names=list(batch_bytes), batch_bytes=batch_bytes, policy=cfg.policy)
+                        input_names=list(batch_bytes), batch_bytes=batch_bytes, policy=cfg.policy,
+                        precision=cfg.precision, loss_scaling=dict(cfg.loss_scaling))
     need = _Need(program, units)
     rows = [dict(pack=s.index, layers=s.name, units=e - b, params_MiB=s.param_bytes / 2**20,
                  saved_MiB=s.saved_bytes / 2**20, recompute="no" if i == len(cuts) - 1 else "yes",

@@ -151,7 +151,8 @@ def run(program: Program, ctx) -> PassResult:
         return PassResult(program, report)
     plan.optim_resident = {}
     plan.resident = {(p.index, k) for p in plan.packs for k in KINDS}
-    if memory_curve(program, check_residency=False).peak <= budget:
+    mixed = program.config.precision != "fp32"   # host steps update fp32 masters: compute copies come in afresh
+    if not mixed and memory_curve(program, check_residency=False).peak <= budget:
         report.notes.append("everything fits the budget: all state stays resident, no swap inserted")
         report.totals = dict(resident_packs=len(plan.packs), swaps=0, stashes=0)
         return PassResult(program, report)
@@ -225,7 +226,11 @@ def run(program: Program, ctx) -> PassResult:
                          h2d_MiB=curve.moved["h2d"] / 2**20, d2h_MiB=curve.moved["d2h"] / 2**20,
                          seconds=time.perf_counter() - start)
     report.notes.append("forced by the budget: the state of all packs does not fit at once; started from "
-                        "everything swapped and stashed, then kept on the device what saves most traffic per byte")
+                        "everything swapped and stashed, then kept on the device what saves most traffic per byte"
+                        if not mixed else
+                        f"precision={program.config.precision!r}: the host steps the fp32 masters, so every pack's "
+                        f"compute copy comes in afresh and its gradients leave after its backward; then kept on "
+                        f"the device what saves most traffic per byte")
     return PassResult(program, report)
 
 

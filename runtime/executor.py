@@ -11,6 +11,7 @@ import torch.fx
 from harmony.runtime.memory import CountAllocations, MemoryMeter
 from harmony.runtime.ops import op_of, resident_state
 from harmony.runtime.plan import Plan
+from harmony.runtime.precision import LossScaler, compute_dtype
 from harmony.runtime.state import TieredState
 
 
@@ -53,6 +54,9 @@ class Runtime:
         self.meter = MemoryMeter(f"{self.device.type}:logical" if self.device.type == "cpu" else str(self.device),
                                  budget)
         self.state = TieredState(tensors, optimizers, self.meter, self.device)
+        self.compute_dtype = compute_dtype(getattr(plan, "precision", "fp32"))   # None: fp32, no casts
+        self.state.compute_dtype = self.compute_dtype
+        self.scaler = LossScaler(**plan.loss_scaling) if getattr(plan, "precision", "fp32") == "fp16" else None
         self.on_demand = on_demand(self) if on_demand is not None else None
         self.free_after = last_uses(graph)
         self.rng: dict = {}
@@ -73,6 +77,8 @@ class Runtime:
         self.batch, self.losses, self.events = batch, [], []
         self.state.moved.clear()
         self.meter.reset_peak()
+        if self.scaler is not None:
+            self.scaler.begin()
         if self.on_demand is not None:
             self.on_demand.start_step()
         env: dict[torch.fx.Node, object] = {}
@@ -92,8 +98,11 @@ class Runtime:
             for dead in self.free_after[node]:
                 env.pop(dead, None)
         self.state.drain()    # the last packs' optimizer steps may still run on the host
+        if self.scaler is not None:   # fp16: the steps wait for every gradient's overflow check
+            self.scaler.finish()
+            self.state.drain()
         self.batch = {}
-        return torch.stack(self.losses).mean()
+        return torch.stack([loss.float() for loss in self.losses]).mean()   # fp32 whatever the compute dtype
 
     def close(self):
         self.state.close()

@@ -17,6 +17,8 @@ from typing import Callable
 
 import torch
 
+from harmony.runtime.precision import device_dtype, master_grads
+
 
 # -- the values that flow between ops ------------------------------------------------------------
 @dataclass
@@ -181,7 +183,7 @@ def _load_batch_execute(rt, mb, names):
     out = {}
     for n in names:
         src = rt.batch[n][mb * b:(mb + 1) * b]
-        dst = torch.empty(src.shape, dtype=src.dtype, device=rt.device)
+        dst = torch.empty(src.shape, dtype=device_dtype(src, rt.compute_dtype), device=rt.device)
         rt.meter.track(dst)
         dst.copy_(src)
         rt.state.moved["h2d"] += _nbytes(dst)
@@ -326,8 +328,9 @@ def _backward_execute(rt, pack, mb, *inputs, saved=None, grads=()):
                 torch.set_rng_state(rng)
         else:
             leaves, outs, restore = saved.leaves, saved.outs, []
-        if "loss" in outs:
-            tensors, seeds = [outs["loss"] / rt.plan.microbatches], [None]
+        if "loss" in outs:   # the seed is fp32 (a no-op in fp32); fp16 scales it (GradScaler.scale)
+            seed = outs["loss"].float() / rt.plan.microbatches
+            tensors, seeds = [seed if rt.scaler is None else rt.scaler.scale_loss(seed)], [None]
         else:
             upstream: dict[str, torch.Tensor] = {}
             for g in grads:
@@ -380,6 +383,9 @@ def _step_execute(rt, pack, stream=False, where="device"):
     ``where="host"``: the pack's gradients and weights are already on the host (its
     releases ran first); the optimizer steps the host copies on a host thread, overlapped
     with the next pack's backward, and the pack's next swap_in waits for it (ZeRO-Offload).
+    With mixed precision the host gradients arrive in the compute dtype and become fp32 first;
+    under fp16 loss scaling they are unscaled and checked here, and the update waits for
+    ``LossScaler.finish`` (runtime/precision.py).
     ``stream``: the optimizer state lives on the host; bring each parameter's in, step it
     alone on the device, and send it back, so the device holds one parameter's state at a time.
     """
@@ -392,12 +398,13 @@ def _step_execute(rt, pack, stream=False, where="device"):
         opts = list(dict.fromkeys(rt.state.optimizers[n] for n in spec.owned))
         disk = getattr(rt.state, "disk", None)   # optimizer state of disk-placed packs (runtime/disk.py)
 
-        def update():
+        def update(skip=False):
             if disk is not None:   # read ahead the next disk pack's state; bring in this one's if on disk
                 disk.begin(pack)
             try:
                 for opt in opts:
-                    opt.step()
+                    if not skip:
+                        opt.step()
             except BaseException:
                 if disk is not None:
                     disk.abort(pack)
@@ -406,7 +413,14 @@ def _step_execute(rt, pack, stream=False, where="device"):
                 disk.end(pack)
             for p in params:
                 p.grad = None
-        fut = rt.state.host_pool.submit(update)
+
+        def check_then_update():   # mixed precision: fp32 gradients; fp16: unscaled, checked, step deferred
+            master_grads(params)
+            if rt.scaler is None:
+                return update()
+            rt.scaler.unscale([p.grad for p in params if p.grad is not None])
+            rt.scaler.defer(update)
+        fut = rt.state.host_pool.submit(update if rt.compute_dtype is None else check_then_update)
         rt.state.pending.update((n, fut) for n in spec.owned)
         return
     if not stream:
@@ -466,6 +480,7 @@ def _step_cost(plan, hw, pack, stream=False, where="device"):
     spec = plan.packs[pack]
     traffic = 4 * (spec.param_bytes * 2 + spec.optim_bytes)
     if where in ("host", "disk"):   # the host's own memory, outside the runtime's accounting: plain dispatch
+        traffic = 4 * ((spec.master_bytes or spec.param_bytes) * 2 + spec.optim_bytes)   # fp32 masters
         return "host", traffic / getattr(hw, "host_memory_bandwidth", hw.memory_bandwidth)
     seconds = traffic / hw.memory_bandwidth + _pack_compute_cost(hw, 0, _kernels_cost(spec, "step"))
     if stream:

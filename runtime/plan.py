@@ -54,6 +54,7 @@ class PackSpec:
     bwd_recompute_peak_accum: int = 0
     fwd_flops: int = 0
     bwd_flops: int = 0
+    master_bytes: int = 0         # the host's fp32 masters of ``params`` (param_bytes is the device copies)
 
 
 @dataclass
@@ -73,3 +74,5 @@ class Plan:
     master_on: dict = field(default_factory=dict)  # pack -> "host" | "disk": its fp32 weights between uses
     disk_groups: dict = field(default_factory=dict)  # pack -> [[param names]]: a file each (wholly-disk packs)
     policy: str = "harmony"
+    precision: str = "fp32"                      # fp32 | bf16 | fp16: dtype of device copies (runtime/precision.py)
+    loss_scaling: dict = field(default_factory=dict)   # fp16: LossScaler arguments

@@ -68,6 +68,7 @@ class TieredState:
         self.pending: dict[str, Future] = {}  # param name -> optimizer step running on the host
         self.disk = None                  # runtime.disk.DiskTier: optimizer state of the disk-placed packs
         self.params_disk = None           # runtime.diskparams.DiskParams: packs wholly on disk (weights too)
+        self.compute_dtype = None         # mixed precision: dtype of device copies of float params and buffers
 
     def settle(self, names) -> None:
         """Wait for host optimizer steps still updating these parameters."""
@@ -126,9 +127,11 @@ class TieredState:
                 src = read()
                 if src is None or self._on_device(src):
                     continue
-                dst = torch.empty_like(src, device=self.device)
+                # mixed precision: a parameter's device copy is cast to the compute dtype, its master stays fp32
+                cast = self.compute_dtype if kind == "params" and src.is_floating_point() else None
+                dst = torch.empty_like(src, device=self.device, dtype=cast)
                 self.meter.track(dst)
-                self.moved["h2d"] += src.numel() * src.element_size()
+                self.moved["h2d"] += dst.numel() * dst.element_size()
                 jobs.append((write, dst, src))
         if from_disk:        # weights of packs wholly on disk: read from their files (into device memory on the CPU)
             reads, placed = self.params_disk.read_params(from_disk)

@@ -5,6 +5,8 @@ Harmony report: GPT, 120,576 parameters
 training state  1.84 MiB (params 471.00 KiB, grads 471.00 KiB, optimizer 942.23 KiB)
 budget          1.84 MiB per device (100% of the training state), policy harmony,
                 4 microbatches of 2 (batch 8), optimizer AdamW
+precision       fp32: device copies in the model's dtype (471.00 KiB), masters 471.00 KiB on the host
+between steps   device 1.84 MiB resident, host 471.00 KiB, disk 0 B
 compile         1.30 s (trace 816 ms, cost 267 ms, passes 217 ms)
 ...
 == last step ==
@@ -21,6 +23,7 @@ import math
 import textwrap
 
 from harmony.errors import ConfigError
+from harmony.runtime.precision import device_bytes
 from harmony.units import fmt_bytes
 
 FORMATS = ("text", "markdown", "json")
@@ -45,7 +48,9 @@ def summary(sm) -> dict:
         model=_model(program),
         config=dict(memory_budget=cfg.memory_budget, policy=cfg.policy, microbatches=cfg.microbatches,
                     microbatch_size=cfg.microbatch_size, batch_size=cfg.batch_size,
-                    optimizer=getattr(cfg.optimizer, "__name__", str(cfg.optimizer))),
+                    optimizer=getattr(cfg.optimizer, "__name__", str(cfg.optimizer)),
+                    precision=getattr(cfg, "precision", "fp32")),
+        tiers=_tiers(program),
         compile_seconds=dict(getattr(sm, "compile_seconds", {}) or {}),
         passes=[dict(title=r.title, seconds=r.seconds, rows=list(r.rows), totals=dict(r.totals),
                      notes=list(r.notes)) for r in program.reports],
@@ -65,6 +70,39 @@ def _model(program) -> dict:
                 param_bytes=param_bytes, grad_bytes=grad_bytes, optim_bytes=optim_bytes,
                 buffer_bytes=buffer_bytes,
                 state_bytes=param_bytes + grad_bytes + optim_bytes + buffer_bytes)
+
+
+def _tiers(program) -> dict:
+    """Bytes of training state per tier between steps, and the device copies' dtype and bytes.
+
+    The host always holds the master of every parameter and buffer (fp32, or the model's own
+    dtype); the device holds what the plan keeps resident, and within a step the compute
+    copies (in the compute dtype under mixed precision) of the packs it swaps in.
+    """
+    plan = program.plan
+    if plan is None:
+        return {}
+    from harmony.compiler.verify import state_sizes
+    from harmony.runtime.ops import state_names
+    gm, cfg = program.gm, program.config
+    dtype = cfg.compute_dtype
+    state = list(gm.parameters()) + list(gm.buffers())
+    masters = sum(t.numel() * t.element_size() for t in state)
+    sizes = state_sizes(program)
+    resident = {(kind, n) for pack, kind in plan.resident for n in state_names(plan.packs[pack], kind)}
+    optim_on = getattr(plan, "optim_on", None) or {}
+    optim = {"device": 0, "host": 0, "disk": 0}
+    for spec in plan.packs:
+        if spec.owned and all(("optim", n) in resident for n in spec.owned):
+            where = "device"
+        else:        # a device step streams its state in and out: between steps it is on the host
+            where = "disk" if optim_on.get(spec.index) == "disk" else "host"
+        optim[where] += spec.optim_bytes
+    return dict(precision=getattr(cfg, "precision", "fp32"),
+                compute_dtype=str(dtype).replace("torch.", "") if dtype else "the model's dtype",
+                device_copy_bytes=sum(device_bytes(t, dtype) for t in state), master_bytes=masters,
+                device_bytes=sum(sizes.get(k, 0) for k in resident if k[0] != "optim") + optim["device"],
+                host_bytes=masters + optim["host"], disk_bytes=optim["disk"])
 
 
 def _packs(program) -> list[dict]:
@@ -203,7 +241,17 @@ class _Writer:
                   f"(batch {c['batch_size']}), optimizer {c['optimizer']}")
         parts = ", ".join(f"{k} {fmt_seconds(v)}" for k, v in t.items() if k != "total")
         compile_ = f"{fmt_seconds(t['total'])} ({parts})" if "total" in t else (parts or "-")
-        self.pairs([("training state", state), ("budget", budget), ("compile", compile_)])
+        items = [("training state", state), ("budget", budget)]
+        tiers = d.get("tiers")
+        if tiers:
+            copies = (f"{tiers['precision']}: device copies in {tiers['compute_dtype']} "
+                      f"({fmt_bytes(tiers['device_copy_bytes'])}), "
+                      f"masters {fmt_bytes(tiers['master_bytes'])} on the host"
+                      + (", optimizer steps fp32 masters on the host" if tiers["precision"] != "fp32" else ""))
+            rest = (f"device {fmt_bytes(tiers['device_bytes'])} resident, host {fmt_bytes(tiers['host_bytes'])}, "
+                    f"disk {fmt_bytes(tiers['disk_bytes'])}")
+            items += [("precision", copies), ("between steps", rest)]
+        self.pairs(items + [("compile", compile_)])
 
     def heading(self, title: str):
         self.lines += ["", f"## {title}", ""] if self.md else ["", f"== {title} =="]
