@@ -29,6 +29,9 @@ class CompileConfig:
     min_size: int = 16                 # tensors with fewer elements (or dim <= 1) travel uncompressed
     host_memory_budget: int | None = None   # bytes of host memory for training state; None: no limit (offload pass)
     offload_dir: str | None = None     # where the disk tier makes its private directory; None: the temp directory
+    global_batch: int | None = None    # samples of one step over all ranks (balance); None: batch_size x world
+    sample_weight: float | None = None  # this rank's share b_r / B of the gradient average (balance); None: 1/world
+    speed_factor: float = 1.0          # emulation: the runtime stretches compute ops' time by this (>= 1)
 
     @property
     def usable_budget(self) -> int:
@@ -74,3 +77,4 @@ class Program:
     reports: list[PassReport] = field(default_factory=list)
     history: list[tuple[str, str]] = field(default_factory=list)  # (pass name, schedule code after it)
     predicted_peak: int = 0
+    rows: tuple | None = None          # this rank's rows [start, stop) of the global batch (balance)

@@ -344,8 +344,16 @@ def _run(what: str, timeout, group, fn, *args, **kwargs):
 def allreduce(tensors: Sequence[torch.Tensor], spec: CompressionSpec | Sequence[CompressionSpec] = NO_COMPRESSION,
               group=None, error_feedback_state: dict | None = None, *, min_size: int = DEFAULT_MIN_SIZE,
               timeout: float | None = None, generator: torch.Generator | None = None,
-              fusion_bytes: int = DEFAULT_FUSION_BYTES) -> CommStats:
+              fusion_bytes: int = DEFAULT_FUSION_BYTES, weight: float | None = None) -> CommStats:
     """Average ``tensors`` over the ranks of ``group``, in place; returns what it cost.
+
+    ``weight``: this rank's weight in a weighted average, ``sum_r weight_r * t_r`` (the weights of
+    all ranks should sum to 1). Ranks that trained on different numbers of samples pass their share
+    of the global batch, ``b_r / B``, so the average of their mean gradients is the mean gradient of
+    the whole batch. ``None`` (default): the plain average, weight ``1 / world`` on every rank.
+    It is applied by scaling this rank's tensors by ``weight * world`` before the plain average, in
+    every kind (fp32, half, quantized, with or without error feedback, whose residuals live in that
+    scaled domain), so a weight of exactly ``1 / world`` changes nothing, bitwise.
 
     ``spec`` is one ``CompressionSpec`` for all tensors or one per tensor (layer-wise bits);
     ``spec_for`` keeps small and 1-d tensors uncompressed. With ``error_feedback`` the caller
@@ -375,7 +383,10 @@ def allreduce(tensors: Sequence[torch.Tensor], spec: CompressionSpec | Sequence[
         stats.compressed = 0
         stats.seconds = time.perf_counter() - start
         return stats
-    jobs = [_Job(idx, tensors, s, group, world, error_feedback_state, timeout, generator)
+    scale = 1.0 if weight is None else float(weight) * world
+    if not math.isfinite(scale) or scale < 0:
+        raise ConfigError(f"allreduce weight={weight!r}: give this rank's share of the average, a number >= 0")
+    jobs = [_Job(idx, tensors, s, group, world, error_feedback_state, timeout, generator, scale)
             for s, idx in _fuse(tensors, specs, fusion_bytes)]
     # Three sweeps so each buffer's compression overlaps the previous buffer's transfer.
     for job in jobs:
@@ -420,6 +431,7 @@ class _Job:
     ef: dict | None
     timeout: float | None
     generator: torch.Generator | None
+    scale: float = 1.0           # weight * world: the plain average of the scaled tensors is the weighted one
     wire_bytes: int = 0
     numel: int = 0
     offsets: list = field(default_factory=list)   # where each tensor starts in the fused buffer
@@ -448,6 +460,8 @@ class _Job:
         for i, t, start, end in zip(self.idx, ts, self.offsets, ends):
             piece = self.buf[start: start + t.numel()]
             piece.copy_(t.detach().reshape(-1))
+            if self.scale != 1.0:
+                piece.mul_(self.scale)
             if s.error_feedback and i in self.ef:
                 r = self.ef[i]
                 if r.shape != t.shape:

@@ -63,3 +63,4 @@ class Plan:
     resident: set = field(default_factory=set)   # (pack, what) kept on the device for the whole run
     step_on: dict = field(default_factory=dict)  # pack -> "device" | "host": where its optimizer steps
     policy: str = "harmony"
+    comm_groups: dict = field(default_factory=dict)  # pack -> its gradients' all-reduce groups (lists of names)
