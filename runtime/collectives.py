@@ -340,6 +340,37 @@ def _run(what: str, timeout, group, fn, *args, **kwargs):
         raise _comm_error(what, e, timeout, group) from e
 
 
+def measure_network(nbytes: int = 16 << 20, repeats: int = 5, group=None) -> tuple[float, float]:
+    """(bytes/s, seconds per message) of this group's fp32 all-reduce, as the simulator costs it.
+
+    The simulator charges a ring all-reduce of ``n`` bytes ``2 (w - 1) / w * n / bandwidth +
+    2 (w - 1) * latency``; this times ``repeats`` all-reduces of 4 KiB and of ``nbytes`` (medians)
+    and solves for the two. A collective: every rank of ``group`` calls it, and gets the same
+    figures (rank 0's, broadcast).
+    """
+    world = dist.get_world_size(group)
+    if world == 1:
+        return math.inf, 0.0
+
+    def timed(n):
+        buf = torch.zeros(max(n // 4, 1))
+        times = []
+        for _ in range(repeats):
+            dist.barrier(group=group)
+            t0 = time.perf_counter()
+            dist.all_reduce(buf, group=group)
+            times.append(time.perf_counter() - t0)
+        return sorted(times)[len(times) // 2]
+
+    small, big = timed(4096), timed(nbytes)
+    hops = 2 * (world - 1)
+    latency = max(small / hops, 1e-6)
+    bandwidth = hops / world * nbytes / max(big - hops * latency, 1e-9)
+    figures = torch.tensor([bandwidth, latency], dtype=torch.float64)
+    dist.broadcast(figures, src=0, group=group)
+    return float(figures[0]), float(figures[1])
+
+
 # -- allreduce ------------------------------------------------------------------------------------
 def allreduce(tensors: Sequence[torch.Tensor], spec: CompressionSpec | Sequence[CompressionSpec] = NO_COMPRESSION,
               group=None, error_feedback_state: dict | None = None, *, min_size: int = DEFAULT_MIN_SIZE,

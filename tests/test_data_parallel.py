@@ -367,6 +367,8 @@ def _hetero_ranks(rank, world):
         allreduce([x], spec, weight=w, min_size=0)
         out["weighted"][spec.kind] = x.numpy().copy()
     out["inputs"] = t.numpy().copy()
+    from harmony.runtime.collectives import measure_network
+    out["network"] = measure_network(1 << 20, repeats=3)
     for key, kw in (("wrong_count", dict(hardware=cpu.logical(budgets[:2]), balance="auto")),
                     ("too_small", dict(hardware=cpu.logical([1 << 16] * 3), balance="auto")),
                     ("bad_shares", dict(hardware=cpu.logical(budgets), balance=[(2, 1), (2, 1), (2, 1)])),
@@ -437,6 +439,8 @@ def test_weighted_allreduce_sums_weighted_tensors_in_every_kind(hetero):
     span = float(want.max() - want.min())
     assert float((got["quantized"] - want).abs().max()) < 4 * span / 255     # 8-bit buckets, requantized once
     assert float((got["quantized"] - xs[0].add(xs[1]).add(xs[2]).div(3)).abs().max()) > 0.1   # not the plain mean
+    bandwidth, latency = hetero[0]["network"]             # measured once, the same figures on every rank
+    assert bandwidth > 0 and latency > 0 and all(hetero[r]["network"] == (bandwidth, latency) for r in (1, 2))
 
 
 @pytest.mark.slow
