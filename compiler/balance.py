@@ -177,37 +177,42 @@ def uniform(cost: ModelCost, devices, global_batch: int, microbatches: int = 1) 
 
 # -- from harmony.compile ---------------------------------------------------------------------------
 def model_cost(program, kernel_ops_per_param_tensor: float = 2.7 + 5.8 + 2.7) -> ModelCost:
-    """The ModelCost of a traced program whose cost annotations were measured (``cost.annotate``).
+    """The ModelCost of a traced program (``program.gm`` on ``program.example_batch``).
 
     FLOPs per microbatch: forward, backward and the recompute of every pack's forward (an upper
     bound: the last pack does not recompute), affine in the microbatch size ``b``. Memory a rank
-    needs besides any state share: the smallest working set the partition pass can plan, the
-    largest single layer's (weights, gradients, activations of one microbatch), measured at
-    ``b = 1`` and ``2`` and fitted, plus the planner's headroom and 5% for its estimates. Tensor ops
-    per microbatch: ``kernel_ops_per_param_tensor`` per parameter tensor (as the simulator counts them).
+    needs besides any state share: the smallest budget the partition pass can plan under, every
+    layer a pack of its own (measured as the pass measures packs, with its headroom), at ``b = 1``
+    and at the whole batch, and the line through the two: the need is a maximum of affine terms
+    (convex in ``b``), so the line is exact at both ends and above it in between. Tensor ops per
+    microbatch: ``kernel_ops_per_param_tensor`` per parameter tensor, as the simulator counts them.
     """
     import dataclasses
 
+    from harmony.compiler import cost as costs
     from harmony.compiler.cost import Affine
     from harmony.compiler.meta import COST
-    from harmony.passes.partition import _Need, find_units
+    from harmony.passes.partition import _smallest_budget, _tensor_bytes, find_units
 
+    config, floors = program.config, []
+    top = max(2, program.example_batch[0].shape[0])
+    try:
+        for b in (1, top):
+            program.config = dataclasses.replace(config, batch_size=b, microbatches=1)
+            program.pack_measurements = {}      # measured at another microbatch size: not reusable
+            program.fake = costs.annotate(program.gm, program.example_batch, b)
+            program.fake_batch_bytes = {ph.name: _tensor_bytes(program.fake.vals[ph], floating=False)
+                                        for ph in program.gm.graph.nodes if ph.op == "placeholder"}
+            floors.append(_smallest_budget(program, find_units(program)))
+    finally:
+        program.config, program.pack_measurements = config, {}
+    act = Affine.fit(1, floors[0], top, floors[1])
     flops = Affine(0.0, 0.0)
     for node in program.gm.graph.nodes:
         c = node.meta.get(COST)
         if c is not None:
             flops = flops + c.fwd_flops + c.fwd_flops + c.bwd_flops
-    floors = []
-    config = program.config
-    for b in (1, 2):
-        program.config = dataclasses.replace(config, batch_size=b, microbatches=1)
-        units = find_units(program)
-        need = _Need(program, units)
-        n = len(units)
-        floors.append(max(need(i, i + 1, i == n - 1)[0] for i in range(n)) / (1 - config.headroom) * 1.05)
-    program.config = config
-    act = Affine.fit(1, floors[0], 2, floors[1])
-    params = [p for p in program.gm.parameters()]
+    params = list(program.gm.parameters())
     pbytes = sum(p.numel() * p.element_size() for p in params)
     grads = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
     state = pbytes + grads + pbytes * program.optim_profile.get("state_per_byte", 0.0)

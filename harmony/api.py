@@ -26,7 +26,7 @@ def compile(model: torch.nn.Module, example_batch, *, optimizer=torch.optim.Adam
             leaf_modules=(), passes=DEFAULT_PIPELINE, device="cpu", hardware=None,
             optimizer_on="auto", host_memory_budget=None, offload_dir=None,
             data_parallel=None, compression=None, min_size: int = 16, balance=None) -> "ScheduledModule":
-    """Plan and build a training step for ``model`` that fits ``memory_budget`` per device.
+    """Plan and build a training step for ``model`` that fits ``memory_budget`` per device (default 1 GiB).
 
     >>> sm = harmony.compile(model, example_batch=(x, y), memory_budget="512MiB", microbatches=8)
     >>> loss = sm(x, y)          # forward, backward and optimizer update of one whole batch
@@ -55,8 +55,9 @@ def compile(model: torch.nn.Module, example_batch, *, optimizer=torch.optim.Adam
     ``balance``: data parallelism over mismatched devices (Cephalo). ``hardware`` is then a
     ``Hardware`` with one device per rank, ``example_batch`` the GLOBAL batch, and each rank
     trains on its own share: ``"auto"`` (an integer program chooses every rank's microbatch
-    size and count), ``"uniform"`` (equal shares, ``microbatches`` each), or one entry per rank,
-    ``(microbatch size, microbatches)`` or a sample count. Each rank's memory budget is its
+    size and count, up to 16 microbatches; ``microbatches`` is not used), ``"uniform"`` (equal
+    shares, ``microbatches`` each), or one entry per rank, ``(microbatch size, microbatches)``
+    or a sample count (in ``microbatches`` microbatches). Each rank's memory budget is its
     device's ``memory``, and a device's ``speed_factor`` > 1 makes the runtime EMULATE a slower
     device. Gradients are weighted by each rank's share of the samples. ``sm(*global_batch)``
     takes this rank's rows (it also accepts just those rows); ``sm.report()`` shows every rank's
@@ -138,8 +139,8 @@ def _compile_balanced(model, names, batch, spec, t0, *, optimizer, optimizer_kwa
                       offload_dir, data_parallel, compression, min_size) -> "ScheduledModule":
     """``compile(..., balance=...)``: plan every rank's share, then compile this rank's plan on its rows.
 
-    1. trace the model on the global batch and measure its costs at microbatches of 1 and 2
-       samples (they are affine in the microbatch size), giving the ILP's ``ModelCost``;
+    1. trace the model on the global batch and measure its costs and smallest plannable budget
+       at microbatches of 1 and 2 samples (affine in the microbatch size): the ILP's ``ModelCost``;
     2. rank 0 plans (``balance.plan_ranks``: the ILP, uniform or the user's shares) and
        broadcasts the plan, or the error, so every rank acts on the same one;
     3. this rank compiles as usual on its rows of the batch, with its microbatches, its
@@ -181,7 +182,6 @@ def _compile_balanced(model, names, batch, spec, t0, *, optimizer, optimizer_kwa
     probe = CompileConfig(memory_budget=0, microbatches=1, batch_size=1, policy=policy, optimizer=optimizer,
                           optimizer_kwargs=dict(optimizer_kwargs or {}), optimizer_on=optimizer_on)
     program = Program(model=model, gm=gm, example_batch=tuple(batch), config=probe)
-    cost.annotate(gm, tuple(batch), 1)
     program.optim_profile = cost.optimizer_profile(optimizer, probe.optimizer_kwargs)
     t_plan = time.perf_counter()
     plan = _plan_on_rank0(rank, lambda: planner.plan_ranks(spec, planner.model_cost(program), devices, global_batch,
@@ -352,14 +352,16 @@ class ScheduledModule(torch.nn.Module):
         return loss
 
     def simulate(self, hardware=None, device: int = 0):
-        """One step simulated on ``hardware``: a ``Hardware``, a preset name, or None (this machine under the budget)."""
+        """One step simulated on ``hardware``: a ``Hardware``, a preset name, or None (this machine under the
+        budget, at the speed factor the module was compiled for)."""
         from harmony.compiler.hardware import Hardware
         from harmony.runtime.simulate import simulate
         if self.predicted is None:
             raise ConfigError("this module has no schedule to simulate; compile with the default passes")
         if hardware is None or isinstance(hardware, str):
             hardware = Hardware.preset(hardware) if hardware else \
-                Hardware.this_machine().logical([self.program.config.memory_budget])
+                Hardware.this_machine().logical([self.program.config.memory_budget],
+                                                [getattr(self.program.config, "speed_factor", 1.0)])
         return simulate(self.graph, self.plan, hardware, device, memory=self.predicted)
 
     def state_dict(self) -> dict:

@@ -118,3 +118,34 @@ def test_balance_outside_data_parallel_and_bad_shares_are_config_errors():
     plan = plan_ranks([(1, 2), (2, 2)], COST, devices, 6)
     assert [plan.rows(r) for r in range(2)] == [(0, 2), (2, 6)] and plan.weights() == [2 / 6, 4 / 6]
     assert [s.samples for s in plan_ranks([2, 4], COST, devices, 6, microbatches=2).shares] == [2, 4]
+
+
+def test_the_model_cost_of_a_traced_model_plans_budgets_its_compile_meets():
+    """The ILP's memory floor for a microbatch size is a budget the rank's own compile can plan under."""
+    import torch
+
+    import harmony
+    from harmony.compiler import cost
+    from harmony.compiler.balance import model_cost, rank_memory_floor
+    from harmony.compiler.ir import CompileConfig, Program
+    from harmony.compiler.trace import trace
+    from models import CASES
+
+    model, data = CASES["gpt"](batch=4)
+    gm = trace(model, data[0])
+    program = Program(model=model, gm=gm, example_batch=data[0],
+                      config=CompileConfig(memory_budget=0, microbatches=1, batch_size=1, optimizer=torch.optim.SGD,
+                                           optimizer_kwargs=dict(lr=0.1, momentum=0.9)))
+    program.optim_profile = cost.optimizer_profile(torch.optim.SGD, dict(lr=0.1, momentum=0.9))
+    c = model_cost(program)
+    params = sum(p.numel() for p in model.parameters())
+    assert c.state_bytes == 12 * params                      # weight, gradient and momentum in fp32
+    assert c.flops_per_sample > 0 and c.act_per_sample > 0 and c.ops_per_microbatch > 0
+    assert program.config.batch_size == 1                     # restored after measuring at 1 and 2 samples
+    for b in (2, 4):            # inside the line's span, and its end (the whole batch)
+        budget = int(rank_memory_floor(c, None, b))
+        sm = harmony.compile(model, example_batch=data[0], memory_budget=budget, microbatches=4 // b,
+                             optimizer=torch.optim.SGD, optimizer_kwargs=dict(lr=0.1, momentum=0.9))
+        sm(*data[0])
+        assert sm.stats["measured_peak"] <= budget
+        sm.close()
