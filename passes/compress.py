@@ -24,6 +24,13 @@ the optimizer steps (the offload pass decided that):
 
 The pass also makes every rank start equal (rank 0's parameters and buffers are broadcast,
 as DDP's constructor does) and checks that every rank compiled the same communication plan.
+
+Ranks may cut the model into different packs (their memory budgets differ: ``balance``, or
+simply different ``memory_budget``s): a pack's all-reduce then runs one collective per group of
+its parameters that every rank's packs agree on (``comm_groups``), so every rank still issues
+the same collectives over the same tensors in the same order. Ranks of a balanced plan train on
+different numbers of samples; each passes ``weight`` = its samples / the global batch, and the
+all-reduce sums the weighted mean gradients (``collectives.allreduce(weight=...)``).
 """
 from __future__ import annotations
 
@@ -294,7 +301,7 @@ def run(program: Program, ctx) -> PassResult:
     if warmup:
         kwargs["warmup"] = warmup
     weight = getattr(cfg, "sample_weight", None)
-    if weight is not None:     # a balanced plan: this rank's share of the global batch (see harmony.balance)
+    if weight is not None:     # a balanced plan: this rank's share of the global batch (compiler/balance.py)
         kwargs["weight"] = weight
     owned = owned_grads(program)
     global_batch = getattr(cfg, "global_batch", None) or cfg.batch_size * world
