@@ -29,11 +29,13 @@ share of peak a transformer block sustains, memcpy) and the gloo all-reduce amon
 ranks (``collectives.measure_network``; the preset network figure is a nominal 10 Gb/s).
 Three processes share this machine's 2 cores (and other users' jobs), so what the profile
 sees depends on what the other ranks do meanwhile (``--profile-load``): profiled on rank 0
-with the others idle, predictions ran 22-36% short of the measured step (the steps run
-three processes at once); profiled on all three at once (``full``, the default) they ran
--4% to +21% off (the emulated ranks sleep part of each step, so the steps share the cores
-less than the profile did). The machine's load from other jobs moves every figure by 10-20%
-from run to run: run it twice.
+with the others idle, predictions of the balanced step ran 22-36% short of the measured one
+(5 runs; the steps run three processes at once); profiled on all three at once (``full``, the
+default) they ran -6% to +21% off (7 runs: -6, -4, +3, +6, +7, +15, +21%; the emulated ranks
+sleep part of each step, so the steps share the cores less than the profile did, and the
+uniform split's fast ranks idle longer still: its prediction ran 5-37% long). The machine's
+load from other jobs moves every figure by 10-20% from run to run: run it twice. Balanced /
+uniform measured 0.48x to 0.67x over those runs.
 """
 from __future__ import annotations
 
