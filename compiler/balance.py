@@ -20,6 +20,14 @@ backward and recompute FLOPs from the cost model, ``F_d`` the device's sustained
 largest layer gathered for compute, ``a0 + a1 b`` the activations a microbatch keeps.
 Gradients are then averaged with weights by sample count, so the update equals the one a
 homogeneous cluster makes on the same global batch.
+
+From ``harmony.compile(..., hardware=Hardware(devices=[one per rank]), balance="auto")``
+(``plan_ranks``): ``model_cost`` reads the ModelCost off the traced model's cost
+annotations (FLOPs and the partition's smallest working set, each affine in the
+microbatch size), rank 0 solves, every rank takes its row of the plan. The state shares are
+PLANNED ONLY: Harmony's data parallelism replicates the training state (every rank holds all
+of it, swapping what its budget cannot hold to its host), so the shares shape the plan's
+feasibility (the cluster must hold the state once) but no rank holds a shard.
 """
 from __future__ import annotations
 
@@ -42,6 +50,7 @@ class ModelCost:
     act_per_sample: float       # ... per sample
     state_bytes: float          # training state to shard (params, grads, optimizer state)
     layer_bytes: float          # the largest layer's working set, gathered for compute
+    ops_per_microbatch: float = 0.0   # tensor ops a microbatch dispatches, each costing the device's kernel_latency
 
 
 @dataclass
@@ -72,14 +81,25 @@ class BalancePlan:
     def throughput(self) -> float:
         return self.global_batch / self.step_seconds
 
+    def rows(self, rank: int) -> tuple[int, int]:
+        """``rank``'s rows ``[start, stop)`` of the global batch: the ranks' shares in rank order."""
+        start = sum(s.samples for s in self.shares[:rank])
+        return start, start + self.shares[rank].samples
+
     def weights(self) -> list[float]:
         """Each rank's weight in the gradient average: its share of the samples."""
         return [s.samples / self.global_batch for s in self.shares]
 
 
 def rank_time(cost: ModelCost, device, b: int, m: int) -> float:
-    flops = getattr(device, "effective_flops", device.flops) / getattr(device, "speed_factor", 1.0)
-    return m * (cost.flops_const + cost.flops_per_sample * b) / flops
+    """Seconds of compute of ``m`` microbatches of ``b`` samples on ``device``, stretched by its speed factor.
+
+    Per-step costs every rank pays alike (optimizer step, all-reduce) leave the choice unchanged and are
+    not counted; the simulator predicts the whole step of each rank's compiled plan.
+    """
+    flops = getattr(device, "effective_flops", device.flops)
+    dispatch = cost.ops_per_microbatch * getattr(device, "kernel_latency", 0.0)
+    return m * ((cost.flops_const + cost.flops_per_sample * b) / flops + dispatch) * getattr(device, "speed_factor", 1.0)
 
 
 def rank_memory_floor(cost: ModelCost, device, b: int) -> float:
@@ -153,3 +173,115 @@ def uniform(cost: ModelCost, devices, global_batch: int, microbatches: int = 1) 
     n = len(devices)
     b = global_batch // n // microbatches
     return evaluate(cost, devices, [(b, microbatches)] * n, [1 / n] * n)
+
+
+# -- from harmony.compile ---------------------------------------------------------------------------
+def model_cost(program, kernel_ops_per_param_tensor: float = 2.7 + 5.8 + 2.7) -> ModelCost:
+    """The ModelCost of a traced program (``program.gm`` on ``program.example_batch``).
+
+    FLOPs per microbatch: forward, backward and the recompute of every pack's forward (an upper
+    bound: the last pack does not recompute), affine in the microbatch size ``b``. Memory a rank
+    needs besides any state share: the smallest budget the partition pass can plan under, every
+    layer a pack of its own (measured as the pass measures packs, with its headroom), at ``b = 1``
+    and at the whole batch, and the line through the two: the need is a maximum of affine terms
+    (convex in ``b``), so the line is exact at both ends and above it in between. Tensor ops per
+    microbatch: ``kernel_ops_per_param_tensor`` per parameter tensor, as the simulator counts them.
+    """
+    import dataclasses
+
+    from harmony.compiler import cost as costs
+    from harmony.compiler.cost import Affine
+    from harmony.compiler.meta import COST
+    from harmony.passes.partition import _smallest_budget, _tensor_bytes, find_units
+
+    config, floors = program.config, []
+    top = max(2, program.example_batch[0].shape[0])
+    try:
+        for b in (1, top):
+            program.config = dataclasses.replace(config, batch_size=b, microbatches=1)
+            program.pack_measurements = {}      # measured at another microbatch size: not reusable
+            program.fake = costs.annotate(program.gm, program.example_batch, b)
+            program.fake_batch_bytes = {ph.name: _tensor_bytes(program.fake.vals[ph], floating=False)
+                                        for ph in program.gm.graph.nodes if ph.op == "placeholder"}
+            floors.append(_smallest_budget(program, find_units(program)))
+    finally:
+        program.config, program.pack_measurements = config, {}
+    act = Affine.fit(1, floors[0], top, floors[1])
+    flops = Affine(0.0, 0.0)
+    for node in program.gm.graph.nodes:
+        c = node.meta.get(COST)
+        if c is not None:
+            flops = flops + c.fwd_flops + c.fwd_flops + c.bwd_flops
+    params = list(program.gm.parameters())
+    pbytes = sum(p.numel() * p.element_size() for p in params)
+    grads = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
+    state = pbytes + grads + pbytes * program.optim_profile.get("state_per_byte", 0.0)
+    state += sum(t.numel() * t.element_size() for t in program.gm.buffers())
+    return ModelCost(flops_const=flops.c0, flops_per_sample=flops.c1, act_const=act.c0, act_per_sample=act.c1,
+                     state_bytes=float(state), layer_bytes=0.0,
+                     ops_per_microbatch=kernel_ops_per_param_tensor * len(params))
+
+
+def plan_ranks(spec, cost: ModelCost, devices, global_batch: int, microbatches: int = 1,
+               max_microbatches: int = 16) -> BalancePlan:
+    """Each rank's share of ``global_batch`` under ``spec``.
+
+    ``"auto"``: the ILP (``balance``). ``"uniform"``: ``global_batch / ranks`` each, in
+    ``microbatches`` microbatches. A list, one entry per rank: ``(microbatch size, count)`` pairs,
+    or sample counts, each run in ``microbatches`` microbatches.
+    """
+    from harmony.errors import ConfigError
+
+    n = len(devices)
+    if spec == "auto":
+        return balance(cost, devices, global_batch, max_microbatches=max_microbatches)
+    if spec == "uniform":
+        per = global_batch // n
+        if global_batch % n or per % microbatches:
+            raise ConfigError(f"balance='uniform': the global batch of {global_batch} does not split into {n} equal "
+                              f"shares of {microbatches} equal microbatches; use balance='auto' or explicit shares")
+        return uniform(cost, devices, global_batch, microbatches)
+    if isinstance(spec, (list, tuple)) and len(spec) == n:
+        choice = []
+        for r, item in enumerate(spec):
+            if isinstance(item, int) and not isinstance(item, bool) and item > 0 and item % microbatches == 0:
+                choice.append((item // microbatches, microbatches))
+            elif (isinstance(item, (list, tuple)) and len(item) == 2
+                  and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in item)):
+                choice.append((int(item[0]), int(item[1])))
+            else:
+                raise ConfigError(f"balance[{r}]={item!r}: give (microbatch size, microbatches) or a sample count "
+                                  f"that microbatches={microbatches} divides")
+        if sum(b * m for b, m in choice) != global_batch:
+            raise ConfigError(f"balance={list(spec)!r} shares {sum(b * m for b, m in choice)} samples but the global "
+                              f"batch (example_batch) has {global_batch}; the shares must add up to it")
+        return evaluate(cost, devices, choice)
+    raise ConfigError(f"balance={spec!r}: use 'auto' (the ILP), 'uniform', or one entry per rank ({n}): "
+                      f"(microbatch size, microbatches) pairs or sample counts")
+
+
+def report(plan: BalancePlan, devices, rank: int, how: str):
+    """The balance step's ``PassReport``: every rank's choice, this rank's marked, emulation said aloud."""
+    from harmony.compiler.ir import PassReport
+
+    rep = PassReport(f"balance: each rank's share of the global batch ({how})")
+    for s, d in zip(plan.shares, devices):
+        f = getattr(d, "speed_factor", 1.0)
+        rep.rows.append(dict(rank=f"{s.rank}{' (this)' if s.rank == rank else ''}", device=d.name,
+                             budget_MiB=d.memory / 2**20,
+                             speed="1x" if f == 1 else f"1/{f:g}x EMULATED",
+                             samples=s.samples, microbatch=s.microbatch, microbatches=s.microbatches,
+                             weight=s.samples / plan.global_batch, state_share_planned=s.state_share,
+                             predicted_s=s.seconds, planned_MiB=s.memory / 2**20))
+    rep.totals = dict(global_batch=plan.global_batch, predicted_step_s=plan.step_seconds, status=plan.status,
+                      solve_s=plan.solve_seconds)
+    if any(getattr(d, "speed_factor", 1.0) != 1 for d in devices):
+        rep.notes.append("speed factors are EMULATION: a rank's runtime sleeps (factor - 1) x the measured time of "
+                         "each compute op, and the simulator stretches its compute stream alike; no device is slower")
+    rep.notes.append("state shares are planned (Cephalo's uneven shards) but not applied: the runtime replicates "
+                     "the training state, so every rank holds all of it (swapping what its budget cannot hold); "
+                     "planned_MiB counts the share, the rank's own compile plans its whole state under budget_MiB")
+    rep.notes.append("gradients are weighted by samples / global batch in the all-reduce, so the update equals "
+                     "a homogeneous cluster's on the same global batch; predicted_s: the ILP's compute time "
+                     "(forward, backward, recompute), not the whole step (see simulated_step_s)")
+    return rep

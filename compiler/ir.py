@@ -40,6 +40,11 @@ class CompileConfig:
         """The dtype of float state and activations on the device; None for fp32 (nothing is cast)."""
         return compute_dtype(self.precision)
 
+
+    global_batch: int | None = None    # samples of one step over all ranks (balance); None: batch_size x world
+    sample_weight: float | None = None  # this rank's share b_r / B of the gradient average (balance); None: 1/world
+    speed_factor: float = 1.0          # emulation: the runtime stretches compute ops' time by this (>= 1)
+
     @property
     def usable_budget(self) -> int:
         """The bytes the planner may fill: the budget less the headroom for prediction error."""
@@ -84,3 +89,4 @@ class Program:
     reports: list[PassReport] = field(default_factory=list)
     history: list[tuple[str, str]] = field(default_factory=list)  # (pass name, schedule code after it)
     predicted_peak: int = 0
+    rows: tuple | None = None          # this rank's rows [start, stop) of the global batch (balance)

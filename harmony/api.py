@@ -12,7 +12,7 @@ from harmony.compiler.passmanager import DEFAULT_PIPELINE, run_passes, schedule_
 from harmony.compiler.trace import trace
 from harmony.compiler.verify import memory_curve
 from harmony.data import check_world, resolve as resolve_data_parallel
-from harmony.errors import ConfigError, InputError
+from harmony.errors import ConfigError, HarmonyError, InputError
 from harmony.runtime.executor import Runtime
 from harmony.runtime.ondemand import OnDemand
 from harmony.runtime.precision import PRECISIONS, SCALING_DEFAULTS
@@ -23,12 +23,12 @@ POLICIES = ("harmony", "sequential", "ondemand")
 
 
 def compile(model: torch.nn.Module, example_batch, *, optimizer=torch.optim.AdamW, optimizer_kwargs=None,
-            memory_budget="1GiB", microbatches: int = 1, policy: str = "harmony", loss_fn=None,
+            memory_budget=None, microbatches: int = 1, policy: str = "harmony", loss_fn=None,
             leaf_modules=(), passes=DEFAULT_PIPELINE, device="cpu", hardware=None,
             optimizer_on="auto", host_memory_budget=None, offload_dir=None, weights_on="auto",
             disk_group_bytes="32MiB", data_parallel=None, compression=None, min_size: int = 16,
-            precision: str = "fp32", loss_scaling=None) -> "ScheduledModule":
-    """Plan and build a training step for ``model`` that fits ``memory_budget`` per device.
+            precision: str = "fp32", loss_scaling=None, balance=None) -> "ScheduledModule":
+    """Plan and build a training step for ``model`` that fits ``memory_budget`` per device (default 1 GiB).
 
     >>> sm = harmony.compile(model, example_batch=(x, y), memory_budget="512MiB", microbatches=8)
     >>> loss = sm(x, y)          # forward, backward and optimizer update of one whole batch
@@ -38,7 +38,9 @@ def compile(model: torch.nn.Module, example_batch, *, optimizer=torch.optim.Adam
     device, ``"auto"`` (default) chooses host when the training state does not fit the budget.
     ``hardware`` (a ``Hardware``, ``Device`` or preset name such as ``"a100-40gb"``) gives the
     planner the device's FLOP/s and host-link bandwidth to weigh compute against traffic;
-    by default it plans for this machine's CPU.
+    by default it plans for this machine's CPU. A device whose ``speed_factor`` is above 1
+    (``hw.logical(budgets, speed_factors)``) is EMULATED: the runtime stretches every compute
+    op to that many times its measured time.
     ``host_memory_budget`` (e.g. ``"4GiB"``; default no limit) bounds the host's share of training
     state when the optimizer steps on the host: packs whose optimizer state does not fit keep it
     on disk, in a private directory made under ``offload_dir`` (default the temp directory) and
@@ -63,6 +65,24 @@ def compile(model: torch.nn.Module, example_batch, *, optimizer=torch.optim.Adam
     fp32. ``loss_scaling`` (fp16 only): ``torch.amp.GradScaler``'s ``init_scale``, ``growth_factor``,
     ``backoff_factor``, ``growth_interval`` (defaults 2**16, 2, 0.5, 2000); a step with an inf or nan
     gradient is skipped and the scale backed off (``sm.loss_scale``).
+
+
+
+    ``balance``: data parallelism over mismatched devices (Cephalo). ``hardware`` is then a
+    ``Hardware`` with one device per rank, ``example_batch`` the GLOBAL batch, and each rank
+    trains on its own share: ``"auto"`` (an integer program chooses every rank's microbatch
+    size and count, up to 16 microbatches; ``microbatches`` is not used), ``"uniform"`` (equal
+    shares, ``microbatches`` each), or one entry per rank, ``(microbatch size, microbatches)``
+    or a sample count (in ``microbatches`` microbatches). Each rank's memory budget is its
+    device's ``memory``, and a device's ``speed_factor`` > 1 makes the runtime EMULATE a slower
+    device. Gradients are weighted by each rank's share of the samples. ``sm(*global_batch)``
+    takes this rank's rows (it also accepts just those rows); ``sm.report()`` shows every rank's
+    choice. The balance is a planning step before the passes, not a pass: it sets what every
+    pass works with (the rank's batch, microbatches and budget), so it runs first:
+
+    >>> hw = Hardware.this_machine().logical([64 << 20, 128 << 20, 1 << 30], speed_factors=[1, 2, 4])
+    >>> sm = harmony.compile(model, (X, Y), hardware=hw, balance="auto")   # on each of 3 ranks
+    >>> loss = sm(X, Y)                                                    # this rank's rows of (X, Y)
     """
     t0 = time.perf_counter()
     if policy not in POLICIES:
@@ -73,6 +93,19 @@ def compile(model: torch.nn.Module, example_batch, *, optimizer=torch.optim.Adam
         raise InputError(f"example_batch must hold tensors whose dimension 0 is the batch and agrees; "
                          f"got batch sizes {sorted(sizes)}")
     batch_size = sizes.pop()
+    if balance is not None:
+        if precision != "fp32" or weights_on == "disk":
+            raise ConfigError(f"balance= trains data-parallel, which runs in fp32 with weights on the host for now "
+                              f"(got precision={precision!r}, weights_on={weights_on!r}); drop those or balance=")
+        return _compile_balanced(model, names, batch, balance, t0, optimizer=optimizer,
+                                 optimizer_kwargs=optimizer_kwargs, memory_budget=memory_budget,
+                                 microbatches=microbatches, policy=policy, loss_fn=loss_fn,
+                                 leaf_modules=leaf_modules, passes=passes, device=device, hardware=hardware,
+                                 optimizer_on=optimizer_on, host_memory_budget=host_memory_budget,
+                                 offload_dir=offload_dir, data_parallel=data_parallel,
+                                 compression=compression, min_size=min_size)
+    if memory_budget is None:
+        memory_budget = "1GiB"
     if not isinstance(microbatches, int) or microbatches < 1 or batch_size % microbatches:
         raise ConfigError(f"microbatches={microbatches!r} must be a positive divisor of the batch size "
                           f"{batch_size}; divisors: {[d for d in range(1, batch_size + 1) if batch_size % d == 0]}")
@@ -94,6 +127,10 @@ def compile(model: torch.nn.Module, example_batch, *, optimizer=torch.optim.Adam
     if hardware is not None:
         dev = _device_of(hardware)
         config.flops, config.copy_bandwidth = dev.flops, dev.h2d_bandwidth
+        if dev.speed_factor < 1:
+            raise ConfigError(f"device {dev.name!r} has speed_factor {dev.speed_factor:g} < 1: emulation can only "
+                              f"slow a device down")
+        config.speed_factor = float(dev.speed_factor)     # > 1: the runtime emulates a slower device
     example = dict(zip(names, batch)) if names else tuple(batch)
     gm = trace(model, example, loss_fn=loss_fn, leaf_modules=leaf_modules)
     if precision != "fp32":   # the host's masters are the model's own tensors: they must be the fp32 ones
@@ -107,7 +144,7 @@ def compile(model: torch.nn.Module, example_batch, *, optimizer=torch.optim.Adam
     program.fake = cost.annotate(gm, tuple(batch), config.microbatch_size, dtype=config.compute_dtype)
     program.optim_profile = cost.optimizer_profile(optimizer, config.optimizer_kwargs)
     t_cost = time.perf_counter()
-    program = run_passes(program, passes)
+    program = _run_passes(program, passes)
     sm = ScheduledModule(program, device)
     sm.compile_seconds = dict(trace=t_trace - t0, cost=t_cost - t_trace, passes=time.perf_counter() - t_cost,
                               total=time.perf_counter() - t0)
@@ -161,6 +198,123 @@ def _check_precision(precision, loss_scaling, optimizer_on, policy):
     return ("host" if optimizer_on == "auto" else optimizer_on), scaling
 
 
+def _run_passes(program: Program, passes) -> Program:
+    """``run_passes``; a rank that fails before the compress pass tells the others, which would wait for it there."""
+    try:
+        return run_passes(program, passes)
+    except HarmonyError as e:
+        cfg, names = program.config, list(passes)
+        # the pass that failed is the first one not in the history; compress itself has met the others already
+        if cfg.data_parallel and (cfg.world_size or 1) > 1 and "compress" in names \
+                and names.index("compress") > len(program.history):
+            from harmony.passes.compress import report_failure
+            report_failure(f"{type(e).__name__}: {str(e).splitlines()[0]}")
+        raise
+
+
+def _compile_balanced(model, names, batch, spec, t0, *, optimizer, optimizer_kwargs, memory_budget, microbatches,
+                      policy, loss_fn, leaf_modules, passes, device, hardware, optimizer_on, host_memory_budget,
+                      offload_dir, data_parallel, compression, min_size) -> "ScheduledModule":
+    """``compile(..., balance=...)``: plan every rank's share, then compile this rank's plan on its rows.
+
+    1. trace the model on the global batch and measure its costs and smallest plannable budget
+       at microbatches of 1 and 2 samples (affine in the microbatch size): the ILP's ``ModelCost``;
+    2. rank 0 plans (``balance.plan_ranks``: the ILP, uniform or the user's shares) and
+       broadcasts the plan, or the error, so every rank acts on the same one;
+    3. this rank compiles as usual on its rows of the batch, with its microbatches, its
+       device's memory as the budget and its speed factor for emulation; the compress pass
+       weights its gradients by its share of the samples.
+    """
+    from harmony.compiler import balance as planner
+    from harmony.compiler.hardware import Hardware
+    from harmony.data import rank_and_world
+
+    if data_parallel is False:
+        raise ConfigError("balance= splits a global batch over data-parallel ranks: it needs data_parallel=None "
+                          "or True under torchrun, not False")
+    if memory_budget is not None:
+        raise ConfigError("with balance=, each rank's memory budget is its device's memory in hardware=: leave "
+                          "memory_budget unset and give Hardware(devices=[...]) (hw.logical(budgets) on the CPU)")
+    if not isinstance(hardware, Hardware):
+        raise ConfigError(f"balance= needs hardware=Hardware(devices=[one per rank]) (on the CPU: "
+                          f"Hardware.this_machine().logical(budgets, speed_factors)), got {hardware!r}")
+    if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
+        raise ConfigError(f"microbatches={microbatches!r} must be a positive integer")
+    fields = resolve_data_parallel(True if data_parallel is None else data_parallel, compression, min_size)
+    world = fields["world_size"]
+    rank, _ = rank_and_world()
+    devices = list(hardware.devices)
+    if len(devices) != world:
+        raise ConfigError(f"hardware has {len(devices)} devices but {world} ranks are running: balance= needs one "
+                          f"device per rank, in rank order")
+    slow = [d.name for d in devices if d.speed_factor < 1]
+    if slow:
+        raise ConfigError(f"devices {slow} have speed_factor < 1: emulation can only slow a device down; divide "
+                          f"every factor by the smallest so the fastest device is 1")
+    if not (isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer)):
+        raise ConfigError(f"optimizer must be a torch.optim.Optimizer class, got {optimizer!r}")
+    global_batch = batch[0].shape[0] if batch else 0
+    example = dict(zip(names, batch)) if names else tuple(batch)
+    gm = trace(model, example, loss_fn=loss_fn, leaf_modules=leaf_modules)
+    t_trace = time.perf_counter()
+    probe = CompileConfig(memory_budget=0, microbatches=1, batch_size=1, policy=policy, optimizer=optimizer,
+                          optimizer_kwargs=dict(optimizer_kwargs or {}), optimizer_on=optimizer_on)
+    program = Program(model=model, gm=gm, example_batch=tuple(batch), config=probe)
+    program.optim_profile = cost.optimizer_profile(optimizer, probe.optimizer_kwargs)
+    t_plan = time.perf_counter()
+    plan = _plan_on_rank0(rank, lambda: planner.plan_ranks(spec, planner.model_cost(program), devices, global_batch,
+                                                            microbatches))
+    t_cost = time.perf_counter()
+    mine, dev = plan.shares[rank], devices[rank]
+    start, stop = plan.rows(rank)
+    batch = [t[start:stop] if isinstance(t, torch.Tensor) and t.dim() > 0 else t for t in batch]
+    config = CompileConfig(memory_budget=int(dev.memory), microbatches=mine.microbatches, batch_size=mine.samples,
+                           policy=policy, optimizer=optimizer, optimizer_kwargs=dict(optimizer_kwargs or {}),
+                           optimizer_on=optimizer_on,
+                           host_memory_budget=None if host_memory_budget is None
+                           else parse_bytes(host_memory_budget, "host_memory_budget"),
+                           offload_dir=None if offload_dir is None else os.fspath(offload_dir),
+                           global_batch=global_batch, sample_weight=mine.samples / global_batch,
+                           speed_factor=float(dev.speed_factor), **fields)
+    config.flops, config.copy_bandwidth = dev.flops / dev.speed_factor, dev.h2d_bandwidth
+    program = Program(model=model, gm=gm, example_batch=tuple(batch), config=config)
+    program.fake = cost.annotate(gm, tuple(batch), config.microbatch_size)
+    program.optim_profile = cost.optimizer_profile(optimizer, config.optimizer_kwargs)
+    t_passes = time.perf_counter()
+    program = _run_passes(program, passes)
+    how = "integer program" if spec == "auto" else "uniform" if spec == "uniform" else "given shares"
+    report = planner.report(plan, devices, rank, how)
+    report.seconds = t_cost - t_plan
+    program.reports.insert(0, report)
+    program.rows = (start, stop)
+    sm = ScheduledModule(program, device)
+    if sm.predicted is not None:
+        sim = sm.simulate(hardware.replace(devices=(dev,)))
+        report.totals["simulated_step_s"] = sim.step_seconds
+        report.notes.append(f"simulated_step_s: this rank's compiled plan simulated on its device ({dev.name}), "
+                            f"compute and all-reduces included; the slowest rank sets the step")
+    sm.compile_seconds = dict(trace=t_trace - t0, balance=t_cost - t_trace, cost=t_passes - t_cost,
+                              passes=time.perf_counter() - t_passes, total=time.perf_counter() - t0)
+    return sm
+
+
+def _plan_on_rank0(rank: int, solve):
+    """``solve()`` on rank 0, its result (or its Harmony error, raised again) on every rank."""
+    import torch.distributed as dist
+
+    box = [None]
+    if rank == 0:
+        try:
+            box[0] = ("ok", solve())
+        except HarmonyError as e:
+            box[0] = ("error", e)
+    dist.broadcast_object_list(box, src=0)
+    kind, value = box[0]
+    if kind == "error":
+        raise value
+    return value
+
+
 def _device_of(hardware):
     from harmony.compiler.hardware import Device, Hardware
     if isinstance(hardware, str):
@@ -210,7 +364,8 @@ class ScheduledModule(torch.nn.Module):
         self.runtime = self.predicted = None
         if program.schedule is not None:   # a pipeline cut short (passes=...) can be inspected, not run
             self.runtime = Runtime(plan, program.schedule, tensors, optimizers, cfg.memory_budget, device,
-                                   on_demand=OnDemand if cfg.policy == "ondemand" else None)
+                                   on_demand=OnDemand if cfg.policy == "ondemand" else None,
+                                   speed_factor=getattr(cfg, "speed_factor", 1.0))
             self.predicted = memory_curve(program, check_residency=False)
             if "disk" in getattr(plan, "optim_on", {}).values():   # the disk tiers: their directories are made now
                 from harmony.runtime.disk import DiskTier
@@ -251,6 +406,10 @@ class ScheduledModule(torch.nn.Module):
         check_world(self.program.config, self.program.capabilities)   # a plan is for one world size
         if named and not batch:
             batch = tuple(named[n] for n in plan.input_names if n in named)
+        rows = getattr(self.program, "rows", None)
+        if rows is not None and batch and isinstance(batch[0], torch.Tensor) and batch[0].dim() > 0 \
+                and batch[0].shape[0] == self.program.config.global_batch:   # the global batch: this rank's rows
+            batch = tuple(x[rows[0]:rows[1]] if isinstance(x, torch.Tensor) and x.dim() > 0 else x for x in batch)
         if len(batch) != len(plan.input_names):
             raise InputError(f"expected {len(plan.input_names)} batch tensors ({', '.join(plan.input_names)}), "
                              f"got {len(batch)}")
@@ -283,14 +442,16 @@ class ScheduledModule(torch.nn.Module):
         return None if scaler is None else scaler.scale.item()
 
     def simulate(self, hardware=None, device: int = 0):
-        """One step simulated on ``hardware``: a ``Hardware``, a preset name, or None (this machine under the budget)."""
+        """One step simulated on ``hardware``: a ``Hardware``, a preset name, or None (this machine under the
+        budget, at the speed factor the module was compiled for)."""
         from harmony.compiler.hardware import Hardware
         from harmony.runtime.simulate import simulate
         if self.predicted is None:
             raise ConfigError("this module has no schedule to simulate; compile with the default passes")
         if hardware is None or isinstance(hardware, str):
             hardware = Hardware.preset(hardware) if hardware else \
-                Hardware.this_machine().logical([self.program.config.memory_budget])
+                Hardware.this_machine().logical([self.program.config.memory_budget],
+                                                [getattr(self.program.config, "speed_factor", 1.0)])
         return simulate(self.graph, self.plan, hardware, device, memory=self.predicted)
 
     def state_dict(self) -> dict:

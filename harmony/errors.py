@@ -16,6 +16,9 @@ class BudgetError(HarmonyError):
         super().__init__(message)
         self.min_budget = min_budget
 
+    def __reduce__(self):          # pickled whole: a balance plan's error travels from rank 0 to every rank
+        return type(self), (self.args[0], self.min_budget)
+
 
 class ConfigError(HarmonyError):
     """An argument to ``harmony.compile`` is invalid (unknown pass or policy, bad microbatch count, ...)."""

@@ -24,6 +24,13 @@ the optimizer steps (the offload pass decided that):
 
 The pass also makes every rank start equal (rank 0's parameters and buffers are broadcast,
 as DDP's constructor does) and checks that every rank compiled the same communication plan.
+
+Ranks may cut the model into different packs (their memory budgets differ: ``balance``, or
+simply different ``memory_budget``s): a pack's all-reduce then runs one collective per group of
+its parameters that every rank's packs agree on (``comm_groups``), so every rank still issues
+the same collectives over the same tensors in the same order. Ranks of a balanced plan train on
+different numbers of samples; each passes ``weight`` = its samples / the global batch, and the
+all-reduce sums the weighted mean gradients (``collectives.allreduce(weight=...)``).
 """
 from __future__ import annotations
 
@@ -213,19 +220,66 @@ def broadcast_state(program: Program) -> int:
     return total
 
 
-def check_same_plan(signature: str) -> None:
+FAILED = -1      # the digest a rank sends when it failed to compile (``report_failure``)
+
+
+def report_failure(what: str) -> None:
+    """Called by a rank whose compile failed before this pass: the others, waiting in ``check_same_plan``, stop too."""
+    check_same_plan(None, failed=what)
+
+
+def check_same_plan(signature: str | None, failed: str | None = None) -> None:
     """Every rank must issue the same collectives: compare a digest of the communication plan."""
     import torch.distributed as dist
 
-    digest = int.from_bytes(hashlib.sha256(signature.encode()).digest()[:7], "little")
+    digest = FAILED if failed else int.from_bytes(hashlib.sha256(signature.encode()).digest()[:7], "little")
     mine = torch.tensor([digest], dtype=torch.int64)
     every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(every, mine)
+    if failed:
+        return
+    dead = [r for r, d in enumerate(every) if int(d) == FAILED]
+    if dead:
+        raise ConfigError(f"ranks {dead} could not compile their plans (their errors are in their logs; a BudgetError "
+                          f"there names the budget they need), so no rank trains: fix them and start again")
     differ = [r for r, d in enumerate(every) if int(d) != digest]
     if differ:
         raise ConfigError(f"rank {dist.get_rank()} compiled another communication plan than ranks {differ}: "
-                          f"every rank must compile the same model into the same packs (same memory_budget, "
-                          f"policy and microbatches) with the same compression and min_size")
+                          f"every rank must compile the same model with the same policy, global batch, "
+                          f"compression and min_size (packs and memory budgets may differ)")
+
+
+def comm_groups(program: Program, owned: dict[int, list], issue: list[int]) -> dict[int, list[list[str]]]:
+    """Each pack's gradients cut into all-reduce groups that every rank issues alike.
+
+    Ranks with different memory budgets cut the model into different packs, so one
+    all-reduce per pack would not match across ranks. Each parameter is keyed by the
+    position, on every rank, of the all-reduce that carries it (``issue``: this rank's packs
+    in the order their all-reduces run); parameters with equal keys form a group (the
+    common refinement of every rank's packs), groups run in key order, and a pack's
+    all-reduce reduces its groups one after another. With equal packs on every rank a
+    group is a pack. Needs the live process group (one ``all_gather_object``).
+    """
+    import torch.distributed as dist
+
+    position = {p: i for i, p in enumerate(issue)}
+    pack_of = {n: p for p, named in owned.items() for n, _ in named}
+    names = [n for n, t in program.gm.named_parameters() if n in pack_of]      # the model's order on every rank
+    mine = [position[pack_of[n]] for n in names]
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    keys = {n: tuple(pos[i] for pos in every) for i, n in enumerate(names)}
+    order = sorted(set(keys.values()))
+    for a, b in zip(order, order[1:]):
+        if any(x > y for x, y in zip(a, b)):       # packs are contiguous runs of one graph: never happens
+            raise ConfigError(f"ranks all-reduce gradients in orders that cannot be matched (positions {a} and "
+                              f"{b} per rank); compile every rank with the same policy")
+    me = dist.get_rank()
+    groups: dict[int, list[list[str]]] = {}
+    for key in order:
+        group = [n for n in names if keys[n] == key]
+        groups.setdefault(issue[key[me]], []).append(group)
+    return groups
 
 
 def run(program: Program, ctx) -> PassResult:
@@ -246,16 +300,23 @@ def run(program: Program, ctx) -> PassResult:
         kwargs["min_size"] = min_size
     if warmup:
         kwargs["warmup"] = warmup
+    weight = getattr(cfg, "sample_weight", None)
+    if weight is not None:     # a balanced plan: this rank's share of the global batch (compiler/balance.py)
+        kwargs["weight"] = weight
     owned = owned_grads(program)
+    global_batch = getattr(cfg, "global_batch", None) or cfg.batch_size * world
 
     import torch.distributed as dist
     live = dist.is_available() and dist.is_initialized() and dist.get_world_size() == world
-    signature = repr((world, spec, adaptive, warmup, min_size, plan.microbatches, cfg.policy,
-                      [(p, [(n, tuple(t.shape)) for n, t in owned[p]]) for p in sorted(owned)]))
+    signature = repr((world, spec, adaptive, warmup, min_size, cfg.policy, global_batch, weight is None,
+                      sorted((n, tuple(t.shape)) for p in owned for n, t in owned[p])))
     broadcast = None
     if live:
         check_same_plan(signature)
         broadcast = broadcast_state(program)
+        calls = {n: i for i, n in enumerate(_calls(program.schedule))}
+        last_bwd = {n.args[0]: calls[n] for n in calls if n.target is ops.backward}
+        plan.comm_groups = comm_groups(program, owned, sorted(owned, key=lambda p: last_bwd.get(p, -1)))
 
     # the plan: all-reduce after each pack's last backward; asynchronous where nothing swaps the
     # gradients under it, else synchronous
@@ -278,10 +339,13 @@ def run(program: Program, ctx) -> PassResult:
     for p in sorted(owned, key=lambda q: -q):
         ts = [t for _, t in owned[p]]
         specs = [spec_for(t, spec, min_size) for t in ts]
-        fp32 = predict_wire(ts, [NO_COMPRESSION] * len(ts), world)
-        wire = predict_wire(ts, specs, world)        # adaptive: uniform bits, which its choice may only undercut
+        named = dict(owned[p])
+        groups = [[named[n] for n in g] for g in plan.comm_groups.get(p, [])] or [ts]
+        fp32 = sum(predict_wire(g, [NO_COMPRESSION] * len(g), world) for g in groups)
+        # adaptive: uniform bits, which its choice may only undercut
+        wire = sum(predict_wire(g, [spec_for(t, spec, min_size) for t in g], world) for g in groups)
         tot_wire, tot_fp32 = tot_wire + wire, tot_fp32 + fp32
-        rows.append(dict(pack=p, layers=plan.packs[p].name, tensors=len(ts),
+        rows.append(dict(pack=p, layers=plan.packs[p].name, tensors=len(ts), groups=len(groups),
                          compressed=sum(s.lossy for s in specs), elements=sum(t.numel() for t in ts),
                          fp32_MiB=fp32 / 2**20, wire_MiB=wire / 2**20, overlap=mode.get(p, "")))
     report.rows = rows
@@ -295,9 +359,18 @@ def run(program: Program, ctx) -> PassResult:
         report.totals["broadcast_bytes"] = broadcast
         report.notes.append("rank 0's parameters and buffers were broadcast to every rank (as DDP's constructor "
                             "does); buffers (batch-norm statistics) are not synchronised after that")
-    report.notes.append(f"each rank runs this schedule on its own shard (example_batch is one rank's batch); "
-                        f"gradients of the loss scaled by 1/microbatches, averaged over {world} ranks, are the "
-                        f"gradients of the mean loss over the global batch of {cfg.batch_size * world}")
+    if weight is None:
+        report.notes.append(f"each rank runs this schedule on its own shard (example_batch is one rank's batch); "
+                            f"gradients of the loss scaled by 1/microbatches, averaged over {world} ranks, are the "
+                            f"gradients of the mean loss over the global batch of {global_batch}")
+    else:
+        report.notes.append(f"balanced: this rank trains on {cfg.batch_size} of the global batch of {global_batch} "
+                            f"samples; its mean gradient is weighted by {cfg.batch_size}/{global_batch} = {weight:.4g} "
+                            f"in the all-reduce (scaled by weight x {world} before the average), so the update is "
+                            f"the one a homogeneous cluster makes on the same global batch")
+    if any(len(g) > 1 for g in plan.comm_groups.values()):
+        report.notes.append("other ranks cut the model into other packs: a pack's all-reduce runs one collective per "
+                            "group of parameters that every rank's packs agree on (column groups)")
     if warmup:
         report.notes.append(f"adaptive: the first {warmup} steps send fp32 and measure each layer's quantization "
                             f"error at 2, 3, 4, 6, 8 bits; then an integer program fixes bits per layer (total "

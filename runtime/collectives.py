@@ -340,12 +340,51 @@ def _run(what: str, timeout, group, fn, *args, **kwargs):
         raise _comm_error(what, e, timeout, group) from e
 
 
+def measure_network(nbytes: int = 16 << 20, repeats: int = 5, group=None) -> tuple[float, float]:
+    """(bytes/s, seconds per message) of this group's fp32 all-reduce, as the simulator costs it.
+
+    The simulator charges a ring all-reduce of ``n`` bytes ``2 (w - 1) / w * n / bandwidth +
+    2 (w - 1) * latency``; this times ``repeats`` all-reduces of 4 KiB and of ``nbytes`` (medians)
+    and solves for the two. A collective: every rank of ``group`` calls it, and gets the same
+    figures (rank 0's, broadcast).
+    """
+    world = dist.get_world_size(group)
+    if world == 1:
+        return math.inf, 0.0
+
+    def timed(n):
+        buf = torch.zeros(max(n // 4, 1))
+        times = []
+        for _ in range(repeats):
+            dist.barrier(group=group)
+            t0 = time.perf_counter()
+            dist.all_reduce(buf, group=group)
+            times.append(time.perf_counter() - t0)
+        return sorted(times)[len(times) // 2]
+
+    small, big = timed(4096), timed(nbytes)
+    hops = 2 * (world - 1)
+    latency = max(small / hops, 1e-6)
+    bandwidth = hops / world * nbytes / max(big - hops * latency, 1e-9)
+    figures = torch.tensor([bandwidth, latency], dtype=torch.float64)
+    dist.broadcast(figures, src=0, group=group)
+    return float(figures[0]), float(figures[1])
+
+
 # -- allreduce ------------------------------------------------------------------------------------
 def allreduce(tensors: Sequence[torch.Tensor], spec: CompressionSpec | Sequence[CompressionSpec] = NO_COMPRESSION,
               group=None, error_feedback_state: dict | None = None, *, min_size: int = DEFAULT_MIN_SIZE,
               timeout: float | None = None, generator: torch.Generator | None = None,
-              fusion_bytes: int = DEFAULT_FUSION_BYTES) -> CommStats:
+              fusion_bytes: int = DEFAULT_FUSION_BYTES, weight: float | None = None) -> CommStats:
     """Average ``tensors`` over the ranks of ``group``, in place; returns what it cost.
+
+    ``weight``: this rank's weight in a weighted average, ``sum_r weight_r * t_r`` (the weights of
+    all ranks should sum to 1). Ranks that trained on different numbers of samples pass their share
+    of the global batch, ``b_r / B``, so the average of their mean gradients is the mean gradient of
+    the whole batch. ``None`` (default): the plain average, weight ``1 / world`` on every rank.
+    It is applied by scaling this rank's tensors by ``weight * world`` before the plain average, in
+    every kind (fp32, half, quantized, with or without error feedback, whose residuals live in that
+    scaled domain), so a weight of exactly ``1 / world`` changes nothing, bitwise.
 
     ``spec`` is one ``CompressionSpec`` for all tensors or one per tensor (layer-wise bits);
     ``spec_for`` keeps small and 1-d tensors uncompressed. With ``error_feedback`` the caller
@@ -375,7 +414,10 @@ def allreduce(tensors: Sequence[torch.Tensor], spec: CompressionSpec | Sequence[
         stats.compressed = 0
         stats.seconds = time.perf_counter() - start
         return stats
-    jobs = [_Job(idx, tensors, s, group, world, error_feedback_state, timeout, generator)
+    scale = 1.0 if weight is None else float(weight) * world
+    if not math.isfinite(scale) or scale < 0:
+        raise ConfigError(f"allreduce weight={weight!r}: give this rank's share of the average, a number >= 0")
+    jobs = [_Job(idx, tensors, s, group, world, error_feedback_state, timeout, generator, scale)
             for s, idx in _fuse(tensors, specs, fusion_bytes)]
     # Three sweeps so each buffer's compression overlaps the previous buffer's transfer.
     for job in jobs:
@@ -420,6 +462,7 @@ class _Job:
     ef: dict | None
     timeout: float | None
     generator: torch.Generator | None
+    scale: float = 1.0           # weight * world: the plain average of the scaled tensors is the weighted one
     wire_bytes: int = 0
     numel: int = 0
     offsets: list = field(default_factory=list)   # where each tensor starts in the fused buffer
@@ -448,6 +491,8 @@ class _Job:
         for i, t, start, end in zip(self.idx, ts, self.offsets, ends):
             piece = self.buf[start: start + t.numel()]
             piece.copy_(t.detach().reshape(-1))
+            if self.scale != 1.0:
+                piece.mul_(self.scale)
             if s.error_feedback and i in self.ef:
                 r = self.ef[i]
                 if r.shape != t.shape:

@@ -44,11 +44,18 @@ def last_uses(graph: torch.fx.Graph) -> dict[torch.fx.Node, list[torch.fx.Node]]
 
 
 class Runtime:
-    """Executes a schedule graph on real tensors, one device, enforcing its memory budget."""
+    """Executes a schedule graph on real tensors, one device, enforcing its memory budget.
+
+    ``speed_factor`` > 1 emulates a slower device: each compute op (forward, backward, an
+    optimizer step on the device) is followed by a sleep of ``(speed_factor - 1)`` times its
+    measured time, as the simulator stretches the compute stream. Copies, all-reduces and
+    steps on the host are not stretched.
+    """
 
     def __init__(self, plan: Plan, graph: torch.fx.Graph, tensors: dict, optimizers: dict,
-                 budget: int | None, device: torch.device | str = "cpu", on_demand=None):
+                 budget: int | None, device: torch.device | str = "cpu", on_demand=None, speed_factor: float = 1.0):
         self.plan = plan
+        self.speed_factor = speed_factor      # > 1: an emulated slower device (see ``run``)
         self.graph = graph
         self.device = torch.device(device)
         self.meter = MemoryMeter(f"{self.device.type}:logical" if self.device.type == "cpu" else str(self.device),
@@ -92,6 +99,11 @@ class Runtime:
             start = time.perf_counter() - t0
             peak, self.meter.peak = self.meter.peak, self.meter.live
             env[node] = op.execute(self, *args, **kwargs)
+            if self.speed_factor != 1.0 and op.kind == "compute" and kwargs.get("where", "device") != "host":
+                # EMULATION of a slower device: a compute op on it takes speed_factor x as long, so this
+                # thread idles for the rest (a sleep leaves the core to other ranks, as a device of its own
+                # would). A step on host copies is the host's work, not the device's: not stretched.
+                time.sleep((self.speed_factor - 1.0) * (time.perf_counter() - t0 - start))
             self.events.append(TraceEvent(node.name, op.kind, "compute" if op.kind == "compute" else "copy",
                                           start, time.perf_counter() - t0, self.meter.live, self.meter.peak))
             self.meter.peak = max(peak, self.meter.peak)

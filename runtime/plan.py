@@ -76,3 +76,6 @@ class Plan:
     policy: str = "harmony"
     precision: str = "fp32"                      # fp32 | bf16 | fp16: dtype of device copies (runtime/precision.py)
     loss_scaling: dict = field(default_factory=dict)   # fp16: LossScaler arguments
+
+
+    comm_groups: dict = field(default_factory=dict)  # pack -> its gradients' all-reduce groups (lists of names)

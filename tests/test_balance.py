@@ -61,3 +61,91 @@ def test_a_cluster_too_small_names_what_is_missing():
     with pytest.raises(BudgetError, match="missing") as e:
         balance(ModelCost(0, 1e9, 0, 1e8, 4e9, 1e8), devices, 8)
     assert e.value.min_budget > 0
+
+
+def test_a_speed_factor_makes_the_runtime_emulate_a_slower_device(monkeypatch):
+    import torch
+
+    import harmony
+    import harmony.runtime.executor as executor
+    from harmony.compiler.hardware import Hardware
+    from models import CASES, training_state_bytes
+
+    model, data = CASES["gpt"](batch=4)
+    budget = training_state_bytes(model) // 2           # swaps: copies run beside compute, unstretched
+    hw = Hardware.this_machine().logical([budget], speed_factors=[3])
+    sm = harmony.compile(model, example_batch=data[0], hardware=hw, memory_budget=budget, microbatches=2,
+                         optimizer=torch.optim.SGD, optimizer_kwargs=dict(lr=0.1))
+    slept = []
+    monkeypatch.setattr(executor.time, "sleep", slept.append)
+    sm(*data[0])
+    stretched = [n for n in sm.graph.nodes if n.op == "call_function" and n.target.__name__ in ("forward", "backward")
+                 or n.op == "call_function" and n.target.__name__ == "step" and n.kwargs.get("where") != "host"]
+    assert sm.runtime.speed_factor == 3.0 and len(stretched) > 4
+    assert len(slept) == len(stretched) and all(s > 0 for s in slept)       # each compute op, nothing else
+    assert "emulated" in sm.simulate(hw).summary()
+    sm.close()
+    plain = harmony.compile(model, example_batch=data[0], memory_budget=budget, microbatches=2)
+    slept.clear()
+    plain(*data[0])
+    assert slept == []
+    plain.close()
+    with pytest.raises(harmony.errors.ConfigError, match="slow a device down"):
+        harmony.compile(model, example_batch=data[0], memory_budget=budget,
+                        hardware=Hardware.this_machine().logical([budget], speed_factors=[0.5]))
+
+
+def test_balance_outside_data_parallel_and_bad_shares_are_config_errors():
+    import harmony
+    from harmony.compiler.balance import plan_ranks
+    from harmony.compiler.hardware import Hardware
+    from harmony.errors import ConfigError
+    from models import CASES
+
+    model, data = CASES["gpt"](batch=6)
+    hw = Hardware.this_machine().logical([1 << 30] * 2)
+    with pytest.raises(ConfigError, match="data_parallel"):
+        harmony.compile(model, example_batch=data[0], hardware=hw, balance="auto", data_parallel=False)
+    with pytest.raises(ConfigError, match="Hardware"):
+        harmony.compile(model, example_batch=data[0], hardware="a100-40gb", balance="auto")
+    devices = [Dev("a", 4e9, 1e9), Dev("b", 4e9, 1e9)]
+    with pytest.raises(ConfigError, match="add up"):
+        plan_ranks([3, 4], COST, devices, 6)
+    with pytest.raises(ConfigError, match="equal"):
+        plan_ranks("uniform", COST, devices, 7)
+    with pytest.raises(ConfigError, match="one entry per rank"):
+        plan_ranks([6], COST, devices, 6)
+    plan = plan_ranks([(1, 2), (2, 2)], COST, devices, 6)
+    assert [plan.rows(r) for r in range(2)] == [(0, 2), (2, 6)] and plan.weights() == [2 / 6, 4 / 6]
+    assert [s.samples for s in plan_ranks([2, 4], COST, devices, 6, microbatches=2).shares] == [2, 4]
+
+
+def test_the_model_cost_of_a_traced_model_plans_budgets_its_compile_meets():
+    """The ILP's memory floor for a microbatch size is a budget the rank's own compile can plan under."""
+    import torch
+
+    import harmony
+    from harmony.compiler import cost
+    from harmony.compiler.balance import model_cost, rank_memory_floor
+    from harmony.compiler.ir import CompileConfig, Program
+    from harmony.compiler.trace import trace
+    from models import CASES
+
+    model, data = CASES["gpt"](batch=4)
+    gm = trace(model, data[0])
+    program = Program(model=model, gm=gm, example_batch=data[0],
+                      config=CompileConfig(memory_budget=0, microbatches=1, batch_size=1, optimizer=torch.optim.SGD,
+                                           optimizer_kwargs=dict(lr=0.1, momentum=0.9)))
+    program.optim_profile = cost.optimizer_profile(torch.optim.SGD, dict(lr=0.1, momentum=0.9))
+    c = model_cost(program)
+    params = sum(p.numel() for p in model.parameters())
+    assert c.state_bytes == 12 * params                      # weight, gradient and momentum in fp32
+    assert c.flops_per_sample > 0 and c.act_per_sample > 0 and c.ops_per_microbatch > 0
+    assert program.config.batch_size == 1                     # restored after measuring at 1 and 2 samples
+    for b in (2, 4):            # inside the line's span, and its end (the whole batch)
+        budget = int(rank_memory_floor(c, None, b))
+        sm = harmony.compile(model, example_batch=data[0], memory_budget=budget, microbatches=4 // b,
+                             optimizer=torch.optim.SGD, optimizer_kwargs=dict(lr=0.1, momentum=0.9))
+        sm(*data[0])
+        assert sm.stats["measured_peak"] <= budget
+        sm.close()

@@ -316,3 +316,147 @@ def test_predicted_wire_bytes_match_the_collective():
         for world in (2, 3, 4):
             got = compress.predict_wire(ts, specs, world)
             assert got > 0 and (spec.kind != "none" or got == 2 * (world - 1) * 4 * sum(t.numel() for t in ts) // world)
+
+
+# -- heterogeneous ranks: balance ----------------------------------------------------------------
+HETERO_BATCH = 18
+SHARES = [(2, 1), (3, 2), (5, 2)]          # 2, 6 and 10 samples in 1, 2 and 2 microbatches
+BUDGETS = (0.5, 0.8, 4.0)                  # of the training state: different packs on every rank
+
+
+def _hetero_train(rank, model, data, hw, steps=STEPS, **kw):
+    sm = harmony.compile(model, example_batch=data[0], hardware=hw, data_parallel=True, **kw)
+    for i in range(steps):
+        sm(*data[i % len(data)])              # the global batch: each rank takes its rows
+    sm.close()
+    params = [p.detach() for p in model.parameters()]
+    balance, compress_report = sm.program.reports[0], next(r for r in sm.program.reports
+                                                           if r.title.startswith("compress"))
+    return dict(params=[p.numpy().copy() for p in params], digest=_digest(params), packs=len(sm.plan.packs),
+                rows=sm.program.rows, microbatches=sm.plan.microbatches, budget=sm.program.config.memory_budget,
+                balance=dict(title=balance.title, rows=balance.rows, totals=balance.totals, notes=balance.notes),
+                groups=[r["groups"] for r in compress_report.rows], text=sm.report(),
+                weights={n.kwargs.get("weight") for n in sm.graph.nodes if n.target is ops.allreduce})
+
+
+def _hetero_ranks(rank, world):
+    from harmony.compiler.hardware import Hardware
+    from harmony.errors import BudgetError
+    from harmony.runtime.collectives import CompressionSpec, allreduce
+
+    out = {}
+    model, data = _case(HETERO_BATCH)
+    budgets = [int(training_state_bytes(model) * f) for f in BUDGETS]
+    cpu = Hardware.this_machine()
+    if rank:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.01 * rank)            # compile broadcasts rank 0's weights
+    out["shares"] = _hetero_train(rank, model, data, cpu.logical(budgets), balance=SHARES, **SGD)
+    out["q4"] = _hetero_train(rank, _case(HETERO_BATCH)[0], data, cpu.logical(budgets), balance=SHARES,
+                              compression="4bit", **SGD)
+    out["uniform"] = _hetero_train(rank, _case(HETERO_BATCH)[0], data, cpu.logical(budgets), balance="uniform",
+                                   microbatches=2, **SGD)
+    out["auto"] = _hetero_train(rank, _case(HETERO_BATCH)[0], data, cpu.logical(budgets, speed_factors=[1, 2, 4]),
+                                steps=1, balance="auto", **SGD)
+    # weighted all-reduce in every kind: sum_r w_r t_r (fp32 exactly up to rounding, compressed near it)
+    g = torch.Generator().manual_seed(rank)
+    t = torch.randn(64, 96, generator=g)
+    w = [0.125, 0.25, 0.625][rank]
+    out["weighted"] = {}
+    for spec in (CompressionSpec("none"), CompressionSpec("fp16"), CompressionSpec(bits=8)):
+        x = t.clone()
+        allreduce([x], spec, weight=w, min_size=0)
+        out["weighted"][spec.kind] = x.numpy().copy()
+    out["inputs"] = t.numpy().copy()
+    from harmony.runtime.collectives import measure_network
+    out["network"] = measure_network(1 << 20, repeats=3)
+    for key, kw in (("wrong_count", dict(hardware=cpu.logical(budgets[:2]), balance="auto")),
+                    ("too_small", dict(hardware=cpu.logical([1 << 16] * 3), balance="auto")),
+                    ("bad_shares", dict(hardware=cpu.logical(budgets), balance=[(2, 1), (2, 1), (2, 1)])),
+                    ("budget_given", dict(hardware=cpu.logical(budgets), balance="auto", memory_budget="1GiB")),
+                    # given shares are not checked against memory: rank 0's own compile fails, and tells the others
+                    ("rank0_fails", dict(hardware=cpu.logical([1 << 16] + budgets[1:]), balance=SHARES))):
+        try:
+            harmony.compile(_case(HETERO_BATCH)[0], example_batch=data[0], data_parallel=True, **kw, **SGD)
+            out[key] = ("no error", "", None)
+        except (ConfigError, BudgetError) as e:
+            out[key] = (type(e).__name__, str(e), getattr(e, "min_budget", None))
+    return out
+
+
+@pytest.fixture(scope="module")
+def hetero():
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(1) as pool:
+        ref = pool.submit(_reference, HETERO_BATCH, **SGD)
+        res = _spawn(3, _hetero_ranks, timeout=240)
+        res["ref"] = ref.result()
+    _ok({r: v for r, v in res.items() if r != "ref"}, 3)
+    return res
+
+
+@pytest.mark.slow
+def test_uneven_shares_train_like_one_process_on_the_global_batch(hetero):
+    ref = hetero["ref"]
+    for key in ("shares", "uniform"):
+        assert len({hetero[r][key]["digest"] for r in range(3)}) == 1, f"{key}: ranks differ"
+    s = [hetero[r]["shares"] for r in range(3)]
+    assert [x["rows"] for x in s] == [(0, 2), (2, 8), (8, 18)] and [x["microbatches"] for x in s] == [1, 2, 2]
+    assert [x["weights"] for x in s] == [{2 / 18}, {6 / 18}, {10 / 18}]
+    assert len({x["packs"] for x in s}) > 1         # budgets differ, so do the packs: groups keep ranks in step
+    assert any(g > 1 for x in s for g in x["groups"])
+    # allclose, not bitwise: each rank's gradient is scaled by its weight x 3 before the sum and divided by 3
+    # after it, and the samples' contributions are summed in another order than one backward over 18 samples
+    ok, worst = _close(s[0]["params"], ref, 1e-5, 1e-6)
+    assert ok, f"uneven shares vs one process on the global batch: max difference {worst}"
+    ok, worst = _close(s[0]["params"], [torch.from_numpy(a) for a in hetero[0]["uniform"]["params"]], 1e-5, 1e-6)
+    assert ok, f"uneven shares vs a homogeneous 3-rank run: max difference {worst}"
+    u = hetero[0]["uniform"]
+    assert u["rows"] == (0, 6) and u["weights"] == {1 / 3}
+    q = [hetero[r]["q4"] for r in range(3)]                 # 4-bit: weighted too, identical on every rank
+    assert len({x["digest"] for x in q}) == 1
+    ok, worst = _close(q[0]["params"], ref, 0, 0.01)        # measured 0.0036; with equal weights 0.031 (so fp32)
+    assert ok and worst > 1e-6, worst
+
+
+@pytest.mark.slow
+def test_auto_balance_gives_slower_ranks_fewer_samples_and_reports_every_rank(hetero):
+    a = [hetero[r]["auto"] for r in range(3)]
+    rows = a[0]["balance"]["rows"]
+    samples = [row["samples"] for row in rows]
+    assert sum(samples) == HETERO_BATCH and samples[0] > samples[2]       # rank 2 is emulated 4x slower
+    assert [x["rows"][1] - x["rows"][0] for x in a] == samples
+    assert [x["budget"] for x in a] == [int(training_state_bytes(_case(8)[0]) * f) for f in BUDGETS]
+    assert rows[2]["speed"] == "1/4x EMULATED" and "(this)" in str(a[1]["balance"]["rows"][1]["rank"])
+    notes = " ".join(a[0]["balance"]["notes"])
+    assert "EMULATION" in notes and "replicates" in notes
+    assert a[0]["balance"]["totals"]["status"] == "optimal" and a[0]["balance"]["totals"]["simulated_step_s"] > 0
+    assert "balance: each rank's share" in a[0]["text"] and "EMULATED" in a[0]["text"]
+
+
+@pytest.mark.slow
+def test_weighted_allreduce_sums_weighted_tensors_in_every_kind(hetero):
+    xs = [torch.from_numpy(hetero[r]["inputs"]) for r in range(3)]
+    want = 0.125 * xs[0] + 0.25 * xs[1] + 0.625 * xs[2]
+    got = {k: torch.from_numpy(v) for k, v in hetero[0]["weighted"].items()}
+    assert torch.allclose(got["none"], want, rtol=1e-6, atol=1e-6)
+    assert torch.allclose(got["fp16"], want, atol=2e-3)
+    span = float(want.max() - want.min())
+    assert float((got["quantized"] - want).abs().max()) < 4 * span / 255     # 8-bit buckets, requantized once
+    assert float((got["quantized"] - xs[0].add(xs[1]).add(xs[2]).div(3)).abs().max()) > 0.1   # not the plain mean
+    bandwidth, latency = hetero[0]["network"]             # measured once, the same figures on every rank
+    assert bandwidth > 0 and latency > 0 and all(hetero[r]["network"] == (bandwidth, latency) for r in (1, 2))
+
+
+@pytest.mark.slow
+def test_balance_bad_inputs_are_clear_errors_on_every_rank(hetero):
+    for r in range(3):
+        h = hetero[r]
+        assert h["wrong_count"][0] == "ConfigError" and "2 devices but 3 ranks" in h["wrong_count"][1]
+        assert h["too_small"][0] == "BudgetError" and "missing" in h["too_small"][1] and h["too_small"][2] > 0
+        assert h["bad_shares"][0] == "ConfigError" and "add up" in h["bad_shares"][1]
+        assert h["budget_given"][0] == "ConfigError" and "memory_budget" in h["budget_given"][1]
+    assert hetero[0]["rank0_fails"][0] == "BudgetError" and "smallest budget that works" in hetero[0]["rank0_fails"][1]
+    for r in (1, 2):                          # not left waiting for rank 0 in the compress pass
+        assert hetero[r]["rank0_fails"][0] == "ConfigError" and "ranks [0] could not compile" in hetero[r]["rank0_fails"][1]
