@@ -6,16 +6,21 @@ sequence each, planned for the Harmony paper's GPU (GTX 1080 Ti over PCIe; the b
 the given share, not the GPU's memory) and run here. Every figure is measured by the
 runtime on a real step (the second, once the optimizer state exists), not predicted.
 
-Lower bound (per iteration), for a budget B (less the planner's headroom) and training
-state S = P (params) + G (grads) + O (optimizer state):
-  * a fraction f = max(0, 1 - B/S) of the state cannot stay on the device; its
-    parameters Pn = f*P must arrive once for the forward phase and once for the
-    backward phase, except what can stay on the device across the turn from the last
-    forward to the first backward, at most T = min(Pn, B) bytes: 2*Pn - T in;
-  * its updated parameters leave once (Pn out) and its optimizer state On = f*O comes
-    in once and leaves once (On in, On out); gradients need not move (a pack can step
-    as soon as its backward is complete);
-  * activations: stash traffic is not counted, so the bound is below any schedule.
+Lower bound (per iteration), for a budget B (less the planner's headroom, U = 0.95 B), the
+parameters P and the optimizer state O = 2P (Adam's m and v):
+  * gradients need not stay: a pack can step as soon as its backward is complete, so only
+    parameters and optimizer state compete for residency, and a byte of parameters kept
+    saves 3 bytes moved (in for forward, in for backward, out after the update), a byte of
+    optimizer state 2 (in and out around the step): the best residency keeps parameters
+    first, Rp = min(P, U), then optimizer state, Ro = min(O, U - Rp);
+  * a parameter not resident comes in for the forward and goes out once updated; it comes
+    in again for the backward unless it stays on the device across the turn from the last
+    forward to the first backward, at most T = min(P - Rp, U - Rp - Ro) bytes beside the
+    resident state: 3 (P - Rp) - T for parameters, 2 (O - Ro) for optimizer state;
+  * activations: stash traffic is not counted, and no room is set aside for the working
+    set of a layer being computed (any real schedule needs some), so the bound is below any
+    schedule. (Before 2026-11-22 the script counted gradients as resident state, which let
+    a plan that keeps every parameter on the device beat the "bound": fixed.)
 This bound is for schedules that step the optimizer on the device, as all three policies
 do here (``optimizer_on="device"``). The column ``harmony_host_step`` shows Harmony with the
 optimizer on the host instead (ZeRO-Offload's choice, the default when the state does not
@@ -40,12 +45,12 @@ HARDWARE = "gtx1080ti"
 
 def lower_bound(model, budget: int, headroom: float) -> int:
     p = sum(t.numel() * 4 for t in model.parameters())
-    s = 16 * p // 4
+    o = 2 * p
     usable = budget * (1 - headroom)
-    f = max(0.0, 1 - usable / s)
-    pn, on = f * p, f * 2 * p
-    t = min(pn, usable)
-    return int((2 * pn - t + on) + (pn + on))
+    rp = min(p, usable)
+    ro = min(o, usable - rp)
+    t = min(p - rp, usable - rp - ro)
+    return int(3 * (p - rp) - t + 2 * (o - ro))
 
 
 def measure(model, data, microbatches, budget, policy, optimizer_on="device"):
