@@ -545,6 +545,8 @@ def main():
     finally:
         shutil.rmtree(root, ignore_errors=True)
     rows, notes = summarize(results, a, raw)
+    notes.append("load average at the end (1, 5, 15 min; this machine has %d cores, shared): %s"
+                 % (os.cpu_count(), ", ".join(f"{x:.2f}" for x in os.getloadavg())))
     print()
     print(common.table(rows, f"offload: GPT {n / 1e6:.0f}M params, {16 * n / GiB:.1f} GiB training state, "
                              f"budget {a.budget}; median of steps 2..{a.steps}"))
