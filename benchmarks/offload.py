@@ -210,7 +210,9 @@ def ds_config(a, nvme: str, block_params: list[int], other_params: list[int]) ->
       parameter (default 1e8 elements: 5 of them would be 2 GB of RSS), and there are enough for
       three blocks' swapped parameters plus the embeddings and head (with 5, DeepSpeed fails with
       "Not enough buffers 0 for swapping 1" as soon as it prefetches); the prefetch bucket is one
-      block and at most two blocks' parameters are live, so they never run out;
+      block, at most two blocks' parameters are live and a parameter is kept for reuse only within
+      one block (the default reuse distance, 1e9 elements, keeps every parameter of this model
+      swapped in once fetched, and the buffers run out at once: the same error);
     * ``sub_group_size`` --ds-sub-group: the optimizer state swapped in at once (the default, 1e9
       elements, is the whole model here, 3x its size in RAM).
     """
@@ -233,6 +235,7 @@ def ds_config(a, nvme: str, block_params: list[int], other_params: list[int]) ->
             "stage3_param_persistence_threshold": PERSIST,
             "stage3_prefetch_bucket_size": block,
             "stage3_max_live_parameters": 2 * block,
+            "stage3_max_reuse_distance": block,
         },
         "aio": {"block_size": 1048576, "queue_depth": 8, "thread_count": 1, "single_submit": False,
                 "overlap_events": True},
