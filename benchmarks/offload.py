@@ -21,7 +21,9 @@ steps under each system, each in its own subprocess so that peak RSS is per syst
              Everything stays in RAM (run it where the model fits).
   eager      plain PyTorch in memory (forward, backward, torch AdamW step): the compute reference.
 
-Columns: median step time of the steps after the first (every step's time in the notes);
+Columns: median step time of the steps after the first (every step's time in the notes), and
+the CPU seconds (user + system, all threads) the child spent in it: on a shared machine wall
+time moves with the load and CPU time much less;
 peak RSS over the whole child (getrusage ru_maxrss, taken before and after the reset below,
 since clear_refs resets what getrusage reads too) and over the training steps only (VmHWM
 after resetting it with /proc/self/clear_refs once setup is done); bytes the child really read
@@ -348,16 +350,19 @@ def child(a) -> None:
         # clear_refs resets the high-water mark getrusage reads too: keep the setup's peak first
         result["peak_rss_setup"] = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, vm_hwm_bytes())
         result["hwm_reset"] = reset_peak_rss()
-        times, reads, writes, losses = [], [], [], []
+        times, cpus, reads, writes, losses = [], [], [], [], []
         for _ in range(a.steps):
             io0 = proc_io()
+            r0 = resource.getrusage(resource.RUSAGE_SELF)
             s0 = time.perf_counter()
             losses.append(step())
             times.append(time.perf_counter() - s0)
+            r1 = resource.getrusage(resource.RUSAGE_SELF)
+            cpus.append(r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime)
             io1 = proc_io()
             reads.append(io1.get("read_bytes", 0) - io0.get("read_bytes", 0))
             writes.append(io1.get("write_bytes", 0) - io0.get("write_bytes", 0))
-        result.update(step_s=times, read_bytes=reads, write_bytes=writes, loss=losses,
+        result.update(step_s=times, cpu_s=cpus, threads=torch.get_num_threads(), read_bytes=reads, write_bytes=writes, loss=losses,
                       peak_rss_steps=vm_hwm_bytes() if result["hwm_reset"] else None)
         close()
     except BaseException as e:                # noqa: BLE001  (the parent reports it as the row)
@@ -440,7 +445,7 @@ def summarize(results: dict, a, raw: tuple[float, float, str]) -> tuple[list[dic
             continue
         t = median_after_first(r["step_s"])
         rd, wr = median_after_first(r["read_bytes"]), median_after_first(r["write_bytes"])
-        row.update(step_s=t, peak_rss_GiB=gib(r["peak_rss"]), rss_steps_GiB=gib(r.get("peak_rss_steps")),
+        row.update(step_s=t, cpu_s=median_after_first(r.get("cpu_s")), peak_rss_GiB=gib(r["peak_rss"]), rss_steps_GiB=gib(r.get("peak_rss_steps")),
                    read_GB_step=rd / 1e9, write_GB_step=wr / 1e9, disk_GBps=(rd + wr) / t / 1e9 if t else 0.0)
         if sysname == "harmony":
             st = r.get("stats") or []
@@ -453,7 +458,7 @@ def summarize(results: dict, a, raw: tuple[float, float, str]) -> tuple[list[dic
         bound = max(compute or 0.0, disk_s)
         row.update(bound_s=bound, vs_bound=t / bound if bound else None)
         rows.append(row)
-        extra = {k: v for k, v in r.items() if k not in ("system", "step_s", "read_bytes", "write_bytes", "loss",
+        extra = {k: v for k, v in r.items() if k not in ("system", "step_s", "cpu_s", "read_bytes", "write_bytes", "loss",
                                                          "stats", "peak_rss", "peak_rss_steps", "traceback")}
         notes.append(f"{sysname}: steps " + ", ".join(f"{s:.3g}" for s in r["step_s"]) + " s; losses "
                      + ", ".join(f"{l:.4g}" for l in r["loss"]) + "; read/write GB per step "
