@@ -246,6 +246,10 @@ def ds_config(a, nvme: str, block_params: list[int], other_params: list[int]) ->
     }
 
 
+class Missing(RuntimeError):
+    """A peer that cannot run here (not installed): its row says what to install, without a traceback."""
+
+
 def deepspeed_missing() -> str | None:
     """Why the DeepSpeed column cannot run here, or None."""
     try:
@@ -290,7 +294,7 @@ def setup_deepspeed(a, c, x, y, workdir):
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     missing = deepspeed_missing()
     if missing:
-        raise RuntimeError(missing)
+        raise Missing(missing)
     import torch
     import deepspeed
     from harmony.models import GPT, GPTConfig
@@ -367,7 +371,8 @@ def child(a) -> None:
         close()
     except BaseException as e:                # noqa: BLE001  (the parent reports it as the row)
         result["error"] = f"{type(e).__name__}: {e}"
-        result["traceback"] = traceback.format_exc()
+        if not isinstance(e, Missing):
+            result["traceback"] = traceback.format_exc()
     result["peak_rss"] = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, vm_hwm_bytes(),
                              result.get("peak_rss_setup", 0))
     result["torch"] = torch.__version__
@@ -469,7 +474,10 @@ def summarize(results: dict, a, raw: tuple[float, float, str]) -> tuple[list[dic
             last = r["stats"][-1]
             keys = {k: v for k, v in last.items() if "disk" in k or "rss" in k or "param" in k}
             notes.append("harmony last-step sm.stats: " + ", ".join(f"{k}={v}" for k, v in keys.items()))
-    return rows, notes
+    cols = ["system", "step_s", "cpu_s", "peak_rss_GiB", "rss_steps_GiB", "read_GB_step", "write_GB_step",
+            "disk_GBps", "h_read_GB", "h_write_GB", "h_io_GBps", "bound_s", "vs_bound"]
+    cols = [k for k in cols if any(k in r for r in rows)]
+    return [{k: r.get(k, "") for k in cols} for r in rows], notes
 
 
 def ratios(rows: list[dict], a) -> list[str]:
