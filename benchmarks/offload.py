@@ -492,6 +492,10 @@ def ratios(rows: list[dict], a) -> list[str]:
         if d:
             out.append(f"Harmony / DeepSpeed = {h['step_s'] / d['step_s']:.3g}   step time (target <= 0.67); "
                        f"peak RSS {h['peak_rss_GiB']:.3g} vs {d['peak_rss_GiB']:.3g} GiB (target: not higher)")
+    e = by.get("eager")
+    if e and e.get("cpu_s"):
+        out.append("CPU seconds per step / eager's (work done, less sensitive to a shared machine's load): "
+                   + ", ".join(f"{n} {r['cpu_s'] / e['cpu_s']:.3g}" for n, r in by.items() if r.get("cpu_s")))
     cap = parse_bytes(a.budget) + GiB
     for name, r in by.items():
         out.append(f"{name}: peak RSS / (budget + 1 GiB) = {r['peak_rss_GiB'] * GiB / cap:.3g} overall, "
