@@ -1,0 +1,585 @@
+"""Training state several times the memory budget: Harmony's offload tiers vs DeepSpeed ZeRO-Infinity vs FSDP2.
+
+The built-in GPT (random weights, untied head) trains the same batch for the same number of
+steps under each system, each in its own subprocess so that peak RSS is per system:
+
+  harmony    harmony.compile(..., memory_budget=--budget, host_memory_budget=--host-budget,
+             offload_dir=<dir>) with torch.optim.AdamW stepping on the host; whatever the
+             offload pass puts on disk (today the optimizer state of the packs the host budget
+             cannot hold) lives in a private directory under --dir. If Harmony refuses the host
+             budget (BudgetError naming the smallest it accepts), the runner retries once with
+             that minimum and says so in the table.
+  deepspeed  DeepSpeed ZeRO-3 with ZeRO-Infinity offload of parameters AND optimizer state to
+             NVMe (``nvme_path`` a directory under --dir), CPU accelerator, gloo, world size 1,
+             pin_memory false, the model built inside ``deepspeed.zero.Init`` so it is never
+             whole in RAM, ``max_in_cpu`` 0 so parameters really live on NVMe (ds_config says
+             what else differs from DeepSpeed's defaults, and why). The optimizer is DeepSpeed's own CPU Adam in AdamW mode
+             (DeepSpeedCPUAdam, adamw_mode=True: what ZeRO-Offload/Infinity uses), same lr
+             and weight decay as torch's AdamW elsewhere.
+  fsdp2      torch.distributed.fsdp.fully_shard per block and at the root with
+             CPUOffloadPolicy(pin_memory=False) on a CPU gloo mesh of world size 1; torch AdamW.
+             Everything stays in RAM (run it where the model fits).
+  eager      plain PyTorch in memory (forward, backward, torch AdamW step): the compute reference.
+
+Columns: median step time of the steps after the first (every step's time in the notes), and
+the CPU seconds (user + system, all threads) the child spent in it: on a shared machine wall
+time moves with the load and CPU time much less;
+peak RSS over the whole child (getrusage ru_maxrss, taken before and after the reset below,
+since clear_refs resets what getrusage reads too) and over the training steps only (VmHWM
+after resetting it with /proc/self/clear_refs once setup is done); bytes the child really read
+from and wrote to the block device per step (/proc/self/io read_bytes/write_bytes, median over
+the steps after the first), and for Harmony also its own disk-tier counters (sm.stats); the
+disk GB/s these imply over the step; and the bound max(compute, read/raw_read + write/raw_write),
+where compute is the eager step (else the FSDP2 step, noted) and the raw bandwidths are
+measured in this run by an O_DIRECT sequential write then read of --raw-bytes in --dir
+(compiler/hardware.py's _disk_bandwidth, the helper Hardware.profile uses).
+
+Install for the DeepSpeed column (not in CI):
+    apt-get install -y libaio-dev          # DeepSpeed's async_io op builds against it
+    pip install -e ".[bench]"              # deepspeed; keep torch as it is (pin torch==<yours>)
+The first DeepSpeed run JIT-builds async_io and cpu_adam (a few minutes each, cached under
+~/.cache/torch_extensions). Without deepspeed or libaio the DeepSpeed row says what is
+missing and the other columns still run.
+
+    python benchmarks/offload.py                                   # ~600M params (~10 GB of state), 2 GiB budget
+    python benchmarks/offload.py --layers 4 --width 256 --systems harmony,eager   # a quick look
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import common  # noqa: F401  (puts the repository on sys.path)
+
+GiB = 2**30
+SYSTEMS = ("harmony", "deepspeed", "fsdp2", "eager")
+LR, WD = 1e-4, 0.01
+MARK = "OFFLOAD-BENCH-RESULT "
+
+
+# ----------------------------------------------------------------------------------------------
+# the child: one system, its own process
+# ----------------------------------------------------------------------------------------------
+
+def proc_io() -> dict:
+    """This process's block I/O so far: bytes really read from / written to storage (/proc/self/io)."""
+    out = {}
+    try:
+        for line in Path("/proc/self/io").read_text().splitlines():
+            k, v = line.split(":")
+            out[k.strip()] = int(v)
+    except OSError:
+        pass
+    return out
+
+
+def reset_peak_rss() -> bool:
+    """Reset VmHWM to the current RSS (Linux clear_refs 5); False where that is not allowed."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def vm_hwm_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def model_config(a):
+    from harmony.models import GPTConfig
+    heads = a.heads or next(h for h in (16, 12, 8, 4, 2, 1) if a.width % h == 0)
+    return GPTConfig(vocab=a.vocab, seq=a.seq, layers=a.layers, width=a.width, heads=heads, tie=False)
+
+
+def example_batch(c, batch):
+    from harmony.models import copy_task
+    return next(iter(copy_task(c, batch, 1, seed=0)))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_gloo():
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+
+
+def setup_eager(a, c, x, y, workdir):
+    import torch
+    from harmony.models import GPT
+    torch.manual_seed(0)
+    model = GPT(c)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+
+    def step():
+        loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.item()
+    return step, {"optimizer": "torch.optim.AdamW (foreach)"}, lambda: None
+
+
+def setup_fsdp2(a, c, x, y, workdir):
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+    from harmony.models import GPT
+    init_gloo()
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    mesh = init_device_mesh("cpu", (1,))
+    torch.manual_seed(0)
+    model = GPT(c)
+    policy = CPUOffloadPolicy(pin_memory=False)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, offload_policy=policy)
+    fully_shard(model, mesh=mesh, offload_policy=policy)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+
+    def step():
+        loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.item()
+    return step, {"optimizer": "torch.optim.AdamW on DTensors"}, dist.destroy_process_group
+
+
+def setup_harmony(a, c, x, y, workdir):
+    import torch
+    import harmony
+    from harmony.errors import BudgetError
+    from harmony.models import GPT
+    torch.manual_seed(0)
+    model = GPT(c)          # built once; compile plans over these tensors (the host's master copies)
+    info = {"optimizer": "torch.optim.AdamW (plan.step_on says where it steps)", "host_budget": a.host_budget}
+    kw = dict(optimizer=torch.optim.AdamW, optimizer_kwargs=dict(lr=LR, weight_decay=WD),
+              memory_budget=a.budget, microbatches=a.microbatches, offload_dir=workdir)
+    try:
+        sm = harmony.compile(model, (x, y), host_memory_budget=a.host_budget, **kw)
+    except BudgetError as e:
+        minimum = getattr(e, "min_budget", None)
+        if not minimum:
+            raise
+        info["host_budget"] = f"{minimum / GiB:.2f}GiB (raised from {a.host_budget}: {str(e).split('. ')[0]})"
+        sm = harmony.compile(model, (x, y), host_memory_budget=minimum, **kw)
+    info["compile_s"] = round(sm.compile_seconds["total"], 2)
+    info["packs"] = len(sm.plan.packs)
+    for attr, val in vars(sm.plan).items():         # placements the offload pass exposes (optim_on, ...)
+        if attr.endswith("_on") and isinstance(val, dict) and val:
+            counts: dict = {}
+            for v in val.values():
+                counts[str(v)] = counts.get(str(v), 0) + 1
+            info[f"plan.{attr}"] = counts
+    steps_stats = info.setdefault("stats", [])
+
+    def step():
+        loss = sm(x, y)
+        s = {k: v for k, v in sm.stats.items() if isinstance(v, (int, float, str, bool))}
+        steps_stats.append(s)
+        return float(loss)
+    return step, info, sm.close
+
+
+PERSIST = 10**5       # stage3_param_persistence_threshold (DeepSpeed's default): smaller parameters stay in RAM
+
+
+def ds_config(a, nvme: str, block_params: list[int], other_params: list[int]) -> dict:
+    """ZeRO-3, parameters and optimizer state on NVMe. Beyond DeepSpeed's defaults:
+
+    * ``max_in_cpu`` 0: its default, 1e9 elements, keeps every parameter of these models in CPU
+      memory (swapped in from NVMe once, permanently), which is not parameter offload;
+    * the parameter swap buffers: one holds one parameter, so each is just over the largest
+      parameter (default 1e8 elements: 5 of them would be 2 GB of RSS), and there are enough for
+      three blocks' swapped parameters plus the embeddings and head (with 5, DeepSpeed fails with
+      "Not enough buffers 0 for swapping 1" as soon as it prefetches); the prefetch bucket is one
+      block, at most two blocks' parameters are live and a parameter is kept for reuse only within
+      one block (the default reuse distance, 1e9 elements, keeps every parameter of this model
+      swapped in once fetched, and the buffers run out at once: the same error);
+    * ``sub_group_size`` --ds-sub-group: the optimizer state swapped in at once (the default, 1e9
+      elements, is the whole model here, 3x its size in RAM).
+    """
+    swapped = [n for n in block_params if n > PERSIST]
+    others = [n for n in other_params if n > PERSIST]
+    largest = max(swapped + others + [2**20])
+    buffer = -(-largest // 2**20) * 2**20
+    block = max(sum(swapped), 1)
+    return {
+        "train_batch_size": a.batch,
+        "train_micro_batch_size_per_gpu": a.batch // a.microbatches,
+        "gradient_accumulation_steps": a.microbatches,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD}},
+        "zero_optimization": {
+            "stage": 3,
+            "offload_param": {"device": "nvme", "nvme_path": nvme, "pin_memory": False, "buffer_size": buffer,
+                              "buffer_count": 3 * len(swapped) + len(others) + 2, "max_in_cpu": int(a.ds_max_in_cpu)},
+            "offload_optimizer": {"device": "nvme", "nvme_path": nvme, "pin_memory": False},
+            "sub_group_size": int(a.ds_sub_group),
+            "stage3_param_persistence_threshold": PERSIST,
+            "stage3_prefetch_bucket_size": block,
+            "stage3_max_live_parameters": 2 * block,
+            "stage3_max_reuse_distance": block,
+        },
+        "aio": {"block_size": 1048576, "queue_depth": 8, "thread_count": 1, "single_submit": False,
+                "overlap_events": True},
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+
+
+class Missing(RuntimeError):
+    """A peer that cannot run here (not installed): its row says what to install, without a traceback."""
+
+
+def deepspeed_missing() -> str | None:
+    """Why the DeepSpeed column cannot run here, or None."""
+    try:
+        import deepspeed  # noqa: F401
+    except ImportError as e:
+        return f"deepspeed is not installed ({e}): pip install -e '.[bench]' (or pip install deepspeed)"
+    try:
+        from deepspeed.ops.op_builder import AsyncIOBuilder
+        if not AsyncIOBuilder().is_compatible(verbose=False):
+            return ("DeepSpeed's async_io op cannot build: libaio is missing; "
+                    "run `apt-get install -y libaio-dev` (Debian/Ubuntu)")
+    except Exception as e:                     # noqa: BLE001
+        return f"DeepSpeed's async_io op is unavailable: {type(e).__name__}: {e}"
+    return None
+
+
+def dedupe_nvme_prefetch() -> None:
+    """Work around a DeepSpeed bug (0.19.8) that stops ZeRO-3 with parameters on NVMe at its second step.
+
+    The coordinator's NVMe prefetch (``__prefetch_nvme_param_partitions``) walks the trace's
+    parameter queue, where a parameter used at the end of the forward and again at the start of
+    the backward (the last block's) appears twice; it passes both to ``swap_in``, which fails with
+    "AssertionError: param N already assigned swap buffer id M". The coordinator's all-gather
+    prefetch right above it skips such duplicates ("Avoid duplicates"); this does the same for the
+    NVMe one. Without it the only working setting is no prefetch at all (stage3_prefetch_bucket_size
+    0). --ds-no-dedupe runs DeepSpeed unpatched.
+    """
+    from deepspeed.runtime.swap_tensor.partitioned_param_swapper import AsyncPartitionedParameterSwapper as S
+    if getattr(S.swap_in, "_deduped", False):
+        return
+    original = S.swap_in
+
+    def swap_in(self, params, async_op=True, swap_in_buffers=None):
+        if swap_in_buffers is None:
+            params = list({p.ds_id: p for p in params}.values())
+        return original(self, params, async_op=async_op, swap_in_buffers=swap_in_buffers)
+    swap_in._deduped = True
+    S.swap_in = swap_in
+
+
+def setup_deepspeed(a, c, x, y, workdir):
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    missing = deepspeed_missing()
+    if missing:
+        raise Missing(missing)
+    import torch
+    import deepspeed
+    from harmony.models import GPT, GPTConfig
+    if not a.ds_no_dedupe:
+        dedupe_nvme_prefetch()
+    init_gloo()
+    deepspeed.init_distributed(dist_backend="gloo")
+    nvme = os.path.join(workdir, "nvme")
+    os.makedirs(nvme, exist_ok=True)
+    one = GPT(GPTConfig(**{**vars(c), "layers": 1}))
+    block_params = [p.numel() for p in one.blocks[0].parameters()]
+    other_params = [p.numel() for n, p in one.named_parameters() if not n.startswith("blocks.")]
+    del one
+    cfg = ds_config(a, nvme, block_params, other_params)
+    cfg["zero_optimization"].update(json.loads(a.ds_zero or "{}"))
+    torch.manual_seed(0)
+    with deepspeed.zero.Init(config_dict_or_path=cfg, remote_device="nvme", pin_memory=False):
+        model = GPT(c)          # partitioned and sent to NVMe module by module
+    engine, opt, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    info = {"optimizer": f"{type(opt.optimizer).__name__ if hasattr(opt, 'optimizer') else type(opt).__name__}"
+                         f" (AdamW mode)", "ds_zero": {k: ({kk: vv for kk, vv in v.items() if kk != "nvme_path"} if isinstance(v, dict) else v)
+                        for k, v in cfg["zero_optimization"].items()},
+            "deepspeed": deepspeed.__version__,
+            "nvme_prefetch_dedupe_patch": not a.ds_no_dedupe}
+    mb = a.batch // a.microbatches
+
+    def step():
+        total = 0.0
+        for i in range(a.microbatches):
+            loss = engine(x[i * mb:(i + 1) * mb], y[i * mb:(i + 1) * mb])
+            engine.backward(loss)
+            engine.step()
+            total += float(loss)
+        return total / a.microbatches
+
+    def close():
+        engine.destroy() if hasattr(engine, "destroy") else None
+    return step, info, close
+
+
+SETUP = dict(eager=setup_eager, fsdp2=setup_fsdp2, harmony=setup_harmony, deepspeed=setup_deepspeed)
+
+
+def child(a) -> None:
+    import resource
+    import torch
+    workdir = a.workdir
+    result = {"system": a.child}
+    t0 = time.perf_counter()
+    try:
+        c = model_config(a)
+        x, y = example_batch(c, a.batch)
+        step, info, close = SETUP[a.child](a, c, x, y, workdir)
+        result.update(info)
+        result["setup_s"] = time.perf_counter() - t0
+        result["rss_after_setup"] = int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        # clear_refs resets the high-water mark getrusage reads too: keep the setup's peak first
+        result["peak_rss_setup"] = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, vm_hwm_bytes())
+        result["hwm_reset"] = reset_peak_rss()
+        times, cpus, reads, writes, losses = [], [], [], [], []
+        for _ in range(a.steps):
+            io0 = proc_io()
+            r0 = resource.getrusage(resource.RUSAGE_SELF)
+            s0 = time.perf_counter()
+            losses.append(step())
+            times.append(time.perf_counter() - s0)
+            r1 = resource.getrusage(resource.RUSAGE_SELF)
+            cpus.append(r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime)
+            io1 = proc_io()
+            reads.append(io1.get("read_bytes", 0) - io0.get("read_bytes", 0))
+            writes.append(io1.get("write_bytes", 0) - io0.get("write_bytes", 0))
+        result.update(step_s=times, cpu_s=cpus, threads=torch.get_num_threads(), read_bytes=reads, write_bytes=writes, loss=losses,
+                      peak_rss_steps=vm_hwm_bytes() if result["hwm_reset"] else None)
+        close()
+    except BaseException as e:                # noqa: BLE001  (the parent reports it as the row)
+        result["error"] = f"{type(e).__name__}: {e}"
+        if not isinstance(e, Missing):
+            result["traceback"] = traceback.format_exc()
+    result["peak_rss"] = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, vm_hwm_bytes(),
+                             result.get("peak_rss_setup", 0))
+    result["torch"] = torch.__version__
+    print(MARK + json.dumps(result), flush=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# the parent: raw disk bandwidth, one child per system, the table
+# ----------------------------------------------------------------------------------------------
+
+def raw_disk(path: str, nbytes: int) -> tuple[float, float, str]:
+    """(read, write) bytes/s of a sequential O_DIRECT write then read of ``nbytes`` under ``path``."""
+    from harmony.compiler.hardware import _disk_bandwidth
+    # the helper writes until its cap or half its time budget: give it time enough to reach the cap
+    return _disk_bandwidth(max(60.0, nbytes / 2e7), path=path, cap=nbytes)
+
+
+def run_child(system: str, a, workdir: str) -> dict:
+    argv = [sys.executable, os.path.abspath(__file__), "--child", system, "--workdir", workdir]
+    if a.ds_no_dedupe:
+        argv.append("--ds-no-dedupe")
+    for k in ("layers", "width", "heads", "vocab", "seq", "batch", "microbatches", "steps", "budget",
+              "host_budget", "ds_sub_group", "ds_max_in_cpu", "ds_zero"):
+        argv += [f"--{k.replace('_', '-')}", str(getattr(a, k))]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    t0 = time.perf_counter()
+    p = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    wall = time.perf_counter() - t0
+    res = None
+    for line in p.stdout.splitlines():
+        if line.startswith(MARK):
+            res = json.loads(line[len(MARK):])
+    if a.verbose:
+        print(f"--- {system} output ---\n" + "\n".join(l for l in p.stdout.splitlines() if not l.startswith(MARK)))
+    if res is None:     # killed (OOM?) or crashed before reporting
+        tail = [l for l in p.stdout.splitlines() if l.strip()][-5:]
+        why = f"exit code {p.returncode}" + (" (SIGKILL: out of memory?)" if p.returncode == -9 else "")
+        res = {"system": system, "error": f"{why}; last output: {' | '.join(tail)}"}
+    res["wall_s"] = wall
+    if "error" in res and "traceback" in res:
+        print(f"--- {system} failed ---\n{res['traceback']}", file=sys.stderr)
+    return res
+
+
+def median_after_first(xs):
+    xs = list(xs or [])
+    return statistics.median(xs[1:] if len(xs) > 1 else xs) if xs else None
+
+
+def gib(n):
+    return None if n is None else n / GiB
+
+
+def summarize(results: dict, a, raw: tuple[float, float, str]) -> tuple[list[dict], list[str]]:
+    read_bw, write_bw, how = raw
+    notes = [f"raw disk under {a.dir or tempfile.gettempdir()}: write {write_bw / 1e9:.3g} GB/s, read "
+             f"{read_bw / 1e9:.3g} GB/s ({how}, {a.raw_bytes / GiB:.3g} GiB sequential)"]
+    compute, compute_from = None, None
+    for ref in ("eager", "fsdp2"):
+        r = results.get(ref)
+        if r and "error" not in r:
+            compute, compute_from = median_after_first(r["step_s"]), ref
+            break
+    if compute is not None:
+        notes.append(f"compute time = the {compute_from} step ({compute:.3g} s)"
+                     + ("" if compute_from == "eager" else ": eager did not run"))
+    rows = []
+    for sysname in a.systems:
+        r = results[sysname]
+        row = {"system": sysname}
+        if "error" in r:
+            row.update(step_s="failed", peak_rss_GiB=gib(r.get("peak_rss")))
+            notes.append(f"{sysname} FAILED: {r['error']}")
+            rows.append(row)
+            continue
+        t = median_after_first(r["step_s"])
+        rd, wr = median_after_first(r["read_bytes"]), median_after_first(r["write_bytes"])
+        row.update(step_s=t, cpu_s=median_after_first(r.get("cpu_s")), peak_rss_GiB=gib(r["peak_rss"]), rss_steps_GiB=gib(r.get("peak_rss_steps")),
+                   read_GB_step=rd / 1e9, write_GB_step=wr / 1e9, disk_GBps=(rd + wr) / t / 1e9 if t else 0.0)
+        if sysname == "harmony":
+            st = r.get("stats") or []
+            hr = median_after_first([s.get("disk_read_bytes", 0) for s in st]) or 0
+            hw = median_after_first([s.get("disk_write_bytes", 0) for s in st]) or 0
+            row.update(h_read_GB=hr / 1e9, h_write_GB=hw / 1e9,
+                       h_io_GBps="%.3g/%.3g" % (median_after_first([s.get("disk_read_GBps", 0) for s in st]) or 0,
+                                                median_after_first([s.get("disk_write_GBps", 0) for s in st]) or 0))
+        disk_s = rd / read_bw + wr / write_bw
+        bound = max(compute or 0.0, disk_s)
+        row.update(bound_s=bound, vs_bound=t / bound if bound else None)
+        rows.append(row)
+        extra = {k: v for k, v in r.items() if k not in ("system", "step_s", "cpu_s", "read_bytes", "write_bytes", "loss",
+                                                         "stats", "peak_rss", "peak_rss_steps", "traceback")}
+        notes.append(f"{sysname}: steps " + ", ".join(f"{s:.3g}" for s in r["step_s"]) + " s; losses "
+                     + ", ".join(f"{l:.4g}" for l in r["loss"]) + "; read/write GB per step "
+                     + ", ".join(f"{x / 1e9:.3g}/{w / 1e9:.3g}" for x, w in zip(r["read_bytes"], r["write_bytes"]))
+                     + "; " + ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
+                                         for k, v in extra.items()))
+        if sysname == "harmony" and r.get("stats"):
+            last = r["stats"][-1]
+            keys = {k: v for k, v in last.items() if "disk" in k or "rss" in k or "param" in k}
+            notes.append("harmony last-step sm.stats: " + ", ".join(f"{k}={v}" for k, v in keys.items()))
+    cols = ["system", "step_s", "cpu_s", "peak_rss_GiB", "rss_steps_GiB", "read_GB_step", "write_GB_step",
+            "disk_GBps", "h_read_GB", "h_write_GB", "h_io_GBps", "bound_s", "vs_bound"]
+    cols = [k for k in cols if any(k in r for r in rows)]
+    return [{k: r.get(k, "") for k in cols} for r in rows], notes
+
+
+def ratios(rows: list[dict], a) -> list[str]:
+    from harmony.units import parse_bytes
+    by = {r["system"]: r for r in rows if isinstance(r.get("step_s"), float)}
+    out = []
+    h = by.get("harmony")
+    if h:
+        if h.get("vs_bound"):
+            out.append(f"Harmony / bound     = {h['vs_bound']:.3g}   (target <= 1.25)")
+        d = by.get("deepspeed")
+        if d:
+            out.append(f"Harmony / DeepSpeed = {h['step_s'] / d['step_s']:.3g}   step time (target <= 0.67); "
+                       f"peak RSS {h['peak_rss_GiB']:.3g} vs {d['peak_rss_GiB']:.3g} GiB (target: not higher)")
+    e = by.get("eager")
+    if e and e.get("cpu_s"):
+        out.append("CPU seconds per step / eager's (work done, less sensitive to a shared machine's load): "
+                   + ", ".join(f"{n} {r['cpu_s'] / e['cpu_s']:.3g}" for n, r in by.items() if r.get("cpu_s")))
+    cap = parse_bytes(a.budget) + GiB
+    for name, r in by.items():
+        out.append(f"{name}: peak RSS / (budget + 1 GiB) = {r['peak_rss_GiB'] * GiB / cap:.3g} overall, "
+                   + (f"{r['rss_steps_GiB'] * GiB / cap:.3g} over the steps" if r.get("rss_steps_GiB") else "n/a over steps")
+                   + "   (target <= 1)")
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=24)
+    ap.add_argument("--width", type=int, default=1440)
+    ap.add_argument("--heads", type=int, default=0, help="attention heads (0: 16, 12, 8... whichever divides width)")
+    ap.add_argument("--vocab", type=int, default=256)
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--microbatches", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--budget", default="2GiB", help="Harmony's memory_budget (the device's)")
+    ap.add_argument("--host-budget", default="1GiB",
+                    help="Harmony's host_memory_budget (raised to Harmony's stated minimum if it refuses)")
+    ap.add_argument("--systems", default="harmony,deepspeed,fsdp2,eager",
+                    help="comma-separated, from " + ",".join(SYSTEMS))
+    ap.add_argument("--dir", default=None, help="where offload files and the raw-disk probe go (default: temp dir)")
+    ap.add_argument("--raw-bytes", type=float, default=2 * GiB, help="bytes for the raw disk bandwidth probe")
+    ap.add_argument("--ds-sub-group", type=float, default=5e7,
+                    help="DeepSpeed sub_group_size: parameters whose optimizer state is swapped in at once")
+    ap.add_argument("--ds-max-in-cpu", type=float, default=0,
+                    help="DeepSpeed offload_param.max_in_cpu: parameter elements kept in CPU memory, not NVMe")
+    ap.add_argument("--ds-no-dedupe", action="store_true",
+                    help="run DeepSpeed without the NVMe-prefetch duplicate fix (fails at step 2 in 0.19.8)")
+    ap.add_argument("--ds-zero", default="", help="JSON merged into DeepSpeed's zero_optimization config")
+    ap.add_argument("--verbose", action="store_true", help="print each child's output")
+    ap.add_argument("--json", help="also write the raw per-system results, rows and notes to this file")
+    ap.add_argument("--child", choices=SYSTEMS, help=argparse.SUPPRESS)
+    ap.add_argument("--workdir", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.child:
+        return child(a)
+    a.systems = [s.strip() for s in a.systems.split(",") if s.strip()]
+    bad = [s for s in a.systems if s not in SYSTEMS]
+    if bad:
+        ap.error(f"unknown systems {bad}; choose from {','.join(SYSTEMS)}")
+    if a.batch % a.microbatches:
+        ap.error("--microbatches must divide --batch")
+    c = model_config(a)
+    n = c.n_params()
+    print(f"GPT {a.layers} layers x width {a.width} ({c.heads} heads), seq {a.seq}, batch {a.batch}: "
+          f"{n / 1e6:.1f}M parameters, {16 * n / GiB:.2f} GiB of fp32 training state with AdamW; "
+          f"budget {a.budget}, host budget {a.host_budget}; {a.steps} steps", flush=True)
+    if a.dir:
+        os.makedirs(a.dir, exist_ok=True)
+    root = tempfile.mkdtemp(prefix="harmony-offload-bench-", dir=a.dir)
+    try:
+        raw = raw_disk(root, int(a.raw_bytes))
+        print(f"raw disk: write {raw[1] / 1e9:.3g} GB/s, read {raw[0] / 1e9:.3g} GB/s ({raw[2]})", flush=True)
+        results = {}
+        for s in a.systems:
+            workdir = os.path.join(root, s)
+            os.makedirs(workdir)
+            results[s] = run_child(s, a, workdir)
+            shutil.rmtree(workdir, ignore_errors=True)
+            r = results[s]
+            print(f"{s}: " + (f"FAILED {r['error']}" if "error" in r else
+                              "steps " + ", ".join(f"{t:.3g}" for t in r["step_s"]) + " s, peak RSS "
+                              f"{r['peak_rss'] / GiB:.3g} GiB") + f" ({r['wall_s']:.0f} s wall)", flush=True)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    rows, notes = summarize(results, a, raw)
+    notes.append("load average at the end (1, 5, 15 min; this machine has %d cores, shared): %s"
+                 % (os.cpu_count(), ", ".join(f"{x:.2f}" for x in os.getloadavg())))
+    print()
+    print(common.table(rows, f"offload: GPT {n / 1e6:.0f}M params, {16 * n / GiB:.1f} GiB training state, "
+                             f"budget {a.budget}; median of steps 2..{a.steps}"))
+    print()
+    for line in ratios(rows, a):
+        print(line)
+    print()
+    for line in notes:
+        print("- " + line)
+    if a.json:
+        Path(a.json).write_text(json.dumps(dict(raw_disk=dict(read=raw[0], write=raw[1], how=raw[2]), rows=rows,
+                                                notes=notes, results=results), indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()
