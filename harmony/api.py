@@ -367,6 +367,9 @@ class ScheduledModule(torch.nn.Module):
                                    on_demand=OnDemand if cfg.policy == "ondemand" else None,
                                    speed_factor=getattr(cfg, "speed_factor", 1.0))
             self.predicted = memory_curve(program, check_residency=False)
+            if cfg.host_memory_budget is not None:   # the host's memory is budgeted: freed buffers must go back
+                from harmony.process import return_freed_memory
+                return_freed_memory()
             if "disk" in getattr(plan, "optim_on", {}).values():   # the disk tiers: their directories are made now
                 from harmony.runtime.disk import DiskTier
                 from harmony.runtime.diskparams import DiskParams
