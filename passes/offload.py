@@ -201,10 +201,14 @@ def place_state(program: Program) -> tuple[set[int], set[int], dict]:
                               f"host_memory_budget that holds the fp32 weights")
         weights_on = "host"
     packs = {p for p in optim if owned[p]}
-    if weights_on == "host":
-        minimum = need(set(optim), set())["planned"]
-    else:
-        minimum = need(set(), packs)["planned"]
+    # the least the host can do with: usually everything on disk, but for a small model the files in
+    # flight can outweigh what they replace
+    options = [need(set(), set())["planned"], need(set(optim), set())["planned"]]
+    if weights_on == "disk":
+        options = [need(set(), packs)["planned"]]
+    elif weights_on == "auto":
+        options.append(need(set(), packs)["planned"])
+    minimum = min(options)
     disk: set[int] = set()
     whole: set[int] = packs if weights_on == "disk" else set()
     if budget is not None and weights_on != "disk":
