@@ -210,7 +210,8 @@ class DiskParams:
                 if isinstance(v, torch.Tensor) and v.dim() > 0:
                     entries.append((n, k, v))
         new_lay = [(n, k, tuple(v.shape), v.dtype) for n, k, v in entries]
-        if new_lay == lay and all(a is b for a, (_, _, b) in zip(views, entries)):
+        # ``.data`` is a new tensor object at each access: the same memory is what makes it the same buffer
+        if new_lay == lay and all(a.data_ptr() == b.data_ptr() for a, (_, _, b) in zip(views, entries)):
             out = views
         else:            # the first step made the optimizer state: a buffer in file layout for all of it
             out = self.store.empty([(s, d) for _, _, s, d in new_lay])
