@@ -122,20 +122,24 @@ def init_gloo():
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
 
 
-def setup_eager(a, c, x, y, workdir):
-    import torch
-    from harmony.models import GPT
-    torch.manual_seed(0)
-    model = GPT(c)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
-
+def plain_step(model, opt, x, y):
+    """One training step of an in-memory model: forward, backward, optimizer step; returns the loss."""
     def step():
         loss = model(x, y)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss.item()
-    return step, {"optimizer": "torch.optim.AdamW (foreach)"}, lambda: None
+    return step
+
+
+def setup_eager(a, c, x, y, workdir):
+    import torch
+    from harmony.models import GPT
+    torch.manual_seed(0)
+    model = GPT(c)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+    return plain_step(model, opt, x, y), {"optimizer": "torch.optim.AdamW (foreach)"}, lambda: None
 
 
 def setup_fsdp2(a, c, x, y, workdir):
@@ -154,14 +158,7 @@ def setup_fsdp2(a, c, x, y, workdir):
         fully_shard(block, mesh=mesh, offload_policy=policy)
     fully_shard(model, mesh=mesh, offload_policy=policy)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
-
-    def step():
-        loss = model(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.item()
-    return step, {"optimizer": "torch.optim.AdamW on DTensors"}, dist.destroy_process_group
+    return plain_step(model, opt, x, y), {"optimizer": "torch.optim.AdamW on DTensors"}, dist.destroy_process_group
 
 
 def setup_harmony(a, c, x, y, workdir):
