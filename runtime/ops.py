@@ -51,6 +51,7 @@ class MemoryModel:
     grads_exist: set = field(default_factory=set)
     dirty: set = field(default_factory=set)
     moved: dict = field(default_factory=lambda: {"h2d": 0, "d2h": 0})
+    handed: dict = field(default_factory=dict)   # pack -> gradient bytes its release left for a disk step
 
     def hold(self, kind, names, pack=None):
         for n in names:
@@ -156,6 +157,13 @@ def _release_execute(rt, pack, what, handoff=False):
 
 def _release_effect(m, pack, what, handoff=False):
     names = state_names(m.plan.packs[pack], what)
+    if handoff:    # the pack's own gradients stay on the device until the disk step after it takes them
+        owned = [n for n in names if n in set(m.plan.packs[pack].owned)]
+        names = [n for n in names if n not in set(owned)]
+        before = m.live
+        m.drop(what, owned)
+        m.handed[pack] = m.handed.get(pack, 0) + before - m.live
+        m.live = before
     m.drop(what, names, write_back=bool(m.dirty & set(names)))
     if what == "params":
         m.dirty -= {n for n in names if m.refs.get(("params", n), 0) == 0}
@@ -452,8 +460,9 @@ def _step_one(opt: torch.optim.Optimizer, param: torch.Tensor) -> None:
 
 def _step_effect(m, pack, stream=False, where="device"):
     spec = m.plan.packs[pack]
-    if where in ("host", "disk"):   # gradients left with the pack's release; nothing here touches the device
+    if where in ("host", "disk"):   # gradients left with the pack's release (a disk step takes them now)
         m.grads_exist -= set(spec.owned)
+        m.live -= m.handed.pop(pack, 0)
         return None, 0
     for n in spec.owned:
         if n in m.grads_exist:
