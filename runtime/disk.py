@@ -80,11 +80,38 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 def aligned_buffer(nbytes: int) -> torch.Tensor:
-    """A uint8 tensor of ``nbytes`` rounded up to 4 KiB whose first byte is 4 KiB-aligned."""
+    """A uint8 tensor of ``nbytes`` rounded up to 4 KiB whose first byte is 4 KiB-aligned.
+
+    A buffer of 4 MiB or more asks for transparent huge pages (``madvise``) before it is
+    touched, so filling it takes one page fault per 2 MiB instead of one per 4 KiB.
+    """
     size = _up(max(nbytes, 1))
     raw = torch.empty(size + ALIGN, dtype=torch.uint8)
     start = (-raw.data_ptr()) % ALIGN
+    if size >= HUGE_FROM:
+        _advise_huge(raw.data_ptr() + start, size)
     return raw[start:start + size]
+
+
+HUGE_FROM = 4 << 20
+_MADV_HUGEPAGE = 14
+
+
+def _advise_huge(addr: int, size: int) -> None:
+    global _madvise
+    if _madvise is None:
+        try:
+            import ctypes
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+            _madvise = libc.madvise
+        except (OSError, AttributeError):
+            _madvise = False
+    if _madvise:
+        _madvise(addr, size, _MADV_HUGEPAGE)     # advice only: a refusal changes nothing
+
+
+_madvise = None
 
 
 def layout(specs) -> tuple[list[int], int]:
