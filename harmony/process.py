@@ -43,9 +43,10 @@ def return_freed_memory() -> bool:
     GPT with its weights on disk peaked at 1.29 GiB RSS, 0.81 GiB with the threshold pinned).
     Pinning the threshold at its default of 128 KiB (which also stops the raising) maps every
     larger block on its own and unmaps it when freed. The same as ``MALLOC_MMAP_THRESHOLD_=131072``.
-    The price is page faults on every fresh block: on the 600M-parameter GPT of
-    benchmarks/offload.py the step took about 42 CPU-seconds instead of 34, for a peak RSS of
-    2.59 GiB instead of 5.34 GiB.
+    The price is page faults on every fresh block (on the 600M-parameter GPT of
+    benchmarks/offload.py about 42 CPU-seconds a step instead of 34, for a peak RSS of 2.59 GiB
+    instead of 5.34 GiB); the disk tier's large buffers ask for huge pages (runtime/disk.py's
+    ``aligned_buffer``), which brought that step back to 39 CPU-seconds.
     """
     if not sys.platform.startswith("linux"):
         return False
