@@ -154,17 +154,11 @@ def compile(model: torch.nn.Module, example_batch, *, optimizer=torch.optim.Adam
 
 def _disk_stats(state) -> dict:
     """This step's disk traffic of both disk tiers (optimizer state alone; packs wholly on disk), summed."""
-    tiers = [t.step_stats() for t in (getattr(state, "disk", None), getattr(state, "params_disk", None))
-             if t is not None]
-    if not tiers:
-        return {}
-    out = dict(tiers[0])
-    for t in tiers[1:]:
-        for k in ("disk_read_bytes", "disk_write_bytes", "disk_read_done", "disk_write_done", "disk_read_seconds",
-                  "disk_write_seconds", "disk_wait_seconds", "disk_reads_not_ahead", "disk_buffer_peak_bytes"):
-            out[k] = out.get(k, 0) + t[k]
-        out.setdefault("disk_weight_step_seconds", t.get("disk_weight_step_seconds", 0.0))
-    for way in ("read", "write"):     # GB/s of the I/O that finished in this step, with its seconds
+    out: dict = {}
+    for tier in (getattr(state, "disk", None), getattr(state, "params_disk", None)):
+        for k, v in (tier.step_stats() if tier is not None else {}).items():
+            out[k] = out[k] + v if isinstance(v, (int, float)) and k in out else out.get(k, v)
+    for way in ("read", "write") if out else ():     # GB/s of the I/O that finished in this step, with its seconds
         sec = out[f"disk_{way}_seconds"]
         out[f"disk_{way}_GBps"] = out[f"disk_{way}_done"] / sec / 1e9 if sec else 0.0
     return out

@@ -478,6 +478,28 @@ def step_order(graph) -> list[int]:
     return [n.args[0] for n in graph.nodes if n.op == "call_function" and n.target is ops.step]
 
 
+def step_stats(tier, **extra) -> dict:
+    """A disk tier's traffic since the last call (a step), for ``sm.stats`` and the report.
+
+    Bytes are counted when issued: a read started at the end of a step for the next one
+    belongs to this step's plan; ``*_done`` and ``*_seconds`` are the I/O that finished, for
+    GB/s. ``extra``: more of the tier's counters, as {stat name: attribute name}.
+    """
+    counters = dict(wait_seconds="wait_seconds", on_demand="on_demand", **{a: a for a in extra.values()})
+    now = dict(tier.store.stats(), **{k: getattr(tier, a) for k, a in counters.items()})
+    last, tier._last = tier._last, now
+    d = {k: now[k] - last.get(k, 0) for k in ("read_bytes", "read_seconds", "write_bytes", "write_seconds",
+                                               "read_issued", "write_issued", *counters)}
+    with tier.store._lock:       # the next step's peak starts from what is alive now
+        tier.store.buffer_peak = tier.store.buffer_bytes
+    return dict(disk_read_bytes=d["read_issued"], disk_write_bytes=d["write_issued"],
+                disk_read_done=d["read_bytes"], disk_read_seconds=d["read_seconds"],
+                disk_write_done=d["write_bytes"], disk_write_seconds=d["write_seconds"],
+                disk_wait_seconds=d["wait_seconds"], disk_reads_not_ahead=d["on_demand"],
+                disk_buffer_peak_bytes=now["buffer_peak"], disk_io=tier.store.why, offload_dir=str(tier.store.path),
+                **{k: d[a] for k, a in extra.items()})
+
+
 def take(tier, key) -> list[torch.Tensor]:
     """A file's buffer for a step: kept in memory after a failed write, else its read ahead (started now if not)."""
     with tier._lock:
@@ -692,22 +714,7 @@ class DiskTier:
 
     # -- reports and lifetime ------------------------------------------------------------------
     def step_stats(self) -> dict:
-        """This step's disk traffic and speed (since the last call), for ``sm.stats`` and the report."""
-        now = dict(self.store.stats(), wait_seconds=self.wait_seconds, on_demand=self.on_demand)
-        d = {k: now[k] - self._last.get(k, 0) for k in ("read_bytes", "read_seconds", "write_bytes", "write_seconds",
-                                                        "read_issued", "write_issued", "wait_seconds", "on_demand")}
-        self._last = now
-        with self.store._lock:       # the next step's peak starts from what is alive now
-            self.store.buffer_peak = self.store.buffer_bytes
-        # bytes are counted when issued: a read started at the end of a step for the next one belongs
-        # to this step's plan, while GB/s use the I/O that finished, with its seconds
-        return dict(disk_read_bytes=d["read_issued"], disk_write_bytes=d["write_issued"],
-                    disk_read_GBps=d["read_bytes"] / d["read_seconds"] / 1e9 if d["read_seconds"] else 0.0,
-                    disk_write_GBps=d["write_bytes"] / d["write_seconds"] / 1e9 if d["write_seconds"] else 0.0,
-                    disk_wait_seconds=d["wait_seconds"], disk_reads_not_ahead=d["on_demand"],
-                    disk_buffer_peak_bytes=now["buffer_peak"], disk_io=self.store.why,
-                    offload_dir=str(self.store.path), disk_read_done=d["read_bytes"], disk_read_seconds=d["read_seconds"],
-                    disk_write_done=d["write_bytes"], disk_write_seconds=d["write_seconds"])
+        return step_stats(self)
 
     def close(self) -> None:
         try:

@@ -334,21 +334,8 @@ class DiskParams:
 
     # -- reports and lifetime -------------------------------------------------------------------------
     def step_stats(self) -> dict:
-        """This step's disk traffic of the disk-placed packs (since the last call)."""
-        now = dict(self.store.stats(), wait_seconds=self.wait_seconds, step_seconds=self.step_seconds,
-                   on_demand=self.on_demand)
-        d = {k: now[k] - self._last.get(k, 0) for k in ("read_bytes", "read_seconds", "write_bytes", "write_seconds",
-                                                        "read_issued", "write_issued", "wait_seconds",
-                                                        "step_seconds", "on_demand")}
-        self._last = now
-        with self.store._lock:
-            self.store.buffer_peak = self.store.buffer_bytes
-        return dict(disk_read_bytes=d["read_issued"], disk_write_bytes=d["write_issued"],
-                    disk_read_done=d["read_bytes"], disk_read_seconds=d["read_seconds"],
-                    disk_write_done=d["write_bytes"], disk_write_seconds=d["write_seconds"],
-                    disk_wait_seconds=d["wait_seconds"], disk_reads_not_ahead=d["on_demand"],
-                    disk_buffer_peak_bytes=now["buffer_peak"], disk_io=self.store.why,
-                    offload_dir=str(self.store.path), disk_weight_step_seconds=d["step_seconds"])
+        from harmony.runtime.disk import step_stats
+        return step_stats(self, disk_weight_step_seconds="step_seconds")
 
     def close(self) -> None:
         try:
