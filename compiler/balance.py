@@ -25,9 +25,11 @@ From ``harmony.compile(..., hardware=Hardware(devices=[one per rank]), balance="
 (``plan_ranks``): ``model_cost`` reads the ModelCost off the traced model's cost
 annotations (FLOPs and the partition's smallest working set, each affine in the
 microbatch size), rank 0 solves, every rank takes its row of the plan. The state shares are
-PLANNED ONLY: Harmony's data parallelism replicates the training state (every rank holds all
-of it, swapping what its budget cannot hold to its host), so the shares shape the plan's
-feasibility (the cluster must hold the state once) but no rank holds a shard.
+applied to the optimizer state (runtime/shard.py, ZeRO stage 1: a rank keeps and steps its
+share of the parameters, contiguous by bytes, and broadcasts them after the step);
+parameters and gradients stay replicated, each rank swapping what its budget cannot hold
+to its host, so the ILP's memory rows are a planning model there, and each rank's own
+compile checks its real plan against its device's memory.
 """
 from __future__ import annotations
 
@@ -260,7 +262,7 @@ def plan_ranks(spec, cost: ModelCost, devices, global_batch: int, microbatches: 
                       f"(microbatch size, microbatches) pairs or sample counts")
 
 
-def report(plan: BalancePlan, devices, rank: int, how: str):
+def report(plan: BalancePlan, devices, rank: int, how: str, sharded: bool = True):
     """The balance step's ``PassReport``: every rank's choice, this rank's marked, emulation said aloud."""
     from harmony.compiler.ir import PassReport
 
@@ -278,9 +280,16 @@ def report(plan: BalancePlan, devices, rank: int, how: str):
     if any(getattr(d, "speed_factor", 1.0) != 1 for d in devices):
         rep.notes.append("speed factors are EMULATION: a rank's runtime sleeps (factor - 1) x the measured time of "
                          "each compute op, and the simulator stretches its compute stream alike; no device is slower")
-    rep.notes.append("state shares are planned (Cephalo's uneven shards) but not applied: the runtime replicates "
-                     "the training state, so every rank holds all of it (swapping what its budget cannot hold); "
-                     "planned_MiB counts the share, the rank's own compile plans its whole state under budget_MiB")
+    if sharded:
+        rep.notes.append("state shares are applied to the OPTIMIZER STATE (ZeRO stage 1, runtime/shard.py): each "
+                         "rank keeps and steps the parameters of its share (contiguous, by bytes) and broadcasts "
+                         "them after the step; parameters and gradients are replicated on every rank (swapping what "
+                         "its budget cannot hold); planned_MiB counts the whole share as the ILP does, the rank's "
+                         "own compile plans its parameters, gradients and optimizer shard under budget_MiB")
+    else:
+        rep.notes.append("state shares are planned (Cephalo's uneven shards) but not applied (shard_state=False): the "
+                         "runtime replicates the training state, so every rank holds all of it (swapping what its "
+                         "budget cannot hold); the rank's own compile plans its whole state under budget_MiB")
     rep.notes.append("gradients are weighted by samples / global batch in the all-reduce, so the update equals "
                      "a homogeneous cluster's on the same global batch; predicted_s: the ILP's compute time "
                      "(forward, backward, recompute), not the whole step (see simulated_step_s)")

@@ -40,10 +40,12 @@ class CompileConfig:
         """The dtype of float state and activations on the device; None for fp32 (nothing is cast)."""
         return compute_dtype(self.precision)
 
-
     global_batch: int | None = None    # samples of one step over all ranks (balance); None: batch_size x world
     sample_weight: float | None = None  # this rank's share b_r / B of the gradient average (balance); None: 1/world
     speed_factor: float = 1.0          # emulation: the runtime stretches compute ops' time by this (>= 1)
+    state_owner: dict | None = None    # param -> the rank that steps it and keeps its optimizer state (sharded
+                                       # optimizer state, runtime/shard.py); None: every rank steps every param
+    rank: int = 0                      # this process's rank (with state_owner)
 
     @property
     def usable_budget(self) -> int:

@@ -40,12 +40,14 @@ def state_sizes(program) -> dict:
     gm, prof = program.gm, program.optim_profile
     dtype = program.config.compute_dtype   # mixed precision: device copies and gradients in the compute dtype
     sizes = {}
+    owner, rank = getattr(program.config, "state_owner", None), getattr(program.config, "rank", 0)
     for n, t in list(gm.named_parameters()) + list(gm.named_buffers()):
         b = device_bytes(t, dtype)
         sizes[("params", n)] = b
         if isinstance(t, torch.nn.Parameter) and t.requires_grad:
             sizes[("grads", n)] = b
-            sizes[("optim", n)] = optim_state_bytes(prof, t.numel() * t.element_size())
+            mine = owner is None or owner.get(n, rank) == rank   # sharded: other ranks keep the rest
+            sizes[("optim", n)] = optim_state_bytes(prof, t.numel() * t.element_size()) if mine else 0
     from harmony.runtime.disk import ALIGN, layout
     tensors = dict(gm.named_parameters())
     for groups in (getattr(program.plan, "disk_groups", None) or {}).values():

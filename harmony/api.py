@@ -27,7 +27,7 @@ def compile(model: torch.nn.Module, example_batch, *, optimizer=torch.optim.Adam
             leaf_modules=(), passes=DEFAULT_PIPELINE, device="cpu", hardware=None,
             optimizer_on="auto", host_memory_budget=None, offload_dir=None, weights_on="auto",
             disk_group_bytes="32MiB", data_parallel=None, compression=None, min_size: int = 16,
-            precision: str = "fp32", loss_scaling=None, balance=None) -> "ScheduledModule":
+            precision: str = "fp32", loss_scaling=None, balance=None, shard_state=None) -> "ScheduledModule":
     """Plan and build a training step for ``model`` that fits ``memory_budget`` per device (default 1 GiB).
 
     >>> sm = harmony.compile(model, example_batch=(x, y), memory_budget="512MiB", microbatches=8)
@@ -83,6 +83,12 @@ def compile(model: torch.nn.Module, example_batch, *, optimizer=torch.optim.Adam
     >>> hw = Hardware.this_machine().logical([64 << 20, 128 << 20, 1 << 30], speed_factors=[1, 2, 4])
     >>> sm = harmony.compile(model, (X, Y), hardware=hw, balance="auto")   # on each of 3 ranks
     >>> loss = sm(X, Y)                                                    # this rank's rows of (X, Y)
+
+    ``shard_state``: with data parallelism, each parameter's optimizer state is kept, and the
+    parameter stepped, by one rank only, which then broadcasts the updated parameter (ZeRO stage 1;
+    runtime/shard.py): ``True`` in equal byte shares, or under ``balance`` in the shares its plan
+    chose (Cephalo's uneven shards); ``False`` replicates the state on every rank. Default: on
+    under ``balance``, off otherwise. Bitwise the same training as replicated state.
     """
     t0 = time.perf_counter()
     if policy not in POLICIES:
@@ -104,7 +110,8 @@ def compile(model: torch.nn.Module, example_batch, *, optimizer=torch.optim.Adam
                                  leaf_modules=leaf_modules, passes=passes, device=device, hardware=hardware,
                                  optimizer_on=optimizer_on, host_memory_budget=host_memory_budget,
                                  offload_dir=offload_dir, data_parallel=data_parallel,
-                                 compression=compression, min_size=min_size)
+                                 compression=compression, min_size=min_size,
+                                 shard_state=True if shard_state is None else shard_state)
     if memory_budget is None:
         memory_budget = "1GiB"
     if not isinstance(microbatches, int) or microbatches < 1 or batch_size % microbatches:
@@ -134,6 +141,12 @@ def compile(model: torch.nn.Module, example_batch, *, optimizer=torch.optim.Adam
         config.speed_factor = float(dev.speed_factor)     # > 1: the runtime emulates a slower device
     example = dict(zip(names, batch)) if names else tuple(batch)
     gm = trace(model, example, loss_fn=loss_fn, leaf_modules=leaf_modules)
+    if shard_state:
+        if not config.data_parallel or (config.world_size or 1) < 2:
+            raise ConfigError("shard_state=True splits optimizer state over data-parallel ranks, but this process "
+                              "trains alone: run it under torchrun with data_parallel=None or True, or drop "
+                              "shard_state")
+        shard_over_ranks(config, gm, [1.0] * config.world_size)
     if precision != "fp32":   # the host's masters are the model's own tensors: they must be the fp32 ones
         low = [(n, p.dtype) for n, p in gm.named_parameters() if p.is_floating_point() and p.dtype != torch.float32]
         if low:
@@ -150,6 +163,15 @@ def compile(model: torch.nn.Module, example_batch, *, optimizer=torch.optim.Adam
     sm.compile_seconds = dict(trace=t_trace - t0, cost=t_cost - t_trace, passes=time.perf_counter() - t_cost,
                               total=time.perf_counter() - t0)
     return sm
+
+
+def shard_over_ranks(config: CompileConfig, gm, shares: list[float]) -> None:
+    """Sharded optimizer state: each parameter's owning rank, from byte ``shares`` (runtime/shard.py)."""
+    from harmony.data import rank_and_world
+    from harmony.runtime.shard import owners
+    config.state_owner = owners([(n, p.numel() * p.element_size()) for n, p in gm.named_parameters()
+                                 if p.requires_grad], shares)
+    config.rank = rank_and_world()[0]
 
 
 def _disk_stats(state) -> dict:
@@ -246,7 +268,7 @@ class ScheduledModule(torch.nn.Module):
         optimizers = {}
         cfg = program.config
         for spec in plan.packs:     # one optimizer per pack; per file for a pack wholly on disk
-            for names in plan.disk_groups.get(spec.index) or [spec.owned]:
+            for names in plan.disk_groups.get(spec.index) or [spec.stepped]:
                 if names:
                     opt = cfg.optimizer([tensors[n] for n in names], **cfg.optimizer_kwargs)
                     optimizers.update(dict.fromkeys(names, opt))

@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from harmony.api import ScheduledModule, _run_passes
+from harmony.api import ScheduledModule, _run_passes, shard_over_ranks
 from harmony.compiler import cost
 from harmony.compiler.ir import CompileConfig, Program
 from harmony.compiler.trace import trace
@@ -24,7 +24,7 @@ from harmony.units import parse_bytes
 
 def compile_balanced(model, names, batch, spec, t0, *, optimizer, optimizer_kwargs, memory_budget, microbatches,
                       policy, loss_fn, leaf_modules, passes, device, hardware, optimizer_on, host_memory_budget,
-                      offload_dir, data_parallel, compression, min_size) -> "ScheduledModule":
+                      offload_dir, data_parallel, compression, min_size, shard_state=True) -> "ScheduledModule":
     """``compile(..., balance=...)``: plan every rank's share, then compile this rank's plan on its rows.
 
     1. trace the model on the global batch and measure its costs and smallest plannable budget
@@ -87,13 +87,15 @@ def compile_balanced(model, names, batch, spec, t0, *, optimizer, optimizer_kwar
                            global_batch=global_batch, sample_weight=mine.samples / global_batch,
                            speed_factor=float(dev.speed_factor), **fields)
     config.flops, config.copy_bandwidth = dev.flops / dev.speed_factor, dev.h2d_bandwidth
+    if shard_state:     # the planned state shares, applied to the optimizer state (runtime/shard.py)
+        shard_over_ranks(config, gm, [s.state_share for s in plan.shares])
     program = Program(model=model, gm=gm, example_batch=tuple(batch), config=config)
     program.fake = cost.annotate(gm, tuple(batch), config.microbatch_size)
     program.optim_profile = cost.optimizer_profile(optimizer, config.optimizer_kwargs)
     t_passes = time.perf_counter()
     program = _run_passes(program, passes)
     how = "integer program" if spec == "auto" else "uniform" if spec == "uniform" else "given shares"
-    report = planner.report(plan, devices, rank, how)
+    report = planner.report(plan, devices, rank, how, sharded=bool(shard_state))
     report.seconds = t_cost - t_plan
     program.reports.insert(0, report)
     program.rows = (start, stop)

@@ -188,6 +188,22 @@ def insert(graph: torch.fx.Graph, packs: list[int], plan, kwargs: dict, policy: 
     return mode
 
 
+def shard_state(program: Program, world: int) -> dict:
+    """Sharded optimizer state (plan.state_owner): a ``sync_params`` after the last op of the iteration."""
+    plan = program.plan
+    if not plan.state_owner:
+        return {}
+    from harmony.runtime import shard   # registers sync_params
+    calls = _calls(program.schedule)
+    node = _emit(program.schedule, calls[-1], shard.sync_params, (world,), {}, "sync_params")
+    node.meta[SCHEDULE] = {"pack": None}
+    stepped = [n for s in plan.packs for n in s.stepped]
+    total = sum(plan.state_bytes.values()) or 1
+    return dict(stepped_params=len(stepped), stepped_share=sum(plan.state_bytes.get(n, 0) for n in stepped) / total,
+                optimizer_state_MiB=sum(s.optim_bytes for s in plan.packs) / 2**20,
+                sync_bytes_per_step=sum(b for n, b in plan.state_bytes.items() if plan.state_owner[n] != plan.rank))
+
+
 def owned_grads(program: Program) -> dict[int, list[tuple[str, torch.Tensor]]]:
     params = dict(program.gm.named_parameters())
     out = {}
@@ -335,6 +351,8 @@ def run(program: Program, ctx) -> PassResult:
     elif sync:
         why = "synchronous: the ondemand runtime moves state on the main thread as ops touch it"
 
+    shard = shard_state(program, world)
+
     rows, tot_wire, tot_fp32 = [], 0, 0
     for p in sorted(owned, key=lambda q: -q):
         ts = [t for _, t in owned[p]]
@@ -368,6 +386,13 @@ def run(program: Program, ctx) -> PassResult:
                             f"samples; its mean gradient is weighted by {cfg.batch_size}/{global_batch} = {weight:.4g} "
                             f"in the all-reduce (scaled by weight x {world} before the average), so the update is "
                             f"the one a homogeneous cluster makes on the same global batch")
+    if shard:
+        report.totals.update(shard)
+        report.notes.append(
+            f"optimizer state sharded over the {world} ranks (ZeRO stage 1): this rank (rank {plan.rank}) steps and "
+            f"keeps state for {shard['stepped_params']} of {len(plan.state_owner)} parameters "
+            f"({shard['stepped_share']:.0%} of the parameter bytes); one sync_params at the end of the iteration "
+            f"broadcasts each rank's updated parameters to the others")
     if any(len(g) > 1 for g in plan.comm_groups.values()):
         report.notes.append("other ranks cut the model into other packs: a pack's all-reduce runs one collective per "
                             "group of parameters that every rank's packs agree on (column groups)")

@@ -272,12 +272,15 @@ def build_packs(program: Program, cuts: list[tuple[int, int]], units: list[Unit]
         if users:
             specs[min(users)].owned.append(p)
     prof = program.optim_profile
+    owner, rank = program.config.state_owner, program.config.rank
     for spec in specs:
         inputs, nodes = users_of[spec.index]
+        # sharded optimizer state: this rank steps (and keeps state for) only the params it owns
+        spec.stepped = [n for n in spec.owned if owner is None or owner.get(n, rank) == rank]
         spec.param_bytes = sum(sizes[n] for n in spec.params)
         spec.buffer_bytes = sum(sizes[n] for n in spec.buffers)
         spec.master_bytes = sum(master[n] for n in spec.params)
-        owned = [master[n] for n in spec.owned]     # optimizer state is per fp32 master byte
+        owned = [master[n] for n in spec.stepped]   # optimizer state is per fp32 master byte
         spec.optim_bytes = sum(optim_state_bytes(prof, b) for b in owned)
         spec.step_extra = step_extra(prof, owned)
         spec.stream_step_peak = max((optim_state_bytes(prof, b) + step_extra(prof, [b]) for b in owned),
@@ -416,7 +419,9 @@ def run(program: Program, ctx) -> PassResult:
     batch_bytes = dict(program.fake_batch_bytes)
     program.plan = Plan(packs=specs, microbatches=cfg.microbatches, microbatch_size=cfg.microbatch_size,
                         input_names=list(batch_bytes), batch_bytes=batch_bytes, policy=cfg.policy,
-                        precision=cfg.precision, loss_scaling=dict(cfg.loss_scaling))
+                        precision=cfg.precision, loss_scaling=dict(cfg.loss_scaling),
+                        state_owner=dict(cfg.state_owner or {}), rank=cfg.rank,
+                        state_bytes={n: b for n, b in device_sizes(program).items() if n in (cfg.state_owner or {})})
     need = _Need(program, units)
     rows = [dict(pack=s.index, layers=s.name, units=e - b, params_MiB=s.param_bytes / 2**20,
                  saved_MiB=s.saved_bytes / 2**20, recompute="no" if i == len(cuts) - 1 else "yes",

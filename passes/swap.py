@@ -251,7 +251,7 @@ def keep_optimizer_parts(program: Program, chosen, fits, room: int) -> list[dict
     sizes = state_sizes(program)
     parts = sorted(((sizes.get(("optim", n), 0), n) for spec in plan.packs
                     if (spec.index, "optim") not in chosen[0] and plan.step_on.get(spec.index) != "host"
-                    for n in spec.owned), reverse=True)
+                    for n in spec.stepped), reverse=True)
     kept: dict[str, int] = {}
     for size, n in parts:
         if 0 < size <= slack:
@@ -265,9 +265,9 @@ def keep_optimizer_parts(program: Program, chosen, fits, room: int) -> list[dict
     plan.optim_resident = kept
     rows = []
     for spec in plan.packs:
-        held = [n for n in spec.owned if n in kept]
+        held = [n for n in spec.stepped if n in kept]
         if held:
-            rows.append(dict(kept=f"optimizer state of {len(held)}/{len(spec.owned)} params", pack=spec.index,
+            rows.append(dict(kept=f"optimizer state of {len(held)}/{len(spec.stepped)} params", pack=spec.index,
                              MiB=sum(kept[n] for n in held) / 2**20, saves_per_byte=2))
     return rows
 

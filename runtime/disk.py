@@ -548,7 +548,7 @@ class DiskTier:
         """The tier of the packs ``plan.optim_on`` places on disk, or None if there are none."""
         placed = getattr(plan, "optim_on", {}) or {}
         whole = getattr(plan, "master_on", {}) or {}     # packs wholly on disk have a tier of their own
-        packs = {s.index: [n for n in s.owned if n in optimizers] for s in plan.packs
+        packs = {s.index: [n for n in s.stepped if n in optimizers] for s in plan.packs
                  if placed.get(s.index) == "disk" and whole.get(s.index) != "disk"}
         if not packs:
             return None

@@ -111,7 +111,7 @@ def state_names(spec, what: str) -> list[str]:
         return spec.params + spec.buffers
     if what == "grads":
         return spec.params
-    return spec.owned
+    return spec.stepped
 
 
 def resident_state(plan):
@@ -164,7 +164,9 @@ def _release_effect(m, pack, what, handoff=False):
         m.drop(what, owned)
         m.handed[pack] = m.handed.get(pack, 0) + before - m.live
         m.live = before
-    m.drop(what, names, write_back=bool(m.dirty & set(names)))
+    changed = [n for n in names if n in m.dirty]     # only what changed goes back (a shard's params, say)
+    m.drop(what, [n for n in names if n not in m.dirty])
+    m.drop(what, changed, write_back=True)
     if what == "params":
         m.dirty -= {n for n in names if m.refs.get(("params", n), 0) == 0}
     return None, 0
@@ -284,6 +286,7 @@ def _leaf(x, grad: bool):
 
 def _forward_effect(m, pack, mb, *inputs, keep=False):
     spec = m.plan.packs[pack]
+    m.dirty.update(spec.mutated)      # running statistics changed: written back with the pack's release
     if keep:
         return Predicted(spec.out_bytes + spec.saved_bytes, kept=spec.saved_bytes), spec.fwd_keep_peak
     return Predicted(spec.out_bytes), spec.fwd_peak
@@ -311,7 +314,7 @@ def _kernels_cost(spec, phase: str) -> float:
     21 per parameter for an Adam(W) step (its for-loop implementation, the CPU default).
     """
     per_tensor = {"forward": 2.7, "backward": 5.8, "step": 21.0}[phase]
-    tensors = len(spec.owned) if phase == "step" else len(spec.params) + len(spec.buffers)
+    tensors = len(spec.stepped) if phase == "step" else len(spec.params) + len(spec.buffers)
     return per_tensor * max(tensors, 1)
 
 
@@ -403,7 +406,7 @@ def _step_execute(rt, pack, stream=False, where="device"):
         return
     if where == "host":
         params = [rt.state.tensors[n] for n in spec.owned]
-        opts = list(dict.fromkeys(rt.state.optimizers[n] for n in spec.owned))
+        opts = list(dict.fromkeys(rt.state.optimizers[n] for n in spec.stepped))
         disk = getattr(rt.state, "disk", None)   # optimizer state of disk-placed packs (runtime/disk.py)
 
         def update(skip=False):
@@ -429,21 +432,21 @@ def _step_execute(rt, pack, stream=False, where="device"):
             rt.scaler.unscale([p.grad for p in params if p.grad is not None])
             rt.scaler.defer(update)
         fut = rt.state.host_pool.submit(update if rt.compute_dtype is None else check_then_update)
-        rt.state.pending.update((n, fut) for n in spec.owned)
+        rt.state.pending.update((n, fut) for n in spec.stepped)
         return
     if not stream:
         with rt.counting():
-            for opt in dict.fromkeys(rt.state.optimizers[n] for n in spec.owned):
+            for opt in dict.fromkeys(rt.state.optimizers[n] for n in spec.stepped):
                 opt.step()
     else:
-        for n in spec.owned:      # moves happen outside the counting mode: host copies are not device bytes
+        for n in spec.stepped:    # moves happen outside the counting mode: host copies are not device bytes
             rt.state.wait(rt.state.fetch("optim", [n]))
             with rt.counting():
                 _step_one(rt.state.optimizers[n], rt.state.tensors[n])
             rt.state.release("optim", [n])
-    for n in spec.owned:
+    for n in spec.owned:      # sharded: the gradients of params other ranks step are dropped too
         rt.state.tensors[n].grad = None
-    rt.state.dirty.update(spec.owned)
+    rt.state.dirty.update(spec.stepped)
 
 
 def _step_one(opt: torch.optim.Optimizer, param: torch.Tensor) -> None:
@@ -469,9 +472,9 @@ def _step_effect(m, pack, stream=False, where="device"):
             m.grads_exist.discard(n)
             if m.resident("grads", n):
                 m.live -= m.sizes[("grads", n)]
-    m.dirty.update(spec.owned)
+    m.dirty.update(spec.stepped)
     if stream:   # what is not held on the device comes in and goes back out
-        moved = sum(m.sizes.get(("optim", n), 0) for n in spec.owned if not m.resident("optim", n))
+        moved = sum(m.sizes.get(("optim", n), 0) for n in spec.stepped if not m.resident("optim", n))
         m.moved["h2d"] += moved
         m.moved["d2h"] += moved
         return None, spec.stream_step_peak
@@ -502,7 +505,7 @@ def streamed_optim_bytes(plan, pack: int) -> int:
     """A streamed step's optimizer state that comes in and goes out: the pack's, less what stays resident."""
     spec = plan.packs[pack]
     kept = getattr(plan, "optim_resident", None) or {}
-    return spec.optim_bytes - sum(kept.get(n, 0) for n in spec.owned)
+    return spec.optim_bytes - sum(kept.get(n, 0) for n in spec.stepped)
 
 
 # -- allreduce: data-parallel gradient averaging (inserted by the compress pass) ----------------------

@@ -37,10 +37,12 @@ class PackSpec:
     owned: list[str]              # params whose gradient is complete after this pack's backward
     mutated: list[str]            # buffers written in forward: restored after a recompute
     random: bool                  # replays the RNG on recompute
+    stepped: list[str] = None     # the owned params this rank steps and keeps optimizer state for: all of
+                                  # them (None: ``owned``), unless optimizer state is sharded over ranks
     # predicted sizes at the compiled microbatch size (bytes) and work (FLOPs)
     param_bytes: int = 0
     buffer_bytes: int = 0
-    optim_bytes: int = 0          # optimizer state of the owned params
+    optim_bytes: int = 0          # optimizer state of the stepped params
     step_extra: int = 0           # transient bytes of the optimizer step over the whole pack
     stream_step_peak: int = 0     # peak bytes of a step that brings each parameter's optimizer state in turn
     in_bytes: int = 0             # one microbatch's float inputs from other packs (their gradients)
@@ -55,6 +57,10 @@ class PackSpec:
     fwd_flops: int = 0
     bwd_flops: int = 0
     master_bytes: int = 0         # the host's fp32 masters of ``params`` (param_bytes is the device copies)
+
+    def __post_init__(self):
+        if self.stepped is None:
+            self.stepped = list(self.owned)
 
 
 @dataclass
@@ -76,6 +82,9 @@ class Plan:
     policy: str = "harmony"
     precision: str = "fp32"                      # fp32 | bf16 | fp16: dtype of device copies (runtime/precision.py)
     loss_scaling: dict = field(default_factory=dict)   # fp16: LossScaler arguments
+    state_owner: dict = field(default_factory=dict)    # param -> rank that steps it (sharded optimizer state)
+    state_bytes: dict = field(default_factory=dict)    # param -> its bytes (the broadcast that follows the steps)
+    rank: int = 0
 
 
     comm_groups: dict = field(default_factory=dict)  # pack -> its gradients' all-reduce groups (lists of names)

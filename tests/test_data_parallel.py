@@ -46,7 +46,10 @@ def _train(rank, frac, steps=STEPS, batch=8, perturb=True, keep=False, tie=False
         sm.close()
     params = [p.detach() for p in model.parameters()]
     report = next(r for r in sm.program.reports if r.title.startswith("compress"))
-    out = dict(params=[p.numpy().copy() for p in params], digest=_digest(params), stats=stats,
+    optim = sum(v.numel() * v.element_size() for o in sm.optimizers for st in o.state.values()
+                for v in st.values() if isinstance(v, torch.Tensor) and v.device.type != "meta")
+    out = dict(params=[p.numpy().copy() for p in params], digest=_digest(params), stats=stats, optim_bytes=optim,
+               planned_optim=sum(s.optim_bytes for s in sm.plan.packs), text=sm.report(),
                totals=dict(report.totals), rows=list(report.rows), notes=list(report.notes),
                where={n.kwargs.get("where", "device") for n in sm.graph.nodes if n.target is ops.allreduce},
                ops=[n.target.__name__ for n in sm.graph.nodes if n.op == "call_function"])
@@ -62,6 +65,12 @@ def _two_ranks(rank, world):
            "q4": _train(rank, 0.5, compression="4bit", keep=True, **SGD),
            "sgd_device": _train(rank, 0.5, optimizer_on="device", tie=True, **SGD),   # tied embedding + head
            "deferred": _deferred(rank)}
+    # optimizer state sharded over the ranks (ZeRO stage 1): bitwise the replicated runs, on every path
+    out["adamw_shard"] = _train(rank, 0.5, shard_state=True, **ADAMW)                       # host steps
+    out["adamw_device"] = _train(rank, 0.5, optimizer_on="device", tie=True, **ADAMW)       # streamed device steps
+    out["adamw_device_shard"] = _train(rank, 0.5, optimizer_on="device", tie=True, shard_state=True, **ADAMW)
+    out["adamw_fits"] = _train(rank, 4.0, optimizer_on="device", **ADAMW)                   # all state resident
+    out["adamw_fits_shard"] = _train(rank, 4.0, optimizer_on="device", shard_state=True, **ADAMW)
     try:   # ranks that compile different communication plans are told so, not left to hang
         compress.check_same_plan("4bit" if rank == 0 else "fp32")
         out["mismatch"] = "no error"
@@ -143,7 +152,7 @@ def _with_references(world, fn, batch, **spawn):
 
 @pytest.fixture(scope="module")
 def two():
-    res = _with_references(2, _two_ranks, 8, timeout=150)
+    res = _with_references(2, _two_ranks, 8, timeout=300)
     _ok({r: v for r, v in res.items() if r != "ref"}, 2)
     return res
 
@@ -185,6 +194,29 @@ def test_4bit_parameters_are_identical_on_every_rank_and_bytes_as_predicted(two)
     assert two[0]["sim_network"] > 0
     ok, worst = _close(q["params"], two["ref"]["sgd"], 0, 0.05)   # compressed, yet near the exact result
     assert ok and worst > 1e-6, worst
+
+
+def test_sharded_optimizer_state_trains_bitwise_like_replicated_state_with_half_the_state(two):
+    for shard, whole in (("adamw_shard", "adamw"), ("adamw_device_shard", "adamw_device"),
+                         ("adamw_fits_shard", "adamw_fits")):
+        assert two[0][shard]["digest"] == two[1][shard]["digest"] == two[0][whole]["digest"], shard
+        assert "sync_params" in two[0][shard]["ops"] and "sync_params" not in two[0][whole]["ops"]
+        full = two[0][whole]["optim_bytes"]
+        mine = [two[r][shard]["optim_bytes"] for r in (0, 1)]
+        # each rank keeps its half (whole tensors, cut by bytes) and the two halves make the whole
+        assert sum(mine) == full and all(0.3 * full < b < 0.7 * full for b in mine), (mine, full)
+        for r in (0, 1):
+            t = two[r][shard]
+            assert t["planned_optim"] == t["optim_bytes"]          # the plan counts only this rank's share
+            last = t["stats"][-1]
+            assert last["measured_peak"] <= last["budget"]
+            assert last["h2d_bytes"] == last["predicted_h2d"] and last["d2h_bytes"] == last["predicted_d2h"]
+            assert t["totals"]["stepped_params"] < len(two[r][whole]["params"])
+            assert "ZeRO stage 1" in t["text"]
+    assert (two[0]["adamw_device_shard"]["stats"][-1]["predicted_peak"]
+            < two[0]["adamw_device"]["stats"][-1]["predicted_peak"] or
+            sum(s["h2d_bytes"] for s in two[0]["adamw_device_shard"]["stats"])
+            < sum(s["h2d_bytes"] for s in two[0]["adamw_device"]["stats"]))   # less state: less memory or traffic
 
 
 def test_other_plans_and_world_sizes_are_config_errors(two):
@@ -280,6 +312,8 @@ def test_bad_data_parallel_arguments_are_config_errors():
     model, data = _case(8)
     with pytest.raises(ConfigError, match="torchrun"):
         harmony.compile(model, example_batch=data[0], data_parallel=True)
+    with pytest.raises(ConfigError, match="shard_state=True .* trains alone"):
+        harmony.compile(model, example_batch=data[0], shard_state=True)
     with pytest.raises(ConfigError, match="1..8"):
         harmony.compile(model, example_batch=data[0], compression="12bit")
     with pytest.raises(ConfigError, match="compression='zip'"):
@@ -332,7 +366,10 @@ def _hetero_train(rank, model, data, hw, steps=STEPS, **kw):
     params = [p.detach() for p in model.parameters()]
     balance, compress_report = sm.program.reports[0], next(r for r in sm.program.reports
                                                            if r.title.startswith("compress"))
+    optim = sum(v.numel() * v.element_size() for o in sm.optimizers for st in o.state.values()
+                for v in st.values() if isinstance(v, torch.Tensor))
     return dict(params=[p.numpy().copy() for p in params], digest=_digest(params), packs=len(sm.plan.packs),
+                optim_bytes=optim, stats=dict(sm.stats),
                 rows=sm.program.rows, microbatches=sm.plan.microbatches, budget=sm.program.config.memory_budget,
                 balance=dict(title=balance.title, rows=balance.rows, totals=balance.totals, notes=balance.notes),
                 groups=[r["groups"] for r in compress_report.rows], text=sm.report(),
@@ -353,6 +390,8 @@ def _hetero_ranks(rank, world):
             for p in model.parameters():
                 p.add_(0.01 * rank)            # compile broadcasts rank 0's weights
     out["shares"] = _hetero_train(rank, model, data, cpu.logical(budgets), balance=SHARES, **SGD)
+    out["replicated"] = _hetero_train(rank, _case(HETERO_BATCH)[0], data, cpu.logical(budgets), balance=SHARES,
+                                      shard_state=False, **SGD)
     out["q4"] = _hetero_train(rank, _case(HETERO_BATCH)[0], data, cpu.logical(budgets), balance=SHARES,
                               compression="4bit", **SGD)
     out["uniform"] = _hetero_train(rank, _case(HETERO_BATCH)[0], data, cpu.logical(budgets), balance="uniform",
@@ -390,7 +429,7 @@ def hetero():
     from concurrent.futures import ThreadPoolExecutor
     with ThreadPoolExecutor(1) as pool:
         ref = pool.submit(_reference, HETERO_BATCH, **SGD)
-        res = _spawn(3, _hetero_ranks, timeout=240)
+        res = _spawn(3, _hetero_ranks, timeout=360)
         res["ref"] = ref.result()
     _ok({r: v for r, v in res.items() if r != "ref"}, 3)
     return res
@@ -414,6 +453,18 @@ def test_uneven_shares_train_like_one_process_on_the_global_batch(hetero):
     assert ok, f"uneven shares vs a homogeneous 3-rank run: max difference {worst}"
     u = hetero[0]["uniform"]
     assert u["rows"] == (0, 6) and u["weights"] == {1 / 3}
+    # the planned state shares are applied to the optimizer state: each rank keeps about its share of it,
+    # and training is bitwise the run that replicates the state on every rank
+    rep = [hetero[r]["replicated"] for r in range(3)]
+    assert s[0]["digest"] == rep[0]["digest"] == rep[2]["digest"]
+    whole = rep[0]["optim_bytes"]
+    assert all(x["optim_bytes"] == whole for x in rep) and sum(x["optim_bytes"] for x in s) == whole
+    planned = [row["state_share_planned"] for row in s[0]["balance"]["rows"]]
+    for x, share in zip(s, planned):       # whole tensors, cut by bytes: within one tensor of the plan
+        assert abs(x["optim_bytes"] / whole - share) < 0.2, ([y["optim_bytes"] / whole for y in s], planned)
+        assert x["stats"]["h2d_bytes"] == x["stats"]["predicted_h2d"] and x["stats"]["d2h_bytes"] == x["stats"]["predicted_d2h"]
+    assert "OPTIMIZER STATE" in " ".join(s[0]["balance"]["notes"])
+    assert "not applied" in " ".join(rep[0]["balance"]["notes"])
     q = [hetero[r]["q4"] for r in range(3)]                 # 4-bit: weighted too, identical on every rank
     assert len({x["digest"] for x in q}) == 1
     ok, worst = _close(q[0]["params"], ref, 0, 0.01)        # measured 0.0036; with equal weights 0.031 (so fp32)
@@ -430,7 +481,7 @@ def test_auto_balance_gives_slower_ranks_fewer_samples_and_reports_every_rank(he
     assert [x["budget"] for x in a] == [int(training_state_bytes(_case(8)[0]) * f) for f in BUDGETS]
     assert rows[2]["speed"] == "1/4x EMULATED" and "(this)" in str(a[1]["balance"]["rows"][1]["rank"])
     notes = " ".join(a[0]["balance"]["notes"])
-    assert "EMULATION" in notes and "replicates" in notes
+    assert "EMULATION" in notes and "OPTIMIZER STATE" in notes
     assert a[0]["balance"]["totals"]["status"] == "optimal" and a[0]["balance"]["totals"]["simulated_step_s"] > 0
     assert "balance: each rank's share" in a[0]["text"] and "EMULATED" in a[0]["text"]
 

@@ -93,7 +93,7 @@ def _tiers(program) -> dict:
     optim_on = getattr(plan, "optim_on", None) or {}
     optim = {"device": 0, "host": 0, "disk": 0}
     for spec in plan.packs:
-        if spec.owned and all(("optim", n) in resident for n in spec.owned):
+        if spec.stepped and all(("optim", n) in resident for n in spec.stepped):
             where = "device"
         else:        # a device step streams its state in and out: between steps it is on the host
             where = "disk" if optim_on.get(spec.index) == "disk" else "host"
@@ -114,9 +114,9 @@ def _packs(program) -> list[dict]:
         resident.setdefault(pack, []).append(what)
     kept = getattr(program.plan, "optim_resident", None) or {}
     for s in program.plan.packs:
-        held = sum(1 for n in s.owned if n in kept)
+        held = sum(1 for n in s.stepped if n in kept)
         if held:
-            resident.setdefault(s.index, []).append(f"optim ({held}/{len(s.owned)} params)")
+            resident.setdefault(s.index, []).append(f"optim ({held}/{len(s.stepped)} params)")
     numel = {n: p.numel() for n, p in program.gm.named_parameters()}
     return [dict(pack=s.index, name=s.name, params=sum(numel.get(n, 0) for n in s.params),
                  param_bytes=s.param_bytes, saved_bytes=s.saved_bytes,
