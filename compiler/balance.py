@@ -24,12 +24,13 @@ homogeneous cluster makes on the same global batch.
 From ``harmony.compile(..., hardware=Hardware(devices=[one per rank]), balance="auto")``
 (``plan_ranks``): ``model_cost`` reads the ModelCost off the traced model's cost
 annotations (FLOPs and the partition's smallest working set, each affine in the
-microbatch size), rank 0 solves, every rank takes its row of the plan. The state shares are
-applied to the optimizer state (runtime/shard.py, ZeRO stage 1: a rank keeps and steps its
-share of the parameters, contiguous by bytes, and broadcasts them after the step);
-parameters and gradients stay replicated, each rank swapping what its budget cannot hold
-to its host, so the ILP's memory rows are a planning model there, and each rank's own
-compile checks its real plan against its device's memory.
+microbatch size), rank 0 solves, every rank takes its row of the plan. There ``S`` is the
+optimizer state, which ``shard_state`` splits in the planned shares (runtime/shard.py, ZeRO
+stage 1: a rank keeps and steps its share of the parameters, contiguous by bytes, and
+broadcasts them after the step), so a memory row says a rank keeps its optimizer shard
+resident beside its working set; parameters and gradients stay replicated, each rank's plan
+swapping what its device cannot hold. The time rows count compute only: the swap traffic a
+tight device adds is not in them (the simulator and the real run show it).
 """
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ from dataclasses import dataclass, field
 import pulp
 
 from harmony.errors import BudgetError
+from harmony.runtime.plan import optim_state_bytes
 from harmony.units import fmt_bytes
 
 
@@ -50,9 +52,12 @@ class ModelCost:
     flops_per_sample: float     # forward + backward (+ recompute) FLOPs per sample
     act_const: float            # activation bytes a microbatch keeps, constant part
     act_per_sample: float       # ... per sample
-    state_bytes: float          # training state to shard (params, grads, optimizer state)
+    state_bytes: float          # training state sharded over the ranks (from harmony.compile: the optimizer
+                                # state, runtime/shard.py; Cephalo shards parameters and gradients too)
     layer_bytes: float          # the largest layer's working set, gathered for compute
     ops_per_microbatch: float = 0.0   # tensor ops a microbatch dispatches, each costing the device's kernel_latency
+    replicated_bytes: float = 0.0     # state every rank holds whole (parameters, gradients, buffers), swapped by
+                                      # each rank's own plan: not in the memory rows
 
 
 @dataclass
@@ -133,7 +138,7 @@ def balance(cost: ModelCost, devices, global_batch: int, max_microbatches: int =
     if floor + cost.state_bytes > total:
         missing = floor + cost.state_bytes - total
         raise BudgetError(
-            f"the cluster's {fmt_bytes(total)} cannot hold the {fmt_bytes(cost.state_bytes)} training state plus "
+            f"the cluster's {fmt_bytes(total)} cannot hold the {fmt_bytes(cost.state_bytes)} of sharded state plus "
             f"each rank's working set ({fmt_bytes(floor)} at one sample per microbatch): {fmt_bytes(missing)} "
             f"missing. Add devices, offload optimizer state to the host, or use a smaller model.",
             min_budget=int(missing))
@@ -181,6 +186,10 @@ def uniform(cost: ModelCost, devices, global_batch: int, microbatches: int = 1) 
 def model_cost(program, kernel_ops_per_param_tensor: float = 2.7 + 5.8 + 2.7) -> ModelCost:
     """The ModelCost of a traced program (``program.gm`` on ``program.example_batch``).
 
+    The sharded state is the optimizer state (what ``shard_state`` splits); parameters, gradients
+    and buffers are replicated (``replicated_bytes``), each rank's plan swapping what its device
+    cannot hold, so a memory row reads: the rank keeps its optimizer shard resident beside the
+    working set of its microbatch.
     FLOPs per microbatch: forward, backward and the recompute of every pack's forward (an upper
     bound: the last pack does not recompute), affine in the microbatch size ``b``. Memory a rank
     needs besides any state share: the smallest budget the partition pass can plan under, every
@@ -217,10 +226,11 @@ def model_cost(program, kernel_ops_per_param_tensor: float = 2.7 + 5.8 + 2.7) ->
     params = list(program.gm.parameters())
     pbytes = sum(p.numel() * p.element_size() for p in params)
     grads = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
-    state = pbytes + grads + pbytes * program.optim_profile.get("state_per_byte", 0.0)
-    state += sum(t.numel() * t.element_size() for t in program.gm.buffers())
+    optim = sum(optim_state_bytes(program.optim_profile, p.numel() * p.element_size()) for p in params
+                if p.requires_grad)
+    replicated = pbytes + grads + sum(t.numel() * t.element_size() for t in program.gm.buffers())
     return ModelCost(flops_const=flops.c0, flops_per_sample=flops.c1, act_const=act.c0, act_per_sample=act.c1,
-                     state_bytes=float(state), layer_bytes=0.0,
+                     state_bytes=float(optim), layer_bytes=0.0, replicated_bytes=float(replicated),
                      ops_per_microbatch=kernel_ops_per_param_tensor * len(params))
 
 

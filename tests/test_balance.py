@@ -139,7 +139,9 @@ def test_the_model_cost_of_a_traced_model_plans_budgets_its_compile_meets():
     program.optim_profile = cost.optimizer_profile(torch.optim.SGD, dict(lr=0.1, momentum=0.9))
     c = model_cost(program)
     params = sum(p.numel() for p in model.parameters())
-    assert c.state_bytes == 12 * params                      # weight, gradient and momentum in fp32
+    assert c.state_bytes == 4 * params                       # the sharded state: SGD's momentum in fp32
+    buffers = sum(t.numel() * t.element_size() for t in gm.buffers())
+    assert c.replicated_bytes == 8 * params + buffers        # weight and gradient in fp32, on every rank
     assert c.flops_per_sample > 0 and c.act_per_sample > 0 and c.ops_per_microbatch > 0
     assert program.config.batch_size == 1                     # restored after measuring at 1 and 2 samples
     for b in (2, 4):            # inside the line's span, and its end (the whole batch)
