@@ -10,6 +10,7 @@ The integer program, solved exactly with PuLP/CBC:
 
     minimise   T
     subject to T >= m_d * (c0 + c1 * b_d) / F_d          for every rank d   (its compute time)
+               T >= 2 * max(0, R + s_d * S + W + a0 + a1 * b_d - memory_d) / link_d   (its swap copies)
                sum_d b_d * m_d = global batch
                s_d * S + W + a0 + a1 * b_d <= memory_d   for every rank d   (shard + working set + activations)
                sum_d s_d = 1,  s_d >= 0
@@ -17,7 +18,10 @@ The integer program, solved exactly with PuLP/CBC:
 with one binary per rank and (b, m) option. ``c0 + c1 b`` is a microbatch's forward,
 backward and recompute FLOPs from the cost model, ``F_d`` the device's sustained FLOP/s
 (stretched by an emulation speed factor), ``S`` the sharded training state, ``W`` the
-largest layer gathered for compute, ``a0 + a1 b`` the activations a microbatch keeps.
+largest layer gathered for compute, ``a0 + a1 b`` the activations a microbatch keeps, ``R``
+the state every rank holds whole (``replicated_bytes``: 0 under Cephalo's full sharding)
+and ``link_d`` the device's host link: the replicated state that does not fit moves about
+twice a step, overlapping compute (``swap_seconds``).
 Gradients are then averaged with weights by sample count, so the update equals the one a
 homogeneous cluster makes on the same global batch.
 
@@ -29,8 +33,7 @@ optimizer state, which ``shard_state`` splits in the planned shares (runtime/sha
 stage 1: a rank keeps and steps its share of the parameters, contiguous by bytes, and
 broadcasts them after the step), so a memory row says a rank keeps its optimizer shard
 resident beside its working set; parameters and gradients stay replicated, each rank's plan
-swapping what its device cannot hold. The time rows count compute only: the swap traffic a
-tight device adds is not in them (the simulator and the real run show it).
+swapping what its device cannot hold: the second time row prices those copies.
 """
 from __future__ import annotations
 
@@ -109,6 +112,23 @@ def rank_time(cost: ModelCost, device, b: int, m: int) -> float:
     return m * ((cost.flops_const + cost.flops_per_sample * b) / flops + dispatch) * getattr(device, "speed_factor", 1.0)
 
 
+SWAP_PASSES = 2.0     # bytes a step moves per byte of replicated state that does not stay on the device
+
+
+def swap_seconds(cost: ModelCost, device, b: int, share: float) -> float:
+    """Seconds of host-link traffic a rank's plan adds when its replicated state does not fit.
+
+    What stays on the device: the optimizer shard and the working set (the memory row), then as
+    much of the replicated parameters and gradients as the rest of the memory holds; each byte
+    that does not fit moves about ``SWAP_PASSES`` times a step (a weight comes in for the forward
+    and for the backward; a gradient goes out once). Copies overlap compute (prefetch), so a rank
+    takes the larger of the two; an emulated speed factor stretches compute, not copies.
+    """
+    link = getattr(device, "h2d_bandwidth", None)
+    over = cost.replicated_bytes + share * cost.state_bytes + rank_memory_floor(cost, device, b) - device.memory
+    return SWAP_PASSES * max(0.0, over) / link if link else 0.0
+
+
 def rank_memory_floor(cost: ModelCost, device, b: int) -> float:
     """Device bytes a rank needs besides its state shard."""
     return cost.layer_bytes + cost.act_const + cost.act_per_sample * b
@@ -121,7 +141,8 @@ def evaluate(cost: ModelCost, devices, choice: list[tuple[int, int]], shares=Non
     if shares is None:   # shares by free memory
         total = sum(max(r, 0) for r in room)
         shares = [max(r, 0) / total if total > 0 else 1 / n for r in room]
-    ranks = [RankShare(i, d.name, b, m, s, rank_time(cost, d, b, m), rank_memory_floor(cost, d, b) + s * cost.state_bytes)
+    ranks = [RankShare(i, d.name, b, m, s, max(rank_time(cost, d, b, m), swap_seconds(cost, d, b, s)),
+                       rank_memory_floor(cost, d, b) + s * cost.state_bytes)
              for i, (d, (b, m), s) in enumerate(zip(devices, choice, shares))]
     ok = all(r.memory <= d.memory for r, d in zip(ranks, devices))
     return BalancePlan(ranks, max(r.seconds for r in ranks), sum(b * m for b, m in choice), 0.0,
@@ -157,8 +178,13 @@ def balance(cost: ModelCost, devices, global_batch: int, max_microbatches: int =
         opts = [(b, m) for (dd, b, m) in pick if dd == d]
         prob += pulp.lpSum(pick[d, b, m] for b, m in opts) == 1
         prob += T >= pulp.lpSum(rank_time(cost, dev, b, m) * pick[d, b, m] for b, m in opts)
-        prob += (share[d] * cost.state_bytes
-                 + pulp.lpSum(rank_memory_floor(cost, dev, b) * pick[d, b, m] for b, m in opts) <= dev.memory)
+        floor_d = pulp.lpSum(rank_memory_floor(cost, dev, b) * pick[d, b, m] for b, m in opts)
+        prob += share[d] * cost.state_bytes + floor_d <= dev.memory
+        link = getattr(dev, "h2d_bandwidth", None)
+        if link and cost.replicated_bytes:     # replicated state that does not fit: its copies (swap_seconds)
+            over = pulp.LpVariable(f"over{d}", lowBound=0)
+            prob += over >= cost.replicated_bytes + share[d] * cost.state_bytes + floor_d - dev.memory
+            prob += T >= SWAP_PASSES / link * over
     prob += pulp.lpSum(b * m * x for (d, b, m), x in pick.items()) == global_batch
     prob += pulp.lpSum(share) == 1
     status = prob.solve(pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit))

@@ -4,7 +4,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from harmony.compiler.balance import ModelCost, balance, evaluate, uniform
+from harmony.compiler.balance import ModelCost, balance, evaluate, swap_seconds, uniform
 from harmony.errors import BudgetError
 
 
@@ -46,6 +46,55 @@ def test_balance_finds_the_brute_force_optimum(devices):
     for s, d in zip(plan.shares, devices):
         assert s.memory <= d.memory * (1 + 1e-9)
     assert sum(plan.weights()) == pytest.approx(1.0)
+
+
+@dataclass(frozen=True)
+class LinkedDev(Dev):
+    h2d_bandwidth: float = 1e9
+
+
+REPLICATED = ModelCost(flops_const=0.0, flops_per_sample=1e9, act_const=0.0, act_per_sample=1e8,
+                       state_bytes=1e9, layer_bytes=1e8, replicated_bytes=2e9)
+
+
+@pytest.mark.parametrize("link", [1e8, 1e9, 1e11])
+def test_swap_copies_of_replicated_state_are_priced_and_the_ilp_still_finds_the_optimum(link):
+    devices = [LinkedDev("fast-small", 1.5e9, 4e9, h2d_bandwidth=link), LinkedDev("slow-big", 8e9, 1e9),
+               LinkedDev("mid", 3e9, 2e9)]
+    plan = balance(REPLICATED, devices, global_batch=12, max_microbatches=4)
+    best = brute_force_shares(REPLICATED, devices, 12)
+    assert plan.step_seconds <= best.step_seconds * (1 + 1e-6)     # shares continuous in the ILP, gridded here
+    assert plan.step_seconds == pytest.approx(evaluate(REPLICATED, devices, [(s.microbatch, s.microbatches)
+                                                                              for s in plan.shares],
+                                                       [s.state_share for s in plan.shares]).step_seconds)
+
+
+def test_a_slow_host_link_takes_work_off_a_device_that_must_swap():
+    # fast-small swaps 1e8 bytes per sample of its microbatch (its activations push weights out)
+    devices = lambda link: [LinkedDev("fast-small", 2.1e9, 4e9, h2d_bandwidth=link), LinkedDev("slow-big", 8e9, 1e9)]
+    quick = balance(REPLICATED, devices(1e12), global_batch=12, max_microbatches=4)
+    slow = balance(REPLICATED, devices(2e8), global_batch=12, max_microbatches=4)
+    assert quick.shares[0].samples == 10 and quick.step_seconds == pytest.approx(2.5)   # by FLOPs: 10 vs 2
+    # microbatches of 3 (3 of them): 2 x 3e8 B of copies at 2e8 B/s = 3 s, as slow-big's 3 samples take
+    assert slow.shares[0].samples == 9 and slow.step_seconds == pytest.approx(3.0)
+    assert slow.shares[0].state_share == pytest.approx(0.0, abs=1e-9)   # its shard would only add copies
+    assert swap_seconds(REPLICATED, devices(2e8)[0], slow.shares[0].microbatch, slow.shares[0].state_share) > 0
+    assert swap_seconds(COST, devices(2e8)[0], 1, 0.5) == 0       # nothing replicated: nothing swapped
+
+
+def brute_force_shares(cost, devices, batch, max_m=4, grid=20):
+    best = None
+    opts = [(b, m) for b in range(1, batch + 1) for m in range(1, max_m + 1) if b * m <= batch]
+    splits = [c for c in itertools.product(range(grid + 1), repeat=len(devices) - 1) if sum(c) <= grid]
+    for choice in itertools.product(opts, repeat=len(devices)):
+        if sum(b * m for b, m in choice) != batch:
+            continue
+        for c in splits:
+            shares = [x / grid for x in c] + [(grid - sum(c)) / grid]
+            plan = evaluate(cost, devices, list(choice), shares)
+            if plan.status == "fits" and (best is None or plan.step_seconds < best.step_seconds - 1e-12):
+                best = plan
+    return best
 
 
 def test_fast_small_devices_take_compute_and_big_slow_ones_take_state():
