@@ -424,9 +424,11 @@ def save(sm, path, *, progress=None) -> Path:
 
     ``progress(done, total, file)`` is called after each file is durably written. A full
     disk or an unwritable path raises ``CheckpointError``; the previous checkpoint stays
-    intact and no temporary files are left behind.
+    intact and no temporary files are left behind. With optimizer state sharded over
+    data-parallel ranks (``shard_state``), every rank calls it with the same ``path`` and writes
+    its own ``path/rank-R-of-W`` (``load`` reads it back on the same rank).
     """
-    target, old, tmp = _paths(path)
+    target, old, tmp = _paths(_rank_path(sm, path))
     live = _Live(sm)
     groups = [[{"params": list(names), **{k: _jsonable(v) for k, v in g.items() if k != "params"}}
                for names, g in per_opt] for per_opt in live.groups]
@@ -495,7 +497,7 @@ def load(sm, path) -> CheckpointInfo:
     anything changes. If only ``<path>.old`` exists (a save was killed between its two
     renames) that is loaded, with a warning.
     """
-    target, old, _ = _paths(path)
+    target, old, _ = _paths(_rank_path(sm, path))
     src, recovered = _find(target, old)
     manifest = _read_manifest(src)
     live = _Live(sm)
@@ -542,6 +544,16 @@ def _jsonable(v):
     if isinstance(v, torch.Tensor):
         return v.tolist()
     return list(v) if isinstance(v, tuple) else v
+
+
+def _rank_path(sm, path) -> Path:
+    """Where this rank's checkpoint goes: ``path`` itself, or ``path/rank-R-of-W`` when optimizer state is
+    sharded over ranks (each rank holds only its shard, so each saves and loads its own, every one atomically)."""
+    plan = getattr(sm.program, "plan", None)
+    owner = getattr(plan, "state_owner", None)
+    if not owner:
+        return Path(path)
+    return Path(path) / f"rank-{plan.rank}-of-{max(owner.values()) + 1}"
 
 
 def _paths(path) -> tuple[Path, Path, Path]:

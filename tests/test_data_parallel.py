@@ -71,6 +71,7 @@ def _two_ranks(rank, world):
     out["adamw_device_shard"] = _train(rank, 0.5, optimizer_on="device", tie=True, shard_state=True, **ADAMW)
     out["adamw_fits"] = _train(rank, 4.0, optimizer_on="device", **ADAMW)                   # all state resident
     out["adamw_fits_shard"] = _train(rank, 4.0, optimizer_on="device", shard_state=True, **ADAMW)
+    out["shard_resume"] = _sharded_resume(rank)
     try:   # ranks that compile different communication plans are told so, not left to hang
         compress.check_same_plan("4bit" if rank == 0 else "fp32")
         out["mismatch"] = "no error"
@@ -87,6 +88,34 @@ def _two_ranks(rank, world):
         out["wrong_world"] = str(e)
     sm.close()
     return out
+
+
+def _sharded_resume(rank):
+    """Save a sharded run after one step, train two more, load, train the same two: the same parameters."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    model, data = _case(8)
+    sm = harmony.compile(model, example_batch=harmony.data.shard(data[0]), microbatches=2, shard_state=True,
+                         memory_budget=int(training_state_bytes(model) * 0.5), **ADAMW)
+    path = Path(tempfile.gettempdir()) / f"harmony-dp-ckpt-{os.getppid()}"   # the same on both ranks
+    sm(*harmony.data.shard(data[0]))
+    harmony.save(sm, path)
+    digests = []
+    for _ in range(2):
+        for b in data[1:3]:
+            sm(*harmony.data.shard(b))
+        digests.append(_digest([p.detach() for p in model.parameters()]))
+        harmony.load(sm, path)
+    files = sorted(p.name for p in path.iterdir())
+    sm.close()
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(path)
+    return dict(digests=digests, files=files)
 
 
 def _deferred(rank):
@@ -213,6 +242,10 @@ def test_sharded_optimizer_state_trains_bitwise_like_replicated_state_with_half_
             assert last["h2d_bytes"] == last["predicted_h2d"] and last["d2h_bytes"] == last["predicted_d2h"]
             assert t["totals"]["stepped_params"] < len(two[r][whole]["params"])
             assert "ZeRO stage 1" in t["text"]
+    for r in (0, 1):     # each rank saved its own shard under the one path, and resumed bitwise from it
+        res = two[r]["shard_resume"]
+        assert res["files"] == ["rank-0-of-2", "rank-1-of-2"] and res["digests"][0] == res["digests"][1]
+    assert two[0]["shard_resume"]["digests"] == two[1]["shard_resume"]["digests"]
     assert (two[0]["adamw_device_shard"]["stats"][-1]["predicted_peak"]
             < two[0]["adamw_device"]["stats"][-1]["predicted_peak"] or
             sum(s["h2d_bytes"] for s in two[0]["adamw_device_shard"]["stats"])
