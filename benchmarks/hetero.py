@@ -21,7 +21,9 @@ batch split two ways, ``balance="uniform"`` and ``balance="auto"`` (the ILP), co
 by side and run step by step in turns. Measured: the median over ``--steps`` steps after
 ``--warmup`` of the slowest rank's step. Predicted: each rank's compiled plan simulated on
 its device, the slowest rank's. Parameters after the run are checked equal on every rank
-(digest). Targets: balanced <= 0.8 x uniform, prediction within 15%.
+(digest). Each rank keeps and steps the optimizer state of its planned state share
+(``shard_state``, on under ``balance``: columns state_share and optimizer_MiB). Targets:
+balanced <= 0.8 x uniform, prediction within 15%.
 
 The hardware the simulator reads is measured inside the job, before compiling, at one
 intra-op thread as the steps run: ``Hardware.profile`` (matmul peak, per-op latency, the
@@ -161,6 +163,8 @@ def real(args):
                          samples=" ".join(str(x) for x in r["samples"]),
                          microbatches=" ".join(str(x) for x in r["microbatches"]),
                          packs=" ".join(str(x) for x in r["packs"]),
+                         state_share=" ".join(f"{x:.2f}" for x in r["shares"]),
+                         optimizer_MiB=" ".join(f"{x:.2f}" for x in r["optim_MiB"]),
                          measured_s=measured, predicted_s=predicted, predicted_vs_measured=predicted / measured,
                          vs_uniform=measured / res["uniform"]["measured_s"],
                          steps_s=" ".join(f"{t:.2f}" for t in r["steps"]), ranks_agree=r["agree"]))
@@ -287,6 +291,10 @@ def worker(args):
                                          predicted_network=sim.busy.get("network", 0.0),
                                          predicted_h2d=sim.busy.get("h2d", 0.0), predicted_d2h=sim.busy.get("d2h", 0.0)),
                           microbatches=sm.plan.microbatches, packs=len(sm.plan.packs),
+                          optim_MiB=sum(v.numel() * v.element_size() for o in sm.optimizers for st in o.state.values()
+                                        for v in st.values() if isinstance(v, torch.Tensor)) / 2**20,
+                          share=next(row["state_share_planned"] for row in sm.program.reports[0].rows
+                                     if "(this)" in str(row["rank"])),
                           predicted=sm.program.reports[0].totals["simulated_step_s"], digest=h.hexdigest(),
                           last=sm.stats["step_seconds"])
         sm.close()
@@ -304,6 +312,7 @@ def worker(args):
                              predicted_ranks=[r["predicted"] for r in ranks], rank_last=[r["last"] for r in ranks],
                              samples=[r["samples"] for r in ranks], microbatches=[r["microbatches"] for r in ranks],
                              packs=[r["packs"] for r in ranks], solve_s=solve[mode],
+                             optim_MiB=[r["optim_MiB"] for r in ranks], shares=[r["share"] for r in ranks],
                              breakdown=[r["breakdown"] for r in ranks],
                              agree="yes" if len({r["digest"] for r in ranks}) == 1 else "NO")
         (out / "result.json").write_text(json.dumps(res))

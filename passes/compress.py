@@ -188,20 +188,28 @@ def insert(graph: torch.fx.Graph, packs: list[int], plan, kwargs: dict, policy: 
     return mode
 
 
-def shard_state(program: Program, world: int) -> dict:
-    """Sharded optimizer state (plan.state_owner): a ``sync_params`` after the last op of the iteration."""
+def insert_sync(program: Program, world: int, rank: int) -> dict:
+    """A ``sync_state`` after the last op of the iteration, when there is something to send: the parameters
+    of sharded optimizer state (plan.state_owner) and the buffers forward mutates (from rank 0)."""
     plan = program.plan
-    if not plan.state_owner:
+    plan.rank = rank
+    sizes = dict(program.gm.named_buffers())
+    plan.sync_buffers = {n: sizes[n].numel() * sizes[n].element_size()
+                         for n in sorted({b for s in plan.packs for b in s.mutated}) if n in sizes}
+    if not plan.state_owner and not plan.sync_buffers:
         return {}
-    from harmony.runtime import shard   # registers sync_params
-    calls = _calls(program.schedule)
-    node = _emit(program.schedule, calls[-1], shard.sync_params, (world,), {}, "sync_params")
+    from harmony.runtime import shard   # registers sync_state
+    node = _emit(program.schedule, _calls(program.schedule)[-1], shard.sync_state, (world,), {}, "sync_state")
     node.meta[SCHEDULE] = {"pack": None}
-    stepped = [n for s in plan.packs for n in s.stepped]
-    total = sum(plan.state_bytes.values()) or 1
-    return dict(stepped_params=len(stepped), stepped_share=sum(plan.state_bytes.get(n, 0) for n in stepped) / total,
-                optimizer_state_MiB=sum(s.optim_bytes for s in plan.packs) / 2**20,
-                sync_bytes_per_step=sum(b for n, b in plan.state_bytes.items() if plan.state_owner[n] != plan.rank))
+    out = dict(sync_buffer_bytes=sum(plan.sync_buffers.values()))
+    if plan.state_owner:
+        stepped = [n for s in plan.packs for n in s.stepped]
+        total = sum(plan.state_bytes.values()) or 1
+        out.update(stepped_params=len(stepped),
+                   stepped_share=sum(plan.state_bytes.get(n, 0) for n in stepped) / total,
+                   optimizer_state_MiB=sum(s.optim_bytes for s in plan.packs) / 2**20,
+                   sync_param_bytes=sum(b for n, b in plan.state_bytes.items() if plan.state_owner[n] != plan.rank))
+    return out
 
 
 def owned_grads(program: Program) -> dict[int, list[tuple[str, torch.Tensor]]]:
@@ -351,7 +359,7 @@ def run(program: Program, ctx) -> PassResult:
     elif sync:
         why = "synchronous: the ondemand runtime moves state on the main thread as ops touch it"
 
-    shard = shard_state(program, world)
+    shard = insert_sync(program, world, dist.get_rank() if live else cfg.rank)
 
     rows, tot_wire, tot_fp32 = [], 0, 0
     for p in sorted(owned, key=lambda q: -q):
@@ -376,7 +384,9 @@ def run(program: Program, ctx) -> PassResult:
     if broadcast is not None:
         report.totals["broadcast_bytes"] = broadcast
         report.notes.append("rank 0's parameters and buffers were broadcast to every rank (as DDP's constructor "
-                            "does); buffers (batch-norm statistics) are not synchronised after that")
+                            "does)" + ("; the buffers forward mutates (batch-norm statistics) are broadcast from rank 0 "
+                                       "again after every step (sync_state), as DDP's broadcast_buffers does"
+                                       if plan.sync_buffers else ""))
     if weight is None:
         report.notes.append(f"each rank runs this schedule on its own shard (example_batch is one rank's batch); "
                             f"gradients of the loss scaled by 1/microbatches, averaged over {world} ranks, are the "
@@ -388,10 +398,11 @@ def run(program: Program, ctx) -> PassResult:
                             f"the one a homogeneous cluster makes on the same global batch")
     if shard:
         report.totals.update(shard)
+    if shard.get("stepped_params"):
         report.notes.append(
             f"optimizer state sharded over the {world} ranks (ZeRO stage 1): this rank (rank {plan.rank}) steps and "
             f"keeps state for {shard['stepped_params']} of {len(plan.state_owner)} parameters "
-            f"({shard['stepped_share']:.0%} of the parameter bytes); one sync_params at the end of the iteration "
+            f"({shard['stepped_share']:.0%} of the parameter bytes); sync_state at the end of the iteration "
             f"broadcasts each rank's updated parameters to the others")
     if any(len(g) > 1 for g in plan.comm_groups.values()):
         report.notes.append("other ranks cut the model into other packs: a pack's all-reduce runs one collective per "

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 import time
+import weakref
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Sequence
@@ -312,6 +313,19 @@ def init_process_group(timeout: float = 60.0, backend: str | None = None, **kwar
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout), **kwargs)
 
 
+def _until_freed(refs: list, limit: float = 1.0) -> None:
+    """Wait (at most ``limit`` s) until the storages behind ``refs`` are freed.
+
+    The backend's worker thread drops its reference to a collective's tensors a moment after
+    the wait returns; freed there, they would still count against a budgeted device while the
+    next op allocates (a spike of one fused buffer, seen intermittently). Waiting here makes
+    the buffers die before the all-reduce is reported done.
+    """
+    deadline = time.monotonic() + limit
+    while any(r() is not None for r in refs) and time.monotonic() < deadline:
+        time.sleep(1e-4)
+
+
 def _wait(work, what: str, timeout: float | None, group) -> None:
     try:
         if timeout is None:
@@ -579,8 +593,12 @@ class _Job:
             t = self.tensors[i]
             with torch.no_grad():
                 t.copy_(out[off: off + t.numel()].view_as(t))
-        self.buf = None
+        buffers = [self.buf, out] + [v for v in self.state.values() if isinstance(v, torch.Tensor)]
+        gone = [weakref.ref(b.untyped_storage()) for b in buffers if b is not None]
+        self.buf = self.work = out = None
         self.state.clear()
+        del buffers
+        _until_freed(gone)
 
     def _keep_residual(self, flat):
         for i, off in zip(self.idx, self.offsets):

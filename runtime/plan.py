@@ -84,6 +84,7 @@ class Plan:
     loss_scaling: dict = field(default_factory=dict)   # fp16: LossScaler arguments
     state_owner: dict = field(default_factory=dict)    # param -> rank that steps it (sharded optimizer state)
     state_bytes: dict = field(default_factory=dict)    # param -> its bytes (the broadcast that follows the steps)
+    sync_buffers: dict = field(default_factory=dict)   # data parallel: mutated buffer -> bytes, broadcast from rank 0
     rank: int = 0
 
 

@@ -3,8 +3,11 @@
 Every rank holds every parameter and computes every gradient, all-reduced as usual; each
 parameter is *owned* by one rank, which alone keeps its optimizer state and steps it
 (``PackSpec.stepped``); the others drop its gradient after the all-reduce. At the end of
-the iteration ``sync_params`` sends each rank's updated parameters to the others (one
+the iteration ``sync_state`` sends each rank's updated parameters to the others (one
 broadcast per rank, fused), so every rank starts the next iteration with the same weights.
+The same op broadcasts rank 0's buffers that forward mutates (BatchNorm's running
+statistics, which each rank updates from its own samples), as DDP's ``broadcast_buffers``
+does, whether or not optimizer state is sharded.
 Because the all-reduce leaves the same gradient on every rank, the owner's update is the
 one every rank would have made: a sharded run equals the replicated run bit for bit.
 
@@ -46,59 +49,75 @@ def by_owner(plan) -> list[list[str]]:
     return out
 
 
-# -- the op: every owner's updated parameters to every rank, after the last step -------------------
-def sync_params(world: int): ...
+# -- the op: every owner's updated parameters, and rank 0's buffers, to every rank -----------------
+def sync_state(world: int): ...
 
 
 def _sync_execute(rt, world):
-    """Wait for the host steps, then broadcast each rank's parameters from it (fp32, fused per rank)."""
-    import torch.distributed as dist
-
+    """After the host steps: each rank's parameters broadcast from it (sharded optimizer state), then
+    rank 0's buffers that forward mutates (BatchNorm statistics, as DDP's ``broadcast_buffers``)."""
     st = rt.state
     st.settle(list(st.pending))          # host steps (and the host all-reduces ahead of them) are done
     mine = rt.plan.rank
+    for owner, names in enumerate(by_owner(rt.plan)):
+        if names:
+            _broadcast(st, names, owner, mine)
+    buffers = sorted(rt.plan.sync_buffers)
+    for dtype in dict.fromkeys(st.tensors[n].dtype for n in buffers):
+        _broadcast(st, [n for n in buffers if st.tensors[n].dtype == dtype], 0, mine)
+
+
+def _broadcast(st, names: list[str], src: int, mine: int) -> None:
+    """``names`` (one dtype) from rank ``src`` into every other rank's copies, wherever each copy is now."""
+    import torch.distributed as dist
+
+    ts = [st.tensors[n] for n in names]
     with torch.no_grad():
-        for owner, names in enumerate(by_owner(rt.plan)):
-            ts = [st.tensors[n] for n in names]
-            if not ts:
-                continue
-            if owner == mine:
-                flat = torch.cat([t.data.detach().reshape(-1).cpu() for t in ts])
-                st.moved["d2h"] += sum(_nbytes(t) for t in ts if st._on_device(t.data))
-            else:
-                flat = torch.empty(sum(t.numel() for t in ts), dtype=ts[0].dtype)
-            dist.broadcast(flat, src=owner)
-            if owner == mine:
-                continue
-            off = 0
-            for n, t in zip(names, ts):      # into wherever the parameter is now: device copy or host master
-                t.data.copy_(flat[off: off + t.numel()].view_as(t))
-                off += t.numel()
-                if st._on_device(t.data):
-                    st.moved["h2d"] += _nbytes(t)
-                    st.dirty.add(n)          # the host master is stale until the device copy goes back
+        if src == mine:
+            flat = torch.cat([t.data.detach().reshape(-1).cpu() for t in ts])
+            st.moved["d2h"] += sum(_nbytes(t) for t in ts if st._on_device(t.data))
+        else:
+            flat = torch.empty(sum(t.numel() for t in ts), dtype=ts[0].dtype)
+        dist.broadcast(flat, src=src)
+        if src == mine:
+            return
+        off = 0
+        for n, t in zip(names, ts):      # the device copy if it is there, else the host master
+            t.data.copy_(flat[off: off + t.numel()].view_as(t))
+            off += t.numel()
+            if st._on_device(t.data):
+                st.moved["h2d"] += _nbytes(t)
+                st.dirty.add(n)          # the host master is stale until the device copy goes back
 
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def _synced(plan):
+    """(name, source rank, bytes) of everything ``sync_state`` broadcasts."""
+    for name, r in plan.state_owner.items():
+        yield name, r, plan.state_bytes.get(name, 0)
+    for name, b in plan.sync_buffers.items():
+        yield name, 0, b
+
+
 def _sync_effect(m, world):
-    """Parameters held on the device at the end of an iteration cross the host link: out on their owner, in elsewhere."""
+    """What is held on the device at the end of the iteration crosses the host link: out on its source, in elsewhere."""
     mine = m.plan.rank
-    for name, r in m.plan.state_owner.items():
+    for name, src, _ in _synced(m.plan):
         if m.resident("params", name):   # the rest went back to the host with their packs
-            m.moved["d2h" if r == mine else "h2d"] += m.sizes.get(("params", name), 0)
-            if r != mine:
+            m.moved["d2h" if src == mine else "h2d"] += m.sizes.get(("params", name), 0)
+            if src != mine:
                 m.dirty.add(name)
     return None, 0
 
 
 def _sync_cost(plan, hw, world):
-    """Every rank receives the parameters it does not own (a broadcast per owner), at network speed."""
-    received = sum(plan.state_bytes.get(n, 0) for n, r in plan.state_owner.items() if r != plan.rank)
+    """Every rank receives what it is not the source of (a broadcast per source and dtype), at network speed."""
+    received = sum(b for _, src, b in _synced(plan) if src != plan.rank)
     bandwidth = getattr(hw, "network_bandwidth", 1.25e9)
     return "network", received / bandwidth + world * getattr(hw, "network_latency", 50e-6)
 
 
-register(sync_params, _sync_execute, _sync_effect, _sync_cost, "copy")
+register(sync_state, _sync_execute, _sync_effect, _sync_cost, "copy")

@@ -72,6 +72,7 @@ def _two_ranks(rank, world):
     out["adamw_fits"] = _train(rank, 4.0, optimizer_on="device", **ADAMW)                   # all state resident
     out["adamw_fits_shard"] = _train(rank, 4.0, optimizer_on="device", shard_state=True, **ADAMW)
     out["shard_resume"] = _sharded_resume(rank)
+    out["bn"] = _batchnorm(rank)
     try:   # ranks that compile different communication plans are told so, not left to hang
         compress.check_same_plan("4bit" if rank == 0 else "fp32")
         out["mismatch"] = "no error"
@@ -88,6 +89,23 @@ def _two_ranks(rank, world):
         out["wrong_world"] = str(e)
     sm.close()
     return out
+
+
+def _batchnorm(rank):
+    """BatchNorm under data parallelism: each rank's running statistics see its own rows; rank 0's win
+    after every step (DDP's broadcast_buffers), so every rank holds the same buffers."""
+    model, data = CASES["cnn"](batch=8)
+    sm = harmony.compile(model, example_batch=harmony.data.shard(data[0]), microbatches=2,
+                         memory_budget=int(training_state_bytes(model) * 0.5), **SGD)
+    stats = []
+    for b in data:
+        sm(*harmony.data.shard(b))
+        stats.append(dict(sm.stats))
+    sm.close()
+    buffers = [b.detach().reshape(-1) for b in model.buffers()]      # num_batches_tracked is 0-dim
+    return dict(buffers=_digest(buffers), params=_digest([p.detach() for p in model.parameters()]),
+                mean=float(buffers[0].sum()), stats=stats, text=sm.report(),
+                ops=[n.target.__name__ for n in sm.graph.nodes if n.op == "call_function"])
 
 
 def _sharded_resume(rank):
@@ -229,7 +247,7 @@ def test_sharded_optimizer_state_trains_bitwise_like_replicated_state_with_half_
     for shard, whole in (("adamw_shard", "adamw"), ("adamw_device_shard", "adamw_device"),
                          ("adamw_fits_shard", "adamw_fits")):
         assert two[0][shard]["digest"] == two[1][shard]["digest"] == two[0][whole]["digest"], shard
-        assert "sync_params" in two[0][shard]["ops"] and "sync_params" not in two[0][whole]["ops"]
+        assert "sync_state" in two[0][shard]["ops"] and "sync_state" not in two[0][whole]["ops"]
         full = two[0][whole]["optim_bytes"]
         mine = [two[r][shard]["optim_bytes"] for r in (0, 1)]
         # each rank keeps its half (whole tensors, cut by bytes) and the two halves make the whole
@@ -250,6 +268,15 @@ def test_sharded_optimizer_state_trains_bitwise_like_replicated_state_with_half_
             < two[0]["adamw_device"]["stats"][-1]["predicted_peak"] or
             sum(s["h2d_bytes"] for s in two[0]["adamw_device_shard"]["stats"])
             < sum(s["h2d_bytes"] for s in two[0]["adamw_device"]["stats"]))   # less state: less memory or traffic
+
+
+def test_batchnorm_statistics_are_rank_0s_on_every_rank_after_each_step(two):
+    b0, b1 = two[0]["bn"], two[1]["bn"]
+    assert b0["buffers"] == b1["buffers"] and b0["params"] == b1["params"]
+    assert "sync_state" in b0["ops"] and "broadcast_buffers" in b0["text"]
+    for s in b0["stats"] + b1["stats"]:
+        assert s["h2d_bytes"] == s["predicted_h2d"] and s["d2h_bytes"] == s["predicted_d2h"]
+        assert s["measured_peak"] <= s["budget"]
 
 
 def test_other_plans_and_world_sizes_are_config_errors(two):

@@ -29,7 +29,7 @@ OP_COLOURS = {
     "stash": "#bcbddc", "unstash": "#9e9ac8",              # activation copies: purple
     "wait": "#d9d9d9",                                      # sync: grey
     "step": "#a1d99b",                                      # optimizer: green
-    "allreduce": "#fc9272", "sync_params": "#fcbba1",       # network: reds
+    "allreduce": "#fc9272", "sync_state": "#fcbba1",       # network: reds
 }
 KIND_COLOURS = {"compute": "#c6dbef", "copy": "#fdd0a2", "sync": "#d9d9d9"}
 
