@@ -9,7 +9,7 @@ small microbatches and a small shard; slow devices with much memory hold more st
 The integer program, solved exactly with PuLP/CBC:
 
     minimise   T
-    subject to T >= m_d * (c0 + c1 * b_d) / F_d          for every rank d   (its compute time)
+    subject to T >= m_d * (c0 + c1 * b_d) / F_d + s_d * U / B_d   for every rank d   (compute, its step)
                T >= 2 * max(0, R + s_d * S + W + a0 + a1 * b_d - memory_d) / link_d   (its swap copies)
                sum_d b_d * m_d = global batch
                s_d * S + W + a0 + a1 * b_d <= memory_d   for every rank d   (shard + working set + activations)
@@ -21,7 +21,9 @@ backward and recompute FLOPs from the cost model, ``F_d`` the device's sustained
 largest layer gathered for compute, ``a0 + a1 b`` the activations a microbatch keeps, ``R``
 the state every rank holds whole (``replicated_bytes``: 0 under Cephalo's full sharding)
 and ``link_d`` the device's host link: the replicated state that does not fit moves about
-twice a step, overlapping compute (``swap_seconds``).
+twice a step, overlapping compute (``swap_seconds``). ``U / B_d`` is the optimizer step over
+the whole state on device d (memory traffic over memory bandwidth, stretched like compute):
+the rank holding a share of the state also does that share of the stepping.
 Gradients are then averaged with weights by sample count, so the update equals the one a
 homogeneous cluster makes on the same global batch.
 
@@ -61,6 +63,8 @@ class ModelCost:
     ops_per_microbatch: float = 0.0   # tensor ops a microbatch dispatches, each costing the device's kernel_latency
     replicated_bytes: float = 0.0     # state every rank holds whole (parameters, gradients, buffers), swapped by
                                       # each rank's own plan: not in the memory rows
+    step_bytes: float = 0.0           # memory traffic of one optimizer step over the whole model: a rank's
+                                      # share of the state is its share of the stepping
 
 
 @dataclass
@@ -104,8 +108,8 @@ class BalancePlan:
 def rank_time(cost: ModelCost, device, b: int, m: int) -> float:
     """Seconds of compute of ``m`` microbatches of ``b`` samples on ``device``, stretched by its speed factor.
 
-    Per-step costs every rank pays alike (optimizer step, all-reduce) leave the choice unchanged and are
-    not counted; the simulator predicts the whole step of each rank's compiled plan.
+    The all-reduce, which every rank pays alike, leaves the choice unchanged and is not counted (the
+    optimizer step is, by share: ``step_seconds``); the simulator predicts each rank's whole step.
     """
     flops = getattr(device, "effective_flops", device.flops)
     dispatch = cost.ops_per_microbatch * getattr(device, "kernel_latency", 0.0)
@@ -113,6 +117,15 @@ def rank_time(cost: ModelCost, device, b: int, m: int) -> float:
 
 
 SWAP_PASSES = 2.0     # bytes a step moves per byte of replicated state that does not stay on the device
+
+
+def step_seconds(cost: ModelCost, device, share: float) -> float:
+    """Seconds of the optimizer step over a rank's share of the state: memory-bound, as the op table costs it
+    (runtime/ops.py), stretched by an emulation speed factor like the compute it follows."""
+    bandwidth = getattr(device, "memory_bandwidth", None)
+    if not bandwidth or not cost.step_bytes:
+        return 0.0
+    return share * cost.step_bytes / bandwidth * getattr(device, "speed_factor", 1.0)
 
 
 def swap_seconds(cost: ModelCost, device, b: int, share: float) -> float:
@@ -141,7 +154,8 @@ def evaluate(cost: ModelCost, devices, choice: list[tuple[int, int]], shares=Non
     if shares is None:   # shares by free memory
         total = sum(max(r, 0) for r in room)
         shares = [max(r, 0) / total if total > 0 else 1 / n for r in room]
-    ranks = [RankShare(i, d.name, b, m, s, max(rank_time(cost, d, b, m), swap_seconds(cost, d, b, s)),
+    ranks = [RankShare(i, d.name, b, m, s, max(rank_time(cost, d, b, m) + step_seconds(cost, d, s),
+                                               swap_seconds(cost, d, b, s)),
                        rank_memory_floor(cost, d, b) + s * cost.state_bytes)
              for i, (d, (b, m), s) in enumerate(zip(devices, choice, shares))]
     ok = all(r.memory <= d.memory for r, d in zip(ranks, devices))
@@ -177,7 +191,8 @@ def balance(cost: ModelCost, devices, global_batch: int, max_microbatches: int =
     for d, dev in enumerate(devices):
         opts = [(b, m) for (dd, b, m) in pick if dd == d]
         prob += pulp.lpSum(pick[d, b, m] for b, m in opts) == 1
-        prob += T >= pulp.lpSum(rank_time(cost, dev, b, m) * pick[d, b, m] for b, m in opts)
+        prob += T >= (pulp.lpSum(rank_time(cost, dev, b, m) * pick[d, b, m] for b, m in opts)
+                      + step_seconds(cost, dev, 1.0) * share[d])
         floor_d = pulp.lpSum(rank_memory_floor(cost, dev, b) * pick[d, b, m] for b, m in opts)
         prob += share[d] * cost.state_bytes + floor_d <= dev.memory
         link = getattr(dev, "h2d_bandwidth", None)
@@ -257,6 +272,7 @@ def model_cost(program, kernel_ops_per_param_tensor: float = 2.7 + 5.8 + 2.7) ->
     replicated = pbytes + grads + sum(t.numel() * t.element_size() for t in program.gm.buffers())
     return ModelCost(flops_const=flops.c0, flops_per_sample=flops.c1, act_const=act.c0, act_per_sample=act.c1,
                      state_bytes=float(optim), layer_bytes=0.0, replicated_bytes=float(replicated),
+                     step_bytes=4.0 * (2 * pbytes + optim),     # as runtime/ops.py's _step_cost
                      ops_per_microbatch=kernel_ops_per_param_tensor * len(params))
 
 

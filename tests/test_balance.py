@@ -1,10 +1,11 @@
 """The balance ILP: the known optimum on small clusters, and a clear error when the cluster is too small."""
+import dataclasses
 import itertools
 from dataclasses import dataclass
 
 import pytest
 
-from harmony.compiler.balance import ModelCost, balance, evaluate, swap_seconds, uniform
+from harmony.compiler.balance import ModelCost, balance, evaluate, step_seconds, swap_seconds, uniform
 from harmony.errors import BudgetError
 
 
@@ -67,6 +68,27 @@ def test_swap_copies_of_replicated_state_are_priced_and_the_ilp_still_finds_the_
     assert plan.step_seconds == pytest.approx(evaluate(REPLICATED, devices, [(s.microbatch, s.microbatches)
                                                                               for s in plan.shares],
                                                        [s.state_share for s in plan.shares]).step_seconds)
+
+
+def test_the_stepping_of_a_share_is_priced_so_an_emulated_slow_rank_gets_less_state():
+    cost = ModelCost(flops_const=0.0, flops_per_sample=1e9, act_const=0.0, act_per_sample=1e8,
+                     state_bytes=1e9, layer_bytes=1e8, step_bytes=4e9)
+    devices = [Banded("fast", 3e9, 2e9), Banded("slow", 3e9, 2e9, speed_factor=4.0)]
+    plan = balance(cost, devices, global_batch=10, max_microbatches=4)
+    fast, slow = plan.shares
+    assert fast.state_share > slow.state_share                 # the 4x slower rank steps less of the state
+    assert step_seconds(cost, devices[1], 0.5) == pytest.approx(0.5 * 4e9 / 1e10 * 4.0)
+    assert step_seconds(COST, devices[1], 0.5) == 0            # no step traffic given: not priced
+    again = evaluate(cost, devices, [(s.microbatch, s.microbatches) for s in plan.shares],
+                     [s.state_share for s in plan.shares])
+    assert plan.step_seconds == pytest.approx(again.step_seconds)
+    best = brute_force_shares(cost, devices, 10)
+    assert plan.step_seconds <= best.step_seconds * (1 + 1e-6)
+
+
+@dataclass(frozen=True)
+class Banded(Dev):
+    memory_bandwidth: float = 1e10
 
 
 def test_a_slow_host_link_takes_work_off_a_device_that_must_swap():
