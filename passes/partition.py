@@ -31,6 +31,12 @@ REQUIRES = {"cost"}
 PROVIDES = {"packs"}
 
 COMPUTE_OPS = ("call_function", "call_method", "call_module")
+# The planner's fixed cost of one more pack: about ten schedule ops (a swap_in, wait and release of its
+# weights per phase, its gradients' release, its step) at a few microseconds of executor loop and copy
+# hand-off each. It breaks ties towards fewer packs; it must not outweigh what smaller packs save in
+# traffic (their freed room keeps optimizer state resident): at 1e-4 s the swap-volume benchmark's 12-layer
+# GPT at half its state picked 3 packs moving 31.2 MiB a step, at 3e-5 s 7 packs moving 26.1 MiB.
+PACK_SECONDS = 3e-5
 
 
 @dataclass
@@ -175,7 +181,7 @@ class _Need:
         m = cfg.microbatches
         flops = sum(u.fwd_flops + u.bwd_flops + (0 if last else u.fwd_flops) for u in us) * m
         traffic = (pbytes + bbytes) * (1 if last else 2) + sum(self.master[n] for n in params) * 2 * self.state_per_byte
-        seconds = max(flops / cfg.flops, traffic / cfg.copy_bandwidth) + 1e-4
+        seconds = max(flops / cfg.flops, traffic / cfg.copy_bandwidth) + PACK_SECONDS
         return need, seconds
 
     def traffic(self, s: int, e: int, last: bool) -> float:
@@ -185,19 +191,37 @@ class _Need:
         return pbytes * ((1 if last else 2) + 1) + sum(self.master[n] for n in params) * 2 * self.state_per_byte
 
     def plan_cost(self, cuts, budget: float) -> tuple[float, float]:
-        """(seconds, bytes moved) of a partition, counting what the room left beside the largest pack keeps resident."""
+        """(seconds, bytes moved) of a partition, counting what the swap pass will keep resident.
+
+        As the swap pass does: parameters first (a byte kept saves 3 moved: in for forward and
+        backward, out once updated), then optimizer state (2: in and out around the step). A pack's
+        need already counts its own parameters, so with every parameter resident the room left is
+        ``budget - P - max(need - own parameters)``; smaller packs leave more of it.
+        """
         last = len(cuts) - 1
         moved = sum(self.traffic(s, e, i == last) for i, (s, e) in enumerate(cuts))
-        room = budget - max(self(s, e, i == last)[0] for i, (s, e) in enumerate(cuts))
-        total = sum(self.sizes[n] for n in frozenset().union(*(u.params for u in self.units)))
-        left = max(0.0, moved - 3 * min(max(room, 0.0), total))
+        needs = [self(s, e, i == last)[0] for i, (s, e) in enumerate(cuts)]
+        own = [self._param_bytes(s, e) for s, e in cuts]
+        total = sum(own)
+        optim = sum(self.master[n] for n in frozenset().union(*(u.params for u in self.units))) * self.state_per_byte
+        all_params = total + max(n - p for n, p in zip(needs, own))
+        if self.p.config.optimizer_on != "device":
+            optim = 0.0
+        if all_params <= budget:
+            saved = 3 * total - own[-1] + 2 * min(optim, budget - all_params)
+        else:
+            saved = 3 * max(0.0, budget - max(needs))
+        left = max(0.0, moved - saved)
         share = left / moved if moved else 0.0     # the traffic residency does not save
         cfg, m = self.p.config, self.p.config.microbatches
         seconds = 0.0
         for i, (s, e) in enumerate(cuts):
             flops = sum(u.fwd_flops * (1 if i == last else 2) + u.bwd_flops for u in self.units[s:e]) * m
-            seconds += max(flops / cfg.flops, share * self.traffic(s, e, i == last) / cfg.copy_bandwidth) + 1e-4
+            seconds += max(flops / cfg.flops, share * self.traffic(s, e, i == last) / cfg.copy_bandwidth) + PACK_SECONDS
         return seconds, left
+
+    def _param_bytes(self, s: int, e: int) -> float:
+        return sum(self.sizes[n] for n in frozenset().union(*(u.params for u in self.units[s:e])))
 
 
 def plan_packs(program: Program, units: list[Unit], budget: float) -> list[tuple[int, int]] | None:
@@ -387,19 +411,24 @@ def _working_set_cap(program: Program, units: list[Unit], budget: int) -> int:
 def _choose(program: Program, units: list[Unit], budget: int):
     """The DP on unit estimates, corrected by measuring the packs it picks until they fit."""
     target = _working_set_cap(program, units, budget)
-    for _ in range(8):
+    for attempt in range(24):
         cuts = plan_packs(program, units, target)
         if cuts is None:   # the estimates say no; measured, every layer alone may still fit
-            cuts = [(i, i + 1) for i in range(len(units))]
-            specs = build_packs(program, cuts, units)
-            fits = all(measured_need(program, s, i == len(specs) - 1) <= budget for i, s in enumerate(specs))
-            return (cuts, specs) if fits else (None, None)
+            break
         specs = build_packs(program, cuts, units)
         worst = max(measured_need(program, s, i == len(specs) - 1) for i, s in enumerate(specs))
         if worst <= budget:
             return cuts, specs
-        target = int(target * budget / worst * 0.97)
-    return None, None
+        # scale the estimates' target by what measuring found; if that does not converge (a pack the
+        # estimates under-count stays too big), step down geometrically until the DP gives up
+        target = int(target * min(budget / worst * 0.97, 0.8 if attempt >= 8 else 1.0))
+    # the corrections did not converge, or the estimates rule every plan out: every layer a pack of
+    # its own is the least any plan needs, so it decides (a larger budget must not fail where a
+    # smaller one works)
+    cuts = [(i, i + 1) for i in range(len(units))]
+    specs = build_packs(program, cuts, units)
+    fits = all(measured_need(program, s, i == len(specs) - 1) <= budget for i, s in enumerate(specs))
+    return (cuts, specs) if fits else (None, None)
 
 
 def run(program: Program, ctx) -> PassResult:
