@@ -429,7 +429,7 @@ def _hetero_train(rank, model, data, hw, steps=STEPS, **kw):
     optim = sum(v.numel() * v.element_size() for o in sm.optimizers for st in o.state.values()
                 for v in st.values() if isinstance(v, torch.Tensor))
     return dict(params=[p.numpy().copy() for p in params], digest=_digest(params), packs=len(sm.plan.packs),
-                optim_bytes=optim, stats=dict(sm.stats),
+                optim_bytes=optim, stats=dict(sm.stats), bits=sm.stats.get("adaptive_bits"),
                 rows=sm.program.rows, microbatches=sm.plan.microbatches, budget=sm.program.config.memory_budget,
                 balance=dict(title=balance.title, rows=balance.rows, totals=balance.totals, notes=balance.notes),
                 groups=[r["groups"] for r in compress_report.rows], text=sm.report(),
@@ -454,6 +454,8 @@ def _hetero_ranks(rank, world):
                                       shard_state=False, **SGD)
     out["q4"] = _hetero_train(rank, _case(HETERO_BATCH)[0], data, cpu.logical(budgets), balance=SHARES,
                               compression="4bit", **SGD)
+    out["adaptive"] = _hetero_train(rank, _case(HETERO_BATCH)[0], data, cpu.logical(budgets), balance=SHARES,
+                                    compression="adaptive", steps=5, **SGD)
     out["uniform"] = _hetero_train(rank, _case(HETERO_BATCH)[0], data, cpu.logical(budgets), balance="uniform",
                                    microbatches=2, **SGD)
     out["auto"] = _hetero_train(rank, _case(HETERO_BATCH)[0], data, cpu.logical(budgets, speed_factors=[1, 2, 4]),
@@ -525,6 +527,8 @@ def test_uneven_shares_train_like_one_process_on_the_global_batch(hetero):
         assert x["stats"]["h2d_bytes"] == x["stats"]["predicted_h2d"] and x["stats"]["d2h_bytes"] == x["stats"]["predicted_d2h"]
     assert "OPTIMIZER STATE" in " ".join(s[0]["balance"]["notes"])
     assert "not applied" in " ".join(rep[0]["balance"]["notes"])
+    ad = [hetero[r]["adaptive"] for r in range(3)]          # adaptive bits: chosen alike on ranks cut differently
+    assert len({x["digest"] for x in ad}) == 1 and ad[0]["bits"] and all(x["bits"] == ad[0]["bits"] for x in ad)
     q = [hetero[r]["q4"] for r in range(3)]                 # 4-bit: weighted too, identical on every rank
     assert len({x["digest"] for x in q}) == 1
     ok, worst = _close(q[0]["params"], ref, 0, 0.01)        # measured 0.0036; with equal weights 0.031 (so fp32)
