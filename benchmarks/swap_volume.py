@@ -21,6 +21,12 @@ parameters P and the optimizer state O = 2P (Adam's m and v):
     set of a layer being computed (any real schedule needs some), so the bound is below any
     schedule. (Before 2026-11-22 the script counted gradients as resident state, which let
     a plan that keeps every parameter on the device beat the "bound": fixed.)
+How close a schedule can come: at the last microbatch's backward of a layer, any schedule holds
+that layer's gradient and activations beside whatever stays resident, and Harmony's grouping
+also holds each pack's stashed inputs for every microbatch; the bound gives that room to
+optimizer state. At half the state the room is a large share of what optimizer state could
+use (12 layers, M=4: ~1.9 of 17.75 MiB), so even one-layer packs move about 1.18x the bound
+there; at M=64 the stashes of 64 microbatches come on top (not counted by the bound).
 This bound is for schedules that step the optimizer on the device, as all three policies
 do here (``optimizer_on="device"``). The column ``harmony_host_step`` shows Harmony with the
 optimizer on the host instead (ZeRO-Offload's choice, the default when the state does not
