@@ -426,8 +426,38 @@ def save(sm, path, *, progress=None) -> Path:
     disk or an unwritable path raises ``CheckpointError``; the previous checkpoint stays
     intact and no temporary files are left behind. With optimizer state sharded over
     data-parallel ranks (``shard_state``), every rank calls it with the same ``path`` and writes
-    its own ``path/rank-R-of-W`` (``load`` reads it back on the same rank).
+    its own ``path/rank-R-of-W`` (``load`` reads it back on the same rank); with replicated
+    state every rank calls it too, rank 0 writes (the ranks hold the same state) and the others
+    return once it has, raising its ``CheckpointError`` if it failed.
     """
+    if not _replicated_ranks(sm):
+        return _save_here(sm, path, progress)
+    import torch.distributed as dist
+    box, error = [None], None
+    if dist.get_rank() == 0:
+        try:
+            box[0] = ("ok", str(_save_here(sm, path, progress)))
+        except CheckpointError as e:
+            box[0], error = ("error", str(e)), e
+    dist.broadcast_object_list(box, src=0)
+    if error is not None:
+        raise error
+    kind, value = box[0]
+    if kind == "error":
+        raise CheckpointError(f"rank 0 could not save the checkpoint the ranks share: {value}")
+    return Path(value)
+
+
+def _replicated_ranks(sm) -> bool:
+    """Data-parallel ranks holding the same (unsharded) state: one of them writes the checkpoint."""
+    import torch.distributed as dist
+    cfg, plan = sm.program.config, getattr(sm.program, "plan", None)
+    return (bool(getattr(cfg, "data_parallel", False)) and (getattr(cfg, "world_size", 1) or 1) > 1
+            and dist.is_available() and dist.is_initialized() and not getattr(plan, "state_owner", None))
+
+
+def _save_here(sm, path, progress) -> Path:
+    """``save`` on this process alone."""
     target, old, tmp = _paths(_rank_path(sm, path))
     live = _Live(sm)
     groups = [[{"params": list(names), **{k: _jsonable(v) for k, v in g.items() if k != "params"}}

@@ -73,6 +73,7 @@ def _two_ranks(rank, world):
     out["adamw_fits_shard"] = _train(rank, 4.0, optimizer_on="device", shard_state=True, **ADAMW)
     out["shard_resume"] = _sharded_resume(rank)
     out["bn"] = _batchnorm(rank)
+    out["replicated_resume"] = _sharded_resume(rank, shard_state=False)
     try:   # ranks that compile different communication plans are told so, not left to hang
         compress.check_same_plan("4bit" if rank == 0 else "fp32")
         out["mismatch"] = "no error"
@@ -108,8 +109,9 @@ def _batchnorm(rank):
                 ops=[n.target.__name__ for n in sm.graph.nodes if n.op == "call_function"])
 
 
-def _sharded_resume(rank):
-    """Save a sharded run after one step, train two more, load, train the same two: the same parameters."""
+def _sharded_resume(rank, shard_state=True):
+    """Save after one step, train two more, load, train the same two: the same parameters. Sharded, each
+    rank writes its own shard; replicated, rank 0 writes the one checkpoint the ranks share."""
     import shutil
     import tempfile
     from pathlib import Path
@@ -117,9 +119,9 @@ def _sharded_resume(rank):
     import torch.distributed as dist
 
     model, data = _case(8)
-    sm = harmony.compile(model, example_batch=harmony.data.shard(data[0]), microbatches=2, shard_state=True,
+    sm = harmony.compile(model, example_batch=harmony.data.shard(data[0]), microbatches=2, shard_state=shard_state,
                          memory_budget=int(training_state_bytes(model) * 0.5), **ADAMW)
-    path = Path(tempfile.gettempdir()) / f"harmony-dp-ckpt-{os.getppid()}"   # the same on both ranks
+    path = Path(tempfile.gettempdir()) / f"harmony-dp-ckpt-{os.getppid()}-{shard_state}"   # the same on both ranks
     sm(*harmony.data.shard(data[0]))
     harmony.save(sm, path)
     digests = []
@@ -129,11 +131,16 @@ def _sharded_resume(rank):
         digests.append(_digest([p.detach() for p in model.parameters()]))
         harmony.load(sm, path)
     files = sorted(p.name for p in path.iterdir())
+    try:                                   # an unwritable path: every rank hears of rank 0's failure
+        harmony.save(sm, "/dev/null/harmony-ckpt")
+        failed = "no error"
+    except harmony.errors.CheckpointError as e:
+        failed = str(e)
     sm.close()
     dist.barrier()
     if rank == 0:
         shutil.rmtree(path)
-    return dict(digests=digests, files=files)
+    return dict(digests=digests, files=files, failed=failed)
 
 
 def _deferred(rank):
@@ -264,6 +271,11 @@ def test_sharded_optimizer_state_trains_bitwise_like_replicated_state_with_half_
         res = two[r]["shard_resume"]
         assert res["files"] == ["rank-0-of-2", "rank-1-of-2"] and res["digests"][0] == res["digests"][1]
     assert two[0]["shard_resume"]["digests"] == two[1]["shard_resume"]["digests"]
+    rep = [two[r]["replicated_resume"] for r in (0, 1)]      # replicated: one checkpoint, written by rank 0
+    assert rep[0]["digests"][0] == rep[0]["digests"][1] == rep[1]["digests"][1]
+    assert "manifest.json" in rep[0]["files"] and not any(f.startswith("rank-") for f in rep[0]["files"])
+    assert "/dev/null" in rep[0]["failed"] and rep[1]["failed"].startswith("rank 0 could not save")
+    assert all("/dev/null" in two[r]["shard_resume"]["failed"] for r in (0, 1))   # sharded: each rank its own
     assert (two[0]["adamw_device_shard"]["stats"][-1]["predicted_peak"]
             < two[0]["adamw_device"]["stats"][-1]["predicted_peak"] or
             sum(s["h2d_bytes"] for s in two[0]["adamw_device_shard"]["stats"])
