@@ -45,7 +45,7 @@ class CompileConfig:
     speed_factor: float = 1.0          # emulation: the runtime stretches compute ops' time by this (>= 1)
     state_owner: dict | None = None    # param -> the rank that steps it and keeps its optimizer state (sharded
                                        # optimizer state, runtime/shard.py); None: every rank steps every param
-    rank: int = 0                      # this process's rank (with state_owner)
+    rank: int = 0                      # this process's rank among the data-parallel ranks
 
     @property
     def usable_budget(self) -> int:

@@ -167,11 +167,9 @@ def compile(model: torch.nn.Module, example_batch, *, optimizer=torch.optim.Adam
 
 def shard_over_ranks(config: CompileConfig, gm, shares: list[float]) -> None:
     """Sharded optimizer state: each parameter's owning rank, from byte ``shares`` (runtime/shard.py)."""
-    from harmony.data import rank_and_world
     from harmony.runtime.shard import owners
     config.state_owner = owners([(n, p.numel() * p.element_size()) for n, p in gm.named_parameters()
                                  if p.requires_grad], shares)
-    config.rank = rank_and_world()[0]
 
 
 def _disk_stats(state) -> dict:

@@ -580,10 +580,9 @@ def _rank_path(sm, path) -> Path:
     """Where this rank's checkpoint goes: ``path`` itself, or ``path/rank-R-of-W`` when optimizer state is
     sharded over ranks (each rank holds only its shard, so each saves and loads its own, every one atomically)."""
     plan = getattr(sm.program, "plan", None)
-    owner = getattr(plan, "state_owner", None)
-    if not owner:
+    if not getattr(plan, "state_owner", None):
         return Path(path)
-    return Path(path) / f"rank-{plan.rank}-of-{max(owner.values()) + 1}"
+    return Path(path) / f"rank-{plan.rank}-of-{sm.program.config.world_size}"
 
 
 def _paths(path) -> tuple[Path, Path, Path]:

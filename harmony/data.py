@@ -70,7 +70,7 @@ def resolve(data_parallel=None, compression=None, min_size: int = 16) -> dict:
     if data_parallel is True and not initialized():
         raise ConfigError("data_parallel=True needs several processes: launch with `torchrun --nproc_per_node N "
                           "train.py` or call torch.distributed.init_process_group before harmony.compile")
-    return dict(fields, data_parallel=world > 1, world_size=world)
+    return dict(fields, data_parallel=world > 1, world_size=world, rank=rank_and_world()[0] if world > 1 else 0)
 
 
 def check_world(config, capabilities=()) -> None:

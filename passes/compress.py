@@ -188,11 +188,10 @@ def insert(graph: torch.fx.Graph, packs: list[int], plan, kwargs: dict, policy: 
     return mode
 
 
-def insert_sync(program: Program, world: int, rank: int) -> dict:
+def insert_sync(program: Program, world: int) -> dict:
     """A ``sync_state`` after the last op of the iteration, when there is something to send: the parameters
     of sharded optimizer state (plan.state_owner) and the buffers forward mutates (from rank 0)."""
     plan = program.plan
-    plan.rank = rank
     sizes = dict(program.gm.named_buffers())
     plan.sync_buffers = {n: sizes[n].numel() * sizes[n].element_size()
                          for n in sorted({b for s in plan.packs for b in s.mutated}) if n in sizes}
@@ -359,7 +358,7 @@ def run(program: Program, ctx) -> PassResult:
     elif sync:
         why = "synchronous: the ondemand runtime moves state on the main thread as ops touch it"
 
-    shard = insert_sync(program, world, dist.get_rank() if live else cfg.rank)
+    shard = insert_sync(program, world)
 
     rows, tot_wire, tot_fp32 = [], 0, 0
     for p in sorted(owned, key=lambda q: -q):
@@ -396,8 +395,7 @@ def run(program: Program, ctx) -> PassResult:
                             f"samples; its mean gradient is weighted by {cfg.batch_size}/{global_batch} = {weight:.4g} "
                             f"in the all-reduce (scaled by weight x {world} before the average), so the update is "
                             f"the one a homogeneous cluster makes on the same global batch")
-    if shard:
-        report.totals.update(shard)
+    report.totals.update(shard)
     if shard.get("stepped_params"):
         report.notes.append(
             f"optimizer state sharded over the {world} ranks (ZeRO stage 1): this rank (rank {plan.rank}) steps and "

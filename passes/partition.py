@@ -341,11 +341,17 @@ def _tensor_bytes(v, floating: bool = True) -> int:
     return v.untyped_storage().nbytes()
 
 
+def _layers_alone(program: Program, units: list[Unit]):
+    """Every layer a pack of its own, the least any plan needs: (cuts, specs, the largest measured need)."""
+    n = len(units)
+    cuts = [(i, i + 1) for i in range(n)]
+    specs = build_packs(program, cuts, units)
+    return cuts, specs, max(measured_need(program, s, i == n - 1) for i, s in enumerate(specs))
+
+
 def _smallest_budget(program: Program, units: list[Unit]) -> int:
     """The budget at which every layer fits alone, measured, with the planner's headroom added back."""
-    n = len(units)
-    specs = build_packs(program, [(i, i + 1) for i in range(n)], units)
-    need = max(measured_need(program, s, i == n - 1) for i, s in enumerate(specs))
+    need = _layers_alone(program, units)[2]
     return int(need / (1 - program.config.headroom) * 1.05) + 1
 
 
@@ -425,10 +431,8 @@ def _choose(program: Program, units: list[Unit], budget: int):
     # the corrections did not converge, or the estimates rule every plan out: every layer a pack of
     # its own is the least any plan needs, so it decides (a larger budget must not fail where a
     # smaller one works)
-    cuts = [(i, i + 1) for i in range(len(units))]
-    specs = build_packs(program, cuts, units)
-    fits = all(measured_need(program, s, i == len(specs) - 1) <= budget for i, s in enumerate(specs))
-    return (cuts, specs) if fits else (None, None)
+    cuts, specs, need = _layers_alone(program, units)
+    return (cuts, specs) if need <= budget else (None, None)
 
 
 def run(program: Program, ctx) -> PassResult:
