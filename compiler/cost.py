@@ -350,18 +350,19 @@ def _fake_state_of(module, run):
 
 
 def measure_pack(module: torch.fx.GraphModule, inputs: list, grad_inputs: list[bool], run: FakeRun,
-                 loss_output: bool) -> dict:
+                 loss_output: bool, keep: bool = False) -> dict:
     """Bytes a pack allocates at its peak, run exactly as the runtime runs it, on fake tensors.
 
     Every figure counts the bytes newly allocated during the op, results included:
-    fwd_peak (no grad) and out_bytes; for the last pack (``loss_output``, which keeps its
-    graph) fwd_keep_peak, saved_bytes and the backward's bwd_peak; for the others,
-    which recompute, bwd_recompute_peak (recompute + backward). Each when the parameters
-    have no gradient yet and, suffixed ``_accum``, when they have one to accumulate into.
+    fwd_peak (no grad) and out_bytes; for a pack that keeps its forward's graph for its
+    backward (the last, ``loss_output``, always; any other with ``keep``) fwd_keep_peak,
+    saved_bytes and the backward's bwd_peak; for the others, which recompute,
+    bwd_recompute_peak (recompute + backward). Each when the parameters have no gradient
+    yet and, suffixed ``_accum``, when they have one to accumulate into.
     """
     try:
         with run.mode, _reparametrize_module(module, _fake_state_of(module, run), tie_weights=True):
-            return _profile_pack(module, inputs, grad_inputs, loss_output)
+            return _profile_pack(module, inputs, grad_inputs, loss_output, keep)
     except (DataDependentOutputException, DynamicOutputShapeException, GuardOnDataDependentSymNode):
         # a leaf module that branches on data: measure the pack once on real zeros
         with unset_fake_temporarily():
@@ -371,13 +372,13 @@ def measure_pack(module: torch.fx.GraphModule, inputs: list, grad_inputs: list[b
                     for n, t in list(module.named_parameters()) + list(module.named_buffers())
                     if device_dtype(t, run.dtype) != t.dtype}
             with _reparametrize_module(module, cast, tie_weights=True):
-                out = _profile_pack(module, zeros, grad_inputs, loss_output)
+                out = _profile_pack(module, zeros, grad_inputs, loss_output, keep)
         for p in module.parameters():
             p.grad = None
         return out
 
 
-def _profile_pack(module, inputs, grad_inputs, loss_output) -> dict:
+def _profile_pack(module, inputs, grad_inputs, loss_output, keep=False) -> dict:
     """The measurements of ``measure_pack``, on whatever tensors (fake or real) it is given."""
     out = {}
     leaves = [(_leaf(x).requires_grad_(g and x.is_floating_point()) if isinstance(x, torch.Tensor) else x)
@@ -394,7 +395,7 @@ def _profile_pack(module, inputs, grad_inputs, loss_output) -> dict:
     out["out_bytes"] = sum(t.untyped_storage().nbytes() for t in _tensors(outs))
     del outs
     for suffix in ("", "_accum"):       # the second round finds the gradients of the first
-        if loss_output:                 # the last pack keeps its forward's graph for its backward
+        if loss_output or keep:         # the pack keeps its forward's graph for its backward
             outs, meter = measured(lambda: _with_grad(module, leaves))
             out["fwd_keep_peak" + suffix] = meter.peak
             out["saved_bytes" + suffix] = meter.live - out["out_bytes"]

@@ -21,6 +21,8 @@ class CompileConfig:
     copy_bandwidth: float = 8e9        # bytes/s host<->device, for the planner's time model
     flops: float = 60e9                # FLOP/s of the device, for the planner's time model
     headroom: float = 0.05             # share of the budget the planner leaves for its prediction error
+    recompute: str = "auto"            # auto: a pack keeps its forward's graph where the budget has room (swap
+                                       # pass); always: every pack but the last recomputes (Harmony's paper)
     optimizer_on: str = "auto"         # where the optimizer steps: auto | device | host (offload pass)
     data_parallel: bool = False        # average gradients over the ranks of torch.distributed (compress pass)
     world_size: int | None = 1         # ranks the plan runs on; None: not checked (data_parallel=False)

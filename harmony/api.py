@@ -20,6 +20,7 @@ from harmony.process import peak_rss_bytes
 from harmony.units import parse_bytes
 
 POLICIES = ("harmony", "sequential", "ondemand")
+RECOMPUTE = ("auto", "always")
 
 
 def compile(model: torch.nn.Module, example_batch, *, optimizer=torch.optim.AdamW, optimizer_kwargs=None,
@@ -27,7 +28,8 @@ def compile(model: torch.nn.Module, example_batch, *, optimizer=torch.optim.Adam
             leaf_modules=(), passes=DEFAULT_PIPELINE, device="cpu", hardware=None,
             optimizer_on="auto", host_memory_budget=None, offload_dir=None, weights_on="auto",
             disk_group_bytes="32MiB", data_parallel=None, compression=None, min_size: int = 16,
-            precision: str = "fp32", loss_scaling=None, balance=None, shard_state=None) -> "ScheduledModule":
+            precision: str = "fp32", loss_scaling=None, balance=None, shard_state=None,
+            recompute: str = "auto") -> "ScheduledModule":
     """Plan and build a training step for ``model`` that fits ``memory_budget`` per device (default 1 GiB).
 
     >>> sm = harmony.compile(model, example_batch=(x, y), memory_budget="512MiB", microbatches=8)
@@ -41,6 +43,11 @@ def compile(model: torch.nn.Module, example_batch, *, optimizer=torch.optim.Adam
     by default it plans for this machine's CPU. A device whose ``speed_factor`` is above 1
     (``hw.logical(budgets, speed_factors)``) is EMULATED: the runtime stretches every compute
     op to that many times its measured time.
+    ``recompute``: ``"auto"`` (default) lets a pack keep its forward's activations for its backward
+    where the budget has room for them, so its backward runs without recomputing the forward (the
+    swap pass weighs the compute saved against the traffic the same bytes could save);
+    ``"always"`` recomputes every pack but the last from its stashed inputs, the least memory
+    (the Harmony paper's schedule).
     ``host_memory_budget`` (e.g. ``"4GiB"``; default no limit) bounds the host's share of training
     state when the optimizer steps on the host: packs whose optimizer state does not fit keep it
     on disk, in a private directory made under ``offload_dir`` (default the temp directory) and
@@ -93,6 +100,8 @@ def compile(model: torch.nn.Module, example_batch, *, optimizer=torch.optim.Adam
     t0 = time.perf_counter()
     if policy not in POLICIES:
         raise ConfigError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
+    if recompute not in RECOMPUTE:
+        raise ConfigError(f"recompute={recompute!r}; choose one of {', '.join(map(repr, RECOMPUTE))}")
     names, batch = _batch_items(example_batch)
     sizes = {t.shape[0] for t in batch if isinstance(t, torch.Tensor) and t.dim() > 0}
     if not batch or len(sizes) != 1:
@@ -111,7 +120,7 @@ def compile(model: torch.nn.Module, example_batch, *, optimizer=torch.optim.Adam
                                  optimizer_on=optimizer_on, host_memory_budget=host_memory_budget,
                                  offload_dir=offload_dir, data_parallel=data_parallel,
                                  compression=compression, min_size=min_size,
-                                 shard_state=True if shard_state is None else shard_state)
+                                 shard_state=True if shard_state is None else shard_state, recompute=recompute)
     if memory_budget is None:
         memory_budget = "1GiB"
     if not isinstance(microbatches, int) or microbatches < 1 or batch_size % microbatches:
@@ -127,7 +136,7 @@ def compile(model: torch.nn.Module, example_batch, *, optimizer=torch.optim.Adam
                            else parse_bytes(host_memory_budget, "host_memory_budget"),
                            offload_dir=None if offload_dir is None else os.fspath(offload_dir),
                            weights_on=weights_on, disk_group_bytes=parse_bytes(disk_group_bytes, "disk_group_bytes"),
-                           precision=precision, loss_scaling=loss_scaling,
+                           precision=precision, loss_scaling=loss_scaling, recompute=recompute,
                            **resolve_data_parallel(data_parallel, compression, min_size))
     if config.data_parallel and precision != "fp32":
         raise ConfigError(f"precision={precision!r} is not supported with data-parallel training yet: the gradient "

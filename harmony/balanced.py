@@ -24,7 +24,7 @@ from harmony.units import parse_bytes
 
 def compile_balanced(model, names, batch, spec, t0, *, optimizer, optimizer_kwargs, memory_budget, microbatches,
                       policy, loss_fn, leaf_modules, passes, device, hardware, optimizer_on, host_memory_budget,
-                      offload_dir, data_parallel, compression, min_size, shard_state=True) -> "ScheduledModule":
+                      offload_dir, data_parallel, compression, min_size, shard_state=True, recompute="auto") -> "ScheduledModule":
     """``compile(..., balance=...)``: plan every rank's share, then compile this rank's plan on its rows.
 
     1. trace the model on the global batch and measure its costs and smallest plannable budget
@@ -85,7 +85,7 @@ def compile_balanced(model, names, batch, spec, t0, *, optimizer, optimizer_kwar
                            else parse_bytes(host_memory_budget, "host_memory_budget"),
                            offload_dir=None if offload_dir is None else os.fspath(offload_dir),
                            global_batch=global_batch, sample_weight=mine.samples / global_batch,
-                           speed_factor=float(dev.speed_factor), **fields)
+                           speed_factor=float(dev.speed_factor), recompute=recompute, **fields)
     config.flops, config.copy_bandwidth = dev.flops / dev.speed_factor, dev.h2d_bandwidth
     if shard_state:     # the planned state shares, applied to the optimizer state (runtime/shard.py)
         shard_over_ranks(config, gm, [s.state_share for s in plan.shares])

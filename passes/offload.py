@@ -37,8 +37,10 @@ If the host cannot hold the fp32 weights either (a model bigger than host memory
 go to disk *wholly* (``plan.master_on``), again first-stepped first: their weights and
 optimizer state live in files of at most ``disk_group_bytes`` of weights
 (runtime/diskparams.py), the weights are read from disk for each phase that needs them,
-and the pack steps right after its backward a file at a time, so the host holds three
-files and one file's gradients, never a whole pack. ``weights_on`` overrides the choice.
+and the pack steps after its backward a file at a time, so the host holds three files and
+one file's gradients, never a whole pack. That step runs on the host thread, overlapping
+the next pack's backward, while the pack's gradients wait on the device (the swap pass
+makes it inline where the device cannot hold them that long). ``weights_on`` overrides the choice.
 Wholly-disk packs and data-parallel training do not combine yet (a ``ConfigError``).
 """
 from __future__ import annotations
@@ -97,9 +99,11 @@ def run(program: Program, ctx) -> PassResult:
     plan.optim_on = {p.index: "disk" if p.index in disk | whole else place for p in plan.packs}
     plan.master_on = {p.index: "disk" if p.index in whole else "host" for p in plan.packs}
     plan.disk_groups = need.get("groups", {}) if whole else {}
-    for n in program.schedule.nodes:
+    for n in program.schedule.nodes:     # overlapped with the next backward (the swap pass may make it inline)
         if n.op == "call_function" and n.target is ops.step and n.args[0] in whole:
-            n.kwargs = {**n.kwargs, "where": "disk"}
+            n.kwargs = {**n.kwargs, "where": "disk", "overlap": True}
+    # weights are read for the forward and the backward; under harmony the step takes the backward's (runtime/diskparams.py)
+    weight_reads = 2 if cfg.policy == "harmony" else 3
     rows = []
     for spec in plan.packs:
         where = plan.optim_on[spec.index]
@@ -111,7 +115,7 @@ def run(program: Program, ctx) -> PassResult:
                          optimizer_state=where if host else "device (streamed or resident)",
                          optim_MiB=spec.optim_bytes / 2**20,
                          grads_out_MiB=(spec.param_bytes if host else 0) / 2**20,
-                         disk_read_MiB=(on_disk + (3 * owned if weights else 0)) / 2**20,
+                         disk_read_MiB=(on_disk + (weight_reads * owned if weights else 0)) / 2**20,
                          disk_write_MiB=(on_disk + (owned if weights else 0)) / 2**20))
     disk_read = sum(r["disk_read_MiB"] for r in rows) * 2**20
     disk_write = sum(r["disk_write_MiB"] for r in rows) * 2**20

@@ -207,18 +207,63 @@ class _Need:
         all_params = total + max(n - p for n, p in zip(needs, own))
         if self.p.config.optimizer_on != "device":
             optim = 0.0
-        if all_params <= budget:
+        if self.host_step(total, budget):
+            saved = 0.0          # the host updates the weights: every pack's come in afresh each phase
+        elif all_params <= budget:
             saved = 3 * total - own[-1] + 2 * min(optim, budget - all_params)
         else:
             saved = 3 * max(0.0, budget - max(needs))
         left = max(0.0, moved - saved)
         share = left / moved if moved else 0.0     # the traffic residency does not save
         cfg, m = self.p.config, self.p.config.microbatches
+        kept = self.kept_graphs(cuts, budget, max(own), needs[-1], saved)
         seconds = 0.0
         for i, (s, e) in enumerate(cuts):
-            flops = sum(u.fwd_flops * (1 if i == last else 2) + u.bwd_flops for u in self.units[s:e]) * m
+            recompute = 0 if i == last or i in kept else 1
+            flops = sum(u.fwd_flops * (1 + recompute) + u.bwd_flops for u in self.units[s:e]) * m
             seconds += max(flops / cfg.flops, share * self.traffic(s, e, i == last) / cfg.copy_bandwidth) + PACK_SECONDS
         return seconds, left
+
+    def host_step(self, params: float, budget: float) -> bool:
+        """Whether the offload pass will step the optimizer on the host (it decides after the partition):
+        asked for, mixed precision, or ``auto`` where parameters, gradients and optimizer state do not fit."""
+        cfg = self.p.config
+        optim = params * self.state_per_byte     # device bytes approximate the fp32 masters in fp32
+        return (cfg.optimizer_on == "host" or cfg.precision != "fp32"
+                or (cfg.optimizer_on == "auto" and 2 * params + optim > budget))
+
+    def kept_graphs(self, cuts, budget: float, largest: float, last_need: float, resident: float) -> set[int]:
+        """The packs whose forward's graph the swap pass can keep (no recompute), as it chooses them.
+
+        The binding moment is the turn from forward to backward: the last pack's working set, the
+        next pack's weights coming in (where compute outweighs copies the swap pass leaves room for
+        that) and every kept graph, for all microbatches under the harmony policy, are on the device
+        at once. Graphs go first where recompute outweighs the traffic the same bytes save (the
+        swap pass's ranking: recompute time as bytes at the link's speed, per byte held), else into
+        what residency leaves. Smaller packs leave more room: this is what lets the cap search see it.
+        """
+        cfg = self.p.config
+        if cfg.recompute != "auto" or cfg.policy == "ondemand" or len(cuts) < 2:
+            return set()
+        m = cfg.microbatches
+        times = cfg.microbatches if cfg.policy == "harmony" else 1
+        compute = sum(u.fwd_flops * 2 + u.bwd_flops for u in self.units) * m / cfg.flops
+        copies = sum(self.traffic(s, e, i == len(cuts) - 1) for i, (s, e) in enumerate(cuts)) / cfg.copy_bandwidth
+        room = budget - last_need - (largest if compute > copies else 0)
+        options = []
+        for i, (s, e) in enumerate(cuts[:-1]):
+            held = sum(u.kept + u.cross_in for u in self.units[s:e]) * times
+            gain = sum(u.fwd_flops for u in self.units[s:e]) * m / cfg.flops * cfg.copy_bandwidth / max(held, 1)
+            options.append((gain, held, i))
+        if compute <= copies:          # graphs only where residency leaves room (it saves 2 to 3 bytes per byte)
+            room -= resident / 2
+            options = [o for o in options if o[0] > 3]
+        out = set()
+        for gain, held, i in sorted(options, reverse=True):
+            if held <= room:
+                out.add(i)
+                room -= held
+        return out
 
     def _param_bytes(self, s: int, e: int) -> float:
         return sum(self.sizes[n] for n in frozenset().union(*(u.params for u in self.units[s:e])))
@@ -320,12 +365,32 @@ def build_packs(program: Program, cuts: list[tuple[int, int]], units: list[Unit]
         m = program.pack_measurements[key]
         spec.fwd_peak, spec.fwd_keep_peak = m["fwd_peak"], m["fwd_keep_peak"]
         spec.saved_bytes, spec.out_bytes = m["saved_bytes"], m["out_bytes"]
-        if not spec.saved_bytes:   # a recomputing pack never keeps its graph: show the estimate
+        if not spec.saved_bytes:   # until measure_kept measures it: the estimate
             spec.saved_bytes = int(sum(u.kept for u in units if u.nodes[0] in nodes))
         spec.bwd_peak, spec.bwd_recompute_peak = m["bwd_peak"], m["bwd_recompute_peak"]
         spec.bwd_peak_accum, spec.bwd_recompute_peak_accum = m["bwd_peak_accum"], m["bwd_recompute_peak_accum"]
         spec.in_bytes = sum(_tensor_bytes(program.fake.vals[a]) for a in inputs if a.op != "placeholder")
     return specs
+
+
+def measure_kept(program: Program, specs: list[PackSpec]) -> None:
+    """Measure what every pack but the last needs if it keeps its forward's graph instead of recomputing.
+
+    The swap pass lets a pack keep its graph (its backward then runs without recompute)
+    where the budget has room; these are the figures ``verify`` predicts that with. Measured
+    for the chosen packs only, after the DP, so its corrections do not pay for it.
+    """
+    by_name = {n.name: n for n in program.gm.graph.nodes}
+    for spec in specs[:-1]:
+        key = (tuple(spec.inputs), tuple(spec.outputs), "keep")
+        if key not in program.pack_measurements:
+            inputs = [by_name[n] for n in spec.inputs]
+            program.pack_measurements[key] = measure_pack(
+                spec.module, [program.fake.vals[a] for a in inputs], [a.op != "placeholder" for a in inputs],
+                program.fake, loss_output=False, keep=True)
+        m = program.pack_measurements[key]
+        spec.fwd_keep_peak, spec.saved_bytes = m["fwd_keep_peak"], m["saved_bytes"]
+        spec.bwd_peak, spec.bwd_peak_accum = m["bwd_peak"], m["bwd_peak_accum"]
 
 
 def device_sizes(program: Program) -> dict[str, int]:
@@ -449,6 +514,8 @@ def run(program: Program, ctx) -> PassResult:
             f"memory_budget={fmt_bytes(cfg.memory_budget)} is below what one layer needs at microbatch size "
             f"{cfg.microbatch_size}: the smallest budget that works is {fmt_bytes(floor)} ({floor} bytes). "
             f"Raise memory_budget, or use more microbatches.", min_budget=floor)
+    if cfg.recompute == "auto" and cfg.policy != "ondemand":
+        measure_kept(program, specs)
     batch_bytes = dict(program.fake_batch_bytes)
     program.plan = Plan(packs=specs, microbatches=cfg.microbatches, microbatch_size=cfg.microbatch_size,
                         input_names=list(batch_bytes), batch_bytes=batch_bytes, policy=cfg.policy,
@@ -457,7 +524,7 @@ def run(program: Program, ctx) -> PassResult:
                         state_bytes={n: b for n, b in device_sizes(program).items() if n in (cfg.state_owner or {})})
     need = _Need(program, units)
     rows = [dict(pack=s.index, layers=s.name, units=e - b, params_MiB=s.param_bytes / 2**20,
-                 saved_MiB=s.saved_bytes / 2**20, recompute="no" if i == len(cuts) - 1 else "yes",
+                 saved_MiB=s.saved_bytes / 2**20,
                  need_MiB=measured_need(program, s, i == len(cuts) - 1) / 2**20,
                  GFLOP=(s.fwd_flops + s.bwd_flops) / 1e9)
             for i, (s, (b, e)) in enumerate(zip(specs, cuts))]

@@ -10,6 +10,14 @@
 4. From that least-memory plan, state and activation groups are kept on the device,
    most bytes moved saved per byte held first (parameters: 3 per byte, optimizer
    state and activations: 2), while the predicted peak fits.
+
+Recompute is a choice made here too (``recompute="auto"``): a pack that keeps its
+forward's graph (its activations, for every microbatch until its backward) runs its
+backward without recomputing the forward. Its value per byte held is the recompute
+time it saves, counted as the bytes the host link moves in that time, so it competes
+with the traffic the same bytes could save: on a CPU, where a copy is cheap beside a
+layer's forward, keeping graphs comes first; on a GPU behind PCIe, traffic does. That
+holds in the nothing-to-do case as well: everything resident, graphs kept while they fit.
 """
 from __future__ import annotations
 
@@ -72,14 +80,14 @@ def insert_swaps(graph: torch.fx.Graph, resident: set) -> None:
 
 def mark_streams(graph: torch.fx.Graph, resident: set) -> None:
     last_release: dict = {}
-    for n in _calls(graph):     # a disk step right after its pack's release takes the gradients from the device
-        if n.target is ops.release and n.args[1] == "grads":
-            last_release[n.args[0]] = n
+    for n in _calls(graph):     # a disk step right after its pack's releases takes gradients and weights from the device
+        if n.target is ops.release and n.args[1] in ("grads", "params"):
+            last_release.setdefault(n.args[0], []).append(n)
         elif n.target in (ops.forward, ops.backward):    # compute in between: they go to the host as usual
             last_release.clear()
         elif n.target is ops.step and n.kwargs.get("where") == "disk" and n.args[0] in last_release:
-            r = last_release.pop(n.args[0])
-            r.kwargs = {**r.kwargs, "handoff": True}
+            for r in last_release.pop(n.args[0]):
+                r.kwargs = {**r.kwargs, "handoff": True}
     for n in _calls(graph):
         if n.target is ops.step and n.kwargs.get("where") not in ("host", "disk"):
             n.kwargs = {**n.kwargs, "stream": (n.args[0], "optim") not in resident}
@@ -128,17 +136,85 @@ def _drop_swaps(graph: torch.fx.Graph, pack: int, kinds) -> None:
             graph.erase_node(n)
 
 
-def _build(base: torch.fx.Graph, resident: set, stashed: set, groups: dict) -> torch.fx.Graph:
-    """The swapped schedule with ``resident`` state left in place and the ``stashed`` groups sent to the host."""
+def keep_graphs(graph: torch.fx.Graph, packs) -> None:
+    """Packs that keep their forward's graph: each backward takes it instead of recomputing from inputs."""
+    if not packs:
+        return
+    fwd = {}
+    for n in _calls(graph):
+        if n.target is ops.forward and n.args[0] in packs:
+            n.kwargs = {**n.kwargs, "keep": True}
+            fwd[(n.args[0], n.args[1])] = n
+        elif n.target is ops.backward and n.args[0] in packs and n.kwargs.get("saved") is None:
+            n.args = n.args[:2]
+            n.kwargs = {**n.kwargs, "saved": fwd[(n.args[0], n.args[1])]}
+    for n in _calls(graph):       # the batch a recompute would have loaded
+        if n.target is ops.load_batch and not n.users:
+            graph.erase_node(n)
+
+
+def _build(base: torch.fx.Graph, resident: set, stashed: set, groups: dict, kept: frozenset = frozenset()):
+    """The swapped schedule: ``resident`` state left in place, the ``stashed`` groups sent to the host,
+    the ``kept`` packs' graphs held for their backward."""
     g = _copy(base)
+    keep_graphs(g, kept)
     for pack, kind in resident:
         _drop_swaps(g, pack, (kind,))
     mark_streams(g, resident)
     by_name = {n.name: n for n in g.nodes}
     for key in stashed:
+        if key[0] == "forward" and key[1] in kept:
+            continue      # a kept forward's outputs carry its graph: they stay on the device
         for name in groups[key]:
             stash_value(g, by_name[name])
     return g
+
+
+def graph_candidates(program: Program) -> list[tuple]:
+    """(value per byte held, bytes held, ("graph", pack)) for every pack that could keep its forward's graph.
+
+    The value is the recompute time saved, counted as the bytes the host link moves in that
+    time, per byte held; bytes held are one microbatch's activations, for every microbatch
+    under the harmony policy (they wait for the pack's backward), for one under sequential.
+    """
+    cfg, plan = program.config, program.plan
+    if cfg.recompute != "auto" or cfg.policy == "ondemand":
+        return []
+    m = plan.microbatches
+    out = []
+    for spec in plan.packs[:-1]:
+        held = (spec.saved_bytes + spec.in_bytes) * (m if cfg.policy == "harmony" else 1)
+        if spec.fwd_flops and held:
+            seconds = m * spec.fwd_flops / cfg.flops
+            out.append((seconds * cfg.copy_bandwidth / held, held, ("graph", spec.index)))
+    return out
+
+
+def _row(what, size, per_byte) -> dict:
+    kind = {"graph": "activations (no recompute)", "keep": None}.get(what[0], what[0])
+    if kind is None:
+        kind = f"{what[1]} outputs" if what[1] == "forward" else "input grads"
+    return dict(kept=kind, pack=what[-1], MiB=size / 2**20, saves_per_byte=per_byte)
+
+
+def _greedy(candidates, chosen, fits, room) -> tuple[tuple, list[dict]]:
+    """Keep what saves the most per byte held first, each while the predicted peak stays within ``room``."""
+    rows = []
+    for per_byte, size, what in sorted(candidates, key=lambda c: (-c[0], -c[1])):
+        if size == 0:
+            continue
+        resident, stashed, kept = chosen
+        if what[0] == "keep":
+            trial = (resident, stashed - {what[1:]}, kept)
+        elif what[0] == "graph":
+            trial = (resident, stashed, kept | {what[1]})
+        else:
+            kinds = (what[0], "grads") if what[0] == "params" else (what[0],)
+            trial = (resident | {(what[1], k) for k in kinds}, stashed, kept)
+        if fits(*trial).peak <= room:
+            chosen = trial
+            rows.append(_row(what, size, per_byte))
+    return chosen, rows
 
 
 def run(program: Program, ctx) -> PassResult:
@@ -152,23 +228,42 @@ def run(program: Program, ctx) -> PassResult:
     plan.optim_resident = {}
     plan.resident = {(p.index, k) for p in plan.packs for k in KINDS}
     mixed = program.config.precision != "fp32"   # host steps update fp32 masters: compute copies come in afresh
+    graphs = graph_candidates(program)
     if not mixed and memory_curve(program, check_residency=False).peak <= budget:
-        report.notes.append("everything fits the budget: all state stays resident, no swap inserted")
-        report.totals = dict(resident_packs=len(plan.packs), swaps=0, stashes=0)
+        base = program.schedule
+
+        def fits_all(resident, stashed, kept):
+            program.schedule = _build(base, resident, stashed, {}, kept)
+            return memory_curve(program, check_residency=False)
+        chosen, rows = _greedy(graphs, (plan.resident, set(), frozenset()), fits_all, budget)
+        fits_all(*chosen)
+        report.rows = rows
+        report.notes.append("everything fits the budget: all state stays resident, no swap inserted"
+                            + (f"; {len(chosen[2])} packs keep their forward's graph (no recompute)" if chosen[2]
+                               else ""))
+        report.totals = dict(resident_packs=len(plan.packs), swaps=0, stashes=0,
+                             recomputing_packs=len(plan.packs) - 1 - len(chosen[2]))
         return PassResult(program, report)
 
-    # start from the least memory: every pack swapped, every activation handle stashed ...
+    # start from the least memory: every pack swapped, every activation handle stashed, every pack recomputed ...
     plan.resident = set()
     insert_swaps(program.schedule, plan.resident)
     base = program.schedule
     groups = stash_groups(base)
-    chosen = (set(), set(groups))
+    chosen = (set(), set(groups), frozenset())
 
-    def fits(resident, stashed):
-        program.schedule, plan.resident = _build(base, resident, stashed, groups), resident
+    def fits(resident, stashed, kept):
+        program.schedule, plan.resident = _build(base, resident, stashed, groups, kept), resident
         return memory_curve(program, check_residency=False)
 
     curve = fits(*chosen)
+    inline = [n for n in _calls(base) if n.target is ops.step and n.kwargs.get("overlap")]
+    if curve.peak > budget and inline:   # a disk step overlapping the next backward holds its gradients that long
+        for n in inline:
+            n.kwargs = {**n.kwargs, "overlap": False}
+        curve = fits(*chosen)
+        report.notes.append(f"{len(inline)} disk steps run inline: the device cannot also hold a pack's gradients "
+                            f"through the next pack's backward")
     if curve.peak > budget:
         at = curve.nodes[curve.argmax()]
         need = int(program.config.memory_budget * curve.peak / budget * 1.05) + 1
@@ -179,7 +274,7 @@ def run(program: Program, ctx) -> PassResult:
             f"({need} bytes) or use more microbatches.", min_budget=need)
     # ... then keep on the device what saves the most bytes moved per byte held, while it fits
     n_packs, m = len(plan.packs), plan.microbatches
-    candidates = []
+    candidates = list(graphs)
     for spec in plan.packs:
         if plan.step_on.get(spec.index) == "host":
             continue    # its optimizer updates the host copy: the weights must come in afresh
@@ -196,24 +291,11 @@ def run(program: Program, ctx) -> PassResult:
     # compute, every byte not moved is time saved: fill the budget.
     cfg = program.config
     compute = sum(s.fwd_flops * 2 + s.bwd_flops for s in plan.packs) * m / cfg.flops
-    copies = sum(c[0] * c[1] for c in candidates) / cfg.copy_bandwidth
+    copies = sum(c[0] * c[1] for c in candidates if c[2][0] != "graph") / cfg.copy_bandwidth
     if plan.step_on and "host" in plan.step_on.values():
         copies = 0.0    # weights come in every phase anyway: overlap is what is left to win
     room = budget - (max(s.param_bytes + s.buffer_bytes for s in plan.packs) if compute > copies else 0)
-    rows = []
-    for per_byte, size, what in sorted(candidates, key=lambda c: (-c[0], -c[1])):
-        if size == 0:
-            continue
-        resident, stashed = chosen
-        if what[0] == "keep":
-            trial = (resident, stashed - {what[1:]})
-        else:
-            kinds = (what[0], "grads") if what[0] == "params" else (what[0],)
-            trial = (resident | {(what[1], k) for k in kinds}, stashed)
-        if fits(*trial).peak <= room:
-            chosen = trial
-            rows.append(dict(kept=what[0] if what[0] != "keep" else f"{what[1]} outputs" if what[1] == "forward"
-                             else "input grads", pack=what[-1], MiB=size / 2**20, saves_per_byte=per_byte))
+    chosen, rows = _greedy(candidates, chosen, fits, room)
     rows += keep_optimizer_parts(program, chosen, fits, room)
     curve = fits(*chosen)
     counts = {}
@@ -222,7 +304,8 @@ def run(program: Program, ctx) -> PassResult:
     report.rows = rows
     report.totals = dict(swap_ins=counts.get("swap_in", 0), releases=counts.get("release", 0),
                          stashes=counts.get("stash", 0), unstashes=counts.get("unstash", 0),
-                         kept_on_device=len(rows), predicted_peak_MiB=curve.peak / 2**20,
+                         kept_on_device=len(rows), recomputing_packs=n_packs - 1 - len(chosen[2]),
+                         predicted_peak_MiB=curve.peak / 2**20,
                          h2d_MiB=curve.moved["h2d"] / 2**20, d2h_MiB=curve.moved["d2h"] / 2**20,
                          seconds=time.perf_counter() - start)
     report.notes.append("forced by the budget: the state of all packs does not fit at once; started from "
@@ -231,6 +314,9 @@ def run(program: Program, ctx) -> PassResult:
                         f"precision={program.config.precision!r}: the host steps the fp32 masters, so every pack's "
                         f"compute copy comes in afresh and its gradients leave after its backward; then kept on "
                         f"the device what saves most traffic per byte")
+    if graphs:
+        report.notes.append("activations (no recompute): saves_per_byte is the recompute time saved, as bytes the "
+                            "host link moves in that time, per byte held")
     return PassResult(program, report)
 
 

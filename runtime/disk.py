@@ -298,20 +298,31 @@ class DiskStore:
             if self._writes.get(pack) is fut:
                 del self._writes[pack]
 
-    def read(self, pack: int, into) -> Future:
-        """Read pack ``pack``'s file into ``into`` (same shapes and dtypes as written), after any write of it."""
+    def read(self, pack: int, into, skip: int = 0) -> Future:
+        """Read pack ``pack``'s file into ``into`` (same shapes and dtypes as written), after any write of it.
+
+        ``skip``: the first ``into[:skip]`` tensors are not read (the caller fills them); the read
+        starts at the 4 KiB boundary at or before the next one, so only ``into`` made by ``empty``
+        (in file layout) can skip.
+        """
         into = list(into)
         rng = self._range(into)
         staged = None
         if rng is None:
+            if skip:
+                raise ValueError("a read that skips tensors needs them in file layout (DiskStore.empty)")
             staged = self.empty([(t.shape, t.dtype) for t in into])
             rng = self._range(staged)
         buf, total = rng
+        start = 0
+        if skip:
+            offsets, _ = layout([(t.shape, t.dtype) for t in into])
+            start = offsets[skip] // ALIGN * ALIGN if skip < len(into) else total
         with self._lock:
-            self.counters["read_issued"] += total
+            self.counters["read_issued"] += total - start
 
         def job():
-            self._read_job(pack, buf, total)
+            self._read_job(pack, buf, total, start)
             if staged is not None:
                 for dst, src in zip(into, staged):
                     dst.copy_(src)
@@ -366,7 +377,9 @@ class DiskStore:
             mv.release()
         self._count("write", total, time.perf_counter() - t0, direct)
 
-    def _read_job(self, pack: int, buf: torch.Tensor, total: int) -> None:
+    def _read_job(self, pack: int, buf: torch.Tensor, total: int, start: int = 0) -> None:
+        if start >= total:
+            return
         path = self.file(pack)
         direct = self.direct
         mv = memoryview(buf.numpy())
@@ -374,7 +387,7 @@ class DiskStore:
         try:
             fd = _open(path, os.O_RDONLY | (O_DIRECT if direct else 0))
             try:
-                at = 0
+                at = start
                 while at < total:
                     n = _preadv(fd, [mv[at:min(at + CHUNK, total)]], at)
                     if n <= 0:
@@ -386,7 +399,7 @@ class DiskStore:
                 os.close(fd)
         except OSError as e:
             raise OffloadError(_explain(e, f"read the optimizer state of pack {pack} from {path}", path, total)) from e
-        self._count("read", total, time.perf_counter() - t0, direct)
+        self._count("read", total - start, time.perf_counter() - t0, direct)
 
     def _count(self, way: str, nbytes: int, seconds: float, direct: bool) -> None:
         with self._lock:

@@ -23,10 +23,16 @@ memory, and any use of it outside a swap_in shows as NaN), and its optimizer sta
   (freeing them on the device), runs the user's optimizer on the host weights, and writes
   weights and state back in the background. The host holds three groups' files at a time
   (one stepping, one read ahead, one being written) and one group's gradients, never a
-  whole pack. The step is not overlapped with the next pack's backward (as a host step of
-  a host pack is), because that would keep the whole pack's gradients in host memory.
-* Every group's file is read once and written once per step; the weights' prefix is read
-  once more for each phase that needs them on the device (forward and backward).
+  whole pack. With ``overlap`` (the offload pass's default) the step runs on the host
+  thread while the device runs the next pack's backward; the pack's gradients wait on the
+  device, not the host, until the step takes them group by group, and the next pack's
+  step first waits for it (``join``), so one step is under way at a time and the device
+  holds at most one pack's gradients beyond the pack computing.
+* Every group's file is written once per step and read for the step, and the weights'
+  prefix is read for each phase that needs them on the device (forward and backward). Where
+  the step follows the pack's backward at once (``release(..., handoff=True)`` of the
+  weights, as under the harmony policy), the step takes the weights the backward used from
+  the device and reads only the optimizer state: 12 bytes read per parameter, not 16.
 
 A failed write raises ``OffloadError`` at the end of the step; the group's buffer is kept
 in host memory (no partial file), so the next step and checkpoints still see its state.
@@ -100,6 +106,8 @@ class DiskParams:
                 self.pack_groups[pack].append(len(self.groups))
                 self.groups.append(list(names))
         self.pack_of = {n: g for g, names in enumerate(self.groups) for n in names}   # name -> group (file)
+        self.group_pack = {g: p for p, gs in self.pack_groups.items() for g in gs}
+        self.handed: set[int] = set()    # packs whose step takes the weights from the device (``handoff``)
         self.order = [g for p in dict.fromkeys(list(order) + list(pack_groups)) for g in self.pack_groups.get(p, [])]
         self.layouts: dict[int, list[tuple[str, str, tuple, torch.dtype]]] = {}
         self._reads: dict[int, tuple[Future, list[torch.Tensor]]] = {}
@@ -107,9 +115,11 @@ class DiskParams:
         self._kept: dict[int, list[torch.Tensor]] = {}      # a write failed: the group stays in host memory
         self._errors: list[BaseException] = []
         self._lock = threading.Lock()
-        self.wait_seconds = self.step_seconds = 0.0
+        self.wait_seconds = self.step_seconds = self.join_seconds = 0.0
+        self._background: Future | None = None      # the step running on the host thread (overlapped)
+        self._device_refs: list | None = None        # what that step took from the device, freed at ``join``
         self.on_demand = 0
-        self._last = dict(store.stats(), wait_seconds=0.0, step_seconds=0.0, on_demand=0)
+        self._last = dict(store.stats(), wait_seconds=0.0, step_seconds=0.0, join_seconds=0.0, on_demand=0)
 
     @classmethod
     def create(cls, plan, graph, tensors: dict, optimizers: dict, meter, device, offload_dir=None) -> "DiskParams | None":
@@ -120,6 +130,8 @@ class DiskParams:
         if not groups:
             return None
         self = cls(DiskStore(offload_dir), groups, tensors, optimizers, step_order(graph), meter, device)
+        self.handed = {n.args[0] for n in graph.nodes if n.op == "call_function" and n.target.__name__ == "release"
+                       and n.args[1] == "params" and n.kwargs.get("handoff")}
         try:
             for gid, names in enumerate(self.groups):
                 lay = [(n, PARAM, tuple(tensors[n].shape), tensors[n].dtype) for n in names]
@@ -179,15 +191,46 @@ class DiskParams:
             self._step_group(gid, views, to_host)
         self.step_seconds += time.perf_counter() - t0
 
+    def step_in_background(self, pool, pack: int, to_host) -> Future:
+        """``step(pack)`` on ``pool`` (the host thread), overlapping the device's next backward; ``join`` waits for it.
+
+        The device copies the step takes (gradients, handed weights) stay alive until ``join``, as the
+        memory plan has them (it cannot know how far the step got when the next backward runs).
+        """
+        self._device_refs = []
+        self._background = pool.submit(self.step, pack, to_host)
+        return self._background
+
+    def join(self) -> None:
+        """Wait for the step under way in the background, if any (its error is raised by whoever settles it),
+        then free the device copies it took."""
+        fut, self._background = self._background, None
+        if fut is not None:
+            t0 = time.perf_counter()
+            wait_all([fut])
+            self.join_seconds += time.perf_counter() - t0
+        self._device_refs = None
+
     def _step_group(self, gid: int, views: list[torch.Tensor], to_host) -> None:
         names = self.groups[gid]
         lay = self.layouts[gid]
         held = {(n, k): v for (n, k, _, _), v in zip(lay, views)}
+        handed = self.group_pack.get(gid) in self.handed
+        if handed and not all(self.meter.holds(self.tensors[n].data) for n in names):
+            self.store.read(gid, into=views).result()    # not handed this time after all: the file has them
+            handed = False
+        keep = self._device_refs          # a background step: device copies live until ``join``
         for n in names:
             t = self.tensors[n]
             g, t.grad = t.grad, None
             if g is not None and self.meter.holds(g):
-                g = to_host(g)           # the device copy goes with the last reference to it
+                if keep is not None:
+                    keep.append(g)
+                g = to_host(g)           # else the device copy goes with the last reference to it
+            if handed:                   # the backward's copy of the weights: not read from the file again
+                held[(n, PARAM)].copy_(t.data)
+                if keep is not None:
+                    keep.append(t.data)
             t.data = held[(n, PARAM)]
             t.grad = g
             opt = self.optimizers.get(n)
@@ -244,10 +287,13 @@ class DiskParams:
         return self.order[0] if len(self.order) > 1 and gid == self.order[-1] else None
 
     def prefetch(self, gid: int) -> None:
+        """Start reading a group's file for its step: only its optimizer state where the weights are handed over."""
         if gid in self._reads or gid in self._kept:
             return
-        views = self.store.empty([(s, d) for _, _, s, d in self.layouts[gid]])
-        self._reads[gid] = (self.store.read(gid, into=views), views)
+        lay = self.layouts[gid]
+        views = self.store.empty([(s, d) for _, _, s, d in lay])
+        skip = sum(k == PARAM for _, k, _, _ in lay) if self.group_pack.get(gid) in self.handed else 0
+        self._reads[gid] = (self.store.read(gid, into=views, skip=skip), views)
 
     def _take(self, gid: int) -> list[torch.Tensor]:
         from harmony.runtime.disk import take
@@ -272,6 +318,7 @@ class DiskParams:
 
     def flush(self) -> None:
         """Wait for this step's writes; raise the first that failed (the end of a training step)."""
+        self.join()
         self._settle_writes()
         self.store.flush()
         errors, self._errors = self._errors, []
@@ -335,10 +382,11 @@ class DiskParams:
     # -- reports and lifetime -------------------------------------------------------------------------
     def step_stats(self) -> dict:
         from harmony.runtime.disk import step_stats
-        return step_stats(self, disk_weight_step_seconds="step_seconds")
+        return step_stats(self, disk_weight_step_seconds="step_seconds", disk_step_join_seconds="join_seconds")
 
     def close(self) -> None:
         try:
+            self.join()
             wait_all([f for _, f, _ in self._writing])
         finally:
             self._writing = []

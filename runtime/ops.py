@@ -52,6 +52,7 @@ class MemoryModel:
     dirty: set = field(default_factory=set)
     moved: dict = field(default_factory=lambda: {"h2d": 0, "d2h": 0})
     handed: dict = field(default_factory=dict)   # pack -> gradient bytes its release left for a disk step
+    overlapping: int = 0   # gradient bytes an overlapped disk step still holds on the device (until the next)
 
     def hold(self, kind, names, pack=None):
         for n in names:
@@ -91,7 +92,7 @@ def forward(pack: int, mb: int, *inputs, keep: bool = False): ...
 def backward(pack: int, mb: int, *inputs, saved=None, grads=()): ...
 def stash(value): ...
 def unstash(value): ...
-def step(pack: int, stream: bool = False, where: str = "device"): ...
+def step(pack: int, stream: bool = False, where: str = "device", overlap: bool = False): ...
 
 
 OPS: dict[str, OpDef] = {}
@@ -258,12 +259,12 @@ def _gather(spec, handles):
 def _forward_execute(rt, pack, mb, *inputs, keep=False):
     spec = rt.plan.packs[pack]
     xs = _gather(spec, inputs)
-    if spec.random:
+    if spec.random and not keep:     # a recompute replays the forward's random numbers
         rt.rng[(pack, mb)] = torch.get_rng_state()
     with rt.counting():
         if keep:
             leaves = {n: _leaf(x, n not in rt.plan.input_names) for n, x in zip(spec.inputs, xs)}
-            with torch.enable_grad():
+            with torch.enable_grad(), _state_by_name(rt, spec):
                 outs = spec.module(*leaves.values())
             outs = dict(zip(spec.outputs, outs))
             values = {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in outs.items()}
@@ -278,6 +279,42 @@ def _forward_execute(rt, pack, mb, *inputs, keep=False):
     return result
 
 
+def _state_by_name(rt, spec):
+    """Saved-tensor hooks under which a kept graph holds a parameter's name, not its device copy.
+
+    Autograd saves the weights a layer's backward needs (``addmm`` saves a view of the
+    weight), which would keep the forward's device copy alive after the pack's release
+    until its backward. Instead a saved tensor that views a parameter or buffer of the pack
+    is stored as (name, size, stride, offset) and rebuilt from whatever copy is on the
+    device when the backward unpacks it: the same values, since the step comes after the
+    backward (as ZeRO-3's parameter offload does).
+    """
+    names: dict[int, list] = {}       # storage -> its parameters (a disk group's share one buffer)
+    for n in spec.params + spec.buffers:
+        data = rt.state.tensors[n].data
+        ptr = data.untyped_storage().data_ptr()
+        if ptr:
+            names.setdefault(ptr, []).append((n, data.storage_offset(), data.storage_offset() + data.numel()))
+
+    def pack(x):
+        found = names.get(x.untyped_storage().data_ptr()) if x.layout == torch.strided else None
+        at = x.storage_offset() if found else 0
+        n = next((n for n, start, end in found if start <= at < end), None) if found else None
+        if n is None:
+            return x
+        base = next(start for m, start, _ in found if m == n)
+        # the view's offset from the parameter's own start: its next copy may sit elsewhere in its buffer
+        return n, x.size(), x.stride(), at - base
+
+    def unpack(h):
+        if isinstance(h, torch.Tensor):
+            return h
+        n, size, stride, offset = h
+        data = rt.state.tensors[n].data
+        return data.as_strided(size, stride, data.storage_offset() + offset)
+    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+
 def _leaf(x, grad: bool):
     if not isinstance(x, torch.Tensor):
         return x
@@ -288,7 +325,11 @@ def _forward_effect(m, pack, mb, *inputs, keep=False):
     spec = m.plan.packs[pack]
     m.dirty.update(spec.mutated)      # running statistics changed: written back with the pack's release
     if keep:
-        return Predicted(spec.out_bytes + spec.saved_bytes, kept=spec.saved_bytes), spec.fwd_keep_peak
+        # the graph may hold the pack's inputs (a first op that saves its input) after the value that brought
+        # them dies; not when that value is a kept forward's own, which lives until its (later) backward
+        retained = 0 if any(isinstance(v, Predicted) and v.kept for v in inputs) else spec.in_bytes
+        held = spec.saved_bytes + retained
+        return Predicted(spec.out_bytes + held, kept=held), spec.fwd_keep_peak
     return Predicted(spec.out_bytes), spec.fwd_peak
 
 
@@ -386,11 +427,14 @@ def _backward_cost(plan, hw, pack, mb, *inputs, saved=None, grads=()):
     return "compute", _pack_compute_cost(hw, flops, ops)
 
 
-def _step_execute(rt, pack, stream=False, where="device"):
+def _step_execute(rt, pack, stream=False, where="device", overlap=False):
     """The optimizer update of the parameters whose gradients this pack completed.
 
     ``where="disk"``: the pack's weights and optimizer state are in files; its gradients
     leave the device a group at a time as the groups step on the host (runtime/diskparams.py).
+    ``overlap``: that step runs on the host thread while the device runs the next pack's
+    backward; the next such step first waits for it, so at most one is under way and the
+    device holds its pack's gradients until it has taken them.
     ``where="host"``: the pack's gradients and weights are already on the host (its
     releases ran first); the optimizer steps the host copies on a host thread, overlapped
     with the next pack's backward, and the pack's next swap_in waits for it (ZeRO-Offload).
@@ -401,8 +445,16 @@ def _step_execute(rt, pack, stream=False, where="device"):
     alone on the device, and send it back, so the device holds one parameter's state at a time.
     """
     spec = rt.plan.packs[pack]
-    if where == "disk":      # weights and state in files: step group by group, inline (runtime/diskparams.py)
-        rt.state.params_disk.step(pack, rt.state.to_host)
+    if where == "disk":      # weights and state in files: step group by group (runtime/diskparams.py)
+        pd = rt.state.params_disk
+        if not overlap:
+            pd.step(pack, rt.state.to_host)
+            return
+        pd.join()            # the previous overlapped step (the memory plan frees its gradients here)
+        handed = [rt.state.tensors[n].grad for n in spec.owned]
+        rt.state.moved["d2h"] += sum(_nbytes(g) for g in handed if g is not None and rt.meter.holds(g))
+        fut = pd.step_in_background(rt.state.host_pool, pack, lambda g: rt.state.to_host(g, count=False))
+        rt.state.pending.update((n, fut) for n in spec.owned)
         return
     if where == "host":
         params = [rt.state.tensors[n] for n in spec.owned]
@@ -461,11 +513,15 @@ def _step_one(opt: torch.optim.Optimizer, param: torch.Tensor) -> None:
             return
 
 
-def _step_effect(m, pack, stream=False, where="device"):
+def _step_effect(m, pack, stream=False, where="device", overlap=False):
     spec = m.plan.packs[pack]
     if where in ("host", "disk"):   # gradients left with the pack's release (a disk step takes them now)
         m.grads_exist -= set(spec.owned)
-        m.live -= m.handed.pop(pack, 0)
+        if overlap:                 # the previous overlapped step has taken its gradients; this one holds its own
+            m.live -= m.overlapping
+            m.overlapping = m.handed.pop(pack, 0)
+        else:
+            m.live -= m.handed.pop(pack, 0)
         return None, 0
     for n in spec.owned:
         if n in m.grads_exist:
@@ -481,7 +537,7 @@ def _step_effect(m, pack, stream=False, where="device"):
     return None, spec.step_extra
 
 
-def _step_cost(plan, hw, pack, stream=False, where="device"):
+def _step_cost(plan, hw, pack, stream=False, where="device", overlap=False):
     """An optimizer step is memory-bound: its traffic at memory bandwidth, plus a fixed cost per tensor op.
 
     Traffic: Adam(W) reads parameter, gradient and state and writes parameter and state,

@@ -93,11 +93,13 @@ class TieredState:
     def _on_device(self, t: torch.Tensor) -> bool:
         return self.meter.holds(t)
 
-    def to_host(self, src: torch.Tensor) -> torch.Tensor:
-        """A host copy of a device tensor, counted as bytes moved device-to-host."""
+    def to_host(self, src: torch.Tensor, count: bool = True) -> torch.Tensor:
+        """A host copy of a device tensor, counted as bytes moved device-to-host (``count``: the caller counts them
+        on the main thread, for a copy made on another)."""
         dst = torch.empty(src.shape, dtype=src.dtype, pin_memory=self.pin)
         dst.copy_(src)
-        self.moved["d2h"] += src.numel() * src.element_size()
+        if count:
+            self.moved["d2h"] += src.numel() * src.element_size()
         return dst
 
     def _slots(self, kind: str, name: str):

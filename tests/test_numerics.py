@@ -87,15 +87,45 @@ def test_everything_resident_is_bitwise_even_for_tied_weights():
     assert "no swap inserted" in " ".join(n for r in sm.program.reports for n in r.notes)
 
 
-def test_dropout_masks_match_between_forward_and_recompute():
-    """With dropout the loss of the compiled step equals eager's when both draw from the same seed."""
+@pytest.mark.parametrize("recompute", ["always", "auto"])
+def test_dropout_masks_match_between_forward_and_recompute(recompute):
+    """With dropout the loss of the compiled step equals eager's when both draw from the same seed,
+    whether a pack recomputes its forward (the RNG is replayed) or keeps its graph (it is not)."""
     model, data = CASES["gpt"](dropout=0.1)
     ours = copy.deepcopy(model)
     torch.manual_seed(123)
     ref, ref_losses = eager_accumulate(model, data[:1], 1)
     torch.manual_seed(123)
-    sm, _, losses = run_compiled(ours, data[:1], 1, int(training_state_bytes(model) * 0.7))
+    sm, _, losses = run_compiled(ours, data[:1], 1, int(training_state_bytes(model) * 0.7), recompute=recompute)
     assert len(sm.plan.packs) > 1 and any(p.random for p in sm.plan.packs)
+    recomputed = [n.args[0] for n in sm.graph.nodes if n.op == "call_function" and n.target.__name__ == "backward"
+                  and n.kwargs["saved"] is None]
+    if recompute == "always":
+        assert any(sm.plan.packs[p].random for p in recomputed)
     assert losses[0] == pytest.approx(ref_losses[0], abs=0)
     for (name, a), b in zip(ours.named_parameters(), ref.parameters()):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), name
+
+
+@pytest.mark.parametrize("policy", ["harmony", "sequential"])
+@pytest.mark.parametrize("case,frac", [("mlp", 0.25), ("cnn", 0.25), ("gpt", 0.5)])
+def test_kept_graphs_train_bitwise_as_recompute_does(case, frac, policy):
+    """Packs that keep their forward's graph train bitwise as packs that recompute it, and within the budget:
+    a kept graph holds no device copy of its pack's weights (they are swapped out between the phases)."""
+    results = {}
+    for recompute in ("always", "auto"):
+        model, data = CASES[case]()
+        budget = int(training_state_bytes(model) * frac)
+        sm, stats, _ = run_compiled(model, data, 4, budget, policy, recompute=recompute)
+        kept = {n.args[0] for n in sm.graph.nodes if n.op == "call_function" and n.target.__name__ == "backward"
+                and n.kwargs["saved"] is not None}
+        results[recompute] = (model, kept)
+        for s in stats[1:]:
+            assert s["measured_peak"] <= budget
+            assert abs(s["measured_peak"] - s["predicted_peak"]) <= 0.1 * s["measured_peak"]
+    (a, kept_always), (b, kept_auto) = results["always"], results["auto"]
+    assert len(kept_auto) > len(kept_always)
+    for (name, x), y in zip(a.named_parameters(), b.parameters()):
+        assert torch.equal(x, y), name
+    for (name, x), y in zip(a.named_buffers(), b.buffers()):
+        assert torch.equal(x, y), name

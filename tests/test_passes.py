@@ -13,10 +13,10 @@ from models import CASES, training_state_bytes
 
 
 def compiled(frac=0.5, policy="harmony", microbatches=4, passes=None, case="gpt", layers=6, optimizer_on="auto",
-             **kw):
-    model, data = CASES[case](layers=layers, **kw)
+             recompute="auto", hardware=None, **kw):
+    model, data = CASES[case](layers=layers, **kw) if case == "gpt" else CASES[case](**kw)
     extra = {"passes": passes} if passes else {}
-    extra["optimizer_on"] = optimizer_on
+    extra.update(optimizer_on=optimizer_on, recompute=recompute, hardware=hardware)
     sm = harmony.compile(model, example_batch=data[0], memory_budget=int(training_state_bytes(model) * frac),
                          microbatches=microbatches, policy=policy, **extra)
     return sm, data
@@ -101,7 +101,7 @@ def test_nothing_to_do_when_everything_fits():
 
 
 def test_stash_moves_pack_inputs_out_between_forward_and_recompute():
-    sm, _ = compiled(frac=0.25, microbatches=8, optimizer_on="device")
+    sm, _ = compiled(frac=0.25, microbatches=8, optimizer_on="device", recompute="always")
     stashes = names(sm, ops.stash)
     assert stashes, "a tight budget with 8 microbatches must stash activations"
     for s in stashes:
@@ -216,3 +216,49 @@ def test_a_budget_above_one_that_compiles_compiles_too():
         packs.append(len(sm.plan.packs))
         sm.close()
     assert packs[-1] <= packs[0]          # more room, no more packs
+
+
+def _kept(sm):
+    """Packs whose backward takes its forward's graph instead of recomputing, and each kept backward's forward."""
+    kept = {}
+    for n in names(sm, ops.backward):
+        saved = n.kwargs["saved"]
+        if saved is not None:
+            assert saved.target is ops.forward and saved.kwargs["keep"] and saved.args[:2] == n.args[:2]
+            assert len(n.args) == 2, "a backward that keeps its graph reads no inputs"
+            kept.setdefault(n.args[0], []).append(saved)
+    return kept
+
+
+@pytest.mark.parametrize("policy", ["harmony", "sequential"])
+def test_swap_keeps_forward_graphs_where_the_budget_has_room(policy):
+    """On this CPU a layer's forward costs far more than copying its activations: packs keep their graphs."""
+    sm, _ = compiled(frac=0.5, policy=policy, case="mlp")
+    last = len(sm.plan.packs) - 1
+    kept = _kept(sm)
+    assert set(kept) - {last}, "some pack other than the last keeps its graph"
+    for p, fwds in kept.items():     # every microbatch of a kept pack, and no recompute of it anywhere
+        assert len(fwds) == 4
+        assert all(n.kwargs["saved"] is not None for n in names(sm, ops.backward) if n.args[0] == p)
+    assert not [n for n in names(sm, ops.load_batch) if not n.users]
+    report = next(r for r in sm.program.reports if r.title.startswith("swap"))
+    assert report.totals["recomputing_packs"] == last - len(set(kept) - {last})
+    assert sum(r["kept"] == "activations (no recompute)" for r in report.rows) == len(set(kept) - {last})
+    always, _ = compiled(frac=0.5, policy=policy, case="mlp", recompute="always")
+    assert set(_kept(always)) == {len(always.plan.packs) - 1}
+
+
+def test_recompute_always_where_keeping_graphs_does_not_pay():
+    """Planned for a GPU behind PCIe, keeping a tiny layer's activations saves less time than moving bytes
+    does: the swap pass spends the budget on residency and stashes first."""
+    sm, _ = compiled(frac=0.25, case="gpt", microbatches=8, optimizer_on="device", hardware="gtx1080ti")
+    report = next(r for r in sm.program.reports if r.title.startswith("swap"))
+    kinds = [r["kept"] for r in report.rows]
+    graphs = [i for i, k in enumerate(kinds) if k == "activations (no recompute)"]
+    others = [i for i, k in enumerate(kinds) if k != "activations (no recompute)"]
+    assert others and (not graphs or min(graphs) > min(others))
+
+
+def test_unknown_recompute_is_a_config_error():
+    with pytest.raises(ConfigError, match="recompute='sometimes'; choose one of 'auto', 'always'"):
+        compiled(recompute="sometimes")
