@@ -295,8 +295,12 @@ def run(program: Program, ctx) -> PassResult:
     if plan.step_on and "host" in plan.step_on.values():
         copies = 0.0    # weights come in every phase anyway: overlap is what is left to win
     room = budget - (max(s.param_bytes + s.buffer_bytes for s in plan.packs) if compute > copies else 0)
-    chosen, rows = _greedy(candidates, chosen, fits, room)
+    # a graph worth less than a single parameter's optimizer state (2 bytes per byte) takes what that leaves
+    low = [c for c in candidates if c[2][0] == "graph" and c[0] < 2]
+    chosen, rows = _greedy([c for c in candidates if c not in low], chosen, fits, room)
     rows += keep_optimizer_parts(program, chosen, fits, room)
+    chosen, more = _greedy(low, chosen, fits, room)
+    rows += more
     curve = fits(*chosen)
     counts = {}
     for n in _calls(program.schedule):

@@ -326,8 +326,11 @@ def _forward_effect(m, pack, mb, *inputs, keep=False):
     m.dirty.update(spec.mutated)      # running statistics changed: written back with the pack's release
     if keep:
         # the graph may hold the pack's inputs (a first op that saves its input) after the value that brought
-        # them dies; not when that value is a kept forward's own, which lives until its (later) backward
-        retained = 0 if any(isinstance(v, Predicted) and v.kept for v in inputs) else spec.in_bytes
+        # them dies, until the backward; not when that value is a kept forward's own, which lives until its
+        # (later) backward, nor for the last pack, whose backward follows at once (its measured backward peak,
+        # which counts a seed the runtime does not allocate, covers that)
+        last = "loss" in spec.outputs
+        retained = 0 if last or any(isinstance(v, Predicted) and v.kept for v in inputs) else spec.in_bytes
         held = spec.saved_bytes + retained
         return Predicted(spec.out_bytes + held, kept=held), spec.fwd_keep_peak
     return Predicted(spec.out_bytes), spec.fwd_peak

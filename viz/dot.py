@@ -195,7 +195,8 @@ def _op_label(node: torch.fx.Node) -> list[str]:
     elif name in ("swap_in", "release") and len(args) >= 2:
         detail = f"pack {args[0]} {args[1]}"
     elif name == "step" and args:
-        detail = f"pack {args[0]}"
+        detail = f"pack {args[0]}" + (f" · {kw['where']}" if kw.get("where", "device") != "device" else "") \
+            + (" · overlapped" if kw.get("overlap") else "")
     elif name == "load_batch" and len(args) >= 2:
         detail = f"mb {args[0]} {_arg(args[1])}"
     else:

@@ -118,9 +118,13 @@ def _packs(program) -> list[dict]:
         if held:
             resident.setdefault(s.index, []).append(f"optim ({held}/{len(s.stepped)} params)")
     numel = {n: p.numel() for n, p in program.gm.named_parameters()}
+    recomputes = set()          # packs whose backward recomputes the forward (the swap pass keeps the others' graphs)
+    for n in (program.schedule.nodes if program.schedule is not None else ()):
+        if n.op == "call_function" and n.target.__name__ == "backward" and n.kwargs.get("saved") is None:
+            recomputes.add(n.args[0])
     return [dict(pack=s.index, name=s.name, params=sum(numel.get(n, 0) for n in s.params),
                  param_bytes=s.param_bytes, saved_bytes=s.saved_bytes,
-                 fwd_GFLOP=s.fwd_flops / 1e9, bwd_GFLOP=s.bwd_flops / 1e9,
+                 fwd_GFLOP=s.fwd_flops / 1e9, bwd_GFLOP=s.bwd_flops / 1e9, recompute=s.index in recomputes,
                  resident="+".join(resident.get(s.index, [])) or "-")
             for s in program.plan.packs]
 
