@@ -5,10 +5,13 @@ steps under each system, each in its own subprocess so that peak RSS is per syst
 
   harmony    harmony.compile(..., memory_budget=--budget, host_memory_budget=--host-budget,
              offload_dir=<dir>) with torch.optim.AdamW stepping on the host; whatever the
-             offload pass puts on disk (today the optimizer state of the packs the host budget
-             cannot hold) lives in a private directory under --dir. If Harmony refuses the host
-             budget (BudgetError naming the smallest it accepts), the runner retries once with
-             that minimum and says so in the table.
+             offload pass puts on disk (here every pack wholly: weights and optimizer state,
+             which the host budget cannot hold) lives in a private directory under --dir: each
+             pack's weights are read for the forward and the backward, and its step, on the host
+             thread while the next pack's backward runs, takes the backward's weights and reads
+             and writes back the optimizer state. If Harmony refuses the host budget
+             (BudgetError naming the smallest it accepts), the runner retries once with that
+             minimum and says so in the table.
   deepspeed  DeepSpeed ZeRO-3 with ZeRO-Infinity offload of parameters AND optimizer state to
              NVMe (``nvme_path`` a directory under --dir), CPU accelerator, gloo, world size 1,
              pin_memory false, the model built inside ``deepspeed.zero.Init`` so it is never

@@ -352,8 +352,9 @@ class ScheduledModule(torch.nn.Module):
                           predicted_h2d=self.predicted.moved["h2d"], predicted_d2h=self.predicted.moved["d2h"],
                           peak_rss_bytes=peak_rss_bytes())
         self.stats.update(_disk_stats(rt.state))
-        for e in rt.events:          # where the step's time went on the thread that runs the schedule
-            key = f"time_{e.name.rstrip('_0123456789')}_s"
+        kinds = {n.name: n.target.__name__ for n in self.graph.nodes if n.op == "call_function"}
+        for e in rt.events:          # where the step's time went on the thread that runs the schedule, by op
+            key = f"time_{kinds.get(e.name, 'other')}_s"
             self.stats[key] = self.stats.get(key, 0.0) + e.end - e.start
         if rt.scaler is not None:   # the scale the next step uses, and the steps skipped for inf/nan so far
             self.stats.update(loss_scale=self.loss_scale, skipped_steps=rt.scaler.skipped)

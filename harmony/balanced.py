@@ -24,7 +24,8 @@ from harmony.units import parse_bytes
 
 def compile_balanced(model, names, batch, spec, t0, *, optimizer, optimizer_kwargs, memory_budget, microbatches,
                       policy, loss_fn, leaf_modules, passes, device, hardware, optimizer_on, host_memory_budget,
-                      offload_dir, data_parallel, compression, min_size, shard_state=True, recompute="auto") -> "ScheduledModule":
+                      offload_dir, data_parallel, compression, min_size, shard_state=True,
+                      recompute="auto") -> "ScheduledModule":
     """``compile(..., balance=...)``: plan every rank's share, then compile this rank's plan on its rows.
 
     1. trace the model on the global batch and measure its costs and smallest plannable budget

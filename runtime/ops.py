@@ -12,6 +12,7 @@ Adding an op is one stub and one ``OPS`` entry.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -289,6 +290,8 @@ def _state_by_name(rt, spec):
     device when the backward unpacks it: the same values, since the step comes after the
     backward (as ZeRO-3's parameter offload does).
     """
+    if rt.on_demand is not None:     # it fetches and evicts inside the forward: a freed weight's address can
+        return contextlib.nullcontext()   # come back as an activation's, so it keeps the graph's tensors as they are
     names: dict[int, list] = {}       # storage -> its parameters (a disk group's share one buffer)
     for n in spec.params + spec.buffers:
         data = rt.state.tensors[n].data

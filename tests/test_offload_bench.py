@@ -29,9 +29,15 @@ def test_offload_bench_tiny(tmp_path):
     assert "error" not in h and "error" not in e
     assert len(h["step_s"]) == len(e["step_s"]) == 2
     assert h["peak_rss"] >= (h["peak_rss_steps"] or 0) > 0
-    # the disk tier was used, and Harmony's counters agree read == written (each disk pack once each way)
+    # the disk tier was used; optimizer state alone on disk moves once each way, while packs wholly on disk
+    # also read their weights for the forward and the backward
     assert h["plan.optim_on"].get("disk", 0) >= 1
-    assert all(s["disk_read_bytes"] > 0 and s["disk_read_bytes"] == s["disk_write_bytes"] for s in h["stats"][1:])
+    for s in h["stats"][1:]:
+        assert s["disk_write_bytes"] > 0
+        if h["plan.master_on"].get("disk"):
+            assert s["disk_read_bytes"] > s["disk_write_bytes"]
+        else:
+            assert s["disk_read_bytes"] == s["disk_write_bytes"]
     # same model, seed and batch: the first loss agrees
     assert abs(h["loss"][0] - e["loss"][0]) < 1e-4
     assert not list((tmp_path / "d").iterdir())          # the run's directory is removed
