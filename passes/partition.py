@@ -7,7 +7,9 @@ set (parameters, gradients, optimizer state for the step, one microbatch's
 activations and recompute) must fit the device budget. Among the partitions that
 fit, the dynamic program picks the one with the least predicted iteration time:
 compute (forward, backward and, for every pack but the last, recompute) plus the
-time of swap traffic that compute cannot hide.
+time of swap traffic that compute cannot hide. Among the working-set caps it tries,
+the plan cost also credits the recompute the swap pass can avoid by keeping packs'
+forward graphs in the room smaller packs leave (``_Need.kept_graphs``).
 """
 from __future__ import annotations
 

@@ -53,7 +53,7 @@ class MemoryModel:
     dirty: set = field(default_factory=set)
     moved: dict = field(default_factory=lambda: {"h2d": 0, "d2h": 0})
     handed: dict = field(default_factory=dict)   # pack -> gradient bytes its release left for a disk step
-    overlapping: int = 0   # gradient bytes an overlapped disk step still holds on the device (until the next)
+    overlapping: int = 0   # bytes an overlapped disk step holds on the device (gradients, handed weights) until the next
 
     def hold(self, kind, names, pack=None):
         for n in names:
@@ -300,14 +300,10 @@ def _state_by_name(rt, spec):
             names.setdefault(ptr, []).append((n, data.storage_offset(), data.storage_offset() + data.numel()))
 
     def pack(x):
-        found = names.get(x.untyped_storage().data_ptr()) if x.layout == torch.strided else None
-        at = x.storage_offset() if found else 0
-        n = next((n for n, start, end in found if start <= at < end), None) if found else None
-        if n is None:
-            return x
-        base = next(start for m, start, _ in found if m == n)
-        # the view's offset from the parameter's own start: its next copy may sit elsewhere in its buffer
-        return n, x.size(), x.stride(), at - base
+        for n, start, end in names.get(x.untyped_storage().data_ptr(), ()) if x.layout == torch.strided else ():
+            if start <= x.storage_offset() < end:   # offset from the parameter's own start: its next copy may
+                return n, x.size(), x.stride(), x.storage_offset() - start   # sit elsewhere in its buffer
+        return x
 
     def unpack(h):
         if isinstance(h, torch.Tensor):
