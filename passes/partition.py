@@ -209,7 +209,9 @@ class _Need:
         all_params = total + max(n - p for n, p in zip(needs, own))
         if self.p.config.optimizer_on != "device":
             optim = 0.0
-        if all_params <= budget:
+        if self.host_step(total, budget):
+            saved = 0.0          # the host updates the weights: every pack's come in afresh each phase
+        elif all_params <= budget:
             saved = 3 * total - own[-1] + 2 * min(optim, budget - all_params)
         else:
             saved = 3 * max(0.0, budget - max(needs))
@@ -223,6 +225,13 @@ class _Need:
             flops = sum(u.fwd_flops * (1 + recompute) + u.bwd_flops for u in self.units[s:e]) * m
             seconds += max(flops / cfg.flops, share * self.traffic(s, e, i == last) / cfg.copy_bandwidth) + PACK_SECONDS
         return seconds, left
+
+    def host_step(self, params: float, budget: float) -> bool:
+        """Whether the offload pass will step the optimizer on the host (it decides after the partition):
+        asked for, mixed precision, or ``auto`` where parameters, gradients and optimizer state do not fit."""
+        cfg = self.p.config
+        return (cfg.optimizer_on == "host" or cfg.precision != "fp32"
+                or (cfg.optimizer_on == "auto" and (2 + self.state_per_byte) * params > budget))
 
     def kept_graphs(self, cuts, budget: float, largest: float, last_need: float, resident: float) -> set[int]:
         """The packs whose forward's graph the swap pass can keep (no recompute), as it chooses them.
