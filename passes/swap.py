@@ -195,9 +195,12 @@ def graph_candidates(program: Program) -> list[tuple]:
 
 
 def _row(what, size, per_byte) -> dict:
-    kind = {"graph": "activations (no recompute)", "keep": None}.get(what[0], what[0])
-    if kind is None:
+    if what[0] == "graph":
+        kind = "activations (no recompute)"
+    elif what[0] == "keep":
         kind = f"{what[1]} outputs" if what[1] == "forward" else "input grads"
+    else:
+        kind = what[0]
     return dict(kept=kind, pack=what[-1], MiB=size / 2**20, saves_per_byte=per_byte)
 
 
