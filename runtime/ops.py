@@ -290,6 +290,8 @@ def _state_by_name(rt, spec):
     device when the backward unpacks it: the same values, since the step comes after the
     backward (as ZeRO-3's parameter offload does).
     """
+    if "loss" in spec.outputs:       # the last pack's backward follows at once, its weights still on the device
+        return contextlib.nullcontext()   # (and a Python hook per saved tensor costs ~10% of a small model's step)
     if rt.on_demand is not None:     # it fetches and evicts inside the forward: a freed weight's address can
         return contextlib.nullcontext()   # come back as an activation's, so it keeps the graph's tensors as they are
     names: dict[int, list] = {}       # storage -> its parameters (a disk group's share one buffer)
