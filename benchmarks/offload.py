@@ -24,6 +24,10 @@ steps under each system, each in its own subprocess so that peak RSS is per syst
              Everything stays in RAM (run it where the model fits).
   eager      plain PyTorch in memory (forward, backward, torch AdamW step): the compute reference.
 
+Every child runs with torch's huge-page CPU allocations (THP_MEM_ALLOC_ENABLE=1, which importing
+harmony sets; a value in the caller's environment wins), so the systems share one allocator
+setting; each row's notes say whether it was in effect (huge_pages).
+
 Columns: median step time of the steps after the first (every step's time in the notes), and
 the CPU seconds (user + system, all threads) the child spent in it: on a shared machine wall
 time moves with the load and CPU time much less;
@@ -341,6 +345,7 @@ SETUP = dict(eager=setup_eager, fsdp2=setup_fsdp2, harmony=setup_harmony, deepsp
 def child(a) -> None:
     import resource
     import torch
+    from harmony.process import huge_pages
     workdir = a.workdir
     result = {"system": a.child}
     t0 = time.perf_counter()
@@ -350,6 +355,7 @@ def child(a) -> None:
         step, info, close = SETUP[a.child](a, c, x, y, workdir)
         result.update(info)
         result["setup_s"] = time.perf_counter() - t0
+        result["huge_pages"] = huge_pages()
         result["rss_after_setup"] = int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
         # clear_refs resets the high-water mark getrusage reads too: keep the setup's peak first
         result["peak_rss_setup"] = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, vm_hwm_bytes())
@@ -398,6 +404,7 @@ def run_child(system: str, a, workdir: str) -> dict:
               "host_budget", "ds_sub_group", "ds_max_in_cpu", "ds_zero"):
         argv += [f"--{k.replace('_', '-')}", str(getattr(a, k))]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.setdefault("THP_MEM_ALLOC_ENABLE", "1")   # the same allocator for every system (importing harmony sets it)
     t0 = time.perf_counter()
     p = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     wall = time.perf_counter() - t0

@@ -4,7 +4,11 @@
 >>> loss = sm(x, y)
 >>> print(sm.report())
 """
-from harmony import errors
+from harmony.process import ask_for_huge_pages
+
+ask_for_huge_pages()          # before this process's first tensor, if it is still to come
+
+from harmony import errors  # noqa: E402
 from harmony.api import ScheduledModule, compile
 from harmony.checkpoint import load, save
 from harmony.compiler.hardware import Device, Hardware

@@ -16,7 +16,7 @@ from harmony.errors import ConfigError, HarmonyError, InputError
 from harmony.runtime.executor import Runtime
 from harmony.runtime.ondemand import OnDemand
 from harmony.runtime.precision import PRECISIONS, SCALING_DEFAULTS
-from harmony.process import peak_rss_bytes
+from harmony.process import huge_pages, peak_rss_bytes
 from harmony.units import parse_bytes
 
 POLICIES = ("harmony", "sequential", "ondemand")
@@ -282,6 +282,7 @@ class ScheduledModule(torch.nn.Module):
         self.optimizers = list(dict.fromkeys(optimizers.values()))
         self.stats: dict = {}
         self.steps = 0
+        self.huge_pages = huge_pages()     # torch's CPU allocations: one page fault per 2 MiB, not per 4 KiB
         self.runtime = self.predicted = None
         if program.schedule is not None:   # a pipeline cut short (passes=...) can be inspected, not run
             self.runtime = Runtime(plan, program.schedule, tensors, optimizers, cfg.memory_budget, device,
@@ -350,7 +351,7 @@ class ScheduledModule(torch.nn.Module):
                           predicted_peak=self.predicted.peak, budget=rt.meter.budget,
                           h2d_bytes=rt.state.moved["h2d"], d2h_bytes=rt.state.moved["d2h"],
                           predicted_h2d=self.predicted.moved["h2d"], predicted_d2h=self.predicted.moved["d2h"],
-                          peak_rss_bytes=peak_rss_bytes())
+                          peak_rss_bytes=peak_rss_bytes(), huge_pages=self.huge_pages)
         self.stats.update(_disk_stats(rt.state))
         kinds = {n.name: n.target.__name__ for n in self.graph.nodes if n.op == "call_function"}
         for e in rt.events:          # where the step's time went on the thread that runs the schedule, by op

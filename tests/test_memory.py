@@ -53,3 +53,36 @@ def test_budget_error_names_a_budget_that_compiles():
     sm = harmony.compile(model, example_batch=data[0], memory_budget=e.value.min_budget, microbatches=4)
     sm(*data[0])
     assert sm.stats["measured_peak"] <= e.value.min_budget
+
+
+def _in_fresh_process(code: str, **env) -> str:
+    import os
+    import subprocess
+    import sys
+    e = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
+    e.update(env)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=e, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+@pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="huge pages: Linux only")
+def test_importing_harmony_turns_on_torchs_huge_page_allocations_unless_the_user_chose():
+    from harmony.process import _read
+    if "[never]" in _read("/sys/kernel/mm/transparent_hugepage/enabled"):
+        pytest.skip("transparent huge pages are off on this machine")
+    probe = "import os, harmony, torch; from harmony.process import huge_pages; " \
+            "print(huge_pages(), os.environ.get('THP_MEM_ALLOC_ENABLE'))"
+    assert _in_fresh_process(probe) == "True 1"
+    assert _in_fresh_process(probe, THP_MEM_ALLOC_ENABLE="0") == "False 0"      # the user's choice stands
+    # torch latched its choice at the first tensor: too late to ask, and huge_pages() says so
+    late = "import torch; torch.zeros(1 << 20); " + probe
+    assert _in_fresh_process(late) == "False 1"
+
+
+def test_the_report_says_whether_huge_pages_are_on():
+    model, data = CASES["mlp"]()
+    sm, stats, _ = run_compiled(copy.deepcopy(model), data, 1, training_state_bytes(model), "harmony")
+    assert stats[-1]["huge_pages"] is sm.huge_pages
+    line = next(l for l in sm.report().splitlines() if l.strip().startswith("huge pages"))
+    assert ("on: " if sm.huge_pages else "off: ") in line
