@@ -30,6 +30,7 @@ def pid_alive(pid: int) -> bool:
 
 
 THP_ENV = "THP_MEM_ALLOC_ENABLE"   # torch's switch: CPU allocations of 2 MiB or more ask for huge pages
+THP_SYSFS = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 
 def ask_for_huge_pages() -> None:
@@ -55,11 +56,23 @@ def huge_pages() -> bool:
     Measured, not read from the environment (torch latched its choice at its first allocation):
     with huge pages a large tensor starts on a page boundary, without them on a 64-byte one.
     """
-    if not sys.platform.startswith("linux") or "[never]" in _read("/sys/kernel/mm/transparent_hugepage/enabled"):
+    if not sys.platform.startswith("linux") or "[never]" in _read(THP_SYSFS):
         return False
     import torch
     probes = [torch.empty(n, dtype=torch.uint8) for n in (2 << 20, (2 << 20) + 4160, 3 << 20)]
     return all(t.data_ptr() % 4096 == 0 for t in probes)
+
+
+def huge_pages_note(on: bool) -> str:
+    """What the report says of ``huge_pages()``: on, or off and why."""
+    if on:
+        return "on: torch's CPU tensors of 2 MiB or more fault in 2 MiB at a time"
+    if not sys.platform.startswith("linux"):
+        return "off: Linux only"
+    if "[never]" in _read(THP_SYSFS):
+        return f"off: transparent huge pages are disabled on this machine ({THP_SYSFS} says never)"
+    return ("off: fresh tensors fault in 4 KiB at a time; import harmony before making the first tensor, or set "
+            f"{THP_ENV}=1 (torch reads it once)")
 
 
 def _read(path: str) -> str:

@@ -68,8 +68,8 @@ def _in_fresh_process(code: str, **env) -> str:
 
 @pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="huge pages: Linux only")
 def test_importing_harmony_turns_on_torchs_huge_page_allocations_unless_the_user_chose():
-    from harmony.process import _read
-    if "[never]" in _read("/sys/kernel/mm/transparent_hugepage/enabled"):
+    from harmony.process import THP_SYSFS, _read
+    if "[never]" in _read(THP_SYSFS):
         pytest.skip("transparent huge pages are off on this machine")
     probe = "import os, harmony, torch; from harmony.process import huge_pages; " \
             "print(huge_pages(), os.environ.get('THP_MEM_ALLOC_ENABLE'))"
@@ -81,8 +81,10 @@ def test_importing_harmony_turns_on_torchs_huge_page_allocations_unless_the_user
 
 
 def test_the_report_says_whether_huge_pages_are_on():
+    from harmony.process import huge_pages_note
     model, data = CASES["mlp"]()
     sm, stats, _ = run_compiled(copy.deepcopy(model), data, 1, training_state_bytes(model), "harmony")
     assert stats[-1]["huge_pages"] is sm.huge_pages
-    line = next(l for l in sm.report().splitlines() if l.strip().startswith("huge pages"))
-    assert ("on: " if sm.huge_pages else "off: ") in line
+    flat = " ".join(sm.report().split())
+    assert "huge pages " + huge_pages_note(sm.huge_pages) in flat
+    assert huge_pages_note(True).startswith("on: ") and huge_pages_note(False).startswith("off: ")

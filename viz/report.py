@@ -331,10 +331,8 @@ class _Writer:
             items.append(("process RSS", f"{fmt_bytes(s['peak_rss_bytes'])} peak resident memory of this process "
                                          f"(getrusage; host and the CPU's logical device together)"))
         if "huge_pages" in s:
-            items.append(("huge pages", "on: torch's CPU tensors of 2 MiB or more fault in 2 MiB at a time"
-                          if s["huge_pages"] else
-                          "off: fresh tensors fault in 4 KiB at a time; import harmony before making the first "
-                          "tensor, or set THP_MEM_ALLOC_ENABLE=1 (torch reads it once)"))
+            from harmony.process import huge_pages_note
+            items.append(("huge pages", huge_pages_note(s["huge_pages"])))
         known = {"measured_peak", "predicted_peak", "budget", "h2d_bytes", "d2h_bytes", "predicted_h2d",
                  "predicted_d2h", "step_seconds", "peak_rss_bytes", "huge_pages"}
         items += [(k, fmt_value(k, v)) for k, v in s.items() if k not in known]
