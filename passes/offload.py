@@ -70,21 +70,26 @@ def everything_fits(program: Program) -> bool:
         plan.resident = saved
 
 
+def step_place(cfg, fits) -> tuple[str, str]:
+    """Where the optimizer steps ("device" or "host") and why; ``fits()`` says whether all training state fits
+    the device, asked only under ``optimizer_on="auto"`` (the partition asks before packs exist, with an estimate)."""
+    if cfg.precision != "fp32":   # compile() refuses optimizer_on="device" with mixed precision
+        return "host", f"precision={cfg.precision!r}: fp32 master weights and optimizer state stay on the host"
+    if cfg.optimizer_on != "auto":
+        return cfg.optimizer_on, f"optimizer_on={cfg.optimizer_on!r}"
+    if fits():
+        return "device", "all training state fits the budget"
+    if cfg.policy == "ondemand":
+        return "device", "the ondemand baseline leaves everything to the runtime"
+    return "host", "the training state does not fit the budget: optimizer state stays off the device"
+
+
 def run(program: Program, ctx) -> PassResult:
     start = time.perf_counter()
     cfg, plan = program.config, program.plan
     if cfg.optimizer_on not in PLACES:
         raise ConfigError(f"optimizer_on={cfg.optimizer_on!r}; choose one of {', '.join(PLACES)}")
-    place = cfg.optimizer_on
-    reason = f"optimizer_on={place!r}"
-    if cfg.precision != "fp32":   # compile() refuses optimizer_on="device" with mixed precision
-        place, reason = "host", f"precision={cfg.precision!r}: fp32 master weights and optimizer state stay on the host"
-    elif place == "auto":
-        fits = everything_fits(program)
-        place = "device" if fits or cfg.policy == "ondemand" else "host"
-        reason = ("all training state fits the budget" if fits else
-                  "the ondemand baseline leaves everything to the runtime" if cfg.policy == "ondemand" else
-                  "the training state does not fit the budget: optimizer state stays off the device")
+    place, reason = step_place(cfg, lambda: everything_fits(program))
     plan.step_on = {p.index: place for p in plan.packs}
     for n in program.schedule.nodes:
         if n.op == "call_function" and n.target is ops.step:

@@ -24,6 +24,7 @@ from harmony.compiler.cost import measure_pack
 from harmony.compiler.ir import PassReport, PassResult, Program
 from harmony.compiler.meta import COST, MODULE_PATH, PACK, STATE
 from harmony.errors import BudgetError
+from harmony.passes.offload import step_place
 from harmony.runtime.plan import PackSpec, Plan, optim_state_bytes, step_extra
 from harmony.runtime.precision import device_bytes
 from harmony.units import fmt_bytes
@@ -209,7 +210,8 @@ class _Need:
         all_params = total + max(n - p for n, p in zip(needs, own))
         if self.p.config.optimizer_on != "device":
             optim = 0.0
-        if self.host_step(total, budget):
+        # where the offload pass will step the optimizer (it decides after the partition, with the exact curve)
+        if step_place(self.p.config, lambda: (2 + self.state_per_byte) * total <= budget)[0] == "host":
             saved = 0.0          # the host updates the weights: every pack's come in afresh each phase
         elif all_params <= budget:
             saved = 3 * total - own[-1] + 2 * min(optim, budget - all_params)
@@ -225,13 +227,6 @@ class _Need:
             flops = sum(u.fwd_flops * (1 + recompute) + u.bwd_flops for u in self.units[s:e]) * m
             seconds += max(flops / cfg.flops, share * self.traffic(s, e, i == last) / cfg.copy_bandwidth) + PACK_SECONDS
         return seconds, left
-
-    def host_step(self, params: float, budget: float) -> bool:
-        """Whether the offload pass will step the optimizer on the host (it decides after the partition):
-        asked for, mixed precision, or ``auto`` where parameters, gradients and optimizer state do not fit."""
-        cfg = self.p.config
-        return (cfg.optimizer_on == "host" or cfg.precision != "fp32"
-                or (cfg.optimizer_on == "auto" and (2 + self.state_per_byte) * params > budget))
 
     def kept_graphs(self, cuts, budget: float, largest: float, last_need: float, resident: float) -> set[int]:
         """The packs whose forward's graph the swap pass can keep (no recompute), as it chooses them.

@@ -1,5 +1,8 @@
 """Memory contract: the measured device peak never exceeds the budget; verify's prediction is within 10%."""
 import copy
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -56,9 +59,6 @@ def test_budget_error_names_a_budget_that_compiles():
 
 
 def _in_fresh_process(code: str, **env) -> str:
-    import os
-    import subprocess
-    import sys
     e = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
     e.update(env)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=e, timeout=120)
@@ -66,7 +66,7 @@ def _in_fresh_process(code: str, **env) -> str:
     return out.stdout.strip()
 
 
-@pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="huge pages: Linux only")
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="huge pages: Linux only")
 def test_importing_harmony_turns_on_torchs_huge_page_allocations_unless_the_user_chose():
     from harmony.process import THP_SYSFS, _read
     if "[never]" in _read(THP_SYSFS):

@@ -262,3 +262,20 @@ def test_recompute_always_where_keeping_graphs_does_not_pay():
 def test_unknown_recompute_is_a_config_error():
     with pytest.raises(ConfigError, match="recompute='sometimes'; choose one of 'auto', 'always'"):
         compiled(recompute="sometimes")
+
+
+def test_one_rule_says_where_the_optimizer_steps_for_the_partition_and_the_offload_pass():
+    from types import SimpleNamespace
+    from harmony.passes.offload import step_place
+
+    def cfg(**kw):
+        return SimpleNamespace(**{**dict(precision="fp32", optimizer_on="auto", policy="harmony"), **kw})
+
+    def never():
+        raise AssertionError("fits() asked outside optimizer_on='auto'")
+    assert step_place(cfg(precision="bf16"), never)[0] == "host"
+    assert step_place(cfg(optimizer_on="device"), never)[0] == "device"
+    assert step_place(cfg(optimizer_on="host"), never)[0] == "host"
+    assert step_place(cfg(), lambda: True)[0] == "device"
+    assert step_place(cfg(), lambda: False)[0] == "host"
+    assert step_place(cfg(policy="ondemand"), lambda: False)[0] == "device"   # the runtime decides everything
