@@ -187,11 +187,13 @@ class _Need:
         seconds = max(flops / cfg.flops, traffic / cfg.copy_bandwidth) + PACK_SECONDS
         return need, seconds
 
-    def traffic(self, s: int, e: int, last: bool) -> float:
-        """Bytes a swapped pack moves per iteration: weights in per phase, out once updated, optimizer state in and out."""
+    def traffic(self, s: int, e: int, last: bool, host: bool = False) -> float:
+        """Bytes a swapped pack moves per iteration: weights in per phase, out once updated, optimizer state in and out
+        (``host``: the optimizer steps on the host, so gradients go out instead of weights and its state never moves)."""
         params = frozenset().union(*(u.params for u in self.units[s:e]))
         pbytes = sum(self.sizes[n] for n in params)
-        return pbytes * ((1 if last else 2) + 1) + sum(self.master[n] for n in params) * 2 * self.state_per_byte
+        optim = 0 if host else sum(self.master[n] for n in params) * 2 * self.state_per_byte
+        return pbytes * ((1 if last else 2) + 1) + optim
 
     def plan_cost(self, cuts, budget: float) -> tuple[float, float]:
         """(seconds, bytes moved) of a partition, counting what the swap pass will keep resident.
@@ -199,20 +201,27 @@ class _Need:
         As the swap pass does: parameters first (a byte kept saves 3 moved: in for forward and
         backward, out once updated), then optimizer state (2: in and out around the step). A pack's
         need already counts its own parameters, so with every parameter resident the room left is
-        ``budget - P - max(need - own parameters)``; smaller packs leave more of it.
+        ``budget - P - max(need - own parameters)``; smaller packs leave more of it. Under a host
+        step (harmony policy) weights are held from a pack's forward to its backward, beside the last
+        pack's working set: a smaller last pack leaves more room for them.
         """
         last = len(cuts) - 1
-        moved = sum(self.traffic(s, e, i == last) for i, (s, e) in enumerate(cuts))
-        needs = [self(s, e, i == last)[0] for i, (s, e) in enumerate(cuts)]
         own = [self._param_bytes(s, e) for s, e in cuts]
         total = sum(own)
+        # where the offload pass will step the optimizer (it decides after the partition, with the exact curve)
+        host = step_place(self.p.config, lambda: (2 + self.state_per_byte) * total <= budget)[0] == "host"
+        moved = sum(self.traffic(s, e, i == last, host) for i, (s, e) in enumerate(cuts))
+        needs = [self(s, e, i == last)[0] for i, (s, e) in enumerate(cuts)]
         optim = sum(self.master[n] for n in frozenset().union(*(u.params for u in self.units))) * self.state_per_byte
         all_params = total + max(n - p for n, p in zip(needs, own))
         if self.p.config.optimizer_on != "device":
             optim = 0.0
-        # where the offload pass will step the optimizer (it decides after the partition, with the exact curve)
-        if step_place(self.p.config, lambda: (2 + self.state_per_byte) * total <= budget)[0] == "host":
-            saved = 0.0          # the host updates the weights: every pack's come in afresh each phase
+        if host and self.p.config.policy == "harmony":
+            # the host updates the weights, so none stay for good; but a pack's can stay from its forward to its
+            # backward (1 byte saved per byte), all of them beside the last pack's working set at the turn
+            saved = min(total - own[-1], max(0.0, budget - needs[-1]))
+        elif host:
+            saved = 0.0
         elif all_params <= budget:
             saved = 3 * total - own[-1] + 2 * min(optim, budget - all_params)
         else:
@@ -225,7 +234,8 @@ class _Need:
         for i, (s, e) in enumerate(cuts):
             recompute = 0 if i == last or i in kept else 1
             flops = sum(u.fwd_flops * (1 + recompute) + u.bwd_flops for u in self.units[s:e]) * m
-            seconds += max(flops / cfg.flops, share * self.traffic(s, e, i == last) / cfg.copy_bandwidth) + PACK_SECONDS
+            seconds += max(flops / cfg.flops, share * self.traffic(s, e, i == last, host) / cfg.copy_bandwidth) \
+                + PACK_SECONDS
         return seconds, left
 
     def kept_graphs(self, cuts, budget: float, largest: float, last_need: float, resident: float) -> set[int]:

@@ -10,6 +10,13 @@
 4. From that least-memory plan, state and activation groups are kept on the device,
    most bytes moved saved per byte held first (parameters: 3 per byte, optimizer
    state and activations: 2), while the predicted peak fits.
+5. A pack whose optimizer steps on the host cannot keep its weights for good (the host
+   updates them; they come in afresh after the step), but it can keep them between its
+   visits within an iteration: brought in once for the forward and released once after
+   the backward. Under the harmony policy that is across the turn from forward to backward
+   (1 byte saved per byte held, and held only from the pack's forward to its backward, so
+   the last packs, whose two visits are closest, are tried first); under sequential, across
+   all 2 x microbatches visits.
 
 Recompute is a choice made here too (``recompute="auto"``): a pack that keeps its
 forward's graph (its activations, for every microbatch until its backward) runs its
@@ -156,13 +163,29 @@ def keep_graphs(graph: torch.fx.Graph, packs) -> None:
             graph.erase_node(n)
 
 
-def _build(base: torch.fx.Graph, resident: set, stashed: set, groups: dict, kept: frozenset = frozenset()):
+def hold_between_visits(graph: torch.fx.Graph, packs) -> None:
+    """The ``packs``' weights stay on the device from their first visit of the iteration to their last:
+    every ``swap_in`` of their parameters but the first goes, and every ``release`` but the last."""
+    for pack in packs:
+        ins = [n for n in _calls(graph) if n.target is ops.swap_in and n.args == (pack, "params")]
+        outs = [n for n in _calls(graph) if n.target is ops.release and n.args[:2] == (pack, "params")]
+        for n in ins[1:]:
+            for w in list(n.users):
+                graph.erase_node(w)
+            graph.erase_node(n)
+        for n in outs[:-1]:
+            graph.erase_node(n)
+
+
+def _build(base: torch.fx.Graph, resident: set, stashed: set, groups: dict, kept: frozenset = frozenset(),
+           held: frozenset = frozenset()):
     """The swapped schedule: ``resident`` state left in place, the ``stashed`` groups sent to the host,
-    the ``kept`` packs' graphs held for their backward."""
+    the ``kept`` packs' graphs held for their backward, the ``held`` packs' weights held between visits."""
     g = _copy(base)
     keep_graphs(g, kept)
     for pack, kind in resident:
         _drop_swaps(g, pack, (kind,))
+    hold_between_visits(g, held)
     mark_streams(g, resident)
     by_name = {n.name: n for n in g.nodes}
     order = {n: i for i, n in enumerate(g.nodes)}
@@ -197,6 +220,8 @@ def graph_candidates(program: Program) -> list[tuple]:
 def _row(what, size, per_byte) -> dict:
     if what[0] == "graph":
         kind = "activations (no recompute)"
+    elif what[0] == "held":
+        kind = "params between visits"
     elif what[0] == "keep":
         kind = f"{what[1]} outputs" if what[1] == "forward" else "input grads"
     else:
@@ -205,13 +230,22 @@ def _row(what, size, per_byte) -> dict:
 
 
 def _with(chosen, what) -> tuple:
-    resident, stashed, kept = chosen
+    resident, stashed, kept, held = chosen
     if what[0] == "keep":
-        return resident, stashed - {what[1:]}, kept
+        return resident, stashed - {what[1:]}, kept, held
     if what[0] == "graph":
-        return resident, stashed, kept | {what[1]}
+        return resident, stashed, kept | {what[1]}, held
+    if what[0] == "held":
+        return resident, stashed, kept, held | {what[1]}
     kinds = (what[0], "grads") if what[0] == "params" else (what[0],)
-    return resident | {(what[1], k) for k in kinds}, stashed, kept
+    return resident | {(what[1], k) for k in kinds}, stashed, kept, held
+
+
+def _rank(candidate) -> tuple:
+    """Most saved per byte first; among equals the largest, except weights held between visits: the last packs
+    first, whose visits are closest (an early pack's weights would be held through every other pack's)."""
+    per_byte, size, what = candidate
+    return (-per_byte, -what[1] if what[0] == "held" else -size)
 
 
 def _greedy(candidates, chosen, fits, room) -> tuple[tuple, list[dict]]:
@@ -222,7 +256,7 @@ def _greedy(candidates, chosen, fits, room) -> tuple[tuple, list[dict]]:
     at a time would keep, for a few evaluations of the curve instead of one per candidate
     (a 24-layer model cut into 48 packs has some 140).
     """
-    items = [c for c in sorted(candidates, key=lambda c: (-c[0], -c[1])) if c[1]]
+    items = [c for c in sorted(candidates, key=_rank) if c[1]]
     rows, i, run = [], 0, 1
     while i < len(items):
         batch = items[i:i + run]
@@ -249,17 +283,17 @@ def run(program: Program, ctx) -> PassResult:
         report.notes.append("policy ondemand: no planned movement; the runtime fetches state when an op "
                             "touches it and evicts the least recently used state when the budget is hit")
         return PassResult(program, report)
-    plan.optim_resident = {}
+    plan.optim_resident, plan.held = {}, set()
     plan.resident = {(p.index, k) for p in plan.packs for k in KINDS}
     mixed = program.config.precision != "fp32"   # host steps update fp32 masters: compute copies come in afresh
     graphs = graph_candidates(program)
     if not mixed and memory_curve(program, check_residency=False).peak <= budget:
         base = program.schedule
 
-        def fits_all(resident, stashed, kept):
+        def fits_all(resident, stashed, kept, held):
             program.schedule = _build(base, resident, stashed, {}, kept)
             return memory_curve(program, check_residency=False)
-        chosen, rows = _greedy(graphs, (plan.resident, set(), frozenset()), fits_all, budget)
+        chosen, rows = _greedy(graphs, (plan.resident, set(), frozenset(), frozenset()), fits_all, budget)
         fits_all(*chosen)
         report.rows = rows
         report.notes.append("everything fits the budget: all state stays resident, no swap inserted"
@@ -274,10 +308,11 @@ def run(program: Program, ctx) -> PassResult:
     insert_swaps(program.schedule, plan.resident)
     base = program.schedule
     groups = stash_groups(base)
-    chosen = (set(), set(groups), frozenset())
+    chosen = (set(), set(groups), frozenset(), frozenset())
 
-    def fits(resident, stashed, kept):
-        program.schedule, plan.resident = _build(base, resident, stashed, groups, kept), resident
+    def fits(resident, stashed, kept, held):
+        program.schedule, plan.resident = _build(base, resident, stashed, groups, kept, held), resident
+        plan.held = set(held)
         return memory_curve(program, check_residency=False)
 
     curve = fits(*chosen)
@@ -299,9 +334,12 @@ def run(program: Program, ctx) -> PassResult:
     # ... then keep on the device what saves the most bytes moved per byte held, while it fits
     n_packs, m = len(plan.packs), plan.microbatches
     candidates = list(graphs)
-    for spec in plan.packs:
-        if plan.step_on.get(spec.index) == "host":
-            continue    # its optimizer updates the host copy: the weights must come in afresh
+    for spec in reversed(plan.packs):   # the last packs first among equals: their weights are held the shortest
+        if plan.step_on.get(spec.index) == "host":   # the host updates the weights: they come in afresh each iteration
+            visits = sum(1 for n in _calls(base) if n.target is ops.swap_in and n.args == (spec.index, "params"))
+            if visits > 1:
+                candidates.append((visits - 1, spec.param_bytes + spec.buffer_bytes, ("held", spec.index)))
+            continue
         phases = m if program.config.policy == "sequential" else 1
         per_byte = phases * (2 if spec.index == n_packs - 1 else 3)   # in for forward and backward, out once
         candidates.append((per_byte, spec.param_bytes + spec.buffer_bytes, ("params", spec.index)))
@@ -316,8 +354,6 @@ def run(program: Program, ctx) -> PassResult:
     cfg = program.config
     compute = sum(s.fwd_flops * 2 + s.bwd_flops for s in plan.packs) * m / cfg.flops
     copies = sum(c[0] * c[1] for c in candidates if c[2][0] != "graph") / cfg.copy_bandwidth
-    if plan.step_on and "host" in plan.step_on.values():
-        copies = 0.0    # weights come in every phase anyway: overlap is what is left to win
     room = budget - (max(s.param_bytes + s.buffer_bytes for s in plan.packs) if compute > copies else 0)
     # a graph worth less than a single parameter's optimizer state (2 bytes per byte) takes what that leaves
     low = [c for c in candidates if c[2][0] == "graph" and c[0] < 2]
@@ -332,7 +368,7 @@ def run(program: Program, ctx) -> PassResult:
     report.rows = rows
     report.totals = dict(swap_ins=counts.get("swap_in", 0), releases=counts.get("release", 0),
                          stashes=counts.get("stash", 0), unstashes=counts.get("unstash", 0),
-                         kept_on_device=len(rows), recomputing_packs=n_packs - 1 - len(chosen[2]),
+                         kept_on_device=len(rows), held_between_visits=len(chosen[3]), recomputing_packs=n_packs - 1 - len(chosen[2]),
                          predicted_peak_MiB=curve.peak / 2**20,
                          h2d_MiB=curve.moved["h2d"] / 2**20, d2h_MiB=curve.moved["d2h"] / 2**20,
                          seconds=time.perf_counter() - start)

@@ -75,6 +75,8 @@ class Plan:
     resident: set = field(default_factory=set)   # (pack, what) kept on the device for the whole run
     optim_resident: dict = field(default_factory=dict)  # param -> its optimizer state's bytes, kept on the device
                                                          # alone (its pack's optimizer state is not in resident)
+    held: set = field(default_factory=set)       # packs whose weights stay on the device between their visits of
+                                                 # an iteration (host-stepped: they come in afresh after the step)
     step_on: dict = field(default_factory=dict)  # pack -> "device" | "host": where its optimizer steps
     optim_on: dict = field(default_factory=dict)  # pack -> "device" | "host" | "disk": its optimizer state
     master_on: dict = field(default_factory=dict)  # pack -> "host" | "disk": its fp32 weights between uses

@@ -1,4 +1,5 @@
 """Graph-shape checks after each pass: counts and order of the ops it inserts."""
+import copy
 import sys
 import types
 
@@ -9,7 +10,7 @@ import harmony
 from harmony.compiler.meta import PACK
 from harmony.errors import ConfigError, PassError
 from harmony.runtime import ops
-from models import CASES, training_state_bytes
+from models import CASES, assert_bitwise, eager_accumulate, training_state_bytes
 
 
 def compiled(frac=0.5, policy="harmony", microbatches=4, passes=None, case="gpt", layers=6, optimizer_on="auto",
@@ -84,12 +85,46 @@ def test_swap_brings_weights_in_once_per_phase_under_harmony():
 
 
 def test_sequential_swaps_every_pack_every_microbatch():
-    sm, _ = compiled(frac=0.25, policy="sequential", passes=("partition", "schedule", "offload", "swap"))
+    sm, _ = compiled(frac=0.25, policy="sequential", optimizer_on="device",
+                     passes=("partition", "schedule", "offload", "swap"))
     resident = {p for p, k in sm.plan.resident if k == "params"}
     swapped = [p for p in range(len(sm.plan.packs)) if p not in resident]
+    assert swapped and not sm.plan.held      # a device step keeps weights for good or not at all
     params_in = [n.args[0] for n in names(sm, ops.swap_in) if n.args[1] == "params"]
     for p in swapped:
         assert params_in.count(p) >= 4
+
+
+@pytest.mark.parametrize("policy", ["harmony", "sequential"])
+def test_host_stepped_weights_held_between_visits_come_in_once_per_step(policy):
+    """A host step updates the weights, so none stay for good; the swap pass holds some packs' weights from
+    their first visit of the step to their last, the last packs first under harmony (the shortest hold)."""
+    model, data = CASES["gpt"](layers=6)
+    sm = harmony.compile(copy.deepcopy(model), example_batch=data[0], microbatches=4, policy=policy,
+                         memory_budget=int(training_state_bytes(model) * 0.25), optimizer_on="host", hardware="gtx1080ti")
+    held, n = sm.plan.held, len(sm.plan.packs)
+    assert held and not {p for p, _ in sm.plan.resident}
+    seq = calls(sm)
+    for p in range(n):
+        ins = [i for i, x in enumerate(seq) if x.target is ops.swap_in and x.args == (p, "params")]
+        outs = [i for i, x in enumerate(seq) if x.target is ops.release and x.args[:2] == (p, "params")]
+        uses = [i for i, x in enumerate(seq) if x.target in (ops.forward, ops.backward) and x.args[0] == p]
+        assert len(ins) == len(outs)
+        if p in held:
+            assert len(ins) == 1 and ins[0] < uses[0] and outs[0] > uses[-1], (p, ins, outs)
+        elif policy == "harmony":
+            assert len(ins) == (1 if p == n - 1 else 2)
+        else:                   # every microbatch's visit (a backward and the next forward of pack 0 are one)
+            assert len(ins) >= 4
+    if policy == "harmony":     # the last packs first: what is held is a run of packs ending at the last but one
+        assert held == set(range(n - 1 - len(held), n - 1)) or n - 1 in held
+    assert "params (within a step)" in sm.report()
+    expected, _ = eager_accumulate(model, data, 4)
+    for x, y in data:
+        sm(x, y)
+        assert sm.stats["measured_peak"] <= sm.program.config.memory_budget
+    assert_bitwise(sm, dict(expected.named_parameters()))
+    sm.close()
 
 
 def test_nothing_to_do_when_everything_fits():

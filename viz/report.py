@@ -112,6 +112,8 @@ def _packs(program) -> list[dict]:
     resident: dict[int, list[str]] = {}
     for pack, what in sorted(program.plan.resident, key=lambda pw: (pw[0], order.get(pw[1], 3), pw[1])):
         resident.setdefault(pack, []).append(what)
+    for pack in sorted(getattr(program.plan, "held", ()) or ()):
+        resident.setdefault(pack, []).append("params (within a step)")
     kept = getattr(program.plan, "optim_resident", None) or {}
     for s in program.plan.packs:
         held = sum(1 for n in s.stepped if n in kept)
