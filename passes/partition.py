@@ -218,8 +218,15 @@ class _Need:
             optim = 0.0
         if host and self.p.config.policy == "harmony":
             # the host updates the weights, so none stay for good; but a pack's can stay from its forward to its
-            # backward (1 byte saved per byte), all of them beside the last pack's working set at the turn
-            saved = min(total - own[-1], max(0.0, budget - needs[-1]))
+            # backward (1 byte saved per byte), all of them beside the last pack's working set at the turn; room
+            # left then lets packs step on the device with all their state resident (2 more saved per byte of
+            # parameters, for its optimizer state held), where the swap pass may do that (swap.may_step_on_device)
+            room = max(0.0, budget - needs[-1])
+            saved = min(total - own[-1], room)
+            cfg = self.p.config
+            if cfg.optimizer_on == "auto" and cfg.precision == "fp32" and (cfg.world_size or 1) <= 1 \
+                    and self.state_per_byte:
+                saved += 2 * min(total, max(0.0, room - saved) / self.state_per_byte)
         elif host:
             saved = 0.0
         elif all_params <= budget:

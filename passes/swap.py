@@ -17,6 +17,12 @@
    (1 byte saved per byte held, and held only from the pack's forward to its backward, so
    the last packs, whose two visits are closest, are tried first); under sequential, across
    all 2 x microbatches visits.
+6. Where room is still left (``optimizer_on="auto"``, fp32, one rank), a host-stepped pack
+   may step on the device instead, with its weights, gradients and optimizer state resident
+   for good: it then moves nothing, where held between visits it moved its weights in once
+   and its gradients out once (2 bytes saved per 3 held for Adam), first packs first (their
+   weights are held through most of the step anyway). Mixed placement: the packs that fit
+   stay on the device, ZeRO-Offload's host step for the rest.
 
 Recompute is a choice made here too (``recompute="auto"``): a pack that keeps its
 forward's graph (its activations, for every microbatch until its backward) runs its
@@ -177,12 +183,21 @@ def hold_between_visits(graph: torch.fx.Graph, packs) -> None:
             graph.erase_node(n)
 
 
+def step_on_device(graph: torch.fx.Graph, packs) -> None:
+    """The ``packs``' optimizer steps run on the device (their state is resident: nothing streams)."""
+    for n in _calls(graph):
+        if n.target is ops.step and n.args[0] in packs:
+            n.kwargs = {**n.kwargs, "where": "device", "overlap": False}
+
+
 def _build(base: torch.fx.Graph, resident: set, stashed: set, groups: dict, kept: frozenset = frozenset(),
-           held: frozenset = frozenset()):
+           held: frozenset = frozenset(), device: frozenset = frozenset()):
     """The swapped schedule: ``resident`` state left in place, the ``stashed`` groups sent to the host,
-    the ``kept`` packs' graphs held for their backward, the ``held`` packs' weights held between visits."""
+    the ``kept`` packs' graphs held for their backward, the ``held`` packs' weights held between visits,
+    the ``device`` packs (host-stepped in ``base``) stepped on the device."""
     g = _copy(base)
     keep_graphs(g, kept)
+    step_on_device(g, device)
     for pack, kind in resident:
         _drop_swaps(g, pack, (kind,))
     hold_between_visits(g, held)
@@ -222,6 +237,8 @@ def _row(what, size, per_byte) -> dict:
         kind = "activations (no recompute)"
     elif what[0] == "held":
         kind = "params between visits"
+    elif what[0] == "device":
+        kind = "all state (device step)"
     elif what[0] == "keep":
         kind = f"{what[1]} outputs" if what[1] == "forward" else "input grads"
     else:
@@ -230,22 +247,25 @@ def _row(what, size, per_byte) -> dict:
 
 
 def _with(chosen, what) -> tuple:
-    resident, stashed, kept, held = chosen
+    resident, stashed, kept, held, device = chosen
     if what[0] == "keep":
-        return resident, stashed - {what[1:]}, kept, held
+        return resident, stashed - {what[1:]}, kept, held, device
     if what[0] == "graph":
-        return resident, stashed, kept | {what[1]}, held
+        return resident, stashed, kept | {what[1]}, held, device
     if what[0] == "held":
-        return resident, stashed, kept, held | {what[1]}
+        return resident, stashed, kept, held | {what[1]}, device
+    if what[0] == "device":
+        return resident | {(what[1], k) for k in KINDS}, stashed, kept, held - {what[1]}, device | {what[1]}
     kinds = (what[0], "grads") if what[0] == "params" else (what[0],)
-    return resident | {(what[1], k) for k in kinds}, stashed, kept, held
+    return resident | {(what[1], k) for k in kinds}, stashed, kept, held, device
 
 
 def _rank(candidate) -> tuple:
     """Most saved per byte first; among equals the largest, except weights held between visits: the last packs
-    first, whose visits are closest (an early pack's weights would be held through every other pack's)."""
+    first, whose visits are closest (an early pack's weights would be held through every other pack's), and
+    device steps: the first packs first (theirs are held the longest)."""
     per_byte, size, what = candidate
-    return (-per_byte, -what[1] if what[0] == "held" else -size)
+    return (-per_byte, -what[1] if what[0] == "held" else what[1] if what[0] == "device" else -size)
 
 
 def _greedy(candidates, chosen, fits, room) -> tuple[tuple, list[dict]]:
@@ -290,10 +310,11 @@ def run(program: Program, ctx) -> PassResult:
     if not mixed and memory_curve(program, check_residency=False).peak <= budget:
         base = program.schedule
 
-        def fits_all(resident, stashed, kept, held):
+        def fits_all(resident, stashed, kept, held, device):
             program.schedule = _build(base, resident, stashed, {}, kept)
             return memory_curve(program, check_residency=False)
-        chosen, rows = _greedy(graphs, (plan.resident, set(), frozenset(), frozenset()), fits_all, budget)
+        chosen, rows = _greedy(graphs, (plan.resident, set(), frozenset(), frozenset(), frozenset()), fits_all,
+                               budget)
         fits_all(*chosen)
         report.rows = rows
         report.notes.append("everything fits the budget: all state stays resident, no swap inserted"
@@ -308,10 +329,10 @@ def run(program: Program, ctx) -> PassResult:
     insert_swaps(program.schedule, plan.resident)
     base = program.schedule
     groups = stash_groups(base)
-    chosen = (set(), set(groups), frozenset(), frozenset())
+    chosen = (set(), set(groups), frozenset(), frozenset(), frozenset())
 
-    def fits(resident, stashed, kept, held):
-        program.schedule, plan.resident = _build(base, resident, stashed, groups, kept, held), resident
+    def fits(resident, stashed, kept, held, device):
+        program.schedule, plan.resident = _build(base, resident, stashed, groups, kept, held, device), resident
         plan.held = set(held)
         return memory_curve(program, check_residency=False)
 
@@ -339,6 +360,9 @@ def run(program: Program, ctx) -> PassResult:
             visits = sum(1 for n in _calls(base) if n.target is ops.swap_in and n.args == (spec.index, "params"))
             if visits > 1:
                 candidates.append((visits - 1, spec.param_bytes + spec.buffer_bytes, ("held", spec.index)))
+            if may_step_on_device(program, spec.index):   # beyond held weights: their one swap_in, gradients out
+                held = spec.param_bytes + spec.buffer_bytes + spec.optim_bytes
+                candidates.append(((spec.param_bytes + spec.buffer_bytes) * 2 / held, held, ("device", spec.index)))
             continue
         phases = m if program.config.policy == "sequential" else 1
         per_byte = phases * (2 if spec.index == n_packs - 1 else 3)   # in for forward and backward, out once
@@ -362,13 +386,16 @@ def run(program: Program, ctx) -> PassResult:
     chosen, more = _greedy(low, chosen, fits, room)
     rows += more
     curve = fits(*chosen)
+    for p in chosen[4]:
+        plan.step_on[p] = plan.optim_on[p] = "device"
     counts = {}
     for n in _calls(program.schedule):
         counts[n.target.__name__] = counts.get(n.target.__name__, 0) + 1
     report.rows = rows
     report.totals = dict(swap_ins=counts.get("swap_in", 0), releases=counts.get("release", 0),
                          stashes=counts.get("stash", 0), unstashes=counts.get("unstash", 0),
-                         kept_on_device=len(rows), held_between_visits=len(chosen[3]), recomputing_packs=n_packs - 1 - len(chosen[2]),
+                         kept_on_device=len(rows), held_between_visits=len(chosen[3]),
+                         device_stepped=len(chosen[4]), recomputing_packs=n_packs - 1 - len(chosen[2]),
                          predicted_peak_MiB=curve.peak / 2**20,
                          h2d_MiB=curve.moved["h2d"] / 2**20, d2h_MiB=curve.moved["d2h"] / 2**20,
                          seconds=time.perf_counter() - start)
@@ -382,6 +409,15 @@ def run(program: Program, ctx) -> PassResult:
         report.notes.append("activations (no recompute): saves_per_byte is the recompute time saved, as bytes the "
                             "host link moves in that time, per byte held")
     return PassResult(program, report)
+
+
+def may_step_on_device(program: Program, pack: int) -> bool:
+    """Whether the swap pass may move a host-stepped pack's step to the device: left to the compiler
+    (``optimizer_on="auto"``), fp32, one rank (the compress pass placed the all-reduce for a host step), and
+    the pack's weights and optimizer state in host memory (not files)."""
+    cfg, plan = program.config, program.plan
+    return (cfg.optimizer_on == "auto" and cfg.precision == "fp32" and (cfg.world_size or 1) <= 1
+            and plan.optim_on.get(pack) == "host" and plan.master_on.get(pack, "host") == "host")
 
 
 def keep_optimizer_parts(program: Program, chosen, fits, room: int) -> list[dict]:

@@ -84,6 +84,21 @@ def test_resume_into_another_plan_creates_resident_optimizer_state_on_the_device
     b.close()
 
 
+def test_resume_into_a_mixed_plan_is_bitwise(run_a):
+    """A plan that steps one pack on the device (all its state resident) and the other on the host."""
+    torch.manual_seed(1)
+    model = GPT(CFG)
+    b = harmony.compile(model, example_batch=DATA[0], microbatches=4, hardware="gtx1080ti",
+                        memory_budget=int(16 * sum(p.numel() for p in model.parameters()) * 0.8))
+    assert set(b.plan.step_on.values()) == {"device", "host"}
+    harmony.load(b, run_a["dir"])
+    assert_bitwise(b, run_a["at2"])
+    train(b, DATA[2:])
+    assert b.stats["measured_peak"] <= b.stats["budget"]
+    assert_bitwise(b, run_a["at4"])
+    b.close()
+
+
 def test_state_dict_references_live_tensors_and_round_trips_in_memory(run_a):
     a = run_a["sm"]
     sd = a.state_dict()

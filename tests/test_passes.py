@@ -127,6 +127,37 @@ def test_host_stepped_weights_held_between_visits_come_in_once_per_step(policy):
     sm.close()
 
 
+def test_mixed_placement_steps_some_packs_on_the_device_with_all_their_state_resident():
+    """Room left after holding weights: a host-stepped pack moves to a device step with its state resident for
+    good (it moves nothing), beside host-stepped ones; the training is bitwise eager's."""
+    model, data = CASES["mlp"]()
+    sm = harmony.compile(copy.deepcopy(model), example_batch=data[0], microbatches=4, hardware="gtx1080ti",
+                         memory_budget=int(training_state_bytes(model) * 0.75))
+    device = {p for p, on in sm.plan.step_on.items() if on == "device"}
+    assert device and set(sm.plan.step_on.values()) == {"device", "host"}
+    for p in device:
+        assert {(p, k) for k in ("params", "grads", "optim")} <= sm.plan.resident and p not in sm.plan.held
+        assert sm.plan.optim_on[p] == "device"
+        assert not [n for n in calls(sm) if n.target in (ops.swap_in, ops.release) and n.args[0] == p]
+        (step,) = [n for n in names(sm, ops.step) if n.args[0] == p]
+        assert step.kwargs["where"] == "device" and not step.kwargs["stream"]
+    for n in names(sm, ops.step):
+        assert (n.kwargs["where"] == "device") == (n.args[0] in device)
+    assert "all state (device step)" in sm.report()
+    expected, _ = eager_accumulate(model, data, 4)
+    for batch in data:
+        sm(*batch)
+        assert sm.stats["measured_peak"] <= sm.program.config.memory_budget
+    assert_bitwise(sm, dict(expected.named_parameters()))
+    sm.close()
+    # the compiler's to decide only: an explicit optimizer_on, mixed precision or several ranks keep one place
+    for kw in (dict(optimizer_on="host"), dict(precision="bf16")):
+        other = harmony.compile(copy.deepcopy(model), example_batch=data[0], microbatches=4, hardware="gtx1080ti",
+                                memory_budget=int(training_state_bytes(model) * 0.75), **kw)
+        assert set(other.plan.step_on.values()) == {"host"}, kw
+        other.close()
+
+
 def test_nothing_to_do_when_everything_fits():
     sm, data = compiled(frac=4.0)
     assert not names(sm, ops.swap_in) and not names(sm, ops.release) and not names(sm, ops.stash)
