@@ -37,7 +37,8 @@ def compile(model: torch.nn.Module, example_batch, *, optimizer=torch.optim.Adam
 
     ``optimizer_on``: ``"host"`` steps the optimizer on host copies while the device runs the next
     pack's backward (its state never touches the device), ``"device"`` brings the state to the
-    device, ``"auto"`` (default) chooses host when the training state does not fit the budget.
+    device, ``"auto"`` (default) chooses host when the training state does not fit the budget, except
+    for packs the swap pass finds room to keep wholly resident: those step on the device (fp32, one rank).
     ``hardware`` (a ``Hardware``, ``Device`` or preset name such as ``"a100-40gb"``) gives the
     planner the device's FLOP/s and host-link bandwidth to weigh compute against traffic;
     by default it plans for this machine's CPU. A device whose ``speed_factor`` is above 1

@@ -9,7 +9,9 @@ that step. With ``optimizer_on="auto"`` the step stays on the device when all tr
 state fits the budget, and goes to the host otherwise: that is when the device has no
 room for optimizer state, and the host step moves only gradients (P bytes out) instead
 of optimizer state (2 x 2P) and updated weights (P). Mixed precision (``precision=``) always
-steps on the host: the fp32 masters and optimizer state never come to the device.
+steps on the host: the fp32 masters and optimizer state never come to the device. Under
+``auto`` the swap pass, which knows what room is left, may move some host-placed packs back
+to a device step with all their state resident (``swap.may_step_on_device``): mixed placement.
 
 Where a host-stepped pack's optimizer state lives between steps (``plan.optim_on``):
 ``host`` while ``host_memory_budget`` allows, else ``disk`` (a file per pack under

@@ -360,7 +360,7 @@ def run(program: Program, ctx) -> PassResult:
             visits = sum(1 for n in _calls(base) if n.target is ops.swap_in and n.args == (spec.index, "params"))
             if visits > 1:
                 candidates.append((visits - 1, spec.param_bytes + spec.buffer_bytes, ("held", spec.index)))
-            if may_step_on_device(program, spec.index):   # beyond held weights: their one swap_in, gradients out
+            if spec.stepped and may_step_on_device(program, spec.index):   # beyond held weights: their swap_in, grads out
                 held = spec.param_bytes + spec.buffer_bytes + spec.optim_bytes
                 candidates.append(((spec.param_bytes + spec.buffer_bytes) * 2 / held, held, ("device", spec.index)))
             continue
