@@ -411,13 +411,18 @@ def run(program: Program, ctx) -> PassResult:
     return PassResult(program, report)
 
 
+def mixed_placement(cfg) -> bool:
+    """Whether host-stepped packs may move to a device step: left to the compiler (``optimizer_on="auto"``),
+    fp32, one rank (the compress pass placed the all-reduce for a host step). The partition asks too."""
+    return cfg.optimizer_on == "auto" and cfg.precision == "fp32" and (cfg.world_size or 1) <= 1
+
+
 def may_step_on_device(program: Program, pack: int) -> bool:
-    """Whether the swap pass may move a host-stepped pack's step to the device: left to the compiler
-    (``optimizer_on="auto"``), fp32, one rank (the compress pass placed the all-reduce for a host step), and
+    """Whether the swap pass may move this host-stepped pack's step to the device: ``mixed_placement``, and
     the pack's weights and optimizer state in host memory (not files)."""
-    cfg, plan = program.config, program.plan
-    return (cfg.optimizer_on == "auto" and cfg.precision == "fp32" and (cfg.world_size or 1) <= 1
-            and plan.optim_on.get(pack) == "host" and plan.master_on.get(pack, "host") == "host")
+    plan = program.plan
+    return (mixed_placement(program.config) and plan.optim_on.get(pack) == "host"
+            and plan.master_on.get(pack, "host") == "host")
 
 
 def keep_optimizer_parts(program: Program, chosen, fits, room: int) -> list[dict]:
