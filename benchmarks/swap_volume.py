@@ -28,7 +28,10 @@ How close a schedule can come: at the turn it also holds the last pack's working
 weights, gradients and activations) and, under Harmony's grouping, each pack's stashed inputs
 for every microbatch; the bound gives that room to held weights. The partition picks packs
 for the least predicted time, not the least traffic: on a small model a pack's fixed cost
-favours few, large packs, whose working sets leave less room at the turn.
+favours few, large packs, whose working sets leave less room at the turn. And where the
+planned compute outweighs the copies left (more microbatches), the swap pass leaves room to
+prefetch the largest pack's weights, a choice for time that can cost held weights or a
+device-stepped pack (12 layers, 50%, 16 microbatches).
 """
 from __future__ import annotations
 
