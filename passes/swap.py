@@ -405,6 +405,12 @@ def run(program: Program, ctx) -> PassResult:
                         f"precision={program.config.precision!r}: the host steps the fp32 masters, so every pack's "
                         f"compute copy comes in afresh and its gradients leave after its backward; then kept on "
                         f"the device what saves most traffic per byte")
+    if chosen[4]:
+        one = len(chosen[4]) == 1
+        report.notes.append(f"{'pack' if one else 'packs'} {', '.join(map(str, sorted(chosen[4])))} "
+                            f"{'steps' if one else 'step'} on the device with all {'its' if one else 'their'} state "
+                            f"resident (room was left after holding weights): the offload table above shows the "
+                            f"placement before this pass; the other packs step on the host")
     if graphs:
         report.notes.append("activations (no recompute): saves_per_byte is the recompute time saved, as bytes the "
                             "host link moves in that time, per byte held")

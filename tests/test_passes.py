@@ -144,6 +144,7 @@ def test_mixed_placement_steps_some_packs_on_the_device_with_all_their_state_res
     for n in names(sm, ops.step):
         assert (n.kwargs["where"] == "device") == (n.args[0] in device)
     assert "all state (device step)" in sm.report()
+    assert f"{', '.join(map(str, sorted(device)))} step" in " ".join(sm.report().split())
     expected, _ = eager_accumulate(model, data, 4)
     for batch in data:
         sm(*batch)
