@@ -169,12 +169,21 @@ def keep_graphs(graph: torch.fx.Graph, packs) -> None:
             graph.erase_node(n)
 
 
+def param_swaps(graph: torch.fx.Graph) -> dict[int, tuple[list, list]]:
+    """pack -> (its parameters' ``swap_in`` nodes, their ``release`` nodes), in schedule order: one scan."""
+    out: dict = {}
+    for n in _calls(graph):
+        if n.target in (ops.swap_in, ops.release) and n.args[1] == "params":
+            out.setdefault(n.args[0], ([], []))[n.target is ops.release].append(n)
+    return out
+
+
 def hold_between_visits(graph: torch.fx.Graph, packs) -> None:
     """The ``packs``' weights stay on the device from their first visit of the iteration to their last:
     every ``swap_in`` of their parameters but the first goes, and every ``release`` but the last."""
+    swaps = param_swaps(graph) if packs else {}
     for pack in packs:
-        ins = [n for n in _calls(graph) if n.target is ops.swap_in and n.args == (pack, "params")]
-        outs = [n for n in _calls(graph) if n.target is ops.release and n.args[:2] == (pack, "params")]
+        ins, outs = swaps.get(pack, ([], []))
         for n in ins[1:]:
             for w in list(n.users):
                 graph.erase_node(w)
@@ -265,7 +274,11 @@ def _rank(candidate) -> tuple:
     first, whose visits are closest (an early pack's weights would be held through every other pack's), and
     device steps: the first packs first (theirs are held the longest)."""
     per_byte, size, what = candidate
-    return (-per_byte, -what[1] if what[0] == "held" else what[1] if what[0] == "device" else -size)
+    if what[0] == "held":
+        return -per_byte, -what[1]
+    if what[0] == "device":
+        return -per_byte, what[1]
+    return -per_byte, -size
 
 
 def _greedy(candidates, chosen, fits, room) -> tuple[tuple, list[dict]]:
@@ -355,9 +368,10 @@ def run(program: Program, ctx) -> PassResult:
     # ... then keep on the device what saves the most bytes moved per byte held, while it fits
     n_packs, m = len(plan.packs), plan.microbatches
     candidates = list(graphs)
-    for spec in reversed(plan.packs):   # the last packs first among equals: their weights are held the shortest
+    swaps = param_swaps(base)
+    for spec in plan.packs:
         if plan.step_on.get(spec.index) == "host":   # the host updates the weights: they come in afresh each iteration
-            visits = sum(1 for n in _calls(base) if n.target is ops.swap_in and n.args == (spec.index, "params"))
+            visits = len(swaps.get(spec.index, ([], []))[0])
             if visits > 1:
                 candidates.append((visits - 1, spec.param_bytes + spec.buffer_bytes, ("held", spec.index)))
             if spec.stepped and may_step_on_device(program, spec.index):   # beyond held weights: their swap_in, grads out
