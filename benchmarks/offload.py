@@ -3,7 +3,9 @@
 The built-in GPT (random weights, untied head) trains the same batch for the same number of
 steps under each system, each in its own subprocess so that peak RSS is per system:
 
-  harmony    harmony.compile(..., memory_budget=--budget, host_memory_budget=--host-budget,
+  harmony    harmony.compile(..., memory_budget=--budget, host_memory_budget=--host-budget (640 MiB:
+             the target's 1 GiB of RSS over the budget, less what Python and torch hold; Harmony
+             fills what its pipeline leaves of it with files kept in memory),
              offload_dir=<dir>) with torch.optim.AdamW stepping on the host; whatever the
              offload pass puts on disk (here every pack wholly: weights and optimizer state,
              which the host budget cannot hold) lives in a private directory under --dir: each
@@ -522,8 +524,10 @@ def main():
     ap.add_argument("--microbatches", type=int, default=1)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--budget", default="2GiB", help="Harmony's memory_budget (the device's)")
-    ap.add_argument("--host-budget", default="1GiB",
-                    help="Harmony's host_memory_budget (raised to Harmony's stated minimum if it refuses)")
+    ap.add_argument("--host-budget", default="640MiB",
+                    help="Harmony's host_memory_budget (raised to Harmony's stated minimum if it refuses); the "
+                         "default is the 1 GiB over --budget that the peak-RSS target allows, less the ~330 MiB "
+                         "the process holds itself (Python, torch, the graphs: 2GiB budget only)")
     ap.add_argument("--systems", default="harmony,deepspeed,fsdp2,eager",
                     help="comma-separated, from " + ",".join(SYSTEMS))
     ap.add_argument("--dir", default=None, help="where offload files and the raw-disk probe go (default: temp dir)")

@@ -55,7 +55,8 @@ def compile(model: torch.nn.Module, example_batch, *, optimizer=torch.optim.Adam
     removed by ``close()`` or at exit; if that is not enough, packs go to disk wholly, fp32
     weights too (what lets a model whose weights exceed host memory train): such a pack's
     weights are read from disk for its forward and backward, and it steps one file of at
-    most ``disk_group_bytes`` of weights at a time. ``weights_on`` (``"auto"``, ``"host"``,
+    most ``disk_group_bytes`` of weights at a time; whatever room the budget leaves then keeps the
+    files of the last-stepped packs in host memory, never written or read. ``weights_on`` (``"auto"``, ``"host"``,
     ``"disk"``) overrides that choice for the fp32 weights of host-stepped packs.
     ``data_parallel``: ``None`` (default) trains data-parallel when this process is one rank of
     several (torchrun; the process group is initialised if it is not), ``True`` requires it,

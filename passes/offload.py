@@ -40,7 +40,10 @@ go to disk *wholly* (``plan.master_on``), again first-stepped first: their weigh
 optimizer state live in files of at most ``disk_group_bytes`` of weights
 (runtime/diskparams.py), the weights are read from disk for each phase that needs them,
 and the pack steps after its backward a file at a time, so the host holds three files and
-one file's gradients, never a whole pack. That step runs on the host thread, overlapping
+one file's gradients, never a whole pack. The room the host budget leaves after that keeps
+whole files in host memory (``plan.disk_in_memory``), those of the last-stepped packs first:
+such a file is never written or read, so each byte held saves a write and a read of the step
+(under the backward, where the disk is busiest) and the weights' reads. That step runs on the host thread, overlapping
 the next pack's backward, while the pack's gradients wait on the device (the swap pass
 makes it inline where the device cannot hold them that long). ``weights_on`` overrides the choice.
 Wholly-disk packs and data-parallel training do not combine yet (a ``ConfigError``).
@@ -106,6 +109,8 @@ def run(program: Program, ctx) -> PassResult:
     plan.optim_on = {p.index: "disk" if p.index in disk | whole else place for p in plan.packs}
     plan.master_on = {p.index: "disk" if p.index in whole else "host" for p in plan.packs}
     plan.disk_groups = need.get("groups", {}) if whole else {}
+    plan.disk_in_memory = need.get("memory", {}) if whole else {}
+    plan.disk_in_memory_bytes = need.get("memory_bytes", {}) if whole else {}
     for n in program.schedule.nodes:     # overlapped with the next backward (the swap pass may make it inline)
         if n.op == "call_function" and n.target is ops.step and n.args[0] in whole:
             n.kwargs = {**n.kwargs, "where": "disk", "overlap": True}
@@ -117,13 +122,17 @@ def run(program: Program, ctx) -> PassResult:
         on_disk = spec.optim_bytes if where == "disk" else 0
         weights = spec.index in whole
         owned = need.get("owned", {}).get(spec.index, 0)
+        kept = plan.disk_in_memory_bytes.get(spec.index, 0)       # weights of files kept in host memory
+        on_disk *= 1 - kept / max(owned, 1)
         rows.append(dict(pack=spec.index, layers=spec.name, step_on="host (inline, by file)" if weights else place,
                          weights="disk" if weights else "host",
                          optimizer_state=where if host else "device (streamed or resident)",
                          optim_MiB=spec.optim_bytes / 2**20,
                          grads_out_MiB=(spec.param_bytes if host else 0) / 2**20,
-                         disk_read_MiB=(on_disk + (weight_reads * owned if weights else 0)) / 2**20,
-                         disk_write_MiB=(on_disk + (owned if weights else 0)) / 2**20))
+                         disk_read_MiB=(on_disk + (weight_reads * (owned - kept) if weights else 0)) / 2**20,
+                         disk_write_MiB=(on_disk + (owned - kept if weights else 0)) / 2**20,
+                         **({"in_memory_MiB": (kept + spec.optim_bytes * kept / max(owned, 1)) / 2**20}
+                            if plan.disk_in_memory else {})))
     disk_read = sum(r["disk_read_MiB"] for r in rows) * 2**20
     disk_write = sum(r["disk_write_MiB"] for r in rows) * 2**20
     totals = dict(step_on=place, disk_packs=len(disk), disk_weight_packs=len(whole),
@@ -142,7 +151,8 @@ def run(program: Program, ctx) -> PassResult:
             f"host_memory_budget {fmt_bytes(budget)} holds {fmt_bytes(need['planned'])}: master parameters and "
             f"buffers {fmt_bytes(need['masters'])}, {_grads_held(cfg)} {fmt_bytes(need['grads'])}, optimizer "
             f"state of {len(plan.packs) - len(disk) - len(whole)} host packs {fmt_bytes(need['host_optim'])}"
-            + (f", disk buffers in flight {fmt_bytes(need['staging'])}" if disk or whole else ""))
+            + (f", disk buffers in flight {fmt_bytes(need['staging'])}" if disk or whole else "")
+            + (f", files kept in memory {fmt_bytes(need['in_memory'])}" if need.get("in_memory") else ""))
         if disk:
             report.notes.append(
                 f"{len(disk)} packs keep their optimizer state on disk: the first-stepped ones, so their writes "
@@ -154,6 +164,12 @@ def run(program: Program, ctx) -> PassResult:
                 f"{fmt_bytes(cfg.disk_group_bytes)} of weights): weights are read from disk for the forward and "
                 f"for the backward, and the pack steps a file at a time on the host right after its backward, so "
                 f"the host never holds a whole pack (the host could not hold these weights)")
+            if plan.disk_in_memory:
+                files = sum(len(g) for g in plan.disk_in_memory.values())
+                report.notes.append(
+                    f"{files} of those files ({fmt_bytes(need['in_memory'])}, packs "
+                    f"{', '.join(map(str, sorted(plan.disk_in_memory)))}) stay in host memory in the room the host "
+                    f"budget leaves: never written or read, the last-stepped first (in_memory_MiB)")
     elif budget is not None:
         report.notes.append("host_memory_budget is not used: the optimizer steps on the device")
     return PassResult(program, report)
@@ -234,6 +250,9 @@ def place_state(program: Program) -> tuple[set[int], set[int], dict]:
             if owned[p]:
                 disk.discard(p)
                 whole.add(p)
+    memory, memory_bytes, kept = _in_memory(budget - need(disk, whole)["planned"] if budget is not None else 0,
+                                            [p for p in reversed(order) if p in whole], groups, sizes,
+                                            {p: optim[p] / max(owned[p], 1) for p in whole})
     if budget is not None and need(disk, whole)["planned"] > budget:
         what = ("with every pack's optimizer state on disk the host still needs the fp32 weights "
                 f"({fmt_bytes(need(set(optim), set())['masters'])}), two packs' gradients and two packs' optimizer "
@@ -247,4 +266,31 @@ def place_state(program: Program) -> tuple[set[int], set[int], dict]:
             f"{fmt_bytes(minimum)}. Raise host_memory_budget to at least {fmt_bytes(minimum)} ({minimum} bytes), "
             f"or compile with {todo}a smaller disk_group_bytes.",
             min_budget=minimum)
-    return disk, whole, dict(need(disk, whole), minimum=minimum, groups={p: groups[p] for p in whole}, owned=owned)
+    planned = need(disk, whole)
+    planned.update(in_memory=kept, planned=planned["planned"] + kept)
+    return disk, whole, dict(planned, minimum=minimum, groups={p: groups[p] for p in whole}, owned=owned,
+                             memory=memory, memory_bytes=memory_bytes)
+
+
+def _in_memory(spare: int, packs: list[int], groups: dict, sizes: dict, state_per_byte: dict):
+    """Files of wholly-disk packs that stay in host memory, in the room ``spare`` the host budget leaves.
+
+    Each such file is never written or read: per byte held that is a write and a read of the step
+    (both under the backward, where the disk is busiest) plus the weights' read for the forward
+    (and for the backward, unless handed over). Every byte saves about as much wherever it sits,
+    so the files of the last-stepped packs go first (``packs`` in that order): their writes would
+    end the step and their weights are the first the next forward reads.
+    Returns ({pack: [group index]}, {pack: weight bytes kept}, bytes kept).
+    """
+    memory: dict[int, list[int]] = {}
+    weights: dict[int, int] = {}
+    kept = 0
+    for p in packs:
+        for i in reversed(range(len(groups[p]))):
+            w = sum(sizes[n] for n in groups[p][i])
+            cost = int(w * (1 + state_per_byte[p]))
+            if cost <= spare - kept:
+                memory.setdefault(p, []).insert(0, i)
+                weights[p] = weights.get(p, 0) + w
+                kept += cost
+    return memory, weights, kept

@@ -34,6 +34,11 @@ memory, and any use of it outside a swap_in shows as NaN), and its optimizer sta
   weights, as under the harmony policy), the step takes the weights the backward used from
   the device and reads only the optimizer state: 12 bytes read per parameter, not 16.
 
+Files the offload pass keeps in host memory (``plan.disk_in_memory``: the room the host budget
+leaves) are held in ``_kept`` for good: read for the device by a copy, stepped in place, never
+written or read. A step that fails midway leaves such a file as the step left it (there is no
+file on disk to fall back on); every other file keeps its state from before the step.
+
 A failed write raises ``OffloadError`` at the end of the step; the group's buffer is kept
 in host memory (no partial file), so the next step and checkpoints still see its state.
 """
@@ -94,7 +99,7 @@ class DiskParams:
     """Weights and optimizer state of the disk-placed packs, a file per group; see the module docstring."""
 
     def __init__(self, store, pack_groups: dict[int, list[list[str]]], tensors: dict, optimizers: dict,
-                 order: list[int], meter, device: torch.device):
+                 order: list[int], meter, device: torch.device, in_memory: dict[int, list[int]] | None = None):
         self.store = store
         self.tensors, self.optimizers = tensors, optimizers
         self.meter, self.device = meter, torch.device(device)
@@ -107,6 +112,8 @@ class DiskParams:
                 self.groups.append(list(names))
         self.pack_of = {n: g for g, names in enumerate(self.groups) for n in names}   # name -> group (file)
         self.group_pack = {g: p for p, gs in self.pack_groups.items() for g in gs}
+        # files that stay in host memory (``plan.disk_in_memory``): in ``_kept`` for good, never written or read
+        self.in_memory = {self.pack_groups[p][i] for p, idx in (in_memory or {}).items() for i in idx}
         self.handed: set[int] = set()    # packs whose step takes the weights from the device (``handoff``)
         self.order = [g for p in dict.fromkeys(list(order) + list(pack_groups)) for g in self.pack_groups.get(p, [])]
         self.layouts: dict[int, list[tuple[str, str, tuple, torch.dtype]]] = {}
@@ -129,7 +136,8 @@ class DiskParams:
         groups = {p: g for p, g in (getattr(plan, "disk_groups", {}) or {}).items() if placed.get(p) == "disk"}
         if not groups:
             return None
-        self = cls(DiskStore(offload_dir), groups, tensors, optimizers, step_order(graph), meter, device)
+        self = cls(DiskStore(offload_dir), groups, tensors, optimizers, step_order(graph), meter, device,
+                   in_memory=getattr(plan, "disk_in_memory", None))
         self.handed = {n.args[0] for n in graph.nodes if n.op == "call_function" and n.target.__name__ == "release"
                        and n.args[1] == "params" and n.kwargs.get("handoff")}
         try:
@@ -139,7 +147,10 @@ class DiskParams:
                 with torch.no_grad():
                     for v, n in zip(views, names):
                         v.copy_(tensors[n].data)
-                self.store.write(gid, views).result()
+                if gid in self.in_memory:
+                    self._kept[gid] = views
+                else:
+                    self.store.write(gid, views).result()
                 self.layouts[gid] = lay
                 for n in names:
                     tensors[n].data = placeholder(tensors[n])
@@ -215,7 +226,7 @@ class DiskParams:
         names = self.groups[gid]
         lay = self.layouts[gid]
         held = {(n, k): v for (n, k, _, _), v in zip(lay, views)}
-        handed = self.group_pack.get(gid) in self.handed
+        handed = self.group_pack.get(gid) in self.handed and gid not in self.in_memory  # in memory: there already
         if handed and not all(self.meter.holds(self.tensors[n].data) for n in names):
             self.store.read(gid, into=views).result()    # not handed this time after all: the file has them
             handed = False
@@ -229,8 +240,8 @@ class DiskParams:
                 g = to_host(g)           # else the device copy goes with the last reference to it
             if handed:                   # the backward's copy of the weights: not read from the file again
                 held[(n, PARAM)].copy_(t.data)
-                if keep is not None:
-                    keep.append(t.data)
+            if keep is not None and self.meter.holds(t.data):
+                keep.append(t.data)      # a handed device copy (also of a file in memory, not copied)
             t.data = held[(n, PARAM)]
             t.grad = g
             opt = self.optimizers.get(n)
@@ -245,6 +256,8 @@ class DiskParams:
                 opt.step()
         except BaseException:
             self._leave(gid)
+            if gid in self.in_memory:     # no file to fall back on: the buffer stays, as the step left it
+                self._kept[gid] = views
             raise
         entries = [(n, PARAM, self.tensors[n].data) for n in names]
         for n in names:
@@ -263,6 +276,11 @@ class DiskParams:
                     dst.copy_(src)
         self.layouts[gid] = new_lay
         self._leave(gid)
+        if gid in self.in_memory:
+            self._kept[gid] = out
+            if nxt_wrap := self._wrap(gid):
+                self.prefetch(nxt_wrap)
+            return
         fut = self.store.write(gid, out)
         self._writing.append((gid, fut, out))
         if nxt_wrap := self._wrap(gid):
@@ -279,12 +297,14 @@ class DiskParams:
                 self.optimizers[n].state[t][k] = torch.empty(shape, dtype=dtype, device="meta")
 
     def _next(self, gid: int) -> int | None:
-        i = self.order.index(gid) if gid in self.order else -1
-        return self.order[i + 1] if 0 <= i < len(self.order) - 1 else None
+        """The next group in step order that has a file to read."""
+        i = self.order.index(gid) if gid in self.order else len(self.order)
+        return next((g for g in self.order[i + 1:] if g not in self.in_memory), None)
 
     def _wrap(self, gid: int) -> int | None:
         """The last group of a step reads the first one of the next step ahead, across the forward pass."""
-        return self.order[0] if len(self.order) > 1 and gid == self.order[-1] else None
+        files = [g for g in self.order if g not in self.in_memory]
+        return files[0] if len(files) > 1 and gid == self.order[-1] else None
 
     def prefetch(self, gid: int) -> None:
         """Start reading a group's file for its step: only its optimizer state where the weights are handed over."""
@@ -375,7 +395,11 @@ class DiskParams:
         with torch.no_grad():
             for dst, src in zip(views, values):
                 dst.copy_(src)
-        self.store.write(gid, views).result()
+        if gid in self.in_memory:
+            with self._lock:
+                self._kept[gid] = views
+        else:
+            self.store.write(gid, views).result()
         self.layouts[gid] = lay
         self._leave(gid)
 

@@ -81,6 +81,9 @@ class Plan:
     optim_on: dict = field(default_factory=dict)  # pack -> "device" | "host" | "disk": its optimizer state
     master_on: dict = field(default_factory=dict)  # pack -> "host" | "disk": its fp32 weights between uses
     disk_groups: dict = field(default_factory=dict)  # pack -> [[param names]]: a file each (wholly-disk packs)
+    disk_in_memory: dict = field(default_factory=dict)  # pack -> [indices into disk_groups[pack]]: files that
+                                                        # stay in host memory (spare host budget), never on disk
+    disk_in_memory_bytes: dict = field(default_factory=dict)  # pack -> the weight bytes of those files
     policy: str = "harmony"
     precision: str = "fp32"                      # fp32 | bf16 | fp16: dtype of device copies (runtime/precision.py)
     loss_scaling: dict = field(default_factory=dict)   # fp16: LossScaler arguments

@@ -265,10 +265,12 @@ def disk_io(plan: Plan, node, dev) -> dict:
     whole = (getattr(plan, "master_on", None) or {}).get(pack) == "disk"
     optim = (getattr(plan, "optim_on", None) or {}).get(pack) == "disk"
     read = written = 0
+    # files kept in host memory (plan.disk_in_memory) are neither read nor written
+    on_disk = 1 - min(1.0, (getattr(plan, "disk_in_memory_bytes", None) or {}).get(pack, 0) / max(spec.param_bytes, 1))
     if name == "swap_in" and node.args[1] == "params" and whole:
-        read = spec.param_bytes
+        read = spec.param_bytes * on_disk
     elif name == "step" and (whole or optim):
-        written = spec.optim_bytes + (spec.param_bytes if whole else 0)
+        written = (spec.optim_bytes + (spec.param_bytes if whole else 0)) * on_disk
         read = written
     rbw = getattr(dev, "disk_read_bandwidth", 0) or 1e30
     wbw = getattr(dev, "disk_write_bandwidth", 0) or 1e30

@@ -252,3 +252,49 @@ def test_disk_steps_run_inline_where_the_device_cannot_hold_the_gradients():
     assert sm.stats["measured_peak"] <= budget
     assert_bitwise(sm, expected)
     sm.close()
+
+
+def test_files_in_the_room_the_host_budget_leaves_stay_in_memory(tmp_path):
+    """A host budget above the minimum keeps the files of the last-stepped packs in host memory: they are never
+    written or read (the disk moves that much less per step), training is still bitwise the all-on-host run,
+    and a checkpoint taken from them resumes bitwise."""
+    m = model()
+    with pytest.raises(BudgetError) as e:
+        compile_gpt(host_memory_budget=4096, passes=("partition", "schedule", "offload"))
+    floor = e.value.min_budget
+    base = compile_gpt(host_memory_budget=floor, offload_dir=tmp_path)
+    assert base.plan.disk_in_memory == {}
+    sm = compile_gpt(host_memory_budget=floor + state_bytes(m) // 6, offload_dir=tmp_path)
+    kept = sm.plan.disk_in_memory
+    pd = sm.runtime.state.params_disk
+    order = [n.args[0] for n in sm.graph.nodes if n.op == "call_function" and n.target.__name__ == "step"]
+    assert kept and order[-1] in kept                    # the last-stepped pack's files first
+    in_memory = {pd.pack_groups[p][i] for p, idx in kept.items() for i in idx}
+    assert pd.in_memory == in_memory and 0 < len(in_memory) < len(pd.groups)
+    offload = next(r for r in sm.program.reports if r.title.startswith("offload"))
+    assert offload.totals["host_planned_bytes"] <= floor + state_bytes(m) // 6
+    assert "stay in host memory" in " ".join(offload.notes)
+    ref = compile_gpt(weights_on="host")
+    ref_losses = train(ref, DATA)
+    expected = params(ref)
+    ref.close()
+    assert train(base, DATA) == ref_losses
+    assert train(sm, DATA[:2]) == ref_losses[:2]
+    # the files kept in memory are not on disk, and their bytes are not moved
+    names = {f.name for f in pd.store.path.iterdir()}
+    assert names == {pd.store.file(g).name for g in range(len(pd.groups)) if g not in in_memory}
+    assert sm.stats["disk_write_bytes"] == sum(f.stat().st_size for f in pd.store.path.iterdir())
+    assert sm.stats["disk_write_bytes"] < base.stats["disk_write_bytes"]
+    assert sm.stats["disk_read_bytes"] < base.stats["disk_read_bytes"]
+    assert sm.stats["disk_reads_not_ahead"] == 0
+    base.close()
+    harmony.save(sm, tmp_path / "ckpt")
+    sm(*DATA[2])
+    assert_bitwise(sm, expected)
+    sm.close()
+    again = compile_gpt(seed=1, host_memory_budget=floor + state_bytes(m) // 6, offload_dir=tmp_path)
+    harmony.load(again, tmp_path / "ckpt")
+    assert train(again, DATA[2:]) == ref_losses[2:]
+    assert_bitwise(again, expected)
+    again.close()
+    assert offload_dirs(tmp_path) == []
