@@ -110,7 +110,7 @@ def run(program: Program, ctx) -> PassResult:
     plan.master_on = {p.index: "disk" if p.index in whole else "host" for p in plan.packs}
     plan.disk_groups = need.get("groups", {}) if whole else {}
     plan.disk_in_memory = need.get("memory", {}) if whole else {}
-    plan.disk_in_memory_bytes = need.get("memory_bytes", {}) if whole else {}
+    plan.disk_in_memory_share = need.get("memory_share", {}) if whole else {}
     for n in program.schedule.nodes:     # overlapped with the next backward (the swap pass may make it inline)
         if n.op == "call_function" and n.target is ops.step and n.args[0] in whole:
             n.kwargs = {**n.kwargs, "where": "disk", "overlap": True}
@@ -122,8 +122,9 @@ def run(program: Program, ctx) -> PassResult:
         on_disk = spec.optim_bytes if where == "disk" else 0
         weights = spec.index in whole
         owned = need.get("owned", {}).get(spec.index, 0)
-        kept = plan.disk_in_memory_bytes.get(spec.index, 0)       # weights of files kept in host memory
-        on_disk *= 1 - kept / max(owned, 1)
+        share = plan.disk_in_memory_share.get(spec.index, 0.0)     # of its files, kept in host memory
+        kept = share * owned
+        on_disk *= 1 - share
         rows.append(dict(pack=spec.index, layers=spec.name, step_on="host (inline, by file)" if weights else place,
                          weights="disk" if weights else "host",
                          optimizer_state=where if host else "device (streamed or resident)",
@@ -131,7 +132,7 @@ def run(program: Program, ctx) -> PassResult:
                          grads_out_MiB=(spec.param_bytes if host else 0) / 2**20,
                          disk_read_MiB=(on_disk + (weight_reads * (owned - kept) if weights else 0)) / 2**20,
                          disk_write_MiB=(on_disk + (owned - kept if weights else 0)) / 2**20,
-                         **({"in_memory_MiB": (kept + spec.optim_bytes * kept / max(owned, 1)) / 2**20}
+                         **({"in_memory_MiB": share * (owned + spec.optim_bytes) / 2**20}
                             if plan.disk_in_memory else {})))
     disk_read = sum(r["disk_read_MiB"] for r in rows) * 2**20
     disk_write = sum(r["disk_write_MiB"] for r in rows) * 2**20
@@ -250,7 +251,7 @@ def place_state(program: Program) -> tuple[set[int], set[int], dict]:
             if owned[p]:
                 disk.discard(p)
                 whole.add(p)
-    memory, memory_bytes, kept = _in_memory(budget - need(disk, whole)["planned"] if budget is not None else 0,
+    memory, memory_share, kept = _in_memory(budget - need(disk, whole)["planned"] if budget is not None else 0,
                                             [p for p in reversed(order) if p in whole], groups, sizes,
                                             {p: optim[p] / max(owned[p], 1) for p in whole})
     if budget is not None and need(disk, whole)["planned"] > budget:
@@ -269,7 +270,7 @@ def place_state(program: Program) -> tuple[set[int], set[int], dict]:
     planned = need(disk, whole)
     planned.update(in_memory=kept, planned=planned["planned"] + kept)
     return disk, whole, dict(planned, minimum=minimum, groups={p: groups[p] for p in whole}, owned=owned,
-                             memory=memory, memory_bytes=memory_bytes)
+                             memory=memory, memory_share=memory_share)
 
 
 def _in_memory(spare: int, packs: list[int], groups: dict, sizes: dict, state_per_byte: dict):
@@ -280,7 +281,7 @@ def _in_memory(spare: int, packs: list[int], groups: dict, sizes: dict, state_pe
     (and for the backward, unless handed over). Every byte saves about as much wherever it sits,
     so the files of the last-stepped packs go first (``packs`` in that order): their writes would
     end the step and their weights are the first the next forward reads.
-    Returns ({pack: [group index]}, {pack: weight bytes kept}, bytes kept).
+    Returns ({pack: [group index]}, {pack: share of its files' bytes kept}, bytes kept).
     """
     memory: dict[int, list[int]] = {}
     weights: dict[int, int] = {}
@@ -293,4 +294,5 @@ def _in_memory(spare: int, packs: list[int], groups: dict, sizes: dict, state_pe
                 memory.setdefault(p, []).insert(0, i)
                 weights[p] = weights.get(p, 0) + w
                 kept += cost
-    return memory, weights, kept
+    share = {p: w / max(sum(sizes[n] for g in groups[p] for n in g), 1) for p, w in weights.items()}
+    return memory, share, kept

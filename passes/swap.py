@@ -35,6 +35,7 @@ holds in the nothing-to-do case as well: everything resident, graphs kept while 
 from __future__ import annotations
 
 import time
+from typing import NamedTuple
 
 import torch.fx
 
@@ -49,6 +50,15 @@ NAME = "swap"
 REQUIRES = {"schedule", "placement"}
 PROVIDES = {"residency"}
 KINDS = ("params", "grads", "optim")
+
+
+class Choice(NamedTuple):
+    """What the swap pass keeps: the greedy search's state, and the arguments of ``_build``."""
+    resident: set            # (pack, kind) left on the device for the whole run
+    stashed: set             # activation groups sent to the host between forward and backward
+    kept: frozenset = frozenset()     # packs whose forward's graph is kept (no recompute)
+    held: frozenset = frozenset()     # host-stepped packs whose weights stay between visits of an iteration
+    device: frozenset = frozenset()   # host-stepped packs moved to a device step, all their state resident
 NEEDS = {"forward": ("params",), "backward": ("params", "grads"), "step": ("params", "grads", "optim"),
          "allreduce": ("grads",)}
 
@@ -255,18 +265,18 @@ def _row(what, size, per_byte) -> dict:
     return dict(kept=kind, pack=what[-1], MiB=size / 2**20, saves_per_byte=per_byte)
 
 
-def _with(chosen, what) -> tuple:
-    resident, stashed, kept, held, device = chosen
+def _with(chosen: Choice, what) -> Choice:
     if what[0] == "keep":
-        return resident, stashed - {what[1:]}, kept, held, device
+        return chosen._replace(stashed=chosen.stashed - {what[1:]})
     if what[0] == "graph":
-        return resident, stashed, kept | {what[1]}, held, device
+        return chosen._replace(kept=chosen.kept | {what[1]})
     if what[0] == "held":
-        return resident, stashed, kept, held | {what[1]}, device
+        return chosen._replace(held=chosen.held | {what[1]})
     if what[0] == "device":
-        return resident | {(what[1], k) for k in KINDS}, stashed, kept, held - {what[1]}, device | {what[1]}
+        return chosen._replace(resident=chosen.resident | {(what[1], k) for k in KINDS},
+                               held=chosen.held - {what[1]}, device=chosen.device | {what[1]})
     kinds = (what[0], "grads") if what[0] == "params" else (what[0],)
-    return resident | {(what[1], k) for k in kinds}, stashed, kept, held, device
+    return chosen._replace(resident=chosen.resident | {(what[1], k) for k in kinds})
 
 
 def _rank(candidate) -> tuple:
@@ -281,7 +291,7 @@ def _rank(candidate) -> tuple:
     return -per_byte, -size
 
 
-def _greedy(candidates, chosen, fits, room) -> tuple[tuple, list[dict]]:
+def _greedy(candidates, chosen: Choice, fits, room) -> tuple[Choice, list[dict]]:
     """Keep what saves the most per byte held first, each while the predicted peak stays within ``room``.
 
     Candidates are tried in runs that double while they fit and fall back to one at a time
@@ -296,7 +306,7 @@ def _greedy(candidates, chosen, fits, room) -> tuple[tuple, list[dict]]:
         trial = chosen
         for _, _, what in batch:
             trial = _with(trial, what)
-        if fits(*trial).peak <= room:
+        if fits(trial).peak <= room:
             chosen = trial
             rows += [_row(what, size, per_byte) for per_byte, size, what in batch]
             i += len(batch)
@@ -323,18 +333,17 @@ def run(program: Program, ctx) -> PassResult:
     if not mixed and memory_curve(program, check_residency=False).peak <= budget:
         base = program.schedule
 
-        def fits_all(resident, stashed, kept, held, device):
-            program.schedule = _build(base, resident, stashed, {}, kept)
+        def fits_all(c: Choice):     # only graphs are candidates here
+            program.schedule = _build(base, c.resident, c.stashed, {}, c.kept)
             return memory_curve(program, check_residency=False)
-        chosen, rows = _greedy(graphs, (plan.resident, set(), frozenset(), frozenset(), frozenset()), fits_all,
-                               budget)
-        fits_all(*chosen)
+        chosen, rows = _greedy(graphs, Choice(plan.resident, set()), fits_all, budget)
+        fits_all(chosen)
         report.rows = rows
         report.notes.append("everything fits the budget: all state stays resident, no swap inserted"
-                            + (f"; {len(chosen[2])} packs keep their forward's graph (no recompute)" if chosen[2]
+                            + (f"; {len(chosen.kept)} packs keep their forward's graph (no recompute)" if chosen.kept
                                else ""))
         report.totals = dict(resident_packs=len(plan.packs), swaps=0, stashes=0,
-                             recomputing_packs=len(plan.packs) - 1 - len(chosen[2]))
+                             recomputing_packs=len(plan.packs) - 1 - len(chosen.kept))
         return PassResult(program, report)
 
     # start from the least memory: every pack swapped, every activation handle stashed, every pack recomputed ...
@@ -342,19 +351,20 @@ def run(program: Program, ctx) -> PassResult:
     insert_swaps(program.schedule, plan.resident)
     base = program.schedule
     groups = stash_groups(base)
-    chosen = (set(), set(groups), frozenset(), frozenset(), frozenset())
+    chosen = Choice(set(), set(groups))
 
-    def fits(resident, stashed, kept, held, device):
-        program.schedule, plan.resident = _build(base, resident, stashed, groups, kept, held, device), resident
-        plan.held = set(held)
+    def fits(c: Choice):
+        program.schedule = _build(base, c.resident, c.stashed, groups, c.kept, c.held, c.device)
+        plan.resident = c.resident
+        plan.held = set(c.held)
         return memory_curve(program, check_residency=False)
 
-    curve = fits(*chosen)
+    curve = fits(chosen)
     inline = [n for n in _calls(base) if n.target is ops.step and n.kwargs.get("overlap")]
     if curve.peak > budget and inline:   # a disk step overlapping the next backward holds its gradients that long
         for n in inline:
             n.kwargs = {**n.kwargs, "overlap": False}
-        curve = fits(*chosen)
+        curve = fits(chosen)
         report.notes.append(f"{len(inline)} disk steps run inline: the device cannot also hold a pack's gradients "
                             f"through the next pack's backward")
     if curve.peak > budget:
@@ -399,8 +409,8 @@ def run(program: Program, ctx) -> PassResult:
     rows += keep_optimizer_parts(program, chosen, fits, room)
     chosen, more = _greedy(low, chosen, fits, room)
     rows += more
-    curve = fits(*chosen)
-    for p in chosen[4]:
+    curve = fits(chosen)
+    for p in chosen.device:
         plan.step_on[p] = plan.optim_on[p] = "device"
     counts = {}
     for n in _calls(program.schedule):
@@ -408,8 +418,8 @@ def run(program: Program, ctx) -> PassResult:
     report.rows = rows
     report.totals = dict(swap_ins=counts.get("swap_in", 0), releases=counts.get("release", 0),
                          stashes=counts.get("stash", 0), unstashes=counts.get("unstash", 0),
-                         kept_on_device=len(rows), held_between_visits=len(chosen[3]),
-                         device_stepped=len(chosen[4]), recomputing_packs=n_packs - 1 - len(chosen[2]),
+                         kept_on_device=len(rows), held_between_visits=len(chosen.held),
+                         device_stepped=len(chosen.device), recomputing_packs=n_packs - 1 - len(chosen.kept),
                          predicted_peak_MiB=curve.peak / 2**20,
                          h2d_MiB=curve.moved["h2d"] / 2**20, d2h_MiB=curve.moved["d2h"] / 2**20,
                          seconds=time.perf_counter() - start)
@@ -419,9 +429,9 @@ def run(program: Program, ctx) -> PassResult:
                         f"precision={program.config.precision!r}: the host steps the fp32 masters, so every pack's "
                         f"compute copy comes in afresh and its gradients leave after its backward; then kept on "
                         f"the device what saves most traffic per byte")
-    if chosen[4]:
-        one = len(chosen[4]) == 1
-        report.notes.append(f"{'pack' if one else 'packs'} {', '.join(map(str, sorted(chosen[4])))} "
+    if chosen.device:
+        one = len(chosen.device) == 1
+        report.notes.append(f"{'pack' if one else 'packs'} {', '.join(map(str, sorted(chosen.device)))} "
                             f"{'steps' if one else 'step'} on the device with all {'its' if one else 'their'} state "
                             f"resident (room was left after holding weights): the offload table above shows the "
                             f"placement before this pass; the other packs step on the host")
@@ -445,7 +455,7 @@ def may_step_on_device(program: Program, pack: int) -> bool:
             and plan.master_on.get(pack, "host") == "host")
 
 
-def keep_optimizer_parts(program: Program, chosen, fits, room: int) -> list[dict]:
+def keep_optimizer_parts(program: Program, chosen: Choice, fits, room: int) -> list[dict]:
     """Fill what room is left with single parameters' optimizer state, largest first.
 
     A pack's optimizer state is kept whole or not at all above; what is left over is often
@@ -456,12 +466,12 @@ def keep_optimizer_parts(program: Program, chosen, fits, room: int) -> list[dict
     until it fits).
     """
     plan = program.plan
-    slack = room - fits(*chosen).peak
+    slack = room - fits(chosen).peak
     if slack <= 0:
         return []
     sizes = state_sizes(program)
     parts = sorted(((sizes.get(("optim", n), 0), n) for spec in plan.packs
-                    if (spec.index, "optim") not in chosen[0] and plan.step_on.get(spec.index) != "host"
+                    if (spec.index, "optim") not in chosen.resident and plan.step_on.get(spec.index) != "host"
                     for n in spec.stepped), reverse=True)
     kept: dict[str, int] = {}
     for size, n in parts:
@@ -470,7 +480,7 @@ def keep_optimizer_parts(program: Program, chosen, fits, room: int) -> list[dict
             slack -= size
     while kept:
         plan.optim_resident = kept
-        if fits(*chosen).peak <= room:
+        if fits(chosen).peak <= room:
             break
         kept = dict(list(kept.items())[:-1])
     plan.optim_resident = kept

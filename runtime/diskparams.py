@@ -116,6 +116,7 @@ class DiskParams:
         self.in_memory = {self.pack_groups[p][i] for p, idx in (in_memory or {}).items() for i in idx}
         self.handed: set[int] = set()    # packs whose step takes the weights from the device (``handoff``)
         self.order = [g for p in dict.fromkeys(list(order) + list(pack_groups)) for g in self.pack_groups.get(p, [])]
+        self.files = [g for g in self.order if g not in self.in_memory]    # the groups read and written, in order
         self.layouts: dict[int, list[tuple[str, str, tuple, torch.dtype]]] = {}
         self._reads: dict[int, tuple[Future, list[torch.Tensor]]] = {}
         self._writing: list[tuple[int, Future, list[torch.Tensor]]] = []
@@ -303,8 +304,7 @@ class DiskParams:
 
     def _wrap(self, gid: int) -> int | None:
         """The last group of a step reads the first one of the next step ahead, across the forward pass."""
-        files = [g for g in self.order if g not in self.in_memory]
-        return files[0] if len(files) > 1 and gid == self.order[-1] else None
+        return self.files[0] if len(self.files) > 1 and gid == self.order[-1] else None
 
     def prefetch(self, gid: int) -> None:
         """Start reading a group's file for its step: only its optimizer state where the weights are handed over."""

@@ -83,7 +83,7 @@ class Plan:
     disk_groups: dict = field(default_factory=dict)  # pack -> [[param names]]: a file each (wholly-disk packs)
     disk_in_memory: dict = field(default_factory=dict)  # pack -> [indices into disk_groups[pack]]: files that
                                                         # stay in host memory (spare host budget), never on disk
-    disk_in_memory_bytes: dict = field(default_factory=dict)  # pack -> the weight bytes of those files
+    disk_in_memory_share: dict = field(default_factory=dict)  # pack -> the share of its files' bytes they hold
     policy: str = "harmony"
     precision: str = "fp32"                      # fp32 | bf16 | fp16: dtype of device copies (runtime/precision.py)
     loss_scaling: dict = field(default_factory=dict)   # fp16: LossScaler arguments

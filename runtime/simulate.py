@@ -266,7 +266,7 @@ def disk_io(plan: Plan, node, dev) -> dict:
     optim = (getattr(plan, "optim_on", None) or {}).get(pack) == "disk"
     read = written = 0
     # files kept in host memory (plan.disk_in_memory) are neither read nor written
-    on_disk = 1 - min(1.0, (getattr(plan, "disk_in_memory_bytes", None) or {}).get(pack, 0) / max(spec.param_bytes, 1))
+    on_disk = 1 - (getattr(plan, "disk_in_memory_share", None) or {}).get(pack, 0.0)
     if name == "swap_in" and node.args[1] == "params" and whole:
         read = spec.param_bytes * on_disk
     elif name == "step" and (whole or optim):
