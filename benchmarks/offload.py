@@ -41,7 +41,10 @@ the steps after the first), and for Harmony also its own disk-tier counters (sm.
 disk GB/s these imply over the step; and the bound max(compute, read/raw_read + write/raw_write),
 where compute is the eager step (else the FSDP2 step, noted) and the raw bandwidths are
 measured in this run by an O_DIRECT sequential write then read of --raw-bytes in --dir
-(compiler/hardware.py's _disk_bandwidth, the helper Hardware.profile uses).
+(compiler/hardware.py's _disk_bandwidth, the helper Hardware.profile uses), just before and
+just after each system that uses the disk: a shared cloud disk's rates move several-fold from
+one minute to the next (this machine's read 0.95 to 3.6 GB/s, write 0.43 to 0.79, between
+back-to-back runs), so each system's bound takes the mean of the two probes around its own run.
 
 Install for the DeepSpeed column (not in CI):
     apt-get install -y libaio-dev          # DeepSpeed's async_io op builds against it
@@ -435,10 +438,20 @@ def gib(n):
     return None if n is None else n / GiB
 
 
-def summarize(results: dict, a, raw: tuple[float, float, str]) -> tuple[list[dict], list[str]]:
-    read_bw, write_bw, how = raw
-    notes = [f"raw disk under {a.dir or tempfile.gettempdir()}: write {write_bw / 1e9:.3g} GB/s, read "
-             f"{read_bw / 1e9:.3g} GB/s ({how}, {a.raw_bytes / GiB:.3g} GiB sequential)"]
+def around(probes: list[tuple[str, tuple[float, float, str]]], system: str) -> tuple[float, float]:
+    """(read, write) bytes/s for ``system``'s bound: the mean of the probes just before and after its run."""
+    names = [n for n, _ in probes]
+    after = names.index(f"after {system}") if f"after {system}" in names else None
+    if after is None:        # it used no disk: the probe nearest before it (only its bound's disk term, zero, uses it)
+        return probes[0][1][:2]
+    pair = [probes[after - 1][1], probes[after][1]]
+    return sum(p[0] for p in pair) / 2, sum(p[1] for p in pair) / 2
+
+
+def summarize(results: dict, a, probes: list) -> tuple[list[dict], list[str]]:
+    how = probes[0][1][2]
+    notes = [f"raw disk under {a.dir or tempfile.gettempdir()} ({how}, {a.raw_bytes / GiB:.3g} GiB sequential), "
+             "write/read GB/s: " + "; ".join(f"{name} {w / 1e9:.3g}/{r / 1e9:.3g}" for name, (r, w, _) in probes)]
     compute, compute_from = None, None
     for ref in ("eager", "fsdp2"):
         r = results.get(ref)
@@ -468,9 +481,11 @@ def summarize(results: dict, a, raw: tuple[float, float, str]) -> tuple[list[dic
             row.update(h_read_GB=hr / 1e9, h_write_GB=hw / 1e9,
                        h_io_GBps="%.3g/%.3g" % (median_after_first([s.get("disk_read_GBps", 0) for s in st]) or 0,
                                                 median_after_first([s.get("disk_write_GBps", 0) for s in st]) or 0))
+        read_bw, write_bw = around(probes, sysname)
         disk_s = rd / read_bw + wr / write_bw
         bound = max(compute or 0.0, disk_s)
-        row.update(bound_s=bound, vs_bound=t / bound if bound else None)
+        row.update(raw_w_r=f"{write_bw / 1e9:.3g}/{read_bw / 1e9:.3g}" if rd + wr else "", disk_bound_s=disk_s,
+                   bound_s=bound, vs_bound=t / bound if bound else None)
         rows.append(row)
         extra = {k: v for k, v in r.items() if k not in ("system", "step_s", "cpu_s", "read_bytes", "write_bytes", "loss",
                                                          "stats", "peak_rss", "peak_rss_steps", "traceback")}
@@ -484,7 +499,7 @@ def summarize(results: dict, a, raw: tuple[float, float, str]) -> tuple[list[dic
             keys = {k: v for k, v in last.items() if "disk" in k or "rss" in k or "param" in k}
             notes.append("harmony last-step sm.stats: " + ", ".join(f"{k}={v}" for k, v in keys.items()))
     cols = ["system", "step_s", "cpu_s", "peak_rss_GiB", "rss_steps_GiB", "read_GB_step", "write_GB_step",
-            "disk_GBps", "h_read_GB", "h_write_GB", "h_io_GBps", "bound_s", "vs_bound"]
+            "disk_GBps", "h_read_GB", "h_write_GB", "h_io_GBps", "raw_w_r", "disk_bound_s", "bound_s", "vs_bound"]
     cols = [k for k in cols if any(k in r for r in rows)]
     return [{k: r.get(k, "") for k in cols} for r in rows], notes
 
@@ -561,8 +576,13 @@ def main():
         os.makedirs(a.dir, exist_ok=True)
     root = tempfile.mkdtemp(prefix="harmony-offload-bench-", dir=a.dir)
     try:
-        raw = raw_disk(root, int(a.raw_bytes))
-        print(f"raw disk: write {raw[1] / 1e9:.3g} GB/s, read {raw[0] / 1e9:.3g} GB/s ({raw[2]})", flush=True)
+        probes = []
+
+        def probe(name):
+            raw = raw_disk(root, int(a.raw_bytes))
+            probes.append((name, raw))
+            print(f"raw disk {name}: write {raw[1] / 1e9:.3g} GB/s, read {raw[0] / 1e9:.3g} GB/s ({raw[2]})", flush=True)
+        probe("at the start")
         results = {}
         for s in a.systems:
             workdir = os.path.join(root, s)
@@ -573,9 +593,11 @@ def main():
             print(f"{s}: " + (f"FAILED {r['error']}" if "error" in r else
                               "steps " + ", ".join(f"{t:.3g}" for t in r["step_s"]) + " s, peak RSS "
                               f"{r['peak_rss'] / GiB:.3g} GiB") + f" ({r['wall_s']:.0f} s wall)", flush=True)
+            if "error" not in r and sum(r["read_bytes"]) + sum(r["write_bytes"]) > 2**20 * len(r["read_bytes"]):
+                probe(f"after {s}")
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    rows, notes = summarize(results, a, raw)
+    rows, notes = summarize(results, a, probes)
     notes.append("load average at the end (1, 5, 15 min; this machine has %d cores, shared): %s"
                  % (os.cpu_count(), ", ".join(f"{x:.2f}" for x in os.getloadavg())))
     print()
@@ -588,8 +610,9 @@ def main():
     for line in notes:
         print("- " + line)
     if a.json:
-        Path(a.json).write_text(json.dumps(dict(raw_disk=dict(read=raw[0], write=raw[1], how=raw[2]), rows=rows,
-                                                notes=notes, results=results), indent=1, default=str))
+        raw = [dict(when=n, read=r, write=w, how=h) for n, (r, w, h) in probes]
+        Path(a.json).write_text(json.dumps(dict(raw_disk=raw, rows=rows, notes=notes, results=results), indent=1,
+                                           default=str))
 
 
 if __name__ == "__main__":

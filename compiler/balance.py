@@ -6,7 +6,7 @@ and a count of microbatches) and its share of the *training state* (an uneven sh
 parameters, gradients and optimizer state). Fast devices with little memory take many
 small microbatches and a small shard; slow devices with much memory hold more state.
 
-The integer program, solved exactly with PuLP/CBC:
+The integer program, solved exactly with PuLP and HiGHS (``harmony.ilp``):
 
     minimise   T
     subject to T >= m_d * (c0 + c1 * b_d) / F_d + s_d * U / B_d   for every rank d   (compute, its step)
@@ -44,9 +44,12 @@ from dataclasses import dataclass, field
 
 import pulp
 
+from harmony import ilp
 from harmony.errors import BudgetError
 from harmony.runtime.plan import optim_state_bytes
 from harmony.units import fmt_bytes
+
+GB = 1e9     # the unit of the integer program's memory rows
 
 
 @dataclass(frozen=True)
@@ -178,34 +181,34 @@ def balance(cost: ModelCost, devices, global_batch: int, max_microbatches: int =
             f"missing. Add devices, offload optimizer state to the host, or use a smaller model.",
             min_budget=int(missing))
     prob = pulp.LpProblem("balance", pulp.LpMinimize)
-    T = pulp.LpVariable("T", lowBound=0)
-    share = [pulp.LpVariable(f"s{d}", lowBound=0, upBound=1) for d in range(n)]
+    T = prob.add_variable("T", lowBound=0)
+    share = [prob.add_variable(f"s{d}", lowBound=0, upBound=1) for d in range(n)]
     pick = {}
     for d, dev in enumerate(devices):
         for b in range(1, global_batch + 1):
             if rank_memory_floor(cost, dev, b) > dev.memory:
                 break
             for m in range(1, min(max_microbatches, global_batch // b) + 1):
-                pick[d, b, m] = pulp.LpVariable(f"x_{d}_{b}_{m}", cat="Binary")
+                pick[d, b, m] = prob.add_variable(f"x_{d}_{b}_{m}", cat=pulp.LpBinary)
     prob += T
     for d, dev in enumerate(devices):
         opts = [(b, m) for (dd, b, m) in pick if dd == d]
         prob += pulp.lpSum(pick[d, b, m] for b, m in opts) == 1
         prob += T >= (pulp.lpSum(rank_time(cost, dev, b, m) * pick[d, b, m] for b, m in opts)
                       + step_seconds(cost, dev, 1.0) * share[d])
-        floor_d = pulp.lpSum(rank_memory_floor(cost, dev, b) * pick[d, b, m] for b, m in opts)
-        prob += share[d] * cost.state_bytes + floor_d <= dev.memory
+        # memory rows in GB, not bytes: coefficients near 1 keep the solver's tolerances meaningful
+        floor_d = pulp.lpSum(rank_memory_floor(cost, dev, b) / GB * pick[d, b, m] for b, m in opts)
+        prob += share[d] * (cost.state_bytes / GB) + floor_d <= dev.memory / GB
         link = getattr(dev, "h2d_bandwidth", None)
         if link and cost.replicated_bytes:     # replicated state that does not fit: its copies (swap_seconds)
-            over = pulp.LpVariable(f"over{d}", lowBound=0)
-            prob += over >= cost.replicated_bytes + share[d] * cost.state_bytes + floor_d - dev.memory
-            prob += T >= SWAP_PASSES / link * over
+            over = prob.add_variable(f"over{d}", lowBound=0)       # GB
+            prob += over >= (cost.replicated_bytes - dev.memory) / GB + share[d] * (cost.state_bytes / GB) + floor_d
+            prob += T >= SWAP_PASSES * GB / link * over
     prob += pulp.lpSum(b * m * x for (d, b, m), x in pick.items()) == global_batch
     prob += pulp.lpSum(share) == 1
-    status = prob.solve(pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit))
-    if pulp.LpStatus[status] != "Optimal":
+    if not ilp.solve(prob, time_limit):
         raise BudgetError(f"no split of batch {global_batch} over {n} devices fits their memory "
-                          f"(solver: {pulp.LpStatus[status]}); use more microbatches or more devices")
+                          f"(solver: {ilp.status(prob)}); use more microbatches or more devices")
     choice = []
     for d in range(n):
         b, m = next((b, m) for (dd, b, m), x in pick.items() if dd == d and x.value() > 0.5)

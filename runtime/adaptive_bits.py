@@ -19,6 +19,7 @@ from typing import Iterable, Mapping, Sequence
 import pulp
 import torch
 
+from harmony import ilp
 from harmony.errors import ConfigError
 from harmony.runtime.collectives import CompressionSpec, wire_bytes
 
@@ -95,7 +96,7 @@ def choose_bits(errors: Mapping[str, Mapping[int, float]], sizes: Mapping[str, i
                 time_limit: float = 60.0) -> tuple[dict[str, int], dict]:
     """Bits per layer minimising predicted wire bytes with total error <= uniform ``uniform_bits``.
 
-    An integer program (PuLP, CBC): binary ``x[l, b]``, one width per layer,
+    An integer program (PuLP, HiGHS): binary ``x[l, b]``, one width per layer,
     ``sum e[l][b] x[l, b] <= sum e[l][uniform_bits]``, minimise ``sum bytes(l, b) x[l, b]``.
     The report holds ``bits``, ``objective_bytes``, ``uniform_bytes``, ``lower_bound_bytes``
     (the LP relaxation), ``error``, ``error_budget``, ``status``, ``solve_seconds`` and
@@ -111,18 +112,17 @@ def choose_bits(errors: Mapping[str, Mapping[int, float]], sizes: Mapping[str, i
     cost = {(n, b): wire_bytes(int(sizes[n]), b, bucket_size, meta_dtype) for n in names for b in errors[n]}
     budget = sum(errors[n][uniform_bits] for n in names)
     uniform_bytes = sum(cost[n, uniform_bits] for n in names)
-    norm = budget if budget > 0 else 1.0      # keep the constraint's coefficients near 1 for CBC
+    norm = budget if budget > 0 else 1.0      # keep the constraint's coefficients near 1 for the solver
 
     def solve(relax: bool, rhs: float):
         prob = pulp.LpProblem("adaptive_bits", pulp.LpMinimize)
         cat = pulp.LpContinuous if relax else pulp.LpBinary
-        x = {k: pulp.LpVariable(f"x{i}", 0, 1, cat) for i, k in enumerate(cost)}
+        x = {k: prob.add_variable(f"x{i}", 0, 1, cat) for i, k in enumerate(cost)}
         prob += pulp.lpSum(cost[k] * v for k, v in x.items())
         for n in names:
             prob += pulp.lpSum(x[n, b] for b in errors[n]) == 1
         prob += pulp.lpSum(errors[k[0]][k[1]] / norm * v for k, v in x.items()) <= budget / norm * rhs
-        prob.solve(pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit))
-        return prob, x
+        return ilp.solve(prob, time_limit), prob, x
 
     def total_error(bits):
         return sum(errors[n][bits[n]] for n in names)
@@ -131,14 +131,14 @@ def choose_bits(errors: Mapping[str, Mapping[int, float]], sizes: Mapping[str, i
     bits = {n: uniform_bits for n in names}          # always feasible: the fallback
     status, lower = "empty", 0.0
     if names:
-        lp, _ = solve(relax=True, rhs=1.0)
-        lower = pulp.value(lp.objective) if lp.status == pulp.LpStatusOptimal else float(uniform_bytes)
-        # CBC accepts solutions within its feasibility tolerance (~1e-7 of the budget); if the
+        found, lp, _ = solve(relax=True, rhs=1.0)
+        lower = pulp.value(lp.objective) if found else float(uniform_bytes)
+        # the solver accepts solutions within its feasibility tolerance (~1e-7 of the budget); if the
         # answer breaks the budget in exact arithmetic, solve again with that much margin.
         for rhs in (1.0, 1.0 - 1e-6):
-            prob, x = solve(relax=False, rhs=rhs)
-            status = pulp.LpStatus[prob.status]
-            if prob.status != pulp.LpStatusOptimal:
+            found, prob, x = solve(relax=False, rhs=rhs)
+            status = ilp.status(prob)
+            if not found:
                 continue
             chosen = {n: max(errors[n], key=lambda b: x[n, b].value() or 0.0) for n in names}
             if total_error(chosen) <= budget * (1 + 1e-12):

@@ -6,6 +6,7 @@ import stat
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -314,6 +315,40 @@ def test_round_trip_direct_and_buffered(tmp_path, direct):
         c = store.stats()
         assert c["read_bytes"] == c["write_bytes"] > 0 and c["read_GBps"] > 0 and c["write_GBps"] > 0
         assert (c["direct_ops"] > 0) == store.direct and (c["buffered_ops"] > 0) != store.direct
+
+
+@pytest.mark.parametrize("direct", [None, False])
+def test_a_read_runs_in_ranges_at_once_and_a_short_file_is_an_error(tmp_path, monkeypatch, direct):
+    """A file of many chunks is read by READ_DEPTH concurrent preadv calls over whole chunks; a skip
+    starts at its 4 KiB boundary; a file cut short raises OffloadError, not a half-filled buffer."""
+    monkeypatch.setattr(disk, "CHUNK", 64 << 10)
+    assert disk._spans(0, 10 * (64 << 10) + 5, 4) == [(0, 3 << 16), (3 << 16, 6 << 16), (6 << 16, 9 << 16),
+                                                      (9 << 16, 10 * (64 << 10) + 5)]
+    assert disk._spans(4096, 8192, 4) == [(4096, 8192)]
+    seen, real = [], disk._preadv
+
+    def preadv(fd, bufs, at):
+        seen.append((threading.current_thread().name, at))
+        return real(fd, bufs, at)
+    monkeypatch.setattr(disk, "_preadv", preadv)
+    with DiskStore(tmp_path, direct=direct) as store:
+        specs = [((3,), torch.int64), ((300_000,), torch.float32), ((1000,), torch.float64)]
+        views = store.empty(specs)
+        for v in views:
+            v.copy_(torch.randn(v.shape).to(v.dtype) * 1000)
+        store.write(0, views).result()
+        seen.clear()
+        back = store.empty(specs)
+        store.read(0, into=back).result()
+        assert all(torch.equal(a, b) for a, b in zip(views, back))
+        assert len({name for name, _ in seen}) == min(store.read_depth, 19) > 1     # 1.2 MB: 19 chunks
+        assert sorted(at for _, at in seen) == list(range(0, store.file(0).stat().st_size, 64 << 10))
+        part = store.empty(specs)
+        store.read(0, into=part, skip=1).result()
+        assert torch.equal(part[1], views[1]) and torch.equal(part[2], views[2])
+        os.truncate(store.file(0), 256 << 10)
+        with pytest.raises(OffloadError, match="short of"):
+            store.read(0, into=store.empty(specs)).result()
 
 
 def test_the_probe_falls_back_to_buffered_io_where_o_direct_is_refused(tmp_path, monkeypatch):

@@ -25,6 +25,10 @@ def test_offload_bench_tiny(tmp_path):
         assert isinstance(r["step_s"], float) and r["step_s"] > 0
         assert r["read_GB_step"] >= 0 and r["write_GB_step"] >= 0 and r["peak_rss_GiB"] > 0
         assert r["bound_s"] > 0
+    # raw disk probes: one at the start, one after each system that moved more than 1 MiB a step
+    assert res["raw_disk"][0]["when"] == "at the start"
+    assert all(p["when"] in ("after harmony", "after eager") and p["read"] > 0 and p["write"] > 0
+               for p in res["raw_disk"][1:])
     h, e = res["results"]["harmony"], res["results"]["eager"]
     assert "error" not in h and "error" not in e
     assert len(h["step_s"]) == len(e["step_s"]) == 2
