@@ -22,7 +22,8 @@ renames ``ckpt`` to ``ckpt.old``, the new one to ``ckpt``, and removes ``ckpt.ol
 process killed at any moment leaves a complete checkpoint under ``ckpt`` or, between the
 two renames, under ``ckpt.old``, which ``load`` falls back to (and the next ``save``
 puts back). Loading reads files with ``torch.load(weights_only=True)`` only after the
-manifest matches the model and every file matches its checksum.
+manifest matches the model and every file matches its checksum. (The directory's mechanics,
+the renames, fsyncs, checksums and error messages, are ``harmony.checkpoint_files``.)
 
 Tensors are referenced where the runtime keeps them (device copy or host master), never
 gathered first: the writer pulls one pack's state at a time, the unit the runtime moves.
@@ -30,7 +31,6 @@ gathered first: the writer pulls one pack's state at a time, the unit the runtim
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import os
 import shutil
@@ -40,13 +40,13 @@ from pathlib import Path
 
 import torch
 
+from harmony import checkpoint_files as ckfiles
+from harmony.checkpoint_files import MANIFEST
 from harmony.errors import CheckpointError
-from harmony.process import pid_alive
 from harmony.units import fmt_bytes
 
 FORMAT = 1
 KIND = "harmony-checkpoint"
-MANIFEST = "manifest.json"
 
 
 @dataclass
@@ -458,7 +458,7 @@ def _replicated_ranks(sm) -> bool:
 
 def _save_here(sm, path, progress) -> Path:
     """``save`` on this process alone."""
-    target, old, tmp = _paths(_rank_path(sm, path))
+    target, old, tmp = ckfiles.paths(_rank_path(sm, path))
     live = _Live(sm)
     groups = [[{"params": list(names), **{k: _jsonable(v) for k, v in g.items() if k != "params"}}
                for names, g in per_opt] for per_opt in live.groups]
@@ -470,10 +470,10 @@ def _save_here(sm, path, progress) -> Path:
     need = live.nbytes()
     previous = False
     try:
-        _recover(target, old)
-        previous = _check_replaceable(target)
+        ckfiles.recover(target, old)
+        previous = ckfiles.check_replaceable(target)
         target.parent.mkdir(parents=True, exist_ok=True)
-        _remove_stale_temps(target)
+        ckfiles.remove_stale_temps(target)
         usage = shutil.disk_usage(target.parent)
         if usage.total and usage.free < need:   # (pseudo file systems such as /proc report no size at all)
             raise OSError(errno.ENOSPC, f"{fmt_bytes(usage.free)} free, the checkpoint needs at least "
@@ -487,7 +487,7 @@ def _save_here(sm, path, progress) -> Path:
         for i, (stem, pack, names) in enumerate(layout):
             payload = live.payload(names)
             name = f"{stem}.pt"
-            size, digest = _write_file(tmp / name, payload)
+            size, digest = ckfiles.write_file(tmp / name, payload)
             files.append({"name": name, "pack": pack, "bytes": size, "sha256": digest,
                           "model": {n: _spec(t) for n, t in payload["model"].items()},
                           "optimizer": {n: {k: _spec(v) for k, v in s.items()}
@@ -495,7 +495,7 @@ def _save_here(sm, path, progress) -> Path:
             del payload
             if progress is not None:
                 progress(i + 1, total, tmp / name)
-        size, digest = _write_file(tmp / "rng.pt", _rng_state())
+        size, digest = ckfiles.write_file(tmp / "rng.pt", _rng_state())
         files.append({"name": "rng.pt", "pack": None, "bytes": size, "sha256": digest, "rng": True})
         if progress is not None:
             progress(total - 1, total, tmp / "rng.pt")
@@ -503,14 +503,14 @@ def _save_here(sm, path, progress) -> Path:
                     "param_groups": groups, "files": files}
         if _scaler(sm) is not None:
             manifest["loss_scaler"] = _scaler(sm).state_dict()
-        _write_bytes(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
+        ckfiles.write_bytes(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
         if progress is not None:
             progress(total, total, tmp / MANIFEST)
-        _fsync_dir(tmp)
-        _commit(tmp, target, old)
+        ckfiles.fsync_dir(tmp)
+        ckfiles.commit(tmp, target, old)
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointError(_explain_save(e, target, need, previous)) from e
+        raise CheckpointError(ckfiles.explain_save(e, target, need, previous)) from e
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -527,8 +527,8 @@ def load(sm, path) -> CheckpointInfo:
     anything changes. If only ``<path>.old`` exists (a save was killed between its two
     renames) that is loaded, with a warning.
     """
-    target, old, _ = _paths(_rank_path(sm, path))
-    src, recovered = _find(target, old)
+    target, old, _ = ckfiles.paths(_rank_path(sm, path))
+    src, recovered = ckfiles.find(target, old)
     manifest = _read_manifest(src)
     live = _Live(sm)
     packs = [f for f in manifest["files"] if not f.get("rng")]
@@ -538,13 +538,13 @@ def load(sm, path) -> CheckpointInfo:
     _check(live, model, optim, groups, f"checkpoint {src}")
     try:
         for f in manifest["files"]:
-            _verify(src, f)
+            ckfiles.verify(src, f)
     except OSError as e:
         raise CheckpointError(f"could not read checkpoint {src}: {e.strerror or e} ({e.filename}); "
                               f"nothing was changed. Check the file system, or load an older checkpoint.") from e
     try:
         for f in packs:
-            data = _read_file(src / f["name"])
+            data = ckfiles.read_file(src / f["name"])
             if set(data.get("model", {})) != set(f.get("model", {})) or \
                     set(data.get("optimizer", {})) != set(f.get("optimizer", {})):
                 raise CheckpointError(f"{src / f['name']} does not hold the tensors its manifest lists; "
@@ -554,7 +554,7 @@ def load(sm, path) -> CheckpointInfo:
                 live.write_tensor(n, t)
             live.write_optims(data["optimizer"], list(data["model"]))
             del data
-        rng = next(_read_file(src / f["name"]) for f in manifest["files"] if f.get("rng"))
+        rng = next(ckfiles.read_file(src / f["name"]) for f in manifest["files"] if f.get("rng"))
     except OSError as e:
         raise CheckpointError(f"could not read checkpoint {src}: {e.strerror or e} ({e.filename}). The model "
                               f"may be partly loaded: load again, or another checkpoint, before training.") from e
@@ -585,150 +585,6 @@ def _rank_path(sm, path) -> Path:
     return Path(path) / f"rank-{plan.rank}-of-{sm.program.config.world_size}"
 
 
-def _paths(path) -> tuple[Path, Path, Path]:
-    target = Path(os.path.abspath(os.fspath(path)))
-    return (target, target.with_name(target.name + ".old"),
-            target.with_name(f"{target.name}.tmp-{os.getpid()}"))
-
-
-def _is_checkpoint(d: Path) -> bool:
-    return (d / MANIFEST).is_file()
-
-
-def _recover(target: Path, old: Path) -> None:
-    """A save killed between its two renames left only ``<dir>.old``: put it back first."""
-    if not target.exists() and _is_checkpoint(old):
-        os.rename(old, target)
-        _fsync_dir(target.parent)
-
-
-def _check_replaceable(target: Path) -> bool:
-    """True if a previous checkpoint is there; refuse to replace anything that is not one."""
-    if not target.exists():
-        return False
-    if not target.is_dir():
-        raise CheckpointError(f"cannot save a checkpoint to {target}: it is a file, not a directory; "
-                              f"choose another path")
-    if _is_checkpoint(target):
-        return True
-    if any(target.iterdir()):
-        raise CheckpointError(f"cannot save a checkpoint to {target}: the directory holds files and no "
-                              f"{MANIFEST}, so it is not a Harmony checkpoint and would be replaced; "
-                              f"choose another path or empty it")
-    return False
-
-
-def _remove_stale_temps(target: Path) -> None:
-    """Temp directories of saves whose process died (SIGKILL leaves them; nothing else does)."""
-    for d in target.parent.glob(f"{target.name}.tmp-*"):
-        pid = d.name.rsplit("-", 1)[-1]
-        if pid.isdigit() and (int(pid) == os.getpid() or not pid_alive(int(pid))):
-            shutil.rmtree(d, ignore_errors=True)
-
-
-def _commit(tmp: Path, target: Path, old: Path) -> None:
-    if target.exists():
-        if old.exists():
-            shutil.rmtree(old)
-        os.rename(target, old)
-        _fsync_dir(target.parent)
-        try:
-            os.rename(tmp, target)
-        except OSError:
-            os.rename(old, target)
-            raise
-        _fsync_dir(target.parent)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.rename(tmp, target)
-        _fsync_dir(target.parent)
-
-
-class _HashingWriter:
-    """A file that hashes what it is given, so a checkpoint is read back by nobody to get its sha256."""
-
-    def __init__(self, f):
-        self.f, self.sha, self.size = f, hashlib.sha256(), 0
-        self.error: OSError | None = None
-
-    def write(self, b) -> int:
-        self.sha.update(b)
-        self.size += len(b)
-        try:
-            return self.f.write(b)
-        except OSError as e:
-            self.error = e
-            raise
-
-    def flush(self) -> None:
-        self.f.flush()
-
-
-def _write_file(path: Path, obj) -> tuple[int, str]:
-    """``torch.save`` to a new file, fsynced; returns (bytes, sha256)."""
-    with open(path, "xb") as f:
-        w = _HashingWriter(f)
-        try:
-            torch.save(obj, w)
-        except Exception:
-            if w.error is not None:   # torch's zip writer turns a failed write (ENOSPC) into a RuntimeError
-                raise w.error from None
-            raise
-        f.flush()
-        os.fsync(f.fileno())
-    return w.size, w.sha.hexdigest()
-
-
-def _write_bytes(path: Path, data: bytes) -> None:
-    with open(path, "xb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(d: Path) -> None:
-    fd = os.open(d, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _explain_save(e: OSError, target: Path, need: int, previous: bool) -> str:
-    where = e.filename or target.parent
-    if e.errno in (errno.ENOSPC, errno.EDQUOT):
-        todo = (f"the file system holding {target.parent} is full: free at least {fmt_bytes(need)} there (the new "
-                f"checkpoint is complete before the old one is removed, so both need room) or save elsewhere")
-    elif e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-        todo = "that location is not writable: save to a directory you can write to, or fix its permissions"
-    elif e.errno in (errno.ENOTDIR, errno.EEXIST):
-        todo = "a part of that path is a file, not a directory: choose another path"
-    elif e.errno == errno.ENOENT:
-        todo = ("it cannot be created there (a part of the path is missing, or the file system, like /proc, "
-                "takes no new files): save to a writable directory")
-    else:
-        todo = "check the path and the file system"
-    kept = (f"The previous checkpoint at {target} is intact" if previous
-            else f"Nothing was at {target} before and nothing was written there")
-    return (f"could not save the checkpoint to {target}: {e.strerror or e} ({where}); {todo}. "
-            f"{kept}, and no temporary files were left behind.")
-
-
-def _find(target: Path, old: Path) -> tuple[Path, bool]:
-    if _is_checkpoint(target):
-        return target, False
-    if not target.exists() and _is_checkpoint(old):
-        return old, True
-    temps = sorted(p.name for p in target.parent.glob(f"{target.name}.tmp-*")) if target.parent.is_dir() else []
-    if target.exists():
-        why = f"{target} has no {MANIFEST}, so it is not a complete Harmony checkpoint"
-    else:
-        why = f"there is no checkpoint at {target} (nor {old.name})"
-    if temps:
-        why += f"; {', '.join(temps)} beside it are saves that never completed"
-    raise CheckpointError(f"cannot load: {why}. Pass the directory harmony.save wrote.")
-
-
 def _read_manifest(src: Path) -> dict:
     try:
         manifest = json.loads((src / MANIFEST).read_text())
@@ -747,27 +603,3 @@ def _read_manifest(src: Path) -> dict:
     if not any(f.get("rng") for f in manifest.get("files", [])) or "param_groups" not in manifest:
         raise CheckpointError(f"{src / MANIFEST} is incomplete (no RNG file or hyperparameters); load an older one")
     return manifest
-
-
-def _verify(src: Path, f: dict) -> None:
-    path = src / f["name"]
-    sha, size = hashlib.sha256(), 0
-    with open(path, "rb") as fh:
-        while chunk := fh.read(1 << 20):
-            sha.update(chunk)
-            size += len(chunk)
-    if size != f["bytes"] or sha.hexdigest() != f["sha256"]:
-        raise CheckpointError(f"{path} is damaged: {size} bytes with sha256 {sha.hexdigest()[:12]}..., the "
-                              f"manifest says {f['bytes']} bytes with {f['sha256'][:12]}...; nothing was changed. "
-                              f"Load an older checkpoint.")
-
-
-def _read_file(path: Path) -> dict:
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except OSError:
-        raise
-    except Exception as e:   # weights_only refuses anything but tensors and plain containers
-        raise CheckpointError(f"{path} cannot be loaded as plain tensors ({type(e).__name__}: {e}); "
-                              f"Harmony never unpickles arbitrary objects. The model may be partly loaded: "
-                              f"load another checkpoint before training.") from e

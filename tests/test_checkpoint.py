@@ -14,6 +14,7 @@ import torch
 
 import harmony
 import harmony.checkpoint as ckpt
+import harmony.checkpoint_files as ckfiles
 from harmony.errors import CheckpointError
 from harmony.models import GPT, GPTConfig, copy_task
 from harmony.process import peak_rss_bytes
@@ -246,14 +247,14 @@ def test_a_save_interrupted_between_its_renames_falls_back_to_old(run_a, tmp_pat
 def test_injected_enospc_on_the_second_file_keeps_the_last_good_checkpoint(run_a, tmp_path, monkeypatch):
     target = tmp_path / "ck"
     shutil.copytree(run_a["dir"], target)
-    write, calls = ckpt._write_file, []
+    write, calls = ckfiles.write_file, []
 
     def full_disk(path, obj):
         calls.append(path)
         if len(calls) == 2:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
         return write(path, obj)
-    monkeypatch.setattr(ckpt, "_write_file", full_disk)
+    monkeypatch.setattr(ckfiles, "write_file", full_disk)
     sm = run_a["sm"]
     with pytest.raises(CheckpointError, match=r"No space left on device.*is full.*previous checkpoint at .* intact"):
         harmony.save(sm, target)
