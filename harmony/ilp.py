@@ -25,10 +25,7 @@ def solve(prob: pulp.LpProblem, time_limit: float | None = None) -> bool:
     if not solver.available():
         raise ConfigError("Harmony's integer programs need the HiGHS solver, which is not installed: "
                           "pip install 'pulp[highs]' (or highspy)")
-    try:
-        prob.solve(solver)
-    except IndexError:          # a time limit hit before any solution: PuLP reads an empty solution vector
-        prob.status, prob.sol_status = pulp.LpStatusNotSolved, pulp.LpSolutionNoSolutionFound
+    prob.solve(solver)          # a time limit hit before any solution leaves status Not Solved
     return prob.status == pulp.LpStatusOptimal and prob.sol_status in _FOUND
 
 

@@ -3,7 +3,8 @@
 ``DiskStore`` is the I/O: a private directory (mode 0700) that is removed when the store
 is closed, garbage collected, or the process exits (``weakref.finalize``, which runs at
 exit through ``atexit``; also when the exit is an uncaught exception), and a thread pool
-of two workers moving whole packs between aligned host buffers and files::
+of two workers moving whole packs between aligned host buffers and files (a read's further
+ranges on helper threads)::
 
     with DiskStore("/nvme/scratch") as store:
         m, v = store.empty([((1024, 1024), torch.float32)] * 2)    # 4 KiB-aligned views of one buffer
@@ -14,8 +15,9 @@ The tensors of a pack sit in its file one after the other (at 64-byte boundaries
 file padded to 4 KiB, in the same layout ``empty`` gives the buffer, so a pack is one
 4 KiB-aligned contiguous range in memory and on disk, moved in 16 MiB ``pwrite``/``preadv``
 calls: a write one call at a time, a read in up to four ranges at once (``HARMONY_READ_DEPTH``;
-reads are faster with more in flight, writes were not). Where the file system takes ``O_DIRECT`` (probed once per store: open, write and
-read back one aligned block) the I/O bypasses the page cache; elsewhere it is buffered,
+reads are faster with more in flight, writes were not). Where the file system takes
+``O_DIRECT`` (probed once per store: open, write and read back one aligned block) the I/O
+bypasses the page cache; elsewhere it is buffered,
 and each file's pages are dropped after it is written (``fdatasync`` +
 ``POSIX_FADV_DONTNEED``) or read, so the page cache neither hides the disk nor grows.
 ``HARMONY_DIRECT_IO=0`` forces buffered I/O.
@@ -66,7 +68,12 @@ CHUNK = 16 << 20               # bytes per pwrite/preadv call
 # concurrent preadv calls per file read: a shared or cloud disk serves reads faster with more of them
 # in flight (measured on this project's machine: 1.48 GB/s with two readers where one got 0.74, and
 # reads beside a write 3.4 GB/s at four where one got 1.5); writes gained nothing, so stay at one
-READ_DEPTH = max(1, int(os.environ.get("HARMONY_READ_DEPTH", "4") or 4))
+try:
+    READ_DEPTH = max(1, int(os.environ.get("HARMONY_READ_DEPTH", "").strip() or 4))
+except ValueError:
+    raise ValueError(f"HARMONY_READ_DEPTH={os.environ['HARMONY_READ_DEPTH']!r} is not a whole number: set it to the "
+                     f"preadv calls a disk read may have in flight (1 to turn concurrent reads off), or unset it") \
+        from None
 PREFIX = "harmony-offload-"
 O_DIRECT = getattr(os, "O_DIRECT", 0)
 
