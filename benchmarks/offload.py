@@ -443,7 +443,7 @@ def around(probes: list[tuple[str, tuple[float, float, str]]], system: str) -> t
     """(read, write) bytes/s for ``system``'s bound: the mean of the probes just before and after its run."""
     names = [n for n, _ in probes]
     after = names.index(f"after {system}") if f"after {system}" in names else None
-    if after is None:        # it used no disk: the probe nearest before it (only its bound's disk term, zero, uses it)
+    if after is None:        # it used no disk: its disk term is zero whatever the rate; the first probe will do
         return probes[0][1][:2]
     pair = [probes[after - 1][1], probes[after][1]]
     return sum(p[0] for p in pair) / 2, sum(p[1] for p in pair) / 2
