@@ -251,10 +251,8 @@ def place_state(program: Program) -> tuple[set[int], set[int], dict]:
             if owned[p]:
                 disk.discard(p)
                 whole.add(p)
-    memory, memory_share, kept = _in_memory(budget - need(disk, whole)["planned"] if budget is not None else 0,
-                                            [p for p in reversed(order) if p in whole], groups, sizes,
-                                            {p: optim[p] / max(owned[p], 1) for p in whole})
-    if budget is not None and need(disk, whole)["planned"] > budget:
+    planned = need(disk, whole)
+    if budget is not None and planned["planned"] > budget:
         what = ("with every pack's optimizer state on disk the host still needs the fp32 weights "
                 f"({fmt_bytes(need(set(optim), set())['masters'])}), two packs' gradients and two packs' optimizer "
                 f"state in flight" if weights_on == "host" else
@@ -267,7 +265,9 @@ def place_state(program: Program) -> tuple[set[int], set[int], dict]:
             f"{fmt_bytes(minimum)}. Raise host_memory_budget to at least {fmt_bytes(minimum)} ({minimum} bytes), "
             f"or compile with {todo}a smaller disk_group_bytes.",
             min_budget=minimum)
-    planned = need(disk, whole)
+    memory, memory_share, kept = _in_memory(budget - planned["planned"] if budget is not None else 0,
+                                            [p for p in reversed(order) if p in whole], groups, sizes,
+                                            {p: optim[p] / max(owned[p], 1) for p in whole})
     planned.update(in_memory=kept, planned=planned["planned"] + kept)
     return disk, whole, dict(planned, minimum=minimum, groups={p: groups[p] for p in whole}, owned=owned,
                              memory=memory, memory_share=memory_share)

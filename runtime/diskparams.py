@@ -148,10 +148,7 @@ class DiskParams:
                 with torch.no_grad():
                     for v, n in zip(views, names):
                         v.copy_(tensors[n].data)
-                if gid in self.in_memory:
-                    self._kept[gid] = views
-                else:
-                    self.store.write(gid, views).result()
+                self._store_state(gid, views)
                 self.layouts[gid] = lay
                 for n in names:
                     tensors[n].data = placeholder(tensors[n])
@@ -395,13 +392,18 @@ class DiskParams:
         with torch.no_grad():
             for dst, src in zip(views, values):
                 dst.copy_(src)
+        self._store_state(gid, views)
+        self.layouts[gid] = lay
+        self._leave(gid)
+
+    def _store_state(self, gid: int, views: list[torch.Tensor]) -> None:
+        """The group's state between steps, now: kept in host memory if it is a file the offload pass keeps there,
+        else written to its file (waiting for the write)."""
         if gid in self.in_memory:
             with self._lock:
                 self._kept[gid] = views
         else:
             self.store.write(gid, views).result()
-        self.layouts[gid] = lay
-        self._leave(gid)
 
     # -- reports and lifetime -------------------------------------------------------------------------
     def step_stats(self) -> dict:
