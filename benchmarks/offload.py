@@ -42,7 +42,7 @@ disk GB/s these imply over the step; and the bound max(compute, read/raw_read + 
 where compute is the eager run's fastest step after the first (else FSDP2's, noted; the load
 of a shared machine only slows a step, so the fastest is the truest) and the raw bandwidths are
 measured in this run by an O_DIRECT sequential write then read of --raw-bytes in --dir
-(compiler/hardware.py's _disk_bandwidth, the helper Hardware.profile uses), just before and
+(compiler/machine.py's disk_bandwidth, the helper Hardware.profile uses), just before and
 just after each system that uses the disk: a shared cloud disk's rates move several-fold from
 one minute to the next (this machine's read 0.95 to 3.6 GB/s, write 0.43 to 0.79, between
 back-to-back runs), so each system's bound takes the mean of the two probes around its own run.
@@ -397,9 +397,9 @@ def child(a) -> None:
 
 def raw_disk(path: str, nbytes: int) -> tuple[float, float, str]:
     """(read, write) bytes/s of a sequential O_DIRECT write then read of ``nbytes`` under ``path``."""
-    from harmony.compiler.hardware import _disk_bandwidth
+    from harmony.compiler.machine import disk_bandwidth
     # the helper writes until its cap or half its time budget: give it time enough to reach the cap
-    return _disk_bandwidth(max(60.0, nbytes / 2e7), path=path, cap=nbytes)
+    return disk_bandwidth(max(60.0, nbytes / 2e7), path=path, cap=nbytes)
 
 
 def run_child(system: str, a, workdir: str) -> dict:

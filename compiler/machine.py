@@ -1,0 +1,209 @@
+"""Measuring this machine: its memory, CPU, disk and speeds, for ``Hardware.detect`` and ``Hardware.profile``.
+
+Each function reads or times one thing and returns plain numbers; ``compiler/hardware.py``
+turns them into a ``Hardware`` description. Each timing takes about the budget of seconds
+it is given (compute timings: repeated after a warm-up, the median):
+
+>>> matmul_flops(2.0, threads=1)            # fp32 FLOP/s of a 2048 x 2048 matmul
+>>> disk_bandwidth(4.0, path="/nvme")       # (read, write) bytes/s and how (O_DIRECT or buffered)
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import tempfile
+import time
+from pathlib import Path
+
+GiB = 2**30
+
+
+def meminfo(key: str) -> int:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def disk_free(path=None) -> int:
+    st = os.statvfs(path or tempfile.gettempdir())
+    return st.f_bavail * st.f_frsize
+
+
+def _timed(fn, budget: float, at_least: int = 2) -> list[float]:
+    """Seconds of each run of ``fn`` after one warm-up, until ``budget`` seconds pass (at least ``at_least`` runs)."""
+    stop = time.perf_counter() + budget
+    fn()
+    times: list[float] = []
+    while len(times) < at_least or time.perf_counter() < stop:
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def _median(xs: list[float]) -> float:
+    return sorted(xs)[len(xs) // 2]
+
+
+def matmul_flops(budget: float, threads: int, n: int = 2048) -> float:
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        out = torch.empty(n, n)
+        times = _timed(lambda: torch.mm(a, b, out=out), budget)
+    finally:
+        torch.set_num_threads(before)
+    return 2 * n**3 / _median(times)
+
+
+def kernel_latency(budget: float, threads: int) -> float:
+    """Seconds per tensor op of a transformer block too small to compute anything (width 16, 8 tokens).
+
+    What every op pays besides its arithmetic, as a pack's ops pay it: PyTorch's dispatch,
+    module calls, autograd's bookkeeping and the runtime's allocation accounting.
+    """
+    block = _Block(16, 8, 8, threads, layers=1)
+    try:
+        return _median(_timed(block.run, budget, at_least=5)) / block.ops
+    finally:
+        block.close()
+
+
+def block_efficiency(budget: float, peak: float, latency: float, threads: int, width: int = 512,
+                      tokens: int = 512, seq: int = 128) -> float:
+    """Share of ``peak`` a transformer block sustains, run as a recomputing backward runs it, net of op latency."""
+    block = _Block(width, tokens, seq, threads)
+    try:
+        t = _median(_timed(block.run, budget, at_least=3))
+    finally:
+        block.close()
+    compute = max(t - block.ops * latency, 0.05 * t)
+    return min(1.0, block.flops / compute / peak)
+
+
+class _Block:
+    """Pre-norm GELU transformer blocks run as a pack's backward runs them: forward without grad,
+    then forward again with grad and backward, under the runtime's allocation accounting.
+
+    A pack holds several layers whose weights have left the caches by the time it runs
+    again, so unless told otherwise there are as many distinct layers as it takes to hold
+    64 MiB of weights (at most 8): the caches start cold for each, as in a step.
+    """
+
+    def __init__(self, width: int, tokens: int, seq: int, threads: int, layers: int | None = None):
+        import torch
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils.flop_counter import FlopCounterMode
+
+        class Count(TorchDispatchMode):
+            n = 0
+
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                self.n += 1
+                return func(*args, **(kwargs or {}))
+
+        self.threads = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        torch.manual_seed(0)
+        seq = min(seq, tokens)
+        if layers is None:
+            layers = max(1, min(8, -(-64 * 2**20 // (12 * width * width * 4))))
+        self.layer = torch.nn.Sequential(*(torch.nn.TransformerEncoderLayer(
+            width, max(1, width // 64), 4 * width, dropout=0.0, activation="gelu", batch_first=True,
+            norm_first=True) for _ in range(layers)))
+        self.x = torch.randn(max(1, tokens // seq), seq, width)
+        self.seed = torch.ones_like(self.x)
+        with FlopCounterMode(display=False) as fc, Count() as count:
+            self.pack()
+        self.flops, self.ops = fc.get_total_flops(), count.n
+
+    def pack(self):
+        import torch
+        with torch.no_grad():
+            self.layer(self.x)
+        leaf = self.x.detach().requires_grad_()
+        torch.autograd.backward(self.layer(leaf), self.seed)
+
+    def run(self):
+        from harmony.runtime.memory import CountAllocations, MemoryMeter
+        with CountAllocations(MemoryMeter("profile")):
+            self.pack()
+
+    def close(self):
+        import torch
+        torch.set_num_threads(self.threads)
+
+
+def memcpy_bandwidth(budget: float, size: int = 128 * 2**20) -> float:
+    import torch
+
+    src = torch.ones(size // 4)
+    dst = torch.full_like(src, 2.0)         # touched, so the timed copies take no page faults
+    return size / _median(_timed(lambda: dst.copy_(src), budget))
+
+
+def disk_bandwidth(budget: float, path=None, block: int = 16 * 2**20, cap: int = 1 * GiB):
+    """(read, write) bytes/s of a temporary file, and how it was measured."""
+    buf = mmap.mmap(-1, block)              # page aligned, as O_DIRECT wants
+    buf.write(os.urandom(4096) * (block // 4096))
+    fd, name = tempfile.mkstemp(prefix="harmony-disk-", dir=path)
+    os.close(fd)
+    try:
+        direct = os.O_DIRECT if _takes_direct_io(name, buf) else 0
+        how = "O_DIRECT" if direct else "fsync + posix_fadvise DONTNEED"
+        fd = os.open(name, os.O_WRONLY | direct)
+        written, t0 = 0, time.perf_counter()
+        while written < cap and (written == 0 or time.perf_counter() - t0 < budget / 2):
+            written += os.write(fd, buf)
+        os.fsync(fd)
+        write = written / (time.perf_counter() - t0)
+        os.close(fd)
+        fd = os.open(name, os.O_RDONLY | direct)
+        if not direct and hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        got, t0 = 0, time.perf_counter()
+        while got < written:
+            n = os.readv(fd, [buf])
+            if n <= 0:
+                break
+            got += n
+        read = got / (time.perf_counter() - t0)
+        os.close(fd)
+    finally:
+        os.unlink(name)
+        buf.close()
+    return read, write, how
+
+
+def _takes_direct_io(name: str, buf) -> bool:
+    """Whether the file system under ``name`` takes an O_DIRECT write (tmpfs and some others refuse it)."""
+    if not hasattr(os, "O_DIRECT"):
+        return False
+    try:
+        fd = os.open(name, os.O_WRONLY | os.O_DIRECT)
+    except OSError:
+        return False
+    try:
+        os.write(fd, buf)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
