@@ -16,7 +16,9 @@
    the backward. Under the harmony policy that is across the turn from forward to backward
    (1 byte saved per byte held, and held only from the pack's forward to its backward, so
    the last packs, whose two visits are closest, are tried first); under sequential, across
-   all 2 x microbatches visits.
+   all 2 x microbatches visits. The room whole packs leave (less than the next pack's weights)
+   is then filled with single weights held the same way, largest first from the last pack back:
+   the pack's later ``swap_in``s and earlier ``release``s leave them (``held=``), the rest move.
 6. Where room is still left (``optimizer_on="auto"``, fp32, one rank), a host-stepped pack
    may step on the device instead, with its weights, gradients and optimizer state resident
    for good: it then moves nothing, where held between visits it moved its weights in once
@@ -59,6 +61,7 @@ class Choice(NamedTuple):
     kept: frozenset = frozenset()     # packs whose forward's graph is kept (no recompute)
     held: frozenset = frozenset()     # host-stepped packs whose weights stay between visits of an iteration
     device: frozenset = frozenset()   # host-stepped packs moved to a device step, all their state resident
+    parts: frozenset = frozenset()    # (pack, param): single weights held between visits, where the whole pack's are not
 NEEDS = {"forward": ("params",), "backward": ("params", "grads"), "step": ("params", "grads", "optim"),
          "allreduce": ("grads",)}
 
@@ -188,10 +191,12 @@ def param_swaps(graph: torch.fx.Graph) -> dict[int, tuple[list, list]]:
     return out
 
 
-def hold_between_visits(graph: torch.fx.Graph, packs) -> None:
+def hold_between_visits(graph: torch.fx.Graph, packs, parts=frozenset()) -> None:
     """The ``packs``' weights stay on the device from their first visit of the iteration to their last:
-    every ``swap_in`` of their parameters but the first goes, and every ``release`` but the last."""
-    swaps = param_swaps(graph) if packs else {}
+    every ``swap_in`` of their parameters but the first goes, and every ``release`` but the last.
+    ``parts`` ((pack, param) pairs) does the same for single weights: the pack's ``swap_in`` but the first
+    and ``release`` but the last leave them where they are (``held=``) and move the rest."""
+    swaps = param_swaps(graph) if packs or parts else {}
     for pack in packs:
         ins, outs = swaps.get(pack, ([], []))
         for n in ins[1:]:
@@ -200,6 +205,16 @@ def hold_between_visits(graph: torch.fx.Graph, packs) -> None:
             graph.erase_node(n)
         for n in outs[:-1]:
             graph.erase_node(n)
+    by_pack: dict = {}
+    for pack, name in parts:
+        by_pack.setdefault(pack, set()).add(name)
+    for pack, names in by_pack.items():
+        ins, outs = swaps.get(pack, ([], []))
+        if not ins or not outs:
+            continue
+        held = tuple(sorted(names))
+        for n in ins[1:] + outs[:-1]:
+            n.kwargs = {**n.kwargs, "held": held}
 
 
 def step_on_device(graph: torch.fx.Graph, packs) -> None:
@@ -210,16 +225,16 @@ def step_on_device(graph: torch.fx.Graph, packs) -> None:
 
 
 def _build(base: torch.fx.Graph, resident: set, stashed: set, groups: dict, kept: frozenset = frozenset(),
-           held: frozenset = frozenset(), device: frozenset = frozenset()):
+           held: frozenset = frozenset(), device: frozenset = frozenset(), parts: frozenset = frozenset()):
     """The swapped schedule: ``resident`` state left in place, the ``stashed`` groups sent to the host,
-    the ``kept`` packs' graphs held for their backward, the ``held`` packs' weights held between visits,
-    the ``device`` packs (host-stepped in ``base``) stepped on the device."""
+    the ``kept`` packs' graphs held for their backward, the ``held`` packs' weights (and the ``parts``,
+    single weights) held between visits, the ``device`` packs (host-stepped in ``base``) stepped on the device."""
     g = _copy(base)
     keep_graphs(g, kept)
     step_on_device(g, device)
     for pack, kind in resident:
         _drop_swaps(g, pack, (kind,))
-    hold_between_visits(g, held)
+    hold_between_visits(g, held, parts)
     mark_streams(g, resident)
     by_name = {n.name: n for n in g.nodes}
     order = {n: i for i, n in enumerate(g.nodes)}
@@ -326,7 +341,7 @@ def run(program: Program, ctx) -> PassResult:
         report.notes.append("policy ondemand: no planned movement; the runtime fetches state when an op "
                             "touches it and evicts the least recently used state when the budget is hit")
         return PassResult(program, report)
-    plan.optim_resident, plan.held = {}, set()
+    plan.optim_resident, plan.held, plan.params_held = {}, set(), {}
     plan.resident = {(p.index, k) for p in plan.packs for k in KINDS}
     mixed = program.config.precision != "fp32"   # host steps update fp32 masters: compute copies come in afresh
     graphs = graph_candidates(program)
@@ -354,9 +369,11 @@ def run(program: Program, ctx) -> PassResult:
     chosen = Choice(set(), set(groups))
 
     def fits(c: Choice):
-        program.schedule = _build(base, c.resident, c.stashed, groups, c.kept, c.held, c.device)
+        program.schedule = _build(base, c.resident, c.stashed, groups, c.kept, c.held, c.device, c.parts)
         plan.resident = c.resident
         plan.held = set(c.held)
+        sizes = state_sizes(program) if c.parts else {}
+        plan.params_held = {n: sizes[("params", n)] for _, n in c.parts}
         return memory_curve(program, check_residency=False)
 
     curve = fits(chosen)
@@ -409,6 +426,8 @@ def run(program: Program, ctx) -> PassResult:
     rows += keep_optimizer_parts(program, chosen, fits, room)
     chosen, more = _greedy(low, chosen, fits, room)
     rows += more
+    chosen, more = keep_weight_parts(program, chosen, fits, room)
+    rows += more
     curve = fits(chosen)
     for p in chosen.device:
         plan.step_on[p] = plan.optim_on[p] = "device"
@@ -419,6 +438,7 @@ def run(program: Program, ctx) -> PassResult:
     report.totals = dict(swap_ins=counts.get("swap_in", 0), releases=counts.get("release", 0),
                          stashes=counts.get("stash", 0), unstashes=counts.get("unstash", 0),
                          kept_on_device=len(rows), held_between_visits=len(chosen.held),
+                         params_held_between_visits=len(chosen.parts),
                          device_stepped=len(chosen.device), recomputing_packs=n_packs - 1 - len(chosen.kept),
                          predicted_peak_MiB=curve.peak / 2**20,
                          h2d_MiB=curve.moved["h2d"] / 2**20, d2h_MiB=curve.moved["d2h"] / 2**20,
@@ -491,6 +511,54 @@ def keep_optimizer_parts(program: Program, chosen: Choice, fits, room: int) -> l
             rows.append(dict(kept=f"optimizer state of {len(held)}/{len(spec.stepped)} params", pack=spec.index,
                              MiB=sum(kept[n] for n in held) / 2**20, saves_per_byte=2))
     return rows
+
+
+def keep_weight_parts(program: Program, chosen: Choice, fits, room: int) -> tuple[Choice, list[dict]]:
+    """Fill what room is left with single weights held between a pack's visits, the last packs first.
+
+    A pack's weights are held between visits whole or not at all above, and what is left over is
+    often most of a pack's. A host-stepped pack's weight held from its forward to its backward is
+    not released after the one nor brought in again for the other (1 byte saved per byte held, as
+    for the whole pack's). It adds its bytes only between the pack's first visit and its last, so
+    each pack (from the last, whose visits are closest) takes, largest first, what fits under the
+    highest point of the curve between its two; one check of the whole curve then drops the last
+    taken until it fits.
+    """
+    plan = program.plan
+    fits(chosen)
+    swaps = param_swaps(program.schedule)
+    sizes = state_sizes(program)
+    order = [spec for spec in reversed(plan.packs)
+             if plan.step_on.get(spec.index) == "host" and spec.index not in chosen.held
+             and spec.index not in chosen.device and plan.master_on.get(spec.index, "host") == "host"
+             and len(swaps.get(spec.index, ((), ()))[0]) > 1]
+    taken: list = []
+    for spec in order:
+        curve = fits(chosen)
+        at = {n: i for i, n in enumerate(curve.nodes)}
+        ins, outs = param_swaps(program.schedule)[spec.index]
+        span = curve.peak_at[at[outs[0]]:at[ins[-1]]]     # the last swap_in's own peak is the same either way
+        slack = room - max(span, default=room)
+        names = sorted(spec.params + spec.buffers, key=lambda n: -sizes.get(("params", n), 0))
+        mine = []
+        for n in names:
+            size = sizes.get(("params", n), 0)
+            if 0 < size <= slack:
+                mine.append((spec.index, n))
+                slack -= size
+        if mine:
+            chosen = chosen._replace(parts=chosen.parts | frozenset(mine))
+            taken += mine
+    while taken and fits(chosen).peak > room:
+        chosen = chosen._replace(parts=chosen.parts - {taken.pop()})
+    fits(chosen)
+    rows = []
+    for spec in plan.packs:
+        held = [n for p, n in chosen.parts if p == spec.index]
+        if held:
+            rows.append(dict(kept=f"params between visits ({len(held)}/{len(spec.params + spec.buffers)})",
+                             pack=spec.index, MiB=sum(sizes[("params", n)] for n in held) / 2**20, saves_per_byte=1))
+    return chosen, rows
 
 
 def _copy(graph: torch.fx.Graph) -> torch.fx.Graph:

@@ -85,9 +85,9 @@ class OpDef:
 
 
 # -- stubs: the names a schedule graph calls ----------------------------------------------------
-def swap_in(pack: int, what: str): ...
+def swap_in(pack: int, what: str, held: tuple = ()): ...
 def wait(handle): ...
-def release(pack: int, what: str, handoff: bool = False): ...
+def release(pack: int, what: str, handoff: bool = False, held: tuple = ()): ...
 def load_batch(mb: int, names: tuple): ...
 def forward(pack: int, mb: int, *inputs, keep: bool = False): ...
 def backward(pack: int, mb: int, *inputs, saved=None, grads=()): ...
@@ -116,6 +116,16 @@ def state_names(spec, what: str) -> list[str]:
     return spec.stepped
 
 
+def moving_names(spec, what: str, held=()) -> list[str]:
+    """The names a ``swap_in`` or ``release`` moves: the pack's state of that kind but those ``held`` on the device
+    across it (weights of a host-stepped pack kept between two visits, parameter by parameter)."""
+    names = state_names(spec, what)
+    if not held:
+        return names
+    held = set(held)
+    return [n for n in names if n not in held]
+
+
 def resident_state(plan):
     """(kind, names) held on the device for the whole run: whole packs' state, and single parameters' optimizer state."""
     for pack, what in sorted(plan.resident):
@@ -129,36 +139,40 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 # -- swap_in / wait / release ------------------------------------------------------------------
-def _swap_in_execute(rt, pack, what):
-    return rt.state.fetch(what, state_names(rt.plan.packs[pack], what))
+def _swap_in_execute(rt, pack, what, held=()):
+    return rt.state.fetch(what, moving_names(rt.plan.packs[pack], what, held))
 
 
-def _swap_in_effect(m, pack, what):
-    m.hold(what, state_names(m.plan.packs[pack], what))
+def _swap_in_effect(m, pack, what, held=()):
+    m.hold(what, moving_names(m.plan.packs[pack], what, held))
     return None, 0
 
 
-def _swap_in_cost(plan, hw, pack, what):
+def _held_bytes(plan, held) -> int:
+    return sum((getattr(plan, "params_held", None) or {}).get(n, 0) for n in held)
+
+
+def _swap_in_cost(plan, hw, pack, what, held=()):
     spec = plan.packs[pack]
     size = {"params": spec.param_bytes + spec.buffer_bytes, "grads": spec.param_bytes,
             "optim": spec.optim_bytes}[what]
-    return "h2d", size / hw.h2d_bandwidth
+    return "h2d", max(0, size - _held_bytes(plan, held)) / hw.h2d_bandwidth
 
 
 def _wait_execute(rt, handle):
     rt.state.wait(handle)
 
 
-def _release_execute(rt, pack, what, handoff=False):
+def _release_execute(rt, pack, what, handoff=False, held=()):
     keep = ()
     pd = rt.state.params_disk
     if handoff and pd is not None:   # the disk step after it takes this pack's own gradients from the device
         keep = {n for n in rt.plan.packs[pack].owned if pd.holds(n)}
-    rt.state.release(what, state_names(rt.plan.packs[pack], what), keep=keep)
+    rt.state.release(what, moving_names(rt.plan.packs[pack], what, held), keep=keep)
 
 
-def _release_effect(m, pack, what, handoff=False):
-    names = state_names(m.plan.packs[pack], what)
+def _release_effect(m, pack, what, handoff=False, held=()):
+    names = moving_names(m.plan.packs[pack], what, held)
     if handoff:    # the pack's own gradients stay on the device until the disk step after it takes them
         owned = [n for n in names if n in set(m.plan.packs[pack].owned)]
         names = [n for n in names if n not in set(owned)]
@@ -174,11 +188,11 @@ def _release_effect(m, pack, what, handoff=False):
     return None, 0
 
 
-def _release_cost(plan, hw, pack, what, handoff=False):
+def _release_cost(plan, hw, pack, what, handoff=False, held=()):
     spec = plan.packs[pack]
     # the whole write-back; the simulator scales it by what the effect moves (dirty params, existing grads)
     size = {"params": spec.param_bytes, "grads": spec.param_bytes, "optim": spec.optim_bytes}[what]
-    return "d2h", size / hw.d2h_bandwidth
+    return "d2h", max(0, size - _held_bytes(plan, held)) / hw.d2h_bandwidth
 
 
 def _no_effect(m, *args, **kwargs):

@@ -77,6 +77,8 @@ class Plan:
                                                          # alone (its pack's optimizer state is not in resident)
     held: set = field(default_factory=set)       # packs whose weights stay on the device between their visits of
                                                  # an iteration (host-stepped: they come in afresh after the step)
+    params_held: dict = field(default_factory=dict)   # param -> its weights' bytes, held between visits alone (its
+                                                      # pack's other weights move: ``held=`` of swap_in and release)
     step_on: dict = field(default_factory=dict)  # pack -> "device" | "host": where its optimizer steps
     optim_on: dict = field(default_factory=dict)  # pack -> "device" | "host" | "disk": its optimizer state
     master_on: dict = field(default_factory=dict)  # pack -> "host" | "disk": its fp32 weights between uses

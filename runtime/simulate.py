@@ -64,7 +64,7 @@ from dataclasses import dataclass, field
 import torch.fx
 
 from harmony.runtime.executor import TraceEvent
-from harmony.runtime.ops import MemoryModel, op_of, resident_state, state_names, streamed_optim_bytes
+from harmony.runtime.ops import MemoryModel, moving_names, op_of, resident_state, streamed_optim_bytes
 from harmony.runtime.plan import Plan
 
 STREAMS = ("compute", "h2d", "d2h", "disk", "network")
@@ -181,7 +181,7 @@ def simulate(graph: torch.fx.Graph, plan: Plan, hw, device: int = 0, memory=None
         if name in STATE_COPIES:
             # the cost is for all of the pack's state of that kind; only part of it may move: clean
             # parameters are dropped, not written back, and gradients not yet made are not fetched
-            names = state_names(plan.packs[node.args[0]], node.args[1])
+            names = moving_names(plan.packs[node.args[0]], node.args[1], node.kwargs.get("held", ()))
             seconds *= (sum(model.moved.values()) - before) / len(names) if names else 0.0
         if stream in moved:
             moved[stream] += int(seconds * (dev.h2d_bandwidth if stream == "h2d" else dev.d2h_bandwidth))

@@ -127,6 +127,48 @@ def test_host_stepped_weights_held_between_visits_come_in_once_per_step(policy):
     sm.close()
 
 
+@pytest.mark.parametrize("policy", ["harmony", "sequential"])
+def test_single_weights_held_between_visits_fill_the_room_whole_packs_leave(policy):
+    """Room too small for a whole pack's weights holds single weights between its visits: the pack's first
+    swap_in brings them, its other swap_ins and releases but the last leave them (``held=``); each byte
+    held is a byte not brought in again per visit, predicted and measured, and training stays bitwise."""
+    from harmony.compiler.verify import memory_curve
+    from harmony.passes.swap import _copy
+    model, data = CASES["gpt"](layers=6)
+    budget = int(training_state_bytes(model) * 0.25)
+    sm = harmony.compile(copy.deepcopy(model), example_batch=data[0], microbatches=4, policy=policy,
+                         memory_budget=budget, optimizer_on="host", hardware="gtx1080ti")
+    held = sm.plan.params_held
+    assert held
+    saved = 0
+    for spec in sm.plan.packs:
+        mine = tuple(sorted(n for n in spec.params + spec.buffers if n in held))
+        if not mine:
+            continue
+        assert spec.index not in sm.plan.held and len(mine) < len(spec.params + spec.buffers)
+        ins = [x for x in calls(sm) if x.target is ops.swap_in and x.args == (spec.index, "params")]
+        outs = [x for x in calls(sm) if x.target is ops.release and x.args[:2] == (spec.index, "params")]
+        assert len(ins) == len(outs) > 1 and "held" not in ins[0].kwargs and "held" not in outs[-1].kwargs
+        assert all(x.kwargs["held"] == mine for x in ins[1:] + outs[:-1])
+        saved += (len(ins) - 1) * sum(held[n] for n in mine)
+    program = sm.program
+    moved = memory_curve(program, check_residency=False).moved
+    whole = _copy(sm.graph)          # the same schedule moving every weight at every visit
+    for x in whole.nodes:
+        if x.op == "call_function" and "held" in x.kwargs:
+            x.kwargs = {k: v for k, v in x.kwargs.items() if k != "held"}
+    more = memory_curve(program, whole, check_residency=False).moved
+    assert more["h2d"] - moved["h2d"] == saved and more["d2h"] == moved["d2h"]
+    assert "params between visits (" in sm.report()
+    expected, _ = eager_accumulate(model, data, 4)
+    for x, y in data:
+        sm(x, y)
+        assert sm.stats["measured_peak"] <= budget
+        assert sm.stats["h2d_bytes"] == sm.stats["predicted_h2d"]
+    assert_bitwise(sm, dict(expected.named_parameters()))
+    sm.close()
+
+
 def test_mixed_placement_steps_some_packs_on_the_device_with_all_their_state_resident():
     """Room left after holding weights: a host-stepped pack moves to a device step with its state resident for
     good (it moves nothing), beside host-stepped ones; the training is bitwise eager's."""

@@ -115,7 +115,12 @@ def _packs(program) -> list[dict]:
     for pack in sorted(getattr(program.plan, "held", ()) or ()):
         resident.setdefault(pack, []).append("params (within a step)")
     kept = getattr(program.plan, "optim_resident", None) or {}
+    parts = getattr(program.plan, "params_held", None) or {}
     for s in program.plan.packs:
+        weights = s.params + s.buffers
+        held = sum(1 for n in weights if n in parts)
+        if held:
+            resident.setdefault(s.index, []).append(f"params ({held}/{len(weights)} within a step)")
         held = sum(1 for n in s.stepped if n in kept)
         if held:
             resident.setdefault(s.index, []).append(f"optim ({held}/{len(s.stepped)} params)")
