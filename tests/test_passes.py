@@ -159,6 +159,7 @@ def test_single_weights_held_between_visits_fill_the_room_whole_packs_leave(poli
             x.kwargs = {k: v for k, v in x.kwargs.items() if k != "held"}
     more = memory_curve(program, whole, check_residency=False).moved
     assert more["h2d"] - moved["h2d"] == saved and more["d2h"] == moved["d2h"]
+    assert sm.simulate().moved == moved      # the simulator's copies move what the effects do
     assert "params between visits (" in sm.report()
     expected, _ = eager_accumulate(model, data, 4)
     for x, y in data:
