@@ -28,13 +28,16 @@ How close a schedule can come: at the turn it also holds the last pack's working
 weights, gradients and activations) and, under Harmony's grouping, each pack's stashed inputs
 for every microbatch; the bound gives that room to held weights. The partition picks packs
 for the least predicted time, not the least traffic: on a small model a pack's fixed cost
-favours few, large packs, whose working sets leave less room at the turn. And the swap pass
-keeps a pack's weights, or moves its step to the device, whole or not at all, so the room
-left over goes unused when it is smaller than the next pack: at 12 layers, 16 microbatches,
-25% leaves 1.1 MiB at the peak where the smallest pack not held has 1.77 MiB of weights,
-and 50% leaves 4.2 MiB where a device step of the smallest pack needs 4.5 MiB more (its Adam
-state). (Measured: filling that room instead of leaving some to prefetch the largest pack
-changes none of the 12-layer rows at 4 and 16 microbatches.)
+favours few, large packs, whose working sets leave less room at the turn. The swap pass holds
+weights between a pack's visits parameter by parameter where a whole pack's do not fit (at 12
+layers, 16 microbatches, 25%: 28 of pack 2's 30 weights, 1.70 MiB, beside pack 3's whole), but
+moves a pack's step to the device whole or not at all: at 50% every pack's weights are held and
+the 4.2 MiB left at 16 microbatches is less than the 4.5 MiB more a device step of the smallest
+pack needs (its Adam state). Where the plan's compute outweighs its copies (many microbatches),
+the swap pass leaves room to prefetch the largest pack's weights behind compute (fewer seconds,
+more bytes: 2.14 MiB at 12 layers, 64 microbatches, 25%), and the pack boundaries' activations
+for every microbatch, which the bound does not count, are stashed where they do not fit (320
+stashes there).
 """
 from __future__ import annotations
 
