@@ -38,7 +38,8 @@ def compile(model: torch.nn.Module, example_batch, *, optimizer=torch.optim.Adam
     ``optimizer_on``: ``"host"`` steps the optimizer on host copies while the device runs the next
     pack's backward (its state never touches the device), ``"device"`` brings the state to the
     device, ``"auto"`` (default) chooses host when the training state does not fit the budget, except
-    for packs the swap pass finds room to keep wholly resident: those step on the device (fp32, one rank).
+    for packs the swap pass finds room to keep wholly resident: those step on the device (fp32, one rank),
+    as do single parameters of the others where the room left is less than a whole pack's state.
     ``hardware`` (a ``Hardware``, ``Device`` or preset name such as ``"a100-40gb"``) gives the
     planner the device's FLOP/s and host-link bandwidth to weigh compute against traffic;
     by default it plans for this machine's CPU. A device whose ``speed_factor`` is above 1
@@ -376,6 +377,7 @@ class ScheduledModule(torch.nn.Module):
         """One step simulated on ``hardware``: a ``Hardware``, a preset name, or None (this machine under the
         budget, at the speed factor the module was compiled for)."""
         from harmony.compiler.hardware import Hardware
+        from harmony.compiler.verify import state_sizes
         from harmony.runtime.simulate import simulate
         if self.predicted is None:
             raise ConfigError("this module has no schedule to simulate; compile with the default passes")
@@ -383,7 +385,8 @@ class ScheduledModule(torch.nn.Module):
             hardware = Hardware.preset(hardware) if hardware else \
                 Hardware.this_machine().logical([self.program.config.memory_budget],
                                                 [getattr(self.program.config, "speed_factor", 1.0)])
-        return simulate(self.graph, self.plan, hardware, device, memory=self.predicted)
+        return simulate(self.graph, self.plan, hardware, device, memory=self.predicted,
+                        sizes=state_sizes(self.program))
 
     def state_dict(self) -> dict:
         """The training state (parameters, optimizer state, hyperparameters, step, RNG), referencing live tensors."""

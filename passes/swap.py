@@ -25,6 +25,9 @@
    and its gradients out once (2 bytes saved per 3 held for Adam), first packs first (their
    weights are held through most of the step anyway). Mixed placement: the packs that fit
    stay on the device, ZeRO-Offload's host step for the rest.
+   The room that leaves (less than the next pack's state) goes to single parameters of
+   host-stepped packs, stepped on the device with all their state resident, first packs first
+   (``plan.device_parts``): the host step of their pack leaves them.
 
 Recompute is a choice made here too (``recompute="auto"``): a pack that keeps its
 forward's graph (its activations, for every microbatch until its backward) runs its
@@ -46,6 +49,7 @@ from harmony.compiler.meta import SCHEDULE
 from harmony.compiler.verify import memory_curve, state_sizes
 from harmony.errors import BudgetError
 from harmony.runtime import ops
+from harmony.runtime.plan import step_extra
 from harmony.units import fmt_bytes
 
 NAME = "swap"
@@ -62,6 +66,7 @@ class Choice(NamedTuple):
     held: frozenset = frozenset()     # host-stepped packs whose weights stay between visits of an iteration
     device: frozenset = frozenset()   # host-stepped packs moved to a device step, all their state resident
     parts: frozenset = frozenset()    # (pack, param): single weights held between visits, where the whole pack's are not
+    steps: frozenset = frozenset()    # (pack, param): single parameters of host-stepped packs stepped on the device
 NEEDS = {"forward": ("params",), "backward": ("params", "grads"), "step": ("params", "grads", "optim"),
          "allreduce": ("grads",)}
 
@@ -341,7 +346,7 @@ def run(program: Program, ctx) -> PassResult:
         report.notes.append("policy ondemand: no planned movement; the runtime fetches state when an op "
                             "touches it and evicts the least recently used state when the budget is hit")
         return PassResult(program, report)
-    plan.optim_resident, plan.held, plan.params_held = {}, set(), {}
+    plan.optim_resident, plan.held, plan.params_held, plan.device_parts = {}, set(), {}, {}
     plan.resident = {(p.index, k) for p in plan.packs for k in KINDS}
     mixed = program.config.precision != "fp32"   # host steps update fp32 masters: compute copies come in afresh
     graphs = graph_candidates(program)
@@ -372,8 +377,9 @@ def run(program: Program, ctx) -> PassResult:
         program.schedule = _build(base, c.resident, c.stashed, groups, c.kept, c.held, c.device, c.parts)
         plan.resident = c.resident
         plan.held = set(c.held)
-        sizes = state_sizes(program) if c.parts else {}
+        sizes = state_sizes(program) if c.parts or c.steps else {}
         plan.params_held = {n: sizes[("params", n)] for _, n in c.parts}
+        plan.device_parts = {n: step_extra(program.optim_profile, [sizes[("params", n)]]) for _, n in c.steps}
         return memory_curve(program, check_residency=False)
 
     curve = fits(chosen)
@@ -428,6 +434,8 @@ def run(program: Program, ctx) -> PassResult:
     rows += more
     chosen, more = keep_weight_parts(program, chosen, fits, room)
     rows += more
+    chosen, more = keep_step_parts(program, chosen, fits, room)
+    rows += more
     curve = fits(chosen)
     for p in chosen.device:
         plan.step_on[p] = plan.optim_on[p] = "device"
@@ -438,7 +446,7 @@ def run(program: Program, ctx) -> PassResult:
     report.totals = dict(swap_ins=counts.get("swap_in", 0), releases=counts.get("release", 0),
                          stashes=counts.get("stash", 0), unstashes=counts.get("unstash", 0),
                          kept_on_device=len(rows), held_between_visits=len(chosen.held),
-                         params_held_between_visits=len(chosen.parts),
+                         params_held_between_visits=len(chosen.parts), params_stepped_on_device=len(chosen.steps),
                          device_stepped=len(chosen.device), recomputing_packs=n_packs - 1 - len(chosen.kept),
                          predicted_peak_MiB=curve.peak / 2**20,
                          h2d_MiB=curve.moved["h2d"] / 2**20, d2h_MiB=curve.moved["d2h"] / 2**20,
@@ -455,6 +463,10 @@ def run(program: Program, ctx) -> PassResult:
                             f"{'steps' if one else 'step'} on the device with all {'its' if one else 'their'} state "
                             f"resident (room was left after holding weights): the offload table above shows the "
                             f"placement before this pass; the other packs step on the host")
+    if chosen.steps:
+        report.notes.append(f"{len(chosen.steps)} parameters of host-stepped packs step on the device, one at a time, "
+                            f"with their weights, gradients and optimizer state resident (the room left after "
+                            f"whole packs): the host step of their packs leaves them")
     if graphs:
         report.notes.append("activations (no recompute): saves_per_byte is the recompute time saved, as bytes the "
                             "host link moves in that time, per byte held")
@@ -558,6 +570,50 @@ def keep_weight_parts(program: Program, chosen: Choice, fits, room: int) -> tupl
         if held:
             rows.append(dict(kept=f"params between visits ({len(held)}/{len(spec.params + spec.buffers)})",
                              pack=spec.index, MiB=sum(sizes[("params", n)] for n in held) / 2**20, saves_per_byte=1))
+    return chosen, rows
+
+
+def keep_step_parts(program: Program, chosen: Choice, fits, room: int) -> tuple[Choice, list[dict]]:
+    """Fill what room is left with single parameters of host-stepped packs stepping on the device.
+
+    A pack moves to a device step whole or not at all above, and the room left is often less
+    than its optimizer state. A parameter stepped on the device with its weight, gradient and
+    optimizer state resident for good moves nothing, where its host step moved its weight in
+    and its gradient out (2 bytes saved per 2 of optimizer state held, as for the whole pack's).
+    Where its weight is on the device at the peak anyway (its pack's weights held between
+    visits, or the last pack's single visit) the optimizer state is all it adds there; else
+    its weight too. The first packs go first (their weights are held the longest), each
+    parameter largest first while it fits what the peak leaves; one check of the whole curve
+    then drops the last taken until it fits.
+    """
+    plan = program.plan
+    fits(chosen)
+    swaps = param_swaps(program.schedule)
+    sizes = state_sizes(program)
+    weight_parts = {p for p, _ in chosen.parts}
+    slack = room - fits(chosen).peak
+    taken: list = []
+    for spec in plan.packs:
+        if (plan.step_on.get(spec.index) != "host" or spec.index in chosen.device or spec.index in weight_parts
+                or not may_step_on_device(program, spec.index)):
+            continue
+        there = spec.index in chosen.held or len(swaps.get(spec.index, ((), ()))[0]) <= 1
+        for n in sorted(spec.stepped, key=lambda n: -sizes.get(("optim", n), 0)):
+            need = sizes.get(("optim", n), 0) + (0 if there else sizes.get(("params", n), 0))
+            if 0 < need <= slack:
+                taken.append((spec.index, n))
+                slack -= need
+    chosen = chosen._replace(steps=frozenset(taken))
+    while taken and fits(chosen).peak > room:
+        taken.pop()
+        chosen = chosen._replace(steps=frozenset(taken))
+    fits(chosen)
+    rows = []
+    for spec in plan.packs:
+        mine = [n for p, n in chosen.steps if p == spec.index]
+        if mine:
+            rows.append(dict(kept=f"all state (device step, {len(mine)}/{len(spec.stepped)} params)", pack=spec.index,
+                             MiB=sum(sizes[("optim", n)] for n in mine) / 2**20, saves_per_byte=1))
     return chosen, rows
 
 

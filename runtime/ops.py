@@ -132,6 +132,10 @@ def resident_state(plan):
         yield what, state_names(plan.packs[pack], what)
     if getattr(plan, "optim_resident", None):
         yield "optim", sorted(plan.optim_resident)
+    parts = sorted(getattr(plan, "device_parts", None) or ())
+    if parts:            # single parameters of host-stepped packs that step on the device: all their state stays
+        for what in ("params", "grads", "optim"):
+            yield what, parts
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -456,6 +460,8 @@ def _step_execute(rt, pack, stream=False, where="device", overlap=False):
     ``where="host"``: the pack's gradients and weights are already on the host (its
     releases ran first); the optimizer steps the host copies on a host thread, overlapped
     with the next pack's backward, and the pack's next swap_in waits for it (ZeRO-Offload).
+    Its parameters in ``plan.device_parts`` (all their state resident) step first, here, on
+    the device, one at a time; the host step leaves them (their gradients are gone by then).
     With mixed precision the host gradients arrive in the compute dtype and become fp32 first;
     under fp16 loss scaling they are unscaled and checked here, and the update waits for
     ``LossScaler.finish`` (runtime/precision.py).
@@ -475,6 +481,14 @@ def _step_execute(rt, pack, stream=False, where="device", overlap=False):
         rt.state.pending.update((n, fut) for n in spec.owned)
         return
     if where == "host":
+        on_device = _device_parts(rt.plan, spec)
+        if on_device:
+            with rt.counting():
+                for n in on_device:
+                    _step_one(rt.state.optimizers[n], rt.state.tensors[n])
+            for n in on_device:
+                rt.state.tensors[n].grad = None
+            rt.state.dirty.update(on_device)
         params = [rt.state.tensors[n] for n in spec.owned]
         opts = list(dict.fromkeys(rt.state.optimizers[n] for n in spec.stepped))
         disk = getattr(rt.state, "disk", None)   # optimizer state of disk-placed packs (runtime/disk.py)
@@ -502,7 +516,7 @@ def _step_execute(rt, pack, stream=False, where="device", overlap=False):
             rt.scaler.unscale([p.grad for p in params if p.grad is not None])
             rt.scaler.defer(update)
         fut = rt.state.host_pool.submit(update if rt.compute_dtype is None else check_then_update)
-        rt.state.pending.update((n, fut) for n in spec.stepped)
+        rt.state.pending.update((n, fut) for n in spec.stepped if n not in on_device)
         return
     if not stream:
         with rt.counting():
@@ -517,6 +531,12 @@ def _step_execute(rt, pack, stream=False, where="device", overlap=False):
     for n in spec.owned:      # sharded: the gradients of params other ranks step are dropped too
         rt.state.tensors[n].grad = None
     rt.state.dirty.update(spec.stepped)
+
+
+def _device_parts(plan, spec) -> list[str]:
+    """The pack's parameters that step on the device though the pack steps on the host."""
+    parts = getattr(plan, "device_parts", None) or {}
+    return [n for n in spec.stepped if n in parts] if parts else []
 
 
 def _step_one(opt: torch.optim.Optimizer, param: torch.Tensor) -> None:
@@ -534,13 +554,18 @@ def _step_one(opt: torch.optim.Optimizer, param: torch.Tensor) -> None:
 def _step_effect(m, pack, stream=False, where="device", overlap=False):
     spec = m.plan.packs[pack]
     if where in ("host", "disk"):   # gradients left with the pack's release (a disk step takes them now)
+        on_device = _device_parts(m.plan, spec) if where == "host" else []
+        for n in on_device:         # but those of parameters stepping on the device: they go with the step
+            if n in m.grads_exist and m.resident("grads", n):
+                m.live -= m.sizes[("grads", n)]
+        m.dirty.update(on_device)
         m.grads_exist -= set(spec.owned)
         if overlap:                 # the previous overlapped step has taken its gradients; this one holds its own
             m.live -= m.overlapping
             m.overlapping = m.handed.pop(pack, 0)
         else:
             m.live -= m.handed.pop(pack, 0)
-        return None, 0
+        return None, max((m.plan.device_parts[n] for n in on_device), default=0)
     for n in spec.owned:
         if n in m.grads_exist:
             m.grads_exist.discard(n)

@@ -79,6 +79,9 @@ class Plan:
                                                  # an iteration (host-stepped: they come in afresh after the step)
     params_held: dict = field(default_factory=dict)   # param -> its weights' bytes, held between visits alone (its
                                                       # pack's other weights move: ``held=`` of swap_in and release)
+    device_parts: dict = field(default_factory=dict)  # param of a host-stepped pack -> the transient bytes of its
+                                                      # step on the device, where it steps alone, its weights,
+                                                      # gradients and optimizer state resident for good
     step_on: dict = field(default_factory=dict)  # pack -> "device" | "host": where its optimizer steps
     optim_on: dict = field(default_factory=dict)  # pack -> "device" | "host" | "disk": its optimizer state
     master_on: dict = field(default_factory=dict)  # pack -> "host" | "disk": its fp32 weights between uses

@@ -132,8 +132,12 @@ def _seconds(t: float) -> str:
     return f"{t:.4g} s" if t >= 1 or t == 0 else f"{t * 1e3:.4g} ms"
 
 
-def simulate(graph: torch.fx.Graph, plan: Plan, hw, device: int = 0, memory=None) -> Simulation:
+def simulate(graph: torch.fx.Graph, plan: Plan, hw, device: int = 0, memory=None, sizes=None) -> Simulation:
     """Simulate one step of ``graph`` on ``hw.devices[device]`` (``hw`` may also be a single ``Device``).
+
+    ``sizes``: the state's device bytes, ``(kind, name) -> bytes`` (``compiler.verify.state_sizes``): a
+    copy of training state then takes exactly the bytes its effect moves over the link; without them,
+    the op's cost for the whole pack's state of that kind, scaled by the share of its tensors that move.
 
     ``memory``: the ``MemoryCurve`` of ``compiler.verify.memory_curve`` for this graph; its
     per-op bytes are placed at the simulated times (events' live/peak bytes, ``.memory``),
@@ -155,7 +159,7 @@ def simulate(graph: torch.fx.Graph, plan: Plan, hw, device: int = 0, memory=None
         return step_order[i + 1:i + 2]
     # The effects, replayed, give the values as costs see them (a stash's bytes) and which state a copy
     # really moves. Tolerant of schedules verify would reject (a release with no swap_in): that is verify's job.
-    model = MemoryModel(plan, _OnePerTensor(), refs=defaultdict(int))
+    model = MemoryModel(plan, _OnePerTensor() if sizes is None else sizes, refs=defaultdict(int))
     for what, names in resident_state(plan):
         model.hold(what, names)
     values: dict[torch.fx.Node, object] = {}
@@ -178,13 +182,15 @@ def simulate(graph: torch.fx.Graph, plan: Plan, hw, device: int = 0, memory=None
         stream, seconds = op.cost(plan, dev, *args, **kwargs)
         before = sum(model.moved.values())
         values[node], _ = op.effect(model, *args, **kwargs)
-        if name in STATE_COPIES:
+        if name in STATE_COPIES and sizes is not None:     # what the effect moved, at the link's rate
+            seconds = (sum(model.moved.values()) - before) / getattr(dev, f"{stream}_bandwidth")
+        elif name in STATE_COPIES:
             # the cost is for all of the pack's state of that kind; only part of it may move: clean
             # parameters are dropped, not written back, and gradients not yet made are not fetched
             names = moving_names(plan.packs[node.args[0]], node.args[1], node.kwargs.get("held", ()))
             seconds *= (sum(model.moved.values()) - before) / len(names) if names else 0.0
         if stream in moved:
-            moved[stream] += int(seconds * (dev.h2d_bandwidth if stream == "h2d" else dev.d2h_bandwidth))
+            moved[stream] += round(seconds * (dev.h2d_bandwidth if stream == "h2d" else dev.d2h_bandwidth))
         if name == "step" and node.kwargs.get("stream") and node.kwargs.get("where", "device") == "device":
             optim = streamed_optim_bytes(plan, node.args[0])
             moved["h2d"] += optim

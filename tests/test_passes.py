@@ -282,6 +282,43 @@ def test_offload_keeps_the_step_on_the_device_when_asked_or_when_all_fits():
         compiled(optimizer_on="gpu")
 
 
+def test_single_parameters_of_host_stepped_packs_step_on_the_device_in_the_room_left():
+    """Every pack's weights held between visits and too little room for a whole pack's device step: single
+    parameters step on the device with all their state resident; their packs still step on the host. Each
+    moves nothing where its host step moved its weight in and its gradient out; training stays bitwise."""
+    from harmony.compiler.verify import memory_curve
+    model, data = CASES["gpt"](layers=6)
+    budget = int(training_state_bytes(model) * 0.5)
+    sm = harmony.compile(copy.deepcopy(model), example_batch=data[0], microbatches=4, memory_budget=budget,
+                         hardware="gtx1080ti")
+    parts = dict(sm.plan.device_parts)
+    assert parts and set(sm.plan.step_on.values()) == {"host"} and sm.plan.held == set(range(len(sm.plan.packs) - 1))
+    for spec in sm.plan.packs:
+        mine = [n for n in spec.stepped if n in parts]
+        assert len(mine) < len(spec.stepped)         # a pack with all of them would have moved whole
+    assert all(n.kwargs["where"] == "host" for n in names(sm, ops.step))
+    program = sm.program
+    moved = memory_curve(program, check_residency=True).moved
+    assert sm.simulate().moved == moved
+    weights = sum(p.numel() * 4 for n, p in program.gm.named_parameters() if n in parts)
+    program.plan.device_parts = {}
+    before = memory_curve(program, check_residency=False).moved
+    program.plan.device_parts = parts
+    assert before["h2d"] - moved["h2d"] == weights and before["d2h"] - moved["d2h"] == weights
+    assert "device step, " in sm.report()
+    expected, _ = eager_accumulate(model, data, 4)
+    for x, y in data:
+        sm(x, y)
+        assert sm.stats["measured_peak"] <= budget
+        assert (sm.stats["h2d_bytes"], sm.stats["d2h_bytes"]) == (sm.stats["predicted_h2d"], sm.stats["predicted_d2h"])
+    st = sm.runtime.state
+    for n in parts:         # the step made their optimizer state on the device, and it stays there
+        t = st.tensors[n]
+        assert st.meter.holds(t.data) and st.meter.holds(st.optimizers[n].state[t]["exp_avg"]), n
+    assert_bitwise(sm, dict(expected.named_parameters()))
+    sm.close()
+
+
 def test_swap_keeps_single_parameters_optimizer_state_in_the_room_left():
     """Planned for a GPU (copies dear), a pack's optimizer state that does not fit whole stays in part: its
     streamed step skips those parameters, the traffic falls by twice their bytes, numerics stay bitwise."""

@@ -116,7 +116,11 @@ def _packs(program) -> list[dict]:
         resident.setdefault(pack, []).append("params (within a step)")
     kept = getattr(program.plan, "optim_resident", None) or {}
     parts = getattr(program.plan, "params_held", None) or {}
+    stepping = getattr(program.plan, "device_parts", None) or {}
     for s in program.plan.packs:
+        held = sum(1 for n in s.stepped if n in stepping)
+        if held:
+            resident.setdefault(s.index, []).append(f"all state ({held}/{len(s.stepped)} params, device step)")
         weights = s.params + s.buffers
         held = sum(1 for n in weights if n in parts)
         if held:
