@@ -29,15 +29,12 @@ weights, gradients and activations) and, under Harmony's grouping, each pack's s
 for every microbatch; the bound gives that room to held weights. The partition picks packs
 for the least predicted time, not the least traffic: on a small model a pack's fixed cost
 favours few, large packs, whose working sets leave less room at the turn. The swap pass holds
-weights between a pack's visits parameter by parameter where a whole pack's do not fit (at 12
-layers, 16 microbatches, 25%: 28 of pack 2's 30 weights, 1.70 MiB, beside pack 3's whole), but
-moves a pack's step to the device whole or not at all: at 50% every pack's weights are held and
-the 4.2 MiB left at 16 microbatches is less than the 4.5 MiB more a device step of the smallest
-pack needs (its Adam state). Where the plan's compute outweighs its copies (many microbatches),
-the swap pass leaves room to prefetch the largest pack's weights behind compute (fewer seconds,
-more bytes: 2.14 MiB at 12 layers, 64 microbatches, 25%), and the pack boundaries' activations
-for every microbatch, which the bound does not count, are stashed where they do not fit (320
-stashes there).
+weights between a pack's visits, and steps parameters on the device with all their state
+resident, parameter by parameter where a whole pack's do not fit (at 12 layers, 16 microbatches,
+25%: 28 of pack 2's 30 weights held beside pack 3's whole; 50%: every pack's weights held and 11
+of pack 0's 38 parameters stepped on the device), so what stays unused is less than one
+parameter's state. The pack boundaries' activations for every microbatch, which the bound does
+not count, are kept or stashed beside them.
 """
 from __future__ import annotations
 

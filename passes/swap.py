@@ -419,13 +419,12 @@ def run(program: Program, ctx) -> PassResult:
         spec = plan.packs[key[1]]
         size = (spec.out_bytes if key[0] == "forward" else spec.in_bytes) * len(names)
         candidates.append((2, size, ("keep",) + key))                   # out and back in
-    # Where compute outweighs copies (a CPU, a fast link), hiding copies behind compute matters more
-    # than their volume: leave room to prefetch the largest pack's weights. Where copies outweigh
-    # compute, every byte not moved is time saved: fill the budget.
-    cfg = program.config
-    compute = sum(s.fwd_flops * 2 + s.bwd_flops for s in plan.packs) * m / cfg.flops
-    copies = sum(c[0] * c[1] for c in candidates if c[2][0] != "graph") / cfg.copy_bandwidth
-    room = budget - (max(s.param_bytes + s.buffer_bytes for s in plan.packs) if compute > copies else 0)
+    # Fill the budget: every byte held is traffic saved, and the prefetch pass still hoists swap_ins
+    # wherever the curve is below its peak. (Leaving the largest pack's weights free for prefetching
+    # where compute outweighs copies, as this pass did before, simulated slower in every case tried:
+    # on this CPU, the 6-layer demo GPT at 40% of its state 486 -> 481 ms; on the GTX 1080 Ti preset,
+    # the 12-layer swap_volume GPT at 25%, 64 microbatches 4.20 -> 4.13 ms, moving 35.5 -> 29.4 MiB.)
+    room = budget
     # a graph worth less than a single parameter's optimizer state (2 bytes per byte) takes what that leaves
     low = [c for c in candidates if c[2][0] == "graph" and c[0] < 2]
     chosen, rows = _greedy([c for c in candidates if c not in low], chosen, fits, room)
