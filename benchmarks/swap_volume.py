@@ -32,9 +32,9 @@ favours few, large packs, whose working sets leave less room at the turn. The sw
 weights between a pack's visits, and steps parameters on the device with all their state
 resident, parameter by parameter where a whole pack's do not fit (at 12 layers, 16 microbatches,
 25%: 28 of pack 2's 30 weights held beside pack 3's whole; 50%: every pack's weights held and 11
-of pack 0's 38 parameters stepped on the device), so what stays unused is less than one
-parameter's state. The pack boundaries' activations for every microbatch, which the bound does
-not count, are kept or stashed beside them.
+of pack 0's 38 parameters stepped on the device), and fills the budget. What the bound gives
+to held state then goes to the working set at the turn and to the pack boundaries' activations
+for every microbatch (1 MiB per boundary at 64 microbatches), kept or stashed.
 """
 from __future__ import annotations
 

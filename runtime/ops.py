@@ -127,7 +127,8 @@ def moving_names(spec, what: str, held=()) -> list[str]:
 
 
 def resident_state(plan):
-    """(kind, names) held on the device for the whole run: whole packs' state, and single parameters' optimizer state."""
+    """(kind, names) held on the device for the whole run: whole packs' state, single parameters' optimizer state,
+    and all the state of single parameters of host-stepped packs that step on the device."""
     for pack, what in sorted(plan.resident):
         yield what, state_names(plan.packs[pack], what)
     if getattr(plan, "optim_resident", None):
@@ -489,6 +490,8 @@ def _step_execute(rt, pack, stream=False, where="device", overlap=False):
             for n in on_device:
                 rt.state.tensors[n].grad = None
             rt.state.dirty.update(on_device)
+            if len(on_device) == len(spec.stepped):    # nothing left for the host to step
+                return
         params = [rt.state.tensors[n] for n in spec.owned]
         opts = list(dict.fromkeys(rt.state.optimizers[n] for n in spec.stepped))
         disk = getattr(rt.state, "disk", None)   # optimizer state of disk-placed packs (runtime/disk.py)
