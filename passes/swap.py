@@ -372,12 +372,12 @@ def run(program: Program, ctx) -> PassResult:
     base = program.schedule
     groups = stash_groups(base)
     chosen = Choice(set(), set(groups))
+    sizes = state_sizes(program)
 
     def fits(c: Choice):
         program.schedule = _build(base, c.resident, c.stashed, groups, c.kept, c.held, c.device, c.parts)
         plan.resident = c.resident
         plan.held = set(c.held)
-        sizes = state_sizes(program) if c.parts or c.steps else {}
         plan.params_held = {n: sizes[("params", n)] for _, n in c.parts}
         plan.device_parts = {n: step_extra(program.optim_profile, [sizes[("params", n)]]) for _, n in c.steps}
         return memory_curve(program, check_residency=False)
@@ -428,12 +428,12 @@ def run(program: Program, ctx) -> PassResult:
     # a graph worth less than a single parameter's optimizer state (2 bytes per byte) takes what that leaves
     low = [c for c in candidates if c[2][0] == "graph" and c[0] < 2]
     chosen, rows = _greedy([c for c in candidates if c not in low], chosen, fits, room)
-    rows += keep_optimizer_parts(program, chosen, fits, room)
+    rows += keep_optimizer_parts(program, chosen, fits, room, sizes)
     chosen, more = _greedy(low, chosen, fits, room)
     rows += more
-    chosen, more = keep_weight_parts(program, chosen, fits, room)
+    chosen, more = keep_weight_parts(program, chosen, fits, room, sizes)
     rows += more
-    chosen, more = keep_step_parts(program, chosen, fits, room)
+    chosen, more = keep_step_parts(program, chosen, fits, room, sizes)
     rows += more
     curve = fits(chosen)
     for p in chosen.device:
@@ -486,7 +486,17 @@ def may_step_on_device(program: Program, pack: int) -> bool:
             and plan.master_on.get(pack, "host") == "host")
 
 
-def keep_optimizer_parts(program: Program, chosen: Choice, fits, room: int) -> list[dict]:
+def _largest_first(sized, slack: int) -> list:
+    """The ``(size, key)`` items taken largest first while each fits what is left of ``slack``: their keys."""
+    taken = []
+    for size, key in sorted(sized, key=lambda item: -item[0]):
+        if 0 < size <= slack:
+            taken.append(key)
+            slack -= size
+    return taken
+
+
+def keep_optimizer_parts(program: Program, chosen: Choice, fits, room: int, sizes: dict) -> list[dict]:
     """Fill what room is left with single parameters' optimizer state, largest first.
 
     A pack's optimizer state is kept whole or not at all above; what is left over is often
@@ -500,15 +510,10 @@ def keep_optimizer_parts(program: Program, chosen: Choice, fits, room: int) -> l
     slack = room - fits(chosen).peak
     if slack <= 0:
         return []
-    sizes = state_sizes(program)
     parts = sorted(((sizes.get(("optim", n), 0), n) for spec in plan.packs
                     if (spec.index, "optim") not in chosen.resident and plan.step_on.get(spec.index) != "host"
                     for n in spec.stepped), reverse=True)
-    kept: dict[str, int] = {}
-    for size, n in parts:
-        if 0 < size <= slack:
-            kept[n] = size
-            slack -= size
+    kept = {n: sizes[("optim", n)] for n in _largest_first(parts, slack)}
     while kept:
         plan.optim_resident = kept
         if fits(chosen).peak <= room:
@@ -524,7 +529,7 @@ def keep_optimizer_parts(program: Program, chosen: Choice, fits, room: int) -> l
     return rows
 
 
-def keep_weight_parts(program: Program, chosen: Choice, fits, room: int) -> tuple[Choice, list[dict]]:
+def keep_weight_parts(program: Program, chosen: Choice, fits, room: int, sizes: dict) -> tuple[Choice, list[dict]]:
     """Fill what room is left with single weights held between a pack's visits, the last packs first.
 
     A pack's weights are held between visits whole or not at all above, and what is left over is
@@ -536,33 +541,27 @@ def keep_weight_parts(program: Program, chosen: Choice, fits, room: int) -> tupl
     taken until it fits.
     """
     plan = program.plan
-    fits(chosen)
+    curve = fits(chosen)
     swaps = param_swaps(program.schedule)
-    sizes = state_sizes(program)
     order = [spec for spec in reversed(plan.packs)
              if plan.step_on.get(spec.index) == "host" and spec.index not in chosen.held
              and spec.index not in chosen.device and plan.master_on.get(spec.index, "host") == "host"
              and len(swaps.get(spec.index, ((), ()))[0]) > 1]
     taken: list = []
     for spec in order:
-        curve = fits(chosen)
         at = {n: i for i, n in enumerate(curve.nodes)}
-        ins, outs = param_swaps(program.schedule)[spec.index]
+        ins, outs = swaps[spec.index]
         span = curve.peak_at[at[outs[0]]:at[ins[-1]]]     # the last swap_in's own peak is the same either way
-        slack = room - max(span, default=room)
-        names = sorted(spec.params + spec.buffers, key=lambda n: -sizes.get(("params", n), 0))
-        mine = []
-        for n in names:
-            size = sizes.get(("params", n), 0)
-            if 0 < size <= slack:
-                mine.append((spec.index, n))
-                slack -= size
+        mine = _largest_first([(sizes.get(("params", n), 0), (spec.index, n)) for n in spec.params + spec.buffers],
+                              room - max(span, default=room))
         if mine:
             chosen = chosen._replace(parts=chosen.parts | frozenset(mine))
             taken += mine
-    while taken and fits(chosen).peak > room:
+            curve = fits(chosen)
+            swaps = param_swaps(program.schedule)
+    while taken and curve.peak > room:
         chosen = chosen._replace(parts=chosen.parts - {taken.pop()})
-    fits(chosen)
+        curve = fits(chosen)
     rows = []
     for spec in plan.packs:
         held = [n for p, n in chosen.parts if p == spec.index]
@@ -572,7 +571,7 @@ def keep_weight_parts(program: Program, chosen: Choice, fits, room: int) -> tupl
     return chosen, rows
 
 
-def keep_step_parts(program: Program, chosen: Choice, fits, room: int) -> tuple[Choice, list[dict]]:
+def keep_step_parts(program: Program, chosen: Choice, fits, room: int, sizes: dict) -> tuple[Choice, list[dict]]:
     """Fill what room is left with single parameters of host-stepped packs stepping on the device.
 
     A pack moves to a device step whole or not at all above, and the room left is often less
@@ -586,27 +585,23 @@ def keep_step_parts(program: Program, chosen: Choice, fits, room: int) -> tuple[
     then drops the last taken until it fits.
     """
     plan = program.plan
-    fits(chosen)
-    swaps = param_swaps(program.schedule)
-    sizes = state_sizes(program)
-    weight_parts = {p for p, _ in chosen.parts}
     slack = room - fits(chosen).peak
+    swaps = param_swaps(program.schedule)
+    weight_parts = {p for p, _ in chosen.parts}
     taken: list = []
     for spec in plan.packs:
         if (plan.step_on.get(spec.index) != "host" or spec.index in chosen.device or spec.index in weight_parts
                 or not may_step_on_device(program, spec.index)):
             continue
         there = spec.index in chosen.held or len(swaps.get(spec.index, ((), ()))[0]) <= 1
-        for n in sorted(spec.stepped, key=lambda n: -sizes.get(("optim", n), 0)):
-            need = sizes.get(("optim", n), 0) + (0 if there else sizes.get(("params", n), 0))
-            if 0 < need <= slack:
-                taken.append((spec.index, n))
-                slack -= need
+        need = {n: sizes.get(("optim", n), 0) + (0 if there else sizes.get(("params", n), 0)) for n in spec.stepped}
+        mine = _largest_first([(need[n], (spec.index, n)) for n in spec.stepped], slack)
+        taken += mine
+        slack -= sum(need[n] for _, n in mine)
     chosen = chosen._replace(steps=frozenset(taken))
     while taken and fits(chosen).peak > room:
         taken.pop()
         chosen = chosen._replace(steps=frozenset(taken))
-    fits(chosen)
     rows = []
     for spec in plan.packs:
         mine = [n for p, n in chosen.steps if p == spec.index]
