@@ -14,8 +14,9 @@ ranges on helper threads)::
 The tensors of a pack sit in its file one after the other (at 64-byte boundaries), the
 file padded to 4 KiB, in the same layout ``empty`` gives the buffer, so a pack is one
 4 KiB-aligned contiguous range in memory and on disk, moved in 16 MiB ``pwrite``/``preadv``
-calls: a write one call at a time, a read in up to four ranges at once (``HARMONY_READ_DEPTH``;
-reads are faster with more in flight, writes were not). Where the file system takes
+calls: a write one call at a time, over the file's blocks in place (never truncated: on ext4
+allocating blocks anew made writes 3-5x slower), a read in up to four ranges at once
+(``HARMONY_READ_DEPTH``; reads are faster with more in flight, writes were not). Where the file system takes
 ``O_DIRECT`` (probed once per store: open, write and read back one aligned block) the I/O
 bypasses the page cache; elsewhere it is buffered,
 and each file's pages are dropped after it is written (``fdatasync`` +
@@ -379,7 +380,10 @@ class DiskStore:
         mv = memoryview(holder.pop().numpy())
         t0 = time.perf_counter()
         try:
-            fd = _open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (O_DIRECT if direct else 0), 0o600)
+            # overwrite in place, never O_TRUNC: on this project's disk (ext4 mounted with discard) 1 GiB
+            # of 16 MiB O_DIRECT calls into a file's allocated blocks ran at 3.3 GB/s, into the same
+            # file truncated first at 0.6-1.2 (the blocks freed, discarded and allocated again)
+            fd = _open(path, os.O_WRONLY | os.O_CREAT | (O_DIRECT if direct else 0), 0o600)
             try:
                 at = 0
                 while at < total:
@@ -387,6 +391,8 @@ class DiskStore:
                     if n <= 0:
                         raise OSError(errno.EIO, "short write", str(path))
                     at += n
+                if os.fstat(fd).st_size > total:       # a shorter layout than before (weights without state)
+                    os.ftruncate(fd, total)
                 if not direct:
                     os.fdatasync(fd)
                     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
