@@ -56,7 +56,7 @@ NOMINAL = dict(host_memory=256 * GiB, host_flops=1 * T, host_memory_bandwidth=10
                network_bandwidth=1.25 * GB, network_latency=50e-6)          # 10 Gb/s Ethernet
 NOMINAL_CORE_FLOPS = 40e9      # fp32 matmul FLOP/s one AVX2 core sustains, roughly; profile() measures
 NOMINAL_MEMCPY = 10 * GB       # bytes/s a large memcpy copies on a few server cores, roughly; profile() measures
-PROFILE_VERSION = 2            # bumped when profile() measures more: older caches are not used
+PROFILE_VERSION = 3            # bumped when profile() measures more or differently: older caches are not used
 
 
 @dataclass(frozen=True)

@@ -98,9 +98,13 @@ def split(batch, m):
 
 
 def eager_accumulate(model, data, microbatches, optimizer=torch.optim.AdamW, **kw):
-    """Eager PyTorch: each batch as ``microbatches`` gradient-accumulation steps, then one update."""
+    """Eager PyTorch: each batch as ``microbatches`` gradient-accumulation steps, then one update.
+
+    The optimizer gets the arguments Harmony would give it (``fused=True`` where torch has it,
+    unless ``kw`` chose): the same update, so the same bits."""
+    from harmony.optim import optimizer_kwargs
     model = copy.deepcopy(model)
-    opt = optimizer(model.parameters(), **kw)
+    opt = optimizer(model.parameters(), **optimizer_kwargs(optimizer, kw))
     losses = []
     for batch in data:
         total = 0.0

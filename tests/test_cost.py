@@ -6,10 +6,12 @@ import textwrap
 import sympy
 import torch
 
+import harmony
 from harmony.compiler import cost
 from harmony.compiler.meta import COST
 from harmony.compiler.trace import trace
 from harmony.models import GPT, GPTConfig, copy_task
+from harmony.optim import optimizer_kwargs
 
 
 def test_linear_costs_are_exact_and_symbolic_in_the_batch():
@@ -57,3 +59,23 @@ def test_optimizer_profile_tells_loop_from_foreach():
     assert loop["state_per_byte"] == each["state_per_byte"] > 1.99
     assert loop["extra_follows"] == "largest" and each["extra_follows"] == "sum"
     assert cost.optimizer_profile(torch.optim.SGD, {})["state_per_byte"] == 0
+
+
+def test_harmony_steps_with_the_fused_kernel_unless_the_caller_chose():
+    """AdamW/SGD get fused=True on the CPU (torch has the kernel); a caller's fused or foreach stays;
+    an optimizer without a fused kernel keeps its arguments; the report and every built optimizer agree."""
+    assert optimizer_kwargs(torch.optim.AdamW, {"lr": 1e-3}) == {"lr": 1e-3, "fused": True}
+    assert optimizer_kwargs(torch.optim.SGD, {"lr": 0.1}) == {"lr": 0.1, "fused": True}
+    assert optimizer_kwargs(torch.optim.AdamW, {"fused": False}) == {"fused": False}
+    assert optimizer_kwargs(torch.optim.AdamW, {"foreach": True}) == {"foreach": True}
+    assert optimizer_kwargs(torch.optim.RMSprop, {"lr": 0.1}) == {"lr": 0.1}        # no fused kernel in torch
+    assert optimizer_kwargs(torch.optim.AdamW, None, ("cpu", "meta")) == {}          # none for the meta device
+    cfg = GPTConfig(layers=2, width=32, vocab=64, seq=16, tie=False)
+    batch = next(iter(copy_task(cfg, 4, 1)))
+    for given, fused in (({"lr": 1e-3}, True), ({"lr": 1e-3, "fused": False}, False)):
+        sm = harmony.compile(GPT(cfg), batch, optimizer_kwargs=given, memory_budget="1MiB", microbatches=2)
+        assert sm.optimizer_kwargs.get("fused", False) is fused
+        assert all(bool(o.defaults.get("fused")) is fused for o in sm.optimizers)
+        assert ("optimizer AdamW (fused)" in sm.report()) is fused
+        sm(*batch)
+        sm.close()

@@ -26,7 +26,8 @@ def _check(case, policy, frac, microbatches, bitwise=True, **kw):
     """
     model, data = CASES[case](**kw)
     opt = {} if bitwise else SGD   # allclose under Adam fails on noise-sized gradients (see above)
-    ref_acc, _ = eager_accumulate(model, data, microbatches, **opt)
+    loop = {"fused": False} if policy == "ondemand" else {}    # ondemand steps with torch's loop (harmony/optim.py)
+    ref_acc, _ = eager_accumulate(model, data, microbatches, **opt, **loop)
     ours = copy.deepcopy(model)
     budget = int(training_state_bytes(model) * frac)
     sm, stats, _ = run_compiled(ours, data, microbatches, budget, policy, **_compile_kwargs(opt))
@@ -38,7 +39,7 @@ def _check(case, policy, frac, microbatches, bitwise=True, **kw):
     for (name, a), b in zip(ours.named_buffers(), ref_acc.buffers()):
         assert torch.equal(a, b), f"buffer {name}"
     if case != "cnn":   # BatchNorm normalises each microbatch by its own statistics: not the full batch's
-        ref_full, _ = eager_full(model, data, **SGD)
+        ref_full, _ = eager_full(model, data, **SGD, **loop)
         ours_sgd = copy.deepcopy(model)
         run_compiled(ours_sgd, data, microbatches, budget, policy, **_compile_kwargs(SGD))
         for (name, a), c in zip(ours_sgd.named_parameters(), ref_full.parameters()):

@@ -14,6 +14,7 @@ import torch
 import harmony
 from harmony.errors import ConfigError
 from harmony.models import GPT, GPTConfig, copy_task
+from harmony.optim import optimizer_kwargs
 from models import CASES, call, run_compiled, split, training_state_bytes
 
 
@@ -21,7 +22,7 @@ def eager_mixed(model, data, microbatches, dtype, scaler=None, optimizer=torch.o
     """The fp32 master model after training ``data`` with compute copies in ``dtype``; and the losses."""
     compute = copy.deepcopy(model).to(dtype)
     master = copy.deepcopy(model)
-    opt = optimizer(master.parameters(), **kw)
+    opt = optimizer(master.parameters(), **optimizer_kwargs(optimizer, kw))   # as Harmony builds it
     losses = []
     for batch in data:
         total = []

@@ -48,7 +48,7 @@ def summary(sm) -> dict:
         model=_model(program),
         config=dict(memory_budget=cfg.memory_budget, policy=cfg.policy, microbatches=cfg.microbatches,
                     microbatch_size=cfg.microbatch_size, batch_size=cfg.batch_size,
-                    optimizer=getattr(cfg.optimizer, "__name__", str(cfg.optimizer)),
+                    optimizer=getattr(cfg.optimizer, "__name__", str(cfg.optimizer)) + _implementation(cfg),
                     precision=getattr(cfg, "precision", "fp32")),
         tiers=_tiers(program),
         compile_seconds=dict(getattr(sm, "compile_seconds", {}) or {}),
@@ -57,6 +57,12 @@ def summary(sm) -> dict:
         packs=_packs(program),
         last_step=dict(sm.stats) if getattr(sm, "stats", None) else None,
     )
+
+
+def _implementation(cfg) -> str:
+    """Which of torch's implementations steps: " (fused)", " (foreach)", or "" for torch's default."""
+    kw = getattr(cfg, "optimizer_kwargs", {}) or {}
+    return " (fused)" if kw.get("fused") else " (foreach)" if kw.get("foreach") else ""
 
 
 def _model(program) -> dict:
