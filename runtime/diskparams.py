@@ -20,7 +20,8 @@ memory, and any use of it outside a swap_in shows as NaN), and its optimizer sta
 * ``release(pack, "grads")`` leaves the gradients on the device and ``step(pack,
   where="disk")`` consumes them group by group, inline: it takes the group's file (read
   ahead while the group before it stepped), moves the group's gradients to the host
-  (freeing them on the device), runs the user's optimizer on the host weights, and writes
+  (freeing them on the device; on the CPU device the step reads them where they are, no
+  copy), runs the user's optimizer on the host weights, and writes
   weights and state back in the background. The host holds three groups' files at a time
   (one stepping, one read ahead, one being written) and one group's gradients, never a
   whole pack. With ``overlap`` (the offload pass's default) the step runs on the host
@@ -235,7 +236,11 @@ class DiskParams:
             if g is not None and self.meter.holds(g):
                 if keep is not None:
                     keep.append(g)
-                g = to_host(g)           # else the device copy goes with the last reference to it
+                if self.device.type != "cpu":
+                    g = to_host(g)       # else the device copy goes with the last reference to it
+                # on the CPU device the gradient is in host memory already: the step reads it where it
+                # is (counted as moved all the same, and on the device until the step is done with it),
+                # which saves a copy into fresh pages per group, on cores the next backward needs
             if handed:                   # the backward's copy of the weights: not read from the file again
                 held[(n, PARAM)].copy_(t.data)
             if keep is not None and self.meter.holds(t.data):

@@ -318,6 +318,45 @@ def test_round_trip_direct_and_buffered(tmp_path, direct):
         assert (c["direct_ops"] > 0) == store.direct and (c["buffered_ops"] > 0) != store.direct
 
 
+def test_buffers_are_reused_once_their_last_view_is_gone_and_unmapped_at_close(tmp_path):
+    """A step asks for the same buffer sizes each time: a freed buffer's memory serves the next of its size
+    (the kernel zeroes a page once, not per read), never while any view of it, a parameter's ``.data``
+    included, is alive; reads into a reused buffer see the file, not what was there; close unmaps them."""
+    import gc
+    pool = disk.Buffers()
+    a = pool.take(5 << 20)
+    assert a.data_ptr() % (2 << 20) == 0 and a.numel() == 5 << 20          # huge-page aligned from 4 MiB
+    p = torch.nn.Parameter(torch.empty(1))
+    p.data = a[4096:8192].view(torch.float32)
+    del a
+    gc.collect()
+    b = pool.take(5 << 20)
+    assert pool.reuses == 0 and b.data_ptr() != p.data.data_ptr() - 4096    # in use: a new mapping
+    del p
+    gc.collect()
+    c = pool.take(5 << 20)
+    assert pool.reuses == 1 and pool.held == 2 * ((5 << 20) + (2 << 20))
+    del b, c
+    gc.collect()
+    with DiskStore(tmp_path) as store:
+        specs = [((1000, 100), torch.float32)]
+        for step in range(3):
+            v = store.empty(specs)[0]
+            v.copy_(torch.full((1000, 100), float(step)))
+            store.write(0, [v]).result()
+            del v
+            back = store.empty(specs)[0]
+            back.fill_(-1.0)
+            store.read(0, into=[back]).result()
+            assert torch.equal(back, torch.full((1000, 100), float(step)))
+            del back
+            gc.collect()
+        st = store.stats()
+        assert st["buffer_reuses"] >= 4 and st["buffer_pool_bytes"] <= 2 * disk.layout(specs)[1]
+        assert st["buffer_bytes"] == 0
+    assert store.buffers.held == 0
+
+
 @pytest.mark.parametrize("direct", [None, False])
 def test_a_rewrite_overwrites_the_file_in_place_and_a_shorter_layout_shrinks_it(tmp_path, monkeypatch, direct):
     """Each step writes a pack's file again: into its blocks (never opened with O_TRUNC, which freed and
