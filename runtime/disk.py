@@ -108,6 +108,10 @@ def aligned_buffer(nbytes: int) -> torch.Tensor:
 
 
 HUGE_FROM = 4 << 20
+try:     # free buffer bytes a store keeps for reuse (Buffers)
+    KEEP_FREE = int(os.environ.get("HARMONY_KEEP_FREE", "") or (256 << 20))
+except ValueError:
+    raise ValueError("HARMONY_KEEP_FREE must be a whole number of bytes") from None
 _MADV_HUGEPAGE = 14
 
 
@@ -138,12 +142,17 @@ class Buffers:
     backward needs. So ``take`` hands out a view of an anonymous ``mmap`` (4 KiB-aligned;
     2 MiB-aligned and advised for huge pages from 4 MiB), and when the last tensor using it
     is gone the mapping goes back to a free list of its size, for the next ``take`` of that
-    size. The mappings a store ever holds are at most what its buffers needed at once in
-    each size (``held`` bytes, in ``DiskStore.stats()['buffer_pool_bytes']``); ``clear``
-    unmaps the free ones (``DiskStore.close`` does).
+    size, as long as the free list stays within ``keep`` bytes (``HARMONY_KEEP_FREE``, default
+    256 MiB: a pack's weights for the device and a step file or two); beyond it a freed buffer
+    is unmapped, so a burst (the setup writing every file) does not stay resident. That memory
+    is outside the offload pass's host plan: in the offload benchmark it raised peak RSS from
+    2.69 to 2.92 GiB (budget + 1 GiB = 3). ``held`` (``DiskStore.stats()['buffer_pool_bytes']``)
+    is what is mapped, in use or free; ``clear`` unmaps the free ones (``DiskStore.close`` does).
     """
 
-    def __init__(self):
+    def __init__(self, keep: int = 0):
+        self.keep = keep                    # free bytes kept for reuse at most; a buffer beyond is unmapped
+        self.free_bytes = 0
         self._free: dict[int, list[tuple[mmap.mmap, int]]] = {}
         self._lock = threading.RLock()      # a finalizer may run in any thread, also one holding it
         self.held = 0                       # bytes mapped, in use or free
@@ -158,6 +167,7 @@ class Buffers:
             got = free.pop() if free else None
             if got is not None:
                 self.reuses += 1
+                self.free_bytes -= len(got[0])
         if got is None:
             got = self._map(size)
         mm, start = got
@@ -184,8 +194,9 @@ class Buffers:
 
     def _give_back(self, size: int, mm: mmap.mmap, start: int) -> None:
         with self._lock:
-            if not self.cleared:
+            if not self.cleared and self.free_bytes + len(mm) <= self.keep:
                 self._free.setdefault(size, []).append((mm, start))
+                self.free_bytes += len(mm)
                 return
             self.held -= len(mm)
         mm.close()          # the last tensor on it is gone: nothing exports it now
@@ -195,7 +206,8 @@ class Buffers:
         with self._lock:
             self.cleared = True
             free, self._free = self._free, {}
-            self.held -= sum(len(mm) for lst in free.values() for mm, _ in lst)
+            self.held -= self.free_bytes
+            self.free_bytes = 0
         for lst in free.values():
             for mm, _ in lst:
                 try:
@@ -271,7 +283,7 @@ class DiskStore:
         self.read_depth = READ_DEPTH
         self._spans = ThreadPoolExecutor(max_workers=workers * max(1, READ_DEPTH - 1),
                                          thread_name_prefix="harmony-disk-read")
-        self.buffers = Buffers()                  # the memory behind the aligned buffers, reused
+        self.buffers = Buffers(KEEP_FREE)         # the memory behind the aligned buffers, reused
         self._finalizer = weakref.finalize(self, _cleanup, str(self.path), self.pool, self._spans, self.buffers)
         self._lock = threading.Lock()
         self._writes: dict[int, Future] = {}      # pack -> its write under way (a read of the pack waits for it)

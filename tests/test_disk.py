@@ -323,7 +323,8 @@ def test_buffers_are_reused_once_their_last_view_is_gone_and_unmapped_at_close(t
     (the kernel zeroes a page once, not per read), never while any view of it, a parameter's ``.data``
     included, is alive; reads into a reused buffer see the file, not what was there; close unmaps them."""
     import gc
-    pool = disk.Buffers()
+    assert disk.Buffers(keep=0).take(5 << 20) is not None          # keeps nothing: a freed buffer is unmapped
+    pool = disk.Buffers(keep=32 << 20)
     a = pool.take(5 << 20)
     assert a.data_ptr() % (2 << 20) == 0 and a.numel() == 5 << 20          # huge-page aligned from 4 MiB
     p = torch.nn.Parameter(torch.empty(1))
@@ -338,6 +339,11 @@ def test_buffers_are_reused_once_their_last_view_is_gone_and_unmapped_at_close(t
     assert pool.reuses == 1 and pool.held == 2 * ((5 << 20) + (2 << 20))
     del b, c
     gc.collect()
+    assert pool.free_bytes == pool.held == 2 * ((5 << 20) + (2 << 20))
+    five = [pool.take(5 << 20) for _ in range(5)]      # 5 in use at once, then freed: only what fits ``keep`` stays
+    del five
+    gc.collect()
+    assert pool.free_bytes == pool.held == 4 * ((5 << 20) + (2 << 20))
     with DiskStore(tmp_path) as store:
         specs = [((1000, 100), torch.float32)]
         for step in range(3):
