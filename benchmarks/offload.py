@@ -45,11 +45,13 @@ the steps after the first), and for Harmony also its own disk-tier counters (sm.
 disk GB/s these imply over the step; and the bound max(compute, read/raw_read + write/raw_write),
 where compute is the eager run's fastest step after the first (else FSDP2's, noted; the load
 of a shared machine only slows a step, so the fastest is the truest) and the raw bandwidths are
-measured in this run by an O_DIRECT sequential write then read of --raw-bytes in --dir
-(compiler/machine.py's disk_bandwidth, the helper Hardware.profile uses), just before and
-just after each system that uses the disk: a shared cloud disk's rates move several-fold from
-one minute to the next (this machine's read 0.95 to 3.6 GB/s, write 0.43 to 0.79, between
-back-to-back runs), so each system's bound takes the mean of the two probes around its own run.
+measured in this run by an O_DIRECT sequential write, overwrite and read of --raw-bytes in --dir
+(compiler/machine.py's disk_bandwidth, the helper Hardware.profile uses; the write rate is the
+overwrite's, into allocated blocks, as the disk tier writes: the first, allocating write is in
+the notes), just before and just after each system that uses the disk: a shared cloud disk's
+rates move several-fold from one minute to the next (this machine's read 0.72 to 3.6 GB/s,
+overwrite 0.51 to 1.27, between back-to-back runs), so each system's bound takes the mean of
+the two probes around its own run.
 
 Install for the DeepSpeed column (not in CI):
     apt-get install -y libaio-dev          # DeepSpeed's async_io op builds against it
