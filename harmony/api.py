@@ -109,6 +109,11 @@ def compile(model: torch.nn.Module, example_batch, *, optimizer=torch.optim.Adam
     t0 = time.perf_counter()
     if policy not in POLICIES:
         raise ConfigError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
+    try:
+        torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ConfigError(f"device={device!r} is not a device torch knows ({str(e).split(':')[0]}); "
+                          f"use 'cpu', or 'cuda' / 'cuda:N' where a GPU exists") from None
     if recompute not in RECOMPUTE:
         raise ConfigError(f"recompute={recompute!r}; choose one of {', '.join(map(repr, RECOMPUTE))}")
     names, batch = _batch_items(example_batch)

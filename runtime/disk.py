@@ -199,7 +199,10 @@ class Buffers:
                 self.free_bytes += len(mm)
                 return
             self.held -= len(mm)
-        mm.close()          # the last tensor on it is gone: nothing exports it now
+        try:
+            mm.close()      # the last tensor on it is gone: nothing should export it now
+        except BufferError:
+            pass            # something still does: the map goes when the last reference does
 
     def clear(self) -> None:
         """Unmap the free buffers; those in use are unmapped when their last tensor is gone."""
