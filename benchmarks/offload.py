@@ -402,7 +402,7 @@ def child(a) -> None:
         if not isinstance(e, Missing):
             result["traceback"] = traceback.format_exc()
     result["peak_rss"] = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, vm_hwm_bytes(),
-                             result.get("peak_rss_setup", 0))
+                             result.get("peak_rss_setup", 0), result.get("peak_rss_steps") or 0)
     result["torch"] = torch.__version__
     print(MARK + json.dumps(result), flush=True)
 
