@@ -165,8 +165,9 @@ def setup_eager(a, c, x, y, workdir):
     from harmony.models import GPT
     torch.manual_seed(0)
     model = GPT(c)
-    opt = torch.optim.AdamW(model.parameters(), **adamw_kwargs())
-    return plain_step(model, opt, x, y), {"optimizer": f"torch.optim.AdamW {adamw_kwargs()}"}, lambda: None
+    kw = adamw_kwargs()
+    opt = torch.optim.AdamW(model.parameters(), **kw)
+    return plain_step(model, opt, x, y), {"optimizer": f"torch.optim.AdamW {kw}"}, lambda: None
 
 
 def setup_fsdp2(a, c, x, y, workdir):
@@ -184,9 +185,9 @@ def setup_fsdp2(a, c, x, y, workdir):
     for block in model.blocks:
         fully_shard(block, mesh=mesh, offload_policy=policy)
     fully_shard(model, mesh=mesh, offload_policy=policy)
-    opt = torch.optim.AdamW(model.parameters(), **adamw_kwargs())
-    return plain_step(model, opt, x, y), {"optimizer": f"torch.optim.AdamW {adamw_kwargs()} on DTensors"}, \
-        dist.destroy_process_group
+    kw = adamw_kwargs()
+    opt = torch.optim.AdamW(model.parameters(), **kw)
+    return plain_step(model, opt, x, y), {"optimizer": f"torch.optim.AdamW {kw} on DTensors"}, dist.destroy_process_group
 
 
 def setup_harmony(a, c, x, y, workdir):

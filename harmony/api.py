@@ -110,7 +110,7 @@ def compile(model: torch.nn.Module, example_batch, *, optimizer=torch.optim.Adam
     if policy not in POLICIES:
         raise ConfigError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
     try:
-        torch.device(device)
+        device_type = torch.device(device).type
     except (RuntimeError, TypeError) as e:
         raise ConfigError(f"device={device!r} is not a device torch knows ({str(e).split(':')[0]}); "
                           f"use 'cpu', or 'cuda' / 'cuda:N' where a GPU exists") from None
@@ -125,7 +125,7 @@ def compile(model: torch.nn.Module, example_batch, *, optimizer=torch.optim.Adam
     # torch's fused update where it has one and the caller did not choose (harmony/optim.py); not under
     # ondemand, whose runtime fetches every tensor an op touches: one fused op touches a pack's whole state
     if policy != "ondemand":
-        optimizer_kwargs = optimizer_kwargs_for(optimizer, optimizer_kwargs, ("cpu", torch.device(device).type))
+        optimizer_kwargs = optimizer_kwargs_for(optimizer, optimizer_kwargs, ("cpu", device_type))
     if balance is not None:
         if precision != "fp32" or weights_on == "disk":
             raise ConfigError(f"balance= trains data-parallel, which runs in fp32 with weights on the host for now "

@@ -93,43 +93,11 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def aligned_buffer(nbytes: int) -> torch.Tensor:
-    """A uint8 tensor of ``nbytes`` rounded up to 4 KiB whose first byte is 4 KiB-aligned.
-
-    A buffer of 4 MiB or more asks for transparent huge pages (``madvise``) before it is
-    touched, so filling it takes one page fault per 2 MiB instead of one per 4 KiB.
-    """
-    size = _up(max(nbytes, 1))
-    raw = torch.empty(size + ALIGN, dtype=torch.uint8)
-    start = (-raw.data_ptr()) % ALIGN
-    if size >= HUGE_FROM:
-        _advise_huge(raw.data_ptr() + start, size)
-    return raw[start:start + size]
-
-
 HUGE_FROM = 4 << 20
 try:     # free buffer bytes a store keeps for reuse (Buffers)
     KEEP_FREE = int(os.environ.get("HARMONY_KEEP_FREE", "") or (256 << 20))
 except ValueError:
     raise ValueError("HARMONY_KEEP_FREE must be a whole number of bytes") from None
-_MADV_HUGEPAGE = 14
-
-
-def _advise_huge(addr: int, size: int) -> None:
-    global _madvise
-    if _madvise is None:
-        try:
-            import ctypes
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-            _madvise = libc.madvise
-        except (OSError, AttributeError):
-            _madvise = False
-    if _madvise:
-        _madvise(addr, size, _MADV_HUGEPAGE)     # advice only: a refusal changes nothing
-
-
-_madvise = None
 
 
 class Buffers:
@@ -156,6 +124,7 @@ class Buffers:
         self._free: dict[int, list[tuple[mmap.mmap, int]]] = {}
         self._lock = threading.RLock()      # a finalizer may run in any thread, also one holding it
         self.held = 0                       # bytes mapped, in use or free
+        self.in_use = self.peak = 0         # bytes of the buffers taken and alive now, and their peak
         self.reuses = 0
         self.cleared = False
 
@@ -168,6 +137,8 @@ class Buffers:
             if got is not None:
                 self.reuses += 1
                 self.free_bytes -= len(got[0])
+            self.in_use += size
+            self.peak = max(self.peak, self.in_use)
         if got is None:
             got = self._map(size)
         mm, start = got
@@ -192,8 +163,14 @@ class Buffers:
             self.held += len(mm)
         return mm, start
 
+    def reset_peak(self) -> None:
+        """Start the peak again from what is in use now (the disk tiers do at each step)."""
+        with self._lock:
+            self.peak = self.in_use
+
     def _give_back(self, size: int, mm: mmap.mmap, start: int) -> None:
         with self._lock:
+            self.in_use -= size
             if not self.cleared and self.free_bytes + len(mm) <= self.keep:
                 self._free.setdefault(size, []).append((mm, start))
                 self.free_bytes += len(mm)
@@ -290,7 +267,6 @@ class DiskStore:
         self._finalizer = weakref.finalize(self, _cleanup, str(self.path), self.pool, self._spans, self.buffers)
         self._lock = threading.Lock()
         self._writes: dict[int, Future] = {}      # pack -> its write under way (a read of the pack waits for it)
-        self.buffer_bytes = self.buffer_peak = 0  # host bytes of the aligned buffers alive now, and their peak
         self.counters = dict(read_bytes=0, read_seconds=0.0, write_bytes=0, write_seconds=0.0, direct_ops=0,
                              read_issued=0, write_issued=0,
                              buffered_ops=0)
@@ -316,7 +292,7 @@ class DiskStore:
         if not O_DIRECT:
             return False, "this platform has no O_DIRECT: buffered I/O with fadvise"
         probe = self.path / ".probe"
-        buf = aligned_buffer(ALIGN)
+        buf = self.buffers.take(ALIGN)
         buf.fill_(0x5A)
         try:
             try:
@@ -335,7 +311,7 @@ class DiskStore:
                     raise
             finally:
                 os.close(fd)
-            back = aligned_buffer(ALIGN)
+            back = self.buffers.take(ALIGN)
             fd = _open(probe, os.O_RDONLY | O_DIRECT)
             try:
                 got = _preadv(fd, [memoryview(back.numpy())], 0)
@@ -354,21 +330,13 @@ class DiskStore:
     def empty(self, specs) -> list[torch.Tensor]:
         """Tensors of ``specs`` [(shape, dtype)] as views of one 4 KiB-aligned buffer, in file layout.
 
-        The buffer's bytes count in ``buffer_bytes`` (and its peak) until the last view is freed;
-        then it goes back to ``buffers`` for the next buffer of its size (``Buffers``).
+        The buffer comes from ``buffers`` (``Buffers``) and goes back there when its last view is
+        freed; until then its bytes count in ``buffers.in_use`` and its peak.
         """
         offsets, total = layout(specs)
         buf = self.buffers.take(total)
-        with self._lock:
-            self.buffer_bytes += total
-            self.buffer_peak = max(self.buffer_peak, self.buffer_bytes)
-        weakref.finalize(buf.untyped_storage(), self._freed, total)
         return [buf[o:o + _numel(shape) * _itemsize(dtype)].view(dtype).view(shape)
                 for (shape, dtype), o in zip(specs, offsets)]
-
-    def _freed(self, nbytes: int) -> None:
-        with self._lock:
-            self.buffer_bytes -= nbytes
 
     def file(self, pack: int) -> Path:
         return self.path / f"pack-{pack:03d}.bin"
@@ -557,7 +525,7 @@ class DiskStore:
         c["read_GBps"] = c["read_bytes"] / c["read_seconds"] / 1e9 if c["read_seconds"] else 0.0
         c["write_GBps"] = c["write_bytes"] / c["write_seconds"] / 1e9 if c["write_seconds"] else 0.0
         c["direct"] = self.direct
-        c["buffer_bytes"], c["buffer_peak"] = self.buffer_bytes, self.buffer_peak
+        c["buffer_bytes"], c["buffer_peak"] = self.buffers.in_use, self.buffers.peak
         c["buffer_pool_bytes"], c["buffer_reuses"] = self.buffers.held, self.buffers.reuses
         return c
 
@@ -640,8 +608,7 @@ def step_stats(tier, **extra) -> dict:
     last, tier._last = tier._last, now
     d = {k: now[k] - last.get(k, 0) for k in ("read_bytes", "read_seconds", "write_bytes", "write_seconds",
                                                "read_issued", "write_issued", *counters)}
-    with tier.store._lock:       # the next step's peak starts from what is alive now
-        tier.store.buffer_peak = tier.store.buffer_bytes
+    tier.store.buffers.reset_peak()       # the next step's peak starts from what is alive now
     return dict(disk_read_bytes=d["read_issued"], disk_write_bytes=d["write_issued"],
                 disk_read_done=d["read_bytes"], disk_read_seconds=d["read_seconds"],
                 disk_write_done=d["write_bytes"], disk_write_seconds=d["write_seconds"],
