@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.fx
 
 from harmony.runtime.plan import Plan
 from harmony.runtime.precision import compute_dtype
@@ -94,3 +95,19 @@ class Program:
     history: list[tuple[str, str]] = field(default_factory=list)  # (pass name, schedule code after it)
     predicted_peak: int = 0
     rows: tuple | None = None          # this rank's rows [start, stop) of the global batch (balance)
+
+
+def calls(graph: torch.fx.Graph) -> list:
+    """The schedule's op nodes (``call_function``), in order."""
+    return [n for n in graph.nodes if n.op == "call_function"]
+
+
+def copy_graph(graph: torch.fx.Graph) -> torch.fx.Graph:
+    """A copy of ``graph`` whose nodes keep their names and (shallow copies of) their meta."""
+    g = torch.fx.Graph()
+    env: dict = {}
+    for n in graph.nodes:
+        env[n] = g.node_copy(n, lambda x: env[x])
+        env[n].name = n.name
+        env[n].meta = dict(n.meta)
+    return g

@@ -41,7 +41,7 @@ import time
 import torch
 import torch.fx
 
-from harmony.compiler.ir import PassReport, PassResult, Program
+from harmony.compiler.ir import PassReport, PassResult, Program, calls, copy_graph
 from harmony.compiler.meta import SCHEDULE
 from harmony.errors import ConfigError
 from harmony.runtime import ops
@@ -130,20 +130,6 @@ def _job_bytes(sizes, s: CompressionSpec, world: int) -> int:
 
 
 # -- the pass ---------------------------------------------------------------------------------------
-def _calls(graph):
-    return [n for n in graph.nodes if n.op == "call_function"]
-
-
-def _copy(graph: torch.fx.Graph) -> torch.fx.Graph:
-    g = torch.fx.Graph()
-    env: dict = {}
-    for n in graph.nodes:
-        env[n] = g.node_copy(n, lambda x: env[x])
-        env[n].name = n.name
-        env[n].meta = dict(n.meta)
-    return g
-
-
 def _emit(graph, after, fn, args, kwargs, name):
     with graph.inserting_after(after):
         node = graph.call_function(fn, args, kwargs)
@@ -155,12 +141,12 @@ def _emit(graph, after, fn, args, kwargs, name):
 def insert(graph: torch.fx.Graph, packs: list[int], plan, kwargs: dict, policy: str, sync: bool) -> dict:
     """Insert the all-reduces (and the waits that join them) into ``graph``; returns pack -> overlap mode."""
     last_bwd, steps = {}, {}
-    for n in _calls(graph):
+    for n in calls(graph):
         if n.target is ops.backward:
             last_bwd[n.args[0]] = n
         elif n.target is ops.step:
             steps[n.args[0]] = n
-    order = {n: i for i, n in enumerate(_calls(graph))}
+    order = {n: i for i, n in enumerate(calls(graph))}
     issue = sorted((p for p in packs if p in last_bwd), key=lambda p: order[last_bwd[p]])
     ars, mode = {}, {}
     for p in issue:
@@ -175,7 +161,7 @@ def insert(graph: torch.fx.Graph, packs: list[int], plan, kwargs: dict, policy: 
     for k, p in enumerate(device):       # one all-reduce in flight: join it before the next is issued
         nxt = ars[device[k + 1]] if k + 1 < len(device) else None
         step = steps.get(p)
-        order = {n: i for i, n in enumerate(_calls(graph))}
+        order = {n: i for i, n in enumerate(calls(graph))}
         if nxt is not None and (policy == "harmony" or step is None or order[nxt] < order[step]):
             _emit(graph, nxt.prev, ops.wait, (ars[p],), {}, f"join_ar{p}")
             if step is not None and order[step] < order[nxt]:
@@ -198,7 +184,7 @@ def insert_sync(program: Program, world: int) -> dict:
     if not plan.state_owner and not plan.sync_buffers:
         return {}
     from harmony.runtime import shard   # registers sync_state
-    node = _emit(program.schedule, _calls(program.schedule)[-1], shard.sync_state, (world,), {}, "sync_state")
+    node = _emit(program.schedule, calls(program.schedule)[-1], shard.sync_state, (world,), {}, "sync_state")
     node.meta[SCHEDULE] = {"pack": None}
     out = dict(sync_buffer_bytes=sum(plan.sync_buffers.values()))
     if plan.state_owner:
@@ -337,8 +323,8 @@ def run(program: Program, ctx) -> PassResult:
     if live:
         check_same_plan(signature)
         broadcast = broadcast_state(program)
-        calls = {n: i for i, n in enumerate(_calls(program.schedule))}
-        last_bwd = {n.args[0]: calls[n] for n in calls if n.target is ops.backward}
+        position = {n: i for i, n in enumerate(calls(program.schedule))}
+        last_bwd = {n.args[0]: position[n] for n in position if n.target is ops.backward}
         plan.comm_groups = comm_groups(program, owned, sorted(owned, key=lambda p: last_bwd.get(p, -1)))
 
     # the plan: all-reduce after each pack's last backward; asynchronous where nothing swaps the
@@ -347,11 +333,11 @@ def run(program: Program, ctx) -> PassResult:
     base = program.schedule
     host = any(plan.step_on.get(p) == "host" for p in owned)
     sync = cfg.policy == "ondemand"
-    program.schedule = _copy(base)
+    program.schedule = copy_graph(base)
     mode = insert(program.schedule, list(owned), plan, kwargs, cfg.policy, sync)
     why = ""
     if not sync and not host and not everything_fits(program):
-        program.schedule = _copy(base)
+        program.schedule = copy_graph(base)
         mode = insert(program.schedule, list(owned), plan, kwargs, cfg.policy, True)
         why = ("synchronous: the optimizer steps on the device and the pack's state is swapped, so its "
                "step must follow its backward at once (deferring it would swap the state in twice)")

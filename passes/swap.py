@@ -36,18 +36,19 @@ time it saves, counted as the bytes the host link moves in that time, so it comp
 with the traffic the same bytes could save: on a CPU, where a copy is cheap beside a
 layer's forward, keeping graphs comes first; on a GPU behind PCIe, traffic does. That
 holds in the nothing-to-do case as well: everything resident, graphs kept while they fit.
+
+This module decides; how each decision reads in the schedule (the swap ops, stashes, ``held=``
+and so on) is ``passes/swap_graph.py``.
 """
 from __future__ import annotations
 
 import time
 from typing import NamedTuple
 
-import torch.fx
-
-from harmony.compiler.ir import PassReport, PassResult, Program
-from harmony.compiler.meta import SCHEDULE
+from harmony.compiler.ir import PassReport, PassResult, Program, calls
 from harmony.compiler.verify import memory_curve, state_sizes
 from harmony.errors import BudgetError
+from harmony.passes.swap_graph import (build, insert_swaps, param_swaps, stash_groups)
 from harmony.runtime import ops
 from harmony.runtime.plan import step_extra
 from harmony.units import fmt_bytes
@@ -67,188 +68,6 @@ class Choice(NamedTuple):
     device: frozenset = frozenset()   # host-stepped packs moved to a device step, all their state resident
     parts: frozenset = frozenset()    # (pack, param): single weights held between visits, where the whole pack's are not
     steps: frozenset = frozenset()    # (pack, param): single parameters of host-stepped packs stepped on the device
-NEEDS = {"forward": ("params",), "backward": ("params", "grads"), "step": ("params", "grads", "optim"),
-         "allreduce": ("grads",)}
-
-
-def _calls(graph):
-    return [n for n in graph.nodes if n.op == "call_function"]
-
-
-def _visits(graph):
-    """Runs of consecutive compute ops on the same pack: (pack, first node, last node, kinds needed)."""
-    out, cur = [], None
-    for n in _calls(graph):
-        name = n.target.__name__
-        if name not in NEEDS or n.kwargs.get("where") in ("host", "disk"):   # a host step needs nothing on the device
-            continue
-        p = n.args[0]
-        if cur and cur[0] == p:
-            cur[2] = n
-            cur[3].update(NEEDS[name])
-        else:
-            cur = [p, n, n, set(NEEDS[name])]
-            out.append(cur)
-    return out
-
-
-def insert_swaps(graph: torch.fx.Graph, resident: set) -> None:
-    """Swap ops around each visit; a step whose optimizer state is not resident streams it in and out."""
-    for p, first, last, kinds in _visits(graph):
-        for kind in ("params", "grads"):
-            if kind not in kinds or (p, kind) in resident:
-                continue
-            with graph.inserting_before(first):
-                h = graph.call_function(ops.swap_in, (p, kind))
-                h.name = graph._graph_namespace.create_name(f"{kind}{p}", h)
-                w = graph.call_function(ops.wait, (h,))
-            with graph.inserting_after(last):
-                r = graph.call_function(ops.release, (p, kind))
-            for x in (h, w, r):
-                x.meta[SCHEDULE] = {"pack": p, "kind": kind}
-    mark_streams(graph, resident)
-
-
-def mark_streams(graph: torch.fx.Graph, resident: set) -> None:
-    last_release: dict = {}
-    for n in _calls(graph):     # a disk step right after its pack's releases takes gradients and weights from the device
-        if n.target is ops.release and n.args[1] in ("grads", "params"):
-            last_release.setdefault(n.args[0], []).append(n)
-        elif n.target in (ops.forward, ops.backward):    # compute in between: they go to the host as usual
-            last_release.clear()
-        elif n.target is ops.step and n.kwargs.get("where") == "disk" and n.args[0] in last_release:
-            for r in last_release.pop(n.args[0]):
-                r.kwargs = {**r.kwargs, "handoff": True}
-    for n in _calls(graph):
-        if n.target is ops.step and n.kwargs.get("where") not in ("host", "disk"):
-            n.kwargs = {**n.kwargs, "stream": (n.args[0], "optim") not in resident}
-
-
-def stash_value(graph: torch.fx.Graph, value: torch.fx.Node, order: dict | None = None) -> bool:
-    """Send ``value`` to the host and bring it back before its later uses.
-
-    A value used twice (a pack's input: its forward now, its recompute later) stays for
-    its first use and is stashed after it; a value used once is stashed at once.
-    ``order``: each node's position in the schedule, where the caller stashes many values.
-    """
-    if order is None:
-        order = {n: i for i, n in enumerate(graph.nodes)}
-    users = sorted((u for u in value.users if u.op == "call_function"), key=lambda u: order.get(u, len(order)))
-    if not users:
-        return False
-    keep = users[:1] if len(users) >= 2 else []
-    with graph.inserting_after(keep[0] if keep else value):
-        s = graph.call_function(ops.stash, (value,))
-    s.meta[SCHEDULE] = {"pack": None}
-    for u in users[len(keep):]:
-        with graph.inserting_before(u):
-            un = graph.call_function(ops.unstash, (s,))
-        un.meta[SCHEDULE] = {"pack": None}
-        u.replace_input_with(value, un)
-    return True
-
-
-def stash_groups(graph: torch.fx.Graph) -> dict:
-    """Activation handles that could go to the host, grouped by (op, pack) over all microbatches.
-
-    Pack outputs (``forward``, unless the pack's backward reuses its graph at once) and
-    gradients of pack inputs (``backward``) that a later op reads.
-    """
-    groups: dict = {}
-    for n in _calls(graph):
-        if n.target in (ops.forward, ops.backward) and not n.kwargs.get("keep") and n.users:
-            groups.setdefault((n.target.__name__, n.args[0]), []).append(n.name)
-    return groups
-
-
-def _drop_swaps(graph: torch.fx.Graph, pack: int, kinds) -> None:
-    for n in list(_calls(graph)):
-        if n.target in (ops.swap_in, ops.release) and n.args[0] == pack and n.args[1] in kinds:
-            if n.target is ops.swap_in:
-                for w in list(n.users):
-                    graph.erase_node(w)
-            graph.erase_node(n)
-
-
-def keep_graphs(graph: torch.fx.Graph, packs) -> None:
-    """Packs that keep their forward's graph: each backward takes it instead of recomputing from inputs."""
-    if not packs:
-        return
-    fwd = {}
-    for n in _calls(graph):
-        if n.target is ops.forward and n.args[0] in packs:
-            n.kwargs = {**n.kwargs, "keep": True}
-            fwd[(n.args[0], n.args[1])] = n
-        elif n.target is ops.backward and n.args[0] in packs and n.kwargs.get("saved") is None:
-            n.args = n.args[:2]
-            n.kwargs = {**n.kwargs, "saved": fwd[(n.args[0], n.args[1])]}
-    for n in _calls(graph):       # the batch a recompute would have loaded
-        if n.target is ops.load_batch and not n.users:
-            graph.erase_node(n)
-
-
-def param_swaps(graph: torch.fx.Graph) -> dict[int, tuple[list, list]]:
-    """pack -> (its parameters' ``swap_in`` nodes, their ``release`` nodes), in schedule order: one scan."""
-    out: dict = {}
-    for n in _calls(graph):
-        if n.target in (ops.swap_in, ops.release) and n.args[1] == "params":
-            out.setdefault(n.args[0], ([], []))[n.target is ops.release].append(n)
-    return out
-
-
-def hold_between_visits(graph: torch.fx.Graph, packs, parts=frozenset()) -> None:
-    """The ``packs``' weights stay on the device from their first visit of the iteration to their last:
-    every ``swap_in`` of their parameters but the first goes, and every ``release`` but the last.
-    ``parts`` ((pack, param) pairs) does the same for single weights: the pack's ``swap_in`` but the first
-    and ``release`` but the last leave them where they are (``held=``) and move the rest."""
-    swaps = param_swaps(graph) if packs or parts else {}
-    for pack in packs:
-        ins, outs = swaps.get(pack, ([], []))
-        for n in ins[1:]:
-            for w in list(n.users):
-                graph.erase_node(w)
-            graph.erase_node(n)
-        for n in outs[:-1]:
-            graph.erase_node(n)
-    by_pack: dict = {}
-    for pack, name in parts:
-        by_pack.setdefault(pack, set()).add(name)
-    for pack, names in by_pack.items():
-        ins, outs = swaps.get(pack, ([], []))
-        if not ins or not outs:
-            continue
-        held = tuple(sorted(names))
-        for n in ins[1:] + outs[:-1]:
-            n.kwargs = {**n.kwargs, "held": held}
-
-
-def step_on_device(graph: torch.fx.Graph, packs) -> None:
-    """The ``packs``' optimizer steps run on the device (their state is resident: nothing streams)."""
-    for n in _calls(graph):
-        if n.target is ops.step and n.args[0] in packs:
-            n.kwargs = {**n.kwargs, "where": "device", "overlap": False}
-
-
-def _build(base: torch.fx.Graph, resident: set, stashed: set, groups: dict, kept: frozenset = frozenset(),
-           held: frozenset = frozenset(), device: frozenset = frozenset(), parts: frozenset = frozenset()):
-    """The swapped schedule: ``resident`` state left in place, the ``stashed`` groups sent to the host,
-    the ``kept`` packs' graphs held for their backward, the ``held`` packs' weights (and the ``parts``,
-    single weights) held between visits, the ``device`` packs (host-stepped in ``base``) stepped on the device."""
-    g = _copy(base)
-    keep_graphs(g, kept)
-    step_on_device(g, device)
-    for pack, kind in resident:
-        _drop_swaps(g, pack, (kind,))
-    hold_between_visits(g, held, parts)
-    mark_streams(g, resident)
-    by_name = {n.name: n for n in g.nodes}
-    order = {n: i for i, n in enumerate(g.nodes)}
-    for key in stashed:
-        if key[0] == "forward" and key[1] in kept:
-            continue      # a kept forward's outputs carry its graph: they stay on the device
-        for name in groups[key]:
-            stash_value(g, by_name[name], order)
-    return g
 
 
 def graph_candidates(program: Program) -> list[tuple]:
@@ -354,7 +173,7 @@ def run(program: Program, ctx) -> PassResult:
         base = program.schedule
 
         def fits_all(c: Choice):     # only graphs are candidates here
-            program.schedule = _build(base, c.resident, c.stashed, {}, c.kept)
+            program.schedule = build(base, c.resident, c.stashed, {}, c.kept)
             return memory_curve(program, check_residency=False)
         chosen, rows = _greedy(graphs, Choice(plan.resident, set()), fits_all, budget)
         fits_all(chosen)
@@ -375,7 +194,7 @@ def run(program: Program, ctx) -> PassResult:
     sizes = state_sizes(program)
 
     def fits(c: Choice):
-        program.schedule = _build(base, c.resident, c.stashed, groups, c.kept, c.held, c.device, c.parts)
+        program.schedule = build(base, c.resident, c.stashed, groups, c.kept, c.held, c.device, c.parts)
         plan.resident = c.resident
         plan.held = set(c.held)
         plan.params_held = {n: sizes[("params", n)] for _, n in c.parts}
@@ -383,7 +202,7 @@ def run(program: Program, ctx) -> PassResult:
         return memory_curve(program, check_residency=False)
 
     curve = fits(chosen)
-    inline = [n for n in _calls(base) if n.target is ops.step and n.kwargs.get("overlap")]
+    inline = [n for n in calls(base) if n.target is ops.step and n.kwargs.get("overlap")]
     if curve.peak > budget and inline:   # a disk step overlapping the next backward holds its gradients that long
         for n in inline:
             n.kwargs = {**n.kwargs, "overlap": False}
@@ -439,7 +258,7 @@ def run(program: Program, ctx) -> PassResult:
     for p in chosen.device:
         plan.step_on[p] = plan.optim_on[p] = "device"
     counts = {}
-    for n in _calls(program.schedule):
+    for n in calls(program.schedule):
         counts[n.target.__name__] = counts.get(n.target.__name__, 0) + 1
     report.rows = rows
     report.totals = dict(swap_ins=counts.get("swap_in", 0), releases=counts.get("release", 0),
@@ -609,13 +428,3 @@ def keep_step_parts(program: Program, chosen: Choice, fits, room: int, sizes: di
             rows.append(dict(kept=f"all state (device step, {len(mine)}/{len(spec.stepped)} params)", pack=spec.index,
                              MiB=sum(sizes[("optim", n)] for n in mine) / 2**20, saves_per_byte=1))
     return chosen, rows
-
-
-def _copy(graph: torch.fx.Graph) -> torch.fx.Graph:
-    g = torch.fx.Graph()
-    env = {}
-    for n in graph.nodes:
-        env[n] = g.node_copy(n, lambda x: env[x])
-        env[n].name = n.name
-        env[n].meta = dict(n.meta)
-    return g

@@ -133,7 +133,7 @@ def test_single_weights_held_between_visits_fill_the_room_whole_packs_leave(poli
     swap_in brings them, its other swap_ins and releases but the last leave them (``held=``); each byte
     held is a byte not brought in again per visit, predicted and measured, and training stays bitwise."""
     from harmony.compiler.verify import memory_curve
-    from harmony.passes.swap import _copy
+    from harmony.compiler.ir import copy_graph
     model, data = CASES["gpt"](layers=6)
     budget = int(training_state_bytes(model) * 0.25)
     sm = harmony.compile(copy.deepcopy(model), example_batch=data[0], microbatches=4, policy=policy,
@@ -153,7 +153,7 @@ def test_single_weights_held_between_visits_fill_the_room_whole_packs_leave(poli
         saved += (len(ins) - 1) * sum(held[n] for n in mine)
     program = sm.program
     moved = memory_curve(program, check_residency=False).moved
-    whole = _copy(sm.graph)          # the same schedule moving every weight at every visit
+    whole = copy_graph(sm.graph)          # the same schedule moving every weight at every visit
     for x in whole.nodes:
         if x.op == "call_function" and "held" in x.kwargs:
             x.kwargs = {k: v for k, v in x.kwargs.items() if k != "held"}

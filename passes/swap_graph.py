@@ -1,0 +1,193 @@
+"""The schedule-graph edits the swap pass is made of: swap ops around each visit of a pack, stashes of
+activations, graphs kept for the backward, weights held between visits, steps moved to the device,
+and ``build``, which applies a whole choice of them to a copy of the unswapped schedule.
+
+Each function edits the graph it is given in place (``build`` copies first); ``passes/swap.py``
+decides what to keep, these say how the schedule then reads.
+"""
+from __future__ import annotations
+
+import torch.fx
+
+from harmony.compiler.ir import calls, copy_graph
+from harmony.compiler.meta import SCHEDULE
+from harmony.runtime import ops
+
+NEEDS = {"forward": ("params",), "backward": ("params", "grads"), "step": ("params", "grads", "optim"),
+         "allreduce": ("grads",)}
+
+
+def _visits(graph):
+    """Runs of consecutive compute ops on the same pack: (pack, first node, last node, kinds needed)."""
+    out, cur = [], None
+    for n in calls(graph):
+        name = n.target.__name__
+        if name not in NEEDS or n.kwargs.get("where") in ("host", "disk"):   # a host step needs nothing on the device
+            continue
+        p = n.args[0]
+        if cur and cur[0] == p:
+            cur[2] = n
+            cur[3].update(NEEDS[name])
+        else:
+            cur = [p, n, n, set(NEEDS[name])]
+            out.append(cur)
+    return out
+
+
+def insert_swaps(graph: torch.fx.Graph, resident: set) -> None:
+    """Swap ops around each visit; a step whose optimizer state is not resident streams it in and out."""
+    for p, first, last, kinds in _visits(graph):
+        for kind in ("params", "grads"):
+            if kind not in kinds or (p, kind) in resident:
+                continue
+            with graph.inserting_before(first):
+                h = graph.call_function(ops.swap_in, (p, kind))
+                h.name = graph._graph_namespace.create_name(f"{kind}{p}", h)
+                w = graph.call_function(ops.wait, (h,))
+            with graph.inserting_after(last):
+                r = graph.call_function(ops.release, (p, kind))
+            for x in (h, w, r):
+                x.meta[SCHEDULE] = {"pack": p, "kind": kind}
+    mark_streams(graph, resident)
+
+
+def mark_streams(graph: torch.fx.Graph, resident: set) -> None:
+    last_release: dict = {}
+    for n in calls(graph):     # a disk step right after its pack's releases takes gradients and weights from the device
+        if n.target is ops.release and n.args[1] in ("grads", "params"):
+            last_release.setdefault(n.args[0], []).append(n)
+        elif n.target in (ops.forward, ops.backward):    # compute in between: they go to the host as usual
+            last_release.clear()
+        elif n.target is ops.step and n.kwargs.get("where") == "disk" and n.args[0] in last_release:
+            for r in last_release.pop(n.args[0]):
+                r.kwargs = {**r.kwargs, "handoff": True}
+    for n in calls(graph):
+        if n.target is ops.step and n.kwargs.get("where") not in ("host", "disk"):
+            n.kwargs = {**n.kwargs, "stream": (n.args[0], "optim") not in resident}
+
+
+def stash_value(graph: torch.fx.Graph, value: torch.fx.Node, order: dict | None = None) -> bool:
+    """Send ``value`` to the host and bring it back before its later uses.
+
+    A value used twice (a pack's input: its forward now, its recompute later) stays for
+    its first use and is stashed after it; a value used once is stashed at once.
+    ``order``: each node's position in the schedule, where the caller stashes many values.
+    """
+    if order is None:
+        order = {n: i for i, n in enumerate(graph.nodes)}
+    users = sorted((u for u in value.users if u.op == "call_function"), key=lambda u: order.get(u, len(order)))
+    if not users:
+        return False
+    keep = users[:1] if len(users) >= 2 else []
+    with graph.inserting_after(keep[0] if keep else value):
+        s = graph.call_function(ops.stash, (value,))
+    s.meta[SCHEDULE] = {"pack": None}
+    for u in users[len(keep):]:
+        with graph.inserting_before(u):
+            un = graph.call_function(ops.unstash, (s,))
+        un.meta[SCHEDULE] = {"pack": None}
+        u.replace_input_with(value, un)
+    return True
+
+
+def stash_groups(graph: torch.fx.Graph) -> dict:
+    """Activation handles that could go to the host, grouped by (op, pack) over all microbatches.
+
+    Pack outputs (``forward``, unless the pack's backward reuses its graph at once) and
+    gradients of pack inputs (``backward``) that a later op reads.
+    """
+    groups: dict = {}
+    for n in calls(graph):
+        if n.target in (ops.forward, ops.backward) and not n.kwargs.get("keep") and n.users:
+            groups.setdefault((n.target.__name__, n.args[0]), []).append(n.name)
+    return groups
+
+
+def _drop_swaps(graph: torch.fx.Graph, pack: int, kinds) -> None:
+    for n in list(calls(graph)):
+        if n.target in (ops.swap_in, ops.release) and n.args[0] == pack and n.args[1] in kinds:
+            if n.target is ops.swap_in:
+                for w in list(n.users):
+                    graph.erase_node(w)
+            graph.erase_node(n)
+
+
+def keep_graphs(graph: torch.fx.Graph, packs) -> None:
+    """Packs that keep their forward's graph: each backward takes it instead of recomputing from inputs."""
+    if not packs:
+        return
+    fwd = {}
+    for n in calls(graph):
+        if n.target is ops.forward and n.args[0] in packs:
+            n.kwargs = {**n.kwargs, "keep": True}
+            fwd[(n.args[0], n.args[1])] = n
+        elif n.target is ops.backward and n.args[0] in packs and n.kwargs.get("saved") is None:
+            n.args = n.args[:2]
+            n.kwargs = {**n.kwargs, "saved": fwd[(n.args[0], n.args[1])]}
+    for n in calls(graph):       # the batch a recompute would have loaded
+        if n.target is ops.load_batch and not n.users:
+            graph.erase_node(n)
+
+
+def param_swaps(graph: torch.fx.Graph) -> dict[int, tuple[list, list]]:
+    """pack -> (its parameters' ``swap_in`` nodes, their ``release`` nodes), in schedule order: one scan."""
+    out: dict = {}
+    for n in calls(graph):
+        if n.target in (ops.swap_in, ops.release) and n.args[1] == "params":
+            out.setdefault(n.args[0], ([], []))[n.target is ops.release].append(n)
+    return out
+
+
+def hold_between_visits(graph: torch.fx.Graph, packs, parts=frozenset()) -> None:
+    """The ``packs``' weights stay on the device from their first visit of the iteration to their last:
+    every ``swap_in`` of their parameters but the first goes, and every ``release`` but the last.
+    ``parts`` ((pack, param) pairs) does the same for single weights: the pack's ``swap_in`` but the first
+    and ``release`` but the last leave them where they are (``held=``) and move the rest."""
+    swaps = param_swaps(graph) if packs or parts else {}
+    for pack in packs:
+        ins, outs = swaps.get(pack, ([], []))
+        for n in ins[1:]:
+            for w in list(n.users):
+                graph.erase_node(w)
+            graph.erase_node(n)
+        for n in outs[:-1]:
+            graph.erase_node(n)
+    by_pack: dict = {}
+    for pack, name in parts:
+        by_pack.setdefault(pack, set()).add(name)
+    for pack, names in by_pack.items():
+        ins, outs = swaps.get(pack, ([], []))
+        if not ins or not outs:
+            continue
+        held = tuple(sorted(names))
+        for n in ins[1:] + outs[:-1]:
+            n.kwargs = {**n.kwargs, "held": held}
+
+
+def step_on_device(graph: torch.fx.Graph, packs) -> None:
+    """The ``packs``' optimizer steps run on the device (their state is resident: nothing streams)."""
+    for n in calls(graph):
+        if n.target is ops.step and n.args[0] in packs:
+            n.kwargs = {**n.kwargs, "where": "device", "overlap": False}
+
+
+def build(base: torch.fx.Graph, resident: set, stashed: set, groups: dict, kept: frozenset = frozenset(),
+           held: frozenset = frozenset(), device: frozenset = frozenset(), parts: frozenset = frozenset()):
+    """The swapped schedule: ``resident`` state left in place, the ``stashed`` groups sent to the host,
+    the ``kept`` packs' graphs held for their backward, the ``held`` packs' weights (and the ``parts``,
+    single weights) held between visits, the ``device`` packs (host-stepped in ``base``) stepped on the device."""
+    g = copy_graph(base)
+    keep_graphs(g, kept)
+    step_on_device(g, device)
+    for pack, kind in resident:
+        _drop_swaps(g, pack, (kind,))
+    hold_between_visits(g, held, parts)
+    mark_streams(g, resident)
+    by_name = {n.name: n for n in g.nodes}
+    order = {n: i for i, n in enumerate(g.nodes)}
+    for key in stashed:
+        if key[0] == "forward" and key[1] in kept:
+            continue      # a kept forward's outputs carry its graph: they stay on the device
+        for name in groups[key]:
+            stash_value(g, by_name[name], order)
+    return g
