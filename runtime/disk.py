@@ -373,9 +373,18 @@ class DiskStore:
                 dst.copy_(src)
             rng = self._range(staged)
         buf, total = rng
+        return self.write_parts(pack, [(buf, 0)], total)
+
+    def write_parts(self, pack: int, parts, total: int) -> Future:
+        """Write pack ``pack``'s file of ``total`` bytes from several buffers: ``parts`` [(uint8 buffer, file offset)].
+
+        Each buffer is 4 KiB-aligned (``buffers.take``) and starts at a 4 KiB file offset; together
+        they cover [0, total) once. The caller must not change them until the future resolves.
+        """
+        parts = [(b, at) for b, at in parts if b.numel()]
         with self._lock:
             self.counters["write_issued"] += total
-        fut = self.pool.submit(self._write_job, pack, [buf], total)   # the job drops the buffer when done
+        fut = self.pool.submit(self._write_job, pack, parts, total)   # the job drops the buffers when done
         with self._lock:
             self._writes[pack] = fut
         fut.add_done_callback(lambda f, pack=pack: self._forget(pack, f))
@@ -418,6 +427,19 @@ class DiskStore:
             before = self._writes.get(pack)
         return self._after(before, job)
 
+    def read_at(self, pack: int, buf: torch.Tensor, offset: int) -> Future:
+        """Read bytes [offset, offset + len(buf)) of pack ``pack``'s file into ``buf``, after any write of it.
+
+        ``buf``: a 4 KiB-aligned uint8 buffer (``buffers.take``), ``offset`` a multiple of 4 KiB:
+        the tail of a file (a group's optimizer state) without the bytes before it.
+        """
+        if offset % ALIGN or buf.data_ptr() % ALIGN:
+            raise ValueError(f"read_at needs a 4 KiB-aligned offset and buffer (offset {offset})")
+        with self._lock:
+            self.counters["read_issued"] += buf.numel()
+            before = self._writes.get(pack)
+        return self._after(before, lambda: self._read_job(pack, buf, offset + buf.numel(), offset, base=offset))
+
     def _after(self, dep: Future | None, job) -> Future:
         """``job`` on the pool once ``dep`` is done (without occupying a worker while it waits)."""
         if dep is None or dep.done():
@@ -436,10 +458,11 @@ class DiskStore:
         dep.add_done_callback(go)
         return out
 
-    def _write_job(self, pack: int, holder: list, total: int) -> None:
+    def _write_job(self, pack: int, parts: list, total: int) -> None:
         path = self.file(pack)
         direct = self.direct
-        mv = memoryview(holder.pop().numpy())
+        views = [(memoryview(b.numpy()), at) for b, at in parts]
+        parts.clear()                  # the job holds the buffers now: they go when it is done
         t0 = time.perf_counter()
         try:
             # overwrite in place, never O_TRUNC: on this project's disk (ext4 mounted with discard) 1 GiB
@@ -447,12 +470,14 @@ class DiskStore:
             # file truncated first at 0.6-1.2 (the blocks freed, discarded and allocated again)
             fd = _open(path, os.O_WRONLY | os.O_CREAT | (O_DIRECT if direct else 0), 0o600)
             try:
-                at = 0
-                while at < total:
-                    n = _pwrite(fd, mv[at:min(at + CHUNK, total)], at)
-                    if n <= 0:
-                        raise OSError(errno.EIO, "short write", str(path))
-                    at += n
+                for mv, base in views:
+                    end = min(base + len(mv), total)
+                    at = base
+                    while at < end:
+                        n = _pwrite(fd, mv[at - base:min(at + CHUNK, end) - base], at)
+                        if n <= 0:
+                            raise OSError(errno.EIO, "short write", str(path))
+                        at += n
                 if os.fstat(fd).st_size > total:       # a shorter layout than before (weights without state)
                     os.ftruncate(fd, total)
                 if not direct:
@@ -467,10 +492,13 @@ class DiskStore:
                 pass
             raise OffloadError(_explain(e, f"write the optimizer state of pack {pack} to {path}", path, total)) from e
         finally:
-            mv.release()
+            for mv, _ in views:
+                mv.release()
+            views.clear()
         self._count("write", total, time.perf_counter() - t0, direct)
 
-    def _read_job(self, pack: int, buf: torch.Tensor, total: int, start: int = 0) -> None:
+    def _read_job(self, pack: int, buf: torch.Tensor, total: int, start: int = 0, base: int = 0) -> None:
+        """Read file bytes [start, total) into ``buf``, whose byte 0 is the file's byte ``base``."""
         if start >= total:
             return
         path = self.file(pack)
@@ -481,9 +509,9 @@ class DiskStore:
             fd = _open(path, os.O_RDONLY | (O_DIRECT if direct else 0))
             try:
                 first, *rest = _spans(start, total, self.read_depth)
-                futs = [self._spans.submit(_read_span, fd, mv, lo, hi, path) for lo, hi in rest]
+                futs = [self._spans.submit(_read_span, fd, mv, lo, hi, path, base) for lo, hi in rest]
                 try:
-                    _read_span(fd, mv, *first, path)
+                    _read_span(fd, mv, *first, path, base)
                 finally:
                     wait_all(futs)              # the fd and the buffer stay until every range is in
                 for f in futs:
@@ -548,10 +576,10 @@ class DiskStore:
         return f"DiskStore({str(self.path)!r}, direct={self.direct})"
 
 
-def _read_span(fd: int, mv: memoryview, lo: int, hi: int, path) -> None:
+def _read_span(fd: int, mv: memoryview, lo: int, hi: int, path, base: int = 0) -> None:
     at = lo
     while at < hi:
-        n = _preadv(fd, [mv[at:min(at + CHUNK, hi)]], at)
+        n = _preadv(fd, [mv[at - base:min(at + CHUNK, hi) - base]], at)
         if n <= 0:
             raise OSError(errno.EIO, f"the file ends at byte {at}, short of {hi}", str(path))
         at += n

@@ -70,6 +70,11 @@ class MemoryMeter:
                 f"device's memory; compile with a smaller memory_budget to leave headroom, and "
                 f"report the model so the cost model can be fixed.")
 
+    def forget(self, tensor: torch.Tensor) -> None:
+        """Stop counting ``tensor``'s storage on this device: it lives on as host memory (on the CPU device,
+        a copy the disk tier stepped in place and is writing to its file)."""
+        self._release(id(tensor.untyped_storage()))
+
     def holds(self, tensor: torch.Tensor) -> bool:
         return id(tensor.untyped_storage()) in self._sizes
 

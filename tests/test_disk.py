@@ -394,6 +394,39 @@ def test_a_rewrite_overwrites_the_file_in_place_and_a_shorter_layout_shrinks_it(
 
 
 @pytest.mark.parametrize("direct", [None, False])
+def test_a_file_written_from_two_buffers_reads_back_whole_and_its_tail_alone(tmp_path, monkeypatch, direct):
+    """``write_parts``: a file from a head buffer and a tail buffer that starts at a 4 KiB offset (the disk
+    step writes a group's weights from the device's copy and its state from its own buffer); ``read_at``
+    reads the tail alone into a buffer that starts there. Chunks smaller than the parts: every part is
+    written in pieces at its own offsets."""
+    monkeypatch.setattr(disk, "CHUNK", 8 << 10)
+    specs = [((3000,), torch.float32), ((5000,), torch.float32), ((700,), torch.float64)]
+    offsets, total = disk.layout(specs)
+    at = offsets[1] // disk.ALIGN * disk.ALIGN
+    assert 0 < at < offsets[1]            # the state's first page also holds the weights' last bytes
+    with DiskStore(tmp_path, direct=direct) as store:
+        whole = store.empty(specs)
+        for v in whole:
+            v.copy_(torch.randn(v.shape, dtype=v.dtype))
+        head = store.buffers.take(offsets[1])
+        tail = store.buffers.take(total - at)
+        src, _ = store._range(whole)
+        head[:offsets[1]].copy_(src[:offsets[1]])
+        tail.copy_(src[at:])
+        store.write_parts(0, [(head[:at], 0), (tail, at)], total).result()
+        assert store.file(0).stat().st_size == total
+        back = store.empty(specs)
+        store.read(0, into=back).result()
+        assert all(torch.equal(a, b) for a, b in zip(whole, back))
+        got = store.buffers.take(total - at)
+        store.read_at(0, got, at).result()
+        assert torch.equal(got, tail)
+        assert store.stats()["read_issued"] == total + (total - at)
+        with pytest.raises(ValueError, match="4 KiB-aligned"):
+            store.read_at(0, got, at + 8)
+
+
+@pytest.mark.parametrize("direct", [None, False])
 def test_a_read_runs_in_ranges_at_once_and_a_short_file_is_an_error(tmp_path, monkeypatch, direct):
     """A file of many chunks is read by READ_DEPTH concurrent preadv calls over whole chunks; a skip
     starts at its 4 KiB boundary; a file cut short raises OffloadError, not a half-filled buffer."""

@@ -109,6 +109,10 @@ def test_each_file_is_read_ahead_and_the_traffic_is_as_planned(runs):
         assert files + weights - last - slack <= s["disk_read_bytes"] <= files + weights + slack
     else:                                                 # sequential: the weights come in for every microbatch
         assert s["disk_read_bytes"] > files + 2 * weights
+    # on the CPU device a handed group's step updates the backward's copy of the weights where it is and
+    # writes the file from it and from the state's own buffer: no such group copies its weights (after
+    # the first step, which made the optimizer state)
+    assert s["disk_steps_in_place"] == sum(pd.group_pack[g] in pd.handed for g in pd.files) > 0
     offload = next(r for r in sm.program.reports if r.title.startswith("offload"))
     assert offload.totals["disk_weight_packs"] == len(sm.plan.packs)
     text = sm.report()
