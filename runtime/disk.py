@@ -93,11 +93,12 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-HUGE_FROM = 4 << 20
-try:     # free buffer bytes a store keeps for reuse (Buffers)
-    KEEP_FREE = int(os.environ.get("HARMONY_KEEP_FREE", "") or (256 << 20))
+HUGE_FROM = 4 << 20            # buffers from this size are aligned and advised for (2 MiB) huge pages
+HUGE = 2 << 20
+try:     # free buffer bytes a store keeps for reuse (Buffers); unset: what keeps the mapped bytes within the peak in use
+    KEEP_FREE = int(os.environ["HARMONY_KEEP_FREE"]) if os.environ.get("HARMONY_KEEP_FREE", "").strip() else None
 except ValueError:
-    raise ValueError("HARMONY_KEEP_FREE must be a whole number of bytes") from None
+    raise ValueError("HARMONY_KEEP_FREE must be a whole number of bytes (or unset)") from None
 
 
 class Buffers:
@@ -110,49 +111,82 @@ class Buffers:
     backward needs. So ``take`` hands out a view of an anonymous ``mmap`` (4 KiB-aligned;
     2 MiB-aligned and advised for huge pages from 4 MiB), and when the last tensor using it
     is gone the mapping goes back to a free list of its size, for the next ``take`` of that
-    size, as long as the free list stays within ``keep`` bytes (``HARMONY_KEEP_FREE``, default
-    256 MiB: a pack's weights for the device and a step file or two); beyond it a freed buffer
-    is unmapped, so a burst (the setup writing every file) does not stay resident. That memory
-    is outside the offload pass's host plan: in the offload benchmark it raised peak RSS from
-    2.69 to 2.92 GiB (budget + 1 GiB = 3). ``held`` (``DiskStore.stats()['buffer_pool_bytes']``)
-    is what is mapped, in use or free; ``clear`` unmaps the free ones (``DiskStore.close`` does).
+    size.
+
+    How much stays mapped: by default (``keep=None``) the buffers in use and free together
+    never exceed the most bytes ever in use at once (``high``): a freed buffer is kept while
+    that holds, and a ``take`` that must map anew first unmaps free buffers of other sizes
+    until it holds. So the pool's memory is at most what the tier needed at its busiest
+    moment -- a burst of many buffers alive at once (the setup writes one file at a time)
+    is the only way to raise it. A buffer from 4 MiB holds whole 2 MiB pages and a take may get
+    a free one up to an eighth larger, so near sizes share. Offload benchmark's model
+    (its 600M-parameter GPT under 2 GiB): buffers mapped anew per step (``fresh``) 8.4 GB
+    with exact sizes and at most 256 MiB kept free, 2.5-4.0 GB with 2 MiB pages and near
+    sizes, 1.7-2.6 GB with this limit; peak RSS 2.91, 2.81 and 2.72 GiB. ``keep=N``
+    (``HARMONY_KEEP_FREE``) instead keeps at most N free bytes.
+    ``held`` (``DiskStore.stats()['buffer_pool_bytes']``) is what is mapped, in use or free;
+    ``clear`` unmaps the free ones (``DiskStore.close`` does).
     """
 
-    def __init__(self, keep: int = 0):
-        self.keep = keep                    # free bytes kept for reuse at most; a buffer beyond is unmapped
+    def __init__(self, keep: int | None = None):
+        self.keep = keep                    # free bytes kept at most; None: within the peak in use (above)
         self.free_bytes = 0
         self._free: dict[int, list[tuple[mmap.mmap, int]]] = {}
         self._lock = threading.RLock()      # a finalizer may run in any thread, also one holding it
         self.held = 0                       # bytes mapped, in use or free
         self.in_use = self.peak = 0         # bytes of the buffers taken and alive now, and their peak
+        self.high = 0                       # the most bytes ever in use at once (peak is reset per step)
         self.reuses = 0
+        self.fresh = 0                      # bytes mapped anew (the kernel zeroes them at first touch)
         self.cleared = False
 
     def take(self, nbytes: int) -> torch.Tensor:
-        """A uint8 tensor of ``nbytes`` (rounded up to 4 KiB) at a 4 KiB-aligned address; contents undefined."""
-        size = _up(max(nbytes, 1))
+        """A uint8 tensor of ``nbytes`` (rounded up to 4 KiB) at a 4 KiB-aligned address; contents undefined.
+
+        Its buffer holds whole 2 MiB pages from ``HUGE_FROM`` on (what huge pages take anyway), and may be
+        a free one up to an eighth larger: a step's files differ a little in size.
+        """
+        length = _up(max(nbytes, 1))
+        want = _up(length, HUGE) if length >= HUGE_FROM else length
+        drop = []
         with self._lock:
-            free = self._free.get(size)
-            got = free.pop() if free else None
+            fits = [k for k in self._free if want <= k <= want + want // 8]
+            size = min(fits) if fits else want
+            got = self._free[size].pop() if fits else None
             if got is not None:
+                if not self._free[size]:
+                    del self._free[size]
                 self.reuses += 1
-                self.free_bytes -= len(got[0])
+                self.free_bytes -= size
             self.in_use += size
             self.peak = max(self.peak, self.in_use)
+            self.high = max(self.high, self.in_use)
+            if got is None:
+                self.fresh += size
+                while self.keep is None and self.free_bytes and self.in_use + self.free_bytes > self.high:
+                    other = max(self._free, key=lambda k: len(self._free[k]) * k)    # the most free bytes
+                    mm, _ = self._free[other].pop()
+                    if not self._free[other]:
+                        del self._free[other]
+                    self.free_bytes -= other
+                    self.held -= len(mm)
+                    drop.append(mm)
+        for mm in drop:
+            _unmap(mm)
         if got is None:
             got = self._map(size)
         mm, start = got
         whole = torch.frombuffer(mm, dtype=torch.uint8)
         weakref.finalize(whole.untyped_storage(), self._give_back, size, mm, start)
-        return whole[start:start + size]
+        return whole[start:start + length]
 
     def _map(self, size: int) -> tuple[mmap.mmap, int]:
         huge = size >= HUGE_FROM
-        pad = (2 << 20) if huge else 0
+        pad = HUGE if huge else 0
         # private: a shared anonymous map is shmem, which takes no transparent huge pages
         mm = mmap.mmap(-1, size + pad, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         probe = torch.frombuffer(mm, dtype=torch.uint8)
-        start = (-probe.data_ptr()) % (2 << 20) if huge else 0
+        start = (-probe.data_ptr()) % HUGE if huge else 0
         del probe
         if huge and hasattr(mmap, "MADV_HUGEPAGE"):
             try:
@@ -171,29 +205,31 @@ class Buffers:
     def _give_back(self, size: int, mm: mmap.mmap, start: int) -> None:
         with self._lock:
             self.in_use -= size
-            if not self.cleared and self.free_bytes + len(mm) <= self.keep:
+            room = self.keep if self.keep is not None else self.high - self.in_use
+            if not self.cleared and self.free_bytes + size <= room:
                 self._free.setdefault(size, []).append((mm, start))
-                self.free_bytes += len(mm)
+                self.free_bytes += size
                 return
             self.held -= len(mm)
-        try:
-            mm.close()      # the last tensor on it is gone: nothing should export it now
-        except BufferError:
-            pass            # something still does: the map goes when the last reference does
+        _unmap(mm)
 
     def clear(self) -> None:
         """Unmap the free buffers; those in use are unmapped when their last tensor is gone."""
         with self._lock:
             self.cleared = True
             free, self._free = self._free, {}
-            self.held -= self.free_bytes
+            self.held -= sum(len(mm) for lst in free.values() for mm, _ in lst)
             self.free_bytes = 0
         for lst in free.values():
             for mm, _ in lst:
-                try:
-                    mm.close()
-                except BufferError:         # a tensor still exports it: it goes with the last one
-                    pass
+                _unmap(mm)
+
+
+def _unmap(mm: mmap.mmap) -> None:
+    try:
+        mm.close()          # the last tensor on it is gone: nothing should export it now
+    except BufferError:     # something still does: the map goes when the last reference does
+        pass
 
 
 def layout(specs) -> tuple[list[int], int]:
@@ -555,6 +591,7 @@ class DiskStore:
         c["direct"] = self.direct
         c["buffer_bytes"], c["buffer_peak"] = self.buffers.in_use, self.buffers.peak
         c["buffer_pool_bytes"], c["buffer_reuses"] = self.buffers.held, self.buffers.reuses
+        c["buffer_fresh_bytes"] = self.buffers.fresh
         return c
 
     # -- lifetime ---------------------------------------------------------------------------
@@ -635,13 +672,14 @@ def step_stats(tier, **extra) -> dict:
     now = dict(tier.store.stats(), **{k: getattr(tier, a) for k, a in counters.items()})
     last, tier._last = tier._last, now
     d = {k: now[k] - last.get(k, 0) for k in ("read_bytes", "read_seconds", "write_bytes", "write_seconds",
-                                               "read_issued", "write_issued", *counters)}
+                                               "read_issued", "write_issued", "buffer_fresh_bytes", *counters)}
     tier.store.buffers.reset_peak()       # the next step's peak starts from what is alive now
     return dict(disk_read_bytes=d["read_issued"], disk_write_bytes=d["write_issued"],
                 disk_read_done=d["read_bytes"], disk_read_seconds=d["read_seconds"],
                 disk_write_done=d["write_bytes"], disk_write_seconds=d["write_seconds"],
                 disk_wait_seconds=d["wait_seconds"], disk_reads_not_ahead=d["on_demand"],
-                disk_buffer_peak_bytes=now["buffer_peak"], disk_io=tier.store.why, offload_dir=str(tier.store.path),
+                disk_buffer_peak_bytes=now["buffer_peak"], disk_buffer_fresh_bytes=d["buffer_fresh_bytes"],
+                disk_io=tier.store.why, offload_dir=str(tier.store.path),
                 **{k: d[a] for k, a in extra.items()})
 
 

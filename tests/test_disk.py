@@ -324,7 +324,7 @@ def test_buffers_are_reused_once_their_last_view_is_gone_and_unmapped_at_close(t
     included, is alive; reads into a reused buffer see the file, not what was there; close unmaps them."""
     import gc
     assert disk.Buffers(keep=0).take(5 << 20) is not None          # keeps nothing: a freed buffer is unmapped
-    pool = disk.Buffers(keep=32 << 20)
+    pool = disk.Buffers(keep=26 << 20)
     a = pool.take(5 << 20)
     assert a.data_ptr() % (2 << 20) == 0 and a.numel() == 5 << 20          # huge-page aligned from 4 MiB
     p = torch.nn.Parameter(torch.empty(1))
@@ -336,14 +336,15 @@ def test_buffers_are_reused_once_their_last_view_is_gone_and_unmapped_at_close(t
     del p
     gc.collect()
     c = pool.take(5 << 20)
-    assert pool.reuses == 1 and pool.held == 2 * ((5 << 20) + (2 << 20))
+    # whole 2 MiB pages (5 -> 6 MiB), mapped with 2 MiB more to align them
+    assert pool.reuses == 1 and pool.held == 2 * (8 << 20)
     del b, c
     gc.collect()
-    assert pool.free_bytes == pool.held == 2 * ((5 << 20) + (2 << 20))
+    assert pool.free_bytes == 2 * (6 << 20) and pool.held == 2 * (8 << 20)
     five = [pool.take(5 << 20) for _ in range(5)]      # 5 in use at once, then freed: only what fits ``keep`` stays
     del five
     gc.collect()
-    assert pool.free_bytes == pool.held == 4 * ((5 << 20) + (2 << 20))
+    assert pool.free_bytes == 4 * (6 << 20) and pool.held == 4 * (8 << 20)
     with DiskStore(tmp_path) as store:
         specs = [((1000, 100), torch.float32)]
         for step in range(3):
@@ -361,6 +362,43 @@ def test_buffers_are_reused_once_their_last_view_is_gone_and_unmapped_at_close(t
         assert st["buffer_reuses"] >= 4 and st["buffer_pool_bytes"] <= 2 * disk.layout(specs)[1]
         assert st["buffer_bytes"] == 0
     assert store.buffers.held == 0
+
+
+def test_by_default_the_pool_keeps_what_was_once_in_use_and_no_more():
+    """keep=None (the stores' default): freed buffers stay while the bytes in use and free together are within
+    the most ever in use at once, so a step that asks for the same sizes again maps nothing anew; a size not
+    seen before first unmaps free buffers of other sizes."""
+    import gc
+    MiB = 1 << 20
+    pool = disk.Buffers()
+
+    def within():
+        return pool.in_use + pool.free_bytes <= pool.high
+    three = [pool.take(8 * MiB) for _ in range(3)]
+    del three
+    gc.collect()
+    assert pool.high == pool.free_bytes == pool.fresh == 24 * MiB and within()
+    again = [pool.take(8 * MiB) for _ in range(3)]          # the next step: all three reused
+    assert pool.reuses == 3 and pool.fresh == 24 * MiB and within()
+    del again
+    gc.collect()
+    other = pool.take(12 * MiB)                             # two free 8 MiB buffers unmapped to make room
+    assert pool.free_bytes == 8 * MiB and pool.fresh == 36 * MiB and within()
+    del other
+    gc.collect()
+    assert pool.free_bytes == 20 * MiB and within()
+    burst = [pool.take(8 * MiB) for _ in range(4)]          # more at once than ever before: the limit rises
+    assert pool.high == 32 * MiB and pool.free_bytes == 0 and within()
+    del burst
+    gc.collect()
+    assert pool.free_bytes == 32 * MiB and within()
+    reuses = pool.reuses
+    near = pool.take(7 * MiB + 5)                           # whole 2 MiB pages: an 8 MiB buffer serves it
+    assert pool.reuses == reuses + 1 and near.numel() == 7 * MiB + 4096
+    del near
+    gc.collect()
+    pool.clear()
+    assert pool.held == pool.free_bytes == 0
 
 
 @pytest.mark.parametrize("direct", [None, False])
