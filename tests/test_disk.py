@@ -18,6 +18,7 @@ import harmony.runtime.disk as disk
 from harmony.errors import BudgetError, OffloadError
 from harmony.models import GPT, GPTConfig, copy_task
 from harmony.runtime.disk import DiskStore
+from harmony.runtime.memory import MemoryMeter
 from models import assert_bitwise, params
 
 CFG = GPTConfig(layers=4, width=64, vocab=64, seq=16, tie=False)
@@ -395,6 +396,11 @@ def test_by_default_the_pool_keeps_what_was_once_in_use_and_no_more():
     reuses = pool.reuses
     near = pool.take(7 * MiB + 5)                           # whole 2 MiB pages: an 8 MiB buffer serves it
     assert pool.reuses == reuses + 1 and near.numel() == 7 * MiB + 4096
+    # the device's meter counts storages: a buffer's storage is the bytes taken, not the 8 MiB mapping (or
+    # its 2 MiB alignment pad), else the logical device overshoots the plan by what the pool happens to hold
+    meter = MemoryMeter("dev")
+    meter.track(near[4096:].view(torch.float32))
+    assert near.untyped_storage().nbytes() == meter.live == 7 * MiB + 4096
     del near
     gc.collect()
     pool.clear()
