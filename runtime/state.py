@@ -64,7 +64,15 @@ class TieredState:
         self.dirty: set[str] = set()      # params changed on the device since they came in
         self.moved = Counter()            # "h2d" / "d2h" -> bytes since the counter was cleared
         self.pin = device.type == "cuda"
-        self.host_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="harmony-host")
+        # On the CPU device the host thread shares the cores with the device's compute: its torch ops (the
+        # optimizer steps that overlap the next pack's backward) run on one intra-op thread. A second
+        # OpenMP team as wide as the machine stalls both teams at their barriers: in the offload
+        # benchmark's backward the cores were busy 1.59-1.64 of 2 with it, 1.69-1.70 without, and whole
+        # steps took 20.0-23.5 s against 18.4-20.2 (runs alternated; scratch util.py, MODE=one vs base).
+        one = device.type == "cpu" and torch.get_num_threads() > 1
+        self.host_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="harmony-host",
+                                            initializer=torch.set_num_threads if one else None,
+                                            initargs=(1,) if one else ())
         self.pending: dict[str, Future] = {}  # param name -> optimizer step running on the host
         self.disk = None                  # runtime.disk.DiskTier: optimizer state of the disk-placed packs
         self.params_disk = None           # runtime.diskparams.DiskParams: packs wholly on disk (weights too)

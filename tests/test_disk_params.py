@@ -223,6 +223,11 @@ def test_disk_steps_overlap_the_next_backward(runs):
     if sm.plan.policy == "harmony":   # a backward runs between one disk step and the next
         at = [i for i, o in enumerate(order) if o == "step"]
         assert all("backward" in order[a:b] for a, b in zip(at, at[1:]))
+    # on the CPU device the step's ops run on one intra-op thread, beside the compute's team, not a second
+    # team as wide as the machine; the caller's own thread count is left as it was
+    threads = torch.get_num_threads()
+    assert sm.runtime.state.host_pool.submit(torch.get_num_threads).result() == 1
+    assert torch.get_num_threads() == threads
 
 
 def test_disk_steps_run_inline_where_the_device_cannot_hold_the_gradients():
