@@ -142,6 +142,7 @@ class Buffers:
 
     def take(self, nbytes: int) -> torch.Tensor:
         """A uint8 tensor of ``nbytes`` (rounded up to 4 KiB) at a 4 KiB-aligned address; contents undefined.
+        Its storage is exactly those bytes (what a ``MemoryMeter`` counts), whatever buffer serves it.
 
         Its buffer holds whole 2 MiB pages from ``HUGE_FROM`` on (what huge pages take anyway), and may be
         a free one up to an eighth larger: a step's files differ a little in size.

@@ -68,7 +68,7 @@ class TieredState:
         # optimizer steps that overlap the next pack's backward) run on one intra-op thread. A second
         # OpenMP team as wide as the machine stalls both teams at their barriers: in the offload
         # benchmark's backward the cores were busy 1.59-1.64 of 2 with it, 1.69-1.70 without, and whole
-        # steps took 20.0-23.5 s against 18.4-20.2 (runs alternated; scratch util.py, MODE=one vs base).
+        # steps took 20.0-23.5 s against 18.4-20.2 (runs alternated, process CPU time sampled every 20 ms).
         one = device.type == "cpu" and torch.get_num_threads() > 1
         self.host_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="harmony-host",
                                             initializer=torch.set_num_threads if one else None,
