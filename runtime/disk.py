@@ -374,9 +374,7 @@ class DiskStore:
         freed; until then its bytes count in ``buffers.in_use`` and its peak.
         """
         offsets, total = layout(specs)
-        buf = self.buffers.take(total)
-        return [buf[o:o + _numel(shape) * _itemsize(dtype)].view(dtype).view(shape)
-                for (shape, dtype), o in zip(specs, offsets)]
+        return _views(self.buffers.take(total), specs, offsets)
 
     def file(self, pack: int) -> Path:
         return self.path / f"pack-{pack:03d}.bin"
@@ -435,37 +433,46 @@ class DiskStore:
             if self._writes.get(pack) is fut:
                 del self._writes[pack]
 
-    def read(self, pack: int, into, skip: int = 0) -> Future:
-        """Read pack ``pack``'s file into ``into`` (same shapes and dtypes as written), after any write of it.
-
-        ``skip``: the first ``into[:skip]`` tensors are not read (the caller fills them); the read
-        starts at the 4 KiB boundary at or before the next one, so only ``into`` made by ``empty``
-        (in file layout) can skip.
-        """
+    def read(self, pack: int, into) -> Future:
+        """Read pack ``pack``'s file into ``into`` (same shapes and dtypes as written), after any write of it."""
         into = list(into)
         rng = self._range(into)
         staged = None
         if rng is None:
-            if skip:
-                raise ValueError("a read that skips tensors needs them in file layout (DiskStore.empty)")
             staged = self.empty([(t.shape, t.dtype) for t in into])
             rng = self._range(staged)
         buf, total = rng
-        start = 0
-        if skip:
-            offsets, _ = layout([(t.shape, t.dtype) for t in into])
-            start = offsets[skip] // ALIGN * ALIGN if skip < len(into) else total
         with self._lock:
-            self.counters["read_issued"] += total - start
+            self.counters["read_issued"] += total
 
         def job():
-            self._read_job(pack, buf, total, start)
+            self._read_job(pack, buf, total)
             if staged is not None:
                 for dst, src in zip(into, staged):
                     dst.copy_(src)
         with self._lock:
             before = self._writes.get(pack)
         return self._after(before, job)
+
+    def read_tail(self, pack: int, specs, skip: int) -> tuple[Future, list, tuple]:
+        """Read the entries ``specs[skip:]`` of pack ``pack``'s file (laid out as ``specs``), not those before.
+
+        They go into a buffer of their own that starts at the 4 KiB page holding the first of them
+        (whose first bytes are the previous entry's last ones). Returns the read's future, a view per
+        entry (None for the first ``skip``), and (that buffer or None if nothing follows, the file
+        offset it starts at, the offset of entry ``skip``): what ``write_parts`` needs to write the
+        file again from the skipped entries' own buffer and this one.
+        """
+        offsets, total = layout(specs)
+        first = offsets[skip] if skip < len(specs) else total
+        at = first // ALIGN * ALIGN
+        if at == total:               # nothing after the skipped entries: nothing to read
+            done: Future = Future()
+            done.set_result(None)
+            return done, [None] * len(specs), (None, at, first)
+        buf = self.buffers.take(total - at)
+        views = [None] * skip + _views(buf, specs[skip:], offsets[skip:], base=at)
+        return self.read_at(pack, buf, at), views, (buf, at, first)
 
     def read_at(self, pack: int, buf: torch.Tensor, offset: int) -> Future:
         """Read bytes [offset, offset + len(buf)) of pack ``pack``'s file into ``buf``, after any write of it.
@@ -615,6 +622,12 @@ class DiskStore:
 
     def __repr__(self) -> str:
         return f"DiskStore({str(self.path)!r}, direct={self.direct})"
+
+
+def _views(buf: torch.Tensor, specs, offsets, base: int = 0) -> list[torch.Tensor]:
+    """Tensors of ``specs`` [(shape, dtype)] at file ``offsets`` in ``buf``, whose byte 0 is the file's byte ``base``."""
+    return [buf[o - base:o - base + _numel(shape) * _itemsize(dtype)].view(dtype).view(shape)
+            for (shape, dtype), o in zip(specs, offsets)]
 
 
 def _read_span(fd: int, mv: memoryview, lo: int, hi: int, path, base: int = 0) -> None:

@@ -382,20 +382,10 @@ class DiskParams:
             views = self.store.empty(specs)
             self._reads[gid] = (self.store.read(gid, into=views), views)
             return
-        from harmony.runtime.disk import ALIGN, _itemsize, _numel, layout
-        offsets, total = layout(specs)
-        at = offsets[skip] // ALIGN * ALIGN if skip < len(lay) else total
-        tail = self.store.buffers.take(total - at) if at < total else None
-        views = [placeholder(torch.empty(s, dtype=d, device="meta")) if k == PARAM
-                 else tail[o - at:o - at + _numel(s) * _itemsize(d)].view(d).view(s)
-                 for (_, k, s, d), o in zip(lay, offsets)]
-        self._tails[gid] = (tail, at, offsets[skip] if skip < len(lay) else total)
-        if tail is None:            # no optimizer state yet (before the first step): nothing to read
-            done: Future = Future()
-            done.set_result(None)
-            self._reads[gid] = (done, views)
-        else:
-            self._reads[gid] = (self.store.read_at(gid, tail, at), views)
+        fut, views, self._tails[gid] = self.store.read_tail(gid, specs, skip)
+        views = [placeholder(torch.empty(s, dtype=d, device="meta")) if v is None else v
+                 for v, (s, d) in zip(views, specs)]
+        self._reads[gid] = (fut, views)
 
     def _take(self, gid: int) -> list[torch.Tensor]:
         from harmony.runtime.disk import take

@@ -472,7 +472,7 @@ def test_a_file_written_from_two_buffers_reads_back_whole_and_its_tail_alone(tmp
 
 @pytest.mark.parametrize("direct", [None, False])
 def test_a_read_runs_in_ranges_at_once_and_a_short_file_is_an_error(tmp_path, monkeypatch, direct):
-    """A file of many chunks is read by READ_DEPTH concurrent preadv calls over whole chunks; a skip
+    """A file of many chunks is read by READ_DEPTH concurrent preadv calls over whole chunks; read_tail
     starts at its 4 KiB boundary; a file cut short raises OffloadError, not a half-filled buffer."""
     monkeypatch.setattr(disk, "CHUNK", 64 << 10)
     assert disk._spans(0, 10 * (64 << 10) + 5, 4) == [(0, 3 << 16), (3 << 16, 6 << 16), (6 << 16, 9 << 16),
@@ -505,9 +505,15 @@ def test_a_read_runs_in_ranges_at_once_and_a_short_file_is_an_error(tmp_path, mo
         assert all(torch.equal(a, b) for a, b in zip(views, back))
         assert flight[1] == min(store.read_depth, 19) > 1          # 1.2 MB: 19 chunks, in up to 4 ranges at once
         assert sorted(seen) == list(range(0, store.file(0).stat().st_size, 64 << 10))
-        part = store.empty(specs)
-        store.read(0, into=part, skip=1).result()
-        assert torch.equal(part[1], views[1]) and torch.equal(part[2], views[2])
+        issued = store.stats()["read_issued"]
+        fut, part, (buf, at, first) = store.read_tail(0, specs, 1)     # the file from the page entry 1 starts on
+        fut.result()
+        offsets, total = disk.layout(specs)
+        assert (at, first) == (offsets[1] // disk.ALIGN * disk.ALIGN, offsets[1]) and buf.numel() == total - at
+        assert part[0] is None and torch.equal(part[1], views[1]) and torch.equal(part[2], views[2])
+        assert store.stats()["read_issued"] - issued == total - at
+        fut, part, (buf, at, first) = store.read_tail(0, specs, 3)     # nothing after the skipped: no read
+        assert fut.done() and part == [None] * 3 and buf is None and at == first == total
         os.truncate(store.file(0), 256 << 10)
         with pytest.raises(OffloadError, match="short of"):
             store.read(0, into=store.empty(specs)).result()
