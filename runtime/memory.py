@@ -15,15 +15,23 @@ import weakref
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from harmony.errors import DeviceOutOfMemory
 
 
-def _storages(tree):
-    for t in tree_flatten(tree)[0]:
-        if isinstance(t, torch.Tensor):
-            yield t.untyped_storage()
+def _storages(x, out: list) -> list:
+    """Append the storages of the tensors in an op's arguments or results to ``out``: aten ops take and return
+    tensors, lists or tuples of them and scalars (a walk of these two levels costs a tenth of a pytree flatten,
+    which the meter would pay on every op the schedule runs)."""
+    if isinstance(x, torch.Tensor):
+        out.append(x.untyped_storage())
+    elif isinstance(x, (list, tuple)):
+        for y in x:
+            if isinstance(y, torch.Tensor):
+                out.append(y.untyped_storage())
+            elif isinstance(y, (list, tuple)):
+                _storages(y, out)
+    return out
 
 
 class MemoryMeter:
@@ -97,17 +105,28 @@ class CountAllocations(TorchDispatchMode):
         self.meter = meter
         self.observer = observer   # .before_op(func, args, kwargs) and .after_op(new_bytes)
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # Nothing is compiled inside this mode: without this, every op pays for torch's dynamo-disabling
+        # wrapper around __torch_dispatch__.
+        return False
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if self.observer is not None:
             self.observer.before_op(func, args, kwargs)
         out = func(*args, **kwargs)
-        inputs = {id(s) for s in _storages((args, kwargs))}
         new = 0
-        for s in _storages(out):
-            if id(s) not in inputs and not self.meter.holds_storage(s):
-                new += s.nbytes()
-                self.meter.track(s)
+        held = self.meter.holds_storage
+        fresh = [s for s in _storages(out, []) if not held(s)]
+        if fresh:           # not counted yet: new, unless it is an input's (a view of a host tensor, out=)
+            inputs = {id(s) for s in _storages(args, [])}
+            for v in kwargs.values():
+                inputs.update(id(s) for s in _storages(v, []))
+            for s in fresh:
+                if id(s) not in inputs and not held(s):
+                    new += s.nbytes()
+                    self.meter.track(s)
         if self.observer is not None:
             self.observer.after_op(new)
         return out
