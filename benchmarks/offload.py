@@ -36,7 +36,9 @@ setting; each row's notes say whether it was in effect (huge_pages).
 
 Columns: median step time of the steps after the first (every step's time in the notes), and
 the CPU seconds (user + system, all threads) the child spent in it: on a shared machine wall
-time moves with the load and CPU time much less;
+time moves with the load and CPU time much less; the shares of the machine's cores idle and
+stolen by the hypervisor during the steps (/proc/stat: idle + iowait, steal; this VM has had
+1-15% stolen from one minute to the next), which lengthen a step without being its work;
 peak RSS over the whole child (getrusage ru_maxrss, taken before and after the reset below,
 since clear_refs resets what getrusage reads too) and over the training steps only (VmHWM
 after resetting it with /proc/self/clear_refs once setup is done); bytes the child really read
@@ -100,6 +102,25 @@ def proc_io() -> dict:
     except OSError:
         pass
     return out
+
+
+def machine_cpu() -> list[int]:
+    """The whole machine's CPU time so far, in clock ticks: /proc/stat's first line (user nice system idle iowait
+    irq softirq steal ...); [] where there is none."""
+    try:
+        return [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    except (OSError, ValueError):
+        return []
+
+
+def idle_steal(before: list[int], after: list[int]) -> tuple[float, float] | tuple[None, None]:
+    """Shares of the machine's cores idle (idle + iowait) and stolen by the hypervisor (steal) between two
+    ``machine_cpu`` readings: a step's wall time grows with both, neither is work the system did."""
+    if len(before) < 8 or len(after) < 8:
+        return None, None
+    d = [b - a for a, b in zip(before, after)]
+    total = sum(d) or 1
+    return (d[3] + d[4]) / total, d[7] / total
 
 
 def reset_peak_rss() -> bool:
@@ -383,9 +404,9 @@ def child(a) -> None:
         # clear_refs resets the high-water mark getrusage reads too: keep the setup's peak first
         result["peak_rss_setup"] = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, vm_hwm_bytes())
         result["hwm_reset"] = reset_peak_rss()
-        times, cpus, reads, writes, losses = [], [], [], [], []
+        times, cpus, reads, writes, losses, idles, steals = [], [], [], [], [], [], []
         for _ in range(a.steps):
-            io0 = proc_io()
+            io0, m0 = proc_io(), machine_cpu()
             r0 = resource.getrusage(resource.RUSAGE_SELF)
             s0 = time.perf_counter()
             losses.append(step())
@@ -393,9 +414,12 @@ def child(a) -> None:
             r1 = resource.getrusage(resource.RUSAGE_SELF)
             cpus.append(r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime)
             io1 = proc_io()
+            idle, steal = idle_steal(m0, machine_cpu())
+            idles.append(idle)
+            steals.append(steal)
             reads.append(io1.get("read_bytes", 0) - io0.get("read_bytes", 0))
             writes.append(io1.get("write_bytes", 0) - io0.get("write_bytes", 0))
-        result.update(step_s=times, cpu_s=cpus, threads=torch.get_num_threads(), read_bytes=reads, write_bytes=writes, loss=losses,
+        result.update(step_s=times, cpu_s=cpus, idle=idles, steal=steals, threads=torch.get_num_threads(), read_bytes=reads, write_bytes=writes, loss=losses,
                       peak_rss_steps=vm_hwm_bytes() if result["hwm_reset"] else None)
         close()
     except BaseException as e:                # noqa: BLE001  (the parent reports it as the row)
@@ -490,7 +514,10 @@ def summarize(results: dict, a, probes: list) -> tuple[list[dict], list[str]]:
             continue
         t = median_after_first(r["step_s"])
         rd, wr = median_after_first(r["read_bytes"]), median_after_first(r["write_bytes"])
-        row.update(step_s=t, cpu_s=median_after_first(r.get("cpu_s")), peak_rss_GiB=gib(r["peak_rss"]), rss_steps_GiB=gib(r.get("peak_rss_steps")),
+        idle, steal = (median_after_first([v for v in r.get(k) or [] if v is not None]) for k in ("idle", "steal"))
+        row.update(step_s=t, cpu_s=median_after_first(r.get("cpu_s")),
+                   idle_pct=None if idle is None else 100 * idle, steal_pct=None if steal is None else 100 * steal,
+                   peak_rss_GiB=gib(r["peak_rss"]), rss_steps_GiB=gib(r.get("peak_rss_steps")),
                    read_GB_step=rd / 1e9, write_GB_step=wr / 1e9, disk_GBps=(rd + wr) / t / 1e9 if t else 0.0)
         if sysname == "harmony":
             st = r.get("stats") or []
@@ -506,17 +533,20 @@ def summarize(results: dict, a, probes: list) -> tuple[list[dict], list[str]]:
                    bound_s=bound, vs_bound=t / bound if bound else None)
         rows.append(row)
         extra = {k: v for k, v in r.items() if k not in ("system", "step_s", "cpu_s", "read_bytes", "write_bytes", "loss",
+                                                         "idle", "steal",
                                                          "stats", "peak_rss", "peak_rss_steps", "traceback")}
         notes.append(f"{sysname}: steps " + ", ".join(f"{s:.3g}" for s in r["step_s"]) + " s; losses "
                      + ", ".join(f"{l:.4g}" for l in r["loss"]) + "; read/write GB per step "
                      + ", ".join(f"{x / 1e9:.3g}/{w / 1e9:.3g}" for x, w in zip(r["read_bytes"], r["write_bytes"]))
+                     + "; machine idle/steal % per step " + ", ".join(
+                         "n/a" if i is None else f"{100 * i:.0f}/{100 * s:.0f}" for i, s in zip(r.get("idle") or [], r.get("steal") or []))
                      + "; " + ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
                                          for k, v in extra.items()))
         if sysname == "harmony" and r.get("stats"):
             last = r["stats"][-1]
             keys = {k: v for k, v in last.items() if "disk" in k or "rss" in k or "param" in k}
             notes.append("harmony last-step sm.stats: " + ", ".join(f"{k}={v}" for k, v in keys.items()))
-    cols = ["system", "step_s", "cpu_s", "peak_rss_GiB", "rss_steps_GiB", "read_GB_step", "write_GB_step",
+    cols = ["system", "step_s", "cpu_s", "idle_pct", "steal_pct", "peak_rss_GiB", "rss_steps_GiB", "read_GB_step", "write_GB_step",
             "disk_GBps", "h_read_GB", "h_write_GB", "h_io_GBps", "raw_w_r", "disk_bound_s", "bound_s", "vs_bound"]
     cols = [k for k in cols if any(k in r for r in rows)]
     return [{k: r.get(k, "") for k in cols} for r in rows], notes

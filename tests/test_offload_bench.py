@@ -32,6 +32,10 @@ def test_offload_bench_tiny(tmp_path):
     h, e = res["results"]["harmony"], res["results"]["eager"]
     assert "error" not in h and "error" not in e
     assert len(h["step_s"]) == len(e["step_s"]) == 2
+    for r in (h, e):         # the machine's idle and stolen shares during each step, where /proc/stat exists
+        assert len(r["idle"]) == len(r["steal"]) == 2
+        if Path("/proc/stat").exists():
+            assert all(0 <= v <= 1 for v in r["idle"] + r["steal"])
     assert h["peak_rss"] >= (h["peak_rss_steps"] or 0) > 0
     # the disk tier was used; optimizer state alone on disk moves once each way, while packs wholly on disk
     # also read their weights for the forward and the backward
