@@ -121,9 +121,7 @@ class CountAllocations(TorchDispatchMode):
         held = self.meter.holds_storage
         fresh = [s for s in _storages(out, []) if not held(s)]
         if fresh:           # not counted yet: new, unless it is an input's (a view of a host tensor, out=)
-            inputs = {id(s) for s in _storages(args, [])}
-            for v in kwargs.values():
-                inputs.update(id(s) for s in _storages(v, []))
+            inputs = {id(s) for s in _storages((args, tuple(kwargs.values())), [])}
             for s in fresh:
                 if id(s) not in inputs and not held(s):
                     new += s.nbytes()
