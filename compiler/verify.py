@@ -25,6 +25,7 @@ class MemoryCurve:
     nodes: list                     # call_function nodes in order
     before: list                    # device bytes live before each node
     peak_at: list                   # device bytes at the peak of each node
+    out: list = field(default_factory=list)       # device bytes of each node's value (0: none, or on the host)
     moved: dict = field(default_factory=dict)
     missing: list = field(default_factory=list)   # (node, kind, name) used while not resident
 
@@ -92,6 +93,7 @@ def memory_curve(program, graph: torch.fx.Graph | None = None, check_residency: 
         curve.before.append(before)
         out = value.bytes if isinstance(value, Predicted) and value.on_device else 0
         curve.peak_at.append(max(before + transient, model.live + out))
+        curve.out.append(out)
         model.live += out
         for dead in free_after[node]:
             v = env.pop(dead, None)

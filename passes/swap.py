@@ -130,23 +130,31 @@ def _rank(candidate) -> tuple:
     return -per_byte, -size
 
 
-def _greedy(candidates, chosen: Choice, fits, room) -> tuple[Choice, list[dict]]:
+def _greedy(candidates, chosen: Choice, fits, room, bound=None, curve=None) -> tuple[Choice, list[dict]]:
     """Keep what saves the most per byte held first, each while the predicted peak stays within ``room``.
 
     Candidates are tried in runs that double while they fit and fall back to one at a time
     where one does not: keeping more never lowers the curve, so a run that fits is what one
     at a time would keep, for a few evaluations of the curve instead of one per candidate
-    (a 24-layer model cut into 48 packs has some 140).
+    (a 24-layer model cut into 48 packs has some 140). Once the budget is nearly full, most
+    single candidates do not fit: ``bound(curve, what)`` (``peak_bound``), a lower bound on the
+    peak read off the chosen schedule's ``curve``, turns those away without building a schedule.
     """
     items = [c for c in sorted(candidates, key=_rank) if c[1]]
     rows, i, run = [], 0, 1
     while i < len(items):
         batch = items[i:i + run]
+        if len(batch) == 1 and bound is not None:
+            curve = curve if curve is not None else fits(chosen)
+            if bound(curve, batch[0][2]) > room:
+                i += 1
+                continue
         trial = chosen
         for _, _, what in batch:
             trial = _with(trial, what)
-        if fits(trial).peak <= room:
-            chosen = trial
+        got = fits(trial)
+        if got.peak <= room:
+            chosen, curve = trial, got
             rows += [_row(what, size, per_byte) for per_byte, size, what in batch]
             i += len(batch)
             run *= 2
@@ -155,6 +163,77 @@ def _greedy(candidates, chosen: Choice, fits, room) -> tuple[Choice, list[dict]]
         else:
             i += 1
     return chosen, rows
+
+
+_COMPUTE = (ops.forward, ops.backward, ops.step)
+
+
+def peak_bound(program: Program, curve, what, groups: dict, sizes: dict) -> int:
+    """A lower bound on the predicted peak once ``what`` is kept as well, read off ``curve``, the chosen
+    schedule's, without building the schedule that keeps it.
+
+    Keeping ``what`` leaves bytes on the device over spans of the chosen schedule where they are not now:
+    a stashed activation from its stash to its unstash; a kept graph's saved activations from the pack's
+    forward to its backward, less the inputs the backward is the last to read (they may die sooner); held
+    weights from a release to the next swap_in; resident weights wherever they are not swapped in; resident
+    optimizer state everywhere. The forward, backward and step ops of other packs stay in the schedule that keeps ``what``,
+    with the same effects, so inside a span the bytes live before and after each of them, and its peak,
+    rise by at least that much. Nothing is claimed at the ops the candidate changes or removes: its own
+    pack's, the stashes and swaps.
+    """
+    plan, nodes = program.plan, curve.nodes
+    rise = [0] * (len(nodes) + 1)
+
+    def hold(a: int, b: int, size: int) -> None:      # ``size`` more at the nodes strictly between a and b
+        if size > 0 and b - a > 1:
+            rise[a + 1] += size
+            rise[b] -= size
+
+    kind, pack = what[0], what[-1]
+    if kind == "keep":
+        pack = None                                    # no compute op changes
+        at = {n.name: i for i, n in enumerate(nodes)}
+        for name in groups[what[1:]]:
+            i = at.get(name)
+            s = next((u for u in nodes[i].users if u.target is ops.stash), None) if i is not None else None
+            back = [at[u.name] for u in s.users if u.target is ops.unstash] if s is not None else []
+            if back:
+                hold(at[s.name], min(back), curve.out[i])
+    elif kind == "graph":
+        saved, fwd = plan.packs[pack].saved_bytes, {}
+        at = {n: i for i, n in enumerate(nodes)}
+        for i, n in enumerate(nodes):
+            if n.target is ops.forward and n.args[0] == pack:
+                fwd[n.args[1]] = i
+            elif n.target is ops.backward and n.args[0] == pack and n.args[1] in fwd:
+                last = [a for a in n.all_input_nodes if max(at[u] for u in a.users) == i]   # dying after it
+                hold(fwd[n.args[1]], i, saved - sum(curve.out[at[a]] for a in last))
+    elif kind in ("held", "params"):
+        spec, since = plan.packs[pack], (-1 if kind == "params" else None)
+        shared = {x for other in plan.packs if other is not spec for x in ops.state_names(other, "params")}
+
+        def weights(held=()) -> int:   # a weight tied to another pack's may be on the device for that one
+            return sum(sizes.get(("params", x), 0) for x in ops.moving_names(spec, "params", held) if x not in shared)
+        size = weights()
+        for i, n in enumerate(nodes):
+            if n.target in (ops.swap_in, ops.release) and n.args[0] == pack and n.args[1] == "params":
+                if n.target is ops.release:
+                    since, size = i, weights(n.kwargs.get("held", ()))
+                else:
+                    if since is not None:
+                        hold(since, i, size)
+                    since = None
+        if kind == "params" and since is not None:
+            hold(since, len(nodes), size)
+    else:                                              # "optim", "device": optimizer state resident for good
+        resident = getattr(plan, "optim_resident", None) or {}
+        hold(-1, len(nodes), sum(sizes.get(("optim", n), 0) for n in plan.packs[pack].stepped if n not in resident))
+    best = acc = 0
+    for i, n in enumerate(nodes):
+        acc += rise[i]
+        if acc and n.target in _COMPUTE and (pack is None or n.args[0] != pack):
+            best = max(best, curve.peak_at[i] + acc)
+    return best
 
 
 def run(program: Program, ctx) -> PassResult:
@@ -175,7 +254,9 @@ def run(program: Program, ctx) -> PassResult:
         def fits_all(c: Choice):     # only graphs are candidates here
             program.schedule = build(base, c.resident, c.stashed, {}, c.kept)
             return memory_curve(program, check_residency=False)
-        chosen, rows = _greedy(graphs, Choice(plan.resident, set()), fits_all, budget)
+        sizes = state_sizes(program)
+        chosen, rows = _greedy(graphs, Choice(plan.resident, set()), fits_all, budget,
+                               lambda c, what: peak_bound(program, c, what, {}, sizes))
         fits_all(chosen)
         report.rows = rows
         report.notes.append("everything fits the budget: all state stays resident, no swap inserted"
@@ -246,9 +327,11 @@ def run(program: Program, ctx) -> PassResult:
     room = budget
     # a graph worth less than a single parameter's optimizer state (2 bytes per byte) takes what that leaves
     low = [c for c in candidates if c[2][0] == "graph" and c[0] < 2]
-    chosen, rows = _greedy([c for c in candidates if c not in low], chosen, fits, room)
+    def bound(c, what):
+        return peak_bound(program, c, what, groups, sizes)
+    chosen, rows = _greedy([c for c in candidates if c not in low], chosen, fits, room, bound, curve)
     rows += keep_optimizer_parts(program, chosen, fits, room, sizes)
-    chosen, more = _greedy(low, chosen, fits, room)
+    chosen, more = _greedy(low, chosen, fits, room, bound)
     rows += more
     chosen, more = keep_weight_parts(program, chosen, fits, room, sizes)
     rows += more
@@ -356,8 +439,9 @@ def keep_weight_parts(program: Program, chosen: Choice, fits, room: int, sizes: 
     not released after the one nor brought in again for the other (1 byte saved per byte held, as
     for the whole pack's). It adds its bytes only between the pack's first visit and its last, so
     each pack (from the last, whose visits are closest) takes, largest first, what fits under the
-    highest point of the curve between its two; one check of the whole curve then drops the last
-    taken until it fits.
+    highest point of the curve between its two, and raises the curve there by what it took (no new
+    schedule is built for that: a 24-layer GPT has 48 packs); one check of the whole curve then drops
+    the last taken until it fits.
     """
     plan = program.plan
     curve = fits(chosen)
@@ -366,18 +450,32 @@ def keep_weight_parts(program: Program, chosen: Choice, fits, room: int, sizes: 
              if plan.step_on.get(spec.index) == "host" and spec.index not in chosen.held
              and spec.index not in chosen.device and plan.master_on.get(spec.index, "host") == "host"
              and len(swaps.get(spec.index, ((), ()))[0]) > 1]
+    shared = {n for a in plan.packs for b in plan.packs if a is not b
+              for n in set(a.params + a.buffers) & set(b.params + b.buffers)}
+    peak_at, at = list(curve.peak_at), {n: i for i, n in enumerate(curve.nodes)}
     taken: list = []
     for spec in order:
-        at = {n: i for i, n in enumerate(curve.nodes)}
         ins, outs = swaps[spec.index]
-        span = curve.peak_at[at[outs[0]]:at[ins[-1]]]     # the last swap_in's own peak is the same either way
+        span = peak_at[at[outs[0]]:at[ins[-1]]]     # the last swap_in's own peak is the same either way
         mine = _largest_first([(sizes.get(("params", n), 0), (spec.index, n)) for n in spec.params + spec.buffers],
                               room - max(span, default=room))
-        if mine:
-            chosen = chosen._replace(parts=chosen.parts | frozenset(mine))
-            taken += mine
+        if not mine:
+            continue
+        chosen = chosen._replace(parts=chosen.parts | frozenset(mine))
+        taken += mine
+        if shared & {n for _, n in mine}:     # tied to another pack's weight: on the device for that one too
             curve = fits(chosen)
+            peak_at, at = list(curve.peak_at), {n: i for i, n in enumerate(curve.nodes)}
             swaps = param_swaps(program.schedule)
+            continue
+        # between a release and the next swap_in they add their bytes before and after every op, so to its peak;
+        # at those two ops the peak stays (the release's is before it frees, the swap_in's after it brings)
+        size = sum(sizes.get(("params", n), 0) for _, n in mine)
+        for r, i in zip(outs, ins[1:]):
+            for k in range(at[r] + 1, at[i]):
+                peak_at[k] += size
+    if taken:
+        curve = fits(chosen)
     while taken and curve.peak > room:
         chosen = chosen._replace(parts=chosen.parts - {taken.pop()})
         curve = fits(chosen)

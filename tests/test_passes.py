@@ -170,6 +170,42 @@ def test_single_weights_held_between_visits_fill_the_room_whole_packs_leave(poli
     sm.close()
 
 
+@pytest.mark.parametrize("policy, optimizer_on, hardware, tie", [("harmony", "auto", None, True),
+                                                              ("sequential", "auto", None, False),
+                                                              ("harmony", "device", None, False),
+                                                              ("harmony", "host", "gtx1080ti", True)])
+def test_peak_bound_never_exceeds_the_peak_of_the_schedule_it_stands_for(monkeypatch, policy, optimizer_on,
+                                                                          hardware, tie):
+    """The swap pass turns a candidate away without building its schedule when ``peak_bound`` says the peak
+    would pass the budget: that is only the plan it would have made if the bound is never above the peak
+    of the schedule built. Every single-candidate trial here is built as well and compared; the bound
+    must also turn some away (else it saves nothing) and be exact for some."""
+    from harmony.passes import swap
+    real, seen = swap._greedy, []
+
+    def checking(candidates, chosen, fits, room, bound=None, curve=None):
+        if bound is None:
+            return real(candidates, chosen, fits, room)
+        of = {}
+
+        def remember(c):
+            got = fits(c)
+            of[id(got)] = c
+            return got
+
+        def check(cv, what):
+            b = bound(cv, what)
+            seen.append((what, b, fits(swap._with(of[id(cv)], what)).peak, room))
+            return 0        # build every trial: the plan is the pass's own
+        return real(candidates, chosen, remember, room, check)
+    monkeypatch.setattr(swap, "_greedy", checking)
+    sm, _ = compiled(frac=0.25, policy=policy, optimizer_on=optimizer_on, hardware=hardware, tie=tie)
+    assert seen
+    assert all(b <= peak for _, b, peak, _ in seen), [s for s in seen if s[1] > s[2]][:3]
+    assert any(b > room for _, b, _, room in seen) and any(b == peak for _, b, peak, _ in seen)
+    sm.close()
+
+
 def test_mixed_placement_steps_some_packs_on_the_device_with_all_their_state_resident():
     """Room left after holding weights: a host-stepped pack moves to a device step with its state resident for
     good (it moves nothing), beside host-stepped ones; the training is bitwise eager's."""
