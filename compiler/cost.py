@@ -150,18 +150,27 @@ class _Writes(TorchDispatchMode):
 class _Measure(torch.fx.Interpreter):
     """Runs the graph on fake tensors and records, per node, bytes, FLOPs and saved tensors."""
 
-    def __init__(self, gm, state_ids):
+    def __init__(self, gm, state_ids, reuse: dict | None = None):
         super().__init__(gm, garbage_collect_values=False)
         self.state_ids = state_ids  # storage ids of fake parameters and buffers
         self.records = {}
         self.vals = {}   # node -> its fake output value, at this microbatch size
+        self.reuse = reuse          # signature -> the record of a node measured before (None: measure every node)
 
     def run_node(self, n):
         if n.op in ("placeholder", "output", "get_attr"):
             self.vals[n] = super().run_node(n)
             return self.vals[n]
+        key = self._signature(n) if self.reuse is not None else None
+        if key is not None and key in self.reuse:     # the same op on the same kind of inputs: run it, no measuring
+            args, kwargs = tree_map_only(torch.Tensor, _leaf, self.fetch_args_kwargs_from_env(n))
+            out = self.vals[n] = getattr(self, n.op)(n.target, args, kwargs)
+            self.records[n] = dict(self.reuse[key])
+            return out
         try:
             out = self._measure(n, real=False)
+            if key is not None and not self.records[n]["mutates"]:   # buffers written are named per node
+                self.reuse[key] = self.records[n]
         except (DataDependentOutputException, DynamicOutputShapeException, GuardOnDataDependentSymNode):
             # a leaf module that branches on data cannot run on fake tensors: measure it once on zeros
             with unset_fake_temporarily():
@@ -170,6 +179,24 @@ class _Measure(torch.fx.Interpreter):
                 t.requires_grad), out)
         self.vals[n] = out
         return out
+
+    def _signature(self, n) -> tuple | None:
+        """Everything a node's measurement depends on, or None where that cannot be told (it is then measured):
+        the op (a function, a method name, or a leaf module as ``_module_signature`` sees it) and its arguments
+        as ``_describe`` sees them. The 24 blocks of a GPT are then measured once, the other 23 only run."""
+        inputs = {a: i for i, a in enumerate(n.all_input_nodes)}
+        storages: dict = {}
+
+        def node(a):
+            return inputs[a], _describe(self.env[a], node, storages, self._is_state)
+        try:
+            op = _module_signature(self.module.get_submodule(n.target)) if n.op == "call_module" else n.target
+            return n.op, op, _describe((tuple(n.args), dict(n.kwargs)), node, storages, self._is_state)
+        except _Unknown:
+            return None
+
+    def _is_state(self, storage_id: int) -> bool:
+        return storage_id in self.state_ids or storage_id in self.real_state_ids
 
     def _real(self, t: torch.Tensor) -> torch.Tensor:
         return torch.zeros(tuple(t.shape), dtype=t.dtype).requires_grad_(t.requires_grad)
@@ -251,6 +278,87 @@ class _Measure(torch.fx.Interpreter):
         return meter.peak, fc.get_total_flops()
 
 
+_CONSTANTS = (bool, int, float, complex, str, torch.dtype, torch.device, torch.layout, torch.memory_format)
+
+
+class _Unknown(Exception):
+    """An argument or module setting a signature cannot describe."""
+
+
+def _describe(x, node, storages: dict, is_state) -> tuple:
+    """An argument as a measurement sees it, hashable: constants as they are; tensors by shape, dtype, layout,
+    storage size, whether they need a gradient or are a parameter or buffer (``is_state(storage id)``), and
+    which share a storage (``storages``: id -> first seen); graph nodes as ``node(n)`` names them. Anything
+    else raises ``_Unknown``."""
+    if isinstance(x, torch.fx.Node):
+        return ("node",) + tuple(node(x))
+    if isinstance(x, torch.Tensor):
+        st = x.untyped_storage()
+        return ("tensor", tuple(x.shape), x.dtype, tuple(x.stride()), x.storage_offset(), st.nbytes(),
+                x.requires_grad, is_state(id(st)), storages.setdefault(id(st), len(storages)))
+    if isinstance(x, (tuple, list)):
+        return (type(x).__name__,) + tuple(_describe(v, node, storages, is_state) for v in x)
+    if isinstance(x, dict):
+        return ("dict",) + tuple((k, _describe(v, node, storages, is_state)) for k, v in x.items())
+    if isinstance(x, slice):
+        return ("slice",) + tuple(_describe(v, node, storages, is_state) for v in (x.start, x.stop, x.step))
+    if x is None or isinstance(x, _CONSTANTS):
+        return (type(x), x)
+    raise _Unknown
+
+
+def pack_signature(module: torch.fx.GraphModule, inputs: list, grad_inputs: list[bool], run: "FakeRun",
+                   loss_output: bool, keep: bool) -> tuple | None:
+    """Everything ``measure_pack`` depends on, or None where that cannot be told: each node of the pack's
+    graph (its op, as ``_Measure._signature``, and its arguments, other nodes by position), the inputs and
+    the state tensors it reads as ``_describe`` sees them. Packs of the same layers at other depths match."""
+    at = {n: i for i, n in enumerate(module.graph.nodes)}
+    storages: dict = {}
+    fake = {id(t.untyped_storage()) for t in run.state.values()}
+    feed = iter(zip(inputs, grad_inputs))
+
+    def describe(x):
+        return _describe(x, lambda n: (at[n],), storages, lambda st: True)
+    try:
+        items = []
+        for n in module.graph.nodes:
+            if n.op == "placeholder":
+                value, grad = next(feed)
+                items.append(("input", _describe(value, None, storages, fake.__contains__), grad))
+            elif n.op == "get_attr":
+                items.append(("state", describe(_getattr(module, n.target))))
+            elif n.op == "call_module":
+                mod = module.get_submodule(n.target)
+                items.append((n.op, _module_signature(mod), describe([t for t in mod.state_dict(keep_vars=True)
+                                                                      .values()]), describe((n.args, n.kwargs))))
+            else:
+                items.append((n.op, n.target, describe((n.args, n.kwargs))))
+        return tuple(items), loss_output, keep, run.dtype
+    except _Unknown:
+        return None
+
+
+def _module_signature(mod: torch.nn.Module) -> tuple:
+    """A leaf module as its measurement sees it: every submodule's class, public settings and state shapes.
+    A module with hooks, or a public attribute that is not a constant, is not described (``_Unknown``)."""
+    out = []
+    for name, m in mod.named_modules():
+        settings = []
+        for k, v in vars(m).items():
+            if k.startswith("_"):
+                if "hook" in k and v:
+                    raise _Unknown
+            elif v is None or isinstance(v, _CONSTANTS) or (isinstance(v, tuple) and all(
+                    isinstance(x, _CONSTANTS) for x in v)):
+                settings.append((k, v))
+            else:
+                raise _Unknown
+        state = tuple((k, tuple(t.shape), t.dtype, getattr(t, "requires_grad", False))
+                      for k, t in list(m._parameters.items()) + list(m._buffers.items()) if t is not None)
+        out.append((name, type(m), tuple(settings), state))
+    return tuple(out)
+
+
 def _leaf(t: torch.Tensor) -> torch.Tensor:
     return t.detach().requires_grad_(t.requires_grad) if t.is_floating_point() else t
 
@@ -274,7 +382,7 @@ def _fake(t: torch.Tensor, mode: FakeTensorMode, dtype) -> torch.Tensor:
         return torch.empty_strided(tuple(t.shape), t.stride(), dtype=dtype, device=t.device)
 
 
-def _measure_at(gm, batch, b, dtype=None):
+def _measure_at(gm, batch, b, dtype=None, reuse: dict | None = None):
     mode = FakeTensorMode(allow_non_fake_inputs=True)   # constants the tracer lifted (GPT-2 masks) are real
     fake_state = {}
     for name, t in list(gm.named_parameters(remove_duplicate=False)) + list(gm.named_buffers(remove_duplicate=False)):
@@ -287,7 +395,7 @@ def _measure_at(gm, batch, b, dtype=None):
         by_id.setdefault(id(t), fake_state[name])
         fake_state[name] = by_id[id(t)]
     inputs = [_resize(t, b, mode, dtype) for t in batch]
-    interp = _Measure(gm, {id(t.untyped_storage()) for t in fake_state.values()})
+    interp = _Measure(gm, {id(t.untyped_storage()) for t in fake_state.values()}, reuse)
     interp.mode = mode
     reals = list(gm.parameters()) + list(gm.buffers())
     interp.real_of = {id(by_id[id(t)]): t for t in reals}
@@ -314,17 +422,20 @@ class FakeRun:
     dtype: torch.dtype | None = None   # compute dtype of the twins and float inputs (None: as the model's)
 
 
-def annotate(gm: torch.fx.GraphModule, batch: tuple, microbatch: int, dtype: torch.dtype | None = None) -> FakeRun:
+def annotate(gm: torch.fx.GraphModule, batch: tuple, microbatch: int, dtype: torch.dtype | None = None,
+             reuse: bool = True) -> FakeRun:
     """Write a ``NodeCost`` (key ``harmony.cost``) and the state it reads (``harmony.state``) on every node.
 
     Measures at microbatch sizes ``microbatch`` and ``2 * microbatch``; returns the fake run
     at ``microbatch`` (``measure_pack`` reuses it). ``dtype`` (mixed precision): float
-    parameters, buffers and inputs are measured as the device holds them, in that dtype.
+    parameters, buffers and inputs are measured as the device holds them, in that dtype. ``reuse``: a node
+    whose op and inputs look like those of one measured before takes its figures (``_Measure._signature``);
+    False measures every node.
     """
     names = state_names(gm)
     b1, b2 = microbatch, 2 * microbatch
-    r1, run = _measure_at(gm, batch, b1, dtype)
-    r2, _ = _measure_at(gm, batch, b2, dtype)
+    r1, run = _measure_at(gm, batch, b1, dtype, {} if reuse else None)
+    r2, _ = _measure_at(gm, batch, b2, dtype, {} if reuse else None)
     for node in gm.graph.nodes:
         node.meta[STATE] = _node_state(gm, node, names)
         if node not in r1:
@@ -350,7 +461,7 @@ def _fake_state_of(module, run):
 
 
 def measure_pack(module: torch.fx.GraphModule, inputs: list, grad_inputs: list[bool], run: FakeRun,
-                 loss_output: bool, keep: bool = False) -> dict:
+                 loss_output: bool, keep: bool = False, memo: dict | None = None) -> dict:
     """Bytes a pack allocates at its peak, run exactly as the runtime runs it, on fake tensors.
 
     Every figure counts the bytes newly allocated during the op, results included:
@@ -359,7 +470,19 @@ def measure_pack(module: torch.fx.GraphModule, inputs: list, grad_inputs: list[b
     saved_bytes and the backward's bwd_peak; for the others, which recompute,
     bwd_recompute_peak (recompute + backward). Each when the parameters have no gradient
     yet and, suffixed ``_accum``, when they have one to accumulate into.
+
+    ``memo``: figures by ``pack_signature``; a pack like one measured before takes its figures.
     """
+    key = pack_signature(module, inputs, grad_inputs, run, loss_output, keep) if memo is not None else None
+    if key is not None and key in memo:
+        return dict(memo[key])
+    out = _measure_pack(module, inputs, grad_inputs, run, loss_output, keep)
+    if key is not None:
+        memo[key] = out
+    return dict(out)
+
+
+def _measure_pack(module, inputs, grad_inputs, run, loss_output, keep) -> dict:
     try:
         with run.mode, _reparametrize_module(module, _fake_state_of(module, run), tie_weights=True):
             return _profile_pack(module, inputs, grad_inputs, loss_output, keep)

@@ -158,15 +158,23 @@ def _summarise(nodes, cross_in, trainable, b) -> Unit:
 
 
 class _Need:
-    """Working set and time of a candidate pack (units s..e-1), from unit summaries."""
+    """Working set and time of a candidate pack (units s..e-1), from unit summaries; each pack's figures once
+    (the cap search and the corrections run the DP a dozen times over mostly the same packs)."""
 
     def __init__(self, program: Program, units: list[Unit]):
         self.p, self.units = program, units
+        self.memo: dict = {}
         self.sizes = device_sizes(program)       # bytes on the device (compute copies under mixed precision)
         self.master = {n: t.numel() * t.element_size() for n, t in program.gm.named_parameters()}
         self.state_per_byte = program.optim_profile["state_per_byte"]   # per byte of fp32 master
 
     def __call__(self, s: int, e: int, last: bool) -> tuple[float, float]:
+        key = (s, e, last)
+        if key not in self.memo:
+            self.memo[key] = self._figures(s, e, last)
+        return self.memo[key]
+
+    def _figures(self, s: int, e: int, last: bool) -> tuple[float, float]:
         us = self.units[s:e]
         params = frozenset().union(*(u.params for u in us))
         bufs = frozenset().union(*(u.buffers for u in us))
@@ -284,9 +292,10 @@ class _Need:
         return sum(self.sizes[n] for n in frozenset().union(*(u.params for u in self.units[s:e])))
 
 
-def plan_packs(program: Program, units: list[Unit], budget: float) -> list[tuple[int, int]] | None:
+def plan_packs(program: Program, units: list[Unit], budget: float, need: _Need | None = None
+               ) -> list[tuple[int, int]] | None:
     """Exact DP over contiguous partitions: least predicted time, every pack within ``budget``."""
-    need = _Need(program, units)
+    need = need or _Need(program, units)
     n = len(units)
     best = [math.inf] * (n + 1)
     choice = [0] * (n + 1)
@@ -376,7 +385,8 @@ def build_packs(program: Program, cuts: list[tuple[int, int]], units: list[Unit]
             vals = [program.fake.vals[a] for a in inputs]
             grad_inputs = [a.op != "placeholder" for a in inputs]
             program.pack_measurements[key] = measure_pack(spec.module, vals, grad_inputs, program.fake,
-                                                          loss_output="loss" in spec.outputs)
+                                                          loss_output="loss" in spec.outputs,
+                                                          memo=program.pack_measurements)
         m = program.pack_measurements[key]
         spec.fwd_peak, spec.fwd_keep_peak = m["fwd_peak"], m["fwd_keep_peak"]
         spec.saved_bytes, spec.out_bytes = m["saved_bytes"], m["out_bytes"]
@@ -402,7 +412,7 @@ def measure_kept(program: Program, specs: list[PackSpec]) -> None:
             inputs = [by_name[n] for n in spec.inputs]
             program.pack_measurements[key] = measure_pack(
                 spec.module, [program.fake.vals[a] for a in inputs], [a.op != "placeholder" for a in inputs],
-                program.fake, loss_output=False, keep=True)
+                program.fake, loss_output=False, keep=True, memo=program.pack_measurements)
         m = program.pack_measurements[key]
         spec.fwd_keep_peak, spec.saved_bytes = m["fwd_keep_peak"], m["saved_bytes"]
         spec.bwd_peak, spec.bwd_peak_accum = m["bwd_peak"], m["bwd_peak_accum"]
@@ -471,13 +481,12 @@ def measured_need(program: Program, spec: PackSpec, last: bool) -> int:
     return int(max(state + grads + compute, step))
 
 
-def _working_set_cap(program: Program, units: list[Unit], budget: int) -> int:
+def _working_set_cap(program: Program, units: list[Unit], budget: int, need: _Need) -> int:
     """The largest working set a pack may have: smaller packs leave room for resident state.
 
     Tries caps from the budget down to the largest single layer's need; keeps the one
     with the least predicted time, and among those within 2% of it the least traffic.
     """
-    need = _Need(program, units)
     n = len(units)
     floor = max([need(i, i + 1, False)[0] for i in range(n - 1)] + [need(n - 1, n, True)[0]])
     if floor >= budget:
@@ -485,7 +494,7 @@ def _working_set_cap(program: Program, units: list[Unit], budget: int) -> int:
     plans = []
     for k in range(10):
         cap = budget * (floor / budget) ** (k / 9)
-        cuts = plan_packs(program, units, cap)
+        cuts = plan_packs(program, units, cap, need)
         if cuts is not None:
             plans.append((cap, *need.plan_cost(cuts, budget)))
     if not plans:
@@ -496,9 +505,10 @@ def _working_set_cap(program: Program, units: list[Unit], budget: int) -> int:
 
 def _choose(program: Program, units: list[Unit], budget: int):
     """The DP on unit estimates, corrected by measuring the packs it picks until they fit."""
-    target = _working_set_cap(program, units, budget)
+    need = _Need(program, units)
+    target = _working_set_cap(program, units, budget, need)
     for attempt in range(24):
-        cuts = plan_packs(program, units, target)
+        cuts = plan_packs(program, units, target, need)
         if cuts is None:   # the estimates say no; measured, every layer alone may still fit
             break
         specs = build_packs(program, cuts, units)

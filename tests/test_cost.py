@@ -3,6 +3,7 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 import sympy
 import torch
 
@@ -79,3 +80,52 @@ def test_harmony_steps_with_the_fused_kernel_unless_the_caller_chose():
         assert ("optimizer AdamW (fused)" in sm.report()) is fused
         sm(*batch)
         sm.close()
+
+
+@pytest.mark.parametrize("case", ["mlp", "cnn", "gpt", "hf-gpt2", "hf-bert"])
+def test_nodes_like_one_measured_before_get_its_figures_exactly(monkeypatch, case):
+    """A node whose op and inputs match one measured before (the blocks of a transformer) runs without being
+    measured and takes that one's figures: every node's costs equal those of measuring every node, and
+    fewer nodes are measured where a model repeats itself."""
+    from models import CASES
+    model, data = CASES[case](tie=True) if case in ("gpt", "hf-gpt2") else CASES[case]()
+    batch = data[0]
+    example = batch if isinstance(batch, dict) else tuple(batch)
+    values = tuple(batch.values()) if isinstance(batch, dict) else tuple(batch)
+    measured = []
+    real = cost._Measure._measure
+
+    def counting(self, n, **kw):
+        measured.append(n)
+        return real(self, n, **kw)
+    monkeypatch.setattr(cost._Measure, "_measure", counting)
+    costs = {}
+    for reuse in (False, True):
+        gm = trace(model, example)
+        cost.annotate(gm, values, microbatch=2, reuse=reuse)
+        costs[reuse] = [(n.name, n.meta.get(COST)) for n in gm.graph.nodes]
+        measured.append(None)
+    assert costs[True] == costs[False]
+    every = measured.index(None)
+    once = len(measured) - every - 2
+    assert once <= every and (once < every or case in ("mlp",)), (once, every)
+
+
+@pytest.mark.parametrize("case", ["gpt", "hf-gpt2"])
+def test_packs_like_one_measured_before_get_its_figures_exactly(case):
+    """The partition measures many packs, most of them the same layers at another depth: one like a pack
+    measured before (``pack_signature``) takes its figures, which equal measuring it afresh."""
+    from models import CASES, training_state_bytes
+    model, data = CASES[case](tie=True)
+    sm = harmony.compile(model, data[0], memory_budget=int(training_state_bytes(model) * 0.4), microbatches=4)
+    program, memo = sm.program, {}
+    by_name = {n.name: n for n in program.gm.graph.nodes}
+    for spec in sm.plan.packs:
+        inputs = [by_name[n] for n in spec.inputs]
+        args = ([program.fake.vals[a] for a in inputs], [a.op != "placeholder" for a in inputs], program.fake)
+        for keep in (False, True):
+            last = "loss" in spec.outputs
+            assert cost.measure_pack(spec.module, *args, loss_output=last, keep=keep, memo=memo) == \
+                cost.measure_pack(spec.module, *args, loss_output=last, keep=keep)
+    assert len(memo) < 2 * len(sm.plan.packs)
+    sm.close()
