@@ -176,10 +176,10 @@ def peak_bound(program: Program, curve, what, groups: dict, sizes: dict) -> int:
     a stashed activation from its stash to its unstash; a kept graph's saved activations from the pack's
     forward to its backward, less the inputs the backward is the last to read (they may die sooner); held
     weights from a release to the next swap_in; resident weights wherever they are not swapped in; resident
-    optimizer state everywhere. The forward, backward and step ops of other packs stay in the schedule that keeps ``what``,
-    with the same effects, so inside a span the bytes live before and after each of them, and its peak,
-    rise by at least that much. Nothing is claimed at the ops the candidate changes or removes: its own
-    pack's, the stashes and swaps.
+    optimizer state everywhere. The forward, backward and step ops of other packs stay in the schedule
+    that keeps ``what``, with the same effects, so inside a span the bytes live before and after each of
+    them, and its peak, rise by at least that much. Nothing is claimed at the ops the candidate changes or
+    removes: its own pack's, the stashes and swaps.
     """
     plan, nodes = program.plan, curve.nodes
     rise = [0] * (len(nodes) + 1)
@@ -327,6 +327,7 @@ def run(program: Program, ctx) -> PassResult:
     room = budget
     # a graph worth less than a single parameter's optimizer state (2 bytes per byte) takes what that leaves
     low = [c for c in candidates if c[2][0] == "graph" and c[0] < 2]
+
     def bound(c, what):
         return peak_bound(program, c, what, groups, sizes)
     chosen, rows = _greedy([c for c in candidates if c not in low], chosen, fits, room, bound, curve)
