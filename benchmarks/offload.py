@@ -38,7 +38,11 @@ Columns: median step time of the steps after the first (every step's time in the
 the CPU seconds (user + system, all threads) the child spent in it: on a shared machine wall
 time moves with the load and CPU time much less; the shares of the machine's cores idle and
 stolen by the hypervisor during the steps (/proc/stat: idle + iowait, steal; this VM has had
-1-15% stolen from one minute to the next), which lengthen a step without being its work;
+1-15% stolen from one minute to the next), which lengthen a step without being its work. Disk
+I/O is one cause here: an O_DIRECT read/write loop at 0.7-0.8 GB/s beside a 2-thread sgemm had
+29-30% of the cores stolen and cut the sgemm's rate by 38% (10.4 -> 6.4 matmuls of 2048^2 a
+second; 3% system time in the guest), so a system that overlaps disk traffic with compute on
+busy cores, as Harmony does, pays for its I/O in compute time the bound below does not count;
 peak RSS over the whole child (getrusage ru_maxrss, taken before and after the reset below,
 since clear_refs resets what getrusage reads too) and over the training steps only (VmHWM
 after resetting it with /proc/self/clear_refs once setup is done); bytes the child really read
