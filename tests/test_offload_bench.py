@@ -14,7 +14,7 @@ def test_offload_bench_tiny(tmp_path):
     cmd = [sys.executable, str(ROOT / "benchmarks" / "offload.py"), "--layers", "4", "--width", "64",
            "--seq", "32", "--batch", "2", "--steps", "2", "--systems", "harmony,eager", "--budget", "2MiB",
            "--host-budget", "1KiB", "--raw-bytes", str(8 * 2**20), "--dir", str(tmp_path / "d"),
-           "--json", str(out)]
+           "--interference-seconds", "0.3", "--json", str(out)]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert p.returncode == 0, p.stdout + p.stderr
     assert "offload: GPT" in p.stdout and "Harmony / bound" in p.stdout, p.stdout
@@ -48,4 +48,9 @@ def test_offload_bench_tiny(tmp_path):
             assert s["disk_read_bytes"] == s["disk_write_bytes"]
     # same model, seed and batch: the first loss agrees
     assert abs(h["loss"][0] - e["loss"][0]) < 1e-4
+    # compute lost to disk traffic beside it: measured, and the bound that adds it is no lower than the bound
+    i = res["interference"]
+    assert i["sgemm_per_s_alone"] > 0 and i["read_GBps"] > 0 and i["write_GBps"] > 0
+    assert i["read_s_per_GB"] >= 0 and i["write_s_per_GB"] >= 0
+    assert rows["harmony"]["bound_io_s"] >= rows["harmony"]["bound_s"] and "Harmony / bound_io" in p.stdout
     assert not list((tmp_path / "d").iterdir())          # the run's directory is removed
