@@ -455,9 +455,10 @@ def raw_disk(path: str, nbytes: int) -> tuple[float, float, str]:
 def io_interference(root: str, seconds: float, nbytes: int) -> dict:
     """Compute lost to disk traffic beside it: seconds of a whole-machine sgemm lost per byte read and written.
 
-    A square sgemm on every core runs alone, beside a loop of sequential 16 MiB reads of a file under
-    ``root`` (O_DIRECT where the filesystem takes it), beside a loop of writes, and alone again, each
-    for ``seconds``; lost = (1 - rate beside / rate alone) x seconds, per byte the loop moved. On this
+    A square sgemm on every core (compiler/machine.py's matmul_flops: the median run) runs alone, beside
+    a loop of sequential 16 MiB reads of a file under ``root`` (O_DIRECT where the filesystem takes it),
+    beside a loop of writes, and alone again, each for ``seconds``; lost = (1 - rate beside / rate alone)
+    x seconds, per byte the loop moved. On this
     VM the hypervisor steals the vCPUs' time while the disk works, so a byte moved during compute
     costs compute; the bound max(compute, disk) counts none of it.
     """
@@ -465,10 +466,10 @@ def io_interference(root: str, seconds: float, nbytes: int) -> dict:
     import threading
 
     import torch
-    from harmony.runtime.disk import O_DIRECT
+    from harmony.compiler.machine import matmul_flops, takes_direct_io
     path, chunk = os.path.join(root, "interference.bin"), 16 << 20
     size = max(chunk, nbytes // chunk * chunk)
-    buf = mmap.mmap(-1, chunk)
+    buf = mmap.mmap(-1, chunk)                 # page aligned, as O_DIRECT wants
     buf.write(os.urandom(1 << 20) * 16)
     view = memoryview(buf)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
@@ -478,36 +479,31 @@ def io_interference(root: str, seconds: float, nbytes: int) -> dict:
         os.fsync(fd)
     finally:
         os.close(fd)
+    direct = os.O_DIRECT if takes_direct_io(path, buf) else 0   # else buffered, as the disk tier falls back to
 
-    def loop(stop, moved, write):
-        try:
-            fd = os.open(path, os.O_RDWR | O_DIRECT)
-        except OSError:            # no direct I/O here: buffered, as the disk tier falls back to
-            fd = os.open(path, os.O_RDWR)
-        at = 0
-        try:
-            while not stop.is_set():
-                moved[0] += os.pwrite(fd, view, at) if write else os.preadv(fd, [view], at)
-                at = (at + chunk) % size
-        finally:
-            os.close(fd)
-
-    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
-
-    def rate(io=None):
+    def rate(io=None) -> tuple[float, int, float]:
+        """(sgemm FLOP/s on every core, bytes the ``io`` loop beside it moved, seconds it ran)."""
         stop, moved = threading.Event(), [0]
-        t = threading.Thread(target=loop, args=(stop, moved, io == "write")) if io else None
+
+        def loop():
+            fd = os.open(path, os.O_RDWR | direct)
+            try:
+                at = 0
+                while not stop.is_set():
+                    moved[0] += os.pwrite(fd, view, at) if io == "write" else os.preadv(fd, [view], at)
+                    at = (at + chunk) % size
+            finally:
+                os.close(fd)
+        t = threading.Thread(target=loop) if io else None
         if t:
             t.start()
-        n, t0 = 0, time.perf_counter()
-        while time.perf_counter() - t0 < seconds:
-            torch.mm(a, b)
-            n += 1
+        t0 = time.perf_counter()
+        flops = matmul_flops(seconds, torch.get_num_threads(), n=1024)
         took = time.perf_counter() - t0
         stop.set()
         if t:
             t.join()
-        return n / took, moved[0], took
+        return flops, moved[0], took
     try:
         first, (r, rb, rt), (w, wb, wt), last = rate()[0], rate("read"), rate("write"), rate()[0]
     finally:
@@ -517,8 +513,9 @@ def io_interference(root: str, seconds: float, nbytes: int) -> dict:
     alone = (first + last) / 2
     lost = {k: max(0.0, 1 - x / alone) * took / moved if moved else 0.0
             for k, x, moved, took in (("read", r, rb, rt), ("write", w, wb, wt))}
-    return dict(read_s_per_GB=1e9 * lost["read"], write_s_per_GB=1e9 * lost["write"], sgemm_per_s_alone=alone,
-                sgemm_per_s_reading=r, sgemm_per_s_writing=w, read_GBps=rb / rt / 1e9, write_GBps=wb / wt / 1e9)
+    return dict(read_s_per_GB=1e9 * lost["read"], write_s_per_GB=1e9 * lost["write"], sgemm_GFLOPs_alone=alone / 1e9,
+                sgemm_GFLOPs_reading=r / 1e9, sgemm_GFLOPs_writing=w / 1e9, read_GBps=rb / rt / 1e9,
+                write_GBps=wb / wt / 1e9)
 
 
 def run_child(system: str, a, workdir: str) -> dict:
@@ -583,9 +580,9 @@ def summarize(results: dict, a, probes: list, interference: dict | None = None) 
                      + ("" if compute_from == "eager" else ": eager did not run"))
     if interference:
         i = interference
-        notes.append(f"disk traffic beside compute (io_interference, at the end): a whole-machine sgemm ran "
-                     f"{i['sgemm_per_s_alone']:.3g}/s alone, {i['sgemm_per_s_reading']:.3g}/s beside reads at "
-                     f"{i['read_GBps']:.3g} GB/s, {i['sgemm_per_s_writing']:.3g}/s beside writes at "
+        notes.append(f"disk traffic beside compute (io_interference, at the end): a whole-machine sgemm ran at "
+                     f"{i['sgemm_GFLOPs_alone']:.3g} GFLOP/s alone, {i['sgemm_GFLOPs_reading']:.3g} beside reads at "
+                     f"{i['read_GBps']:.3g} GB/s, {i['sgemm_GFLOPs_writing']:.3g} beside writes at "
                      f"{i['write_GBps']:.3g} GB/s: {i['read_s_per_GB']:.3g} s of compute lost per GB read, "
                      f"{i['write_s_per_GB']:.3g} per GB written; bound_io_s = max(compute + that for the row's "
                      f"bytes, disk_bound_s), the bound for a system that overlaps its disk traffic with compute")

@@ -241,8 +241,7 @@ class _Measure(torch.fx.Interpreter):
         out_ids = {id(t.untyped_storage()) for t in outs}
         out_bytes = sum({id(t.untyped_storage()): t.untyped_storage().nbytes() for t in outs
                          if id(t.untyped_storage()) not in in_storages}.values())
-        saved_new = {k: t for k, t in saved.items() if k not in in_storages and k not in self.state_ids
-                     and k not in self.real_state_ids}
+        saved_new = {k: t for k, t in saved.items() if k not in in_storages and not self._is_state(k)}
         saved_bytes = sum(t.untyped_storage().nbytes() for t in saved_new.values())
         alias_of = next((i for i, a in enumerate(inputs) for t in _tensors(a)
                          if id(t.untyped_storage()) in out_ids), None)
@@ -314,23 +313,22 @@ def pack_signature(module: torch.fx.GraphModule, inputs: list, grad_inputs: list
     the state tensors it reads as ``_describe`` sees them. Packs of the same layers at other depths match."""
     at = {n: i for i, n in enumerate(module.graph.nodes)}
     storages: dict = {}
-    fake = {id(t.untyped_storage()) for t in run.state.values()}
     feed = iter(zip(inputs, grad_inputs))
 
-    def describe(x):
-        return _describe(x, lambda n: (at[n],), storages, lambda st: True)
+    def describe(x):    # the pack measures its inputs and state alike (leaves), so "state" is not told apart
+        return _describe(x, lambda n: (at[n],), storages, lambda st: False)
     try:
         items = []
         for n in module.graph.nodes:
             if n.op == "placeholder":
                 value, grad = next(feed)
-                items.append(("input", _describe(value, None, storages, fake.__contains__), grad))
+                items.append(("input", describe(value), grad))
             elif n.op == "get_attr":
                 items.append(("state", describe(_getattr(module, n.target))))
             elif n.op == "call_module":
                 mod = module.get_submodule(n.target)
-                items.append((n.op, _module_signature(mod), describe([t for t in mod.state_dict(keep_vars=True)
-                                                                      .values()]), describe((n.args, n.kwargs))))
+                items.append((n.op, _module_signature(mod), describe(list(mod.state_dict(keep_vars=True).values())),
+                              describe((n.args, n.kwargs))))
             else:
                 items.append((n.op, n.target, describe((n.args, n.kwargs))))
         return tuple(items), loss_output, keep, run.dtype

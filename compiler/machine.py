@@ -171,7 +171,7 @@ def disk_bandwidth(budget: float, path=None, block: int = 16 * 2**20, cap: int =
     fd, name = tempfile.mkstemp(prefix="harmony-disk-", dir=path)
     os.close(fd)
     try:
-        direct = os.O_DIRECT if _takes_direct_io(name, buf) else 0
+        direct = os.O_DIRECT if takes_direct_io(name, buf) else 0
         how = "O_DIRECT" if direct else "fsync + posix_fadvise DONTNEED"
         fd = os.open(name, os.O_WRONLY | direct)
         written, t0 = 0, time.perf_counter()
@@ -203,7 +203,7 @@ def disk_bandwidth(budget: float, path=None, block: int = 16 * 2**20, cap: int =
     return read, write, how
 
 
-def _takes_direct_io(name: str, buf) -> bool:
+def takes_direct_io(name: str, buf) -> bool:
     """Whether the file system under ``name`` takes an O_DIRECT write (tmpfs and some others refuse it)."""
     if not hasattr(os, "O_DIRECT"):
         return False

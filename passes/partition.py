@@ -292,11 +292,9 @@ class _Need:
         return sum(self.sizes[n] for n in frozenset().union(*(u.params for u in self.units[s:e])))
 
 
-def plan_packs(program: Program, units: list[Unit], budget: float, need: _Need | None = None
-               ) -> list[tuple[int, int]] | None:
-    """Exact DP over contiguous partitions: least predicted time, every pack within ``budget``."""
-    need = need or _Need(program, units)
-    n = len(units)
+def plan_packs(need: _Need, budget: float) -> list[tuple[int, int]] | None:
+    """Exact DP over contiguous partitions of ``need``'s units: least predicted time, every pack within ``budget``."""
+    n = len(need.units)
     best = [math.inf] * (n + 1)
     choice = [0] * (n + 1)
     best[0] = 0.0
@@ -481,20 +479,20 @@ def measured_need(program: Program, spec: PackSpec, last: bool) -> int:
     return int(max(state + grads + compute, step))
 
 
-def _working_set_cap(program: Program, units: list[Unit], budget: int, need: _Need) -> int:
+def _working_set_cap(need: _Need, budget: int) -> int:
     """The largest working set a pack may have: smaller packs leave room for resident state.
 
     Tries caps from the budget down to the largest single layer's need; keeps the one
     with the least predicted time, and among those within 2% of it the least traffic.
     """
-    n = len(units)
+    n = len(need.units)
     floor = max([need(i, i + 1, False)[0] for i in range(n - 1)] + [need(n - 1, n, True)[0]])
     if floor >= budget:
         return budget
     plans = []
     for k in range(10):
         cap = budget * (floor / budget) ** (k / 9)
-        cuts = plan_packs(program, units, cap, need)
+        cuts = plan_packs(need, cap)
         if cuts is not None:
             plans.append((cap, *need.plan_cost(cuts, budget)))
     if not plans:
@@ -506,9 +504,9 @@ def _working_set_cap(program: Program, units: list[Unit], budget: int, need: _Ne
 def _choose(program: Program, units: list[Unit], budget: int):
     """The DP on unit estimates, corrected by measuring the packs it picks until they fit."""
     need = _Need(program, units)
-    target = _working_set_cap(program, units, budget, need)
+    target = _working_set_cap(need, budget)
     for attempt in range(24):
-        cuts = plan_packs(program, units, target, need)
+        cuts = plan_packs(need, target)
         if cuts is None:   # the estimates say no; measured, every layer alone may still fit
             break
         specs = build_packs(program, cuts, units)

@@ -168,6 +168,16 @@ def _greedy(candidates, chosen: Choice, fits, room, bound=None, curve=None) -> t
 _COMPUTE = (ops.forward, ops.backward, ops.step)
 
 
+def tied_weights(plan) -> set[str]:
+    """Weights (parameters and buffers) that more than one pack reads: tied, as GPT-2's embedding and head."""
+    seen, tied = set(), set()
+    for spec in plan.packs:
+        mine = set(ops.state_names(spec, "params"))
+        tied |= seen & mine
+        seen |= mine
+    return tied
+
+
 def peak_bound(program: Program, curve, what, groups: dict, sizes: dict) -> int:
     """A lower bound on the predicted peak once ``what`` is kept as well, read off ``curve``, the chosen
     schedule's, without building the schedule that keeps it.
@@ -209,8 +219,7 @@ def peak_bound(program: Program, curve, what, groups: dict, sizes: dict) -> int:
                 last = [a for a in n.all_input_nodes if max(at[u] for u in a.users) == i]   # dying after it
                 hold(fwd[n.args[1]], i, saved - sum(curve.out[at[a]] for a in last))
     elif kind in ("held", "params"):
-        spec, since = plan.packs[pack], (-1 if kind == "params" else None)
-        shared = {x for other in plan.packs if other is not spec for x in ops.state_names(other, "params")}
+        spec, since, shared = plan.packs[pack], (-1 if kind == "params" else None), tied_weights(plan)
 
         def weights(held=()) -> int:   # a weight tied to another pack's may be on the device for that one
             return sum(sizes.get(("params", x), 0) for x in ops.moving_names(spec, "params", held) if x not in shared)
@@ -451,8 +460,7 @@ def keep_weight_parts(program: Program, chosen: Choice, fits, room: int, sizes: 
              if plan.step_on.get(spec.index) == "host" and spec.index not in chosen.held
              and spec.index not in chosen.device and plan.master_on.get(spec.index, "host") == "host"
              and len(swaps.get(spec.index, ((), ()))[0]) > 1]
-    shared = {n for a in plan.packs for b in plan.packs if a is not b
-              for n in set(a.params + a.buffers) & set(b.params + b.buffers)}
+    shared = tied_weights(plan)
     peak_at, at = list(curve.peak_at), {n: i for i, n in enumerate(curve.nodes)}
     taken: list = []
     for spec in order:
