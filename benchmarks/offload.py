@@ -32,7 +32,12 @@ steps under each system, each in its own subprocess so that peak RSS is per syst
 
 Every child runs with torch's huge-page CPU allocations (THP_MEM_ALLOC_ENABLE=1, which importing
 harmony sets; a value in the caller's environment wins), so the systems share one allocator
-setting; each row's notes say whether it was in effect (huge_pages).
+setting; each row's notes say whether it was in effect (huge_pages). The Harmony child imports
+harmony before torch, as a user's script would, so its idle OpenMP threads sleep at once
+(OMP_WAIT_POLICY=PASSIVE, harmony/process.py: 17.0 s a step instead of 18.3 here); the others
+keep libgomp's default, a spin of ~8 ms between parallel regions (eager PyTorch, the bound's
+compute, was no faster sleeping: 13.6 s against 12.9); each row's notes say which
+(idle_threads_sleep).
 
 Columns: median step time of the steps after the first (every step's time in the notes), and
 the CPU seconds (user + system, all threads) the child spent in it: on a shared machine wall
@@ -90,6 +95,10 @@ import traceback
 from pathlib import Path
 
 import common  # noqa: F401  (puts the repository on sys.path)
+
+# the caller's OpenMP settings: importing harmony here (the disk probes) sets OMP_WAIT_POLICY in this process's
+# environment, which must not reach the other systems' children
+CALLER_OMP = {k: os.environ.get(k) for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
 
 GiB = 2**30
 SYSTEMS = ("harmony", "deepspeed", "fsdp2", "eager")
@@ -397,8 +406,10 @@ SETUP = dict(eager=setup_eager, fsdp2=setup_fsdp2, harmony=setup_harmony, deepsp
 
 def child(a) -> None:
     import resource
+    if a.child == "harmony":
+        import harmony  # noqa: F401  (first, as a user's script would: it sets the process up before torch loads)
     import torch
-    from harmony.process import huge_pages
+    from harmony.process import huge_pages, idle_threads_sleep
     workdir = a.workdir
     result = {"system": a.child}
     t0 = time.perf_counter()
@@ -409,6 +420,7 @@ def child(a) -> None:
         result.update(info)
         result["setup_s"] = time.perf_counter() - t0
         result["huge_pages"] = huge_pages()
+        result["idle_threads_sleep"] = idle_threads_sleep()
         result["rss_after_setup"] = int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
         # clear_refs resets the high-water mark getrusage reads too: keep the setup's peak first
         result["peak_rss_setup"] = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, vm_hwm_bytes())
@@ -527,6 +539,11 @@ def run_child(system: str, a, workdir: str) -> dict:
         argv += [f"--{k.replace('_', '-')}", str(getattr(a, k))]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env.setdefault("THP_MEM_ALLOC_ENABLE", "1")   # the same allocator for every system (importing harmony sets it)
+    for k, v in CALLER_OMP.items():               # and the caller's OpenMP waits (the harmony child sets its own)
+        if v is None:
+            env.pop(k, None)
+        else:
+            env[k] = v
     t0 = time.perf_counter()
     p = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     wall = time.perf_counter() - t0

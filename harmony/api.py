@@ -17,7 +17,7 @@ from harmony.optim import optimizer_kwargs as optimizer_kwargs_for
 from harmony.runtime.executor import Runtime
 from harmony.runtime.ondemand import OnDemand
 from harmony.runtime.precision import PRECISIONS, SCALING_DEFAULTS
-from harmony.process import huge_pages, peak_rss_bytes
+from harmony.process import huge_pages, idle_threads_sleep, peak_rss_bytes
 from harmony.units import parse_bytes
 
 POLICIES = ("harmony", "sequential", "ondemand")
@@ -301,6 +301,7 @@ class ScheduledModule(torch.nn.Module):
         self.stats: dict = {}
         self.steps = 0
         self.huge_pages = huge_pages()     # torch's CPU allocations: one page fault per 2 MiB, not per 4 KiB
+        self.idle_threads_sleep = idle_threads_sleep()   # OpenMP threads between regions: sleep, or spin on a core
         self.runtime = self.predicted = None
         if program.schedule is not None:   # a pipeline cut short (passes=...) can be inspected, not run
             self.runtime = Runtime(plan, program.schedule, tensors, optimizers, cfg.memory_budget, device,
@@ -374,7 +375,8 @@ class ScheduledModule(torch.nn.Module):
                           predicted_peak=self.predicted.peak, budget=rt.meter.budget,
                           h2d_bytes=rt.state.moved["h2d"], d2h_bytes=rt.state.moved["d2h"],
                           predicted_h2d=self.predicted.moved["h2d"], predicted_d2h=self.predicted.moved["d2h"],
-                          peak_rss_bytes=peak_rss_bytes(), huge_pages=self.huge_pages)
+                          peak_rss_bytes=peak_rss_bytes(), huge_pages=self.huge_pages,
+                          idle_threads_sleep=self.idle_threads_sleep)
         self.stats.update(_disk_stats(rt.state))
         kinds = {n.name: n.target.__name__ for n in self.graph.nodes if n.op == "call_function"}
         for e in rt.events:          # where the step's time went on the thread that runs the schedule, by op

@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import resource
 import sys
+import time
 
 
 def peak_rss_bytes() -> int:
@@ -73,6 +74,73 @@ def huge_pages_note(on: bool) -> str:
         return f"off: transparent huge pages are disabled on this machine ({THP_SYSFS} says never)"
     return ("off: fresh tensors fault in 4 KiB at a time; import harmony before making the first tensor, or set "
             f"{THP_ENV}=1 (torch reads it once)")
+
+
+OMP_WAIT_ENV = "OMP_WAIT_POLICY"   # OpenMP's switch: what a thread does between parallel regions
+OMP_SPIN_ENV = "GOMP_SPINCOUNT"    # libgomp's: how long it spins first
+
+
+def ask_idle_threads_to_sleep() -> None:
+    """Make idle OpenMP threads sleep at once (``OMP_WAIT_POLICY=PASSIVE``) unless the user chose.
+
+    Called when ``harmony`` is imported. libgomp (torch's OpenMP, and MKL's threads with it)
+    reads the variable once, when torch loads it, so this takes effect only if torch was not
+    imported first; an ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` the user set is left alone.
+    By default a thread that finishes its share of a parallel region spins, waiting for the
+    next one, for about 8 ms on this machine before it sleeps. The runtime's disk and host
+    threads share the cores with the compute's OpenMP team: while the compute thread waits
+    for a read or runs the executor's Python between ops its partner spins, and when one of
+    those threads takes a core from a team member the other spins at the region's barrier.
+    On the 600M-parameter GPT of benchmarks/offload.py with its state on disk, steps took
+    17.0 s and 25.2 user CPU-seconds instead of 18.3 s and 28.1 (six steps each, runs
+    alternated; perf put 7.5% of the spinning run's samples in libgomp's wait loop, 1.8% of
+    eager PyTorch's); eager PyTorch's own step, which has no such threads, did not get faster
+    (12.9 s spinning, 13.6 s sleeping), nor did benchmarks/overhead.py's (0.85 s either way) or the
+    demo's (0.45-0.49 s either way).
+    """
+    if OMP_WAIT_ENV in os.environ or OMP_SPIN_ENV in os.environ or _loaded("libgomp"):
+        return
+    os.environ[OMP_WAIT_ENV] = "PASSIVE"
+
+
+_sleeps: bool | None = None
+
+
+def idle_threads_sleep() -> bool:
+    """Whether this process's idle OpenMP threads sleep at once (see ``ask_idle_threads_to_sleep``).
+
+    Measured once per process, not read from the environment (libgomp latched the policy when it
+    was loaded): the CPU time the process spends while its only running thread sleeps 10 ms right
+    after a parallel region is its partners spinning. True where torch runs one thread (no partner).
+    """
+    global _sleeps
+    if _sleeps is None:
+        import torch
+        if torch.get_num_threads() < 2 or not torch.backends.openmp.is_available():
+            _sleeps = True
+        else:
+            x = torch.zeros(1 << 20)     # above torch's grain size: a parallel region on every thread
+            spun = []
+            for _ in range(3):
+                x.add_(1.0)
+                t0 = time.process_time()
+                time.sleep(0.01)
+                spun.append(time.process_time() - t0)
+            _sleeps = min(spun) < 1e-3
+    return _sleeps
+
+
+def idle_threads_note(sleep: bool) -> str:
+    """What the report says of ``idle_threads_sleep()``."""
+    if sleep:
+        return "sleep: idle OpenMP threads leave the cores to the disk and host threads at once"
+    return (f"spin: idle OpenMP threads spin before they sleep, taking cores from the disk and host threads; "
+            f"import harmony before torch, or set {OMP_WAIT_ENV}=PASSIVE (libgomp reads it once)")
+
+
+def _loaded(library: str) -> bool:
+    """Whether a shared library whose file name starts with ``library`` is mapped into this process (Linux)."""
+    return any(f"/{library}" in line for line in _read("/proc/self/maps").splitlines())
 
 
 def _read(path: str) -> str:

@@ -59,7 +59,7 @@ def test_budget_error_names_a_budget_that_compiles():
 
 
 def _in_fresh_process(code: str, **env) -> str:
-    e = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
+    e = {k: v for k, v in os.environ.items() if k not in ("THP_MEM_ALLOC_ENABLE", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     e.update(env)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=e, timeout=120)
     assert out.returncode == 0, out.stderr
@@ -80,11 +80,28 @@ def test_importing_harmony_turns_on_torchs_huge_page_allocations_unless_the_user
     assert _in_fresh_process(late) == "False 1"
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="libgomp's mapping: Linux only")
+def test_importing_harmony_makes_idle_openmp_threads_sleep_unless_the_user_chose():
+    import torch
+    if torch.get_num_threads() < 2 or not torch.backends.openmp.is_available():
+        pytest.skip("one thread or no OpenMP: no partner to spin")
+    probe = "import os, harmony, torch; from harmony.process import idle_threads_sleep; " \
+            "print(idle_threads_sleep(), os.environ.get('OMP_WAIT_POLICY'))"
+    assert _in_fresh_process(probe) == "True PASSIVE"
+    assert _in_fresh_process(probe, OMP_WAIT_POLICY="ACTIVE") == "False ACTIVE"     # the user's choice stands
+    assert _in_fresh_process(probe, GOMP_SPINCOUNT="300000") == "False None"         # libgomp's own default
+    # libgomp read the environment when torch loaded it: too late to ask, so harmony leaves it, and the probe says so
+    assert _in_fresh_process("import torch; " + probe) == "False None"
+
+
 def test_the_report_says_whether_huge_pages_are_on():
-    from harmony.process import huge_pages_note
+    from harmony.process import huge_pages_note, idle_threads_note
     model, data = CASES["mlp"]()
     sm, stats, _ = run_compiled(copy.deepcopy(model), data, 1, training_state_bytes(model), "harmony")
     assert stats[-1]["huge_pages"] is sm.huge_pages
     flat = " ".join(sm.report().split())
     assert "huge pages " + huge_pages_note(sm.huge_pages) in flat
+    assert stats[-1]["idle_threads_sleep"] is sm.idle_threads_sleep
+    assert "OpenMP waits " + " ".join(idle_threads_note(sm.idle_threads_sleep).split()) in flat
+    assert idle_threads_note(True).startswith("sleep: ") and idle_threads_note(False).startswith("spin: ")
     assert huge_pages_note(True).startswith("on: ") and huge_pages_note(False).startswith("off: ")

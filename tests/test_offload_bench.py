@@ -1,8 +1,11 @@
 """benchmarks/offload.py runs end to end on a tiny model (harmony and eager columns; no timing asserts)."""
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
+
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -15,7 +18,8 @@ def test_offload_bench_tiny(tmp_path):
            "--seq", "32", "--batch", "2", "--steps", "2", "--systems", "harmony,eager", "--budget", "2MiB",
            "--host-budget", "1KiB", "--raw-bytes", str(8 * 2**20), "--dir", str(tmp_path / "d"),
            "--interference-seconds", "0.3", "--json", str(out)]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}  # a caller's defaults
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
     assert p.returncode == 0, p.stdout + p.stderr
     assert "offload: GPT" in p.stdout and "Harmony / bound" in p.stdout, p.stdout
     res = json.loads(out.read_text())
@@ -37,6 +41,10 @@ def test_offload_bench_tiny(tmp_path):
         if Path("/proc/stat").exists():
             assert all(0 <= v <= 1 for v in r["idle"] + r["steal"])
     assert h["peak_rss"] >= (h["peak_rss_steps"] or 0) > 0
+    # the harmony child imports harmony first (its idle OpenMP threads sleep); eager keeps the caller's OpenMP
+    # settings, although the parent imported harmony, which sets OMP_WAIT_POLICY in its own environment
+    if torch.get_num_threads() > 1 and torch.backends.openmp.is_available():
+        assert h["idle_threads_sleep"] is True and e["idle_threads_sleep"] is False
     # the disk tier was used; optimizer state alone on disk moves once each way, while packs wholly on disk
     # also read their weights for the forward and the backward
     assert h["plan.optim_on"].get("disk", 0) >= 1

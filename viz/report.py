@@ -350,7 +350,10 @@ class _Writer:
         if "huge_pages" in s:
             from harmony.process import huge_pages_note
             items.append(("huge pages", huge_pages_note(s["huge_pages"])))
+        if "idle_threads_sleep" in s:
+            from harmony.process import idle_threads_note
+            items.append(("OpenMP waits", idle_threads_note(s["idle_threads_sleep"])))
         known = {"measured_peak", "predicted_peak", "budget", "h2d_bytes", "d2h_bytes", "predicted_h2d",
-                 "predicted_d2h", "step_seconds", "peak_rss_bytes", "huge_pages"}
+                 "predicted_d2h", "step_seconds", "peak_rss_bytes", "huge_pages", "idle_threads_sleep"}
         items += [(k, fmt_value(k, v)) for k, v in s.items() if k not in known]
         self.pairs(items)
