@@ -380,7 +380,7 @@ class DiskStore:
         return self.path / f"pack-{pack:03d}.bin"
 
     @staticmethod
-    def _range(tensors) -> tuple[torch.Tensor, int] | None:
+    def file_range(tensors) -> tuple[torch.Tensor, int] | None:
         """The one aligned uint8 range holding ``tensors`` in file layout, if they are views made by ``empty``."""
         if not tensors:
             return None
@@ -404,12 +404,12 @@ class DiskStore:
         aligned buffer. The caller must not change them until the future resolves.
         """
         tensors = list(tensors)
-        rng = self._range(tensors)
+        rng = self.file_range(tensors)
         if rng is None:
             staged = self.empty([(t.shape, t.dtype) for t in tensors])
             for dst, src in zip(staged, tensors):
                 dst.copy_(src)
-            rng = self._range(staged)
+            rng = self.file_range(staged)
         buf, total = rng
         return self.write_parts(pack, [(buf, 0)], total)
 
@@ -436,11 +436,11 @@ class DiskStore:
     def read(self, pack: int, into) -> Future:
         """Read pack ``pack``'s file into ``into`` (same shapes and dtypes as written), after any write of it."""
         into = list(into)
-        rng = self._range(into)
+        rng = self.file_range(into)
         staged = None
         if rng is None:
             staged = self.empty([(t.shape, t.dtype) for t in into])
-            rng = self._range(staged)
+            rng = self.file_range(staged)
         buf, total = rng
         with self._lock:
             self.counters["read_issued"] += total

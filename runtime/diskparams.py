@@ -328,7 +328,7 @@ class DiskParams:
         ws = [self.tensors[n].data for n in names]
         specs = [(s, d) for _, _, s, d in lay[:len(names)]]
         if (self.device.type == "cpu" and all(w.dtype == d and tuple(w.shape) == s for w, (s, d) in zip(ws, specs))
-                and self.store._range(ws) is not None):
+                and self.store.file_range(ws) is not None):
             return ws, True
         out = self.store.empty(specs)
         with torch.no_grad():
@@ -340,7 +340,7 @@ class DiskParams:
         """The file written from two buffers: the weights up to the page the state starts on, and the state's
         buffer from there (the weights' last bytes before the state copied into it first)."""
         buf, at, state_at = tail
-        wbuf, _ = self.store._range(weights)
+        wbuf, _ = self.store.file_range(weights)
         if buf is None:
             return [(wbuf[:state_at], 0)], state_at
         if state_at > at:

@@ -454,7 +454,7 @@ def test_a_file_written_from_two_buffers_reads_back_whole_and_its_tail_alone(tmp
             v.copy_(torch.randn(v.shape, dtype=v.dtype))
         head = store.buffers.take(offsets[1])
         tail = store.buffers.take(total - at)
-        src, _ = store._range(whole)
+        src, _ = store.file_range(whole)
         head[:offsets[1]].copy_(src[:offsets[1]])
         tail.copy_(src[at:])
         store.write_parts(0, [(head[:at], 0), (tail, at)], total).result()
