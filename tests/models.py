@@ -79,7 +79,24 @@ def hf_bert_case(batch=4, seed=0, tie=False):
     return model, data
 
 
-CASES = {"mlp": mlp_case, "cnn": cnn_case, "gpt": gpt_case, "hf-gpt2": hf_gpt2_case, "hf-bert": hf_bert_case}
+def hf_llama_case(batch=4, seed=0, tie=False):
+    """Llama's parts: rotary position embeddings, grouped-query attention, RMSNorm, a gated SiLU MLP."""
+    transformers = __import__("pytest").importorskip("transformers")
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(num_hidden_layers=4, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                   intermediate_size=128, vocab_size=128, max_position_embeddings=32,
+                                   attention_dropout=0.0, tie_word_embeddings=tie, use_cache=False)
+    cfg._attn_implementation = "eager"
+    model = transformers.LlamaForCausalLM(cfg)
+    data = []
+    for _ in range(3):
+        ids = torch.randint(0, 128, (batch, 16))
+        data.append({"input_ids": ids, "labels": ids.clone()})
+    return model, data
+
+
+CASES = {"mlp": mlp_case, "cnn": cnn_case, "gpt": gpt_case, "hf-gpt2": hf_gpt2_case, "hf-bert": hf_bert_case,
+         "hf-llama": hf_llama_case}
 
 
 def call(model, batch):

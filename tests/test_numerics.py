@@ -66,7 +66,7 @@ def test_optimizer_on_the_device_matches_eager(case):
         assert torch.equal(a, b), name
 
 
-@pytest.mark.parametrize("case", ["hf-gpt2", "hf-bert"])
+@pytest.mark.parametrize("case", ["hf-gpt2", "hf-bert", "hf-llama"])
 @pytest.mark.parametrize("policy", POLICIES)
 def test_hugging_face_models_match_eager(case, policy):
     _check(case, policy, 0.5, 2)
