@@ -49,50 +49,37 @@ def gpt_case(batch=8, seed=0, **cfg):
     return GPT(c), list(copy_task(c, batch, 3, seed=seed))
 
 
-def hf_gpt2_case(batch=4, seed=0, tie=False):
+def _hf_case(model_class: str, config_class: str, batch: int, seed: int, **config):
+    """A small Hugging Face model with random weights and eager attention, and 3 batches of 16 tokens out of 128
+    (labels = inputs)."""
     transformers = __import__("pytest").importorskip("transformers")
     torch.manual_seed(seed)
-    cfg = transformers.GPT2Config(n_layer=4, n_embd=64, n_head=2, vocab_size=128, n_positions=32,
-                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=tie)
+    cfg = getattr(transformers, config_class)(vocab_size=128, **config)
     cfg._attn_implementation = "eager"
-    model = transformers.GPT2LMHeadModel(cfg)
+    model = getattr(transformers, model_class)(cfg)
     data = []
     for _ in range(3):
         ids = torch.randint(0, 128, (batch, 16))
         data.append({"input_ids": ids, "labels": ids.clone()})
     return model, data
+
+
+def hf_gpt2_case(batch=4, seed=0, tie=False):
+    return _hf_case("GPT2LMHeadModel", "GPT2Config", batch, seed, n_layer=4, n_embd=64, n_head=2, n_positions=32,
+                    resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=tie)
 
 
 def hf_bert_case(batch=4, seed=0, tie=False):
-    transformers = __import__("pytest").importorskip("transformers")
-    torch.manual_seed(seed)
-    cfg = transformers.BertConfig(num_hidden_layers=4, hidden_size=64, num_attention_heads=2,
-                                  intermediate_size=128, vocab_size=128, max_position_embeddings=32,
-                                  hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-                                  tie_word_embeddings=tie)
-    cfg._attn_implementation = "eager"
-    model = transformers.BertForMaskedLM(cfg)
-    data = []
-    for _ in range(3):
-        ids = torch.randint(0, 128, (batch, 16))
-        data.append({"input_ids": ids, "labels": ids.clone()})
-    return model, data
+    return _hf_case("BertForMaskedLM", "BertConfig", batch, seed, num_hidden_layers=4, hidden_size=64,
+                    num_attention_heads=2, intermediate_size=128, max_position_embeddings=32,
+                    hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, tie_word_embeddings=tie)
 
 
 def hf_llama_case(batch=4, seed=0, tie=False):
     """Llama's parts: rotary position embeddings, grouped-query attention, RMSNorm, a gated SiLU MLP."""
-    transformers = __import__("pytest").importorskip("transformers")
-    torch.manual_seed(seed)
-    cfg = transformers.LlamaConfig(num_hidden_layers=4, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-                                   intermediate_size=128, vocab_size=128, max_position_embeddings=32,
-                                   attention_dropout=0.0, tie_word_embeddings=tie, use_cache=False)
-    cfg._attn_implementation = "eager"
-    model = transformers.LlamaForCausalLM(cfg)
-    data = []
-    for _ in range(3):
-        ids = torch.randint(0, 128, (batch, 16))
-        data.append({"input_ids": ids, "labels": ids.clone()})
-    return model, data
+    return _hf_case("LlamaForCausalLM", "LlamaConfig", batch, seed, num_hidden_layers=4, hidden_size=64,
+                    num_attention_heads=4, num_key_value_heads=2, intermediate_size=128, max_position_embeddings=32,
+                    attention_dropout=0.0, tie_word_embeddings=tie, use_cache=False)
 
 
 CASES = {"mlp": mlp_case, "cnn": cnn_case, "gpt": gpt_case, "hf-gpt2": hf_gpt2_case, "hf-bert": hf_bert_case,
