@@ -502,7 +502,8 @@ def _working_set_cap(need: _Need, budget: int) -> int:
 
 
 def _choose(program: Program, units: list[Unit], budget: int):
-    """The DP on unit estimates, corrected by measuring the packs it picks until they fit."""
+    """The DP on unit estimates, corrected by measuring the packs it picks until they fit; returns the cuts,
+    the packs (None, None where nothing fits) and the estimates (``_Need``, which the report reads again)."""
     need = _Need(program, units)
     target = _working_set_cap(need, budget)
     for attempt in range(24):
@@ -512,15 +513,15 @@ def _choose(program: Program, units: list[Unit], budget: int):
         specs = build_packs(program, cuts, units)
         worst = max(measured_need(program, s, i == len(specs) - 1) for i, s in enumerate(specs))
         if worst <= budget:
-            return cuts, specs
+            return cuts, specs, need
         # scale the estimates' target by what measuring found; if that does not converge (a pack the
         # estimates under-count stays too big), step down geometrically until the DP gives up
         target = int(target * min(budget / worst * 0.97, 0.8 if attempt >= 8 else 1.0))
     # the corrections did not converge, or the estimates rule every plan out: every layer a pack of
     # its own is the least any plan needs, so it decides (a larger budget must not fail where a
     # smaller one works)
-    cuts, specs, need = _layers_alone(program, units)
-    return (cuts, specs) if need <= budget else (None, None)
+    cuts, specs, least = _layers_alone(program, units)
+    return (cuts, specs, need) if least <= budget else (None, None, need)
 
 
 def run(program: Program, ctx) -> PassResult:
@@ -530,7 +531,7 @@ def run(program: Program, ctx) -> PassResult:
     program.units = [u.nodes for u in units]
     program.fake_batch_bytes = {ph.name: _tensor_bytes(program.fake.vals[ph], floating=False)
                                 for ph in program.gm.graph.nodes if ph.op == "placeholder"}
-    cuts, specs = _choose(program, units, cfg.usable_budget)
+    cuts, specs, need = _choose(program, units, cfg.usable_budget)
     if cuts is None:
         floor = _smallest_budget(program, units)
         raise BudgetError(
@@ -545,7 +546,6 @@ def run(program: Program, ctx) -> PassResult:
                         precision=cfg.precision, loss_scaling=dict(cfg.loss_scaling),
                         state_owner=dict(cfg.state_owner or {}), rank=cfg.rank,
                         state_bytes={n: b for n, b in device_sizes(program).items() if n in (cfg.state_owner or {})})
-    need = _Need(program, units)
     rows = [dict(pack=s.index, layers=s.name, units=e - b, params_MiB=s.param_bytes / 2**20,
                  saved_MiB=s.saved_bytes / 2**20,
                  need_MiB=measured_need(program, s, i == len(cuts) - 1) / 2**20,

@@ -178,9 +178,9 @@ def tied_weights(plan) -> set[str]:
     return tied
 
 
-def peak_bound(program: Program, curve, what, groups: dict, sizes: dict) -> int:
+def peak_bound(program: Program, curve, what, groups: dict, sizes: dict, shared: set[str]) -> int:
     """A lower bound on the predicted peak once ``what`` is kept as well, read off ``curve``, the chosen
-    schedule's, without building the schedule that keeps it.
+    schedule's, without building the schedule that keeps it (``shared``: the plan's ``tied_weights``).
 
     Keeping ``what`` leaves bytes on the device over spans of the chosen schedule where they are not now:
     a stashed activation from its stash to its unstash; a kept graph's saved activations from the pack's
@@ -219,7 +219,7 @@ def peak_bound(program: Program, curve, what, groups: dict, sizes: dict) -> int:
                 last = [a for a in n.all_input_nodes if max(at[u] for u in a.users) == i]   # dying after it
                 hold(fwd[n.args[1]], i, saved - sum(curve.out[at[a]] for a in last))
     elif kind in ("held", "params"):
-        spec, since, shared = plan.packs[pack], (-1 if kind == "params" else None), tied_weights(plan)
+        spec, since = plan.packs[pack], (-1 if kind == "params" else None)
 
         def weights(held=()) -> int:   # a weight tied to another pack's may be on the device for that one
             return sum(sizes.get(("params", x), 0) for x in ops.moving_names(spec, "params", held) if x not in shared)
@@ -265,7 +265,7 @@ def run(program: Program, ctx) -> PassResult:
             return memory_curve(program, check_residency=False)
         sizes = state_sizes(program)
         chosen, rows = _greedy(graphs, Choice(plan.resident, set()), fits_all, budget,
-                               lambda c, what: peak_bound(program, c, what, {}, sizes))
+                               lambda c, what: peak_bound(program, c, what, {}, sizes, set()))   # graphs only
         fits_all(chosen)
         report.rows = rows
         report.notes.append("everything fits the budget: all state stays resident, no swap inserted"
@@ -337,8 +337,10 @@ def run(program: Program, ctx) -> PassResult:
     # a graph worth less than a single parameter's optimizer state (2 bytes per byte) takes what that leaves
     low = [c for c in candidates if c[2][0] == "graph" and c[0] < 2]
 
+    shared = tied_weights(plan)
+
     def bound(c, what):
-        return peak_bound(program, c, what, groups, sizes)
+        return peak_bound(program, c, what, groups, sizes, shared)
     chosen, rows = _greedy([c for c in candidates if c not in low], chosen, fits, room, bound, curve)
     rows += keep_optimizer_parts(program, chosen, fits, room, sizes)
     chosen, more = _greedy(low, chosen, fits, room, bound)
