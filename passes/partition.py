@@ -332,7 +332,7 @@ def build_packs(program: Program, cuts: list[tuple[int, int]], units: list[Unit]
                 node.meta[PACK] = i
     output = next(n for n in gm.graph.nodes if n.op == "output")
     loss_node = output.args[0]
-    trainable = {n for n, p in gm.named_parameters() if p.requires_grad}
+    trainable = dict.fromkeys(n for n, p in gm.named_parameters() if p.requires_grad)   # model order: not a set
     sizes = device_sizes(program)
     master = {n: t.numel() * t.element_size() for n, t in gm.named_parameters()}
     specs = []
