@@ -64,6 +64,7 @@ def memory_curve(program, graph: torch.fx.Graph | None = None, check_residency: 
     model = MemoryModel(plan, state_sizes(program))
     for what, names in resident_state(plan):
         model.hold(what, names)
+    model.carry_in(graph)
     model.moved = {"h2d": 0, "d2h": 0}
     free_after = last_uses(graph)
     env: dict = {}

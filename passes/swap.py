@@ -28,6 +28,12 @@
    The room that leaves (less than the next pack's state) goes to single parameters of
    host-stepped packs, stepped on the device with all their state resident, first packs first
    (``plan.device_parts``): the host step of their pack leaves them.
+7. Packs wholly on disk (weights too) read their weights from their files for each visit. The
+   room left at the end of the backward and the start of the forward (where the turn's
+   activations are gone or not yet made) keeps the weights of the packs stepped last on the
+   device from their step to the next iteration's forward, first packs first
+   (``plan.carried``; ``release(..., carry=True)`` and ``swap_in(..., carried=True)``): one
+   disk read less per byte held (runtime/diskparams.py).
 
 Recompute is a choice made here too (``recompute="auto"``): a pack that keeps its
 forward's graph (its activations, for every microbatch until its backward) runs its
@@ -68,6 +74,7 @@ class Choice(NamedTuple):
     device: frozenset = frozenset()   # host-stepped packs moved to a device step, all their state resident
     parts: frozenset = frozenset()    # (pack, param): single weights held between visits, where the whole pack's are not
     steps: frozenset = frozenset()    # (pack, param): single parameters of host-stepped packs stepped on the device
+    carried: frozenset = frozenset()  # wholly-disk packs whose stepped weights stay for the next iteration's forward
 
 
 def graph_candidates(program: Program) -> list[tuple]:
@@ -97,6 +104,8 @@ def _row(what, size, per_byte) -> dict:
         kind = "params between visits"
     elif what[0] == "device":
         kind = "all state (device step)"
+    elif what[0] == "carry":
+        kind = "params across steps"
     elif what[0] == "keep":
         kind = f"{what[1]} outputs" if what[1] == "forward" else "input grads"
     else:
@@ -111,6 +120,8 @@ def _with(chosen: Choice, what) -> Choice:
         return chosen._replace(kept=chosen.kept | {what[1]})
     if what[0] == "held":
         return chosen._replace(held=chosen.held | {what[1]})
+    if what[0] == "carry":
+        return chosen._replace(carried=chosen.carried | {what[1]})
     if what[0] == "device":
         return chosen._replace(resident=chosen.resident | {(what[1], k) for k in KINDS},
                                held=chosen.held - {what[1]}, device=chosen.device | {what[1]})
@@ -121,11 +132,12 @@ def _with(chosen: Choice, what) -> Choice:
 def _rank(candidate) -> tuple:
     """Most saved per byte first; among equals the largest, except weights held between visits: the last packs
     first, whose visits are closest (an early pack's weights would be held through every other pack's), and
-    device steps: the first packs first (theirs are held the longest)."""
+    device steps: the first packs first (theirs are held the longest), and weights carried across steps: the
+    first packs first (the last stepped, the first the forward takes)."""
     per_byte, size, what = candidate
     if what[0] == "held":
         return -per_byte, -what[1]
-    if what[0] == "device":
+    if what[0] in ("device", "carry"):
         return -per_byte, what[1]
     return -per_byte, -size
 
@@ -253,7 +265,7 @@ def run(program: Program, ctx) -> PassResult:
         report.notes.append("policy ondemand: no planned movement; the runtime fetches state when an op "
                             "touches it and evicts the least recently used state when the budget is hit")
         return PassResult(program, report)
-    plan.optim_resident, plan.held, plan.params_held, plan.device_parts = {}, set(), {}, {}
+    plan.optim_resident, plan.held, plan.params_held, plan.device_parts, plan.carried = {}, set(), {}, {}, set()
     plan.resident = {(p.index, k) for p in plan.packs for k in KINDS}
     mixed = program.config.precision != "fp32"   # host steps update fp32 masters: compute copies come in afresh
     graphs = graph_candidates(program)
@@ -284,9 +296,10 @@ def run(program: Program, ctx) -> PassResult:
     sizes = state_sizes(program)
 
     def fits(c: Choice):
-        program.schedule = build(base, c.resident, c.stashed, groups, c.kept, c.held, c.device, c.parts)
+        program.schedule = build(base, c.resident, c.stashed, groups, c.kept, c.held, c.device, c.parts, c.carried)
         plan.resident = c.resident
         plan.held = set(c.held)
+        plan.carried = set(c.carried)
         plan.params_held = {n: sizes[("params", n)] for _, n in c.parts}
         plan.device_parts = {n: step_extra(program.optim_profile, [sizes[("params", n)]]) for _, n in c.steps}
         return memory_curve(program, check_residency=False)
@@ -349,6 +362,8 @@ def run(program: Program, ctx) -> PassResult:
     rows += more
     chosen, more = keep_step_parts(program, chosen, fits, room, sizes)
     rows += more
+    chosen, more = carry_weights(program, chosen, fits, room, sizes)
+    rows += more
     curve = fits(chosen)
     for p in chosen.device:
         plan.step_on[p] = plan.optim_on[p] = "device"
@@ -360,7 +375,8 @@ def run(program: Program, ctx) -> PassResult:
                          stashes=counts.get("stash", 0), unstashes=counts.get("unstash", 0),
                          kept_on_device=len(rows), held_between_visits=len(chosen.held),
                          params_held_between_visits=len(chosen.parts), params_stepped_on_device=len(chosen.steps),
-                         device_stepped=len(chosen.device), recomputing_packs=n_packs - 1 - len(chosen.kept),
+                         device_stepped=len(chosen.device), carried_across_steps=len(chosen.carried),
+                         recomputing_packs=n_packs - 1 - len(chosen.kept),
                          predicted_peak_MiB=curve.peak / 2**20,
                          h2d_MiB=curve.moved["h2d"] / 2**20, d2h_MiB=curve.moved["d2h"] / 2**20,
                          seconds=time.perf_counter() - start)
@@ -380,6 +396,11 @@ def run(program: Program, ctx) -> PassResult:
         report.notes.append(f"{len(chosen.steps)} parameters of host-stepped packs step on the device, one at a time, "
                             f"with their weights, gradients and optimizer state resident (the room left after "
                             f"whole packs): the host step of their packs leaves them")
+    if chosen.carried:
+        report.notes.append(f"packs {', '.join(map(str, sorted(chosen.carried)))} keep their weights on the device "
+                            f"from their step to the next step's forward (params across steps): stepped there, "
+                            f"written to their files all the same, and not read back for the forward (from the "
+                            f"second step on)")
     if graphs:
         report.notes.append("activations (no recompute): saves_per_byte is the recompute time saved, as bytes the "
                             "host link moves in that time, per byte held")
@@ -537,3 +558,32 @@ def keep_step_parts(program: Program, chosen: Choice, fits, room: int, sizes: di
             rows.append(dict(kept=f"all state (device step, {len(mine)}/{len(spec.stepped)} params)", pack=spec.index,
                              MiB=sum(sizes[("optim", n)] for n in mine) / 2**20, saves_per_byte=1))
     return chosen, rows
+
+
+def carry_weights(program: Program, chosen: Choice, fits, room: int, sizes: dict) -> tuple[Choice, list[dict]]:
+    """Fill what room is left with the weights of wholly-disk packs kept on the device across the step boundary.
+
+    Such a pack's weights are read from its files for the forward and again for the backward,
+    after which its step updates them where they are (on the CPU device) and writes them back.
+    At the end of the backward the device holds little, and the packs stepped last are the first
+    the next forward reads: weights left on the device from the step to that forward are not read
+    again (1 byte saved per byte held, a disk read rather than a host copy). They live over the end
+    of the backward and the start of the forward, where the activations held for the backward
+    are fewest, so they use room the choices above (all at the turn) cannot. First packs first;
+    the files kept in host memory are stepped and copied there as before (``ops.carried_names``).
+    """
+    plan = program.plan
+    swaps = param_swaps(program.schedule)
+    candidates = []
+    for spec in plan.packs:
+        outs = swaps.get(spec.index, ((), ()))[1]
+        if plan.master_on.get(spec.index) != "disk" or not outs or not outs[-1].kwargs.get("handoff"):
+            continue
+        in_memory = set((plan.disk_in_memory or {}).get(spec.index, ()))
+        size = sum(sizes.get(("params", n), 0) for i, names in enumerate(plan.disk_groups.get(spec.index, ()))
+                   if i not in in_memory for n in names)
+        if size:
+            candidates.append((1, size, ("carry", spec.index)))
+    if not candidates:
+        return chosen, []
+    return _greedy(candidates, chosen, fits, room)

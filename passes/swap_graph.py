@@ -164,6 +164,21 @@ def hold_between_visits(graph: torch.fx.Graph, packs, parts=frozenset()) -> None
             n.kwargs = {**n.kwargs, "held": held}
 
 
+def carry_across_steps(graph: torch.fx.Graph, packs) -> None:
+    """The ``packs``' weights (wholly on disk, stepped on the host right after their backward) stay on the
+    device from their step to the next iteration's forward: the backward's release hands them over
+    (``carry=True``) and the forward's first ``swap_in`` takes them instead of reading their files
+    (``carried=True``). A pack whose last release of its weights is not a hand-over is left as it is; one
+    with a single visit, or held between its visits, keeps its weights on the device for good (its step still
+    writes them to its file)."""
+    swaps = param_swaps(graph) if packs else {}
+    for pack in packs:
+        ins, outs = swaps.get(pack, ([], []))
+        if ins and outs and outs[-1].kwargs.get("handoff"):
+            ins[0].kwargs = {**ins[0].kwargs, "carried": True}
+            outs[-1].kwargs = {**outs[-1].kwargs, "carry": True}
+
+
 def step_on_device(graph: torch.fx.Graph, packs) -> None:
     """The ``packs``' optimizer steps run on the device (their state is resident: nothing streams)."""
     for n in calls(graph):
@@ -172,10 +187,12 @@ def step_on_device(graph: torch.fx.Graph, packs) -> None:
 
 
 def build(base: torch.fx.Graph, resident: set, stashed: set, groups: dict, kept: frozenset = frozenset(),
-           held: frozenset = frozenset(), device: frozenset = frozenset(), parts: frozenset = frozenset()):
+           held: frozenset = frozenset(), device: frozenset = frozenset(), parts: frozenset = frozenset(),
+           carried: frozenset = frozenset()):
     """The swapped schedule: ``resident`` state left in place, the ``stashed`` groups sent to the host,
     the ``kept`` packs' graphs held for their backward, the ``held`` packs' weights (and the ``parts``,
-    single weights) held between visits, the ``device`` packs (host-stepped in ``base``) stepped on the device."""
+    single weights) held between visits, the ``device`` packs (host-stepped in ``base``) stepped on the device,
+    the ``carried`` packs' stepped weights kept on the device for the next iteration's forward."""
     g = copy_graph(base)
     keep_graphs(g, kept)
     step_on_device(g, device)
@@ -183,6 +200,7 @@ def build(base: torch.fx.Graph, resident: set, stashed: set, groups: dict, kept:
         _drop_swaps(g, pack, (kind,))
     hold_between_visits(g, held, parts)
     mark_streams(g, resident)
+    carry_across_steps(g, carried)
     by_name = {n.name: n for n in g.nodes}
     order = {n: i for i, n in enumerate(g.nodes)}
     for key in stashed:

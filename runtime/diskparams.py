@@ -41,6 +41,12 @@ memory, and any use of it outside a swap_in shows as NaN), and its optimizer sta
   copies its weights (2.2 GB per step in the offload benchmark), and from ``join`` on that
   copy counts as the write's host buffer, not device memory (``sm.stats['disk_steps_in_place']``).
 
+* ``carry`` (the swap pass's ``plan.carried``, where the device has room at the end of the
+  backward): a handed group's stepped weights stay on the device, still counted by the meter
+  (on the CPU device they are the backward's own copy, stepped in place; elsewhere the update
+  is copied back into it), and the next iteration's forward ``swap_in`` takes them instead of
+  reading the file. The file is written all the same (checkpoints, the backward's read).
+
 Files the offload pass keeps in host memory (``plan.disk_in_memory``: the room the host budget
 leaves) are held in ``_kept`` for good: read for the device by a copy, stepped in place, never
 written or read. A step that fails midway leaves such a file as the step left it (there is no
@@ -122,6 +128,8 @@ class DiskParams:
         # files that stay in host memory (``plan.disk_in_memory``): in ``_kept`` for good, never written or read
         self.in_memory = {self.pack_groups[p][i] for p, idx in (in_memory or {}).items() for i in idx}
         self.handed: set[int] = set()    # packs whose step takes the weights from the device (``handoff``)
+        self.carry: set[int] = set()     # handed packs whose stepped weights stay on the device (``carry``)
+        self._carried: dict[int, list[torch.Tensor]] = {}   # group -> its stepped weights, for the next forward
         self.order = [g for p in dict.fromkeys(list(order) + list(pack_groups)) for g in self.pack_groups.get(p, [])]
         self.files = [g for g in self.order if g not in self.in_memory]    # the groups read and written, in order
         self.layouts: dict[int, list[tuple[str, str, tuple, torch.dtype]]] = {}
@@ -152,8 +160,10 @@ class DiskParams:
             return None
         self = cls(DiskStore(offload_dir), groups, tensors, optimizers, step_order(graph), meter, device,
                    in_memory=getattr(plan, "disk_in_memory", None))
-        self.handed = {n.args[0] for n in graph.nodes if n.op == "call_function" and n.target.__name__ == "release"
-                       and n.args[1] == "params" and n.kwargs.get("handoff")}
+        releases = [n for n in graph.nodes if n.op == "call_function" and n.target.__name__ == "release"
+                    and n.args[1] == "params"]
+        self.handed = {n.args[0] for n in releases if n.kwargs.get("handoff")}
+        self.carry = {n.args[0] for n in releases if n.kwargs.get("handoff") and n.kwargs.get("carry")}
         try:
             for gid, names in enumerate(self.groups):
                 lay = [(n, PARAM, tuple(tensors[n].shape), tensors[n].dtype) for n in names]
@@ -183,6 +193,10 @@ class DiskParams:
         futs, out = [], []
         for gid in dict.fromkeys(self.pack_of[n] for n in names):
             lay = [e for e in self.layouts[gid] if e[1] == PARAM]
+            carried = self._carried.pop(gid, None)
+            if carried is not None:    # the last step left them on the device, up to date: nothing to read
+                out += [(n, v, v) for (n, _, _, _), v in zip(lay, carried)]
+                continue
             views = self.store.empty([(s, d) for _, _, s, d in lay])
             kept = self._kept.get(gid)
             if kept is not None:       # its last write failed: the weights are in host memory
@@ -248,6 +262,8 @@ class DiskParams:
         weights, in_place = None, False
         if handed and tail is not None:
             weights, in_place = self._weights_for_step(names, lay)
+        # ``carry``: the device's copies of the weights stay there, updated, for the next iteration's forward
+        carry = [self.tensors[n].data for n in names] if handed and self.group_pack[gid] in self.carry else None
         held = {(n, k): v for (n, k, _, _), v in zip(lay, views)}
         keep = self._device_refs          # a background step: device copies live until ``join``
         for i, n in enumerate(names):
@@ -285,6 +301,12 @@ class DiskParams:
                 self._kept[gid] = views
             raise
         entries = [(n, PARAM, self.tensors[n].data) for n in names]
+        if carry is not None:
+            if not in_place:      # stepped in a host copy: the device's copy takes the update
+                with torch.no_grad():
+                    for d, (_, _, w) in zip(carry, entries):
+                        d.copy_(w)
+            self._carried[gid] = carry
         for n in names:
             opt = self.optimizers.get(n)
             for k, v in (opt.state.get(self.tensors[n], {}) if opt is not None else {}).items():
@@ -312,10 +334,10 @@ class DiskParams:
                 self.prefetch(nxt_wrap)
             return
         if in_place:        # the device's copy is the write's buffer now: off the device when the step is
-            self.in_place += 1
-            if keep is None:
+            self.in_place += 1     # (unless carried: it stays there for the next forward; the write only reads it)
+            if carry is None and keep is None:
                 self.meter.forget(weights[0])
-            else:
+            elif carry is None:
                 self._stepped_in_place.append(weights[0])
         fut = self.store.write_parts(gid, *parts) if parts is not None else self.store.write(gid, out)
         self._writing.append((gid, fut, out))
@@ -401,6 +423,9 @@ class DiskParams:
                 continue
             with self._lock:
                 self._kept[gid] = views
+            carried = self._carried.pop(gid, None)
+            if carried is not None:     # the device's copy is the kept buffer now: host memory, read from there
+                self.meter.forget(carried[0])
             if isinstance(e, OffloadError):
                 e.add_note(f"the weights and optimizer state of parameter group {gid} "
                            f"({', '.join(self.groups[gid][:3])}{', ...' if len(self.groups[gid]) > 3 else ''}) are "
@@ -435,6 +460,7 @@ class DiskParams:
         old = self._reads.pop(gid, None)
         if old is not None:
             wait_all([old[0]])
+        self._carried.pop(gid, None)       # the device's copy of the old weights: the file has the new ones
         with self._lock:
             self._kept.pop(gid, None)
         lay, values = [], []
@@ -492,4 +518,5 @@ class DiskParams:
             wait_all([f for _, f, _ in self._writing])
         finally:
             self._writing = []
+            self._carried.clear()
             self.store.close()

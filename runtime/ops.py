@@ -75,6 +75,17 @@ class MemoryModel:
     def resident(self, kind, name) -> bool:
         return self.refs.get((kind, name), 0) > 0
 
+    def carry_in(self, graph) -> None:
+        """The weights the last step left on the device for this one (``swap_in(..., carried=True)``): live from
+        the start, held until the forward that takes them releases them; nothing moves."""
+        for n in graph.nodes:
+            if n.op == "call_function" and n.target is swap_in and n.kwargs.get("carried"):
+                for name in carried_names(self.plan, n.args[0]):
+                    k = ("params", name)
+                    self.refs[k] = self.refs.get(k, 0) + 1
+                    if self.refs[k] == 1:
+                        self.live += self.sizes.get(k, 0)
+
 
 @dataclass
 class OpDef:
@@ -85,9 +96,9 @@ class OpDef:
 
 
 # -- stubs: the names a schedule graph calls ----------------------------------------------------
-def swap_in(pack: int, what: str, held: tuple = ()): ...
+def swap_in(pack: int, what: str, held: tuple = (), carried: bool = False): ...
 def wait(handle): ...
-def release(pack: int, what: str, handoff: bool = False, held: tuple = ()): ...
+def release(pack: int, what: str, handoff: bool = False, held: tuple = (), carry: bool = False): ...
 def load_batch(mb: int, names: tuple): ...
 def forward(pack: int, mb: int, *inputs, keep: bool = False): ...
 def backward(pack: int, mb: int, *inputs, saved=None, grads=()): ...
@@ -126,6 +137,16 @@ def moving_names(spec, what: str, held=()) -> list[str]:
     return [n for n in names if n not in held]
 
 
+def carried_names(plan, pack: int) -> list[str]:
+    """The weights of a wholly-disk pack that stay on the device from its step to the next iteration's forward
+    (``plan.carried``): those of its files on disk. A file kept in host memory (``plan.disk_in_memory``) is
+    stepped there and copied in for each use, as without the carry."""
+    if pack not in (getattr(plan, "carried", None) or ()):
+        return []
+    in_memory = set((getattr(plan, "disk_in_memory", None) or {}).get(pack, ()))
+    return [n for i, names in enumerate(plan.disk_groups.get(pack, ())) if i not in in_memory for n in names]
+
+
 def resident_state(plan):
     """(kind, names) held on the device for the whole run: whole packs' state, single parameters' optimizer state,
     and all the state of single parameters of host-stepped packs that step on the device."""
@@ -144,12 +165,17 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 # -- swap_in / wait / release ------------------------------------------------------------------
-def _swap_in_execute(rt, pack, what, held=()):
+def _swap_in_execute(rt, pack, what, held=(), carried=False):
+    # ``carried``: the disk tier hands over the weights its last step left on the device instead of reading them
     return rt.state.fetch(what, moving_names(rt.plan.packs[pack], what, held))
 
 
-def _swap_in_effect(m, pack, what, held=()):
-    m.hold(what, moving_names(m.plan.packs[pack], what, held))
+def _swap_in_effect(m, pack, what, held=(), carried=False):
+    names = moving_names(m.plan.packs[pack], what, held)
+    if carried:     # on the device since the last step: ``memory_curve`` holds them from the start of the step
+        carry = set(carried_names(m.plan, pack))
+        names = [n for n in names if n not in carry]
+    m.hold(what, names)
     return None, 0
 
 
@@ -157,10 +183,12 @@ def _held_bytes(plan, held) -> int:
     return sum((getattr(plan, "params_held", None) or {}).get(n, 0) for n in held)
 
 
-def _swap_in_cost(plan, hw, pack, what, held=()):
+def _swap_in_cost(plan, hw, pack, what, held=(), carried=False):
     spec = plan.packs[pack]
     size = {"params": spec.param_bytes + spec.buffer_bytes, "grads": spec.param_bytes,
             "optim": spec.optim_bytes}[what]
+    if carried:
+        size *= (getattr(plan, "disk_in_memory_share", None) or {}).get(pack, 0.0)   # only the files in memory
     return "h2d", max(0, size - _held_bytes(plan, held)) / hw.h2d_bandwidth
 
 
@@ -168,7 +196,7 @@ def _wait_execute(rt, handle):
     rt.state.wait(handle)
 
 
-def _release_execute(rt, pack, what, handoff=False, held=()):
+def _release_execute(rt, pack, what, handoff=False, held=(), carry=False):
     keep = ()
     pd = rt.state.params_disk
     if handoff and pd is not None:   # the disk step after it takes this pack's own gradients from the device
@@ -176,8 +204,14 @@ def _release_execute(rt, pack, what, handoff=False, held=()):
     rt.state.release(what, moving_names(rt.plan.packs[pack], what, held), keep=keep)
 
 
-def _release_effect(m, pack, what, handoff=False, held=()):
+def _release_effect(m, pack, what, handoff=False, held=(), carry=False):
     names = moving_names(m.plan.packs[pack], what, held)
+    if carry and what == "params":   # stepped where they are and kept there for the next forward: live to the end
+        kept = set(carried_names(m.plan, pack))
+        before = m.live
+        m.drop(what, [n for n in names if n in kept])
+        m.live = before
+        names = [n for n in names if n not in kept]
     if handoff:    # the pack's own gradients stay on the device until the disk step after it takes them
         owned = [n for n in names if n in set(m.plan.packs[pack].owned)]
         names = [n for n in names if n not in set(owned)]
@@ -193,7 +227,7 @@ def _release_effect(m, pack, what, handoff=False, held=()):
     return None, 0
 
 
-def _release_cost(plan, hw, pack, what, handoff=False, held=()):
+def _release_cost(plan, hw, pack, what, handoff=False, held=(), carry=False):
     spec = plan.packs[pack]
     # the whole write-back; the simulator scales it by what the effect moves (dirty params, existing grads)
     size = {"params": spec.param_bytes, "grads": spec.param_bytes, "optim": spec.optim_bytes}[what]

@@ -89,6 +89,8 @@ class Plan:
     disk_in_memory: dict = field(default_factory=dict)  # pack -> [indices into disk_groups[pack]]: files that
                                                         # stay in host memory (spare host budget), never on disk
     disk_in_memory_share: dict = field(default_factory=dict)  # pack -> the share of its files' bytes they hold
+    carried: set = field(default_factory=set)    # wholly-disk packs whose stepped weights stay on the device from
+                                                 # their step to the next iteration's forward (``carried_names``)
     policy: str = "harmony"
     precision: str = "fp32"                      # fp32 | bf16 | fp16: dtype of device copies (runtime/precision.py)
     loss_scaling: dict = field(default_factory=dict)   # fp16: LossScaler arguments

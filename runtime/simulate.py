@@ -162,6 +162,7 @@ def simulate(graph: torch.fx.Graph, plan: Plan, hw, device: int = 0, memory=None
     model = MemoryModel(plan, _OnePerTensor() if sizes is None else sizes, refs=defaultdict(int))
     for what, names in resident_state(plan):
         model.hold(what, names)
+    model.carry_in(graph)
     values: dict[torch.fx.Node, object] = {}
     events: list[SimEvent] = []
     op_events: list[SimEvent] = []         # one per schedule op, in program order
@@ -259,7 +260,8 @@ def simulate(graph: torch.fx.Graph, plan: Plan, hw, device: int = 0, memory=None
 def disk_io(plan: Plan, node, dev) -> dict:
     """Seconds an op reads from and writes to disk (the disk tiers: runtime/disk.py, runtime/diskparams.py).
 
-    A ``swap_in`` of a wholly-disk pack's weights reads them; the step of a wholly-disk pack
+    A ``swap_in`` of a wholly-disk pack's weights reads them (unless the last step left them on the device:
+    ``carried``); the step of a wholly-disk pack
     reads and writes its files (weights and optimizer state), that of a pack with optimizer
     state alone on disk reads and writes that state.
     """
@@ -273,8 +275,8 @@ def disk_io(plan: Plan, node, dev) -> dict:
     read = written = 0
     # files kept in host memory (plan.disk_in_memory) are neither read nor written
     on_disk = 1 - (getattr(plan, "disk_in_memory_share", None) or {}).get(pack, 0.0)
-    if name == "swap_in" and node.args[1] == "params" and whole:
-        read = spec.param_bytes * on_disk
+    if name == "swap_in" and node.args[1] == "params" and whole and not node.kwargs.get("carried"):
+        read = spec.param_bytes * on_disk      # carried: on the device since the last step, nothing read
     elif name == "step" and (whole or optim):
         written = (spec.optim_bytes + (spec.param_bytes if whole else 0)) * on_disk
         read = written

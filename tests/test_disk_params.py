@@ -13,6 +13,7 @@ import torch
 import harmony
 import harmony.runtime.disk as disk
 from harmony.errors import BudgetError, ConfigError, OffloadError
+from harmony.runtime import ops
 from harmony.models import GPT, GPTConfig, copy_task
 from harmony.runtime.diskparams import PARAM, is_placeholder
 from models import assert_bitwise, params
@@ -106,7 +107,11 @@ def test_each_file_is_read_ahead_and_the_traffic_is_as_planned(runs):
         # weights come in for the forward and the backward (the last pack's once)
         assert pd.handed == set(range(len(sm.plan.packs)))
         last = sum(t.numel() * 4 for n, t in sm.program.gm.named_parameters() if n in sm.plan.packs[-1].owned)
-        assert files + weights - last - slack <= s["disk_read_bytes"] <= files + weights + slack
+        # the packs stepped last leave their weights on the device for the next forward: read once, or not at all
+        assert sm.plan.carried and pd.carry == sm.plan.carried
+        kept = {n for p in sm.plan.carried for n in ops.carried_names(sm.plan, p)}
+        carried = sum(t.numel() * 4 for n, t in sm.program.gm.named_parameters() if n in kept)
+        assert files + weights - last - carried - slack <= s["disk_read_bytes"] <= files + weights - carried + slack
     else:                                                 # sequential: the weights come in for every microbatch
         assert s["disk_read_bytes"] > files + 2 * weights
     # on the CPU device a handed group's step updates the backward's copy of the weights where it is and
@@ -141,6 +146,50 @@ def test_checkpoints_resume_bitwise_and_load_across_placements(tmp_path):
     assert train(c, DATA[2:]) == ref_losses[2:]
     assert_bitwise(c, ref_params)
     c.close()
+    assert offload_dirs(tmp_path) == []
+
+
+def test_weights_carried_across_steps_skip_their_read_and_a_load_replaces_them(tmp_path):
+    """The packs stepped last keep their stepped weights on the device for the next forward (plan.carried): the
+    backward's release hands them over with ``carry``, the forward's first swap_in takes them (``carried``),
+    nothing is read for it, and a checkpoint loaded in between replaces them."""
+    ref = compile_gpt(weights_on="host")
+    ref_losses = train(ref, DATA)
+    ref_params = params(ref)
+    ref.close()
+    sm = compile_gpt(offload_dir=tmp_path)
+    pd, plan = sm.runtime.state.params_disk, sm.plan
+    assert plan.carried and plan.carried != set(range(len(plan.packs)))
+    swaps = {}
+    for n in sm.graph.nodes:
+        if n.op == "call_function" and n.target in (ops.swap_in, ops.release) and n.args[1] == "params":
+            swaps.setdefault(n.args[0], []).append(n)
+    for p, nodes in swaps.items():       # graph shape: the first swap_in and the last release of each carried pack
+        flags = [(n.target is ops.swap_in, bool(n.kwargs.get("carried") or n.kwargs.get("carry"))) for n in nodes]
+        assert flags == ([(True, True)] + [(x, False) for x, _ in flags[1:-1]] + [(False, True)] if p in plan.carried
+                         else [(x, False) for x, _ in flags])
+    assert all(n.kwargs.get("handoff") for p in plan.carried for n in swaps[p][-1:])
+    train(sm, DATA[:1])
+    carried = {g for p in plan.carried for g in pd.pack_groups[p] if g not in pd.in_memory}
+    assert set(pd._carried) == carried
+    # between steps they are on the device, counted by its meter, and up to date with their files
+    assert all(sm.runtime.meter.holds(v[0]) for v in pd._carried.values())
+    assert sm.runtime.meter.live >= sum(v[0].untyped_storage().nbytes() for v in pd._carried.values())
+    on_device = {n: v.clone() for g in carried for (n, _, _, _), v in zip(pd.layouts[g], pd._carried[g])}
+    saved = disk_params(sm)
+    assert all(torch.equal(on_device[n], saved[n]) for n in on_device)
+    sd = sm.state_dict()
+    sd = dict(sd, model={n: t.clone() for n, t in sd["model"].items()},
+              optimizer={n: {k: v.clone() for k, v in s.items()} for n, s in sd["optimizer"].items()})
+    train(sm, DATA[1:2])
+    assert set(pd._carried) == carried
+    sm.load_state_dict(sd)                 # back to the first step's state: the carried weights are stale now
+    assert pd._carried == {}
+    assert train(sm, DATA[1:]) == ref_losses[1:]
+    assert_bitwise(sm, ref_params)
+    text = sm.report()
+    assert "params across steps" in text and "carried to the next forward" in text
+    sm.close()
     assert offload_dirs(tmp_path) == []
 
 

@@ -89,7 +89,7 @@ def _tiers(program) -> dict:
     if plan is None:
         return {}
     from harmony.compiler.verify import state_sizes
-    from harmony.runtime.ops import state_names
+    from harmony.runtime.ops import carried_names, state_names
     gm, cfg = program.gm, program.config
     dtype = cfg.compute_dtype
     state = list(gm.parameters()) + list(gm.buffers())
@@ -97,18 +97,33 @@ def _tiers(program) -> dict:
     sizes = state_sizes(program)
     resident = {(kind, n) for pack, kind in plan.resident for n in state_names(plan.packs[pack], kind)}
     optim_on = getattr(plan, "optim_on", None) or {}
+    master_on = getattr(plan, "master_on", None) or {}
+    share = getattr(plan, "disk_in_memory_share", None) or {}
     optim = {"device": 0, "host": 0, "disk": 0}
+    on_disk = disk_masters = 0    # fp32 weights (and optimizer state) of wholly-disk packs, less files kept in memory
     for spec in plan.packs:
+        if master_on.get(spec.index) == "disk":
+            mine = set(spec.owned)
+            owned = sum(t.numel() * t.element_size() for n, t in gm.named_parameters() if n in mine)
+            masters -= owned
+            disk_masters += owned
+            on_disk += (owned + spec.optim_bytes) * (1 - share.get(spec.index, 0.0))
+            optim["host"] += (owned + spec.optim_bytes) * share.get(spec.index, 0.0)
+            continue
         if spec.stepped and all(("optim", n) in resident for n in spec.stepped):
             where = "device"
         else:        # a device step streams its state in and out: between steps it is on the host
             where = "disk" if optim_on.get(spec.index) == "disk" else "host"
         optim[where] += spec.optim_bytes
+    # weights the last step left on the device for the next forward (``plan.carried``): a copy, also on disk
+    carried = sum(sizes.get(("params", n), 0) for p in getattr(plan, "carried", ()) or () for n in carried_names(plan, p))
     return dict(precision=getattr(cfg, "precision", "fp32"),
                 compute_dtype=str(dtype).replace("torch.", "") if dtype else "the model's dtype",
                 device_copy_bytes=sum(device_bytes(t, dtype) for t in state), master_bytes=masters,
+                disk_master_bytes=disk_masters,
                 device_bytes=sum(sizes.get(k, 0) for k in resident if k[0] != "optim") + optim["device"],
-                host_bytes=masters + optim["host"], disk_bytes=optim["disk"])
+                carried_bytes=carried, host_bytes=masters + int(optim["host"]),
+                disk_bytes=optim["disk"] + int(on_disk))
 
 
 def _packs(program) -> list[dict]:
@@ -268,9 +283,12 @@ class _Writer:
             copies = (f"{tiers['precision']}: device copies in {tiers['compute_dtype']} "
                       f"({fmt_bytes(tiers['device_copy_bytes'])}), "
                       f"masters {fmt_bytes(tiers['master_bytes'])} on the host"
+                      + (f", {fmt_bytes(tiers['disk_master_bytes'])} on disk" if tiers.get("disk_master_bytes") else "")
                       + (", optimizer steps fp32 masters on the host" if tiers["precision"] != "fp32" else ""))
-            rest = (f"device {fmt_bytes(tiers['device_bytes'])} resident, host {fmt_bytes(tiers['host_bytes'])}, "
-                    f"disk {fmt_bytes(tiers['disk_bytes'])}")
+            rest = (f"device {fmt_bytes(tiers['device_bytes'])} resident"
+                    + (f" + {fmt_bytes(tiers['carried_bytes'])} of weights carried to the next forward"
+                       if tiers.get("carried_bytes") else "")
+                    + f", host {fmt_bytes(tiers['host_bytes'])}, disk {fmt_bytes(tiers['disk_bytes'])}")
             items += [("precision", copies), ("between steps", rest)]
         self.pairs(items + [("compile", compile_)])
 
