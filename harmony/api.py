@@ -322,6 +322,10 @@ class ScheduledModule(torch.nn.Module):
                     if state.params_disk is not None:   # the weights are in their files: no host copy stays
                         for n in state.params_disk.pack_of:
                             state.master[n] = tensors[n].data
+                    if torch.device(device).type == "cpu":     # their free I/O buffers: within the device's room
+                        for tier in (state.disk, state.params_disk):
+                            if tier is not None:
+                                tier.store.buffers.share_room(self.runtime.meter)
                 except BaseException:
                     self.runtime.close()
                     raise

@@ -46,6 +46,8 @@ class MemoryMeter:
         self._sizes: dict[int, int] = {}
         self._lock = threading.Lock()
         self.on_pressure = None  # callable(bytes_needed) -> bytes_freed, for on-demand eviction
+        self.caches: list = []   # free memory kept for reuse in the same memory (disk.Buffers.share_room): trimmed
+                                 # so that it and the live bytes stay within the budget
 
     def _release(self, key: int) -> None:
         with self._lock:
@@ -68,6 +70,13 @@ class MemoryMeter:
         weakref.finalize(s, self._release, key)
         if over and enforce:
             self._over_budget(n)
+        if self.caches and self.budget is not None:
+            excess = self.live + sum(c.free_bytes for c in self.caches) - self.budget
+            for c in self.caches:
+                if excess > 0:
+                    before = c.free_bytes
+                    c.trim(excess)
+                    excess -= before - c.free_bytes
 
     def _over_budget(self, n: int) -> None:
         if self.on_pressure is not None:

@@ -407,6 +407,46 @@ def test_by_default_the_pool_keeps_what_was_once_in_use_and_no_more():
     assert pool.held == pool.free_bytes == 0
 
 
+def test_on_the_cpu_device_free_buffers_stay_within_the_room_its_budget_leaves():
+    """share_room: the CPU device's tensors and the pool's free buffers are the same memory, so the free ones are
+    kept only while they and the device's live bytes fit its budget, and are unmapped as the device grows."""
+    import gc
+    MiB = 1 << 20
+    meter = MemoryMeter("dev", budget=40 * MiB)
+    pool = disk.Buffers()
+    pool.share_room(meter)
+
+    def within():
+        return meter.live + pool.free_bytes <= meter.budget
+    three = [pool.take(8 * MiB) for _ in range(3)]
+    for b in three:
+        meter.track(b)                                      # weights read into the device, as read_params does
+    del three, b
+    gc.collect()
+    assert meter.live == 0 and pool.free_bytes == 24 * MiB and within()   # all kept: the device has room
+    acts = [torch.empty(4 * MiB, dtype=torch.uint8) for _ in range(5)]
+    for a in acts:
+        meter.track(a)                                      # activations the forward makes: the pool gives way
+    assert meter.live == 20 * MiB and pool.free_bytes == 16 * MiB and within()
+    more = torch.empty(12 * MiB, dtype=torch.uint8)
+    meter.track(more)
+    assert pool.free_bytes <= 8 * MiB and within()
+    again = pool.take(8 * MiB)                              # the room left serves a read without mapping anew
+    meter.track(again)
+    fresh = pool.fresh
+    del again
+    gc.collect()
+    assert pool.fresh == fresh and within()
+    del acts, a, more
+    gc.collect()
+    keep = pool.free_bytes
+    big = [pool.take(8 * MiB) for _ in range(2)]            # with the device empty again, buffers freed are kept
+    del big
+    gc.collect()
+    assert pool.free_bytes >= keep and within()
+    pool.clear()
+
+
 @pytest.mark.parametrize("direct", [None, False])
 def test_a_rewrite_overwrites_the_file_in_place_and_a_shorter_layout_shrinks_it(tmp_path, monkeypatch, direct):
     """Each step writes a pack's file again: into its blocks (never opened with O_TRUNC, which freed and

@@ -91,6 +91,10 @@ def test_the_budget_holds_and_the_prediction_is_close(runs):
     s = runs["sm"].stats
     assert s["measured_peak"] <= s["budget"]
     assert abs(s["predicted_peak"] - s["measured_peak"]) <= 0.10 * s["measured_peak"]
+    # the files' free I/O buffers are the CPU device's memory too: kept only in the room its budget leaves
+    sm = runs["sm"]
+    pool = sm.runtime.state.params_disk.store.buffers
+    assert pool in sm.runtime.meter.caches and sm.runtime.meter.live + pool.free_bytes <= s["budget"]
 
 
 def test_each_file_is_read_ahead_and_the_traffic_is_as_planned(runs):
