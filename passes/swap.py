@@ -579,9 +579,7 @@ def carry_weights(program: Program, chosen: Choice, fits, room: int, sizes: dict
         outs = swaps.get(spec.index, ((), ()))[1]
         if plan.master_on.get(spec.index) != "disk" or not outs or not outs[-1].kwargs.get("handoff"):
             continue
-        in_memory = set((plan.disk_in_memory or {}).get(spec.index, ()))
-        size = sum(sizes.get(("params", n), 0) for i, names in enumerate(plan.disk_groups.get(spec.index, ()))
-                   if i not in in_memory for n in names)
+        size = sum(sizes.get(("params", n), 0) for n in ops.carried_names(plan, spec.index))
         if size:
             candidates.append((1, size, ("carry", spec.index)))
     if not candidates:

@@ -138,11 +138,9 @@ def moving_names(spec, what: str, held=()) -> list[str]:
 
 
 def carried_names(plan, pack: int) -> list[str]:
-    """The weights of a wholly-disk pack that stay on the device from its step to the next iteration's forward
-    (``plan.carried``): those of its files on disk. A file kept in host memory (``plan.disk_in_memory``) is
-    stepped there and copied in for each use, as without the carry."""
-    if pack not in (getattr(plan, "carried", None) or ()):
-        return []
+    """The weights of a wholly-disk pack that its step can leave on the device for the next iteration's forward
+    (``plan.carried``, the graph's ``carry``/``carried``): those of its files on disk. A file kept in host
+    memory (``plan.disk_in_memory``) is stepped there and copied in for each use, carried or not."""
     in_memory = set((getattr(plan, "disk_in_memory", None) or {}).get(pack, ()))
     return [n for i, names in enumerate(plan.disk_groups.get(pack, ())) if i not in in_memory for n in names]
 
