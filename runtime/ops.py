@@ -55,22 +55,32 @@ class MemoryModel:
     handed: dict = field(default_factory=dict)   # pack -> gradient bytes its release left for a disk step
     overlapping: int = 0   # bytes an overlapped disk step holds on the device (gradients, handed weights) until the next
 
-    def hold(self, kind, names, pack=None):
+    def hold(self, kind, names, moves: bool = True):
+        """Take a reference to each; the first brings its bytes onto the device (``moves``: copied in, else
+        already there, as weights the last step left)."""
         for n in names:
             k = (kind, n)
             self.refs[k] = self.refs.get(k, 0) + 1
             if self.refs[k] == 1 and (kind != "grads" or n in self.grads_exist):
                 self.live += self.sizes.get(k, 0)
-                self.moved["h2d"] += self.sizes.get(k, 0)
+                if moves:
+                    self.moved["h2d"] += self.sizes.get(k, 0)
 
-    def drop(self, kind, names, write_back=False):
+    def drop(self, kind, names, write_back=False, stays=False) -> int:
+        """Drop a reference to each; the last takes its bytes off the device, unless ``stays``: released by
+        the schedule but still on the device (handed to a disk step, carried to the next iteration).
+        Returns those bytes."""
+        freed = 0
         for n in names:
             k = (kind, n)
             self.refs[k] -= 1
             if self.refs[k] == 0 and (kind != "grads" or n in self.grads_exist):
-                self.live -= self.sizes.get(k, 0)
+                freed += self.sizes.get(k, 0)
                 if kind != "params" or write_back:
                     self.moved["d2h"] += self.sizes.get(k, 0)
+        if not stays:
+            self.live -= freed
+        return freed
 
     def resident(self, kind, name) -> bool:
         return self.refs.get((kind, name), 0) > 0
@@ -80,11 +90,7 @@ class MemoryModel:
         the start, held until the forward that takes them releases them; nothing moves."""
         for n in graph.nodes:
             if n.op == "call_function" and n.target is swap_in and n.kwargs.get("carried"):
-                for name in carried_names(self.plan, n.args[0]):
-                    k = ("params", name)
-                    self.refs[k] = self.refs.get(k, 0) + 1
-                    if self.refs[k] == 1:
-                        self.live += self.sizes.get(k, 0)
+                self.hold("params", carried_names(self.plan, n.args[0]), moves=False)
 
 
 @dataclass
@@ -206,17 +212,12 @@ def _release_effect(m, pack, what, handoff=False, held=(), carry=False):
     names = moving_names(m.plan.packs[pack], what, held)
     if carry and what == "params":   # stepped where they are and kept there for the next forward: live to the end
         kept = set(carried_names(m.plan, pack))
-        before = m.live
-        m.drop(what, [n for n in names if n in kept])
-        m.live = before
+        m.drop(what, [n for n in names if n in kept], stays=True)
         names = [n for n in names if n not in kept]
     if handoff:    # the pack's own gradients stay on the device until the disk step after it takes them
         owned = [n for n in names if n in set(m.plan.packs[pack].owned)]
         names = [n for n in names if n not in set(owned)]
-        before = m.live
-        m.drop(what, owned)
-        m.handed[pack] = m.handed.get(pack, 0) + before - m.live
-        m.live = before
+        m.handed[pack] = m.handed.get(pack, 0) + m.drop(what, owned, stays=True)
     changed = [n for n in names if n in m.dirty]     # only what changed goes back (a shard's params, say)
     m.drop(what, [n for n in names if n not in m.dirty])
     m.drop(what, changed, write_back=True)
