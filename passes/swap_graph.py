@@ -203,7 +203,7 @@ def build(base: torch.fx.Graph, resident: set, stashed: set, groups: dict, kept:
     carry_across_steps(g, carried)
     by_name = {n.name: n for n in g.nodes}
     order = {n: i for i, n in enumerate(g.nodes)}
-    for key in stashed:
+    for key in sorted(stashed):     # in one order in every process (a set of strings follows the hash seed)
         if key[0] == "forward" and key[1] in kept:
             continue      # a kept forward's outputs carry its graph: they stay on the device
         for name in groups[key]:

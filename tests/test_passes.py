@@ -442,6 +442,33 @@ def test_recompute_always_where_keeping_graphs_does_not_pay():
     assert others and (not graphs or min(graphs) > min(others))
 
 
+SAME_PLAN = """
+import sys, torch, harmony
+sys.path.insert(0, sys.argv[1])
+from models import CASES, training_state_bytes
+model, data = CASES["gpt"](layers=6, width=256, seq=64, vocab=128, batch=16)
+sm = harmony.compile(model, example_batch=data[0], memory_budget=int(training_state_bytes(model) * 0.4),
+                     microbatches=4)
+assert any(n.target.__name__ == "stash" for n in sm.graph.nodes if n.op == "call_function")
+print(sm.code)
+"""
+
+
+def test_the_schedule_is_the_same_in_every_process():
+    """Nothing in the plan or its code follows Python's string hash seed (a set of names iterated to insert
+    the stashes did, in the order of two stashes after one forward)."""
+    import os
+    import subprocess
+    here = os.path.dirname(os.path.abspath(__file__))
+    codes = set()
+    for seed in ("1", "2", "3"):
+        out = subprocess.run([sys.executable, "-c", SAME_PLAN, here], capture_output=True, text=True, timeout=300,
+                             env={**os.environ, "PYTHONHASHSEED": seed})
+        assert out.returncode == 0, out.stderr[-2000:]
+        codes.add(out.stdout)
+    assert len(codes) == 1
+
+
 def test_unknown_recompute_is_a_config_error():
     with pytest.raises(ConfigError, match="recompute='sometimes'; choose one of 'auto', 'always'"):
         compiled(recompute="sometimes")
