@@ -442,6 +442,30 @@ def test_recompute_always_where_keeping_graphs_does_not_pay():
     assert others and (not graphs or min(graphs) > min(others))
 
 
+def test_graphs_worth_less_than_traffic_take_only_the_room_residency_leaves(monkeypatch):
+    """Planned for a GPU behind PCIe, a tiny pack's graph saves less recompute time than the link moves bytes
+    in it (< 1 B/B), where a parameter stepped on the device saves one byte moved per byte held: with room left
+    after whole packs (cut here so the last pack is small), the swap pass fills it with single parameters'
+    device steps before graphs, so it plans exactly what it plans when graphs are not candidates at all."""
+    from harmony.passes import partition
+
+    def small_last_pack(program, units, budget):
+        cuts = [(0, 23), (23, 30), (30, len(units))]
+        return cuts, partition.build_packs(program, cuts, units), partition._Need(program, units)
+    monkeypatch.setattr(partition, "_choose", small_last_pack)
+    plans = {}
+    for recompute in ("auto", "always"):
+        sm, _ = compiled(frac=0.6, case="gpt", layers=4, width=128, vocab=256, seq=32, batch=4, recompute=recompute,
+                         hardware="gtx1080ti")
+        assert [len(s.params) for s in sm.plan.packs] == [26, 18, 9]      # the cuts above, on this model
+        swap = next(r for r in sm.program.reports if r.title.startswith("swap"))
+        plans[recompute] = (swap.totals["h2d_MiB"], swap.totals["d2h_MiB"], sorted(sm.plan.device_parts),
+                            sorted(sm.plan.params_held), sm.code)
+        assert sm.plan.device_parts, "room was left for single parameters' device steps"
+        sm.close()
+    assert plans["auto"] == plans["always"]
+
+
 SAME_PLAN = """
 import sys, torch, harmony
 sys.path.insert(0, sys.argv[1])
