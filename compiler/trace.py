@@ -36,13 +36,9 @@ import dataclasses
 import inspect
 import io
 import keyword
-import linecache
 import logging
-import os
 import sys
-import sysconfig
 import time
-import traceback
 from collections.abc import Mapping
 from typing import Any, Callable, Sequence
 
@@ -53,6 +49,8 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.nn.utils.stateless import _reparametrize_module
 
 from harmony.compiler.meta import MODULE_PATH
+from harmony.compiler.trace_errors import (eager_error, first_line, forward_signature, input_error,
+                                           signature_text, untraceable)
 from harmony.errors import ConfigError, HarmonyError, InputError, TraceError
 
 __all__ = ["FRONTENDS", "MODULE_PATH", "TRACE_INFO", "TraceInfo", "module_path_of", "trace"]
@@ -124,9 +122,9 @@ def trace(
             except Exception as error:  # any failure of a front end: try the next one
                 failures[name] = error
         if raw is None:
-            raise _untraceable(model, step, batch, failures)
+            raise untraceable(model, step, batch, failures)
         if "fx" in failures:
-            notes.append(f"torch.fx could not trace the model ({_first_line(failures['fx'])}); used torch.export")
+            notes.append(f"torch.fx could not trace the model ({first_line(failures['fx'])}); used torch.export")
             if leaf_modules:
                 notes.append("torch.export traces through leaf_modules; they are not single nodes")
         gm, constants = _rebuild(raw, model, step)
@@ -161,7 +159,7 @@ class _Batch:
             keys, tensors = tuple(batch), tuple(batch.values())
             bad = [k for k in keys if not isinstance(k, str) or not k.isidentifier() or keyword.iskeyword(k) or k == "self"]
             if bad:
-                raise InputError(f"example_batch keys must be argument names of {_signature(model)}; got {bad}")
+                raise InputError(f"example_batch keys must be argument names of {signature_text(model)}; got {bad}")
         elif isinstance(batch, (tuple, list)):
             keys, tensors = None, tuple(batch)
         else:
@@ -176,7 +174,7 @@ class _Batch:
             need = "the model's inputs followed by loss_fn's target" if has_target else "at least one tensor"
             raise InputError(f"example_batch holds {len(tensors)} tensors; it needs {need}")
 
-        signature = _forward_signature(model)
+        signature = forward_signature(model)
         model_part = tensors[:-1] if has_target else tensors
         if signature is not None:
             try:
@@ -188,7 +186,7 @@ class _Batch:
                 hints = [] if has_target else ["if the last tensor is a target, pass loss_fn=..."]
                 hints += ["pass a dict to give the tensors by argument name"] if keys is None else []
                 raise InputError(
-                    f"{_signature(model)} cannot take the batch: {error}. "
+                    f"{signature_text(model)} cannot take the batch: {error}. "
                     f"The batch holds {len(tensors)} tensors"
                     + (" (the last is loss_fn's target)" if has_target else "")
                     + (f"; {'; '.join(hints)}" if hints else "")
@@ -213,20 +211,6 @@ def _unaliased(tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         result.append(tensor.clone() if storage in seen or id(tensor) in seen else tensor)
         seen |= {storage, id(tensor)}
     return tuple(result)
-
-
-def _forward_signature(model: torch.nn.Module) -> inspect.Signature | None:
-    try:
-        return inspect.signature(model.forward)
-    except (TypeError, ValueError):
-        return None
-
-
-def _signature(model: torch.nn.Module, limit: int = 6) -> str:
-    signature = _forward_signature(model)
-    params = [str(p).split(":")[0].split("=")[0].strip() for p in signature.parameters.values()] if signature else ["..."]
-    shown = ", ".join(params[:limit]) + (", ..." if len(params) > limit else "")
-    return f"{type(model).__name__}.forward({shown})"
 
 
 def _positional_names(signature: inspect.Signature | None, count: int) -> list[str]:
@@ -593,136 +577,10 @@ def _propagate_fake_values(gm: torch.fx.GraphModule, model: torch.nn.Module, ste
     except Exception as error:
         for node in gm.graph.nodes:
             node.meta.pop("val", None)
-        eager = _eager_error(step, batch)
+        eager = eager_error(step, batch)
         if eager is not None:
-            raise _input_error(model, batch, eager)
-        return [f"fake tensors could not run the graph ({_first_line(error)}); node.meta['val'] is not set"]
+            raise input_error(model, batch, eager)
+        return [f"fake tensors could not run the graph ({first_line(error)}); node.meta['val'] is not set"]
     what = "loss_fn returned" if batch.has_target else f"{type(model).__name__}.forward returned"
     _checked_loss(gm.graph.output_node().args[0].meta["val"], what)
     return []
-
-
-def _eager_error(step: _TrainStep, batch: _Batch) -> Exception | None:
-    """Run the step eagerly (no grad, state restored) to tell a bad batch from an untraceable model."""
-    saved = [(b, b.detach().clone()) for b in step.buffers()]
-    try:
-        with torch.no_grad(), torch.random.fork_rng(devices=[]):
-            step(*batch.tensors)
-    except HarmonyError:
-        raise
-    except Exception as error:
-        return error
-    finally:
-        with torch.no_grad():
-            for buffer, value in saved:
-                buffer.copy_(value)
-    return None
-
-
-def _input_error(model: torch.nn.Module, batch: _Batch, error: Exception) -> InputError:
-    where = _user_frame(error, model)
-    at = f"\n  at {where}" if where else ""
-    input_error = InputError(
-        f"{_signature(model)} fails on the example batch: {type(error).__name__}: {_first_line(error)}{at}\n"
-        f"The batch holds {batch.describe()}."
-    )
-    input_error.__cause__ = error
-    return input_error
-
-
-def _untraceable(model: torch.nn.Module, step: _TrainStep, batch: _Batch, failures: dict[str, Exception]) -> HarmonyError:
-    eager = _eager_error(step, batch)
-    if eager is not None:
-        return _input_error(model, batch, eager)
-    label = {"fx": "torch.fx.symbolic_trace", "export": "torch.export"}
-    located = {name: _user_frame(error, model) for name, error in failures.items()}
-    # The last front end tried is the most capable; report where it stopped.
-    name = next((n for n in reversed(failures) if located[n]), list(failures)[-1])
-    lines = [f"Cannot trace {type(model).__name__} into a graph: {label[name]} failed"]
-    where = located[name]
-    if where:
-        lines.append(f"  at {where}")
-    lines.append(f"  error: {type(failures[name]).__name__}: {_first_line(failures[name])}")
-    for other, error in failures.items():
-        if other != name:
-            at = f" at {located[other].location}" if located[other] else ""
-            lines.append(f"  ({label[other]} also failed{at}: {_first_line(error)})")
-    if _data_dependent(failures[name]):
-        why, rewrite = "Python control flow that depends on tensor values cannot be captured", "express the branch with torch.where / torch.cond"
-    else:
-        why, rewrite = "The tracer cannot follow this Python code", "rewrite it with tensor operations"
-    if where and where.module_path:
-        fix = f"pass leaf_modules=[{where.module_class}] to harmony.compile so that '{where.module_path}' runs as one opaque node"
-    else:
-        fix = "move that code into a submodule and pass leaf_modules=[ThatSubmoduleClass] to harmony.compile so it runs as one opaque node"
-    lines.append(f"{why}. Fix: {fix}, or {rewrite}.")
-    error = TraceError("\n".join(lines))
-    error.__cause__ = failures[name]
-    return error
-
-
-def _data_dependent(error: BaseException) -> bool:
-    text = str(error)
-    return "control flow" in text or "data-dependent" in text or "DataDependent" in type(error).__name__
-
-
-def _first_line(error: BaseException, limit: int = 300) -> str:
-    text = str(error).strip()
-    line = text.splitlines()[0] if text else type(error).__name__
-    return line if len(line) <= limit else line[: limit - 3] + "..."
-
-
-@dataclasses.dataclass(frozen=True)
-class _Frame:
-    filename: str
-    lineno: int
-    function: str
-    module_path: str | None  # innermost user module running at that point
-    module_class: str | None
-
-    @property
-    def location(self) -> str:
-        return f"{self.filename}:{self.lineno}"
-
-    def __str__(self) -> str:
-        code = linecache.getline(self.filename, self.lineno).strip()
-        text = f"{self.location} in {self.function}" + (f": {code}" if code else "")
-        if self.module_path is not None:
-            shown = f"module '{self.module_path}'" if self.module_path else "the top-level model"
-            text += f"\n  inside {shown} ({self.module_class})"
-        return text
-
-
-_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
-_THIS_FILE = os.path.abspath(__file__)
-_STDLIB = sysconfig.get_paths()["stdlib"] + os.sep
-_SITE = tuple({sysconfig.get_paths()["purelib"] + os.sep, sysconfig.get_paths()["platlib"] + os.sep})
-
-
-def _is_library(filename: str) -> bool:
-    if filename.startswith("<"):
-        return True
-    path = os.path.abspath(filename)
-    return path == _THIS_FILE or path.startswith(_TORCH_DIR) or (path.startswith(_STDLIB) and not path.startswith(_SITE))
-
-
-def _user_frame(error: BaseException, model: torch.nn.Module) -> _Frame | None:
-    """The innermost frame of the user's code in the traceback (or its causes), not torch's."""
-    paths = {id(m): p for p, m in model.named_modules()}
-    seen: set[int] = set()
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
-        frames = list(traceback.walk_tb(error.__traceback__))
-        for i in range(len(frames) - 1, -1, -1):
-            frame, lineno = frames[i]
-            if _is_library(frame.f_code.co_filename):
-                continue
-            module_path, module_class = None, None
-            for outer, _ in reversed(frames[: i + 1]):
-                owner = outer.f_locals.get("self")
-                if id(owner) in paths and isinstance(owner, torch.nn.Module):
-                    module_path, module_class = paths[id(owner)], type(owner).__name__
-                    break
-            return _Frame(frame.f_code.co_filename, lineno, frame.f_code.co_name, module_path, module_class)
-        error = error.__cause__ or error.__context__
-    return None
