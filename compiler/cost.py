@@ -139,11 +139,11 @@ class _Writes(TorchDispatchMode):
         values = list(args) + [kwargs.get(a.name) for a in func._schema.arguments[len(args):]]
         for arg, value in zip(func._schema.arguments, values):
             if arg.alias_info is not None and arg.alias_info.is_write:
-                self.written.update(id(t.untyped_storage()) for t in _tensors(value))
+                self.written.update(id(t.untyped_storage()) for t in tensors_of(value))
         if func._schema.name in self.UNANNOTATED:
             flag, written = self.UNANNOTATED[func._schema.name]
             if values[flag]:
-                self.written.update(id(t.untyped_storage()) for i in written for t in _tensors(values[i]))
+                self.written.update(id(t.untyped_storage()) for i in written for t in tensors_of(values[i]))
         return func(*args, **kwargs)
 
 
@@ -163,7 +163,7 @@ class _Measure(torch.fx.Interpreter):
             return self.vals[n]
         key = self._signature(n) if self.reuse is not None else None
         if key is not None and key in self.reuse:     # the same op on the same kind of inputs: run it, no measuring
-            args, kwargs = tree_map_only(torch.Tensor, _leaf, self.fetch_args_kwargs_from_env(n))
+            args, kwargs = tree_map_only(torch.Tensor, leaf, self.fetch_args_kwargs_from_env(n))
             out = self.vals[n] = getattr(self, n.op)(n.target, args, kwargs)
             self.records[n] = dict(self.reuse[key])
             return out
@@ -213,7 +213,7 @@ class _Measure(torch.fx.Interpreter):
         inputs = [self.env[a] for a in n.all_input_nodes]
         if real:
             inputs = [tree_map_only(torch.Tensor, self._real, t) for t in inputs]
-        in_storages = {id(s.untyped_storage()) for s in _tensors(inputs)}
+        in_storages = {id(s.untyped_storage()) for s in tensors_of(inputs)}
         saved = {}
 
         def pack(t):
@@ -225,28 +225,28 @@ class _Measure(torch.fx.Interpreter):
         # detached inputs keep the node's autograd graph local, so its backward is measured alone
         args, kwargs = self.fetch_args_kwargs_from_env(n)
         if real:
-            swap = {id(a): r for a, r in zip(_tensors([self.env[a] for a in n.all_input_nodes]), _tensors(inputs))}
+            swap = {id(a): r for a, r in zip(tensors_of([self.env[a] for a in n.all_input_nodes]), tensors_of(inputs))}
             args, kwargs = tree_map_only(torch.Tensor, lambda t: swap.get(id(t), t), (args, kwargs))
         leaves = {}
 
-        def leaf(t):
-            return leaves.setdefault(id(t), _leaf(t))
-        args, kwargs = tree_map_only(torch.Tensor, leaf, (args, kwargs))
-        inputs = [tree_map_only(torch.Tensor, leaf, t) for t in inputs]
+        def shared_leaf(t):
+            return leaves.setdefault(id(t), leaf(t))
+        args, kwargs = tree_map_only(torch.Tensor, shared_leaf, (args, kwargs))
+        inputs = [tree_map_only(torch.Tensor, shared_leaf, t) for t in inputs]
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             with FlopCounterMode(display=False) as fc, CountAllocations(meter), writes:
                 out = self._call(n, args, kwargs, real)
         fwd_flops = fc.get_total_flops()
-        outs = list(_tensors(out))
+        outs = list(tensors_of(out))
         out_ids = {id(t.untyped_storage()) for t in outs}
         out_bytes = sum({id(t.untyped_storage()): t.untyped_storage().nbytes() for t in outs
                          if id(t.untyped_storage()) not in in_storages}.values())
         saved_new = {k: t for k, t in saved.items() if k not in in_storages and not self._is_state(k)}
         saved_bytes = sum(t.untyped_storage().nbytes() for t in saved_new.values())
-        alias_of = next((i for i, a in enumerate(inputs) for t in _tensors(a)
+        alias_of = next((i for i, a in enumerate(inputs) for t in tensors_of(a)
                          if id(t.untyped_storage()) in out_ids), None)
         saved_inputs = tuple(i for i, a in enumerate(inputs)
-                             if any(id(t.untyped_storage()) in saved for t in _tensors(a)))
+                             if any(id(t.untyped_storage()) in saved for t in tensors_of(a)))
         survivors = meter.live
         fwd_extra = max(0, meter.peak - survivors)
         own = list(self.module.get_submodule(n.target).parameters()) if n.op == "call_module" else []
@@ -266,7 +266,7 @@ class _Measure(torch.fx.Interpreter):
 
     def _backward(self, inputs, outs, own_params):
         outs = [t for t in outs if t.requires_grad and t.grad_fn is not None]
-        wrt = [t for t in _tensors(inputs) if t.requires_grad]
+        wrt = [t for t in tensors_of(inputs) if t.requires_grad]
         wrt += [p for p in own_params if p.requires_grad and not any(p is w for w in wrt)]
         if not outs or not wrt:
             return 0, 0
@@ -308,7 +308,7 @@ def _describe(x, node, storages: dict, is_state) -> tuple:
 
 def pack_signature(module: torch.fx.GraphModule, inputs: list, grad_inputs: list[bool], run: "FakeRun",
                    loss_output: bool, keep: bool) -> tuple | None:
-    """Everything ``measure_pack`` depends on, or None where that cannot be told: each node of the pack's
+    """Everything ``pack_cost.measure_pack`` depends on, or None where that cannot be told: each node of the pack's
     graph (its op, as ``_Measure._signature``, and its arguments, other nodes by position), the inputs and
     the state tensors it reads as ``_describe`` sees them. Packs of the same layers at other depths match."""
     at = {n: i for i, n in enumerate(module.graph.nodes)}
@@ -357,11 +357,13 @@ def _module_signature(mod: torch.nn.Module) -> tuple:
     return tuple(out)
 
 
-def _leaf(t: torch.Tensor) -> torch.Tensor:
+def leaf(t: torch.Tensor) -> torch.Tensor:
+    """A float tensor detached into a leaf that needs a gradient where ``t`` did; others as they are."""
     return t.detach().requires_grad_(t.requires_grad) if t.is_floating_point() else t
 
 
-def _tensors(tree):
+def tensors_of(tree):
+    """The tensors in a nested structure of arguments or results."""
     return (t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor))
 
 
@@ -425,7 +427,7 @@ def annotate(gm: torch.fx.GraphModule, batch: tuple, microbatch: int, dtype: tor
     """Write a ``NodeCost`` (key ``harmony.cost``) and the state it reads (``harmony.state``) on every node.
 
     Measures at microbatch sizes ``microbatch`` and ``2 * microbatch``; returns the fake run
-    at ``microbatch`` (``measure_pack`` reuses it). ``dtype`` (mixed precision): float
+    at ``microbatch`` (``pack_cost.measure_pack`` reuses it). ``dtype`` (mixed precision): float
     parameters, buffers and inputs are measured as the device holds them, in that dtype. ``reuse``: a node
     whose op and inputs look like those of one measured before takes its figures (``_Measure._signature``);
     False measures every node.
@@ -448,116 +450,6 @@ def annotate(gm: torch.fx.GraphModule, batch: tuple, microbatch: int, dtype: tor
             saved_inputs=a["saved_inputs"], alias_of=a["alias_of"], fwd_extra=fit("fwd_extra"), bwd_peak=fit("bwd_peak"),
             fwd_flops=fit("fwd_flops"), bwd_flops=fit("bwd_flops"), mutates=a["mutates"], random=a["random"])
     return run
-
-
-def _fake_state_of(module, run):
-    out = {}
-    for name, t in list(module.named_parameters(remove_duplicate=False)) + list(module.named_buffers(remove_duplicate=False)):
-        if id(t) in run.state:   # constants the tracer lifted stay real (the fake mode accepts them)
-            out[name] = run.state[id(t)]
-    return out
-
-
-def measure_pack(module: torch.fx.GraphModule, inputs: list, grad_inputs: list[bool], run: FakeRun,
-                 loss_output: bool, keep: bool = False, memo: dict | None = None) -> dict:
-    """Bytes a pack allocates at its peak, run exactly as the runtime runs it, on fake tensors.
-
-    Every figure counts the bytes newly allocated during the op, results included:
-    fwd_peak (no grad) and out_bytes; for a pack that keeps its forward's graph for its
-    backward (the last, ``loss_output``, always; any other with ``keep``) fwd_keep_peak,
-    saved_bytes and the backward's bwd_peak; for the others, which recompute,
-    bwd_recompute_peak (recompute + backward). Each when the parameters have no gradient
-    yet and, suffixed ``_accum``, when they have one to accumulate into.
-
-    ``memo``: figures by ``pack_signature``; a pack like one measured before takes its figures.
-    """
-    key = pack_signature(module, inputs, grad_inputs, run, loss_output, keep) if memo is not None else None
-    if key is not None and key in memo:
-        return dict(memo[key])
-    out = _measure_pack(module, inputs, grad_inputs, run, loss_output, keep)
-    if key is not None:
-        memo[key] = out
-    return dict(out)
-
-
-def _measure_pack(module, inputs, grad_inputs, run, loss_output, keep) -> dict:
-    try:
-        with run.mode, _reparametrize_module(module, _fake_state_of(module, run), tie_weights=True):
-            return _profile_pack(module, inputs, grad_inputs, loss_output, keep)
-    except (DataDependentOutputException, DynamicOutputShapeException, GuardOnDataDependentSymNode):
-        # a leaf module that branches on data: measure the pack once on real zeros
-        with unset_fake_temporarily():
-            zeros = [torch.zeros(tuple(x.shape), dtype=x.dtype) if isinstance(x, torch.Tensor) else x
-                     for x in inputs]
-            cast = {n: t.detach().to(device_dtype(t, run.dtype)).requires_grad_(t.requires_grad)   # as on the device
-                    for n, t in list(module.named_parameters()) + list(module.named_buffers())
-                    if device_dtype(t, run.dtype) != t.dtype}
-            with _reparametrize_module(module, cast, tie_weights=True):
-                out = _profile_pack(module, zeros, grad_inputs, loss_output, keep)
-        for p in module.parameters():
-            p.grad = None
-        return out
-
-
-def _profile_pack(module, inputs, grad_inputs, loss_output, keep=False) -> dict:
-    """The measurements of ``measure_pack``, on whatever tensors (fake or real) it is given."""
-    out = {}
-    leaves = [(_leaf(x).requires_grad_(g and x.is_floating_point()) if isinstance(x, torch.Tensor) else x)
-              for x, g in zip(inputs, grad_inputs)]
-
-    def measured(fn):
-        meter = MemoryMeter("pack")
-        with CountAllocations(meter):
-            result = fn()
-        return result, meter
-
-    outs, meter = measured(lambda: _no_grad(module, leaves))
-    out["fwd_peak"] = meter.peak
-    out["out_bytes"] = sum(t.untyped_storage().nbytes() for t in _tensors(outs))
-    del outs
-    for suffix in ("", "_accum"):       # the second round finds the gradients of the first
-        if loss_output or keep:         # the pack keeps its forward's graph for its backward
-            outs, meter = measured(lambda: _with_grad(module, leaves))
-            out["fwd_keep_peak" + suffix] = meter.peak
-            out["saved_bytes" + suffix] = meter.live - out["out_bytes"]
-            seeds = _seeds(outs, loss_output)
-            _, meter = measured(lambda: _run_backward(*seeds))
-            out["bwd_peak" + suffix] = meter.peak
-            del outs, seeds
-            out["bwd_recompute_peak" + suffix] = 0
-        else:                           # every other pack recomputes its forward inside its backward
-            _, meter = measured(lambda: _run_backward(*_seeds(_with_grad(module, leaves), loss_output)))
-            out["bwd_recompute_peak" + suffix] = meter.peak
-            out["fwd_keep_peak" + suffix] = out["saved_bytes" + suffix] = out["bwd_peak" + suffix] = 0
-    _clear_grads(module)
-    return out
-
-
-def _no_grad(module, leaves):
-    with torch.no_grad():
-        return module(*leaves)
-
-
-def _with_grad(module, leaves):
-    with torch.enable_grad():
-        return module(*leaves)
-
-
-def _seeds(outs, loss_output):
-    outs = [t for t in _tensors(outs) if t.requires_grad]
-    if loss_output:
-        return [outs[0] / 2], [None]
-    return outs, [torch.ones_like(t) for t in outs]
-
-
-def _run_backward(tensors, grads):
-    if tensors:
-        torch.autograd.backward(tensors, grads)
-
-
-def _clear_grads(module):
-    for p in module.parameters():
-        p.grad = None
 
 
 def optimizer_profile(optimizer: type, kwargs: dict) -> dict:

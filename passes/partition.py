@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 
-from harmony.compiler.cost import measure_pack
+from harmony.compiler.pack_cost import measure_pack
 from harmony.compiler.ir import PassReport, PassResult, Program
 from harmony.compiler.meta import COST, MODULE_PATH, PACK, STATE
 from harmony.errors import BudgetError

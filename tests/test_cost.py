@@ -8,7 +8,7 @@ import sympy
 import torch
 
 import harmony
-from harmony.compiler import cost
+from harmony.compiler import cost, pack_cost
 from harmony.compiler.meta import COST
 from harmony.compiler.trace import trace
 from harmony.models import GPT, GPTConfig, copy_task
@@ -122,7 +122,7 @@ def test_packs_like_one_measured_before_get_its_figures_exactly(case):
         args = ([program.fake.vals[a] for a in inputs], [a.op != "placeholder" for a in inputs], program.fake)
         for keep in (False, True):
             last = "loss" in spec.outputs
-            assert cost.measure_pack(spec.module, *args, loss_output=last, keep=keep, memo=memo) == \
-                cost.measure_pack(spec.module, *args, loss_output=last, keep=keep)
+            assert pack_cost.measure_pack(spec.module, *args, loss_output=last, keep=keep, memo=memo) == \
+                pack_cost.measure_pack(spec.module, *args, loss_output=last, keep=keep)
     assert len(memo) < 2 * len(sm.plan.packs)
     sm.close()

@@ -1,0 +1,131 @@
+"""What a pack allocates when the runtime runs it: its forward, its backward, with and without recompute.
+
+``measure_pack`` runs a pack's graph module exactly as the runtime's ``forward`` and
+``backward`` ops do, on the fake tensors of the cost model's run (``cost.FakeRun``), and
+counts the bytes each phase newly allocates (``runtime.memory.MemoryMeter``): what the
+partition checks a candidate pack against the budget with, and ``verify`` predicts with.
+Packs of the same layers at other depths take the figures of one measured before
+(``cost.pack_signature``).
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx
+from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException,
+                                           unset_fake_temporarily)
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+from torch.nn.utils.stateless import _reparametrize_module
+
+from harmony.compiler.cost import FakeRun, leaf, pack_signature, tensors_of
+from harmony.runtime.memory import CountAllocations, MemoryMeter
+from harmony.runtime.precision import device_dtype
+
+
+def _fake_state_of(module, run):
+    out = {}
+    for name, t in list(module.named_parameters(remove_duplicate=False)) + list(module.named_buffers(remove_duplicate=False)):
+        if id(t) in run.state:   # constants the tracer lifted stay real (the fake mode accepts them)
+            out[name] = run.state[id(t)]
+    return out
+
+
+def measure_pack(module: torch.fx.GraphModule, inputs: list, grad_inputs: list[bool], run: FakeRun,
+                 loss_output: bool, keep: bool = False, memo: dict | None = None) -> dict:
+    """Bytes a pack allocates at its peak, run exactly as the runtime runs it, on fake tensors.
+
+    Every figure counts the bytes newly allocated during the op, results included:
+    fwd_peak (no grad) and out_bytes; for a pack that keeps its forward's graph for its
+    backward (the last, ``loss_output``, always; any other with ``keep``) fwd_keep_peak,
+    saved_bytes and the backward's bwd_peak; for the others, which recompute,
+    bwd_recompute_peak (recompute + backward). Each when the parameters have no gradient
+    yet and, suffixed ``_accum``, when they have one to accumulate into.
+
+    ``memo``: figures by ``pack_signature``; a pack like one measured before takes its figures.
+    """
+    key = pack_signature(module, inputs, grad_inputs, run, loss_output, keep) if memo is not None else None
+    if key is not None and key in memo:
+        return dict(memo[key])
+    out = _measure_pack(module, inputs, grad_inputs, run, loss_output, keep)
+    if key is not None:
+        memo[key] = out
+    return dict(out)
+
+
+def _measure_pack(module, inputs, grad_inputs, run, loss_output, keep) -> dict:
+    try:
+        with run.mode, _reparametrize_module(module, _fake_state_of(module, run), tie_weights=True):
+            return _profile_pack(module, inputs, grad_inputs, loss_output, keep)
+    except (DataDependentOutputException, DynamicOutputShapeException, GuardOnDataDependentSymNode):
+        # a leaf module that branches on data: measure the pack once on real zeros
+        with unset_fake_temporarily():
+            zeros = [torch.zeros(tuple(x.shape), dtype=x.dtype) if isinstance(x, torch.Tensor) else x
+                     for x in inputs]
+            cast = {n: t.detach().to(device_dtype(t, run.dtype)).requires_grad_(t.requires_grad)   # as on the device
+                    for n, t in list(module.named_parameters()) + list(module.named_buffers())
+                    if device_dtype(t, run.dtype) != t.dtype}
+            with _reparametrize_module(module, cast, tie_weights=True):
+                out = _profile_pack(module, zeros, grad_inputs, loss_output, keep)
+        for p in module.parameters():
+            p.grad = None
+        return out
+
+
+def _profile_pack(module, inputs, grad_inputs, loss_output, keep=False) -> dict:
+    """The measurements of ``measure_pack``, on whatever tensors (fake or real) it is given."""
+    out = {}
+    leaves = [(leaf(x).requires_grad_(g and x.is_floating_point()) if isinstance(x, torch.Tensor) else x)
+              for x, g in zip(inputs, grad_inputs)]
+
+    def measured(fn):
+        meter = MemoryMeter("pack")
+        with CountAllocations(meter):
+            result = fn()
+        return result, meter
+
+    outs, meter = measured(lambda: _no_grad(module, leaves))
+    out["fwd_peak"] = meter.peak
+    out["out_bytes"] = sum(t.untyped_storage().nbytes() for t in tensors_of(outs))
+    del outs
+    for suffix in ("", "_accum"):       # the second round finds the gradients of the first
+        if loss_output or keep:         # the pack keeps its forward's graph for its backward
+            outs, meter = measured(lambda: _with_grad(module, leaves))
+            out["fwd_keep_peak" + suffix] = meter.peak
+            out["saved_bytes" + suffix] = meter.live - out["out_bytes"]
+            seeds = _seeds(outs, loss_output)
+            _, meter = measured(lambda: _run_backward(*seeds))
+            out["bwd_peak" + suffix] = meter.peak
+            del outs, seeds
+            out["bwd_recompute_peak" + suffix] = 0
+        else:                           # every other pack recomputes its forward inside its backward
+            _, meter = measured(lambda: _run_backward(*_seeds(_with_grad(module, leaves), loss_output)))
+            out["bwd_recompute_peak" + suffix] = meter.peak
+            out["fwd_keep_peak" + suffix] = out["saved_bytes" + suffix] = out["bwd_peak" + suffix] = 0
+    _clear_grads(module)
+    return out
+
+
+def _no_grad(module, leaves):
+    with torch.no_grad():
+        return module(*leaves)
+
+
+def _with_grad(module, leaves):
+    with torch.enable_grad():
+        return module(*leaves)
+
+
+def _seeds(outs, loss_output):
+    outs = [t for t in tensors_of(outs) if t.requires_grad]
+    if loss_output:
+        return [outs[0] / 2], [None]
+    return outs, [torch.ones_like(t) for t in outs]
+
+
+def _run_backward(tensors, grads):
+    if tensors:
+        torch.autograd.backward(tensors, grads)
+
+
+def _clear_grads(module):
+    for p in module.parameters():
+        p.grad = None
