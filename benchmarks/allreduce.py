@@ -26,8 +26,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from harmony.runtime.adaptive_bits import ErrorMeter, choose_bits_across_ranks, specs_for_bits
-from harmony.runtime.collectives import (DEFAULT_MIN_SIZE, CompressionSpec, allreduce, init_process_group,
-                                         ring_bytes, spec_for)
+from harmony.runtime.collectives import allreduce, init_process_group, ring_bytes
+from harmony.runtime.compression import DEFAULT_MIN_SIZE, CompressionSpec, spec_for
 
 MB = 1e6
 

@@ -45,8 +45,9 @@ from harmony.compiler.ir import PassReport, PassResult, Program, calls, copy_gra
 from harmony.compiler.meta import SCHEDULE
 from harmony.errors import ConfigError
 from harmony.runtime import ops
-from harmony.runtime.collectives import (DEFAULT_FUSION_BYTES, NO_COMPRESSION, CompressionSpec, ring_bytes,
-                                         spec_for, wire_bytes)
+from harmony.runtime.collectives import DEFAULT_FUSION_BYTES, ring_bytes
+from harmony.runtime.communicator import comm_stats
+from harmony.runtime.compression import NO_COMPRESSION, CompressionSpec, spec_for, wire_bytes
 
 NAME = "compress"
 REQUIRES = {"schedule", "placement"}
@@ -79,7 +80,7 @@ def parse_compression(compression) -> tuple[CompressionSpec, bool]:
         if m:
             return CompressionSpec("quantized", bits=int(m[1])), False   # bits out of 1..8: ConfigError there
     raise ConfigError(f"compression={compression!r}: use None, one of {', '.join(NAMED)}, "
-                      f"or a harmony.runtime.collectives.CompressionSpec")
+                      f"or a harmony.runtime.compression.CompressionSpec")
 
 
 def spec_kwargs(spec: CompressionSpec) -> dict:
@@ -414,7 +415,7 @@ def run(program: Program, ctx) -> PassResult:
 # -- what a step measured (ScheduledModule.stats) -----------------------------------------------------
 def step_stats(sm) -> dict:
     """Measured communication of the last step, for ``sm.stats``; fills adaptive bits into the report once."""
-    got = ops.comm_stats(sm.runtime)
+    got = comm_stats(sm.runtime)
     if got is None:
         return {}
     waited = sum(e.end - e.start for e in sm.runtime.events if e.name.startswith("join_ar"))

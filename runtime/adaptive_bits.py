@@ -21,7 +21,7 @@ import torch
 
 from harmony import ilp
 from harmony.errors import ConfigError
-from harmony.runtime.collectives import CompressionSpec, wire_bytes
+from harmony.runtime.compression import CompressionSpec, wire_bytes
 
 CANDIDATES = (2, 3, 4, 6, 8)
 

@@ -21,8 +21,9 @@ from hypothesis import given, settings, strategies as st
 from harmony.errors import CommunicationError, ConfigError
 from harmony.runtime.adaptive_bits import (ErrorMeter, choose_bits, choose_bits_across_ranks, measure_errors,
                                           quantization_error, specs_for_bits)
-from harmony.runtime.collectives import (CompressionSpec, Packed, allreduce, dequantize, pack_bits, quantize,
-                                         spec_for, unpack_bits, wire_bytes)
+from harmony.runtime.collectives import allreduce
+from harmony.runtime.compression import (CompressionSpec, Packed, dequantize, pack_bits, quantize, spec_for, unpack_bits,
+                                         wire_bytes)
 
 
 # -- quantization and packing ---------------------------------------------------------------------

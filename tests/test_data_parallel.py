@@ -414,7 +414,7 @@ def test_shard_gives_each_rank_its_rows():
 
 
 def test_predicted_wire_bytes_match_the_collective():
-    from harmony.runtime.collectives import CompressionSpec, spec_for
+    from harmony.runtime.compression import CompressionSpec, spec_for
     ts = [torch.zeros(64, 96), torch.zeros(300), torch.zeros(3, 5), torch.zeros(40, 128), torch.zeros(7, 11, 13)]
     for spec in (CompressionSpec("none"), CompressionSpec("fp16"), CompressionSpec(bits=4),
                  CompressionSpec(bits=3, bucket_size=100)):
@@ -451,7 +451,8 @@ def _hetero_train(rank, model, data, hw, steps=STEPS, **kw):
 def _hetero_ranks(rank, world):
     from harmony.compiler.hardware import Hardware
     from harmony.errors import BudgetError
-    from harmony.runtime.collectives import CompressionSpec, allreduce
+    from harmony.runtime.collectives import allreduce
+    from harmony.runtime.compression import CompressionSpec
 
     out = {}
     model, data = _case(HETERO_BATCH)
