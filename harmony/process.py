@@ -168,7 +168,7 @@ def return_freed_memory() -> bool:
     The price is page faults on every fresh block (on the 600M-parameter GPT of
     benchmarks/offload.py about 42 CPU-seconds a step instead of 34, for a peak RSS of 2.59 GiB
     instead of 5.34 GiB); the disk tier's large buffers ask for huge pages (runtime/disk.py's
-    ``Buffers``, which also reuses them), which brought that step back to 39 CPU-seconds, and so do torch's own
+    ``runtime.iobuffers.Buffers``, which also reuses them), which brought that step back to 39 CPU-seconds, and so do torch's own
     (``ask_for_huge_pages``).
     """
     if not sys.platform.startswith("linux"):

@@ -46,7 +46,7 @@ class MemoryMeter:
         self._sizes: dict[int, int] = {}
         self._lock = threading.Lock()
         self.on_pressure = None  # callable(bytes_needed) -> bytes_freed, for on-demand eviction
-        self.caches: list = []   # free memory kept for reuse in the same memory (disk.Buffers.share_room): trimmed
+        self.caches: list = []   # free memory kept for reuse in the same memory (iobuffers.Buffers.share_room): trimmed
                                  # so that it and the live bytes stay within the budget
 
     def _release(self, key: int) -> None:

@@ -15,6 +15,7 @@ import torch
 
 import harmony
 import harmony.runtime.disk as disk
+import harmony.runtime.iobuffers as iobuffers
 from harmony.errors import BudgetError, OffloadError
 from harmony.models import GPT, GPTConfig, copy_task
 from harmony.runtime.disk import DiskStore
@@ -324,8 +325,8 @@ def test_buffers_are_reused_once_their_last_view_is_gone_and_unmapped_at_close(t
     (the kernel zeroes a page once, not per read), never while any view of it, a parameter's ``.data``
     included, is alive; reads into a reused buffer see the file, not what was there; close unmaps them."""
     import gc
-    assert disk.Buffers(keep=0).take(5 << 20) is not None          # keeps nothing: a freed buffer is unmapped
-    pool = disk.Buffers(keep=26 << 20)
+    assert iobuffers.Buffers(keep=0).take(5 << 20) is not None          # keeps nothing: a freed buffer is unmapped
+    pool = iobuffers.Buffers(keep=26 << 20)
     a = pool.take(5 << 20)
     assert a.data_ptr() % (2 << 20) == 0 and a.numel() == 5 << 20          # huge-page aligned from 4 MiB
     p = torch.nn.Parameter(torch.empty(1))
@@ -371,7 +372,7 @@ def test_by_default_the_pool_keeps_what_was_once_in_use_and_no_more():
     seen before first unmaps free buffers of other sizes."""
     import gc
     MiB = 1 << 20
-    pool = disk.Buffers()
+    pool = iobuffers.Buffers()
 
     def within():
         return pool.in_use + pool.free_bytes <= pool.high
@@ -413,7 +414,7 @@ def test_on_the_cpu_device_free_buffers_stay_within_the_room_its_budget_leaves()
     import gc
     MiB = 1 << 20
     meter = MemoryMeter("dev", budget=40 * MiB)
-    pool = disk.Buffers()
+    pool = iobuffers.Buffers()
     pool.share_room(meter)
 
     def within():
