@@ -23,7 +23,8 @@ process killed at any moment leaves a complete checkpoint under ``ckpt`` or, bet
 two renames, under ``ckpt.old``, which ``load`` falls back to (and the next ``save``
 puts back). Loading reads files with ``torch.load(weights_only=True)`` only after the
 manifest matches the model and every file matches its checksum. (The directory's mechanics,
-the renames, fsyncs, checksums and error messages, are ``harmony.checkpoint_files``.)
+the renames, fsyncs, checksums and error messages, are ``harmony.checkpoint_files``; finding each
+tensor in the tier it lives in is ``harmony.checkpoint_state``.)
 
 Tensors are referenced where the runtime keeps them (device copy or host master), never
 gathered first: the writer pulls one pack's state at a time, the unit the runtime moves.
@@ -42,6 +43,7 @@ import torch
 
 from harmony import checkpoint_files as ckfiles
 from harmony.checkpoint_files import MANIFEST
+from harmony.checkpoint_state import LiveState
 from harmony.errors import CheckpointError
 from harmony.units import fmt_bytes
 
@@ -56,205 +58,6 @@ class CheckpointInfo:
     path: Path
     step: int
     recovered: bool
-
-
-# -- the live state of a ScheduledModule ---------------------------------------------------------
-class _Live:
-    """Where a compiled module's training state lives right now, read and written in place."""
-
-    def __init__(self, sm):
-        gm = sm.program.gm
-        self.sm = sm
-        self.tensors = {**dict(gm.named_parameters()), **dict(gm.named_buffers())}
-        self.tiers = sm.runtime.state if sm.runtime is not None else None
-        if hasattr(self.tiers, "drain"):   # no background optimizer step may still write what we read or replace
-            self.tiers.drain()
-        self.disk = getattr(self.tiers, "disk", None)   # optimizer state of disk-placed packs (runtime/disk.py)
-        self.pdisk = getattr(self.tiers, "params_disk", None)   # packs wholly on disk (runtime/diskparams.py)
-        self._weights: dict[int, dict] = {}   # group -> weights given to write_tensor, written with its state
-        name_of = {id(t): n for n, t in self.tensors.items()}
-        self.optimizers: dict[str, torch.optim.Optimizer] = {}
-        self.groups: list[list[tuple[list[str], dict]]] = []   # per optimizer, per group: names, group
-        for opt in sm.optimizers:
-            groups = []
-            for group in opt.param_groups:
-                names = [name_of[id(p)] for p in group["params"]]
-                groups.append((names, group))
-                self.optimizers.update(dict.fromkeys(names, opt))
-            self.groups.append(groups)
-
-    def optim_state(self, name: str) -> dict:
-        """One parameter's optimizer state as the optimizer holds it (placeholders for state on disk)."""
-        opt = self.optimizers.get(name)
-        return opt.state.get(self.tensors[name], {}) if opt is not None else {}
-
-    def optim_states(self, names) -> dict[str, dict]:
-        """The real optimizer state of ``names`` that have some; state on disk is read, a pack at a time."""
-        names = [n for n in names if self.optim_state(n)]
-        real = self.disk.state_of(names) if self.disk is not None else {}
-        if self.pdisk is not None:
-            for gid, files in self._groups(names):
-                for n in files:
-                    real[n] = {k: files[n].get(k, v) for k, v in self.optim_state(n).items()}
-        return {n: real.get(n) or self.optim_state(n) for n in names}
-
-    def _groups(self, names):
-        """(group, {name: {key: tensor}}) of the wholly-disk packs' files holding ``names``, read one at a time."""
-        wanted: dict[int, list[str]] = {}
-        for n in names:
-            if self.pdisk is not None and self.pdisk.holds(n):
-                wanted.setdefault(self.pdisk.pack_of[n], []).append(n)
-        for gid, ns in wanted.items():
-            held = self.pdisk.read_group(gid)
-            files: dict[str, dict] = {n: {} for n in ns}
-            for (n, k), v in held.items():
-                if n in files:
-                    files[n][k] = v
-            yield gid, files
-
-    def weights(self, names) -> dict[str, torch.Tensor]:
-        """The fp32 weights and buffers of ``names``: the tensors the runtime reads, or read from their files."""
-        out = {n: self.tensors[n].data for n in names}
-        if self.pdisk is not None:
-            from harmony.runtime.diskparams import PARAM
-            for _, files in self._groups(names):
-                out.update({n: f[PARAM] for n, f in files.items()})
-        return out
-
-    def write_optims(self, states: dict, names) -> None:
-        """``write_optim`` for each of ``states``; a disk-placed pack among ``names`` gets its whole state
-        (its parameters without an entry in ``states`` have none) and is written to its file once."""
-        packs: dict[int, dict] = {}
-        files: dict[int, dict] = {}
-        for n in names:
-            if self.disk is not None and n in self.disk.pack_of:
-                packs.setdefault(self.disk.pack_of[n], {})
-            elif self.pdisk is not None and self.pdisk.holds(n):
-                files.setdefault(self.pdisk.pack_of[n], {})
-        for n, s in states.items():
-            if self.disk is not None and n in self.disk.pack_of:
-                packs.setdefault(self.disk.pack_of[n], {})[n] = s
-            elif self.pdisk is not None and self.pdisk.holds(n):
-                files.setdefault(self.pdisk.pack_of[n], {})[n] = s
-            else:
-                self.write_optim(n, s)
-        for pack, given in packs.items():
-            self.disk.set_state(pack, given)
-        for gid in dict.fromkeys(list(files) + list(self._weights)):   # weights and state: one write per file
-            self.pdisk.write_group(gid, self._weights.pop(gid, {}), files.get(gid))
-
-    def layout(self) -> list[tuple[str, int | None, list[str]]]:
-        """(file stem, pack, names) per file: a parameter goes with the pack that owns its update,
-        a buffer (or an un-owned parameter) with the first pack that reads it."""
-        packs = getattr(getattr(self.sm.program, "plan", None), "packs", None) or []
-        home: dict[str, int] = {}
-        for spec in packs:
-            for n in spec.owned:
-                home.setdefault(n, spec.index)
-        for spec in packs:
-            for n in list(spec.params) + list(spec.buffers):
-                home.setdefault(n, spec.index)
-        files = [(f"pack-{spec.index:03d}", spec.index, [n for n in self.tensors if home.get(n) == spec.index])
-                 for spec in packs]
-        rest = [n for n in self.tensors if n not in home]
-        if rest:
-            files.append(("rest", None, rest))
-        return [f for f in files if f[2]]
-
-    def payload(self, names: list[str]) -> dict:
-        """One file's plain dicts of tensors, referencing the live tensors (a view is cut to its own bytes).
-
-        This is the one place that pulls state from its tier; a disk tier reads the pack's
-        file here, so saving holds one pack's state at a time, never the whole model's.
-        """
-        model = {n: _own_bytes(t) for n, t in self.weights(names).items()}
-        optim = {n: {k: _own_bytes(v) if isinstance(v, torch.Tensor) else v for k, v in s.items()}
-                 for n, s in self.optim_states(names).items()}
-        return {"model": model, "optimizer": optim}
-
-    def nbytes(self) -> int:
-        total = sum(_nbytes(t) for t in self.tensors.values())
-        return total + sum(_nbytes(v) for n in self.optimizers for v in self.optim_state(n).values()
-                           if isinstance(v, torch.Tensor))
-
-    # -- writing, in place --------------------------------------------------------------------
-    def write_tensor(self, name: str, value: torch.Tensor) -> None:
-        """Copy into the tensor the runtime reads, and into its host master if that is another copy."""
-        t = self.tensors[name]
-        if self.pdisk is not None and self.pdisk.holds(name):   # its file is written with its state (write_optims)
-            self._weights.setdefault(self.pdisk.pack_of[name], {})[name] = value
-            return
-        with torch.no_grad():
-            t.data.copy_(value)
-            master = self.tiers.master.get(name) if self.tiers is not None else None
-            if master is not None and master.untyped_storage().data_ptr() != t.data.untyped_storage().data_ptr():
-                master.copy_(value)
-
-    def write_optim(self, name: str, values: dict) -> None:
-        """Replace one parameter's optimizer state: into its tensors where they exist, else new ones
-        in the tier the runtime keeps that parameter's optimizer state in between steps."""
-        opt, p = self.optimizers[name], self.tensors[name]
-        current = opt.state.get(p, {})
-        resident = self.tiers is not None and self.tiers.refs[("optim", name)] > 0
-        state = {}
-        for k, v in values.items():
-            old = current.get(k)
-            if not isinstance(v, torch.Tensor):
-                state[k] = v
-            elif isinstance(old, torch.Tensor) and old.shape == v.shape and old.dtype == v.dtype:
-                with torch.no_grad():
-                    old.copy_(v)
-                state[k] = old
-            else:
-                state[k] = self._new(v, resident)
-        opt.state[p] = state
-
-    def _new(self, v: torch.Tensor, resident: bool) -> torch.Tensor:
-        if self.tiers is None:
-            return v.detach().to("cpu", copy=True)
-        if resident:   # on the device, counted against its budget like the runtime's own copies
-            dst = torch.empty_like(v, device=self.tiers.device)
-            self.tiers.meter.track(dst)
-        else:
-            dst = torch.empty(v.shape, dtype=v.dtype, pin_memory=self.tiers.pin)
-        return dst.copy_(v)
-
-    def clear_optim(self, keep: set[str]) -> None:
-        """Parameters without optimizer state in the checkpoint had none when it was saved."""
-        for n, opt in self.optimizers.items():
-            if n not in keep:
-                opt.state.pop(self.tensors[n], None)
-
-    def write_groups(self, saved: list[dict]) -> None:
-        by_name = {n: g for g in saved for n in g["params"]}
-        for groups in self.groups:
-            for names, group in groups:
-                for k, v in by_name[names[0]].items():
-                    if k != "params":
-                        group[k] = _like(group.get(k), v)
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
-def _own_bytes(t: torch.Tensor) -> torch.Tensor:
-    """``torch.save`` writes a tensor's whole storage: a view into a larger buffer is copied out first."""
-    t = t.detach()
-    if t.storage_offset() == 0 and t.is_contiguous() and t.untyped_storage().nbytes() == _nbytes(t):
-        return t
-    return t.clone()
-
-
-def _like(current, value):
-    """A saved hyperparameter in the type the optimizer holds now (JSON turns tuples into lists)."""
-    if isinstance(current, torch.Tensor):
-        with torch.no_grad():
-            current.copy_(torch.as_tensor(value, dtype=current.dtype))
-        return current
-    if isinstance(current, tuple) and isinstance(value, list):
-        return tuple(value)
-    return value
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -277,7 +80,7 @@ def state_dict(sm) -> dict:
     Optimizer state the runtime keeps on disk (``host_memory_budget``) is read into new
     tensors, so this dict holds all of it in memory; ``harmony.save`` reads one pack at a time.
     """
-    live = _Live(sm)
+    live = LiveState(sm)
     return {
         "format": FORMAT,
         "model": live.weights(list(live.tensors)),
@@ -316,7 +119,7 @@ def load_state_dict(sm, sd: dict) -> None:
         if key not in sd:
             raise CheckpointError(f"state dict has no {key!r} entry; pass the dict that "
                                   f"ScheduledModule.state_dict() returns")
-    live = _Live(sm)
+    live = LiveState(sm)
     model = {n: _spec(t) for n, t in sd["model"].items()}
     optim = {n: {k: _spec(v) for k, v in s.items()} for n, s in sd["optimizer"].items()}
     groups = [g for per_opt in sd["param_groups"] for g in per_opt]
@@ -331,7 +134,7 @@ def load_state_dict(sm, sd: dict) -> None:
     _load_scaler(sm, sd.get("loss_scaler"))
 
 
-def _check(live: _Live, model: dict, optim: dict, groups: list[dict], where: str) -> None:
+def _check(live: LiveState, model: dict, optim: dict, groups: list[dict], where: str) -> None:
     """Every mismatch between a checkpoint's contents and the compiled model, in one error."""
     problems = []
     missing = [n for n in live.tensors if n not in model]
@@ -459,7 +262,7 @@ def _replicated_ranks(sm) -> bool:
 def _save_here(sm, path, progress) -> Path:
     """``save`` on this process alone."""
     target, old, tmp = ckfiles.paths(_rank_path(sm, path))
-    live = _Live(sm)
+    live = LiveState(sm)
     groups = [[{"params": list(names), **{k: _jsonable(v) for k, v in g.items() if k != "params"}}
                for names, g in per_opt] for per_opt in live.groups]
     try:
@@ -530,7 +333,7 @@ def load(sm, path) -> CheckpointInfo:
     target, old, _ = ckfiles.paths(_rank_path(sm, path))
     src, recovered = ckfiles.find(target, old)
     manifest = _read_manifest(src)
-    live = _Live(sm)
+    live = LiveState(sm)
     packs = [f for f in manifest["files"] if not f.get("rng")]
     model = {n: s for f in packs for n, s in f.get("model", {}).items()}
     optim = {n: s for f in packs for n, s in f.get("optimizer", {}).items()}
