@@ -39,6 +39,14 @@ keep libgomp's default, a spin of ~8 ms between parallel regions (eager PyTorch,
 compute, was no faster sleeping: 13.6 s against 12.9); each row's notes say which
 (idle_threads_sleep).
 
+Rounds: the systems run one after another, and again (--rounds, default 2; DeepSpeed, whose setup
+takes 5-6 minutes, only in the first: --once): this machine's speed drifts by more than the
+targets' margins from one run to the next (the same Harmony setup took 14.0, 15.1-17.3 and
+17.2-18.2 s a step in three runs an hour apart, eager 13.8-14.1, 14.1-14.3 and 13.0-13.2, and
+run back to back in one minute 13.8-15.1 against eager's 14.0-15.6), so each system is measured
+at more than one moment, interleaved with the others. Every figure pools a system's runs (the
+steps after each run's first); the compute bound takes eager's fastest step of them all.
+
 Columns: median step time of the steps after the first (every step's time in the notes), and
 the CPU seconds (user + system, all threads) the child spent in it: on a shared machine wall
 time moves with the load and CPU time much less; the shares of the machine's cores idle and
@@ -563,23 +571,27 @@ def run_child(system: str, a, workdir: str) -> dict:
     return res
 
 
-def median_after_first(xs):
-    xs = list(xs or [])
-    return statistics.median(xs[1:] if len(xs) > 1 else xs) if xs else None
-
-
 def gib(n):
     return None if n is None else n / GiB
 
 
 def around(probes: list[tuple[str, tuple[float, float, str]]], system: str) -> tuple[float, float]:
-    """(read, write) bytes/s for ``system``'s bound: the mean of the probes just before and after its run."""
-    names = [n for n, _ in probes]
-    after = names.index(f"after {system}") if f"after {system}" in names else None
-    if after is None:        # it used no disk: its disk term is zero whatever the rate; the first probe will do
+    """(read, write) bytes/s for ``system``'s bound: the mean of the probes just before and after each of its runs."""
+    after = [i for i, (n, _) in enumerate(probes) if n == f"after {system}" or n.startswith(f"after {system},")]
+    if not after:            # it used no disk: its disk term is zero whatever the rate; the first probe will do
         return probes[0][1][:2]
-    pair = [probes[after - 1][1], probes[after][1]]
-    return sum(p[0] for p in pair) / 2, sum(p[1] for p in pair) / 2
+    pairs = [probes[i][1] for a in after for i in (a - 1, a)]
+    return sum(p[0] for p in pairs) / len(pairs), sum(p[1] for p in pairs) / len(pairs)
+
+
+def steady(runs: list[dict], key: str) -> list:
+    """``key``'s values over the steps after each run's first (a first step warms up), pooled over the runs."""
+    return [v for r in runs for v in (r.get(key) or [])[1:]]
+
+
+def median_of(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
 
 
 def summarize(results: dict, a, probes: list, interference: dict | None = None) -> tuple[list[dict], list[str]]:
@@ -588,12 +600,12 @@ def summarize(results: dict, a, probes: list, interference: dict | None = None) 
              "write/read GB/s: " + "; ".join(f"{name} {w / 1e9:.3g}/{r / 1e9:.3g}" for name, (r, w, _) in probes)]
     compute, compute_from = None, None
     for ref in ("eager", "fsdp2"):
-        r = results.get(ref)
-        if r and "error" not in r:      # its fastest step after the first: a shared machine's load only adds
-            compute, compute_from = min(r["step_s"][1:] or r["step_s"]), ref
+        runs = results.get(ref)
+        if runs and not any("error" in r for r in runs):   # the fastest step after the first: load only adds
+            compute, compute_from = min(steady(runs, "step_s") or runs[0]["step_s"]), ref
             break
     if compute is not None:
-        notes.append(f"compute time = the {compute_from} run's fastest step after the first ({compute:.3g} s)"
+        notes.append(f"compute time = the {compute_from} runs' fastest step after the first ({compute:.3g} s)"
                      + ("" if compute_from == "eager" else ": eager did not run"))
     if interference:
         i = interference
@@ -605,27 +617,30 @@ def summarize(results: dict, a, probes: list, interference: dict | None = None) 
                      f"bytes, disk_bound_s), the bound for a system that overlaps its disk traffic with compute")
     rows = []
     for sysname in a.systems:
-        r = results[sysname]
+        runs = results[sysname]
         row = {"system": sysname}
-        if "error" in r:
-            row.update(step_s="failed", peak_rss_GiB=gib(r.get("peak_rss")))
-            notes.append(f"{sysname} FAILED: {r['error']}")
+        failed = next((r for r in runs if "error" in r), None)
+        if failed is not None:
+            row.update(step_s="failed", peak_rss_GiB=gib(failed.get("peak_rss")))
+            notes.append(f"{sysname} FAILED: {failed['error']}")
             rows.append(row)
             continue
-        t = median_after_first(r["step_s"])
-        rd, wr = median_after_first(r["read_bytes"]), median_after_first(r["write_bytes"])
-        idle, steal = (median_after_first([v for v in r.get(k) or [] if v is not None]) for k in ("idle", "steal"))
-        row.update(step_s=t, cpu_s=median_after_first(r.get("cpu_s")),
+        t = median_of(steady(runs, "step_s"))
+        rd, wr = median_of(steady(runs, "read_bytes")), median_of(steady(runs, "write_bytes"))
+        idle, steal = median_of(steady(runs, "idle")), median_of(steady(runs, "steal"))
+        steps = [r.get("peak_rss_steps") for r in runs]
+        row.update(step_s=t, cpu_s=median_of(steady(runs, "cpu_s")),
                    idle_pct=None if idle is None else 100 * idle, steal_pct=None if steal is None else 100 * steal,
-                   peak_rss_GiB=gib(r["peak_rss"]), rss_steps_GiB=gib(r.get("peak_rss_steps")),
+                   peak_rss_GiB=gib(max(r["peak_rss"] for r in runs)),
+                   rss_steps_GiB=gib(max(steps)) if all(steps) else None,
                    read_GB_step=rd / 1e9, write_GB_step=wr / 1e9, disk_GBps=(rd + wr) / t / 1e9 if t else 0.0)
         if sysname == "harmony":
-            st = r.get("stats") or []
-            hr = median_after_first([s.get("disk_read_bytes", 0) for s in st]) or 0
-            hw = median_after_first([s.get("disk_write_bytes", 0) for s in st]) or 0
+            st = steady(runs, "stats")
+            hr = median_of([s.get("disk_read_bytes", 0) for s in st]) or 0
+            hw = median_of([s.get("disk_write_bytes", 0) for s in st]) or 0
             row.update(h_read_GB=hr / 1e9, h_write_GB=hw / 1e9,
-                       h_io_GBps="%.3g/%.3g" % (median_after_first([s.get("disk_read_GBps", 0) for s in st]) or 0,
-                                                median_after_first([s.get("disk_write_GBps", 0) for s in st]) or 0))
+                       h_io_GBps="%.3g/%.3g" % (median_of([s.get("disk_read_GBps", 0) for s in st]) or 0,
+                                                median_of([s.get("disk_write_GBps", 0) for s in st]) or 0))
         read_bw, write_bw = around(probes, sysname)
         disk_s = rd / read_bw + wr / write_bw
         bound = max(compute or 0.0, disk_s)
@@ -636,16 +651,20 @@ def summarize(results: dict, a, probes: list, interference: dict | None = None) 
                        disk_s)
             row.update(bound_io_s=both, vs_bound_io=t / both if both else None)
         rows.append(row)
-        extra = {k: v for k, v in r.items() if k not in ("system", "step_s", "cpu_s", "read_bytes", "write_bytes", "loss",
-                                                         "idle", "steal",
-                                                         "stats", "peak_rss", "peak_rss_steps", "traceback")}
-        notes.append(f"{sysname}: steps " + ", ".join(f"{s:.3g}" for s in r["step_s"]) + " s; losses "
-                     + ", ".join(f"{l:.4g}" for l in r["loss"]) + "; read/write GB per step "
-                     + ", ".join(f"{x / 1e9:.3g}/{w / 1e9:.3g}" for x, w in zip(r["read_bytes"], r["write_bytes"]))
-                     + "; machine idle/steal % per step " + ", ".join(
-                         "n/a" if i is None else f"{100 * i:.0f}/{100 * s:.0f}" for i, s in zip(r.get("idle") or [], r.get("steal") or []))
-                     + "; " + ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
-                                         for k, v in extra.items()))
+        for rnd, r in enumerate(runs):
+            extra = {k: v for k, v in r.items() if k not in ("system", "step_s", "cpu_s", "read_bytes", "write_bytes",
+                                                             "loss", "idle", "steal",
+                                                             "stats", "peak_rss", "peak_rss_steps", "traceback")}
+            notes.append(f"{sysname}{f' (round {rnd + 1})' if len(runs) > 1 else ''}: steps "
+                         + ", ".join(f"{s:.3g}" for s in r["step_s"]) + " s; losses "
+                         + ", ".join(f"{l:.4g}" for l in r["loss"]) + "; read/write GB per step "
+                         + ", ".join(f"{x / 1e9:.3g}/{w / 1e9:.3g}" for x, w in zip(r["read_bytes"], r["write_bytes"]))
+                         + "; machine idle/steal % per step " + ", ".join(
+                             "n/a" if i is None else f"{100 * i:.0f}/{100 * s:.0f}"
+                             for i, s in zip(r.get("idle") or [], r.get("steal") or []))
+                         + "; " + ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
+                                             for k, v in extra.items()))
+        r = runs[-1]
         if sysname == "harmony" and r.get("stats"):
             last = r["stats"][-1]
             keys = {k: v for k, v in last.items() if "disk" in k or "rss" in k or "param" in k}
@@ -701,6 +720,10 @@ def main():
                          "the process holds itself (Python, torch, the graphs: 2GiB budget only)")
     ap.add_argument("--systems", default="harmony,deepspeed,fsdp2,eager",
                     help="comma-separated, from " + ",".join(SYSTEMS))
+    ap.add_argument("--rounds", type=int, default=2,
+                    help="run the systems this many times, one after another each round (a drifting machine is "
+                         "measured at several moments); every figure pools a system's rounds")
+    ap.add_argument("--once", default="deepspeed", help="comma-separated systems run in the first round only")
     ap.add_argument("--dir", default=None, help="where offload files and the raw-disk probe go (default: temp dir)")
     ap.add_argument("--raw-bytes", type=float, default=2 * GiB, help="bytes for the raw disk bandwidth probe")
     ap.add_argument("--interference-seconds", type=float, default=8.0,
@@ -725,6 +748,9 @@ def main():
         ap.error(f"unknown systems {bad}; choose from {','.join(SYSTEMS)}")
     if a.batch % a.microbatches:
         ap.error("--microbatches must divide --batch")
+    if a.rounds < 1:
+        ap.error("--rounds must be at least 1")
+    once = {s.strip() for s in a.once.split(",") if s.strip()}
     c = model_config(a)
     n = c.n_params()
     print(f"GPT {a.layers} layers x width {a.width} ({c.heads} heads), seq {a.seq}, batch {a.batch}: "
@@ -741,18 +767,22 @@ def main():
             probes.append((name, raw))
             print(f"raw disk {name}: write {raw[1] / 1e9:.3g} GB/s, read {raw[0] / 1e9:.3g} GB/s ({raw[2]})", flush=True)
         probe("at the start")
-        results = {}
-        for s in a.systems:
-            workdir = os.path.join(root, s)
-            os.makedirs(workdir)
-            results[s] = run_child(s, a, workdir)
-            shutil.rmtree(workdir, ignore_errors=True)
-            r = results[s]
-            print(f"{s}: " + (f"FAILED {r['error']}" if "error" in r else
-                              "steps " + ", ".join(f"{t:.3g}" for t in r["step_s"]) + " s, peak RSS "
-                              f"{r['peak_rss'] / GiB:.3g} GiB") + f" ({r['wall_s']:.0f} s wall)", flush=True)
-            if "error" not in r and sum(r["read_bytes"]) + sum(r["write_bytes"]) > 2**20 * len(r["read_bytes"]):
-                probe(f"after {s}")
+        results: dict[str, list[dict]] = {}     # system -> one result per run
+        for k in range(a.rounds):
+            for s in a.systems:
+                if k and (s in once or any("error" in r for r in results[s])):
+                    continue
+                workdir = os.path.join(root, s)
+                os.makedirs(workdir)
+                r = run_child(s, a, workdir)
+                results.setdefault(s, []).append(r)
+                shutil.rmtree(workdir, ignore_errors=True)
+                name = s if a.rounds == 1 else f"{s}, round {k + 1}"
+                print(f"{name}: " + (f"FAILED {r['error']}" if "error" in r else
+                                     "steps " + ", ".join(f"{t:.3g}" for t in r["step_s"]) + " s, peak RSS "
+                                     f"{r['peak_rss'] / GiB:.3g} GiB") + f" ({r['wall_s']:.0f} s wall)", flush=True)
+                if "error" not in r and sum(r["read_bytes"]) + sum(r["write_bytes"]) > 2**20 * len(r["read_bytes"]):
+                    probe(f"after {name}")
         interference = None
         if a.interference_seconds > 0:
             interference = io_interference(root, a.interference_seconds, min(int(a.raw_bytes), GiB))
@@ -764,7 +794,8 @@ def main():
                  % (os.cpu_count(), ", ".join(f"{x:.2f}" for x in os.getloadavg())))
     print()
     print(common.table(rows, f"offload: GPT {n / 1e6:.0f}M params, {16 * n / GiB:.1f} GiB training state, "
-                             f"budget {a.budget}; median of steps 2..{a.steps}"))
+                             f"budget {a.budget}; median of steps 2..{a.steps}"
+                             + (f" of every run (rounds: {a.rounds})" if a.rounds > 1 else "")))
     print()
     for line in ratios(rows, a):
         print(line)

@@ -29,18 +29,26 @@ def test_offload_bench_tiny(tmp_path):
         assert isinstance(r["step_s"], float) and r["step_s"] > 0
         assert r["read_GB_step"] >= 0 and r["write_GB_step"] >= 0 and r["peak_rss_GiB"] > 0
         assert r["bound_s"] > 0
-    # raw disk probes: one at the start, one after each system that moved more than 1 MiB a step
+    # raw disk probes: one at the start, one after each run of a system that moved more than 1 MiB a step
     assert res["raw_disk"][0]["when"] == "at the start"
-    assert all(p["when"] in ("after harmony", "after eager") and p["read"] > 0 and p["write"] > 0
-               for p in res["raw_disk"][1:])
-    h, e = res["results"]["harmony"], res["results"]["eager"]
-    assert "error" not in h and "error" not in e
-    assert len(h["step_s"]) == len(e["step_s"]) == 2
-    for r in (h, e):         # the machine's idle and stolen shares during each step, where /proc/stat exists
-        assert len(r["idle"]) == len(r["steal"]) == 2
+    assert [p["when"] for p in res["raw_disk"][1:]] == ["after harmony, round 1", "after harmony, round 2"]
+    assert all(p["read"] > 0 and p["write"] > 0 for p in res["raw_disk"])
+    # two rounds (the default): each system ran twice, interleaved, and its row pools the steps after each first
+    runs = res["results"]
+    assert len(runs["harmony"]) == len(runs["eager"]) == 2
+    for r in runs["harmony"] + runs["eager"]:
+        assert "error" not in r and len(r["step_s"]) == 2
+        assert len(r["idle"]) == len(r["steal"]) == 2     # the machine's idle and stolen shares during each step
         if Path("/proc/stat").exists():
             assert all(0 <= v <= 1 for v in r["idle"] + r["steal"])
+    for name, row in rows.items():
+        pooled = sorted(r["step_s"][1] for r in runs[name])
+        assert row["step_s"] == sum(pooled) / 2      # the median of the two runs' second steps
+    assert rows["eager"]["bound_s"] >= min(r["step_s"][1] for r in runs["eager"])
+    assert "round 2" in " ".join(res["notes"])
+    h, e = runs["harmony"][-1], runs["eager"][-1]
     assert h["peak_rss"] >= (h["peak_rss_steps"] or 0) > 0
+    assert rows["harmony"]["peak_rss_GiB"] * 2**30 == max(r["peak_rss"] for r in runs["harmony"])
     # the harmony child imports harmony first (its idle OpenMP threads sleep); eager keeps the caller's OpenMP
     # settings, although the parent imported harmony, which sets OMP_WAIT_POLICY in its own environment
     if torch.get_num_threads() > 1 and torch.backends.openmp.is_available():
