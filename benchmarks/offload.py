@@ -41,7 +41,7 @@ compute, was no faster sleeping: 13.6 s against 12.9); each row's notes say whic
 
 Rounds: the systems run one after another, and again (--rounds, default 2; DeepSpeed, whose setup
 takes 5-6 minutes, only in the first: --once): this machine's speed drifts by more than the
-targets' margins from one run to the next (the same Harmony setup took 14.0, 15.1-17.3 and
+targets' margins from one run to the next (the same Harmony setup took 14.0-14.5, 15.1-17.3 and
 17.2-18.2 s a step in three runs an hour apart, eager 13.8-14.1, 14.1-14.3 and 13.0-13.2, and
 run back to back in one minute 13.8-15.1 against eager's 14.0-15.6), so each system is measured
 at more than one moment, interleaved with the others. Every figure pools a system's runs (the
