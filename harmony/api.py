@@ -316,7 +316,8 @@ class ScheduledModule(torch.nn.Module):
                 from harmony.runtime.diskparams import DiskParams
                 state = self.runtime.state
                 try:
-                    state.disk = DiskTier.create(plan, program.schedule, tensors, optimizers, cfg.offload_dir)
+                    state.disk = DiskTier.create(plan, program.schedule, tensors, optimizers, cfg.offload_dir,
+                                                 background=torch.device(device).type == "cpu")
                     state.params_disk = DiskParams.create(plan, program.schedule, tensors, optimizers,
                                                           self.runtime.meter, device, cfg.offload_dir)
                     if state.params_disk is not None:   # the weights are in their files: no host copy stays
@@ -381,6 +382,8 @@ class ScheduledModule(torch.nn.Module):
                           predicted_h2d=self.predicted.moved["h2d"], predicted_d2h=self.predicted.moved["d2h"],
                           peak_rss_bytes=peak_rss_bytes(), huge_pages=self.huge_pages,
                           idle_threads_sleep=self.idle_threads_sleep)
+        if getattr(rt.state, "host_idle", None) is not None:     # the CPU device's host thread has run
+            self.stats["background_idle_priority"] = rt.state.host_idle
         self.stats.update(_disk_stats(rt.state))
         kinds = {n.name: n.target.__name__ for n in self.graph.nodes if n.op == "call_function"}
         for e in rt.events:          # where the step's time went on the thread that runs the schedule, by op

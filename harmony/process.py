@@ -151,6 +151,47 @@ def _read(path: str) -> str:
         return ""
 
 
+def run_when_idle() -> bool:
+    """Let the calling thread run only on a core nothing else wants (Linux ``SCHED_IDLE``); False where it cannot.
+
+    On the CPU device the compute's OpenMP team and the runtime's background threads (the host
+    thread's optimizer steps, the disk tier's I/O) share the same cores. A background thread that
+    takes a core in the middle of a parallel region stalls the whole team at its barrier; at idle
+    priority it runs when the team waits (for a read, between kernels, at the end of the step)
+    instead. Measured on benchmarks/offload.py's setup (/work/scratch/hstep_prio.py: the benchmark's
+    own setup functions, 5 steps, six runs alternated): 13.4-15.0 s a step with the host and disk
+    threads at idle priority, 12.9-18.4 s without; means of steps 3-5 per run 14.0, 13.8, 13.9 s
+    against 15.0, 14.0, 17.7 (the machine's drift shows in the second set alone: its compute threads
+    took up to 28 CPU-seconds a step where they took 22 otherwise).
+    """
+    policy = getattr(os, "SCHED_IDLE", None)
+    if policy is None:
+        return False
+    try:
+        os.sched_setscheduler(0, policy, os.sched_param(0))     # 0: the calling thread (a task of its own on Linux)
+    except OSError:
+        return False
+    return True
+
+
+def idle_priority_note(on: bool) -> str:
+    """What the report says of the host thread's priority on the CPU device (``run_when_idle``)."""
+    if on:
+        return ("idle priority: its optimizer steps and the disk tier's I/O run on cores the compute's "
+                "OpenMP team leaves, not in the middle of its parallel regions")
+    return ("normal priority (SCHED_IDLE not available here): its optimizer steps and the disk tier's I/O "
+            "take cores from the compute's OpenMP team while it runs")
+
+
+def runs_when_idle(native_id: int) -> bool:
+    """Whether the thread with this id (``threading.Thread.native_id``) runs at idle priority."""
+    policy = getattr(os, "SCHED_IDLE", None)
+    try:
+        return policy is not None and os.sched_getscheduler(native_id) == policy
+    except OSError:
+        return False
+
+
 M_MMAP_THRESHOLD = -3          # glibc's mallopt parameter number
 HEAP_MMAP_THRESHOLD = 128 << 10
 
@@ -167,8 +208,8 @@ def return_freed_memory() -> bool:
     larger block on its own and unmaps it when freed. The same as ``MALLOC_MMAP_THRESHOLD_=131072``.
     The price is page faults on every fresh block (on the 600M-parameter GPT of
     benchmarks/offload.py about 42 CPU-seconds a step instead of 34, for a peak RSS of 2.59 GiB
-    instead of 5.34 GiB); the disk tier's large buffers ask for huge pages (runtime/disk.py's
-    ``runtime.iobuffers.Buffers``, which also reuses them), which brought that step back to 39 CPU-seconds, and so do torch's own
+    instead of 5.34 GiB); the disk tier's large buffers ask for huge pages (``runtime.iobuffers.Buffers``,
+    which also reuses them), which brought that step back to 39 CPU-seconds, and so do torch's own
     (``ask_for_huge_pages``).
     """
     if not sys.platform.startswith("linux"):

@@ -13,6 +13,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from harmony.process import run_when_idle
 from harmony.runtime.memory import MemoryMeter
 
 
@@ -69,14 +70,21 @@ class TieredState:
         # OpenMP team as wide as the machine stalls both teams at their barriers: in the offload
         # benchmark's backward the cores were busy 1.59-1.64 of 2 with it, 1.69-1.70 without, and whole
         # steps took 20.0-23.5 s against 18.4-20.2 (runs alternated, process CPU time sampled every 20 ms).
+        # It also runs at idle priority there (harmony.process.run_when_idle): on a core the team leaves.
         one = device.type == "cpu" and torch.get_num_threads() > 1
+        self.host_idle = None             # whether the host thread runs at idle priority (once it has started)
         self.host_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="harmony-host",
-                                            initializer=torch.set_num_threads if one else None,
-                                            initargs=(1,) if one else ())
+                                            initializer=self._host_setup if device.type == "cpu" else None,
+                                            initargs=(one,) if device.type == "cpu" else ())
         self.pending: dict[str, Future] = {}  # param name -> optimizer step running on the host
         self.disk = None                  # runtime.disk.DiskTier: optimizer state of the disk-placed packs
         self.params_disk = None           # runtime.diskparams.DiskParams: packs wholly on disk (weights too)
         self.compute_dtype = None         # mixed precision: dtype of device copies of float params and buffers
+
+    def _host_setup(self, one_thread: bool) -> None:
+        if one_thread:
+            torch.set_num_threads(1)
+        self.host_idle = run_when_idle()
 
     def settle(self, names) -> None:
         """Wait for host optimizer steps still updating these parameters."""

@@ -371,7 +371,11 @@ class _Writer:
         if "idle_threads_sleep" in s:
             from harmony.process import idle_threads_note
             items.append(("OpenMP waits", idle_threads_note(s["idle_threads_sleep"])))
+        if "background_idle_priority" in s:
+            from harmony.process import idle_priority_note
+            items.append(("host thread", idle_priority_note(s["background_idle_priority"])))
         known = {"measured_peak", "predicted_peak", "budget", "h2d_bytes", "d2h_bytes", "predicted_h2d",
-                 "predicted_d2h", "step_seconds", "peak_rss_bytes", "huge_pages", "idle_threads_sleep"}
+                 "predicted_d2h", "step_seconds", "peak_rss_bytes", "huge_pages", "idle_threads_sleep",
+                 "background_idle_priority"}
         items += [(k, fmt_value(k, v)) for k, v in s.items() if k not in known]
         self.pairs(items)
