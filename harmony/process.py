@@ -159,10 +159,9 @@ def run_when_idle() -> bool:
     takes a core in the middle of a parallel region stalls the whole team at its barrier; at idle
     priority it runs when the team waits (for a read, between kernels, at the end of the step)
     instead. Measured on benchmarks/offload.py's 600M GPT (the benchmark's own setup functions, 5 steps
-    a run, six runs alternated): 13.4-15.0 s a step with the host and disk
-    threads at idle priority, 12.9-18.4 s without; means of steps 3-5 per run 14.0, 13.8, 13.9 s
-    against 15.0, 14.0, 17.7 (the machine's drift shows in the second set alone: its compute threads
-    took up to 28 CPU-seconds a step where they took 22 otherwise).
+    a run, twelve runs alternated): steps 3-5 averaged 13.6-14.3 s per run with the host and disk
+    threads at idle priority (13.9 over all six), 13.7-17.7 s without (15.0); the slowest runs
+    without it had the compute's own threads take up to 28 CPU-seconds a step where they took 22.
     """
     policy = getattr(os, "SCHED_IDLE", None)
     if policy is None:
