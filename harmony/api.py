@@ -316,8 +316,7 @@ class ScheduledModule(torch.nn.Module):
                 from harmony.runtime.diskparams import DiskParams
                 state = self.runtime.state
                 try:
-                    state.disk = DiskTier.create(plan, program.schedule, tensors, optimizers, cfg.offload_dir,
-                                                 background=torch.device(device).type == "cpu")
+                    state.disk = DiskTier.create(plan, program.schedule, tensors, optimizers, cfg.offload_dir)
                     state.params_disk = DiskParams.create(plan, program.schedule, tensors, optimizers,
                                                           self.runtime.meter, device, cfg.offload_dir)
                     if state.params_disk is not None:   # the weights are in their files: no host copy stays

@@ -154,14 +154,16 @@ def _read(path: str) -> str:
 def run_when_idle() -> bool:
     """Let the calling thread run only on a core nothing else wants (Linux ``SCHED_IDLE``); False where it cannot.
 
-    On the CPU device the compute's OpenMP team and the runtime's background threads (the host
-    thread's optimizer steps, the disk tier's I/O) share the same cores. A background thread that
-    takes a core in the middle of a parallel region stalls the whole team at its barrier; at idle
-    priority it runs when the team waits (for a read, between kernels, at the end of the step)
-    instead. Measured on benchmarks/offload.py's 600M GPT (the benchmark's own setup functions, 5 steps
-    a run, twelve runs alternated): steps 3-5 averaged 13.6-14.3 s per run with the host and disk
-    threads at idle priority (13.9 over all six), 13.7-17.7 s without (15.0); the slowest runs
-    without it had the compute's own threads take up to 28 CPU-seconds a step where they took 22.
+    On the CPU device the compute's OpenMP team, the host thread's optimizer steps and the disk
+    tier's I/O threads share the same cores. The host thread's steps are CPU work whose result is
+    needed only later (the next use of those weights, or the end of the step); at idle priority it
+    runs on a core the team leaves (waiting for a read, between kernels, at the end of the step)
+    instead of stalling the team at a barrier or delaying the disk threads' next read. Measured on
+    benchmarks/offload.py's 600M GPT (the benchmark's own setup functions, 5 steps a run, three
+    settings alternated three times, steps 3-5): the host thread at idle priority 14.1-14.7 s a step
+    per run (the compute waited 0.7-1.2 s a step for reads); every background thread at normal
+    priority 14.3-18.1 s (waits 1.7-2.2 s); the disk threads at idle priority as well 15.4-16.6 s
+    (waits 0.9-1.3 s: their reads are issued late), so they keep their priority.
     """
     policy = getattr(os, "SCHED_IDLE", None)
     if policy is None:
@@ -173,13 +175,29 @@ def run_when_idle() -> bool:
     return True
 
 
+def start_workers(pool, workers: int) -> None:
+    """Start all ``workers`` threads of a ``ThreadPoolExecutor`` now, from the calling thread.
+
+    A new thread takes the scheduling policy of the thread that starts it, and a pool starts a
+    worker in whichever thread submits to it while none is idle: the host thread, at idle priority
+    (``run_when_idle``), would start the disk tier's I/O threads at idle priority too, which delays
+    every read they issue. Each worker waits at a barrier until all have started, so every submit
+    here starts one.
+    """
+    import threading
+    gate = threading.Barrier(workers + 1)
+    for _ in range(workers):
+        pool.submit(gate.wait)
+    gate.wait()
+
+
 def idle_priority_note(on: bool) -> str:
     """What the report says of the host thread's priority on the CPU device (``run_when_idle``)."""
     if on:
-        return ("idle priority: its optimizer steps and the disk tier's I/O run on cores the compute's "
-                "OpenMP team leaves, not in the middle of its parallel regions")
-    return ("normal priority (SCHED_IDLE not available here): its optimizer steps and the disk tier's I/O "
-            "take cores from the compute's OpenMP team while it runs")
+        return ("idle priority: its optimizer steps run on cores the compute's OpenMP team and the disk "
+                "threads leave, not in the middle of a parallel region")
+    return ("normal priority (it runs all-reduces other ranks wait for, or SCHED_IDLE is not available here): "
+            "its work takes cores from the compute's OpenMP team and the disk threads while it runs")
 
 
 def runs_when_idle(native_id: int) -> bool:

@@ -60,7 +60,7 @@ from pathlib import Path
 import torch
 
 from harmony.errors import OffloadError
-from harmony.process import pid_alive, run_when_idle
+from harmony.process import pid_alive, start_workers
 from harmony.runtime.iobuffers import ALIGN, KEEP_FREE, Buffers, align_up
 from harmony.units import fmt_bytes
 
@@ -141,7 +141,7 @@ class DiskStore:
     forces buffered I/O (so does ``HARMONY_DIRECT_IO=0``), True requires direct I/O.
     """
 
-    def __init__(self, dir=None, *, direct: bool | None = None, workers: int = 2, background: bool = False):
+    def __init__(self, dir=None, *, direct: bool | None = None, workers: int = 2):
         parent = Path(os.path.abspath(os.fspath(dir))) if dir is not None else Path(tempfile.gettempdir())
         try:
             parent.mkdir(parents=True, exist_ok=True)
@@ -150,13 +150,13 @@ class DiskStore:
             os.chmod(self.path, 0o700)
         except OSError as e:
             raise OffloadError(_explain(e, f"create the offload directory in {parent}", parent, 0)) from e
-        # ``background``: the I/O threads run at idle priority (on the CPU device, where compute shares their cores)
-        setup = run_when_idle if background else None
-        self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="harmony-disk", initializer=setup)
+        self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="harmony-disk")
         # the further ranges of reads under way (each worker reads the first range of its own)
         self.read_depth = READ_DEPTH
         self._spans = ThreadPoolExecutor(max_workers=workers * max(1, READ_DEPTH - 1),
-                                         thread_name_prefix="harmony-disk-read", initializer=setup)
+                                         thread_name_prefix="harmony-disk-read")
+        for pool, n in ((self.pool, workers), (self._spans, workers * max(1, READ_DEPTH - 1))):
+            start_workers(pool, n)     # here, at this thread's priority: not later by the idle-priority host thread
         self.buffers = Buffers(KEEP_FREE)         # the memory behind the aligned buffers, reused
         self._finalizer = weakref.finalize(self, _cleanup, str(self.path), self.pool, self._spans, self.buffers)
         self._lock = threading.Lock()
@@ -598,17 +598,15 @@ class DiskTier:
         self._last = dict(store.stats(), wait_seconds=0.0, on_demand=0)
 
     @classmethod
-    def create(cls, plan, graph, tensors: dict, optimizers: dict, offload_dir=None,
-               background: bool = False) -> "DiskTier | None":
-        """The tier of the packs ``plan.optim_on`` places on disk, or None if there are none (``background``:
-        its I/O threads at idle priority, ``DiskStore``)."""
+    def create(cls, plan, graph, tensors: dict, optimizers: dict, offload_dir=None) -> "DiskTier | None":
+        """The tier of the packs ``plan.optim_on`` places on disk, or None if there are none."""
         placed = getattr(plan, "optim_on", {}) or {}
         whole = getattr(plan, "master_on", {}) or {}     # packs wholly on disk have a tier of their own
         packs = {s.index: [n for n in s.stepped if n in optimizers] for s in plan.packs
                  if placed.get(s.index) == "disk" and whole.get(s.index) != "disk"}
         if not packs:
             return None
-        return cls(DiskStore(offload_dir, background=background), packs, tensors, optimizers, step_order(graph))
+        return cls(DiskStore(offload_dir), packs, tensors, optimizers, step_order(graph))
 
     def holds(self, pack: int) -> bool:
         return pack in self.names

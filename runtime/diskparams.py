@@ -158,8 +158,7 @@ class DiskParams:
         groups = {p: g for p, g in (getattr(plan, "disk_groups", {}) or {}).items() if placed.get(p) == "disk"}
         if not groups:
             return None
-        store = DiskStore(offload_dir, background=torch.device(device).type == "cpu")   # I/O beside the compute's cores
-        self = cls(store, groups, tensors, optimizers, step_order(graph), meter, device,
+        self = cls(DiskStore(offload_dir), groups, tensors, optimizers, step_order(graph), meter, device,
                    in_memory=getattr(plan, "disk_in_memory", None))
         releases = [n for n in graph.nodes if n.op == "call_function" and n.target.__name__ == "release"
                     and n.args[1] == "params"]

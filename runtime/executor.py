@@ -60,7 +60,8 @@ class Runtime:
         self.device = torch.device(device)
         self.meter = MemoryMeter(f"{self.device.type}:logical" if self.device.type == "cpu" else str(self.device),
                                  budget)
-        self.state = TieredState(tensors, optimizers, self.meter, self.device)
+        reduces = any(n.op == "call_function" and n.target.__name__ == "allreduce" for n in graph.nodes)
+        self.state = TieredState(tensors, optimizers, self.meter, self.device, idle_host=not reduces)
         self.compute_dtype = compute_dtype(getattr(plan, "precision", "fp32"))   # None: fp32, no casts
         self.state.compute_dtype = self.compute_dtype
         self.scaler = LossScaler(**plan.loss_scaling) if getattr(plan, "precision", "fp32") == "fp16" else None

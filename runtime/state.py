@@ -13,7 +13,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from harmony.process import run_when_idle
+from harmony.process import run_when_idle, start_workers
 from harmony.runtime.memory import MemoryMeter
 
 
@@ -23,6 +23,7 @@ class CopyEngine:
     def __init__(self, device: torch.device):
         self.device = device
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="harmony-copy")
+        start_workers(self.pool, 1)        # here, at this thread's priority: not later by the idle-priority host thread
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     def submit(self, fn) -> Future:
@@ -54,7 +55,7 @@ class TieredState:
     """
 
     def __init__(self, tensors: dict[str, torch.Tensor], optimizers: dict[str, torch.optim.Optimizer],
-                 meter: MemoryMeter, device: torch.device):
+                 meter: MemoryMeter, device: torch.device, idle_host: bool = True):
         self.tensors = tensors            # name -> the user's Parameter / buffer object (never replaced)
         self.optimizers = optimizers      # param name -> the optimizer that steps it
         self.meter = meter
@@ -70,21 +71,22 @@ class TieredState:
         # OpenMP team as wide as the machine stalls both teams at their barriers: in the offload
         # benchmark's backward the cores were busy 1.59-1.64 of 2 with it, 1.69-1.70 without, and whole
         # steps took 20.0-23.5 s against 18.4-20.2 (runs alternated, process CPU time sampled every 20 ms).
-        # It also runs at idle priority there (harmony.process.run_when_idle): on a core the team leaves.
+        # With ``idle_host`` it also runs at idle priority there (harmony.process.run_when_idle): on a core the
+        # team and the disk threads leave. (Not where it runs all-reduces: other ranks wait for those.)
         one = device.type == "cpu" and torch.get_num_threads() > 1
         self.host_idle = None             # whether the host thread runs at idle priority (once it has started)
         self.host_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="harmony-host",
                                             initializer=self._host_setup if device.type == "cpu" else None,
-                                            initargs=(one,) if device.type == "cpu" else ())
+                                            initargs=(one, idle_host) if device.type == "cpu" else ())
         self.pending: dict[str, Future] = {}  # param name -> optimizer step running on the host
         self.disk = None                  # runtime.disk.DiskTier: optimizer state of the disk-placed packs
         self.params_disk = None           # runtime.diskparams.DiskParams: packs wholly on disk (weights too)
         self.compute_dtype = None         # mixed precision: dtype of device copies of float params and buffers
 
-    def _host_setup(self, one_thread: bool) -> None:
+    def _host_setup(self, one_thread: bool, idle: bool) -> None:
         if one_thread:
             torch.set_num_threads(1)
-        self.host_idle = run_when_idle()
+        self.host_idle = run_when_idle() if idle else False
 
     def settle(self, names) -> None:
         """Wait for host optimizer steps still updating these parameters."""
