@@ -192,17 +192,32 @@ class _Need:
         cfg = self.p.config
         m = cfg.microbatches
         flops = sum(u.fwd_flops + u.bwd_flops + (0 if last else u.fwd_flops) for u in us) * m
-        traffic = (pbytes + bbytes) * (1 if last else 2) + sum(self.master[n] for n in params) * 2 * self.state_per_byte
+        traffic = (pbytes + bbytes) * (1 if last else 2) + sum(self.master[n] for n in params) * 2 * self.state_per_byte \
+            + self.stash(s)
         seconds = max(flops / cfg.flops, traffic / cfg.copy_bandwidth) + PACK_SECONDS
         return need, seconds
 
     def traffic(self, s: int, e: int, last: bool, host: bool = False) -> float:
         """Bytes a swapped pack moves per iteration: weights in per phase, out once updated, optimizer state in and out
-        (``host``: the optimizer steps on the host, so gradients go out instead of weights and its state never moves)."""
+        (``host``: the optimizer steps on the host, so gradients go out instead of weights and its state never moves),
+        and what its input's stashes move (``stash``)."""
         params = frozenset().union(*(u.params for u in self.units[s:e]))
         pbytes = sum(self.sizes[n] for n in params)
         optim = 0 if host else sum(self.master[n] for n in params) * 2 * self.state_per_byte
-        return pbytes * ((1 if last else 2) + 1) + optim
+        return pbytes * ((1 if last else 2) + 1) + optim + self.stash(s)
+
+    def stash(self, s: int) -> float:
+        """Bytes a cut before unit ``s`` moves per iteration where nothing crossing it stays on the device.
+
+        Under the harmony policy every microbatch's activations crossing the cut wait on the device or
+        the host from the forward to the backward, and their gradients from the backward of the pack
+        after the cut to the backward of the pack before it: each byte stashed goes out and comes back
+        (4 bytes moved per byte crossing, per microbatch). The swap pass keeps them before weights where
+        the budget has room (2 bytes saved per byte held); ``plan_cost`` counts that room.
+        """
+        if s == 0 or self.p.config.policy != "harmony":
+            return 0.0
+        return 4.0 * self.units[s].cross_in * self.p.config.microbatches
 
     def plan_cost(self, cuts, budget: float) -> tuple[float, float]:
         """(seconds, bytes moved) of a partition, counting what the swap pass will keep resident.
@@ -212,7 +227,9 @@ class _Need:
         need already counts its own parameters, so with every parameter resident the room left is
         ``budget - P - max(need - own parameters)``; smaller packs leave more of it. Under a host
         step (harmony policy) weights are held from a pack's forward to its backward, beside the last
-        pack's working set: a smaller last pack leaves more room for them.
+        pack's working set: a smaller last pack leaves more room for them. What crosses the cuts for
+        every microbatch (``stash``) is held before weights, as the swap pass ranks it: fewer cuts, or
+        cuts where less crosses, leave more room and move less.
         """
         last = len(cuts) - 1
         own = [self._param_bytes(s, e) for s, e in cuts]
@@ -225,22 +242,28 @@ class _Need:
         all_params = total + max(n - p for n, p in zip(needs, own))
         if self.p.config.optimizer_on != "device":
             optim = 0.0
+        crossing = sum(self.stash(s) for s, _ in cuts) / 4     # activation bytes crossing the cuts, all microbatches
         if host and self.p.config.policy == "harmony" and self.p.config.host_memory_budget is None:
             # the host updates the weights, so none stay for good; but a pack's can stay from its forward to its
             # backward (1 byte saved per byte), all of them beside the last pack's working set at the turn; room
             # left then lets packs step on the device with all their state resident (2 more saved per byte of
             # parameters, for its optimizer state held), where the swap pass may do that (swap.mixed_placement)
+            # the cuts' stashes go first: a byte crossing a cut held saves 2, and its gradient as much again
             room = max(0.0, budget - needs[-1])
-            saved = min(total - own[-1], room)
+            held = min(crossing, room)
+            room -= held
+            weights = min(total - own[-1], room)
+            saved = 4 * held + weights
             if mixed_placement(self.p.config) and self.state_per_byte:
-                saved += 2 * min(total, max(0.0, room - saved) / self.state_per_byte)
+                saved += 2 * min(total, max(0.0, room - weights) / self.state_per_byte)
         elif host:
             # with a host budget, packs may live on disk, whose reads and writes this model does not price (the
             # credit above picked 48 packs for the offload benchmark's 600M GPT where 12 had been chosen, 2.5 s
             # a step slower on this machine); the swap pass still holds weights where its curve finds room
             saved = 0.0
         elif all_params <= budget:
-            saved = 3 * total - own[-1] + 2 * min(optim, budget - all_params)
+            optim_held = min(optim, budget - all_params)
+            saved = 3 * total - own[-1] + 2 * optim_held + 4 * min(crossing, budget - all_params - optim_held)
         else:
             saved = 3 * max(0.0, budget - max(needs))
         left = max(0.0, moved - saved)
