@@ -162,6 +162,7 @@ def compile(model: torch.nn.Module, example_batch, *, optimizer=torch.optim.Adam
     if hardware is not None:
         dev = _device_of(hardware)
         config.flops, config.copy_bandwidth = dev.flops, dev.h2d_bandwidth
+        config.host_bandwidth = getattr(hardware, "host_memory_bandwidth", config.host_bandwidth)
         if dev.speed_factor < 1:
             raise ConfigError(f"device {dev.name!r} has speed_factor {dev.speed_factor:g} < 1: emulation can only "
                               f"slow a device down")

@@ -229,11 +229,13 @@ class _Need:
         step (harmony policy) weights are held from a pack's forward to its backward, beside the last
         pack's working set: a smaller last pack leaves more room for them. What crosses the cuts for
         every microbatch (``stash``) is held before weights, as the swap pass ranks it: fewer cuts, or
-        cuts where less crosses, leave more room and move less.
+        cuts where less crosses, leave more room and move less. The host's optimizer steps add what
+        they keep the step running after the device's last backward (``host_tail``).
         """
         last = len(cuts) - 1
         own = [self._param_bytes(s, e) for s, e in cuts]
         total = sum(own)
+        host_share = 0.0     # of the parameters' bytes, what steps on the host (the tail ``host_tail`` prices)
         # where the offload pass will step the optimizer (it decides after the partition, with the exact curve)
         host = step_place(self.p.config, lambda: (2 + self.state_per_byte) * total <= budget)[0] == "host"
         moved = sum(self.traffic(s, e, i == last, host) for i, (s, e) in enumerate(cuts))
@@ -249,13 +251,16 @@ class _Need:
             # left then lets packs step on the device with all their state resident (2 more saved per byte of
             # parameters, for its optimizer state held), where the swap pass may do that (swap.mixed_placement)
             # the cuts' stashes go first: a byte crossing a cut held saves 2, and its gradient as much again
+            host_share = 1.0
             room = max(0.0, budget - needs[-1])
             held = min(crossing, room)
             room -= held
             weights = min(total - own[-1], room)
             saved = 4 * held + weights
             if mixed_placement(self.p.config) and self.state_per_byte:
-                saved += 2 * min(total, max(0.0, room - weights) / self.state_per_byte)
+                on_device = min(total, max(0.0, room - weights) / self.state_per_byte)
+                saved += 2 * on_device
+                host_share = 1.0 - on_device / total if total else 0.0
         elif host:
             # with a host budget, packs may live on disk, whose reads and writes this model does not price (the
             # credit above picked 48 packs for the offload benchmark's 600M GPT where 12 had been chosen, 2.5 s
@@ -270,13 +275,33 @@ class _Need:
         share = left / moved if moved else 0.0     # the traffic residency does not save
         cfg, m = self.p.config, self.p.config.microbatches
         kept = self.kept_graphs(cuts, budget, max(own), needs[-1], saved)
-        seconds = 0.0
+        seconds, backward = 0.0, []
         for i, (s, e) in enumerate(cuts):
             recompute = 0 if i == last or i in kept else 1
-            flops = sum(u.fwd_flops * (1 + recompute) + u.bwd_flops for u in self.units[s:e]) * m
-            seconds += max(flops / cfg.flops, share * self.traffic(s, e, i == last, host) / cfg.copy_bandwidth) \
-                + PACK_SECONDS
-        return seconds, left
+            us = self.units[s:e]
+            flops = sum(u.fwd_flops * (1 + recompute) + u.bwd_flops for u in us) * m
+            pack = max(flops / cfg.flops, share * self.traffic(s, e, i == last, host) / cfg.copy_bandwidth) + PACK_SECONDS
+            seconds += pack
+            back = sum(u.fwd_flops * recompute + u.bwd_flops + (u.fwd_flops if i == last else 0) for u in us) * m
+            backward.append(pack * back / flops if flops else pack)
+        return seconds + self.host_tail(cuts, backward, host_share), left
+
+    def host_tail(self, cuts, backward: list[float], host_share: float) -> float:
+        """Seconds the step ends after the device's last backward because the host is still stepping.
+
+        Each pack steps on the host once its backward ends, one pack at a time, behind the packs before
+        it in backward order; the first pack steps last, and the next forward waits for its weights.
+        A step reads and writes the fp32 masters, gradients and optimizer state (``ops._step_cost``'s
+        4 x (2 P + O) bytes at the host's memory bandwidth); ``host_share`` of them step on the host.
+        """
+        if not host_share:
+            return 0.0
+        t = free = 0.0
+        for i in reversed(range(len(cuts))):
+            t += backward[i]
+            master = sum(self.master[n] for n in frozenset().union(*(u.params for u in self.units[slice(*cuts[i])])))
+            free = max(free, t) + host_share * 4 * master * (2 + self.state_per_byte) / self.p.config.host_bandwidth
+        return max(0.0, free - t)
 
     def kept_graphs(self, cuts, budget: float, largest: float, last_need: float, resident: float) -> set[int]:
         """The packs whose forward's graph the swap pass can keep (no recompute), as it chooses them.

@@ -531,3 +531,15 @@ def test_the_partition_prices_what_crosses_its_cuts():
     moved = (swap.totals["h2d_MiB"] + swap.totals["d2h_MiB"]) * 2**20
     assert moved <= 2 * params, (len(sm.plan.packs), moved / params)
     sm.close()
+
+
+def test_the_partition_counts_the_host_steps_tail():
+    """Packs step on the host one at a time as their backward ends, and the next forward waits for the first
+    pack's: a large pack stepped late ends the step after the device has finished. On the GTX 1080 Ti preset a
+    12-layer GPT at 80% of its training state with 16 microbatches was cut into 2 packs, the last of 11 blocks,
+    whose host step kept the host busy 1.42 ms of a 2.82 ms simulated step; counting that tail the partition
+    cuts 3 packs of 4 blocks, two of them stepped on the device, 1.22 ms."""
+    sm, _ = compiled(frac=0.8, microbatches=16, layers=12, width=128, vocab=256, seq=32, batch=16, hardware="gtx1080ti")
+    sim = sm.simulate("gtx1080ti")
+    assert sim.step_seconds < 2.0e-3, ([s.name for s in sm.plan.packs], sim.busy)
+    sm.close()
