@@ -7,6 +7,7 @@ from typing import Any
 import torch
 import torch.fx
 
+from harmony.compiler.hardware import NOMINAL
 from harmony.runtime.plan import Plan
 from harmony.runtime.precision import compute_dtype
 
@@ -21,7 +22,7 @@ class CompileConfig:
     optimizer_kwargs: dict = field(default_factory=dict)
     copy_bandwidth: float = 8e9        # bytes/s host<->device, for the planner's time model
     flops: float = 60e9                # FLOP/s of the device, for the planner's time model
-    host_bandwidth: float = 100e9      # bytes/s of host memory (hardware.NOMINAL's): the planner's host steps
+    host_bandwidth: float = NOMINAL["host_memory_bandwidth"]   # bytes/s of host memory: the planner's host steps
     headroom: float = 0.05             # share of the budget the planner leaves for its prediction error
     recompute: str = "auto"            # auto: a pack keeps its forward's graph where the budget has room (swap
                                        # pass); always: every pack but the last recomputes (Harmony's paper)

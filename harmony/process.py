@@ -175,8 +175,8 @@ def run_when_idle() -> bool:
     return True
 
 
-def start_workers(pool, workers: int) -> None:
-    """Start all ``workers`` threads of a ``ThreadPoolExecutor`` now, from the calling thread.
+def started_pool(workers: int, name: str):
+    """A ``ThreadPoolExecutor`` of ``workers`` threads named ``name``, all started now, from the calling thread.
 
     A new thread takes the scheduling policy of the thread that starts it, and a pool starts a
     worker in whichever thread submits to it while none is idle: the host thread, at idle priority
@@ -185,10 +185,13 @@ def start_workers(pool, workers: int) -> None:
     here starts one.
     """
     import threading
+    from concurrent.futures import ThreadPoolExecutor
+    pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=name)
     gate = threading.Barrier(workers + 1)
     for _ in range(workers):
         pool.submit(gate.wait)
     gate.wait()
+    return pool
 
 
 def idle_priority_note(on: bool) -> str:

@@ -26,7 +26,7 @@ from harmony.compiler.meta import COST, MODULE_PATH, PACK, STATE
 from harmony.errors import BudgetError
 from harmony.passes.offload import step_place
 from harmony.passes.swap import mixed_placement
-from harmony.runtime.plan import PackSpec, Plan, optim_state_bytes, step_extra
+from harmony.runtime.plan import PackSpec, Plan, optim_state_bytes, step_extra, step_traffic
 from harmony.runtime.precision import device_bytes
 from harmony.units import fmt_bytes
 
@@ -176,7 +176,7 @@ class _Need:
 
     def _figures(self, s: int, e: int, last: bool) -> tuple[float, float]:
         us = self.units[s:e]
-        params = frozenset().union(*(u.params for u in us))
+        params = self.params(s, e)
         bufs = frozenset().union(*(u.buffers for u in us))
         pbytes = sum(self.sizes[n] for n in params)
         bbytes = sum(self.sizes[n] for n in bufs)
@@ -201,7 +201,7 @@ class _Need:
         """Bytes a swapped pack moves per iteration: weights in per phase, out once updated, optimizer state in and out
         (``host``: the optimizer steps on the host, so gradients go out instead of weights and its state never moves),
         and what its input's stashes move (``stash``)."""
-        params = frozenset().union(*(u.params for u in self.units[s:e]))
+        params = self.params(s, e)
         pbytes = sum(self.sizes[n] for n in params)
         optim = 0 if host else sum(self.master[n] for n in params) * 2 * self.state_per_byte
         return pbytes * ((1 if last else 2) + 1) + optim + self.stash(s)
@@ -240,7 +240,7 @@ class _Need:
         host = step_place(self.p.config, lambda: (2 + self.state_per_byte) * total <= budget)[0] == "host"
         moved = sum(self.traffic(s, e, i == last, host) for i, (s, e) in enumerate(cuts))
         needs = [self(s, e, i == last)[0] for i, (s, e) in enumerate(cuts)]
-        optim = sum(self.master[n] for n in frozenset().union(*(u.params for u in self.units))) * self.state_per_byte
+        optim = sum(self.master[n] for n in self.params(0, len(self.units))) * self.state_per_byte
         all_params = total + max(n - p for n, p in zip(needs, own))
         if self.p.config.optimizer_on != "device":
             optim = 0.0
@@ -291,16 +291,17 @@ class _Need:
 
         Each pack steps on the host once its backward ends, one pack at a time, behind the packs before
         it in backward order; the first pack steps last, and the next forward waits for its weights.
-        A step reads and writes the fp32 masters, gradients and optimizer state (``ops._step_cost``'s
-        4 x (2 P + O) bytes at the host's memory bandwidth); ``host_share`` of them step on the host.
+        A step moves ``plan.step_traffic`` bytes of the fp32 masters, gradients and optimizer state at the
+        host's memory bandwidth, as the simulator prices it; ``host_share`` of them step on the host.
         """
         if not host_share:
             return 0.0
         t = free = 0.0
         for i in reversed(range(len(cuts))):
             t += backward[i]
-            master = sum(self.master[n] for n in frozenset().union(*(u.params for u in self.units[slice(*cuts[i])])))
-            free = max(free, t) + host_share * 4 * master * (2 + self.state_per_byte) / self.p.config.host_bandwidth
+            master = sum(self.master[n] for n in self.params(*cuts[i]))
+            step = step_traffic(master, master * self.state_per_byte) / self.p.config.host_bandwidth
+            free = max(free, t) + host_share * step
         return max(0.0, free - t)
 
     def kept_graphs(self, cuts, budget: float, largest: float, last_need: float, resident: float) -> set[int]:
@@ -337,7 +338,11 @@ class _Need:
         return out
 
     def _param_bytes(self, s: int, e: int) -> float:
-        return sum(self.sizes[n] for n in frozenset().union(*(u.params for u in self.units[s:e])))
+        return sum(self.sizes[n] for n in self.params(s, e))
+
+    def params(self, s: int, e: int) -> frozenset:
+        """The trainable state names of units s..e-1 (a parameter two units share counts once)."""
+        return frozenset().union(*(u.params for u in self.units[s:e]))
 
 
 def plan_packs(need: _Need, budget: float) -> list[tuple[int, int]] | None:

@@ -60,7 +60,7 @@ from pathlib import Path
 import torch
 
 from harmony.errors import OffloadError
-from harmony.process import pid_alive, start_workers
+from harmony.process import pid_alive, started_pool
 from harmony.runtime.iobuffers import ALIGN, KEEP_FREE, Buffers, align_up
 from harmony.units import fmt_bytes
 
@@ -150,13 +150,11 @@ class DiskStore:
             os.chmod(self.path, 0o700)
         except OSError as e:
             raise OffloadError(_explain(e, f"create the offload directory in {parent}", parent, 0)) from e
-        self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="harmony-disk")
+        # started here, at this thread's priority, not later by the idle-priority host thread
+        self.pool = started_pool(workers, "harmony-disk")
         # the further ranges of reads under way (each worker reads the first range of its own)
         self.read_depth = READ_DEPTH
-        self._spans = ThreadPoolExecutor(max_workers=workers * max(1, READ_DEPTH - 1),
-                                         thread_name_prefix="harmony-disk-read")
-        for pool, n in ((self.pool, workers), (self._spans, workers * max(1, READ_DEPTH - 1))):
-            start_workers(pool, n)     # here, at this thread's priority: not later by the idle-priority host thread
+        self._spans = started_pool(workers * max(1, READ_DEPTH - 1), "harmony-disk-read")
         self.buffers = Buffers(KEEP_FREE)         # the memory behind the aligned buffers, reused
         self._finalizer = weakref.finalize(self, _cleanup, str(self.path), self.pool, self._spans, self.buffers)
         self._lock = threading.Lock()

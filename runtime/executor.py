@@ -9,7 +9,7 @@ import torch
 import torch.fx
 
 from harmony.runtime.memory import CountAllocations, MemoryMeter
-from harmony.runtime.ops import op_of, resident_state
+from harmony.runtime.ops import allreduce, op_of, resident_state
 from harmony.runtime.plan import Plan
 from harmony.runtime.precision import LossScaler, compute_dtype
 from harmony.runtime.state import TieredState
@@ -60,7 +60,7 @@ class Runtime:
         self.device = torch.device(device)
         self.meter = MemoryMeter(f"{self.device.type}:logical" if self.device.type == "cpu" else str(self.device),
                                  budget)
-        reduces = any(n.op == "call_function" and n.target.__name__ == "allreduce" for n in graph.nodes)
+        reduces = any(n.op == "call_function" and n.target is allreduce for n in graph.nodes)
         self.state = TieredState(tensors, optimizers, self.meter, self.device, idle_host=not reduces)
         self.compute_dtype = compute_dtype(getattr(plan, "precision", "fp32"))   # None: fp32, no casts
         self.state.compute_dtype = self.compute_dtype

@@ -18,6 +18,7 @@ from typing import Callable
 
 import torch
 
+from harmony.runtime.plan import step_traffic
 from harmony.runtime.precision import device_dtype, master_grads
 
 
@@ -619,15 +620,13 @@ def _step_effect(m, pack, stream=False, where="device", overlap=False):
 def _step_cost(plan, hw, pack, stream=False, where="device", overlap=False):
     """An optimizer step is memory-bound: its traffic at memory bandwidth, plus a fixed cost per tensor op.
 
-    Traffic: Adam(W) reads parameter, gradient and state and writes parameter and state,
-    and its for-loop form makes temporaries of the parameter's size on the way; counted as
-    4 x (2 P + O) bytes. A streamed step also copies each parameter's optimizer state in
+    Traffic: ``plan.step_traffic``, 4 x (2 P + O) bytes. A streamed step also copies each parameter's optimizer state in
     and back out, one parameter at a time, on the compute stream's critical path.
     """
     spec = plan.packs[pack]
-    traffic = 4 * (spec.param_bytes * 2 + spec.optim_bytes)
+    traffic = step_traffic(spec.param_bytes, spec.optim_bytes)
     if where in ("host", "disk"):   # the host's own memory, outside the runtime's accounting: plain dispatch
-        traffic = 4 * ((spec.master_bytes or spec.param_bytes) * 2 + spec.optim_bytes)   # fp32 masters
+        traffic = step_traffic(spec.master_bytes or spec.param_bytes, spec.optim_bytes)   # fp32 masters
         return "host", traffic / getattr(hw, "host_memory_bandwidth", hw.memory_bandwidth)
     seconds = traffic / hw.memory_bandwidth + _pack_compute_cost(hw, 0, _kernels_cost(spec, "step"))
     if stream:

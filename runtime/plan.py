@@ -15,6 +15,12 @@ def optim_state_bytes(profile: dict, nbytes: int) -> int:
     return int(round(profile.get("state_per_byte", 0) * nbytes + profile.get("state_per_tensor", 0)))
 
 
+def step_traffic(param_bytes: float, optim_bytes: float) -> float:
+    """Memory bytes an optimizer step moves: Adam(W) reads parameter, gradient and state and writes parameter
+    and state, and its for-loop form makes temporaries of the parameter's size on the way: 4 x (2 P + O)."""
+    return 4 * (2 * param_bytes + optim_bytes)
+
+
 def step_extra(profile: dict, sizes: list[int]) -> int:
     """Transient bytes of one optimizer step over tensors of ``sizes`` bytes (see optimizer_profile)."""
     if not sizes:

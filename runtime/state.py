@@ -13,7 +13,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from harmony.process import run_when_idle, start_workers
+from harmony.process import run_when_idle, started_pool
 from harmony.runtime.memory import MemoryMeter
 
 
@@ -22,8 +22,7 @@ class CopyEngine:
 
     def __init__(self, device: torch.device):
         self.device = device
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="harmony-copy")
-        start_workers(self.pool, 1)        # here, at this thread's priority: not later by the idle-priority host thread
+        self.pool = started_pool(1, "harmony-copy")    # at this thread's priority, not the idle host thread's
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     def submit(self, fn) -> Future:
