@@ -447,11 +447,11 @@ def test_graphs_worth_less_than_traffic_take_only_the_room_residency_leaves(monk
     in it (< 1 B/B), where a parameter stepped on the device saves one byte moved per byte held: with room left
     after whole packs (cut here so the last pack is small), the swap pass fills it with single parameters'
     device steps before graphs, so it plans exactly what it plans when graphs are not candidates at all."""
-    from harmony.passes import partition
+    from harmony.passes import partition, partition_cost
 
     def small_last_pack(program, units, budget):
         cuts = [(0, 23), (23, 30), (30, len(units))]
-        return cuts, partition.build_packs(program, cuts, units), partition._Need(program, units)
+        return cuts, partition.build_packs(program, cuts, units), partition_cost.PackCost(program, units)
     monkeypatch.setattr(partition, "_choose", small_last_pack)
     plans = {}
     for recompute in ("auto", "always"):

@@ -1,0 +1,277 @@
+"""The partition's cost model: what a candidate pack needs on the device, how long it takes, and what a
+whole plan moves and costs; the dynamic program and the working-set cap search that use it.
+
+``PackCost`` prices packs from the unit summaries ``partition.find_units`` makes (no tracing,
+no measuring: the DP asks for thousands of candidates); ``plan_cost`` prices a whole partition as the
+swap and offload passes will treat it (what they keep resident, what crosses the cuts, the host's
+optimizer steps). ``partition`` measures the packs the DP picks and corrects the target until they fit.
+"""
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+from harmony.compiler.ir import Program
+from harmony.passes.offload import step_place
+from harmony.passes.swap import mixed_placement
+from harmony.runtime.plan import step_extra, step_traffic
+from harmony.runtime.precision import device_bytes
+
+if TYPE_CHECKING:
+    from harmony.passes.partition import Unit
+
+# The planner's fixed cost of one more pack: about ten schedule ops (a swap_in, wait and release of its
+# weights per phase, its gradients' release, its step) at a few microseconds of executor loop and copy
+# hand-off each. It breaks ties towards fewer packs; it must not outweigh what smaller packs save in
+# traffic (their freed room keeps optimizer state resident): at 1e-4 s the swap-volume benchmark's 12-layer
+# GPT at half its state picked 3 packs moving 31.2 MiB a step, at 3e-5 s 7 packs moving 26.1 MiB.
+PACK_SECONDS = 3e-5
+
+
+class PackCost:
+    """Working set and time of a candidate pack (units s..e-1), from unit summaries; each pack's figures once
+    (the cap search and the corrections run the DP a dozen times over mostly the same packs)."""
+
+    def __init__(self, program: Program, units: list[Unit]):
+        self.p, self.units = program, units
+        self.memo: dict = {}
+        self.sizes = device_sizes(program)       # bytes on the device (compute copies under mixed precision)
+        self.master = {n: t.numel() * t.element_size() for n, t in program.gm.named_parameters()}
+        self.state_per_byte = program.optim_profile["state_per_byte"]   # per byte of fp32 master
+
+    def __call__(self, s: int, e: int, last: bool) -> tuple[float, float]:
+        key = (s, e, last)
+        if key not in self.memo:
+            self.memo[key] = self._figures(s, e, last)
+        return self.memo[key]
+
+    def _figures(self, s: int, e: int, last: bool) -> tuple[float, float]:
+        us = self.units[s:e]
+        params = self.params(s, e)
+        bufs = frozenset().union(*(u.buffers for u in us))
+        pbytes = sum(self.sizes[n] for n in params)
+        bbytes = sum(self.sizes[n] for n in bufs)
+        prof = self.p.optim_profile   # the step brings one parameter's optimizer state in at a time
+        extra = max((self.state_per_byte * self.master[n] + step_extra(prof, [self.master[n]]) for n in params),
+                    default=0)
+        kept = sum(u.kept for u in us)
+        boundary = us[0].cross_in + (self.units[e].cross_in if e < len(self.units) else 0)
+        act = max(max(u.peak for u in us) + boundary, kept + max(u.bwd for u in us) + 2 * boundary)
+        if self.p.config.optimizer_on != "device":
+            extra = 0          # the optimizer steps on the host (offload pass)
+        need = pbytes + bbytes + pbytes + max(extra, act)
+        cfg = self.p.config
+        m = cfg.microbatches
+        flops = sum(u.fwd_flops + u.bwd_flops + (0 if last else u.fwd_flops) for u in us) * m
+        traffic = (pbytes + bbytes) * (1 if last else 2) + sum(self.master[n] for n in params) * 2 * self.state_per_byte \
+            + self.stash(s)
+        seconds = max(flops / cfg.flops, traffic / cfg.copy_bandwidth) + PACK_SECONDS
+        return need, seconds
+
+    def traffic(self, s: int, e: int, last: bool, host: bool = False) -> float:
+        """Bytes a swapped pack moves per iteration: weights in per phase, out once updated, optimizer state in and out
+        (``host``: the optimizer steps on the host, so gradients go out instead of weights and its state never moves),
+        and what its input's stashes move (``stash``)."""
+        params = self.params(s, e)
+        pbytes = sum(self.sizes[n] for n in params)
+        optim = 0 if host else sum(self.master[n] for n in params) * 2 * self.state_per_byte
+        return pbytes * ((1 if last else 2) + 1) + optim + self.stash(s)
+
+    def stash(self, s: int) -> float:
+        """Bytes a cut before unit ``s`` moves per iteration where nothing crossing it stays on the device.
+
+        Under the harmony policy every microbatch's activations crossing the cut wait on the device or
+        the host from the forward to the backward, and their gradients from the backward of the pack
+        after the cut to the backward of the pack before it: each byte stashed goes out and comes back
+        (4 bytes moved per byte crossing, per microbatch). The swap pass keeps them before weights where
+        the budget has room (2 bytes saved per byte held); ``plan_cost`` counts that room.
+        """
+        if s == 0 or self.p.config.policy != "harmony":
+            return 0.0
+        return 4.0 * self.units[s].cross_in * self.p.config.microbatches
+
+    def plan_cost(self, cuts, budget: float) -> tuple[float, float]:
+        """(seconds, bytes moved) of a partition, counting what the swap pass will keep resident.
+
+        As the swap pass does: parameters first (a byte kept saves 3 moved: in for forward and
+        backward, out once updated), then optimizer state (2: in and out around the step). A pack's
+        need already counts its own parameters, so with every parameter resident the room left is
+        ``budget - P - max(need - own parameters)``; smaller packs leave more of it. Under a host
+        step (harmony policy) weights are held from a pack's forward to its backward, beside the last
+        pack's working set: a smaller last pack leaves more room for them. What crosses the cuts for
+        every microbatch (``stash``) is held before weights, as the swap pass ranks it: fewer cuts, or
+        cuts where less crosses, leave more room and move less. The host's optimizer steps add what
+        they keep the step running after the device's last backward (``host_tail``).
+        """
+        last = len(cuts) - 1
+        own = [self._param_bytes(s, e) for s, e in cuts]
+        total = sum(own)
+        host_share = 0.0     # of the parameters' bytes, what steps on the host (the tail ``host_tail`` prices)
+        # where the offload pass will step the optimizer (it decides after the partition, with the exact curve)
+        host = step_place(self.p.config, lambda: (2 + self.state_per_byte) * total <= budget)[0] == "host"
+        moved = sum(self.traffic(s, e, i == last, host) for i, (s, e) in enumerate(cuts))
+        needs = [self(s, e, i == last)[0] for i, (s, e) in enumerate(cuts)]
+        optim = sum(self.master[n] for n in self.params(0, len(self.units))) * self.state_per_byte
+        all_params = total + max(n - p for n, p in zip(needs, own))
+        if self.p.config.optimizer_on != "device":
+            optim = 0.0
+        crossing = sum(self.stash(s) for s, _ in cuts) / 4     # activation bytes crossing the cuts, all microbatches
+        if host and self.p.config.policy == "harmony" and self.p.config.host_memory_budget is None:
+            # the host updates the weights, so none stay for good; but a pack's can stay from its forward to its
+            # backward (1 byte saved per byte), all of them beside the last pack's working set at the turn; room
+            # left then lets packs step on the device with all their state resident (2 more saved per byte of
+            # parameters, for its optimizer state held), where the swap pass may do that (swap.mixed_placement)
+            # the cuts' stashes go first: a byte crossing a cut held saves 2, and its gradient as much again
+            host_share = 1.0
+            room = max(0.0, budget - needs[-1])
+            held = min(crossing, room)
+            room -= held
+            weights = min(total - own[-1], room)
+            saved = 4 * held + weights
+            if mixed_placement(self.p.config) and self.state_per_byte:
+                on_device = min(total, max(0.0, room - weights) / self.state_per_byte)
+                saved += 2 * on_device
+                host_share = 1.0 - on_device / total if total else 0.0
+        elif host:
+            # with a host budget, packs may live on disk, whose reads and writes this model does not price (the
+            # credit above picked 48 packs for the offload benchmark's 600M GPT where 12 had been chosen, 2.5 s
+            # a step slower on this machine); the swap pass still holds weights where its curve finds room
+            saved = 0.0
+        elif all_params <= budget:
+            optim_held = min(optim, budget - all_params)
+            saved = 3 * total - own[-1] + 2 * optim_held + 4 * min(crossing, budget - all_params - optim_held)
+        else:
+            saved = 3 * max(0.0, budget - max(needs))
+        left = max(0.0, moved - saved)
+        share = left / moved if moved else 0.0     # the traffic residency does not save
+        cfg, m = self.p.config, self.p.config.microbatches
+        kept = self.kept_graphs(cuts, budget, max(own), needs[-1], saved)
+        seconds, backward = 0.0, []
+        for i, (s, e) in enumerate(cuts):
+            recompute = 0 if i == last or i in kept else 1
+            us = self.units[s:e]
+            flops = sum(u.fwd_flops * (1 + recompute) + u.bwd_flops for u in us) * m
+            pack = max(flops / cfg.flops, share * self.traffic(s, e, i == last, host) / cfg.copy_bandwidth) + PACK_SECONDS
+            seconds += pack
+            back = sum(u.fwd_flops * recompute + u.bwd_flops + (u.fwd_flops if i == last else 0) for u in us) * m
+            backward.append(pack * back / flops if flops else pack)
+        return seconds + self.host_tail(cuts, backward, host_share), left
+
+    def host_tail(self, cuts, backward: list[float], host_share: float) -> float:
+        """Seconds the step ends after the device's last backward because the host is still stepping.
+
+        Each pack steps on the host once its backward ends, one pack at a time, behind the packs before
+        it in backward order; the first pack steps last, and the next forward waits for its weights.
+        A step moves ``plan.step_traffic`` bytes of the fp32 masters, gradients and optimizer state at the
+        host's memory bandwidth, as the simulator prices it; ``host_share`` of them step on the host.
+        """
+        if not host_share:
+            return 0.0
+        t = free = 0.0
+        for i in reversed(range(len(cuts))):
+            t += backward[i]
+            master = sum(self.master[n] for n in self.params(*cuts[i]))
+            step = step_traffic(master, master * self.state_per_byte) / self.p.config.host_bandwidth
+            free = max(free, t) + host_share * step
+        return max(0.0, free - t)
+
+    def kept_graphs(self, cuts, budget: float, largest: float, last_need: float, resident: float) -> set[int]:
+        """The packs whose forward's graph the swap pass can keep (no recompute), as it chooses them.
+
+        The binding moment is the turn from forward to backward: the last pack's working set, the
+        next pack's weights coming in (where compute outweighs copies the swap pass leaves room for
+        that) and every kept graph, for all microbatches under the harmony policy, are on the device
+        at once. Graphs go first where recompute outweighs the traffic the same bytes save (the
+        swap pass's ranking: recompute time as bytes at the link's speed, per byte held), else into
+        what residency leaves. Smaller packs leave more room: this is what lets the cap search see it.
+        """
+        cfg = self.p.config
+        if cfg.recompute != "auto" or cfg.policy == "ondemand" or len(cuts) < 2:
+            return set()
+        m = cfg.microbatches
+        times = cfg.microbatches if cfg.policy == "harmony" else 1
+        compute = sum(u.fwd_flops * 2 + u.bwd_flops for u in self.units) * m / cfg.flops
+        copies = sum(self.traffic(s, e, i == len(cuts) - 1) for i, (s, e) in enumerate(cuts)) / cfg.copy_bandwidth
+        room = budget - last_need - (largest if compute > copies else 0)
+        options = []
+        for i, (s, e) in enumerate(cuts[:-1]):
+            held = sum(u.kept + u.cross_in for u in self.units[s:e]) * times
+            gain = sum(u.fwd_flops for u in self.units[s:e]) * m / cfg.flops * cfg.copy_bandwidth / max(held, 1)
+            options.append((gain, held, i))
+        if compute <= copies:          # graphs only where residency leaves room (it saves 2 to 3 bytes per byte)
+            room -= resident / 2
+            options = [o for o in options if o[0] > 3]
+        out = set()
+        for gain, held, i in sorted(options, reverse=True):
+            if held <= room:
+                out.add(i)
+                room -= held
+        return out
+
+    def _param_bytes(self, s: int, e: int) -> float:
+        return sum(self.sizes[n] for n in self.params(s, e))
+
+    def params(self, s: int, e: int) -> frozenset:
+        """The trainable state names of units s..e-1 (a parameter two units share counts once)."""
+        return frozenset().union(*(u.params for u in self.units[s:e]))
+
+
+def plan_packs(need: PackCost, budget: float) -> list[tuple[int, int]] | None:
+    """Exact DP over contiguous partitions of ``need``'s units: least predicted time, every pack within ``budget``."""
+    n = len(need.units)
+    best = [math.inf] * (n + 1)
+    choice = [0] * (n + 1)
+    best[0] = 0.0
+    for e in range(1, n + 1):          # prefix [0, e) made of non-last packs
+        for s in range(e - 1, -1, -1):
+            size, secs = need(s, e, last=False)
+            if size > budget:
+                break                  # a longer pack only needs more
+            if best[s] + secs < best[e]:
+                best[e], choice[e] = best[s] + secs, s
+    final, start = math.inf, None
+    for s in range(n - 1, -1, -1):     # the last pack runs forward and backward without recompute
+        size, secs = need(s, n, last=True)
+        if size > budget:
+            break
+        if best[s] + secs < final:
+            final, start = best[s] + secs, s
+    if start is None:
+        return None
+    cuts, e = [(start, n)], start
+    while e > 0:
+        cuts.append((choice[e], e))
+        e = choice[e]
+    return cuts[::-1]
+
+
+def device_sizes(program: Program) -> dict[str, int]:
+    """Bytes of each parameter and buffer on the device: in the compute dtype under mixed precision."""
+    dtype = program.config.compute_dtype
+    return {n: device_bytes(t, dtype) for n, t in
+            list(program.gm.named_parameters()) + list(program.gm.named_buffers())}
+
+
+
+def working_set_cap(need: PackCost, budget: int) -> int:
+    """The largest working set a pack may have: smaller packs leave room for resident state.
+
+    Tries caps from the budget down to the largest single layer's need; keeps the one
+    with the least predicted time, and among those within 2% of it the least traffic.
+    """
+    n = len(need.units)
+    floor = max([need(i, i + 1, False)[0] for i in range(n - 1)] + [need(n - 1, n, True)[0]])
+    if floor >= budget:
+        return budget
+    plans = []
+    for k in range(10):
+        cap = budget * (floor / budget) ** (k / 9)
+        cuts = plan_packs(need, cap)
+        if cuts is not None:
+            plans.append((cap, *need.plan_cost(cuts, budget)))
+    if not plans:
+        return budget
+    fastest = min(p[1] for p in plans)
+    return int(min((p for p in plans if p[1] <= fastest * 1.02), key=lambda p: p[2])[0])
+
+
