@@ -129,7 +129,21 @@ class PackCost:
             weights = min(total - own[-1], room)
             saved = 4 * held + weights
             if mixed_placement(self.p.config) and self.state_per_byte:
-                on_device = min(total, max(0.0, room - weights) / self.state_per_byte)
+                # resident optimizer state stays beside every pack's backward, not only the last one's: there the
+                # pack's weights and gradients, the weights held for the packs before it, and what crosses the cuts
+                # before it and the gradients coming back through its output; and a parameter stepped on the device
+                # keeps its weight there too, which for the packs after it nothing else holds by then
+                spb = self.state_per_byte
+                on_device = max(0.0, room - weights) / spb
+                before = crossed = 0.0
+                share = held / crossing if crossing else 0.0
+                for j, (s, e) in enumerate(cuts[:-1]):
+                    crossed += self.stash(s) / 4 * share
+                    free = max(0.0, budget - needs[j] - min(before, weights) - crossed - self.stash(e) / 4 * share)
+                    there = before + own[j]          # weights on the device at its backward anyway
+                    on_device = min(on_device, free / spb if free <= spb * there else (free + there) / (spb + 1))
+                    before += own[j]
+                on_device = min(total, on_device)
                 saved += 2 * on_device
                 host_share = 1.0 - on_device / total if total else 0.0
         elif host:
