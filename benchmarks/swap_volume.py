@@ -6,9 +6,10 @@ sequence each, planned for the Harmony paper's GPU (GTX 1080 Ti over PCIe; the b
 the given share, not the GPU's memory) and run here. Every figure is measured by the
 runtime on a real step (the second, once the optimizer state exists), not predicted.
 
-Lower bound (per iteration, over every placement of the optimizer step), for a budget B
-(less the planner's headroom, U = 0.95 B) and the parameters P (fp32 bytes), no room set aside
-for the working set of the layer being computed:
+Lower bound (per iteration, over every placement of the optimizer step), for a budget U (the
+whole budget: Harmony's planner leaves 5% of it for its prediction error, but a schedule that
+needs no such margin could fill it) and the parameters P (fp32 bytes), no room set aside for the
+working set of the layer being computed:
   * a parameter byte whose optimizer steps on the host moves at least 3 bytes (its gradient
     out once, its weight in for the forward and again for the backward), less 1 if its
     weight stays on the device across the turn from forward to backward, which holds 1 byte
@@ -29,7 +30,7 @@ for the working set of the layer being computed:
     more per byte); its largest pack has at least P / k. So the stash term is
     min over k of (k - 1) M a + (M - 1) max(0, 2 P / k - U), a the narrowest gap's bytes.
     Without it (the issue's first two terms alone) the bound gave the whole budget to held state;
-    on 12 layers at half the state and 64 microbatches it added 1 MiB to 10.3.
+    on 12 layers at half the state and 64 microbatches it adds 1 MiB to 9.3.
 The column ``device_bound`` is the same bound for schedules that step the optimizer on the
 device (``optimizer_on="device"``; the column ``harmony_device_step``), without the stash term:
 there parameters are kept first, Rp = min(P, U), then optimizer state O = 2 P,
@@ -63,13 +64,13 @@ from harmony.passes.partition import find_units
 HARDWARE = "gtx1080ti"
 
 
-def lower_bound(model, budget: int, headroom: float, stash: float = 0.0) -> int:
+def lower_bound(model, budget: int, stash: float = 0.0) -> int:
     """Bytes any schedule moves per iteration, whatever it keeps where (see the module's docstring)."""
     p = sum(t.numel() * 4 for t in model.parameters())
-    return int(max(0.0, 3 * p - budget * (1 - headroom) + stash))
+    return int(max(0.0, 3 * p - budget + stash))
 
 
-def forced_stash(program, usable: float, p: int) -> float:
+def forced_stash(program, budget: float, p: int) -> float:
     """The least stash traffic the budget forces on a Harmony schedule (the module's docstring): the
     narrowest gap between two layers that both hold parameters, crossed by every microbatch, at each cut
     of the cheapest pack count."""
@@ -77,17 +78,16 @@ def forced_stash(program, usable: float, p: int) -> float:
     owns = [i for i, u in enumerate(units) if u.params]
     gap = min(units[s].cross_in for s in range(owns[0] + 1, owns[-1] + 1))
     m = program.config.microbatches
-    return min((k - 1) * m * gap + (m - 1) * max(0.0, 2 * p / k - usable) for k in range(1, len(owns) + 1))
+    return min((k - 1) * m * gap + (m - 1) * max(0.0, 2 * p / k - budget) for k in range(1, len(owns) + 1))
 
 
-def device_step_bound(model, budget: int, headroom: float) -> int:
+def device_step_bound(model, budget: int) -> int:
     """The same for schedules whose optimizer steps on the device."""
     p = sum(t.numel() * 4 for t in model.parameters())
     o = 2 * p
-    usable = budget * (1 - headroom)
-    rp = min(p, usable)
-    ro = min(o, usable - rp)
-    t = min(p - rp, usable - rp - ro)
+    rp = min(p, budget)
+    ro = min(o, budget - rp)
+    t = min(p - rp, budget - rp - ro)
     return int(3 * (p - rp) - t + 2 * (o - ro))
 
 
@@ -99,11 +99,10 @@ def measure(model, data, microbatches, budget, policy, optimizer_on="auto"):
         sm(x, y)
     s = sm.stats
     sm.close()
-    headroom = sm.program.config.headroom
     p = sum(t.numel() * 4 for t in model.parameters())
-    stash = forced_stash(sm.program, budget * (1 - headroom), p) if policy == "harmony" else 0.0
+    stash = forced_stash(sm.program, budget, p) if policy == "harmony" else 0.0
     return dict(moved=s["h2d_bytes"] + s["d2h_bytes"], peak=s["measured_peak"], packs=len(sm.plan.packs),
-                headroom=headroom, stash=stash)
+                stash=stash)
 
 
 def main():
@@ -134,14 +133,14 @@ def main():
                     row[f"{policy}_MiB"] = moved[policy] / 2**20
                     if policy == "harmony":
                         row["packs"] = r["packs"]
-                        headroom, stash = r["headroom"], r["stash"]
+                        stash = r["stash"]
                 device = measure(GPT(c), data, m, budget, "harmony", optimizer_on="device")["moved"]
                 row["harmony_device_step_MiB"] = device / 2**20
-                bound = lower_bound(model, budget, headroom, stash)
+                bound = lower_bound(model, budget, stash)
                 row["stash_MiB"] = stash / 2**20
                 row["bound_MiB"] = bound / 2**20
                 row["harmony/bound"] = moved["harmony"] / bound if bound else float("nan")
-                row["device_step/device_bound"] = device / device_step_bound(model, budget, headroom)
+                row["device_step/device_bound"] = device / device_step_bound(model, budget)
                 row["sequential/harmony"] = moved["sequential"] / moved["harmony"]
                 row["ondemand/harmony"] = moved["ondemand"] / moved["harmony"]
                 row["target_ondemand"] = f">= {m / 2:g}"
