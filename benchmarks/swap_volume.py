@@ -30,7 +30,7 @@ working set of the layer being computed:
     more per byte); its largest pack has at least P / k. So the stash term is
     min over k of (k - 1) M a + (M - 1) max(0, 2 P / k - U), a the narrowest gap's bytes.
     Without it (the issue's first two terms alone) the bound gave the whole budget to held state;
-    on 12 layers at half the state and 64 microbatches it adds 1 MiB to 9.3.
+    on 12 layers at a quarter of the state and 64 microbatches it adds 1 MiB to 18.7.
 The column ``device_bound`` is the same bound for schedules that step the optimizer on the
 device (``optimizer_on="device"``; the column ``harmony_device_step``), without the stash term:
 there parameters are kept first, Rp = min(P, U), then optimizer state O = 2 P,

@@ -266,7 +266,6 @@ def device_sizes(program: Program) -> dict[str, int]:
             list(program.gm.named_parameters()) + list(program.gm.named_buffers())}
 
 
-
 def working_set_cap(need: PackCost, budget: int) -> int:
     """The largest working set a pack may have: smaller packs leave room for resident state.
 
