@@ -64,10 +64,14 @@ from harmony.passes.partition import find_units
 HARDWARE = "gtx1080ti"
 
 
+def param_bytes(model) -> int:
+    """P: the model's parameters, fp32 bytes."""
+    return sum(t.numel() * 4 for t in model.parameters())
+
+
 def lower_bound(model, budget: int, stash: float = 0.0) -> int:
     """Bytes any schedule moves per iteration, whatever it keeps where (see the module's docstring)."""
-    p = sum(t.numel() * 4 for t in model.parameters())
-    return int(max(0.0, 3 * p - budget + stash))
+    return int(max(0.0, 3 * param_bytes(model) - budget + stash))
 
 
 def forced_stash(program, budget: float, p: int) -> float:
@@ -83,7 +87,7 @@ def forced_stash(program, budget: float, p: int) -> float:
 
 def device_step_bound(model, budget: int) -> int:
     """The same for schedules whose optimizer steps on the device."""
-    p = sum(t.numel() * 4 for t in model.parameters())
+    p = param_bytes(model)
     o = 2 * p
     rp = min(p, budget)
     ro = min(o, budget - rp)
@@ -99,8 +103,7 @@ def measure(model, data, microbatches, budget, policy, optimizer_on="auto"):
         sm(x, y)
     s = sm.stats
     sm.close()
-    p = sum(t.numel() * 4 for t in model.parameters())
-    stash = forced_stash(sm.program, budget, p) if policy == "harmony" else 0.0
+    stash = forced_stash(sm.program, budget, param_bytes(model)) if policy == "harmony" else 0.0
     return dict(moved=s["h2d_bytes"] + s["d2h_bytes"], peak=s["measured_peak"], packs=len(sm.plan.packs),
                 stash=stash)
 

@@ -115,7 +115,8 @@ class PackCost:
         all_params = total + max(n - p for n, p in zip(needs, own))
         if self.p.config.optimizer_on != "device":
             optim = 0.0
-        crossing = sum(self.stash(s) for s, _ in cuts) / 4     # activation bytes crossing the cuts, all microbatches
+        cross = [self.stash(s) / 4 for s, _ in cuts]     # activation bytes crossing into each pack, all microbatches
+        crossing = sum(cross)
         if host and self.p.config.policy == "harmony" and self.p.config.host_memory_budget is None:
             # the host updates the weights, so none stay for good; but a pack's can stay from its forward to its
             # backward (1 byte saved per byte), all of them beside the last pack's working set at the turn; room
@@ -129,21 +130,8 @@ class PackCost:
             weights = min(total - own[-1], room)
             saved = 4 * held + weights
             if mixed_placement(self.p.config) and self.state_per_byte:
-                # resident optimizer state stays beside every pack's backward, not only the last one's: there the
-                # pack's weights and gradients, the weights held for the packs before it, and what crosses the cuts
-                # before it and the gradients coming back through its output; and a parameter stepped on the device
-                # keeps its weight there too, which for the packs after it nothing else holds by then
-                spb = self.state_per_byte
-                on_device = max(0.0, room - weights) / spb
-                before = crossed = 0.0
-                share = held / crossing if crossing else 0.0
-                for j, (s, e) in enumerate(cuts[:-1]):
-                    crossed += self.stash(s) / 4 * share
-                    free = max(0.0, budget - needs[j] - min(before, weights) - crossed - self.stash(e) / 4 * share)
-                    there = before + own[j]          # weights on the device at its backward anyway
-                    on_device = min(on_device, free / spb if free <= spb * there else (free + there) / (spb + 1))
-                    before += own[j]
-                on_device = min(total, on_device)
+                on_device = self.device_stepped(own, needs, cross, budget, room - weights, weights,
+                                                held / crossing if crossing else 0.0)
                 saved += 2 * on_device
                 host_share = 1.0 - on_device / total if total else 0.0
         elif host:
@@ -170,6 +158,26 @@ class PackCost:
             back = sum(u.fwd_flops * recompute + u.bwd_flops + (u.fwd_flops if i == last else 0) for u in us) * m
             backward.append(pack * back / flops if flops else pack)
         return seconds + self.host_tail(cuts, backward, host_share), left
+
+    def device_stepped(self, own, needs, cross, budget: float, turn: float, weights: float, share: float) -> float:
+        """Bytes of parameters that can step on the device with all their optimizer state resident (host step,
+        harmony policy): at most what the turn from forward to backward leaves after held weights (``turn``),
+        and at most what fits beside every pack's backward, for that state stays the whole step. There the
+        pack's weights and gradients (``needs``), the weights held for the packs before it (``weights`` in all),
+        the activations crossing into it and the packs before it and the gradients coming back through its
+        output (``share`` of ``cross`` held); and a parameter stepped on the device keeps its weight there too,
+        which for the packs after it nothing else holds by then.
+        """
+        spb = self.state_per_byte
+        on_device = max(0.0, turn) / spb
+        before = crossed = 0.0
+        for j in range(len(own) - 1):
+            crossed += cross[j] * share
+            free = max(0.0, budget - needs[j] - min(before, weights) - crossed - cross[j + 1] * share)
+            there = before + own[j]          # weights on the device at its backward anyway
+            on_device = min(on_device, free / spb if free <= spb * there else (free + there) / (spb + 1))
+            before += own[j]
+        return min(sum(own), on_device)
 
     def host_tail(self, cuts, backward: list[float], host_share: float) -> float:
         """Seconds the step ends after the device's last backward because the host is still stepping.
