@@ -287,18 +287,22 @@ def measured_need(program: Program, spec: PackSpec, last: bool) -> int:
     """Device bytes a pack needs alone, from its measured figures: the most of its phases.
 
     Everything else (other packs, other microbatches' activations) is assumed swapped
-    or stashed out; the swap pass then checks the whole schedule.
+    or stashed out; the swap pass then checks the whole schedule. A backward's measured
+    peak counts the gradients it allocates where none exist yet (the first microbatch),
+    and only its own transients where it accumulates into them (``_accum``), as the
+    runtime's effects do; a forward may run beside accumulated gradients (the sequential
+    policy interleaves microbatches).
     """
     state = spec.param_bytes + spec.buffer_bytes
     grads = spec.param_bytes
     inputs = spec.in_bytes + sum(program.fake_batch_bytes.get(n, 0) for n in spec.inputs)
     step = state + grads + (spec.stream_step_peak if program.config.optimizer_on == "device" else 0)
+    forward = state + grads + inputs + (spec.fwd_keep_peak if last else spec.fwd_peak)
     if last:
-        compute = max(inputs + spec.fwd_keep_peak, inputs + spec.out_bytes + spec.saved_bytes + spec.bwd_peak)
+        backward = inputs + spec.out_bytes + spec.saved_bytes + max(spec.bwd_peak, grads + spec.bwd_peak_accum)
     else:
-        compute = max(inputs + spec.fwd_peak,
-                      inputs + spec.out_bytes + spec.bwd_recompute_peak + grads)
-    return int(max(state + grads + compute, step))
+        backward = inputs + spec.out_bytes + max(spec.bwd_recompute_peak, grads + spec.bwd_recompute_peak_accum)
+    return int(max(forward, state + backward, step))
 
 
 def _choose(program: Program, units: list[Unit], budget: int):

@@ -63,19 +63,38 @@ class PackCost:
         cfg = self.p.config
         m = cfg.microbatches
         flops = sum(u.fwd_flops + u.bwd_flops + (0 if last else u.fwd_flops) for u in us) * m
-        traffic = (pbytes + bbytes) * (1 if last else 2) + sum(self.master[n] for n in params) * 2 * self.state_per_byte \
-            + self.stash(s)
+        traffic = (pbytes + bbytes) * self.visits(s, last) + pbytes * self.grad_moves() \
+            + sum(self.master[n] for n in params) * 2 * self.state_per_byte + self.stash(s)
         seconds = max(flops / cfg.flops, traffic / cfg.copy_bandwidth) + PACK_SECONDS
         return need, seconds
 
     def traffic(self, s: int, e: int, last: bool, host: bool = False) -> float:
-        """Bytes a swapped pack moves per iteration: weights in per phase, out once updated, optimizer state in and out
-        (``host``: the optimizer steps on the host, so gradients go out instead of weights and its state never moves),
-        and what its input's stashes move (``stash``)."""
+        """Bytes a swapped pack moves per iteration: weights in per visit (``visits``), out once updated, optimizer
+        state in and out (``host``: the optimizer steps on the host, so gradients go out instead of weights and its
+        state never moves), gradients around each microbatch's backward under the sequential policy
+        (``grad_moves``), and what its input's stashes move (``stash``)."""
         params = self.params(s, e)
         pbytes = sum(self.sizes[n] for n in params)
         optim = 0 if host else sum(self.master[n] for n in params) * 2 * self.state_per_byte
-        return pbytes * ((1 if last else 2) + 1) + optim + self.stash(s)
+        out = 0 if host and self.grad_moves() else 1
+        return pbytes * (self.visits(s, last) + self.grad_moves() + out) + optim + self.stash(s)
+
+    def visits(self, s: int, last: bool) -> int:
+        """How often a swapped pack's weights come in per iteration. Harmony: once per phase, the last pack once (its
+        forward hands over to its backward). Sequential: for each microbatch's forward and backward, the last pack's
+        once, and the first pack's backward of one microbatch and its forward of the next are one visit."""
+        if self.p.config.policy != "sequential":
+            return 1 if last else 2
+        m = self.p.config.microbatches
+        return m if last else (m + 1 if s == 0 else 2 * m)
+
+    def grad_moves(self) -> int:
+        """Times a swapped pack's gradient bytes cross the link per iteration while it computes: under harmony none
+        (they stay through the pack's one backward phase; a host step's single trip out is ``traffic``'s), under
+        sequential the host accumulates them: out after every microbatch's backward, back for every one but the
+        first, 2 M - 1 (which for a host step include that trip out)."""
+        m = self.p.config.microbatches
+        return 2 * m - 1 if self.p.config.policy == "sequential" else 0
 
     def stash(self, s: int) -> float:
         """Bytes a cut before unit ``s`` moves per iteration where nothing crossing it stays on the device.
@@ -101,7 +120,9 @@ class PackCost:
         pack's working set: a smaller last pack leaves more room for them. What crosses the cuts for
         every microbatch (``stash``) is held before weights, as the swap pass ranks it: fewer cuts, or
         cuts where less crosses, leave more room and move less. The host's optimizer steps add what
-        they keep the step running after the device's last backward (``host_tail``).
+        they keep the step running after the device's last backward (``host_tail``). Under the sequential
+        policy every microbatch visits every pack (``visits``, ``grad_moves``), so a byte of weights held from
+        a pack's first visit to its last saves all but one of its trips in.
         """
         last = len(cuts) - 1
         own = [self._param_bytes(s, e) for s, e in cuts]
@@ -134,16 +155,24 @@ class PackCost:
                                                 held / crossing if crossing else 0.0)
                 saved += 2 * on_device
                 host_share = 1.0 - on_device / total if total else 0.0
+        elif host and self.p.config.policy == "sequential" and self.p.config.host_memory_budget is None:
+            # every microbatch visits every pack: weights held from a pack's first visit to its last save all but
+            # one of its swap_ins (the swap pass's "held"), beside whichever pack is computing
+            host_share = 1.0
+            saved = self.fill([(self.visits(s, i == last) - 1, o) for i, ((s, _), o) in enumerate(zip(cuts, own))],
+                              budget - max(needs))
         elif host:
             # with a host budget, packs may live on disk, whose reads and writes this model does not price (the
             # credit above picked 48 packs for the offload benchmark's 600M GPT where 12 had been chosen, 2.5 s
             # a step slower on this machine); the swap pass still holds weights where its curve finds room
             saved = 0.0
-        elif all_params <= budget:
-            optim_held = min(optim, budget - all_params)
-            saved = 3 * total - own[-1] + 2 * optim_held + 4 * min(crossing, budget - all_params - optim_held)
-        else:
-            saved = 3 * max(0.0, budget - max(needs))
+        else:   # parameters kept for good save every trip they make, all but the optimizer state's
+            rates = [(self.visits(s, i == last) + self.grad_moves() + 1, o) for i, ((s, _), o) in enumerate(zip(cuts, own))]
+            if all_params <= budget:
+                optim_held = min(optim, budget - all_params)
+                saved = self.fill(rates, total) + 2 * optim_held + 4 * min(crossing, budget - all_params - optim_held)
+            else:
+                saved = self.fill(rates, budget - max(needs))
         left = max(0.0, moved - saved)
         share = left / moved if moved else 0.0     # the traffic residency does not save
         cfg, m = self.p.config, self.p.config.microbatches
@@ -158,6 +187,16 @@ class PackCost:
             back = sum(u.fwd_flops * recompute + u.bwd_flops + (u.fwd_flops if i == last else 0) for u in us) * m
             backward.append(pack * back / flops if flops else pack)
         return seconds + self.host_tail(cuts, backward, host_share), left
+
+    @staticmethod
+    def fill(rates: list[tuple[float, float]], room: float) -> float:
+        """Bytes moved that ``room`` bytes held save, holding the most saved per byte first: ``rates`` are (bytes saved
+        per byte held, bytes that may be held); a pack's weights may be held in part (the swap pass's single weights)."""
+        saved, room = 0.0, max(0.0, room)
+        for rate, size in sorted(rates, reverse=True):
+            held = min(size, room)
+            saved, room = saved + rate * held, room - held
+        return saved
 
     def device_stepped(self, own, needs, cross, budget: float, turn: float, weights: float, share: float) -> float:
         """Bytes of parameters that can step on the device with all their optimizer state resident (host step,

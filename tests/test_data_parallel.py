@@ -25,7 +25,7 @@ STEPS = 3
 
 
 def _case(batch, tie=False):
-    return CASES["gpt"](batch=batch, tie=tie)   # 3 blocks, width 64: 3 packs at half its training state
+    return CASES["gpt"](batch=batch, tie=tie)   # 3 blocks, width 64: 2 packs at half its training state
 
 
 def _train(rank, frac, steps=STEPS, batch=8, perturb=True, keep=False, tie=False, **kw):
@@ -49,6 +49,7 @@ def _train(rank, frac, steps=STEPS, batch=8, perturb=True, keep=False, tie=False
     optim = sum(v.numel() * v.element_size() for o in sm.optimizers for st in o.state.values()
                 for v in st.values() if isinstance(v, torch.Tensor) and v.device.type != "meta")
     out = dict(params=[p.numpy().copy() for p in params], digest=_digest(params), stats=stats, optim_bytes=optim,
+               packs=len(sm.plan.packs),
                planned_optim=sum(s.optim_bytes for s in sm.plan.packs), text=sm.report(),
                totals=dict(report.totals), rows=list(report.rows), notes=list(report.notes),
                where={n.kwargs.get("where", "device") for n in sm.graph.nodes if n.target is ops.allreduce},
@@ -153,7 +154,7 @@ def _deferred(rank):
     from harmony.compiler.verify import verify
 
     model, data = _case(8)
-    budget = int(training_state_bytes(model) * 0.5)
+    budget = int(training_state_bytes(model) * 0.4)
     sm = harmony.compile(model, example_batch=harmony.data.shard(data[0]), memory_budget=budget,
                          microbatches=2, optimizer_on="device", passes=("partition", "schedule", "offload"), **SGD)
     program = sm.program
@@ -215,7 +216,7 @@ def test_two_ranks_equal_single_process_training_on_the_whole_batch(two):
     r0, r1 = two[0], two[1]
     sgd_ref, adamw_ref, tied_ref = two["ref"]["sgd"], two["ref"]["adamw"], two["ref"]["sgd_tied"]
     # a budget that forces swapping: the optimizer steps on the host, behind each pack's all-reduce
-    assert r0["sgd"]["where"] == {"host"} and r0["sgd"]["totals"]["allreduces"] == 3
+    assert r0["sgd"]["where"] == {"host"} and r0["sgd"]["totals"]["allreduces"] == r0["sgd"]["packs"] >= 2
     assert "swap_in" in r0["sgd"]["ops"] and "release" in r0["sgd"]["ops"]
     for key, ref, tol in (("sgd", sgd_ref, (1e-5, 1e-6)), ("sgd_device", tied_ref, (1e-5, 1e-6)),
                           ("deferred", sgd_ref, (1e-5, 1e-6)), ("adamw", adamw_ref, (1e-3, 1e-4))):
@@ -232,8 +233,9 @@ def test_device_steps_synchronous_under_swapping_and_deferred_when_resident(two)
     assert r0["sgd_device"]["where"] == {"device"} and "synchronous" in " ".join(r0["sgd_device"]["notes"])
     # several packs, all state resident: each step waits until the next pack's all-reduce is issued
     d = r0["deferred"]["ops"]
-    assert r0["deferred"]["packs"] == 3 and d.count(("wait", None)) == 3
-    for p in (2, 1):
+    n = r0["deferred"]["packs"]
+    assert n >= 3 and d.count(("wait", None)) == n
+    for p in range(n - 1, 0, -1):
         assert d.index(("step", p)) > d.index(("allreduce", p - 1)) > d.index(("backward", p - 1))
     assert r0["deferred"]["stats"]["measured_peak"] <= r0["deferred"]["stats"]["predicted_peak"] * 1.1
 

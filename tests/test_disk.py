@@ -37,7 +37,7 @@ def state_bytes(m) -> int:
     return 16 * sum(p.numel() for p in m.parameters())      # fp32 parameter, gradient, Adam m and v
 
 
-def compile_gpt(frac=0.5, cfg=CFG, **kw):
+def compile_gpt(frac=0.35, cfg=CFG, **kw):
     """The GPT under ``frac`` of its training state on the device, microbatches 4, the step on the host."""
     m = model(cfg=cfg)
     kw.setdefault("weights_on", "host")     # optimizer state alone on disk (test_disk_params.py: weights too)
@@ -49,7 +49,7 @@ def smallest_host_budget(cfg=CFG) -> int:
     """The smallest host budget (every pack's optimizer state on disk), as the BudgetError names it."""
     m = model(cfg=cfg)
     with pytest.raises(BudgetError, match="Raise host_memory_budget to at least") as e:
-        harmony.compile(m, example_batch=DATA[0], memory_budget=state_bytes(m) // 2, microbatches=4,
+        harmony.compile(m, example_batch=DATA[0], memory_budget=int(state_bytes(m) * 0.35), microbatches=4,
                         optimizer_on="host", host_memory_budget=state_bytes(m) // 4, weights_on="host",
                         passes=("partition", "schedule", "offload"))
     return e.value.min_budget
@@ -138,10 +138,10 @@ def test_disk_placement_is_bitwise_the_all_on_host_run(host_run, disk_run):
 
 
 def test_mixed_placement_buffered_io_is_bitwise_too(host_run, tmp_path, monkeypatch):
-    """Smaller packs (30% device budget): the first-stepped packs go to disk, the last-stepped stay on the host."""
+    """Smaller packs (25% device budget): the first-stepped packs go to disk, the last-stepped stay on the host."""
     monkeypatch.setenv("HARMONY_DIRECT_IO", "0")
     m = model()
-    sm = compile_gpt(frac=0.3, host_memory_budget=int(state_bytes(m) * 0.8), offload_dir=tmp_path)
+    sm = compile_gpt(frac=0.25, host_memory_budget=int(state_bytes(m) * 0.8), offload_dir=tmp_path)
     placed = sm.plan.optim_on
     assert {"host", "disk"} <= set(placed.values())
     order = disk.step_order(sm.graph)

@@ -32,10 +32,11 @@ def state_bytes(m) -> int:
     return 16 * sum(p.numel() for p in m.parameters())
 
 
-def compile_gpt(policy="harmony", seed=0, **kw):
+def compile_gpt(policy="harmony", seed=0, share=3, **kw):
+    """The GPT under 1/``share`` of its training state on the device, the step on the host."""
     m = model(seed)
     kw.setdefault("weights_on", "disk")
-    return harmony.compile(m, example_batch=DATA[0], memory_budget=state_bytes(m) // 3, microbatches=4,
+    return harmony.compile(m, example_batch=DATA[0], memory_budget=state_bytes(m) // share, microbatches=4,
                            policy=policy, optimizer_on="host", disk_group_bytes=GROUP, **kw)
 
 
@@ -227,24 +228,26 @@ def test_a_full_disk_keeps_the_state_in_memory_and_leaves_no_partial_file(tmp_pa
 
 
 def test_auto_places_weights_on_disk_only_when_the_host_cannot_hold_them():
+    # a quarter of the state on the device: packs small enough that a host budget between the extremes
+    # holds some packs' weights and not others'
     m = model()
-    roomy = compile_gpt(weights_on="auto", host_memory_budget=state_bytes(m),
+    roomy = compile_gpt(share=4, weights_on="auto", host_memory_budget=state_bytes(m),
                         passes=("partition", "schedule", "offload"))
     assert set(roomy.plan.master_on.values()) == {"host"}
     with pytest.raises(BudgetError, match="with every pack's weights and optimizer state on disk") as e:
-        compile_gpt(weights_on="auto", host_memory_budget=4096, passes=("partition", "schedule", "offload"))
-    tight = compile_gpt(weights_on="auto", host_memory_budget=e.value.min_budget)
+        compile_gpt(share=4, weights_on="auto", host_memory_budget=4096, passes=("partition", "schedule", "offload"))
+    tight = compile_gpt(share=4, weights_on="auto", host_memory_budget=e.value.min_budget)
     assert set(tight.plan.master_on.values()) == {"disk"}
     assert tight.program.reports[2].totals["host_planned_bytes"] <= e.value.min_budget
     train(tight, DATA[:1])
     tight.close()
     # a budget between: the first-stepped packs go wholly to disk, the last-stepped one keeps its weights on
     # the host and its optimizer state on disk; both tiers in one step, still bitwise the all-on-host run
-    mid = compile_gpt(weights_on="auto", host_memory_budget=e.value.min_budget + state_bytes(m) // 4)
+    mid = compile_gpt(share=4, weights_on="auto", host_memory_budget=e.value.min_budget + state_bytes(m) // 4)
     assert set(mid.plan.master_on.values()) == {"host", "disk"}
     assert set(mid.plan.optim_on.values()) == {"disk"}
     assert mid.runtime.state.disk is not None and mid.runtime.state.params_disk is not None
-    ref = compile_gpt(weights_on="host")
+    ref = compile_gpt(share=4, weights_on="host")
     assert train(mid, DATA) == train(ref, DATA)
     assert_bitwise(mid, params(ref))
     mid.close()

@@ -15,7 +15,7 @@ def test_offload_bench_tiny(tmp_path):
     # a budget a little over one layer's need and a host budget Harmony raises to its minimum:
     # every pack's optimizer state goes to disk
     cmd = [sys.executable, str(ROOT / "benchmarks" / "offload.py"), "--layers", "4", "--width", "64",
-           "--seq", "32", "--batch", "2", "--steps", "2", "--systems", "harmony,eager", "--budget", "2MiB",
+           "--seq", "32", "--batch", "2", "--steps", "2", "--systems", "harmony,eager", "--budget", "1.5MiB",
            "--host-budget", "1KiB", "--raw-bytes", str(8 * 2**20), "--dir", str(tmp_path / "d"),
            "--interference-seconds", "0.3", "--json", str(out)]
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}  # a caller's defaults

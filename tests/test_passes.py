@@ -101,7 +101,7 @@ def test_host_stepped_weights_held_between_visits_come_in_once_per_step(policy):
     their first visit of the step to their last, the last packs first under harmony (the shortest hold)."""
     model, data = CASES["gpt"](layers=6)
     sm = harmony.compile(copy.deepcopy(model), example_batch=data[0], microbatches=4, policy=policy,
-                         memory_budget=int(training_state_bytes(model) * 0.25), optimizer_on="host", hardware="gtx1080ti")
+                         memory_budget=int(training_state_bytes(model) * 0.3), optimizer_on="host", hardware="gtx1080ti")
     held, n = sm.plan.held, len(sm.plan.packs)
     assert held and not {p for p, _ in sm.plan.resident}
     seq = calls(sm)
@@ -247,7 +247,7 @@ def test_nothing_to_do_when_everything_fits():
 
 
 def test_stash_moves_pack_inputs_out_between_forward_and_recompute():
-    sm, _ = compiled(frac=0.25, microbatches=8, optimizer_on="device", recompute="always")
+    sm, _ = compiled(frac=0.2, microbatches=8, optimizer_on="device", recompute="always")
     stashes = names(sm, ops.stash)
     assert stashes, "a tight budget with 8 microbatches must stash activations"
     for s in stashes:
@@ -558,6 +558,54 @@ def test_the_partition_prices_resident_state_beside_every_backward(monkeypatch):
     swap = next(r for r in sm.program.reports if r.title.startswith("swap"))
     moved = (swap.totals["h2d_MiB"] + swap.totals["d2h_MiB"]) * 2**20
     assert abs(predicted["bytes"] / moved - 1) < 0.1, (predicted["bytes"] / 2**20, moved / 2**20)
+    sm.close()
+
+
+def test_a_packs_measured_need_counts_its_gradients_once():
+    """The backward's measured peak already holds the gradients it allocates (and ``_accum`` its transients where
+    it adds into them), so the pack's need adds them to neither: for a 2-layer GPT in one pack, with its step on
+    the host, the need was 30% above what the runtime measures (a budget 10% above that peak was cut in two
+    packs); now within 5%, and that budget keeps one pack."""
+    from harmony.passes.partition import measured_need
+    model, data = CASES["gpt"](layers=2)
+
+    def run(budget):
+        sm = harmony.compile(copy.deepcopy(model), example_batch=data[0], microbatches=4, memory_budget=budget,
+                             optimizer_on="host")
+        for x, y in data[:2]:
+            sm(x, y)
+        return sm
+    roomy = run(10 * training_state_bytes(model))
+    assert len(roomy.plan.packs) == 1
+    peak = roomy.stats["measured_peak"]
+    assert peak <= measured_need(roomy.program, roomy.plan.packs[0], last=True) <= 1.05 * peak
+    roomy.close()
+    tight = run(int(1.1 * peak))        # the planner fills 95% of it
+    assert len(tight.plan.packs) == 1 and tight.stats["measured_peak"] <= tight.program.config.memory_budget
+    tight.close()
+
+
+@pytest.mark.parametrize("layers, frac", [(6, 0.3), (12, 0.35)])
+def test_the_partition_prices_sequential_visits(monkeypatch, layers, frac):
+    """Under the sequential policy every microbatch visits every pack: a swapped pack's weights come in for each
+    forward and backward and, stepped on the host, its gradients go out after each backward and back for the next.
+    The plan cost priced one visit per phase, as under harmony, and predicted 25 MiB moved where the swap pass
+    moved 377 (12 layers, 35% of the state, 16 microbatches), so it saw no gain in smaller packs whose weights the
+    swap pass can hold between visits. Now its prediction is within 10%, and weights are held."""
+    from harmony.passes import partition
+    choose, predicted = partition._choose, {}
+
+    def priced(program, units, budget):
+        cuts, specs, need = choose(program, units, budget)
+        predicted["bytes"] = need.plan_cost(cuts, budget)[1]
+        return cuts, specs, need
+    monkeypatch.setattr(partition, "_choose", priced)
+    sm, _ = compiled(frac=frac, microbatches=16, layers=layers, width=128, vocab=256, seq=32, batch=16,
+                     policy="sequential", optimizer_on="host", hardware="gtx1080ti")
+    swap = next(r for r in sm.program.reports if r.title.startswith("swap"))
+    moved = (swap.totals["h2d_MiB"] + swap.totals["d2h_MiB"]) * 2**20
+    assert abs(predicted["bytes"] / moved - 1) < 0.1, (predicted["bytes"] / 2**20, moved / 2**20)
+    assert sm.plan.held
     sm.close()
 
 
