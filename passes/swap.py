@@ -302,6 +302,7 @@ def run(program: Program, ctx) -> PassResult:
         plan.carried = set(c.carried)
         plan.params_held = {n: sizes[("params", n)] for _, n in c.parts}
         plan.device_parts = {n: step_extra(program.optim_profile, [sizes[("params", n)]]) for _, n in c.steps}
+        plan.device_part_bytes = {n: sizes[("params", n)] for _, n in c.steps}     # fp32: device parts need it
         return memory_curve(program, check_residency=False)
 
     curve = fits(chosen)

@@ -88,6 +88,8 @@ class Plan:
     device_parts: dict = field(default_factory=dict)  # param of a host-stepped pack -> the transient bytes of its
                                                       # step on the device, where it steps alone, its weights,
                                                       # gradients and optimizer state resident for good
+    device_part_bytes: dict = field(default_factory=dict)  # the same params -> their fp32 bytes (what the host step
+                                                           # leaves, and the device steps: ``ops._step_cost``)
     step_on: dict = field(default_factory=dict)  # pack -> "device" | "host": where its optimizer steps
     optim_on: dict = field(default_factory=dict)  # pack -> "device" | "host" | "disk": its optimizer state
     master_on: dict = field(default_factory=dict)  # pack -> "host" | "disk": its fp32 weights between uses

@@ -64,7 +64,8 @@ from dataclasses import dataclass, field
 import torch.fx
 
 from harmony.runtime.executor import TraceEvent
-from harmony.runtime.ops import MemoryModel, moving_names, op_of, resident_state, streamed_optim_bytes
+from harmony.runtime.ops import (MemoryModel, device_part_cost, moving_names, op_of, resident_state,
+                                 streamed_optim_bytes)
 from harmony.runtime.plan import Plan
 
 STREAMS = ("compute", "h2d", "d2h", "disk", "network")
@@ -226,6 +227,10 @@ def simulate(graph: torch.fx.Graph, plan: Plan, hw, device: int = 0, memory=None
             if name == "swap_in":
                 ready = max(ready, written_back.get(tuple(node.args[:2]), 0.0))
             if name == "step" and stream == "host":   # it updates the host copies the releases wrote
+                first = device_part_cost(plan, dev, node.args[0]) * dev.speed_factor
+                if first:      # its parameters stepping on the device go first, on the thread that issues it
+                    free["compute"] = run("compute", max(ready, free["compute"]), first, f"{node.name}.device",
+                                          "compute").end
                 ready = max([ready, free["compute"]] + [t for (p, _), t in written_back.items()
                                                         if p == node.args[0]])
             disk = disk_io(plan, node, dev)

@@ -312,17 +312,24 @@ def test_simulate_a_compiled_schedule(tmp_path):
         curve = memory_curve(sm.program, sm.graph, check_residency=False)
         sim = simulate(sm.graph, sm.plan, hw, memory=curve)
         nodes = [n for n in sm.graph.nodes if n.op == "call_function"]
-        assert [e.name for e in sim.events] == [n.name for n in nodes]
+        # one event per op, and before a host step the device steps of its single parameters (``step.device``)
+        host = [n for n in nodes if n.target is ops.step and n.kwargs.get("where") == "host"]
+        first = [n for n in host if ops.device_part_cost(sm.plan, hw.devices[0], n.args[0])]
+        assert [e.name for e in sim.events if not e.name.endswith(".device")] == [n.name for n in nodes]
+        assert [e.name for e in sim.events if e.name.endswith(".device")] == [f"{n.name}.device" for n in first]
         dev = hw.devices[0]
         # forward/backward/step costs read only the pack and whether a backward has saved activations;
         # a step on the host (offload) runs on the host stream
         costs = [ops.op_of(n).cost(sm.plan, dev, *n.args, **n.kwargs) for n in nodes
                  if n.target in (ops.forward, ops.backward, ops.step)]
-        assert sim.busy["compute"] == pytest.approx(sum(t for stream, t in costs if stream == "compute"))
-        # the host step reads the host's memory bandwidth, which the simulator takes from the Hardware
-        host = [n for n in nodes if n.target is ops.step and n.kwargs.get("where") == "host"]
+        assert sim.busy["compute"] == pytest.approx(sum(t for stream, t in costs if stream == "compute")
+                                                    + sum(ops.device_part_cost(sm.plan, dev, n.args[0]) for n in host))
+        # the host step reads the host's memory bandwidth, which the simulator takes from the Hardware, for what
+        # is not stepped on the device first
+        rest = {n: sm.plan.packs[n.args[0]].param_bytes
+                - sum(ops.device_part_bytes(sm.plan, sm.plan.packs[n.args[0]]).values()) for n in host}
         assert sim.busy.get("host", 0.0) == pytest.approx(sum(
-            4 * (2 * sm.plan.packs[n.args[0]].param_bytes + sm.plan.packs[n.args[0]].optim_bytes)
+            4 * (2 * rest[n] + sm.plan.packs[n.args[0]].optim_bytes * rest[n] / sm.plan.packs[n.args[0]].param_bytes)
             / hw.host_memory_bandwidth for n in host))
         assert sim.step_seconds >= max(sim.busy.values())
         assert all(0.0 <= u <= 1.0 + 1e-9 for u in sim.utilisation.values())
@@ -469,6 +476,25 @@ def test_a_host_step_follows_the_write_back_and_the_next_swap_in_waits_for_it():
                                            ("host", 2.0, 3.0), ("compute", 1.0, 2.0), ("h2d", 3.0, 4.0),
                                            ("compute", 3.0, 4.0)]
     assert sim.busy["host"] == 1.0 and sim.step_seconds == 4.0
+
+
+def test_a_host_steps_parameters_stepped_on_the_device_go_first_on_the_compute_stream():
+    """A host-stepped pack whose ``device_parts`` step on the device: they go first, on the compute stream, without
+    waiting for the write-back of the rest (their traffic at the device's memory bandwidth), and the host steps only
+    the rest, once it is written back."""
+    s = Schedule()
+    s.swap_in(0, "grads")
+    s.backward(0, 0)                # 0..1
+    s.release(0, "grads")           # 1..1.5 on d2h: v0's gradient, one of the pack's two
+    s.step(0, where="host")         # w0 (a quarter) on the device: 4 * (2 * 0.25e9) / 8e9 = 0.25 s from 1; the rest,
+    s.forward(1, 0)                 # 4 * (2 * 0.75e9) / 8e9 = 0.75 s on the host after the write-back
+    p = plan(pack(0, bwd=G, fwd=0), pack(1))
+    p.packs[0].params = p.packs[0].owned = p.packs[0].stepped = ["w0", "v0"]
+    p.packs[0].master_bytes = G
+    p.device_parts, p.device_part_bytes = {"w0": 0}, {"w0": G // 4}
+    sim = simulate(s.done(), p, Hardware((FAST_MEMORY,), host_memory_bandwidth=8e9))
+    assert [e[:4] for e in spans(sim)][2:] == [("release", "d2h", 1.0, 1.5), ("step.device", "compute", 1.0, 1.25),
+                                               ("step", "host", 1.5, 2.25), ("forward", "compute", 1.25, 2.25)]
 
 
 def _ondemand_plan(*packs):
