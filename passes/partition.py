@@ -9,9 +9,13 @@ fit, the dynamic program picks the one with the least predicted iteration time:
 compute (forward, backward and, for every pack but the last, recompute) plus the
 time of swap traffic that compute cannot hide. Among the working-set caps it tries,
 the plan cost also credits the recompute the swap pass can avoid by keeping packs'
-forward graphs in the room smaller packs leave (``PackCost.kept_graphs``). That cost model, the
-DP and the cap search are ``partition_cost``; this module makes the layers, measures the packs the
-DP picks and corrects its target until they fit, and builds them.
+forward graphs in the room smaller packs leave (``PackCost.kept_graphs``). Where the copies outlast
+the compute and the host's optimizer steps (a slow host link), the traffic decides the step: every
+candidate is then priced with the linear program of what can stay on the device (``PackCost.residency``,
+what the swap pass's integer program realises), and a second search joins the DP, the partition that
+leaves the least traffic (``least_traffic``: a large first pack, few cuts, small last packs). That cost
+model, the searches and the cap search are ``partition_cost``; this module makes the layers, measures the
+packs the search picks and corrects its target until they fit, and builds them.
 """
 from __future__ import annotations
 
@@ -309,9 +313,10 @@ def _choose(program: Program, units: list[Unit], budget: int):
     """The DP on unit estimates, corrected by measuring the packs it picks until they fit; returns the cuts,
     the packs (None, None where nothing fits) and the estimates (``PackCost``, which the report reads again)."""
     need = PackCost(program, units)
-    target = working_set_cap(need, budget)
+    target, search = working_set_cap(need, budget)
+    need.search = "least time" if search is plan_packs else "least traffic"
     for attempt in range(24):
-        cuts = plan_packs(need, target)
+        cuts = search(need, target)
         if cuts is None:   # the estimates say no; measured, every layer alone may still fit
             break
         specs = build_packs(program, cuts, units)
@@ -361,4 +366,7 @@ def run(program: Program, ctx) -> PassResult:
         solve_s=time.perf_counter() - start))
     report.notes.append(f"cut points: {len(units) - 1} narrowest gaps of the graph; "
                         f"packs chosen by an exact DP over {len(units)} layers")
+    if need.search == "least traffic":
+        report.notes.append("the copies outlast the compute and the host's steps: the partition that leaves the least "
+                            "traffic (a large first pack, few cuts, small last packs) was predicted fastest")
     return PassResult(program, report)

@@ -1,5 +1,6 @@
 """The partition's cost model: what a candidate pack needs on the device, how long it takes, and what a
-whole plan moves and costs; the dynamic program and the working-set cap search that use it.
+whole plan moves and costs; the searches (the dynamic program for the least time, and for the least traffic
+where the host link binds) and the working-set cap search that use it.
 
 ``PackCost`` prices packs from the unit summaries ``partition.find_units`` makes (no tracing,
 no measuring: the DP asks for thousands of candidates); ``plan_cost`` prices a whole partition as the
@@ -11,6 +12,9 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
+import pulp
+
+from harmony import ilp
 from harmony.compiler.ir import Program
 from harmony.passes.offload import step_place
 from harmony.passes.swap import mixed_placement
@@ -35,6 +39,8 @@ class PackCost:
     def __init__(self, program: Program, units: list[Unit]):
         self.p, self.units = program, units
         self.memo: dict = {}
+        self.lp_memo: dict = {}      # ``residency`` of each partition priced
+        self.search = "least time"   # which search ``working_set_cap`` picked the plan from (the report says)
         self.sizes = device_sizes(program)       # bytes on the device (compute copies under mixed precision)
         self.master = {n: t.numel() * t.element_size() for n, t in program.gm.named_parameters()}
         self.state_per_byte = program.optim_profile["state_per_byte"]   # per byte of fp32 master
@@ -109,7 +115,16 @@ class PackCost:
             return 0.0
         return 4.0 * self.units[s].cross_in * self.p.config.microbatches
 
-    def plan_cost(self, cuts, budget: float) -> tuple[float, float]:
+    def traffic_model(self, budget: float) -> str:
+        """How ``plan_cost`` counts what stays resident: "device" (the optimizer steps there), "host budget" (packs may
+        live on disk), else "<policy> host" (the host steps every pack the swap pass does not move to the device)."""
+        total = self._param_bytes(0, len(self.units))
+        cfg = self.p.config
+        if step_place(cfg, lambda: (2 + self.state_per_byte) * total <= budget)[0] != "host":
+            return "device"
+        return "host budget" if cfg.host_memory_budget is not None else f"{cfg.policy} host"
+
+    def plan_cost(self, cuts, budget: float, exact: bool = False) -> tuple[float, float]:
         """(seconds, bytes moved) of a partition, counting what the swap pass will keep resident.
 
         As the swap pass does: parameters first (a byte kept saves 3 moved: in for forward and
@@ -122,12 +137,14 @@ class PackCost:
         cuts where less crosses, leave more room and move less. The host's optimizer steps add what
         they keep the step running after the device's last backward (``host_tail``). Under the sequential
         policy every microbatch visits every pack (``visits``, ``grad_moves``), so a byte of weights held from
-        a pack's first visit to its last saves all but one of its trips in.
+        a pack's first visit to its last saves all but one of its trips in. ``exact``: under the harmony policy
+        with host steps, what stays is ``residency``'s linear program (where the link is what the step waits for,
+        ``working_set_cap``), not the rule above, which prices the turn and the device steps' room alone.
         """
         last = len(cuts) - 1
         own = [self._param_bytes(s, e) for s, e in cuts]
         total = sum(own)
-        host_share = 0.0     # of the parameters' bytes, what steps on the host (the tail ``host_tail`` prices)
+        shares = [0.0] * len(cuts)    # of each pack's parameters' bytes, what steps on the host (``host_tail``)
         # where the offload pass will step the optimizer (it decides after the partition, with the exact curve)
         host = step_place(self.p.config, lambda: (2 + self.state_per_byte) * total <= budget)[0] == "host"
         moved = sum(self.traffic(s, e, i == last, host) for i, (s, e) in enumerate(cuts))
@@ -138,30 +155,35 @@ class PackCost:
             optim = 0.0
         cross = [self.stash(s) / 4 for s, _ in cuts]     # activation bytes crossing into each pack, all microbatches
         crossing = sum(cross)
-        if host and self.p.config.policy == "harmony" and self.p.config.host_memory_budget is None:
+        if host and self.p.config.policy == "harmony" and self.p.config.host_memory_budget is None and exact:
+            # what stays, and where the budget binds, is the linear program the swap pass solves exactly
+            saved, on_device = self.residency(cuts, budget)
+            shares = [1.0 - d / o if o else 0.0 for d, o in zip(on_device, own)]
+        elif host and self.p.config.policy == "harmony" and self.p.config.host_memory_budget is None:
             # the host updates the weights, so none stay for good; but a pack's can stay from its forward to its
             # backward (1 byte saved per byte), all of them beside the last pack's working set at the turn; room
             # left then lets packs step on the device with all their state resident (2 more saved per byte of
             # parameters, for its optimizer state held), where the swap pass may do that (swap.mixed_placement)
             # the cuts' stashes go first: a byte crossing a cut held saves 2, and its gradient as much again
-            host_share = 1.0
             room = max(0.0, budget - needs[-1])
             held = min(crossing, room)
             room -= held
             weights = min(total - own[-1], room)
             saved = 4 * held + weights
+            shares = [1.0] * len(cuts)
             if mixed_placement(self.p.config) and self.state_per_byte:
                 on_device = self.device_stepped(own, needs, cross, budget, room - weights, weights,
                                                 held / crossing if crossing else 0.0)
                 saved += 2 * on_device
-                host_share = 1.0 - on_device / total if total else 0.0
+                shares = [1.0 - on_device / total if total else 0.0] * len(cuts)
         elif host and self.p.config.policy == "sequential" and self.p.config.host_memory_budget is None:
             # every microbatch visits every pack: weights held from a pack's first visit to its last save all but
             # one of its swap_ins (the swap pass's "held"), beside whichever pack is computing
-            host_share = 1.0
+            shares = [1.0] * len(cuts)
             saved = self.fill([(self.visits(s, i == last) - 1, o) for i, ((s, _), o) in enumerate(zip(cuts, own))],
                               budget - max(needs))
         elif host:
+            shares = [1.0] * len(cuts)
             # with a host budget, packs may live on disk, whose reads and writes this model does not price (the
             # credit above picked 48 packs for the offload benchmark's 600M GPT where 12 had been chosen, 2.5 s
             # a step slower on this machine); the swap pass still holds weights where its curve finds room
@@ -186,7 +208,7 @@ class PackCost:
             seconds += pack
             back = sum(u.fwd_flops * recompute + u.bwd_flops + (u.fwd_flops if i == last else 0) for u in us) * m
             backward.append(pack * back / flops if flops else pack)
-        return seconds + self.host_tail(cuts, backward, host_share), left
+        return seconds + self.host_tail(cuts, backward, shares), left
 
     @staticmethod
     def fill(rates: list[tuple[float, float]], room: float) -> float:
@@ -218,22 +240,59 @@ class PackCost:
             before += own[j]
         return min(sum(own), on_device)
 
-    def host_tail(self, cuts, backward: list[float], host_share: float) -> float:
+    def busy_seconds(self, cuts) -> float:
+        """What a partition's step spends besides copies, the longer of: the device's compute at the planner's FLOP/s
+        (every pack's forward, backward and recompute, all but the last pack's, for every microbatch) and the host's
+        optimizer steps of every parameter (``host_tail``'s rate)."""
+        last, cfg = len(cuts) - 1, self.p.config
+        flops = sum(u.fwd_flops * (1 if i == last else 2) + u.bwd_flops
+                    for i, (s, e) in enumerate(cuts) for u in self.units[s:e])
+        master = sum(self.master[n] for n in self.params(0, len(self.units)))
+        return max(flops * cfg.microbatches / cfg.flops,
+                   step_traffic(master, master * self.state_per_byte) / cfg.host_bandwidth)
+
+    def residency(self, cuts, budget: float) -> tuple[float, list[float]]:
+        """(bytes saved, bytes of each pack stepped on the device) of a partition under the harmony policy with host
+        steps: the linear program the swap pass's integer program (``passes/swap_lp.py``) solves on the exact curve,
+        here over packs, from their estimated working sets.
+
+        Per pack, its weights held from its forward to its backward (1 byte saved per byte; the last pack's single
+        visit holds them anyway) and its parameters stepped on the device with all their state resident (3 saved per
+        byte: weights in twice, gradients out once; 2 for the last pack), where ``swap.mixed_placement`` allows; per
+        cut, the activations crossing it and their gradients held (2 saved per byte each, stashed otherwise). At the
+        start and at the end of each pack's backward the device holds its working set, every byte stepped on the
+        device with its optimizer state, the weights held for the packs before it, and, for every microbatch, the
+        activations crossing the cuts before it and the gradients coming back through its output (at the end,
+        through its input); each must fit ``budget``.
+        """
+        key = (tuple(cuts), budget)
+        if key in self.lp_memo:
+            return self.lp_memo[key]
+        n, m = len(self.units), self.p.config.microbatches
+        own = [self._param_bytes(s, e) for s, e in cuts]
+        work = [self(s, e, e == n)[0] for s, e in cuts]
+        cross = [0.0] + [self.units[s].cross_in * m for s, _ in cuts[1:]]     # into pack c, all microbatches
+        steps = mixed_placement(self.p.config) and self.state_per_byte > 0
+        out = residency_lp(own, work, cross, budget, self.state_per_byte if steps else None)
+        self.lp_memo[key] = out
+        return out
+
+    def host_tail(self, cuts, backward: list[float], shares: list[float]) -> float:
         """Seconds the step ends after the device's last backward because the host is still stepping.
 
         Each pack steps on the host once its backward ends, one pack at a time, behind the packs before
         it in backward order; the first pack steps last, and the next forward waits for its weights.
         A step moves ``plan.step_traffic`` bytes of the fp32 masters, gradients and optimizer state at the
-        host's memory bandwidth, as the simulator prices it; ``host_share`` of them step on the host.
+        host's memory bandwidth, as the simulator prices it; ``shares[i]`` of pack i's step on the host.
         """
-        if not host_share:
+        if not any(shares):
             return 0.0
         t = free = 0.0
         for i in reversed(range(len(cuts))):
             t += backward[i]
             master = sum(self.master[n] for n in self.params(*cuts[i]))
             step = step_traffic(master, master * self.state_per_byte) / self.p.config.host_bandwidth
-            free = max(free, t) + host_share * step
+            free = max(free, t) + shares[i] * step
         return max(0.0, free - t)
 
     def kept_graphs(self, cuts, budget: float, largest: float, last_need: float, resident: float) -> set[int]:
@@ -306,6 +365,114 @@ def plan_packs(need: PackCost, budget: float) -> list[tuple[int, int]] | None:
     return cuts[::-1]
 
 
+def residency_lp(own: list[float], work: list[float], cross: list[float], budget: float,
+                 state_per_byte: float | None) -> tuple[float, list[float]]:
+    """``PackCost.residency``'s linear program for packs with parameters ``own``, working sets ``work`` and ``cross[c]``
+    bytes crossing into pack c for all microbatches (``cross[0] == 0``); ``state_per_byte`` None where no parameter may
+    step on the device. Returns (bytes saved, bytes of each pack stepped on the device); nothing saved where some
+    pack's working set alone does not fit."""
+    k = len(own)
+    steps = state_per_byte is not None
+    prob = pulp.LpProblem("residency", pulp.LpMaximize)
+    f = [prob.add_variable(f"f{j}", 0, own[j] if steps else 0) for j in range(k)]
+    h = [prob.add_variable(f"h{j}", 0, own[j] if j < k - 1 else 0) for j in range(k)]
+    x = [prob.add_variable(f"x{c}", 0, cross[c]) for c in range(k)]      # activations held, bytes
+    y = [prob.add_variable(f"y{c}", 0, cross[c]) for c in range(k)]      # their gradients held
+    for j in range(k):
+        prob += f[j] + h[j] <= own[j]
+    prob += pulp.lpSum(h) + pulp.lpSum((3 if j < k - 1 else 2) * f[j] for j in range(k)) \
+        + 2 * pulp.lpSum(x) + 2 * pulp.lpSum(y)
+    stepped = (1 + (state_per_byte or 0)) * pulp.lpSum(f)
+    for j in range(k):
+        base = stepped + pulp.lpSum(h[:j]) + work[j] - f[j]
+        prob += base + pulp.lpSum(x[1:j + 1]) + (y[j + 1] if j + 1 < k else 0) <= budget
+        prob += base + pulp.lpSum(x[1:j]) + y[j] <= budget
+    if not ilp.solve(prob):
+        return 0.0, [0.0] * k
+    return max(0.0, pulp.value(prob.objective) or 0.0), [v.value() or 0.0 for v in f]
+
+
+def least_traffic(units: list[Unit], sizes: dict, microbatches: int, work, cap: float, budget: float,
+                  tolerance: float = 1e-3):
+    """The contiguous partition of ``units`` that leaves the least traffic under the harmony policy with host steps, by a
+    bound on ``PackCost.residency`` that a DP can minimise: ``(bound, cuts)``, or None if no partition's packs all
+    have a working set ``work(s, e)`` within ``cap``.
+
+    From the constraint at pack j's backward in ``residency``: what is held for good or for the packs before j, with
+    j's working set ``W_j`` and the activations and gradients crossing the cuts up to j (``A_j``, all microbatches),
+    fits the budget ``U``; the packs after j are done by then. So the traffic left is at least
+    ``3 P - U + W_j - P_j - P_after_j + 2 A_j - min(A_j, U - W_j)``, ``P`` the parameters' bytes, ``P_j`` pack j's,
+    ``P_after_j`` those of the packs after it: a crossing byte held costs a byte of room, one that cannot be costs 2
+    moved. The bound is the largest of these over the packs. A large first pack is cheap (its backward comes last,
+    when little else is held); small last packs and few cuts leave the most room. Minimising it over partitions is a
+    bisection on the bound, each step a DP that keeps the least crossing bytes for each prefix (a pack's term only
+    grows with them); the bound returned is the bisection's infeasible side, so no partition does better. It stops
+    within ``tolerance`` of the parameters' bytes. It holds for optimizers with at least 2 bytes of state per byte
+    (Adam's): a byte stepped on the device then holds at least as much as it saves (tests/test_traffic_bound.py checks
+    it against the linear program).
+    """
+    n = len(units)
+    known: dict = {}
+
+    def ws(s: int, e: int) -> float:      # each pack's working set once: the bisection asks for it a dozen times
+        if (s, e) not in known:
+            known[s, e] = work(s, e)
+        return known[s, e]
+    seen, pre = set(), [0.0]
+    for u in units:       # a parameter two units share counts once, where it is first used
+        pre.append(pre[-1] + sum(sizes[q] for q in u.params - seen))
+        seen |= u.params
+    total = pre[-1]
+    cross = [u.cross_in * microbatches for u in units] + [0.0]
+
+    def term(s: int, e: int, before: float) -> float:
+        w = ws(s, e)
+        crossing = before + (cross[s] if s else 0.0) + cross[e]
+        return w - (pre[e] - pre[s]) - (total - pre[e]) + 2 * crossing - min(crossing, max(0.0, budget - w))
+
+    def within(bound: float):
+        best = [math.inf] * (n + 1)       # least crossing bytes of a prefix cut into packs whose terms are <= bound
+        choice = [0] * (n + 1)
+        best[0] = 0.0
+        for e in range(1, n + 1):
+            for s in range(e - 1, -1, -1):
+                if ws(s, e) > cap:
+                    break
+                if best[s] < math.inf and term(s, e, best[s]) <= bound:
+                    crossed = best[s] + (cross[s] if s else 0.0)
+                    if crossed < best[e]:
+                        best[e], choice[e] = crossed, s
+        if best[n] == math.inf:
+            return None
+        cuts, e = [], n
+        while e > 0:
+            cuts.append((choice[e], e))
+            e = choice[e]
+        return cuts[::-1]
+
+    low, high = -total, 4 * total + 2 * sum(cross)
+    found = within(high)
+    if found is None:
+        return None
+    while high - low > tolerance * total:
+        mid = (low + high) / 2
+        cuts = within(mid)
+        if cuts is None:
+            low = mid
+        else:
+            high, found = mid, cuts
+    return max(0.0, 3 * total - budget + low), found
+
+
+def least_traffic_packs(need: PackCost, cap: float, budget: float) -> list[tuple[int, int]] | None:
+    """``least_traffic`` over ``need``'s units and estimated working sets: the cuts (``PackCost.plan_cost`` then prices
+    them with the linear program itself)."""
+    n = len(need.units)
+    got = least_traffic(need.units, need.sizes, need.p.config.microbatches, lambda s, e: need(s, e, e == n)[0],
+                        cap, budget, tolerance=1e-2)
+    return None if got is None else got[1]
+
+
 def device_sizes(program: Program) -> dict[str, int]:
     """Bytes of each parameter and buffer on the device: in the compute dtype under mixed precision."""
     dtype = program.config.compute_dtype
@@ -313,25 +480,35 @@ def device_sizes(program: Program) -> dict[str, int]:
             list(program.gm.named_parameters()) + list(program.gm.named_buffers())}
 
 
-def working_set_cap(need: PackCost, budget: int) -> int:
-    """The largest working set a pack may have: smaller packs leave room for resident state.
+def working_set_cap(need: PackCost, budget: int):
+    """The search and the largest working set a pack may have: ``(cap, search)``, ``search(need, cap)`` the cuts.
 
-    Tries caps from the budget down to the largest single layer's need; keeps the one
-    with the least predicted time, and among those within 2% of it the least traffic.
+    Smaller packs leave room for resident state. Tries caps from the budget down to the largest single
+    layer's need with the DP for the least time (``plan_packs``), and, under the harmony policy with host
+    steps, the partition that leaves the least traffic (``least_traffic_packs``: where the host link is what
+    limits the step, its fewer cuts and small last packs win); keeps the plan with the least predicted
+    time, and among those within 2% of it the least traffic.
     """
     n = len(need.units)
     floor = max([need(i, i + 1, False)[0] for i in range(n - 1)] + [need(n - 1, n, True)[0]])
     if floor >= budget:
-        return budget
-    plans = []
-    for k in range(10):
-        cap = budget * (floor / budget) ** (k / 9)
-        cuts = plan_packs(need, cap)
-        if cuts is not None:
-            plans.append((cap, *need.plan_cost(cuts, budget)))
-    if not plans:
-        return budget
+        return budget, plan_packs
+    caps = [budget * (floor / budget) ** (k / 9) for k in range(10)]
+    found = [(cap, cuts, plan_packs) for cap in caps for cuts in [plan_packs(need, cap)] if cuts is not None]
+    if not found:
+        return budget, plan_packs
+    plans = [(cap, *need.plan_cost(cuts, budget), search) for cap, cuts, search in found]
+    best = min(range(len(plans)), key=lambda i: plans[i][1])
+    if need.traffic_model(budget) == "harmony host" and \
+            plans[best][2] / need.p.config.copy_bandwidth > need.busy_seconds(found[best][1]):
+        # the copies outlast the compute and the host's steps: what stays on the device decides the step, so every
+        # plan is priced with the swap pass's linear program, and the partitions that leave the least traffic compete
+        def fewest(need, cap):
+            return least_traffic_packs(need, cap, budget)
+        found += [(cap, cuts, fewest) for cap in caps for cuts in [fewest(need, cap)] if cuts is not None]
+        plans = [(cap, *need.plan_cost(cuts, budget, exact=True), search) for cap, cuts, search in found]
     fastest = min(p[1] for p in plans)
-    return int(min((p for p in plans if p[1] <= fastest * 1.02), key=lambda p: p[2])[0])
+    cap, _, _, search = min((p for p in plans if p[1] <= fastest * 1.02), key=lambda p: p[2])
+    return int(cap), search
 
 

@@ -85,13 +85,23 @@ def test_resume_into_another_plan_creates_resident_optimizer_state_on_the_device
     b.close()
 
 
-def test_resume_into_a_mixed_plan_is_bitwise(run_a):
-    """A plan that steps one pack on the device (all its state resident) and the other on the host."""
+@pytest.mark.parametrize("chosen_by", ["greedy", "integer program"])
+def test_resume_into_a_mixed_plan_is_bitwise(run_a, chosen_by, monkeypatch):
+    """A plan that steps one pack on the device (all its state resident) and the other on the host, as the swap
+    pass's greedy picks it; and the plan its integer program picks, single parameters of host-stepped packs
+    stepped on the device (``plan.device_parts``)."""
+    import harmony.passes.swap_lp as swap_lp
+    if chosen_by == "greedy":
+        monkeypatch.setattr(swap_lp, "applies", lambda *a: False)
     torch.manual_seed(1)
     model = GPT(CFG)
     b = harmony.compile(model, example_batch=DATA[0], microbatches=4, hardware="gtx1080ti",
                         memory_budget=int(16 * sum(p.numel() for p in model.parameters()) * 0.8))
-    assert set(b.plan.step_on.values()) == {"device", "host"}
+    assert next(r for r in b.program.reports if r.title.startswith("swap")).totals["chosen_by"] == chosen_by
+    if chosen_by == "greedy":
+        assert set(b.plan.step_on.values()) == {"device", "host"}
+    else:
+        assert b.plan.device_parts and set(b.plan.step_on.values()) == {"host"}
     harmony.load(b, run_a["dir"])
     assert_bitwise(b, run_a["at2"])
     train(b, DATA[2:])

@@ -1,0 +1,193 @@
+"""The swap pass's exact selection: one integer program over the memory curve, where the greedy ranks by rate.
+
+The greedy (``swap._greedy`` and the ``keep_*_parts`` fills) keeps what saves the most bytes per byte
+held first. Where the budget binds at more than one point that ranking can go wrong: a byte of a
+host-stepped pack's weights held from its forward to its backward saves 1 and costs its byte only
+there; a byte stepped on the device (weight, gradient and optimizer state resident) saves the weight's
+trips and the gradient's, but costs 3 bytes everywhere, beside the largest pack's backward too. With a
+large first pack (the cut that moves the least across cuts) the best plan steps part of that pack on the
+device, whose weights are on the device at its own backward anyway, and holds the later packs' weights,
+which are gone by then; ranking by rate holds the first pack whole and is left with no room to step.
+
+Here every choice is a variable and the memory curve a set of constraints, one at each compute op of
+the least-memory schedule (everything swapped and stashed):
+
+* per parameter of a host-stepped pack, ``held`` (its weight stays between the pack's visits) or
+  ``stepped`` (it steps on the device with all its state resident, as ``plan.device_parts``), at most one;
+* per activation group (a pack's outputs, or its inputs' gradients, for every microbatch), ``kept``;
+* per pack that could keep its forward's graph (``recompute="auto"``), ``graph``.
+
+Each adds its bytes over the spans of the schedule where the least-memory plan does not hold them
+(``rises``: the same spans ``swap.peak_bound`` reads), so the peak at each op is linear in the choice.
+The objective is the swap pass's: bytes moved saved, with recompute time counted as the bytes the host
+link moves in that time. HiGHS solves it exactly (a few hundred binaries); ``swap.run`` builds the chosen
+schedule, checks it against the exact curve (dropping picks until it fits, where the linear model missed
+an interaction), fills what room is left as the greedy does, and keeps whichever of the two plans is worth
+more.
+"""
+from __future__ import annotations
+
+import pulp
+
+from harmony import ilp
+from harmony.compiler.ir import Program
+from harmony.runtime import ops
+
+_COMPUTE = (ops.forward, ops.backward, ops.step)
+TIME_LIMIT = 5.0       # seconds: the program is solved in well under one on the benchmark's models
+
+
+def applies(program: Program, tied: set[str]) -> bool:
+    """Where the integer program models the schedule: the harmony policy, fp32, one rank, ``optimizer_on="auto"``
+    (the mixed placement ``swap.mixed_placement`` allows), weights and optimizer state in host memory (no disk tier),
+    no weight two packs share, and every pack stepped on the host (the state does not fit; the offload pass placed
+    the steps)."""
+    cfg, plan = program.config, program.plan
+    return (cfg.policy == "harmony" and cfg.precision == "fp32" and cfg.optimizer_on == "auto"
+            and (cfg.world_size or 1) <= 1 and cfg.host_memory_budget is None and not tied
+            and all(plan.step_on.get(s.index) == "host" and plan.master_on.get(s.index, "host") == "host"
+                    for s in plan.packs))
+
+
+def _span(diff: list, a: int, b: int, size: float) -> None:
+    """``size`` more at the nodes strictly between a and b (a difference array)."""
+    if size and b - a > 1:
+        diff[a + 1] += size
+        diff[b] -= size
+
+
+def _total(diff: list, n: int) -> list:
+    """The difference array summed: the bytes at each of the n nodes."""
+    acc, got = 0, []
+    for d in diff[:n]:
+        acc += d
+        got.append(acc)
+    return got
+
+
+def rises(curve, plan, groups: dict, swaps: dict, optim_per_byte: float) -> dict:
+    """For each choice, the bytes it adds at each node of ``curve``: per byte of a pack's weights held
+    (``("held", p)``) or stepped on the device (``("stepped", p)``: its weight where no visit holds it, its
+    optimizer state everywhere, its gradient at the pack's step), and per whole activation group
+    (``("keep", op, p)``)."""
+    nodes = curve.nodes
+    at = {n: i for i, n in enumerate(nodes)}
+    by_name = {n.name: i for i, n in enumerate(nodes)}
+    steps = {n.args[0]: i for i, n in enumerate(nodes) if n.target is ops.step}
+    n_nodes = len(nodes)
+    out = {}
+    for spec in plan.packs:
+        p = spec.index
+        ins, outs = swaps.get(p, ([], []))
+        if not ins:
+            continue
+        held = [0.0] * (n_nodes + 1)
+        for r, i in zip(outs, ins[1:]):
+            _span(held, at[r], at[i], 1.0)
+        out[("held", p)] = _total(held, n_nodes)
+        stepped = [0.0] * (n_nodes + 1)
+        _span(stepped, -1, n_nodes, 1.0 + optim_per_byte)
+        for i, r in zip(ins, outs):
+            _span(stepped, at[i] - 1, at[r] + 1, -1.0)
+        if p in steps:        # its gradient waits for the pack's step, which its release left for it
+            _span(stepped, steps[p] - 1, steps[p] + 1, 1.0)
+        out[("stepped", p)] = _total(stepped, n_nodes)
+    for key, names in groups.items():
+        diff = [0] * (n_nodes + 1)
+        for name in names:
+            i = by_name.get(name)
+            s = next((u for u in nodes[i].users if u.target is ops.stash), None) if i is not None else None
+            back = [at[u] for u in s.users if u.target is ops.unstash] if s is not None else []
+            if back:
+                _span(diff, at[s], min(back), curve.out[i])
+        out[("keep",) + key] = _total(diff, n_nodes)
+    return out
+
+
+def graph_rise(curve, plan, pack: int) -> list:
+    """The bytes keeping ``pack``'s forward graph adds: its saved activations from each microbatch's forward to its
+    backward, less the inputs that backward is the last to read (as ``swap.peak_bound``)."""
+    nodes = curve.nodes
+    at = {n: i for i, n in enumerate(nodes)}
+    diff = [0] * (len(nodes) + 1)
+    saved, fwd = plan.packs[pack].saved_bytes, {}
+    for i, n in enumerate(nodes):
+        if n.target is ops.forward and n.args[0] == pack:
+            fwd[n.args[1]] = i
+        elif n.target is ops.backward and n.args[0] == pack and n.args[1] in fwd:
+            last = [a for a in n.all_input_nodes if max(at[u] for u in a.users) == i]
+            _span(diff, fwd[n.args[1]], i, max(0, saved - sum(curve.out[at[a]] for a in last)))
+    return _total(diff, len(nodes))
+
+
+def solve(program: Program, curve, groups: dict, sizes: dict, swaps: dict, graphs: list, room: int, may_step):
+    """The choice worth the most whose linear peak fits ``room`` at every compute op of ``curve`` (the least-memory
+    schedule's; ``swaps`` its ``param_swaps``): a set of ``("held", pack, name)``, ``("stepped", pack, name)``,
+    ``("keep", op, pack)`` and ``("graph", pack)``; None where HiGHS finds nothing. ``may_step(pack)``: whether the
+    pack's parameters may step on the device."""
+    plan = program.plan
+    base = [(i, curve.peak_at[i]) for i, n in enumerate(curve.nodes) if n.target in _COMPUTE]
+    if not base:
+        return None
+    r = rises(curve, plan, groups, swaps, program.optim_profile["state_per_byte"])
+    prob = pulp.LpProblem("swap", pulp.LpMaximize)
+    value, picks = [], {}
+    rise_of = {}       # a pack's bytes held or stepped, an activation group, a graph -> (its variable, its rise)
+    for spec in plan.packs:
+        p = spec.index
+        ins = swaps.get(p, ([], []))[0]
+        if not ins:
+            continue
+        visits = len(ins)
+        stepped = set(spec.stepped) if may_step(p) else set()
+        held_bytes, stepped_bytes = [], []
+        for k, n in enumerate(spec.params + spec.buffers):
+            w = sizes.get(("params", n), 0)
+            if not w:
+                continue
+            h = prob.add_variable(f"h_{p}_{k}", cat=pulp.LpBinary) if visits > 1 else None
+            s = prob.add_variable(f"s_{p}_{k}", cat=pulp.LpBinary) if n in stepped else None
+            if h is not None and s is not None:
+                prob += h + s <= 1
+            if h is not None:
+                picks[("held", p, n)] = h
+                held_bytes.append(w * h)
+                value.append((visits - 1) * w * h)
+            if s is not None:   # its weight in for each visit, its gradient out
+                picks[("stepped", p, n)] = s
+                stepped_bytes.append(w * s)
+                value.append((visits * w + sizes.get(("grads", n), 0)) * s)
+        for kind, terms in (("held", held_bytes), ("stepped", stepped_bytes)):
+            if terms:       # the pack's bytes of that kind, one variable the curve's constraints share
+                total = prob.add_variable(f"{kind}_{p}", 0)
+                prob += total == pulp.lpSum(terms)
+                rise_of[(kind, p)] = (total, r[(kind, p)])
+    for key in groups:
+        rise = r[("keep",) + key]
+        if not max(rise, default=0):
+            continue
+        x = prob.add_variable(f"k_{key[0]}_{key[1]}", cat=pulp.LpBinary)
+        picks[("keep",) + key] = x
+        spec = plan.packs[key[1]]
+        value.append(2 * (spec.out_bytes if key[0] == "forward" else spec.in_bytes) * len(groups[key]) * x)
+        rise_of[("keep",) + key] = (x, rise)
+    for per_byte, held, what in graphs:
+        x = prob.add_variable(f"g_{what[1]}", cat=pulp.LpBinary)
+        picks[what] = x
+        value.append(per_byte * held * x)
+        rise_of[what] = (x, graph_rise(curve, plan, what[1]))
+    if not picks:
+        return None
+    prob += pulp.lpSum(value)
+    # one constraint per distinct rise, at the highest peak among the ops that share it (spans are long: a
+    # schedule of a thousand compute ops has a few dozen)
+    highest: dict = {}
+    for i, peak in base:
+        key = tuple((k, c) for k, (_, rise) in rise_of.items() for c in [rise[i]] if c)
+        if key and peak > highest.get(key, -1):
+            highest[key] = peak
+    for key, peak in highest.items():
+        prob += pulp.lpSum(c * rise_of[k][0] for k, c in key) <= room - peak
+    if not ilp.solve(prob, time_limit=TIME_LIMIT):
+        return None
+    return {k for k, v in picks.items() if (v.value() or 0) > 0.5}
