@@ -358,10 +358,15 @@ def plan_packs(need: PackCost, budget: float) -> list[tuple[int, int]] | None:
             final, start = best[s] + secs, s
     if start is None:
         return None
-    cuts, e = [(start, n)], start
-    while e > 0:
-        cuts.append((choice[e], e))
-        e = choice[e]
+    return _cuts(choice, start) + [(start, n)]
+
+
+def _cuts(choice: list[int], end: int) -> list[tuple[int, int]]:
+    """The packs of a DP's prefix ending at ``end``, read back through ``choice`` (each prefix's last pack start)."""
+    cuts = []
+    while end > 0:
+        cuts.append((choice[end], end))
+        end = choice[end]
     return cuts[::-1]
 
 
@@ -442,13 +447,7 @@ def least_traffic(units: list[Unit], sizes: dict, microbatches: int, work, cap: 
                     crossed = best[s] + (cross[s] if s else 0.0)
                     if crossed < best[e]:
                         best[e], choice[e] = crossed, s
-        if best[n] == math.inf:
-            return None
-        cuts, e = [], n
-        while e > 0:
-            cuts.append((choice[e], e))
-            e = choice[e]
-        return cuts[::-1]
+        return None if best[n] == math.inf else _cuts(choice, n)
 
     low, high = -total, 4 * total + 2 * sum(cross)
     found = within(high)

@@ -231,14 +231,8 @@ def peak_bound(program: Program, curve, what, groups: dict, sizes: dict, shared:
             if back:
                 hold(at[s.name], min(back), curve.out[i])
     elif kind == "graph":
-        saved, fwd = plan.packs[pack].saved_bytes, {}
-        at = {n: i for i, n in enumerate(nodes)}
-        for i, n in enumerate(nodes):
-            if n.target is ops.forward and n.args[0] == pack:
-                fwd[n.args[1]] = i
-            elif n.target is ops.backward and n.args[0] == pack and n.args[1] in fwd:
-                last = [a for a in n.all_input_nodes if max(at[u] for u in a.users) == i]   # dying after it
-                hold(fwd[n.args[1]], i, saved - sum(curve.out[at[a]] for a in last))
+        for a, b, size in swap_lp.graph_spans(curve, plan, pack):
+            hold(a, b, size)
     elif kind in ("held", "params"):
         spec, since = plan.packs[pack], (-1 if kind == "params" else None)
 

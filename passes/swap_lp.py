@@ -104,20 +104,26 @@ def rises(curve, plan, groups: dict, swaps: dict, optim_per_byte: float) -> dict
     return out
 
 
-def graph_rise(curve, plan, pack: int) -> list:
-    """The bytes keeping ``pack``'s forward graph adds: its saved activations from each microbatch's forward to its
-    backward, less the inputs that backward is the last to read (as ``swap.peak_bound``)."""
+def graph_spans(curve, plan, pack: int):
+    """Where keeping ``pack``'s forward graph adds bytes to ``curve``: (forward, backward, bytes) for each microbatch, its
+    saved activations from its forward to its backward, less the inputs that backward is the last to read."""
     nodes = curve.nodes
     at = {n: i for i, n in enumerate(nodes)}
-    diff = [0] * (len(nodes) + 1)
     saved, fwd = plan.packs[pack].saved_bytes, {}
     for i, n in enumerate(nodes):
         if n.target is ops.forward and n.args[0] == pack:
             fwd[n.args[1]] = i
         elif n.target is ops.backward and n.args[0] == pack and n.args[1] in fwd:
-            last = [a for a in n.all_input_nodes if max(at[u] for u in a.users) == i]
-            _span(diff, fwd[n.args[1]], i, max(0, saved - sum(curve.out[at[a]] for a in last)))
-    return _total(diff, len(nodes))
+            last = [a for a in n.all_input_nodes if max(at[u] for u in a.users) == i]   # dying after it
+            yield fwd[n.args[1]], i, saved - sum(curve.out[at[a]] for a in last)
+
+
+def graph_rise(curve, plan, pack: int) -> list:
+    """The bytes keeping ``pack``'s forward graph adds at each node of ``curve`` (``graph_spans``)."""
+    diff = [0] * (len(curve.nodes) + 1)
+    for a, b, size in graph_spans(curve, plan, pack):
+        _span(diff, a, b, max(0, size))
+    return _total(diff, len(curve.nodes))
 
 
 def solve(program: Program, curve, groups: dict, sizes: dict, swaps: dict, graphs: list, room: int, may_step):
