@@ -10,8 +10,8 @@ measures, so the rows plan where moving bytes is what the step waits for: the Ha
 (GTX 1080 Ti) with its host link slowed 100x, 157 MB/s each way (``HARDWARE``; the budget is the
 given share, not the GPU's memory). There the least time is the least traffic. On the GPU's own
 PCIe 3.0 x16 the copies hide behind compute and the optimizer's host steps, and the planner rightly
-spends bytes to save time (more cuts, less recompute): column ``harmony_full_link_MiB`` is that plan's
-traffic, shown beside the target's, not held to it.
+spends bytes to save time (more cuts, less recompute): columns ``harmony_full_link_MiB`` and
+``full_link/bound`` are that plan's traffic, shown beside the target's, not held to it.
 
 Lower bound (``bound_MiB``): the least any schedule of Harmony's kind could move under the whole budget
 ``U`` (not the planner's 95% of it: a schedule that needs no margin for prediction error could fill it),
@@ -151,6 +151,7 @@ def main():
                 row["bound_MiB"] = bound / 2**20
                 row["any_schedule_MiB"] = any_schedule_bound(model, budget) / 2**20
                 row["harmony/bound"] = moved["harmony"] / bound if bound else float("nan")
+                row["full_link/bound"] = full / bound if bound else float("nan")
                 row["device_step/device_bound"] = device / device_step_bound(model, budget)
                 row["sequential/harmony"] = moved["sequential"] / moved["harmony"]
                 row["ondemand/harmony"] = moved["ondemand"] / moved["harmony"]

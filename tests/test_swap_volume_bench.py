@@ -48,5 +48,5 @@ def test_swap_volume_runs_end_to_end():
            "--microbatches", "4", "--width", "64", "--seq", "16"]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert p.returncode == 0, p.stdout + p.stderr
-    for column in ("harmony/bound", "bound_MiB", "any_schedule_MiB", "harmony_full_link_MiB"):
+    for column in ("harmony/bound", "bound_MiB", "any_schedule_MiB", "harmony_full_link_MiB", "full_link/bound"):
         assert column in p.stdout, p.stdout
