@@ -56,13 +56,11 @@ and so on) is ``passes/swap_graph.py``.
 from __future__ import annotations
 
 import time
-from typing import NamedTuple
-
 from harmony.compiler.ir import PassReport, PassResult, Program, calls
 from harmony.compiler.verify import memory_curve, state_sizes
 from harmony.errors import BudgetError
 from harmony.passes import swap_lp
-from harmony.passes.swap_graph import (build, insert_swaps, param_swaps, stash_groups)
+from harmony.passes.swap_graph import (COMPUTE, KINDS, Choice, build, insert_swaps, param_swaps, stash_groups)
 from harmony.runtime import ops
 from harmony.runtime.plan import step_extra
 from harmony.units import fmt_bytes
@@ -70,20 +68,7 @@ from harmony.units import fmt_bytes
 NAME = "swap"
 REQUIRES = {"schedule", "placement"}
 PROVIDES = {"residency"}
-KINDS = ("params", "grads", "optim")
 TIE = 0.01    # of the bytes in, what the integer program's plan must save to replace the greedy's outright
-
-
-class Choice(NamedTuple):
-    """What the swap pass keeps: the greedy search's state, and the arguments of ``_build``."""
-    resident: set            # (pack, kind) left on the device for the whole run
-    stashed: set             # activation groups sent to the host between forward and backward
-    kept: frozenset = frozenset()     # packs whose forward's graph is kept (no recompute)
-    held: frozenset = frozenset()     # host-stepped packs whose weights stay between visits of an iteration
-    device: frozenset = frozenset()   # host-stepped packs moved to a device step, all their state resident
-    parts: frozenset = frozenset()    # (pack, param): single weights held between visits, where the whole pack's are not
-    steps: frozenset = frozenset()    # (pack, param): single parameters of host-stepped packs stepped on the device
-    carried: frozenset = frozenset()  # wholly-disk packs whose stepped weights stay for the next iteration's forward
 
 
 def graph_candidates(program: Program) -> list[tuple]:
@@ -186,9 +171,6 @@ def _greedy(candidates, chosen: Choice, fits, room, bound=None, curve=None) -> t
     return chosen, rows
 
 
-_COMPUTE = (ops.forward, ops.backward, ops.step)
-
-
 def tied_weights(plan) -> set[str]:
     """Weights (parameters and buffers) that more than one pack reads: tied, as GPT-2's embedding and head."""
     seen, tied = set(), set()
@@ -255,7 +237,7 @@ def peak_bound(program: Program, curve, what, groups: dict, sizes: dict, shared:
     best = acc = 0
     for i, n in enumerate(nodes):
         acc += rise[i]
-        if acc and n.target in _COMPUTE and (pack is None or n.args[0] != pack):
+        if acc and n.target in COMPUTE and (pack is None or n.args[0] != pack):
             best = max(best, curve.peak_at[i] + acc)
     return best
 
@@ -379,36 +361,32 @@ def run(program: Program, ctx) -> PassResult:
         chosen, more = carry_weights(program, chosen, fits, room, sizes)
         return chosen, rows + more
 
-    least = param_swaps(program.schedule)          # the least-memory schedule's swaps, which ``curve`` is of
+    exact = swap_lp.applies(program, shared)
+    least = param_swaps(program.schedule) if exact else None      # the least-memory schedule's, which ``curve`` is of
     chosen, rows = fill(chosen, curve)
     how = "greedy"
-    if swap_lp.applies(program, shared):
+    if exact:
         greedy = fits(chosen)
-        picks, margin = None, 0
-        for _ in range(3):     # where the exact curve peaks above the linear one, solve again with that much less room
-            picks = swap_lp.solve(program, curve, groups, sizes, least, graphs, room - margin,
-                                  lambda p: may_step_on_device(program, p))
-            over = fits(_choice(plan, groups, sizes, picks)).peak - room if picks is not None else 0
-            if over <= 0:
-                break
-            margin += over + 4096
-        if picks is not None:
-            exact, exact_rows = fill(*_fitted(_choice(plan, groups, sizes, picks), groups, fits, room))
-            exact_curve = fits(exact)
-            moved = exact_curve.moved
+        found = swap_lp.select(program, curve, groups, sizes, least, candidates, room, fits,
+                               lambda p: may_step_on_device(program, p))
+        if found is not None:
+            picked, picked_rows = fill(*found)
+            curve = fits(picked)
             # near ties go to the greedy's plan. Where they move the same, what decides the step's time is which
             # parameters step on the device (on the compute stream) and which on the host (beside it, but the next
             # forward waits for the first pack's), and neither objective sees it: on the GTX 1080 Ti preset's 18
             # configurations of the partition's sweep, taking the integer program's with the most stepped on the
             # device simulated 0.68x to 1.19x the greedy's (geomean 0.91), slower at 80% of the state and 64
             # microbatches
-            if _worth(exact, exact_curve, graphs) > _worth(chosen, greedy, graphs) + TIE * greedy.moved["h2d"]:
-                chosen, rows, how = exact, _pick_rows(plan, groups, exact, graphs) + exact_rows, "integer program"
+            if _worth(picked, curve, graphs) > _worth(chosen, greedy, graphs) + TIE * greedy.moved["h2d"]:
+                chosen, rows, how = picked, _pick_rows(plan, picked, candidates) + picked_rows, "integer program"
             report.notes.append(
                 f"integer program over the memory curve (swap_lp): its plan moves "
-                f"{fmt_bytes(moved['h2d'] + moved['d2h'])}, the greedy's {fmt_bytes(sum(greedy.moved.values()))}; "
+                f"{fmt_bytes(curve.moved['h2d'] + curve.moved['d2h'])}, the greedy's "
+                f"{fmt_bytes(greedy.moved['h2d'] + greedy.moved['d2h'])}; "
                 f"{'kept' if how != 'greedy' else 'the greedy kept (within 1%, or ahead)'}")
-    curve = fits(chosen)
+    if how == "greedy":        # the schedule the greedy chose, built again where the program's was built last
+        curve = fits(chosen)
     for p in chosen.device:
         plan.step_on[p] = plan.optim_on[p] = "device"
     counts = {}
@@ -474,71 +452,16 @@ def _worth(chosen: Choice, curve, graphs: list) -> float:
     return saved - curve.moved["h2d"] - curve.moved["d2h"]
 
 
-def _choice(plan, groups: dict, sizes: dict, picks: set) -> Choice:
-    """The integer program's picks (``swap_lp.solve``) as a ``Choice``: a pack all of whose weights are held, or all of
-    whose parameters step on the device, whole; the rest parameter by parameter."""
-    held, device, parts, steps = set(), set(), set(), set()
-    for spec in plan.packs:
-        p = spec.index
-        mine_held = {n for k, q, n in (x for x in picks if x[0] == "held") if q == p}
-        mine_stepped = {n for k, q, n in (x for x in picks if x[0] == "stepped") if q == p}
-        weighted = {n for n in spec.params + spec.buffers if sizes.get(("params", n), 0)}
-        if spec.stepped and mine_stepped == set(spec.stepped) and not mine_held:
-            device.add(p)
-        elif mine_held and mine_held == weighted and not mine_stepped:
-            held.add(p)
-        else:
-            parts |= {(p, n) for n in mine_held}
-            steps |= {(p, n) for n in mine_stepped}
-    kept_groups = {x[1:] for x in picks if x[0] == "keep"}
-    return Choice(resident={(p, k) for p in device for k in KINDS}, stashed=set(groups) - kept_groups,
-                  kept=frozenset(x[1] for x in picks if x[0] == "graph"), held=frozenset(held),
-                  device=frozenset(device), parts=frozenset(parts), steps=frozenset(steps))
-
-
-def _fitted(chosen: Choice, groups: dict, fits, room: int) -> tuple[Choice, object]:
-    """``chosen`` less what must go for the exact curve to fit ``room`` (the integer program's curve is linear in its
-    picks; keeping two things at once can cost more than both alone): single weights first, then single steps,
-    graphs, activations, whole packs' weights, whole packs' steps, in runs that double. Returns it and its curve."""
-    curve = fits(chosen)
-    run = 1
-    while curve.peak > room:
-        kept_groups = sorted(set(groups) - chosen.stashed)
-        if chosen.parts:
-            chosen = chosen._replace(parts=chosen.parts - set(sorted(chosen.parts)[-run:]))
-        elif chosen.steps:
-            chosen = chosen._replace(steps=chosen.steps - set(sorted(chosen.steps)[-run:]))
-        elif chosen.kept:
-            chosen = chosen._replace(kept=frozenset(sorted(chosen.kept)[:-run]))
-        elif kept_groups:
-            chosen = chosen._replace(stashed=chosen.stashed | set(kept_groups[-run:]))
-        elif chosen.held:
-            chosen = chosen._replace(held=frozenset(sorted(chosen.held)[:-run]))
-        elif chosen.device:
-            gone = set(sorted(chosen.device)[:run])
-            chosen = chosen._replace(device=chosen.device - gone,
-                                     resident={r for r in chosen.resident if r[0] not in gone})
-        else:
-            break
-        curve = fits(chosen)
-        run *= 2
-    return chosen, curve
-
-
-def _pick_rows(plan, groups: dict, chosen: Choice, graphs: list) -> list[dict]:
+def _pick_rows(plan, chosen: Choice, candidates: list) -> list[dict]:
     """Report rows for what the integer program kept whole (``keep_weight_parts`` and ``keep_step_parts`` list the
-    parts): held packs, packs stepped on the device, activation groups and graphs."""
-    rows = [_row(("held", p), plan.packs[p].param_bytes + plan.packs[p].buffer_bytes, 1) for p in sorted(chosen.held)]
-    for p in sorted(chosen.device):
-        spec = plan.packs[p]
-        rows.append(_row(("device", p), spec.param_bytes + spec.buffer_bytes + spec.optim_bytes,
-                         2 * (spec.param_bytes + spec.buffer_bytes) / max(1, spec.param_bytes + spec.buffer_bytes
-                                                                           + spec.optim_bytes)))
-    for key in sorted(set(groups) - chosen.stashed):
-        spec = plan.packs[key[1]]
-        rows.append(_row(("keep",) + key, (spec.out_bytes if key[0] == "forward" else spec.in_bytes) * len(groups[key]), 2))
-    rows += [_row(("graph", what[1]), held, per_byte) for per_byte, held, what in graphs if what[1] in chosen.kept]
-    return rows
+    parts): held packs, packs stepped on the device, activation groups and graphs, as the greedy's candidates."""
+    def whole(what) -> bool:
+        if what[0] == "held":
+            return what[1] in chosen.held
+        if what[0] == "device":
+            return what[1] in chosen.device
+        return what[0] in ("keep", "graph") and _taken(chosen, what)
+    return [_row(what, size, per_byte) for per_byte, size, what in candidates if whole(what)]
 
 
 def mixed_placement(cfg) -> bool:

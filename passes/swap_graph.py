@@ -7,11 +7,28 @@ decides what to keep, these say how the schedule then reads.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch.fx
 
 from harmony.compiler.ir import calls, copy_graph
 from harmony.compiler.meta import SCHEDULE
 from harmony.runtime import ops
+
+KINDS = ("params", "grads", "optim")
+COMPUTE = (ops.forward, ops.backward, ops.step)       # the ops a memory curve's peaks are read at
+
+
+class Choice(NamedTuple):
+    """What the swap pass keeps: the state of its searches, and the arguments of ``build``."""
+    resident: set            # (pack, kind) left on the device for the whole run
+    stashed: set             # activation groups sent to the host between forward and backward
+    kept: frozenset = frozenset()     # packs whose forward's graph is kept (no recompute)
+    held: frozenset = frozenset()     # host-stepped packs whose weights stay between visits of an iteration
+    device: frozenset = frozenset()   # host-stepped packs moved to a device step, all their state resident
+    parts: frozenset = frozenset()    # (pack, param): single weights held between visits, where the whole pack's are not
+    steps: frozenset = frozenset()    # (pack, param): single parameters of host-stepped packs stepped on the device
+    carried: frozenset = frozenset()  # wholly-disk packs whose stepped weights stay for the next iteration's forward
 
 NEEDS = {"forward": ("params",), "backward": ("params", "grads"), "step": ("params", "grads", "optim"),
          "allreduce": ("grads",)}

@@ -20,10 +20,10 @@ the least-memory schedule (everything swapped and stashed):
 Each adds its bytes over the spans of the schedule where the least-memory plan does not hold them
 (``rises``: the same spans ``swap.peak_bound`` reads), so the peak at each op is linear in the choice.
 The objective is the swap pass's: bytes moved saved, with recompute time counted as the bytes the host
-link moves in that time. HiGHS solves it exactly (a few hundred binaries); ``swap.run`` builds the chosen
-schedule, checks it against the exact curve (dropping picks until it fits, where the linear model missed
-an interaction), fills what room is left as the greedy does, and keeps whichever of the two plans is worth
-more.
+link moves in that time. HiGHS solves it exactly (a few hundred binaries); ``select`` builds the chosen
+schedule and checks it against the exact curve (solving again with less room, then dropping picks, where the
+linear model missed an interaction); ``swap.run`` fills what room is left as the greedy does and keeps
+whichever of the two plans is worth more.
 """
 from __future__ import annotations
 
@@ -31,9 +31,8 @@ import pulp
 
 from harmony import ilp
 from harmony.compiler.ir import Program
+from harmony.passes.swap_graph import COMPUTE, KINDS, Choice
 from harmony.runtime import ops
-
-_COMPUTE = (ops.forward, ops.backward, ops.step)
 TIME_LIMIT = 5.0       # seconds: the program is solved in well under one on the benchmark's models
 
 
@@ -126,16 +125,89 @@ def graph_rise(curve, plan, pack: int) -> list:
     return _total(diff, len(curve.nodes))
 
 
-def solve(program: Program, curve, groups: dict, sizes: dict, swaps: dict, graphs: list, room: int, may_step):
-    """The choice worth the most whose linear peak fits ``room`` at every compute op of ``curve`` (the least-memory
-    schedule's; ``swaps`` its ``param_swaps``): a set of ``("held", pack, name)``, ``("stepped", pack, name)``,
-    ``("keep", op, pack)`` and ``("graph", pack)``; None where HiGHS finds nothing. ``may_step(pack)``: whether the
-    pack's parameters may step on the device."""
+def select(program: Program, curve, groups: dict, sizes: dict, swaps: dict, candidates: list, room: int, fits,
+           may_step):
+    """The integer program's choice, built and fitted to the exact curve: ``(Choice, its curve)``, or None where HiGHS
+    finds nothing. ``curve`` is the least-memory schedule's, ``swaps`` its ``param_swaps``; ``candidates`` the greedy's
+    (what a kept activation group or graph is worth); ``fits(choice)`` builds a choice's schedule and its curve;
+    ``may_step(pack)`` whether the pack's parameters may step on the device. Where the exact curve peaks above the
+    linear one, it solves again with that much less room (three tries), then drops what must go."""
+    margin = 0
+    for _ in range(3):
+        picks = solve(program, curve, groups, sizes, swaps, candidates, room - margin, may_step)
+        if picks is None:
+            return None
+        chosen = choice(program.plan, groups, sizes, picks)
+        got = fits(chosen)
+        if got.peak <= room:
+            return chosen, got
+        margin += got.peak - room + 4096
+    return fitted(chosen, got, groups, fits, room)
+
+
+def choice(plan, groups: dict, sizes: dict, picks: set) -> Choice:
+    """``solve``'s picks as a ``Choice``: a pack all of whose weights are held, or all of whose parameters step on the
+    device, whole; the rest parameter by parameter."""
+    by_pack: dict = {}
+    for what in picks:
+        if what[0] in ("held", "stepped"):
+            by_pack.setdefault((what[0], what[1]), set()).add(what[2])
+    held, device, parts, steps = set(), set(), set(), set()
+    for spec in plan.packs:
+        p = spec.index
+        mine_held, mine_stepped = by_pack.get(("held", p), set()), by_pack.get(("stepped", p), set())
+        if spec.stepped and mine_stepped == set(spec.stepped) and not mine_held:
+            device.add(p)
+        elif mine_held and not mine_stepped and mine_held == {n for n in spec.params + spec.buffers
+                                                              if sizes.get(("params", n), 0)}:
+            held.add(p)
+        else:
+            parts |= {(p, n) for n in mine_held}
+            steps |= {(p, n) for n in mine_stepped}
+    kept_groups = {what[1:] for what in picks if what[0] == "keep"}
+    return Choice(resident={(p, k) for p in device for k in KINDS}, stashed=set(groups) - kept_groups,
+                  kept=frozenset(what[1] for what in picks if what[0] == "graph"), held=frozenset(held),
+                  device=frozenset(device), parts=frozenset(parts), steps=frozenset(steps))
+
+
+def fitted(chosen: Choice, curve, groups: dict, fits, room: int) -> tuple[Choice, object]:
+    """``chosen`` (whose exact ``curve`` peaks above ``room``) less what must go for it to fit: single weights first,
+    then single steps, graphs, activations, whole packs' weights, whole packs' steps, in runs that double. Returns
+    it and its curve."""
+    run = 1
+    while curve.peak > room:
+        kept_groups = sorted(set(groups) - chosen.stashed)
+        if chosen.parts:
+            chosen = chosen._replace(parts=chosen.parts - set(sorted(chosen.parts)[-run:]))
+        elif chosen.steps:
+            chosen = chosen._replace(steps=chosen.steps - set(sorted(chosen.steps)[-run:]))
+        elif chosen.kept:
+            chosen = chosen._replace(kept=frozenset(sorted(chosen.kept)[:-run]))
+        elif kept_groups:
+            chosen = chosen._replace(stashed=chosen.stashed | set(kept_groups[-run:]))
+        elif chosen.held:
+            chosen = chosen._replace(held=frozenset(sorted(chosen.held)[:-run]))
+        elif chosen.device:
+            gone = set(sorted(chosen.device)[:run])
+            chosen = chosen._replace(device=chosen.device - gone,
+                                     resident={r for r in chosen.resident if r[0] not in gone})
+        else:
+            break
+        curve = fits(chosen)
+        run *= 2
+    return chosen, curve
+
+
+def solve(program: Program, curve, groups: dict, sizes: dict, swaps: dict, candidates: list, room: int, may_step):
+    """The choice worth the most whose linear peak fits ``room`` at every compute op of ``curve`` (``select``'s
+    arguments): a set of ``("held", pack, name)``, ``("stepped", pack, name)``, ``("keep", op, pack)`` and
+    ``("graph", pack)``; None where HiGHS finds nothing."""
     plan = program.plan
-    base = [(i, curve.peak_at[i]) for i, n in enumerate(curve.nodes) if n.target in _COMPUTE]
+    base = [(i, curve.peak_at[i]) for i, n in enumerate(curve.nodes) if n.target in COMPUTE]
     if not base:
         return None
     r = rises(curve, plan, groups, swaps, program.optim_profile["state_per_byte"])
+    worth = {what: per_byte * size for per_byte, size, what in candidates if what[0] in ("keep", "graph")}
     prob = pulp.LpProblem("swap", pulp.LpMaximize)
     value, picks = [], {}
     rise_of = {}       # a pack's bytes held or stepped, an activation group, a graph -> (its variable, its rise)
@@ -168,20 +240,14 @@ def solve(program: Program, curve, groups: dict, sizes: dict, swaps: dict, graph
                 total = prob.add_variable(f"{kind}_{p}", 0)
                 prob += total == pulp.lpSum(terms)
                 rise_of[(kind, p)] = (total, r[(kind, p)])
-    for key in groups:
-        rise = r[("keep",) + key]
-        if not max(rise, default=0):
+    for what, bytes_saved in worth.items():    # out and back in, or the recompute saved (as bytes the link moves)
+        rise = r[what] if what[0] == "keep" else graph_rise(curve, plan, what[1])
+        if what[0] == "keep" and not max(rise, default=0):     # nothing stashed: nothing to keep
             continue
-        x = prob.add_variable(f"k_{key[0]}_{key[1]}", cat=pulp.LpBinary)
-        picks[("keep",) + key] = x
-        spec = plan.packs[key[1]]
-        value.append(2 * (spec.out_bytes if key[0] == "forward" else spec.in_bytes) * len(groups[key]) * x)
-        rise_of[("keep",) + key] = (x, rise)
-    for per_byte, held, what in graphs:
-        x = prob.add_variable(f"g_{what[1]}", cat=pulp.LpBinary)
+        x = prob.add_variable("_".join(map(str, what)), cat=pulp.LpBinary)
         picks[what] = x
-        value.append(per_byte * held * x)
-        rise_of[what] = (x, graph_rise(curve, plan, what[1]))
+        value.append(bytes_saved * x)
+        rise_of[what] = (x, rise)
     if not picks:
         return None
     prob += pulp.lpSum(value)

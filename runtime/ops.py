@@ -576,18 +576,21 @@ def device_part_bytes(plan, spec) -> dict[str, int]:
     return {n: sizes.get(n, 0) for n in _device_parts(plan, spec)}
 
 
+def _share_traffic(spec, master: float) -> float:
+    """``step_traffic`` of ``master`` fp32 bytes of the pack's parameters, with their share of its optimizer state."""
+    whole = spec.master_bytes or spec.param_bytes
+    return step_traffic(master, spec.optim_bytes * master / whole if whole else 0)
+
+
 def device_part_cost(plan, hw, pack: int) -> float:
     """Seconds a host-stepped pack's ``step`` spends on the compute stream first, stepping its ``plan.device_parts``
-    on the device one at a time (their traffic at the device's memory bandwidth, 21 tensor ops each)."""
+    on the device one at a time: their traffic at the device's memory bandwidth and their tensor ops."""
     spec = plan.packs[pack]
     parts = device_part_bytes(plan, spec)
     if not parts:
         return 0.0
-    master = spec.master_bytes or spec.param_bytes
-    part = sum(parts.values())
-    traffic = step_traffic(part, spec.optim_bytes * part / master if master else 0)
-    return traffic / hw.memory_bandwidth + _kernels_cost(spec, "step") * len(parts) / max(1, len(spec.stepped)) * \
-        getattr(hw, "kernel_latency", 0.0)
+    ops = _kernels_cost(spec, "step") / max(1, len(spec.stepped)) * len(parts)
+    return _share_traffic(spec, sum(parts.values())) / hw.memory_bandwidth + _pack_compute_cost(hw, 0, ops)
 
 
 def _device_parts(plan, spec) -> list[str]:
@@ -648,7 +651,7 @@ def _step_cost(plan, hw, pack, stream=False, where="device", overlap=False):
     if where in ("host", "disk"):   # the host's own memory, outside the runtime's accounting: plain dispatch
         master = spec.master_bytes or spec.param_bytes      # fp32 masters, less those stepped on the device first
         host = master - sum(device_part_bytes(plan, spec).values()) if where == "host" else master
-        traffic = step_traffic(host, spec.optim_bytes * host / master if master else 0)
+        traffic = _share_traffic(spec, host)
         return "host", traffic / getattr(hw, "host_memory_bandwidth", hw.memory_bandwidth)
     seconds = traffic / hw.memory_bandwidth + _pack_compute_cost(hw, 0, _kernels_cost(spec, "step"))
     if stream:

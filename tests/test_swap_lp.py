@@ -15,14 +15,9 @@ from models import CASES, assert_bitwise, eager_accumulate, training_state_bytes
 LINK_BOUND = Device.preset("gtx1080ti", link=Device.preset("gtx1080ti").h2d_bandwidth / 100)
 
 
-def _compile(model, data, frac, m, exact=True, monkeypatch=None):
-    if not exact:
-        monkeypatch.setattr(swap_lp, "applies", lambda *a: False)
-    sm = harmony.compile(copy.deepcopy(model), example_batch=data[0], microbatches=m, hardware=LINK_BOUND,
-                         memory_budget=int(training_state_bytes(model) * frac))
-    if not exact:
-        monkeypatch.undo()
-    return sm
+def _compile(model, data, frac, m):
+    return harmony.compile(copy.deepcopy(model), example_batch=data[0], microbatches=m, hardware=LINK_BOUND,
+                           memory_budget=int(training_state_bytes(model) * frac))
 
 
 def _swap(sm):
@@ -35,7 +30,9 @@ def test_the_integer_program_keeps_more_than_the_greedy_and_trains_the_same_bits
     any of them on the device; the integer program steps part of them there and holds the later packs' weights.
     The plan it picks moves what it predicts, stays within the budget, and trains the bits eager PyTorch does."""
     model, data = CASES["gpt"](layers=6)
-    greedy = _compile(model, data, 0.5, 8, exact=False, monkeypatch=monkeypatch)
+    with monkeypatch.context() as m:
+        m.setattr(swap_lp, "applies", lambda *a: False)
+        greedy = _compile(model, data, 0.5, 8)
     sm = _compile(model, data, 0.5, 8)
     assert _swap(greedy).totals["chosen_by"] == "greedy"
     assert _swap(sm).totals["chosen_by"] == "integer program"
