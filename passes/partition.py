@@ -14,8 +14,8 @@ the compute and the host's optimizer steps (a slow host link), the traffic decid
 candidate is then priced with the linear program of what can stay on the device (``PackCost.residency``,
 what the swap pass's integer program realises), and a second search joins the DP, the partition that
 leaves the least traffic (``least_traffic``: a large first pack, few cuts, small last packs). That cost
-model, the searches and the cap search are ``partition_cost``; this module makes the layers, measures the
-packs the search picks and corrects its target until they fit, and builds them.
+model is ``partition_cost``, the searches and the cap search ``partition_search``; this module makes the
+layers, measures the packs the search picks and corrects its target until they fit, and builds them.
 """
 from __future__ import annotations
 
@@ -29,7 +29,8 @@ from harmony.compiler.pack_cost import measure_pack
 from harmony.compiler.ir import PassReport, PassResult, Program
 from harmony.compiler.meta import COST, MODULE_PATH, PACK, STATE
 from harmony.errors import BudgetError
-from harmony.passes.partition_cost import PackCost, device_sizes, plan_packs, working_set_cap
+from harmony.passes.partition_cost import PackCost, device_sizes
+from harmony.passes.partition_search import plan_packs, working_set_cap
 from harmony.runtime.plan import PackSpec, Plan, optim_state_bytes, step_extra
 from harmony.units import fmt_bytes
 
@@ -311,10 +312,10 @@ def measured_need(program: Program, spec: PackSpec, last: bool) -> int:
 
 def _choose(program: Program, units: list[Unit], budget: int):
     """The DP on unit estimates, corrected by measuring the packs it picks until they fit; returns the cuts,
-    the packs (None, None where nothing fits) and the estimates (``PackCost``, which the report reads again)."""
+    the packs (None, None where nothing fits), the estimates (``PackCost``, which the report reads again) and
+    whether the plan came from the least-traffic search (the report says)."""
     need = PackCost(program, units)
     target, search = working_set_cap(need, budget)
-    need.search = "least time" if search is plan_packs else "least traffic"
     for attempt in range(24):
         cuts = search(need, target)
         if cuts is None:   # the estimates say no; measured, every layer alone may still fit
@@ -322,7 +323,7 @@ def _choose(program: Program, units: list[Unit], budget: int):
         specs = build_packs(program, cuts, units)
         worst = max(measured_need(program, s, i == len(specs) - 1) for i, s in enumerate(specs))
         if worst <= budget:
-            return cuts, specs, need
+            return cuts, specs, need, search is not plan_packs
         # scale the estimates' target by what measuring found; if that does not converge (a pack the
         # estimates under-count stays too big), step down geometrically until the DP gives up
         target = int(target * min(budget / worst * 0.97, 0.8 if attempt >= 8 else 1.0))
@@ -330,7 +331,7 @@ def _choose(program: Program, units: list[Unit], budget: int):
     # its own is the least any plan needs, so it decides (a larger budget must not fail where a
     # smaller one works)
     cuts, specs, least = _layers_alone(program, units)
-    return (cuts, specs, need) if least <= budget else (None, None, need)
+    return (cuts, specs, need, False) if least <= budget else (None, None, need, False)
 
 
 def run(program: Program, ctx) -> PassResult:
@@ -340,7 +341,7 @@ def run(program: Program, ctx) -> PassResult:
     program.units = [u.nodes for u in units]
     program.fake_batch_bytes = {ph.name: _tensor_bytes(program.fake.vals[ph], floating=False)
                                 for ph in program.gm.graph.nodes if ph.op == "placeholder"}
-    cuts, specs, need = _choose(program, units, cfg.usable_budget)
+    cuts, specs, need, least_traffic = _choose(program, units, cfg.usable_budget)
     if cuts is None:
         floor = _smallest_budget(program, units)
         raise BudgetError(
@@ -366,7 +367,7 @@ def run(program: Program, ctx) -> PassResult:
         solve_s=time.perf_counter() - start))
     report.notes.append(f"cut points: {len(units) - 1} narrowest gaps of the graph; "
                         f"packs chosen by an exact DP over {len(units)} layers")
-    if need.search == "least traffic":
+    if least_traffic:
         report.notes.append("the copies outlast the compute and the host's steps: the partition that leaves the least "
                             "traffic (a large first pack, few cuts, small last packs) was predicted fastest")
     return PassResult(program, report)

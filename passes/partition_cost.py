@@ -1,15 +1,14 @@
 """The partition's cost model: what a candidate pack needs on the device, how long it takes, and what a
-whole plan moves and costs; the searches (the dynamic program for the least time, and for the least traffic
-where the host link binds) and the working-set cap search that use it.
+whole plan moves and costs (``PackCost``; ``residency_lp``, what can stay on the device where the host steps).
 
 ``PackCost`` prices packs from the unit summaries ``partition.find_units`` makes (no tracing,
-no measuring: the DP asks for thousands of candidates); ``plan_cost`` prices a whole partition as the
+no measuring: the searches ask for thousands of candidates); ``plan_cost`` prices a whole partition as the
 swap and offload passes will treat it (what they keep resident, what crosses the cuts, the host's
-optimizer steps). ``partition`` measures the packs the DP picks and corrects the target until they fit.
+optimizer steps). The searches that use it are ``partition_search``; ``partition`` measures the packs
+they pick and corrects the target until they fit.
 """
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING
 
 import pulp
@@ -40,7 +39,6 @@ class PackCost:
         self.p, self.units = program, units
         self.memo: dict = {}
         self.lp_memo: dict = {}      # ``residency`` of each partition priced
-        self.search = "least time"   # which search ``working_set_cap`` picked the plan from (the report says)
         self.sizes = device_sizes(program)       # bytes on the device (compute copies under mixed precision)
         self.master = {n: t.numel() * t.element_size() for n, t in program.gm.named_parameters()}
         self.state_per_byte = program.optim_profile["state_per_byte"]   # per byte of fp32 master
@@ -116,8 +114,9 @@ class PackCost:
         return 4.0 * self.units[s].cross_in * self.p.config.microbatches
 
     def traffic_model(self, budget: float) -> str:
-        """How ``plan_cost`` counts what stays resident: "device" (the optimizer steps there), "host budget" (packs may
-        live on disk), else "<policy> host" (the host steps every pack the swap pass does not move to the device)."""
+        """How ``plan_cost`` counts what stays resident: "device" (the optimizer steps there: where the offload pass
+        will put it, which it decides after the partition with the exact curve), "host budget" (packs may live on
+        disk), else "<policy> host" (the host steps every pack the swap pass does not move to the device)."""
         total = self._param_bytes(0, len(self.units))
         cfg = self.p.config
         if step_place(cfg, lambda: (2 + self.state_per_byte) * total <= budget)[0] != "host":
@@ -145,8 +144,8 @@ class PackCost:
         own = [self._param_bytes(s, e) for s, e in cuts]
         total = sum(own)
         shares = [0.0] * len(cuts)    # of each pack's parameters' bytes, what steps on the host (``host_tail``)
-        # where the offload pass will step the optimizer (it decides after the partition, with the exact curve)
-        host = step_place(self.p.config, lambda: (2 + self.state_per_byte) * total <= budget)[0] == "host"
+        model = self.traffic_model(budget)
+        host = model != "device"
         moved = sum(self.traffic(s, e, i == last, host) for i, (s, e) in enumerate(cuts))
         needs = [self(s, e, i == last)[0] for i, (s, e) in enumerate(cuts)]
         optim = sum(self.master[n] for n in self.params(0, len(self.units))) * self.state_per_byte
@@ -155,11 +154,11 @@ class PackCost:
             optim = 0.0
         cross = [self.stash(s) / 4 for s, _ in cuts]     # activation bytes crossing into each pack, all microbatches
         crossing = sum(cross)
-        if host and self.p.config.policy == "harmony" and self.p.config.host_memory_budget is None and exact:
+        if model == "harmony host" and exact:
             # what stays, and where the budget binds, is the linear program the swap pass solves exactly
             saved, on_device = self.residency(cuts, budget)
             shares = [1.0 - d / o if o else 0.0 for d, o in zip(on_device, own)]
-        elif host and self.p.config.policy == "harmony" and self.p.config.host_memory_budget is None:
+        elif model == "harmony host":
             # the host updates the weights, so none stay for good; but a pack's can stay from its forward to its
             # backward (1 byte saved per byte), all of them beside the last pack's working set at the turn; room
             # left then lets packs step on the device with all their state resident (2 more saved per byte of
@@ -176,13 +175,13 @@ class PackCost:
                                                 held / crossing if crossing else 0.0)
                 saved += 2 * on_device
                 shares = [1.0 - on_device / total if total else 0.0] * len(cuts)
-        elif host and self.p.config.policy == "sequential" and self.p.config.host_memory_budget is None:
+        elif model == "sequential host":
             # every microbatch visits every pack: weights held from a pack's first visit to its last save all but
             # one of its swap_ins (the swap pass's "held"), beside whichever pack is computing
             shares = [1.0] * len(cuts)
             saved = self.fill([(self.visits(s, i == last) - 1, o) for i, ((s, _), o) in enumerate(zip(cuts, own))],
                               budget - max(needs))
-        elif host:
+        elif host:      # a host budget (or the ondemand policy)
             shares = [1.0] * len(cuts)
             # with a host budget, packs may live on disk, whose reads and writes this model does not price (the
             # credit above picked 48 packs for the offload benchmark's 600M GPT where 12 had been chosen, 2.5 s
@@ -336,40 +335,6 @@ class PackCost:
         return frozenset().union(*(u.params for u in self.units[s:e]))
 
 
-def plan_packs(need: PackCost, budget: float) -> list[tuple[int, int]] | None:
-    """Exact DP over contiguous partitions of ``need``'s units: least predicted time, every pack within ``budget``."""
-    n = len(need.units)
-    best = [math.inf] * (n + 1)
-    choice = [0] * (n + 1)
-    best[0] = 0.0
-    for e in range(1, n + 1):          # prefix [0, e) made of non-last packs
-        for s in range(e - 1, -1, -1):
-            size, secs = need(s, e, last=False)
-            if size > budget:
-                break                  # a longer pack only needs more
-            if best[s] + secs < best[e]:
-                best[e], choice[e] = best[s] + secs, s
-    final, start = math.inf, None
-    for s in range(n - 1, -1, -1):     # the last pack runs forward and backward without recompute
-        size, secs = need(s, n, last=True)
-        if size > budget:
-            break
-        if best[s] + secs < final:
-            final, start = best[s] + secs, s
-    if start is None:
-        return None
-    return _cuts(choice, start) + [(start, n)]
-
-
-def _cuts(choice: list[int], end: int) -> list[tuple[int, int]]:
-    """The packs of a DP's prefix ending at ``end``, read back through ``choice`` (each prefix's last pack start)."""
-    cuts = []
-    while end > 0:
-        cuts.append((choice[end], end))
-        end = choice[end]
-    return cuts[::-1]
-
-
 def residency_lp(own: list[float], work: list[float], cross: list[float], budget: float,
                  state_per_byte: float | None) -> tuple[float, list[float]]:
     """``PackCost.residency``'s linear program for packs with parameters ``own``, working sets ``work`` and ``cross[c]``
@@ -397,117 +362,8 @@ def residency_lp(own: list[float], work: list[float], cross: list[float], budget
     return max(0.0, pulp.value(prob.objective) or 0.0), [v.value() or 0.0 for v in f]
 
 
-def least_traffic(units: list[Unit], sizes: dict, microbatches: int, work, cap: float, budget: float,
-                  tolerance: float = 1e-3):
-    """The contiguous partition of ``units`` that leaves the least traffic under the harmony policy with host steps, by a
-    bound on ``PackCost.residency`` that a DP can minimise: ``(bound, cuts)``, or None if no partition's packs all
-    have a working set ``work(s, e)`` within ``cap``.
-
-    From the constraint at pack j's backward in ``residency``: what is held for good or for the packs before j, with
-    j's working set ``W_j`` and the activations and gradients crossing the cuts up to j (``A_j``, all microbatches),
-    fits the budget ``U``; the packs after j are done by then. So the traffic left is at least
-    ``3 P - U + W_j - P_j - P_after_j + 2 A_j - min(A_j, U - W_j)``, ``P`` the parameters' bytes, ``P_j`` pack j's,
-    ``P_after_j`` those of the packs after it: a crossing byte held costs a byte of room, one that cannot be costs 2
-    moved. The bound is the largest of these over the packs. A large first pack is cheap (its backward comes last,
-    when little else is held); small last packs and few cuts leave the most room. Minimising it over partitions is a
-    bisection on the bound, each step a DP that keeps the least crossing bytes for each prefix (a pack's term only
-    grows with them); the bound returned is the bisection's infeasible side, so no partition does better. It stops
-    within ``tolerance`` of the parameters' bytes. It holds for optimizers with at least 2 bytes of state per byte
-    (Adam's): a byte stepped on the device then holds at least as much as it saves (tests/test_traffic_bound.py checks
-    it against the linear program).
-    """
-    n = len(units)
-    known: dict = {}
-
-    def ws(s: int, e: int) -> float:      # each pack's working set once: the bisection asks for it a dozen times
-        if (s, e) not in known:
-            known[s, e] = work(s, e)
-        return known[s, e]
-    seen, pre = set(), [0.0]
-    for u in units:       # a parameter two units share counts once, where it is first used
-        pre.append(pre[-1] + sum(sizes[q] for q in u.params - seen))
-        seen |= u.params
-    total = pre[-1]
-    cross = [u.cross_in * microbatches for u in units] + [0.0]
-
-    def term(s: int, e: int, before: float) -> float:
-        w = ws(s, e)
-        crossing = before + (cross[s] if s else 0.0) + cross[e]
-        return w - (pre[e] - pre[s]) - (total - pre[e]) + 2 * crossing - min(crossing, max(0.0, budget - w))
-
-    def within(bound: float):
-        best = [math.inf] * (n + 1)       # least crossing bytes of a prefix cut into packs whose terms are <= bound
-        choice = [0] * (n + 1)
-        best[0] = 0.0
-        for e in range(1, n + 1):
-            for s in range(e - 1, -1, -1):
-                if ws(s, e) > cap:
-                    break
-                if best[s] < math.inf and term(s, e, best[s]) <= bound:
-                    crossed = best[s] + (cross[s] if s else 0.0)
-                    if crossed < best[e]:
-                        best[e], choice[e] = crossed, s
-        return None if best[n] == math.inf else _cuts(choice, n)
-
-    low, high = -total, 4 * total + 2 * sum(cross)
-    found = within(high)
-    if found is None:
-        return None
-    while high - low > tolerance * total:
-        mid = (low + high) / 2
-        cuts = within(mid)
-        if cuts is None:
-            low = mid
-        else:
-            high, found = mid, cuts
-    return max(0.0, 3 * total - budget + low), found
-
-
-def least_traffic_packs(need: PackCost, cap: float, budget: float) -> list[tuple[int, int]] | None:
-    """``least_traffic`` over ``need``'s units and estimated working sets: the cuts (``PackCost.plan_cost`` then prices
-    them with the linear program itself)."""
-    n = len(need.units)
-    got = least_traffic(need.units, need.sizes, need.p.config.microbatches, lambda s, e: need(s, e, e == n)[0],
-                        cap, budget, tolerance=1e-2)
-    return None if got is None else got[1]
-
-
 def device_sizes(program: Program) -> dict[str, int]:
     """Bytes of each parameter and buffer on the device: in the compute dtype under mixed precision."""
     dtype = program.config.compute_dtype
     return {n: device_bytes(t, dtype) for n, t in
             list(program.gm.named_parameters()) + list(program.gm.named_buffers())}
-
-
-def working_set_cap(need: PackCost, budget: int):
-    """The search and the largest working set a pack may have: ``(cap, search)``, ``search(need, cap)`` the cuts.
-
-    Smaller packs leave room for resident state. Tries caps from the budget down to the largest single
-    layer's need with the DP for the least time (``plan_packs``), and, under the harmony policy with host
-    steps, the partition that leaves the least traffic (``least_traffic_packs``: where the host link is what
-    limits the step, its fewer cuts and small last packs win); keeps the plan with the least predicted
-    time, and among those within 2% of it the least traffic.
-    """
-    n = len(need.units)
-    floor = max([need(i, i + 1, False)[0] for i in range(n - 1)] + [need(n - 1, n, True)[0]])
-    if floor >= budget:
-        return budget, plan_packs
-    caps = [budget * (floor / budget) ** (k / 9) for k in range(10)]
-    found = [(cap, cuts, plan_packs) for cap in caps for cuts in [plan_packs(need, cap)] if cuts is not None]
-    if not found:
-        return budget, plan_packs
-    plans = [(cap, *need.plan_cost(cuts, budget), search) for cap, cuts, search in found]
-    best = min(range(len(plans)), key=lambda i: plans[i][1])
-    if need.traffic_model(budget) == "harmony host" and \
-            plans[best][2] / need.p.config.copy_bandwidth > need.busy_seconds(found[best][1]):
-        # the copies outlast the compute and the host's steps: what stays on the device decides the step, so every
-        # plan is priced with the swap pass's linear program, and the partitions that leave the least traffic compete
-        def fewest(need, cap):
-            return least_traffic_packs(need, cap, budget)
-        found += [(cap, cuts, fewest) for cap in caps for cuts in [fewest(need, cap)] if cuts is not None]
-        plans = [(cap, *need.plan_cost(cuts, budget, exact=True), search) for cap, cuts, search in found]
-    fastest = min(p[1] for p in plans)
-    cap, _, _, search = min((p for p in plans if p[1] <= fastest * 1.02), key=lambda p: p[2])
-    return int(cap), search
-
-

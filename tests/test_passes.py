@@ -453,7 +453,7 @@ def test_graphs_worth_less_than_traffic_take_only_the_room_residency_leaves(monk
 
     def small_last_pack(program, units, budget):
         cuts = [(0, 23), (23, 30), (30, len(units))]
-        return cuts, partition.build_packs(program, cuts, units), partition_cost.PackCost(program, units)
+        return cuts, partition.build_packs(program, cuts, units), partition_cost.PackCost(program, units), False
     monkeypatch.setattr(partition, "_choose", small_last_pack)
     plans = {}
     for recompute in ("auto", "always"):
@@ -554,7 +554,7 @@ def test_the_partition_prices_resident_state_beside_every_backward(monkeypatch):
         cuts = [(0, cut), (cut, len(units))]
         need = partition_cost.PackCost(program, units)
         predicted["bytes"] = need.plan_cost(cuts, budget)[1]
-        return cuts, partition.build_packs(program, cuts, units), need
+        return cuts, partition.build_packs(program, cuts, units), need, False
     monkeypatch.setattr(partition, "_choose", first_pack_of_nine_blocks)
     sm, _ = compiled(frac=0.5, microbatches=16, layers=12, width=128, vocab=256, seq=32, batch=16, hardware=slow)
     swap = next(r for r in sm.program.reports if r.title.startswith("swap"))
@@ -598,9 +598,9 @@ def test_the_partition_prices_sequential_visits(monkeypatch, layers, frac):
     choose, predicted = partition._choose, {}
 
     def priced(program, units, budget):
-        cuts, specs, need = choose(program, units, budget)
+        cuts, specs, need, least_traffic = choose(program, units, budget)
         predicted["bytes"] = need.plan_cost(cuts, budget)[1]
-        return cuts, specs, need
+        return cuts, specs, need, least_traffic
     monkeypatch.setattr(partition, "_choose", priced)
     sm, _ = compiled(frac=frac, microbatches=16, layers=layers, width=128, vocab=256, seq=32, batch=16,
                      policy="sequential", optimizer_on="host", hardware="gtx1080ti")
