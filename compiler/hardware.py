@@ -77,6 +77,8 @@ class Device:
     allocation accounting); ``op_latency`` is a fixed cost per schedule op (the executor's
     loop). ``Hardware.profile`` measures all three on this machine; presets keep the
     datasheet peak (efficiency 1, no latencies) unless told otherwise.
+    ``queued``: the host queues ops to the device (CUDA), so a pack's compute takes the longer of its
+    kernels' time and its launches' time, not their sum.
     ``sync_copies``: the runtime on the CPU runs compute on the thread that issues the ops,
     so a copy is issued only when the compute before it is done, and every copy but a
     ``swap_in`` (the one with a copy engine, a worker thread) blocks the compute stream:
@@ -95,6 +97,7 @@ class Device:
     efficiency: float = 1.0                # share of peak FLOP/s a layer pack's compute sustains
     kernel_latency: float = 0.0            # seconds per tensor op (kernel) a compute op dispatches
     sync_copies: bool = False              # copies follow the compute before them; all but swap_in block it
+    queued: bool = False                   # ops are queued to the device (a GPU): launches hide behind kernels
     link: str = ""                         # what the host link is, for reports ("pcie4", "memcpy", ...)
     source: str = ""                       # where the figures come from
 
@@ -216,12 +219,16 @@ class Hardware:
 
     # -- this machine ----------------------------------------------------------------------------
     @classmethod
-    def detect(cls, path=None) -> "Hardware":
+    def detect(cls, path=None, device: str | None = None) -> "Hardware":
         """This machine without measuring: cores, RAM (/proc/meminfo), free disk (statvfs); nominal speeds.
 
-        The one device is the CPU as a logical device holding all RAM; give it a budget
-        with ``hw.logical([budget])``.
+        ``device``: ``"cuda"`` (``"cuda:N"``) describes that GPU, by its name's preset where one matches
+        (datasheet figures) and with its real memory; ``"cpu"`` the CPU as a logical device holding all
+        RAM (give it a budget with ``hw.logical([budget])``); default: the first GPU where CUDA is
+        available, else the CPU.
         """
+        if _wants_cuda(device):
+            return cls._detect_cuda(path, device or "cuda")
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         ram, model = machine.meminfo("MemTotal"), machine.cpu_model()
         dev = Device(name=f"cpu ({cores} cores{', ' + model if model else ''})", memory=ram,
@@ -234,8 +241,48 @@ class Hardware:
                    notes=("detected, not measured: speeds are nominal; Hardware.profile() measures them",))
 
     @classmethod
+    def _detect_cuda(cls, path, device) -> "Hardware":
+        host = cls.detect(path, device="cpu")
+        name, memory = machine.cuda_name(device)
+        match = next((d for k, d in sorted(PRESETS.items(), key=lambda kv: -len(kv[0])) if k in _key(name)
+                      or _key(d.name) in _key(name)), None)
+        base = match or PRESETS[_key("a100-40gb")]
+        dev = base.replace(name=name, memory=memory, queued=True,
+                           source=f"Hardware.detect: {'datasheet of ' + base.name if match else 'no preset matches: an A100 datasheet'}"
+                                  f", not measured; memory from the driver")
+        return host.replace(devices=(dev,), notes=(f"detected, not measured: {name}'s speeds are "
+                                                    f"{'its datasheet' if match else 'nominal'}; Hardware.profile() "
+                                                    f"measures them",))
+
+    @classmethod
+    def _profile_cuda(cls, seconds, path, device, block) -> "Hardware":
+        """The GPU measured: matmul FLOP/s per dtype, pinned copies both ways, device memory, launches, a
+        transformer block at ``block`` (width, tokens) run as a recomputing backward runs it; the host's
+        memcpy and disk as for the CPU."""
+        import torch
+        base = cls._detect_cuda(path, device)
+        flops = {dt: machine.cuda_matmul_flops(0.06 * seconds, device, dt) for dt in ("fp32", "tf32", "bf16", "fp16")}
+        h2d, d2h, d2d = machine.cuda_copy_bandwidth(0.12 * seconds, device)
+        launch = machine.cuda_launch_latency(0.03 * seconds, device)
+        latency = machine.kernel_latency(0.05 * seconds, torch.get_num_threads(), device=device)
+        efficiency = machine.block_efficiency(0.16 * seconds, flops["fp32"], latency, torch.get_num_threads(),
+                                              *block, device=device)
+        copy = machine.memcpy_bandwidth(0.08 * seconds)
+        read, write, how = machine.disk_bandwidth(0.25 * seconds, path)
+        dev = base.devices[0].replace(
+            peak_flops=flops, efficiency=efficiency, kernel_latency=latency, h2d_bandwidth=h2d, d2h_bandwidth=d2h,
+            memory_bandwidth=d2d, link="pinned copies", queued=True,
+            source=f"Hardware.profile {time.strftime('%Y-%m-%d %H:%M')}: measured on {base.devices[0].name}")
+        return base.replace(devices=(dev,), host_memory_bandwidth=2 * copy, disk_read_bandwidth=read,
+                            disk_write_bandwidth=write,
+                            notes=(f"measured by Hardware.profile: matmul {8192}^3 per dtype, pinned copies, "
+                                   f"device copies, {launch * 1e6:.3g} us per bare launch, tensor-op latency under "
+                                   f"the runtime's accounting, a transformer block of width {block[0]} on "
+                                   f"{block[1]} tokens, host memcpy, disk ({how}); nominal, not measured: network",))
+
+    @classmethod
     def profile(cls, seconds: float = 8.0, path=None, threads: int | None = None, save: bool = True,
-                block: tuple[int, ...] = (512, 512)) -> "Hardware":
+                block: tuple[int, ...] | None = None, device: str | None = None) -> "Hardware":
         """Measure this machine in about ``seconds``: FLOP/s, per-op latency, memcpy and disk bandwidth.
 
         - peak: a 2048 x 2048 fp32 matmul at ``threads`` threads (default: as many as torch
@@ -260,9 +307,19 @@ class Hardware:
         at its barrier for a thread the other processes preempted, and a transformer block
         ran ten times slower at random here (0.05 s or 0.53 s), while one thread ran it in
         0.08 s every time.
+        On a GPU (``device="cuda"``, the default where CUDA is available) the card is measured instead:
+        matmul FLOP/s at fp32, tf32, bf16 and fp16, pinned h2d and d2h copies, device memory bandwidth, the
+        time per tensor op under the runtime's accounting, and a transformer block (``block`` default
+        (2048, 4096)) against the fp32 peak; its compute is ``queued`` (launches overlap kernels).
         The result is cached for ``this_machine()`` when ``save``.
         """
-        base = cls.detect(path)
+        if _wants_cuda(device):
+            hw = cls._profile_cuda(seconds, path, device or "cuda", block or (2048, 4096))
+            if save:
+                _save_profile(hw)
+            return hw
+        block = block or (512, 512)
+        base = cls.detect(path, device="cpu")
         if threads is None:
             import torch
             threads = torch.get_num_threads()
@@ -281,9 +338,7 @@ class Hardware:
                                  f"latency, a transformer block of width {block[0]} on {block[1]} tokens, "
                                  f"memcpy, disk ({how}); nominal, not measured: network",))
         if save:
-            _cache_path().parent.mkdir(parents=True, exist_ok=True)
-            _cache_path().write_text(json.dumps(dict(dataclasses.asdict(hw), profile_version=PROFILE_VERSION),
-                                                indent=1))
+            _save_profile(hw)
         return hw
 
     @classmethod
@@ -308,6 +363,24 @@ class Hardware:
         d["devices"] = tuple(Device(**dev) for dev in d["devices"])
         d["notes"] = tuple(d.get("notes", ()))
         return cls(**d)
+
+
+def _wants_cuda(device) -> bool:
+    """Whether ``device`` (None: whatever this machine has) names a CUDA GPU that is here."""
+    if device is not None and not str(device).startswith("cuda"):
+        return False
+    try:
+        import torch
+    except ImportError:
+        return False
+    if device is not None and not torch.cuda.is_available():
+        raise ConfigError(f"device={device!r} but torch sees no CUDA GPU here; use device='cpu'")
+    return torch.cuda.is_available()
+
+
+def _save_profile(hw: "Hardware") -> None:
+    _cache_path().parent.mkdir(parents=True, exist_ok=True)
+    _cache_path().write_text(json.dumps(dict(dataclasses.asdict(hw), profile_version=PROFILE_VERSION), indent=1))
 
 
 def _key(name: str) -> str:
@@ -336,6 +409,10 @@ PRESETS: dict[str, Device] = {_key(k): v for k, v in {
                      "pcie5", "NVIDIA H100 Tensor Core GPU datasheet, SXM column: FP32 67 TFLOPS; TF32 / BF16 / "
                      "FP16 / FP8 Tensor 989 / 1,979 / 1,979 / 3,958 TFLOPS with sparsity, so approximately "
                      "494.5 / 989.5 / 989.5 / 1,979 dense; HBM3 3.35 TB/s; PCIe Gen5 128 GB/s both ways"),
+    "h200-sxm": _gpu("H200 SXM 141GB", 141, dict(fp32=67, tf32=494.5, bf16=989.5, fp16=989.5, fp8=1979), 4800,
+                     "pcie5", "NVIDIA H200 Tensor Core GPU datasheet, SXM column: FP32 67 TFLOPS; TF32 / BF16 / "
+                     "FP16 / FP8 Tensor 989 / 1,979 / 1,979 / 3,958 TFLOPS with sparsity, so approximately "
+                     "494.5 / 989.5 / 989.5 / 1,979 dense; 141GB HBM3e 4.8 TB/s; PCIe Gen5 128 GB/s both ways"),
     "rtx3090": _gpu("GeForce RTX 3090", 24, dict(fp32=35.6, tf32=35.6, fp16=71, bf16=71), 936, "pcie4",
                     "NVIDIA Ampere GA102 GPU architecture whitepaper, GeForce RTX 3090 column: FP32 35.6 TFLOPS; "
                     "TF32 Tensor 35.6, FP16 and BF16 Tensor with FP32 accumulate 71 TFLOPS dense (142 with FP16 "
@@ -360,6 +437,7 @@ PRESETS: dict[str, Device] = {_key(k): v for k, v in {
                 "GDDR5 346 GB/s; PCIe Gen3 x16. No fast FP16 on Pascal GP102, so no fp16 figure"),
 }.items()}
 PRESETS[_key("h100")] = PRESETS[_key("h100-sxm")]
+PRESETS[_key("h200")] = PRESETS[_key("h200-sxm")]
 
 
 # -- the profile's cache ----------------------------------------------------------------------------

@@ -24,6 +24,8 @@ class CompileConfig:
     flops: float = 60e9                # FLOP/s of the device, for the planner's time model
     host_bandwidth: float = NOMINAL["host_memory_bandwidth"]   # bytes/s of host memory: the planner's host steps
     headroom: float = 0.05             # share of the budget the planner leaves for its prediction error
+    device_reserved: int = 0           # bytes of the budget the device's libraries hold (CUDA: cuBLAS workspaces)
+    expandable_segments: bool | None = None   # CUDA: whether torch's allocator grows segments in place
     recompute: str = "auto"            # auto: a pack keeps its forward's graph where the budget has room (swap
                                        # pass); always: every pack but the last recomputes (Harmony's paper)
     optimizer_on: str = "auto"         # where the optimizer steps: auto | device | host (offload pass)
@@ -54,8 +56,14 @@ class CompileConfig:
 
     @property
     def usable_budget(self) -> int:
-        """The bytes the planner may fill: the budget less the headroom for prediction error."""
-        return int(self.memory_budget * (1 - self.headroom))
+        """The bytes the planner may fill: the budget less what the device's libraries hold and the headroom for
+        prediction error."""
+        return int(self.state_budget * (1 - self.headroom))
+
+    @property
+    def state_budget(self) -> int:
+        """The budget less ``device_reserved``: what the runtime's own tensors may take, and its meter enforces."""
+        return self.memory_budget - self.device_reserved
 
     @property
     def microbatch_size(self) -> int:

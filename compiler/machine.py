@@ -73,13 +73,19 @@ def matmul_flops(budget: float, threads: int, n: int = 2048) -> float:
     return 2 * n**3 / _median(times)
 
 
-def kernel_latency(budget: float, threads: int) -> float:
+def _sync(device) -> None:
+    if getattr(device, "type", device) == "cuda":
+        import torch
+        torch.cuda.synchronize(device)
+
+
+def kernel_latency(budget: float, threads: int, device: str = "cpu") -> float:
     """Seconds per tensor op of a transformer block too small to compute anything (width 16, 8 tokens).
 
     What every op pays besides its arithmetic, as a pack's ops pay it: PyTorch's dispatch,
     module calls, autograd's bookkeeping and the runtime's allocation accounting.
     """
-    block = _Block(16, 8, 8, threads, layers=1)
+    block = _Block(16, 8, 8, threads, layers=1, device=device)
     try:
         return _median(_timed(block.run, budget, at_least=5)) / block.ops
     finally:
@@ -87,14 +93,17 @@ def kernel_latency(budget: float, threads: int) -> float:
 
 
 def block_efficiency(budget: float, peak: float, latency: float, threads: int, width: int = 512,
-                      tokens: int = 512, seq: int = 128) -> float:
-    """Share of ``peak`` a transformer block sustains, run as a recomputing backward runs it, net of op latency."""
-    block = _Block(width, tokens, seq, threads)
+                      tokens: int = 512, seq: int = 128, device: str = "cpu") -> float:
+    """Share of ``peak`` a transformer block sustains, run as a recomputing backward runs it, net of op latency.
+
+    On a GPU the ops are queued, not waited for, so a launch's cost hides behind the kernels before it
+    where those are long: only the time beyond the ops' launches counts against the latency."""
+    block = _Block(width, tokens, seq, threads, device=device)
     try:
         t = _median(_timed(block.run, budget, at_least=3))
     finally:
         block.close()
-    compute = max(t - block.ops * latency, 0.05 * t)
+    compute = t if block.device.type == "cuda" else max(t - block.ops * latency, 0.05 * t)
     return min(1.0, block.flops / compute / peak)
 
 
@@ -107,7 +116,8 @@ class _Block:
     64 MiB of weights (at most 8): the caches start cold for each, as in a step.
     """
 
-    def __init__(self, width: int, tokens: int, seq: int, threads: int, layers: int | None = None):
+    def __init__(self, width: int, tokens: int, seq: int, threads: int, layers: int | None = None,
+                 device: str = "cpu"):
         import torch
         from torch.utils._python_dispatch import TorchDispatchMode
         from torch.utils.flop_counter import FlopCounterMode
@@ -125,10 +135,11 @@ class _Block:
         seq = min(seq, tokens)
         if layers is None:
             layers = max(1, min(8, -(-64 * 2**20 // (12 * width * width * 4))))
+        self.device = torch.device(device)
         self.layer = torch.nn.Sequential(*(torch.nn.TransformerEncoderLayer(
             width, max(1, width // 64), 4 * width, dropout=0.0, activation="gelu", batch_first=True,
-            norm_first=True) for _ in range(layers)))
-        self.x = torch.randn(max(1, tokens // seq), seq, width)
+            norm_first=True) for _ in range(layers))).to(self.device)
+        self.x = torch.randn(max(1, tokens // seq), seq, width, device=self.device)
         self.seed = torch.ones_like(self.x)
         with FlopCounterMode(display=False) as fc, Count() as count:
             self.pack()
@@ -145,6 +156,7 @@ class _Block:
         from harmony.runtime.memory import CountAllocations, MemoryMeter
         with CountAllocations(MemoryMeter("profile")):
             self.pack()
+        _sync(self.device)
 
     def close(self):
         import torch
@@ -218,3 +230,93 @@ def takes_direct_io(name: str, buf) -> bool:
         return False
     finally:
         os.close(fd)
+
+
+# -- a CUDA device ----------------------------------------------------------------------------------
+CUDA_DTYPES = {"fp32": "float32", "tf32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def cuda_timed(fn, budget: float, device, at_least: int = 3) -> list[float]:
+    """Seconds of each run of ``fn`` on the GPU (CUDA events around it), after one warm-up, until ``budget``."""
+    import torch
+    fn()
+    torch.cuda.synchronize(device)
+    stop, times = time.perf_counter() + budget, []
+    while len(times) < at_least or time.perf_counter() < stop:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return times
+
+
+def cuda_matmul_flops(budget: float, device, dtype: str, n: int = 8192) -> float:
+    """FLOP/s of an ``n``-cube matrix product at ``dtype`` ("fp32" without TF32, "tf32", "bf16", "fp16")
+    on random data (zeros run faster than real data on some cards)."""
+    import torch
+    dt = getattr(torch, CUDA_DTYPES[dtype])
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = dtype == "tf32"
+    try:
+        a, b = torch.randn(n, n, device=device, dtype=dt), torch.randn(n, n, device=device, dtype=dt)
+        out = torch.empty(n, n, device=device, dtype=dt)
+        times = cuda_timed(lambda: torch.mm(a, b, out=out), budget, device)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
+    return 2 * n**3 / _median(times)
+
+
+def cuda_copy_bandwidth(budget: float, device, size: int = 256 * 2**20) -> tuple[float, float, float]:
+    """(host -> device, device -> host, device -> device) bytes/s: copies to and from pinned host memory, and
+    the device's own memory traffic (a device copy reads and writes each byte: counted twice)."""
+    import torch
+    host = torch.empty(size, dtype=torch.uint8, pin_memory=True).fill_(1)
+    dev = torch.empty(size, dtype=torch.uint8, device=device)
+    other = torch.empty_like(dev)
+    h2d = size / _median(cuda_timed(lambda: dev.copy_(host, non_blocking=True), budget / 3, device))
+    d2h = size / _median(cuda_timed(lambda: host.copy_(dev, non_blocking=True), budget / 3, device))
+    d2d = 2 * size / _median(cuda_timed(lambda: other.copy_(dev), budget / 3, device))
+    return h2d, d2h, d2d
+
+
+def cuda_launch_latency(budget: float, device, ops: int = 200) -> float:
+    """Seconds the host spends issuing one small tensor op on the GPU (dispatch and launch; the runtime's
+    accounting around each op is in ``kernel_latency``)."""
+    import torch
+    x = torch.ones(16, device=device)
+
+    def issue():
+        for _ in range(ops):
+            x.add_(1)
+    return _median(_timed(lambda: (issue(), torch.cuda.synchronize(device)), budget, at_least=5)) / ops
+
+
+def cuda_name(device) -> tuple[str, int]:
+    """The card's name and memory in bytes."""
+    import torch
+    props = torch.cuda.get_device_properties(device)
+    return props.name, props.total_memory
+
+
+def cuda_library_bytes(device, dtype=None) -> int:
+    """Device bytes the CUDA libraries take through torch's allocator once a training step has run: cuBLAS
+    (and cuBLASLt) workspaces, one per thread and stream that multiplies matrices, which for the runtime is its
+    own thread and autograd's device thread. Measured: the workspaces are freed, a small matmul is run forward
+    and backward (at ``dtype`` too, if given), and what stays allocated once its tensors are gone is counted.
+    The runtime's meter cannot see these bytes (no op allocates them), so the planner leaves them out of the
+    budget."""
+    import torch
+    dev = torch.device(device)
+    torch.cuda.synchronize(dev)
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:
+        clear()
+    before = torch.cuda.memory_allocated(dev)
+    for dt in dict.fromkeys([torch.float32, dtype or torch.float32]):
+        a = torch.ones(64, 64, device=dev, dtype=dt, requires_grad=True)
+        (a @ a).sum().backward()
+        del a
+    torch.cuda.synchronize(dev)
+    return max(0, torch.cuda.memory_allocated(dev) - before)

@@ -128,6 +128,8 @@ def trace(
             if leaf_modules:
                 notes.append("torch.export traces through leaf_modules; they are not single nodes")
         gm, constants = _rebuild(raw, model, step)
+        if used == "export":
+            _drop_metadata_asserts(gm)
         if used == "fx":
             notes += _propagate_fake_values(gm, model, step, batch)
     gm.meta[TRACE_INFO] = TraceInfo(used, time.perf_counter() - start, batch.names, constants, tuple(notes))
@@ -584,3 +586,46 @@ def _propagate_fake_values(gm: torch.fx.GraphModule, model: torch.nn.Module, ste
     what = "loss_fn returned" if batch.has_target else f"{type(model).__name__}.forward returned"
     _checked_loss(gm.graph.output_node().args[0].meta["val"], what)
     return []
+
+
+def _graph_modules(module: torch.nn.Module):
+    """The GraphModules in ``module``, nested ones too (export wraps no-grad regions in submodules)."""
+    return [m for m in module.modules() if isinstance(m, torch.fx.GraphModule)]
+
+
+def _drop_metadata_asserts(gm: torch.fx.GraphModule) -> None:
+    """Remove export's ``aten._assert_tensor_metadata`` checks: each pins the dtype and device a ``.to(...)`` saw
+    at trace time (fp32, the CPU), which the runtime's bf16 copies and a GPU then fail; they compute nothing."""
+    target = torch.ops.aten._assert_tensor_metadata.default
+    for m in _graph_modules(gm):
+        dead = [n for n in m.graph.nodes if n.op == "call_function" and n.target is target and not n.users]
+        for n in dead:
+            m.graph.erase_node(n)
+        if dead:
+            m.recompile()
+
+
+def retarget(module: torch.nn.Module, device: torch.device, managed: set[int]) -> None:
+    """Make a graph traced on the CPU run on ``device``: device arguments recorded as the CPU (export's
+    ``arange(..., device=cpu)``, ``_to_copy(device=cpu)``) name ``device``, and tensor constants the graph
+    reads (not the training state, ``managed``: ids of the tensors the runtime moves) are copied there once."""
+    cpu = torch.device("cpu")
+
+    def swap(v):
+        return device if isinstance(v, torch.device) and v == cpu else v
+    for m in _graph_modules(module):
+        for n in m.graph.nodes:
+            if n.op == "call_function":
+                n.args = torch.fx.node.map_aggregate(n.args, swap)
+                n.kwargs = torch.fx.node.map_aggregate(n.kwargs, swap)
+            elif n.op == "get_attr":
+                *parents, leaf = n.target.split(".")
+                owner = _resolve(m, ".".join(parents))
+                value = getattr(owner, leaf, None)
+                if isinstance(value, torch.Tensor) and id(value) not in managed and value.device != device:
+                    moved = value.to(device)
+                    if leaf in getattr(owner, "_buffers", {}):
+                        owner._buffers[leaf] = moved
+                    else:
+                        object.__setattr__(owner, leaf, moved)
+        m.recompile()

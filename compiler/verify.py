@@ -110,10 +110,10 @@ def verify(program) -> MemoryCurve:
     if curve.missing:
         node, kind, s = curve.missing[0]
         raise AssertionError(f"{node.format_node()} uses {kind} of {s!r}, which is not on the device there")
-    budget = program.config.memory_budget
+    budget = program.config.state_budget
     if program.config.policy != "ondemand" and curve.peak > budget:
         at = curve.nodes[curve.argmax()]
         raise BudgetError(f"predicted peak {curve.peak / 2**20:.1f} MiB at {at.name} exceeds the budget of "
-                          f"{budget / 2**20:.1f} MiB", min_budget=curve.peak)
+                          f"{budget / 2**20:.1f} MiB", min_budget=curve.peak + program.config.device_reserved)
     program.predicted_peak = curve.peak
     return curve

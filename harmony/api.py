@@ -12,13 +12,13 @@ from harmony.compiler.passmanager import DEFAULT_PIPELINE, run_passes, schedule_
 from harmony.compiler.trace import trace
 from harmony.compiler.verify import memory_curve
 from harmony.data import check_world, resolve as resolve_data_parallel
-from harmony.errors import ConfigError, HarmonyError, InputError
+from harmony.errors import BudgetError, ConfigError, HarmonyError, InputError
 from harmony.optim import optimizer_kwargs as optimizer_kwargs_for
 from harmony.runtime.executor import Runtime
 from harmony.runtime.ondemand import OnDemand
 from harmony.runtime.precision import PRECISIONS, SCALING_DEFAULTS
 from harmony.process import huge_pages, idle_threads_sleep, peak_rss_bytes
-from harmony.units import parse_bytes
+from harmony.units import fmt_bytes, parse_bytes
 
 POLICIES = ("harmony", "sequential", "ondemand")
 RECOMPUTE = ("auto", "always")
@@ -114,6 +114,10 @@ def compile(model: torch.nn.Module, example_batch, *, optimizer=torch.optim.Adam
     except (RuntimeError, TypeError) as e:
         raise ConfigError(f"device={device!r} is not a device torch knows ({str(e).split(':')[0]}); "
                           f"use 'cpu', or 'cuda' / 'cuda:N' where a GPU exists") from None
+    if policy == "ondemand" and device_type != "cpu":
+        raise ConfigError(f"policy='ondemand' runs on the CPU device only for now: it moves state as each op touches "
+                          f"it, below autograd, which on a GPU records the host's device for the weights it brings in. "
+                          f"Use policy='harmony' or 'sequential' on {device!r}, or device='cpu'")
     if recompute not in RECOMPUTE:
         raise ConfigError(f"recompute={recompute!r}; choose one of {', '.join(map(repr, RECOMPUTE))}")
     names, batch = _batch_items(example_batch)
@@ -156,9 +160,23 @@ def compile(model: torch.nn.Module, example_batch, *, optimizer=torch.optim.Adam
                            weights_on=weights_on, disk_group_bytes=parse_bytes(disk_group_bytes, "disk_group_bytes"),
                            precision=precision, loss_scaling=loss_scaling, recompute=recompute,
                            **resolve_data_parallel(data_parallel, compression, min_size))
+    if device_type == "cuda":   # the CUDA libraries' own device memory comes out of the budget first
+        from harmony.compiler.machine import cuda_library_bytes
+        from harmony.process import cuda_expandable_segments
+        config.expandable_segments = cuda_expandable_segments()
+        config.device_reserved = cuda_library_bytes(device, config.compute_dtype)
+        if config.device_reserved >= config.memory_budget:
+            raise BudgetError(f"memory_budget={fmt_bytes(config.memory_budget)} does not cover the "
+                              f"{fmt_bytes(config.device_reserved)} the CUDA libraries take on {device} (cuBLAS "
+                              f"workspaces, one per thread that multiplies matrices; CUBLAS_WORKSPACE_CONFIG sets "
+                              f"their size): raise memory_budget above that",
+                              min_budget=2 * config.device_reserved)
     if config.data_parallel and precision != "fp32":
         raise ConfigError(f"precision={precision!r} is not supported with data-parallel training yet: the gradient "
                           f"all-reduce expects fp32 gradients; use precision='fp32' or train one process")
+    if hardware is None and device_type == "cuda":   # plan for the GPU: its cached profile, else its datasheet
+        from harmony.compiler.hardware import Hardware
+        hardware = Hardware.this_machine()
     if hardware is not None:
         dev = _device_of(hardware)
         config.flops, config.copy_bandwidth = dev.flops, dev.h2d_bandwidth
@@ -304,8 +322,13 @@ class ScheduledModule(torch.nn.Module):
         self.huge_pages = huge_pages()     # torch's CPU allocations: one page fault per 2 MiB, not per 4 KiB
         self.idle_threads_sleep = idle_threads_sleep()   # OpenMP threads between regions: sleep, or spin on a core
         self.runtime = self.predicted = None
+        if torch.device(device).type != "cpu":   # the trace ran on the CPU: its device constants name it
+            from harmony.compiler.trace import retarget
+            managed = {id(t) for t in [*gm.parameters(), *gm.buffers()]}
+            for spec in plan.packs:
+                retarget(spec.module, torch.device(device), managed)
         if program.schedule is not None:   # a pipeline cut short (passes=...) can be inspected, not run
-            self.runtime = Runtime(plan, program.schedule, tensors, optimizers, cfg.memory_budget, device,
+            self.runtime = Runtime(plan, program.schedule, tensors, optimizers, cfg.state_budget, device,
                                    on_demand=OnDemand if cfg.policy == "ondemand" else None,
                                    speed_factor=getattr(cfg, "speed_factor", 1.0))
             self.predicted = memory_curve(program, check_residency=False)
@@ -321,6 +344,7 @@ class ScheduledModule(torch.nn.Module):
                     state.params_disk = DiskParams.create(plan, program.schedule, tensors, optimizers,
                                                           self.runtime.meter, device, cfg.offload_dir)
                     if state.params_disk is not None:   # the weights are in their files: no host copy stays
+                        state.params_disk.parked = state.parked
                         for n in state.params_disk.pack_of:
                             state.master[n] = tensors[n].data
                     if torch.device(device).type == "cpu":     # their free I/O buffers: within the device's room
@@ -372,6 +396,9 @@ class ScheduledModule(torch.nn.Module):
                 got = f"{tuple(x.shape)} {x.dtype}" if isinstance(x, torch.Tensor) else type(x).__name__
                 raise InputError(f"batch tensor {name!r}: expected shape {tuple(ex.shape)} {ex.dtype} as in "
                                  f"example_batch, got {got}; compile again for other shapes")
+        cuda = self.runtime.device.type == "cuda"
+        if cuda:     # the allocator's peaks over this step (the report shows them beside the meter's)
+            torch.cuda.reset_peak_memory_stats(self.runtime.device)
         t0 = time.perf_counter()
         loss = self.runtime.run(dict(zip(plan.input_names, batch)))
         rt = self.runtime
@@ -382,6 +409,11 @@ class ScheduledModule(torch.nn.Module):
                           predicted_h2d=self.predicted.moved["h2d"], predicted_d2h=self.predicted.moved["d2h"],
                           peak_rss_bytes=peak_rss_bytes(), huge_pages=self.huge_pages,
                           idle_threads_sleep=self.idle_threads_sleep)
+        if cuda:
+            self.stats.update(expandable_segments=self.program.config.expandable_segments,
+                              cuda_allocated_peak=torch.cuda.max_memory_allocated(rt.device),
+                              cuda_reserved_peak=torch.cuda.max_memory_reserved(rt.device),
+                              device_reserved=self.program.config.device_reserved)
         if getattr(rt.state, "host_idle", None) is not None:     # the CPU device's host thread has run
             self.stats["background_idle_priority"] = rt.state.host_idle
         self.stats.update(_disk_stats(rt.state))

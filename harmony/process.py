@@ -240,3 +240,27 @@ def return_freed_memory() -> bool:
         return bool(libc.mallopt(M_MMAP_THRESHOLD, HEAP_MMAP_THRESHOLD))
     except (OSError, AttributeError):
         return False
+
+
+CUDA_ALLOC_ENV = "PYTORCH_CUDA_ALLOC_CONF"
+
+
+def cuda_expandable_segments() -> bool:
+    """Make torch's CUDA allocator grow segments in place (``expandable_segments:True``) unless the user configured
+    it (``PYTORCH_CUDA_ALLOC_CONF``, which wins); returns whether it is on.
+
+    The runtime frees and allocates pack-sized blocks all step long; with fixed segments, blocks freed from one
+    segment cannot serve a larger request, so reserved memory drifts above allocated (and the budget). Expandable
+    segments map memory into one growing range, so the allocator's reserved bytes follow the allocated ones.
+    """
+    import torch
+    conf = os.environ.get(CUDA_ALLOC_ENV)
+    if conf is None:
+        set_settings = getattr(torch._C, "_accelerator_setAllocatorSettings", None) \
+            or getattr(torch.cuda.memory, "_set_allocator_settings", None)     # torch before 2.9
+        try:
+            set_settings("expandable_segments:True")
+        except (TypeError, RuntimeError):    # no such setter, or a backend without the option
+            return False
+        return True
+    return "expandable_segments:true" in conf.replace(" ", "").lower()

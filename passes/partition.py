@@ -267,7 +267,7 @@ def _layers_alone(program: Program, units: list[Unit]):
 def _smallest_budget(program: Program, units: list[Unit]) -> int:
     """The budget at which every layer fits alone, measured, with the planner's headroom added back."""
     need = _layers_alone(program, units)[2]
-    return int(need / (1 - program.config.headroom) * 1.05) + 1
+    return int(need / (1 - program.config.headroom) * 1.05) + 1 + program.config.device_reserved
 
 
 def _split(gm, nodes, inputs, outputs) -> torch.fx.GraphModule:

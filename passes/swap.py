@@ -300,7 +300,8 @@ def run(program: Program, ctx) -> PassResult:
                             f"through the next pack's backward")
     if curve.peak > budget:
         at = curve.nodes[curve.argmax()]
-        need = int(program.config.memory_budget * curve.peak / budget * 1.05) + 1
+        cfg = program.config
+        need = int(cfg.state_budget * curve.peak / budget * 1.05) + 1 + cfg.device_reserved
         raise BudgetError(
             f"no schedule fits memory_budget={fmt_bytes(program.config.memory_budget)}: with every pack swapped "
             f"and every activation stashed, the predicted peak is {fmt_bytes(curve.peak)} at {at.name}, over "

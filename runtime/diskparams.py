@@ -116,6 +116,7 @@ class DiskParams:
         self.store = store
         self.tensors, self.optimizers = tensors, optimizers
         self.meter, self.device = meter, torch.device(device)
+        self.parked: dict = {}           # the runtime's gradients parked off their weights' device (TieredState)
         self.groups: list[list[str]] = []
         self.pack_groups: dict[int, list[int]] = {}
         for pack, groups in pack_groups.items():
@@ -269,6 +270,8 @@ class DiskParams:
         for i, n in enumerate(names):
             t = self.tensors[n]
             g, t.grad = t.grad, None
+            if g is None:                # left the device ahead of its weights (TieredState.parked)
+                g = self.parked.pop(n, None)
             if g is not None and self.meter.holds(g):
                 if keep is not None:
                     keep.append(g)

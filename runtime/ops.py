@@ -314,7 +314,7 @@ def _forward_execute(rt, pack, mb, *inputs, keep=False):
     spec = rt.plan.packs[pack]
     xs = _gather(spec, inputs)
     if spec.random and not keep:     # a recompute replays the forward's random numbers
-        rt.rng[(pack, mb)] = torch.get_rng_state()
+        rt.rng[(pack, mb)] = _rng_state(rt.device)
     with rt.counting():
         if keep:
             leaves = {n: _leaf(x, n not in rt.plan.input_names) for n, x in zip(spec.inputs, xs)}
@@ -331,6 +331,17 @@ def _forward_execute(rt, pack, mb, *inputs, keep=False):
     if "loss" in result.values:
         rt.losses.append(result.values["loss"].detach().clone())
     return result
+
+
+def _rng_state(device: torch.device):
+    """The generator a pack's random ops draw from: the CPU's, and on a GPU the GPU's (dropout there uses it)."""
+    return (torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
+
+
+def _set_rng_state(device: torch.device, state) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1], device)
 
 
 def _state_by_name(rt, spec):
@@ -395,10 +406,14 @@ def _pack_compute_cost(hw, flops: float, tensor_ops: float) -> float:
 
     The rate is the peak times the device's ``efficiency`` (matmuls at a pack's shapes and the
     memory-bound ops around them); each tensor op (kernel) pays ``kernel_latency`` (launch,
-    dispatch, the runtime's accounting), and the schedule op itself ``op_latency``.
+    dispatch, the runtime's accounting), and the schedule op itself ``op_latency``. On a device whose
+    ops are ``queued`` (a GPU) the launches overlap the kernels: the longer of the two counts.
     """
     rate = hw.flops * getattr(hw, "efficiency", 1.0)
-    return flops / rate + tensor_ops * getattr(hw, "kernel_latency", 0.0) + hw.op_latency
+    launches = tensor_ops * getattr(hw, "kernel_latency", 0.0)
+    if getattr(hw, "queued", False):      # a GPU runs queued kernels while the host issues the next ones
+        return max(flops / rate, launches) + hw.op_latency
+    return flops / rate + launches + hw.op_latency
 
 
 def _kernels_cost(spec, phase: str) -> float:
@@ -428,13 +443,13 @@ def _backward_execute(rt, pack, mb, *inputs, saved=None, grads=()):
             leaves = {n: _leaf(x, n not in rt.plan.input_names)
                       for n, x in zip(spec.inputs, _gather(spec, inputs))}
             restore = [(t, t.clone()) for t in (rt.state.tensors[n] for n in spec.mutated)]
-            rng = torch.get_rng_state() if spec.random else None
+            rng = _rng_state(rt.device) if spec.random else None
             if spec.random:
-                torch.set_rng_state(rt.rng.pop((pack, mb)))
+                _set_rng_state(rt.device, rt.rng.pop((pack, mb)))
             with torch.enable_grad():
                 outs = dict(zip(spec.outputs, spec.module(*leaves.values())))
             if rng is not None:
-                torch.set_rng_state(rng)
+                _set_rng_state(rt.device, rng)
         else:
             leaves, outs, restore = saved.leaves, saved.outs, []
         if "loss" in outs:   # the seed is fp32 (a no-op in fp32); fp16 scales it (GradScaler.scale)
@@ -531,6 +546,7 @@ def _step_execute(rt, pack, stream=False, where="device", overlap=False):
         disk = getattr(rt.state, "disk", None)   # optimizer state of disk-placed packs (runtime/disk.py)
 
         def update(skip=False):
+            rt.state.unpark(spec.owned)   # gradients that reached the host before their weights (TieredState.parked)
             if disk is not None:   # read ahead the next disk pack's state; bring in this one's if on disk
                 disk.begin(pack)
             try:
@@ -547,6 +563,7 @@ def _step_execute(rt, pack, stream=False, where="device", overlap=False):
                 p.grad = None
 
         def check_then_update():   # mixed precision: fp32 gradients; fp16: unscaled, checked, step deferred
+            rt.state.unpark(spec.owned)
             master_grads(params)
             if rt.scaler is None:
                 return update()

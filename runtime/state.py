@@ -28,6 +28,9 @@ class CopyEngine:
     def submit(self, fn) -> Future:
         if self.stream is None:
             return self.pool.submit(fn)
+        # The copy writes into blocks the caching allocator handed out on the compute stream, which may have
+        # held tensors that kernels queued there still read: the copy starts only after them.
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
             fn()
         fut: Future = Future()
@@ -61,8 +64,13 @@ class TieredState:
         self.device = device
         self.copier = CopyEngine(device)
         self.refs: Counter = Counter()    # (kind, name) -> holds on the device copy
+        if device.type == "cuda":        # host copies in pinned memory, once: copies from them run async on the
+            for t in tensors.values():   # copy stream (a pageable copy blocks the thread that issues it)
+                if t.device.type == "cpu" and not t.is_pinned():
+                    t.data = t.data.pin_memory()
         self.master = {name: t.data for name, t in tensors.items()}  # host copies of params and buffers
         self.dirty: set[str] = set()      # params changed on the device since they came in
+        self.parked: dict[str, torch.Tensor] = {}   # param -> its gradient, on another device than its weights
         self.moved = Counter()            # "h2d" / "d2h" -> bytes since the counter was cleared
         self.pin = device.type == "cuda"
         # On the CPU device the host thread shares the cores with the device's compute: its torch ops (the
@@ -107,6 +115,40 @@ class TieredState:
         if self.params_disk is not None:
             self.params_disk.flush()
 
+    # torch keeps a parameter's gradient on the parameter's device: on a GPU, a gradient that left the device while
+    # its weights are still there (or came back before them) waits here until the two meet again.
+    def grad(self, name: str) -> torch.Tensor | None:
+        """The gradient of parameter ``name`` wherever it is."""
+        parked = self.parked.get(name)
+        return parked if parked is not None else self.tensors[name].grad
+
+    def set_grad(self, name: str, g: torch.Tensor | None) -> None:
+        t = self.tensors[name]
+        self.parked.pop(name, None)
+        if g is not None and (g.device != t.device or g.dtype != t.dtype):   # (mixed precision: a compute-dtype
+            self.parked[name] = g                                            # gradient beside an fp32 master)
+            g = None
+        t.grad = g
+
+    def unpark(self, names) -> None:
+        """Give these host parameters their parked gradients, in the parameter's dtype (fp32 masters; the step)."""
+        for name in names:
+            g = self.parked.pop(name, None)
+            if g is not None:
+                t = self.tensors[name]
+                t.grad = g.to(t.dtype) if g.dtype != t.dtype else g
+
+    def set_data(self, name: str, data: torch.Tensor) -> None:
+        """Point parameter or buffer ``name`` at ``data``, its gradient following where it can."""
+        t = self.tensors[name]
+        if (data.device == t.device and data.dtype == t.dtype) or not isinstance(t, torch.nn.Parameter):
+            t.data = data
+            return
+        g = self.grad(name)
+        t.grad = None
+        t.data = data
+        self.set_grad(name, g)
+
     def _on_device(self, t: torch.Tensor) -> bool:
         return self.meter.holds(t)
 
@@ -123,9 +165,9 @@ class TieredState:
         """(read, write) pairs for the tensors of one kind of one parameter."""
         t = self.tensors[name]
         if kind == "params":
-            return [(lambda t=t: t.data, lambda d, t=t: setattr(t, "data", d))]
+            return [(lambda t=t: t.data, lambda d, n=name: self.set_data(n, d))]
         if kind == "grads":
-            return [(lambda t=t: t.grad, lambda d, t=t: setattr(t, "grad", d))]
+            return [(lambda n=name: self.grad(n), lambda d, n=name: self.set_grad(n, d))]
         state = self.optimizers[name].state.get(t, {}) if name in self.optimizers else {}
         return [((lambda s=state, k=k: s[k]), (lambda d, s=state, k=k: s.__setitem__(k, d)))
                 for k, v in state.items() if isinstance(v, torch.Tensor)]
@@ -155,8 +197,7 @@ class TieredState:
         if from_disk:        # weights of packs wholly on disk: read from their files (into device memory on the CPU)
             reads, placed = self.params_disk.read_params(from_disk)
             for name, dst, src in placed:
-                t = self.tensors[name]
-                jobs.append((lambda d, t=t: setattr(t, "data", d), dst, src))
+                jobs.append((lambda d, n=name: self.set_data(n, d), dst, src))
                 self.moved["h2d"] += dst.numel() * dst.element_size()
         if not jobs:
             return None
@@ -167,6 +208,8 @@ class TieredState:
             for _, dst, src in jobs:
                 if dst is not src:
                     dst.copy_(src, non_blocking=self.pin)
+                    if dst.is_cuda:   # freed before its ``wait`` (a failed step), it is not reused while the copy runs
+                        dst.record_stream(torch.cuda.current_stream(dst.device))
         fut = self.copier.submit(copy)
         fut.harmony_jobs = jobs
         return fut
@@ -194,7 +237,7 @@ class TieredState:
                     if name in self.dirty:
                         self.master[name].copy_(t.data)
                         self.moved["d2h"] += t.numel() * t.element_size()
-                    t.data = self.master[name]
+                    self.set_data(name, self.master[name])
                 self.dirty.discard(name)
                 continue
             for read, write in self._slots(kind, name):

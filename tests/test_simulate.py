@@ -437,6 +437,19 @@ def test_efficiency_and_kernel_latency_in_compute_costs():
     assert [e.end - e.start for e in sim.events] == pytest.approx([2 + 2.7 * 0.5, 6 + 8.5 * 0.5, 8 + 21 * 0.5])
 
 
+def test_a_queued_device_overlaps_launches_with_kernels():
+    """On a GPU the host queues ops while earlier kernels run: a pack's compute is the longer of its kernels and
+    its launches, not their sum."""
+    s = Schedule()
+    s.forward(0, 0)                 # 2 s of FLOPs; 2.7 launches at 0.5 s (1.35 s) hide behind them
+    s.backward(0, 0)                # 6 s of FLOPs; 8.5 launches at 1 s (8.5 s) do not
+    p = plan(pack(0))
+    sim = simulate(s.done(), p, UNIT.replace(efficiency=0.5, kernel_latency=0.5, queued=True))
+    assert [e.end - e.start for e in sim.events] == pytest.approx([2, 6])
+    sim = simulate(s.done(), p, UNIT.replace(efficiency=0.5, kernel_latency=1.0, queued=True))
+    assert [e.end - e.start for e in sim.events] == pytest.approx([2.7, 8.5])
+
+
 def test_a_streamed_step_pays_for_its_copies():
     s = Schedule()
     s.step(0, stream=True)          # 8 s of traffic, and 2e9 bytes of optimizer state in and out

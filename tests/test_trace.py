@@ -376,6 +376,30 @@ def test_hf_bert_through_export(bert):
     assert_layers_in_order(gm, "bert.encoder.layer.", 2)
 
 
+def test_export_graph_carries_no_trace_time_dtype_or_device_asserts():
+    """torch.export records ``_assert_tensor_metadata`` (the dtype and device a ``.to(...)`` saw: fp32 on the CPU)
+    at every ``.to`` of Llama's rotary embedding; the trace drops them, or a bf16 copy or a GPU fails them; and
+    ``retarget`` points the CPU device constants the graph recorded (``arange(device=cpu)``) at another device."""
+    from harmony.compiler.trace import _graph_modules, retarget
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+                                   num_key_value_heads=2, intermediate_size=128, max_position_embeddings=32,
+                                   use_cache=False)
+    cfg._attn_implementation = "eager"
+    model = transformers.LlamaForCausalLM(cfg)
+    ids = torch.randint(0, 128, (2, 16))
+    gm = trace(model, {"input_ids": ids, "labels": ids})
+    nodes = [n for m in _graph_modules(gm) for n in m.graph.nodes]
+    assert not [n for n in nodes if n.target is torch.ops.aten._assert_tensor_metadata.default]
+    cpu = [n for n in nodes if torch.device("cpu") in (*n.args, *n.kwargs.values())]
+    assert cpu                       # arange, _to_copy, ... name the CPU they were traced on
+    managed = {id(t) for t in [*gm.parameters(), *gm.buffers()]}
+    retarget(gm, torch.device("meta"), managed)
+    nodes = [n for m in _graph_modules(gm) for n in m.graph.nodes]
+    assert not [n for n in nodes if torch.device("cpu") in (*n.args, *n.kwargs.values())]
+    assert all(t.device.type == "cpu" for t in [*gm.parameters(), *gm.buffers()])   # the runtime moves state
+
+
 def test_hf_positional_batch_is_an_input_error(gpt2):
     # GPT2LMHeadModel.forward(input_ids, past_key_values, ...): labels would land in past_key_values.
     # (newer transformers call the second parameter ``cache``: the message names whichever it is)

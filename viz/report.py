@@ -351,6 +351,13 @@ class _Writer:
             if bud:
                 line += f", budget {fmt_bytes(bud)} ({meas / bud:.0%} used)"
             items.append(("peak", line))
+        if "cuda_allocated_peak" in s:   # the CUDA allocator's own counts: what the meter sees plus the libraries'
+            bud = s.get("budget") or budget
+            reserved = s.get("device_reserved", 0)
+            items.append(("CUDA allocator", f"{fmt_bytes(s['cuda_allocated_peak'])} allocated at peak, "
+                                            f"{fmt_bytes(s['cuda_reserved_peak'])} reserved, against a budget of "
+                                            f"{fmt_bytes(bud + reserved)} ({fmt_bytes(reserved)} of it for the CUDA "
+                                            f"libraries' workspaces)"))
         for way in ("h2d", "d2h"):
             if f"{way}_bytes" in s:
                 meas, pred = s[f"{way}_bytes"], s.get(f"predicted_{way}")
@@ -376,6 +383,6 @@ class _Writer:
             items.append(("host thread", idle_priority_note(s["background_idle_priority"])))
         known = {"measured_peak", "predicted_peak", "budget", "h2d_bytes", "d2h_bytes", "predicted_h2d",
                  "predicted_d2h", "step_seconds", "peak_rss_bytes", "huge_pages", "idle_threads_sleep",
-                 "background_idle_priority"}
+                 "background_idle_priority", "cuda_allocated_peak", "cuda_reserved_peak", "device_reserved"}
         items += [(k, fmt_value(k, v)) for k, v in s.items() if k not in known]
         self.pairs(items)

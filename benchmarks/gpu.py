@@ -1,0 +1,383 @@
+"""Harmony on one GPU against eager PyTorch, its own baseline policies and FSDP2 with CPU offload.
+
+The built-in GPT (untied head, random weights) trains the same batches under each system, each row in
+its own subprocess (a fresh CUDA context, allocator and peak counters; a row that hangs or dies costs
+only itself):
+
+  eager        the model and AdamW (fused) on the GPU, gradient accumulation over the same microbatches:
+               the compute reference, where the training state and activations fit the card
+  harmony-F    harmony.compile(device="cuda", memory_budget=F x the training state), policy harmony
+  sequential-F / ondemand-F   the same budget under the Harmony paper's two baselines
+  fsdp2        torch's fully_shard per block and at the root with CPUOffloadPolicy(pin_memory=True)
+               on a one-GPU NCCL mesh: parameters, gradients and optimizer state on the host,
+               AdamW stepping on the CPU (peak allocated beside its time)
+
+Before the rows the card is probed in the parent (``Hardware.profile`` on CUDA: matmul FLOP/s per dtype,
+pinned h2d / d2h GB/s, kernel launch latency, device memory bandwidth); each Harmony row also reports
+``sm.simulate`` on that measured description against its measured step.
+
+Figures per row: median step time of the steps after the first, tokens/s, model TFLOP/s (6 x parameters
+x tokens, plus the recompute Harmony does as 2 x more, not counted) and its share of the probed matmul rate
+at the compute dtype, h2d / d2h GB/s the runtime moved against the probe, peak allocated and reserved
+against the budget, the predicted step and peak against the measured ones.
+
+    python benchmarks/gpu.py --width 2048 --layers 24 --out results/     # on a GPU machine
+    python benchmarks/gpu.py --quick                                     # a small model, a minute
+
+``benchmarks/gpu.sh`` runs it with the CUDA tests on the GPU machine (offline install of the wheels).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+
+GiB = 2**30
+LR, WD = 3e-4, 0.1
+
+
+def model_config(a):
+    from harmony.models import GPTConfig
+    return GPTConfig(vocab=a.vocab, seq=a.seq, layers=a.layers, width=a.width, heads=a.width // 128 or 1, tie=False)
+
+
+def batches(c, a):
+    import torch
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for _ in range(a.steps):
+        x = torch.randint(0, c.vocab, (a.batch, c.seq), generator=g)
+        out.append((x, torch.roll(x, -1, dims=1)))
+    return out
+
+
+def state_bytes(c) -> int:
+    return 16 * c.n_params()    # fp32 weights, gradients and AdamW's two moments
+
+
+def adamw_kwargs(device_types=("cpu", "cuda")) -> dict:
+    import torch
+    from harmony.optim import optimizer_kwargs
+    return optimizer_kwargs(torch.optim.AdamW, dict(lr=LR, weight_decay=WD), device_types)
+
+
+# -- the rows ---------------------------------------------------------------------------------------
+def setup_eager(a, c, data):
+    import torch
+    from harmony.models import GPT
+    torch.manual_seed(0)
+    model = GPT(c).to(a.device)
+    opt = torch.optim.AdamW(model.parameters(), **adamw_kwargs((torch.device(a.device).type,)))
+    amp = torch.autocast(torch.device(a.device).type, dtype=torch.bfloat16) if a.precision == "bf16" else None
+
+    def step(x, y):
+        total = 0.0
+        for xm, ym in zip(x.chunk(a.microbatches), y.chunk(a.microbatches)):
+            xm, ym = xm.to(a.device), ym.to(a.device)
+            if amp is not None:
+                with amp:
+                    loss = model(xm, ym)
+            else:
+                loss = model(xm, ym)
+            (loss / a.microbatches).backward()
+            total += loss.detach()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return float(total) / a.microbatches
+    return step, {}, lambda: None
+
+
+def setup_fsdp2(a, c, data):
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+    from harmony.models import GPT
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(29500 + os.getpid() % 1000))
+    dist.init_process_group("nccl", rank=0, world_size=1)
+    mesh = init_device_mesh("cuda", (1,))
+    torch.manual_seed(0)
+    model = GPT(c)
+    kw = dict(offload_policy=CPUOffloadPolicy(pin_memory=True), mesh=mesh)
+    if a.precision == "bf16":
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in model.blocks:
+        fully_shard(block, **kw)
+    fully_shard(model, **kw)
+    opt = torch.optim.AdamW(model.parameters(), **adamw_kwargs(("cpu",)))
+
+    def step(x, y):
+        total = 0.0
+        for xm, ym in zip(x.chunk(a.microbatches), y.chunk(a.microbatches)):
+            loss = model(xm.cuda(), ym.cuda())
+            (loss / a.microbatches).backward()
+            total += loss.detach()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return float(total) / a.microbatches
+    return step, {}, dist.destroy_process_group
+
+
+def setup_harmony(a, c, data, policy, frac):
+    import torch
+    import harmony
+    from harmony.compiler.hardware import Hardware
+    from harmony.models import GPT
+    torch.manual_seed(0)
+    model = GPT(c)
+    budget = int(state_bytes(c) * frac)
+    hw = Hardware.this_machine()       # the parent's profile of this card (cached), planned for and simulated on
+    if a.precision == "bf16" and "bf16" in hw.devices[0].peak_flops:
+        hw = hw.replace(devices=(hw.devices[0].replace(dtype="bf16"),))
+    sm = harmony.compile(model, data[0], optimizer=torch.optim.AdamW, optimizer_kwargs=dict(lr=LR, weight_decay=WD),
+                         memory_budget=budget, microbatches=a.microbatches, policy=policy, device=a.device,
+                         precision=a.precision, hardware=hw)
+    info = dict(budget=budget, compile_s=round(sm.compile_seconds["total"], 2), packs=len(sm.plan.packs))
+    stats = info.setdefault("stats", [])
+    sim = sm.simulate(hw.logical([budget]))
+    info.update(predicted_step_s=sim.step_seconds, predicted_compute_idle=round(1 - sim.utilisation.get('compute', 0), 3), predicted_peak=sm.predicted.peak, hardware=hw.devices[0].name)
+
+    def step(x, y):
+        loss = float(sm(x, y))
+        stats.append({k: v for k, v in sm.stats.items() if isinstance(v, (int, float, str, bool))})
+        return loss
+    return step, info, sm.close
+
+
+SETUPS = {"eager": setup_eager, "fsdp2": setup_fsdp2}
+
+
+def probe_hardware(a):
+    """This machine's device measured (and cached for the rows' ``Hardware.this_machine()``)."""
+    from harmony.compiler.hardware import Hardware
+    return Hardware.profile(seconds=a.probe_seconds, device=a.device)
+
+
+def sync(a):
+    import torch
+    if torch.device(a.device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def row(a) -> dict:
+    """One system, in this process: its steps' times and the allocator's peaks."""
+    import torch
+    c = model_config(a)
+    data = batches(c, a)
+    out = dict(system=a.row, params=c.n_params(), state_bytes=state_bytes(c))
+    kind, _, frac = a.row.partition("-")
+    t0 = time.perf_counter()
+    if kind in SETUPS:
+        step, info, close = SETUPS[kind](a, c, data)
+    else:
+        step, info, close = setup_harmony(a, c, data, kind, float(frac) / 100)
+    out["setup_s"] = round(time.perf_counter() - t0, 2)
+    out.update(info)
+    times, losses, allocated, reserved = [], [], [], []
+    try:
+        cuda = torch.device(a.device).type == "cuda"
+        for x, y in data:
+            sync(a)
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+            t = time.perf_counter()
+            losses.append(step(x, y))
+            sync(a)
+            times.append(time.perf_counter() - t)
+            allocated.append(torch.cuda.max_memory_allocated() if cuda else 0)
+            reserved.append(torch.cuda.max_memory_reserved() if cuda else 0)
+        if cuda and a.profile_step:
+            out["compute_idle"] = compute_idle(step, *data[-1])
+    finally:
+        close()
+    out.update(step_s=times, losses=losses, allocated=allocated, reserved=reserved)
+    return out
+
+
+def compute_idle(step, x, y) -> float:
+    """Share of one more step during which no kernel ran on the GPU (torch.profiler's CUDA activity: the union
+    of kernel intervals against the step's wall time). Copies are not kernels: time spent only copying counts
+    as idle compute. An extra step, outside the timed ones (the profiler slows the host a little)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        step(x, y)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA and "memcpy" not in e.name.lower()
+                   and "memset" not in e.name.lower())
+    busy, end = 0.0, None
+    for a, b in spans:
+        if end is None or a > end:
+            busy += b - a
+            end = b
+        elif b > end:
+            busy += b - end
+            end = b
+    return round(max(0.0, 1 - busy / 1e6 / wall), 3)
+
+
+def run_row(a, name: str) -> dict:
+    cmd = [sys.executable, __file__, "--row", name] + [f"--{k.replace('_', '-')}={v}" for k, v in vars(a).items()
+                                                       if k not in ("row", "rows", "out", "quick") and v is not None]
+    t0 = time.perf_counter()
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=a.row_timeout)
+    except subprocess.TimeoutExpired as e:
+        tail = (e.stderr or b"")[-2000:]
+        return dict(system=name, error=f"timed out after {a.row_timeout} s",
+                    log=tail.decode() if isinstance(tail, bytes) else tail)
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
+    if p.returncode or not lines:
+        return dict(system=name, error=f"exit {p.returncode}", log=(p.stdout + p.stderr)[-4000:],
+                    wall_s=round(time.perf_counter() - t0, 1))
+    return json.loads(lines[-1])
+
+
+def summarize(r: dict, a, card: dict, tokens: int) -> dict:
+    if "error" in r:
+        return dict(system=r["system"], error=r["error"])
+    steady = r["step_s"][1:] or r["step_s"]
+    step = statistics.median(steady)
+    flops = 6 * r["params"] * tokens
+    rate = card.get("bf16_flops" if a.precision == "bf16" else "fp32_flops")
+    s = dict(system=r["system"], step_s=round(step, 3), tokens_per_s=round(tokens / step),
+             model_tflops=round(flops / step / 1e12, 1),
+             of_matmul=round(flops / step / rate, 3) if rate else None,
+             peak_alloc_gib=round(max(r["allocated"]) / GiB, 2), peak_reserved_gib=round(max(r["reserved"]) / GiB, 2),
+             budget_gib=round(r["budget"] / GiB, 2) if "budget" in r else None, setup_s=r["setup_s"])
+    st = r.get("stats") or []
+    if st:
+        last = st[-1]
+        s.update(h2d_GBps=round(last["h2d_bytes"] / step / 1e9, 2), d2h_GBps=round(last["d2h_bytes"] / step / 1e9, 2),
+                 meter_peak_gib=round(last["measured_peak"] / GiB, 2),
+                 predicted_peak_gib=round(last["predicted_peak"] / GiB, 2))
+    if "compute_idle" in r:
+        s["compute_idle"] = r["compute_idle"]
+    if "predicted_step_s" in r:
+        s["predicted_step_s"] = round(r["predicted_step_s"], 3)
+        s["predicted/measured"] = round(r["predicted_step_s"] / step, 3)
+        s["predicted_compute_idle"] = r.get("predicted_compute_idle")
+    return s
+
+
+def table(rows: list[dict]) -> str:
+    cols = list(dict.fromkeys(k for r in rows for k in r))
+    width = {k: max(len(k), *(len(str(r.get(k, ""))) for r in rows)) for k in cols}
+    lines = ["  ".join(k.ljust(width[k]) for k in cols)]
+    lines += ["  ".join(str(r.get(k, "")).ljust(width[k]) for k in cols) for r in rows]
+    return "\n".join(lines)
+
+
+TARGETS = {"harmony-50": 0.8, "harmony-25": 0.6}     # tokens/s against eager's, where eager fits (issue 30)
+
+
+def ratios(rows: list[dict]) -> list[str]:
+    """The headline ratios, each with its target: Harmony against eager, FSDP2 with CPU offload and the baselines,
+    peaks against budgets, predictions against measurements."""
+    by = {r["system"]: r for r in rows if "error" not in r}
+    out = []
+    for name, r in by.items():
+        if not name.startswith("harmony-"):
+            continue
+        if "eager" in by:
+            x = r["tokens_per_s"] / by["eager"]["tokens_per_s"]
+            target = TARGETS.get(name)
+            out.append(f"{name} / eager tokens/s      {x:.2f}" + (f"   (target >= {target}: {'met' if x >= target else 'MISSED'})"
+                                                                   if target else ""))
+        for peer, target in (("fsdp2", 1.3), ("ondemand-" + name.split("-")[1], 2.0)):
+            if peer in by:
+                x = r["tokens_per_s"] / by[peer]["tokens_per_s"]
+                out.append(f"{name} / {peer} tokens/s  {x:.2f}   (target >= {target}: {'met' if x >= target else 'MISSED'}"
+                           f"; peaks {r['peak_alloc_gib']} vs {by[peer]['peak_alloc_gib']} GiB)")
+        if r.get("budget_gib"):
+            out.append(f"{name} peak allocated {r['peak_alloc_gib']} GiB, reserved {r['peak_reserved_gib']} GiB, "
+                       f"budget {r['budget_gib']} GiB ({'within' if r['peak_alloc_gib'] <= r['budget_gib'] else 'OVER'})")
+        if "predicted/measured" in r:
+            x = r["predicted/measured"]
+            out.append(f"{name} predicted / measured step {x:.2f}   (target within 15%: "
+                       f"{'met' if abs(x - 1) <= 0.15 else 'MISSED'}); predicted / measured peak "
+                       f"{r['predicted_peak_gib']} / {r['meter_peak_gib']} GiB")
+    return out
+
+
+def show(path: str) -> None:
+    """Print a saved run's table and ratios (``--show benchmarks/results/h200-fp32.json``)."""
+    with open(path) as f:
+        d = json.load(f)
+    print(f"{d['card']['name']}, torch {d['card']['torch']}, CUDA {d['card']['cuda']}; {d['args']['precision']}, "
+          f"GPT width {d['args']['width']} x {d['args']['layers']} layers, batch {d['args']['batch']} x "
+          f"{d['args']['seq']} in {d['args']['microbatches']} microbatches")
+    print(table(d["rows"]))
+    print("\n".join(ratios(d["rows"])))
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--width", type=int, default=2048)
+    p.add_argument("--layers", type=int, default=24)
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--vocab", type=int, default=50304)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--microbatches", type=int, default=4)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--precision", default="fp32", choices=("fp32", "bf16"))
+    p.add_argument("--rows", default="eager,harmony-50,harmony-25,sequential-50,ondemand-50,fsdp2")
+    p.add_argument("--row-timeout", type=int, default=240)
+    p.add_argument("--probe-seconds", type=float, default=6.0)
+    p.add_argument("--profile-step", type=int, default=1, help="1: one more step under torch.profiler for compute_idle")
+    p.add_argument("--device", default="cuda", help="cuda (cpu: a dry run of the script, no FSDP2 row)")
+    p.add_argument("--quick", action="store_true", help="a small model: width 512, 4 layers, sequence 256")
+    p.add_argument("--out", default=None, help="folder for gpu-<precision>.json")
+    p.add_argument("--show", default=None, help="print a saved JSON's table and ratios, run nothing")
+    p.add_argument("--row", default=None, help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.show:
+        return show(a.show)
+    if a.quick:
+        a.width, a.layers, a.seq, a.vocab = 512, 4, 256, 8192
+    if a.row:
+        try:
+            print(json.dumps(row(a)))
+        except BaseException:
+            traceback.print_exc()
+            sys.exit(1)
+        return
+    import torch
+    c = model_config(a)
+    hw = probe_hardware(a)
+    dev = hw.devices[0]
+    card = dict(name=dev.name, fp32_flops=dev.peak_flops.get("fp32"), bf16_flops=dev.peak_flops.get("bf16"),
+                h2d=dev.h2d_bandwidth, d2h=dev.d2h_bandwidth, kernel_latency=dev.kernel_latency,
+                memory_bandwidth=dev.memory_bandwidth, torch=torch.__version__, cuda=torch.version.cuda)
+    print(f"card: {hw.describe()}", flush=True)
+    print(f"model: {c.n_params() / 1e9:.2f}B parameters, training state {state_bytes(c) / GiB:.1f} GiB, "
+          f"batch {a.batch} x {a.seq} in {a.microbatches} microbatches, {a.precision}", flush=True)
+    tokens = a.batch * a.seq
+    raw, rows = [], []
+    for name in a.rows.split(","):
+        r = run_row(a, name)
+        raw.append(r)
+        rows.append(summarize(r, a, card, tokens))
+        print(json.dumps(rows[-1]), flush=True)
+        if "error" in r:
+            print(r.get("log", ""), flush=True)
+    print(table(rows))
+    print("\n".join(ratios(rows)))
+    if a.out:
+        os.makedirs(a.out, exist_ok=True)
+        with open(os.path.join(a.out, f"gpu-{a.precision}.json"), "w") as f:
+            json.dump(dict(card=card, args=vars(a), rows=rows, raw=raw), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

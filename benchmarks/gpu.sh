@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# On the GPU machine, in the repository root: install offline, run the CUDA tests, then the GPU benchmark.
+# Everything it prints also lands in $OUT (the device tool brings that folder back). Run
+# benchmarks/gpu_wheels.sh here first and carry .whl. Stages are time-boxed so that one stuck stage
+# leaves the others' results:   bash benchmarks/gpu.sh [test-seconds] [bench-seconds] [gpu.py arguments...]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-gpu_out}
+mkdir -p "$OUT"
+TESTS=${1:-150}; BENCH=${2:-300}; shift 2 2>/dev/null || shift $#
+export PYTHONUNBUFFERED=1 CUBLAS_WORKSPACE_CONFIG=:4096:8
+python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl \
+  && export PYTHONPATH=/tmp/site:${PYTHONPATH:-} || { echo "offline install of .whl failed"; exit 1; }
+python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 \
+  || { cat "$OUT/install.log"; exit 1; }
+{ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,power.limit --format=csv
+  python3 -c "import torch, sys; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'python', sys.version.split()[0])"
+  nproc; free -g | head -2; df -h /tmp | tail -1; } 2>&1 | tee "$OUT/machine.txt"
+if [ "$TESTS" != 0 ]; then
+  timeout "$TESTS" python3 -m pytest -q -p no:cacheprovider --timeout 120 -rA -s tests/test_cuda.py 2>&1 \
+    | grep -v "^PASSED\|^$" | tee "$OUT/tests.log" | tail -60
+fi
+if [ "$BENCH" != 0 ]; then
+  timeout "$BENCH" python3 benchmarks/gpu.py --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log" | tail -40
+fi
