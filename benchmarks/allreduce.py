@@ -3,7 +3,9 @@
 Peers: gloo fp32 all_reduce, DDP's fp16_compress_hook, DDP's PowerSGD hook (rank 4); Harmony's
 quantized all-reduce (scatter-reduce + all-gather of densely packed levels) at 8, 4, 2 bits and
 with layer-wise adaptive bits (total error <= uniform 4 bits). Prints seconds per sync (slowest
-rank), bytes each rank sends, the ratio to fp32 and the error against the exact fp32 average.
+rank; the median of --reps, the methods taking turns rep by rep so that the machine's drift falls on
+all of them alike), bytes each rank sends, the ratio to fp32 and the error against the exact fp32
+average; ``--json FILE`` also writes the ratios (rank 0).
 
     sudo benchmarks/netns.sh 1gbit 4 --reps 2        # rate-limited loopback in a namespace
     torchrun --nproc_per_node 2 benchmarks/allreduce.py --reps 2        # unlimited loopback
@@ -17,8 +19,10 @@ magnitude and that is what adaptive bits exploit.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
+import statistics
 import time
 
 import torch
@@ -30,6 +34,14 @@ from harmony.runtime.collectives import allreduce, init_process_group, ring_byte
 from harmony.runtime.compression import DEFAULT_MIN_SIZE, CompressionSpec, spec_for
 
 MB = 1e6
+
+
+def save_json(path, figures: dict) -> None:
+    """As benchmarks/common.py's, which this script does not import: it puts the checkout first on ``sys.path``,
+    and a bisection runs this script against an installed build (``PYTHONPATH``)."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(figures, f, indent=1)
 
 
 # -- the gradient set ------------------------------------------------------------------------------
@@ -98,7 +110,8 @@ def powersgd_bytes(shapes, world: int, rank_: int = 4, min_rate: float = 2.0) ->
     return total
 
 
-def run_ddp(shapes, grads, hook: str, reps: int, warmup: int):
+def ddp_method(shapes, grads, hook: str):
+    """(once, result, warm-up syncs it needs) of a DDP comm hook over the gradient set."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -114,7 +127,6 @@ def run_ddp(shapes, grads, hook: str, reps: int, warmup: int):
         state = powerSGD_hook.PowerSGDState(None, matrix_approximation_rank=4, start_powerSGD_iter=2,
                                             min_compression_rate=2, use_error_feedback=True, warm_start=True)
         ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
-        warmup = max(warmup, 2)      # PowerSGD all-reduces plainly before start_powerSGD_iter
 
     def once():
         for p in holder.ps:
@@ -125,35 +137,35 @@ def run_ddp(shapes, grads, hook: str, reps: int, warmup: int):
         ddp().backward()              # DDP's reducer finishes every bucket before backward returns
         return time.perf_counter() - start
 
-    times = _repeat(once, reps, warmup)
-    result = [p.grad.detach().clone() for p in holder.ps]
-    del ddp, holder
-    return times, result
+    def result():
+        return [p.grad.detach().clone() for p in holder.ps]
+    return once, result, 2 if hook == "powersgd" else 0   # PowerSGD all-reduces plainly before start_powerSGD_iter
 
 
-def run_harmony(grads, spec, reps: int, warmup: int):
-    stats = None
+def harmony_method(grads, spec):
+    """(once, result, stats) of Harmony's all-reduce of the gradient set under ``spec``."""
+    last = {}
 
     def once():
-        nonlocal stats, work
-        work = [g.clone() for g in grads]
+        last["work"] = work = [g.clone() for g in grads]
         dist.barrier()
-        stats = allreduce(work, spec, timeout=600)
-        return stats.seconds
-
-    work = None
-    times = _repeat(once, reps, warmup)
-    return times, work, stats
+        last["stats"] = allreduce(work, spec, timeout=600)
+        return last["stats"].seconds
+    return once, lambda: last["work"], lambda: last["stats"]
 
 
-def _repeat(once, reps, warmup):
-    for _ in range(warmup):
-        once()
-    times = []
+def interleaved(methods: dict, reps: int, warmup: int) -> dict:
+    """Seconds per sync of each method (the slowest rank's), the methods taking turns rep by rep so that a change
+    in the machine's speed during the run falls on all of them alike. ``methods``: name -> (once, warm-up)."""
+    for once, extra in methods.values():
+        for _ in range(warmup + extra):
+            once()
+    times = {name: [] for name in methods}
     for _ in range(reps):
-        t = torch.tensor([once()], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)     # a sync is as slow as its slowest rank
-        times.append(float(t))
+        for name, (once, _) in methods.items():
+            t = torch.tensor([once()], dtype=torch.float64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)     # a sync is as slow as its slowest rank
+            times[name].append(float(t))
     return times
 
 
@@ -183,7 +195,7 @@ def sync_benchmark(args):
             reference = result
         num = sum(float((a - b).double().pow(2).sum()) for a, b in zip(result, reference))
         den = sum(float(b.double().pow(2).sum()) for b in reference)
-        rows.append((name, min(times), sum(times) / len(times), sent, math.sqrt(num / den), note))
+        rows.append((name, statistics.median(times), min(times), sent, math.sqrt(num / den), note))
         print(f"  {name}: {[round(t, 3) for t in times]} s", flush=True)
 
     methods = args.methods.split(",")
@@ -191,43 +203,55 @@ def sync_benchmark(args):
         print(f"GPT-2 (n_layer={args.n_layer}, n_embd={args.n_embd}) gradient sync: {n / 1e6:.1f}M parameters in {len(shapes)} tensors, {world} ranks, "
               f"link {args.link}, torch threads {torch.get_num_threads()}, {args.reps} reps after {args.warmup} warm-up",
               flush=True)
-    # fp32 first: its result is the exact average every other method is compared with.
-    times, result, _ = run_harmony(grads, CompressionSpec("none"), args.reps, args.warmup)
-    record("fp32 all_reduce (gloo)", times, result, fp32_bytes)
+    # name -> (once, result, bytes sent, note, extra warm-up); fp32 first: its result is the exact average every
+    # other method is compared with
+    runs = {}
+    once, result, _ = harmony_method(grads, CompressionSpec("none"))
+    runs["fp32 all_reduce (gloo)"] = (once, result, lambda: fp32_bytes, "", 0)
     if "ddp-fp16" in methods:
-        times, result = run_ddp(shapes, grads, "fp16", args.reps, args.warmup)
-        record("DDP fp16_compress_hook", times, result, ring_bytes(2 * n, world))
+        once, result, extra = ddp_method(shapes, grads, "fp16")
+        runs["DDP fp16_compress_hook"] = (once, result, lambda: ring_bytes(2 * n, world), "", extra)
     if "ddp-powersgd" in methods:
-        times, result = run_ddp(shapes, grads, "powersgd", args.reps, args.warmup)
-        record("DDP PowerSGD hook, rank 4", times, result, powersgd_bytes(shapes, world),
-               "one DDP bucket (gloo deadlocks with more); same grads every rep: warm start flatters its error")
+        once, result, extra = ddp_method(shapes, grads, "powersgd")
+        runs["DDP PowerSGD hook, rank 4"] = (once, result, lambda: powersgd_bytes(shapes, world),
+                                             "one DDP bucket (gloo deadlocks with more); same grads every rep: warm "
+                                             "start flatters its error", extra)
     base = CompressionSpec("quantized", bits=4, bucket_size=args.bucket, rounding="stochastic")
     for b in (8, 4, 2):
         if f"q{b}" in methods:
             spec = CompressionSpec("quantized", bits=b, bucket_size=args.bucket, rounding="stochastic")
-            times, result, stats = run_harmony(grads, spec, args.reps, args.warmup)
-            record(f"Harmony {b}-bit", times, result, stats.wire_bytes)
+            once, result, stats = harmony_method(grads, spec)
+            runs[f"Harmony {b}-bit"] = (once, result, lambda stats=stats: stats().wire_bytes, "", 0)
     if "adaptive" in methods:
         specs, report = adaptive_specs(shapes, grads, 4, base)
-        times, result, stats = run_harmony(grads, specs, args.reps, args.warmup)
+        once, result, stats = harmony_method(grads, specs)
         hist = {}
         for s in specs:
             if s.kind == "quantized":
                 hist[s.bits] = hist.get(s.bits, 0) + 1
-        record("Harmony adaptive (<= 4-bit error)", times, result, stats.wire_bytes,
-               f"bits:tensors {dict(sorted(hist.items()))}; ILP {report['solve_seconds']:.2f} s predicts "
-               f"{report['objective_bytes'] / report['uniform_bytes']:.2f}x uniform 4-bit's bytes")
+        runs["Harmony adaptive (<= 4-bit error)"] = (
+            once, result, lambda stats=stats: stats().wire_bytes,
+            f"bits:tensors {dict(sorted(hist.items()))}; ILP {report['solve_seconds']:.2f} s predicts "
+            f"{report['objective_bytes'] / report['uniform_bytes']:.2f}x uniform 4-bit's bytes", 0)
+    times = interleaved({name: (r[0], r[4]) for name, r in runs.items()}, args.reps, args.warmup)
+    for name, (_, result, sent, note, _) in runs.items():
+        record(name, times[name], result(), sent(), note)
     if rank == 0:
         print_table(rows, fp32_bytes)
+        med = {name: statistics.median(t) for name, t in times.items()}
+        fp32 = med["fp32 all_reduce (gloo)"]
+        common_json = {f"fp32/{name} sync": fp32 / s for name, s in med.items() if name.startswith("Harmony")}
+        save_json(args.json, dict(common_json, link=args.link, world=world,
+                                  **{f"{name} s": s for name, s in med.items()}))
 
 
 def print_table(rows, fp32_bytes):
     base = rows[0][1]
-    print(f"\n{'method':36s} {'s/sync min':>10s} {'mean':>8s} {'MB sent/rank':>12s} {'bytes vs fp32':>13s} "
+    print(f"\n{'method':36s} {'s/sync med':>10s} {'min':>8s} {'MB sent/rank':>12s} {'bytes vs fp32':>13s} "
           f"{'speedup':>8s} {'rel L2 err':>10s}  note")
-    for name, tmin, tmean, sent, err, note in rows:
-        print(f"{name:36s} {tmin:10.3f} {tmean:8.3f} {sent / MB:12.1f} {sent / fp32_bytes:13.3f} "
-              f"{base / tmin:7.2f}x {err:10.2e}  {note}")
+    for name, tmed, tmin, sent, err, note in rows:
+        print(f"{name:36s} {tmed:10.3f} {tmin:8.3f} {sent / MB:12.1f} {sent / fp32_bytes:13.3f} "
+              f"{base / tmed:7.2f}x {err:10.2e}  {note}")
 
 
 # -- convergence -----------------------------------------------------------------------------------
@@ -362,6 +386,7 @@ def main():
     ap.add_argument("--bucket", type=int, default=512, help="elements per quantization bucket")
     ap.add_argument("--methods", default="ddp-fp16,ddp-powersgd,q8,q4,q2,adaptive")
     ap.add_argument("--link", default="unlimited loopback", help="label printed with the table")
+    ap.add_argument("--json", default=None, help="rank 0 writes the headline figures here")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds before a stuck collective fails")
     ap.add_argument("--n-layer", type=int, default=12, help="GPT-2 small: 12")
     ap.add_argument("--n-embd", type=int, default=768, help="GPT-2 small: 768")

@@ -25,10 +25,9 @@ from __future__ import annotations
 
 import math
 import time
-import weakref
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -83,19 +82,6 @@ def init_process_group(timeout: float = 60.0, backend: str | None = None, **kwar
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout), **kwargs)
-
-
-def _until_freed(refs: list, limit: float = 1.0) -> None:
-    """Wait (at most ``limit`` s) until the storages behind ``refs`` are freed.
-
-    The backend's worker thread drops its reference to a collective's tensors a moment after
-    the wait returns; freed there, they would still count against a budgeted device while the
-    next op allocates (a spike of one fused buffer, seen intermittently). Waiting here makes
-    the buffers die before the all-reduce is reported done.
-    """
-    deadline = time.monotonic() + limit
-    while any(r() is not None for r in refs) and time.monotonic() < deadline:
-        time.sleep(1e-4)
 
 
 def _wait(work, what: str, timeout: float | None, group) -> None:
@@ -161,7 +147,8 @@ def measure_network(nbytes: int = 16 << 20, repeats: int = 5, group=None) -> tup
 def allreduce(tensors: Sequence[torch.Tensor], spec: CompressionSpec | Sequence[CompressionSpec] = NO_COMPRESSION,
               group=None, error_feedback_state: dict | None = None, *, min_size: int = DEFAULT_MIN_SIZE,
               timeout: float | None = None, generator: torch.Generator | None = None,
-              fusion_bytes: int = DEFAULT_FUSION_BYTES, weight: float | None = None) -> CommStats:
+              fusion_bytes: int = DEFAULT_FUSION_BYTES, weight: float | None = None,
+              release: Callable[[torch.Tensor], None] | None = None) -> CommStats:
     """Average ``tensors`` over the ranks of ``group``, in place; returns what it cost.
 
     ``weight``: this rank's weight in a weighted average, ``sum_r weight_r * t_r`` (the weights of
@@ -178,6 +165,10 @@ def allreduce(tensors: Sequence[torch.Tensor], spec: CompressionSpec | Sequence[
     tensor's position in ``tensors``). ``timeout`` (seconds) bounds each wait (the process
     group's own timeout, see ``init_process_group``, bounds the transfers too); a dead or
     stalled peer raises ``CommunicationError``. ``generator`` drives stochastic rounding.
+    ``release`` is called with each internal buffer once its collective is done and nothing here uses it any
+    more: the backend's worker thread may still hold a reference to it for a while (gloo drops its own a moment
+    after the wait returns), so a caller that accounts device memory (the runtime's meter) stops counting it
+    there instead of waiting for the backend.
     With one rank there is nothing to average: tensors are left as they are.
 
     Typical use, after ``loss.backward()`` on every rank (under torchrun):
@@ -203,7 +194,7 @@ def allreduce(tensors: Sequence[torch.Tensor], spec: CompressionSpec | Sequence[
     scale = 1.0 if weight is None else float(weight) * world
     if not math.isfinite(scale) or scale < 0:
         raise ConfigError(f"allreduce weight={weight!r}: give this rank's share of the average, a number >= 0")
-    jobs = [_Job(idx, tensors, s, group, world, error_feedback_state, timeout, generator, scale)
+    jobs = [_Job(idx, tensors, s, group, world, error_feedback_state, timeout, generator, scale, release)
             for s, idx in _fuse(tensors, specs, fusion_bytes)]
     # Three sweeps so each buffer's compression overlaps the previous buffer's transfer.
     for job in jobs:
@@ -249,6 +240,7 @@ class _Job:
     timeout: float | None
     generator: torch.Generator | None
     scale: float = 1.0           # weight * world: the plain average of the scaled tensors is the weighted one
+    release: Callable | None = None   # called with each buffer once done (allreduce's ``release``)
     wire_bytes: int = 0
     numel: int = 0
     offsets: list = field(default_factory=list)   # where each tensor starts in the fused buffer
@@ -365,12 +357,12 @@ class _Job:
             t = self.tensors[i]
             with torch.no_grad():
                 t.copy_(out[off: off + t.numel()].view_as(t))
-        buffers = [self.buf, out] + [v for v in self.state.values() if isinstance(v, torch.Tensor)]
-        gone = [weakref.ref(b.untyped_storage()) for b in buffers if b is not None]
+        if self.release is not None:
+            for b in [self.buf, out] + [v for v in self.state.values() if isinstance(v, torch.Tensor)]:
+                if b is not None:
+                    self.release(b)
         self.buf = self.work = out = None
         self.state.clear()
-        del buffers
-        _until_freed(gone)
 
     def _keep_residual(self, flat):
         for i, off in zip(self.idx, self.offsets):

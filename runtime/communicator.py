@@ -72,7 +72,7 @@ class Communicator:
                 specs = specs_for_bits(names, self.bits, self.base)
         ef = self.ef.setdefault(tuple(owned), {}) if self.base.error_feedback else None
         stats = reduce_all(grads, specs, error_feedback_state=ef, min_size=self.min_size, generator=self.generator,
-                           weight=self.weight)
+                           weight=self.weight, release=rt.meter.forget)
         with self.lock:
             t = self.totals
             for k in ("wire_bytes", "fp32_bytes", "seconds", "calls"):

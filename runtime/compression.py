@@ -14,6 +14,7 @@ scale, and packs every element's level (``bits`` bits, 1..8) into bytes; ``dequa
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +25,7 @@ KINDS = ("none", "fp16", "bf16", "quantized")
 ROUNDINGS = ("stochastic", "nearest")
 META_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 DEFAULT_MIN_SIZE = 16            # CGX leaves layers smaller than this uncompressed
+LITTLE_ENDIAN = sys.byteorder == "little"
 
 
 # -- the compression spec -------------------------------------------------------------------------
@@ -94,6 +96,18 @@ def pack_bits(levels: torch.Tensor, bits: int) -> torch.Tensor:
     n = levels.numel()
     if bits == 8:
         return levels.clone()
+    if 8 % bits == 0:      # whole values per byte (1, 2, 4 bits): one op per slot of a byte, on n / k values
+        k = 8 // bits
+        if n % k:
+            levels = torch.cat([levels, levels.new_zeros(k - n % k)])
+        if bits == 4 and LITTLE_ENDIAN:   # a pair of bytes read as one int16 is b0 | b1 << 8: its low byte after
+            u = levels.view(torch.int16)  # u | u >> 4 is b0 | b1 << 4, with no strided access
+            return (u | (u >> 4)).to(torch.uint8)
+        v = levels.view(-1, k)
+        out = v[:, 0].clone()
+        for j in range(1, k):
+            out |= v[:, j] << (bits * j)
+        return out
     groups = -(-n // 8)
     if groups * 8 != n:
         levels = torch.cat([levels, levels.new_zeros(groups * 8 - n)])
@@ -113,12 +127,22 @@ def unpack_bits(data: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
     _check_bits(bits)
     if bits == 8:
         return data[:numel].clone()
+    mask = (1 << bits) - 1
+    if 8 % bits == 0:      # whole values per byte: as pack_bits, one op per slot
+        k = 8 // bits
+        d = data[: -(-numel // k)]
+        if bits == 4 and LITTLE_ENDIAN:   # each byte to an int16 whose low byte is its low nibble, high byte its high
+            u = d.to(torch.int16)
+            return ((u & 15) | ((u >> 4) << 8)).view(torch.uint8)[:numel]
+        out = torch.empty(d.numel(), k, dtype=torch.uint8, device=data.device)
+        for j in range(k):
+            torch.bitwise_and(d >> (bits * j) if j else d, mask, out=out[:, j])
+        return out.view(-1)[:numel]
     groups = -(-numel // 8)
     need = groups * bits
     if data.numel() < need:
         data = torch.cat([data, data.new_zeros(need - data.numel())])
     d = data[:need].view(groups, bits)
-    mask = (1 << bits) - 1
     out = torch.empty(groups, 8, dtype=torch.uint8, device=data.device)
     for i in range(8):
         byte, shift = divmod(bits * i, 8)
@@ -199,7 +223,7 @@ def quantize(t: torch.Tensor, bits: int, bucket_size: int = 512, rounding: str =
     if buckets * bucket_size != x.numel():     # repeat the last value: the last bucket's range is unchanged
         x = torch.cat([x, x[-1:].expand(buckets * bucket_size - x.numel())])
     xb = x.view(buckets, bucket_size)
-    lo, hi = torch.aminmax(xb, dim=1)
+    lo, hi = xb.amin(dim=1), xb.amax(dim=1)     # (torch's CPU aminmax over rows is not vectorised; these two are)
     scale = (hi - lo) / top
     if meta_dtype != torch.float32:
         lo, scale = _round_meta(lo, hi, scale, top, meta_dtype)
@@ -209,7 +233,7 @@ def quantize(t: torch.Tensor, bits: int, bucket_size: int = 512, rounding: str =
     # (stochastic: 0.5 + (k + 1/2) / 65536 with k a uniform int16 -- a 16-bit dither, 4 per
     # random int64). u's constant part is folded into the subtraction to save a pass.
     offset = 0.5 if rounding == "nearest" else 0.5 + 0.5 / 65536
-    y = (xb - (lo32 - offset * scale32)[:, None]).mul_(inv[:, None])
+    y = (xb - (lo32 - offset * scale32)[:, None]).mul_(inv[:, None])   # (one addcmul would round differently)
     if rounding == "stochastic":
         words = torch.empty(-(-y.numel() // 4), dtype=torch.int64, device=y.device)
         words.random_(-2**63, 2**63 - 1, generator=generator)
@@ -236,11 +260,11 @@ def dequantize(p: Packed, out: torch.Tensor | None = None) -> torch.Tensor:
     buckets = p.mins.numel()
     if out is None:
         out = torch.empty(p.numel, dtype=torch.float32, device=p.data.device)
-    full = p.numel // p.bucket_size            # whole buckets: one fused pass from uint8 to fp32
-    if full:
+    full = p.numel // p.bucket_size            # whole buckets: uint8 to fp32 first (torch's mixed-dtype multiply is
+    if full:                                   # slower than the conversion and a float one), then scale and shift
         head = out[: full * p.bucket_size].view(full, p.bucket_size)
-        torch.mul(levels[: full * p.bucket_size].view(full, p.bucket_size), p.scales[:full].float()[:, None], out=head)
-        head.add_(p.mins[:full].float()[:, None])
+        head.copy_(levels[: full * p.bucket_size].view(full, p.bucket_size))
+        head.mul_(p.scales[:full].float()[:, None]).add_(p.mins[:full].float()[:, None])
     if full < buckets:                          # the last, partial bucket
         tail = out[full * p.bucket_size:]
         torch.mul(levels[full * p.bucket_size:], p.scales[full:].float(), out=tail)
