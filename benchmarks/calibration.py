@@ -77,6 +77,7 @@ def main():
     ap.add_argument("--cached", action="store_true", help="use the cached profile (Hardware.this_machine())")
     ap.add_argument("--out", default=str(Path(tempfile.gettempdir()) / "harmony-calibration"))
     ap.add_argument("--quick", action="store_true", help="width 256, batch 8: about 30 s")
+    common.add_json_arg(ap)
     args = ap.parse_args()
     if args.quick:
         args.width, args.batch, args.profile_seconds = 256, 8, 4.0
@@ -148,6 +149,8 @@ def main():
     for sm in compiled.values():
         sm.close()
     print(f"total {time.perf_counter() - t_start:.0f} s")
+    common.save_json(args.json, {"simulator error worst policy": max(abs(r["ratio"] - 1) for r in rows),
+                                 **{f"simulated/measured {r['policy']}": r["ratio"] for r in rows}})
 
 
 if __name__ == "__main__":

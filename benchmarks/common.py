@@ -24,3 +24,17 @@ def table(rows: list[dict], title: str = "") -> str:
     lines.append("  ".join("-" * w for w in widths))
     lines += ["  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in cells]
     return "\n".join(lines)
+
+
+def add_json_arg(ap) -> None:
+    """``--json PATH``: also write the run's headline figures there (``python -m benchmarks`` reads them)."""
+    ap.add_argument("--json", default=None, help="write the headline figures to this JSON file")
+
+
+def save_json(path, figures: dict) -> None:
+    """Write a benchmark's headline figures (plain numbers and strings) for ``python -m benchmarks``."""
+    if not path:
+        return
+    import json
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(figures, indent=1, default=float))

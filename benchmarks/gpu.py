@@ -37,6 +37,8 @@ import sys
 import time
 import traceback
 
+import common
+
 GiB = 2**30
 LR, WD = 3e-4, 0.1
 
@@ -270,14 +272,6 @@ def summarize(r: dict, a, card: dict, tokens: int) -> dict:
     return s
 
 
-def table(rows: list[dict]) -> str:
-    cols = list(dict.fromkeys(k for r in rows for k in r))
-    width = {k: max(len(k), *(len(str(r.get(k, ""))) for r in rows)) for k in cols}
-    lines = ["  ".join(k.ljust(width[k]) for k in cols)]
-    lines += ["  ".join(str(r.get(k, "")).ljust(width[k]) for k in cols) for r in rows]
-    return "\n".join(lines)
-
-
 TARGETS = {"harmony-50": 0.8, "harmony-25": 0.6}     # tokens/s against eager's, where eager fits (issue 30)
 
 
@@ -317,7 +311,7 @@ def show(path: str) -> None:
     print(f"{d['card']['name']}, torch {d['card']['torch']}, CUDA {d['card']['cuda']}; {d['args']['precision']}, "
           f"GPT width {d['args']['width']} x {d['args']['layers']} layers, batch {d['args']['batch']} x "
           f"{d['args']['seq']} in {d['args']['microbatches']} microbatches")
-    print(table(d["rows"]))
+    print(common.table(d["rows"]))
     print("\n".join(ratios(d["rows"])))
 
 
@@ -371,7 +365,7 @@ def main():
         print(json.dumps(rows[-1]), flush=True)
         if "error" in r:
             print(r.get("log", ""), flush=True)
-    print(table(rows))
+    print(common.table(rows))
     print("\n".join(ratios(rows)))
     if a.out:
         os.makedirs(a.out, exist_ok=True)

@@ -96,13 +96,15 @@ def main():
     ap.add_argument("--profile-seconds", type=float, default=6.0)
     ap.add_argument("--profile-load", choices=("idle", "full", "duty"), default="full",
                     help="what the other ranks do while rank 0 profiles the machine (see profile_under_load)")
+    common.add_json_arg(ap)
     ap.add_argument("--worker", help=argparse.SUPPRESS)      # a rank of the real run, under torchrun
     args = ap.parse_args()
     if args.worker:
         return worker(args)
-    simulated(args)
+    figures = simulated(args)
     if not args.simulated_only:
-        real(args)
+        figures.update(real(args))
+    common.save_json(args.json, figures)
 
 
 def simulated(args):
@@ -126,6 +128,8 @@ def simulated(args):
           f"Harmony / uniform: {h.throughput / base:.2f}x (target >= 1.5); ILP solve {solve:.2f} s (target < 5 s)")
     print("devices: " + "; ".join(f"{d.name} {d.memory / 2**30:.0f} GiB {d.effective_flops / 1e12:.1f} TFLOP/s "
                                   f"sustained ({d.dtype})" for d in devices))
+    return {"simulated balanced/uniform throughput": h.throughput / base,
+            "simulated balanced/Cephalo throughput": h.throughput / c.throughput}
 
 
 # -- the real, emulated run ---------------------------------------------------------------------------
@@ -192,6 +196,8 @@ def real(args):
                                "emulation's sleeps; comm: the all-reduces on the host thread)"))
     print("per-rank measured step (s, last step): " + "; ".join(
         f"{m}: {' '.join(f'{x:.2f}' for x in res[m]['rank_last'])}" for m in ("uniform", "auto")))
+    return {"balanced/uniform step": ratio, "balanced predicted/measured": b["predicted_s"] / b["measured_s"],
+            "uniform_s": u["measured_s"], "balanced_s": b["measured_s"]}
 
 
 def profile_under_load(args, factors):

@@ -804,8 +804,13 @@ def main():
         print("- " + line)
     if a.json:
         raw = [dict(when=n, read=r, write=w, how=h) for n, (r, w, h) in probes]
-        Path(a.json).write_text(json.dumps(dict(raw_disk=raw, interference=interference, rows=rows, notes=notes,
-                                                results=results), indent=1, default=str))
+        by = {r["system"]: r for r in rows if isinstance(r.get("step_s"), float)}
+        headline = {f"harmony/{peer} step": by["harmony"]["step_s"] / by[peer]["step_s"]
+                    for peer in ("eager", "deepspeed", "fsdp2") if "harmony" in by and peer in by}
+        if "harmony" in by and by["harmony"].get("vs_bound"):
+            headline["harmony/bound"] = by["harmony"]["vs_bound"]
+        Path(a.json).write_text(json.dumps(dict(headline, raw_disk=raw, interference=interference, rows=rows,
+                                                notes=notes, results=results), indent=1, default=str))
 
 
 if __name__ == "__main__":

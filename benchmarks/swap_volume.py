@@ -123,6 +123,7 @@ def main():
     ap.add_argument("--microbatches", type=int, nargs="+", default=[4, 16, 64])
     ap.add_argument("--width", type=int, default=128)
     ap.add_argument("--seq", type=int, default=32)
+    common.add_json_arg(ap)
     args = ap.parse_args()
     rows = []
     for layers in args.layers:
@@ -163,6 +164,11 @@ def main():
     print()
     print(common.table(rows, "bytes moved per iteration (measured on the second step)"))
     print("targets: harmony/bound <= 1.15 in every row; ondemand/harmony >= microbatches / 2")
+    common.save_json(args.json, {"harmony/bound worst row": max(r["harmony/bound"] for r in rows),
+                                 "harmony/bound mean": sum(r["harmony/bound"] for r in rows) / len(rows),
+                                 "ondemand/harmony vs target worst": min(r["ondemand/harmony"] / (r["microbatches"] / 2)
+                                                                         for r in rows),
+                                 "rows": rows})
 
 
 if __name__ == "__main__":

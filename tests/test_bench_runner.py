@@ -1,0 +1,64 @@
+"""The benchmark runner's comparison (python -m benchmarks): which figures it flags against a baseline.
+
+No timing here: synthetic figures through ``compare``, the function that decides the flags.
+"""
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def runner():
+    spec = importlib.util.spec_from_file_location("bench_runner", ROOT / "benchmarks" / "__main__.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["bench_runner"] = mod          # dataclasses look their module up there
+    try:
+        spec.loader.exec_module(mod)
+        yield mod
+    finally:
+        sys.modules.pop("bench_runner", None)
+
+
+def flags(runner, results, baseline):
+    rows, n = runner.compare(results, baseline)
+    return {(r["benchmark"], r["figure"]): r["flag"] for r in rows}, n
+
+
+def test_worse_by_more_than_a_tenth_is_flagged_in_the_figure_s_own_direction(runner):
+    base = {"overhead": {"compiled/eager step": 1.0, "compile 24-layer s": 5.0},
+            "allreduce": {"fp32/Harmony 4-bit sync": 6.0},
+            "hetero": {"balanced predicted/measured": 0.95}}
+    now = {"overhead": {"compiled/eager step": 1.12, "compile 24-layer s": 5.4},     # +12% (lower is better), +8%
+           "allreduce": {"fp32/Harmony 4-bit sync": 5.3},                            # -12% (higher is better)
+           "hetero": {"balanced predicted/measured": 0.80}}                          # further from 1
+    f, n = flags(runner, now, base)
+    assert f[("overhead", "compiled/eager step")] == "WORSE"
+    assert f[("overhead", "compile 24-layer s")] == ""
+    assert f[("allreduce", "fp32/Harmony 4-bit sync")] == "WORSE"
+    assert f[("hetero", "balanced predicted/measured")] == "WORSE"
+    assert n == 3
+
+
+def test_better_skipped_failed_and_not_run(runner):
+    base = {"overhead": {"compiled/eager step": 1.0}, "allreduce": {"fp32/Harmony 4-bit sync": 6.0}}
+    now = {"overhead": {"compiled/eager step": 0.8}, "allreduce": {"skipped": "needs root"},
+           "hetero": {"error": "exit 1"}}
+    f, n = flags(runner, now, base)
+    assert f[("overhead", "compiled/eager step")] == ""
+    assert f[("allreduce", "fp32/Harmony 4-bit sync")].startswith("skipped")
+    assert f[("hetero", "balanced/uniform step")].startswith("FAILED")
+    assert f[("calibration", "simulated/measured harmony")] == "not run"
+    assert n == 3                 # each of hetero's three figures
+
+
+def test_the_committed_baseline_has_every_figure(runner):
+    import json
+    base = json.loads((ROOT / "benchmarks" / "results" / "cpu-quick.json").read_text())["results"]
+    missing = [(f.bench, f.key) for f in runner.FIGURES
+               if f.key not in base.get(f.bench, {}) and "skipped" not in base.get(f.bench, {})
+               and f.key != "harmony/deepspeed step"]      # only where DeepSpeed is installed
+    assert not missing
