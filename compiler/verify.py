@@ -17,9 +17,6 @@ from harmony.runtime.ops import MemoryModel, Predicted, op_of, resident_state, s
 from harmony.runtime.plan import optim_state_bytes
 from harmony.runtime.precision import device_bytes
 
-NEEDS = {"forward": ("params",), "backward": ("params", "grads"), "step": ("params", "grads", "optim")}
-
-
 @dataclass
 class MemoryCurve:
     nodes: list                     # call_function nodes in order
@@ -73,14 +70,9 @@ def memory_curve(program, graph: torch.fx.Graph | None = None, check_residency: 
         if node.op != "call_function":
             continue
         op = op_of(node)
-        name = node.target.__name__
-        if check_residency and name in NEEDS:
+        kinds = op.needs(node.kwargs) if check_residency else ()
+        if kinds:
             spec = plan.packs[node.args[0]]
-            kinds = NEEDS[name]
-            if name == "step" and node.kwargs.get("stream"):
-                kinds = ("params", "grads")   # a streaming step brings the optimizer state itself
-            if name == "step" and node.kwargs.get("where") in ("host", "disk"):
-                kinds = ()                    # a host step works on the host copies
             for kind in kinds:
                 for s in (state_names(spec, kind)):
                     if not model.resident(kind, s):

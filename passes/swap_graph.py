@@ -30,23 +30,21 @@ class Choice(NamedTuple):
     steps: frozenset = frozenset()    # (pack, param): single parameters of host-stepped packs stepped on the device
     carried: frozenset = frozenset()  # wholly-disk packs whose stepped weights stay for the next iteration's forward
 
-NEEDS = {"forward": ("params",), "backward": ("params", "grads"), "step": ("params", "grads", "optim"),
-         "allreduce": ("grads",)}
 
 
 def _visits(graph):
     """Runs of consecutive compute ops on the same pack: (pack, first node, last node, kinds needed)."""
     out, cur = [], None
     for n in calls(graph):
-        name = n.target.__name__
-        if name not in NEEDS or n.kwargs.get("where") in ("host", "disk"):   # a host step needs nothing on the device
+        need = ops.op_of(n).needs(n.kwargs)      # (a step on the host copies needs nothing on the device)
+        if not need:
             continue
         p = n.args[0]
         if cur and cur[0] == p:
             cur[2] = n
-            cur[3].update(NEEDS[name])
+            cur[3].update(need)
         else:
-            cur = [p, n, n, set(NEEDS[name])]
+            cur = [p, n, n, set(need)]
             out.append(cur)
     return out
 

@@ -8,7 +8,9 @@ functions below, so ``print(graph.python_code("self").src)`` reads as the plan:
     a0 = forward(0, 0, b0, keep=False)
     ...
 
-Adding an op is one stub and one ``OPS`` entry.
+Adding an op is one stub and one ``register`` call: its ``OpDef`` holds everything the runtime, the
+verifier (what it needs resident), the simulator (its stream, state copies, disk I/O), the passes and
+the drawings (colour, label) use. ``harmony.runtime`` registers every op when it is imported.
 """
 from __future__ import annotations
 
@@ -94,12 +96,41 @@ class MemoryModel:
                 self.hold("params", carried_names(self.plan, n.args[0]), moves=False)
 
 
-@dataclass
+def _needs_nothing(kwargs) -> tuple:
+    return ()
+
+
+def _label_args(args, kwargs) -> str:
+    return ", ".join(_short(a) for a in args)
+
+
+def _short(a) -> str:
+    if hasattr(a, "name") and not isinstance(a, str):   # a value another op made
+        return a.name
+    if isinstance(a, (tuple, list)):
+        return ",".join(_short(x) for x in a) or "()"
+    return str(a)
+
+
+@dataclass(frozen=True)
 class OpDef:
-    execute: Callable
+    """Everything the runtime, verifier, simulator, passes and drawings know about one schedule op."""
+
+    stub: Callable       # the function a schedule graph calls (its name is the op's name)
+    execute: Callable    # (runtime, *args, **kwargs) -> value: real tensors
     effect: Callable     # (model, *args, **kwargs) -> (Predicted | None, transient bytes above live)
     cost: Callable       # (plan, hw, *args, **kwargs) -> (stream name, seconds)
-    kind: str            # "compute" | "copy" | "sync" for drawings and the simulator
+    kind: str            # "compute" | "copy" | "sync": the stream family it runs on
+    needs: Callable = _needs_nothing   # (kwargs) -> state kinds of its pack (args[0]) resident on the device
+    state_copy: bool = False           # moves its pack's state of one kind (args (pack, kind)) across the link:
+                                       # the simulator times what the effect really moves
+    disk_io: Callable | None = None    # (plan, node, hw) -> {"read": s, "write": s} of disk I/O around it
+    colour: str = ""                   # fill in drawings ("": its kind's)
+    label: Callable = _label_args      # (args, kwargs) -> the second line of its label in drawings
+
+    @property
+    def name(self) -> str:
+        return self.stub.__name__
 
 
 # -- stubs: the names a schedule graph calls ----------------------------------------------------
@@ -114,15 +145,21 @@ def unstash(value): ...
 def step(pack: int, stream: bool = False, where: str = "device", overlap: bool = False): ...
 
 
-OPS: dict[str, OpDef] = {}
+OPS: dict[Callable, OpDef] = {}   # stub -> its definition; filled as harmony.runtime is imported
 
 
-def register(stub, execute, effect, cost, kind):
-    OPS[stub.__name__] = OpDef(execute, effect, cost, kind)
+def register(stub, execute, effect, cost, kind, **more) -> OpDef:
+    """Add an op: ``stub`` is what schedule graphs call; ``more`` any other ``OpDef`` field."""
+    OPS[stub] = op = OpDef(stub, execute, effect, cost, kind, **more)
+    return op
 
 
 def op_of(node) -> OpDef:
-    return OPS[node.target.__name__]
+    return OPS[node.target]
+
+
+def op_named(name: str) -> OpDef | None:
+    return next((op for op in OPS.values() if op.name == name), None)
 
 
 def state_names(spec, what: str) -> list[str]:
@@ -773,13 +810,76 @@ def _allreduce_cost(plan, hw, pack, kind="none", *, world=1, bits=4, **kw):
     return "network", sent / bandwidth + 2 * (world - 1) * getattr(hw, "network_latency", 50e-6)
 
 
-register(swap_in, _swap_in_execute, _swap_in_effect, _swap_in_cost, "copy")
-register(wait, _wait_execute, _no_effect, _free, "sync")
-register(release, _release_execute, _release_effect, _release_cost, "copy")
-register(load_batch, _load_batch_execute, _load_batch_effect, _load_batch_cost, "copy")
-register(stash, _stash_execute, _stash_effect, _stash_cost, "copy")
-register(unstash, _unstash_execute, _unstash_effect, _stash_cost, "copy")
-register(forward, _forward_execute, _forward_effect, _forward_cost, "compute")
-register(backward, _backward_execute, _backward_effect, _backward_cost, "compute")
-register(step, _step_execute, _step_effect, _step_cost, "compute")
-register(allreduce, _allreduce_execute, _allreduce_effect, _allreduce_cost, "copy")
+# -- what the simulator and drawings need besides ------------------------------------------------
+def _disk_io(plan, node, hw) -> dict:
+    """Seconds a ``swap_in`` or ``step`` reads from and writes to disk (runtime/disk.py, runtime/diskparams.py).
+
+    A ``swap_in`` of a wholly-disk pack's weights reads them (unless the last step left them on the device:
+    ``carried``); the step of a wholly-disk pack reads and writes its files (weights and optimizer state), that
+    of a pack with optimizer state alone on disk reads and writes that state. Files kept in host memory
+    (``plan.disk_in_memory``) are neither read nor written.
+    """
+    pack = node.args[0]
+    spec = plan.packs[pack]
+    whole = (getattr(plan, "master_on", None) or {}).get(pack) == "disk"
+    optim = (getattr(plan, "optim_on", None) or {}).get(pack) == "disk"
+    read = written = 0
+    on_disk = 1 - (getattr(plan, "disk_in_memory_share", None) or {}).get(pack, 0.0)
+    if node.target is swap_in and node.args[1] == "params" and whole and not node.kwargs.get("carried"):
+        read = spec.param_bytes * on_disk
+    elif node.target is step and (whole or optim):
+        written = (spec.optim_bytes + (spec.param_bytes if whole else 0)) * on_disk
+        read = written
+    rbw = getattr(hw, "disk_read_bandwidth", 0) or 1e30
+    wbw = getattr(hw, "disk_write_bandwidth", 0) or 1e30
+    return {"read": read / rbw, "write": written / wbw}
+
+
+def _step_needs(kwargs) -> tuple:
+    if kwargs.get("where", "device") in ("host", "disk"):
+        return ()                      # the host copies are stepped
+    if kwargs.get("stream"):
+        return ("params", "grads")     # it brings the optimizer state in itself, a parameter at a time
+    return ("params", "grads", "optim")
+
+
+def _pack_mb(args, kwargs) -> str:
+    if len(args) < 2:
+        return _label_args(args, kwargs)
+    keep = " · keep" if kwargs.get("keep") else ""
+    recompute = " · recompute" if "saved" in kwargs and kwargs["saved"] is None else ""
+    return f"pack {args[0]} · mb {args[1]}{keep}{recompute}"
+
+
+def _pack_what(args, kwargs) -> str:
+    return f"pack {args[0]} {args[1]}" if len(args) >= 2 else _label_args(args, kwargs)
+
+
+def _step_label(args, kwargs) -> str:
+    where = kwargs.get("where", "device")
+    return (f"pack {args[0]}" + (f" · {where}" if where != "device" else "")
+            + (" · overlapped" if kwargs.get("overlap") else "")) if args else ""
+
+
+def _batch_label(args, kwargs) -> str:
+    return f"mb {args[0]} {_short(args[1])}" if len(args) >= 2 else _label_args(args, kwargs)
+
+
+# colours: compute blues, state copies orange, activation copies purple, sync grey, optimizer green, network reds
+register(swap_in, _swap_in_execute, _swap_in_effect, _swap_in_cost, "copy", state_copy=True, disk_io=_disk_io,
+         colour="#fdae6b", label=_pack_what)
+register(wait, _wait_execute, _no_effect, _free, "sync", colour="#d9d9d9")
+register(release, _release_execute, _release_effect, _release_cost, "copy", state_copy=True, colour="#fdd0a2",
+         label=_pack_what)
+register(load_batch, _load_batch_execute, _load_batch_effect, _load_batch_cost, "copy", colour="#fee6ce",
+         label=_batch_label)
+register(stash, _stash_execute, _stash_effect, _stash_cost, "copy", colour="#bcbddc")
+register(unstash, _unstash_execute, _unstash_effect, _stash_cost, "copy", colour="#9e9ac8")
+register(forward, _forward_execute, _forward_effect, _forward_cost, "compute", needs=lambda kw: ("params",),
+         colour="#9ecae1", label=_pack_mb)
+register(backward, _backward_execute, _backward_effect, _backward_cost, "compute",
+         needs=lambda kw: ("params", "grads"), colour="#6baed6", label=_pack_mb)
+register(step, _step_execute, _step_effect, _step_cost, "compute", needs=_step_needs, disk_io=_disk_io,
+         colour="#a1d99b", label=_step_label)
+register(allreduce, _allreduce_execute, _allreduce_effect, _allreduce_cost, "copy",
+         needs=lambda kw: () if kw.get("where") == "host" else ("grads",), colour="#fc9272")

@@ -120,4 +120,4 @@ def _sync_cost(plan, hw, world):
     return "network", received / bandwidth + world * getattr(hw, "network_latency", 50e-6)
 
 
-register(sync_state, _sync_execute, _sync_effect, _sync_cost, "copy")
+register(sync_state, _sync_execute, _sync_effect, _sync_cost, "copy", colour="#fcbba1")

@@ -70,7 +70,7 @@ from harmony.runtime.plan import Plan
 
 STREAMS = ("compute", "h2d", "d2h", "disk", "network")
 READS_DEVICE = {"d2h", "network"}      # copies out of device memory: after the compute issued before them
-STATE_COPIES = {"swap_in", "release"}  # ops on (pack, kind) of training state
+NO_DISK = {"read": 0.0, "write": 0.0}
 
 
 @dataclass
@@ -184,9 +184,9 @@ def simulate(graph: torch.fx.Graph, plan: Plan, hw, device: int = 0, memory=None
         stream, seconds = op.cost(plan, dev, *args, **kwargs)
         before = sum(model.moved.values())
         values[node], _ = op.effect(model, *args, **kwargs)
-        if name in STATE_COPIES and sizes is not None:     # what the effect moved, at the link's rate
+        if op.state_copy and sizes is not None:     # what the effect moved, at the link's rate
             seconds = (sum(model.moved.values()) - before) / getattr(dev, f"{stream}_bandwidth")
-        elif name in STATE_COPIES:
+        elif op.state_copy:
             # the cost is for all of the pack's state of that kind; only part of it may move: clean
             # parameters are dropped, not written back, and gradients not yet made are not fetched
             names = moving_names(plan.packs[node.args[0]], node.args[1], node.kwargs.get("held", ()))
@@ -233,7 +233,7 @@ def simulate(graph: torch.fx.Graph, plan: Plan, hw, device: int = 0, memory=None
                                           "compute").end
                 ready = max([ready, free["compute"]] + [t for (p, _), t in written_back.items()
                                                         if p == node.args[0]])
-            disk = disk_io(plan, node, dev)
+            disk = op.disk_io(plan, node, dev) if op.disk_io is not None else NO_DISK
             if disk["read"]:               # the read from disk comes first: weights for the device, a step's files
                 start = max(free["disk"], ready if name == "swap_in" else disk_after.get(node.args[0], 0.0))
                 ready = max(ready, run("disk", start, disk["read"], f"{node.name}.read", "disk").end)
@@ -260,34 +260,6 @@ def simulate(graph: torch.fx.Graph, plan: Plan, hw, device: int = 0, memory=None
     if memory is not None:
         _place_memory(sim, nodes, op_events, memory)
     return sim
-
-
-def disk_io(plan: Plan, node, dev) -> dict:
-    """Seconds an op reads from and writes to disk (the disk tiers: runtime/disk.py, runtime/diskparams.py).
-
-    A ``swap_in`` of a wholly-disk pack's weights reads them (unless the last step left them on the device:
-    ``carried``); the step of a wholly-disk pack
-    reads and writes its files (weights and optimizer state), that of a pack with optimizer
-    state alone on disk reads and writes that state.
-    """
-    name = node.target.__name__
-    if name not in ("swap_in", "step"):
-        return {"read": 0.0, "write": 0.0}
-    pack = node.args[0]
-    spec = plan.packs[pack]
-    whole = (getattr(plan, "master_on", None) or {}).get(pack) == "disk"
-    optim = (getattr(plan, "optim_on", None) or {}).get(pack) == "disk"
-    read = written = 0
-    # files kept in host memory (plan.disk_in_memory) are neither read nor written
-    on_disk = 1 - (getattr(plan, "disk_in_memory_share", None) or {}).get(pack, 0.0)
-    if name == "swap_in" and node.args[1] == "params" and whole and not node.kwargs.get("carried"):
-        read = spec.param_bytes * on_disk      # carried: on the device since the last step, nothing read
-    elif name == "step" and (whole or optim):
-        written = (spec.optim_bytes + (spec.param_bytes if whole else 0)) * on_disk
-        read = written
-    rbw = getattr(dev, "disk_read_bandwidth", 0) or 1e30
-    wbw = getattr(dev, "disk_write_bandwidth", 0) or 1e30
-    return {"read": read / rbw, "write": written / wbw}
 
 
 class _OnHost:
@@ -337,10 +309,7 @@ class _OnDemand:
     def touch(self, i, node) -> tuple[int, int]:
         """Bytes fetched and written back before op ``i`` runs; updates residency to after it."""
         name, pack = node.target.__name__, node.args[0]
-        kinds = {"forward": ["params"], "backward": ["params", "grads"],
-                 "step": ["params", "grads", "optim"]}.get(name, [])
-        if node.kwargs.get("where", "device") != "device":      # a step on host copies touches nothing here
-            kinds = []
+        kinds = list(op_of(node).needs(node.kwargs))         # (a step on host copies touches nothing here)
         exists = {"params": True, "grads": pack in self.grads, "optim": pack in self.optim}
         fetch = [k for k in kinds if exists[k] and (pack, k) not in self.lru]
         # gradients a first backward makes, and optimizer state a first step makes, are new bytes too

@@ -117,7 +117,7 @@ def test_schedule_dot_draws_every_op(compiled):
     for n in calls:
         for inp in n.all_input_nodes:
             assert f"s_{inp.name} -> s_{n.name}" in src
-    assert dot.OP_COLOURS["forward"] in src and dot.OP_COLOURS["backward"] in src
+    assert dot.op_colour("forward") in src and dot.op_colour("backward") in src
 
 
 def _synthetic_schedule(microbatches: int, packs: int) -> SimpleNamespace:

@@ -15,22 +15,13 @@ import graphviz
 import torch
 
 from harmony.compiler.meta import COST, MODULE_PATH, PACK
-from harmony.runtime.ops import OPS
+from harmony.runtime.ops import op_named, op_of
 from harmony.units import fmt_bytes
 
 # ColorBrewer Set3: light qualitative colours, so black labels stay readable; cycles past 12 packs
 PALETTE = ("#8dd3c7", "#ffffb3", "#bebada", "#fb8072", "#80b1d3", "#fdb462",
            "#b3de69", "#fccde5", "#d9d9d9", "#bc80bd", "#ccebc5", "#ffed6f")
 
-OP_COLOURS = {
-    "forward": "#9ecae1", "backward": "#6baed6",            # compute: blues
-    "swap_in": "#fdae6b", "release": "#fdd0a2",            # parameter/state copies: orange
-    "load_batch": "#fee6ce",                                # batch copy: pale orange
-    "stash": "#bcbddc", "unstash": "#9e9ac8",              # activation copies: purple
-    "wait": "#d9d9d9",                                      # sync: grey
-    "step": "#a1d99b",                                      # optimizer: green
-    "allreduce": "#fc9272", "sync_state": "#fcbba1",       # network: reds
-}
 KIND_COLOURS = {"compute": "#c6dbef", "copy": "#fdd0a2", "sync": "#d9d9d9"}
 
 BIG_SCHEDULE = 400      # above this many ops, labels shrink to one line and edges go straight
@@ -43,10 +34,11 @@ def pack_colour(index: int) -> str:
 
 
 def op_colour(name: str) -> str:
-    if name in OP_COLOURS:
-        return OP_COLOURS[name]
-    op = OPS.get(name)
-    return KIND_COLOURS.get(op.kind, "white") if op is not None else "white"
+    """An op's fill: its table entry's colour, else its kind's (runtime/ops.py)."""
+    op = op_named(name)
+    if op is None:
+        return "white"
+    return op.colour or KIND_COLOURS.get(op.kind, "white")
 
 
 def _text(*lines: str) -> str:
@@ -175,33 +167,10 @@ def schedule_dot(sm) -> str:
     return g.source
 
 
-def _arg(a) -> str:
-    if isinstance(a, torch.fx.Node):
-        return a.name
-    if isinstance(a, (tuple, list)):
-        return ",".join(_arg(x) for x in a) or "()"
-    return str(a)
-
-
 def _op_label(node: torch.fx.Node) -> list[str]:
-    """``op`` on the first line, its arguments as pack / microbatch / what on the second."""
-    name, args, kw = node.target.__name__, node.args, node.kwargs
-    if name in ("forward", "backward") and len(args) >= 2:
-        detail = f"pack {args[0]} · mb {args[1]}"
-        if name == "forward" and kw.get("keep"):
-            detail += " · keep"
-        if name == "backward" and kw.get("saved", 0) is None:
-            detail += " · recompute"
-    elif name in ("swap_in", "release") and len(args) >= 2:
-        detail = f"pack {args[0]} {args[1]}"
-    elif name == "step" and args:
-        detail = f"pack {args[0]}" + (f" · {kw['where']}" if kw.get("where", "device") != "device" else "") \
-            + (" · overlapped" if kw.get("overlap") else "")
-    elif name == "load_batch" and len(args) >= 2:
-        detail = f"mb {args[0]} {_arg(args[1])}"
-    else:
-        detail = ", ".join(_arg(a) for a in args)
-    return [name, detail] if detail else [name]
+    """``op`` on the first line, its arguments as its table entry words them (pack / microbatch / what) on the second."""
+    detail = op_of(node).label(node.args, node.kwargs)
+    return [node.target.__name__, detail] if detail else [node.target.__name__]
 
 
 def _legend(names: list[str]) -> str:
