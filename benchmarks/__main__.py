@@ -2,7 +2,7 @@
 
     python -m benchmarks --quick                      # about 12 minutes on the 2-core CI machine
     python -m benchmarks --quick --only overhead,hetero
-    python -m benchmarks --quick --save-baseline      # after checking the table: the new benchmarks/results/cpu-quick.json
+    python -m benchmarks --quick --save-baseline      # after checking the table: the new baseline
     python -m benchmarks --self-test                  # a build slowed on purpose must be flagged
 
 Each benchmark runs in its own process, one after another, and writes its headline figures as JSON (its
@@ -69,7 +69,8 @@ def commands(out: Path, py: str) -> dict[str, list[str]]:
     j = {name: str(out / f"{name}.json") for name in ("overhead", "swap_volume", "offload", "allreduce", "hetero",
                                                       "calibration")}
     return {
-        "overhead": [py, f"{b}/overhead.py", "--layers", "4", "--width", "384", "--steps", "10", "--json", j["overhead"]],
+        "overhead": [py, f"{b}/overhead.py", "--layers", "4", "--width", "384", "--steps", "10",
+                     "--json", j["overhead"]],
         "swap_volume": [py, f"{b}/swap_volume.py", "--layers", "12", "--budgets", "0.25", "0.5", "--microbatches", "4",
                         "16", "--json", j["swap_volume"]],
         "offload": [py, f"{b}/offload.py", "--layers", "8", "--width", "768", "--seq", "128", "--budget", "256MiB",
@@ -218,7 +219,8 @@ def main() -> int:
         print(f"{name}: {' '.join(cmds[name][1:])}", flush=True)
         results[name] = run(name, cmds[name], out, dict(os.environ))
         m = results[name]["machine"]
-        print(f"  {'FAILED' if 'error' in results[name] else 'done'} in {m['wall_s']:.0f} s; load {m['load_before']:.2f}"
+        state = "FAILED" if "error" in results[name] else "done"
+        print(f"  {state} in {m['wall_s']:.0f} s; load {m['load_before']:.2f}"
               f" -> {m['load_after']:.2f}, cores busy {m['busy']:.0%}, stolen {m['steal']:.0%}", flush=True)
     baseline = json.loads(Path(args.baseline).read_text()) if Path(args.baseline).exists() else {}
     rows, flagged = compare(results, baseline.get("results", {}))

@@ -200,8 +200,9 @@ def sync_benchmark(args):
 
     methods = args.methods.split(",")
     if rank == 0:
-        print(f"GPT-2 (n_layer={args.n_layer}, n_embd={args.n_embd}) gradient sync: {n / 1e6:.1f}M parameters in {len(shapes)} tensors, {world} ranks, "
-              f"link {args.link}, torch threads {torch.get_num_threads()}, {args.reps} reps after {args.warmup} warm-up",
+        print(f"GPT-2 (n_layer={args.n_layer}, n_embd={args.n_embd}) gradient sync: {n / 1e6:.1f}M parameters in "
+              f"{len(shapes)} tensors, {world} ranks, link {args.link}, torch threads {torch.get_num_threads()}, "
+              f"{args.reps} reps after {args.warmup} warm-up",
               flush=True)
     # name -> (once, result, bytes sent, note, extra warm-up); fp32 first: its result is the exact average every
     # other method is compared with
@@ -283,7 +284,8 @@ def convergence(args):
                 meter.update({n: g for n, g in zip(names, grads) if spec_for(g, base).kind == "quantized"})
                 stats = allreduce(grads, CompressionSpec("none"))
                 if step == args.warmup_steps - 1:
-                    bits, report = choose_bits_across_ranks(meter.errors(), meter.sizes, 4, bucket_size=base.bucket_size)
+                    bits, report = choose_bits_across_ranks(meter.errors(), meter.sizes, 4,
+                                                            bucket_size=base.bucket_size)
                     spec = specs_for_bits(names, bits, base)
                     if rank == 0:
                         print(f"adaptive bits after {args.warmup_steps} warm-up steps: "

@@ -57,7 +57,7 @@ from harmony.compiler.hardware import Hardware
 from harmony.models import GPT, GPTConfig, copy_task
 from harmony.viz import timeline
 
-POLICIES = ("harmony", "sequential", "ondemand")
+from harmony.passes.schedule import POLICIES  # noqa: E402
 
 
 def main():

@@ -143,7 +143,9 @@ def setup_harmony(a, c, data, policy, frac):
     info = dict(budget=budget, compile_s=round(sm.compile_seconds["total"], 2), packs=len(sm.plan.packs))
     stats = info.setdefault("stats", [])
     sim = sm.simulate(hw.logical([budget]))
-    info.update(predicted_step_s=sim.step_seconds, predicted_compute_idle=round(1 - sim.utilisation.get('compute', 0), 3), predicted_peak=sm.predicted.peak, hardware=hw.devices[0].name)
+    idle = round(1 - sim.utilisation.get("compute", 0), 3)
+    info.update(predicted_step_s=sim.step_seconds, predicted_compute_idle=idle, predicted_peak=sm.predicted.peak,
+                hardware=hw.devices[0].name)
 
     def step(x, y):
         loss = float(sm(x, y))
@@ -286,16 +288,18 @@ def ratios(rows: list[dict]) -> list[str]:
         if "eager" in by:
             x = r["tokens_per_s"] / by["eager"]["tokens_per_s"]
             target = TARGETS.get(name)
-            out.append(f"{name} / eager tokens/s      {x:.2f}" + (f"   (target >= {target}: {'met' if x >= target else 'MISSED'})"
-                                                                   if target else ""))
+            verdict = f"   (target >= {target}: {'met' if x >= target else 'MISSED'})" if target else ""
+            out.append(f"{name} / eager tokens/s      {x:.2f}{verdict}")
         for peer, target in (("fsdp2", 1.3), ("ondemand-" + name.split("-")[1], 2.0)):
             if peer in by:
                 x = r["tokens_per_s"] / by[peer]["tokens_per_s"]
-                out.append(f"{name} / {peer} tokens/s  {x:.2f}   (target >= {target}: {'met' if x >= target else 'MISSED'}"
+                met = "met" if x >= target else "MISSED"
+                out.append(f"{name} / {peer} tokens/s  {x:.2f}   (target >= {target}: {met}"
                            f"; peaks {r['peak_alloc_gib']} vs {by[peer]['peak_alloc_gib']} GiB)")
         if r.get("budget_gib"):
+            within = "within" if r["peak_alloc_gib"] <= r["budget_gib"] else "OVER"
             out.append(f"{name} peak allocated {r['peak_alloc_gib']} GiB, reserved {r['peak_reserved_gib']} GiB, "
-                       f"budget {r['budget_gib']} GiB ({'within' if r['peak_alloc_gib'] <= r['budget_gib'] else 'OVER'})")
+                       f"budget {r['budget_gib']} GiB ({within})")
         if "predicted/measured" in r:
             x = r["predicted/measured"]
             out.append(f"{name} predicted / measured step {x:.2f}   (target within 15%: "

@@ -291,11 +291,13 @@ def worker(args):
         for e in sm.runtime.events:
             kinds[e.kind] = kinds.get(e.kind, 0.0) + e.end - e.start
         mine[mode] = dict(times=times[mode], samples=sm.program.config.batch_size,
-                          breakdown=dict(measured_compute=kinds.get("compute", 0.0), measured_copy=kinds.get("copy", 0.0),
+                          breakdown=dict(measured_compute=kinds.get("compute", 0.0),
+                                         measured_copy=kinds.get("copy", 0.0),
                                          measured_wait=kinds.get("sync", 0.0), comm=sm.stats.get("comm_seconds", 0.0),
                                          predicted_compute=sim.busy.get("compute", 0.0),
                                          predicted_network=sim.busy.get("network", 0.0),
-                                         predicted_h2d=sim.busy.get("h2d", 0.0), predicted_d2h=sim.busy.get("d2h", 0.0)),
+                                         predicted_h2d=sim.busy.get("h2d", 0.0),
+                                         predicted_d2h=sim.busy.get("d2h", 0.0)),
                           microbatches=sm.plan.microbatches, packs=len(sm.plan.packs),
                           optim_MiB=sum(v.numel() * v.element_size() for o in sm.optimizers for st in o.state.values()
                                         for v in st.values() if isinstance(v, torch.Tensor)) / 2**20,

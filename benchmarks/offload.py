@@ -18,7 +18,8 @@ steps under each system, each in its own subprocess so that peak RSS is per syst
              NVMe (``nvme_path`` a directory under --dir), CPU accelerator, gloo, world size 1,
              pin_memory false, the model built inside ``deepspeed.zero.Init`` so it is never
              whole in RAM, ``max_in_cpu`` 0 so parameters really live on NVMe (ds_config says
-             what else differs from DeepSpeed's defaults, and why). The optimizer is DeepSpeed's own CPU Adam in AdamW mode
+             what else differs from DeepSpeed's defaults, and why). The optimizer is DeepSpeed's own CPU Adam in AdamW
+             mode
              (DeepSpeedCPUAdam, adamw_mode=True: what ZeRO-Offload/Infinity uses), same lr
              and weight decay as torch's AdamW elsewhere.
   fsdp2      torch.distributed.fsdp.fully_shard per block and at the root with
@@ -234,7 +235,8 @@ def setup_fsdp2(a, c, x, y, workdir):
     fully_shard(model, mesh=mesh, offload_policy=policy)
     kw = adamw_kwargs()
     opt = torch.optim.AdamW(model.parameters(), **kw)
-    return plain_step(model, opt, x, y), {"optimizer": f"torch.optim.AdamW {kw} on DTensors"}, dist.destroy_process_group
+    info = {"optimizer": f"torch.optim.AdamW {kw} on DTensors"}
+    return plain_step(model, opt, x, y), info, dist.destroy_process_group
 
 
 def setup_harmony(a, c, x, y, workdir):
@@ -388,8 +390,9 @@ def setup_deepspeed(a, c, x, y, workdir):
     with deepspeed.zero.Init(config_dict_or_path=cfg, remote_device="nvme", pin_memory=False):
         model = GPT(c)          # partitioned and sent to NVMe module by module
     engine, opt, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
-    info = {"optimizer": f"{type(opt.optimizer).__name__ if hasattr(opt, 'optimizer') else type(opt).__name__}"
-                         f" (AdamW mode)", "ds_zero": {k: ({kk: vv for kk, vv in v.items() if kk != "nvme_path"} if isinstance(v, dict) else v)
+    inner = type(opt.optimizer).__name__ if hasattr(opt, "optimizer") else type(opt).__name__
+    info = {"optimizer": f"{inner} (AdamW mode)",
+            "ds_zero": {k: ({kk: vv for kk, vv in v.items() if kk != "nvme_path"} if isinstance(v, dict) else v)
                         for k, v in cfg["zero_optimization"].items()},
             "deepspeed": deepspeed.__version__,
             "nvme_prefetch_dedupe_patch": not a.ds_no_dedupe}
@@ -417,7 +420,7 @@ def child(a) -> None:
     if a.child == "harmony":
         import harmony  # noqa: F401  (first, as a user's script would: it sets the process up before torch loads)
     import torch
-    from harmony.process import huge_pages, idle_threads_sleep
+    from harmony.base.process import huge_pages, idle_threads_sleep
     workdir = a.workdir
     result = {"system": a.child}
     t0 = time.perf_counter()
@@ -448,7 +451,8 @@ def child(a) -> None:
             steals.append(steal)
             reads.append(io1.get("read_bytes", 0) - io0.get("read_bytes", 0))
             writes.append(io1.get("write_bytes", 0) - io0.get("write_bytes", 0))
-        result.update(step_s=times, cpu_s=cpus, idle=idles, steal=steals, threads=torch.get_num_threads(), read_bytes=reads, write_bytes=writes, loss=losses,
+        result.update(step_s=times, cpu_s=cpus, idle=idles, steal=steals, threads=torch.get_num_threads(),
+                      read_bytes=reads, write_bytes=writes, loss=losses,
                       peak_rss_steps=vm_hwm_bytes() if result["hwm_reset"] else None)
         close()
     except BaseException as e:                # noqa: BLE001  (the parent reports it as the row)
@@ -560,9 +564,10 @@ def run_child(system: str, a, workdir: str) -> dict:
         if line.startswith(MARK):
             res = json.loads(line[len(MARK):])
     if a.verbose:
-        print(f"--- {system} output ---\n" + "\n".join(l for l in p.stdout.splitlines() if not l.startswith(MARK)))
+        shown = [line for line in p.stdout.splitlines() if not line.startswith(MARK)]
+        print(f"--- {system} output ---\n" + "\n".join(shown))
     if res is None:     # killed (OOM?) or crashed before reporting
-        tail = [l for l in p.stdout.splitlines() if l.strip()][-5:]
+        tail = [line for line in p.stdout.splitlines() if line.strip()][-5:]
         why = f"exit code {p.returncode}" + (" (SIGKILL: out of memory?)" if p.returncode == -9 else "")
         res = {"system": system, "error": f"{why}; last output: {' | '.join(tail)}"}
     res["wall_s"] = wall
@@ -657,7 +662,7 @@ def summarize(results: dict, a, probes: list, interference: dict | None = None) 
                                                              "stats", "peak_rss", "peak_rss_steps", "traceback")}
             notes.append(f"{sysname}{f' (round {rnd + 1})' if len(runs) > 1 else ''}: steps "
                          + ", ".join(f"{s:.3g}" for s in r["step_s"]) + " s; losses "
-                         + ", ".join(f"{l:.4g}" for l in r["loss"]) + "; read/write GB per step "
+                         + ", ".join(f"{x:.4g}" for x in r["loss"]) + "; read/write GB per step "
                          + ", ".join(f"{x / 1e9:.3g}/{w / 1e9:.3g}" for x, w in zip(r["read_bytes"], r["write_bytes"]))
                          + "; machine idle/steal % per step " + ", ".join(
                              "n/a" if i is None else f"{100 * i:.0f}/{100 * s:.0f}"
@@ -669,15 +674,16 @@ def summarize(results: dict, a, probes: list, interference: dict | None = None) 
             last = r["stats"][-1]
             keys = {k: v for k, v in last.items() if "disk" in k or "rss" in k or "param" in k}
             notes.append("harmony last-step sm.stats: " + ", ".join(f"{k}={v}" for k, v in keys.items()))
-    cols = ["system", "step_s", "cpu_s", "idle_pct", "steal_pct", "peak_rss_GiB", "rss_steps_GiB", "read_GB_step", "write_GB_step",
-            "disk_GBps", "h_read_GB", "h_write_GB", "h_io_GBps", "raw_w_r", "disk_bound_s", "bound_s", "vs_bound",
+    cols = ["system", "step_s", "cpu_s", "idle_pct", "steal_pct", "peak_rss_GiB", "rss_steps_GiB", "read_GB_step",
+            "write_GB_step", "disk_GBps", "h_read_GB", "h_write_GB", "h_io_GBps", "raw_w_r", "disk_bound_s", "bound_s",
+            "vs_bound",
             "bound_io_s", "vs_bound_io"]
     cols = [k for k in cols if any(k in r for r in rows)]
     return [{k: r.get(k, "") for k in cols} for r in rows], notes
 
 
 def ratios(rows: list[dict], a) -> list[str]:
-    from harmony.units import parse_bytes
+    from harmony.base.units import parse_bytes
     by = {r["system"]: r for r in rows if isinstance(r.get("step_s"), float)}
     out = []
     h = by.get("harmony")
@@ -698,7 +704,8 @@ def ratios(rows: list[dict], a) -> list[str]:
     cap = parse_bytes(a.budget) + GiB
     for name, r in by.items():
         out.append(f"{name}: peak RSS / (budget + 1 GiB) = {r['peak_rss_GiB'] * GiB / cap:.3g} overall, "
-                   + (f"{r['rss_steps_GiB'] * GiB / cap:.3g} over the steps" if r.get("rss_steps_GiB") else "n/a over steps")
+                   + (f"{r['rss_steps_GiB'] * GiB / cap:.3g} over the steps" if r.get("rss_steps_GiB")
+                      else "n/a over steps")
                    + "   (target <= 1)")
     return out
 
@@ -765,7 +772,8 @@ def main():
         def probe(name):
             raw = raw_disk(root, int(a.raw_bytes))
             probes.append((name, raw))
-            print(f"raw disk {name}: write {raw[1] / 1e9:.3g} GB/s, read {raw[0] / 1e9:.3g} GB/s ({raw[2]})", flush=True)
+            print(f"raw disk {name}: write {raw[1] / 1e9:.3g} GB/s, read {raw[0] / 1e9:.3g} GB/s ({raw[2]})",
+                  flush=True)
         probe("at the start")
         results: dict[str, list[dict]] = {}     # system -> one result per run
         for k in range(a.rounds):

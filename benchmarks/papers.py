@@ -44,10 +44,10 @@ import torch
 import harmony
 from harmony.compiler.hardware import Hardware
 from harmony.errors import BudgetError
-from harmony.units import parse_bytes
+from harmony.base.units import parse_bytes
 
 GiB = 2**30
-POLICIES = ("harmony", "sequential", "ondemand")
+from harmony.passes.schedule import POLICIES  # noqa: E402
 SWAP = 11.5 * GiB           # msr-fiddle/harmony 3_scheduler/sched_args.py --bw_swap
 P2P = 8.2 * GiB             # msr-fiddle/harmony 3_scheduler/sched_args.py --bw_p2p
 GPUS = 4

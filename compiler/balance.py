@@ -6,7 +6,7 @@ and a count of microbatches) and its share of the *training state* (an uneven sh
 parameters, gradients and optimizer state). Fast devices with little memory take many
 small microbatches and a small shard; slow devices with much memory hold more state.
 
-The integer program, solved exactly with PuLP and HiGHS (``harmony.ilp``):
+The integer program, solved exactly with PuLP and HiGHS (``harmony.base.ilp``):
 
     minimise   T
     subject to T >= m_d * (c0 + c1 * b_d) / F_d + s_d * U / B_d   for every rank d   (compute, its step)
@@ -44,10 +44,10 @@ from dataclasses import dataclass, field
 
 import pulp
 
-from harmony import ilp
-from harmony.errors import BudgetError
-from harmony.runtime.plan import optim_state_bytes
-from harmony.units import fmt_bytes
+from harmony.base import ilp
+from harmony.base.errors import BudgetError
+from harmony.base.units import fmt_bytes, nbytes
+from harmony.runtime.plan import optim_state_bytes, step_traffic
 
 GB = 1e9     # the unit of the integer program's memory rows
 
@@ -116,7 +116,8 @@ def rank_time(cost: ModelCost, device, b: int, m: int) -> float:
     """
     flops = getattr(device, "effective_flops", device.flops)
     dispatch = cost.ops_per_microbatch * getattr(device, "kernel_latency", 0.0)
-    return m * ((cost.flops_const + cost.flops_per_sample * b) / flops + dispatch) * getattr(device, "speed_factor", 1.0)
+    per_microbatch = (cost.flops_const + cost.flops_per_sample * b) / flops + dispatch
+    return m * per_microbatch * getattr(device, "speed_factor", 1.0)
 
 
 SWAP_PASSES = 2.0     # bytes a step moves per byte of replicated state that does not stay on the device
@@ -268,14 +269,14 @@ def model_cost(program, kernel_ops_per_param_tensor: float = 2.7 + 5.8 + 2.7) ->
         if c is not None:
             flops = flops + c.fwd_flops + c.fwd_flops + c.bwd_flops
     params = list(program.gm.parameters())
-    pbytes = sum(p.numel() * p.element_size() for p in params)
-    grads = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
-    optim = sum(optim_state_bytes(program.optim_profile, p.numel() * p.element_size()) for p in params
+    pbytes = sum(nbytes(p) for p in params)
+    grads = sum(nbytes(p) for p in params if p.requires_grad)
+    optim = sum(optim_state_bytes(program.optim_profile, nbytes(p)) for p in params
                 if p.requires_grad)
-    replicated = pbytes + grads + sum(t.numel() * t.element_size() for t in program.gm.buffers())
+    replicated = pbytes + grads + sum(nbytes(t) for t in program.gm.buffers())
     return ModelCost(flops_const=flops.c0, flops_per_sample=flops.c1, act_const=act.c0, act_per_sample=act.c1,
                      state_bytes=float(optim), layer_bytes=0.0, replicated_bytes=float(replicated),
-                     step_bytes=4.0 * (2 * pbytes + optim),     # as runtime/ops.py's _step_cost
+                     step_bytes=step_traffic(pbytes, optim),
                      ops_per_microbatch=kernel_ops_per_param_tensor * len(params))
 
 
@@ -287,7 +288,7 @@ def plan_ranks(spec, cost: ModelCost, devices, global_batch: int, microbatches: 
     ``microbatches`` microbatches. A list, one entry per rank: ``(microbatch size, count)`` pairs,
     or sample counts, each run in ``microbatches`` microbatches.
     """
-    from harmony.errors import ConfigError
+    from harmony.base.errors import ConfigError
 
     n = len(devices)
     if spec == "auto":

@@ -16,16 +16,20 @@ from dataclasses import dataclass
 import sympy
 import torch
 import torch.fx
-from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException,
-                                           FakeTensorMode, unset_fake_temporarily)
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensorMode,
+    unset_fake_temporarily,
+)
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.nn.utils.stateless import _reparametrize_module
-from torch.utils.flop_counter import FlopCounterMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map_only
+from torch.utils.flop_counter import FlopCounterMode
 
+from harmony.base.errors import InputError
 from harmony.compiler.meta import COST, STATE
-from harmony.errors import InputError
 from harmony.runtime.memory import CountAllocations, MemoryMeter
 from harmony.runtime.precision import device_dtype
 
@@ -447,7 +451,8 @@ def annotate(gm: torch.fx.GraphModule, batch: tuple, microbatch: int, dtype: tor
 
         node.meta[COST] = NodeCost(
             out_bytes=fit("out_bytes"), saved_bytes=fit("saved_bytes"), saves_output=a["saves_output"],
-            saved_inputs=a["saved_inputs"], alias_of=a["alias_of"], fwd_extra=fit("fwd_extra"), bwd_peak=fit("bwd_peak"),
+            saved_inputs=a["saved_inputs"], alias_of=a["alias_of"], fwd_extra=fit("fwd_extra"),
+            bwd_peak=fit("bwd_peak"),
             fwd_flops=fit("fwd_flops"), bwd_flops=fit("bwd_flops"), mutates=a["mutates"], random=a["random"])
     return run
 

@@ -7,9 +7,11 @@
 >>> cpu = Hardware.this_machine().logical([512 * 2**20])        # this CPU as a device with a 512 MiB budget
 >>> torch.set_num_threads(1)
 >>> print(Hardware.profile(seconds=8).describe())               # measure this machine (and cache it)
-device 0: cpu (2 cores, AMD EPYC), 23.5 GiB, 0.1 TFLOP/s fp32 (90% sustained by a layer pack), 16.7 us per tensor op, h2d 16.4 GB/s (memcpy), memory 32.75 GB/s
+device 0: cpu (2 cores, AMD EPYC), 23.5 GiB, 0.1 TFLOP/s fp32 (90% sustained by a layer pack), 16.7 us per tensor op, \
+h2d 16.4 GB/s (memcpy), memory 32.75 GB/s
 host: 23.5 GiB, disk read 1.13 GB/s, write 2.06 GB/s, network 1.25 GB/s + 50 us
-measured by Hardware.profile: fp32 matmul at 1 threads, tensor-op latency, a transformer block of width 512 on 512 tokens, memcpy, disk (O_DIRECT); nominal, not measured: network
+measured by Hardware.profile: fp32 matmul at 1 threads, tensor-op latency, a transformer block of width 512 on 512 \
+tokens, memcpy, disk (O_DIRECT); nominal, not measured: network
 
 Units everywhere: bytes, bytes per second, seconds, FLOP/s.
 
@@ -41,8 +43,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from harmony.base.errors import ConfigError
 from harmony.compiler import machine
-from harmony.errors import ConfigError
+from harmony.runtime.plan import NOMINAL_NETWORK_BANDWIDTH, NOMINAL_NETWORK_LATENCY
 
 GiB = 2**30
 T = 1e12
@@ -53,7 +56,8 @@ PCIE = {"pcie3": 15.75 * GB, "pcie4": 31.5 * GB, "pcie5": 63.0 * GB}   # x16, by
 # Nominal placeholders (not measured, not from a spec sheet): override them for real setups.
 NOMINAL = dict(host_memory=256 * GiB, host_flops=1 * T, host_memory_bandwidth=100 * GB,
                disk_read_bandwidth=3.5 * GB, disk_write_bandwidth=3.0 * GB,   # one PCIe 3 x4 NVMe drive
-               network_bandwidth=1.25 * GB, network_latency=50e-6)          # 10 Gb/s Ethernet
+               network_bandwidth=NOMINAL_NETWORK_BANDWIDTH,                   # 10 Gb/s Ethernet
+               network_latency=NOMINAL_NETWORK_LATENCY)
 NOMINAL_CORE_FLOPS = 40e9      # fp32 matmul FLOP/s one AVX2 core sustains, roughly; profile() measures
 NOMINAL_MEMCPY = 10 * GB       # bytes/s a large memcpy copies on a few server cores, roughly; profile() measures
 PROFILE_VERSION = 3            # bumped when profile() measures more or differently: older caches are not used
@@ -247,9 +251,9 @@ class Hardware:
         match = next((d for k, d in sorted(PRESETS.items(), key=lambda kv: -len(kv[0])) if k in _key(name)
                       or _key(d.name) in _key(name)), None)
         base = match or PRESETS[_key("a100-40gb")]
+        figures = f"datasheet of {base.name}" if match else "no preset matches: an A100 datasheet"
         dev = base.replace(name=name, memory=memory, queued=True,
-                           source=f"Hardware.detect: {'datasheet of ' + base.name if match else 'no preset matches: an A100 datasheet'}"
-                                  f", not measured; memory from the driver")
+                           source=f"Hardware.detect: {figures}, not measured; memory from the driver")
         return host.replace(devices=(dev,), notes=(f"detected, not measured: {name}'s speeds are "
                                                     f"{'its datasheet' if match else 'nominal'}; Hardware.profile() "
                                                     f"measures them",))

@@ -8,6 +8,7 @@ import torch
 import torch.fx
 
 from harmony.compiler.hardware import NOMINAL
+from harmony.runtime.compression import DEFAULT_MIN_SIZE
 from harmony.runtime.plan import Plan
 from harmony.runtime.precision import compute_dtype
 
@@ -34,7 +35,7 @@ class CompileConfig:
     compression: Any = None            # CompressionSpec of the gradient all-reduce (None: fp32)
     adaptive: bool = False             # per-layer bits chosen after adaptive_warmup steps (CGX)
     adaptive_warmup: int = 3
-    min_size: int = 16                 # tensors with fewer elements (or dim <= 1) travel uncompressed
+    min_size: int = DEFAULT_MIN_SIZE   # tensors with fewer elements (or dim <= 1) travel uncompressed
     host_memory_budget: int | None = None   # bytes of host memory for training state; None: no limit (offload pass)
     offload_dir: str | None = None     # where the disk tier makes its private directory; None: the temp directory
     weights_on: str = "auto"           # fp32 weights between uses: auto | host | disk (offload pass)
@@ -59,6 +60,11 @@ class CompileConfig:
         """The bytes the planner may fill: the budget less what the device's libraries hold and the headroom for
         prediction error."""
         return int(self.state_budget * (1 - self.headroom))
+
+    def budget_for(self, peak: int) -> int:
+        """The memory_budget an error suggests for a plan whose device peak is ``peak``: the planner's headroom
+        added back, 5% more for the prediction's error, and what the device's libraries hold."""
+        return int(peak / (1 - self.headroom) * 1.05) + 1 + self.device_reserved
 
     @property
     def state_budget(self) -> int:

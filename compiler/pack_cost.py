@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import torch
 import torch.fx
-from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException,
-                                           unset_fake_temporarily)
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    unset_fake_temporarily,
+)
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.nn.utils.stateless import _reparametrize_module
 
@@ -23,7 +26,8 @@ from harmony.runtime.precision import device_dtype
 
 def _fake_state_of(module, run):
     out = {}
-    for name, t in list(module.named_parameters(remove_duplicate=False)) + list(module.named_buffers(remove_duplicate=False)):
+    state = list(module.named_parameters(remove_duplicate=False)) + list(module.named_buffers(remove_duplicate=False))
+    for name, t in state:
         if id(t) in run.state:   # constants the tracer lifted stay real (the fake mode accepts them)
             out[name] = run.state[id(t)]
     return out

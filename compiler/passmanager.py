@@ -4,21 +4,29 @@ from __future__ import annotations
 import importlib
 import time
 
+from harmony.base.errors import ConfigError, HarmonyError, PassError
 from harmony.compiler.ir import PassReport, Program
 from harmony.compiler.verify import verify
-from harmony.errors import ConfigError, HarmonyError, PassError
 
 DEFAULT_PIPELINE = ("partition", "schedule", "offload", "compress", "swap", "prefetch")
 BASE_CAPABILITIES = {"cost"}
 
 
 def load(name: str):
+    """The pass module ``harmony.passes.<name>``; a helper module of a pass there is not one."""
+    if not isinstance(name, str) or not name.isidentifier():
+        raise ConfigError(f"passes= takes pass names such as {DEFAULT_PIPELINE[0]!r}, got {name!r}; the passes are "
+                          f"{', '.join(DEFAULT_PIPELINE)}")
     try:
-        return importlib.import_module(f"harmony.passes.{name}")
+        module = importlib.import_module(f"harmony.passes.{name}")
     except ModuleNotFoundError as e:
         if e.name != f"harmony.passes.{name}":
             raise
         raise ConfigError(f"unknown pass {name!r}; the passes are {', '.join(DEFAULT_PIPELINE)}") from None
+    if not all(hasattr(module, a) for a in ("NAME", "REQUIRES", "PROVIDES", "run")):
+        raise ConfigError(f"{name!r} is a helper module of a pass, not a pass; the passes are "
+                          f"{', '.join(DEFAULT_PIPELINE)}")
+    return module
 
 
 def check_order(passes) -> None:

@@ -48,10 +48,16 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.nn.utils.stateless import _reparametrize_module
 
+from harmony.base.errors import ConfigError, HarmonyError, InputError, TraceError
 from harmony.compiler.meta import MODULE_PATH
-from harmony.compiler.trace_errors import (eager_error, first_line, forward_signature, input_error,
-                                           signature_text, untraceable)
-from harmony.errors import ConfigError, HarmonyError, InputError, TraceError
+from harmony.compiler.trace_errors import (
+    eager_error,
+    first_line,
+    forward_signature,
+    input_error,
+    signature_text,
+    untraceable,
+)
 
 __all__ = ["FRONTENDS", "MODULE_PATH", "TRACE_INFO", "TraceInfo", "module_path_of", "trace"]
 
@@ -159,14 +165,16 @@ class _Batch:
     def of(cls, model: torch.nn.Module, batch: Any, loss_fn: Callable | None) -> _Batch:
         if isinstance(batch, Mapping):
             keys, tensors = tuple(batch), tuple(batch.values())
-            bad = [k for k in keys if not isinstance(k, str) or not k.isidentifier() or keyword.iskeyword(k) or k == "self"]
+            bad = [k for k in keys
+                   if not isinstance(k, str) or not k.isidentifier() or keyword.iskeyword(k) or k == "self"]
             if bad:
                 raise InputError(f"example_batch keys must be argument names of {signature_text(model)}; got {bad}")
         elif isinstance(batch, (tuple, list)):
             keys, tensors = None, tuple(batch)
         else:
             raise InputError(
-                f"example_batch must be a tuple of tensors or a dict of argument name -> tensor, got {type(batch).__name__}"
+                f"example_batch must be a tuple of tensors or a dict of argument name -> tensor, "
+                f"got {type(batch).__name__}"
             )
         if not all(isinstance(t, torch.Tensor) for t in tensors):
             kinds = [type(t).__name__ for t in tensors]
@@ -286,7 +294,8 @@ def _checked_loss(loss: Any, what: str) -> Any:
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
         shape = f"a tensor of shape {list(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
         raise TraceError(
-            f"{what} {shape}; training needs a scalar loss. Reduce it (e.g. .mean()) or pass loss_fn=... to harmony.compile."
+            f"{what} {shape}; training needs a scalar loss. Reduce it (e.g. .mean()) or pass loss_fn=... to "
+            f"harmony.compile."
         )
     return loss
 
@@ -309,7 +318,8 @@ def _check_leaf_modules(model: torch.nn.Module, leaf_modules: Sequence, frontend
     if not leaf_modules:
         return
     if frontend == "export":
-        raise ConfigError("leaf_modules need the fx front end (frontend='fx' or 'auto'); torch.export traces through them")
+        raise ConfigError("leaf_modules need the fx front end (frontend='fx' or 'auto'); torch.export traces "
+                          "through them")
     known = set()
     for path, module in model.named_modules():
         cls = type(module)
@@ -320,7 +330,8 @@ def _check_leaf_modules(model: torch.nn.Module, leaf_modules: Sequence, frontend
         if isinstance(leaf, str) and leaf in known:
             continue
         raise ConfigError(
-            f"leaf_modules entry {leaf!r} is neither an nn.Module class nor a module path or class name in {type(model).__name__}"
+            f"leaf_modules entry {leaf!r} is neither an nn.Module class nor a module path or class name in "
+            f"{type(model).__name__}"
         )
 
 
@@ -379,7 +390,8 @@ def _resolve(root: Any, path: str) -> Any:
     return obj
 
 
-def _rebuild(raw: torch.fx.GraphModule, model: torch.nn.Module, step: _TrainStep) -> tuple[torch.fx.GraphModule, tuple[str, ...]]:
+def _rebuild(raw: torch.fx.GraphModule, model: torch.nn.Module,
+             step: _TrainStep) -> tuple[torch.fx.GraphModule, tuple[str, ...]]:
     """A plain GraphModule over the user's own state, named as in the user's model."""
     graph = torch.fx.Graph()
     out = graph.graph_copy(raw.graph, {})
@@ -567,8 +579,10 @@ class _RecordList(logging.Handler):
 # ------------------------------------------------------ checks and errors
 
 
-def _propagate_fake_values(gm: torch.fx.GraphModule, model: torch.nn.Module, step: _TrainStep, batch: _Batch) -> list[str]:
-    """Fill node.meta["val"] for an fx graph and check the batch fits the model (fake tensors: no compute, no side effects)."""
+def _propagate_fake_values(gm: torch.fx.GraphModule, model: torch.nn.Module, step: _TrainStep,
+                           batch: _Batch) -> list[str]:
+    """Fill node.meta["val"] for an fx graph and check the batch fits the model (fake tensors: no compute, no side
+    effects)."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     state = dict(gm.named_parameters(remove_duplicate=False)) | dict(gm.named_buffers(remove_duplicate=False))
     fake_state = {name: mode.from_tensor(tensor) for name, tensor in state.items()}

@@ -16,7 +16,7 @@ import traceback
 
 import torch
 
-from harmony.errors import HarmonyError, InputError, TraceError
+from harmony.base.errors import HarmonyError, InputError, TraceError
 
 
 def forward_signature(model: torch.nn.Module) -> inspect.Signature | None:
@@ -30,7 +30,8 @@ def forward_signature(model: torch.nn.Module) -> inspect.Signature | None:
 def signature_text(model: torch.nn.Module, limit: int = 6) -> str:
     """``GPT.forward(idx, targets)``: how messages name the model's forward, its first ``limit`` arguments."""
     signature = forward_signature(model)
-    params = [str(p).split(":")[0].split("=")[0].strip() for p in signature.parameters.values()] if signature else ["..."]
+    params = ([str(p).split(":")[0].split("=")[0].strip() for p in signature.parameters.values()] if signature
+              else ["..."])
     shown = ", ".join(params[:limit]) + (", ..." if len(params) > limit else "")
     return f"{type(model).__name__}.forward({shown})"
 
@@ -81,13 +82,16 @@ def untraceable(model: torch.nn.Module, step: torch.nn.Module, batch, failures: 
             at = f" at {located[other].location}" if located[other] else ""
             lines.append(f"  ({label[other]} also failed{at}: {first_line(error)})")
     if data_dependent(failures[name]):
-        why, rewrite = "Python control flow that depends on tensor values cannot be captured", "express the branch with torch.where / torch.cond"
+        why = "Python control flow that depends on tensor values cannot be captured"
+        rewrite = "express the branch with torch.where / torch.cond"
     else:
         why, rewrite = "The tracer cannot follow this Python code", "rewrite it with tensor operations"
     if where and where.module_path:
-        fix = f"pass leaf_modules=[{where.module_class}] to harmony.compile so that '{where.module_path}' runs as one opaque node"
+        fix = (f"pass leaf_modules=[{where.module_class}] to harmony.compile so that '{where.module_path}' runs as "
+               f"one opaque node")
     else:
-        fix = "move that code into a submodule and pass leaf_modules=[ThatSubmoduleClass] to harmony.compile so it runs as one opaque node"
+        fix = ("move that code into a submodule and pass leaf_modules=[ThatSubmoduleClass] to harmony.compile so it "
+               "runs as one opaque node")
     lines.append(f"{why}. Fix: {fix}, or {rewrite}.")
     error = TraceError("\n".join(lines))
     error.__cause__ = failures[name]

@@ -11,11 +11,13 @@ from dataclasses import dataclass, field
 
 import torch.fx
 
-from harmony.errors import BudgetError
+from harmony.base.errors import BudgetError
+from harmony.base.units import nbytes
 from harmony.runtime.executor import last_uses
 from harmony.runtime.ops import MemoryModel, Predicted, op_of, resident_state, state_names
 from harmony.runtime.plan import optim_state_bytes
 from harmony.runtime.precision import device_bytes
+
 
 @dataclass
 class MemoryCurve:
@@ -45,7 +47,7 @@ def state_sizes(program) -> dict:
         if isinstance(t, torch.nn.Parameter) and t.requires_grad:
             sizes[("grads", n)] = b
             mine = owner is None or owner.get(n, rank) == rank   # sharded: other ranks keep the rest
-            sizes[("optim", n)] = optim_state_bytes(prof, t.numel() * t.element_size()) if mine else 0
+            sizes[("optim", n)] = optim_state_bytes(prof, nbytes(t)) if mine else 0
     from harmony.runtime.disk import ALIGN, layout
     tensors = dict(gm.named_parameters())
     for groups in (getattr(program.plan, "disk_groups", None) or {}).values():
@@ -106,6 +108,6 @@ def verify(program) -> MemoryCurve:
     if program.config.policy != "ondemand" and curve.peak > budget:
         at = curve.nodes[curve.argmax()]
         raise BudgetError(f"predicted peak {curve.peak / 2**20:.1f} MiB at {at.name} exceeds the budget of "
-                          f"{budget / 2**20:.1f} MiB", min_budget=curve.peak + program.config.device_reserved)
+                          f"{budget / 2**20:.1f} MiB", min_budget=program.config.budget_for(curve.peak))
     program.predicted_peak = curve.peak
     return curve

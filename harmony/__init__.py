@@ -4,7 +4,7 @@
 >>> loss = sm(x, y)
 >>> print(sm.report())
 """
-from harmony.process import ask_for_huge_pages, ask_idle_threads_to_sleep
+from harmony.base.process import ask_for_huge_pages, ask_idle_threads_to_sleep
 
 ask_for_huge_pages()          # before this process's first tensor, if it is still to come
 ask_idle_threads_to_sleep()   # before torch loads OpenMP, if it is still to come

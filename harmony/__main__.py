@@ -1,4 +1,5 @@
-"""``python -m harmony demo``: compile and train the built-in GPT under a memory budget smaller than its training state."""
+"""``python -m harmony demo``: compile and train the built-in GPT under a memory budget smaller than its training
+state."""
 from __future__ import annotations
 
 import argparse
@@ -9,8 +10,8 @@ from pathlib import Path
 import torch
 
 import harmony
+from harmony.base.units import fmt_bytes
 from harmony.models import GPT, GPTConfig, copy_task
-from harmony.units import fmt_bytes
 
 
 def demo(args) -> int:

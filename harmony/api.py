@@ -6,21 +6,23 @@ import time
 
 import torch
 
+from harmony.base.errors import BudgetError, ConfigError, HarmonyError, InputError
+from harmony.base.process import huge_pages, idle_threads_sleep, peak_rss_bytes
+from harmony.base.units import fmt_bytes, nbytes, parse_bytes
 from harmony.compiler import cost
 from harmony.compiler.ir import CompileConfig, Program
 from harmony.compiler.passmanager import DEFAULT_PIPELINE, run_passes, schedule_code
 from harmony.compiler.trace import trace
 from harmony.compiler.verify import memory_curve
-from harmony.data import check_world, resolve as resolve_data_parallel
-from harmony.errors import BudgetError, ConfigError, HarmonyError, InputError
+from harmony.data import check_world
+from harmony.data import resolve as resolve_data_parallel
 from harmony.optim import optimizer_kwargs as optimizer_kwargs_for
+from harmony.passes.schedule import POLICIES
+from harmony.runtime.compression import DEFAULT_MIN_SIZE
 from harmony.runtime.executor import Runtime
 from harmony.runtime.ondemand import OnDemand
 from harmony.runtime.precision import PRECISIONS, SCALING_DEFAULTS
-from harmony.process import huge_pages, idle_threads_sleep, peak_rss_bytes
-from harmony.units import fmt_bytes, parse_bytes
 
-POLICIES = ("harmony", "sequential", "ondemand")
 RECOMPUTE = ("auto", "always")
 
 
@@ -28,7 +30,7 @@ def compile(model: torch.nn.Module, example_batch, *, optimizer=torch.optim.Adam
             memory_budget=None, microbatches: int = 1, policy: str = "harmony", loss_fn=None,
             leaf_modules=(), passes=DEFAULT_PIPELINE, device="cpu", hardware=None,
             optimizer_on="auto", host_memory_budget=None, offload_dir=None, weights_on="auto",
-            disk_group_bytes="32MiB", data_parallel=None, compression=None, min_size: int = 16,
+            disk_group_bytes="32MiB", data_parallel=None, compression=None, min_size: int = DEFAULT_MIN_SIZE,
             precision: str = "fp32", loss_scaling=None, balance=None, shard_state=None,
             recompute: str = "auto") -> "ScheduledModule":
     """Plan and build a training step for ``model`` that fits ``memory_budget`` per device (default 1 GiB).
@@ -161,8 +163,8 @@ def compile(model: torch.nn.Module, example_batch, *, optimizer=torch.optim.Adam
                            precision=precision, loss_scaling=loss_scaling, recompute=recompute,
                            **resolve_data_parallel(data_parallel, compression, min_size))
     if device_type == "cuda":   # the CUDA libraries' own device memory comes out of the budget first
+        from harmony.base.process import cuda_expandable_segments
         from harmony.compiler.machine import cuda_library_bytes
-        from harmony.process import cuda_expandable_segments
         config.expandable_segments = cuda_expandable_segments()
         config.device_reserved = cuda_library_bytes(device, config.compute_dtype)
         if config.device_reserved >= config.memory_budget:
@@ -214,7 +216,7 @@ def compile(model: torch.nn.Module, example_batch, *, optimizer=torch.optim.Adam
 def shard_over_ranks(config: CompileConfig, gm, shares: list[float]) -> None:
     """Sharded optimizer state: each parameter's owning rank, from byte ``shares`` (runtime/shard.py)."""
     from harmony.runtime.shard import owners
-    config.state_owner = owners([(n, p.numel() * p.element_size()) for n, p in gm.named_parameters()
+    config.state_owner = owners([(n, nbytes(p)) for n, p in gm.named_parameters()
                                  if p.requires_grad], shares)
 
 
@@ -333,7 +335,7 @@ class ScheduledModule(torch.nn.Module):
                                    speed_factor=getattr(cfg, "speed_factor", 1.0))
             self.predicted = memory_curve(program, check_residency=False)
             if cfg.host_memory_budget is not None:   # the host's memory is budgeted: freed buffers must go back
-                from harmony.process import return_freed_memory
+                from harmony.base.process import return_freed_memory
                 return_freed_memory()
             if "disk" in getattr(plan, "optim_on", {}).values():   # the disk tiers: their directories are made now
                 from harmony.runtime.disk import DiskTier

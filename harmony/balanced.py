@@ -14,12 +14,12 @@ import time
 import torch
 
 from harmony.api import ScheduledModule, _run_passes, shard_over_ranks
+from harmony.base.errors import ConfigError, HarmonyError
+from harmony.base.units import parse_bytes
 from harmony.compiler import cost
 from harmony.compiler.ir import CompileConfig, Program
 from harmony.compiler.trace import trace
 from harmony.data import resolve as resolve_data_parallel
-from harmony.errors import ConfigError, HarmonyError
-from harmony.units import parse_bytes
 
 
 def compile_balanced(model, names, batch, spec, t0, *, optimizer, optimizer_kwargs, memory_budget, microbatches,

@@ -42,10 +42,10 @@ from pathlib import Path
 import torch
 
 from harmony import checkpoint_files as ckfiles
+from harmony.base.errors import CheckpointError
+from harmony.base.units import fmt_bytes
 from harmony.checkpoint_files import MANIFEST
 from harmony.checkpoint_state import LiveState
-from harmony.errors import CheckpointError
-from harmony.units import fmt_bytes
 
 FORMAT = 1
 KIND = "harmony-checkpoint"

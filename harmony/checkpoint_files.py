@@ -1,4 +1,5 @@
-"""The files of a checkpoint directory: written under a temporary name and swapped in by rename, found again after a crash.
+"""The files of a checkpoint directory: written under a temporary name and swapped in by rename, found again after a
+crash.
 
 ``harmony.checkpoint`` decides what a checkpoint holds; this module only makes a directory of
 files appear atomically and reads it back with its checksums:
@@ -27,9 +28,9 @@ from pathlib import Path
 
 import torch
 
-from harmony.errors import CheckpointError
-from harmony.process import pid_alive
-from harmony.units import fmt_bytes
+from harmony.base.errors import CheckpointError
+from harmony.base.process import pid_alive
+from harmony.base.units import fmt_bytes
 
 MANIFEST = "manifest.json"
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from harmony.base.units import nbytes
+
 
 class LiveState:
     """Where a compiled module's training state lives right now, read and written in place.
@@ -128,8 +130,8 @@ class LiveState:
         return {"model": model, "optimizer": optim}
 
     def nbytes(self) -> int:
-        total = sum(_nbytes(t) for t in self.tensors.values())
-        return total + sum(_nbytes(v) for n in self.optimizers for v in self.optim_state(n).values()
+        total = sum(nbytes(t) for t in self.tensors.values())
+        return total + sum(nbytes(v) for n in self.optimizers for v in self.optim_state(n).values()
                            if isinstance(v, torch.Tensor))
 
     # -- writing, in place --------------------------------------------------------------------
@@ -189,14 +191,10 @@ class LiveState:
                         group[k] = _like(group.get(k), v)
 
 
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
 def _own_bytes(t: torch.Tensor) -> torch.Tensor:
     """``torch.save`` writes a tensor's whole storage: a view into a larger buffer is copied out first."""
     t = t.detach()
-    if t.storage_offset() == 0 and t.is_contiguous() and t.untyped_storage().nbytes() == _nbytes(t):
+    if t.storage_offset() == 0 and t.is_contiguous() and t.untyped_storage().nbytes() == nbytes(t):
         return t
     return t.clone()
 

@@ -14,7 +14,8 @@ import os
 
 import torch
 
-from harmony.errors import ConfigError, InputError
+from harmony.base.errors import ConfigError, InputError
+from harmony.runtime.compression import DEFAULT_MIN_SIZE
 
 
 def _dist():
@@ -40,7 +41,7 @@ def current_world() -> int:
     return _dist().get_world_size() if initialized() else 1
 
 
-def resolve(data_parallel=None, compression=None, min_size: int = 16) -> dict:
+def resolve(data_parallel=None, compression=None, min_size: int = DEFAULT_MIN_SIZE) -> dict:
     """The ``CompileConfig`` fields for ``harmony.compile(data_parallel=..., compression=..., min_size=...)``.
 
     ``None``: data parallel when this process is one of several -- a process group is initialised

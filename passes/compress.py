@@ -41,13 +41,14 @@ import time
 import torch
 import torch.fx
 
+from harmony.base.errors import ConfigError
+from harmony.base.units import nbytes
 from harmony.compiler.ir import PassReport, PassResult, Program, calls, copy_graph
 from harmony.compiler.meta import SCHEDULE
-from harmony.errors import ConfigError
 from harmony.runtime import ops
 from harmony.runtime.collectives import DEFAULT_FUSION_BYTES, ring_bytes
 from harmony.runtime.communicator import comm_stats
-from harmony.runtime.compression import NO_COMPRESSION, CompressionSpec, spec_for, wire_bytes
+from harmony.runtime.compression import DEFAULT_MIN_SIZE, NO_COMPRESSION, CompressionSpec, spec_for, wire_bytes
 
 NAME = "compress"
 REQUIRES = {"schedule", "placement"}
@@ -180,11 +181,11 @@ def insert_sync(program: Program, world: int) -> dict:
     of sharded optimizer state (plan.state_owner) and the buffers forward mutates (from rank 0)."""
     plan = program.plan
     sizes = dict(program.gm.named_buffers())
-    plan.sync_buffers = {n: sizes[n].numel() * sizes[n].element_size()
+    plan.sync_buffers = {n: nbytes(sizes[n])
                          for n in sorted({b for s in plan.packs for b in s.mutated}) if n in sizes}
     if not plan.state_owner and not plan.sync_buffers:
         return {}
-    from harmony.runtime import shard   # registers sync_state
+    from harmony.runtime import shard  # registers sync_state
     node = _emit(program.schedule, calls(program.schedule)[-1], shard.sync_state, (world,), {}, "sync_state")
     node.meta[SCHEDULE] = {"pack": None}
     out = dict(sync_buffer_bytes=sum(plan.sync_buffers.values()))
@@ -226,7 +227,7 @@ def broadcast_state(program: Program) -> int:
             for t in ts:
                 t.copy_(flat[off: off + t.numel()].view_as(t))
                 off += t.numel()
-            total += flat.numel() * flat.element_size()
+            total += nbytes(flat)
     return total
 
 
@@ -306,7 +307,7 @@ def run(program: Program, ctx) -> PassResult:
     warmup = getattr(cfg, "adaptive_warmup", ADAPTIVE_WARMUP) if adaptive else 0
     min_size = cfg.min_size
     kwargs = dict(kind=spec.kind, world=world, **spec_kwargs(spec))
-    if min_size != 16:
+    if min_size != DEFAULT_MIN_SIZE:
         kwargs["min_size"] = min_size
     if warmup:
         kwargs["warmup"] = warmup
@@ -370,7 +371,8 @@ def run(program: Program, ctx) -> PassResult:
     if broadcast is not None:
         report.totals["broadcast_bytes"] = broadcast
         report.notes.append("rank 0's parameters and buffers were broadcast to every rank (as DDP's constructor "
-                            "does)" + ("; the buffers forward mutates (batch-norm statistics) are broadcast from rank 0 "
+                            "does)" + ("; the buffers forward mutates (batch-norm statistics) are broadcast from "
+                                       "rank 0 "
                                        "again after every step (sync_state), as DDP's broadcast_buffers does"
                                        if plan.sync_buffers else ""))
     if weight is None:

@@ -52,10 +52,10 @@ from __future__ import annotations
 
 import time
 
+from harmony.base.errors import BudgetError, ConfigError
+from harmony.base.units import fmt_bytes, nbytes
 from harmony.compiler.ir import PassReport, PassResult, Program
 from harmony.compiler.verify import memory_curve
-from harmony.errors import BudgetError, ConfigError
-from harmony.units import fmt_bytes
 from harmony.runtime import ops
 
 NAME = "offload"
@@ -114,7 +114,8 @@ def run(program: Program, ctx) -> PassResult:
     for n in program.schedule.nodes:     # overlapped with the next backward (the swap pass may make it inline)
         if n.op == "call_function" and n.target is ops.step and n.args[0] in whole:
             n.kwargs = {**n.kwargs, "where": "disk", "overlap": True}
-    # weights are read for the forward and the backward; under harmony the step takes the backward's (runtime/diskparams.py)
+    # weights are read for the forward and the backward; under harmony the step takes the backward's
+    # (runtime/diskparams.py)
     weight_reads = 2 if cfg.policy == "harmony" else 3
     rows = []
     for spec in plan.packs:
@@ -194,8 +195,8 @@ def place_state(program: Program) -> tuple[set[int], set[int], dict]:
     cfg, plan = program.config, program.plan
     budget = getattr(cfg, "host_memory_budget", None)
     gm = program.gm
-    sizes = {n: t.numel() * t.element_size() for n, t in gm.named_parameters()}
-    buffers = sum(t.numel() * t.element_size() for t in gm.buffers())
+    sizes = {n: nbytes(t) for n, t in gm.named_parameters()}
+    buffers = sum(nbytes(t) for t in gm.buffers())
     owned = {s.index: sum(sizes.get(n, 0) for n in s.owned) for s in plan.packs}
     # a pack's gradients on the host between its release and its step; under mixed precision they arrive in
     # the compute dtype and step as fp32 copies, and fp16 holds every pack's until the last is checked

@@ -25,14 +25,14 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 
-from harmony.compiler.pack_cost import measure_pack
+from harmony.base.errors import BudgetError
+from harmony.base.units import fmt_bytes, nbytes
 from harmony.compiler.ir import PassReport, PassResult, Program
 from harmony.compiler.meta import COST, MODULE_PATH, PACK, STATE
-from harmony.errors import BudgetError
+from harmony.compiler.pack_cost import measure_pack
 from harmony.passes.partition_cost import PackCost, device_sizes
 from harmony.passes.partition_search import plan_packs, working_set_cap
 from harmony.runtime.plan import PackSpec, Plan, optim_state_bytes, step_extra
-from harmony.units import fmt_bytes
 
 NAME = "partition"
 REQUIRES = {"cost"}
@@ -168,7 +168,7 @@ def build_packs(program: Program, cuts: list[tuple[int, int]], units: list[Unit]
     loss_node = output.args[0]
     trainable = dict.fromkeys(n for n, p in gm.named_parameters() if p.requires_grad)   # model order: not a set
     sizes = device_sizes(program)
-    master = {n: t.numel() * t.element_size() for n, t in gm.named_parameters()}
+    master = {n: nbytes(t) for n, t in gm.named_parameters()}
     specs = []
     users_of = {}
     for i in range(len(cuts)):
@@ -266,8 +266,7 @@ def _layers_alone(program: Program, units: list[Unit]):
 
 def _smallest_budget(program: Program, units: list[Unit]) -> int:
     """The budget at which every layer fits alone, measured, with the planner's headroom added back."""
-    need = _layers_alone(program, units)[2]
-    return int(need / (1 - program.config.headroom) * 1.05) + 1 + program.config.device_reserved
+    return program.config.budget_for(_layers_alone(program, units)[2])
 
 
 def _split(gm, nodes, inputs, outputs) -> torch.fx.GraphModule:

@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING
 
 import pulp
 
-from harmony import ilp
+from harmony.base import ilp
+from harmony.base.units import nbytes
 from harmony.compiler.ir import Program
 from harmony.passes.offload import step_place
 from harmony.passes.swap import mixed_placement
@@ -40,7 +41,7 @@ class PackCost:
         self.memo: dict = {}
         self.lp_memo: dict = {}      # ``residency`` of each partition priced
         self.sizes = device_sizes(program)       # bytes on the device (compute copies under mixed precision)
-        self.master = {n: t.numel() * t.element_size() for n, t in program.gm.named_parameters()}
+        self.master = {n: nbytes(t) for n, t in program.gm.named_parameters()}
         self.state_per_byte = program.optim_profile["state_per_byte"]   # per byte of fp32 master
 
     def __call__(self, s: int, e: int, last: bool) -> tuple[float, float]:
@@ -188,7 +189,8 @@ class PackCost:
             # a step slower on this machine); the swap pass still holds weights where its curve finds room
             saved = 0.0
         else:   # parameters kept for good save every trip they make, all but the optimizer state's
-            rates = [(self.visits(s, i == last) + self.grad_moves() + 1, o) for i, ((s, _), o) in enumerate(zip(cuts, own))]
+            rates = [(self.visits(s, i == last) + self.grad_moves() + 1, o)
+                     for i, ((s, _), o) in enumerate(zip(cuts, own))]
             if all_params <= budget:
                 optim_held = min(optim, budget - all_params)
                 saved = self.fill(rates, total) + 2 * optim_held + 4 * min(crossing, budget - all_params - optim_held)
@@ -203,7 +205,8 @@ class PackCost:
             recompute = 0 if i == last or i in kept else 1
             us = self.units[s:e]
             flops = sum(u.fwd_flops * (1 + recompute) + u.bwd_flops for u in us) * m
-            pack = max(flops / cfg.flops, share * self.traffic(s, e, i == last, host) / cfg.copy_bandwidth) + PACK_SECONDS
+            copies = share * self.traffic(s, e, i == last, host) / cfg.copy_bandwidth
+            pack = max(flops / cfg.flops, copies) + PACK_SECONDS
             seconds += pack
             back = sum(u.fwd_flops * recompute + u.bwd_flops + (u.fwd_flops if i == last else 0) for u in us) * m
             backward.append(pack * back / flops if flops else pack)
@@ -212,7 +215,8 @@ class PackCost:
     @staticmethod
     def fill(rates: list[tuple[float, float]], room: float) -> float:
         """Bytes moved that ``room`` bytes held save, holding the most saved per byte first: ``rates`` are (bytes saved
-        per byte held, bytes that may be held); a pack's weights may be held in part (the swap pass's single weights)."""
+        per byte held, bytes that may be held); a pack's weights may be held in part (the swap pass's single
+        weights)."""
         saved, room = 0.0, max(0.0, room)
         for rate, size in sorted(rates, reverse=True):
             held = min(size, room)

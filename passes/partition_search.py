@@ -49,8 +49,8 @@ def _cuts(choice: list[int], end: int) -> list[tuple[int, int]]:
 
 def least_traffic(units: list[Unit], sizes: dict, microbatches: int, work, cap: float, budget: float,
                   tolerance: float = 1e-3):
-    """The contiguous partition of ``units`` that leaves the least traffic under the harmony policy with host steps, by a
-    bound on ``PackCost.residency`` that a DP can minimise: ``(bound, cuts)``, or None if no partition's packs all
+    """The contiguous partition of ``units`` that leaves the least traffic under the harmony policy with host steps, by
+    a     bound on ``PackCost.residency`` that a DP can minimise: ``(bound, cuts)``, or None if no partition's packs all
     have a working set ``work(s, e)`` within ``cap``.
 
     From the constraint at pack j's backward in ``residency``: what is held for good or for the packs before j, with

@@ -18,9 +18,9 @@ import time
 
 import torch.fx
 
+from harmony.base.errors import ConfigError
 from harmony.compiler.ir import PassReport, PassResult, Program
 from harmony.compiler.meta import SCHEDULE
-from harmony.errors import ConfigError
 from harmony.runtime import ops
 
 NAME = "schedule"

@@ -56,14 +56,15 @@ and so on) is ``passes/swap_graph.py``.
 from __future__ import annotations
 
 import time
+
+from harmony.base.errors import BudgetError
+from harmony.base.units import fmt_bytes
 from harmony.compiler.ir import PassReport, PassResult, Program, calls
 from harmony.compiler.verify import memory_curve, state_sizes
-from harmony.errors import BudgetError
 from harmony.passes import swap_lp
-from harmony.passes.swap_graph import (COMPUTE, KINDS, Choice, build, insert_swaps, param_swaps, stash_groups)
+from harmony.passes.swap_graph import COMPUTE, KINDS, Choice, build, insert_swaps, param_swaps, stash_groups
 from harmony.runtime import ops
 from harmony.runtime.plan import step_extra
-from harmony.units import fmt_bytes
 
 NAME = "swap"
 REQUIRES = {"schedule", "placement"}
@@ -300,8 +301,7 @@ def run(program: Program, ctx) -> PassResult:
                             f"through the next pack's backward")
     if curve.peak > budget:
         at = curve.nodes[curve.argmax()]
-        cfg = program.config
-        need = int(cfg.state_budget * curve.peak / budget * 1.05) + 1 + cfg.device_reserved
+        need = program.config.budget_for(curve.peak)
         raise BudgetError(
             f"no schedule fits memory_budget={fmt_bytes(program.config.memory_budget)}: with every pack swapped "
             f"and every activation stashed, the predicted peak is {fmt_bytes(curve.peak)} at {at.name}, over "
@@ -316,7 +316,8 @@ def run(program: Program, ctx) -> PassResult:
             visits = len(swaps.get(spec.index, ([], []))[0])
             if visits > 1:
                 candidates.append((visits - 1, spec.param_bytes + spec.buffer_bytes, ("held", spec.index)))
-            if spec.stepped and may_step_on_device(program, spec.index):   # beyond held weights: their swap_in, grads out
+            # beyond held weights: their swap_in, grads out
+            if spec.stepped and may_step_on_device(program, spec.index):
                 held = spec.param_bytes + spec.buffer_bytes + spec.optim_bytes
                 candidates.append(((spec.param_bytes + spec.buffer_bytes) * 2 / held, held, ("device", spec.index)))
             continue

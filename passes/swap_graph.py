@@ -26,7 +26,8 @@ class Choice(NamedTuple):
     kept: frozenset = frozenset()     # packs whose forward's graph is kept (no recompute)
     held: frozenset = frozenset()     # host-stepped packs whose weights stay between visits of an iteration
     device: frozenset = frozenset()   # host-stepped packs moved to a device step, all their state resident
-    parts: frozenset = frozenset()    # (pack, param): single weights held between visits, where the whole pack's are not
+    parts: frozenset = frozenset()    # (pack, param): single weights held between visits, where the whole pack's
+                                      # are not
     steps: frozenset = frozenset()    # (pack, param): single parameters of host-stepped packs stepped on the device
     carried: frozenset = frozenset()  # wholly-disk packs whose stepped weights stay for the next iteration's forward
 

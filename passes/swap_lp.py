@@ -29,10 +29,11 @@ from __future__ import annotations
 
 import pulp
 
-from harmony import ilp
+from harmony.base import ilp
 from harmony.compiler.ir import Program
 from harmony.passes.swap_graph import COMPUTE, KINDS, Choice
 from harmony.runtime import ops
+
 TIME_LIMIT = 5.0       # seconds: the program is solved in well under one on the benchmark's models
 
 
@@ -104,8 +105,8 @@ def rises(curve, plan, groups: dict, swaps: dict, optim_per_byte: float) -> dict
 
 
 def graph_spans(curve, plan, pack: int):
-    """Where keeping ``pack``'s forward graph adds bytes to ``curve``: (forward, backward, bytes) for each microbatch, its
-    saved activations from its forward to its backward, less the inputs that backward is the last to read."""
+    """Where keeping ``pack``'s forward graph adds bytes to ``curve``: (forward, backward, bytes) for each microbatch,
+    its saved activations from its forward to its backward, less the inputs that backward is the last to read."""
     nodes = curve.nodes
     at = {n: i for i, n in enumerate(nodes)}
     saved, fwd = plan.packs[pack].saved_bytes, {}

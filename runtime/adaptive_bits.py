@@ -19,8 +19,8 @@ from typing import Iterable, Mapping, Sequence
 import pulp
 import torch
 
-from harmony import ilp
-from harmony.errors import ConfigError
+from harmony.base import ilp
+from harmony.base.errors import ConfigError
 from harmony.runtime.compression import CompressionSpec, wire_bytes
 
 CANDIDATES = (2, 3, 4, 6, 8)

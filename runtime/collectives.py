@@ -32,9 +32,17 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from harmony.errors import CommunicationError, ConfigError
-from harmony.runtime.compression import (DEFAULT_MIN_SIZE, NO_COMPRESSION, CompressionSpec, Packed, dequantize,
-                                         quantize, spec_for, wire_bytes)
+from harmony.base.errors import CommunicationError, ConfigError
+from harmony.runtime.compression import (
+    DEFAULT_MIN_SIZE,
+    NO_COMPRESSION,
+    CompressionSpec,
+    Packed,
+    dequantize,
+    quantize,
+    spec_for,
+    wire_bytes,
+)
 
 DEFAULT_FUSION_BYTES = 64 << 20  # fp32 bytes per fused buffer
 
@@ -180,7 +188,8 @@ def allreduce(tensors: Sequence[torch.Tensor], spec: CompressionSpec | Sequence[
     tensors = list(tensors)
     specs = list(spec) if isinstance(spec, (list, tuple)) else [spec] * len(tensors)
     if len(specs) != len(tensors):
-        raise ConfigError(f"allreduce got {len(specs)} specs for {len(tensors)} tensors; pass one spec or one per tensor")
+        raise ConfigError(f"allreduce got {len(specs)} specs for {len(tensors)} tensors; pass one spec or one per "
+                          f"tensor")
     specs = [spec_for(t, s, min_size) for t, s in zip(tensors, specs)]
     if any(s.error_feedback for s in specs) and error_feedback_state is None:
         raise ConfigError("a spec has error_feedback=True but allreduce got no error_feedback_state; "

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from harmony.errors import ConfigError
+from harmony.base.errors import ConfigError
+from harmony.base.units import nbytes
 
 KINDS = ("none", "fp16", "bf16", "quantized")
 ROUNDINGS = ("stochastic", "nearest")
@@ -173,7 +174,7 @@ class Packed:
 
     @property
     def nbytes(self) -> int:
-        return self.data.numel() + self.mins.numel() * self.mins.element_size() * 2
+        return self.data.numel() + nbytes(self.mins) * 2
 
     def to_wire(self) -> torch.Tensor:
         """One uint8 tensor: mins, scales, levels -- exactly ``nbytes`` long."""

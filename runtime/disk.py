@@ -54,15 +54,16 @@ import tempfile
 import threading
 import time
 import weakref
-from concurrent.futures import Future, ThreadPoolExecutor, wait as wait_all
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_all
 from pathlib import Path
 
 import torch
 
-from harmony.errors import OffloadError
-from harmony.process import pid_alive, started_pool
+from harmony.base.errors import OffloadError
+from harmony.base.process import pid_alive, started_pool
+from harmony.base.units import fmt_bytes
 from harmony.runtime.iobuffers import ALIGN, KEEP_FREE, Buffers, align_up
-from harmony.units import fmt_bytes
 
 SLOT = 64                      # tensors of a pack start at multiples of this within its range
 CHUNK = 16 << 20               # bytes per pwrite/preadv call
@@ -82,10 +83,6 @@ O_DIRECT = getattr(os, "O_DIRECT", 0)
 _pwrite = os.pwrite
 _preadv = os.preadv
 _open = os.open
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
 
 
 def layout(specs) -> tuple[list[int], int]:
@@ -477,7 +474,8 @@ class DiskStore:
 
 
 def _views(buf: torch.Tensor, specs, offsets, base: int = 0) -> list[torch.Tensor]:
-    """Tensors of ``specs`` [(shape, dtype)] at file ``offsets`` in ``buf``, whose byte 0 is the file's byte ``base``."""
+    """Tensors of ``specs`` [(shape, dtype)] at file ``offsets`` in ``buf``, whose byte 0 is the file's byte
+    ``base``."""
     return [buf[o - base:o - base + _numel(shape) * _itemsize(dtype)].view(dtype).view(shape)
             for (shape, dtype), o in zip(specs, offsets)]
 

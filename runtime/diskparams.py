@@ -59,11 +59,12 @@ from __future__ import annotations
 
 import threading
 import time
-from concurrent.futures import Future, wait as wait_all
+from concurrent.futures import Future
+from concurrent.futures import wait as wait_all
 
 import torch
 
-from harmony.errors import OffloadError
+from harmony.base.errors import OffloadError
 
 PARAM = "param"     # the layout key of a group's weights (optimizer state keys are the optimizer's)
 _NAN: dict[torch.dtype, torch.Tensor] = {}
@@ -152,7 +153,8 @@ class DiskParams:
                           in_place=0)
 
     @classmethod
-    def create(cls, plan, graph, tensors: dict, optimizers: dict, meter, device, offload_dir=None) -> "DiskParams | None":
+    def create(cls, plan, graph, tensors: dict, optimizers: dict, meter, device,
+               offload_dir=None) -> "DiskParams | None":
         """Write the weights of the packs ``plan.master_on`` places on disk to their files, leave placeholders."""
         from harmony.runtime.disk import DiskStore, step_order
         placed = getattr(plan, "master_on", {}) or {}

@@ -16,7 +16,7 @@ import weakref
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from harmony.errors import DeviceOutOfMemory
+from harmony.base.errors import DeviceOutOfMemory
 
 
 def _storages(x, out: list) -> list:

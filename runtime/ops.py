@@ -20,7 +20,9 @@ from typing import Callable
 
 import torch
 
-from harmony.runtime.plan import step_traffic
+from harmony.base.units import nbytes
+from harmony.runtime.compression import DEFAULT_MIN_SIZE
+from harmony.runtime.plan import NOMINAL_NETWORK_BANDWIDTH, NOMINAL_NETWORK_LATENCY, step_traffic
 from harmony.runtime.precision import device_dtype, master_grads
 
 
@@ -56,7 +58,8 @@ class MemoryModel:
     dirty: set = field(default_factory=set)
     moved: dict = field(default_factory=lambda: {"h2d": 0, "d2h": 0})
     handed: dict = field(default_factory=dict)   # pack -> gradient bytes its release left for a disk step
-    overlapping: int = 0   # bytes an overlapped disk step holds on the device (gradients, handed weights) until the next
+    overlapping: int = 0   # bytes an overlapped disk step holds on the device (gradients, handed weights) until the
+                           # next
 
     def hold(self, kind, names, moves: bool = True):
         """Take a reference to each; the first brings its bytes onto the device (``moves``: copied in, else
@@ -202,10 +205,6 @@ def resident_state(plan):
             yield what, parts
 
 
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
 # -- swap_in / wait / release ------------------------------------------------------------------
 def _swap_in_execute(rt, pack, what, held=(), carried=False):
     # ``carried``: the disk tier hands over the weights its last step left on the device instead of reading them
@@ -288,7 +287,7 @@ def _load_batch_execute(rt, mb, names):
         dst = torch.empty(src.shape, dtype=device_dtype(src, rt.compute_dtype), device=rt.device)
         rt.meter.track(dst)
         dst.copy_(src)
-        rt.state.moved["h2d"] += _nbytes(dst)
+        rt.state.moved["h2d"] += nbytes(dst)
         out[n] = dst
     return Acts(out)
 
@@ -322,7 +321,7 @@ def _unstash_execute(rt, acts):
         dst = torch.empty_like(v, device=rt.device)
         rt.meter.track(dst)
         dst.copy_(v)
-        rt.state.moved["h2d"] += _nbytes(dst)
+        rt.state.moved["h2d"] += nbytes(dst)
         out[k] = dst
     return Acts(out)
 
@@ -563,7 +562,7 @@ def _step_execute(rt, pack, stream=False, where="device", overlap=False):
             return
         pd.join()            # the previous overlapped step (the memory plan frees its gradients here)
         handed = [rt.state.tensors[n].grad for n in spec.owned]
-        rt.state.moved["d2h"] += sum(_nbytes(g) for g in handed if g is not None and rt.meter.holds(g))
+        rt.state.moved["d2h"] += sum(nbytes(g) for g in handed if g is not None and rt.meter.holds(g))
         fut = pd.step_in_background(rt.state.host_pool, pack, lambda g: rt.state.to_host(g, count=False))
         rt.state.pending.update((n, fut) for n in spec.owned)
         return
@@ -723,11 +722,11 @@ def streamed_optim_bytes(plan, pack: int) -> int:
 
 # -- allreduce: data-parallel gradient averaging (inserted by the compress pass) ----------------------
 def allreduce(pack: int, kind: str = "none", *, world: int = 1, where: str = "device", sync: bool = False,
-              min_size: int = 16, warmup: int = 0, weight: float | None = None, **spec): ...
+              min_size: int = DEFAULT_MIN_SIZE, warmup: int = 0, weight: float | None = None, **spec): ...
 
 
-def _allreduce_execute(rt, pack, kind="none", *, world=1, where="device", sync=False, min_size=16, warmup=0,
-                       weight=None, **spec):
+def _allreduce_execute(rt, pack, kind="none", *, world=1, where="device", sync=False, min_size=DEFAULT_MIN_SIZE,
+                       warmup=0, weight=None, **spec):
     """Average the pack's gradients over ranks.
 
     ``where="host"``: the gradients were released to the host; average the host copies on the host
@@ -739,8 +738,8 @@ def _allreduce_execute(rt, pack, kind="none", *, world=1, where="device", sync=F
     """
     from concurrent.futures import Future
 
-    from harmony.runtime.memory import CountAllocations
     from harmony.runtime.communicator import communicator
+    from harmony.runtime.memory import CountAllocations
     first = next((n.args[0] for n in rt.graph.nodes if n.op == "call_function" and n.target is allreduce), None)
     comm = communicator(rt, first, kind, world, min_size, warmup, spec, weight)
     if rt.on_demand is not None:
@@ -806,8 +805,8 @@ def _allreduce_cost(plan, hw, pack, kind="none", *, world=1, bits=4, **kw):
     size = plan.packs[pack].param_bytes
     per_byte = {"none": 1.0, "fp16": 0.5, "bf16": 0.5}.get(kind, bits / 32 + 2 * 4 / 512 / 4)
     sent = 2 * (world - 1) / max(world, 1) * size * per_byte
-    bandwidth = getattr(hw, "network_bandwidth", 1.25e9)
-    return "network", sent / bandwidth + 2 * (world - 1) * getattr(hw, "network_latency", 50e-6)
+    bandwidth = getattr(hw, "network_bandwidth", NOMINAL_NETWORK_BANDWIDTH)
+    return "network", sent / bandwidth + 2 * (world - 1) * getattr(hw, "network_latency", NOMINAL_NETWORK_LATENCY)
 
 
 # -- what the simulator and drawings need besides ------------------------------------------------

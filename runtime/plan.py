@@ -15,6 +15,12 @@ def optim_state_bytes(profile: dict, nbytes: int) -> int:
     return int(round(profile.get("state_per_byte", 0) * nbytes + profile.get("state_per_tensor", 0)))
 
 
+# A 10 Gb/s Ethernet link: what a cost assumes of a hardware description that gives no network figures
+# (compiler/hardware.NOMINAL holds these). Nominal placeholders, not measurements.
+NOMINAL_NETWORK_BANDWIDTH = 1.25e9     # bytes/s per rank
+NOMINAL_NETWORK_LATENCY = 50e-6        # seconds per message
+
+
 def step_traffic(param_bytes: float, optim_bytes: float) -> float:
     """Memory bytes an optimizer step moves: Adam(W) reads parameter, gradient and state and writes parameter
     and state, and its for-loop form makes temporaries of the parameter's size on the way: 4 x (2 P + O)."""

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import torch
 
+from harmony.base.units import nbytes
 from harmony.runtime.ops import register
+from harmony.runtime.plan import NOMINAL_NETWORK_BANDWIDTH, NOMINAL_NETWORK_LATENCY
 
 
 def owners(sizes: list[tuple[str, int]], shares: list[float]) -> dict[str, int]:
@@ -75,7 +77,7 @@ def _broadcast(st, names: list[str], src: int, mine: int) -> None:
     with torch.no_grad():
         if src == mine:
             flat = torch.cat([t.data.detach().reshape(-1).cpu() for t in ts])
-            st.moved["d2h"] += sum(_nbytes(t) for t in ts if st._on_device(t.data))
+            st.moved["d2h"] += sum(nbytes(t) for t in ts if st._on_device(t.data))
         else:
             flat = torch.empty(sum(t.numel() for t in ts), dtype=ts[0].dtype)
         dist.broadcast(flat, src=src)
@@ -86,12 +88,8 @@ def _broadcast(st, names: list[str], src: int, mine: int) -> None:
             t.data.copy_(flat[off: off + t.numel()].view_as(t))
             off += t.numel()
             if st._on_device(t.data):
-                st.moved["h2d"] += _nbytes(t)
+                st.moved["h2d"] += nbytes(t)
                 st.dirty.add(n)          # the host master is stale until the device copy goes back
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
 
 
 def _synced(plan):
@@ -116,8 +114,8 @@ def _sync_effect(m, world):
 def _sync_cost(plan, hw, world):
     """Every rank receives what it is not the source of (a broadcast per source and dtype), at network speed."""
     received = sum(b for _, src, b in _synced(plan) if src != plan.rank)
-    bandwidth = getattr(hw, "network_bandwidth", 1.25e9)
-    return "network", received / bandwidth + world * getattr(hw, "network_latency", 50e-6)
+    bandwidth = getattr(hw, "network_bandwidth", NOMINAL_NETWORK_BANDWIDTH)
+    return "network", received / bandwidth + world * getattr(hw, "network_latency", NOMINAL_NETWORK_LATENCY)
 
 
 register(sync_state, _sync_execute, _sync_effect, _sync_cost, "copy", colour="#fcbba1")

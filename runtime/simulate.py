@@ -64,8 +64,7 @@ from dataclasses import dataclass, field
 import torch.fx
 
 from harmony.runtime.executor import TraceEvent
-from harmony.runtime.ops import (MemoryModel, device_part_cost, moving_names, op_of, resident_state,
-                                 streamed_optim_bytes)
+from harmony.runtime.ops import MemoryModel, device_part_cost, moving_names, op_of, resident_state, streamed_optim_bytes
 from harmony.runtime.plan import Plan
 
 STREAMS = ("compute", "h2d", "d2h", "disk", "network")

@@ -13,7 +13,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from harmony.process import run_when_idle, started_pool
+from harmony.base.process import run_when_idle, started_pool
+from harmony.base.units import nbytes
 from harmony.runtime.memory import MemoryMeter
 
 
@@ -78,7 +79,7 @@ class TieredState:
         # OpenMP team as wide as the machine stalls both teams at their barriers: in the offload
         # benchmark's backward the cores were busy 1.59-1.64 of 2 with it, 1.69-1.70 without, and whole
         # steps took 20.0-23.5 s against 18.4-20.2 (runs alternated, process CPU time sampled every 20 ms).
-        # With ``idle_host`` it also runs at idle priority there (harmony.process.run_when_idle): on a core the
+        # With ``idle_host`` it also runs at idle priority there (harmony.base.process.run_when_idle): on a core the
         # team and the disk threads leave. (Not where it runs all-reduces: other ranks wait for those.)
         one = device.type == "cpu" and torch.get_num_threads() > 1
         self.host_idle = None             # whether the host thread runs at idle priority (once it has started)
@@ -158,7 +159,7 @@ class TieredState:
         dst = torch.empty(src.shape, dtype=src.dtype, pin_memory=self.pin)
         dst.copy_(src)
         if count:
-            self.moved["d2h"] += src.numel() * src.element_size()
+            self.moved["d2h"] += nbytes(src)
         return dst
 
     def _slots(self, kind: str, name: str):
@@ -192,13 +193,13 @@ class TieredState:
                 cast = self.compute_dtype if kind == "params" and src.is_floating_point() else None
                 dst = torch.empty_like(src, device=self.device, dtype=cast)
                 self.meter.track(dst)
-                self.moved["h2d"] += dst.numel() * dst.element_size()
+                self.moved["h2d"] += nbytes(dst)
                 jobs.append((write, dst, src))
         if from_disk:        # weights of packs wholly on disk: read from their files (into device memory on the CPU)
             reads, placed = self.params_disk.read_params(from_disk)
             for name, dst, src in placed:
                 jobs.append((lambda d, n=name: self.set_data(n, d), dst, src))
-                self.moved["h2d"] += dst.numel() * dst.element_size()
+                self.moved["h2d"] += nbytes(dst)
         if not jobs:
             return None
 
@@ -236,7 +237,7 @@ class TieredState:
                 if self._on_device(t.data):
                     if name in self.dirty:
                         self.master[name].copy_(t.data)
-                        self.moved["d2h"] += t.numel() * t.element_size()
+                        self.moved["d2h"] += nbytes(t)
                     self.set_data(name, self.master[name])
                 self.dirty.discard(name)
                 continue

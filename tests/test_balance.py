@@ -1,5 +1,4 @@
 """The balance ILP: the known optimum on small clusters, and a clear error when the cluster is too small."""
-import dataclasses
 import itertools
 from dataclasses import dataclass
 
@@ -93,7 +92,8 @@ class Banded(Dev):
 
 def test_a_slow_host_link_takes_work_off_a_device_that_must_swap():
     # fast-small swaps 1e8 bytes per sample of its microbatch (its activations push weights out)
-    devices = lambda link: [LinkedDev("fast-small", 2.1e9, 4e9, h2d_bandwidth=link), LinkedDev("slow-big", 8e9, 1e9)]
+    def devices(link):
+        return [LinkedDev("fast-small", 2.1e9, 4e9, h2d_bandwidth=link), LinkedDev("slow-big", 8e9, 1e9)]
     quick = balance(REPLICATED, devices(1e12), global_batch=12, max_microbatches=4)
     slow = balance(REPLICATED, devices(2e8), global_batch=12, max_microbatches=4)
     assert quick.shares[0].samples == 10 and quick.step_seconds == pytest.approx(2.5)   # by FLOPs: 10 vs 2

@@ -17,7 +17,7 @@ import harmony.checkpoint as ckpt
 import harmony.checkpoint_files as ckfiles
 from harmony.errors import CheckpointError
 from harmony.models import GPT, GPTConfig, copy_task
-from harmony.process import peak_rss_bytes
+from harmony.base.process import peak_rss_bytes
 from models import assert_bitwise, params
 
 CFG = GPTConfig(layers=4, width=64, vocab=64, seq=16, tie=False)

@@ -22,7 +22,8 @@ from harmony.errors import CommunicationError, ConfigError
 from harmony.runtime.adaptive_bits import (ErrorMeter, choose_bits, choose_bits_across_ranks, measure_errors,
                                           quantization_error, specs_for_bits)
 from harmony.runtime.collectives import allreduce
-from harmony.runtime.compression import (CompressionSpec, Packed, dequantize, pack_bits, quantize, spec_for, unpack_bits,
+from harmony.runtime.compression import (CompressionSpec, Packed, dequantize, pack_bits, quantize, spec_for,
+                                         unpack_bits,
                                          wire_bytes)
 
 
@@ -297,7 +298,8 @@ def _allreduce_checks(rank, world):
     meter.update(grads)
     bits, report = choose_bits_across_ranks(meter.errors(), meter.sizes, uniform_bits=4, bucket_size=64)
     out["adaptive_bits"] = bits
-    out["adaptive_ok"] = report["error"] <= report["error_budget"] and report["objective_bytes"] <= report["uniform_bytes"]
+    out["adaptive_ok"] = (report["error"] <= report["error_budget"]
+                          and report["objective_bytes"] <= report["uniform_bytes"])
 
     # error feedback: summed over steps, the transmitted averages track the true averages
     state, steps = {}, 12

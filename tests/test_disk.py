@@ -165,7 +165,7 @@ def test_mixed_placement_buffered_io_is_bitwise_too(host_run, tmp_path, monkeypa
 def test_on_the_cpu_device_the_host_thread_runs_at_idle_priority(disk_run):
     """Its optimizer steps share the cores with the compute's OpenMP team and the disk threads: they run where
     those leave a core; the thread that runs the schedule, the copy thread and the disk threads keep theirs."""
-    from harmony.process import runs_when_idle
+    from harmony.base.process import runs_when_idle
     sm = disk_run["sm"]
     state = sm.runtime.state
     host = list(state.host_pool._threads)

@@ -68,10 +68,10 @@ def _in_fresh_process(code: str, **env) -> str:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="huge pages: Linux only")
 def test_importing_harmony_turns_on_torchs_huge_page_allocations_unless_the_user_chose():
-    from harmony.process import THP_SYSFS, _read
+    from harmony.base.process import THP_SYSFS, _read
     if "[never]" in _read(THP_SYSFS):
         pytest.skip("transparent huge pages are off on this machine")
-    probe = "import os, harmony, torch; from harmony.process import huge_pages; " \
+    probe = "import os, harmony, torch; from harmony.base.process import huge_pages; " \
             "print(huge_pages(), os.environ.get('THP_MEM_ALLOC_ENABLE'))"
     assert _in_fresh_process(probe) == "True 1"
     assert _in_fresh_process(probe, THP_MEM_ALLOC_ENABLE="0") == "False 0"      # the user's choice stands
@@ -82,10 +82,9 @@ def test_importing_harmony_turns_on_torchs_huge_page_allocations_unless_the_user
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="libgomp's mapping: Linux only")
 def test_importing_harmony_makes_idle_openmp_threads_sleep_unless_the_user_chose():
-    import torch
     if torch.get_num_threads() < 2 or not torch.backends.openmp.is_available():
         pytest.skip("one thread or no OpenMP: no partner to spin")
-    probe = "import os, harmony, torch; from harmony.process import idle_threads_sleep; " \
+    probe = "import os, harmony, torch; from harmony.base.process import idle_threads_sleep; " \
             "print(idle_threads_sleep(), os.environ.get('OMP_WAIT_POLICY'))"
     assert _in_fresh_process(probe) == "True PASSIVE"
     assert _in_fresh_process(probe, OMP_WAIT_POLICY="ACTIVE") == "False ACTIVE"     # the user's choice stands
@@ -95,7 +94,7 @@ def test_importing_harmony_makes_idle_openmp_threads_sleep_unless_the_user_chose
 
 
 def test_the_report_says_whether_huge_pages_are_on():
-    from harmony.process import huge_pages_note, idle_threads_note
+    from harmony.base.process import huge_pages_note, idle_threads_note
     model, data = CASES["mlp"]()
     sm, stats, _ = run_compiled(copy.deepcopy(model), data, 1, training_state_bytes(model), "harmony")
     assert stats[-1]["huge_pages"] is sm.huge_pages

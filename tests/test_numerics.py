@@ -61,7 +61,8 @@ def test_optimizer_on_the_device_matches_eager(case):
     ref, _ = eager_accumulate(model, data, 4)
     ours = copy.deepcopy(model)
     sm, _, _ = run_compiled(ours, data, 4, int(training_state_bytes(model) * 0.5), optimizer_on="device")
-    assert any(n.kwargs.get("stream") for n in sm.graph.nodes if n.op == "call_function" and n.target.__name__ == "step")
+    assert any(n.kwargs.get("stream") for n in sm.graph.nodes
+               if n.op == "call_function" and n.target.__name__ == "step")
     for (name, a), b in zip(ours.named_parameters(), ref.parameters()):
         assert torch.equal(a, b), name
 

@@ -4,7 +4,6 @@ traffic."""
 import copy
 
 import pytest
-import torch
 
 import harmony
 import harmony.passes.swap_lp as swap_lp

@@ -361,7 +361,8 @@ def test_hf_gpt2_through_export(gpt2):
     # Nodes export makes itself (batch sizes, weights) sit with their first user, not at the top level.
     first = next(n for n in gm.graph.nodes if n.op != "placeholder")
     assert first.target == torch.ops.aten.sym_size.int and module_path_of(first) == "transformer"
-    assert {module_path_of(n) for n in gm.graph.nodes if n.op == "get_attr"} <= {p for p, _ in gpt2.named_modules()} - {""}
+    paths = {p for p, _ in gpt2.named_modules()} - {""}
+    assert {module_path_of(n) for n in gm.graph.nodes if n.op == "get_attr"} <= paths
 
 
 def test_hf_bert_through_export(bert):

@@ -1,4 +1,5 @@
-"""The least-traffic partition and its bound (passes/partition_search.py: ``least_traffic``; passes/partition_cost.py: ``residency_lp``), on
+"""The least-traffic partition and its bound (passes/partition_search.py: ``least_traffic``;
+passes/partition_cost.py: ``residency_lp``), on
 synthetic layers: the DP finds the least bound over every partition, and the bound never exceeds what the linear
 program of each partition leaves (the derivation in ``least_traffic``'s docstring, checked numerically)."""
 import itertools

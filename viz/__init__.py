@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from harmony.errors import ConfigError
+from harmony.base.errors import ConfigError
 
 WHAT = ("plan", "model", "schedule", "timeline")
 

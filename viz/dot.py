@@ -14,9 +14,9 @@ from pathlib import Path
 import graphviz
 import torch
 
+from harmony.base.units import fmt_bytes
 from harmony.compiler.meta import COST, MODULE_PATH, PACK
 from harmony.runtime.ops import op_named, op_of
-from harmony.units import fmt_bytes
 
 # ColorBrewer Set3: light qualitative colours, so black labels stay readable; cycles past 12 packs
 PALETTE = ("#8dd3c7", "#ffffb3", "#bebada", "#fb8072", "#80b1d3", "#fdb462",
@@ -168,7 +168,8 @@ def schedule_dot(sm) -> str:
 
 
 def _op_label(node: torch.fx.Node) -> list[str]:
-    """``op`` on the first line, its arguments as its table entry words them (pack / microbatch / what) on the second."""
+    """``op`` on the first line; on the second, its arguments as its table entry words them (pack, microbatch,
+    what)."""
     detail = op_of(node).label(node.args, node.kwargs)
     return [node.target.__name__, detail] if detail else [node.target.__name__]
 

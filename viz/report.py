@@ -22,9 +22,9 @@ import json
 import math
 import textwrap
 
-from harmony.errors import ConfigError
+from harmony.base.errors import ConfigError
+from harmony.base.units import fmt_bytes, nbytes
 from harmony.runtime.precision import device_bytes
-from harmony.units import fmt_bytes
 
 FORMATS = ("text", "markdown", "json")
 
@@ -68,9 +68,9 @@ def _implementation(cfg) -> str:
 def _model(program) -> dict:
     gm = program.gm
     params = list(gm.parameters())          # unique: a tied weight counts once
-    param_bytes = sum(p.numel() * p.element_size() for p in params)
-    grad_bytes = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
-    buffer_bytes = sum(b.numel() * b.element_size() for b in gm.buffers())
+    param_bytes = sum(nbytes(p) for p in params)
+    grad_bytes = sum(nbytes(p) for p in params if p.requires_grad)
+    buffer_bytes = sum(nbytes(b) for b in gm.buffers())
     optim_bytes = sum(s.optim_bytes for s in program.plan.packs) if program.plan else 0
     return dict(name=type(program.model).__name__, params=sum(p.numel() for p in params),
                 param_bytes=param_bytes, grad_bytes=grad_bytes, optim_bytes=optim_bytes,
@@ -93,7 +93,7 @@ def _tiers(program) -> dict:
     gm, cfg = program.gm, program.config
     dtype = cfg.compute_dtype
     state = list(gm.parameters()) + list(gm.buffers())
-    masters = sum(t.numel() * t.element_size() for t in state)
+    masters = sum(nbytes(t) for t in state)
     sizes = state_sizes(program)
     resident = {(kind, n) for pack, kind in plan.resident for n in state_names(plan.packs[pack], kind)}
     optim_on = getattr(plan, "optim_on", None) or {}
@@ -104,7 +104,7 @@ def _tiers(program) -> dict:
     for spec in plan.packs:
         if master_on.get(spec.index) == "disk":
             mine = set(spec.owned)
-            owned = sum(t.numel() * t.element_size() for n, t in gm.named_parameters() if n in mine)
+            owned = sum(nbytes(t) for n, t in gm.named_parameters() if n in mine)
             masters -= owned
             disk_masters += owned
             on_disk += (owned + spec.optim_bytes) * (1 - share.get(spec.index, 0.0))
@@ -116,7 +116,8 @@ def _tiers(program) -> dict:
             where = "disk" if optim_on.get(spec.index) == "disk" else "host"
         optim[where] += spec.optim_bytes
     # weights the last step left on the device for the next forward (``plan.carried``): a copy, also on disk
-    carried = sum(sizes.get(("params", n), 0) for p in getattr(plan, "carried", ()) or () for n in carried_names(plan, p))
+    carried = sum(sizes.get(("params", n), 0)
+                  for p in getattr(plan, "carried", ()) or () for n in carried_names(plan, p))
     return dict(precision=getattr(cfg, "precision", "fp32"),
                 compute_dtype=str(dtype).replace("torch.", "") if dtype else "the model's dtype",
                 device_copy_bytes=sum(device_bytes(t, dtype) for t in state), master_bytes=masters,
@@ -373,13 +374,13 @@ class _Writer:
             items.append(("process RSS", f"{fmt_bytes(s['peak_rss_bytes'])} peak resident memory of this process "
                                          f"(getrusage; host and the CPU's logical device together)"))
         if "huge_pages" in s:
-            from harmony.process import huge_pages_note
+            from harmony.base.process import huge_pages_note
             items.append(("huge pages", huge_pages_note(s["huge_pages"])))
         if "idle_threads_sleep" in s:
-            from harmony.process import idle_threads_note
+            from harmony.base.process import idle_threads_note
             items.append(("OpenMP waits", idle_threads_note(s["idle_threads_sleep"])))
         if "background_idle_priority" in s:
-            from harmony.process import idle_priority_note
+            from harmony.base.process import idle_priority_note
             items.append(("host thread", idle_priority_note(s["background_idle_priority"])))
         known = {"measured_peak", "predicted_peak", "budget", "h2d_bytes", "d2h_bytes", "predicted_h2d",
                  "predicted_d2h", "step_seconds", "peak_rss_bytes", "huge_pages", "idle_threads_sleep",

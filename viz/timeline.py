@@ -84,8 +84,8 @@ def memory_plot(sim_or_events, path, budget: int | None = None, title: str = "de
     """
     from xml.sax.saxutils import escape
 
-    from harmony.errors import ConfigError
-    from harmony.units import fmt_bytes
+    from harmony.base.errors import ConfigError
+    from harmony.base.units import fmt_bytes
 
     points = memory_points(sim_or_events)
     if not any(b for _, b in points):

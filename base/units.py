@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import re
 
-from harmony.errors import ConfigError
+from harmony.base.errors import ConfigError
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
           "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
@@ -29,3 +29,8 @@ def fmt_bytes(n: float) -> str:
         if abs(n) >= size:
             return f"{n / size:.2f} {unit}"
     return f"{int(n)} B"
+
+
+def nbytes(t) -> int:
+    """Bytes of a tensor's elements (not of its storage, which a view may share with others)."""
+    return t.numel() * t.element_size()

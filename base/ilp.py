@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pulp
 
-from harmony.errors import ConfigError
+from harmony.base.errors import ConfigError
 
 _FOUND = (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible)
 

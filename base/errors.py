@@ -1,0 +1,53 @@
+"""Every error Harmony raises on bad input. Each says what went wrong, where, and what to do next."""
+
+
+class HarmonyError(Exception):
+    """Base class of every Harmony error."""
+
+
+class TraceError(HarmonyError):
+    """The model could not be traced into a graph (names the user's source line)."""
+
+
+class BudgetError(HarmonyError):
+    """No plan fits the memory budget. ``min_budget`` is the smallest budget (bytes) that works, if known."""
+
+    def __init__(self, message: str, min_budget: int | None = None):
+        super().__init__(message)
+        self.min_budget = min_budget
+
+    def __reduce__(self):          # pickled whole: a balance plan's error travels from rank 0 to every rank
+        return type(self), (self.args[0], self.min_budget)
+
+
+class ConfigError(HarmonyError):
+    """An argument to ``harmony.compile`` is invalid (unknown pass or policy, bad microbatch count, ...)."""
+
+
+class InputError(HarmonyError):
+    """A batch does not match the model or the compiled plan."""
+
+
+class PassError(HarmonyError):
+    """A compiler pass failed; the message names the pass and the passes run before it."""
+
+
+class DeviceOutOfMemory(HarmonyError):
+    """The runtime measured more live bytes on a device than its budget allows."""
+
+
+class CommunicationError(HarmonyError):
+    """A collective across ranks failed or timed out (a peer died or stalled); names the op, rank and timeout."""
+
+
+class CheckpointError(HarmonyError):
+    """A checkpoint could not be saved or loaded (full disk, unwritable path, damaged or mismatched files)."""
+
+
+class OffloadError(HarmonyError):
+    """The disk tier failed: its directory could not be made, or a pack's optimizer state not written or read
+    (a full disk, an unwritable path). Names the file and what to do."""
+
+
+__all__ = ["HarmonyError", "TraceError", "BudgetError", "ConfigError", "InputError", "PassError", "DeviceOutOfMemory",
+           "CommunicationError", "CheckpointError", "OffloadError"]
