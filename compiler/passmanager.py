@@ -6,6 +6,7 @@ import time
 
 from harmony.base.errors import ConfigError, HarmonyError, PassError
 from harmony.compiler.ir import PassReport, Program
+from harmony.compiler.printer import schedule_code
 from harmony.compiler.verify import verify
 
 DEFAULT_PIPELINE = ("partition", "schedule", "offload", "compress", "swap", "prefetch")
@@ -40,12 +41,6 @@ def check_order(passes) -> None:
         have |= set(p.PROVIDES)
 
 
-def schedule_code(program: Program) -> str:
-    if program.schedule is None:
-        return ""
-    return program.schedule.python_code("self").src
-
-
 def run_passes(program: Program, names=DEFAULT_PIPELINE) -> Program:
     passes = [load(n) for n in names]
     check_order(passes)
@@ -68,6 +63,7 @@ def run_passes(program: Program, names=DEFAULT_PIPELINE) -> Program:
         report.seconds = time.perf_counter() - start
         program.reports.append(report)
         program.capabilities |= set(p.PROVIDES)
-        program.history.append((p.NAME, schedule_code(program)))
+        program.history.append((p.NAME, f"# after pass {p.NAME!r} ({report.seconds * 1e3:.1f} ms)\n"
+                                        + schedule_code(program)))
         done.append(p.NAME)
     return program

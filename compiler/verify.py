@@ -25,6 +25,8 @@ class MemoryCurve:
     before: list                    # device bytes live before each node
     peak_at: list                   # device bytes at the peak of each node
     out: list = field(default_factory=list)       # device bytes of each node's value (0: none, or on the host)
+    moves: list = field(default_factory=list)     # (h2d, d2h) bytes each node copies
+    after: list = field(default_factory=list)     # device bytes live after each node (its dead values freed)
     moved: dict = field(default_factory=dict)
     missing: list = field(default_factory=list)   # (node, kind, name) used while not resident
 
@@ -82,7 +84,9 @@ def memory_curve(program, graph: torch.fx.Graph | None = None, check_residency: 
         args = torch.fx.node.map_arg(node.args, env.__getitem__)
         kwargs = torch.fx.node.map_arg(node.kwargs, env.__getitem__)
         before = model.live
+        h2d, d2h = model.moved["h2d"], model.moved["d2h"]
         value, transient = op.effect(model, *args, **kwargs)
+        curve.moves.append((model.moved["h2d"] - h2d, model.moved["d2h"] - d2h))
         env[node] = value
         curve.nodes.append(node)
         curve.before.append(before)
@@ -94,6 +98,7 @@ def memory_curve(program, graph: torch.fx.Graph | None = None, check_residency: 
             v = env.pop(dead, None)
             if isinstance(v, Predicted) and v.on_device:
                 model.live -= v.bytes
+        curve.after.append(model.live)
     curve.moved = dict(model.moved)
     return curve
 

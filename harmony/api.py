@@ -11,7 +11,8 @@ from harmony.base.process import huge_pages, idle_threads_sleep, peak_rss_bytes
 from harmony.base.units import fmt_bytes, nbytes, parse_bytes
 from harmony.compiler import cost
 from harmony.compiler.ir import CompileConfig, Program
-from harmony.compiler.passmanager import DEFAULT_PIPELINE, run_passes, schedule_code
+from harmony.compiler.passmanager import DEFAULT_PIPELINE, run_passes
+from harmony.compiler.printer import schedule_code
 from harmony.compiler.trace import trace
 from harmony.compiler.verify import memory_curve
 from harmony.data import check_world

@@ -1,6 +1,7 @@
 """The runtime: the op table, executor, memory tiers, collectives and simulator.
 
-Importing it registers every schedule op (``runtime.ops.OPS``), those of the data-parallel state
-synchronisation (``runtime.shard``) too.
+Importing it registers every schedule op in the table (``runtime.ops.OPS``): those that move values
+(``ops_move``), those that compute (``ops_compute``), the gradient all-reduce (``ops_comm``) and the data-parallel
+state synchronisation (``shard``).
 """
-from harmony.runtime import ops, shard  # noqa: F401  (registration)
+from harmony.runtime import ops, ops_comm, ops_compute, ops_move, shard  # noqa: F401  (registration)

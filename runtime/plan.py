@@ -95,7 +95,7 @@ class Plan:
                                                       # step on the device, where it steps alone, its weights,
                                                       # gradients and optimizer state resident for good
     device_part_bytes: dict = field(default_factory=dict)  # the same params -> their fp32 bytes (what the host step
-                                                           # leaves, and the device steps: ``ops._step_cost``)
+                                                           # leaves, and the device steps: ``ops_compute._step_cost``)
     step_on: dict = field(default_factory=dict)  # pack -> "device" | "host": where its optimizer steps
     optim_on: dict = field(default_factory=dict)  # pack -> "device" | "host" | "disk": its optimizer state
     master_on: dict = field(default_factory=dict)  # pack -> "host" | "disk": its fp32 weights between uses

@@ -7,7 +7,9 @@ import pytest
 import torch
 
 import harmony
+from harmony.base.units import fmt_bytes
 from harmony.compiler.meta import PACK
+from harmony.compiler.verify import memory_curve
 from harmony.errors import ConfigError, PassError
 from harmony.runtime import ops
 from models import CASES, assert_bitwise, eager_accumulate, training_state_bytes
@@ -271,7 +273,18 @@ def test_prefetch_hoists_swap_ins_over_compute_within_budget():
 def test_history_has_the_schedule_after_each_pass():
     sm, _ = compiled()
     assert [h[0] for h in sm.history] == ["partition", "schedule", "offload", "compress", "swap", "prefetch"]
-    assert "swap_in" in sm.code and "def forward" in sm.code
+    assert "swap_in(" in sm.code and "def forward" in sm.code and "harmony_runtime" not in sm.code
+    for name, code in sm.history[1:]:          # each snapshot names its pass and its time
+        assert code.startswith(f"# after pass {name!r} (") and " ms)" in code.splitlines()[0]
+    # the printed plan says what each op moves and the device's memory: the per-op bytes add up to the step's, and
+    # the peak it states is the one verify predicts
+    lines = [line for line in sm.code.splitlines() if "# " in line and " = " in line]
+    assert lines and all("live" in line and "peak" in line for line in lines)
+    curve = memory_curve(sm.program, check_residency=False)
+    assert sum(h for h, _ in curve.moves) == curve.moved["h2d"] and sum(d for _, d in curve.moves) == curve.moved["d2h"]
+    assert f"predicted peak {fmt_bytes(curve.peak)}" in sm.code.splitlines()[0]
+    swap_ins = [line for line in lines if "= swap_in(" in line and "'params'" in line]
+    assert swap_ins and all("h2d " in line for line in swap_ins)      # (gradients not made yet move nothing)
 
 
 def test_unknown_pass_and_policy_and_order():

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import harmony
+from harmony.compiler.printer import plain
 from harmony.errors import ConfigError
 from harmony.models import GPT, GPTConfig, copy_task
 from harmony.optim import optimizer_kwargs
@@ -121,7 +122,8 @@ def test_bf16_device_peak_is_clearly_below_fp32_at_the_same_plan():
         s = stats[-1]
         assert s["measured_peak"] <= budget * share
         assert abs(s["measured_peak"] - s["predicted_peak"]) <= 0.1 * s["measured_peak"], (precision, s)
-        runs[precision] = (s["measured_peak"], [p.name for p in sm.plan.packs], sm.code)
+        runs[precision] = (s["measured_peak"], [p.name for p in sm.plan.packs], plain(sm.graph))   # (sm.code's
+        # comments give each op's bytes, which differ: the same ops in the same order)
     assert runs["bf16"][1:] == runs["fp32"][1:] and len(runs["fp32"][1]) > 1
     assert runs["bf16"][0] < 0.55 * runs["fp32"][0], runs
 

@@ -1,0 +1,203 @@
+"""The ops that move values: ``swap_in`` / ``wait`` / ``release`` of a pack's state, ``load_batch``, ``stash`` and
+``unstash`` of activations; each registered in the op table (runtime/ops.py) with all it needs.
+"""
+from __future__ import annotations
+
+import torch
+
+from harmony.base.units import nbytes
+from harmony.runtime.ops import (
+    Acts,
+    Predicted,
+    _label_args,
+    _short,
+    carried_names,
+    load_batch,
+    moving_names,
+    register,
+    release,
+    stash,
+    step,
+    swap_in,
+    unstash,
+    wait,
+)
+from harmony.runtime.precision import device_dtype
+
+
+# -- swap_in / wait / release ------------------------------------------------------------------
+def _swap_in_execute(rt, pack, what, held=(), carried=False):
+    # ``carried``: the disk tier hands over the weights its last step left on the device instead of reading them
+    return rt.state.fetch(what, moving_names(rt.plan.packs[pack], what, held))
+
+
+def _swap_in_effect(m, pack, what, held=(), carried=False):
+    names = moving_names(m.plan.packs[pack], what, held)
+    if carried:     # on the device since the last step: ``memory_curve`` holds them from the start of the step
+        carry = set(carried_names(m.plan, pack))
+        names = [n for n in names if n not in carry]
+    m.hold(what, names)
+    return None, 0
+
+
+def _held_bytes(plan, held) -> int:
+    return sum((getattr(plan, "params_held", None) or {}).get(n, 0) for n in held)
+
+
+def _swap_in_cost(plan, hw, pack, what, held=(), carried=False):
+    spec = plan.packs[pack]
+    size = {"params": spec.param_bytes + spec.buffer_bytes, "grads": spec.param_bytes,
+            "optim": spec.optim_bytes}[what]
+    if carried:
+        size *= (getattr(plan, "disk_in_memory_share", None) or {}).get(pack, 0.0)   # only the files in memory
+    return "h2d", max(0, size - _held_bytes(plan, held)) / hw.h2d_bandwidth
+
+
+def _wait_execute(rt, handle):
+    rt.state.wait(handle)
+
+
+def _release_execute(rt, pack, what, handoff=False, held=(), carry=False):
+    keep = ()
+    pd = rt.state.params_disk
+    if handoff and pd is not None:   # the disk step after it takes this pack's own gradients from the device
+        keep = {n for n in rt.plan.packs[pack].owned if pd.holds(n)}
+    rt.state.release(what, moving_names(rt.plan.packs[pack], what, held), keep=keep)
+
+
+def _release_effect(m, pack, what, handoff=False, held=(), carry=False):
+    names = moving_names(m.plan.packs[pack], what, held)
+    if carry and what == "params":   # stepped where they are and kept there for the next forward: live to the end
+        kept = set(carried_names(m.plan, pack))
+        m.drop(what, [n for n in names if n in kept], stays=True)
+        names = [n for n in names if n not in kept]
+    if handoff:    # the pack's own gradients stay on the device until the disk step after it takes them
+        owned = [n for n in names if n in set(m.plan.packs[pack].owned)]
+        names = [n for n in names if n not in set(owned)]
+        m.handed[pack] = m.handed.get(pack, 0) + m.drop(what, owned, stays=True)
+    changed = [n for n in names if n in m.dirty]     # only what changed goes back (a shard's params, say)
+    m.drop(what, [n for n in names if n not in m.dirty])
+    m.drop(what, changed, write_back=True)
+    if what == "params":
+        m.dirty -= {n for n in names if m.refs.get(("params", n), 0) == 0}
+    return None, 0
+
+
+def _release_cost(plan, hw, pack, what, handoff=False, held=(), carry=False):
+    spec = plan.packs[pack]
+    # the whole write-back; the simulator scales it by what the effect moves (dirty params, existing grads)
+    size = {"params": spec.param_bytes, "grads": spec.param_bytes, "optim": spec.optim_bytes}[what]
+    return "d2h", max(0, size - _held_bytes(plan, held)) / hw.d2h_bandwidth
+
+
+def _no_effect(m, *args, **kwargs):
+    return None, 0
+
+
+def _free(plan, hw, *args, **kwargs):
+    return "sync", 0.0
+
+
+# -- load_batch / stash / unstash ------------------------------------------------------------
+def _load_batch_execute(rt, mb, names):
+    b = rt.plan.microbatch_size
+    out = {}
+    for n in names:
+        src = rt.batch[n][mb * b:(mb + 1) * b]
+        dst = torch.empty(src.shape, dtype=device_dtype(src, rt.compute_dtype), device=rt.device)
+        rt.meter.track(dst)
+        dst.copy_(src)
+        rt.state.moved["h2d"] += nbytes(dst)
+        out[n] = dst
+    return Acts(out)
+
+
+def _load_batch_effect(m, mb, names):
+    size = sum(m.plan.batch_bytes[n] for n in names)
+    m.moved["h2d"] += size
+    return Predicted(size), 0
+
+
+def _load_batch_cost(plan, hw, mb, names):
+    return "h2d", sum(plan.batch_bytes[n] for n in names) / hw.h2d_bandwidth
+
+
+def _stash_execute(rt, acts):
+    return Acts({k: rt.state.to_host(v) if isinstance(v, torch.Tensor) else v for k, v in acts.values.items()},
+                on_device=False)
+
+
+def _stash_effect(m, value):
+    m.moved["d2h"] += value.bytes
+    return Predicted(value.bytes, on_device=False), 0
+
+
+def _unstash_execute(rt, acts):
+    out = {}
+    for k, v in acts.values.items():
+        if not isinstance(v, torch.Tensor):
+            out[k] = v
+            continue
+        dst = torch.empty_like(v, device=rt.device)
+        rt.meter.track(dst)
+        dst.copy_(v)
+        rt.state.moved["h2d"] += nbytes(dst)
+        out[k] = dst
+    return Acts(out)
+
+
+def _unstash_effect(m, value):
+    m.moved["h2d"] += value.bytes
+    return Predicted(value.bytes), 0
+
+
+def _stash_cost(plan, hw, value):
+    # one cost for both directions: stash reads a value on the device, unstash one on the host
+    if value.on_device:
+        return "d2h", value.bytes / hw.d2h_bandwidth
+    return "h2d", value.bytes / hw.h2d_bandwidth
+
+
+# -- what the simulator and drawings need besides ------------------------------------------------
+def _disk_io(plan, node, hw) -> dict:
+    """Seconds a ``swap_in`` or ``step`` reads from and writes to disk (runtime/disk.py, runtime/diskparams.py).
+
+    A ``swap_in`` of a wholly-disk pack's weights reads them (unless the last step left them on the device:
+    ``carried``); the step of a wholly-disk pack reads and writes its files (weights and optimizer state), that
+    of a pack with optimizer state alone on disk reads and writes that state. Files kept in host memory
+    (``plan.disk_in_memory``) are neither read nor written.
+    """
+    pack = node.args[0]
+    spec = plan.packs[pack]
+    whole = (getattr(plan, "master_on", None) or {}).get(pack) == "disk"
+    optim = (getattr(plan, "optim_on", None) or {}).get(pack) == "disk"
+    read = written = 0
+    on_disk = 1 - (getattr(plan, "disk_in_memory_share", None) or {}).get(pack, 0.0)
+    if node.target is swap_in and node.args[1] == "params" and whole and not node.kwargs.get("carried"):
+        read = spec.param_bytes * on_disk
+    elif node.target is step and (whole or optim):
+        written = (spec.optim_bytes + (spec.param_bytes if whole else 0)) * on_disk
+        read = written
+    rbw = getattr(hw, "disk_read_bandwidth", 0) or 1e30
+    wbw = getattr(hw, "disk_write_bandwidth", 0) or 1e30
+    return {"read": read / rbw, "write": written / wbw}
+
+
+def _pack_what(args, kwargs) -> str:
+    return f"pack {args[0]} {args[1]}" if len(args) >= 2 else _label_args(args, kwargs)
+
+
+def _batch_label(args, kwargs) -> str:
+    return f"mb {args[0]} {_short(args[1])}" if len(args) >= 2 else _label_args(args, kwargs)
+
+
+# colours: compute blues, state copies orange, activation copies purple, sync grey, optimizer green, network reds
+register(swap_in, _swap_in_execute, _swap_in_effect, _swap_in_cost, "copy", state_copy=True, disk_io=_disk_io,
+         colour="#fdae6b", label=_pack_what)
+register(wait, _wait_execute, _no_effect, _free, "sync", colour="#d9d9d9")
+register(release, _release_execute, _release_effect, _release_cost, "copy", state_copy=True, colour="#fdd0a2",
+         label=_pack_what)
+register(load_batch, _load_batch_execute, _load_batch_effect, _load_batch_cost, "copy", colour="#fee6ce",
+         label=_batch_label)
+register(stash, _stash_execute, _stash_effect, _stash_cost, "copy", colour="#bcbddc")
+register(unstash, _unstash_execute, _unstash_effect, _stash_cost, "copy", colour="#9e9ac8")
