@@ -34,6 +34,7 @@ def main():
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--compiles", type=int, default=3, help="compiles of the 24-layer GPT (the median is shown)")
     common.add_json_arg(ap)
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -64,15 +65,18 @@ def main():
     m24 = GPT(big)
     x, y = next(copy_task(big, args.batch, 1))
     s24 = 16 * sum(p.numel() for p in m24.parameters())
-    t0 = time.perf_counter()
-    sm24 = harmony.compile(m24, example_batch=(x, y), memory_budget=s24 // 4, microbatches=4)
-    total = time.perf_counter() - t0
-    parts = sm24.compile_seconds
+    runs = []
+    for _ in range(args.compiles):     # this machine's speed moves by a fifth from one compile to the next
+        t0 = time.perf_counter()
+        sm24 = harmony.compile(m24, example_batch=(x, y), memory_budget=s24 // 4, microbatches=4)
+        runs.append((time.perf_counter() - t0, sm24.compile_seconds))
+        sm24.close()
+    total, parts = sorted(runs, key=lambda r: r[0])[len(runs) // 2]
     print()
     print(common.table([dict(model=f"GPT 24x{args.width}", params_M=sum(p.numel() for p in m24.parameters()) / 1e6,
                              budget="25% of state", packs=len(sm24.plan.packs), trace_s=parts["trace"],
                              cost_s=parts["cost"], passes_s=parts["passes"], total_s=total, target="< 10 s")],
-                       "compile time (trace to ScheduledModule)"))
+                       f"compile time (trace to ScheduledModule), median of {len(runs)}"))
     common.save_json(args.json, {"compiled/eager step": h / e, "eager_s": e, "harmony_s": h,
                                  "compile 24-layer s": total})
 

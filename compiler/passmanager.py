@@ -63,7 +63,8 @@ def run_passes(program: Program, names=DEFAULT_PIPELINE) -> Program:
         report.seconds = time.perf_counter() - start
         program.reports.append(report)
         program.capabilities |= set(p.PROVIDES)
+        # plain code: the byte comments replay the schedule's memory, which sm.code does when it is read
         program.history.append((p.NAME, f"# after pass {p.NAME!r} ({report.seconds * 1e3:.1f} ms)\n"
-                                        + schedule_code(program)))
+                                        + schedule_code(program, memory=False)))
         done.append(p.NAME)
     return program
