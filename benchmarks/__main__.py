@@ -11,7 +11,10 @@ cores busy and stolen by the hypervisor while it ran, from /proc/stat), since th
 speed moves from one minute to the next. Within each benchmark the peers and Harmony take turns (overhead:
 step by step; calibration and hetero: policy by policy each step; allreduce: method by method each rep;
 offload: system by system each round), and the figures are medians. A figure more than 10% worse than the
-baseline's (in the direction that is worse for it) is flagged, and the run exits with status 1.
+baseline's (in the direction that is worse for it; for a ratio best at 1, ten points further from it) is flagged,
+and a benchmark with a flagged figure runs once more: the figure stays flagged only if it is worse in both runs
+(``runs`` in its JSON keeps both), since a hypervisor that steals the cores for a minute moves any one run by
+more than 10%. Anything still flagged makes the run exit with status 1.
 
 The 1 Gbit/s all-reduce runs in a network namespace with a tc rate limit (benchmarks/netns.sh), which needs
 root and iproute2; elsewhere it is skipped and says so. DeepSpeed's figure is there only where it is
@@ -137,10 +140,10 @@ def compare(results: dict, baseline: dict) -> tuple[list[dict], int]:
             row["flag"] = f"FAILED ({r['error']})"
             flagged += 1
         elif value is not None and base:
-            if f.better == "one":
+            if f.better == "one":           # a ratio best at 1: worse is 10 points further from it
                 worse = abs(value - 1) - abs(base - 1)
                 row["change"] = f"{worse:+.3f} from 1"
-                bad = worse > WORSE_BY * max(abs(base - 1), 0.1)
+                bad = worse > WORSE_BY
             else:
                 change = value / base - 1
                 row["change"] = f"{change:+.1%}"
@@ -198,6 +201,9 @@ def main() -> int:
     ap.add_argument("--baseline", default=str(BASELINE))
     ap.add_argument("--save-baseline", action="store_true", help="write this run as the baseline")
     ap.add_argument("--self-test", action="store_true", help="check that a deliberately slowed build is flagged")
+    ap.add_argument("--no-retry", dest="retry", action="store_false",
+                    help="flag on one measurement (default: a benchmark with a flagged figure runs again, and a figure "
+                         "stays flagged only if worse in both runs)")
     args = ap.parse_args()
     if args.self_test:
         return self_test(args)
@@ -216,14 +222,16 @@ def main() -> int:
             results[name] = dict(skipped=_can_shape_links())
             print(f"{name}: skipped, {results[name]['skipped']}", flush=True)
             continue
-        print(f"{name}: {' '.join(cmds[name][1:])}", flush=True)
-        results[name] = run(name, cmds[name], out, dict(os.environ))
-        m = results[name]["machine"]
-        state = "FAILED" if "error" in results[name] else "done"
-        print(f"  {state} in {m['wall_s']:.0f} s; load {m['load_before']:.2f}"
-              f" -> {m['load_after']:.2f}, cores busy {m['busy']:.0%}, stolen {m['steal']:.0%}", flush=True)
+        results[name] = _run_and_say(name, cmds[name], out)
     baseline = json.loads(Path(args.baseline).read_text()) if Path(args.baseline).exists() else {}
     rows, flagged = compare(results, baseline.get("results", {}))
+    again = sorted({r["benchmark"] for r in rows if r["flag"] == "WORSE"})
+    if again and args.retry:      # a figure flagged once is measured again: it stays flagged only if worse twice
+        print(f"\nflagged, measured again: {', '.join(again)}", flush=True)
+        for name in again:
+            second = _run_and_say(name, cmds[name], out, suffix="-again")
+            results[name] = _better(results[name], second)
+        rows, flagged = compare(results, baseline.get("results", {}))
     print()
     print(_table(rows))
     print(f"\nbaseline: {args.baseline} ({baseline.get('when', 'none')}, {baseline.get('commit', '')}); "
@@ -235,6 +243,35 @@ def main() -> int:
         Path(args.baseline).write_text(json.dumps(summary, indent=1, default=str))
         print(f"saved as the baseline: {args.baseline}")
     return 1 if flagged else 0
+
+
+def _run_and_say(name: str, cmd: list[str], out: Path, suffix: str = "") -> dict:
+    print(f"{name}{suffix}: {' '.join(cmd[1:])}", flush=True)
+    if suffix:
+        cmd = [c.replace(f"{name}.json", f"{name}{suffix}.json") for c in cmd]
+    r = run(name + suffix, cmd, out, dict(os.environ))
+    m = r["machine"]
+    state = "FAILED" if "error" in r else "done"
+    print(f"  {state} in {m['wall_s']:.0f} s; load {m['load_before']:.2f} -> {m['load_after']:.2f}, cores busy "
+          f"{m['busy']:.0%}, stolen {m['steal']:.0%}", flush=True)
+    return r
+
+
+def _better(first: dict, second: dict) -> dict:
+    """Each figure at the better of two runs (in its own direction), both runs kept under ``runs``."""
+    if "error" in second:
+        return dict(first, runs=[first, second])
+    if "error" in first:
+        return dict(second, runs=[first, second])
+    out = dict(first)
+    for f in FIGURES:
+        a, b = first.get(f.key), second.get(f.key)
+        if a is None or b is None:
+            continue
+        key = {"lower": lambda v: v, "higher": lambda v: -v, "one": lambda v: abs(v - 1)}[f.better]
+        out[f.key] = min(a, b, key=key)
+    out["runs"] = [first, second]
+    return out
 
 
 def _commit() -> str:

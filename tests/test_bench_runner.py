@@ -62,3 +62,13 @@ def test_the_committed_baseline_has_every_figure(runner):
                if f.key not in base.get(f.bench, {}) and "skipped" not in base.get(f.bench, {})
                and f.key != "harmony/deepspeed step"]      # only where DeepSpeed is installed
     assert not missing
+
+
+def test_a_figure_flagged_once_is_kept_at_the_better_of_two_runs(runner):
+    first = {"compiled/eager step": 1.3, "compile 24-layer s": 5.0}
+    second = {"compiled/eager step": 1.02, "compile 24-layer s": 5.6}
+    both = runner._better(first, second)
+    assert both["compiled/eager step"] == 1.02 and both["compile 24-layer s"] == 5.0 and both["runs"] == [first, second]
+    near = runner._better({"balanced predicted/measured": 0.7}, {"balanced predicted/measured": 1.2})
+    assert near["balanced predicted/measured"] == 1.2              # best at 1: the nearer
+    assert runner._better({"error": "exit 1"}, second)["compiled/eager step"] == 1.02
