@@ -224,15 +224,13 @@ def return_freed_memory() -> bool:
     glibc serves an allocation below its mmap threshold from a heap arena, and raises that
     threshold (up to 32 MiB) each time a larger mmapped block is freed, so after a few steps
     the pack-sized buffers a host tier frees and allocates again stay in the heap, counted in
-    the process's resident memory long after they are dead (measured here: a 102M-parameter
-    GPT with its weights on disk peaked at 1.29 GiB RSS, 0.81 GiB with the threshold pinned).
+    the process's resident memory long after they are dead (a GPT with its weights on disk peaked
+    well above its host budget without this).
     Pinning the threshold at its default of 128 KiB (which also stops the raising) maps every
     larger block on its own and unmaps it when freed. The same as ``MALLOC_MMAP_THRESHOLD_=131072``.
-    The price is page faults on every fresh block (on the 600M-parameter GPT of
-    benchmarks/offload.py about 42 CPU-seconds a step instead of 34, for a peak RSS of 2.59 GiB
-    instead of 5.34 GiB); the disk tier's large buffers ask for huge pages (``runtime.iobuffers.Buffers``,
-    which also reuses them), which brought that step back to 39 CPU-seconds, and so do torch's own
-    (``ask_for_huge_pages``).
+    The price is page faults on every fresh block (CPU time in benchmarks/offload.py, for half the
+    peak RSS); the disk tier's large buffers ask for huge pages (``runtime.iobuffers.Buffers``, which
+    also reuses them), which wins most of it back, and so do torch's own (``ask_for_huge_pages``).
     """
     if not sys.platform.startswith("linux"):
         return False

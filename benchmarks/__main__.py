@@ -246,9 +246,9 @@ def main() -> int:
 
 
 def _run_and_say(name: str, cmd: list[str], out: Path, suffix: str = "") -> dict:
-    print(f"{name}{suffix}: {' '.join(cmd[1:])}", flush=True)
     if suffix:
         cmd = [c.replace(f"{name}.json", f"{name}{suffix}.json") for c in cmd]
+    print(f"{name}{suffix}: {' '.join(cmd[1:])}", flush=True)
     r = run(name + suffix, cmd, out, dict(os.environ))
     m = r["machine"]
     state = "FAILED" if "error" in r else "done"

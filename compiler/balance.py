@@ -248,7 +248,7 @@ def model_cost(program, kernel_ops_per_param_tensor: float = 2.7 + 5.8 + 2.7) ->
     from harmony.compiler import cost as costs
     from harmony.compiler.cost import Affine
     from harmony.compiler.meta import COST
-    from harmony.passes.partition import _smallest_budget, _tensor_bytes, find_units
+    from harmony.passes.partition import find_units, smallest_budget, tensor_bytes
 
     config, floors = program.config, []
     top = max(2, program.example_batch[0].shape[0])
@@ -257,9 +257,9 @@ def model_cost(program, kernel_ops_per_param_tensor: float = 2.7 + 5.8 + 2.7) ->
             program.config = dataclasses.replace(config, batch_size=b, microbatches=1)
             program.pack_measurements = {}      # measured at another microbatch size: not reusable
             program.fake = costs.annotate(program.gm, program.example_batch, b)
-            program.fake_batch_bytes = {ph.name: _tensor_bytes(program.fake.vals[ph], floating=False)
+            program.fake_batch_bytes = {ph.name: tensor_bytes(program.fake.vals[ph], floating=False)
                                         for ph in program.gm.graph.nodes if ph.op == "placeholder"}
-            floors.append(_smallest_budget(program, find_units(program)))
+            floors.append(smallest_budget(program, find_units(program)))
     finally:
         program.config, program.pack_measurements = config, {}
     act = Affine.fit(1, floors[0], top, floors[1])

@@ -226,7 +226,7 @@ def build_packs(program: Program, cuts: list[tuple[int, int]], units: list[Unit]
             spec.saved_bytes = int(sum(u.kept for u in units if u.nodes[0] in nodes))
         spec.bwd_peak, spec.bwd_recompute_peak = m["bwd_peak"], m["bwd_recompute_peak"]
         spec.bwd_peak_accum, spec.bwd_recompute_peak_accum = m["bwd_peak_accum"], m["bwd_recompute_peak_accum"]
-        spec.in_bytes = sum(_tensor_bytes(program.fake.vals[a]) for a in inputs if a.op != "placeholder")
+        spec.in_bytes = sum(tensor_bytes(program.fake.vals[a]) for a in inputs if a.op != "placeholder")
     return specs
 
 
@@ -250,7 +250,7 @@ def measure_kept(program: Program, specs: list[PackSpec]) -> None:
         spec.bwd_peak, spec.bwd_peak_accum = m["bwd_peak"], m["bwd_peak_accum"]
 
 
-def _tensor_bytes(v, floating: bool = True) -> int:
+def tensor_bytes(v, floating: bool = True) -> int:
     if not isinstance(v, torch.Tensor) or (floating and not v.is_floating_point()):
         return 0
     return v.untyped_storage().nbytes()
@@ -264,7 +264,7 @@ def _layers_alone(program: Program, units: list[Unit]):
     return cuts, specs, max(measured_need(program, s, i == n - 1) for i, s in enumerate(specs))
 
 
-def _smallest_budget(program: Program, units: list[Unit]) -> int:
+def smallest_budget(program: Program, units: list[Unit]) -> int:
     """The budget at which every layer fits alone, measured, with the planner's headroom added back."""
     return program.config.budget_for(_layers_alone(program, units)[2])
 
@@ -338,11 +338,11 @@ def run(program: Program, ctx) -> PassResult:
     cfg = program.config
     units = find_units(program)
     program.units = [u.nodes for u in units]
-    program.fake_batch_bytes = {ph.name: _tensor_bytes(program.fake.vals[ph], floating=False)
+    program.fake_batch_bytes = {ph.name: tensor_bytes(program.fake.vals[ph], floating=False)
                                 for ph in program.gm.graph.nodes if ph.op == "placeholder"}
     cuts, specs, need, least_traffic = _choose(program, units, cfg.usable_budget)
     if cuts is None:
-        floor = _smallest_budget(program, units)
+        floor = smallest_budget(program, units)
         raise BudgetError(
             f"memory_budget={fmt_bytes(cfg.memory_budget)} is below what one layer needs at microbatch size "
             f"{cfg.microbatch_size}: the smallest budget that works is {fmt_bytes(floor)} ({floor} bytes). "

@@ -27,8 +27,8 @@ if TYPE_CHECKING:
 # The planner's fixed cost of one more pack: about ten schedule ops (a swap_in, wait and release of its
 # weights per phase, its gradients' release, its step) at a few microseconds of executor loop and copy
 # hand-off each. It breaks ties towards fewer packs; it must not outweigh what smaller packs save in
-# traffic (their freed room keeps optimizer state resident): at 1e-4 s the swap-volume benchmark's 12-layer
-# GPT at half its state picked 3 packs moving 31.2 MiB a step, at 3e-5 s 7 packs moving 26.1 MiB.
+# traffic (their freed room keeps optimizer state resident), which a larger value did on
+# benchmarks/swap_volume.py's 12-layer GPT at half its state.
 PACK_SECONDS = 3e-5
 
 

@@ -330,15 +330,13 @@ def run(program: Program, ctx) -> PassResult:
         size = (spec.out_bytes if key[0] == "forward" else spec.in_bytes) * len(names)
         candidates.append((2, size, ("keep",) + key))                   # out and back in
     # Fill the budget: every byte held is traffic saved, and the prefetch pass still hoists swap_ins
-    # wherever the curve is below its peak. (Leaving the largest pack's weights free for prefetching
-    # where compute outweighs copies, as this pass did before, simulated slower in every case tried:
-    # on this CPU, the 6-layer demo GPT at 40% of its state 486 -> 481 ms; on the GTX 1080 Ti preset,
-    # the 12-layer swap_volume GPT at 25%, 64 microbatches 4.20 -> 4.13 ms, moving 35.5 -> 29.4 MiB.)
+    # wherever the curve is below its peak. (Leaving the largest pack's weights free for prefetching where
+    # compute outweighs copies simulated slower in every case tried: the demo and benchmarks/swap_volume.py.)
     room = budget
     # a graph worth less than a single parameter's optimizer state (2 bytes per byte) takes what that leaves, and one
-    # worth less than a single held weight or device-stepped parameter (1 byte per byte) what those leave
-    # (simulated on the GTX 1080 Ti preset, a 12-layer GPT cut with a small last pack: 1.873 -> 1.827 ms a step,
-    # 14.6 -> 12.8 MiB moved, once such parameters came before graphs worth 0.07 B/B)
+    # worth less than a single held weight or device-stepped parameter (1 byte per byte) what those leave: the
+    # bytes a graph saves are its recompute time at the link's rate, below a byte per byte behind a fast link
+    # (tests/test_passes.py: test_graphs_worth_less_than_traffic_take_only_the_room_residency_leaves)
     low = [c for c in candidates if c[2][0] == "graph" and 1 <= c[0] < 2]
     lowest = [c for c in candidates if c[2][0] == "graph" and c[0] < 1]
 

@@ -67,9 +67,9 @@ from harmony.runtime.iobuffers import ALIGN, KEEP_FREE, Buffers, align_up
 
 SLOT = 64                      # tensors of a pack start at multiples of this within its range
 CHUNK = 16 << 20               # bytes per pwrite/preadv call
-# concurrent preadv calls per file read: a shared or cloud disk serves reads faster with more of them
-# in flight (measured on this project's machine: 1.48 GB/s with two readers where one got 0.74, and
-# reads beside a write 3.4 GB/s at four where one got 1.5); writes gained nothing, so stay at one
+# concurrent preadv calls per file read: a shared or cloud disk serves reads faster with more of them in
+# flight (this project's machine did, with reads beside a write most of all); writes gained nothing, so
+# stay at one
 try:
     READ_DEPTH = max(1, int(os.environ.get("HARMONY_READ_DEPTH", "").strip() or 4))
 except ValueError:
@@ -361,9 +361,9 @@ class DiskStore:
         parts.clear()                  # the job holds the buffers now: they go when it is done
         t0 = time.perf_counter()
         try:
-            # overwrite in place, never O_TRUNC: on this project's disk (ext4 mounted with discard) 1 GiB
-            # of 16 MiB O_DIRECT calls into a file's allocated blocks ran at 3.3 GB/s, into the same
-            # file truncated first at 0.6-1.2 (the blocks freed, discarded and allocated again)
+            # overwrite in place, never O_TRUNC: on a disk mounted with discard (ext4, this project's) a
+            # truncated file's blocks are freed, discarded and allocated again, several times slower than
+            # writing into allocated blocks (compiler/machine.disk_bandwidth reports both)
             fd = _open(path, os.O_WRONLY | os.O_CREAT | (O_DIRECT if direct else 0), 0o600)
             try:
                 for mv, base in views:

@@ -48,20 +48,19 @@ class Buffers:
     until it holds. So the pool's memory is at most what the tier needed at its busiest
     moment -- a burst of many buffers alive at once (the setup writes one file at a time)
     is the only way to raise it. A buffer from 4 MiB holds whole 2 MiB pages and a take may get
-    a free one up to an eighth larger, so near sizes share. Offload benchmark's model
-    (its 600M-parameter GPT under 2 GiB): buffers mapped anew per step (``fresh``) 8.4 GB
-    with exact sizes and at most 256 MiB kept free, 2.5-4.0 GB with 2 MiB pages and near
-    sizes, 1.7-2.6 GB with this limit; peak RSS 2.91, 2.81 and 2.72 GiB. ``keep=N``
-    (``HARMONY_KEEP_FREE``) instead keeps at most N free bytes.
+    a free one up to an eighth larger, so near sizes share: on benchmarks/offload.py's model both
+    cut the bytes mapped anew per step (``fresh`` in the disk tier's stats) and the peak RSS against exact
+    sizes with a fixed number of free bytes kept. ``keep=N`` (``HARMONY_KEEP_FREE``) instead keeps at most N
+    free bytes.
     ``held`` (``DiskStore.stats()['buffer_pool_bytes']``) is what is mapped, in use or free;
     ``clear`` unmaps the free ones (``DiskStore.close`` does).
 
     On the CPU device the buffers and the device's tensors share the same memory, and free
     buffers are counted by neither the device's ``MemoryMeter`` nor the host budget: ``share_room``
     keeps the free ones within the room the device's budget leaves (the meter trims them as its
-    live bytes grow). Without it, weights carried across the step boundary raised the peak in use
-    to 1.95 GB, and the buffers they freed during the forward stayed mapped beside the activations
-    the forward made: peak RSS 3.44 GiB in the offload benchmark, over its budget + 1 GiB.
+    live bytes grow). Without it, weights carried across the step boundary raised the peak in use, and
+    the buffers they freed during the forward stayed mapped beside the activations the forward made: the
+    offload benchmark's peak RSS went over its budget + 1 GiB.
     """
 
     def __init__(self, keep: int | None = None):

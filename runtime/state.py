@@ -76,9 +76,8 @@ class TieredState:
         self.pin = device.type == "cuda"
         # On the CPU device the host thread shares the cores with the device's compute: its torch ops (the
         # optimizer steps that overlap the next pack's backward) run on one intra-op thread. A second
-        # OpenMP team as wide as the machine stalls both teams at their barriers: in the offload
-        # benchmark's backward the cores were busy 1.59-1.64 of 2 with it, 1.69-1.70 without, and whole
-        # steps took 20.0-23.5 s against 18.4-20.2 (runs alternated, process CPU time sampled every 20 ms).
+        # OpenMP team as wide as the machine stalls both teams at their barriers (benchmarks/offload.py's
+        # steps were slower with it, and the cores less busy).
         # With ``idle_host`` it also runs at idle priority there (harmony.base.process.run_when_idle): on a core the
         # team and the disk threads leave. (Not where it runs all-reduces: other ranks wait for those.)
         one = device.type == "cpu" and torch.get_num_threads() > 1
