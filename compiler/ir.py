@@ -7,6 +7,7 @@ from typing import Any
 import torch
 import torch.fx
 
+from harmony.base.errors import ConfigError
 from harmony.compiler.hardware import NOMINAL
 from harmony.runtime.compression import DEFAULT_MIN_SIZE
 from harmony.runtime.plan import Plan
@@ -60,6 +61,17 @@ class CompileConfig:
         """The bytes the planner may fill: the budget less what the device's libraries hold and the headroom for
         prediction error."""
         return int(self.state_budget * (1 - self.headroom))
+
+    def plan_for_device(self, dev, hardware=None) -> None:
+        """What the planner weighs, from the device it plans for (a ``compiler.hardware.Device``): its FLOP/s (an
+        emulated slower device's, slowed), its host link, and its host's memory bandwidth; the runtime stretches
+        compute by an emulated device's ``speed_factor``."""
+        if dev.speed_factor < 1:
+            raise ConfigError(f"device {dev.name!r} has speed_factor {dev.speed_factor:g} < 1: emulation can only "
+                              f"slow a device down; divide every factor by the smallest so the fastest device is 1")
+        self.flops, self.copy_bandwidth = dev.flops / dev.speed_factor, dev.h2d_bandwidth
+        self.host_bandwidth = getattr(hardware, "host_memory_bandwidth", self.host_bandwidth)
+        self.speed_factor = float(dev.speed_factor)
 
     def budget_for(self, peak: int) -> int:
         """The memory_budget an error suggests for a plan whose device peak is ``peak``: the planner's headroom

@@ -110,6 +110,80 @@ def compile(model: torch.nn.Module, example_batch, *, optimizer=torch.optim.Adam
     under ``balance``, off otherwise. Bitwise the same training as replicated state.
     """
     t0 = time.perf_counter()
+    device_type = _check_choices(policy, device, recompute)
+    names, batch = _batch_items(example_batch)
+    batch_size = _batch_size(batch)
+    # torch's fused update where it has one and the caller did not choose (harmony/optim.py); not under
+    # ondemand, whose runtime fetches every tensor an op touches: one fused op touches a pack's whole state
+    if policy != "ondemand":
+        optimizer_kwargs = optimizer_kwargs_for(optimizer, optimizer_kwargs, ("cpu", device_type))
+    if balance is not None:
+        from harmony.balanced import check_balance
+        check_balance(precision, weights_on, data_parallel, memory_budget, hardware, microbatches)
+        data_parallel = True if data_parallel is None else data_parallel
+        shard_state = True if shard_state is None else shard_state
+    else:
+        memory_budget = "1GiB" if memory_budget is None else memory_budget
+        if not isinstance(microbatches, int) or microbatches < 1 or batch_size % microbatches:
+            raise ConfigError(f"microbatches={microbatches!r} must be a positive divisor of the batch size "
+                              f"{batch_size}; divisors: "
+                              f"{[d for d in range(1, batch_size + 1) if batch_size % d == 0]}")
+    if not (isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer)):
+        raise ConfigError(f"optimizer must be a torch.optim.Optimizer class, got {optimizer!r}")
+    optimizer_on, loss_scaling = _check_precision(precision, loss_scaling, optimizer_on, policy)
+    config = CompileConfig(memory_budget=0 if balance is not None else parse_bytes(memory_budget),
+                           microbatches=microbatches, batch_size=batch_size, policy=policy, optimizer=optimizer,
+                           optimizer_kwargs=dict(optimizer_kwargs or {}), optimizer_on=optimizer_on,
+                           host_memory_budget=None if host_memory_budget is None
+                           else parse_bytes(host_memory_budget, "host_memory_budget"),
+                           offload_dir=None if offload_dir is None else os.fspath(offload_dir),
+                           weights_on=weights_on, disk_group_bytes=parse_bytes(disk_group_bytes, "disk_group_bytes"),
+                           precision=precision, loss_scaling=loss_scaling, recompute=recompute,
+                           **resolve_data_parallel(data_parallel, compression, min_size))
+    if config.data_parallel and precision != "fp32":
+        raise ConfigError(f"precision={precision!r} is not supported with data-parallel training yet: the gradient "
+                          f"all-reduce expects fp32 gradients; use precision='fp32' or train one process")
+    if hardware is None and device_type == "cuda":   # plan for the GPU: its cached profile, else its datasheet
+        from harmony.compiler.hardware import Hardware
+        hardware = Hardware.this_machine()
+    gm = trace(model, dict(zip(names, batch)) if names else tuple(batch), loss_fn=loss_fn, leaf_modules=leaf_modules)
+    t_trace = time.perf_counter()
+    balanced = None
+    if balance is not None:      # this rank's share of the global batch, its device's memory and speed
+        from harmony.balanced import plan_this_rank
+        balanced = plan_this_rank(model, gm, batch, balance, config, hardware, sharded=bool(shard_state))
+        batch = balanced.batch
+    elif hardware is not None:
+        config.plan_for_device(_device_of(hardware), hardware)
+    if shard_state:
+        if not config.data_parallel or (config.world_size or 1) < 2:
+            raise ConfigError("shard_state=True splits optimizer state over data-parallel ranks, but this process "
+                              "trains alone: run it under torchrun with data_parallel=None or True, or drop "
+                              "shard_state")
+        shard_over_ranks(config, gm, balanced.shares if balanced else [1.0] * config.world_size)
+    _check_masters(gm, precision)
+    if device_type == "cuda":
+        _reserve_for_cuda(config, device)
+    t_plan = time.perf_counter()
+    program = Program(model=model, gm=gm, example_batch=tuple(batch), config=config)
+    program.fake = cost.annotate(gm, tuple(batch), config.microbatch_size, dtype=config.compute_dtype)
+    program.optim_profile = cost.optimizer_profile(optimizer, config.optimizer_kwargs)
+    t_cost = time.perf_counter()
+    program = _run_passes(program, passes)
+    if balanced is not None:
+        program.reports.insert(0, balanced.report)
+        program.rows = balanced.rows
+    sm = ScheduledModule(program, device)
+    if balanced is not None:
+        balanced.simulated(sm, hardware)
+    sm.compile_seconds = dict(trace=t_trace - t0, **({"balance": t_plan - t_trace} if balanced else {}),
+                              cost=t_cost - t_plan, passes=time.perf_counter() - t_cost,
+                              total=time.perf_counter() - t0)
+    return sm
+
+
+def _check_choices(policy, device, recompute) -> str:
+    """The device's type, once the choices among fixed options are valid."""
     if policy not in POLICIES:
         raise ConfigError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
     try:
@@ -123,95 +197,39 @@ def compile(model: torch.nn.Module, example_batch, *, optimizer=torch.optim.Adam
                           f"Use policy='harmony' or 'sequential' on {device!r}, or device='cpu'")
     if recompute not in RECOMPUTE:
         raise ConfigError(f"recompute={recompute!r}; choose one of {', '.join(map(repr, RECOMPUTE))}")
-    names, batch = _batch_items(example_batch)
+    return device_type
+
+
+def _batch_size(batch) -> int:
     sizes = {t.shape[0] for t in batch if isinstance(t, torch.Tensor) and t.dim() > 0}
     if not batch or len(sizes) != 1:
         raise InputError(f"example_batch must hold tensors whose dimension 0 is the batch and agrees; "
                          f"got batch sizes {sorted(sizes)}")
-    batch_size = sizes.pop()
-    # torch's fused update where it has one and the caller did not choose (harmony/optim.py); not under
-    # ondemand, whose runtime fetches every tensor an op touches: one fused op touches a pack's whole state
-    if policy != "ondemand":
-        optimizer_kwargs = optimizer_kwargs_for(optimizer, optimizer_kwargs, ("cpu", device_type))
-    if balance is not None:
-        if precision != "fp32" or weights_on == "disk":
-            raise ConfigError(f"balance= trains data-parallel, which runs in fp32 with weights on the host for now "
-                              f"(got precision={precision!r}, weights_on={weights_on!r}); drop those or balance=")
-        from harmony.balanced import compile_balanced
-        return compile_balanced(model, names, batch, balance, t0, optimizer=optimizer,
-                                 optimizer_kwargs=optimizer_kwargs, memory_budget=memory_budget,
-                                 microbatches=microbatches, policy=policy, loss_fn=loss_fn,
-                                 leaf_modules=leaf_modules, passes=passes, device=device, hardware=hardware,
-                                 optimizer_on=optimizer_on, host_memory_budget=host_memory_budget,
-                                 offload_dir=offload_dir, data_parallel=data_parallel,
-                                 compression=compression, min_size=min_size,
-                                 shard_state=True if shard_state is None else shard_state, recompute=recompute)
-    if memory_budget is None:
-        memory_budget = "1GiB"
-    if not isinstance(microbatches, int) or microbatches < 1 or batch_size % microbatches:
-        raise ConfigError(f"microbatches={microbatches!r} must be a positive divisor of the batch size "
-                          f"{batch_size}; divisors: {[d for d in range(1, batch_size + 1) if batch_size % d == 0]}")
-    if not (isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer)):
-        raise ConfigError(f"optimizer must be a torch.optim.Optimizer class, got {optimizer!r}")
-    optimizer_on, loss_scaling = _check_precision(precision, loss_scaling, optimizer_on, policy)
-    config = CompileConfig(memory_budget=parse_bytes(memory_budget), microbatches=microbatches,
-                           batch_size=batch_size, policy=policy, optimizer=optimizer,
-                           optimizer_kwargs=dict(optimizer_kwargs or {}), optimizer_on=optimizer_on,
-                           host_memory_budget=None if host_memory_budget is None
-                           else parse_bytes(host_memory_budget, "host_memory_budget"),
-                           offload_dir=None if offload_dir is None else os.fspath(offload_dir),
-                           weights_on=weights_on, disk_group_bytes=parse_bytes(disk_group_bytes, "disk_group_bytes"),
-                           precision=precision, loss_scaling=loss_scaling, recompute=recompute,
-                           **resolve_data_parallel(data_parallel, compression, min_size))
-    if device_type == "cuda":   # the CUDA libraries' own device memory comes out of the budget first
-        from harmony.base.process import cuda_expandable_segments
-        from harmony.compiler.machine import cuda_library_bytes
-        config.expandable_segments = cuda_expandable_segments()
-        config.device_reserved = cuda_library_bytes(device, config.compute_dtype)
-        if config.device_reserved >= config.memory_budget:
-            raise BudgetError(f"memory_budget={fmt_bytes(config.memory_budget)} does not cover the "
-                              f"{fmt_bytes(config.device_reserved)} the CUDA libraries take on {device} (cuBLAS "
-                              f"workspaces, one per thread that multiplies matrices; CUBLAS_WORKSPACE_CONFIG sets "
-                              f"their size): raise memory_budget above that",
-                              min_budget=2 * config.device_reserved)
-    if config.data_parallel and precision != "fp32":
-        raise ConfigError(f"precision={precision!r} is not supported with data-parallel training yet: the gradient "
-                          f"all-reduce expects fp32 gradients; use precision='fp32' or train one process")
-    if hardware is None and device_type == "cuda":   # plan for the GPU: its cached profile, else its datasheet
-        from harmony.compiler.hardware import Hardware
-        hardware = Hardware.this_machine()
-    if hardware is not None:
-        dev = _device_of(hardware)
-        config.flops, config.copy_bandwidth = dev.flops, dev.h2d_bandwidth
-        config.host_bandwidth = getattr(hardware, "host_memory_bandwidth", config.host_bandwidth)
-        if dev.speed_factor < 1:
-            raise ConfigError(f"device {dev.name!r} has speed_factor {dev.speed_factor:g} < 1: emulation can only "
-                              f"slow a device down")
-        config.speed_factor = float(dev.speed_factor)     # > 1: the runtime emulates a slower device
-    example = dict(zip(names, batch)) if names else tuple(batch)
-    gm = trace(model, example, loss_fn=loss_fn, leaf_modules=leaf_modules)
-    if shard_state:
-        if not config.data_parallel or (config.world_size or 1) < 2:
-            raise ConfigError("shard_state=True splits optimizer state over data-parallel ranks, but this process "
-                              "trains alone: run it under torchrun with data_parallel=None or True, or drop "
-                              "shard_state")
-        shard_over_ranks(config, gm, [1.0] * config.world_size)
-    if precision != "fp32":   # the host's masters are the model's own tensors: they must be the fp32 ones
-        low = [(n, p.dtype) for n, p in gm.named_parameters() if p.is_floating_point() and p.dtype != torch.float32]
-        if low:
-            raise ConfigError(f"precision={precision!r} keeps the model's parameters as fp32 master weights, but "
-                              f"{len(low)} are not fp32 (first: {low[0][0]} is {low[0][1]}); pass the model in fp32 "
-                              f"(model.float()) and let Harmony make the {precision} copies")
-    t_trace = time.perf_counter()
-    program = Program(model=model, gm=gm, example_batch=tuple(batch), config=config)
-    program.fake = cost.annotate(gm, tuple(batch), config.microbatch_size, dtype=config.compute_dtype)
-    program.optim_profile = cost.optimizer_profile(optimizer, config.optimizer_kwargs)
-    t_cost = time.perf_counter()
-    program = _run_passes(program, passes)
-    sm = ScheduledModule(program, device)
-    sm.compile_seconds = dict(trace=t_trace - t0, cost=t_cost - t_trace, passes=time.perf_counter() - t_cost,
-                              total=time.perf_counter() - t0)
-    return sm
+    return sizes.pop()
+
+
+def _check_masters(gm, precision) -> None:
+    if precision == "fp32":
+        return
+    # the host's masters are the model's own tensors: they must be the fp32 ones
+    low = [(n, p.dtype) for n, p in gm.named_parameters() if p.is_floating_point() and p.dtype != torch.float32]
+    if low:
+        raise ConfigError(f"precision={precision!r} keeps the model's parameters as fp32 master weights, but "
+                          f"{len(low)} are not fp32 (first: {low[0][0]} is {low[0][1]}); pass the model in fp32 "
+                          f"(model.float()) and let Harmony make the {precision} copies")
+
+
+def _reserve_for_cuda(config: CompileConfig, device) -> None:
+    """The CUDA libraries' own device memory comes out of the budget first (config.device_reserved)."""
+    from harmony.base.process import cuda_expandable_segments
+    from harmony.compiler.machine import cuda_library_bytes
+    config.expandable_segments = cuda_expandable_segments()
+    config.device_reserved = cuda_library_bytes(device, config.compute_dtype)
+    if config.device_reserved >= config.memory_budget:
+        raise BudgetError(f"memory_budget={fmt_bytes(config.memory_budget)} does not cover the "
+                          f"{fmt_bytes(config.device_reserved)} the CUDA libraries take on {device} (cuBLAS "
+                          f"workspaces, one per thread that multiplies matrices; CUBLAS_WORKSPACE_CONFIG sets "
+                          f"their size): raise memory_budget above that", min_budget=2 * config.device_reserved)
 
 
 def shard_over_ranks(config: CompileConfig, gm, shares: list[float]) -> None:

@@ -32,6 +32,8 @@ from harmony.compiler.meta import COST, MODULE_PATH, PACK, STATE
 from harmony.compiler.pack_cost import measure_pack
 from harmony.passes.partition_cost import PackCost, device_sizes
 from harmony.passes.partition_search import plan_packs, working_set_cap
+from harmony.runtime.compression import NO_COMPRESSION
+from harmony.runtime.ops_comm import comm_buffer_bytes
 from harmony.runtime.plan import PackSpec, Plan, optim_state_bytes, step_extra
 
 NAME = "partition"
@@ -295,7 +297,8 @@ def measured_need(program: Program, spec: PackSpec, last: bool) -> int:
     peak counts the gradients it allocates where none exist yet (the first microbatch),
     and only its own transients where it accumulates into them (``_accum``), as the
     runtime's effects do; a forward may run beside accumulated gradients (the sequential
-    policy interleaves microbatches).
+    policy interleaves microbatches). Under data parallelism the all-reduce after its last backward holds
+    its fused (and, compressed, encoded) buffers beside its weights and gradients.
     """
     state = spec.param_bytes + spec.buffer_bytes
     grads = spec.param_bytes
@@ -306,7 +309,15 @@ def measured_need(program: Program, spec: PackSpec, last: bool) -> int:
         backward = inputs + spec.out_bytes + spec.saved_bytes + max(spec.bwd_peak, grads + spec.bwd_peak_accum)
     else:
         backward = inputs + spec.out_bytes + max(spec.bwd_recompute_peak, grads + spec.bwd_recompute_peak_accum)
-    return int(max(forward, state + backward, step))
+    return int(max(forward, state + backward, step, state + grads + _comm_bytes(program.config, grads)))
+
+
+def _comm_bytes(cfg, grads: int) -> int:
+    """Device bytes of a pack's gradient all-reduce at its peak (data parallel), beside its weights and gradients."""
+    if not cfg.data_parallel or (cfg.world_size or 1) < 2:
+        return 0
+    c = cfg.compression or NO_COMPRESSION
+    return comm_buffer_bytes(grads, c.kind, cfg.world_size, c.bits, c.error_feedback)
 
 
 def _choose(program: Program, units: list[Unit], budget: int):

@@ -51,7 +51,7 @@ def _allreduce_execute(rt, pack, kind="none", *, world=1, where="device", sync=F
     return fut
 
 
-def _comm_buffer_bytes(grad_bytes: int, kind: str, world: int, bits: int = 4, error_feedback: bool = False) -> int:
+def comm_buffer_bytes(grad_bytes: int, kind: str, world: int, bits: int = 4, error_feedback: bool = False) -> int:
     """Device bytes an all-reduce of ``grad_bytes`` of fp32 gradients allocates at its peak.
 
     The fused fp32 buffer (1x); fp16/bf16 add the half copy and the fp32 result (2.5x in all);
@@ -74,7 +74,7 @@ def _allreduce_effect(m, pack, kind="none", *, world=1, where="device", sync=Fal
     if where == "host":             # the host copies: nothing on the device
         return None, 0
     grads = sum(m.sizes.get(("grads", n), 0) for n in m.plan.packs[pack].owned)
-    held = _comm_buffer_bytes(grads, kind, world, bits, error_feedback)
+    held = comm_buffer_bytes(grads, kind, world, bits, error_feedback)
     if sync:
         return None, held
     return Predicted(held), 0       # in flight until the ``wait`` that joins it
