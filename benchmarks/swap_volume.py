@@ -33,7 +33,7 @@ on the device and leaves once. Per parameter byte, under host steps (the state d
     cuts up to j and the gradients coming back through its output, for every microbatch: all within U.
 
 This is a linear program per partition. Its constraint at one pack j gives the bound (derived in
-``harmony.passes.partition_search.least_traffic``, which also minimises it over all partitions with a
+``harmony.passes.partition.search.least_traffic``, which also minimises it over all partitions with a
 DP): moved >= 3 P - U + W_j - P_j - P_after_j + 2 A_j - min(A_j, U - W_j), where ``P`` is the
 parameters' bytes, ``P_j`` pack j's, ``P_after_j`` those of the packs after it (whose weights are gone
 by then) and ``A_j`` the crossing bytes above. Each parameter arrives at least once per phase unless it
@@ -61,8 +61,8 @@ import harmony
 from harmony.compiler.hardware import Device
 from harmony.models import GPT, GPTConfig, copy_task
 from harmony.passes.partition import find_units
-from harmony.passes.partition_cost import device_sizes
-from harmony.passes.partition_search import least_traffic
+from harmony.passes.partition.cost import device_sizes
+from harmony.passes.partition.search import least_traffic
 
 
 # Plan where the host link is what the step waits for: the Harmony paper's GPU with its link slowed 100x.

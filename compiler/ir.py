@@ -123,6 +123,8 @@ class Program:
     history: list[tuple[str, str]] = field(default_factory=list)  # (pass name, schedule code after it)
     predicted_peak: int = 0
     rows: tuple | None = None          # this rank's rows [start, stop) of the global batch (balance)
+    swap_choice: Any = None            # what the swap pass kept on the device (passes.swap.graph.Choice): plain data,
+                                       # which passes=(..., ("swap", choice), ...) applies again without searching
 
 
 def calls(graph: torch.fx.Graph) -> list:

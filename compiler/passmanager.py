@@ -41,14 +41,29 @@ def check_order(passes) -> None:
         have |= set(p.PROVIDES)
 
 
-def run_passes(program: Program, names=DEFAULT_PIPELINE) -> Program:
+def split_choices(entries) -> tuple[list[str], dict]:
+    """``passes=`` entries as (names, choices): an entry is a pass's name, or ``(name, choice)`` to hand that pass
+    its choice (plain data: what its search would have found) instead of letting it search."""
+    names, choices = [], {}
+    for entry in entries:
+        if isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[0], str):
+            names.append(entry[0])
+            choices[entry[0]] = entry[1]
+        else:
+            names.append(entry)
+    return names, choices
+
+
+def run_passes(program: Program, entries=DEFAULT_PIPELINE) -> Program:
+    """Run the passes ``entries`` names in order (see ``split_choices`` for handing one its choice)."""
+    names, choices = split_choices(entries)
     passes = [load(n) for n in names]
     check_order(passes)
     done: list[str] = []
     for p in passes:
         start = time.perf_counter()
         try:
-            result = p.run(program, None)
+            result = p.run(program, choices.get(p.NAME))
             program = result.program
             if program.schedule is not None:
                 program.schedule.lint()

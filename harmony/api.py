@@ -11,7 +11,7 @@ from harmony.base.process import huge_pages, idle_threads_sleep, peak_rss_bytes
 from harmony.base.units import fmt_bytes, nbytes, parse_bytes
 from harmony.compiler import cost
 from harmony.compiler.ir import CompileConfig, Program
-from harmony.compiler.passmanager import DEFAULT_PIPELINE, run_passes
+from harmony.compiler.passmanager import DEFAULT_PIPELINE, run_passes, split_choices
 from harmony.compiler.printer import schedule_code
 from harmony.compiler.trace import trace
 from harmony.compiler.verify import memory_curve
@@ -285,7 +285,7 @@ def _run_passes(program: Program, passes) -> Program:
     try:
         return run_passes(program, passes)
     except HarmonyError as e:
-        cfg, names = program.config, list(passes)
+        cfg, names = program.config, split_choices(passes)[0]
         # the pass that failed is the first one not in the history; compress itself has met the others already
         if cfg.data_parallel and (cfg.world_size or 1) > 1 and "compress" in names \
                 and names.index("compress") > len(program.history):

@@ -90,7 +90,7 @@ def test_resume_into_a_mixed_plan_is_bitwise(run_a, chosen_by, monkeypatch):
     """A plan that steps one pack on the device (all its state resident) and the other on the host, as the swap
     pass's greedy picks it; and the plan its integer program picks, single parameters of host-stepped packs
     stepped on the device (``plan.device_parts``)."""
-    import harmony.passes.swap_lp as swap_lp
+    import harmony.passes.swap.lp as swap_lp
     if chosen_by == "greedy":
         monkeypatch.setattr(swap_lp, "applies", lambda *a: False)
     torch.manual_seed(1)

@@ -104,8 +104,10 @@ def test_bad_optimizer_and_policy_and_pass(gpt):
         harmony.compile(model, example_batch=data[0], policy="fifo")
     with pytest.raises(ConfigError, match="unknown pass"):
         harmony.compile(model, example_batch=data[0], passes=("partition", "nope"))
-    with pytest.raises(ConfigError, match="helper module of a pass, not a pass"):
-        harmony.compile(model, example_batch=data[0], passes=("partition_cost",))
+    with pytest.raises(ConfigError, match="unknown pass 'graph'"):       # a pass's parts live inside its package
+        harmony.compile(model, example_batch=data[0], passes=("graph",))
+    with pytest.raises(ConfigError, match="takes pass names"):
+        harmony.compile(model, example_batch=data[0], passes=("swap.graph",))
     with pytest.raises(ConfigError, match="takes pass names"):
         harmony.compile(model, example_batch=data[0], passes=("partition", 3))
     with pytest.raises(ConfigError, match="device='gpu' is not a device torch knows"):

@@ -29,6 +29,14 @@ def calls(sm):
     return [n for n in sm.graph.nodes if n.op == "call_function"]
 
 
+def given_partition(pick, **kw) -> tuple:
+    """The pipeline with the partition handed its choice: packs starting at the layers ``pick(units)`` returns
+    (indices), named by their first nodes, as a partition-only compile of the same model finds them."""
+    sm, _ = compiled(passes=("partition",), **kw)
+    starts = [sm.program.units[i][0].name for i in pick(sm.program.units)]
+    return (("partition", starts),) + tuple(harmony.compiler.passmanager.DEFAULT_PIPELINE[1:])
+
+
 def names(sm, op=None):
     return [n for n in calls(sm) if op is None or n.target is op]
 
@@ -183,8 +191,8 @@ def test_peak_bound_never_exceeds_the_peak_of_the_schedule_it_stands_for(monkeyp
     would pass the budget: that is only the plan it would have made if the bound is never above the peak
     of the schedule built. Every single-candidate trial here is built as well and compared; the bound
     must also turn some away (else it saves nothing) and be exact for some."""
-    from harmony.passes import swap
-    real, seen = swap._greedy, []
+    from harmony.passes.swap import search as swap
+    real, seen = swap.greedy, []
 
     def checking(candidates, chosen, fits, room, bound=None, curve=None):
         if bound is None:
@@ -198,10 +206,10 @@ def test_peak_bound_never_exceeds_the_peak_of_the_schedule_it_stands_for(monkeyp
 
         def check(cv, what):
             b = bound(cv, what)
-            seen.append((what, b, fits(swap._with(of[id(cv)], what)).peak, room))
+            seen.append((what, b, fits(swap.with_kept(of[id(cv)], what)).peak, room))
             return 0        # build every trial: the plan is the pass's own
         return real(candidates, chosen, remember, room, check)
-    monkeypatch.setattr(swap, "_greedy", checking)
+    monkeypatch.setattr(swap, "greedy", checking)
     sm, _ = compiled(frac=0.25, policy=policy, optimizer_on=optimizer_on, hardware=hardware, tie=tie)
     assert seen
     assert all(b <= peak for _, b, peak, _ in seen), [s for s in seen if s[1] > s[2]][:3]
@@ -462,17 +470,13 @@ def test_graphs_worth_less_than_traffic_take_only_the_room_residency_leaves(monk
     after whole packs (cut here so the last pack is small), the swap pass fills it with single parameters'
     device steps before graphs, so it plans exactly what it plans when graphs are not candidates at all. (The
     greedy's ranking: the integer program, which weighs graphs by their worth with everything else, is left out.)"""
-    from harmony.passes import partition, partition_cost, swap_lp
+    from harmony.passes.swap import lp as swap_lp
     monkeypatch.setattr(swap_lp, "applies", lambda *a: False)
-
-    def small_last_pack(program, units, budget):
-        cuts = [(0, 23), (23, 30), (30, len(units))]
-        return cuts, partition.build_packs(program, cuts, units), partition_cost.PackCost(program, units), False
-    monkeypatch.setattr(partition, "_choose", small_last_pack)
+    model = dict(frac=0.6, case="gpt", layers=4, width=128, vocab=256, seq=32, batch=4, hardware="gtx1080ti")
+    passes = given_partition(lambda units: [23, 30], **model)       # a small last pack
     plans = {}
     for recompute in ("auto", "always"):
-        sm, _ = compiled(frac=0.6, case="gpt", layers=4, width=128, vocab=256, seq=32, batch=4, recompute=recompute,
-                         hardware="gtx1080ti")
+        sm, _ = compiled(recompute=recompute, passes=passes, **model)
         assert [len(s.params) for s in sm.plan.packs] == [26, 18, 9]      # the cuts above, on this model
         swap = next(r for r in sm.program.reports if r.title.startswith("swap"))
         plans[recompute] = (swap.totals["h2d_MiB"], swap.totals["d2h_MiB"], sorted(sm.plan.device_parts),
@@ -549,7 +553,7 @@ def test_the_partition_prices_what_crosses_its_cuts():
     sm.close()
 
 
-def test_the_partition_prices_resident_state_beside_every_backward(monkeypatch):
+def test_the_partition_prices_resident_state_beside_every_backward():
     """Parameters stepped on the device keep their weights and optimizer state there the whole step, beside
     every pack's backward (its weights and gradients), not only beside the last pack's at the turn. Cut into a
     first pack of 9 blocks and a last of 3 (12-layer GPT, half its training state, 16 microbatches, the GTX
@@ -558,22 +562,17 @@ def test_the_partition_prices_resident_state_beside_every_backward(monkeypatch):
     import dataclasses
 
     from harmony.compiler.hardware import Device
-    from harmony.passes import partition, partition_cost
     gtx = Device.preset("gtx1080ti")
     slow = dataclasses.replace(gtx, h2d_bandwidth=gtx.h2d_bandwidth / 100, d2h_bandwidth=gtx.d2h_bandwidth / 100)
-    predicted = {}
-
-    def first_pack_of_nine_blocks(program, units, budget):
-        cut = [i for i, u in enumerate(units) if u.nodes[0].name.endswith("ln1")][9]   # block 9's first layer
-        cuts = [(0, cut), (cut, len(units))]
-        need = partition_cost.PackCost(program, units)
-        predicted["bytes"] = need.plan_cost(cuts, budget)[1]
-        return cuts, partition.build_packs(program, cuts, units), need, False
-    monkeypatch.setattr(partition, "_choose", first_pack_of_nine_blocks)
-    sm, _ = compiled(frac=0.5, microbatches=16, layers=12, width=128, vocab=256, seq=32, batch=16, hardware=slow)
+    model = dict(frac=0.5, microbatches=16, layers=12, width=128, vocab=256, seq=32, batch=16, hardware=slow)
+    nine_blocks = given_partition(lambda units: [[i for i, u in enumerate(units)          # block 9's first layer
+                                                  if u[0].name.endswith("ln1")][9]], **model)
+    sm, _ = compiled(passes=nine_blocks, **model)
+    assert len(sm.plan.packs) == 2
+    predicted = next(r for r in sm.program.reports if r.title.startswith("partition")).totals["predicted_moved_bytes"]
     swap = next(r for r in sm.program.reports if r.title.startswith("swap"))
     moved = (swap.totals["h2d_MiB"] + swap.totals["d2h_MiB"]) * 2**20
-    assert abs(predicted["bytes"] / moved - 1) < 0.1, (predicted["bytes"] / 2**20, moved / 2**20)
+    assert abs(predicted / moved - 1) < 0.1, (predicted / 2**20, moved / 2**20)
     sm.close()
 
 
@@ -602,25 +601,18 @@ def test_a_packs_measured_need_counts_its_gradients_once():
 
 
 @pytest.mark.parametrize("layers, frac", [(6, 0.3), (12, 0.35)])
-def test_the_partition_prices_sequential_visits(monkeypatch, layers, frac):
+def test_the_partition_prices_sequential_visits(layers, frac):
     """Under the sequential policy every microbatch visits every pack: a swapped pack's weights come in for each
     forward and backward and, stepped on the host, its gradients go out after each backward and back for the next.
     The plan cost priced one visit per phase, as under harmony, and predicted 25 MiB moved where the swap pass
     moved 377 (12 layers, 35% of the state, 16 microbatches), so it saw no gain in smaller packs whose weights the
     swap pass can hold between visits. Now its prediction is within 10%, and weights are held."""
-    from harmony.passes import partition
-    choose, predicted = partition._choose, {}
-
-    def priced(program, units, budget):
-        cuts, specs, need, least_traffic = choose(program, units, budget)
-        predicted["bytes"] = need.plan_cost(cuts, budget)[1]
-        return cuts, specs, need, least_traffic
-    monkeypatch.setattr(partition, "_choose", priced)
     sm, _ = compiled(frac=frac, microbatches=16, layers=layers, width=128, vocab=256, seq=32, batch=16,
                      policy="sequential", optimizer_on="host", hardware="gtx1080ti")
+    predicted = next(r for r in sm.program.reports if r.title.startswith("partition")).totals["predicted_moved_bytes"]
     swap = next(r for r in sm.program.reports if r.title.startswith("swap"))
     moved = (swap.totals["h2d_MiB"] + swap.totals["d2h_MiB"]) * 2**20
-    assert abs(predicted["bytes"] / moved - 1) < 0.1, (predicted["bytes"] / 2**20, moved / 2**20)
+    assert abs(predicted / moved - 1) < 0.1, (predicted / 2**20, moved / 2**20)
     assert sm.plan.held
     sm.close()
 
@@ -635,3 +627,61 @@ def test_the_partition_counts_the_host_steps_tail():
     sim = sm.simulate("gtx1080ti")
     assert sim.step_seconds < 2.0e-3, ([s.name for s in sm.plan.packs], sim.busy)
     sm.close()
+
+
+# -- a pass handed its choice applies it: passes=(..., (name, choice), ...) ------------------------------------------
+def test_the_partition_applies_the_packs_it_is_handed():
+    """The partition's choice is the names of its packs' first nodes (``partition.first_nodes`` lists where a pack
+    can start): handed back, the same packs and schedule; a name that is not a cut point, or packs too big for the
+    budget, is a clear error."""
+    from harmony.errors import BudgetError
+    from harmony.passes import partition
+    sm, data = compiled(layers=4, microbatches=4, frac=0.5)
+    firsts = partition.first_nodes(sm.program)
+    assert firsts == [layer[0].name for layer in sm.program.units]
+    starts = [layer[0].name for i, layer in enumerate(sm.program.units)          # where the pass cut
+              if i and layer[0].meta[PACK] != sm.program.units[i - 1][0].meta[PACK]]
+    assert len(starts) == len(sm.plan.packs) - 1
+    rest = tuple(harmony.compiler.passmanager.DEFAULT_PIPELINE[1:])
+    again, _ = compiled(layers=4, microbatches=4, frac=0.5, passes=(("partition", starts),) + rest)
+    assert [s.name for s in again.plan.packs] == [s.name for s in sm.plan.packs]
+    assert again.graph.python_code("self").src == sm.graph.python_code("self").src
+    assert "packs as given" in " ".join(next(r for r in again.program.reports if r.title.startswith("partition")).notes)
+    with pytest.raises(ConfigError, match="not cut points of this graph"):
+        compiled(layers=4, passes=(("partition", ["no_such_node"]), "schedule"))
+    with pytest.raises(BudgetError, match="the partition given needs"):
+        compiled(layers=4, frac=0.25, passes=(("partition", []), "schedule"))   # one pack: everything at once
+    for s in (sm, again):
+        s.close()
+
+
+def test_the_swap_pass_applies_the_choice_it_is_handed():
+    """The swap pass's choice (``program.swap_choice``, plain data) handed back gives the same schedule; a choice
+    built by hand (here: no weights held between visits) is applied as given, fits, and trains as eager does."""
+    model, data = CASES["gpt"](layers=4)
+    kw = dict(memory_budget=int(training_state_bytes(model) * 0.4), microbatches=4, optimizer_on="host")
+    sm = harmony.compile(copy.deepcopy(model), example_batch=data[0], **kw)
+    choice = sm.program.swap_choice
+    assert choice.held or choice.parts, "a plan that holds weights between visits, to take them away below"
+    rest = tuple(harmony.compiler.passmanager.DEFAULT_PIPELINE)
+    swap_at = rest.index("swap")
+    same = harmony.compile(copy.deepcopy(model), example_batch=data[0], **kw,
+                           passes=rest[:swap_at] + (("swap", choice),) + rest[swap_at + 1:])
+    assert same.graph.python_code("self").src == sm.graph.python_code("self").src
+    lean = choice._replace(held=frozenset(), parts=frozenset())
+    ours = copy.deepcopy(model)
+    mine = harmony.compile(ours, example_batch=data[0], **kw,
+                           passes=rest[:swap_at] + (("swap", lean),) + rest[swap_at + 1:])
+    swap = next(r for r in mine.program.reports if r.title.startswith("swap"))
+    assert swap.totals["chosen_by"] == "given" and not mine.plan.held and not mine.plan.params_held
+    assert swap.totals["h2d_MiB"] > next(r for r in sm.program.reports if r.title.startswith("swap")).totals["h2d_MiB"]
+    ref, _ = eager_accumulate(model, data, 4)
+    for x, y in data:
+        mine(x, y)
+    for (name, a), b in zip(ours.named_parameters(), ref.parameters()):
+        assert torch.equal(a, b), name
+    with pytest.raises(ConfigError, match="harmony.passes.swap.graph.Choice"):
+        harmony.compile(copy.deepcopy(model), example_batch=data[0], **kw,
+                        passes=rest[:swap_at] + (("swap", {"held": ()}),) + rest[swap_at + 1:])
+    for s in (sm, same, mine):
+        s.close()

@@ -1,4 +1,4 @@
-"""The swap pass's integer program (passes/swap_lp.py) and the planner where the host link binds: graph checks, the
+"""The swap pass's integer program (passes/swap/lp.py) and the planner where the host link binds: graph checks, the
 plan it picks measured against the greedy's and against eager PyTorch, and the partition that leaves the least
 traffic."""
 import copy
@@ -6,7 +6,7 @@ import copy
 import pytest
 
 import harmony
-import harmony.passes.swap_lp as swap_lp
+import harmony.passes.swap.lp as swap_lp
 from harmony.compiler.hardware import Device
 from models import CASES, assert_bitwise, eager_accumulate, training_state_bytes
 

@@ -1,5 +1,5 @@
-"""The least-traffic partition and its bound (passes/partition_search.py: ``least_traffic``;
-passes/partition_cost.py: ``residency_lp``), on
+"""The least-traffic partition and its bound (passes/partition/search.py: ``least_traffic``;
+passes/partition/cost.py: ``residency_lp``), on
 synthetic layers: the DP finds the least bound over every partition, and the bound never exceeds what the linear
 program of each partition leaves (the derivation in ``least_traffic``'s docstring, checked numerically)."""
 import itertools
@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from harmony.passes.partition import Unit
-from harmony.passes.partition_cost import residency_lp
-from harmony.passes.partition_search import least_traffic
+from harmony.passes.partition.cost import residency_lp
+from harmony.passes.partition.search import least_traffic
 
 MIB = 2**20
 

@@ -1,95 +1,20 @@
-"""swap: insert the data movement the budget forces, and nothing else.
+"""The swap pass's search: what to keep on the device, from the least-memory schedule up.
 
-1. If every pack's state and every activation fit at once, everything stays resident
-   and no op is inserted (the nothing-to-do case).
-2. Otherwise each visit of a pack (a run of ops on it) gets ``swap_in`` + ``wait``
-   before its first op and ``release`` after its last, for the kinds of state the ops
-   need: parameters (forward), plus gradients (backward), plus optimizer state (step).
-3. Every activation handle that a later op reads is stashed to the host (after its
-   first use when it has two, the pack's forward and its recompute).
-4. From that least-memory plan, state and activation groups are kept on the device,
-   most bytes moved saved per byte held first (parameters: 3 per byte, optimizer
-   state and activations: 2), while the predicted peak fits.
-5. A pack whose optimizer steps on the host cannot keep its weights for good (the host
-   updates them; they come in afresh after the step), but it can keep them between its
-   visits within an iteration: brought in once for the forward and released once after
-   the backward. Under the harmony policy that is across the turn from forward to backward
-   (1 byte saved per byte held, and held only from the pack's forward to its backward, so
-   the last packs, whose two visits are closest, are tried first); under sequential, across
-   all 2 x microbatches visits. The room whole packs leave (less than the next pack's weights)
-   is then filled with single weights held the same way, largest first from the last pack back:
-   the pack's later ``swap_in``s and earlier ``release``s leave them (``held=``), the rest move.
-6. Where room is still left (``optimizer_on="auto"``, fp32, one rank), a host-stepped pack
-   may step on the device instead, with its weights, gradients and optimizer state resident
-   for good: it then moves nothing, where held between visits it moved its weights in once
-   and its gradients out once (2 bytes saved per 3 held for Adam), first packs first (their
-   weights are held through most of the step anyway). Mixed placement: the packs that fit
-   stay on the device, ZeRO-Offload's host step for the rest.
-   The room that leaves (less than the next pack's state) goes to single parameters of
-   host-stepped packs, stepped on the device with all their state resident, first packs first
-   (``plan.device_parts``): the host step of their pack leaves them.
-7. The greedy keeps what saves the most per byte first; where the budget binds at more than one
-   point that can go wrong (a large first pack held whole leaves no room at its own backward to
-   step any parameter on the device). Under the harmony policy with every pack stepped on the host
-   (fp32, one rank, host memory), ``passes/swap_lp.py`` also solves the choice of 4 to 6 exactly,
-   parameter by parameter, as an integer program over the least-memory schedule's curve; its plan,
-   checked against the exact curve and filled as the greedy fills, replaces the greedy's where it
-   saves more than 1% of the bytes moved in (the report's ``chosen_by``).
-8. Packs wholly on disk (weights too) read their weights from their files for each visit. The
-   room left at the end of the backward and the start of the forward (where the turn's
-   activations are gone or not yet made) keeps the weights of the packs stepped last on the
-   device from their step to the next iteration's forward, first packs first
-   (``plan.carried``; ``release(..., carry=True)`` and ``swap_in(..., carried=True)``): one
-   disk read less per byte held (runtime/diskparams.py).
-
-Recompute is a choice made here too (``recompute="auto"``): a pack that keeps its
-forward's graph (its activations, for every microbatch until its backward) runs its
-backward without recomputing the forward. Its value per byte held is the recompute
-time it saves, counted as the bytes the host link moves in that time, so it competes
-with the traffic the same bytes could save: on a CPU, where a copy is cheap beside a
-layer's forward, keeping graphs comes first; on a GPU behind PCIe, traffic does. That
-holds in the nothing-to-do case as well: everything resident, graphs kept while they fit.
-
-This module decides; how each decision reads in the schedule (the swap ops, stashes, ``held=``
-and so on) is ``passes/swap_graph.py``.
+The greedy (``greedy``) ranks what could stay (a pack's weights, optimizer state or gradients, an activation
+group, a forward graph) by bytes moved saved per byte held and keeps each while the schedule fits; the parts of
+packs then fill what room is left (single parameters' optimizer state, weights held between visits, parameters
+stepped on the device, weights carried across steps). Where the integer program applies (``lp``), its plan is
+checked against the greedy's. The result is a ``Choice`` (``graph``), which ``passes.swap.run`` applies.
 """
 from __future__ import annotations
 
-import time
-
-from harmony.base.errors import BudgetError
 from harmony.base.units import fmt_bytes
-from harmony.compiler.ir import PassReport, PassResult, Program, calls
-from harmony.compiler.verify import memory_curve, state_sizes
-from harmony.passes import swap_lp
-from harmony.passes.swap_graph import COMPUTE, KINDS, Choice, build, insert_swaps, param_swaps, stash_groups
+from harmony.compiler.ir import Program
+from harmony.passes.swap import lp as swap_lp
+from harmony.passes.swap.graph import COMPUTE, KINDS, Choice, param_swaps
 from harmony.runtime import ops
-from harmony.runtime.plan import step_extra
 
-NAME = "swap"
-REQUIRES = {"schedule", "placement"}
-PROVIDES = {"residency"}
 TIE = 0.01    # of the bytes in, what the integer program's plan must save to replace the greedy's outright
-
-
-def graph_candidates(program: Program) -> list[tuple]:
-    """(value per byte held, bytes held, ("graph", pack)) for every pack that could keep its forward's graph.
-
-    The value is the recompute time saved, counted as the bytes the host link moves in that
-    time, per byte held; bytes held are one microbatch's activations, for every microbatch
-    under the harmony policy (they wait for the pack's backward), for one under sequential.
-    """
-    cfg, plan = program.config, program.plan
-    if cfg.recompute != "auto" or cfg.policy == "ondemand":
-        return []
-    m = plan.microbatches
-    out = []
-    for spec in plan.packs[:-1]:
-        held = (spec.saved_bytes + spec.in_bytes) * (m if cfg.policy == "harmony" else 1)
-        if spec.fwd_flops and held:
-            seconds = m * spec.fwd_flops / cfg.flops
-            out.append((seconds * cfg.copy_bandwidth / held, held, ("graph", spec.index)))
-    return out
 
 
 def _row(what, size, per_byte) -> dict:
@@ -106,70 +31,6 @@ def _row(what, size, per_byte) -> dict:
     else:
         kind = what[0]
     return dict(kept=kind, pack=what[-1], MiB=size / 2**20, saves_per_byte=per_byte)
-
-
-def _with(chosen: Choice, what) -> Choice:
-    if what[0] == "keep":
-        return chosen._replace(stashed=chosen.stashed - {what[1:]})
-    if what[0] == "graph":
-        return chosen._replace(kept=chosen.kept | {what[1]})
-    if what[0] == "held":
-        return chosen._replace(held=chosen.held | {what[1]})
-    if what[0] == "carry":
-        return chosen._replace(carried=chosen.carried | {what[1]})
-    if what[0] == "device":
-        return chosen._replace(resident=chosen.resident | {(what[1], k) for k in KINDS},
-                               held=chosen.held - {what[1]}, device=chosen.device | {what[1]})
-    kinds = (what[0], "grads") if what[0] == "params" else (what[0],)
-    return chosen._replace(resident=chosen.resident | {(what[1], k) for k in kinds})
-
-
-def _rank(candidate) -> tuple:
-    """Most saved per byte first; among equals the largest, except weights held between visits: the last packs
-    first, whose visits are closest (an early pack's weights would be held through every other pack's), and
-    device steps: the first packs first (theirs are held the longest), and weights carried across steps: the
-    first packs first (the last stepped, the first the forward takes)."""
-    per_byte, size, what = candidate
-    if what[0] == "held":
-        return -per_byte, -what[1]
-    if what[0] in ("device", "carry"):
-        return -per_byte, what[1]
-    return -per_byte, -size
-
-
-def _greedy(candidates, chosen: Choice, fits, room, bound=None, curve=None) -> tuple[Choice, list[dict]]:
-    """Keep what saves the most per byte held first, each while the predicted peak stays within ``room``.
-
-    Candidates are tried in runs that double while they fit and fall back to one at a time
-    where one does not: keeping more never lowers the curve, so a run that fits is what one
-    at a time would keep, for a few evaluations of the curve instead of one per candidate
-    (a 24-layer model cut into 48 packs has some 140). Once the budget is nearly full, most
-    single candidates do not fit: ``bound(curve, what)`` (``peak_bound``), a lower bound on the
-    peak read off the chosen schedule's ``curve``, turns those away without building a schedule.
-    """
-    items = [c for c in sorted(candidates, key=_rank) if c[1]]
-    rows, i, run = [], 0, 1
-    while i < len(items):
-        batch = items[i:i + run]
-        if len(batch) == 1 and bound is not None:
-            curve = curve if curve is not None else fits(chosen)
-            if bound(curve, batch[0][2]) > room:
-                i += 1
-                continue
-        trial = chosen
-        for _, _, what in batch:
-            trial = _with(trial, what)
-        got = fits(trial)
-        if got.peak <= room:
-            chosen, curve = trial, got
-            rows += [_row(what, size, per_byte) for per_byte, size, what in batch]
-            i += len(batch)
-            run *= 2
-        elif run > 1:
-            run = 1
-        else:
-            i += 1
-    return chosen, rows
 
 
 def tied_weights(plan) -> set[str]:
@@ -243,71 +104,87 @@ def peak_bound(program: Program, curve, what, groups: dict, sizes: dict, shared:
     return best
 
 
-def run(program: Program, ctx) -> PassResult:
-    start = time.perf_counter()
-    plan, budget = program.plan, program.config.usable_budget
-    report = PassReport("swap: data movement")
-    if program.config.policy == "ondemand":
-        report.notes.append("policy ondemand: no planned movement; the runtime fetches state when an op "
-                            "touches it and evicts the least recently used state when the budget is hit")
-        return PassResult(program, report)
-    plan.optim_resident, plan.held, plan.params_held, plan.device_parts, plan.carried = {}, set(), {}, {}, set()
-    plan.resident = {(p.index, k) for p in plan.packs for k in KINDS}
-    mixed = program.config.precision != "fp32"   # host steps update fp32 masters: compute copies come in afresh
-    graphs = graph_candidates(program)
-    if not mixed and memory_curve(program, check_residency=False).peak <= budget:
-        base = program.schedule
+def mixed_placement(cfg) -> bool:
+    """Whether host-stepped packs may move to a device step: left to the compiler (``optimizer_on="auto"``),
+    fp32, one rank (the compress pass placed the all-reduce for a host step). The partition asks too."""
+    return cfg.optimizer_on == "auto" and cfg.precision == "fp32" and (cfg.world_size or 1) <= 1
 
-        def fits_all(c: Choice):     # only graphs are candidates here
-            program.schedule = build(base, c.resident, c.stashed, {}, c.kept)
-            return memory_curve(program, check_residency=False)
-        sizes = state_sizes(program)
-        chosen, rows = _greedy(graphs, Choice(plan.resident, set()), fits_all, budget,
-                               lambda c, what: peak_bound(program, c, what, {}, sizes, set()))   # graphs only
-        fits_all(chosen)
-        report.rows = rows
-        report.notes.append("everything fits the budget: all state stays resident, no swap inserted"
-                            + (f"; {len(chosen.kept)} packs keep their forward's graph (no recompute)" if chosen.kept
-                               else ""))
-        report.totals = dict(resident_packs=len(plan.packs), swaps=0, stashes=0,
-                             recomputing_packs=len(plan.packs) - 1 - len(chosen.kept))
-        return PassResult(program, report)
 
-    # start from the least memory: every pack swapped, every activation handle stashed, every pack recomputed ...
-    plan.resident = set()
-    insert_swaps(program.schedule, plan.resident)
-    base = program.schedule
-    groups = stash_groups(base)
-    chosen = Choice(set(), set(groups))
-    sizes = state_sizes(program)
+def may_step_on_device(program: Program, pack: int) -> bool:
+    """Whether the swap pass may move this host-stepped pack's step to the device: ``mixed_placement``, and
+    the pack's weights and optimizer state in host memory (not files)."""
+    plan = program.plan
+    return (mixed_placement(program.config) and plan.optim_on.get(pack) == "host"
+            and plan.master_on.get(pack, "host") == "host")
 
-    def fits(c: Choice):
-        program.schedule = build(base, c.resident, c.stashed, groups, c.kept, c.held, c.device, c.parts, c.carried)
-        plan.resident = c.resident
-        plan.held = set(c.held)
-        plan.carried = set(c.carried)
-        plan.params_held = {n: sizes[("params", n)] for _, n in c.parts}
-        plan.device_parts = {n: step_extra(program.optim_profile, [sizes[("params", n)]]) for _, n in c.steps}
-        plan.device_part_bytes = {n: sizes[("params", n)] for _, n in c.steps}     # fp32: device parts need it
-        return memory_curve(program, check_residency=False)
 
-    curve = fits(chosen)
-    inline = [n for n in calls(base) if n.target is ops.step and n.kwargs.get("overlap")]
-    if curve.peak > budget and inline:   # a disk step overlapping the next backward holds its gradients that long
-        for n in inline:
-            n.kwargs = {**n.kwargs, "overlap": False}
-        curve = fits(chosen)
-        report.notes.append(f"{len(inline)} disk steps run inline: the device cannot also hold a pack's gradients "
-                            f"through the next pack's backward")
-    if curve.peak > budget:
-        at = curve.nodes[curve.argmax()]
-        need = program.config.budget_for(curve.peak)
-        raise BudgetError(
-            f"no schedule fits memory_budget={fmt_bytes(program.config.memory_budget)}: with every pack swapped "
-            f"and every activation stashed, the predicted peak is {fmt_bytes(curve.peak)} at {at.name}, over "
-            f"the {fmt_bytes(budget)} the planner may fill. Raise memory_budget to about {fmt_bytes(need)} "
-            f"({need} bytes) or use more microbatches.", min_budget=need)
-    # ... then keep on the device what saves the most bytes moved per byte held, while it fits
+def with_kept(chosen: Choice, what) -> Choice:
+    if what[0] == "keep":
+        return chosen._replace(stashed=chosen.stashed - {what[1:]})
+    if what[0] == "graph":
+        return chosen._replace(kept=chosen.kept | {what[1]})
+    if what[0] == "held":
+        return chosen._replace(held=chosen.held | {what[1]})
+    if what[0] == "carry":
+        return chosen._replace(carried=chosen.carried | {what[1]})
+    if what[0] == "device":
+        return chosen._replace(resident=chosen.resident | {(what[1], k) for k in KINDS},
+                               held=chosen.held - {what[1]}, device=chosen.device | {what[1]})
+    kinds = (what[0], "grads") if what[0] == "params" else (what[0],)
+    return chosen._replace(resident=chosen.resident | {(what[1], k) for k in kinds})
+
+
+def _rank(candidate) -> tuple:
+    """Most saved per byte first; among equals the largest, except weights held between visits: the last packs
+    first, whose visits are closest (an early pack's weights would be held through every other pack's), and
+    device steps: the first packs first (theirs are held the longest), and weights carried across steps: the
+    first packs first (the last stepped, the first the forward takes)."""
+    per_byte, size, what = candidate
+    if what[0] == "held":
+        return -per_byte, -what[1]
+    if what[0] in ("device", "carry"):
+        return -per_byte, what[1]
+    return -per_byte, -size
+
+
+def greedy(candidates, chosen: Choice, fits, room, bound=None, curve=None) -> tuple[Choice, list[dict]]:
+    """Keep what saves the most per byte held first, each while the predicted peak stays within ``room``.
+
+    Candidates are tried in runs that double while they fit and fall back to one at a time
+    where one does not: keeping more never lowers the curve, so a run that fits is what one
+    at a time would keep, for a few evaluations of the curve instead of one per candidate
+    (a 24-layer model cut into 48 packs has some 140). Once the budget is nearly full, most
+    single candidates do not fit: ``bound(curve, what)`` (``peak_bound``), a lower bound on the
+    peak read off the chosen schedule's ``curve``, turns those away without building a schedule.
+    """
+    items = [c for c in sorted(candidates, key=_rank) if c[1]]
+    rows, i, run = [], 0, 1
+    while i < len(items):
+        batch = items[i:i + run]
+        if len(batch) == 1 and bound is not None:
+            curve = curve if curve is not None else fits(chosen)
+            if bound(curve, batch[0][2]) > room:
+                i += 1
+                continue
+        trial = chosen
+        for _, _, what in batch:
+            trial = with_kept(trial, what)
+        got = fits(trial)
+        if got.peak <= room:
+            chosen, curve = trial, got
+            rows += [_row(what, size, per_byte) for per_byte, size, what in batch]
+            i += len(batch)
+            run *= 2
+        elif run > 1:
+            run = 1
+        else:
+            i += 1
+    return chosen, rows
+
+
+def _candidates(program: Program, base, groups: dict, graphs: list) -> list[tuple]:
+    """(bytes saved per byte held, bytes held, what) for everything that could stay on the device."""
+    plan = program.plan
     n_packs, m = len(plan.packs), plan.microbatches
     candidates = list(graphs)
     swaps = param_swaps(base)
@@ -329,6 +206,14 @@ def run(program: Program, ctx) -> PassResult:
         spec = plan.packs[key[1]]
         size = (spec.out_bytes if key[0] == "forward" else spec.in_bytes) * len(names)
         candidates.append((2, size, ("keep",) + key))                   # out and back in
+    return candidates
+
+
+def choose(program: Program, chosen: Choice, curve, base, groups: dict, sizes: dict, graphs: list, fits, report):
+    """From the least-memory schedule (``chosen``, its ``curve``), what to keep on the device: the greedy by bytes
+    saved per byte held, checked against the integer program where it applies. (chosen, rows, how, curve)."""
+    plan, budget = program.plan, program.config.usable_budget
+    candidates = _candidates(program, base, groups, graphs)
     # Fill the budget: every byte held is traffic saved, and the prefetch pass still hoists swap_ins
     # wherever the curve is below its peak. (Leaving the largest pack's weights free for prefetching where
     # compute outweighs copies simulated slower in every case tried: the demo and benchmarks/swap_volume.py.)
@@ -348,15 +233,15 @@ def run(program: Program, ctx) -> PassResult:
     def fill(chosen: Choice, curve=None) -> tuple[Choice, list[dict]]:
         """The greedy from ``chosen`` on: what saves the most per byte held first, then the parts of packs."""
         free = [c for c in candidates if not _taken(chosen, c[2])]
-        chosen, rows = _greedy([c for c in free if c not in low + lowest], chosen, fits, room, bound, curve)
+        chosen, rows = greedy([c for c in free if c not in low + lowest], chosen, fits, room, bound, curve)
         rows += keep_optimizer_parts(program, chosen, fits, room, sizes)
-        chosen, more = _greedy([c for c in low if c in free], chosen, fits, room, bound)
+        chosen, more = greedy([c for c in low if c in free], chosen, fits, room, bound)
         rows += more
         chosen, more = keep_weight_parts(program, chosen, fits, room, sizes)
         rows += more
         chosen, more = keep_step_parts(program, chosen, fits, room, sizes)
         rows += more
-        chosen, more = _greedy([c for c in lowest if c in free], chosen, fits, room, bound)
+        chosen, more = greedy([c for c in lowest if c in free], chosen, fits, room, bound)
         rows += more
         chosen, more = carry_weights(program, chosen, fits, room, sizes)
         return chosen, rows + more
@@ -366,7 +251,7 @@ def run(program: Program, ctx) -> PassResult:
     chosen, rows = fill(chosen, curve)
     how = "greedy"
     if exact:
-        greedy = fits(chosen)
+        by_greedy = fits(chosen)
         found = swap_lp.select(program, curve, groups, sizes, least, candidates, room, fits,
                                lambda p: may_step_on_device(program, p))
         if found is not None:
@@ -378,56 +263,16 @@ def run(program: Program, ctx) -> PassResult:
             # configurations of the partition's sweep, taking the integer program's with the most stepped on the
             # device simulated 0.68x to 1.19x the greedy's (geomean 0.91), slower at 80% of the state and 64
             # microbatches
-            if _worth(picked, curve, graphs) > _worth(chosen, greedy, graphs) + TIE * greedy.moved["h2d"]:
+            if _worth(picked, curve, graphs) > _worth(chosen, by_greedy, graphs) + TIE * by_greedy.moved["h2d"]:
                 chosen, rows, how = picked, _pick_rows(plan, picked, candidates) + picked_rows, "integer program"
             report.notes.append(
-                f"integer program over the memory curve (swap_lp): its plan moves "
+                f"integer program over the memory curve (swap.lp): its plan moves "
                 f"{fmt_bytes(curve.moved['h2d'] + curve.moved['d2h'])}, the greedy's "
-                f"{fmt_bytes(greedy.moved['h2d'] + greedy.moved['d2h'])}; "
+                f"{fmt_bytes(by_greedy.moved['h2d'] + by_greedy.moved['d2h'])}; "
                 f"{'kept' if how != 'greedy' else 'the greedy kept (within 1%, or ahead)'}")
     if how == "greedy":        # the schedule the greedy chose, built again where the program's was built last
         curve = fits(chosen)
-    for p in chosen.device:
-        plan.step_on[p] = plan.optim_on[p] = "device"
-    counts = {}
-    for n in calls(program.schedule):
-        counts[n.target.__name__] = counts.get(n.target.__name__, 0) + 1
-    report.rows = rows
-    report.totals = dict(swap_ins=counts.get("swap_in", 0), releases=counts.get("release", 0),
-                         stashes=counts.get("stash", 0), unstashes=counts.get("unstash", 0),
-                         kept_on_device=len(rows), held_between_visits=len(chosen.held),
-                         params_held_between_visits=len(chosen.parts), params_stepped_on_device=len(chosen.steps),
-                         device_stepped=len(chosen.device), carried_across_steps=len(chosen.carried),
-                         recomputing_packs=n_packs - 1 - len(chosen.kept),
-                         predicted_peak_MiB=curve.peak / 2**20,
-                         h2d_MiB=curve.moved["h2d"] / 2**20, d2h_MiB=curve.moved["d2h"] / 2**20,
-                         seconds=time.perf_counter() - start)
-    report.totals["chosen_by"] = how
-    report.notes.append("forced by the budget: the state of all packs does not fit at once; started from "
-                        "everything swapped and stashed, then kept on the device what saves most traffic per byte"
-                        if not mixed else
-                        f"precision={program.config.precision!r}: the host steps the fp32 masters, so every pack's "
-                        f"compute copy comes in afresh and its gradients leave after its backward; then kept on "
-                        f"the device what saves most traffic per byte")
-    if chosen.device:
-        one = len(chosen.device) == 1
-        report.notes.append(f"{'pack' if one else 'packs'} {', '.join(map(str, sorted(chosen.device)))} "
-                            f"{'steps' if one else 'step'} on the device with all {'its' if one else 'their'} state "
-                            f"resident (room was left after holding weights): the offload table above shows the "
-                            f"placement before this pass; the other packs step on the host")
-    if chosen.steps:
-        report.notes.append(f"{len(chosen.steps)} parameters of host-stepped packs step on the device, one at a time, "
-                            f"with their weights, gradients and optimizer state resident (the room left after "
-                            f"whole packs): the host step of their packs leaves them")
-    if chosen.carried:
-        report.notes.append(f"packs {', '.join(map(str, sorted(chosen.carried)))} keep their weights on the device "
-                            f"from their step to the next step's forward (params across steps): stepped there, "
-                            f"written to their files all the same, and not read back for the forward (from the "
-                            f"second step on)")
-    if graphs:
-        report.notes.append("activations (no recompute): saves_per_byte is the recompute time saved, as bytes the "
-                            "host link moves in that time, per byte held")
-    return PassResult(program, report)
+    return chosen, rows, how, curve
 
 
 def _taken(chosen: Choice, what) -> bool:
@@ -462,20 +307,6 @@ def _pick_rows(plan, chosen: Choice, candidates: list) -> list[dict]:
             return what[1] in chosen.device
         return what[0] in ("keep", "graph") and _taken(chosen, what)
     return [_row(what, size, per_byte) for per_byte, size, what in candidates if whole(what)]
-
-
-def mixed_placement(cfg) -> bool:
-    """Whether host-stepped packs may move to a device step: left to the compiler (``optimizer_on="auto"``),
-    fp32, one rank (the compress pass placed the all-reduce for a host step). The partition asks too."""
-    return cfg.optimizer_on == "auto" and cfg.precision == "fp32" and (cfg.world_size or 1) <= 1
-
-
-def may_step_on_device(program: Program, pack: int) -> bool:
-    """Whether the swap pass may move this host-stepped pack's step to the device: ``mixed_placement``, and
-    the pack's weights and optimizer state in host memory (not files)."""
-    plan = program.plan
-    return (mixed_placement(program.config) and plan.optim_on.get(pack) == "host"
-            and plan.master_on.get(pack, "host") == "host")
 
 
 def _largest_first(sized, slack: int) -> list:
@@ -643,4 +474,4 @@ def carry_weights(program: Program, chosen: Choice, fits, room: int, sizes: dict
             candidates.append((1, size, ("carry", spec.index)))
     if not candidates:
         return chosen, []
-    return _greedy(candidates, chosen, fits, room)
+    return greedy(candidates, chosen, fits, room)

@@ -31,7 +31,7 @@ import pulp
 
 from harmony.base import ilp
 from harmony.compiler.ir import Program
-from harmony.passes.swap_graph import COMPUTE, KINDS, Choice
+from harmony.passes.swap.graph import COMPUTE, KINDS, Choice
 from harmony.runtime import ops
 
 TIME_LIMIT = 5.0       # seconds: the program is solved in well under one on the benchmark's models

@@ -4,7 +4,7 @@ whole plan moves and costs (``PackCost``; ``residency_lp``, what can stay on the
 ``PackCost`` prices packs from the unit summaries ``partition.find_units`` makes (no tracing,
 no measuring: the searches ask for thousands of candidates); ``plan_cost`` prices a whole partition as the
 swap and offload passes will treat it (what they keep resident, what crosses the cuts, the host's
-optimizer steps). The searches that use it are ``partition_search``; ``partition`` measures the packs
+optimizer steps). The searches that use it are ``partition.search``; ``partition`` measures the packs
 they pick and corrects the target until they fit.
 """
 from __future__ import annotations
@@ -256,7 +256,7 @@ class PackCost:
 
     def residency(self, cuts, budget: float) -> tuple[float, list[float]]:
         """(bytes saved, bytes of each pack stepped on the device) of a partition under the harmony policy with host
-        steps: the linear program the swap pass's integer program (``passes/swap_lp.py``) solves on the exact curve,
+        steps: the linear program the swap pass's integer program (``passes/swap/lp.py``) solves on the exact curve,
         here over packs, from their estimated working sets.
 
         Per pack, its weights held from its forward to its backward (1 byte saved per byte; the last pack's single

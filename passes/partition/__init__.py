@@ -14,7 +14,7 @@ the compute and the host's optimizer steps (a slow host link), the traffic decid
 candidate is then priced with the linear program of what can stay on the device (``PackCost.residency``,
 what the swap pass's integer program realises), and a second search joins the DP, the partition that
 leaves the least traffic (``least_traffic``: a large first pack, few cuts, small last packs). That cost
-model is ``partition_cost``, the searches and the cap search ``partition_search``; this module makes the
+model is ``partition.cost``, the searches and the cap search ``partition.search``; this module makes the
 layers, measures the packs the search picks and corrects its target until they fit, and builds them.
 """
 from __future__ import annotations
@@ -25,13 +25,13 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 
-from harmony.base.errors import BudgetError
+from harmony.base.errors import BudgetError, ConfigError
 from harmony.base.units import fmt_bytes, nbytes
 from harmony.compiler.ir import PassReport, PassResult, Program
 from harmony.compiler.meta import COST, MODULE_PATH, PACK, STATE
 from harmony.compiler.pack_cost import measure_pack
-from harmony.passes.partition_cost import PackCost, device_sizes
-from harmony.passes.partition_search import plan_packs, working_set_cap
+from harmony.passes.partition.cost import PackCost, device_sizes
+from harmony.passes.partition.search import plan_packs, working_set_cap
 from harmony.runtime.compression import NO_COMPRESSION
 from harmony.runtime.ops_comm import comm_buffer_bytes
 from harmony.runtime.plan import PackSpec, Plan, optim_state_bytes, step_extra
@@ -344,14 +344,47 @@ def _choose(program: Program, units: list[Unit], budget: int):
     return (cuts, specs, need, False) if least <= budget else (None, None, need, False)
 
 
+def first_nodes(program: Program) -> list[str]:
+    """The names of the nodes a pack may start at: the first node of each layer (a cut point), in order. A
+    partition handed to the pass (``passes=(("partition", names), ...)``) names its packs' first nodes from these."""
+    return [u.nodes[0].name for u in find_units(program)]
+
+
+def _given(program: Program, units: list[Unit], starts):
+    """The packs that start at the nodes named ``starts`` (the first pack starts at the first layer)."""
+    index = {u.nodes[0].name: i for i, u in enumerate(units)}
+    if isinstance(starts, str) or not all(isinstance(s, str) for s in starts):
+        raise ConfigError(f"the partition's choice is a list of node names where packs start, got {starts!r}")
+    unknown = [s for s in starts if s not in index]
+    if unknown:
+        valid = list(index)
+        raise ConfigError(f"the partition's choice names {unknown[:3]}, which are not cut points of this graph; a pack "
+                          f"can start at the first node of a layer: {valid[:8]}{' ...' if len(valid) > 8 else ''} "
+                          f"({len(valid)} in all; harmony.passes.partition.first_nodes lists them)")
+    at = sorted({0} | {index[s] for s in starts})
+    cuts = list(zip(at, at[1:] + [len(units)]))
+    specs = build_packs(program, cuts, units)
+    worst = max(measured_need(program, s, i == len(specs) - 1) for i, s in enumerate(specs))
+    if worst > program.config.usable_budget:
+        need = program.config.budget_for(worst)
+        raise BudgetError(f"the partition given needs {fmt_bytes(worst)} for its largest pack, over the "
+                          f"{fmt_bytes(program.config.usable_budget)} the planner may fill: raise memory_budget to "
+                          f"about {fmt_bytes(need)}, or cut that pack smaller", min_budget=need)
+    return cuts, specs, PackCost(program, units), False
+
+
 def run(program: Program, ctx) -> PassResult:
+    """Cut the graph into packs; ``ctx``, where given, is the packs' first nodes' names (``first_nodes``)."""
     start = time.perf_counter()
     cfg = program.config
     units = find_units(program)
     program.units = [u.nodes for u in units]
     program.fake_batch_bytes = {ph.name: tensor_bytes(program.fake.vals[ph], floating=False)
                                 for ph in program.gm.graph.nodes if ph.op == "placeholder"}
-    cuts, specs, need, least_traffic = _choose(program, units, cfg.usable_budget)
+    if ctx is not None:       # handed its choice: the packs as given
+        cuts, specs, need, least_traffic = _given(program, units, ctx)
+    else:
+        cuts, specs, need, least_traffic = _choose(program, units, cfg.usable_budget)
     if cuts is None:
         floor = smallest_budget(program, units)
         raise BudgetError(
@@ -371,12 +404,14 @@ def run(program: Program, ctx) -> PassResult:
                  need_MiB=measured_need(program, s, i == len(cuts) - 1) / 2**20,
                  GFLOP=(s.fwd_flops + s.bwd_flops) / 1e9)
             for i, (s, (b, e)) in enumerate(zip(specs, cuts))]
+    seconds, moved = need.plan_cost(cuts, cfg.usable_budget)[:2]
     report = PassReport("partition: layer packs", rows, totals=dict(
         layers=len(units), packs=len(specs), usable_budget_MiB=cfg.usable_budget / 2**20,
         objective_s=sum(need(b, e, i == len(cuts) - 1)[1] for i, (b, e) in enumerate(cuts)),
-        solve_s=time.perf_counter() - start))
+        predicted_step_s=seconds, predicted_moved_bytes=moved, solve_s=time.perf_counter() - start))
     report.notes.append(f"cut points: {len(units) - 1} narrowest gaps of the graph; "
-                        f"packs chosen by an exact DP over {len(units)} layers")
+                        + ("packs as given: passes=(('partition', [first nodes of packs]), ...)" if ctx is not None
+                           else f"packs chosen by an exact DP over {len(units)} layers"))
     if least_traffic:
         report.notes.append("the copies outlast the compute and the host's steps: the partition that leaves the least "
                             "traffic (a large first pack, few cuts, small last packs) was predicted fastest")

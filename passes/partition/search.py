@@ -1,4 +1,4 @@
-"""The partition's searches over contiguous packs, on ``partition_cost``'s estimates: the exact DP for the least
+"""The partition's searches over contiguous packs, on ``partition.cost``'s estimates: the exact DP for the least
 predicted time (``plan_packs``), the partition that leaves the least traffic where the host link binds
 (``least_traffic``), and the working-set cap search that picks among their plans (``working_set_cap``).
 """
@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from harmony.passes.partition_cost import PackCost
+from harmony.passes.partition.cost import PackCost
 
 if TYPE_CHECKING:
     from harmony.passes.partition import Unit

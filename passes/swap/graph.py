@@ -32,7 +32,6 @@ class Choice(NamedTuple):
     carried: frozenset = frozenset()  # wholly-disk packs whose stepped weights stay for the next iteration's forward
 
 
-
 def _visits(graph):
     """Runs of consecutive compute ops on the same pack: (pack, first node, last node, kinds needed)."""
     out, cur = [], None

@@ -1,0 +1,219 @@
+"""swap: insert the data movement the budget forces, and nothing else.
+
+1. If every pack's state and every activation fit at once, everything stays resident
+   and no op is inserted (the nothing-to-do case).
+2. Otherwise each visit of a pack (a run of ops on it) gets ``swap_in`` + ``wait``
+   before its first op and ``release`` after its last, for the kinds of state the ops
+   need: parameters (forward), plus gradients (backward), plus optimizer state (step).
+3. Every activation handle that a later op reads is stashed to the host (after its
+   first use when it has two, the pack's forward and its recompute).
+4. From that least-memory plan, state and activation groups are kept on the device,
+   most bytes moved saved per byte held first (parameters: 3 per byte, optimizer
+   state and activations: 2), while the predicted peak fits.
+5. A pack whose optimizer steps on the host cannot keep its weights for good (the host
+   updates them; they come in afresh after the step), but it can keep them between its
+   visits within an iteration: brought in once for the forward and released once after
+   the backward. Under the harmony policy that is across the turn from forward to backward
+   (1 byte saved per byte held, and held only from the pack's forward to its backward, so
+   the last packs, whose two visits are closest, are tried first); under sequential, across
+   all 2 x microbatches visits. The room whole packs leave (less than the next pack's weights)
+   is then filled with single weights held the same way, largest first from the last pack back:
+   the pack's later ``swap_in``s and earlier ``release``s leave them (``held=``), the rest move.
+6. Where room is still left (``optimizer_on="auto"``, fp32, one rank), a host-stepped pack
+   may step on the device instead, with its weights, gradients and optimizer state resident
+   for good: it then moves nothing, where held between visits it moved its weights in once
+   and its gradients out once (2 bytes saved per 3 held for Adam), first packs first (their
+   weights are held through most of the step anyway). Mixed placement: the packs that fit
+   stay on the device, ZeRO-Offload's host step for the rest.
+   The room that leaves (less than the next pack's state) goes to single parameters of
+   host-stepped packs, stepped on the device with all their state resident, first packs first
+   (``plan.device_parts``): the host step of their pack leaves them.
+7. The greedy keeps what saves the most per byte first; where the budget binds at more than one
+   point that can go wrong (a large first pack held whole leaves no room at its own backward to
+   step any parameter on the device). Under the harmony policy with every pack stepped on the host
+   (fp32, one rank, host memory), ``passes/swap_lp.py`` also solves the choice of 4 to 6 exactly,
+   parameter by parameter, as an integer program over the least-memory schedule's curve; its plan,
+   checked against the exact curve and filled as the greedy fills, replaces the greedy's where it
+   saves more than 1% of the bytes moved in (the report's ``chosen_by``).
+8. Packs wholly on disk (weights too) read their weights from their files for each visit. The
+   room left at the end of the backward and the start of the forward (where the turn's
+   activations are gone or not yet made) keeps the weights of the packs stepped last on the
+   device from their step to the next iteration's forward, first packs first
+   (``plan.carried``; ``release(..., carry=True)`` and ``swap_in(..., carried=True)``): one
+   disk read less per byte held (runtime/diskparams.py).
+
+Recompute is a choice made here too (``recompute="auto"``): a pack that keeps its
+forward's graph (its activations, for every microbatch until its backward) runs its
+backward without recomputing the forward. Its value per byte held is the recompute
+time it saves, counted as the bytes the host link moves in that time, so it competes
+with the traffic the same bytes could save: on a CPU, where a copy is cheap beside a
+layer's forward, keeping graphs comes first; on a GPU behind PCIe, traffic does. That
+holds in the nothing-to-do case as well: everything resident, graphs kept while they fit.
+
+This module decides; how each decision reads in the schedule (the swap ops, stashes, ``held=``
+and so on) is ``passes/swap/graph.py``.
+"""
+from __future__ import annotations
+
+import time
+
+from harmony.base.errors import BudgetError, ConfigError
+from harmony.base.units import fmt_bytes
+from harmony.compiler.ir import PassReport, PassResult, Program, calls
+from harmony.compiler.verify import memory_curve, state_sizes
+from harmony.passes.swap.graph import KINDS, Choice, build, insert_swaps, stash_groups
+from harmony.passes.swap.search import choose, greedy, may_step_on_device, mixed_placement, peak_bound
+from harmony.runtime import ops
+from harmony.runtime.plan import step_extra
+
+__all__ = ["NAME", "REQUIRES", "PROVIDES", "run", "graph_candidates", "may_step_on_device", "mixed_placement"]
+
+NAME = "swap"
+REQUIRES = {"schedule", "placement"}
+PROVIDES = {"residency"}
+
+
+def graph_candidates(program: Program) -> list[tuple]:
+    """(value per byte held, bytes held, ("graph", pack)) for every pack that could keep its forward's graph.
+
+    The value is the recompute time saved, counted as the bytes the host link moves in that
+    time, per byte held; bytes held are one microbatch's activations, for every microbatch
+    under the harmony policy (they wait for the pack's backward), for one under sequential.
+    """
+    cfg, plan = program.config, program.plan
+    if cfg.recompute != "auto" or cfg.policy == "ondemand":
+        return []
+    m = plan.microbatches
+    out = []
+    for spec in plan.packs[:-1]:
+        held = (spec.saved_bytes + spec.in_bytes) * (m if cfg.policy == "harmony" else 1)
+        if spec.fwd_flops and held:
+            seconds = m * spec.fwd_flops / cfg.flops
+            out.append((seconds * cfg.copy_bandwidth / held, held, ("graph", spec.index)))
+    return out
+
+
+def run(program: Program, ctx) -> PassResult:
+    """Insert the swaps and stashes, then keep on the device what saves the most; ``ctx``, where given, is the
+    ``Choice`` to apply instead of searching (``program.swap_choice`` of a compiled module is the one it chose)."""
+    start = time.perf_counter()
+    plan, budget = program.plan, program.config.usable_budget
+    report = PassReport("swap: data movement")
+    if program.config.policy == "ondemand":
+        report.notes.append("policy ondemand: no planned movement; the runtime fetches state when an op "
+                            "touches it and evicts the least recently used state when the budget is hit")
+        return PassResult(program, report)
+    plan.optim_resident, plan.held, plan.params_held, plan.device_parts, plan.carried = {}, set(), {}, {}, set()
+    plan.resident = {(p.index, k) for p in plan.packs for k in KINDS}
+    mixed = program.config.precision != "fp32"   # host steps update fp32 masters: compute copies come in afresh
+    graphs = graph_candidates(program)
+    if not mixed and ctx is None and memory_curve(program, check_residency=False).peak <= budget:
+        base = program.schedule
+
+        def fits_all(c: Choice):     # only graphs are candidates here
+            program.schedule = build(base, c.resident, c.stashed, {}, c.kept)
+            return memory_curve(program, check_residency=False)
+        sizes = state_sizes(program)
+        chosen, rows = greedy(graphs, Choice(plan.resident, set()), fits_all, budget,
+                               lambda c, what: peak_bound(program, c, what, {}, sizes, set()))   # graphs only
+        fits_all(chosen)
+        program.swap_choice = chosen
+        report.rows = rows
+        report.notes.append("everything fits the budget: all state stays resident, no swap inserted"
+                            + (f"; {len(chosen.kept)} packs keep their forward's graph (no recompute)" if chosen.kept
+                               else ""))
+        report.totals = dict(resident_packs=len(plan.packs), swaps=0, stashes=0,
+                             recomputing_packs=len(plan.packs) - 1 - len(chosen.kept))
+        return PassResult(program, report)
+
+    # start from the least memory: every pack swapped, every activation handle stashed, every pack recomputed ...
+    plan.resident = set()
+    insert_swaps(program.schedule, plan.resident)
+    base = program.schedule
+    groups = stash_groups(base)
+    chosen = Choice(set(), set(groups))
+    sizes = state_sizes(program)
+
+    def fits(c: Choice):
+        program.schedule = build(base, c.resident, c.stashed, groups, c.kept, c.held, c.device, c.parts, c.carried)
+        plan.resident = c.resident
+        plan.held = set(c.held)
+        plan.carried = set(c.carried)
+        plan.params_held = {n: sizes[("params", n)] for _, n in c.parts}
+        plan.device_parts = {n: step_extra(program.optim_profile, [sizes[("params", n)]]) for _, n in c.steps}
+        plan.device_part_bytes = {n: sizes[("params", n)] for _, n in c.steps}     # fp32: device parts need it
+        return memory_curve(program, check_residency=False)
+
+    curve = fits(chosen)
+    inline = [n for n in calls(base) if n.target is ops.step and n.kwargs.get("overlap")]
+    if curve.peak > budget and inline:   # a disk step overlapping the next backward holds its gradients that long
+        for n in inline:
+            n.kwargs = {**n.kwargs, "overlap": False}
+        curve = fits(chosen)
+        report.notes.append(f"{len(inline)} disk steps run inline: the device cannot also hold a pack's gradients "
+                            f"through the next pack's backward")
+    if curve.peak > budget:
+        at = curve.nodes[curve.argmax()]
+        need = program.config.budget_for(curve.peak)
+        raise BudgetError(
+            f"no schedule fits memory_budget={fmt_bytes(program.config.memory_budget)}: with every pack swapped "
+            f"and every activation stashed, the predicted peak is {fmt_bytes(curve.peak)} at {at.name}, over "
+            f"the {fmt_bytes(budget)} the planner may fill. Raise memory_budget to about {fmt_bytes(need)} "
+            f"({need} bytes) or use more microbatches.", min_budget=need)
+    if ctx is not None:      # handed its choice: applied as given, no search
+        if not isinstance(ctx, Choice):
+            raise ConfigError(f"the swap pass's choice is a harmony.passes.swap.graph.Choice (a compiled module's "
+                              f"program.swap_choice is one), got {type(ctx).__name__}")
+        chosen, rows, how = ctx, [], "given"
+        curve = fits(chosen)
+        if curve.peak > budget:
+            raise BudgetError(f"the swap choice given peaks at {fmt_bytes(curve.peak)}, over the {fmt_bytes(budget)} "
+                              f"the planner may fill: keep less on the device, or raise memory_budget to about "
+                              f"{fmt_bytes(program.config.budget_for(curve.peak))}",
+                              min_budget=program.config.budget_for(curve.peak))
+    else:
+        chosen, rows, how, curve = choose(program, chosen, curve, base, groups, sizes, graphs, fits, report)
+    program.swap_choice = chosen
+    for p in chosen.device:
+        plan.step_on[p] = plan.optim_on[p] = "device"
+    counts = {}
+    for n in calls(program.schedule):
+        counts[n.target.__name__] = counts.get(n.target.__name__, 0) + 1
+    report.rows = rows
+    report.totals = dict(swap_ins=counts.get("swap_in", 0), releases=counts.get("release", 0),
+                         stashes=counts.get("stash", 0), unstashes=counts.get("unstash", 0),
+                         kept_on_device=len(rows), held_between_visits=len(chosen.held),
+                         params_held_between_visits=len(chosen.parts), params_stepped_on_device=len(chosen.steps),
+                         device_stepped=len(chosen.device), carried_across_steps=len(chosen.carried),
+                         recomputing_packs=len(plan.packs) - 1 - len(chosen.kept),
+                         predicted_peak_MiB=curve.peak / 2**20,
+                         h2d_MiB=curve.moved["h2d"] / 2**20, d2h_MiB=curve.moved["d2h"] / 2**20,
+                         seconds=time.perf_counter() - start)
+    report.totals["chosen_by"] = how
+    report.notes.append("forced by the budget: the state of all packs does not fit at once; started from "
+                        "everything swapped and stashed, then kept on the device what saves most traffic per byte"
+                        if not mixed else
+                        f"precision={program.config.precision!r}: the host steps the fp32 masters, so every pack's "
+                        f"compute copy comes in afresh and its gradients leave after its backward; then kept on "
+                        f"the device what saves most traffic per byte")
+    if chosen.device:
+        one = len(chosen.device) == 1
+        report.notes.append(f"{'pack' if one else 'packs'} {', '.join(map(str, sorted(chosen.device)))} "
+                            f"{'steps' if one else 'step'} on the device with all {'its' if one else 'their'} state "
+                            f"resident (room was left after holding weights): the offload table above shows the "
+                            f"placement before this pass; the other packs step on the host")
+    if chosen.steps:
+        report.notes.append(f"{len(chosen.steps)} parameters of host-stepped packs step on the device, one at a time, "
+                            f"with their weights, gradients and optimizer state resident (the room left after "
+                            f"whole packs): the host step of their packs leaves them")
+    if chosen.carried:
+        report.notes.append(f"packs {', '.join(map(str, sorted(chosen.carried)))} keep their weights on the device "
+                            f"from their step to the next step's forward (params across steps): stepped there, "
+                            f"written to their files all the same, and not read back for the forward (from the "
+                            f"second step on)")
+    if graphs:
+        report.notes.append("activations (no recompute): saves_per_byte is the recompute time saved, as bytes the "
+                            "host link moves in that time, per byte held")
+    return PassResult(program, report)
+
+
