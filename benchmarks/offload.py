@@ -246,7 +246,7 @@ def setup_harmony(a, c, x, y, workdir):
     from harmony.models import GPT
     torch.manual_seed(0)
     model = GPT(c)          # built once; compile plans over these tensors (the host's master copies)
-    info = {"optimizer": "torch.optim.AdamW (plan.step_on says where it steps)", "host_budget": a.host_budget}
+    info = {"optimizer": "torch.optim.AdamW (plan.residency says where each pack steps)", "host_budget": a.host_budget}
     kw = dict(optimizer=torch.optim.AdamW, optimizer_kwargs=dict(lr=LR, weight_decay=WD),
               memory_budget=a.budget, microbatches=a.microbatches, offload_dir=workdir)
     try:
@@ -257,15 +257,14 @@ def setup_harmony(a, c, x, y, workdir):
             raise
         info["host_budget"] = f"{minimum / GiB:.2f}GiB (raised from {a.host_budget}: {str(e).split('. ')[0]})"
         sm = harmony.compile(model, (x, y), host_memory_budget=minimum, **kw)
-    info["optimizer"] = f"torch.optim.AdamW {sm.optimizer_kwargs} (plan.step_on says where it steps)"
+    info["optimizer"] = f"torch.optim.AdamW {sm.optimizer_kwargs} (plan.residency says where each pack steps)"
     info["compile_s"] = round(sm.compile_seconds["total"], 2)
     info["packs"] = len(sm.plan.packs)
-    for attr, val in vars(sm.plan).items():         # placements the offload pass exposes (optim_on, ...)
-        if attr.endswith("_on") and isinstance(val, dict) and val:
-            counts: dict = {}
-            for v in val.values():
-                counts[str(v)] = counts.get(str(v), 0) + 1
-            info[f"plan.{attr}"] = counts
+    for attr in ("step_on", "optim_on", "master_on"):   # the placements of the packs' residency records
+        counts: dict = {}
+        for record in sm.plan.residency.values():
+            counts[getattr(record, attr)] = counts.get(getattr(record, attr), 0) + 1
+        info[f"plan.{attr}"] = counts
     steps_stats = info.setdefault("stats", [])
 
     def step():

@@ -125,6 +125,8 @@ class Program:
     rows: tuple | None = None          # this rank's rows [start, stop) of the global batch (balance)
     swap_choice: Any = None            # what the swap pass kept on the device (passes.swap.graph.Choice): plain data,
                                        # which passes=(..., ("swap", choice), ...) applies again without searching
+    step_hooks: list = field(default_factory=list)   # fn(sm) -> stats a pass adds to ``sm.stats`` after each step
+                                                     # (module-level functions: a checkpoint pickles them by name)
 
 
 def calls(graph: torch.fx.Graph) -> list:

@@ -31,6 +31,8 @@ def load(name: str):
 
 
 def check_order(passes) -> None:
+    """Each pass's ``REQUIRES`` provided by a pass before it, and nothing a pass must come ``AFTER`` (what it
+    accounts for where it is there, without needing it) provided by a pass after it."""
     have = set(BASE_CAPABILITIES)
     for i, p in enumerate(passes):
         missing = set(p.REQUIRES) - have
@@ -38,6 +40,11 @@ def check_order(passes) -> None:
             before = [q.NAME for q in passes[:i]] or ["nothing"]
             raise ConfigError(f"pass {p.NAME!r} requires {sorted(missing)}, which no pass before it provides "
                               f"(passes before it: {', '.join(before)}); put a pass that provides it first")
+        for q in passes[i + 1:]:
+            late = set(getattr(p, "AFTER", ())) & set(q.PROVIDES)
+            if late:
+                raise ConfigError(f"pass {p.NAME!r} must run after pass {q.NAME!r}: it accounts for the "
+                                  f"{', '.join(sorted(late))} that {q.NAME!r} provides; put {q.NAME!r} first")
         have |= set(p.PROVIDES)
 
 

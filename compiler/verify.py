@@ -52,8 +52,8 @@ def state_sizes(program) -> dict:
             sizes[("optim", n)] = optim_state_bytes(prof, nbytes(t)) if mine else 0
     from harmony.runtime.disk import ALIGN, layout
     tensors = dict(gm.named_parameters())
-    for groups in (getattr(program.plan, "disk_groups", None) or {}).values():
-        for names in groups:    # a wholly-disk pack's weights come in as one aligned buffer per file
+    for record in (program.plan.residency.values() if program.plan is not None else ()):
+        for names in record.disk_groups:    # a wholly-disk pack's weights come in as one aligned buffer per file
             _, total = layout([(tensors[n].shape, tensors[n].dtype) for n in names])
             sizes[("params", names[0])] += total + ALIGN - sum(sizes[("params", n)] for n in names)
     return sizes

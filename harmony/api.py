@@ -333,7 +333,7 @@ class ScheduledModule(torch.nn.Module):
         optimizers = {}
         cfg = program.config
         for spec in plan.packs:     # one optimizer per pack; per file for a pack wholly on disk
-            for names in plan.disk_groups.get(spec.index) or [spec.stepped]:
+            for names in plan.at(spec.index).disk_groups or [spec.stepped]:
                 if names:
                     opt = cfg.optimizer([tensors[n] for n in names], **cfg.optimizer_kwargs)
                     optimizers.update(dict.fromkeys(names, opt))
@@ -356,7 +356,7 @@ class ScheduledModule(torch.nn.Module):
             if cfg.host_memory_budget is not None:   # the host's memory is budgeted: freed buffers must go back
                 from harmony.base.process import return_freed_memory
                 return_freed_memory()
-            if "disk" in getattr(plan, "optim_on", {}).values():   # the disk tiers: their directories are made now
+            if "disk" in plan.by_pack("optim_on").values():   # the disk tiers: their directories are made now
                 from harmony.runtime.disk import DiskTier
                 from harmony.runtime.diskparams import DiskParams
                 state = self.runtime.state
@@ -444,9 +444,8 @@ class ScheduledModule(torch.nn.Module):
             self.stats[key] = self.stats.get(key, 0.0) + e.end - e.start
         if rt.scaler is not None:   # the scale the next step uses, and the steps skipped for inf/nan so far
             self.stats.update(loss_scale=self.loss_scale, skipped_steps=rt.scaler.skipped)
-        if self.program.config.data_parallel:     # bytes on the wire vs fp32, seconds communicating, bits
-            from harmony.passes.compress import step_stats
-            self.stats.update(step_stats(self))
+        for hook in self.program.step_hooks:     # what the passes measure per step (compress: the wire's bytes)
+            self.stats.update(hook(self))
         return loss
 
     @property

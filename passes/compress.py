@@ -152,14 +152,14 @@ def insert(graph: torch.fx.Graph, packs: list[int], plan, kwargs: dict, policy: 
     issue = sorted((p for p in packs if p in last_bwd), key=lambda p: order[last_bwd[p]])
     ars, mode = {}, {}
     for p in issue:
-        host = plan.step_on.get(p) == "host"
+        host = plan.at(p).step_on == "host"
         kw = dict(kwargs, where="host") if host else dict(kwargs, sync=True) if sync else dict(kwargs)
         ars[p] = _emit(graph, last_bwd[p], ops.allreduce, (p, kw.pop("kind")), kw, f"ar{p}")
         mode[p] = ("host thread, before the host step" if host else
                    "synchronous" if sync else "host thread, joined by wait")
     if sync:
         return mode
-    device = [p for p in issue if plan.step_on.get(p) != "host"]
+    device = [p for p in issue if plan.at(p).step_on != "host"]
     for k, p in enumerate(device):       # one all-reduce in flight: join it before the next is issued
         nxt = ars[device[k + 1]] if k + 1 < len(device) else None
         step = steps.get(p)
@@ -302,6 +302,8 @@ def run(program: Program, ctx) -> PassResult:
         report.notes.append("one rank: no gradient to average, nothing inserted")
         report.totals = dict(world_size=world, allreduces=0)
         return PassResult(program, report)
+    if step_stats not in program.step_hooks:      # sm.stats: the wire's bytes, seconds and bits of each step
+        program.step_hooks.append(step_stats)
     spec = cfg.compression or NO_COMPRESSION
     adaptive = bool(getattr(cfg, "adaptive", False))
     warmup = getattr(cfg, "adaptive_warmup", ADAPTIVE_WARMUP) if adaptive else 0
@@ -333,7 +335,7 @@ def run(program: Program, ctx) -> PassResult:
     # gradients under it, else synchronous
     from harmony.passes.offload import everything_fits
     base = program.schedule
-    host = any(plan.step_on.get(p) == "host" for p in owned)
+    host = any(plan.at(p).step_on == "host" for p in owned)
     sync = cfg.policy == "ondemand"
     program.schedule = copy_graph(base)
     mode = insert(program.schedule, list(owned), plan, kwargs, cfg.policy, sync)
@@ -399,19 +401,21 @@ def run(program: Program, ctx) -> PassResult:
                             f"error at 2, 3, 4, 6, 8 bits; then an integer program fixes bits per layer (total "
                             f"error <= uniform {spec.bits}-bit). Bytes above are uniform {spec.bits}-bit's; "
                             f"once chosen, bits per layer appear here (per pack) and in .stats['adaptive_bits']")
-    if why:
-        report.notes.append(why)
-    elif not host and any("next pack" in m for m in mode.values()):
-        report.notes.append("asynchronous: each all-reduce runs on the host thread while the next pack's backward "
-                            "runs; one in flight at a time, and each pack steps once its all-reduce is joined")
-    elif not host:
-        report.notes.append("not overlapped: all state fits in one pack, so its all-reduce follows the whole backward "
-                            "and its step waits for it (DDP overlaps buckets inside one backward with autograd "
-                            "hooks; the schedule's unit is the pack)")
-    else:
-        report.notes.append("asynchronous: the host thread averages the gradients the swap pass released to the "
-                            "host, then steps the optimizer, while the device runs the next pack's backward")
+    report.notes.append(why or _overlap(host, mode))
     return PassResult(program, report)
+
+
+def _overlap(host: bool, mode: dict) -> str:
+    """How the all-reduces overlap the compute: ``mode`` is ``insert``'s, ``host`` whether packs step on the host."""
+    if host:
+        return ("asynchronous: the host thread averages the gradients the swap pass released to the host, then "
+                "steps the optimizer, while the device runs the next pack's backward")
+    if any("next pack" in m for m in mode.values()):
+        return ("asynchronous: each all-reduce runs on the host thread while the next pack's backward runs; one in "
+                "flight at a time, and each pack steps once its all-reduce is joined")
+    return ("not overlapped: all state fits in one pack, so its all-reduce follows the whole backward and its step "
+            "waits for it (DDP overlaps buckets inside one backward with autograd hooks; the schedule's unit is the "
+            "pack)")
 
 
 # -- what a step measured (ScheduledModule.stats) -----------------------------------------------------

@@ -13,7 +13,7 @@ steps on the host: the fp32 masters and optimizer state never come to the device
 ``auto`` the swap pass, which knows what room is left, may move some host-placed packs back
 to a device step with all their state resident (``swap.may_step_on_device``): mixed placement.
 
-Where a host-stepped pack's optimizer state lives between steps (``plan.optim_on``):
+Where a host-stepped pack's optimizer state lives between steps (``Residency.optim_on``):
 ``host`` while ``host_memory_budget`` allows, else ``disk`` (a file per pack under
 ``offload_dir``, read back for the pack's step: runtime/disk.py). The host holds, and the
 budget counts: the fp32 master copy of every parameter and buffer; the gradients of the two
@@ -36,12 +36,12 @@ last-stepped pack on disk.) Every disk pack's state is read once and written onc
 step.
 
 If the host cannot hold the fp32 weights either (a model bigger than host memory), packs
-go to disk *wholly* (``plan.master_on``), again first-stepped first: their weights and
+go to disk *wholly* (``Residency.master_on``), again first-stepped first: their weights and
 optimizer state live in files of at most ``disk_group_bytes`` of weights
 (runtime/diskparams.py), the weights are read from disk for each phase that needs them,
 and the pack steps after its backward a file at a time, so the host holds three files and
 one file's gradients, never a whole pack. The room the host budget leaves after that keeps
-whole files in host memory (``plan.disk_in_memory``), those of the last-stepped packs first:
+whole files in host memory (``Residency.in_memory``), those of the last-stepped packs first:
 such a file is never written or read, so each byte held saves a write and a read of the step
 (under the backward, where the disk is busiest) and the weights' reads. That step runs on the host thread, overlapping
 the next pack's backward, while the pack's gradients wait on the device (the swap pass
@@ -57,6 +57,7 @@ from harmony.base.units import fmt_bytes, nbytes
 from harmony.compiler.ir import PassReport, PassResult, Program
 from harmony.compiler.verify import memory_curve
 from harmony.runtime import ops
+from harmony.runtime.plan import STATE_KINDS
 
 NAME = "offload"
 REQUIRES = {"schedule"}
@@ -66,13 +67,15 @@ WEIGHTS = ("auto", "host", "disk")     # where a host-stepped pack's fp32 weight
 
 
 def everything_fits(program: Program) -> bool:
-    plan = program.plan
-    saved = plan.resident
-    plan.resident = {(p.index, k) for p in plan.packs for k in ("params", "grads", "optim")}
+    records = program.plan.residency
+    saved = {p: r.kept for p, r in records.items()}
+    for r in records.values():
+        r.kept = frozenset(STATE_KINDS)
     try:
         return memory_curve(program, check_residency=False).peak <= program.config.usable_budget
     finally:
-        plan.resident = saved
+        for p, r in records.items():
+            r.kept = saved[p]
 
 
 def step_place(cfg, fits) -> tuple[str, str]:
@@ -95,7 +98,6 @@ def run(program: Program, ctx) -> PassResult:
     if cfg.optimizer_on not in PLACES:
         raise ConfigError(f"optimizer_on={cfg.optimizer_on!r}; choose one of {', '.join(PLACES)}")
     place, reason = step_place(cfg, lambda: everything_fits(program))
-    plan.step_on = {p.index: place for p in plan.packs}
     for n in program.schedule.nodes:
         if n.op == "call_function" and n.target is ops.step:
             n.kwargs = {**n.kwargs, "where": place}
@@ -106,11 +108,8 @@ def run(program: Program, ctx) -> PassResult:
         raise ConfigError(f"packs {sorted(whole)} would keep their weights on disk, which data-parallel training does "
                           f"not support yet (their gradients are averaged on the device, then stepped from disk); "
                           f"raise host_memory_budget, or pass weights_on='host'")
-    plan.optim_on = {p.index: "disk" if p.index in disk | whole else place for p in plan.packs}
-    plan.master_on = {p.index: "disk" if p.index in whole else "host" for p in plan.packs}
-    plan.disk_groups = need.get("groups", {}) if whole else {}
-    plan.disk_in_memory = need.get("memory", {}) if whole else {}
-    plan.disk_in_memory_share = need.get("memory_share", {}) if whole else {}
+    _place(plan, place, disk, whole, need)
+    in_memory = sorted(plan.packs_with("in_memory"))
     for n in program.schedule.nodes:     # overlapped with the next backward (the swap pass may make it inline)
         if n.op == "call_function" and n.target is ops.step and n.args[0] in whole:
             n.kwargs = {**n.kwargs, "where": "disk", "overlap": True}
@@ -119,11 +118,11 @@ def run(program: Program, ctx) -> PassResult:
     weight_reads = 2 if cfg.policy == "harmony" else 3
     rows = []
     for spec in plan.packs:
-        where = plan.optim_on[spec.index]
+        where = plan.at(spec.index).optim_on
         on_disk = spec.optim_bytes if where == "disk" else 0
         weights = spec.index in whole
         owned = need.get("owned", {}).get(spec.index, 0)
-        share = plan.disk_in_memory_share.get(spec.index, 0.0)     # of its files, kept in host memory
+        share = plan.at(spec.index).in_memory_share     # of its files, kept in host memory
         kept = share * owned
         on_disk *= 1 - share
         rows.append(dict(pack=spec.index, layers=spec.name, step_on="host (inline, by file)" if weights else place,
@@ -134,7 +133,7 @@ def run(program: Program, ctx) -> PassResult:
                          disk_read_MiB=(on_disk + (weight_reads * (owned - kept) if weights else 0)) / 2**20,
                          disk_write_MiB=(on_disk + (owned - kept if weights else 0)) / 2**20,
                          **({"in_memory_MiB": share * (owned + spec.optim_bytes) / 2**20}
-                            if plan.disk_in_memory else {})))
+                            if in_memory else {})))
     disk_read = sum(r["disk_read_MiB"] for r in rows) * 2**20
     disk_write = sum(r["disk_write_MiB"] for r in rows) * 2**20
     totals = dict(step_on=place, disk_packs=len(disk), disk_weight_packs=len(whole),
@@ -160,21 +159,33 @@ def run(program: Program, ctx) -> PassResult:
                 f"{len(disk)} packs keep their optimizer state on disk: the first-stepped ones, so their writes "
                 f"overlap the backward of the packs after them and each read overlaps the compute before its step")
         if whole:
-            groups = sum(len(g) for g in plan.disk_groups.values())
+            groups = sum(len(plan.at(p).disk_groups) for p in whole)
             report.notes.append(
                 f"{len(whole)} packs keep their fp32 weights on disk too ({groups} files of at most "
                 f"{fmt_bytes(cfg.disk_group_bytes)} of weights): weights are read from disk for the forward and "
                 f"for the backward, and the pack steps a file at a time on the host right after its backward, so "
                 f"the host never holds a whole pack (the host could not hold these weights)")
-            if plan.disk_in_memory:
-                files = sum(len(g) for g in plan.disk_in_memory.values())
+            if in_memory:
+                files = sum(len(plan.at(p).in_memory) for p in in_memory)
                 report.notes.append(
                     f"{files} of those files ({fmt_bytes(need['in_memory'])}, packs "
-                    f"{', '.join(map(str, sorted(plan.disk_in_memory)))}) stay in host memory in the room the host "
+                    f"{', '.join(map(str, in_memory))}) stay in host memory in the room the host "
                     f"budget leaves: never written or read, the last-stepped first (in_memory_MiB)")
     elif budget is not None:
         report.notes.append("host_memory_budget is not used: the optimizer steps on the device")
     return PassResult(program, report)
+
+
+def _place(plan, place: str, disk: set, whole: set, need: dict) -> None:
+    """Write where each pack steps and where its optimizer state and fp32 weights live into its residency record:
+    ``disk`` packs keep their optimizer state on disk, ``whole`` ones their weights too (``need``: its files)."""
+    for p, record in plan.residency.items():
+        record.step_on = place
+        record.optim_on = "disk" if p in disk | whole else place
+        record.master_on = "disk" if p in whole else "host"
+        record.disk_groups = need["groups"][p] if p in whole else []
+        record.in_memory = tuple(need.get("memory", {}).get(p, ())) if p in whole else ()
+        record.in_memory_share = need.get("memory_share", {}).get(p, 0.0) if p in whole else 0.0
 
 
 def _grads_held(cfg) -> str:

@@ -595,11 +595,9 @@ class DiskTier:
 
     @classmethod
     def create(cls, plan, graph, tensors: dict, optimizers: dict, offload_dir=None) -> "DiskTier | None":
-        """The tier of the packs ``plan.optim_on`` places on disk, or None if there are none."""
-        placed = getattr(plan, "optim_on", {}) or {}
-        whole = getattr(plan, "master_on", {}) or {}     # packs wholly on disk have a tier of their own
-        packs = {s.index: [n for n in s.stepped if n in optimizers] for s in plan.packs
-                 if placed.get(s.index) == "disk" and whole.get(s.index) != "disk"}
+        """The tier of the packs whose optimizer state ``plan.residency`` places on disk, or None if there are none."""
+        packs = {s.index: [n for n in s.stepped if n in optimizers] for s in plan.packs   # packs wholly on disk
+                 if plan.at(s.index).optim_on == "disk" and plan.at(s.index).master_on != "disk"}   # have their own
         if not packs:
             return None
         return cls(DiskStore(offload_dir), packs, tensors, optimizers, step_order(graph))

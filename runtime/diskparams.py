@@ -1,6 +1,6 @@
 """Packs wholly on disk: their fp32 master weights and optimizer state live in files, not in host memory.
 
-The offload pass places a pack here (``plan.master_on[pack] == "disk"``) when even with
+The offload pass places a pack here (``plan.at(pack).master_on == "disk"``) when even with
 its optimizer state on disk the host cannot hold its fp32 weights: this is what lets a
 model whose weights exceed host memory train (ZeRO-Infinity's parameter offload).
 
@@ -41,13 +41,13 @@ memory, and any use of it outside a swap_in shows as NaN), and its optimizer sta
   copies its weights (2.2 GB per step in the offload benchmark), and from ``join`` on that
   copy counts as the write's host buffer, not device memory (``sm.stats['disk_steps_in_place']``).
 
-* ``carry`` (the swap pass's ``plan.carried``, where the device has room at the end of the
+* ``carry`` (the swap pass's ``Residency.carried``, where the device has room at the end of the
   backward): a handed group's stepped weights stay on the device, still counted by the meter
   (on the CPU device they are the backward's own copy, stepped in place; elsewhere the update
   is copied back into it), and the next iteration's forward ``swap_in`` takes them instead of
   reading the file. The file is written all the same (checkpoints, the backward's read).
 
-Files the offload pass keeps in host memory (``plan.disk_in_memory``: the room the host budget
+Files the offload pass keeps in host memory (``Residency.in_memory``: the room the host budget
 leaves) are held in ``_kept`` for good: read for the device by a copy, stepped in place, never
 written or read. A step that fails midway leaves such a file as the step left it (there is no
 file on disk to fall back on); every other file keeps its state from before the step.
@@ -127,7 +127,7 @@ class DiskParams:
                 self.groups.append(list(names))
         self.pack_of = {n: g for g, names in enumerate(self.groups) for n in names}   # name -> group (file)
         self.group_pack = {g: p for p, gs in self.pack_groups.items() for g in gs}
-        # files that stay in host memory (``plan.disk_in_memory``): in ``_kept`` for good, never written or read
+        # files that stay in host memory (``Residency.in_memory``): in ``_kept`` for good, never written or read
         self.in_memory = {self.pack_groups[p][i] for p, idx in (in_memory or {}).items() for i in idx}
         self.handed: set[int] = set()    # packs whose step takes the weights from the device (``handoff``)
         self.carry: set[int] = set()     # handed packs whose stepped weights stay on the device (``carry``)
@@ -155,14 +155,14 @@ class DiskParams:
     @classmethod
     def create(cls, plan, graph, tensors: dict, optimizers: dict, meter, device,
                offload_dir=None) -> "DiskParams | None":
-        """Write the weights of the packs ``plan.master_on`` places on disk to their files, leave placeholders."""
+        """Write the weights of the packs ``plan.residency`` places on disk to their files, leave placeholders."""
         from harmony.runtime.disk import DiskStore, step_order
-        placed = getattr(plan, "master_on", {}) or {}
-        groups = {p: g for p, g in (getattr(plan, "disk_groups", {}) or {}).items() if placed.get(p) == "disk"}
-        if not groups:
+        records = {p: r for p, r in plan.residency.items() if r.master_on == "disk" and r.disk_groups}
+        if not records:
             return None
-        self = cls(DiskStore(offload_dir), groups, tensors, optimizers, step_order(graph), meter, device,
-                   in_memory=getattr(plan, "disk_in_memory", None))
+        self = cls(DiskStore(offload_dir), {p: r.disk_groups for p, r in records.items()}, tensors, optimizers,
+                   step_order(graph), meter, device,
+                   in_memory={p: list(r.in_memory) for p, r in records.items() if r.in_memory})
         releases = [n for n in graph.nodes if n.op == "call_function" and n.target.__name__ == "release"
                     and n.args[1] == "params"]
         self.handed = {n.args[0] for n in releases if n.kwargs.get("handoff")}

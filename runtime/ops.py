@@ -108,7 +108,7 @@ def _needs_nothing(kwargs) -> tuple:
     return ()
 
 
-def _label_args(args, kwargs) -> str:
+def label_args(args, kwargs) -> str:
     return ", ".join(_short(a) for a in args)
 
 
@@ -134,7 +134,7 @@ class OpDef:
                                        # the simulator times what the effect really moves
     disk_io: Callable | None = None    # (plan, node, hw) -> {"read": s, "write": s} of disk I/O around it
     colour: str = ""                   # fill in drawings ("": its kind's)
-    label: Callable = _label_args      # (args, kwargs) -> the second line of its label in drawings
+    label: Callable = label_args      # (args, kwargs) -> the second line of its label in drawings
 
     @property
     def name(self) -> str:
@@ -193,20 +193,21 @@ def moving_names(spec, what: str, held=()) -> list[str]:
 
 def carried_names(plan, pack: int) -> list[str]:
     """The weights of a wholly-disk pack that its step can leave on the device for the next iteration's forward
-    (``plan.carried``, the graph's ``carry``/``carried``): those of its files on disk. A file kept in host
-    memory (``plan.disk_in_memory``) is stepped there and copied in for each use, carried or not."""
-    in_memory = set((getattr(plan, "disk_in_memory", None) or {}).get(pack, ()))
-    return [n for i, names in enumerate(plan.disk_groups.get(pack, ())) if i not in in_memory for n in names]
+    (``Residency.carried``, the graph's ``carry``/``carried``): those of its files on disk. A file kept in host
+    memory (``Residency.in_memory``) is stepped there and copied in for each use, carried or not."""
+    record = plan.at(pack)
+    return [n for i, names in enumerate(record.disk_groups) if i not in record.in_memory for n in names]
 
 
 def resident_state(plan):
     """(kind, names) held on the device for the whole run: whole packs' state, single parameters' optimizer state,
     and all the state of single parameters of host-stepped packs that step on the device."""
-    for pack, what in sorted(plan.resident):
+    for pack, what in plan.kept():
         yield what, state_names(plan.packs[pack], what)
-    if getattr(plan, "optim_resident", None):
-        yield "optim", sorted(plan.optim_resident)
-    parts = sorted(getattr(plan, "device_parts", None) or ())
+    kept = plan.per_param("optim_kept")
+    if kept:
+        yield "optim", sorted(kept)
+    parts = sorted(plan.per_param("device_parts"))
     if parts:            # single parameters of host-stepped packs that step on the device: all their state stays
         for what in ("params", "grads", "optim"):
             yield what, parts

@@ -9,8 +9,8 @@ import contextlib
 import torch
 
 from harmony.base.units import nbytes
-from harmony.runtime.ops import Acts, Predicted, _label_args, backward, forward, register, step
-from harmony.runtime.ops_move import _disk_io
+from harmony.runtime.ops import Acts, Predicted, backward, forward, label_args, register, step
+from harmony.runtime.ops_move import disk_io
 from harmony.runtime.plan import step_traffic
 from harmony.runtime.precision import master_grads
 
@@ -223,7 +223,7 @@ def _step_execute(rt, pack, stream=False, where="device", overlap=False):
     ``where="host"``: the pack's gradients and weights are already on the host (its
     releases ran first); the optimizer steps the host copies on a host thread, overlapped
     with the next pack's backward, and the pack's next swap_in waits for it (ZeRO-Offload).
-    Its parameters in ``plan.device_parts`` (all their state resident) step first, here, on
+    Its parameters in ``Residency.device_parts`` (all their state resident) step first, here, on
     the device, one at a time; the host step leaves them (their gradients are gone by then).
     With mixed precision the host gradients arrive in the compute dtype and become fp32 first;
     under fp16 loss scaling they are unscaled and checked here, and the update waits for
@@ -265,7 +265,7 @@ def _step_disk(rt, pack, spec, overlap) -> None:
 
 
 def _step_host(rt, pack, spec) -> None:
-    """Step the host copies on the host thread (its ``plan.device_parts`` first, here, on the device)."""
+    """Step the host copies on the host thread (its ``Residency.device_parts`` first, here, on the device)."""
     on_device = _device_parts(rt.plan, spec)
     if on_device:
         with rt.counting():
@@ -310,7 +310,7 @@ def _step_host(rt, pack, spec) -> None:
 
 def device_part_bytes(plan, spec) -> dict[str, int]:
     """The fp32 bytes of each of the pack's parameters that step on the device though the pack steps on the host."""
-    sizes = getattr(plan, "device_part_bytes", None) or {}
+    sizes = plan.at(spec.index).device_part_bytes
     return {n: sizes.get(n, 0) for n in _device_parts(plan, spec)}
 
 
@@ -321,8 +321,9 @@ def _share_traffic(spec, master: float) -> float:
 
 
 def device_part_cost(plan, hw, pack: int) -> float:
-    """Seconds a host-stepped pack's ``step`` spends on the compute stream first, stepping its ``plan.device_parts``
-    on the device one at a time: their traffic at the device's memory bandwidth and their tensor ops."""
+    """Seconds a host-stepped pack's ``step`` spends on the compute stream first, stepping its
+    ``Residency.device_parts`` on the device one at a time: their traffic at the device's memory bandwidth and
+    their tensor ops."""
     spec = plan.packs[pack]
     parts = device_part_bytes(plan, spec)
     if not parts:
@@ -333,7 +334,7 @@ def device_part_cost(plan, hw, pack: int) -> float:
 
 def _device_parts(plan, spec) -> list[str]:
     """The pack's parameters that step on the device though the pack steps on the host."""
-    parts = getattr(plan, "device_parts", None) or {}
+    parts = plan.at(spec.index).device_parts
     return [n for n in spec.stepped if n in parts] if parts else []
 
 
@@ -363,7 +364,7 @@ def _step_effect(m, pack, stream=False, where="device", overlap=False):
             m.overlapping = m.handed.pop(pack, 0)
         else:
             m.live -= m.handed.pop(pack, 0)
-        return None, max((m.plan.device_parts[n] for n in on_device), default=0)
+        return None, max((m.plan.at(pack).device_parts[n] for n in on_device), default=0)
     for n in spec.owned:
         if n in m.grads_exist:
             m.grads_exist.discard(n)
@@ -401,7 +402,7 @@ def _step_cost(plan, hw, pack, stream=False, where="device", overlap=False):
 def streamed_optim_bytes(plan, pack: int) -> int:
     """A streamed step's optimizer state that comes in and goes out: the pack's, less what stays resident."""
     spec = plan.packs[pack]
-    kept = getattr(plan, "optim_resident", None) or {}
+    kept = plan.at(pack).optim_kept
     return spec.optim_bytes - sum(kept.get(n, 0) for n in spec.stepped)
 
 
@@ -415,7 +416,7 @@ def _step_needs(kwargs) -> tuple:
 
 def _pack_mb(args, kwargs) -> str:
     if len(args) < 2:
-        return _label_args(args, kwargs)
+        return label_args(args, kwargs)
     keep = " · keep" if kwargs.get("keep") else ""
     recompute = " · recompute" if "saved" in kwargs and kwargs["saved"] is None else ""
     return f"pack {args[0]} · mb {args[1]}{keep}{recompute}"
@@ -431,5 +432,5 @@ register(forward, _forward_execute, _forward_effect, _forward_cost, "compute", n
          colour="#9ecae1", label=_pack_mb)
 register(backward, _backward_execute, _backward_effect, _backward_cost, "compute",
          needs=lambda kw: ("params", "grads"), colour="#6baed6", label=_pack_mb)
-register(step, _step_execute, _step_effect, _step_cost, "compute", needs=_step_needs, disk_io=_disk_io,
+register(step, _step_execute, _step_effect, _step_cost, "compute", needs=_step_needs, disk_io=disk_io,
          colour="#a1d99b", label=_step_label)

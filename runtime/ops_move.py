@@ -9,9 +9,9 @@ from harmony.base.units import nbytes
 from harmony.runtime.ops import (
     Acts,
     Predicted,
-    _label_args,
     _short,
     carried_names,
+    label_args,
     load_batch,
     moving_names,
     register,
@@ -41,7 +41,8 @@ def _swap_in_effect(m, pack, what, held=(), carried=False):
 
 
 def _held_bytes(plan, held) -> int:
-    return sum((getattr(plan, "params_held", None) or {}).get(n, 0) for n in held)
+    sizes = plan.per_param("params_held")
+    return sum(sizes.get(n, 0) for n in held)
 
 
 def _swap_in_cost(plan, hw, pack, what, held=(), carried=False):
@@ -49,7 +50,7 @@ def _swap_in_cost(plan, hw, pack, what, held=(), carried=False):
     size = {"params": spec.param_bytes + spec.buffer_bytes, "grads": spec.param_bytes,
             "optim": spec.optim_bytes}[what]
     if carried:
-        size *= (getattr(plan, "disk_in_memory_share", None) or {}).get(pack, 0.0)   # only the files in memory
+        size *= plan.at(pack).in_memory_share   # only the files in memory
     return "h2d", max(0, size - _held_bytes(plan, held)) / hw.h2d_bandwidth
 
 
@@ -159,20 +160,20 @@ def _stash_cost(plan, hw, value):
 
 
 # -- what the simulator and drawings need besides ------------------------------------------------
-def _disk_io(plan, node, hw) -> dict:
+def disk_io(plan, node, hw) -> dict:
     """Seconds a ``swap_in`` or ``step`` reads from and writes to disk (runtime/disk.py, runtime/diskparams.py).
 
     A ``swap_in`` of a wholly-disk pack's weights reads them (unless the last step left them on the device:
     ``carried``); the step of a wholly-disk pack reads and writes its files (weights and optimizer state), that
     of a pack with optimizer state alone on disk reads and writes that state. Files kept in host memory
-    (``plan.disk_in_memory``) are neither read nor written.
+    (``Residency.in_memory``) are neither read nor written.
     """
     pack = node.args[0]
     spec = plan.packs[pack]
-    whole = (getattr(plan, "master_on", None) or {}).get(pack) == "disk"
-    optim = (getattr(plan, "optim_on", None) or {}).get(pack) == "disk"
+    record = plan.at(pack)
+    whole, optim = record.master_on == "disk", record.optim_on == "disk"
     read = written = 0
-    on_disk = 1 - (getattr(plan, "disk_in_memory_share", None) or {}).get(pack, 0.0)
+    on_disk = 1 - record.in_memory_share
     if node.target is swap_in and node.args[1] == "params" and whole and not node.kwargs.get("carried"):
         read = spec.param_bytes * on_disk
     elif node.target is step and (whole or optim):
@@ -184,15 +185,15 @@ def _disk_io(plan, node, hw) -> dict:
 
 
 def _pack_what(args, kwargs) -> str:
-    return f"pack {args[0]} {args[1]}" if len(args) >= 2 else _label_args(args, kwargs)
+    return f"pack {args[0]} {args[1]}" if len(args) >= 2 else label_args(args, kwargs)
 
 
 def _batch_label(args, kwargs) -> str:
-    return f"mb {args[0]} {_short(args[1])}" if len(args) >= 2 else _label_args(args, kwargs)
+    return f"mb {args[0]} {_short(args[1])}" if len(args) >= 2 else label_args(args, kwargs)
 
 
 # colours: compute blues, state copies orange, activation copies purple, sync grey, optimizer green, network reds
-register(swap_in, _swap_in_execute, _swap_in_effect, _swap_in_cost, "copy", state_copy=True, disk_io=_disk_io,
+register(swap_in, _swap_in_execute, _swap_in_effect, _swap_in_cost, "copy", state_copy=True, disk_io=disk_io,
          colour="#fdae6b", label=_pack_what)
 register(wait, _wait_execute, _no_effect, _free, "sync", colour="#d9d9d9")
 register(release, _release_execute, _release_effect, _release_cost, "copy", state_copy=True, colour="#fdd0a2",

@@ -37,6 +37,45 @@ def step_extra(profile: dict, sizes: list[int]) -> int:
     return int(profile["extra_first"] * top[0] + profile["extra_second"] * top[1])
 
 
+STATE_KINDS = ("params", "grads", "optim")
+
+
+@dataclass
+class Residency:
+    """Where one pack's training state lives between its uses, and what of it stays on the device.
+
+    The passes fill it in (offload: where the pack steps and the tiers of its state; swap: what stays on the
+    device); the ops read it through ``plan.residency[pack]``: a ``swap_in`` moves what is neither kept nor
+    held, a ``step`` reads and writes the tiers its optimizer state and masters are on. A new tier or placement
+    is a field here and the ops that read it. The defaults are a pack that the device steps and that keeps
+    nothing on the device: every use swaps its state in.
+    """
+
+    kept: frozenset = frozenset()   # state kinds (STATE_KINDS) on the device for the whole run
+    held: bool = False              # its weights stay on the device between its visits of one iteration (stepped
+                                    # on the host, they come in afresh after the step)
+    carried: bool = False           # wholly on disk: its stepped weights stay on the device from its step to the
+                                    # next iteration's forward (``carried_names``)
+    step_on: str = "device"         # where its optimizer steps: "device" | "host"
+    optim_on: str = "device"        # its optimizer state between steps: "device" | "host" | "disk"
+    master_on: str = "host"         # its fp32 weights between uses: "host" | "disk"
+    # single parameters, where the pack's other state moves: param name -> bytes
+    params_held: dict = field(default_factory=dict)   # weights held between visits (``held=`` of swap_in/release)
+    optim_kept: dict = field(default_factory=dict)    # optimizer state kept on the device (the pack's is not kept)
+    device_parts: dict = field(default_factory=dict)  # of a host-stepped pack: parameters that step alone on the
+                                                      # device, all their state kept there -> the step's transient
+                                                      # bytes (what the host step leaves them)
+    device_part_bytes: dict = field(default_factory=dict)  # the same parameters -> their fp32 bytes
+    # wholly on disk (master_on == "disk"): its files
+    disk_groups: list = field(default_factory=list)   # [[param names]]: a file each
+    in_memory: tuple = ()           # indices into disk_groups of files kept in host memory, never written or read
+    in_memory_share: float = 0.0    # the share of its files' bytes those hold
+
+    def has(self, kind: str) -> bool:
+        """Whether the pack's state of ``kind`` is on the device for the whole run."""
+        return kind in self.kept
+
+
 @dataclass
 class PackSpec:
     index: int
@@ -84,27 +123,7 @@ class Plan:
     microbatch_size: int
     input_names: list[str]
     batch_bytes: dict[str, int] = field(default_factory=dict)  # one microbatch of each input
-    resident: set = field(default_factory=set)   # (pack, what) kept on the device for the whole run
-    optim_resident: dict = field(default_factory=dict)  # param -> its optimizer state's bytes, kept on the device
-                                                         # alone (its pack's optimizer state is not in resident)
-    held: set = field(default_factory=set)       # packs whose weights stay on the device between their visits of
-                                                 # an iteration (host-stepped: they come in afresh after the step)
-    params_held: dict = field(default_factory=dict)   # param -> its weights' bytes, held between visits alone (its
-                                                      # pack's other weights move: ``held=`` of swap_in and release)
-    device_parts: dict = field(default_factory=dict)  # param of a host-stepped pack -> the transient bytes of its
-                                                      # step on the device, where it steps alone, its weights,
-                                                      # gradients and optimizer state resident for good
-    device_part_bytes: dict = field(default_factory=dict)  # the same params -> their fp32 bytes (what the host step
-                                                           # leaves, and the device steps: ``ops_compute._step_cost``)
-    step_on: dict = field(default_factory=dict)  # pack -> "device" | "host": where its optimizer steps
-    optim_on: dict = field(default_factory=dict)  # pack -> "device" | "host" | "disk": its optimizer state
-    master_on: dict = field(default_factory=dict)  # pack -> "host" | "disk": its fp32 weights between uses
-    disk_groups: dict = field(default_factory=dict)  # pack -> [[param names]]: a file each (wholly-disk packs)
-    disk_in_memory: dict = field(default_factory=dict)  # pack -> [indices into disk_groups[pack]]: files that
-                                                        # stay in host memory (spare host budget), never on disk
-    disk_in_memory_share: dict = field(default_factory=dict)  # pack -> the share of its files' bytes they hold
-    carried: set = field(default_factory=set)    # wholly-disk packs whose stepped weights stay on the device from
-                                                 # their step to the next iteration's forward (``carried_names``)
+    residency: dict = field(default_factory=dict)   # pack -> its Residency (every pack has one)
     policy: str = "harmony"
     precision: str = "fp32"                      # fp32 | bf16 | fp16: dtype of device copies (runtime/precision.py)
     loss_scaling: dict = field(default_factory=dict)   # fp16: LossScaler arguments
@@ -112,6 +131,29 @@ class Plan:
     state_bytes: dict = field(default_factory=dict)    # param -> its bytes (the broadcast that follows the steps)
     sync_buffers: dict = field(default_factory=dict)   # data parallel: mutated buffer -> bytes, broadcast from rank 0
     rank: int = 0
-
-
     comm_groups: dict = field(default_factory=dict)  # pack -> its gradients' all-reduce groups (lists of names)
+
+    def __post_init__(self):
+        for spec in self.packs:
+            self.residency.setdefault(spec.index, Residency())
+
+    def at(self, pack: int) -> Residency:
+        """The residency record of ``pack``."""
+        return self.residency[pack]
+
+    def kept(self) -> list[tuple[int, str]]:
+        """(pack, kind) of every pack's state kept on the device for the whole run, sorted."""
+        return [(p, k) for p, r in sorted(self.residency.items()) for k in sorted(r.kept)]
+
+    def by_pack(self, what: str) -> dict:
+        """One field of every pack's record: pack -> value (``plan.by_pack("step_on")``: where each steps)."""
+        return {p: getattr(r, what) for p, r in sorted(self.residency.items())}
+
+    def packs_with(self, what: str) -> set[int]:
+        """The packs whose record's ``what`` is set (``plan.packs_with("held")``: those holding their weights)."""
+        return {p for p, r in self.residency.items() if getattr(r, what)}
+
+    def per_param(self, what: str) -> dict:
+        """One of the records' per-parameter tables (``params_held``, ``optim_kept``, ``device_parts``,
+        ``device_part_bytes``) over all packs: param name -> bytes."""
+        return {n: b for _, r in sorted(self.residency.items()) for n, b in getattr(r, what).items()}

@@ -49,7 +49,7 @@ def run_a(tmp_path_factory):
     sm = compile_gpt()
     assert len(sm.plan.packs) > 1
     train(sm, DATA[:2])
-    assert sm.stats["h2d_bytes"] > 0 and not sm.plan.resident
+    assert sm.stats["h2d_bytes"] > 0 and not set(sm.plan.kept())
     at2 = params(sm)
     harmony.save(sm, root / "ck")
     draw = torch.rand(4)           # the RNG right after saving, as a resumed run must see it
@@ -74,7 +74,7 @@ def test_resume_from_a_directory_is_bitwise_under_swapping(run_a):
 def test_resume_into_another_plan_creates_resident_optimizer_state_on_the_device(run_a):
     """A checkpoint saved at one budget loads at another; fresh optimizer state goes to its resident tier."""
     b = compile_gpt(frac=4.0, seed=1)
-    assert (0, "optim") in b.plan.resident
+    assert (0, "optim") in set(b.plan.kept())
     harmony.load(b, run_a["dir"])
     st = b.runtime.state
     p = st.tensors["blocks.0.fc.weight"]
@@ -89,7 +89,7 @@ def test_resume_into_another_plan_creates_resident_optimizer_state_on_the_device
 def test_resume_into_a_mixed_plan_is_bitwise(run_a, chosen_by, monkeypatch):
     """A plan that steps one pack on the device (all its state resident) and the other on the host, as the swap
     pass's greedy picks it; and the plan its integer program picks, single parameters of host-stepped packs
-    stepped on the device (``plan.device_parts``)."""
+    stepped on the device (``Residency.device_parts``)."""
     import harmony.passes.swap.lp as swap_lp
     if chosen_by == "greedy":
         monkeypatch.setattr(swap_lp, "applies", lambda *a: False)
@@ -99,9 +99,9 @@ def test_resume_into_a_mixed_plan_is_bitwise(run_a, chosen_by, monkeypatch):
                         memory_budget=int(16 * sum(p.numel() for p in model.parameters()) * 0.8))
     assert next(r for r in b.program.reports if r.title.startswith("swap")).totals["chosen_by"] == chosen_by
     if chosen_by == "greedy":
-        assert set(b.plan.step_on.values()) == {"device", "host"}
+        assert set(b.plan.by_pack("step_on").values()) == {"device", "host"}
     else:
-        assert b.plan.device_parts and set(b.plan.step_on.values()) == {"host"}
+        assert b.plan.per_param("device_parts") and set(b.plan.by_pack("step_on").values()) == {"host"}
     harmony.load(b, run_a["dir"])
     assert_bitwise(b, run_a["at2"])
     train(b, DATA[2:])

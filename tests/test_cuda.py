@@ -166,7 +166,7 @@ def test_disk_tier_bitwise(tmp_path):
     except harmony.errors.BudgetError as e:
         least = e.min_budget
     sm, _, _ = check_bitwise("gpt", host_memory_budget=least, offload_dir=tmp_path)
-    assert "disk" in sm.plan.optim_on.values()
+    assert "disk" in sm.plan.by_pack("optim_on").values()
 
 
 @pytest.mark.parametrize("policy", ["harmony", "sequential"])

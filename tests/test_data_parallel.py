@@ -159,7 +159,8 @@ def _deferred(rank):
                          microbatches=2, optimizer_on="device", passes=("partition", "schedule", "offload"), **SGD)
     program = sm.program
     program.config.memory_budget = budget * 8
-    program.plan.resident = {(p.index, k) for p in program.plan.packs for k in ("params", "grads", "optim")}
+    for record in program.plan.residency.values():
+        record.kept = frozenset(("params", "grads", "optim"))
     program = compress.run(program, None).program
     program.capabilities |= compress.PROVIDES | {"residency"}
     verify(program)

@@ -71,7 +71,7 @@ def offload_dirs(parent: Path):
 def host_run():
     """The reference: every pack's optimizer state on the host, no host budget."""
     sm = compile_gpt()
-    assert set(sm.plan.optim_on.values()) == {"host"}
+    assert set(sm.plan.by_pack("optim_on").values()) == {"host"}
     losses = train(sm, DATA)
     p = params(sm)
     sm.close()
@@ -108,7 +108,7 @@ def disk_run(min_host_budget, tmp_path_factory):
 # -- numerics ----------------------------------------------------------------------------------
 def test_disk_placement_is_bitwise_the_all_on_host_run(host_run, disk_run):
     sm, store = disk_run["sm"], disk_run["store"]
-    assert set(sm.plan.optim_on.values()) == {"disk"} and len(sm.plan.packs) > 1
+    assert set(sm.plan.by_pack("optim_on").values()) == {"disk"} and len(sm.plan.packs) > 1
     assert store.direct, store.why          # /tmp here is ext4: the probe finds O_DIRECT
     assert disk_run["losses"] == host_run[0]
     assert_bitwise(sm, host_run[1])
@@ -142,7 +142,7 @@ def test_mixed_placement_buffered_io_is_bitwise_too(host_run, tmp_path, monkeypa
     monkeypatch.setenv("HARMONY_DIRECT_IO", "0")
     m = model()
     sm = compile_gpt(frac=0.25, host_memory_budget=int(state_bytes(m) * 0.8), offload_dir=tmp_path)
-    placed = sm.plan.optim_on
+    placed = sm.plan.by_pack("optim_on")
     assert {"host", "disk"} <= set(placed.values())
     order = disk.step_order(sm.graph)
     kinds = [placed[p] for p in order]       # disk packs first in step order, then host ones

@@ -52,7 +52,7 @@ def offload_dirs(parent):
 def runs(request, tmp_path_factory):
     """The same three steps with every pack's weights on the host, and wholly on disk."""
     ref = compile_gpt(request.param, weights_on="host")
-    assert set(ref.plan.master_on.values()) == {"host"}
+    assert set(ref.plan.by_pack("master_on").values()) == {"host"}
     ref_losses = train(ref, DATA)
     ref_params = params(ref)
     ref.close()
@@ -74,7 +74,7 @@ def test_weights_on_disk_are_bitwise_the_all_on_host_run(runs):
     assert runs["losses"] == runs["ref_losses"]
     assert_bitwise(sm, runs["ref_params"])
     pd = sm.runtime.state.params_disk
-    assert set(sm.plan.master_on.values()) == {"disk"} and len(pd.groups) > len(sm.plan.packs)
+    assert set(sm.plan.by_pack("master_on").values()) == {"disk"} and len(pd.groups) > len(sm.plan.packs)
     # the tied embedding/head is read by two packs: it is a file of its own
     tied = [g for g in pd.groups if "tok.weight" in g]
     assert tied == [["tok.weight"]]
@@ -113,8 +113,8 @@ def test_each_file_is_read_ahead_and_the_traffic_is_as_planned(runs):
         assert pd.handed == set(range(len(sm.plan.packs)))
         last = sum(t.numel() * 4 for n, t in sm.program.gm.named_parameters() if n in sm.plan.packs[-1].owned)
         # the packs stepped last leave their weights on the device for the next forward: read once, or not at all
-        assert sm.plan.carried and pd.carry == sm.plan.carried
-        kept = {n for p in sm.plan.carried for n in ops.carried_names(sm.plan, p)}
+        assert sm.plan.packs_with("carried") and pd.carry == sm.plan.packs_with("carried")
+        kept = {n for p in sm.plan.packs_with("carried") for n in ops.carried_names(sm.plan, p)}
         carried = sum(t.numel() * 4 for n, t in sm.program.gm.named_parameters() if n in kept)
         assert files + weights - last - carried - slack <= s["disk_read_bytes"] <= files + weights - carried + slack
     else:                                                 # sequential: the weights come in for every microbatch
@@ -155,7 +155,7 @@ def test_checkpoints_resume_bitwise_and_load_across_placements(tmp_path):
 
 
 def test_weights_carried_across_steps_skip_their_read_and_a_load_replaces_them(tmp_path):
-    """The packs stepped last keep their stepped weights on the device for the next forward (plan.carried): the
+    """The packs stepped last keep their stepped weights on the device for the next forward (``Residency.carried``): the
     backward's release hands them over with ``carry``, the forward's first swap_in takes them (``carried``),
     nothing is read for it, and a checkpoint loaded in between replaces them."""
     ref = compile_gpt(weights_on="host")
@@ -164,18 +164,19 @@ def test_weights_carried_across_steps_skip_their_read_and_a_load_replaces_them(t
     ref.close()
     sm = compile_gpt(offload_dir=tmp_path)
     pd, plan = sm.runtime.state.params_disk, sm.plan
-    assert plan.carried and plan.carried != set(range(len(plan.packs)))
+    assert plan.packs_with("carried") and plan.packs_with("carried") != set(range(len(plan.packs)))
     swaps = {}
     for n in sm.graph.nodes:
         if n.op == "call_function" and n.target in (ops.swap_in, ops.release) and n.args[1] == "params":
             swaps.setdefault(n.args[0], []).append(n)
+    carried = plan.packs_with("carried")
     for p, nodes in swaps.items():       # graph shape: the first swap_in and the last release of each carried pack
         flags = [(n.target is ops.swap_in, bool(n.kwargs.get("carried") or n.kwargs.get("carry"))) for n in nodes]
-        assert flags == ([(True, True)] + [(x, False) for x, _ in flags[1:-1]] + [(False, True)] if p in plan.carried
+        assert flags == ([(True, True)] + [(x, False) for x, _ in flags[1:-1]] + [(False, True)] if p in carried
                          else [(x, False) for x, _ in flags])
-    assert all(n.kwargs.get("handoff") for p in plan.carried for n in swaps[p][-1:])
+    assert all(n.kwargs.get("handoff") for p in plan.packs_with("carried") for n in swaps[p][-1:])
     train(sm, DATA[:1])
-    carried = {g for p in plan.carried for g in pd.pack_groups[p] if g not in pd.in_memory}
+    carried = {g for p in plan.packs_with("carried") for g in pd.pack_groups[p] if g not in pd.in_memory}
     assert set(pd._carried) == carried
     # between steps they are on the device, counted by its meter, and up to date with their files
     assert all(sm.runtime.meter.holds(v[0]) for v in pd._carried.values())
@@ -233,19 +234,19 @@ def test_auto_places_weights_on_disk_only_when_the_host_cannot_hold_them():
     m = model()
     roomy = compile_gpt(share=4, weights_on="auto", host_memory_budget=state_bytes(m),
                         passes=("partition", "schedule", "offload"))
-    assert set(roomy.plan.master_on.values()) == {"host"}
+    assert set(roomy.plan.by_pack("master_on").values()) == {"host"}
     with pytest.raises(BudgetError, match="with every pack's weights and optimizer state on disk") as e:
         compile_gpt(share=4, weights_on="auto", host_memory_budget=4096, passes=("partition", "schedule", "offload"))
     tight = compile_gpt(share=4, weights_on="auto", host_memory_budget=e.value.min_budget)
-    assert set(tight.plan.master_on.values()) == {"disk"}
+    assert set(tight.plan.by_pack("master_on").values()) == {"disk"}
     assert tight.program.reports[2].totals["host_planned_bytes"] <= e.value.min_budget
     train(tight, DATA[:1])
     tight.close()
     # a budget between: the first-stepped packs go wholly to disk, the last-stepped one keeps its weights on
     # the host and its optimizer state on disk; both tiers in one step, still bitwise the all-on-host run
     mid = compile_gpt(share=4, weights_on="auto", host_memory_budget=e.value.min_budget + state_bytes(m) // 4)
-    assert set(mid.plan.master_on.values()) == {"host", "disk"}
-    assert set(mid.plan.optim_on.values()) == {"disk"}
+    assert set(mid.plan.by_pack("master_on").values()) == {"host", "disk"}
+    assert set(mid.plan.by_pack("optim_on").values()) == {"disk"}
     assert mid.runtime.state.disk is not None and mid.runtime.state.params_disk is not None
     ref = compile_gpt(share=4, weights_on="host")
     assert train(mid, DATA) == train(ref, DATA)
@@ -328,9 +329,9 @@ def test_files_in_the_room_the_host_budget_leaves_stay_in_memory(tmp_path):
         compile_gpt(host_memory_budget=4096, passes=("partition", "schedule", "offload"))
     floor = e.value.min_budget
     base = compile_gpt(host_memory_budget=floor, offload_dir=tmp_path)
-    assert base.plan.disk_in_memory == {}
+    assert not base.plan.packs_with("in_memory")
     sm = compile_gpt(host_memory_budget=floor + state_bytes(m) // 6, offload_dir=tmp_path)
-    kept = sm.plan.disk_in_memory
+    kept = {p: sm.plan.at(p).in_memory for p in sm.plan.packs_with("in_memory")}
     pd = sm.runtime.state.params_disk
     order = [n.args[0] for n in sm.graph.nodes if n.op == "call_function" and n.target.__name__ == "step"]
     assert kept and order[-1] in kept                    # the last-stepped pack's files first

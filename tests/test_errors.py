@@ -110,5 +110,8 @@ def test_bad_optimizer_and_policy_and_pass(gpt):
         harmony.compile(model, example_batch=data[0], passes=("swap.graph",))
     with pytest.raises(ConfigError, match="takes pass names"):
         harmony.compile(model, example_batch=data[0], passes=("partition", 3))
+    # swap fits a memory curve that counts the all-reduce buffers compress places: it must come after compress
+    with pytest.raises(ConfigError, match="'swap' must run after pass 'compress'"):
+        harmony.compile(model, example_batch=data[0], passes=("partition", "schedule", "offload", "swap", "compress"))
     with pytest.raises(ConfigError, match="device='gpu' is not a device torch knows"):
         harmony.compile(model, example_batch=data[0], device="gpu")

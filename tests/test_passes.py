@@ -83,9 +83,9 @@ def test_swap_brings_weights_in_once_per_phase_under_harmony():
     sm, _ = compiled(frac=0.25, passes=("partition", "schedule", "offload", "swap"))
     n_packs = len(sm.plan.packs)
     params_in = [n.args[0] for n in names(sm, ops.swap_in) if n.args[1] == "params"]
-    resident = {p for p, k in sm.plan.resident if k == "params"}
+    resident = {p for p, k in set(sm.plan.kept()) if k == "params"}
     for p in range(n_packs):
-        expected = 0 if p in resident else (1 if p == n_packs - 1 or p in sm.plan.held else 2)
+        expected = 0 if p in resident else (1 if p == n_packs - 1 or p in sm.plan.packs_with("held") else 2)
         assert params_in.count(p) == expected, (p, params_in)
     # every swap_in is waited on before the first op of its visit, and released after the last
     for h in names(sm, ops.swap_in):
@@ -97,9 +97,9 @@ def test_swap_brings_weights_in_once_per_phase_under_harmony():
 def test_sequential_swaps_every_pack_every_microbatch():
     sm, _ = compiled(frac=0.25, policy="sequential", optimizer_on="device",
                      passes=("partition", "schedule", "offload", "swap"))
-    resident = {p for p, k in sm.plan.resident if k == "params"}
+    resident = {p for p, k in set(sm.plan.kept()) if k == "params"}
     swapped = [p for p in range(len(sm.plan.packs)) if p not in resident]
-    assert swapped and not sm.plan.held      # a device step keeps weights for good or not at all
+    assert swapped and not sm.plan.packs_with("held")      # a device step keeps weights for good or not at all
     params_in = [n.args[0] for n in names(sm, ops.swap_in) if n.args[1] == "params"]
     for p in swapped:
         assert params_in.count(p) >= 4
@@ -113,8 +113,8 @@ def test_host_stepped_weights_held_between_visits_come_in_once_per_step(policy):
     sm = harmony.compile(copy.deepcopy(model), example_batch=data[0], microbatches=4, policy=policy,
                          memory_budget=int(training_state_bytes(model) * 0.3), optimizer_on="host",
                          hardware="gtx1080ti")
-    held, n = sm.plan.held, len(sm.plan.packs)
-    assert held and not {p for p, _ in sm.plan.resident}
+    held, n = sm.plan.packs_with("held"), len(sm.plan.packs)
+    assert held and not {p for p, _ in set(sm.plan.kept())}
     seq = calls(sm)
     for p in range(n):
         ins = [i for i, x in enumerate(seq) if x.target is ops.swap_in and x.args == (p, "params")]
@@ -149,14 +149,14 @@ def test_single_weights_held_between_visits_fill_the_room_whole_packs_leave(poli
     budget = int(training_state_bytes(model) * 0.25)
     sm = harmony.compile(copy.deepcopy(model), example_batch=data[0], microbatches=4, policy=policy,
                          memory_budget=budget, optimizer_on="host", hardware="gtx1080ti")
-    held = sm.plan.params_held
+    held = sm.plan.per_param("params_held")
     assert held
     saved = 0
     for spec in sm.plan.packs:
         mine = tuple(sorted(n for n in spec.params + spec.buffers if n in held))
         if not mine:
             continue
-        assert spec.index not in sm.plan.held and len(mine) < len(spec.params + spec.buffers)
+        assert spec.index not in sm.plan.packs_with("held") and len(mine) < len(spec.params + spec.buffers)
         ins = [x for x in calls(sm) if x.target is ops.swap_in and x.args == (spec.index, "params")]
         outs = [x for x in calls(sm) if x.target is ops.release and x.args[:2] == (spec.index, "params")]
         assert len(ins) == len(outs) > 1 and "held" not in ins[0].kwargs and "held" not in outs[-1].kwargs
@@ -223,11 +223,12 @@ def test_mixed_placement_steps_some_packs_on_the_device_with_all_their_state_res
     model, data = CASES["mlp"]()
     sm = harmony.compile(copy.deepcopy(model), example_batch=data[0], microbatches=4, hardware="gtx1080ti",
                          memory_budget=int(training_state_bytes(model) * 0.75))
-    device = {p for p, on in sm.plan.step_on.items() if on == "device"}
-    assert device and set(sm.plan.step_on.values()) == {"device", "host"}
+    device = {p for p, on in sm.plan.by_pack("step_on").items() if on == "device"}
+    assert device and set(sm.plan.by_pack("step_on").values()) == {"device", "host"}
     for p in device:
-        assert {(p, k) for k in ("params", "grads", "optim")} <= sm.plan.resident and p not in sm.plan.held
-        assert sm.plan.optim_on[p] == "device"
+        assert {(p, k) for k in ("params", "grads", "optim")} <= set(sm.plan.kept())
+        assert p not in sm.plan.packs_with("held")
+        assert sm.plan.by_pack("optim_on")[p] == "device"
         assert not [n for n in calls(sm) if n.target in (ops.swap_in, ops.release) and n.args[0] == p]
         (step,) = [n for n in names(sm, ops.step) if n.args[0] == p]
         assert step.kwargs["where"] == "device" and not step.kwargs["stream"]
@@ -245,7 +246,7 @@ def test_mixed_placement_steps_some_packs_on_the_device_with_all_their_state_res
     for kw in (dict(optimizer_on="host"), dict(precision="bf16")):
         other = harmony.compile(copy.deepcopy(model), example_batch=data[0], microbatches=4, hardware="gtx1080ti",
                                 memory_budget=int(training_state_bytes(model) * 0.75), **kw)
-        assert set(other.plan.step_on.values()) == {"host"}, kw
+        assert set(other.plan.by_pack("step_on").values()) == {"host"}, kw
         other.close()
 
 
@@ -349,8 +350,9 @@ def test_single_parameters_of_host_stepped_packs_step_on_the_device_in_the_room_
     budget = int(training_state_bytes(model) * 0.5)
     sm = harmony.compile(copy.deepcopy(model), example_batch=data[0], microbatches=4, memory_budget=budget,
                          hardware="gtx1080ti")
-    parts = dict(sm.plan.device_parts)
-    assert parts and set(sm.plan.step_on.values()) == {"host"} and sm.plan.held == set(range(len(sm.plan.packs) - 1))
+    parts = dict(sm.plan.per_param("device_parts"))
+    assert parts and set(sm.plan.by_pack("step_on").values()) == {"host"}
+    assert sm.plan.packs_with("held") == set(range(len(sm.plan.packs) - 1))
     for spec in sm.plan.packs:
         mine = [n for n in spec.stepped if n in parts]
         assert len(mine) < len(spec.stepped)         # a pack with all of them would have moved whole
@@ -359,9 +361,13 @@ def test_single_parameters_of_host_stepped_packs_step_on_the_device_in_the_room_
     moved = memory_curve(program, check_residency=True).moved
     assert sm.simulate().moved == moved
     weights = sum(p.numel() * 4 for n, p in program.gm.named_parameters() if n in parts)
-    program.plan.device_parts = {}
+    records = list(program.plan.residency.values())
+    saved = [r.device_parts for r in records]
+    for r in records:
+        r.device_parts = {}
     before = memory_curve(program, check_residency=False).moved
-    program.plan.device_parts = parts
+    for r, mine in zip(records, saved):
+        r.device_parts = mine
     assert before["h2d"] - moved["h2d"] == weights and before["d2h"] - moved["d2h"] == weights
     assert "device step, " in sm.report()
     expected, _ = eager_accumulate(model, data, 4)
@@ -388,8 +394,8 @@ def test_swap_keeps_single_parameters_optimizer_state_in_the_room_left():
     ours = copy.deepcopy(model)
     sm, stats, _ = run_compiled(ours, data, 4, budget, hardware="gtx1080ti", optimizer_on="device")
     stats = stats[-1]
-    kept = sm.plan.optim_resident
-    assert kept and all((p.index, "optim") not in sm.plan.resident for p in sm.plan.packs if set(p.owned) & set(kept))
+    kept = sm.plan.per_param("optim_kept")
+    assert kept and all((p.index, "optim") not in sm.plan.kept() for p in sm.plan.packs if set(p.owned) & set(kept))
     assert stats["measured_peak"] <= budget
     assert stats["h2d_bytes"] == stats["predicted_h2d"] and stats["d2h_bytes"] == stats["predicted_d2h"]
     for (name, a), b in zip(ours.named_parameters(), ref.parameters()):
@@ -399,7 +405,8 @@ def test_swap_keeps_single_parameters_optimizer_state_in_the_room_left():
     held = sum(kept.values())
     program = sm.program
     before = harmony.compiler.verify.memory_curve(program, check_residency=False).moved
-    program.plan.optim_resident = {}
+    for r in program.plan.residency.values():
+        r.optim_kept = {}
     after = harmony.compiler.verify.memory_curve(program, check_residency=False).moved
     assert after["h2d"] - before["h2d"] == held and after["d2h"] - before["d2h"] == held
     swap_report = next(r for r in program.reports if r.title.startswith("swap"))
@@ -479,9 +486,9 @@ def test_graphs_worth_less_than_traffic_take_only_the_room_residency_leaves(monk
         sm, _ = compiled(recompute=recompute, passes=passes, **model)
         assert [len(s.params) for s in sm.plan.packs] == [26, 18, 9]      # the cuts above, on this model
         swap = next(r for r in sm.program.reports if r.title.startswith("swap"))
-        plans[recompute] = (swap.totals["h2d_MiB"], swap.totals["d2h_MiB"], sorted(sm.plan.device_parts),
-                            sorted(sm.plan.params_held), sm.code)
-        assert sm.plan.device_parts, "room was left for single parameters' device steps"
+        plans[recompute] = (swap.totals["h2d_MiB"], swap.totals["d2h_MiB"], sorted(sm.plan.per_param("device_parts")),
+                            sorted(sm.plan.per_param("params_held")), sm.code)
+        assert sm.plan.per_param("device_parts"), "room was left for single parameters' device steps"
         sm.close()
     assert plans["auto"] == plans["always"]
 
@@ -613,7 +620,7 @@ def test_the_partition_prices_sequential_visits(layers, frac):
     swap = next(r for r in sm.program.reports if r.title.startswith("swap"))
     moved = (swap.totals["h2d_MiB"] + swap.totals["d2h_MiB"]) * 2**20
     assert abs(predicted / moved - 1) < 0.1, (predicted / 2**20, moved / 2**20)
-    assert sm.plan.held
+    assert sm.plan.packs_with("held")
     sm.close()
 
 
@@ -673,7 +680,8 @@ def test_the_swap_pass_applies_the_choice_it_is_handed():
     mine = harmony.compile(ours, example_batch=data[0], **kw,
                            passes=rest[:swap_at] + (("swap", lean),) + rest[swap_at + 1:])
     swap = next(r for r in mine.program.reports if r.title.startswith("swap"))
-    assert swap.totals["chosen_by"] == "given" and not mine.plan.held and not mine.plan.params_held
+    assert swap.totals["chosen_by"] == "given"
+    assert not mine.plan.packs_with("held") and not mine.plan.per_param("params_held")
     assert swap.totals["h2d_MiB"] > next(r for r in sm.program.reports if r.title.startswith("swap")).totals["h2d_MiB"]
     ref, _ = eager_accumulate(model, data, 4)
     for x, y in data:

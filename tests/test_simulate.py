@@ -202,7 +202,7 @@ def test_disk_reads_come_before_their_copy_and_step_and_writes_after():
     p = pack(0)
     p.optim_bytes = 2 * G
     pl = plan(p)
-    pl.master_on, pl.optim_on = {0: "disk"}, {0: "disk"}
+    pl.at(0).master_on = pl.at(0).optim_on = "disk"
     hw = Hardware((UNIT,), host_memory_bandwidth=16e9, disk_read_bandwidth=1e9, disk_write_bandwidth=0.5e9)
     s = Schedule()
     h = s.swap_in(0, "params")                      # disk read 1e9 B: 0-1 s; then the copy in: 1-2 s
@@ -505,7 +505,7 @@ def test_a_host_steps_parameters_stepped_on_the_device_go_first_on_the_compute_s
     p = plan(pack(0, bwd=G, fwd=0), pack(1))
     p.packs[0].params = p.packs[0].owned = p.packs[0].stepped = ["w0", "v0"]
     p.packs[0].master_bytes = G
-    p.device_parts, p.device_part_bytes = {"w0": 0}, {"w0": G // 4}
+    p.at(0).device_parts, p.at(0).device_part_bytes = {"w0": 0}, {"w0": G // 4}
     sim = simulate(s.done(), p, Hardware((FAST_MEMORY,), host_memory_bandwidth=8e9))
     assert [e[:4] for e in spans(sim)][2:] == [("release", "d2h", 1.0, 1.5), ("step.device", "compute", 1.0, 1.25),
                                                ("step", "host", 1.5, 2.25), ("forward", "compute", 1.25, 2.25)]

@@ -60,7 +60,7 @@ def test_the_integer_programs_plans_train_the_same_bits_as_eager_pytorch(case, f
     sm = harmony.compile(copy.deepcopy(model), example_batch=data[0], microbatches=m, hardware=hardware,
                          memory_budget=int(training_state_bytes(model) * frac))
     assert _swap(sm).totals["chosen_by"] == "integer program"
-    assert sm.plan.params_held and sm.plan.device_parts
+    assert sm.plan.per_param("params_held") and sm.plan.per_param("device_parts")
     expected, _ = eager_accumulate(model, data, m)
     for batch in data:
         sm(**batch) if isinstance(batch, dict) else sm(*batch)
@@ -71,8 +71,8 @@ def test_the_integer_programs_plans_train_the_same_bits_as_eager_pytorch(case, f
 
 
 def _swap_parts(sm, what):
-    names = getattr(sm.plan, what)
-    return [(spec.index, n) for spec in sm.plan.packs for n in spec.params + spec.buffers if n in names]
+    """(pack, param) of the single parameters in the packs' residency records' ``what`` table."""
+    return [(spec.index, n) for spec in sm.plan.packs for n in getattr(sm.plan.at(spec.index), what)]
 
 
 def test_the_integer_program_is_left_out_where_it_does_not_model_the_schedule():

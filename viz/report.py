@@ -24,6 +24,7 @@ import textwrap
 
 from harmony.base.errors import ConfigError
 from harmony.base.units import fmt_bytes, nbytes
+from harmony.runtime.plan import STATE_KINDS
 from harmony.runtime.precision import device_bytes
 
 FORMATS = ("text", "markdown", "json")
@@ -95,29 +96,27 @@ def _tiers(program) -> dict:
     state = list(gm.parameters()) + list(gm.buffers())
     masters = sum(nbytes(t) for t in state)
     sizes = state_sizes(program)
-    resident = {(kind, n) for pack, kind in plan.resident for n in state_names(plan.packs[pack], kind)}
-    optim_on = getattr(plan, "optim_on", None) or {}
-    master_on = getattr(plan, "master_on", None) or {}
-    share = getattr(plan, "disk_in_memory_share", None) or {}
+    resident = {(kind, n) for pack, kind in plan.kept() for n in state_names(plan.packs[pack], kind)}
     optim = {"device": 0, "host": 0, "disk": 0}
     on_disk = disk_masters = 0    # fp32 weights (and optimizer state) of wholly-disk packs, less files kept in memory
     for spec in plan.packs:
-        if master_on.get(spec.index) == "disk":
+        record = plan.at(spec.index)
+        if record.master_on == "disk":
             mine = set(spec.owned)
             owned = sum(nbytes(t) for n, t in gm.named_parameters() if n in mine)
             masters -= owned
             disk_masters += owned
-            on_disk += (owned + spec.optim_bytes) * (1 - share.get(spec.index, 0.0))
-            optim["host"] += (owned + spec.optim_bytes) * share.get(spec.index, 0.0)
+            on_disk += (owned + spec.optim_bytes) * (1 - record.in_memory_share)
+            optim["host"] += (owned + spec.optim_bytes) * record.in_memory_share
             continue
         if spec.stepped and all(("optim", n) in resident for n in spec.stepped):
             where = "device"
         else:        # a device step streams its state in and out: between steps it is on the host
-            where = "disk" if optim_on.get(spec.index) == "disk" else "host"
+            where = "disk" if record.optim_on == "disk" else "host"
         optim[where] += spec.optim_bytes
-    # weights the last step left on the device for the next forward (``plan.carried``): a copy, also on disk
+    # weights the last step left on the device for the next forward (``Residency.carried``): a copy, also on disk
     carried = sum(sizes.get(("params", n), 0)
-                  for p in getattr(plan, "carried", ()) or () for n in carried_names(plan, p))
+                  for p, record in plan.residency.items() if record.carried for n in carried_names(plan, p))
     return dict(precision=getattr(cfg, "precision", "fp32"),
                 compute_dtype=str(dtype).replace("torch.", "") if dtype else "the model's dtype",
                 device_copy_bytes=sum(device_bytes(t, dtype) for t in state), master_bytes=masters,
@@ -130,16 +129,13 @@ def _tiers(program) -> dict:
 def _packs(program) -> list[dict]:
     if program.plan is None:
         return []
-    order = {"params": 0, "grads": 1, "optim": 2}
     resident: dict[int, list[str]] = {}
-    for pack, what in sorted(program.plan.resident, key=lambda pw: (pw[0], order.get(pw[1], 3), pw[1])):
-        resident.setdefault(pack, []).append(what)
-    for pack in sorted(getattr(program.plan, "held", ()) or ()):
-        resident.setdefault(pack, []).append("params (within a step)")
-    kept = getattr(program.plan, "optim_resident", None) or {}
-    parts = getattr(program.plan, "params_held", None) or {}
-    stepping = getattr(program.plan, "device_parts", None) or {}
     for s in program.plan.packs:
+        record = program.plan.at(s.index)
+        resident[s.index] = [k for k in STATE_KINDS if record.has(k)]
+        if record.held:
+            resident[s.index].append("params (within a step)")
+        kept, parts, stepping = record.optim_kept, record.params_held, record.device_parts
         held = sum(1 for n in s.stepped if n in stepping)
         if held:
             resident.setdefault(s.index, []).append(f"all state ({held}/{len(s.stepped)} params, device step)")

@@ -27,7 +27,7 @@
    stay on the device, ZeRO-Offload's host step for the rest.
    The room that leaves (less than the next pack's state) goes to single parameters of
    host-stepped packs, stepped on the device with all their state resident, first packs first
-   (``plan.device_parts``): the host step of their pack leaves them.
+   (``Residency.device_parts``): the host step of their pack leaves them.
 7. The greedy keeps what saves the most per byte first; where the budget binds at more than one
    point that can go wrong (a large first pack held whole leaves no room at its own backward to
    step any parameter on the device). Under the harmony policy with every pack stepped on the host
@@ -39,7 +39,7 @@
    room left at the end of the backward and the start of the forward (where the turn's
    activations are gone or not yet made) keeps the weights of the packs stepped last on the
    device from their step to the next iteration's forward, first packs first
-   (``plan.carried``; ``release(..., carry=True)`` and ``swap_in(..., carried=True)``): one
+   (``Residency.carried``; ``release(..., carry=True)`` and ``swap_in(..., carried=True)``): one
    disk read less per byte held (runtime/diskparams.py).
 
 Recompute is a choice made here too (``recompute="auto"``): a pack that keeps its
@@ -61,16 +61,17 @@ from harmony.base.errors import BudgetError, ConfigError
 from harmony.base.units import fmt_bytes
 from harmony.compiler.ir import PassReport, PassResult, Program, calls
 from harmony.compiler.verify import memory_curve, state_sizes
-from harmony.passes.swap.graph import KINDS, Choice, build, insert_swaps, stash_groups
+from harmony.passes.swap.graph import Choice, build, insert_swaps, place, stash_groups
 from harmony.passes.swap.search import choose, greedy, may_step_on_device, mixed_placement, peak_bound
 from harmony.runtime import ops
-from harmony.runtime.plan import step_extra
+from harmony.runtime.plan import STATE_KINDS
 
 __all__ = ["NAME", "REQUIRES", "PROVIDES", "run", "graph_candidates", "may_step_on_device", "mixed_placement"]
 
 NAME = "swap"
 REQUIRES = {"schedule", "placement"}
 PROVIDES = {"residency"}
+AFTER = {"communication"}    # the memory curve it fits counts the all-reduces' buffers where compress placed them
 
 
 def graph_candidates(program: Program) -> list[tuple]:
@@ -103,8 +104,9 @@ def run(program: Program, ctx) -> PassResult:
         report.notes.append("policy ondemand: no planned movement; the runtime fetches state when an op "
                             "touches it and evicts the least recently used state when the budget is hit")
         return PassResult(program, report)
-    plan.optim_resident, plan.held, plan.params_held, plan.device_parts, plan.carried = {}, set(), {}, {}, set()
-    plan.resident = {(p.index, k) for p in plan.packs for k in KINDS}
+    sizes = state_sizes(program)
+    everything = Choice({(p.index, k) for p in plan.packs for k in STATE_KINDS}, set())
+    place(plan, everything, sizes, program.optim_profile)
     mixed = program.config.precision != "fp32"   # host steps update fp32 masters: compute copies come in afresh
     graphs = graph_candidates(program)
     if not mixed and ctx is None and memory_curve(program, check_residency=False).peak <= budget:
@@ -113,8 +115,7 @@ def run(program: Program, ctx) -> PassResult:
         def fits_all(c: Choice):     # only graphs are candidates here
             program.schedule = build(base, c.resident, c.stashed, {}, c.kept)
             return memory_curve(program, check_residency=False)
-        sizes = state_sizes(program)
-        chosen, rows = greedy(graphs, Choice(plan.resident, set()), fits_all, budget,
+        chosen, rows = greedy(graphs, everything, fits_all, budget,
                                lambda c, what: peak_bound(program, c, what, {}, sizes, set()))   # graphs only
         fits_all(chosen)
         program.swap_choice = chosen
@@ -127,21 +128,14 @@ def run(program: Program, ctx) -> PassResult:
         return PassResult(program, report)
 
     # start from the least memory: every pack swapped, every activation handle stashed, every pack recomputed ...
-    plan.resident = set()
-    insert_swaps(program.schedule, plan.resident)
+    insert_swaps(program.schedule, set())
     base = program.schedule
     groups = stash_groups(base)
     chosen = Choice(set(), set(groups))
-    sizes = state_sizes(program)
 
     def fits(c: Choice):
         program.schedule = build(base, c.resident, c.stashed, groups, c.kept, c.held, c.device, c.parts, c.carried)
-        plan.resident = c.resident
-        plan.held = set(c.held)
-        plan.carried = set(c.carried)
-        plan.params_held = {n: sizes[("params", n)] for _, n in c.parts}
-        plan.device_parts = {n: step_extra(program.optim_profile, [sizes[("params", n)]]) for _, n in c.steps}
-        plan.device_part_bytes = {n: sizes[("params", n)] for _, n in c.steps}     # fp32: device parts need it
+        place(plan, c, sizes, program.optim_profile)
         return memory_curve(program, check_residency=False)
 
     curve = fits(chosen)
@@ -175,7 +169,7 @@ def run(program: Program, ctx) -> PassResult:
         chosen, rows, how, curve = choose(program, chosen, curve, base, groups, sizes, graphs, fits, report)
     program.swap_choice = chosen
     for p in chosen.device:
-        plan.step_on[p] = plan.optim_on[p] = "device"
+        plan.at(p).step_on = plan.at(p).optim_on = "device"
     counts = {}
     for n in calls(program.schedule):
         counts[n.target.__name__] = counts.get(n.target.__name__, 0) + 1

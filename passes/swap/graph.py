@@ -14,8 +14,8 @@ import torch.fx
 from harmony.compiler.ir import calls, copy_graph
 from harmony.compiler.meta import SCHEDULE
 from harmony.runtime import ops
+from harmony.runtime.plan import step_extra
 
-KINDS = ("params", "grads", "optim")
 COMPUTE = (ops.forward, ops.backward, ops.step)       # the ops a memory curve's peaks are read at
 
 
@@ -30,6 +30,22 @@ class Choice(NamedTuple):
                                       # are not
     steps: frozenset = frozenset()    # (pack, param): single parameters of host-stepped packs stepped on the device
     carried: frozenset = frozenset()  # wholly-disk packs whose stepped weights stay for the next iteration's forward
+    optim: frozenset = frozenset()    # (pack, param): single parameters' optimizer state kept on the device, where
+                                      # the whole pack's is not
+
+
+def place(plan, chosen: Choice, sizes: dict, profile: dict) -> None:
+    """Write ``chosen`` into the packs' residency records (``plan.residency``): what each keeps on the device,
+    holds between visits or carries across steps, and its single parameters kept, held or stepped there.
+    ``sizes``: (kind, name) -> bytes (``state_sizes``); ``profile``: the optimizer's (``optimizer_profile``)."""
+    for pack, record in plan.residency.items():
+        record.kept = frozenset(k for p, k in chosen.resident if p == pack)
+        record.held, record.carried = pack in chosen.held, pack in chosen.carried
+        record.params_held = {n: sizes[("params", n)] for p, n in sorted(chosen.parts) if p == pack}
+        record.optim_kept = {n: sizes[("optim", n)] for p, n in sorted(chosen.optim) if p == pack}
+        steps = [n for p, n in sorted(chosen.steps) if p == pack]
+        record.device_parts = {n: step_extra(profile, [sizes[("params", n)]]) for n in steps}
+        record.device_part_bytes = {n: sizes[("params", n)] for n in steps}   # fp32: the device step needs it
 
 
 def _visits(graph):

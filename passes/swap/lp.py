@@ -13,7 +13,7 @@ Here every choice is a variable and the memory curve a set of constraints, one a
 the least-memory schedule (everything swapped and stashed):
 
 * per parameter of a host-stepped pack, ``held`` (its weight stays between the pack's visits) or
-  ``stepped`` (it steps on the device with all its state resident, as ``plan.device_parts``), at most one;
+  ``stepped`` (it steps on the device with all its state resident, as ``Residency.device_parts``), at most one;
 * per activation group (a pack's outputs, or its inputs' gradients, for every microbatch), ``kept``;
 * per pack that could keep its forward's graph (``recompute="auto"``), ``graph``.
 
@@ -31,8 +31,9 @@ import pulp
 
 from harmony.base import ilp
 from harmony.compiler.ir import Program
-from harmony.passes.swap.graph import COMPUTE, KINDS, Choice
+from harmony.passes.swap.graph import COMPUTE, Choice
 from harmony.runtime import ops
+from harmony.runtime.plan import STATE_KINDS
 
 TIME_LIMIT = 5.0       # seconds: the program is solved in well under one on the benchmark's models
 
@@ -45,7 +46,7 @@ def applies(program: Program, tied: set[str]) -> bool:
     cfg, plan = program.config, program.plan
     return (cfg.policy == "harmony" and cfg.precision == "fp32" and cfg.optimizer_on == "auto"
             and (cfg.world_size or 1) <= 1 and cfg.host_memory_budget is None and not tied
-            and all(plan.step_on.get(s.index) == "host" and plan.master_on.get(s.index, "host") == "host"
+            and all(plan.at(s.index).step_on == "host" and plan.at(s.index).master_on == "host"
                     for s in plan.packs))
 
 
@@ -166,7 +167,7 @@ def choice(plan, groups: dict, sizes: dict, picks: set) -> Choice:
             parts |= {(p, n) for n in mine_held}
             steps |= {(p, n) for n in mine_stepped}
     kept_groups = {what[1:] for what in picks if what[0] == "keep"}
-    return Choice(resident={(p, k) for p in device for k in KINDS}, stashed=set(groups) - kept_groups,
+    return Choice(resident={(p, k) for p in device for k in STATE_KINDS}, stashed=set(groups) - kept_groups,
                   kept=frozenset(what[1] for what in picks if what[0] == "graph"), held=frozenset(held),
                   device=frozenset(device), parts=frozenset(parts), steps=frozenset(steps))
 

@@ -11,8 +11,9 @@ from __future__ import annotations
 from harmony.base.units import fmt_bytes
 from harmony.compiler.ir import Program
 from harmony.passes.swap import lp as swap_lp
-from harmony.passes.swap.graph import COMPUTE, KINDS, Choice, param_swaps
+from harmony.passes.swap.graph import COMPUTE, Choice, param_swaps
 from harmony.runtime import ops
+from harmony.runtime.plan import STATE_KINDS
 
 TIE = 0.01    # of the bytes in, what the integer program's plan must save to replace the greedy's outright
 
@@ -94,7 +95,7 @@ def peak_bound(program: Program, curve, what, groups: dict, sizes: dict, shared:
         if kind == "params" and since is not None:
             hold(since, len(nodes), size)
     else:                                              # "optim", "device": optimizer state resident for good
-        resident = getattr(plan, "optim_resident", None) or {}
+        resident = plan.at(pack).optim_kept
         hold(-1, len(nodes), sum(sizes.get(("optim", n), 0) for n in plan.packs[pack].stepped if n not in resident))
     best = acc = 0
     for i, n in enumerate(nodes):
@@ -113,9 +114,8 @@ def mixed_placement(cfg) -> bool:
 def may_step_on_device(program: Program, pack: int) -> bool:
     """Whether the swap pass may move this host-stepped pack's step to the device: ``mixed_placement``, and
     the pack's weights and optimizer state in host memory (not files)."""
-    plan = program.plan
-    return (mixed_placement(program.config) and plan.optim_on.get(pack) == "host"
-            and plan.master_on.get(pack, "host") == "host")
+    record = program.plan.at(pack)
+    return mixed_placement(program.config) and record.optim_on == "host" and record.master_on == "host"
 
 
 def with_kept(chosen: Choice, what) -> Choice:
@@ -128,7 +128,7 @@ def with_kept(chosen: Choice, what) -> Choice:
     if what[0] == "carry":
         return chosen._replace(carried=chosen.carried | {what[1]})
     if what[0] == "device":
-        return chosen._replace(resident=chosen.resident | {(what[1], k) for k in KINDS},
+        return chosen._replace(resident=chosen.resident | {(what[1], k) for k in STATE_KINDS},
                                held=chosen.held - {what[1]}, device=chosen.device | {what[1]})
     kinds = (what[0], "grads") if what[0] == "params" else (what[0],)
     return chosen._replace(resident=chosen.resident | {(what[1], k) for k in kinds})
@@ -189,7 +189,7 @@ def _candidates(program: Program, base, groups: dict, graphs: list) -> list[tupl
     candidates = list(graphs)
     swaps = param_swaps(base)
     for spec in plan.packs:
-        if plan.step_on.get(spec.index) == "host":   # the host updates the weights: they come in afresh each iteration
+        if plan.at(spec.index).step_on == "host":   # the host updates the weights: they come in afresh each iteration
             visits = len(swaps.get(spec.index, ([], []))[0])
             if visits > 1:
                 candidates.append((visits - 1, spec.param_bytes + spec.buffer_bytes, ("held", spec.index)))
@@ -234,7 +234,8 @@ def choose(program: Program, chosen: Choice, curve, base, groups: dict, sizes: d
         """The greedy from ``chosen`` on: what saves the most per byte held first, then the parts of packs."""
         free = [c for c in candidates if not _taken(chosen, c[2])]
         chosen, rows = greedy([c for c in free if c not in low + lowest], chosen, fits, room, bound, curve)
-        rows += keep_optimizer_parts(program, chosen, fits, room, sizes)
+        chosen, more = keep_optimizer_parts(program, chosen, fits, room, sizes)
+        rows += more
         chosen, more = greedy([c for c in low if c in free], chosen, fits, room, bound)
         rows += more
         chosen, more = keep_weight_parts(program, chosen, fits, room, sizes)
@@ -319,7 +320,7 @@ def _largest_first(sized, slack: int) -> list:
     return taken
 
 
-def keep_optimizer_parts(program: Program, chosen: Choice, fits, room: int, sizes: dict) -> list[dict]:
+def keep_optimizer_parts(program: Program, chosen: Choice, fits, room: int, sizes: dict) -> tuple[Choice, list[dict]]:
     """Fill what room is left with single parameters' optimizer state, largest first.
 
     A pack's optimizer state is kept whole or not at all above; what is left over is often
@@ -330,26 +331,24 @@ def keep_optimizer_parts(program: Program, chosen: Choice, fits, room: int, size
     until it fits).
     """
     plan = program.plan
+    chosen = chosen._replace(optim=frozenset())
     slack = room - fits(chosen).peak
     if slack <= 0:
-        return []
-    parts = sorted(((sizes.get(("optim", n), 0), n) for spec in plan.packs
-                    if (spec.index, "optim") not in chosen.resident and plan.step_on.get(spec.index) != "host"
+        return chosen, []
+    parts = sorted(((sizes.get(("optim", n), 0), (spec.index, n)) for spec in plan.packs
+                    if (spec.index, "optim") not in chosen.resident and plan.at(spec.index).step_on != "host"
                     for n in spec.stepped), reverse=True)
-    kept = {n: sizes[("optim", n)] for n in _largest_first(parts, slack)}
-    while kept:
-        plan.optim_resident = kept
-        if fits(chosen).peak <= room:
-            break
-        kept = dict(list(kept.items())[:-1])
-    plan.optim_resident = kept
+    kept = _largest_first(parts, slack)
+    while kept and fits(chosen._replace(optim=frozenset(kept))).peak > room:
+        kept.pop()
+    chosen = chosen._replace(optim=frozenset(kept))
     rows = []
     for spec in plan.packs:
-        held = [n for n in spec.stepped if n in kept]
+        held = [n for p, n in kept if p == spec.index]
         if held:
             rows.append(dict(kept=f"optimizer state of {len(held)}/{len(spec.stepped)} params", pack=spec.index,
-                             MiB=sum(kept[n] for n in held) / 2**20, saves_per_byte=2))
-    return rows
+                             MiB=sum(sizes[("optim", n)] for n in held) / 2**20, saves_per_byte=2))
+    return chosen, rows
 
 
 def keep_weight_parts(program: Program, chosen: Choice, fits, room: int, sizes: dict) -> tuple[Choice, list[dict]]:
@@ -368,8 +367,8 @@ def keep_weight_parts(program: Program, chosen: Choice, fits, room: int, sizes: 
     curve = fits(chosen)
     swaps = param_swaps(program.schedule)
     order = [spec for spec in reversed(plan.packs)
-             if plan.step_on.get(spec.index) == "host" and spec.index not in chosen.held
-             and spec.index not in chosen.device and plan.master_on.get(spec.index, "host") == "host"
+             if plan.at(spec.index).step_on == "host" and spec.index not in chosen.held
+             and spec.index not in chosen.device and plan.at(spec.index).master_on == "host"
              and len(swaps.get(spec.index, ((), ()))[0]) > 1]
     shared = tied_weights(plan)
     peak_at, at = list(curve.peak_at), {n: i for i, n in enumerate(curve.nodes)}
@@ -428,7 +427,7 @@ def keep_step_parts(program: Program, chosen: Choice, fits, room: int, sizes: di
     weight_parts = {p for p, _ in chosen.parts}
     taken: list = sorted(chosen.steps)      # the integer program's, if it ran
     for spec in plan.packs:
-        if (plan.step_on.get(spec.index) != "host" or spec.index in chosen.device or spec.index in weight_parts
+        if (plan.at(spec.index).step_on != "host" or spec.index in chosen.device or spec.index in weight_parts
                 or not may_step_on_device(program, spec.index)):
             continue
         there = spec.index in chosen.held or len(swaps.get(spec.index, ((), ()))[0]) <= 1
@@ -467,7 +466,7 @@ def carry_weights(program: Program, chosen: Choice, fits, room: int, sizes: dict
     candidates = []
     for spec in plan.packs:
         outs = swaps.get(spec.index, ((), ()))[1]
-        if plan.master_on.get(spec.index) != "disk" or not outs or not outs[-1].kwargs.get("handoff"):
+        if plan.at(spec.index).master_on != "disk" or not outs or not outs[-1].kwargs.get("handoff"):
             continue
         size = sum(sizes.get(("params", n), 0) for n in ops.carried_names(plan, spec.index))
         if size:
