@@ -98,9 +98,6 @@ def run(program: Program, ctx) -> PassResult:
     if cfg.optimizer_on not in PLACES:
         raise ConfigError(f"optimizer_on={cfg.optimizer_on!r}; choose one of {', '.join(PLACES)}")
     place, reason = step_place(cfg, lambda: everything_fits(program))
-    for n in program.schedule.nodes:
-        if n.op == "call_function" and n.target is ops.step:
-            n.kwargs = {**n.kwargs, "where": place}
     host = place == "host"
     budget = getattr(cfg, "host_memory_budget", None)
     disk, whole, need = place_state(program) if host else (set(), set(), {})
@@ -108,11 +105,8 @@ def run(program: Program, ctx) -> PassResult:
         raise ConfigError(f"packs {sorted(whole)} would keep their weights on disk, which data-parallel training does "
                           f"not support yet (their gradients are averaged on the device, then stepped from disk); "
                           f"raise host_memory_budget, or pass weights_on='host'")
-    _place(plan, place, disk, whole, need)
+    _place(program, place, disk, whole, need)
     in_memory = sorted(plan.packs_with("in_memory"))
-    for n in program.schedule.nodes:     # overlapped with the next backward (the swap pass may make it inline)
-        if n.op == "call_function" and n.target is ops.step and n.args[0] in whole:
-            n.kwargs = {**n.kwargs, "where": "disk", "overlap": True}
     # weights are read for the forward and the backward; under harmony the step takes the backward's
     # (runtime/diskparams.py)
     weight_reads = 2 if cfg.policy == "harmony" else 3
@@ -176,10 +170,29 @@ def run(program: Program, ctx) -> PassResult:
     return PassResult(program, report)
 
 
-def _place(plan, place: str, disk: set, whole: set, need: dict) -> None:
-    """Write where each pack steps and where its optimizer state and fp32 weights live into its residency record:
-    ``disk`` packs keep their optimizer state on disk, ``whole`` ones their weights too (``need``: its files)."""
-    for p, record in plan.residency.items():
+def _weights_on(cfg) -> str:
+    """Where host-stepped packs' fp32 weights may go: ``weights_on``, but never disk under mixed precision."""
+    weights_on = getattr(cfg, "weights_on", "auto")
+    if weights_on not in WEIGHTS:
+        raise ConfigError(f"weights_on={weights_on!r}; choose one of {', '.join(WEIGHTS)}")
+    if cfg.precision == "fp32":
+        return weights_on
+    if weights_on == "disk":             # the disk step does not yet cast weights and gradients
+        raise ConfigError(f"weights_on='disk' with precision={cfg.precision!r}: packs wholly on disk train in fp32 "
+                          f"only for now; use precision='fp32', or weights_on='host' with a host_memory_budget that "
+                          f"holds the fp32 weights")
+    return "host"
+
+
+def _place(program: Program, place: str, disk: set, whole: set, need: dict) -> None:
+    """Write where each pack steps and where its optimizer state and fp32 weights live into its residency record
+    and its ``step`` op: ``disk`` packs keep their optimizer state on disk, ``whole`` ones their weights too
+    (``need``: their files)."""
+    for n in program.schedule.nodes:     # a wholly-disk pack's step overlaps the next backward (swap may inline it)
+        if n.op == "call_function" and n.target is ops.step:
+            n.kwargs = {**n.kwargs, "where": place} if n.args[0] not in whole else \
+                {**n.kwargs, "where": "disk", "overlap": True}
+    for p, record in program.plan.residency.items():
         record.step_on = place
         record.optim_on = "disk" if p in disk | whole else place
         record.master_on = "disk" if p in whole else "host"
@@ -203,9 +216,8 @@ def place_state(program: Program) -> tuple[set[int], set[int], dict]:
     Raises ``BudgetError`` naming the smallest host budget if even every pack on disk does not fit.
     """
     from harmony.runtime.diskparams import groups_of
-    cfg, plan = program.config, program.plan
+    cfg, plan, gm = program.config, program.plan, program.gm
     budget = getattr(cfg, "host_memory_budget", None)
-    gm = program.gm
     sizes = {n: nbytes(t) for n, t in gm.named_parameters()}
     buffers = sum(nbytes(t) for t in gm.buffers())
     owned = {s.index: sum(sizes.get(n, 0) for n in s.owned) for s in plan.packs}
@@ -231,15 +243,7 @@ def place_state(program: Program) -> tuple[set[int], set[int], dict]:
         return dict(masters=masters, grads=grads, host_optim=host_optim, staging=int(staging),
                     planned=int(masters + grads + host_optim + staging))
 
-    weights_on = getattr(cfg, "weights_on", "auto")
-    if weights_on not in WEIGHTS:
-        raise ConfigError(f"weights_on={weights_on!r}; choose one of {', '.join(WEIGHTS)}")
-    if cfg.precision != "fp32":          # the disk step does not yet cast weights and gradients
-        if weights_on == "disk":
-            raise ConfigError(f"weights_on='disk' with precision={cfg.precision!r}: packs wholly on disk train in "
-                              f"fp32 only for now; use precision='fp32', or weights_on='host' with a "
-                              f"host_memory_budget that holds the fp32 weights")
-        weights_on = "host"
+    weights_on = _weights_on(cfg)
     packs = {p for p in optim if owned[p]}
     # the least the host can do with: usually everything on disk, but for a small model the files in
     # flight can outweigh what they replace

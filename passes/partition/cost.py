@@ -198,8 +198,14 @@ class PackCost:
                 saved = self.fill(rates, budget - max(needs))
         left = max(0.0, moved - saved)
         share = left / moved if moved else 0.0     # the traffic residency does not save
-        cfg, m = self.p.config, self.p.config.microbatches
         kept = self.kept_graphs(cuts, budget, max(own), needs[-1], saved)
+        seconds, backward = self.pack_seconds(cuts, share, kept, host)
+        return seconds + self.host_tail(cuts, backward, shares), left
+
+    def pack_seconds(self, cuts, share: float, kept: set, host: bool) -> tuple[float, list[float]]:
+        """(seconds of all packs, each pack's backward seconds): a pack takes the longer of its compute (with the
+        forward again where its graph is not ``kept``) and the ``share`` of its traffic residency leaves."""
+        cfg, m, last = self.p.config, self.p.config.microbatches, len(cuts) - 1
         seconds, backward = 0.0, []
         for i, (s, e) in enumerate(cuts):
             recompute = 0 if i == last or i in kept else 1
@@ -210,7 +216,7 @@ class PackCost:
             seconds += pack
             back = sum(u.fwd_flops * recompute + u.bwd_flops + (u.fwd_flops if i == last else 0) for u in us) * m
             backward.append(pack * back / flops if flops else pack)
-        return seconds + self.host_tail(cuts, backward, shares), left
+        return seconds, backward
 
     @staticmethod
     def fill(rates: list[tuple[float, float]], room: float) -> float:

@@ -110,22 +110,7 @@ def run(program: Program, ctx) -> PassResult:
     mixed = program.config.precision != "fp32"   # host steps update fp32 masters: compute copies come in afresh
     graphs = graph_candidates(program)
     if not mixed and ctx is None and memory_curve(program, check_residency=False).peak <= budget:
-        base = program.schedule
-
-        def fits_all(c: Choice):     # only graphs are candidates here
-            program.schedule = build(base, c.resident, c.stashed, {}, c.kept)
-            return memory_curve(program, check_residency=False)
-        chosen, rows = greedy(graphs, everything, fits_all, budget,
-                               lambda c, what: peak_bound(program, c, what, {}, sizes, set()))   # graphs only
-        fits_all(chosen)
-        program.swap_choice = chosen
-        report.rows = rows
-        report.notes.append("everything fits the budget: all state stays resident, no swap inserted"
-                            + (f"; {len(chosen.kept)} packs keep their forward's graph (no recompute)" if chosen.kept
-                               else ""))
-        report.totals = dict(resident_packs=len(plan.packs), swaps=0, stashes=0,
-                             recomputing_packs=len(plan.packs) - 1 - len(chosen.kept))
-        return PassResult(program, report)
+        return _all_resident(program, everything, graphs, sizes, report)
 
     # start from the least memory: every pack swapped, every activation handle stashed, every pack recomputed ...
     insert_swaps(program.schedule, set())
@@ -184,6 +169,33 @@ def run(program: Program, ctx) -> PassResult:
                          h2d_MiB=curve.moved["h2d"] / 2**20, d2h_MiB=curve.moved["d2h"] / 2**20,
                          seconds=time.perf_counter() - start)
     report.totals["chosen_by"] = how
+    _notes(report, program, chosen, graphs)
+    return PassResult(program, report)
+
+
+def _all_resident(program: Program, everything: Choice, graphs: list, sizes: dict, report: PassReport) -> PassResult:
+    """Everything fits the budget: nothing swaps, and the packs' forward graphs are kept where room allows."""
+    base, plan, budget = program.schedule, program.plan, program.config.usable_budget
+
+    def fits_all(c: Choice):     # only graphs are candidates here
+        program.schedule = build(base, c.resident, c.stashed, {}, c.kept)
+        return memory_curve(program, check_residency=False)
+    chosen, rows = greedy(graphs, everything, fits_all, budget,
+                          lambda c, what: peak_bound(program, c, what, {}, sizes, set()))   # graphs only
+    fits_all(chosen)
+    program.swap_choice = chosen
+    report.rows = rows
+    report.notes.append("everything fits the budget: all state stays resident, no swap inserted"
+                        + (f"; {len(chosen.kept)} packs keep their forward's graph (no recompute)" if chosen.kept
+                           else ""))
+    report.totals = dict(resident_packs=len(plan.packs), swaps=0, stashes=0,
+                         recomputing_packs=len(plan.packs) - 1 - len(chosen.kept))
+    return PassResult(program, report)
+
+
+def _notes(report: PassReport, program: Program, chosen: Choice, graphs: list) -> None:
+    """What the report says of a plan that swaps: why, and what of each kind it kept on the device."""
+    mixed = program.config.precision != "fp32"
     report.notes.append("forced by the budget: the state of all packs does not fit at once; started from "
                         "everything swapped and stashed, then kept on the device what saves most traffic per byte"
                         if not mixed else
@@ -208,6 +220,5 @@ def run(program: Program, ctx) -> PassResult:
     if graphs:
         report.notes.append("activations (no recompute): saves_per_byte is the recompute time saved, as bytes the "
                             "host link moves in that time, per byte held")
-    return PassResult(program, report)
 
 
