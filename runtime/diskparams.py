@@ -154,14 +154,14 @@ class DiskParams:
 
     @classmethod
     def create(cls, plan, graph, tensors: dict, optimizers: dict, meter, device,
-               offload_dir=None) -> "DiskParams | None":
+               offload_dir=None, **io) -> "DiskParams | None":
         """Write the weights of the packs ``plan.master_on`` places on disk to their files, leave placeholders."""
         from harmony.runtime.disk import DiskStore, step_order
         placed = getattr(plan, "master_on", {}) or {}
         groups = {p: g for p, g in (getattr(plan, "disk_groups", {}) or {}).items() if placed.get(p) == "disk"}
         if not groups:
             return None
-        self = cls(DiskStore(offload_dir), groups, tensors, optimizers, step_order(graph), meter, device,
+        self = cls(DiskStore(offload_dir, **io), groups, tensors, optimizers, step_order(graph), meter, device,
                    in_memory=getattr(plan, "disk_in_memory", None))
         releases = [n for n in graph.nodes if n.op == "call_function" and n.target.__name__ == "release"
                     and n.args[1] == "params"]
