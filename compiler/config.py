@@ -37,6 +37,7 @@ from harmony.runtime.compression import DEFAULT_MIN_SIZE
 from harmony.runtime.precision import PRECISIONS, SCALING_DEFAULTS, compute_dtype
 
 RECOMPUTE = ("auto", "always")
+DEFAULT_MEMORY_BUDGET = 1 << 30        # bytes per device when memory_budget is not given (and balance= is not)
 
 
 def _env(name: str):
@@ -250,8 +251,10 @@ class PlanConfig(_Group):
     (a baseline; CPU only)."""
     passes: Any = None
     """The passes to run, in order: names, or ``(name, choice)`` to hand a pass the choice its search would have
-    made. A bare string is one name. None: the whole pipeline (``compiler.passmanager.DEFAULT_PIPELINE``); a
-    pipeline cut short gives a module that can be inspected, not run."""
+    made (the partition's: the names of its packs' first nodes, ``passes.partition.first_nodes(sm.program)`` lists
+    where a pack can start; the swap pass's: a ``Choice``, ``sm.program.swap_choice``). A bare string is one name.
+    None: the whole pipeline (``compiler.passmanager.DEFAULT_PIPELINE``); a pipeline cut short gives a module that
+    can be inspected, not run."""
     leaf_modules: Any = ()
     """Module classes, class names or module paths the trace keeps as single opaque calls."""
     device: Any = "cpu"

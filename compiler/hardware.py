@@ -43,6 +43,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from harmony.base.env import env_default
 from harmony.base.errors import ConfigError
 from harmony.compiler import machine
 from harmony.runtime.plan import NOMINAL_NETWORK_BANDWIDTH, NOMINAL_NETWORK_LATENCY
@@ -448,7 +449,6 @@ PRESETS[_key("h200")] = PRESETS[_key("h200-sxm")]
 # -- the profile's cache ----------------------------------------------------------------------------
 def _cache_path(cache_dir=None) -> Path:
     """hardware.json in ``cache_dir``, else $HARMONY_CACHE_DIR (base/env.py), else the XDG cache directory."""
-    from harmony.base.env import env_default
     root = cache_dir or env_default("cache_dir") or \
         Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "harmony"
     return Path(root) / "hardware.json"

@@ -7,9 +7,9 @@ import torch
 
 from harmony.base.errors import BudgetError, ConfigError, HarmonyError, InputError
 from harmony.base.process import huge_pages, idle_threads_sleep, peak_rss_bytes
-from harmony.base.units import fmt_bytes, nbytes, parse_bytes
+from harmony.base.units import fmt_bytes, nbytes
 from harmony.compiler import cost
-from harmony.compiler.config import CompileConfig, Config
+from harmony.compiler.config import DEFAULT_MEMORY_BUDGET, CompileConfig, Config
 from harmony.compiler.ir import Program
 from harmony.compiler.passmanager import run_passes, split_choices
 from harmony.compiler.printer import schedule_code
@@ -90,7 +90,7 @@ def _resolve(options: Config, batch_size: int) -> CompileConfig:
     mixed = options.precision != "fp32"
     cfg = CompileConfig(**dict(
         options.items(), batch_size=batch_size, optimizer_kwargs=dict(kwargs or {}),
-        memory_budget=0 if balance else options.memory_budget or parse_bytes("1GiB"),
+        memory_budget=0 if balance else options.memory_budget or DEFAULT_MEMORY_BUDGET,
         optimizer_on="host" if mixed and options.optimizer_on == "auto" else options.optimizer_on,
         loss_scaling=options.scaling(), compression=spec, adaptive=adaptive,
         shard_state=balance if options.shard_state is None else options.shard_state,
@@ -360,9 +360,9 @@ class ScheduledModule(torch.nn.Module):
         if self.predicted is None:
             raise ConfigError("this module has no schedule to simulate; compile with the default passes")
         if hardware is None or isinstance(hardware, str):
+            cfg = self.program.config
             hardware = Hardware.preset(hardware) if hardware else \
-                Hardware.this_machine().logical([self.program.config.memory_budget],
-                                                [getattr(self.program.config, "speed_factor", 1.0)])
+                Hardware.this_machine(cache_dir=cfg.cache_dir).logical([cfg.memory_budget], [cfg.speed_factor])
         return simulate(self.graph, self.plan, hardware, device, memory=self.predicted,
                         sizes=state_sizes(self.program))
 
