@@ -32,10 +32,12 @@ import torch
 from harmony.base import env
 from harmony.base.errors import ConfigError
 from harmony.base.units import parse_bytes
-from harmony.compiler.hardware import NOMINAL
+from harmony.compiler.hardware import NOMINAL, Device, Hardware
 from harmony.runtime.compression import DEFAULT_MIN_SIZE
 from harmony.runtime.precision import PRECISIONS, SCALING_DEFAULTS, compute_dtype
 
+# the values a pass accepts stay in the pass (passes.offload.PLACES, passes.schedule.POLICIES, ...), imported when a
+# config is checked: the passes import compiler.ir, which imports this module
 RECOMPUTE = ("auto", "always")
 DEFAULT_MEMORY_BUDGET = 1 << 30        # bytes per device when memory_budget is not given (and balance= is not)
 
@@ -270,7 +272,6 @@ class PlanConfig(_Group):
 
     def __post_init__(self):
         super().__post_init__()
-        from harmony.compiler.hardware import Device, Hardware
         from harmony.passes.schedule import POLICIES
         _choice("policy", self.policy, POLICIES)
         try:
@@ -323,7 +324,6 @@ class Config(TrainConfig, MemoryConfig, DiskConfig, ParallelConfig, NumericsConf
             self._check_balance()
 
     def _check_balance(self) -> None:
-        from harmony.compiler.hardware import Hardware
         if self.precision != "fp32" or self.weights_on == "disk":
             raise ConfigError(f"balance= trains data-parallel, which runs in fp32 with weights on the host for now "
                               f"(got precision={self.precision!r}, weights_on={self.weights_on!r}); drop those or "
