@@ -43,6 +43,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from harmony.base.env import env_default
 from harmony.base.errors import ConfigError
 from harmony.compiler import machine
 from harmony.runtime.plan import NOMINAL_NETWORK_BANDWIDTH, NOMINAL_NETWORK_LATENCY
@@ -346,11 +347,12 @@ class Hardware:
         return hw
 
     @classmethod
-    def this_machine(cls, path=None) -> "Hardware":
-        """The cached profile of this machine if it still matches (cores and RAM), else ``detect()``."""
+    def this_machine(cls, path=None, cache_dir=None) -> "Hardware":
+        """The cached profile of this machine if it still matches (cores and RAM), else ``detect()``; ``cache_dir``:
+        where the profile is cached (``PlanConfig.cache_dir``; None: its default)."""
         detected = cls.detect(path)
         try:
-            raw = json.loads(_cache_path().read_text())
+            raw = json.loads(_cache_path(cache_dir).read_text())
             if raw.pop("profile_version", None) != PROFILE_VERSION:
                 return detected        # a profile that measured less than this one does
             cached = cls.from_dict(raw)
@@ -445,8 +447,8 @@ PRESETS[_key("h200")] = PRESETS[_key("h200-sxm")]
 
 
 # -- the profile's cache ----------------------------------------------------------------------------
-def _cache_path() -> Path:
-    """$HARMONY_CACHE_DIR/hardware.json, else the XDG cache directory."""
-    root = os.environ.get("HARMONY_CACHE_DIR") or \
+def _cache_path(cache_dir=None) -> Path:
+    """hardware.json in ``cache_dir``, else $HARMONY_CACHE_DIR (base/env.py), else the XDG cache directory."""
+    root = cache_dir or env_default("cache_dir") or \
         Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "harmony"
     return Path(root) / "hardware.json"

@@ -12,9 +12,19 @@ ask_idle_threads_to_sleep()   # before torch loads OpenMP, if it is still to com
 from harmony import errors  # noqa: E402
 from harmony.api import ScheduledModule, compile
 from harmony.checkpoint import load, save
+from harmony.compiler.config import (
+    Config,
+    DiskConfig,
+    MemoryConfig,
+    NumericsConfig,
+    ParallelConfig,
+    PlanConfig,
+    TrainConfig,
+)
 from harmony.compiler.hardware import Device, Hardware
 
-__all__ = ["compile", "ScheduledModule", "Hardware", "Device", "errors", "save", "load"]
+__all__ = ["compile", "ScheduledModule", "Config", "TrainConfig", "MemoryConfig", "DiskConfig", "ParallelConfig",
+           "NumericsConfig", "PlanConfig", "Hardware", "Device", "errors", "save", "load"]
 __version__ = "0.1.0"
 
 

@@ -1,203 +1,127 @@
 """``harmony.compile``: an ordinary ``nn.Module`` in, a ``ScheduledModule`` that trains it under a budget out."""
 from __future__ import annotations
 
-import os
 import time
 
 import torch
 
 from harmony.base.errors import BudgetError, ConfigError, HarmonyError, InputError
 from harmony.base.process import huge_pages, idle_threads_sleep, peak_rss_bytes
-from harmony.base.units import fmt_bytes, nbytes, parse_bytes
+from harmony.base.units import fmt_bytes, nbytes
 from harmony.compiler import cost
-from harmony.compiler.ir import CompileConfig, Program
-from harmony.compiler.passmanager import DEFAULT_PIPELINE, run_passes, split_choices
+from harmony.compiler.config import DEFAULT_MEMORY_BUDGET, CompileConfig, Config
+from harmony.compiler.ir import Program
+from harmony.compiler.passmanager import run_passes, split_choices
 from harmony.compiler.printer import schedule_code
 from harmony.compiler.trace import trace
 from harmony.compiler.verify import memory_curve
 from harmony.data import check_world
 from harmony.data import resolve as resolve_data_parallel
 from harmony.optim import optimizer_kwargs as optimizer_kwargs_for
-from harmony.passes.schedule import POLICIES
-from harmony.runtime.compression import DEFAULT_MIN_SIZE
+from harmony.passes.compress import parse_compression
 from harmony.runtime.executor import Runtime
 from harmony.runtime.ondemand import OnDemand
-from harmony.runtime.precision import PRECISIONS, SCALING_DEFAULTS
-
-RECOMPUTE = ("auto", "always")
 
 
-def compile(model: torch.nn.Module, example_batch, *, optimizer=torch.optim.AdamW, optimizer_kwargs=None,
-            memory_budget=None, microbatches: int = 1, policy: str = "harmony", loss_fn=None,
-            leaf_modules=(), passes=DEFAULT_PIPELINE, device="cpu", hardware=None,
-            optimizer_on="auto", host_memory_budget=None, offload_dir=None, weights_on="auto",
-            disk_group_bytes="32MiB", data_parallel=None, compression=None, min_size: int = DEFAULT_MIN_SIZE,
-            precision: str = "fp32", loss_scaling=None, balance=None, shard_state=None,
-            recompute: str = "auto") -> "ScheduledModule":
-    """Plan and build a training step for ``model`` that fits ``memory_budget`` per device (default 1 GiB).
+def compile(model: torch.nn.Module, example_batch, *, memory_budget=None, microbatches: int | None = None,
+            optimizer: type | None = None, config: Config | None = None, **options) -> "ScheduledModule":
+    """Plan and build a training step for ``model`` that fits ``memory_budget`` per device.
 
     >>> sm = harmony.compile(model, example_batch=(x, y), memory_budget="512MiB", microbatches=8)
     >>> loss = sm(x, y)          # forward, backward and optimizer update of one whole batch
 
-    ``optimizer_kwargs`` go to ``optimizer`` as given, but where they name neither ``fused`` nor
-    ``foreach`` and torch has a fused kernel for the optimizer on every device it steps on, Harmony
-    adds ``fused=True`` (AdamW on this CPU: 8x faster than torch's default loop, last bit may differ;
-    ``sm.optimizer_kwargs`` says what it used, ``fused=False`` keeps torch's default); not under the
-    ``ondemand`` policy, which fetches what each op touches and so needs the loop's op per parameter.
-    ``optimizer_on``: ``"host"`` steps the optimizer on host copies while the device runs the next
-    pack's backward (its state never touches the device), ``"device"`` brings the state to the
-    device, ``"auto"`` (default) chooses host when the training state does not fit the budget, except
-    for packs the swap pass finds room to keep wholly resident: those step on the device (fp32, one rank),
-    as do single parameters of the others where the room left is less than a whole pack's state.
-    ``hardware`` (a ``Hardware``, ``Device`` or preset name such as ``"a100-40gb"``) gives the
-    planner the device's FLOP/s and host-link bandwidth to weigh compute against traffic;
-    by default it plans for this machine's CPU. A device whose ``speed_factor`` is above 1
-    (``hw.logical(budgets, speed_factors)``) is EMULATED: the runtime stretches every compute
-    op to that many times its measured time.
-    ``recompute``: ``"auto"`` (default) lets a pack keep its forward's activations for its backward
-    where the budget has room for them, so its backward runs without recomputing the forward (the
-    swap pass weighs the compute saved against the traffic the same bytes could save);
-    ``"always"`` recomputes every pack but the last from its stashed inputs, the least memory
-    (the Harmony paper's schedule).
-    ``host_memory_budget`` (e.g. ``"4GiB"``; default no limit) bounds the host's share of training
-    state when the optimizer steps on the host: packs whose optimizer state does not fit keep it
-    on disk, in a private directory made under ``offload_dir`` (default the temp directory) and
-    removed by ``close()`` or at exit; if that is not enough, packs go to disk wholly, fp32
-    weights too (what lets a model whose weights exceed host memory train): such a pack's
-    weights are read from disk for its forward and backward, and it steps one file of at
-    most ``disk_group_bytes`` of weights at a time; whatever room the budget leaves then keeps the
-    files of the last-stepped packs in host memory, never written or read. ``weights_on`` (``"auto"``, ``"host"``,
-    ``"disk"``) overrides that choice for the fp32 weights of host-stepped packs.
-    ``data_parallel``: ``None`` (default) trains data-parallel when this process is one rank of
-    several (torchrun; the process group is initialised if it is not), ``True`` requires it,
-    ``False`` trains each process alone. Every rank compiles and runs the same plan on its own
-    batch (``example_batch`` is one rank's; ``harmony.data.shard`` cuts it), and each pack's
-    gradients are averaged across ranks right after its backward. ``compression``: ``None`` (fp32),
-    ``"fp16"``, ``"bf16"``, ``"4bit"`` (any of 1..8 bits), ``"adaptive"`` (bits per layer after a
-    warm-up) or a ``CompressionSpec``; tensors of dimension <= 1 or fewer than ``min_size``
-    elements stay uncompressed.
-    ``precision``: ``"fp32"`` (default: everything fp32), ``"bf16"`` or ``"fp16"``: the device holds
-    compute copies of the float parameters and buffers in that dtype, runs the packs on float batch
-    tensors cast to it (integer ones, such as token ids, are not cast) and accumulates gradients in it;
-    the optimizer steps fp32 master weights with fp32 gradients and fp32 state on the host (or disk),
-    as ZeRO-Offload does, so ``optimizer_on`` must be ``"auto"`` or ``"host"``. The loss returned is
-    fp32. ``loss_scaling`` (fp16 only): ``torch.amp.GradScaler``'s ``init_scale``, ``growth_factor``,
-    ``backoff_factor``, ``growth_interval`` (defaults 2**16, 2, 0.5, 2000); a step with an inf or nan
-    gradient is skipped and the scale backed off (``sm.loss_scale``).
+    ``example_batch``: one batch as the model's forward takes it (a tensor, a tuple or a dict of tensors whose
+    dimension 0 is the batch); ``sm`` then trains on batches of the same shapes. ``memory_budget``: bytes per
+    device, an int or a string such as ``"512MiB"`` (default 1 GiB). ``microbatches``: how many the batch is cut
+    into, a divisor of its size (default 1). ``optimizer``: a ``torch.optim.Optimizer`` class (default AdamW).
 
-
-
-    ``balance``: data parallelism over mismatched devices (Cephalo). ``hardware`` is then a
-    ``Hardware`` with one device per rank, ``example_batch`` the GLOBAL batch, and each rank
-    trains on its own share: ``"auto"`` (an integer program chooses every rank's microbatch
-    size and count, up to 16 microbatches; ``microbatches`` is not used), ``"uniform"`` (equal
-    shares, ``microbatches`` each), or one entry per rank, ``(microbatch size, microbatches)``
-    or a sample count (in ``microbatches`` microbatches). Each rank's memory budget is its
-    device's ``memory``, and a device's ``speed_factor`` > 1 makes the runtime EMULATE a slower
-    device. Gradients are weighted by each rank's share of the samples. ``sm(*global_batch)``
-    takes this rank's rows (it also accepts just those rows); ``sm.report()`` shows every rank's
-    choice. The balance is a planning step before the passes, not a pass: it sets what every
-    pass works with (the rank's batch, microbatches and budget), so it runs first:
-
-    >>> hw = Hardware.this_machine().logical([64 << 20, 128 << 20, 1 << 30], speed_factors=[1, 2, 4])
-    >>> sm = harmony.compile(model, (X, Y), hardware=hw, balance="auto")   # on each of 3 ranks
-    >>> loss = sm(X, Y)                                                    # this rank's rows of (X, Y)
-
-    ``shard_state``: with data parallelism, each parameter's optimizer state is kept, and the
-    parameter stepped, by one rank only, which then broadcasts the updated parameter (ZeRO stage 1;
-    runtime/shard.py): ``True`` in equal byte shares, or under ``balance`` in the shares its plan
-    chose (Cephalo's uneven shards); ``False`` replicates the state on every rank. Default: on
-    under ``balance``, off otherwise. Bitwise the same training as replicated state.
+    Every other option is a field of ``harmony.Config``, documented in its groups (harmony/compiler/config.py):
+    ``TrainConfig`` (optimizer_kwargs, loss_fn), ``MemoryConfig`` (host_memory_budget, optimizer_on, weights_on,
+    recompute), ``DiskConfig`` (offload_dir, ...), ``ParallelConfig`` (data_parallel, compression, balance,
+    shard_state, ...), ``NumericsConfig`` (precision, loss_scaling) and ``PlanConfig`` (policy, passes, device,
+    hardware, ...). Give them as keywords, ``harmony.compile(model, batch, precision="bf16")``, or as one object,
+    ``config=harmony.Config(precision="bf16")``; keywords given beside ``config`` replace its fields. A bad value
+    is a ``ConfigError`` naming it.
     """
     t0 = time.perf_counter()
-    device_type = _check_choices(policy, device, recompute)
+    given = dict(memory_budget=memory_budget, microbatches=microbatches, optimizer=optimizer)
+    options = Config.of(config, **{k: v for k, v in given.items() if v is not None}, **options)
     names, batch = _batch_items(example_batch)
-    batch_size = _batch_size(batch)
-    # torch's fused update where it has one and the caller did not choose (harmony/optim.py); not under
-    # ondemand, whose runtime fetches every tensor an op touches: one fused op touches a pack's whole state
-    if policy != "ondemand":
-        optimizer_kwargs = optimizer_kwargs_for(optimizer, optimizer_kwargs, ("cpu", device_type))
-    if balance is not None:
-        from harmony.balanced import check_balance
-        check_balance(precision, weights_on, data_parallel, memory_budget, hardware, microbatches)
-        data_parallel = True if data_parallel is None else data_parallel
-        shard_state = True if shard_state is None else shard_state
-    else:
-        memory_budget = "1GiB" if memory_budget is None else memory_budget
-        if not isinstance(microbatches, int) or microbatches < 1 or batch_size % microbatches:
-            raise ConfigError(f"microbatches={microbatches!r} must be a positive divisor of the batch size "
-                              f"{batch_size}; divisors: "
-                              f"{[d for d in range(1, batch_size + 1) if batch_size % d == 0]}")
-    if not (isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer)):
-        raise ConfigError(f"optimizer must be a torch.optim.Optimizer class, got {optimizer!r}")
-    optimizer_on, loss_scaling = _check_precision(precision, loss_scaling, optimizer_on, policy)
-    config = CompileConfig(memory_budget=0 if balance is not None else parse_bytes(memory_budget),
-                           microbatches=microbatches, batch_size=batch_size, policy=policy, optimizer=optimizer,
-                           optimizer_kwargs=dict(optimizer_kwargs or {}), optimizer_on=optimizer_on,
-                           host_memory_budget=None if host_memory_budget is None
-                           else parse_bytes(host_memory_budget, "host_memory_budget"),
-                           offload_dir=None if offload_dir is None else os.fspath(offload_dir),
-                           weights_on=weights_on, disk_group_bytes=parse_bytes(disk_group_bytes, "disk_group_bytes"),
-                           precision=precision, loss_scaling=loss_scaling, recompute=recompute,
-                           **resolve_data_parallel(data_parallel, compression, min_size))
-    if config.data_parallel and precision != "fp32":
-        raise ConfigError(f"precision={precision!r} is not supported with data-parallel training yet: the gradient "
-                          f"all-reduce expects fp32 gradients; use precision='fp32' or train one process")
-    if hardware is None and device_type == "cuda":   # plan for the GPU: its cached profile, else its datasheet
-        from harmony.compiler.hardware import Hardware
-        hardware = Hardware.this_machine()
-    gm = trace(model, dict(zip(names, batch)) if names else tuple(batch), loss_fn=loss_fn, leaf_modules=leaf_modules)
+    cfg = _resolve(options, _batch_size(batch))
+    gm = trace(model, dict(zip(names, batch)) if names else tuple(batch), loss_fn=cfg.loss_fn,
+               leaf_modules=cfg.leaf_modules)
     t_trace = time.perf_counter()
-    balanced = None
-    if balance is not None:      # this rank's share of the global batch, its device's memory and speed
-        from harmony.balanced import plan_this_rank
-        balanced = plan_this_rank(model, gm, batch, balance, config, hardware, sharded=bool(shard_state))
-        batch = balanced.batch
-    elif hardware is not None:
-        config.plan_for_device(_device_of(hardware), hardware)
-    if shard_state:
-        if not config.data_parallel or (config.world_size or 1) < 2:
-            raise ConfigError("shard_state=True splits optimizer state over data-parallel ranks, but this process "
-                              "trains alone: run it under torchrun with data_parallel=None or True, or drop "
-                              "shard_state")
-        shard_over_ranks(config, gm, balanced.shares if balanced else [1.0] * config.world_size)
-    _check_masters(gm, precision)
-    if device_type == "cuda":
-        _reserve_for_cuda(config, device)
+    balanced = _plan_rank(model, gm, batch, cfg)
+    batch = balanced.batch if balanced is not None else batch
     t_plan = time.perf_counter()
-    program = Program(model=model, gm=gm, example_batch=tuple(batch), config=config)
-    program.fake = cost.annotate(gm, tuple(batch), config.microbatch_size, dtype=config.compute_dtype)
-    program.optim_profile = cost.optimizer_profile(optimizer, config.optimizer_kwargs)
+    program = Program(model=model, gm=gm, example_batch=tuple(batch), config=cfg)
+    program.fake = cost.annotate(gm, tuple(batch), cfg.microbatch_size, dtype=cfg.compute_dtype)
+    program.optim_profile = cost.optimizer_profile(cfg.optimizer, cfg.optimizer_kwargs)
     t_cost = time.perf_counter()
-    program = _run_passes(program, passes)
+    program = _run_passes(program, cfg.passes)
     if balanced is not None:
         program.reports.insert(0, balanced.report)
         program.rows = balanced.rows
-    sm = ScheduledModule(program, device)
+    sm = ScheduledModule(program, cfg.device)
     if balanced is not None:
-        balanced.simulated(sm, hardware)
+        balanced.simulated(sm, cfg.hardware)
     sm.compile_seconds = dict(trace=t_trace - t0, **({"balance": t_plan - t_trace} if balanced else {}),
                               cost=t_cost - t_plan, passes=time.perf_counter() - t_cost,
                               total=time.perf_counter() - t0)
     return sm
 
 
-def _check_choices(policy, device, recompute) -> str:
-    """The device's type, once the choices among fixed options are valid."""
-    if policy not in POLICIES:
-        raise ConfigError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
-    try:
-        device_type = torch.device(device).type
-    except (RuntimeError, TypeError) as e:
-        raise ConfigError(f"device={device!r} is not a device torch knows ({str(e).split(':')[0]}); "
-                          f"use 'cpu', or 'cuda' / 'cuda:N' where a GPU exists") from None
-    if policy == "ondemand" and device_type != "cpu":
-        raise ConfigError(f"policy='ondemand' runs on the CPU device only for now: it moves state as each op touches "
-                          f"it, below autograd, which on a GPU records the host's device for the weights it brings in. "
-                          f"Use policy='harmony' or 'sequential' on {device!r}, or device='cpu'")
-    if recompute not in RECOMPUTE:
-        raise ConfigError(f"recompute={recompute!r}; choose one of {', '.join(map(repr, RECOMPUTE))}")
-    return device_type
+def _resolve(options: Config, batch_size: int) -> CompileConfig:
+    """``program.config``: the checked options resolved for this process -- its world, its optimizer's arguments,
+    the budget in bytes, where a mixed-precision step runs, the device the planner plans for."""
+    device_type = torch.device(options.device).type
+    balance = options.balance is not None
+    if not balance and batch_size % options.microbatches:
+        raise ConfigError(f"microbatches={options.microbatches!r} must be a positive divisor of the batch size "
+                          f"{batch_size}; divisors: {[d for d in range(1, batch_size + 1) if batch_size % d == 0]}")
+    kwargs = options.optimizer_kwargs
+    # torch's fused update where it has one and the caller did not choose (harmony/optim.py); not under
+    # ondemand, whose runtime fetches every tensor an op touches: one fused op touches a pack's whole state
+    if options.policy != "ondemand":
+        kwargs = optimizer_kwargs_for(options.optimizer, kwargs, ("cpu", device_type))
+    spec, adaptive = parse_compression(options.compression)
+    world = resolve_data_parallel(True if balance and options.data_parallel is None else options.data_parallel,
+                                  options.comm_timeout)
+    mixed = options.precision != "fp32"
+    cfg = CompileConfig(**dict(
+        options.items(), batch_size=batch_size, optimizer_kwargs=dict(kwargs or {}),
+        memory_budget=0 if balance else options.memory_budget or DEFAULT_MEMORY_BUDGET,
+        optimizer_on="host" if mixed and options.optimizer_on == "auto" else options.optimizer_on,
+        loss_scaling=options.scaling(), compression=spec, adaptive=adaptive,
+        shard_state=balance if options.shard_state is None else options.shard_state,
+        data_parallel=world["data_parallel"], world_size=world.get("world_size"), rank=world.get("rank", 0)))
+    if cfg.data_parallel and mixed:
+        raise ConfigError(f"precision={cfg.precision!r} is not supported with data-parallel training yet: the "
+                          f"gradient all-reduce expects fp32 gradients; use precision='fp32' or train one process")
+    if cfg.shard_state and (not cfg.data_parallel or (cfg.world_size or 1) < 2):
+        raise ConfigError("shard_state=True splits optimizer state over data-parallel ranks, but this process "
+                          "trains alone: run it under torchrun with data_parallel=None or True, or drop shard_state")
+    if cfg.hardware is None and device_type == "cuda":   # plan for the GPU: its cached profile, else its datasheet
+        from harmony.compiler.hardware import Hardware
+        cfg.hardware = Hardware.this_machine(cache_dir=cfg.cache_dir)
+    return cfg
+
+
+def _plan_rank(model, gm, batch, cfg: CompileConfig):
+    """Set ``cfg`` to what this rank plans for: its share of the batch under ``balance`` (returned), its device's
+    speed, its share of the optimizer state, the memory the device's libraries hold."""
+    balanced = None
+    if cfg.balance is not None:      # this rank's share of the global batch, its device's memory and speed
+        from harmony.balanced import plan_this_rank
+        balanced = plan_this_rank(model, gm, batch, cfg.balance, cfg, cfg.hardware, sharded=cfg.shard_state)
+    elif cfg.hardware is not None:
+        cfg.plan_for_device(_device_of(cfg.hardware), cfg.hardware)
+    if cfg.shard_state:
+        shard_over_ranks(cfg, gm, balanced.shares if balanced else [1.0] * cfg.world_size)
+    _check_masters(gm, cfg.precision)
+    if torch.device(cfg.device).type == "cuda":
+        _reserve_for_cuda(cfg, cfg.device)
+    return balanced
 
 
 def _batch_size(batch) -> int:
@@ -205,6 +129,9 @@ def _batch_size(batch) -> int:
     if not batch or len(sizes) != 1:
         raise InputError(f"example_batch must hold tensors whose dimension 0 is the batch and agrees; "
                          f"got batch sizes {sorted(sizes)}")
+    if 0 in sizes:
+        raise InputError("example_batch has 0 rows: give at least one sample (as many as one training step "
+                         "takes), with the shapes and dtypes the batches will have")
     return sizes.pop()
 
 
@@ -251,35 +178,6 @@ def _disk_stats(state) -> dict:
     return out
 
 
-def _check_precision(precision, loss_scaling, optimizer_on, policy):
-    """Validated (optimizer_on, loss scaling arguments) for ``precision``; mixed precision steps on the host."""
-    if precision not in PRECISIONS:
-        raise ConfigError(f"precision={precision!r}; choose one of {', '.join(map(repr, PRECISIONS))}")
-    if loss_scaling is not None and precision != "fp16":
-        raise ConfigError(f"loss_scaling is for precision='fp16' (got precision={precision!r}): bf16 has fp32's "
-                          f"exponent range and needs no scaling; drop loss_scaling or use fp16")
-    if precision == "fp32":
-        return optimizer_on, {}
-    if optimizer_on == "device":
-        raise ConfigError(f"precision={precision!r} with optimizer_on='device': mixed precision keeps the fp32 master "
-                          f"weights and optimizer state on the host and steps there, so the device never holds "
-                          f"them; use optimizer_on='host' (or 'auto'), or precision='fp32' to step on the device")
-    if policy == "ondemand":
-        raise ConfigError(f"precision={precision!r} needs a planned schedule; the ondemand baseline moves fp32 state "
-                          f"as ops touch it. Use policy='harmony' or 'sequential', or precision='fp32'")
-    scaling = dict(SCALING_DEFAULTS) if precision == "fp16" else {}
-    unknown = set(loss_scaling or {}) - set(SCALING_DEFAULTS)
-    if unknown:
-        raise ConfigError(f"loss_scaling has unknown keys {sorted(unknown)}; the keys are "
-                          f"{', '.join(SCALING_DEFAULTS)} (torch.amp.GradScaler's)")
-    scaling.update(loss_scaling or {})
-    if scaling and not (scaling["init_scale"] > 0 and scaling["growth_factor"] > 1 and 0 < scaling["backoff_factor"] < 1
-                        and int(scaling["growth_interval"]) >= 1):
-        raise ConfigError(f"loss_scaling={loss_scaling!r}: need init_scale > 0, growth_factor > 1, "
-                          f"0 < backoff_factor < 1 and growth_interval >= 1")
-    return ("host" if optimizer_on == "auto" else optimizer_on), scaling
-
-
 def _run_passes(program: Program, passes) -> Program:
     """``run_passes``; a rank that fails before the compress pass tells the others, which would wait for it there."""
     try:
@@ -298,11 +196,7 @@ def _device_of(hardware):
     from harmony.compiler.hardware import Device, Hardware
     if isinstance(hardware, str):
         return Device.preset(hardware)
-    if isinstance(hardware, Hardware):
-        return hardware.devices[0]
-    if isinstance(hardware, Device):
-        return hardware
-    raise ConfigError(f"hardware={hardware!r}: give a Hardware, a Device or a preset name such as 'a100-40gb'")
+    return hardware.devices[0] if isinstance(hardware, Hardware) else hardware
 
 
 def _batch_items(batch):
@@ -361,9 +255,11 @@ class ScheduledModule(torch.nn.Module):
                 from harmony.runtime.diskparams import DiskParams
                 state = self.runtime.state
                 try:
-                    state.disk = DiskTier.create(plan, program.schedule, tensors, optimizers, cfg.offload_dir)
+                    state.disk = DiskTier.create(plan, program.schedule, tensors, optimizers, cfg.offload_dir,
+                                                 **cfg.disk_io())
                     state.params_disk = DiskParams.create(plan, program.schedule, tensors, optimizers,
-                                                          self.runtime.meter, device, cfg.offload_dir)
+                                                          self.runtime.meter, device, cfg.offload_dir,
+                                                          **cfg.disk_io())
                     if state.params_disk is not None:   # the weights are in their files: no host copy stays
                         state.params_disk.parked = state.parked
                         for n in state.params_disk.pack_of:
@@ -463,9 +359,9 @@ class ScheduledModule(torch.nn.Module):
         if self.predicted is None:
             raise ConfigError("this module has no schedule to simulate; compile with the default passes")
         if hardware is None or isinstance(hardware, str):
+            cfg = self.program.config
             hardware = Hardware.preset(hardware) if hardware else \
-                Hardware.this_machine().logical([self.program.config.memory_budget],
-                                                [getattr(self.program.config, "speed_factor", 1.0)])
+                Hardware.this_machine(cache_dir=cfg.cache_dir).logical([cfg.memory_budget], [cfg.speed_factor])
         return simulate(self.graph, self.plan, hardware, device, memory=self.predicted,
                         sizes=state_sizes(self.program))
 

@@ -18,25 +18,6 @@ from harmony.compiler import cost
 from harmony.compiler.ir import CompileConfig, PassReport, Program
 
 
-def check_balance(precision, weights_on, data_parallel, memory_budget, hardware, microbatches) -> None:
-    """The arguments ``balance=`` cannot take, refused before anything is traced."""
-    from harmony.compiler.hardware import Hardware
-    if precision != "fp32" or weights_on == "disk":
-        raise ConfigError(f"balance= trains data-parallel, which runs in fp32 with weights on the host for now "
-                          f"(got precision={precision!r}, weights_on={weights_on!r}); drop those or balance=")
-    if data_parallel is False:
-        raise ConfigError("balance= splits a global batch over data-parallel ranks: it needs data_parallel=None "
-                          "or True under torchrun, not False")
-    if memory_budget is not None:
-        raise ConfigError("with balance=, each rank's memory budget is its device's memory in hardware=: leave "
-                          "memory_budget unset and give Hardware(devices=[...]) (hw.logical(budgets) on the CPU)")
-    if not isinstance(hardware, Hardware):
-        raise ConfigError(f"balance= needs hardware=Hardware(devices=[one per rank]) (on the CPU: "
-                          f"Hardware.this_machine().logical(budgets, speed_factors)), got {hardware!r}")
-    if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
-        raise ConfigError(f"microbatches={microbatches!r} must be a positive integer")
-
-
 @dataclass
 class Balanced:
     """This rank's part of a balanced plan: its rows of the global batch and what the report says of it."""

@@ -15,7 +15,6 @@ import os
 import torch
 
 from harmony.base.errors import ConfigError, InputError
-from harmony.runtime.compression import DEFAULT_MIN_SIZE
 
 
 def _dist():
@@ -41,37 +40,28 @@ def current_world() -> int:
     return _dist().get_world_size() if initialized() else 1
 
 
-def resolve(data_parallel=None, compression=None, min_size: int = DEFAULT_MIN_SIZE) -> dict:
-    """The ``CompileConfig`` fields for ``harmony.compile(data_parallel=..., compression=..., min_size=...)``.
+def resolve(data_parallel=None, comm_timeout: float = 300.0) -> dict:
+    """The ``CompileConfig`` fields of the world this process trains in, for ``data_parallel=`` (``ParallelConfig``).
 
     ``None``: data parallel when this process is one of several -- a process group is initialised
     with more than one rank, or torchrun's ``WORLD_SIZE`` > 1 (then the group is initialised here,
-    gloo on the CPU, nccl with CUDA, timeout ``HARMONY_COMM_TIMEOUT`` seconds, default 300).
+    gloo on the CPU, nccl with CUDA, timeout ``comm_timeout`` seconds: ``HARMONY_COMM_TIMEOUT``).
     ``True``: the same, but one process is an error. ``False``: each rank trains on its own.
     """
-    from harmony.passes.compress import parse_compression
-
-    spec, adaptive = parse_compression(compression)     # bad values fail even when there is one rank
-    if isinstance(min_size, bool) or not isinstance(min_size, int) or min_size < 0:
-        raise ConfigError(f"min_size={min_size!r}: give the number of elements below which a tensor travels "
-                          f"uncompressed (an integer >= 0; CGX uses 16)")
-    if data_parallel not in (None, True, False):
-        raise ConfigError(f"data_parallel={data_parallel!r}: use None (from the torchrun environment), True or False")
-    fields = dict(compression=spec, adaptive=adaptive, min_size=min_size)
     if data_parallel is False:
-        return dict(fields, data_parallel=False, world_size=None)
+        return dict(data_parallel=False, world_size=None)
     if not initialized() and int(os.environ.get("WORLD_SIZE", 1)) > 1:
         from harmony.runtime.collectives import init_process_group
         missing = [v for v in ("MASTER_ADDR", "MASTER_PORT", "RANK") if v not in os.environ]
         if missing:
             raise ConfigError(f"WORLD_SIZE={os.environ['WORLD_SIZE']} but {', '.join(missing)} not set: launch "
                               f"with torchrun, or call torch.distributed.init_process_group before compile")
-        init_process_group(timeout=float(os.environ.get("HARMONY_COMM_TIMEOUT", 300)))
+        init_process_group(timeout=comm_timeout)
     world = current_world()
     if data_parallel is True and not initialized():
         raise ConfigError("data_parallel=True needs several processes: launch with `torchrun --nproc_per_node N "
                           "train.py` or call torch.distributed.init_process_group before harmony.compile")
-    return dict(fields, data_parallel=world > 1, world_size=world, rank=rank_and_world()[0] if world > 1 else 0)
+    return dict(data_parallel=world > 1, world_size=world, rank=rank_and_world()[0] if world > 1 else 0)
 
 
 def check_world(config, capabilities=()) -> None:

@@ -60,22 +60,14 @@ from pathlib import Path
 
 import torch
 
+from harmony.base.env import env_default
 from harmony.base.errors import OffloadError
 from harmony.base.process import pid_alive, started_pool
 from harmony.base.units import fmt_bytes
-from harmony.runtime.iobuffers import ALIGN, KEEP_FREE, Buffers, align_up
+from harmony.runtime.iobuffers import ALIGN, Buffers, align_up
 
 SLOT = 64                      # tensors of a pack start at multiples of this within its range
 CHUNK = 16 << 20               # bytes per pwrite/preadv call
-# concurrent preadv calls per file read: a shared or cloud disk serves reads faster with more of them in
-# flight (this project's machine did, with reads beside a write most of all); writes gained nothing, so
-# stay at one
-try:
-    READ_DEPTH = max(1, int(os.environ.get("HARMONY_READ_DEPTH", "").strip() or 4))
-except ValueError:
-    raise ValueError(f"HARMONY_READ_DEPTH={os.environ['HARMONY_READ_DEPTH']!r} is not a whole number: set it to the "
-                     f"preadv calls a disk read may have in flight (1 to turn concurrent reads off), or unset it") \
-        from None
 PREFIX = "harmony-offload-"
 O_DIRECT = getattr(os, "O_DIRECT", 0)
 
@@ -136,9 +128,13 @@ class DiskStore:
     ``dir``: where to make the private directory (``offload_dir``; default the system's
     temp directory). ``direct``: None probes the file system for ``O_DIRECT``, False
     forces buffered I/O (so does ``HARMONY_DIRECT_IO=0``), True requires direct I/O.
+    ``read_depth``: concurrent ``preadv`` calls per file read (a shared or cloud disk serves reads faster with
+    more in flight; writes gained nothing, so they stay at one); ``keep_free``: ``Buffers``' ``keep``. Each
+    is ``DiskConfig``'s field of that name; None takes the field's default (its environment variable's).
     """
 
-    def __init__(self, dir=None, *, direct: bool | None = None, workers: int = 2):
+    def __init__(self, dir=None, *, direct: bool | None = None, workers: int = 2, read_depth: int | None = None,
+                 keep_free: int | None = None):
         parent = Path(os.path.abspath(os.fspath(dir))) if dir is not None else Path(tempfile.gettempdir())
         try:
             parent.mkdir(parents=True, exist_ok=True)
@@ -150,18 +146,18 @@ class DiskStore:
         # started here, at this thread's priority, not later by the idle-priority host thread
         self.pool = started_pool(workers, "harmony-disk")
         # the further ranges of reads under way (each worker reads the first range of its own)
-        self.read_depth = READ_DEPTH
-        self._spans = started_pool(workers * max(1, READ_DEPTH - 1), "harmony-disk-read")
-        self.buffers = Buffers(KEEP_FREE)         # the memory behind the aligned buffers, reused
+        self.read_depth = env_default("read_depth") if read_depth is None else read_depth
+        self._spans = started_pool(workers * max(1, self.read_depth - 1), "harmony-disk-read")
+        keep = env_default("keep_free") if keep_free is None else keep_free
+        self.buffers = Buffers(keep)              # the memory behind the aligned buffers, reused
         self._finalizer = weakref.finalize(self, _cleanup, str(self.path), self.pool, self._spans, self.buffers)
         self._lock = threading.Lock()
         self._writes: dict[int, Future] = {}      # pack -> its write under way (a read of the pack waits for it)
         self.counters = dict(read_bytes=0, read_seconds=0.0, write_bytes=0, write_seconds=0.0, direct_ops=0,
                              read_issued=0, write_issued=0,
                              buffered_ops=0)
-        env = os.environ.get("HARMONY_DIRECT_IO", "").strip().lower()
-        if direct is None and env in ("0", "false", "no", "off"):
-            direct = False
+        if direct is None:
+            direct = env_default("direct_io")
         if direct is False:
             self.direct, self.why = False, "buffered I/O forced (direct=False or HARMONY_DIRECT_IO=0)"
         else:
@@ -594,13 +590,13 @@ class DiskTier:
         self._last = dict(store.stats(), wait_seconds=0.0, on_demand=0)
 
     @classmethod
-    def create(cls, plan, graph, tensors: dict, optimizers: dict, offload_dir=None) -> "DiskTier | None":
+    def create(cls, plan, graph, tensors: dict, optimizers: dict, offload_dir=None, **io) -> "DiskTier | None":
         """The tier of the packs whose optimizer state ``plan.residency`` places on disk, or None if there are none."""
         packs = {s.index: [n for n in s.stepped if n in optimizers] for s in plan.packs   # packs wholly on disk
                  if plan.at(s.index).optim_on == "disk" and plan.at(s.index).master_on != "disk"}   # have their own
         if not packs:
             return None
-        return cls(DiskStore(offload_dir), packs, tensors, optimizers, step_order(graph))
+        return cls(DiskStore(offload_dir, **io), packs, tensors, optimizers, step_order(graph))
 
     def holds(self, pack: int) -> bool:
         return pack in self.names

@@ -154,13 +154,13 @@ class DiskParams:
 
     @classmethod
     def create(cls, plan, graph, tensors: dict, optimizers: dict, meter, device,
-               offload_dir=None) -> "DiskParams | None":
+               offload_dir=None, **io) -> "DiskParams | None":
         """Write the weights of the packs ``plan.residency`` places on disk to their files, leave placeholders."""
         from harmony.runtime.disk import DiskStore, step_order
         records = {p: r for p, r in plan.residency.items() if r.master_on == "disk" and r.disk_groups}
         if not records:
             return None
-        self = cls(DiskStore(offload_dir), {p: r.disk_groups for p, r in records.items()}, tensors, optimizers,
+        self = cls(DiskStore(offload_dir, **io), {p: r.disk_groups for p, r in records.items()}, tensors, optimizers,
                    step_order(graph), meter, device,
                    in_memory={p: list(r.in_memory) for p, r in records.items() if r.in_memory})
         releases = [n for n in graph.nodes if n.op == "call_function" and n.target.__name__ == "release"

@@ -7,7 +7,6 @@ tier (``runtime/disk.py``) takes them from one ``Buffers`` per store.
 from __future__ import annotations
 
 import mmap
-import os
 import threading
 import weakref
 
@@ -23,11 +22,6 @@ def align_up(n: int, to: int = ALIGN) -> int:
 
 HUGE_FROM = 4 << 20            # buffers from this size are aligned and advised for (2 MiB) huge pages
 HUGE = 2 << 20
-# free buffer bytes a store keeps for reuse (Buffers); unset: what keeps the mapped bytes within the peak in use
-try:
-    KEEP_FREE = int(os.environ["HARMONY_KEEP_FREE"]) if os.environ.get("HARMONY_KEEP_FREE", "").strip() else None
-except ValueError:
-    raise ValueError("HARMONY_KEEP_FREE must be a whole number of bytes (or unset)") from None
 
 
 class Buffers:

@@ -256,7 +256,7 @@ def test_auto_places_weights_on_disk_only_when_the_host_cannot_hold_them():
 
 
 def test_bad_choices_are_clear_errors():
-    with pytest.raises(ConfigError, match="weights_on='cloud'; choose one of auto, host, disk"):
+    with pytest.raises(ConfigError, match="weights_on='cloud'; choose one of 'auto', 'host', 'disk'"):
         compile_gpt(weights_on="cloud", passes=("partition", "schedule", "offload"))
     with pytest.raises(BudgetError, match="weights_on='auto' to let weights go to disk"):
         compile_gpt(weights_on="host", host_memory_budget=4096, passes=("partition", "schedule", "offload"))

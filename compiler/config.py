@@ -1,0 +1,424 @@
+"""What ``harmony.compile`` can be told, in documented groups, each checked where it is defined.
+
+>>> cfg = harmony.Config(memory_budget="2GiB", microbatches=8, optimizer_on="host", precision="bf16")
+>>> sm = harmony.compile(model, (x, y), config=cfg)          # the same as passing those fields as keywords
+
+``Config`` is every option: the fields of ``TrainConfig``, ``MemoryConfig``, ``DiskConfig``,
+``ParallelConfig``, ``NumericsConfig`` and ``PlanConfig`` together. Each group checks its own fields
+in its ``__post_init__`` (a ``ConfigError`` naming the field and the values it takes) and turns sizes
+such as ``"512MiB"`` into bytes; ``Config`` then checks the options that constrain each other. A group
+can be made on its own to check its fields; ``compile`` takes a whole ``Config`` or its fields by keyword.
+
+Fields marked *env* take their default from a ``HARMONY_*`` environment variable when it is set
+(base/env.py): the field given explicitly wins, and a bad value is a ``ConfigError`` naming the variable.
+
+``CompileConfig`` is what the passes and the runtime read (``program.config``): the same fields as
+compile resolved them for this process (the budget in bytes, ``data_parallel`` a bool, ``compression`` a
+``CompressionSpec``, ``shard_state`` a bool), and what the planner knows of the batch, the ranks and the
+device.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import torch
+
+from harmony.base import env
+from harmony.base.errors import ConfigError
+from harmony.base.units import parse_bytes
+from harmony.compiler.hardware import NOMINAL, Device, Hardware
+from harmony.runtime.compression import DEFAULT_MIN_SIZE
+from harmony.runtime.precision import PRECISIONS, SCALING_DEFAULTS, compute_dtype
+
+# the values a pass accepts stay in the pass (passes.offload.PLACES, passes.schedule.POLICIES, ...), imported when a
+# config is checked: the passes import compiler.ir, which imports this module
+RECOMPUTE = ("auto", "always")
+DEFAULT_MEMORY_BUDGET = 1 << 30        # bytes per device when memory_budget is not given (and balance= is not)
+
+
+def _env(name: str):
+    return field(default_factory=partial(env.env_default, name))
+
+
+def _choice(name: str, value, choices) -> None:
+    if value not in choices:
+        raise ConfigError(f"unknown {name}: {name}={value!r}; choose one of {', '.join(map(repr, choices))}")
+
+
+def _count(name: str, value, what: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{name}={value!r} must be a positive integer: {what}")
+
+
+class _Group:
+    """The end of the chain of ``__post_init__`` checks: every group checks its fields, then calls the next."""
+
+    def __post_init__(self):
+        pass
+
+
+@dataclass(kw_only=True)
+class TrainConfig(_Group):
+    """What one training step does."""
+
+    microbatches: int = 1
+    """Microbatches the batch is cut into; a divisor of the batch size. Activations of one microbatch are live at
+    a time; each pack runs every microbatch before the next pack (the Harmony paper's grouping)."""
+    optimizer: type = torch.optim.AdamW
+    """A ``torch.optim.Optimizer`` class; one instance per pack (per file for a pack wholly on disk)."""
+    optimizer_kwargs: dict | None = None
+    """Arguments of ``optimizer``, as given; where they name neither ``fused`` nor ``foreach`` and torch has a
+    fused kernel for every device the optimizer steps on, Harmony adds ``fused=True`` (not under the ``ondemand``
+    policy); ``sm.optimizer_kwargs`` says what it used, ``fused=False`` keeps torch's default loop."""
+    loss_fn: Any = None
+    """``loss_fn(output, *batch)`` -> scalar loss when the model's forward returns an output, not a loss."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        _count("microbatches", self.microbatches, "how many microbatches the batch is cut into")
+        if not (isinstance(self.optimizer, type) and issubclass(self.optimizer, torch.optim.Optimizer)):
+            raise ConfigError(f"optimizer must be a torch.optim.Optimizer class, got {self.optimizer!r}")
+        if self.optimizer_kwargs is not None and not isinstance(self.optimizer_kwargs, Mapping):
+            raise ConfigError(f"optimizer_kwargs={self.optimizer_kwargs!r}: give a dict of the optimizer's arguments")
+        self.optimizer_kwargs = dict(self.optimizer_kwargs or {})
+        if self.loss_fn is not None and not callable(self.loss_fn):
+            raise ConfigError(f"loss_fn={self.loss_fn!r} is not callable: give loss_fn(output, *batch) -> loss")
+
+
+@dataclass(kw_only=True)
+class MemoryConfig(_Group):
+    """Where training state lives between uses, and what the planner may spend to fit the budget."""
+
+    memory_budget: int | str | None = None
+    """Bytes per device: an int, or a string such as ``"512MiB"``. None: 1 GiB; under ``balance=``, each device's
+    ``memory`` in ``hardware=``."""
+    host_memory_budget: int | str | None = None
+    """Bytes of host memory for training state when the optimizer steps on the host; None: no limit. Packs whose
+    optimizer state does not fit keep it on disk (``DiskConfig``); if that is not enough, packs go to disk wholly,
+    fp32 weights too (what lets a model whose weights exceed host memory train)."""
+    optimizer_on: str = "auto"
+    """``"host"`` steps the optimizer on host copies while the device runs the next pack's backward (its state never
+    touches the device); ``"device"`` brings the state to the device; ``"auto"`` steps on the host when the training
+    state does not fit the budget, except packs the swap pass finds room to keep wholly resident (fp32, one rank)."""
+    weights_on: str = "auto"
+    """Where a host-stepped pack's fp32 weights live between uses: ``"auto"`` (the host, or disk when the host budget
+    forces it), ``"host"`` or ``"disk"``."""
+    recompute: str = "auto"
+    """``"auto"``: a pack keeps its forward's activations for its backward where the budget has room (the swap pass
+    weighs the compute saved against the traffic the same bytes could save); ``"always"``: every pack but the last
+    recomputes its forward from its stashed inputs, the least memory (the Harmony paper's schedule)."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        from harmony.passes.offload import PLACES, WEIGHTS
+        if self.memory_budget is not None:
+            self.memory_budget = parse_bytes(self.memory_budget, "memory_budget")
+        if self.host_memory_budget is not None:
+            self.host_memory_budget = parse_bytes(self.host_memory_budget, "host_memory_budget")
+        _choice("optimizer_on", self.optimizer_on, PLACES)
+        _choice("weights_on", self.weights_on, WEIGHTS)
+        _choice("recompute", self.recompute, RECOMPUTE)
+
+
+@dataclass(kw_only=True)
+class DiskConfig(_Group):
+    """The disk tier: files of training state in a private directory, removed by ``sm.close()`` or at exit."""
+
+    offload_dir: str | os.PathLike | None = None
+    """Where the disk tier makes its private directory; None: the system's temp directory."""
+    disk_group_bytes: int | str = "32MiB"
+    """Weights per file of a pack wholly on disk; such a pack steps one file at a time."""
+    direct_io: bool | None = _env("direct_io")
+    """*env* ``HARMONY_DIRECT_IO``. None: direct I/O where the file system takes it (probed once), buffered
+    elsewhere; False: buffered; True: direct, or an error."""
+    read_depth: int = _env("read_depth")
+    """*env* ``HARMONY_READ_DEPTH``. Concurrent ``preadv`` calls of one file read (default 4; 1: one at a time)."""
+    keep_free: int | None = _env("keep_free")
+    """*env* ``HARMONY_KEEP_FREE``. Free I/O buffer bytes a store keeps for reuse; None: what keeps the buffers
+    mapped within the most ever in use at once."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.offload_dir is not None:
+            if not isinstance(self.offload_dir, (str, os.PathLike)):
+                raise ConfigError(f"offload_dir={self.offload_dir!r}: give a directory path, or None for the temp "
+                                  f"directory")
+            self.offload_dir = os.fspath(self.offload_dir)
+        self.disk_group_bytes = parse_bytes(self.disk_group_bytes, "disk_group_bytes")
+        for name in ("direct_io", "read_depth", "keep_free"):
+            setattr(self, name, env.check(name, getattr(self, name)))
+
+    def disk_io(self) -> dict:
+        """The disk store's I/O settings, as ``runtime.disk.DiskStore`` takes them."""
+        return dict(direct=self.direct_io, read_depth=self.read_depth, keep_free=self.keep_free)
+
+
+@dataclass(kw_only=True)
+class ParallelConfig(_Group):
+    """Several processes (torchrun): data parallelism, its compressed all-reduce, uneven shares, sharded state."""
+
+    data_parallel: bool | None = None
+    """None: data parallel when this process is one rank of several (torchrun; the process group is initialised if
+    it is not); True: requires it; False: each process trains alone. Every rank runs the same plan on its own
+    batch (``harmony.data.shard`` cuts it) and each pack's gradients are averaged right after its backward."""
+    compression: Any = None
+    """The gradient all-reduce's compression (CGX): None (fp32), ``"fp16"``, ``"bf16"``, ``"4bit"`` (any of 1..8
+    bits), ``"adaptive"`` (bits per layer after a warm-up) or a ``runtime.compression.CompressionSpec``."""
+    min_size: int = DEFAULT_MIN_SIZE
+    """Tensors with fewer elements than this (or of dimension <= 1) travel uncompressed."""
+    balance: Any = None
+    """Data parallelism over mismatched devices (Cephalo): ``hardware`` is a ``Hardware`` with one device per rank,
+    ``example_batch`` the global batch. ``"auto"``: an integer program chooses each rank's microbatch size and
+    count; ``"uniform"``: equal shares of ``microbatches`` each; or one entry per rank, ``(microbatch size,
+    microbatches)`` or a sample count. Each rank's budget is its device's ``memory``; a ``speed_factor`` > 1
+    makes the runtime emulate a slower device. ``sm(*global_batch)`` takes this rank's rows."""
+    shard_state: bool | None = None
+    """True: each parameter's optimizer state is kept, and the parameter stepped, by one rank, which broadcasts it
+    (ZeRO stage 1; runtime/shard.py), in equal byte shares or under ``balance`` the shares its plan chose; False:
+    every rank keeps all of it. None: True under ``balance``, False otherwise. Bitwise the same training."""
+    comm_timeout: float = _env("comm_timeout")
+    """*env* ``HARMONY_COMM_TIMEOUT``. Seconds a collective waits for its peers, also when compile initialises the
+    process group (default 300)."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        from harmony.passes.compress import parse_compression
+        parse_compression(self.compression)      # a bad value fails even when there is one rank
+        if isinstance(self.min_size, bool) or not isinstance(self.min_size, int) or self.min_size < 0:
+            raise ConfigError(f"min_size={self.min_size!r}: give the number of elements below which a tensor travels "
+                              f"uncompressed (an integer >= 0; CGX uses 16)")
+        for name in ("data_parallel", "shard_state"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, bool):
+                raise ConfigError(f"{name}={value!r}: use None (the default), True or False")
+        spec = self.balance
+        if not (spec is None or spec in ("auto", "uniform") or (isinstance(spec, (list, tuple)) and spec)):
+            raise ConfigError(f"balance={spec!r}: use 'auto', 'uniform', or one entry per rank ((microbatch size, "
+                              f"microbatches) or a sample count)")
+        self.comm_timeout = env.check("comm_timeout", self.comm_timeout)
+
+
+@dataclass(kw_only=True)
+class NumericsConfig(_Group):
+    """The dtypes of the device's copies and of the loss scale."""
+
+    precision: str = "fp32"
+    """``"fp32"``: everything fp32. ``"bf16"`` / ``"fp16"``: the device holds compute copies of the float parameters
+    and buffers in that dtype, runs the packs on float batch tensors cast to it (integer ones, such as token ids,
+    are not) and accumulates gradients in it; the optimizer steps fp32 master weights with fp32 gradients and
+    state on the host (or disk), as ZeRO-Offload does. The loss returned is fp32."""
+    loss_scaling: dict | None = None
+    """fp16 only: ``torch.amp.GradScaler``'s ``init_scale``, ``growth_factor``, ``backoff_factor``,
+    ``growth_interval`` (defaults 2**16, 2, 0.5, 2000); a step with an inf or nan gradient is skipped and the scale
+    backed off (``sm.loss_scale``)."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        _choice("precision", self.precision, tuple(PRECISIONS))
+        if self.loss_scaling is None:
+            return
+        if self.precision != "fp16":
+            raise ConfigError(f"loss_scaling is for precision='fp16' (got precision={self.precision!r}): bf16 has "
+                              f"fp32's exponent range and needs no scaling; drop loss_scaling or use fp16")
+        if not isinstance(self.loss_scaling, Mapping):
+            raise ConfigError(f"loss_scaling={self.loss_scaling!r}: give a dict of torch.amp.GradScaler's arguments")
+        unknown = set(self.loss_scaling) - set(SCALING_DEFAULTS)
+        if unknown:
+            raise ConfigError(f"loss_scaling has unknown keys {sorted(unknown)}; the keys are "
+                              f"{', '.join(SCALING_DEFAULTS)} (torch.amp.GradScaler's)")
+        s = {**SCALING_DEFAULTS, **self.loss_scaling}
+        if not (s["init_scale"] > 0 and s["growth_factor"] > 1 and 0 < s["backoff_factor"] < 1
+                and int(s["growth_interval"]) >= 1):
+            raise ConfigError(f"loss_scaling={self.loss_scaling!r}: need init_scale > 0, growth_factor > 1, "
+                              f"0 < backoff_factor < 1 and growth_interval >= 1")
+
+    def scaling(self) -> dict:
+        """The loss scaler's arguments (fp16: GradScaler's defaults updated by ``loss_scaling``); {} without one."""
+        return {**SCALING_DEFAULTS, **(self.loss_scaling or {})} if self.precision == "fp16" else {}
+
+
+@dataclass(kw_only=True)
+class PlanConfig(_Group):
+    """How the model is traced and planned, and for which device."""
+
+    policy: str = "harmony"
+    """``"harmony"``: packs of layers, each swapped in once for all microbatches; ``"sequential"``: every
+    microbatch through the whole model in turn; ``"ondemand"``: no plan, each tensor fetched as an op touches it
+    (a baseline; CPU only)."""
+    passes: Any = None
+    """The passes to run, in order: names, or ``(name, choice)`` to hand a pass the choice its search would have
+    made (the partition's: the names of its packs' first nodes, ``passes.partition.first_nodes(sm.program)`` lists
+    where a pack can start; the swap pass's: a ``Choice``, ``sm.program.swap_choice``). A bare string is one name.
+    None: the whole pipeline (``compiler.passmanager.DEFAULT_PIPELINE``); a pipeline cut short gives a module that
+    can be inspected, not run."""
+    leaf_modules: Any = ()
+    """Module classes, class names or module paths the trace keeps as single opaque calls."""
+    device: Any = "cpu"
+    """Where the step runs: ``"cpu"`` (a logical device whose memory the runtime accounts and enforces), or
+    ``"cuda"`` / ``"cuda:N"``."""
+    hardware: Any = None
+    """A ``Hardware``, ``Device`` or preset name such as ``"a100-40gb"``: the FLOP/s and host link the planner weighs
+    compute against traffic with. None: this machine (its cached profile on CUDA). A device whose ``speed_factor``
+    is above 1 (``hw.logical(budgets, speed_factors)``) is emulated: the runtime stretches every compute op."""
+    cache_dir: str | None = _env("cache_dir")
+    """*env* ``HARMONY_CACHE_DIR``. Where the hardware profile is cached; None: ``$XDG_CACHE_HOME/harmony``
+    (``~/.cache/harmony``)."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        from harmony.passes.schedule import POLICIES
+        _choice("policy", self.policy, POLICIES)
+        try:
+            torch.device(self.device)
+        except (RuntimeError, TypeError) as e:
+            raise ConfigError(f"device={self.device!r} is not a device torch knows ({str(e).split(':')[0]}); "
+                              f"use 'cpu', or 'cuda' / 'cuda:N' where a GPU exists") from None
+        if self.hardware is not None and not isinstance(self.hardware, (str, Device, Hardware)):
+            raise ConfigError(f"hardware={self.hardware!r}: give a Hardware, a Device or a preset name such as "
+                              f"'a100-40gb'")
+        self.passes = _passes(self.passes)
+        if isinstance(self.leaf_modules, (str, type)):
+            self.leaf_modules = (self.leaf_modules,)
+        self.cache_dir = env.check("cache_dir", self.cache_dir)
+
+
+def _passes(passes) -> tuple:
+    """``passes=`` as a tuple of entries: a name, or (name, choice)."""
+    from harmony.compiler.passmanager import DEFAULT_PIPELINE
+    if passes is None:
+        return DEFAULT_PIPELINE
+    if isinstance(passes, str):
+        return (passes,)
+    if not isinstance(passes, (list, tuple)) or not passes:
+        raise ConfigError(f"passes={passes!r}: give a tuple of pass names, at least ('partition',); the whole "
+                          f"pipeline is {DEFAULT_PIPELINE}")
+    return tuple(passes)
+
+
+@dataclass(kw_only=True)
+class Config(TrainConfig, MemoryConfig, DiskConfig, ParallelConfig, NumericsConfig, PlanConfig):
+    """Every option of ``harmony.compile``; the fields are documented on the groups it is made of."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        device_type = torch.device(self.device).type
+        if self.policy == "ondemand" and device_type != "cpu":
+            raise ConfigError(f"policy='ondemand' runs on the CPU device only for now: it moves state as each op "
+                              f"touches it, below autograd, which on a GPU records the host's device for the weights "
+                              f"it brings in. Use policy='harmony' or 'sequential' on {self.device!r}, or "
+                              f"device='cpu'")
+        if self.precision != "fp32" and self.optimizer_on == "device":
+            raise ConfigError(f"precision={self.precision!r} with optimizer_on='device': mixed precision keeps the "
+                              f"fp32 master weights and optimizer state on the host and steps there, so the device "
+                              f"never holds them; use optimizer_on='host' (or 'auto'), or precision='fp32'")
+        if self.precision != "fp32" and self.policy == "ondemand":
+            raise ConfigError(f"precision={self.precision!r} needs a planned schedule; the ondemand baseline moves "
+                              f"fp32 state as ops touch it. Use policy='harmony' or 'sequential', or precision='fp32'")
+        if self.balance is not None:
+            self._check_balance()
+
+    def _check_balance(self) -> None:
+        if self.precision != "fp32" or self.weights_on == "disk":
+            raise ConfigError(f"balance= trains data-parallel, which runs in fp32 with weights on the host for now "
+                              f"(got precision={self.precision!r}, weights_on={self.weights_on!r}); drop those or "
+                              f"balance=")
+        if self.data_parallel is False:
+            raise ConfigError("balance= splits a global batch over data-parallel ranks: it needs data_parallel=None "
+                              "or True under torchrun, not False")
+        if self.memory_budget is not None:
+            raise ConfigError("with balance=, each rank's memory budget is its device's memory in hardware=: leave "
+                              "memory_budget unset and give Hardware(devices=[...]) (hw.logical(budgets) on the CPU)")
+        if not isinstance(self.hardware, Hardware):
+            raise ConfigError(f"balance= needs hardware=Hardware(devices=[one per rank]) (on the CPU: "
+                              f"Hardware.this_machine().logical(budgets, speed_factors)), got {self.hardware!r}")
+
+    @classmethod
+    def of(cls, config: "Config | None" = None, **fields) -> "Config":
+        """``config`` (default: every field's default) with ``fields`` replaced: ``compile``'s keywords."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        for name in fields:
+            if name not in names:
+                near = difflib.get_close_matches(name, names, n=1)
+                raise ConfigError(f"harmony.compile got an unknown option {name}=" +
+                                  (f"; did you mean {near[0]}=?" if near else "") +
+                                  " The options are the fields of harmony.Config (harmony/compiler/config.py)")
+        if config is None:
+            return cls(**fields)
+        if not isinstance(config, Config):
+            raise ConfigError(f"config={config!r}: give a harmony.Config (its fields can also be keywords)")
+        return dataclasses.replace(config, **fields)
+
+    def items(self) -> dict:
+        """The fields by name (not copied: ``dataclasses.asdict`` would copy the optimizer class and the hardware)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(Config)}
+
+
+@dataclass(kw_only=True)
+class CompileConfig(Config):
+    """``program.config``: the options as compile resolved them for this process, and what the planner knows.
+
+    Made by ``harmony.compile`` from a checked ``Config`` (tests make one by hand): it checks nothing again.
+    """
+
+    batch_size: int                    # samples of this rank's batch
+    loss_scaling: dict = field(default_factory=dict)   # fp16: the LossScaler's arguments (GradScaler's); {}: none
+    copy_bandwidth: float = 8e9        # bytes/s host<->device, for the planner's time model
+    flops: float = 60e9                # FLOP/s of the device, for the planner's time model
+    host_bandwidth: float = NOMINAL["host_memory_bandwidth"]   # bytes/s of host memory: the planner's host steps
+    headroom: float = 0.05             # share of the budget the planner leaves for its prediction error
+    device_reserved: int = 0           # bytes of the budget the device's libraries hold (CUDA: cuBLAS workspaces)
+    expandable_segments: bool | None = None   # CUDA: whether torch's allocator grows segments in place
+    world_size: int | None = 1         # ranks the plan runs on; None: not checked (data_parallel=False)
+    rank: int = 0                      # this process's rank among the data-parallel ranks
+    adaptive: bool = False             # per-layer bits chosen after adaptive_warmup steps (CGX; compression="adaptive")
+    adaptive_warmup: int = 3
+    global_batch: int | None = None    # samples of one step over all ranks (balance); None: batch_size x world
+    sample_weight: float | None = None  # this rank's share b_r / B of the gradient average (balance); None: 1/world
+    speed_factor: float = 1.0          # emulation: the runtime stretches compute ops' time by this (>= 1)
+    state_owner: dict | None = None    # param -> the rank that steps it and keeps its optimizer state (sharded
+                                       # optimizer state, runtime/shard.py); None: every rank steps every param
+
+    def __post_init__(self):
+        pass
+
+    @property
+    def compute_dtype(self):
+        """The dtype of float state and activations on the device; None for fp32 (nothing is cast)."""
+        return compute_dtype(self.precision)
+
+    @property
+    def usable_budget(self) -> int:
+        """The bytes the planner may fill: the budget less what the device's libraries hold and the headroom for
+        prediction error."""
+        return int(self.state_budget * (1 - self.headroom))
+
+    def plan_for_device(self, dev, hardware=None) -> None:
+        """What the planner weighs, from the device it plans for (a ``compiler.hardware.Device``): its FLOP/s (an
+        emulated slower device's, slowed), its host link, and its host's memory bandwidth; the runtime stretches
+        compute by an emulated device's ``speed_factor``."""
+        if dev.speed_factor < 1:
+            raise ConfigError(f"device {dev.name!r} has speed_factor {dev.speed_factor:g} < 1: emulation can only "
+                              f"slow a device down; divide every factor by the smallest so the fastest device is 1")
+        self.flops, self.copy_bandwidth = dev.flops / dev.speed_factor, dev.h2d_bandwidth
+        self.host_bandwidth = getattr(hardware, "host_memory_bandwidth", self.host_bandwidth)
+        self.speed_factor = float(dev.speed_factor)
+
+    def budget_for(self, peak: int) -> int:
+        """The memory_budget an error suggests for a plan whose device peak is ``peak``: the planner's headroom
+        added back, 5% more for the prediction's error, and what the device's libraries hold."""
+        return int(peak / (1 - self.headroom) * 1.05) + 1 + self.device_reserved
+
+    @property
+    def state_budget(self) -> int:
+        """The budget less ``device_reserved``: what the runtime's own tensors may take, and its meter enforces."""
+        return self.memory_budget - self.device_reserved
+
+    @property
+    def microbatch_size(self) -> int:
+        return self.batch_size // self.microbatches
