@@ -307,15 +307,8 @@ def run(program: Program, ctx) -> PassResult:
     spec = cfg.compression or NO_COMPRESSION
     adaptive = bool(getattr(cfg, "adaptive", False))
     warmup = getattr(cfg, "adaptive_warmup", ADAPTIVE_WARMUP) if adaptive else 0
-    min_size = cfg.min_size
-    kwargs = dict(kind=spec.kind, world=world, **spec_kwargs(spec))
-    if min_size != DEFAULT_MIN_SIZE:
-        kwargs["min_size"] = min_size
-    if warmup:
-        kwargs["warmup"] = warmup
-    weight = getattr(cfg, "sample_weight", None)
-    if weight is not None:     # a balanced plan: this rank's share of the global batch (compiler/balance.py)
-        kwargs["weight"] = weight
+    min_size, weight = cfg.min_size, getattr(cfg, "sample_weight", None)
+    kwargs = _allreduce_kwargs(spec, world, min_size, warmup, weight)
     owned = owned_grads(program)
     global_batch = getattr(cfg, "global_batch", None) or cfg.batch_size * world
 
@@ -350,20 +343,8 @@ def run(program: Program, ctx) -> PassResult:
 
     shard = insert_sync(program, world)
 
-    rows, tot_wire, tot_fp32 = [], 0, 0
-    for p in sorted(owned, key=lambda q: -q):
-        ts = [t for _, t in owned[p]]
-        specs = [spec_for(t, spec, min_size) for t in ts]
-        named = dict(owned[p])
-        groups = [[named[n] for n in g] for g in plan.comm_groups.get(p, [])] or [ts]
-        fp32 = sum(predict_wire(g, [NO_COMPRESSION] * len(g), world) for g in groups)
-        # adaptive: uniform bits, which its choice may only undercut
-        wire = sum(predict_wire(g, [spec_for(t, spec, min_size) for t in g], world) for g in groups)
-        tot_wire, tot_fp32 = tot_wire + wire, tot_fp32 + fp32
-        rows.append(dict(pack=p, layers=plan.packs[p].name, tensors=len(ts), groups=len(groups),
-                         compressed=sum(s.lossy for s in specs), elements=sum(t.numel() for t in ts),
-                         fp32_MiB=fp32 / 2**20, wire_MiB=wire / 2**20, overlap=mode.get(p, "")))
-    report.rows = rows
+    report.rows = rows = _rows(plan, owned, spec, min_size, world, mode)
+    tot_wire, tot_fp32 = (round(sum(r[k] for r in rows) * 2**20) for k in ("wire_MiB", "fp32_MiB"))
     report.totals = dict(world_size=world, compression=label(spec, adaptive), allreduces=len(mode),
                          wire_bytes_per_step=tot_wire, fp32_bytes_per_step=tot_fp32,
                          ratio=tot_fp32 / tot_wire if tot_wire else 1.0, min_size=min_size,
@@ -374,25 +355,12 @@ def run(program: Program, ctx) -> PassResult:
         report.totals["broadcast_bytes"] = broadcast
         report.notes.append("rank 0's parameters and buffers were broadcast to every rank (as DDP's constructor "
                             "does)" + ("; the buffers forward mutates (batch-norm statistics) are broadcast from "
-                                       "rank 0 "
-                                       "again after every step (sync_state), as DDP's broadcast_buffers does"
+                                       "rank 0 again after every step (sync_state), as DDP's broadcast_buffers does"
                                        if plan.sync_buffers else ""))
-    if weight is None:
-        report.notes.append(f"each rank runs this schedule on its own shard (example_batch is one rank's batch); "
-                            f"gradients of the loss scaled by 1/microbatches, averaged over {world} ranks, are the "
-                            f"gradients of the mean loss over the global batch of {global_batch}")
-    else:
-        report.notes.append(f"balanced: this rank trains on {cfg.batch_size} of the global batch of {global_batch} "
-                            f"samples; its mean gradient is weighted by {cfg.batch_size}/{global_batch} = {weight:.4g} "
-                            f"in the all-reduce (scaled by weight x {world} before the average), so the update is "
-                            f"the one a homogeneous cluster makes on the same global batch")
+    report.notes.append(_average_note(cfg.batch_size, global_batch, world, weight))
     report.totals.update(shard)
     if shard.get("stepped_params"):
-        report.notes.append(
-            f"optimizer state sharded over the {world} ranks (ZeRO stage 1): this rank (rank {plan.rank}) steps and "
-            f"keeps state for {shard['stepped_params']} of {len(plan.state_owner)} parameters "
-            f"({shard['stepped_share']:.0%} of the parameter bytes); sync_state at the end of the iteration "
-            f"broadcasts each rank's updated parameters to the others")
+        report.notes.append(_shard_note(plan, world, shard))
     if any(len(g) > 1 for g in plan.comm_groups.values()):
         report.notes.append("other ranks cut the model into other packs: a pack's all-reduce runs one collective per "
                             "group of parameters that every rank's packs agree on (column groups)")
@@ -403,6 +371,54 @@ def run(program: Program, ctx) -> PassResult:
                             f"once chosen, bits per layer appear here (per pack) and in .stats['adaptive_bits']")
     report.notes.append(why or _overlap(host, mode))
     return PassResult(program, report)
+
+
+def _average_note(batch: int, global_batch: int, world: int, weight) -> str:
+    """What the averaged gradients are: of the mean loss over the global batch, a balanced rank's weighted."""
+    if weight is None:
+        return (f"each rank runs this schedule on its own shard (example_batch is one rank's batch); gradients of the "
+                f"loss scaled by 1/microbatches, averaged over {world} ranks, are the gradients of the mean loss over "
+                f"the global batch of {global_batch}")
+    return (f"balanced: this rank trains on {batch} of the global batch of {global_batch} samples; its mean gradient "
+            f"is weighted by {batch}/{global_batch} = {weight:.4g} in the all-reduce (scaled by weight x {world} "
+            f"before the average), so the update is the one a homogeneous cluster makes on the same global batch")
+
+
+def _shard_note(plan, world: int, shard: dict) -> str:
+    return (f"optimizer state sharded over the {world} ranks (ZeRO stage 1): this rank (rank {plan.rank}) steps and "
+            f"keeps state for {shard['stepped_params']} of {len(plan.state_owner)} parameters "
+            f"({shard['stepped_share']:.0%} of the parameter bytes); sync_state at the end of the iteration "
+            f"broadcasts each rank's updated parameters to the others")
+
+
+def _allreduce_kwargs(spec, world: int, min_size: int, warmup: int, weight) -> dict:
+    """The keywords every all-reduce op of the plan carries: the codec, the world, and what differs from the
+    defaults (``min_size``, the adaptive ``warmup``, a balanced rank's sample ``weight``)."""
+    kwargs = dict(kind=spec.kind, world=world, **spec_kwargs(spec))
+    if min_size != DEFAULT_MIN_SIZE:
+        kwargs["min_size"] = min_size
+    if warmup:
+        kwargs["warmup"] = warmup
+    if weight is not None:     # a balanced plan: this rank's share of the global batch (compiler/balance.py)
+        kwargs["weight"] = weight
+    return kwargs
+
+
+def _rows(plan, owned: dict, spec, min_size: int, world: int, mode: dict) -> list[dict]:
+    """The report's row per pack: its tensors and all-reduce groups, the bytes fp32 and the codec put on the wire
+    (adaptive: uniform bits, which its choice may only undercut), and how its all-reduce overlaps."""
+    rows = []
+    for p in sorted(owned, key=lambda q: -q):
+        ts = [t for _, t in owned[p]]
+        named = dict(owned[p])
+        groups = [[named[n] for n in g] for g in plan.comm_groups.get(p, [])] or [ts]
+        fp32 = sum(predict_wire(g, [NO_COMPRESSION] * len(g), world) for g in groups)
+        wire = sum(predict_wire(g, [spec_for(t, spec, min_size) for t in g], world) for g in groups)
+        rows.append(dict(pack=p, layers=plan.packs[p].name, tensors=len(ts), groups=len(groups),
+                         compressed=sum(spec_for(t, spec, min_size).lossy for t in ts),
+                         elements=sum(t.numel() for t in ts), fp32_MiB=fp32 / 2**20, wire_MiB=wire / 2**20,
+                         overlap=mode.get(p, "")))
+    return rows
 
 
 def _overlap(host: bool, mode: dict) -> str:

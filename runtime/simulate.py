@@ -145,19 +145,10 @@ def simulate(graph: torch.fx.Graph, plan: Plan, hw, device: int = 0, memory=None
     and under the ``ondemand`` policy they are what the state must fit beside.
     """
     dev = _OnHost(hw.devices[device], hw) if hasattr(hw, "devices") else hw
-    label = f"device {device} ({dev.name})"
-    free = dict.fromkeys(STREAMS, 0.0)     # when each stream next idles
-    busy = dict.fromkeys(STREAMS, 0.0)
-    moved = {"h2d": 0, "d2h": 0}
+    nodes = [n for n in graph.nodes if n.op == "call_function"]
+    steps = [n.args[0] for n in nodes if n.target.__name__ == "step"]
+    clock = _Clock(plan, dev, f"device {device} ({dev.name})", steps)
     done: dict[torch.fx.Node, float] = {}  # when each op's result is ready
-    written_back: dict[tuple, float] = {}  # (pack, kind) -> end of its last release
-    host_steps: dict[int, float] = {}      # pack -> end of its optimizer step on the host
-    disk_after: dict[int, float] = {}      # pack -> when the step before it started (its files' read-ahead)
-    step_order = [n.args[0] for n in graph.nodes if n.op == "call_function" and n.target.__name__ == "step"]
-
-    def plan_packs_after(node):
-        i = step_order.index(node.args[0])
-        return step_order[i + 1:i + 2]
     # The effects, replayed, give the values as costs see them (a stash's bytes) and which state a copy
     # really moves. Tolerant of schedules verify would reject (a release with no swap_in): that is verify's job.
     model = MemoryModel(plan, _OnePerTensor() if sizes is None else sizes, refs=defaultdict(int))
@@ -165,18 +156,8 @@ def simulate(graph: torch.fx.Graph, plan: Plan, hw, device: int = 0, memory=None
         model.hold(what, names)
     model.carry_in(graph)
     values: dict[torch.fx.Node, object] = {}
-    events: list[SimEvent] = []
     op_events: list[SimEvent] = []         # one per schedule op, in program order
-    nodes = [n for n in graph.nodes if n.op == "call_function"]
     on_demand = _OnDemand(plan, dev, nodes, memory) if plan.policy == "ondemand" else None
-
-    def run(stream, start, seconds, name, kind):
-        free.setdefault(stream, 0.0)
-        busy[stream] = busy.get(stream, 0.0) + seconds
-        free[stream] = start + seconds
-        events.append(SimEvent(name, kind, stream, start, start + seconds, 0, 0, label))
-        return events[-1]
-
     for i, node in enumerate(nodes):
         op, name = op_of(node), node.target.__name__
         args = torch.fx.node.map_arg(node.args, values.__getitem__)
@@ -184,82 +165,120 @@ def simulate(graph: torch.fx.Graph, plan: Plan, hw, device: int = 0, memory=None
         stream, seconds = op.cost(plan, dev, *args, **kwargs)
         before = sum(model.moved.values())
         values[node], _ = op.effect(model, *args, **kwargs)
-        if op.state_copy and sizes is not None:     # what the effect moved, at the link's rate
-            seconds = (sum(model.moved.values()) - before) / getattr(dev, f"{stream}_bandwidth")
-        elif op.state_copy:
-            # the cost is for all of the pack's state of that kind; only part of it may move: clean
-            # parameters are dropped, not written back, and gradients not yet made are not fetched
-            names = moving_names(plan.packs[node.args[0]], node.args[1], node.kwargs.get("held", ()))
-            seconds *= (sum(model.moved.values()) - before) / len(names) if names else 0.0
-        if stream in moved:
-            moved[stream] += round(seconds * (dev.h2d_bandwidth if stream == "h2d" else dev.d2h_bandwidth))
+        if op.state_copy:
+            seconds = _copy_seconds(plan, dev, node, stream, seconds, sum(model.moved.values()) - before, sizes)
+        if stream in clock.moved:
+            clock.moved[stream] += round(seconds * (dev.h2d_bandwidth if stream == "h2d" else dev.d2h_bandwidth))
         if name == "step" and node.kwargs.get("stream") and node.kwargs.get("where", "device") == "device":
             optim = streamed_optim_bytes(plan, node.args[0])
-            moved["h2d"] += optim
-            moved["d2h"] += optim
+            clock.moved["h2d"] += optim
+            clock.moved["d2h"] += optim
         ready = max((done[n] for n in node.all_input_nodes), default=0.0)
-        if name == "swap_in" and node.args[1] == "params" and node.args[0] in host_steps:
+        if name == "swap_in" and node.args[1] == "params" and node.args[0] in clock.host_steps:
             # the runtime waits for the host's update of these weights before it copies them,
             # on the thread that issues the copy: the compute stream stalls until then
-            settled = host_steps.pop(node.args[0])
-            free["compute"] = max(free["compute"], settled)
+            settled = clock.host_steps.pop(node.args[0])
+            clock.free["compute"] = max(clock.free["compute"], settled)
             ready = max(ready, settled)
         if on_demand is not None and op.kind == "compute":
-            # the ondemand runtime fetches what an op touches, and evicts to make room, before it runs
-            fetched, evicted = on_demand.touch(i, node)
-            for copy_stream, size, what in (("d2h", evicted, "evict"), ("h2d", fetched, "fetch")):
-                if size:
-                    at = max(free["compute"], free[copy_stream], ready)
-                    copy = run(copy_stream, at, size / getattr(dev, f"{copy_stream}_bandwidth"),
-                               f"{node.name}.{what}", "copy")
-                    free["compute"] = copy.end
-                    moved[copy_stream] += size
-        if stream == "sync":               # a wait: the compute stream idles until what it waits for is done
-            start, end = free["compute"], max(free["compute"], ready)
-            ev = SimEvent(node.name, op.kind, "compute", start, end, 0, 0, label)
-            events.append(ev)
-            free["compute"] = end
-        else:
-            if stream == "compute":
-                seconds *= dev.speed_factor
-            if stream in READS_DEVICE:
-                ready = max(ready, free["compute"])
-            if name == "swap_in":
-                ready = max(ready, written_back.get(tuple(node.args[:2]), 0.0))
-            if name == "step" and stream == "host":   # it updates the host copies the releases wrote
-                first = device_part_cost(plan, dev, node.args[0]) * dev.speed_factor
-                if first:      # its parameters stepping on the device go first, on the thread that issues it
-                    free["compute"] = run("compute", max(ready, free["compute"]), first, f"{node.name}.device",
-                                          "compute").end
-                ready = max([ready, free["compute"]] + [t for (p, _), t in written_back.items()
-                                                        if p == node.args[0]])
-            disk = op.disk_io(plan, node, dev) if op.disk_io is not None else NO_DISK
-            if disk["read"]:               # the read from disk comes first: weights for the device, a step's files
-                start = max(free["disk"], ready if name == "swap_in" else disk_after.get(node.args[0], 0.0))
-                ready = max(ready, run("disk", start, disk["read"], f"{node.name}.read", "disk").end)
-            sync = getattr(dev, "sync_copies", False) and op.kind == "copy"
-            if sync:                       # issued once the compute before it is done
-                ready = max(ready, free["compute"])
-            blocking = sync and name != "swap_in"      # a copy the issuing thread makes itself
-            ev = run(stream, max(free.get(stream, 0.0), ready), seconds, node.name, op.kind)
-            if blocking:
-                free["compute"] = ev.end
-            if name == "step" and stream == "host":
-                host_steps[node.args[0]] = ev.end
-                if node.kwargs.get("where") == "disk":   # a disk pack steps inline, group by group
-                    free["compute"] = max(free["compute"], ev.end)
-            if disk["write"]:              # written back once stepped; the next pack's read may start meanwhile
-                run("disk", max(free["disk"], ev.end), disk["write"], f"{node.name}.write", "disk")
-            if name == "step" and disk["read"]:
-                disk_after.update({p: ev.start for p in plan_packs_after(node)})
+            clock.fetch(on_demand, i, node, ready)
+        ev = clock.wait(node, op, ready) if stream == "sync" else clock.issue(node, op, stream, seconds, ready)
         if name == "release":
-            written_back[tuple(node.args[:2])] = ev.end
+            clock.written_back[tuple(node.args[:2])] = ev.end
         done[node] = ev.end
         op_events.append(ev)
-    sim = Simulation(max(free.values()), busy, events, label, dev.speed_factor, moved=moved)
+    sim = Simulation(max(clock.free.values()), clock.busy, clock.events, clock.label, dev.speed_factor,
+                     moved=clock.moved)
     if memory is not None:
         _place_memory(sim, nodes, op_events, memory)
     return sim
+
+
+def _copy_seconds(plan, dev, node, stream: str, seconds: float, moved: float, sizes) -> float:
+    """A copy of training state: with ``sizes``, the bytes its effect ``moved`` at the link's rate; without, its
+    cost for all the pack's state of that kind times the share of tensors that move (clean parameters are dropped,
+    not written back, and gradients not yet made are not fetched)."""
+    if sizes is not None:
+        return moved / getattr(dev, f"{stream}_bandwidth")
+    names = moving_names(plan.packs[node.args[0]], node.args[1], node.kwargs.get("held", ()))
+    return seconds * moved / len(names) if names else 0.0
+
+
+class _Clock:
+    """The streams of one simulated step: when each next idles, how long each ran, the events on them, and what
+    the ops after an op wait for (host steps, releases written back, disk read-ahead)."""
+
+    def __init__(self, plan, dev, label: str, step_order: list[int]):
+        self.plan, self.dev, self.label, self.step_order = plan, dev, label, step_order
+        self.free = dict.fromkeys(STREAMS, 0.0)     # when each stream next idles
+        self.busy = dict.fromkeys(STREAMS, 0.0)
+        self.events: list[SimEvent] = []
+        self.moved = {"h2d": 0, "d2h": 0}
+        self.written_back: dict[tuple, float] = {}  # (pack, kind) -> end of its last release
+        self.host_steps: dict[int, float] = {}      # pack -> end of its optimizer step on the host
+        self.disk_after: dict[int, float] = {}      # pack -> when the step before it started (its files' read-ahead)
+
+    def run(self, stream: str, start: float, seconds: float, name: str, kind: str) -> SimEvent:
+        self.free.setdefault(stream, 0.0)
+        self.busy[stream] = self.busy.get(stream, 0.0) + seconds
+        self.free[stream] = start + seconds
+        self.events.append(SimEvent(name, kind, stream, start, start + seconds, 0, 0, self.label))
+        return self.events[-1]
+
+    def wait(self, node, op, ready: float) -> SimEvent:
+        """A wait: the compute stream idles until what it waits for is done."""
+        start, end = self.free["compute"], max(self.free["compute"], ready)
+        self.events.append(SimEvent(node.name, op.kind, "compute", start, end, 0, 0, self.label))
+        self.free["compute"] = end
+        return self.events[-1]
+
+    def fetch(self, on_demand, i: int, node, ready: float) -> None:
+        """The ondemand runtime fetches what an op touches, and evicts to make room, before it runs."""
+        fetched, evicted = on_demand.touch(i, node)
+        for copy_stream, size, what in (("d2h", evicted, "evict"), ("h2d", fetched, "fetch")):
+            if size:
+                at = max(self.free["compute"], self.free[copy_stream], ready)
+                copy = self.run(copy_stream, at, size / getattr(self.dev, f"{copy_stream}_bandwidth"),
+                                f"{node.name}.{what}", "copy")
+                self.free["compute"] = copy.end
+                self.moved[copy_stream] += size
+
+    def issue(self, node, op, stream: str, seconds: float, ready: float) -> SimEvent:
+        """An op on its stream, once its inputs are ``ready`` and what it depends on besides is done."""
+        name, dev, free = node.target.__name__, self.dev, self.free
+        if stream == "compute":
+            seconds *= dev.speed_factor
+        if stream in READS_DEVICE:
+            ready = max(ready, free["compute"])
+        if name == "swap_in":
+            ready = max(ready, self.written_back.get(tuple(node.args[:2]), 0.0))
+        if name == "step" and stream == "host":   # it updates the host copies the releases wrote
+            first = device_part_cost(self.plan, dev, node.args[0]) * dev.speed_factor
+            if first:      # its parameters stepping on the device go first, on the thread that issues it
+                free["compute"] = self.run("compute", max(ready, free["compute"]), first, f"{node.name}.device",
+                                           "compute").end
+            ready = max([ready, free["compute"]] + [t for (p, _), t in self.written_back.items()
+                                                    if p == node.args[0]])
+        disk = op.disk_io(self.plan, node, dev) if op.disk_io is not None else NO_DISK
+        if disk["read"]:               # the read from disk comes first: weights for the device, a step's files
+            start = max(free["disk"], ready if name == "swap_in" else self.disk_after.get(node.args[0], 0.0))
+            ready = max(ready, self.run("disk", start, disk["read"], f"{node.name}.read", "disk").end)
+        sync = getattr(dev, "sync_copies", False) and op.kind == "copy"
+        if sync:                       # issued once the compute before it is done
+            ready = max(ready, free["compute"])
+        ev = self.run(stream, max(free.get(stream, 0.0), ready), seconds, node.name, op.kind)
+        if sync and name != "swap_in":      # a copy the issuing thread makes itself
+            free["compute"] = ev.end
+        if name == "step" and stream == "host":
+            self.host_steps[node.args[0]] = ev.end
+            if node.kwargs.get("where") == "disk":   # a disk pack steps inline, group by group
+                free["compute"] = max(free["compute"], ev.end)
+        if disk["write"]:              # written back once stepped; the next pack's read may start meanwhile
+            self.run("disk", max(free["disk"], ev.end), disk["write"], f"{node.name}.write", "disk")
+        if name == "step" and disk["read"]:
+            i = self.step_order.index(node.args[0])
+            self.disk_after.update({p: ev.start for p in self.step_order[i + 1:i + 2]})
+        return ev
 
 
 class _OnHost:
