@@ -42,7 +42,7 @@ def stepped_where(sm) -> dict[str, str]:
             spec = plan.packs[n.args[0]]
             place = n.kwargs.get("where", "device")
             for name in spec.stepped:
-                on_device = place == "device" or name in (getattr(plan, "device_parts", None) or {})
+                on_device = place == "device" or name in plan.at(spec.index).device_parts
                 where[name] = "device" if on_device else "host"
     return where
 
