@@ -70,20 +70,34 @@ class TrainConfig(_Group):
     microbatches: int = 1
     """Microbatches the batch is cut into; a divisor of the batch size. Activations of one microbatch are live at
     a time; each pack runs every microbatch before the next pack (the Harmony paper's grouping)."""
-    optimizer: type = torch.optim.AdamW
-    """A ``torch.optim.Optimizer`` class; one instance per pack (per file for a pack wholly on disk)."""
+    optimizer: type | torch.optim.Optimizer = torch.optim.AdamW
+    """A ``torch.optim.Optimizer`` class, or an optimizer built on the model's parameters, whose class, defaults and
+    param groups are taken (per-group hyperparameters such as no weight decay on norms and biases; its state is
+    not). Harmony steps one instance per pack (per file for a pack wholly on disk); ``sm.optimizer`` is one
+    optimizer over all of them, for ``torch.optim.lr_scheduler`` and the user."""
     optimizer_kwargs: dict | None = None
     """Arguments of ``optimizer``, as given; where they name neither ``fused`` nor ``foreach`` and torch has a
     fused kernel for every device the optimizer steps on, Harmony adds ``fused=True`` (not under the ``ondemand``
     policy); ``sm.optimizer_kwargs`` says what it used, ``fused=False`` keeps torch's default loop."""
+    param_groups: list | None = None
+    """The optimizer's param groups by parameter name, ``[{"params": [names], "weight_decay": 0.0}, ...]``: each
+    group's hyperparameters replace ``optimizer_kwargs`` for its parameters; the parameters no group names form a
+    first group of their own. None: one group (an optimizer instance given as ``optimizer`` sets it)."""
     loss_fn: Any = None
     """``loss_fn(output, *batch)`` -> scalar loss when the model's forward returns an output, not a loss."""
 
     def __post_init__(self):
         super().__post_init__()
         _count("microbatches", self.microbatches, "how many microbatches the batch is cut into")
-        if not (isinstance(self.optimizer, type) and issubclass(self.optimizer, torch.optim.Optimizer)):
-            raise ConfigError(f"optimizer must be a torch.optim.Optimizer class, got {self.optimizer!r}")
+        if not (isinstance(self.optimizer, torch.optim.Optimizer)
+                or isinstance(self.optimizer, type) and issubclass(self.optimizer, torch.optim.Optimizer)):
+            raise ConfigError(f"optimizer must be a torch.optim.Optimizer class or instance, got {self.optimizer!r}")
+        if self.param_groups is not None and not (
+                isinstance(self.param_groups, (list, tuple)) and all(
+                    isinstance(g, Mapping) and isinstance(g.get("params"), (list, tuple))
+                    and all(isinstance(n, str) for n in g["params"]) for g in self.param_groups)):
+            raise ConfigError(f"param_groups={self.param_groups!r}: give a list of dicts, each with 'params' (a list "
+                              f"of parameter names) and the hyperparameters that differ for them")
         if self.optimizer_kwargs is not None and not isinstance(self.optimizer_kwargs, Mapping):
             raise ConfigError(f"optimizer_kwargs={self.optimizer_kwargs!r}: give a dict of the optimizer's arguments")
         self.optimizer_kwargs = dict(self.optimizer_kwargs or {})

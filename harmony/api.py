@@ -1,6 +1,7 @@
 """``harmony.compile``: an ordinary ``nn.Module`` in, a ``ScheduledModule`` that trains it under a budget out."""
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import torch
@@ -17,6 +18,7 @@ from harmony.compiler.trace import trace
 from harmony.compiler.verify import memory_curve
 from harmony.data import check_world
 from harmony.data import resolve as resolve_data_parallel
+from harmony.optim import build_optimizers, from_instance
 from harmony.optim import optimizer_kwargs as optimizer_kwargs_for
 from harmony.passes.compress import parse_compression
 from harmony.runtime.executor import Runtime
@@ -46,10 +48,14 @@ def compile(model: torch.nn.Module, example_batch, *, memory_budget=None, microb
     t0 = time.perf_counter()
     given = dict(memory_budget=memory_budget, microbatches=microbatches, optimizer=optimizer)
     options = Config.of(config, **{k: v for k, v in given.items() if v is not None}, **options)
+    if isinstance(options.optimizer, torch.optim.Optimizer):   # its class, defaults and param groups by name
+        cls, kwargs, groups = from_instance(model, options.optimizer, options.optimizer_kwargs)
+        options = dataclasses.replace(options, optimizer=cls, optimizer_kwargs=kwargs, param_groups=groups)
     names, batch = _batch_items(example_batch)
     cfg = _resolve(options, _batch_size(batch))
     gm = trace(model, dict(zip(names, batch)) if names else tuple(batch), loss_fn=cfg.loss_fn,
                leaf_modules=cfg.leaf_modules)
+    _check_groups(cfg.param_groups, gm)
     t_trace = time.perf_counter()
     balanced = _plan_rank(model, gm, batch, cfg)
     batch = balanced.batch if balanced is not None else batch
@@ -69,6 +75,19 @@ def compile(model: torch.nn.Module, example_batch, *, memory_budget=None, microb
                               cost=t_cost - t_plan, passes=time.perf_counter() - t_cost,
                               total=time.perf_counter() - t0)
     return sm
+
+
+def _check_groups(groups, gm) -> None:
+    """Every name a param group lists is one of the traced model's parameters, in one group only."""
+    known, seen = {n for n, _ in gm.named_parameters()}, set()
+    for i, group in enumerate(groups or ()):
+        bad = [n for n in group["params"] if n not in known]
+        twice = [n for n in group["params"] if n in seen]
+        seen.update(group["params"])
+        if bad or twice:
+            raise ConfigError(f"param_groups[{i}] names {', '.join(map(repr, (bad or twice)[:3]))}, "
+                              + ("not a parameter of the model" if bad else "already in an earlier group")
+                              + f"; the names are those of model.named_parameters(), e.g. {sorted(known)[:2]}")
 
 
 def _resolve(options: Config, batch_size: int) -> CompileConfig:
@@ -224,14 +243,11 @@ class ScheduledModule(torch.nn.Module):
         gm = program.gm
         tensors = dict(gm.named_parameters())
         tensors.update(dict(gm.named_buffers()))
-        optimizers = {}
         cfg = program.config
-        for spec in plan.packs:     # one optimizer per pack; per file for a pack wholly on disk
-            for names in plan.at(spec.index).disk_groups or [spec.stepped]:
-                if names:
-                    opt = cfg.optimizer([tensors[n] for n in names], **cfg.optimizer_kwargs)
-                    optimizers.update(dict.fromkeys(names, opt))
+        # one optimizer per pack (per file for a pack wholly on disk); sm.optimizer holds their groups' settings
+        optimizers, self.optimizer = build_optimizers(cfg, plan, tensors)
         self.optimizers = list(dict.fromkeys(optimizers.values()))
+        self.schedulers: list = []     # saved and restored with the module (add_scheduler)
         self.stats: dict = {}
         self.steps = 0
         self.huge_pages = huge_pages()     # torch's CPU allocations: one page fault per 2 MiB, not per 4 KiB
@@ -317,6 +333,7 @@ class ScheduledModule(torch.nn.Module):
         if cuda:     # the allocator's peaks over this step (the report shows them beside the meter's)
             torch.cuda.reset_peak_memory_stats(self.runtime.device)
         t0 = time.perf_counter()
+        self.optimizer.step()      # the param groups' settings (a scheduler's lr) into every pack's optimizer
         loss = self.runtime.run(dict(zip(plan.input_names, batch)))
         rt = self.runtime
         self.steps += 1
@@ -378,6 +395,15 @@ class ScheduledModule(torch.nn.Module):
     def report(self, fmt: str = "text") -> str:
         from harmony.viz.report import render
         return render(self, fmt)
+
+    def add_scheduler(self, scheduler):
+        """Register a scheduler built on ``sm.optimizer`` (``torch.optim.lr_scheduler``): ``harmony.save`` and
+        ``harmony.load`` keep its state with the module's. Returns it."""
+        if getattr(scheduler, "optimizer", None) is not self.optimizer:
+            raise ConfigError(f"{type(scheduler).__name__} is not built on this module's optimizer: make it with "
+                              f"sm.optimizer, e.g. torch.optim.lr_scheduler.LambdaLR(sm.optimizer, f)")
+        self.schedulers.append(scheduler)
+        return scheduler
 
     def close(self):
         if self.runtime is not None:

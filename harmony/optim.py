@@ -21,6 +21,7 @@ default.
 from __future__ import annotations
 
 import functools
+import inspect
 
 import torch
 
@@ -52,3 +53,93 @@ def _has_fused(optimizer: type, device_type: str) -> bool:
     except (TypeError, ValueError, RuntimeError, NotImplementedError):
         return False       # no fused argument, or no kernel for this device (torch says which)
     return True
+
+
+def from_instance(model: torch.nn.Module, optimizer: torch.optim.Optimizer, kwargs: dict) -> tuple[type, dict, list]:
+    """(class, arguments, param groups by name) of an optimizer the user built on ``model``'s parameters: its
+    defaults under ``kwargs`` (those win), each group's hyperparameters that differ from its defaults. Every
+    trainable parameter must be in a group: Harmony steps each one, so one left out would train where eager
+    would not."""
+    from harmony.base.errors import ConfigError
+    names = {id(p): n for n, p in model.named_parameters()}
+    takes = inspect.signature(type(optimizer).__init__).parameters    # defaults may hold more (AdamW's decoupling)
+    defaults = {k: v for k, v in optimizer.defaults.items()
+                if k in takes and not (k in ("fused", "foreach") and v is None)}
+    groups, seen = [], set()
+    for i, group in enumerate(optimizer.param_groups):
+        mine = [names.get(id(p)) for p in group["params"]]
+        if None in mine:
+            raise ConfigError(f"optimizer's param group {i} holds a tensor that is not a parameter of the model "
+                              f"passed to compile: build the optimizer on model.parameters()")
+        seen.update(mine)
+        groups.append({"params": mine, **{k: v for k, v in group.items()
+                                          if k != "params" and k in defaults and v != defaults[k]}})
+    left = [n for n, p in model.named_parameters() if p.requires_grad and n not in seen]
+    if left:
+        raise ConfigError(f"optimizer leaves out {len(left)} trainable parameters ({', '.join(left[:3])}"
+                          f"{', ...' if len(left) > 3 else ''}); Harmony steps every parameter that requires grad: "
+                          f"add them to a param group, or set requires_grad=False on them before compile")
+    return type(optimizer), {**defaults, **kwargs}, groups
+
+
+def group_of(names: list[str], groups: list | None) -> tuple[list[dict], dict[str, int]]:
+    """The model's param groups as ``sm.optimizer`` holds them (hyperparameters only) and each name's group:
+    ``groups`` (``param_groups=``) in their order, after a first group of the parameters none of them names
+    where there are such parameters."""
+    named = {n for g in groups or () for n in g["params"]}
+    rest = [{}] if any(n not in named for n in names) or not groups else []
+    which = {n: i + len(rest) for i, g in enumerate(groups or ()) for n in g["params"]}
+    hyper = rest + [{k: v for k, v in g.items() if k != "params"} for g in groups or ()]
+    return hyper, {n: which.get(n, 0) for n in names}
+
+
+class PackedOptimizer(torch.optim.Optimizer):
+    """``sm.optimizer``: the optimizers Harmony steps (one per pack, per file for a pack wholly on disk) seen as one
+    optimizer over the model, for ``torch.optim.lr_scheduler`` and the user.
+
+    Its ``param_groups`` are the model's (one, or those of ``param_groups=`` or of an optimizer instance given to
+    compile) and hold the hyperparameters: ``sm(...)`` writes them into every pack's optimizer before it steps, so a
+    scheduler built on ``sm.optimizer`` (or ``sm.optimizer.param_groups[0]["lr"] = ...``) drives them all, wherever
+    they step. The state stays in the packs' optimizers; ``harmony.save`` keeps both. ``step()`` and
+    ``zero_grad()`` do no work of their own: ``sm(...)`` steps, and gradients never outlive it.
+    """
+
+    def __init__(self, groups: list[tuple[list[torch.Tensor], dict]], defaults: dict, links: list[tuple[dict, int]]):
+        super().__init__([{"params": params, **hyper} for params, hyper in groups], defaults)
+        self.links = links     # (a pack optimizer's param group, the index of the model's group it belongs to)
+
+    def step(self, closure=None):
+        """Write the groups' hyperparameters into the packs' optimizers (``sm(...)`` calls it before each step)."""
+        for group, i in self.links:
+            mine = self.param_groups[i]
+            group.update({k: v for k, v in mine.items() if k != "params"})
+        return None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        return None
+
+    def pull(self) -> None:
+        """Take the hyperparameters from the packs' optimizers (after a checkpoint restored theirs)."""
+        for group, i in self.links:
+            self.param_groups[i].update({k: v for k, v in group.items() if k != "params"})
+
+
+def build_optimizers(cfg, plan, tensors: dict) -> tuple[dict, PackedOptimizer]:
+    """One optimizer per pack (per file of a pack wholly on disk), in the model's param groups, and the one
+    ``sm.optimizer`` that holds those groups' hyperparameters: ({param name: its optimizer}, facade)."""
+    stepped = [n for spec in plan.packs for n in spec.stepped]
+    hyper, which = group_of(stepped, cfg.param_groups)
+    by_name, links = {}, []
+    for spec in plan.packs:
+        for names in plan.at(spec.index).disk_groups or [spec.stepped]:
+            parts = [(i, [tensors[n] for n in names if which[n] == i]) for i in range(len(hyper))]
+            parts = [(i, ts) for i, ts in parts if ts]
+            if not parts:
+                continue
+            opt = cfg.optimizer([{"params": ts, **hyper[i]} for i, ts in parts], **cfg.optimizer_kwargs)
+            links += [(group, i) for group, (i, _) in zip(opt.param_groups, parts)]
+            by_name.update(dict.fromkeys(names, opt))
+    probe = torch.nn.Parameter(torch.zeros(1))
+    defaults = cfg.optimizer([probe], **cfg.optimizer_kwargs).defaults
+    groups = [([tensors[n] for n in stepped if which[n] == i], h) for i, h in enumerate(hyper)]
+    return by_name, PackedOptimizer(groups, defaults, links)

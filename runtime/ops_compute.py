@@ -339,15 +339,15 @@ def _device_parts(plan, spec) -> list[str]:
 
 
 def _step_one(opt: torch.optim.Optimizer, param: torch.Tensor) -> None:
-    """Step one parameter with its optimizer: its group sees only it for the call."""
+    """Step one parameter with its optimizer: its group sees only it for the call, and the other groups nothing."""
+    kept = [group["params"] for group in opt.param_groups]
     for group in opt.param_groups:
-        if any(p is param for p in group["params"]):
-            kept, group["params"] = group["params"], [param]
-            try:
-                opt.step()
-            finally:
-                group["params"] = kept
-            return
+        group["params"] = [p for p in group["params"] if p is param]
+    try:
+        opt.step()
+    finally:
+        for group, params in zip(opt.param_groups, kept):
+            group["params"] = params
 
 
 def _step_effect(m, pack, stream=False, where="device", overlap=False):

@@ -1,0 +1,97 @@
+"""``sm.optimizer``: one optimizer over the packs' optimizers, for torch's lr schedulers, param groups and the user."""
+import copy
+
+import pytest
+import torch
+
+import harmony
+from harmony.errors import ConfigError
+from models import CASES, training_state_bytes
+
+
+def groups_of(model):
+    """No weight decay on biases and norms, as LLM recipes do."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    return [{"params": decay, "weight_decay": 0.1},
+            {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
+
+
+def eager_steps(model, data, microbatches, make_scheduler, steps):
+    """Eager gradient accumulation with AdamW in the same groups and a scheduler stepped after each update."""
+    opt = torch.optim.AdamW(groups_of(model), lr=1e-2, foreach=False)
+    sched = make_scheduler(opt)
+    lrs = []
+    for x, y in data[:steps]:
+        opt.zero_grad()
+        for mx, my in zip(x.chunk(microbatches), y.chunk(microbatches)):
+            (model(mx, my) / microbatches).backward()
+        opt.step()
+        sched.step()
+        lrs.append([g["lr"] for g in opt.param_groups])
+    return lrs
+
+
+SCHEDULERS = {
+    "lambda": lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s)),
+    "onecycle": lambda opt: torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=[2e-2, 1e-2], total_steps=6),
+}
+
+
+@pytest.mark.parametrize("optimizer_on", ["device", "host"])
+@pytest.mark.parametrize("schedule", sorted(SCHEDULERS))
+def test_a_scheduler_on_sm_optimizer_drives_every_pack_as_eager(schedule, optimizer_on):
+    """An AdamW instance in two param groups given to compile, a scheduler built on ``sm.optimizer``: the lr of
+    each group follows the eager scheduler's exactly, and the weights are eager's bit for bit (device and host
+    steps, the state swapped under a budget of 40% of it)."""
+    model, data = CASES["gpt"](layers=4)
+    reference = copy.deepcopy(model)
+    opt = torch.optim.AdamW(groups_of(model), lr=1e-2, foreach=False)
+    sm = harmony.compile(model, example_batch=data[0], optimizer=opt, microbatches=2, optimizer_on=optimizer_on,
+                         optimizer_kwargs={"fused": False}, memory_budget=int(training_state_bytes(model) * 0.4))
+    assert [g["weight_decay"] for g in sm.optimizer.param_groups] == [0.1, 0.0]
+    assert isinstance(sm.optimizer, torch.optim.Optimizer)
+    sched = sm.add_scheduler(SCHEDULERS[schedule](sm.optimizer))
+    lrs = []
+    for x, y in data[:4]:
+        sm(x, y)
+        sched.step()
+        lrs.append([g["lr"] for g in sm.optimizer.param_groups])
+    assert lrs == eager_steps(reference, data, 2, SCHEDULERS[schedule], 4)
+    weights = sm.state_dict()["model"]
+    for name, p in reference.named_parameters():
+        assert torch.equal(p, weights[name]), name
+    sm.close()
+
+
+def test_param_groups_by_name_and_a_hand_set_lr():
+    """``param_groups=`` by name: the parameters no group names form a first group; setting a group's lr by hand
+    reaches the packs' optimizers at the next step."""
+    model, data = CASES["gpt"](layers=2)
+    biases = [n for n, p in model.named_parameters() if p.dim() < 2]
+    sm = harmony.compile(model, example_batch=data[0], microbatches=2,
+                         param_groups=[{"params": biases, "weight_decay": 0.0}])
+    assert [len(g["params"]) for g in sm.optimizer.param_groups] == \
+        [sum(1 for p in model.parameters() if p.dim() >= 2), len(biases)]
+    sm.optimizer.param_groups[1]["lr"] = 0.5
+    sm(*data[0])
+    assert {g["lr"] for opt in sm.optimizers for g in opt.param_groups if g["weight_decay"] == 0.0} == {0.5}
+    sm.close()
+
+
+def test_bad_optimizers_and_groups_are_refused(tmp_path):
+    model, data = CASES["gpt"](layers=2)
+    params = list(model.parameters())
+    with pytest.raises(ConfigError, match="leaves out 1 trainable parameters"):
+        harmony.compile(model, example_batch=data[0], optimizer=torch.optim.SGD(params[1:], lr=0.1))
+    with pytest.raises(ConfigError, match="not a parameter of the model"):
+        harmony.compile(model, example_batch=data[0], param_groups=[{"params": ["nope.weight"]}])
+    with pytest.raises(ConfigError, match="already in an earlier group"):
+        name = next(n for n, _ in model.named_parameters())
+        harmony.compile(model, example_batch=data[0], param_groups=[{"params": [name]}, {"params": [name]}])
+    with pytest.raises(ConfigError, match="param_groups="):
+        harmony.compile(model, example_batch=data[0], param_groups=[{"params": [params[0]]}])
+    sm = harmony.compile(model, example_batch=data[0])
+    other = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    with pytest.raises(ConfigError, match="not built on this module's optimizer"):
+        sm.add_scheduler(torch.optim.lr_scheduler.StepLR(other, 1))
+    sm.close()
