@@ -1,0 +1,179 @@
+"""Issue 29: nothing a step, a file or a peer does wrong may damage training.
+
+Each test pins one finding of the issue (its number in the test's docstring). Faults are injected at schedule
+ops (tests/faults.py), as a bad batch, as exceptions and as signals, and the module must come back to its
+state before the step and then train bitwise as eager PyTorch does after skipping the failed step.
+"""
+from __future__ import annotations
+
+import copy
+import os
+import signal
+
+import pytest
+import torch
+
+import harmony
+from faults import fail_at, schedule_ops
+from harmony.errors import InputError, TornStepError
+from models import assert_bitwise, eager_accumulate, mlp_case, params, training_state_bytes
+
+
+def compiled(frac: float, seed: int = 0, **kw):
+    model, data = mlp_case(seed=seed)
+    data = data + mlp_case(seed=seed + 1)[1]         # six batches
+    ref = copy.deepcopy(model)
+    sm = harmony.compile(model, data[0], memory_budget=int(training_state_bytes(model) * frac), microbatches=4, **kw)
+    return sm, ref, data
+
+
+def expected(ref, batches) -> dict:
+    model, _ = eager_accumulate(ref, batches, 4)
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def holds(sm) -> tuple:
+    rt = sm.runtime
+    return rt.meter.live, {k: n for k, n in rt.state.refs.items() if n}
+
+
+# -- 1. a step is a transaction -------------------------------------------------------------------
+@pytest.mark.parametrize("frac", [0.4, 3.0])
+def test_a_bad_batch_rolls_the_step_back_and_training_goes_on_as_eager(frac):
+    """Finding 1: an out-of-range label (eager raises the same IndexError) under swapping (0.4x the state) and
+    with everything resident (3x): device holds back to before the step, no gradient left over, and the next
+    steps train bitwise as eager does without the bad batch."""
+    sm, ref, data = compiled(frac)
+    sm(*data[0])
+    before = holds(sm)
+    x, y = data[1]
+    bad = y.clone()
+    bad[-1] = 99
+    with pytest.raises(IndexError) as info:
+        sm(x, bad)
+    assert any("rolled back" in note for note in getattr(info.value, "__notes__", []))
+    assert holds(sm) == before
+    assert all(p.grad is None for p in sm.program.gm.parameters())
+    assert sm.steps == 1
+    for batch in data[2:4]:
+        sm(*batch)
+    assert sm.steps == 3
+    assert_bitwise(sm, expected(ref, [data[0]] + data[2:4]))
+    sm.close()
+
+
+def _first_step(sm) -> int:
+    return schedule_ops(sm).index("step")
+
+
+@pytest.mark.parametrize("error", [RuntimeError("injected"), KeyboardInterrupt()], ids=["error", "interrupt"])
+@pytest.mark.parametrize("where", [0.3, "before-first-step"])
+def test_a_step_that_raises_before_any_update_is_rolled_back_whole(error, where):
+    """Finding 1: an exception or Ctrl-C at 30% of a step, or just before the first pack's optimizer update,
+    under swapping: the next steps train bitwise as eager without the failed one, and sm.steps counts truly."""
+    sm, ref, data = compiled(0.4)
+    sm(*data[0])
+    before = holds(sm)
+    n = len(schedule_ops(sm))
+    at = int(n * where) if isinstance(where, float) else _first_step(sm) - 1
+    with fail_at(at, error) as hit, pytest.raises(type(error)) as info:
+        sm(*data[1])
+    assert hit["hit"] and at < _first_step(sm)
+    assert any("rolled back" in note for note in info.value.__notes__)
+    assert holds(sm) == before and sm.steps == 1
+    for batch in data[2:4]:
+        sm(*batch)
+    assert_bitwise(sm, expected(ref, [data[0]] + data[2:4]))
+    sm.close()
+
+
+def test_ctrl_c_while_packs_step_finishes_the_step_then_stops():
+    """Finding 1 (Ctrl-C at 70% of a step, after the first pack's update): the interrupt is held until every
+    pack has stepped, then raised; the step counts, and training matches eager that took it."""
+    sm, ref, data = compiled(0.4)
+    after_first_step = _first_step(sm) + 1
+    assert "backward" in schedule_ops(sm)[after_first_step:]        # packs still to do their backward
+    with fail_at(after_first_step, signum=signal.SIGINT) as hit, pytest.raises(KeyboardInterrupt) as info:
+        sm(*data[0])
+    assert hit["hit"] and "finished first" in " ".join(info.value.__notes__)
+    assert sm.steps == 1 and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    sm(*data[1])
+    assert_bitwise(sm, expected(ref, data[:2]))
+    sm.close()
+
+
+def test_an_error_after_some_packs_stepped_is_recorded_and_refused_until_resolved(tmp_path):
+    """Finding 1: a failure once some packs have stepped cannot be undone (optimizers update in place): the error
+    names the packs that stepped, the module refuses to train on or save the mix (TornStepError) until a
+    checkpoint is loaded, after which it trains bitwise as eager from that checkpoint."""
+    sm, ref, data = compiled(0.4)
+    sm(*data[0])
+    harmony.save(sm, tmp_path / "ck")
+    before = holds(sm)
+    with fail_at(_first_step(sm) + 1, RuntimeError("injected")), pytest.raises(RuntimeError) as info:
+        sm(*data[1])
+    note = " ".join(info.value.__notes__)
+    assert "had updated packs" in note and "harmony.load" in note
+    assert holds(sm) == before and sm.steps == 1
+    with pytest.raises(TornStepError, match="updated packs"):
+        sm(*data[2])
+    with pytest.raises(TornStepError):
+        harmony.save(sm, tmp_path / "mixed")
+    harmony.load(sm, tmp_path / "ck")
+    sm(*data[2])
+    assert_bitwise(sm, expected(ref, [data[0], data[2]]))
+    sm.close()
+
+
+def test_accepting_a_partial_step_trains_on_with_exactly_the_packs_it_updated():
+    """Finding 1: ``sm.accept_partial_step()`` keeps a torn step's updates; it returns which packs stepped, and
+    the weights are those of eager stepping exactly those parameters (their gradients for that batch)."""
+    sm, ref, data = compiled(0.4)
+    with fail_at(_first_step(sm) + 1, RuntimeError("injected")), pytest.raises(RuntimeError):
+        sm(*data[0])
+    torn = sm.accept_partial_step()
+    assert torn["stepped"] and torn["not_stepped"] and sm.accept_partial_step() is None
+    sm(*data[1])
+    model = copy.deepcopy(ref)
+    opt = torch.optim.AdamW(model.parameters(), fused=True)
+    for batch, only in ((data[0], set(torn["params"])), (data[1], None)):
+        for mb in zip(*(t.chunk(4) for t in batch)):
+            (model(*mb) / 4).backward()
+        for n, p in model.named_parameters():
+            if only is not None and n not in only:
+                p.grad = None
+        opt.step()
+        opt.zero_grad()
+    assert_bitwise(sm, {n: p.detach() for n, p in model.named_parameters()})
+    sm.close()
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_a_step_under_no_grad_still_trains(mode):
+    """Finding 1: sm(...) under torch.no_grad() (or inference_mode) trains as outside it and poisons nothing."""
+    sm, ref, data = compiled(0.4)
+    with getattr(torch, mode)():
+        sm(*data[0])
+    sm(*data[1])
+    assert sm.steps == 2
+    assert_bitwise(sm, expected(ref, data[:2]))
+    sm.close()
+
+
+# -- 6. the arguments of sm(...) --------------------------------------------------------------------
+def test_the_arguments_of_a_step_are_checked():
+    """Finding 6: an unknown keyword, a tensor given twice or missing, a 0-row batch: InputError naming it."""
+    sm, _, data = compiled(3.0)
+    x, y = data[0]
+    with pytest.raises(InputError, match="unknown keyword argument 'bogus'"):
+        sm(x, y, bogus=y)
+    with pytest.raises(InputError, match="'y' both by position and by keyword"):
+        sm(x, y, y=y)
+    with pytest.raises(InputError, match="missing batch tensor 'y'"):
+        sm(x=x)
+    with pytest.raises(InputError, match=r"expected shape \(16, 32\)"):
+        sm(x[:0], y[:0])
+    sm(x, y=y)
+    assert sm.steps == 1
+    assert params(sm)
+    sm.close()
