@@ -338,7 +338,6 @@ def load(sm, path) -> CheckpointInfo:
     target, old, _ = ckfiles.paths(_rank_path(sm, path))
     src, recovered = ckfiles.find(target, old)
     manifest = _read_manifest(src)
-    check_manifest(manifest, src / MANIFEST)
     live = LiveState(sm)
     packs = [f for f in manifest["files"] if not f.get("rng")]
     model = {n: s for f in packs for n, s in f.get("model", {}).items()}
@@ -424,6 +423,7 @@ def _read_manifest(src: Path) -> dict:
     if manifest.get("version") != FORMAT:
         raise CheckpointError(f"{src} has checkpoint format {manifest.get('version')!r}; this Harmony reads "
                               f"format {FORMAT}: load it with the Harmony version that wrote it")
+    check_manifest(manifest, src / MANIFEST)
     for f in manifest.get("files", []):
         name = f.get("name", "")
         if not name or name != os.path.basename(name) or name.startswith("."):

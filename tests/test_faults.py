@@ -177,3 +177,106 @@ def test_the_arguments_of_a_step_are_checked():
     assert sm.steps == 1
     assert params(sm)
     sm.close()
+
+
+# -- 2 and 7. checkpoints: validated before anything changes; private files; symlinked paths --------
+def _manifest(ck):
+    import json
+    return json.loads((ck / "manifest.json").read_text())
+
+
+def _write_manifest(ck, manifest, reseal=True):
+    import json
+
+    from harmony.checkpoint_check import seal
+    (ck / "manifest.json").write_text(json.dumps(seal(manifest) if reseal else manifest))
+
+
+@pytest.fixture
+def saved(tmp_path):
+    sm, ref, data = compiled(0.4)
+    sm(*data[0])
+    harmony.save(sm, tmp_path / "ck")
+    sm(*data[1])                      # the module now differs from the checkpoint
+    yield sm, tmp_path / "ck", data
+    sm.close()
+
+
+def _edit_group(m, key, value):
+    m["param_groups"][0][0][key] = value
+    return m
+
+
+TAMPERING = {   # what was changed -> (edit of the manifest, whether it is resealed, what the error names)
+    "lr edited": (lambda m: _edit_group(m, "lr", 1000.0), False, "sha256"),
+    "step edited": (lambda m: {**m, "step": 9}, False, "sha256"),
+    "step not a number": (lambda m: {**m, "step": "two"}, True, "'step'"),
+    "lr not a number": (lambda m: _edit_group(m, "lr", "fast"), True, "'lr'"),
+    "lr infinite": (lambda m: _edit_group(m, "lr", float("inf")), True, "'lr'"),
+    "betas out of range": (lambda m: _edit_group(m, "betas", [0.9, 1.5]), True, "'betas'"),
+    "a file entry not a dict": (lambda m: {**m, "files": ["pack-000.pt"] + m["files"][1:]}, True, "files[0]"),
+    "no checksum": (lambda m: {k: v for k, v in m.items() if k != "manifest_sha256"}, False, "checksum"),
+}
+
+
+@pytest.mark.parametrize("case", list(TAMPERING))
+def test_a_tampered_manifest_is_refused_naming_the_field_and_nothing_changes(saved, case):
+    """Finding 2: an edited lr or step (not resealed: the manifest's own sha256 finds it), a step or lr of the
+    wrong type or out of range, a non-dict file entry: CheckpointError naming it, before anything changed."""
+    from harmony.errors import CheckpointError
+    sm, ck, data = saved
+    edit, reseal, named = TAMPERING[case]
+    _write_manifest(ck, edit(_manifest(ck)), reseal)
+    now, steps = params(sm), sm.steps
+    with pytest.raises(CheckpointError, match="nothing was changed") as info:
+        harmony.load(sm, ck)
+    assert named in str(info.value)
+    assert sm.steps == steps
+    assert_bitwise(sm, now)
+    sm(*data[2])                      # and it trains on
+
+
+@pytest.mark.parametrize("change", ["shape", "dtype"])
+def test_a_data_file_whose_tensor_differs_from_the_model_is_refused_before_any_copy(saved, change):
+    """Finding 2: a data file whose tensor has another shape or dtype than the model's (its sha256 and the
+    manifest's checksum updated, as a careful forger would) is refused naming the tensor; nothing changes."""
+    import hashlib
+
+    from harmony.errors import CheckpointError
+    sm, ck, _ = saved
+    m = _manifest(ck)
+    f = next(f for f in m["files"] if not f.get("rng"))
+    data = torch.load(ck / f["name"], weights_only=True)
+    name = next(iter(data["model"]))
+    t = data["model"][name]
+    data["model"][name] = torch.full((1,), 123.0) if change == "shape" else t.double()
+    (ck / f["name"]).unlink()
+    torch.save(data, ck / f["name"])
+    raw = (ck / f["name"]).read_bytes()
+    f["bytes"], f["sha256"] = len(raw), hashlib.sha256(raw).hexdigest()
+    _write_manifest(ck, m)
+    now = params(sm)
+    with pytest.raises(CheckpointError, match=f"tensor '{name}'"):
+        harmony.load(sm, ck)
+    assert_bitwise(sm, now)
+
+
+def test_checkpoints_are_private_and_a_symlinked_path_saves_again_and_again(tmp_path):
+    """Finding 7: checkpoint files are 0600 in a 0700 directory; a checkpoint path that is a symbolic link is
+    resolved once, so every save after the first works too and the link keeps pointing at the checkpoint."""
+    sm, ref, data = compiled(3.0)
+    real = tmp_path / "real"
+    link = tmp_path / "link"
+    link.symlink_to(real)
+    for batch in data[:3]:
+        sm(*batch)
+        harmony.save(sm, link)
+    assert link.is_symlink() and (link / "manifest.json").is_file()
+    assert oct(real.stat().st_mode & 0o777) == oct(0o700)
+    assert {oct(p.stat().st_mode & 0o777) for p in real.iterdir()} == {oct(0o600)}
+    assert [p.name for p in tmp_path.iterdir() if p.name not in ("real", "link")] == []
+    at3 = params(sm)
+    sm(*data[3])
+    harmony.load(sm, link)
+    assert_bitwise(sm, at3) and sm.steps == 3
+    sm.close()
