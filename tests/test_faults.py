@@ -280,3 +280,95 @@ def test_checkpoints_are_private_and_a_symlinked_path_saves_again_and_again(tmp_
     harmony.load(sm, link)
     assert_bitwise(sm, at3) and sm.steps == 3
     sm.close()
+
+
+# -- 4 and 5. offload directories: removed on SIGTERM and SIGHUP; swept only when provably dead ----
+def _dead_pid() -> int:
+    import subprocess
+    import sys
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def _fake_dir(parent, pid, tag=None):
+    from harmony.runtime.disk import PREFIX
+    from harmony.runtime.offload_dirs import machine_tag
+    d = parent / (f"{PREFIX}{pid}-{machine_tag() if tag is None else tag}-x" if tag != "" else f"{PREFIX}{pid}-x")
+    d.mkdir(mode=0o700)
+    (d / "pack-000.bin").write_bytes(b"state")
+    return d
+
+
+def test_the_sweep_removes_only_directories_it_can_prove_dead(tmp_path):
+    """Finding 4: on shared scratch another machine's directory (whose pid means nothing here), an earlier boot's,
+    one without the record (the old naming), one whose lock a live process holds, and one of a live pid all stay;
+    only this host's, this boot's, dead and unlocked one goes."""
+    import fcntl
+
+    from harmony.runtime.disk import DiskStore
+    from harmony.runtime.offload_dirs import machine_tag
+    dead = _dead_pid()
+    other_machine = _fake_dir(tmp_path, dead, tag="0123456789")
+    no_record = _fake_dir(tmp_path, dead, tag="")
+    locked = _fake_dir(tmp_path, dead)
+    os.rename(locked, locked.with_name(locked.name + "locked"))
+    locked = locked.with_name(locked.name + "locked")
+    alive = _fake_dir(tmp_path, os.getppid())
+    gone = _fake_dir(tmp_path, dead)
+    holder = os.open(locked, os.O_RDONLY)
+    fcntl.flock(holder, fcntl.LOCK_EX)         # as a live owner holds it (an open file description of its own)
+    try:
+        with DiskStore(tmp_path) as store:
+            assert store.stale_removed == [gone.name]
+            assert machine_tag() in store.path.name
+    finally:
+        os.close(holder)
+    assert not gone.exists()
+    assert all(d.exists() for d in (other_machine, no_record, locked, alive))
+
+
+def test_the_disk_tier_writes_nothing_through_a_link_planted_in_its_directory(tmp_path):
+    """Finding 7: a symbolic link planted where a pack's file goes is refused (O_NOFOLLOW), its target untouched."""
+    from harmony.errors import OffloadError
+    from harmony.runtime.disk import DiskStore
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"keep me")
+    with DiskStore(tmp_path / "scratch") as store:
+        store.file(0).symlink_to(victim)
+        (t,) = store.empty([((1000,), torch.float32)])
+        with pytest.raises((OffloadError, OSError)):
+            store.write(0, [t]).result()
+    assert victim.read_bytes() == b"keep me"
+
+
+SIGNALLED = """
+import os, signal, sys, time
+sys.path.insert(0, {tests!r})
+from test_disk import compile_gpt, DATA, TINY, smallest_host_budget
+if {handler!r} == "exit":
+    signal.signal(signal.{sig}, lambda *a: sys.exit(3))
+sm = compile_gpt(cfg=TINY, host_memory_budget=smallest_host_budget(TINY), offload_dir={dir!r})
+sm(*DATA[0])
+print(sm.runtime.state.disk.store.path, flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("sig,handler", [("SIGTERM", None), ("SIGHUP", None), ("SIGTERM", "exit")])
+def test_sigterm_and_sighup_remove_the_offload_directory(tmp_path, sig, handler):
+    """Finding 5: SIGTERM and SIGHUP remove the private directory as SIGINT does; the process still dies of the
+    signal, and a handler the user installed still runs (here it exits with status 3)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    tests = str(Path(__file__).parent)
+    script = SIGNALLED.format(tests=tests, handler=handler, sig=sig, dir=str(tmp_path))
+    p = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                         cwd=str(Path(tests).parent))
+    made = Path(p.stdout.readline().strip())
+    assert made.is_dir() and any(made.iterdir())
+    p.send_signal(getattr(signal, sig))
+    rc = p.wait(timeout=60)
+    assert rc == (3 if handler else -getattr(signal, sig))
+    assert not made.exists()
