@@ -15,7 +15,7 @@ from harmony.compiler.passmanager import DEFAULT_PIPELINE, run_passes, split_cho
 from harmony.compiler.printer import schedule_code
 from harmony.compiler.trace import trace
 from harmony.compiler.verify import memory_curve
-from harmony.data import check_world
+from harmony.data import check_shard_state, check_world
 from harmony.data import resolve as resolve_data_parallel
 from harmony.optim import optimizer_kwargs as optimizer_kwargs_for
 from harmony.passes.schedule import POLICIES
@@ -156,7 +156,7 @@ def compile(model: torch.nn.Module, example_batch, *, optimizer=torch.optim.Adam
         batch = balanced.batch
     elif hardware is not None:
         config.plan_for_device(_device_of(hardware), hardware)
-    if shard_state:
+    if check_shard_state(shard_state):
         if not config.data_parallel or (config.world_size or 1) < 2:
             raise ConfigError("shard_state=True splits optimizer state over data-parallel ranks, but this process "
                               "trains alone: run it under torchrun with data_parallel=None or True, or drop "
@@ -376,6 +376,8 @@ class ScheduledModule(torch.nn.Module):
                 except BaseException:
                     self.runtime.close()
                     raise
+                from harmony.usermodel import guard
+                guard(self)     # the user's model refuses to be read while weights of it are on disk only
 
     @property
     def code(self) -> str:
@@ -469,6 +471,12 @@ class ScheduledModule(torch.nn.Module):
     def report(self, fmt: str = "text") -> str:
         from harmony.viz.report import render
         return render(self, fmt)
+
+    def sync_model(self) -> list[str]:
+        """Read weights that live on disk between steps (``weights_on="disk"``) into the model passed to compile,
+        whose forward and state_dict refuse until then (harmony/usermodel.py); returns their names."""
+        from harmony.usermodel import sync_model
+        return sync_model(self)
 
     def accept_partial_step(self) -> dict | None:
         """After a step that failed once some packs had stepped (``TornStepError``): train on with those updates

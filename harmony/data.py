@@ -132,3 +132,12 @@ def _rows(t: torch.Tensor, rank: int, world: int, what: str) -> torch.Tensor:
                          f"that is a multiple of {world} (every rank must run the same compiled shapes)")
     b = n // world
     return t[rank * b: (rank + 1) * b]
+
+
+def check_shard_state(value) -> bool:
+    """``shard_state`` is None, True or False: any other value (``"full"``, 1) is refused, not taken as True."""
+    from harmony.base.errors import ConfigError
+    if value is not None and not isinstance(value, bool):
+        raise ConfigError(f"shard_state={value!r}: give True (each rank keeps and steps a share of the optimizer "
+                          f"state), False (every rank keeps all of it) or None (the default: on under balance)")
+    return bool(value)

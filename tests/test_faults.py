@@ -372,3 +372,52 @@ def test_sigterm_and_sighup_remove_the_offload_directory(tmp_path, sig, handler)
     rc = p.wait(timeout=60)
     assert rc == (3 if handler else -getattr(signal, sig))
     assert not made.exists()
+
+
+# -- 8. the user's model under weights_on="disk" ------------------------------------------------------
+def test_the_users_model_refuses_to_be_read_while_its_weights_are_on_disk_until_synced(tmp_path):
+    """Finding 8: with weights on disk the model passed to compile holds placeholders between steps: its forward
+    and state_dict raise OffloadError saying to call sm.sync_model(), which brings the trained weights (bitwise
+    those of sm.state_dict()) into it; the next step puts placeholders back, and refuses again."""
+    from test_disk_params import DATA, compile_gpt
+
+    from harmony.errors import OffloadError
+    sm = compile_gpt(offload_dir=tmp_path)
+    model = sm.model
+    sm(*DATA[0])
+    with pytest.raises(OffloadError, match=r"sm\.sync_model\(\)"):
+        model(*DATA[1])
+    with pytest.raises(OffloadError, match="live on disk"):
+        model.state_dict()
+    assert sm.sync_model()
+    trained = sm.state_dict()["model"]
+    name_of = {id(p): n for n, p in sm.program.gm.named_parameters()}   # the traced graph's names
+    for p in model.parameters():
+        assert torch.equal(p.detach(), trained[name_of[id(p)]])
+    assert model.state_dict()
+    model(*DATA[1])                                  # a whole model now: evaluating it works
+    sm(*DATA[1])
+    with pytest.raises(OffloadError):
+        model(*DATA[2])
+    sm.close()
+
+
+def test_sync_model_is_nothing_to_do_where_weights_stay_in_memory():
+    """Finding 8: on every other tier the model holds its trained weights between steps."""
+    sm, ref, data = compiled(0.4)
+    sm(*data[0])
+    assert sm.sync_model() == []
+    trained = params(sm)
+    name_of = {id(p): n for n, p in sm.program.gm.named_parameters()}
+    for p in sm.model.parameters():
+        assert torch.equal(p.detach(), trained[name_of[id(p)]])
+    sm.close()
+
+
+@pytest.mark.parametrize("value", ["full", 1, "yes"])
+def test_shard_state_takes_only_true_false_or_none(value):
+    """Finding 8: shard_state="full" (any truthy value) was taken as True; now a ConfigError names it."""
+    from harmony.errors import ConfigError
+    model, data = mlp_case()
+    with pytest.raises(ConfigError, match=f"shard_state={value!r}"):
+        harmony.compile(model, data[0], memory_budget="1MiB", shard_state=value)
