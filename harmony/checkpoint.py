@@ -46,6 +46,7 @@ from harmony.base.errors import CheckpointError
 from harmony.base.units import fmt_bytes
 from harmony.checkpoint_check import check_groups, check_manifest, check_payload, check_step, read_mapped, seal
 from harmony.checkpoint_files import MANIFEST
+from harmony.checkpoint_ranks import check_world, meet
 from harmony.checkpoint_state import LiveState
 
 FORMAT = 1
@@ -241,6 +242,7 @@ def save(sm, path, *, progress=None) -> Path:
     if not _replicated_ranks(sm):
         return _save_here(sm, path, progress)
     import torch.distributed as dist
+    meet("harmony.save")      # a rank that never calls save is named now, not after a raw gloo error
     box, error = [None], None
     if dist.get_rank() == 0:
         try:
@@ -335,6 +337,7 @@ def load(sm, path) -> CheckpointInfo:
     anything changes. If only ``<path>.old`` exists (a save was killed between its two
     renames) that is loaded, with a warning.
     """
+    check_world(path, sm)
     target, old, _ = ckfiles.paths(_rank_path(sm, path))
     src, recovered = ckfiles.find(target, old)
     manifest = _read_manifest(src)

@@ -421,3 +421,53 @@ def test_shard_state_takes_only_true_false_or_none(value):
     model, data = mlp_case()
     with pytest.raises(ConfigError, match=f"shard_state={value!r}"):
         harmony.compile(model, data[0], memory_budget="1MiB", shard_state=value)
+
+
+# -- 3. data parallel: save on one rank only; another world size ----------------------------------------
+def _save_on_rank_0_only(rank, world):
+    import tempfile
+    from pathlib import Path
+
+    import harmony.data
+    os.environ["HARMONY_COMM_TIMEOUT"] = "5"
+    model, data = mlp_case(batch=8)
+    sm = harmony.compile(model, example_batch=harmony.data.shard(data[0]), microbatches=2,
+                         memory_budget=int(training_state_bytes(model) * 3))
+    sm(*harmony.data.shard(data[0]))
+    if rank == 0:        # the DDP habit: only rank 0 saves
+        try:
+            harmony.save(sm, Path(tempfile.mkdtemp()) / "ck")
+            return "no error"
+        except Exception as e:      # noqa: BLE001 (the test reads its type and message)
+            return f"{type(e).__name__}: {e}"
+    try:
+        sm(*harmony.data.shard(data[1]))
+    except Exception as e:          # noqa: BLE001
+        return f"{type(e).__name__}: {e}"
+    return "stepped"
+
+
+def test_saving_on_one_rank_only_is_a_communication_error_naming_it_within_the_timeout():
+    """Finding 3: harmony.save on rank 0 alone gave a raw gloo error after the whole timeout; now a
+    CommunicationError within the configured timeout (HARMONY_COMM_TIMEOUT) names the rank, the operation and
+    that every rank must call it."""
+    from test_collectives import _spawn
+    res = _spawn(2, _save_on_rank_0_only, timeout=120, pg_timeout=30, wait_for={0})
+    assert res[0].startswith("CommunicationError: harmony.save on rank 0 of 2"), res
+    assert "Every rank must call harmony.save" in res[0] and "within 5 s" in res[0]
+
+
+def test_a_sharded_checkpoint_of_another_world_size_names_both_sizes(tmp_path):
+    """Finding 3: a 2-rank sharded checkpoint loaded by one process said "no manifest.json"; now the error names
+    the 2 ranks it was saved by and this run's 1, and nothing changes."""
+    from harmony.errors import CheckpointError
+    sm, _, data = compiled(3.0)
+    sm(*data[0])
+    for r in range(2):
+        (tmp_path / "ck" / f"rank-{r}-of-2").mkdir(parents=True)
+        (tmp_path / "ck" / f"rank-{r}-of-2" / "manifest.json").write_text("{}")
+    now = params(sm)
+    with pytest.raises(CheckpointError, match="saved by 2 ranks.*this run has 1 rank "):
+        harmony.load(sm, tmp_path / "ck")
+    assert_bitwise(sm, now)
+    sm.close()
