@@ -471,3 +471,58 @@ def test_a_sharded_checkpoint_of_another_world_size_names_both_sizes(tmp_path):
         harmony.load(sm, tmp_path / "ck")
     assert_bitwise(sm, now)
     sm.close()
+
+
+def test_sm_steps_counts_a_step_whose_updates_were_applied_though_its_disk_write_failed(tmp_path, monkeypatch):
+    """Finding 7: a step that raised OffloadError (ENOSPC writing the offload directory) after every pack had
+    stepped did update the weights: sm.steps counts it, the error says so, and the state kept in host memory is
+    written by the next step."""
+    import errno
+
+    import harmony.runtime.disk as disk
+    from test_disk import DATA, TINY, compile_gpt, smallest_host_budget
+
+    from harmony.errors import OffloadError
+    sm = compile_gpt(cfg=TINY, host_memory_budget=smallest_host_budget(TINY), offload_dir=tmp_path)
+    sm(*DATA[0])
+
+    def full(fd, data, offset):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(disk, "_pwrite", full)
+    with pytest.raises(OffloadError) as info:
+        sm(*DATA[1])
+    assert sm.steps == 2 and "counts in sm.steps" in " ".join(info.value.__notes__)
+    monkeypatch.setattr(disk, "_pwrite", os.pwrite)
+    sm(*DATA[2])
+    assert sm.steps == 3
+    sm.close()
+
+
+# -- 6. harmony.compile's own arguments: the config-objects rework checks them (not this change) ---------------
+COMPILE_ARGS = {
+    "memory_budget=nan": dict(memory_budget=float("nan")),
+    "memory_budget=inf": dict(memory_budget=float("inf")),
+    "memory_budget='1e400'": dict(memory_budget="1e400"),
+    "microbatches=True": dict(microbatches=True),
+    "passes=()": dict(passes=()),
+    "passes='partition'": dict(passes="partition"),
+}
+
+
+@pytest.mark.xfail(strict=False, reason="harmony.compile's arguments are validated by the config-objects rework "
+                                        "(another branch); this branch leaves compile's parsing alone")
+@pytest.mark.parametrize("case", list(COMPILE_ARGS))
+def test_bad_compile_arguments_are_config_errors_naming_them(case):
+    """Finding 6 (compile's half): each bad argument is a ConfigError that names it, not a raw traceback."""
+    from harmony.errors import ConfigError
+    model, data = mlp_case()
+    with pytest.raises(ConfigError, match=case.split("=")[0]):
+        harmony.compile(model, data[0], **{"memory_budget": "1MiB", **COMPILE_ARGS[case]})
+
+
+@pytest.mark.xfail(strict=False, reason="compile's example batch is checked by the config-objects rework")
+def test_a_zero_row_example_batch_is_an_input_error():
+    model, data = mlp_case()
+    x, y = data[0]
+    with pytest.raises(InputError, match="example_batch"):
+        harmony.compile(model, (x[:0], y[:0]), memory_budget="1MiB")
