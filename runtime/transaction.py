@@ -110,6 +110,8 @@ class Transaction:
         rt.losses, rt.batch = [], {}
         if rt.scaler is not None:
             rt.scaler.deferred = []
+        if rt.on_demand is not None:     # its record of what each op allocates is the last whole step's
+            rt.on_demand.current = []
         rt.meter.reset_peak()
         whole = set(stepped) == set(self.step_packs) and not failed[0]
         self.outcome = ROLLED_BACK if not stepped else COMMITTED if whole else TORN
