@@ -44,10 +44,15 @@ class CheckpointError(HarmonyError):
     """A checkpoint could not be saved or loaded (full disk, unwritable path, damaged or mismatched files)."""
 
 
+class TornStepError(HarmonyError):
+    """A step failed after the optimizer had updated some packs but not others; names them, and refuses to train on
+    or save that mix until a checkpoint is loaded or ``sm.accept_partial_step()`` keeps it."""
+
+
 class OffloadError(HarmonyError):
     """The disk tier failed: its directory could not be made, or a pack's optimizer state not written or read
     (a full disk, an unwritable path). Names the file and what to do."""
 
 
 __all__ = ["HarmonyError", "TraceError", "BudgetError", "ConfigError", "InputError", "PassError", "DeviceOutOfMemory",
-           "CommunicationError", "CheckpointError", "OffloadError"]
+           "CommunicationError", "CheckpointError", "OffloadError", "TornStepError"]

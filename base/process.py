@@ -4,7 +4,6 @@ from __future__ import annotations
 import os
 import resource
 import sys
-import time
 
 
 def peak_rss_bytes() -> int:
@@ -98,38 +97,35 @@ def ask_idle_threads_to_sleep() -> None:
     (12.9 s spinning, 13.6 s sleeping), nor did benchmarks/overhead.py's (0.85 s either way) or the
     demo's (0.45-0.49 s either way).
     """
-    if OMP_WAIT_ENV in os.environ or OMP_SPIN_ENV in os.environ or _loaded("libgomp"):
-        return
-    os.environ[OMP_WAIT_ENV] = "PASSIVE"
+    global _latched
+    if not (OMP_WAIT_ENV in os.environ or OMP_SPIN_ENV in os.environ or _loaded("libgomp")):
+        os.environ[OMP_WAIT_ENV] = "PASSIVE"
+    # what libgomp reads when torch loads it, or read already if it was loaded first (from the same environment)
+    _latched = (os.environ.get(OMP_WAIT_ENV), os.environ.get(OMP_SPIN_ENV))
 
 
-_sleeps: bool | None = None
+_latched: tuple | None = None
 
 
 def idle_threads_sleep() -> bool:
     """Whether this process's idle OpenMP threads sleep at once (see ``ask_idle_threads_to_sleep``).
 
-    Measured once per process, not read from the environment (libgomp latched the policy when it
-    was loaded): the CPU time the process spends while its only running thread sleeps 10 ms right
-    after a parallel region is its partners spinning. True where torch runs one thread (no partner). Any of
-    five tries that sees them spin decides: on a busy machine a spinning partner may not get a core during one
-    sleep, but a sleeping one never spins.
+    Read from the setting libgomp latched when it was loaded, not measured (timing how much the threads spin
+    depends on how busy the machine is): the environment when ``harmony`` was imported, which is what libgomp
+    read if torch came later, and what it read before if torch came first (``harmony`` changes nothing then).
+    As libgomp does: ``GOMP_SPINCOUNT`` where set (0: sleep at once), else ``OMP_WAIT_POLICY=PASSIVE`` sleeps
+    and anything else spins first. True where torch runs one thread (no partner to wait).
     """
-    global _sleeps
-    if _sleeps is None:
-        import torch
-        if torch.get_num_threads() < 2 or not torch.backends.openmp.is_available():
-            _sleeps = True
-        else:
-            x = torch.zeros(1 << 20)     # above torch's grain size: a parallel region on every thread
-            spun = []
-            for _ in range(5):
-                x.add_(1.0)
-                t0 = time.process_time()
-                time.sleep(0.01)
-                spun.append(time.process_time() - t0)
-            _sleeps = max(spun) < 1e-3
-    return _sleeps
+    import torch
+    if torch.get_num_threads() < 2 or not torch.backends.openmp.is_available():
+        return True
+    wait, spin = _latched if _latched is not None else (os.environ.get(OMP_WAIT_ENV), os.environ.get(OMP_SPIN_ENV))
+    if spin is not None:
+        try:
+            return int(spin.strip()) == 0
+        except ValueError:
+            return False           # "infinite" or unreadable: libgomp spins
+    return (wait or "").strip().upper() == "PASSIVE"
 
 
 def idle_threads_note(sleep: bool) -> str:

@@ -23,6 +23,7 @@ from harmony.optim import optimizer_kwargs as optimizer_kwargs_for
 from harmony.passes.compress import parse_compression
 from harmony.runtime.executor import Runtime
 from harmony.runtime.ondemand import OnDemand
+from harmony.stepping import accept_partial_step, batch_of, run_step
 
 
 def compile(model: torch.nn.Module, example_batch, *, memory_budget=None, microbatches: int | None = None,
@@ -287,6 +288,8 @@ class ScheduledModule(torch.nn.Module):
                 except BaseException:
                     self.runtime.close()
                     raise
+                from harmony.usermodel import guard
+                guard(self)     # the user's model refuses to be read while weights of it are on disk only
 
     @property
     def code(self) -> str:
@@ -310,33 +313,18 @@ class ScheduledModule(torch.nn.Module):
         return dict(self.program.config.optimizer_kwargs)
 
     def forward(self, *batch, **named):
-        plan = self.program.plan
         if self.runtime is None:
             raise ConfigError(f"this module was compiled with passes={[h[0] for h in self.history]}, which "
                               f"make no schedule; compile with the default passes to train")
         check_world(self.program.config, self.program.capabilities)   # a plan is for one world size
-        if named and not batch:
-            batch = tuple(named[n] for n in plan.input_names if n in named)
-        rows = getattr(self.program, "rows", None)
-        if rows is not None and batch and isinstance(batch[0], torch.Tensor) and batch[0].dim() > 0 \
-                and batch[0].shape[0] == self.program.config.global_batch:   # the global batch: this rank's rows
-            batch = tuple(x[rows[0]:rows[1]] if isinstance(x, torch.Tensor) and x.dim() > 0 else x for x in batch)
-        if len(batch) != len(plan.input_names):
-            raise InputError(f"expected {len(plan.input_names)} batch tensors ({', '.join(plan.input_names)}), "
-                             f"got {len(batch)}")
-        for name, x, ex in zip(plan.input_names, batch, self.program.example_batch):
-            if not isinstance(x, torch.Tensor) or x.shape != ex.shape or x.dtype != ex.dtype:
-                got = f"{tuple(x.shape)} {x.dtype}" if isinstance(x, torch.Tensor) else type(x).__name__
-                raise InputError(f"batch tensor {name!r}: expected shape {tuple(ex.shape)} {ex.dtype} as in "
-                                 f"example_batch, got {got}; compile again for other shapes")
+        batch = batch_of(self, batch, named)
         cuda = self.runtime.device.type == "cuda"
         if cuda:     # the allocator's peaks over this step (the report shows them beside the meter's)
             torch.cuda.reset_peak_memory_stats(self.runtime.device)
         t0 = time.perf_counter()
         self.optimizer.step()      # the param groups' settings (a scheduler's lr) into every pack's optimizer
-        loss = self.runtime.run(dict(zip(plan.input_names, batch)))
+        loss = run_step(self, batch)     # a transaction: rolled back if it raises (harmony/stepping.py)
         rt = self.runtime
-        self.steps += 1
         self.stats = dict(step_seconds=time.perf_counter() - t0, measured_peak=rt.meter.peak,
                           predicted_peak=self.predicted.peak, budget=rt.meter.budget,
                           h2d_bytes=rt.state.moved["h2d"], d2h_bytes=rt.state.moved["d2h"],
@@ -404,6 +392,17 @@ class ScheduledModule(torch.nn.Module):
                               f"sm.optimizer, e.g. torch.optim.lr_scheduler.LambdaLR(sm.optimizer, f)")
         self.schedulers.append(scheduler)
         return scheduler
+
+    def sync_model(self) -> list[str]:
+        """Read weights that live on disk between steps (``weights_on="disk"``) into the model passed to compile,
+        whose forward and state_dict refuse until then (harmony/usermodel.py); returns their names."""
+        from harmony.usermodel import sync_model
+        return sync_model(self)
+
+    def accept_partial_step(self) -> dict | None:
+        """After a step that failed once some packs had stepped (``TornStepError``): train on with those updates
+        kept. Returns {"stepped": packs, "not_stepped": packs, "params": names}, or None if there was none."""
+        return accept_partial_step(self)
 
     def close(self):
         if self.runtime is not None:

@@ -44,7 +44,9 @@ import torch
 from harmony import checkpoint_files as ckfiles
 from harmony.base.errors import CheckpointError
 from harmony.base.units import fmt_bytes
+from harmony.checkpoint_check import check_groups, check_manifest, check_payload, check_step, read_mapped, seal
 from harmony.checkpoint_files import MANIFEST
+from harmony.checkpoint_ranks import check_world, meet
 from harmony.checkpoint_state import LiveState
 
 FORMAT = 1
@@ -119,10 +121,12 @@ def load_state_dict(sm, sd: dict) -> None:
         if key not in sd:
             raise CheckpointError(f"state dict has no {key!r} entry; pass the dict that "
                                   f"ScheduledModule.state_dict() returns")
+    check_step(sd["step"], "the state dict")
     live = LiveState(sm)
     model = {n: _spec(t) for n, t in sd["model"].items()}
     optim = {n: {k: _spec(v) for k, v in s.items()} for n, s in sd["optimizer"].items()}
     groups = [g for per_opt in sd["param_groups"] for g in per_opt]
+    check_groups(groups, live, "the state dict")
     _check(live, model, optim, groups, "the state dict")
     for n, t in sd["model"].items():
         live.write_tensor(n, t)
@@ -130,6 +134,7 @@ def load_state_dict(sm, sd: dict) -> None:
     live.clear_optim(set(sd["optimizer"]))
     live.write_groups(groups)
     sm.steps = int(sd["step"])
+    _consistent_again(sm)
     _set_rng_state(sd["rng"])
     _load_scaler(sm, sd.get("loss_scaler"))
 
@@ -233,9 +238,11 @@ def save(sm, path, *, progress=None) -> Path:
     state every rank calls it too, rank 0 writes (the ranks hold the same state) and the others
     return once it has, raising its ``CheckpointError`` if it failed.
     """
+    refuse_torn(sm)
     if not _replicated_ranks(sm):
         return _save_here(sm, path, progress)
     import torch.distributed as dist
+    meet("harmony.save")      # a rank that never calls save is named now, not after a raw gloo error
     box, error = [None], None
     if dist.get_rank() == 0:
         try:
@@ -283,7 +290,7 @@ def _save_here(sm, path, progress) -> Path:
                           f"{fmt_bytes(need)}", str(target.parent))
         if tmp.exists():
             shutil.rmtree(tmp)
-        tmp.mkdir()
+        tmp.mkdir(mode=0o700)       # private, as the offload directories are: it is the model
         layout = live.layout()
         total = len(layout) + 2
         files = []
@@ -306,7 +313,7 @@ def _save_here(sm, path, progress) -> Path:
                     "param_groups": groups, "files": files}
         if _scaler(sm) is not None:
             manifest["loss_scaler"] = _scaler(sm).state_dict()
-        ckfiles.write_bytes(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
+        ckfiles.write_bytes(tmp / MANIFEST, json.dumps(seal(manifest), indent=1).encode())
         if progress is not None:
             progress(total, total, tmp / MANIFEST)
         ckfiles.fsync_dir(tmp)
@@ -330,6 +337,7 @@ def load(sm, path) -> CheckpointInfo:
     anything changes. If only ``<path>.old`` exists (a save was killed between its two
     renames) that is loaded, with a warning.
     """
+    check_world(path, sm)
     target, old, _ = ckfiles.paths(_rank_path(sm, path))
     src, recovered = ckfiles.find(target, old)
     manifest = _read_manifest(src)
@@ -338,26 +346,29 @@ def load(sm, path) -> CheckpointInfo:
     model = {n: s for f in packs for n, s in f.get("model", {}).items()}
     optim = {n: s for f in packs for n, s in f.get("optimizer", {}).items()}
     groups = [g for per_opt in manifest["param_groups"] for g in per_opt]
+    check_groups(groups, live, src / MANIFEST)
     _check(live, model, optim, groups, f"checkpoint {src}")
     try:
         for f in manifest["files"]:
             ckfiles.verify(src, f)
+        # every tensor checked against the manifest and the model before the first byte is copied: the files are
+        # mapped, not read, so holding all of them costs no memory, and what is checked is what is copied
+        datas = [read_mapped(src / f["name"]) for f in packs]
+        for f, data in zip(packs, datas):
+            check_payload(data, f, live, src / f["name"])
+        rng = next(ckfiles.read_file(src / f["name"]) for f in manifest["files"] if f.get("rng"))
+        if not isinstance(rng, dict) or not isinstance(rng.get("cpu"), torch.Tensor):
+            raise CheckpointError(f"{src}: its RNG file holds no CPU generator state; nothing was changed. Load "
+                                  f"another checkpoint")
     except OSError as e:
         raise CheckpointError(f"could not read checkpoint {src}: {e.strerror or e} ({e.filename}); "
                               f"nothing was changed. Check the file system, or load an older checkpoint.") from e
     try:
-        for f in packs:
-            data = ckfiles.read_file(src / f["name"])
-            if set(data.get("model", {})) != set(f.get("model", {})) or \
-                    set(data.get("optimizer", {})) != set(f.get("optimizer", {})):
-                raise CheckpointError(f"{src / f['name']} does not hold the tensors its manifest lists; "
-                                      f"the checkpoint is damaged. The model may be partly loaded: load another "
-                                      f"checkpoint before training.")
+        for data in datas:
             for n, t in data["model"].items():
                 live.write_tensor(n, t)
             live.write_optims(data["optimizer"], list(data["model"]))
-            del data
-        rng = next(ckfiles.read_file(src / f["name"]) for f in manifest["files"] if f.get("rng"))
+        del datas
     except OSError as e:
         raise CheckpointError(f"could not read checkpoint {src}: {e.strerror or e} ({e.filename}). The model "
                               f"may be partly loaded: load again, or another checkpoint, before training.") from e
@@ -365,12 +376,28 @@ def load(sm, path) -> CheckpointInfo:
     live.write_groups(groups)
     sm.steps = int(manifest["step"])
     _set_rng_state(rng)
+    _consistent_again(sm)
     _load_scaler(sm, manifest.get("loss_scaler"))
     if recovered:
         warnings.warn(f"{target} is missing: a save was interrupted between its renames; loaded the previous "
                       f"checkpoint {src} (step {sm.steps}). The next harmony.save to {target} moves it back.",
                       stacklevel=2)
     return CheckpointInfo(src, int(manifest["step"]), recovered)
+
+
+def refuse_torn(sm) -> None:
+    """A failed step updated some packs only (runtime/transaction.py): saving would store that mix as if whole."""
+    torn = getattr(sm.runtime, "torn", None)
+    if torn is not None:
+        from harmony.base.errors import TornStepError
+        from harmony.runtime.transaction import describe_torn
+        raise TornStepError(f"harmony.save refused: {describe_torn(torn)}")
+
+
+def _consistent_again(sm) -> None:
+    """A checkpoint loaded whole: a torn step's mix is gone."""
+    if getattr(sm, "runtime", None) is not None:
+        sm.runtime.torn = None
 
 
 def _jsonable(v):
@@ -399,6 +426,7 @@ def _read_manifest(src: Path) -> dict:
     if manifest.get("version") != FORMAT:
         raise CheckpointError(f"{src} has checkpoint format {manifest.get('version')!r}; this Harmony reads "
                               f"format {FORMAT}: load it with the Harmony version that wrote it")
+    check_manifest(manifest, src / MANIFEST)
     for f in manifest.get("files", []):
         name = f.get("name", "")
         if not name or name != os.path.basename(name) or name.startswith("."):

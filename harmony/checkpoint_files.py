@@ -36,7 +36,10 @@ MANIFEST = "manifest.json"
 
 
 def paths(path) -> tuple[Path, Path, Path]:
-    target = Path(os.path.abspath(os.fspath(path)))
+    """The checkpoint directory, its ``.old`` and this process's temporary one. A path that is a symbolic link is
+    resolved once, here: the link's target is replaced atomically and the link still points at it (renaming the
+    link itself would leave a link where a directory is expected)."""
+    target = Path(os.path.realpath(os.fspath(path)))
     return (target, target.with_name(target.name + ".old"),
             target.with_name(f"{target.name}.tmp-{os.getpid()}"))
 
@@ -114,9 +117,14 @@ class HashingWriter:
         self.f.flush()
 
 
+def _create(path: Path):
+    """A new file only its owner reads (training state is private, as the offload files are), never through a link."""
+    return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600), "wb")
+
+
 def write_file(path: Path, obj) -> tuple[int, str]:
     """``torch.save`` to a new file, fsynced; returns (bytes, sha256)."""
-    with open(path, "xb") as f:
+    with _create(path) as f:
         w = HashingWriter(f)
         try:
             torch.save(obj, w)
@@ -130,7 +138,7 @@ def write_file(path: Path, obj) -> tuple[int, str]:
 
 
 def write_bytes(path: Path, data: bytes) -> None:
-    with open(path, "xb") as f:
+    with _create(path) as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
@@ -192,9 +200,9 @@ def verify(src: Path, f: dict) -> None:
                               f"Load an older checkpoint.")
 
 
-def read_file(path: Path) -> dict:
+def read_file(path: Path, mmap: bool = False) -> dict:
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except OSError:
         raise
     except Exception as e:   # weights_only refuses anything but tensors and plain containers

@@ -122,3 +122,5 @@ def _rows(t: torch.Tensor, rank: int, world: int, what: str) -> torch.Tensor:
                          f"that is a multiple of {world} (every rank must run the same compiled shapes)")
     b = n // world
     return t[rank * b: (rank + 1) * b]
+
+

@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import errno
 import os
-import shutil
 import tempfile
 import threading
 import time
@@ -62,9 +61,10 @@ import torch
 
 from harmony.base.env import env_default
 from harmony.base.errors import OffloadError
-from harmony.base.process import pid_alive, started_pool
+from harmony.base.process import started_pool
 from harmony.base.units import fmt_bytes
 from harmony.runtime.iobuffers import ALIGN, Buffers, align_up
+from harmony.runtime.offload_dirs import make_private_dir, remove_dir, remove_stale
 
 SLOT = 64                      # tensors of a pack start at multiples of this within its range
 CHUNK = 16 << 20               # bytes per pwrite/preadv call
@@ -86,10 +86,10 @@ def layout(specs) -> tuple[list[int], int]:
     return offsets, align_up(at)
 
 
-def _cleanup(path: str, pool: ThreadPoolExecutor, spans: ThreadPoolExecutor, buffers: "Buffers") -> None:
+def _cleanup(path: str, lock: int, pool: ThreadPoolExecutor, spans: ThreadPoolExecutor, buffers: "Buffers") -> None:
     pool.shutdown(wait=True, cancel_futures=True)
     spans.shutdown(wait=True)
-    shutil.rmtree(path, ignore_errors=True)
+    remove_dir(path, lock)
     buffers.clear()
 
 
@@ -99,27 +99,6 @@ def _spans(start: int, total: int, depth: int) -> list[tuple[int, int]]:
     n = max(1, min(depth, chunks))
     per = -(-chunks // n) * CHUNK
     return [(lo, min(lo + per, total)) for lo in range(start, total, per)]
-
-
-def remove_stale(parent: Path) -> list[str]:
-    """Offload directories left by processes that died without running their exit handlers (SIGKILL)."""
-    removed = []
-    try:
-        entries = list(parent.iterdir())
-    except OSError:
-        return removed
-    for d in entries:
-        if not d.name.startswith(PREFIX):
-            continue
-        pid = d.name[len(PREFIX):].split("-", 1)[0]
-        try:
-            mine = d.is_dir() and not d.is_symlink() and d.stat().st_uid == os.getuid()
-        except OSError:
-            continue
-        if mine and pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
-            shutil.rmtree(d, ignore_errors=True)
-            removed.append(d.name)
-    return removed
 
 
 class DiskStore:
@@ -138,9 +117,8 @@ class DiskStore:
         parent = Path(os.path.abspath(os.fspath(dir))) if dir is not None else Path(tempfile.gettempdir())
         try:
             parent.mkdir(parents=True, exist_ok=True)
-            self.stale_removed = remove_stale(parent)
-            self.path = Path(tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=parent))
-            os.chmod(self.path, 0o700)
+            self.stale_removed = remove_stale(parent, PREFIX)     # runtime/offload_dirs.py: provably dead only
+            self.path, lock = make_private_dir(parent, PREFIX)
         except OSError as e:
             raise OffloadError(_explain(e, f"create the offload directory in {parent}", parent, 0)) from e
         # started here, at this thread's priority, not later by the idle-priority host thread
@@ -150,7 +128,7 @@ class DiskStore:
         self._spans = started_pool(workers * max(1, self.read_depth - 1), "harmony-disk-read")
         keep = env_default("keep_free") if keep_free is None else keep_free
         self.buffers = Buffers(keep)              # the memory behind the aligned buffers, reused
-        self._finalizer = weakref.finalize(self, _cleanup, str(self.path), self.pool, self._spans, self.buffers)
+        self._finalizer = weakref.finalize(self, _cleanup, str(self.path), lock, self.pool, self._spans, self.buffers)
         self._lock = threading.Lock()
         self._writes: dict[int, Future] = {}      # pack -> its write under way (a read of the pack waits for it)
         self.counters = dict(read_bytes=0, read_seconds=0.0, write_bytes=0, write_seconds=0.0, direct_ops=0,
@@ -181,7 +159,7 @@ class DiskStore:
         buf.fill_(0x5A)
         try:
             try:
-                fd = _open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | O_DIRECT, 0o600)
+                fd = _open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | O_DIRECT, 0o600)
             except OSError as e:
                 if e.errno in (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP):
                     return False, f"the file system under {self.path.parent} refuses O_DIRECT ({e.strerror}): " \
@@ -197,7 +175,7 @@ class DiskStore:
             finally:
                 os.close(fd)
             back = self.buffers.take(ALIGN)
-            fd = _open(probe, os.O_RDONLY | O_DIRECT)
+            fd = _open(probe, os.O_RDONLY | os.O_NOFOLLOW | O_DIRECT)
             try:
                 got = _preadv(fd, [memoryview(back.numpy())], 0)
             finally:
@@ -360,7 +338,7 @@ class DiskStore:
             # overwrite in place, never O_TRUNC: on a disk mounted with discard (ext4, this project's) a
             # truncated file's blocks are freed, discarded and allocated again, several times slower than
             # writing into allocated blocks (compiler/machine.disk_bandwidth reports both)
-            fd = _open(path, os.O_WRONLY | os.O_CREAT | (O_DIRECT if direct else 0), 0o600)
+            fd = _open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | (O_DIRECT if direct else 0), 0o600)
             try:
                 for mv, base in views:
                     end = min(base + len(mv), total)
@@ -398,7 +376,7 @@ class DiskStore:
         mv = memoryview(buf.numpy())
         t0 = time.perf_counter()
         try:
-            fd = _open(path, os.O_RDONLY | (O_DIRECT if direct else 0))
+            fd = _open(path, os.O_RDONLY | os.O_NOFOLLOW | (O_DIRECT if direct else 0))
             try:
                 first, *rest = _spans(start, total, self.read_depth)
                 futs = [self._spans.submit(_read_span, fd, mv, lo, hi, path, base) for lo, hi in rest]

@@ -9,10 +9,11 @@ import torch
 import torch.fx
 
 from harmony.runtime.memory import CountAllocations, MemoryMeter
-from harmony.runtime.ops import allreduce, op_of, resident_state
+from harmony.runtime.ops import allreduce, op_of, resident_state, step
 from harmony.runtime.plan import Plan
 from harmony.runtime.precision import LossScaler, compute_dtype
 from harmony.runtime.state import TieredState
+from harmony.runtime.transaction import Transaction
 
 
 @dataclass
@@ -71,6 +72,9 @@ class Runtime:
         self.losses: list[torch.Tensor] = []
         self.batch: dict[str, torch.Tensor] = {}
         self.events: list[TraceEvent] = []
+        self.step_packs = [n.args[0] for n in graph.nodes if n.op == "call_function" and n.target is step]
+        self.transaction: Transaction | None = None    # the last step's (runtime/transaction.py)
+        self.torn: dict | None = None    # a failed step that updated some packs only: what it updated
         for what, names in resident_state(plan):
             self.state.wait(self.state.fetch(what, names))
 
@@ -81,12 +85,24 @@ class Runtime:
             yield
 
     def run(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """One training iteration; returns the mean loss over microbatches."""
+        """One training iteration; returns the mean loss over microbatches. A step that raises is rolled back
+        (runtime/transaction.py) and its error raised with a note saying so."""
+        txn = self.transaction = Transaction(self, self.step_packs)
+        try:
+            loss = self._run(batch, txn)
+        except BaseException as e:
+            txn.roll_back(e)
+            raise
+        txn.commit()
+        return loss
+
+    def _run(self, batch: dict[str, torch.Tensor], txn: Transaction) -> torch.Tensor:
         self.batch, self.losses, self.events = batch, [], []
         self.state.moved.clear()
         self.meter.reset_peak()
         if self.scaler is not None:
             self.scaler.begin()
+            txn.deferred = True       # host updates run at ``finish``: until then none has stepped
         if self.on_demand is not None:
             self.on_demand.start_step()
         env: dict[torch.fx.Node, object] = {}
@@ -99,6 +115,8 @@ class Runtime:
             kwargs = torch.fx.node.map_arg(node.kwargs, env.__getitem__)
             start = time.perf_counter() - t0
             peak, self.meter.peak = self.meter.peak, self.meter.live
+            if node.target is step:
+                txn.stepping(node.args[0])
             env[node] = op.execute(self, *args, **kwargs)
             if self.speed_factor != 1.0 and op.kind == "compute" and kwargs.get("where", "device") != "host":
                 # EMULATION of a slower device: a compute op on it takes speed_factor x as long, so this
@@ -112,6 +130,7 @@ class Runtime:
                 env.pop(dead, None)
         self.state.drain()    # the last packs' optimizer steps may still run on the host
         if self.scaler is not None:   # fp16: the steps wait for every gradient's overflow check
+            txn.deferred = False
             self.scaler.finish()
             self.state.drain()
         self.batch = {}

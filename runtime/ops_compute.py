@@ -82,7 +82,7 @@ def _state_by_name(rt, spec):
         for n, start, end in names.get(x.untyped_storage().data_ptr(), ()) if x.layout == torch.strided else ():
             if start <= x.storage_offset() < end:   # offset from the parameter's own start: its next copy may
                 return n, x.size(), x.stride(), x.storage_offset() - start   # sit elsewhere in its buffer
-        return x
+        return x.detach()   # not x: a node saving its own output would hold itself (a cycle gc cannot see)
 
     def unpack(h):
         if isinstance(h, torch.Tensor):

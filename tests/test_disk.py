@@ -217,7 +217,8 @@ def test_the_directory_is_private_and_removed_on_close_and_on_an_exception(tmp_p
     # a directory of a process killed with SIGKILL (no exit handlers) goes when the next store starts
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    stale = tmp_path / f"{disk.PREFIX}{dead.pid}-abc"
+    from harmony.runtime.offload_dirs import machine_tag     # named for this host and boot, a pid that is gone
+    stale = tmp_path / f"{disk.PREFIX}{dead.pid}-{machine_tag()}-abc"
     stale.mkdir()
     with DiskStore(tmp_path) as store:
         assert store.stale_removed == [stale.name] and not stale.exists()

@@ -1,0 +1,77 @@
+"""Checkpoints under data parallelism: every rank must take part, and a checkpoint names the world it was saved in.
+
+``meet(op)``: before rank 0 writes the checkpoint the ranks share (or any rank reads), the ranks meet at a monitored
+barrier (gloo; a plain barrier elsewhere, bounded by the process group's timeout). A rank that does not come within
+``HARMONY_COMM_TIMEOUT`` seconds (the timeout the process group was configured with, default 300) is named in a
+``CommunicationError`` on the ranks that came, which says that every rank must call the operation: the common DDP
+habit of saving on rank 0 alone would otherwise wait for the whole timeout and end in a raw gloo error.
+
+``check_world(path, sm)``: a checkpoint saved by W ranks with sharded optimizer state is a directory of
+``rank-R-of-W`` checkpoints; loading it into another world size (or an unsharded run), or an unsharded checkpoint into
+a sharded run, names both sizes and what to do, instead of "no manifest.json".
+"""
+from __future__ import annotations
+
+import os
+import re
+from datetime import timedelta
+from pathlib import Path
+
+from harmony.base.errors import CheckpointError, CommunicationError
+
+_RANK_DIR = re.compile(r"rank-(\d+)-of-(\d+)")
+
+
+def comm_timeout() -> float:
+    return float(os.environ.get("HARMONY_COMM_TIMEOUT", 300))
+
+
+def meet(op: str) -> None:
+    """Every rank reaches ``op`` (``harmony.save`` / ``harmony.load``) within the timeout, or a CommunicationError."""
+    import torch.distributed as dist
+    timeout = comm_timeout()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    try:
+        if dist.get_backend() == "gloo":
+            dist.monitored_barrier(timeout=timedelta(seconds=timeout), wait_all_ranks=True)
+        else:
+            dist.barrier()
+    except (RuntimeError, dist.DistError) as e:
+        detail = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise CommunicationError(
+            f"{op} on rank {rank} of {world}: not every rank called {op} within {timeout:g} s ({detail}). Every "
+            f"rank must call {op} with the same path, at the same point of training (rank 0 writes the checkpoint "
+            f"the ranks share, or each rank its shard); calling it on rank 0 alone is not supported. If a rank "
+            f"died, restart all ranks (torchrun --max-restarts) and load the last checkpoint.") from e
+
+
+def saved_world(path: Path) -> int | None:
+    """The world size a sharded checkpoint at ``path`` was saved by (its ``rank-R-of-W`` entries), or None."""
+    try:
+        sizes = {int(m.group(2)) for p in path.iterdir() if (m := _RANK_DIR.fullmatch(p.name))}
+    except OSError:
+        return None
+    return max(sizes) if sizes else None
+
+
+def check_world(path, sm) -> None:
+    """Refuse, naming both world sizes, a checkpoint saved by another world (or sharding) than this run's."""
+    plan, cfg = getattr(sm.program, "plan", None), sm.program.config
+    sharded = bool(getattr(plan, "state_owner", None))
+    world = (getattr(cfg, "world_size", 1) or 1) if getattr(cfg, "data_parallel", False) else 1
+    path = Path(os.path.realpath(os.fspath(path)))
+    saved = saved_world(path)
+    if saved is None:
+        if sharded and (path / "manifest.json").is_file():
+            raise CheckpointError(
+                f"cannot load {path}: it was saved with the whole optimizer state (shard_state off), and this run "
+                f"of {world} ranks shards it (shard_state=True); compile with shard_state=False to load it. "
+                f"Nothing was changed.")
+        return
+    if not sharded or saved != world:
+        here = f"{world} rank{'s' if world != 1 else ''}" + (" with sharded optimizer state" if sharded else
+                                                             " with the whole optimizer state on each")
+        raise CheckpointError(
+            f"cannot load {path}: it was saved by {saved} ranks, each with its shard of the optimizer state "
+            f"(rank-R-of-{saved}), and this run has {here}. Load it in a run of {saved} ranks with shard_state=True "
+            f"(resharding into another world size is not supported). Nothing was changed.")

@@ -1,0 +1,71 @@
+"""``sm(*batch)``: the call's arguments checked, one step run as a transaction, and ``sm.steps`` kept truthful.
+
+The runtime rolls a failed step back (runtime/transaction.py); here the module counts a step only when every
+pack's optimizer update was applied, and refuses to train on a step that updated some packs only until the
+user loads a checkpoint or accepts the mix (``ScheduledModule.accept_partial_step``).
+"""
+from __future__ import annotations
+
+import torch
+
+from harmony.base.errors import InputError, TornStepError
+
+
+def batch_of(sm, batch: tuple, named: dict) -> tuple:
+    """The call's batch tensors in the plan's order; every argument is checked against the compiled example."""
+    plan, cfg = sm.program.plan, sm.program.config
+    names = list(plan.input_names)
+    if named:
+        unknown = [k for k in named if k not in names]
+        if unknown:
+            raise InputError(f"sm(...) got unknown keyword argument{'s' if len(unknown) > 1 else ''} "
+                             f"{', '.join(map(repr, unknown))}; the batch's names are {', '.join(names)}")
+        given = set(names[:len(batch)])
+        twice = [k for k in named if k in given]
+        if twice:
+            raise InputError(f"sm(...) got {', '.join(map(repr, twice))} both by position and by keyword")
+        missing = [n for n in names[len(batch):] if n not in named]
+        if missing:
+            raise InputError(f"sm(...) is missing batch tensor{'s' if len(missing) > 1 else ''} "
+                             f"{', '.join(map(repr, missing))}; it takes {', '.join(names)}")
+        batch = tuple(batch) + tuple(named[n] for n in names[len(batch):])
+    rows = getattr(sm.program, "rows", None)
+    if rows is not None and batch and isinstance(batch[0], torch.Tensor) and batch[0].dim() > 0 \
+            and batch[0].shape[0] == cfg.global_batch:   # the global batch: this rank's rows
+        batch = tuple(x[rows[0]:rows[1]] if isinstance(x, torch.Tensor) and x.dim() > 0 else x for x in batch)
+    if len(batch) != len(names):
+        raise InputError(f"expected {len(names)} batch tensors ({', '.join(names)}), got {len(batch)}")
+    for name, x, ex in zip(names, batch, sm.program.example_batch):
+        if not isinstance(x, torch.Tensor) or x.shape != ex.shape or x.dtype != ex.dtype:
+            got = f"{tuple(x.shape)} {x.dtype}" if isinstance(x, torch.Tensor) else type(x).__name__
+            raise InputError(f"batch tensor {name!r}: expected shape {tuple(ex.shape)} {ex.dtype} as in "
+                             f"example_batch, got {got}; compile again for other shapes")
+        if x.is_meta:
+            raise InputError(f"batch tensor {name!r} is on the meta device: it has no values to train on")
+    return batch
+
+
+def run_step(sm, batch: tuple) -> torch.Tensor:
+    """One training step: refused after a torn one; counted when every update was applied, even if it raised."""
+    rt = sm.runtime
+    if rt.torn is not None:
+        from harmony.runtime.transaction import describe_torn
+        raise TornStepError(f"step {sm.steps + 1} refused: {describe_torn(rt.torn)}")
+    # a step trains whatever mode the caller is in: under torch.no_grad() or inference_mode() its backward
+    # would find no graph, fail half-way and leave the module to roll back every time
+    try:
+        with torch.inference_mode(False), torch.enable_grad():
+            loss = rt.run(dict(zip(sm.program.plan.input_names, batch)))
+    except BaseException:
+        if rt.transaction is not None and rt.transaction.outcome == "committed":
+            sm.steps += 1
+        raise
+    sm.steps += 1
+    return loss
+
+
+def accept_partial_step(sm) -> dict | None:
+    """Keep the weights of a step that updated some packs only, and train on; returns what it updated."""
+    rt = sm.runtime
+    torn, rt.torn = (rt.torn, None) if rt is not None else (None, None)
+    return torn

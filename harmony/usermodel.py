@@ -1,0 +1,62 @@
+"""The user's model object after ``compile``: it holds the trained weights, or says loudly that it does not.
+
+Between steps every parameter of the model passed to ``harmony.compile`` points at its trained
+weights (the host master, or the device copy of a pack that stays resident), except those of
+packs wholly on disk (``weights_on="disk"``, or a host budget that sends packs there): their
+weights are in files and the parameter holds a placeholder of the right shape (runtime/diskparams.py).
+Reading such a model would give NaN without a word, so ``guard`` makes the model's ``forward`` and
+``state_dict`` raise ``OffloadError`` while any placeholder is in it, and ``sync_model`` (``sm.sync_model()``)
+reads the weights from their files into the parameters: the model is then whole until the next step
+puts the placeholders back.
+"""
+from __future__ import annotations
+
+import torch
+
+from harmony.base.errors import OffloadError
+
+
+def _placeholders(model: torch.nn.Module) -> list[str]:
+    from harmony.runtime.diskparams import is_placeholder
+    return [n for n, p in model.named_parameters() if is_placeholder(p.data)]
+
+
+def _refuse(model: torch.nn.Module, use: str) -> None:
+    missing = _placeholders(model)
+    if missing:
+        raise OffloadError(f"{use} of the model passed to harmony.compile: {len(missing)} of its parameters "
+                           f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}) live on disk between "
+                           f"steps (weights_on='disk') and hold placeholders here. Call sm.sync_model() first to read "
+                           f"the trained weights into the model (after the last step: each step puts placeholders "
+                           f"back), or use sm.state_dict() / harmony.save, which read them from disk")
+
+
+def guard(sm) -> None:
+    """Make the user's model refuse ``forward`` and ``state_dict`` while weights of it live on disk only."""
+    if getattr(sm.runtime, "state", None) is None or sm.runtime.state.params_disk is None:
+        return
+    model = sm.model
+    model.register_forward_pre_hook(lambda m, args: _refuse(m, "forward"))
+    model.register_state_dict_pre_hook(lambda m, prefix, keep_vars: _refuse(m, "state_dict()") if not prefix
+                                       else None)
+
+
+def sync_model(sm) -> list[str]:
+    """Read the trained weights of the parameters that live on disk into the user's model; returns their names.
+
+    Needs host memory for those weights (they are new tensors the model then owns). Nothing to do for any other
+    tier: those parameters hold their trained weights between steps."""
+    pd = getattr(sm.runtime, "state", None) and sm.runtime.state.params_disk
+    if pd is None:
+        return []
+    from harmony.runtime.diskparams import PARAM, is_placeholder
+    brought = []
+    for gid, names in enumerate(pd.groups):
+        todo = [n for n in names if is_placeholder(pd.tensors[n].data)]
+        if not todo:
+            continue
+        values = pd.read_group(gid)
+        for n in todo:
+            pd.tensors[n].data = values[(n, PARAM)].clone()
+            brought.append(n)
+    return brought
