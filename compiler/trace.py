@@ -34,10 +34,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
-import io
 import keyword
-import logging
-import sys
 import time
 from collections.abc import Mapping
 from typing import Any, Callable, Sequence
@@ -58,8 +55,9 @@ from harmony.compiler.trace_errors import (
     signature_text,
     untraceable,
 )
+from harmony.compiler.trace_export import export_graph, retarget, torch_output_held
 
-__all__ = ["FRONTENDS", "MODULE_PATH", "TRACE_INFO", "TraceInfo", "module_path_of", "trace"]
+__all__ = ["FRONTENDS", "MODULE_PATH", "TRACE_INFO", "TraceInfo", "module_path_of", "retarget", "trace"]
 
 TRACE_INFO = "harmony.trace"  # gm.meta key (the graph module's, not a node's): a TraceInfo
 FRONTENDS = ("auto", "fx", "export")
@@ -93,6 +91,7 @@ def trace(
     loss_fn: Callable | None = None,
     leaf_modules: Sequence[type | str] = (),
     frontend: str = "auto",
+    dtype: torch.dtype | None = None,
 ) -> torch.fx.GraphModule:
     """Trace one training step's forward, ``batch -> scalar loss``, into a GraphModule.
 
@@ -104,7 +103,10 @@ def trace(
 
     ``leaf_modules`` (classes, class names or module paths) run as single opaque
     nodes under the fx front end. The model is traced in training mode; its
-    modules' modes are restored afterwards.
+    modules' modes are restored afterwards. ``dtype`` is the compute dtype the
+    graph will run in (mixed precision): export records dtypes as constants, so it
+    exports as if the float state and inputs were in it (``trace_export``); fx
+    graphs read dtypes from their tensors and need nothing.
 
     Raises ``InputError`` when the batch does not fit the model and
     ``TraceError`` when the model cannot be captured (naming the source line).
@@ -121,7 +123,7 @@ def trace(
         raw, used = None, None
         for name in ("fx", "export") if frontend == "auto" else (frontend,):
             try:
-                raw, used = _FRONT_ENDS[name](step, batch, leaf_modules), name
+                raw, used = _FRONT_ENDS[name](step, batch, leaf_modules, dtype), name
                 break
             except HarmonyError:
                 raise
@@ -134,8 +136,6 @@ def trace(
             if leaf_modules:
                 notes.append("torch.export traces through leaf_modules; they are not single nodes")
         gm, constants = _rebuild(raw, model, step)
-        if used == "export":
-            _drop_metadata_asserts(gm)
         if used == "fx":
             notes += _propagate_fake_values(gm, model, step, batch)
     gm.meta[TRACE_INFO] = TraceInfo(used, time.perf_counter() - start, batch.names, constants, tuple(notes))
@@ -353,19 +353,13 @@ class _LeafTracer(torch.fx.Tracer):
         return super().is_leaf_module(module, module_qualified_name)
 
 
-def _trace_fx(step: _TrainStep, batch: _Batch, leaf_modules: Sequence) -> torch.fx.GraphModule:
+def _trace_fx(step: _TrainStep, batch: _Batch, leaf_modules: Sequence, dtype) -> torch.fx.GraphModule:
     tracer = _LeafTracer(leaf_modules)
     return torch.fx.GraphModule(step, tracer.trace(step))
 
 
-def _trace_export(step: _TrainStep, batch: _Batch, leaf_modules: Sequence) -> torch.fx.GraphModule:
-    # Dim.AUTO keeps dim 0 symbolic unless the model specialises it, so one
-    # graph serves every microbatch size.
-    dynamic = tuple({0: torch.export.Dim.AUTO} if t.dim() > 0 else None for t in batch.tensors)
-    with _torch_output_held():
-        program = torch.export.export(step, batch.tensors, strict=False, dynamic_shapes=dynamic)
-    # ep.module() would add a guard node that rejects other batch sizes.
-    return program.module(check_guards=False)
+def _trace_export(step: _TrainStep, batch: _Batch, leaf_modules: Sequence, dtype) -> torch.fx.GraphModule:
+    return export_graph(step, batch.tensors, dtype)
 
 
 _FRONT_ENDS = {"fx": _trace_fx, "export": _trace_export}
@@ -531,51 +525,6 @@ def _innermost_user_path(stack: Mapping, valid: set[str]) -> str | None:
     return path
 
 
-@contextlib.contextmanager
-def _torch_output_held():
-    """Hold what torch logs or prints while it tries to trace.
-
-    On failure torch dumps partial graphs and fake-tensor tracebacks to stderr
-    ahead of our own error; that text goes into a note on the exception
-    instead (shown with the chained cause). On success it is replayed.
-    """
-    records: list[logging.LogRecord] = []
-    holder = _RecordList(records)
-    loggers = [logging.getLogger("torch")] + [
-        logger
-        for name, logger in logging.root.manager.loggerDict.items()
-        if name.startswith("torch.") and not name.startswith("torch.__trace")  # structured trace, not console
-        and isinstance(logger, logging.Logger) and logger.handlers
-    ]
-    saved = [(logger, logger.handlers) for logger in loggers]
-    printed = io.StringIO()
-    for logger in loggers:
-        logger.handlers = [holder]
-    try:
-        with contextlib.redirect_stderr(printed):
-            yield
-    except Exception as error:
-        held = [text for text in (*map(holder.format, records), printed.getvalue()) if text.strip()]
-        if held:
-            error.add_note("torch output while tracing:\n" + "\n".join(held))
-        raise
-    finally:
-        for logger, handlers in saved:
-            logger.handlers = handlers
-    for record in records:
-        logging.getLogger(record.name).handle(record)
-    sys.stderr.write(printed.getvalue())
-
-
-class _RecordList(logging.Handler):
-    def __init__(self, records: list[logging.LogRecord]):
-        super().__init__()
-        self.records = records
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
-
-
 # ------------------------------------------------------ checks and errors
 
 
@@ -588,7 +537,7 @@ def _propagate_fake_values(gm: torch.fx.GraphModule, model: torch.nn.Module, ste
     fake_state = {name: mode.from_tensor(tensor) for name, tensor in state.items()}
     try:
         # Fake copies of the state take in-place updates (BatchNorm statistics) away from the user's tensors.
-        with _reparametrize_module(gm, fake_state, tie_weights=True), _torch_output_held():
+        with _reparametrize_module(gm, fake_state, tie_weights=True), torch_output_held():
             FakeTensorProp(gm, mode).propagate(*batch.tensors)
     except Exception as error:
         for node in gm.graph.nodes:
@@ -600,46 +549,3 @@ def _propagate_fake_values(gm: torch.fx.GraphModule, model: torch.nn.Module, ste
     what = "loss_fn returned" if batch.has_target else f"{type(model).__name__}.forward returned"
     _checked_loss(gm.graph.output_node().args[0].meta["val"], what)
     return []
-
-
-def _graph_modules(module: torch.nn.Module):
-    """The GraphModules in ``module``, nested ones too (export wraps no-grad regions in submodules)."""
-    return [m for m in module.modules() if isinstance(m, torch.fx.GraphModule)]
-
-
-def _drop_metadata_asserts(gm: torch.fx.GraphModule) -> None:
-    """Remove export's ``aten._assert_tensor_metadata`` checks: each pins the dtype and device a ``.to(...)`` saw
-    at trace time (fp32, the CPU), which the runtime's bf16 copies and a GPU then fail; they compute nothing."""
-    target = torch.ops.aten._assert_tensor_metadata.default
-    for m in _graph_modules(gm):
-        dead = [n for n in m.graph.nodes if n.op == "call_function" and n.target is target and not n.users]
-        for n in dead:
-            m.graph.erase_node(n)
-        if dead:
-            m.recompile()
-
-
-def retarget(module: torch.nn.Module, device: torch.device, managed: set[int]) -> None:
-    """Make a graph traced on the CPU run on ``device``: device arguments recorded as the CPU (export's
-    ``arange(..., device=cpu)``, ``_to_copy(device=cpu)``) name ``device``, and tensor constants the graph
-    reads (not the training state, ``managed``: ids of the tensors the runtime moves) are copied there once."""
-    cpu = torch.device("cpu")
-
-    def swap(v):
-        return device if isinstance(v, torch.device) and v == cpu else v
-    for m in _graph_modules(module):
-        for n in m.graph.nodes:
-            if n.op == "call_function":
-                n.args = torch.fx.node.map_aggregate(n.args, swap)
-                n.kwargs = torch.fx.node.map_aggregate(n.kwargs, swap)
-            elif n.op == "get_attr":
-                *parents, leaf = n.target.split(".")
-                owner = _resolve(m, ".".join(parents))
-                value = getattr(owner, leaf, None)
-                if isinstance(value, torch.Tensor) and id(value) not in managed and value.device != device:
-                    moved = value.to(device)
-                    if leaf in getattr(owner, "_buffers", {}):
-                        owner._buffers[leaf] = moved
-                    else:
-                        object.__setattr__(owner, leaf, moved)
-        m.recompile()

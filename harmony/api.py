@@ -146,7 +146,8 @@ def compile(model: torch.nn.Module, example_batch, *, optimizer=torch.optim.Adam
     if hardware is None and device_type == "cuda":   # plan for the GPU: its cached profile, else its datasheet
         from harmony.compiler.hardware import Hardware
         hardware = Hardware.this_machine()
-    gm = trace(model, dict(zip(names, batch)) if names else tuple(batch), loss_fn=loss_fn, leaf_modules=leaf_modules)
+    gm = trace(model, dict(zip(names, batch)) if names else tuple(batch), loss_fn=loss_fn, leaf_modules=leaf_modules,
+               dtype=config.compute_dtype)
     t_trace = time.perf_counter()
     balanced = None
     if balance is not None:      # this rank's share of the global batch, its device's memory and speed
