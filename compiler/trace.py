@@ -56,6 +56,7 @@ from harmony.compiler.trace_errors import (
     untraceable,
 )
 from harmony.compiler.trace_export import export_graph, retarget, torch_output_held
+from harmony.compiler.trace_inplace import functionalize_inplace
 
 __all__ = ["FRONTENDS", "MODULE_PATH", "TRACE_INFO", "TraceInfo", "module_path_of", "retarget", "trace"]
 
@@ -138,6 +139,8 @@ def trace(
         gm, constants = _rebuild(raw, model, step)
         if used == "fx":
             notes += _propagate_fake_values(gm, model, step, batch)
+        if functionalize_inplace(gm):
+            notes.append("in-place writes to activations run out of place (compiler/trace_inplace.py)")
     gm.meta[TRACE_INFO] = TraceInfo(used, time.perf_counter() - start, batch.names, constants, tuple(notes))
     return gm
 
@@ -355,6 +358,7 @@ class _LeafTracer(torch.fx.Tracer):
 
 def _trace_fx(step: _TrainStep, batch: _Batch, leaf_modules: Sequence, dtype) -> torch.fx.GraphModule:
     tracer = _LeafTracer(leaf_modules)
+    tracer.record_stack_traces = True     # source lines for errors about a node
     return torch.fx.GraphModule(step, tracer.trace(step))
 
 
