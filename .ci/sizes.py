@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ("harmony", "base", "compiler", "passes", "runtime", "viz")
 MAX_FILE, MAX_FUNCTION = 500, 80
 OVER = {   # file or file:function -> lines when the check came in
-    "harmony/api.py:compile": 153, "compiler/trace.py": 646,
+    "harmony/api.py:compile": 153,
     "passes/compress.py:run": 119, "passes/offload.py:run": 86, "passes/offload.py:place_state": 89,
     "passes/partition/cost.py:plan_cost": 87, "passes/swap/__init__.py:run": 141,
     "runtime/disk.py": 775, "runtime/diskparams.py": 528, "runtime/diskparams.py:_step_group": 95,

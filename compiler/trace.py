@@ -33,8 +33,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import inspect
-import keyword
 import time
 from collections.abc import Mapping
 from typing import Any, Callable, Sequence
@@ -45,14 +43,13 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.nn.utils.stateless import _reparametrize_module
 
-from harmony.base.errors import ConfigError, HarmonyError, InputError, TraceError
+from harmony.base.errors import ConfigError, HarmonyError, TraceError
 from harmony.compiler.meta import MODULE_PATH
+from harmony.compiler.trace_batch import Batch
 from harmony.compiler.trace_errors import (
     eager_error,
     first_line,
-    forward_signature,
     input_error,
-    signature_text,
     untraceable,
 )
 from harmony.compiler.trace_export import export_graph, retarget, torch_output_held
@@ -115,7 +112,7 @@ def trace(
     if frontend not in FRONTENDS:
         raise ConfigError(f"frontend={frontend!r} is not one of {FRONTENDS}")
     _check_leaf_modules(model, leaf_modules, frontend)
-    batch = _Batch.of(model, example_batch, loss_fn)
+    batch = Batch.of(model, example_batch, loss_fn)
     step = _train_step(model, loss_fn, batch)
     start = time.perf_counter()
     notes: list[str] = []
@@ -145,100 +142,6 @@ def trace(
     return gm
 
 
-# ---------------------------------------------------------------- the batch
-
-
-@dataclasses.dataclass(frozen=True)
-class _Batch:
-    names: tuple[str, ...]  # one placeholder name per tensor
-    tensors: tuple[torch.Tensor, ...]
-    keys: tuple[str, ...] | None  # a dict batch's keys: the model takes its inputs by name
-    has_target: bool  # the last tensor is loss_fn's target
-
-    @property
-    def model_inputs(self) -> tuple[torch.Tensor, ...]:
-        return self.tensors[:-1] if self.has_target else self.tensors
-
-    def describe(self) -> str:
-        parts = [f"{n} {str(t.dtype).removeprefix('torch.')}{list(t.shape)}" for n, t in zip(self.names, self.tensors)]
-        target = " (the last is loss_fn's target)" if self.has_target else ""
-        return f"{len(parts)} tensors{target}: {', '.join(parts)}"
-
-    @classmethod
-    def of(cls, model: torch.nn.Module, batch: Any, loss_fn: Callable | None) -> _Batch:
-        if isinstance(batch, Mapping):
-            keys, tensors = tuple(batch), tuple(batch.values())
-            bad = [k for k in keys
-                   if not isinstance(k, str) or not k.isidentifier() or keyword.iskeyword(k) or k == "self"]
-            if bad:
-                raise InputError(f"example_batch keys must be argument names of {signature_text(model)}; got {bad}")
-        elif isinstance(batch, (tuple, list)):
-            keys, tensors = None, tuple(batch)
-        else:
-            raise InputError(
-                f"example_batch must be a tuple of tensors or a dict of argument name -> tensor, "
-                f"got {type(batch).__name__}"
-            )
-        if not all(isinstance(t, torch.Tensor) for t in tensors):
-            kinds = [type(t).__name__ for t in tensors]
-            raise InputError(f"example_batch must hold only tensors, got {kinds}")
-        has_target = loss_fn is not None
-        if len(tensors) < 1 + has_target:
-            need = "the model's inputs followed by loss_fn's target" if has_target else "at least one tensor"
-            raise InputError(f"example_batch holds {len(tensors)} tensors; it needs {need}")
-
-        signature = forward_signature(model)
-        model_part = tensors[:-1] if has_target else tensors
-        if signature is not None:
-            try:
-                if keys is None:
-                    signature.bind(*model_part)
-                else:
-                    signature.bind(**dict(zip(keys, model_part)))
-            except TypeError as error:
-                hints = [] if has_target else ["if the last tensor is a target, pass loss_fn=..."]
-                hints += ["pass a dict to give the tensors by argument name"] if keys is None else []
-                raise InputError(
-                    f"{signature_text(model)} cannot take the batch: {error}. "
-                    f"The batch holds {len(tensors)} tensors"
-                    + (" (the last is loss_fn's target)" if has_target else "")
-                    + (f"; {'; '.join(hints)}" if hints else "")
-                ) from None
-        tensors = _unaliased(tensors)
-        if keys is not None:
-            names = list(keys)
-        else:
-            names = _positional_names(signature, len(model_part)) + (["target"] if has_target else [])
-            names = _unique_identifiers(names)
-        return cls(tuple(names), tensors, keys, has_target)
-
-
-def _unaliased(tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-    # torch.export merges inputs that alias one another: with labels=input_ids
-    # passed as one tensor the graph would read labels where it needs
-    # input_ids. Distinct copies keep the two inputs distinct in the graph.
-    seen: set[int] = set()
-    result = []
-    for tensor in tensors:
-        storage = tensor.untyped_storage().data_ptr() if tensor.device.type != "meta" else id(tensor)
-        result.append(tensor.clone() if storage in seen or id(tensor) in seen else tensor)
-        seen |= {storage, id(tensor)}
-    return tuple(result)
-
-
-def _positional_names(signature: inspect.Signature | None, count: int) -> list[str]:
-    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    named = [p.name for p in signature.parameters.values() if p.kind in kinds] if signature else []
-    return [named[i] if i < len(named) else f"batch_{i}" for i in range(count)]
-
-
-def _unique_identifiers(names: list[str]) -> list[str]:
-    ok = [n.isidentifier() and not keyword.iskeyword(n) and n != "self" for n in names]
-    if all(ok) and len(set(names)) == len(names):
-        return names
-    return [f"batch_{i}" for i in range(len(names))]
-
-
 # ------------------------------------------------------- the traced function
 
 
@@ -263,7 +166,7 @@ class _TrainStep(torch.nn.Module):
         return _checked_loss(_select_loss(out, model), f"{type(model).__name__}.forward returned")
 
 
-def _train_step(model: torch.nn.Module, loss_fn: Callable | None, batch: _Batch) -> _TrainStep:
+def _train_step(model: torch.nn.Module, loss_fn: Callable | None, batch: Batch) -> _TrainStep:
     # Both front ends name placeholders after forward's parameters, so the
     # forward of the traced root is generated with the batch's names.
     args = ", ".join(batch.names)
@@ -356,13 +259,13 @@ class _LeafTracer(torch.fx.Tracer):
         return super().is_leaf_module(module, module_qualified_name)
 
 
-def _trace_fx(step: _TrainStep, batch: _Batch, leaf_modules: Sequence, dtype) -> torch.fx.GraphModule:
+def _trace_fx(step: _TrainStep, batch: Batch, leaf_modules: Sequence, dtype) -> torch.fx.GraphModule:
     tracer = _LeafTracer(leaf_modules)
     tracer.record_stack_traces = True     # source lines for errors about a node
     return torch.fx.GraphModule(step, tracer.trace(step))
 
 
-def _trace_export(step: _TrainStep, batch: _Batch, leaf_modules: Sequence, dtype) -> torch.fx.GraphModule:
+def _trace_export(step: _TrainStep, batch: Batch, leaf_modules: Sequence, dtype) -> torch.fx.GraphModule:
     return export_graph(step, batch.tensors, dtype)
 
 
@@ -533,7 +436,7 @@ def _innermost_user_path(stack: Mapping, valid: set[str]) -> str | None:
 
 
 def _propagate_fake_values(gm: torch.fx.GraphModule, model: torch.nn.Module, step: _TrainStep,
-                           batch: _Batch) -> list[str]:
+                           batch: Batch) -> list[str]:
     """Fill node.meta["val"] for an fx graph and check the batch fits the model (fake tensors: no compute, no side
     effects)."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)

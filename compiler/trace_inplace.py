@@ -12,7 +12,9 @@ saves the same tensors for both forms); the cost is one more activation where ea
 the memory, which the cost model then counts.
 
 Writes into the training state (BatchNorm's running statistics, ``num_batches_tracked``) are
-left alone: the runtime applies them to the state. A write whose tensor is also read through
+left alone: the runtime applies them to the state; so are writes no gradient flows through (T5's
+``_shift_right`` builds the decoder's token ids by writing into slices of a zero tensor): autograd
+never sees them. A write whose tensor is also read through
 another view later (``y = x.view(...); x.relu_(); use(y)``) cannot be rewritten this way; it
 raises a ``TraceError`` naming the op and its source line.
 """
@@ -41,6 +43,7 @@ def functionalize_inplace(gm: torch.fx.GraphModule) -> int:
     """Rewrite in place the in-place writes to activations in ``gm``'s graph; returns how many were rewritten."""
     order = {node: i for i, node in enumerate(gm.graph.nodes)}
     state = _state_storages(gm.graph)
+    grad = _carries_gradient(gm)
     rewritten = 0
     twins: dict[str, str] = {}           # target of an in-place module -> its out-of-place copy
     for node in list(gm.graph.nodes):
@@ -50,6 +53,8 @@ def functionalize_inplace(gm: torch.fx.GraphModule) -> int:
         written = node.args[0]
         if written.op == "get_attr" or _storage(written) in state:
             continue                     # the training state: the runtime applies the write
+        if not grad[node]:
+            continue                     # no gradient flows through it (token ids, masks): nothing to plan
         aliases = _later_readers_of_aliases(written, node, order)
         if aliases is None:              # no fake values to tell aliases by: leave it to the cost model
             continue
@@ -135,6 +140,22 @@ def _twin(gm: torch.fx.GraphModule, target: str, module: torch.nn.Module, twins:
         gm.add_module(name, twin)
         twins[target] = name
     return twins[target]
+
+
+def _carries_gradient(gm: torch.fx.GraphModule) -> dict:
+    """node -> whether autograd tracks its value: a float result of a node that reads a parameter that needs a
+    gradient, directly or through other nodes (the fake values themselves do not say)."""
+    grad = {}
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            value = getattr(gm.get_submodule(node.target.rpartition(".")[0]), node.target.rpartition(".")[2], None)
+            grad[node] = isinstance(value, torch.nn.Parameter) and value.requires_grad
+            continue
+        val = node.meta.get("val")
+        own = node.op == "call_module" and any(p.requires_grad for p in gm.get_submodule(node.target).parameters())
+        floating = not isinstance(val, torch.Tensor) or val.is_floating_point() or val.is_complex()
+        grad[node] = floating and (own or any(grad.get(a, False) for a in node.all_input_nodes))
+    return grad
 
 
 def _storage(node: torch.fx.Node) -> int | None:

@@ -86,7 +86,6 @@ def compile(model: torch.nn.Module, example_batch, *, optimizer=torch.optim.Adam
     gradient is skipped and the scale backed off (``sm.loss_scale``).
 
 
-
     ``balance``: data parallelism over mismatched devices (Cephalo). ``hardware`` is then a
     ``Hardware`` with one device per rank, ``example_batch`` the GLOBAL batch, and each rank
     trains on its own share: ``"auto"`` (an integer program chooses every rank's microbatch

@@ -8,8 +8,9 @@ mean over tokens (or images) of values each computed through a few rounded ops; 
 cancel in the mean, and what is left is a few units of the format's rounding (2**-8 relative for bf16's 8-bit
 significand, 2**-11 for fp16's 11). We allow 4 units of the loss: 2**-6 (1.6%) for bf16 and 2**-9 for fp16, on the
 first step (same starting weights) and the second (after one update, which moves every weight by about AdamW's lr
-in both runs, whatever their rounding). A real bug (an fp32 graph constant, a lost cast, a skipped op) moves the
-loss by far more, or fails outright.
+in both runs, whatever their rounding). At random initialisation a language model's loss sits near ln(vocab) and
+moves little, so the test also holds Harmony to eager ``model.to(dtype)`` bitwise (``test_precision.eager_mixed``):
+a stray fp32 constant in the graph or a lost cast changes those bits.
 """
 import copy
 import re
@@ -21,6 +22,8 @@ import torch.nn.functional as F
 
 from harmony.compiler.trace import trace
 from harmony.errors import InputError, TraceError
+from test_precision import eager_mixed
+
 from models import ARCHITECTURES, BasicBlock, assert_bitwise, call, eager_accumulate, params, run_compiled, split, \
     training_state_bytes
 
@@ -29,23 +32,26 @@ STEPS, MICROBATCHES = 2, 2
 
 
 def _budget(model) -> int:
-    """Half the fp32 training state (so packs swap), plus room for a tiny model's activations."""
-    return int(training_state_bytes(model) * 0.5) + 2 ** 17
+    """Two fifths of the fp32 training state (so packs swap), plus room for a tiny model's activations."""
+    return int(training_state_bytes(model) * 0.4) + 2 ** 17
 
 
 def _autocast_losses(model, data, dtype):
-    """Eager PyTorch under ``torch.autocast`` (fp32 weights), gradient accumulation over the same microbatches."""
+    """Eager PyTorch under ``torch.autocast`` (fp32 weights), gradient accumulation over the same microbatches; fp16
+    with ``GradScaler``'s default loss scaling, as Harmony's (a step whose gradients overflow is skipped in both)."""
     model = copy.deepcopy(model)
     opt = torch.optim.AdamW(model.parameters(), fused=True)
+    scaler = torch.amp.GradScaler("cpu", enabled=dtype == torch.float16)
     losses = []
     for batch in data:
         total = 0.0
         for mb in split(batch, MICROBATCHES):
             with torch.autocast("cpu", dtype=dtype):
                 loss = call(model, mb)
-            (loss.float() / MICROBATCHES).backward()
+            scaler.scale(loss.float() / MICROBATCHES).backward()
             total += loss.item()
-        opt.step()
+        scaler.step(opt)
+        scaler.update()
         opt.zero_grad()
         losses.append(total / MICROBATCHES)
     return losses
@@ -54,13 +60,25 @@ def _autocast_losses(model, data, dtype):
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", list(ARCHITECTURES))
 def test_fp32_trains_bitwise_as_eager(arch):
+    """Bitwise, but for a weight two packs share (T5's ``shared`` embedding, read by encoder and decoder): its two
+    gradient contributions add in another order than eager's, so it is allclose (DESIGN.md's one exception)."""
     model, data = ARCHITECTURES[arch]()
     data = data[:STEPS]
     ref, _ = eager_accumulate(model, data, MICROBATCHES)
     ours = copy.deepcopy(model)
     sm, _, _ = run_compiled(ours, data, MICROBATCHES, _budget(model))
     assert len(sm.plan.packs) > 1
-    assert_bitwise(sm, {n: p.detach() for n, p in ref.named_parameters()})
+    names = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    shared = {n for group in names.values() if len(group) > 1 for n in group}
+    got, expected = params(sm), {n: p.detach() for n, p in ref.named_parameters()}
+    assert got.keys() == expected.keys()
+    for name in expected:
+        if name in shared:
+            torch.testing.assert_close(got[name], expected[name], rtol=1e-5, atol=1e-6)
+        else:
+            assert torch.equal(got[name], expected[name]), name
     for (name, a), b in zip(ours.named_buffers(), ref.buffers()):
         assert torch.equal(a, b), f"buffer {name}"
 
@@ -79,6 +97,12 @@ def test_mixed_precision_within_rounding_of_autocast(arch, precision):
     ref = _autocast_losses(model, data, dtype)
     gaps = [abs(a - b) / abs(b) for a, b in zip(losses, ref)]
     assert max(gaps) <= tolerance, f"{precision} losses {losses}, autocast {ref}"
+    # and exactly what eager computes on a copy cast to the dtype: the graph holds no trace-time fp32 constant
+    scaler = torch.amp.GradScaler("cpu") if precision == "fp16" else None
+    same, same_losses = eager_mixed(model, data, MICROBATCHES, dtype, scaler=scaler)
+    assert losses == [x.item() for x in same_losses]
+    for (name, a), b in zip(ours.named_parameters(), same.parameters()):
+        assert torch.equal(a, b), f"{name}: max diff {(a - b).abs().max().item()}"
     start = torch.cat([p.detach().flatten() for p in model.parameters()])
     end = torch.cat([p.detach().flatten() for p in ours.parameters()])
     assert torch.isfinite(end).all() and not torch.equal(start, end)    # it trained
