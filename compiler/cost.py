@@ -30,6 +30,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from harmony.base.errors import InputError
 from harmony.compiler.meta import COST, STATE
+from harmony.compiler.trace_inplace import inplace_error
 from harmony.runtime.memory import CountAllocations, MemoryMeter
 from harmony.runtime.precision import device_dtype
 
@@ -160,8 +161,10 @@ class _Measure(torch.fx.Interpreter):
         self.records = {}
         self.vals = {}   # node -> its fake output value, at this microbatch size
         self.reuse = reuse          # signature -> the record of a node measured before (None: measure every node)
+        self.current = None         # the node running (errors name it)
 
     def run_node(self, n):
+        self.current = n
         if n.op in ("placeholder", "output", "get_attr"):
             self.vals[n] = super().run_node(n)
             return self.vals[n]
@@ -410,6 +413,8 @@ def _measure_at(gm, batch, b, dtype=None, reuse: dict | None = None):
         try:
             interp.run(*inputs)
         except Exception as e:  # noqa: BLE001 - a shape mismatch surfaces here first
+            if (planned := inplace_error(interp.current, e)) is not None:
+                raise planned from e
             raise InputError(f"the example batch does not fit the model at microbatch size {b}: "
                              f"{type(e).__name__}: {e}. Check that every batch tensor has the batch "
                              f"in dimension 0 and the shapes the model expects.") from e

@@ -33,11 +33,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import inspect
-import io
-import keyword
-import logging
-import sys
 import time
 from collections.abc import Mapping
 from typing import Any, Callable, Sequence
@@ -48,18 +43,19 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.nn.utils.stateless import _reparametrize_module
 
-from harmony.base.errors import ConfigError, HarmonyError, InputError, TraceError
+from harmony.base.errors import ConfigError, HarmonyError, TraceError
 from harmony.compiler.meta import MODULE_PATH
+from harmony.compiler.trace_batch import Batch
 from harmony.compiler.trace_errors import (
     eager_error,
     first_line,
-    forward_signature,
     input_error,
-    signature_text,
     untraceable,
 )
+from harmony.compiler.trace_export import export_graph, retarget, torch_output_held
+from harmony.compiler.trace_inplace import functionalize_inplace
 
-__all__ = ["FRONTENDS", "MODULE_PATH", "TRACE_INFO", "TraceInfo", "module_path_of", "trace"]
+__all__ = ["FRONTENDS", "MODULE_PATH", "TRACE_INFO", "TraceInfo", "module_path_of", "retarget", "trace"]
 
 TRACE_INFO = "harmony.trace"  # gm.meta key (the graph module's, not a node's): a TraceInfo
 FRONTENDS = ("auto", "fx", "export")
@@ -93,6 +89,7 @@ def trace(
     loss_fn: Callable | None = None,
     leaf_modules: Sequence[type | str] = (),
     frontend: str = "auto",
+    dtype: torch.dtype | None = None,
 ) -> torch.fx.GraphModule:
     """Trace one training step's forward, ``batch -> scalar loss``, into a GraphModule.
 
@@ -104,7 +101,10 @@ def trace(
 
     ``leaf_modules`` (classes, class names or module paths) run as single opaque
     nodes under the fx front end. The model is traced in training mode; its
-    modules' modes are restored afterwards.
+    modules' modes are restored afterwards. ``dtype`` is the compute dtype the
+    graph will run in (mixed precision): export records dtypes as constants, so it
+    exports as if the float state and inputs were in it (``trace_export``); fx
+    graphs read dtypes from their tensors and need nothing.
 
     Raises ``InputError`` when the batch does not fit the model and
     ``TraceError`` when the model cannot be captured (naming the source line).
@@ -112,7 +112,7 @@ def trace(
     if frontend not in FRONTENDS:
         raise ConfigError(f"frontend={frontend!r} is not one of {FRONTENDS}")
     _check_leaf_modules(model, leaf_modules, frontend)
-    batch = _Batch.of(model, example_batch, loss_fn)
+    batch = Batch.of(model, example_batch, loss_fn)
     step = _train_step(model, loss_fn, batch)
     start = time.perf_counter()
     notes: list[str] = []
@@ -121,7 +121,7 @@ def trace(
         raw, used = None, None
         for name in ("fx", "export") if frontend == "auto" else (frontend,):
             try:
-                raw, used = _FRONT_ENDS[name](step, batch, leaf_modules), name
+                raw, used = _FRONT_ENDS[name](step, batch, leaf_modules, dtype), name
                 break
             except HarmonyError:
                 raise
@@ -134,106 +134,12 @@ def trace(
             if leaf_modules:
                 notes.append("torch.export traces through leaf_modules; they are not single nodes")
         gm, constants = _rebuild(raw, model, step)
-        if used == "export":
-            _drop_metadata_asserts(gm)
         if used == "fx":
             notes += _propagate_fake_values(gm, model, step, batch)
+        if functionalize_inplace(gm):
+            notes.append("in-place writes to activations run out of place (compiler/trace_inplace.py)")
     gm.meta[TRACE_INFO] = TraceInfo(used, time.perf_counter() - start, batch.names, constants, tuple(notes))
     return gm
-
-
-# ---------------------------------------------------------------- the batch
-
-
-@dataclasses.dataclass(frozen=True)
-class _Batch:
-    names: tuple[str, ...]  # one placeholder name per tensor
-    tensors: tuple[torch.Tensor, ...]
-    keys: tuple[str, ...] | None  # a dict batch's keys: the model takes its inputs by name
-    has_target: bool  # the last tensor is loss_fn's target
-
-    @property
-    def model_inputs(self) -> tuple[torch.Tensor, ...]:
-        return self.tensors[:-1] if self.has_target else self.tensors
-
-    def describe(self) -> str:
-        parts = [f"{n} {str(t.dtype).removeprefix('torch.')}{list(t.shape)}" for n, t in zip(self.names, self.tensors)]
-        target = " (the last is loss_fn's target)" if self.has_target else ""
-        return f"{len(parts)} tensors{target}: {', '.join(parts)}"
-
-    @classmethod
-    def of(cls, model: torch.nn.Module, batch: Any, loss_fn: Callable | None) -> _Batch:
-        if isinstance(batch, Mapping):
-            keys, tensors = tuple(batch), tuple(batch.values())
-            bad = [k for k in keys
-                   if not isinstance(k, str) or not k.isidentifier() or keyword.iskeyword(k) or k == "self"]
-            if bad:
-                raise InputError(f"example_batch keys must be argument names of {signature_text(model)}; got {bad}")
-        elif isinstance(batch, (tuple, list)):
-            keys, tensors = None, tuple(batch)
-        else:
-            raise InputError(
-                f"example_batch must be a tuple of tensors or a dict of argument name -> tensor, "
-                f"got {type(batch).__name__}"
-            )
-        if not all(isinstance(t, torch.Tensor) for t in tensors):
-            kinds = [type(t).__name__ for t in tensors]
-            raise InputError(f"example_batch must hold only tensors, got {kinds}")
-        has_target = loss_fn is not None
-        if len(tensors) < 1 + has_target:
-            need = "the model's inputs followed by loss_fn's target" if has_target else "at least one tensor"
-            raise InputError(f"example_batch holds {len(tensors)} tensors; it needs {need}")
-
-        signature = forward_signature(model)
-        model_part = tensors[:-1] if has_target else tensors
-        if signature is not None:
-            try:
-                if keys is None:
-                    signature.bind(*model_part)
-                else:
-                    signature.bind(**dict(zip(keys, model_part)))
-            except TypeError as error:
-                hints = [] if has_target else ["if the last tensor is a target, pass loss_fn=..."]
-                hints += ["pass a dict to give the tensors by argument name"] if keys is None else []
-                raise InputError(
-                    f"{signature_text(model)} cannot take the batch: {error}. "
-                    f"The batch holds {len(tensors)} tensors"
-                    + (" (the last is loss_fn's target)" if has_target else "")
-                    + (f"; {'; '.join(hints)}" if hints else "")
-                ) from None
-        tensors = _unaliased(tensors)
-        if keys is not None:
-            names = list(keys)
-        else:
-            names = _positional_names(signature, len(model_part)) + (["target"] if has_target else [])
-            names = _unique_identifiers(names)
-        return cls(tuple(names), tensors, keys, has_target)
-
-
-def _unaliased(tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-    # torch.export merges inputs that alias one another: with labels=input_ids
-    # passed as one tensor the graph would read labels where it needs
-    # input_ids. Distinct copies keep the two inputs distinct in the graph.
-    seen: set[int] = set()
-    result = []
-    for tensor in tensors:
-        storage = tensor.untyped_storage().data_ptr() if tensor.device.type != "meta" else id(tensor)
-        result.append(tensor.clone() if storage in seen or id(tensor) in seen else tensor)
-        seen |= {storage, id(tensor)}
-    return tuple(result)
-
-
-def _positional_names(signature: inspect.Signature | None, count: int) -> list[str]:
-    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    named = [p.name for p in signature.parameters.values() if p.kind in kinds] if signature else []
-    return [named[i] if i < len(named) else f"batch_{i}" for i in range(count)]
-
-
-def _unique_identifiers(names: list[str]) -> list[str]:
-    ok = [n.isidentifier() and not keyword.iskeyword(n) and n != "self" for n in names]
-    if all(ok) and len(set(names)) == len(names):
-        return names
-    return [f"batch_{i}" for i in range(len(names))]
 
 
 # ------------------------------------------------------- the traced function
@@ -260,7 +166,7 @@ class _TrainStep(torch.nn.Module):
         return _checked_loss(_select_loss(out, model), f"{type(model).__name__}.forward returned")
 
 
-def _train_step(model: torch.nn.Module, loss_fn: Callable | None, batch: _Batch) -> _TrainStep:
+def _train_step(model: torch.nn.Module, loss_fn: Callable | None, batch: Batch) -> _TrainStep:
     # Both front ends name placeholders after forward's parameters, so the
     # forward of the traced root is generated with the batch's names.
     args = ", ".join(batch.names)
@@ -353,19 +259,14 @@ class _LeafTracer(torch.fx.Tracer):
         return super().is_leaf_module(module, module_qualified_name)
 
 
-def _trace_fx(step: _TrainStep, batch: _Batch, leaf_modules: Sequence) -> torch.fx.GraphModule:
+def _trace_fx(step: _TrainStep, batch: Batch, leaf_modules: Sequence, dtype) -> torch.fx.GraphModule:
     tracer = _LeafTracer(leaf_modules)
+    tracer.record_stack_traces = True     # source lines for errors about a node
     return torch.fx.GraphModule(step, tracer.trace(step))
 
 
-def _trace_export(step: _TrainStep, batch: _Batch, leaf_modules: Sequence) -> torch.fx.GraphModule:
-    # Dim.AUTO keeps dim 0 symbolic unless the model specialises it, so one
-    # graph serves every microbatch size.
-    dynamic = tuple({0: torch.export.Dim.AUTO} if t.dim() > 0 else None for t in batch.tensors)
-    with _torch_output_held():
-        program = torch.export.export(step, batch.tensors, strict=False, dynamic_shapes=dynamic)
-    # ep.module() would add a guard node that rejects other batch sizes.
-    return program.module(check_guards=False)
+def _trace_export(step: _TrainStep, batch: Batch, leaf_modules: Sequence, dtype) -> torch.fx.GraphModule:
+    return export_graph(step, batch.tensors, dtype)
 
 
 _FRONT_ENDS = {"fx": _trace_fx, "export": _trace_export}
@@ -531,56 +432,11 @@ def _innermost_user_path(stack: Mapping, valid: set[str]) -> str | None:
     return path
 
 
-@contextlib.contextmanager
-def _torch_output_held():
-    """Hold what torch logs or prints while it tries to trace.
-
-    On failure torch dumps partial graphs and fake-tensor tracebacks to stderr
-    ahead of our own error; that text goes into a note on the exception
-    instead (shown with the chained cause). On success it is replayed.
-    """
-    records: list[logging.LogRecord] = []
-    holder = _RecordList(records)
-    loggers = [logging.getLogger("torch")] + [
-        logger
-        for name, logger in logging.root.manager.loggerDict.items()
-        if name.startswith("torch.") and not name.startswith("torch.__trace")  # structured trace, not console
-        and isinstance(logger, logging.Logger) and logger.handlers
-    ]
-    saved = [(logger, logger.handlers) for logger in loggers]
-    printed = io.StringIO()
-    for logger in loggers:
-        logger.handlers = [holder]
-    try:
-        with contextlib.redirect_stderr(printed):
-            yield
-    except Exception as error:
-        held = [text for text in (*map(holder.format, records), printed.getvalue()) if text.strip()]
-        if held:
-            error.add_note("torch output while tracing:\n" + "\n".join(held))
-        raise
-    finally:
-        for logger, handlers in saved:
-            logger.handlers = handlers
-    for record in records:
-        logging.getLogger(record.name).handle(record)
-    sys.stderr.write(printed.getvalue())
-
-
-class _RecordList(logging.Handler):
-    def __init__(self, records: list[logging.LogRecord]):
-        super().__init__()
-        self.records = records
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
-
-
 # ------------------------------------------------------ checks and errors
 
 
 def _propagate_fake_values(gm: torch.fx.GraphModule, model: torch.nn.Module, step: _TrainStep,
-                           batch: _Batch) -> list[str]:
+                           batch: Batch) -> list[str]:
     """Fill node.meta["val"] for an fx graph and check the batch fits the model (fake tensors: no compute, no side
     effects)."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -588,7 +444,7 @@ def _propagate_fake_values(gm: torch.fx.GraphModule, model: torch.nn.Module, ste
     fake_state = {name: mode.from_tensor(tensor) for name, tensor in state.items()}
     try:
         # Fake copies of the state take in-place updates (BatchNorm statistics) away from the user's tensors.
-        with _reparametrize_module(gm, fake_state, tie_weights=True), _torch_output_held():
+        with _reparametrize_module(gm, fake_state, tie_weights=True), torch_output_held():
             FakeTensorProp(gm, mode).propagate(*batch.tensors)
     except Exception as error:
         for node in gm.graph.nodes:
@@ -600,46 +456,3 @@ def _propagate_fake_values(gm: torch.fx.GraphModule, model: torch.nn.Module, ste
     what = "loss_fn returned" if batch.has_target else f"{type(model).__name__}.forward returned"
     _checked_loss(gm.graph.output_node().args[0].meta["val"], what)
     return []
-
-
-def _graph_modules(module: torch.nn.Module):
-    """The GraphModules in ``module``, nested ones too (export wraps no-grad regions in submodules)."""
-    return [m for m in module.modules() if isinstance(m, torch.fx.GraphModule)]
-
-
-def _drop_metadata_asserts(gm: torch.fx.GraphModule) -> None:
-    """Remove export's ``aten._assert_tensor_metadata`` checks: each pins the dtype and device a ``.to(...)`` saw
-    at trace time (fp32, the CPU), which the runtime's bf16 copies and a GPU then fail; they compute nothing."""
-    target = torch.ops.aten._assert_tensor_metadata.default
-    for m in _graph_modules(gm):
-        dead = [n for n in m.graph.nodes if n.op == "call_function" and n.target is target and not n.users]
-        for n in dead:
-            m.graph.erase_node(n)
-        if dead:
-            m.recompile()
-
-
-def retarget(module: torch.nn.Module, device: torch.device, managed: set[int]) -> None:
-    """Make a graph traced on the CPU run on ``device``: device arguments recorded as the CPU (export's
-    ``arange(..., device=cpu)``, ``_to_copy(device=cpu)``) name ``device``, and tensor constants the graph
-    reads (not the training state, ``managed``: ids of the tensors the runtime moves) are copied there once."""
-    cpu = torch.device("cpu")
-
-    def swap(v):
-        return device if isinstance(v, torch.device) and v == cpu else v
-    for m in _graph_modules(module):
-        for n in m.graph.nodes:
-            if n.op == "call_function":
-                n.args = torch.fx.node.map_aggregate(n.args, swap)
-                n.kwargs = torch.fx.node.map_aggregate(n.kwargs, swap)
-            elif n.op == "get_attr":
-                *parents, leaf = n.target.split(".")
-                owner = _resolve(m, ".".join(parents))
-                value = getattr(owner, leaf, None)
-                if isinstance(value, torch.Tensor) and id(value) not in managed and value.device != device:
-                    moved = value.to(device)
-                    if leaf in getattr(owner, "_buffers", {}):
-                        owner._buffers[leaf] = moved
-                    else:
-                        object.__setattr__(owner, leaf, moved)
-        m.recompile()

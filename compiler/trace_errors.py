@@ -136,7 +136,7 @@ _STDLIB = sysconfig.get_paths()["stdlib"] + os.sep
 _SITE = tuple({sysconfig.get_paths()["purelib"] + os.sep, sysconfig.get_paths()["platlib"] + os.sep})
 
 
-def _is_library(filename: str) -> bool:
+def is_library(filename: str) -> bool:
     if filename.startswith("<"):
         return True
     path = os.path.abspath(filename)
@@ -152,7 +152,7 @@ def user_frame(error: BaseException, model: torch.nn.Module) -> _Frame | None:
         frames = list(traceback.walk_tb(error.__traceback__))
         for i in range(len(frames) - 1, -1, -1):
             frame, lineno = frames[i]
-            if _is_library(frame.f_code.co_filename):
+            if is_library(frame.f_code.co_filename):
                 continue
             module_path, module_class = None, None
             for outer, _ in reversed(frames[: i + 1]):

@@ -55,7 +55,7 @@ def compile(model: torch.nn.Module, example_batch, *, memory_budget=None, microb
     names, batch = _batch_items(example_batch)
     cfg = _resolve(options, _batch_size(batch))
     gm = trace(model, dict(zip(names, batch)) if names else tuple(batch), loss_fn=cfg.loss_fn,
-               leaf_modules=cfg.leaf_modules)
+               leaf_modules=cfg.leaf_modules, dtype=cfg.compute_dtype)
     _check_groups(cfg.param_groups, gm)
     t_trace = time.perf_counter()
     balanced = _plan_rank(model, gm, batch, cfg)

@@ -156,3 +156,119 @@ def assert_bitwise(sm, expected):
     assert got.keys() == expected.keys()
     for n in expected:
         assert torch.equal(got[n], expected[n]), n
+
+
+class BasicBlock(nn.Module):
+    """torchvision's ResNet BasicBlock, as torchvision writes it: in-place ReLU and ``out += identity``."""
+
+    expansion = 1
+
+    def __init__(self, inplanes, planes, stride=1, downsample=None):
+        super().__init__()
+        self.conv1 = nn.Conv2d(inplanes, planes, 3, stride=stride, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(planes)
+        self.relu = nn.ReLU(inplace=True)
+        self.conv2 = nn.Conv2d(planes, planes, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(planes)
+        self.downsample = downsample
+
+    def forward(self, x):
+        identity = x
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        if self.downsample is not None:
+            identity = self.downsample(x)
+        out += identity
+        out = self.relu(out)
+        return out
+
+
+class ResNet18(nn.Module):
+    """torchvision's resnet18 layout (stem, four stages of two BasicBlocks, average pool, fc) at a chosen width,
+    returning the cross-entropy loss; torchvision's CPU wheel does not load here, so it is written out."""
+
+    def __init__(self, width=64, classes=10):
+        super().__init__()
+        self.inplanes = width
+        self.conv1 = nn.Conv2d(3, width, 7, stride=2, padding=3, bias=False)
+        self.bn1 = nn.BatchNorm2d(width)
+        self.relu = nn.ReLU(inplace=True)
+        self.maxpool = nn.MaxPool2d(kernel_size=3, stride=2, padding=1)
+        self.layer1 = self._make_layer(width, 2)
+        self.layer2 = self._make_layer(2 * width, 2, stride=2)
+        self.layer3 = self._make_layer(4 * width, 2, stride=2)
+        self.layer4 = self._make_layer(8 * width, 2, stride=2)
+        self.avgpool = nn.AdaptiveAvgPool2d((1, 1))
+        self.fc = nn.Linear(8 * width, classes)
+
+    def _make_layer(self, planes, blocks, stride=1):
+        downsample = None
+        if stride != 1 or self.inplanes != planes:
+            downsample = nn.Sequential(nn.Conv2d(self.inplanes, planes, 1, stride=stride, bias=False),
+                                       nn.BatchNorm2d(planes))
+        layers = [BasicBlock(self.inplanes, planes, stride, downsample)]
+        self.inplanes = planes
+        layers += [BasicBlock(planes, planes) for _ in range(1, blocks)]
+        return nn.Sequential(*layers)
+
+    def forward(self, x, y):
+        x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
+        x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
+        return F.cross_entropy(self.fc(torch.flatten(self.avgpool(x), 1)), y)
+
+
+def resnet18_case(batch=4, seed=0, width=8):
+    """64x64 images: the last stage is 2x2, so each BatchNorm there normalises over more than two values."""
+    torch.manual_seed(seed)
+    return ResNet18(width), [(torch.randn(batch, 3, 64, 64), torch.randint(0, 10, (batch,))) for _ in range(3)]
+
+
+# Tiny decoder-only configs (2 layers) for the architecture tests: the parts each family adds over Llama.
+_DECODER = dict(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
+                max_position_embeddings=32, attention_dropout=0.0, use_cache=False, tie_word_embeddings=False)
+
+
+def hf_mistral_case(batch=4, seed=0):
+    return _hf_case("MistralForCausalLM", "MistralConfig", batch, seed, sliding_window=8, **_DECODER)
+
+
+def hf_qwen2_case(batch=4, seed=0):
+    return _hf_case("Qwen2ForCausalLM", "Qwen2Config", batch, seed, **_DECODER)
+
+
+def hf_mixtral_case(batch=4, seed=0):
+    """Top-2 routing over 4 experts; the router normalises its top values in place (``/=``)."""
+    return _hf_case("MixtralForCausalLM", "MixtralConfig", batch, seed, num_local_experts=4, num_experts_per_tok=2,
+                    **_DECODER)
+
+
+def hf_qwen2_moe_case(batch=4, seed=0):
+    return _hf_case("Qwen2MoeForCausalLM", "Qwen2MoeConfig", batch, seed, num_experts=4, num_experts_per_tok=2,
+                    moe_intermediate_size=32, shared_expert_intermediate_size=32, **_DECODER)
+
+
+def hf_neox_case(batch=4, seed=0):
+    return _hf_case("GPTNeoXForCausalLM", "GPTNeoXConfig", batch, seed, num_hidden_layers=2, hidden_size=32,
+                    num_attention_heads=4, intermediate_size=64, max_position_embeddings=32, use_cache=False,
+                    hidden_dropout=0.0, attention_dropout=0.0, tie_word_embeddings=False)
+
+
+def hf_t5_case(batch=4, seed=0):
+    """Encoder-decoder; labels shift right into the decoder's inputs (decoder_start_token_id)."""
+    return _hf_case("T5ForConditionalGeneration", "T5Config", batch, seed, num_layers=2, num_decoder_layers=2,
+                    d_model=32, d_kv=8, num_heads=4, d_ff=64, dropout_rate=0.0, use_cache=False,
+                    decoder_start_token_id=0, pad_token_id=0, tie_word_embeddings=False)
+
+
+def hf_small_llama_case(batch=4, seed=0):
+    return _hf_case("LlamaForCausalLM", "LlamaConfig", batch, seed, **_DECODER)
+
+
+def hf_small_gpt2_case(batch=4, seed=0):
+    return _hf_case("GPT2LMHeadModel", "GPT2Config", batch, seed, n_layer=2, n_embd=32, n_head=4, n_positions=32,
+                    resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=False)
+
+
+ARCHITECTURES = {"llama": hf_small_llama_case, "mistral": hf_mistral_case, "qwen2": hf_qwen2_case,
+                 "mixtral": hf_mixtral_case, "qwen2-moe": hf_qwen2_moe_case, "gpt-neox": hf_neox_case,
+                 "t5": hf_t5_case, "gpt2": hf_small_gpt2_case, "resnet18": resnet18_case}
