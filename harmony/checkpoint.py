@@ -44,7 +44,15 @@ import torch
 from harmony import checkpoint_files as ckfiles
 from harmony.base.errors import CheckpointError
 from harmony.base.units import fmt_bytes
-from harmony.checkpoint_check import check_groups, check_manifest, check_payload, check_step, read_mapped, seal
+from harmony.checkpoint_check import (
+    check_groups,
+    check_manifest,
+    check_payload,
+    check_schedulers,
+    check_step,
+    read_mapped,
+    seal,
+)
 from harmony.checkpoint_files import MANIFEST
 from harmony.checkpoint_ranks import check_world, meet
 from harmony.checkpoint_state import LiveState
@@ -76,7 +84,7 @@ def state_dict(sm) -> dict:
 
     >>> sd = sm.state_dict()
     >>> sorted(sd)
-    ['format', 'model', 'optimizer', 'param_groups', 'rng', 'step']
+    ['format', 'model', 'optimizer', 'param_groups', 'rng', 'schedulers', 'step']
 
     The tensors are the ones the runtime trains: save or clone them before the next step.
     Optimizer state the runtime keeps on disk (``host_memory_budget``) is read into new
@@ -91,6 +99,7 @@ def state_dict(sm) -> dict:
                           for names, g in groups] for groups in live.groups],
         "step": sm.steps,
         "rng": _rng_state(),
+        "schedulers": [s.state_dict() for s in getattr(sm, "schedulers", ())],
         **({"loss_scaler": _scaler(sm).state_dict()} if _scaler(sm) is not None else {}),
     }
 
@@ -132,11 +141,22 @@ def load_state_dict(sm, sd: dict) -> None:
         live.write_tensor(n, t)
     live.write_optims(sd["optimizer"], list(live.optimizers))
     live.clear_optim(set(sd["optimizer"]))
+    check_schedulers(sd.get("schedulers", []), getattr(sm, "schedulers", ()), "the state dict")
     live.write_groups(groups)
+    _load_schedules(sm, sd.get("schedulers", []))
     sm.steps = int(sd["step"])
     _consistent_again(sm)
     _set_rng_state(sd["rng"])
     _load_scaler(sm, sd.get("loss_scaler"))
+
+
+def _load_schedules(sm, states: list) -> None:
+    """``sm.optimizer`` takes its groups' settings back from the packs' optimizers (``write_groups`` restored
+    theirs), then each registered scheduler its state (``check_schedulers`` matched their number)."""
+    if getattr(sm, "optimizer", None) is not None:
+        sm.optimizer.pull()
+    for scheduler, state in zip(getattr(sm, "schedulers", ()), states):
+        scheduler.load_state_dict(state)
 
 
 def _check(live: LiveState, model: dict, optim: dict, groups: list[dict], where: str) -> None:
@@ -242,7 +262,8 @@ def save(sm, path, *, progress=None) -> Path:
     if not _replicated_ranks(sm):
         return _save_here(sm, path, progress)
     import torch.distributed as dist
-    meet("harmony.save")      # a rank that never calls save is named now, not after a raw gloo error
+    # a rank that never calls save is named now, not after a raw gloo error
+    meet("harmony.save", sm.program.config.comm_timeout)
     box, error = [None], None
     if dist.get_rank() == 0:
         try:
@@ -310,7 +331,8 @@ def _save_here(sm, path, progress) -> Path:
         if progress is not None:
             progress(total - 1, total, tmp / "rng.pt")
         manifest = {"format": KIND, "version": FORMAT, "step": sm.steps, "torch": torch.__version__,
-                    "param_groups": groups, "files": files}
+                    "param_groups": groups, "files": files,
+                    "schedulers": [_jsonable(s.state_dict()) for s in getattr(sm, "schedulers", ())]}
         if _scaler(sm) is not None:
             manifest["loss_scaler"] = _scaler(sm).state_dict()
         ckfiles.write_bytes(tmp / MANIFEST, json.dumps(seal(manifest), indent=1).encode())
@@ -347,6 +369,7 @@ def load(sm, path) -> CheckpointInfo:
     optim = {n: s for f in packs for n, s in f.get("optimizer", {}).items()}
     groups = [g for per_opt in manifest["param_groups"] for g in per_opt]
     check_groups(groups, live, src / MANIFEST)
+    check_schedulers(manifest.get("schedulers", []), getattr(sm, "schedulers", ()), src / MANIFEST)
     _check(live, model, optim, groups, f"checkpoint {src}")
     try:
         for f in manifest["files"]:
@@ -374,6 +397,7 @@ def load(sm, path) -> CheckpointInfo:
                               f"may be partly loaded: load again, or another checkpoint, before training.") from e
     live.clear_optim(set(optim))
     live.write_groups(groups)
+    _load_schedules(sm, manifest.get("schedulers", []))
     sm.steps = int(manifest["step"])
     _set_rng_state(rng)
     _consistent_again(sm)

@@ -101,6 +101,16 @@ def check_manifest(manifest: dict, where) -> None:
             raise _fail(where, f"field 'loss_scaler' is {scaler!r}; it needs scale > 0 and counts >= 0")
 
 
+def check_schedulers(states, schedulers, where) -> None:
+    """One saved state per scheduler registered on the module (``sm.add_scheduler``), each a dict."""
+    if not isinstance(states, list) or not all(isinstance(s, dict) for s in states):
+        raise _fail(where, "field 'schedulers' must be a list of scheduler states (dicts)")
+    if len(states) != len(schedulers):
+        raise CheckpointError(f"{where} holds the state of {len(states)} lr schedulers, and this module has "
+                              f"{len(schedulers)} registered (sm.add_scheduler); nothing was changed. Register "
+                              f"the same schedulers, in the same order, before loading")
+
+
 def _finite(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 

@@ -1,8 +1,8 @@
 """Checkpoints under data parallelism: every rank must take part, and a checkpoint names the world it was saved in.
 
-``meet(op)``: before rank 0 writes the checkpoint the ranks share (or any rank reads), the ranks meet at a monitored
-barrier (gloo; a plain barrier elsewhere, bounded by the process group's timeout). A rank that does not come within
-``HARMONY_COMM_TIMEOUT`` seconds (the timeout the process group was configured with, default 300) is named in a
+``meet(op, timeout)``: before rank 0 writes the checkpoint the ranks share (or any rank reads), the ranks meet at a
+monitored barrier (gloo; a plain barrier elsewhere, bounded by the process group's timeout). A rank that does not
+come within ``comm_timeout`` seconds (the process group's: HARMONY_COMM_TIMEOUT, default 300) is named in a
 ``CommunicationError`` on the ranks that came, which says that every rank must call the operation: the common DDP
 habit of saving on rank 0 alone would otherwise wait for the whole timeout and end in a raw gloo error.
 
@@ -22,14 +22,10 @@ from harmony.base.errors import CheckpointError, CommunicationError
 _RANK_DIR = re.compile(r"rank-(\d+)-of-(\d+)")
 
 
-def comm_timeout() -> float:
-    return float(os.environ.get("HARMONY_COMM_TIMEOUT", 300))
-
-
-def meet(op: str) -> None:
-    """Every rank reaches ``op`` (``harmony.save`` / ``harmony.load``) within the timeout, or a CommunicationError."""
+def meet(op: str, timeout: float) -> None:
+    """Every rank reaches ``op`` (``harmony.save`` / ``harmony.load``) within ``timeout`` seconds (the module's
+    ``comm_timeout``), or a CommunicationError."""
     import torch.distributed as dist
-    timeout = comm_timeout()
     rank, world = dist.get_rank(), dist.get_world_size()
     try:
         if dist.get_backend() == "gloo":

@@ -30,6 +30,8 @@ class LiveState:
         self.pdisk = getattr(self.tiers, "params_disk", None)   # packs wholly on disk (runtime/diskparams.py)
         self._weights: dict[int, dict] = {}   # group -> weights given to write_tensor, written with its state
         name_of = {id(t): n for n, t in self.tensors.items()}
+        if getattr(sm, "optimizer", None) is not None:   # the groups' settings the next step uses (a scheduler's
+            sm.optimizer.step()                          # lr), in the packs' optimizers whose groups are saved
         self.optimizers: dict[str, torch.optim.Optimizer] = {}
         self.groups: list[list[tuple[list[str], dict]]] = []   # per optimizer, per group: names, group
         for opt in sm.optimizers:

@@ -109,10 +109,12 @@ class PackedOptimizer(torch.optim.Optimizer):
         self.links = links     # (a pack optimizer's param group, the index of the model's group it belongs to)
 
     def step(self, closure=None):
-        """Write the groups' hyperparameters into the packs' optimizers (``sm(...)`` calls it before each step)."""
+        """Write the groups' hyperparameters into the packs' optimizers (``sm(...)`` calls it before each step): the
+        optimizer's own settings only, not what a scheduler keeps beside them (``initial_lr``, ``max_lr``, ...),
+        which the scheduler's state holds."""
         for group, i in self.links:
             mine = self.param_groups[i]
-            group.update({k: v for k, v in mine.items() if k != "params"})
+            group.update({k: mine[k] for k in group if k != "params" and k in mine})
         return None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -121,7 +123,7 @@ class PackedOptimizer(torch.optim.Optimizer):
     def pull(self) -> None:
         """Take the hyperparameters from the packs' optimizers (after a checkpoint restored theirs)."""
         for group, i in self.links:
-            self.param_groups[i].update({k: v for k, v in group.items() if k != "params"})
+            self.param_groups[i].update({k: v for k, v in group.items() if k != "params"})   # its own settings
 
 
 def build_optimizers(cfg, plan, tensors: dict) -> tuple[dict, PackedOptimizer]:

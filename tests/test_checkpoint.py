@@ -113,7 +113,7 @@ def test_resume_into_a_mixed_plan_is_bitwise(run_a, chosen_by, monkeypatch):
 def test_state_dict_references_live_tensors_and_round_trips_in_memory(run_a):
     a = run_a["sm"]
     sd = a.state_dict()
-    assert sorted(sd) == ["format", "model", "optimizer", "param_groups", "rng", "step"]
+    assert sorted(sd) == ["format", "model", "optimizer", "param_groups", "rng", "schedulers", "step"]
     live = dict(a.program.gm.named_parameters())
     for n, t in sd["model"].items():   # references, not copies
         assert t.untyped_storage().data_ptr() == live[n].data.untyped_storage().data_ptr(), n

@@ -95,3 +95,36 @@ def test_bad_optimizers_and_groups_are_refused(tmp_path):
     with pytest.raises(ConfigError, match="not built on this module's optimizer"):
         sm.add_scheduler(torch.optim.lr_scheduler.StepLR(other, 1))
     sm.close()
+
+
+def test_harmony_save_and_load_keep_the_schedulers_and_the_groups_settings(tmp_path):
+    """A run resumed from a checkpoint continues the schedule where it stopped: the lr of every group and the
+    weights equal those of the run that never stopped, bit for bit."""
+    model, data = CASES["gpt"](layers=2)
+
+    def compiled():
+        m = copy.deepcopy(model)
+        sm = harmony.compile(m, example_batch=data[0], optimizer=torch.optim.AdamW(groups_of(m), lr=1e-2),
+                             microbatches=2, optimizer_kwargs={"fused": False})
+        return sm, sm.add_scheduler(SCHEDULERS["onecycle"](sm.optimizer))
+    straight, sched = compiled()
+    for i, (x, y) in enumerate(data):
+        straight(x, y)
+        sched.step()
+        if i == 1:
+            harmony.save(straight, tmp_path / "ckpt")
+    resumed, sched2 = compiled()
+    with pytest.raises(harmony.errors.CheckpointError, match="1 lr schedulers, and this module has 0"):
+        bare = harmony.compile(copy.deepcopy(model), example_batch=data[0], microbatches=2)
+        harmony.load(bare, tmp_path / "ckpt")
+    harmony.load(resumed, tmp_path / "ckpt")
+    assert [g["lr"] for g in resumed.optimizer.param_groups] != [g["lr"] for g in straight.optimizer.param_groups]
+    for x, y in data[2:]:
+        resumed(x, y)
+        sched2.step()
+    assert [g["lr"] for g in resumed.optimizer.param_groups] == [g["lr"] for g in straight.optimizer.param_groups]
+    assert sched2.state_dict()["last_epoch"] == sched.state_dict()["last_epoch"] == len(data) > 2
+    a, b = straight.state_dict()["model"], resumed.state_dict()["model"]
+    assert all(torch.equal(a[n], b[n]) for n in a)
+    for sm in (straight, resumed, bare):
+        sm.close()
