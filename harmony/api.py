@@ -268,8 +268,8 @@ class ScheduledModule(torch.nn.Module):
                 from harmony.base.process import return_freed_memory
                 return_freed_memory()
             if "disk" in plan.by_pack("optim_on").values():   # the disk tiers: their directories are made now
-                from harmony.runtime.disk import DiskTier
                 from harmony.runtime.diskparams import DiskParams
+                from harmony.runtime.disktier import DiskTier
                 state = self.runtime.state
                 try:
                     state.disk = DiskTier.create(plan, program.schedule, tensors, optimizers, cfg.offload_dir,

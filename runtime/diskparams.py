@@ -415,7 +415,7 @@ class DiskParams:
         self._reads[gid] = (fut, views)
 
     def _take(self, gid: int) -> list[torch.Tensor]:
-        from harmony.runtime.disk import take
+        from harmony.runtime.disktier import take
         return take(self, gid)
 
     def _settle_writes(self, keep: int = 0) -> None:
@@ -513,7 +513,7 @@ class DiskParams:
 
     # -- reports and lifetime -------------------------------------------------------------------------
     def step_stats(self) -> dict:
-        from harmony.runtime.disk import step_stats
+        from harmony.runtime.disktier import step_stats
         return step_stats(self, disk_weight_step_seconds="step_seconds", disk_step_join_seconds="join_seconds",
                           disk_steps_in_place="in_place")
 
