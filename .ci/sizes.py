@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ("harmony", "base", "compiler", "passes", "runtime", "viz")
 MAX_FILE, MAX_FUNCTION = 500, 80
 OVER = {   # file or file:function -> lines when the check came in
-    "runtime/diskparams.py": 528, "runtime/diskparams.py:_step_group": 95,
+    "runtime/diskparams.py": 505,
 }
 
 

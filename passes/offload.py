@@ -215,7 +215,6 @@ def place_state(program: Program) -> tuple[set[int], set[int], dict]:
     enough, moves packs wholly (weights too, runtime/diskparams.py) to disk in the same order.
     Raises ``BudgetError`` naming the smallest host budget if even every pack on disk does not fit.
     """
-    from harmony.runtime.diskparams import groups_of
     cfg, plan, gm = program.config, program.plan, program.gm
     budget = getattr(cfg, "host_memory_budget", None)
     sizes = {n: nbytes(t) for n, t in gm.named_parameters()}
@@ -312,3 +311,31 @@ def _in_memory(spare: int, packs: list[int], groups: dict, sizes: dict, state_pe
                 kept += cost
     share = {p: w / max(sum(sizes[n] for g in groups[p] for n in g), 1) for p, w in weights.items()}
     return memory, share, kept
+
+
+def groups_of(plan, packs, group_bytes: int, sizes: dict[str, int]) -> dict[int, list[list[str]]]:
+    """Each pack's owned parameters cut into groups of at most ``group_bytes`` (one larger parameter alone).
+
+    Parameters go together only if the same packs read them, so reading a group for one
+    pack never brings another pack's weights.
+    """
+    readers: dict[str, tuple] = {}
+    for spec in plan.packs:
+        for n in spec.params:
+            readers[n] = readers.get(n, ()) + (spec.index,)
+    out: dict[int, list[list[str]]] = {}
+    for spec in plan.packs:
+        if spec.index not in packs:
+            continue
+        groups: list[list[str]] = []
+        open_: dict[tuple, tuple[list[str], int]] = {}
+        for n in spec.owned:
+            key = readers.get(n, (spec.index,))
+            cur, used = open_.get(key, (None, 0))
+            if cur is None or (used + sizes[n] > group_bytes and cur):
+                cur, used = [], 0
+                groups.append(cur)
+            cur.append(n)
+            open_[key] = (cur, used + sizes[n])
+        out[spec.index] = groups
+    return out

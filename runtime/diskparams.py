@@ -5,7 +5,7 @@ its optimizer state on disk the host cannot hold its fp32 weights: this is what 
 model whose weights exceed host memory train (ZeRO-Infinity's parameter offload).
 
 The pack's trainable parameters are cut into *groups* of at most ``plan.disk_group_bytes``
-of weights (``groups_of``; parameters read by the same packs go together, so a tied
+of weights (``passes.offload.groups_of``; parameters read by the same packs go together, so a tied
 parameter gets its own group). Each group is one file of the ``DiskStore``: the weights
 first, then the optimizer state once the first step made it. Between uses a parameter's
 ``.data`` is a placeholder of the right shape and dtype (one NaN broadcast to it: no
@@ -79,34 +79,6 @@ def placeholder(t: torch.Tensor) -> torch.Tensor:
 
 def is_placeholder(t) -> bool:
     return isinstance(t, torch.Tensor) and t.dim() > 0 and t.numel() > 1 and all(s == 0 for s in t.stride())
-
-
-def groups_of(plan, packs, group_bytes: int, sizes: dict[str, int]) -> dict[int, list[list[str]]]:
-    """Each pack's owned parameters cut into groups of at most ``group_bytes`` (one larger parameter alone).
-
-    Parameters go together only if the same packs read them, so reading a group for one
-    pack never brings another pack's weights.
-    """
-    readers: dict[str, tuple] = {}
-    for spec in plan.packs:
-        for n in spec.params:
-            readers[n] = readers.get(n, ()) + (spec.index,)
-    out: dict[int, list[list[str]]] = {}
-    for spec in plan.packs:
-        if spec.index not in packs:
-            continue
-        groups: list[list[str]] = []
-        open_: dict[tuple, tuple[list[str], int]] = {}
-        for n in spec.owned:
-            key = readers.get(n, (spec.index,))
-            cur, used = open_.get(key, (None, 0))
-            if cur is None or (used + sizes[n] > group_bytes and cur):
-                cur, used = [], 0
-                groups.append(cur)
-            cur.append(n)
-            open_[key] = (cur, used + sizes[n])
-        out[spec.index] = groups
-    return out
 
 
 class DiskParams:
@@ -269,31 +241,7 @@ class DiskParams:
         carry = [self.tensors[n].data for n in names] if handed and self.group_pack[gid] in self.carry else None
         held = {(n, k): v for (n, k, _, _), v in zip(lay, views)}
         keep = self._device_refs          # a background step: device copies live until ``join``
-        for i, n in enumerate(names):
-            t = self.tensors[n]
-            g, t.grad = t.grad, None
-            if g is None:                # left the device ahead of its weights (TieredState.parked)
-                g = self.parked.pop(n, None)
-            if g is not None and self.meter.holds(g):
-                if keep is not None:
-                    keep.append(g)
-                if self.device.type != "cpu":
-                    g = to_host(g)       # else the device copy goes with the last reference to it
-                # on the CPU device the gradient is in host memory already: the step reads it where it
-                # is (counted as moved all the same, and on the device until the step is done with it),
-                # which saves a copy into fresh pages per group, on cores the next backward needs
-            if handed and weights is None:   # the backward's copy of the weights: not read from the file again
-                held[(n, PARAM)].copy_(t.data)
-            if keep is not None and self.meter.holds(t.data):
-                keep.append(t.data)      # a handed device copy (also of a file in memory, not copied)
-            t.data = weights[i] if weights is not None else held[(n, PARAM)]
-            t.grad = g
-            opt = self.optimizers.get(n)
-            if opt is not None:
-                state = opt.state.setdefault(t, {})
-                for (m, k), v in held.items():
-                    if m == n and k != PARAM:
-                        state[k] = v
+        self._install(names, held, weights, handed, keep, to_host)
         if weights is not None:
             views = list(weights) + list(views[len(names):])
         opts = list(dict.fromkeys(self.optimizers[n] for n in names if n in self.optimizers))
@@ -348,6 +296,35 @@ class DiskParams:
         self._writing.append((gid, fut, out))
         if nxt_wrap := self._wrap(gid):
             self.prefetch(nxt_wrap)
+
+    def _install(self, names, held: dict, weights, handed: bool, keep, to_host) -> None:
+        """Put a group's weights, gradients and optimizer state where its optimizer steps them: the weights from
+        ``weights`` (stepped in place) or ``held`` (the file's buffer), the gradients off the device."""
+        for i, n in enumerate(names):
+            t = self.tensors[n]
+            g, t.grad = t.grad, None
+            if g is None:                # left the device ahead of its weights (TieredState.parked)
+                g = self.parked.pop(n, None)
+            if g is not None and self.meter.holds(g):
+                if keep is not None:
+                    keep.append(g)
+                if self.device.type != "cpu":
+                    g = to_host(g)       # else the device copy goes with the last reference to it
+                # on the CPU device the gradient is in host memory already: the step reads it where it
+                # is (counted as moved all the same, and on the device until the step is done with it),
+                # which saves a copy into fresh pages per group, on cores the next backward needs
+            if handed and weights is None:   # the backward's copy of the weights: not read from the file again
+                held[(n, PARAM)].copy_(t.data)
+            if keep is not None and self.meter.holds(t.data):
+                keep.append(t.data)      # a handed device copy (also of a file in memory, not copied)
+            t.data = weights[i] if weights is not None else held[(n, PARAM)]
+            t.grad = g
+            opt = self.optimizers.get(n)
+            if opt is not None:
+                state = opt.state.setdefault(t, {})
+                for (m, k), v in held.items():
+                    if m == n and k != PARAM:
+                        state[k] = v
 
     def _weights_for_step(self, names, lay) -> tuple[list[torch.Tensor], bool]:
         """The handed weights of a group as host tensors in the file's layout (its first ``len(names)`` entries),
