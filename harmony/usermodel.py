@@ -17,7 +17,7 @@ from harmony.base.errors import OffloadError
 
 
 def _placeholders(model: torch.nn.Module) -> list[str]:
-    from harmony.runtime.diskparams import is_placeholder
+    from harmony.runtime.placeholders import is_placeholder
     return [n for n, p in model.named_parameters() if is_placeholder(p.data)]
 
 
@@ -49,7 +49,8 @@ def sync_model(sm) -> list[str]:
     pd = getattr(sm.runtime, "state", None) and sm.runtime.state.params_disk
     if pd is None:
         return []
-    from harmony.runtime.diskparams import PARAM, is_placeholder
+    from harmony.runtime.diskparams import PARAM
+    from harmony.runtime.placeholders import is_placeholder
     brought = []
     for gid, names in enumerate(pd.groups):
         todo = [n for n in names if is_placeholder(pd.tensors[n].data)]

@@ -65,22 +65,9 @@ from concurrent.futures import wait as wait_all
 import torch
 
 from harmony.base.errors import OffloadError
+from harmony.runtime.placeholders import placeholder
 
 PARAM = "param"     # the layout key of a group's weights (optimizer state keys are the optimizer's)
-_NAN: dict[torch.dtype, torch.Tensor] = {}
-
-
-def placeholder(t: torch.Tensor) -> torch.Tensor:
-    """A tensor of ``t``'s shape and dtype that holds no memory: one NaN broadcast to the shape."""
-    if t.dtype not in _NAN:
-        _NAN[t.dtype] = torch.full((), float("nan"), dtype=t.dtype)
-    return _NAN[t.dtype].expand(t.shape)
-
-
-def is_placeholder(t) -> bool:
-    return isinstance(t, torch.Tensor) and t.dim() > 0 and t.numel() > 1 and all(s == 0 for s in t.stride())
-
-
 class DiskParams:
     """Weights and optimizer state of the disk-placed packs, a file per group; see the module docstring."""
 

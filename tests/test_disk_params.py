@@ -15,7 +15,7 @@ import harmony.runtime.disk as disk
 from harmony.errors import BudgetError, ConfigError, OffloadError
 from harmony.runtime import ops
 from harmony.models import GPT, GPTConfig, copy_task
-from harmony.runtime.diskparams import is_placeholder
+from harmony.runtime.placeholders import is_placeholder
 from models import assert_bitwise, params
 
 CFG = GPTConfig(layers=3, width=64, vocab=64, seq=16)          # tied embedding and head: a group of its own
