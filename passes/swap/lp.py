@@ -1,6 +1,6 @@
 """The swap pass's exact selection: one integer program over the memory curve, where the greedy ranks by rate.
 
-The greedy (``swap._greedy`` and the ``keep_*_parts`` fills) keeps what saves the most bytes per byte
+The greedy (``swap.search.greedy`` and the ``keep_*_parts`` fills) keeps what saves the most bytes per byte
 held first. Where the budget binds at more than one point that ranking can go wrong: a byte of a
 host-stepped pack's weights held from its forward to its backward saves 1 and costs its byte only
 there; a byte stepped on the device (weight, gradient and optimizer state resident) saves the weight's
