@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-import harmony  # noqa: I001  (before torch: harmony sets the OpenMP and allocator variables torch reads at import)
+import harmony  # before torch: it sets the OpenMP and allocator variables torch reads when it loads
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import tempfile
 
-import harmony  # noqa: I001  (before torch: harmony sets the OpenMP and allocator variables torch reads at import)
+import harmony  # before torch: it sets the OpenMP and allocator variables torch reads when it loads
 import torch
 
 from harmony.models import GPT, GPTConfig, copy_task
