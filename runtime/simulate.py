@@ -106,7 +106,7 @@ class Simulation:
         return max((b for _, b in self.memory), default=0)
 
     def __repr__(self) -> str:
-        """One line: step time, utilisation per busy stream, peak; the ops stay in ``.events`` (``summary()``: a table)."""
+        """One line: step time, share of it each stream was busy, peak; the ops stay in ``.events``."""
         busy = ", ".join(f"{s} {u:.0%}" for s, u in self.utilisation.items() if u)
         peak = f", peak {self.peak_bytes / 2**20:.1f} MiB" if self.memory else ""
         emu = f", emulated x{self.speed_factor:g}" if self.emulated else ""
