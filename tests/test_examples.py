@@ -107,6 +107,15 @@ def test_every_example_has_a_test_and_a_tiny_flag():
         assert f'"{name}.py"' in here and "--tiny" in (EXAMPLES / f"{name}.py").read_text()
 
 
+def test_readme_shows_the_dict_batch_lists_the_examples_and_says_what_checkpoints_hold():
+    readme = (ROOT / "README.md").read_text()
+    use = readme.split("## Use", 1)[1].split("\n## ", 1)[0]
+    assert "example_batch=batch" in use and "sm(**batch)" in use
+    for p in EXAMPLES.glob("*.py"):
+        assert f"`{p.name}`" in use, p.name
+    assert "weights-only" not in readme and "the optimizer's state" in readme
+
+
 def test_demo_help_documents_every_option_with_its_default(capsys):
     from harmony.__main__ import main
 
