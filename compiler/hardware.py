@@ -139,7 +139,8 @@ class Device:
         """A GPU from ``PRESETS`` by name (case, dashes and spaces ignored), on its own or another host link."""
         key = _key(name)
         if key not in PRESETS:
-            raise ConfigError(f"no hardware preset {name!r}; presets: {', '.join(PRESETS)}")
+            raise ConfigError(f"no hardware preset {name!r}; presets: {', '.join(PRESET_NAMES)} (case, dashes and "
+                              f"spaces ignored)")
         dev = PRESETS[key]
         if link is None:
             return dev
@@ -404,7 +405,7 @@ _V100 = ("NVIDIA Tesla V100 GPU Accelerator datasheet, SXM2 column: FP32 15.7 TF
          "FP32 accumulate) 125 TFLOPS, HBM2 900 GB/s; host link PCIe Gen3 x16")
 _A100 = ("NVIDIA A100 Tensor Core GPU datasheet, SXM column: FP32 19.5 TFLOPS; TF32 / BF16 / FP16 Tensor "
          "156 / 312 / 312 TFLOPS dense (312 / 624 / 624 with sparsity); PCIe Gen4 64 GB/s both ways")
-PRESETS: dict[str, Device] = {_key(k): v for k, v in {
+_WRITTEN: dict[str, Device] = {
     "v100-16gb": _gpu("Tesla V100 SXM2 16GB", 16, dict(fp32=15.7, fp16=125), 900, "pcie3", _V100),
     "v100-32gb": _gpu("Tesla V100 SXM2 32GB", 32, dict(fp32=15.7, fp16=125), 900, "pcie3", _V100),
     "a100-40gb": _gpu("A100 SXM4 40GB", 40, dict(fp32=19.5, tf32=156, bf16=312, fp16=312), 1555, "pcie4",
@@ -441,9 +442,10 @@ PRESETS: dict[str, Device] = {_key(k): v for k, v in {
     "p40": _gpu("Tesla P40", 24, dict(fp32=12.0), 346, "pcie3",
                 "NVIDIA Tesla P40 datasheet: single precision 12 TFLOPS (at boost clock), INT8 47 TOPS; 24GB "
                 "GDDR5 346 GB/s; PCIe Gen3 x16. No fast FP16 on Pascal GP102, so no fp16 figure"),
-}.items()}
-PRESETS[_key("h100")] = PRESETS[_key("h100-sxm")]
-PRESETS[_key("h200")] = PRESETS[_key("h200-sxm")]
+}
+_WRITTEN["h100"], _WRITTEN["h200"] = _WRITTEN["h100-sxm"], _WRITTEN["h200-sxm"]
+PRESET_NAMES = tuple(_WRITTEN)    # as README and errors write them; lookups ignore case, dashes and spaces
+PRESETS: dict[str, Device] = {_key(k): v for k, v in _WRITTEN.items()}
 
 
 # -- the profile's cache ----------------------------------------------------------------------------

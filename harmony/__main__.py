@@ -54,21 +54,26 @@ def demo(args) -> int:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m harmony", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
-    d = sub.add_parser("demo", help="train the built-in GPT under a memory budget (the main job)")
-    d.add_argument("--layers", type=int, default=6)
-    d.add_argument("--width", type=int, default=256)
-    d.add_argument("--heads", type=int, default=4)
-    d.add_argument("--seq", type=int, default=64)
-    d.add_argument("--vocab", type=int, default=128)
-    d.add_argument("--batch", type=int, default=16)
-    d.add_argument("--microbatches", type=int, default=4)
-    d.add_argument("--steps", type=int, default=60)
+    d = sub.add_parser("demo", help="train the built-in GPT under a memory budget (the main job)",
+                       description="Compile the built-in GPT under a device budget smaller than its training state, "
+                                   "train it on a synthetic copy task, print the report and write drawings.",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    d.add_argument("--layers", type=int, default=6, help="transformer blocks")
+    d.add_argument("--width", type=int, default=256, help="hidden size")
+    d.add_argument("--heads", type=int, default=4, help="attention heads")
+    d.add_argument("--seq", type=int, default=64, help="tokens per sequence")
+    d.add_argument("--vocab", type=int, default=128, help="vocabulary size")
+    d.add_argument("--batch", type=int, default=16, help="sequences per step")
+    d.add_argument("--microbatches", type=int, default=4, help="microbatches the batch is cut into")
+    d.add_argument("--steps", type=int, default=60, help="training steps")
     d.add_argument("--budget", type=float, default=0.4, help="device budget as a share of the training state")
-    d.add_argument("--policy", default="harmony", choices=["harmony", "sequential", "ondemand"])
-    d.add_argument("--lr", type=float, default=1e-3)
+    d.add_argument("--policy", default="harmony", choices=["harmony", "sequential", "ondemand"],
+                   help="the schedule: harmony, or a baseline (sequential: gradient accumulation under swapping; "
+                        "ondemand: fetch on use, evict the least recently used)")
+    d.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
     d.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"],
                    help="bf16/fp16: compute copies on the device, fp32 masters and optimizer on the host")
-    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--seed", type=int, default=0, help="seed of the weights and the data")
     d.add_argument("--out", default="harmony-demo", help="where the drawings go")
     args = p.parse_args(argv)
     return demo(args)

@@ -105,6 +105,14 @@ class Simulation:
     def peak_bytes(self) -> int:
         return max((b for _, b in self.memory), default=0)
 
+    def __repr__(self) -> str:
+        """One line: step time, share of it each stream was busy, peak; the ops stay in ``.events``."""
+        busy = ", ".join(f"{s} {u:.0%}" for s, u in self.utilisation.items() if u)
+        peak = f", peak {self.peak_bytes / 2**20:.1f} MiB" if self.memory else ""
+        emu = f", emulated x{self.speed_factor:g}" if self.emulated else ""
+        return (f"Simulation(step {_seconds(self.step_seconds)} on {self.device}{emu}; busy {busy or 'nothing'}"
+                f"{peak}; {len(self.events)} ops in .events)")
+
     def summary(self) -> str:
         emu = f", emulated: compute time x{self.speed_factor:g}" if self.emulated else ""
         lines = [f"simulated step {_seconds(self.step_seconds)} on {self.device}{emu}",

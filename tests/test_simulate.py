@@ -231,6 +231,18 @@ def test_speed_factor_stretches_compute_only_and_says_emulated():
     assert "emulated" not in simulate(s.g, plan(pack(0), pack(1)), UNIT).summary()
 
 
+def test_a_simulation_prints_as_one_short_line_with_its_events_behind_an_attribute():
+    s = Schedule()
+    s.swap_in(1, "params")
+    s.forward(0, 0)
+    sim = simulate(s.done(), plan(pack(0), pack(1)), UNIT.replace(speed_factor=2.0))
+    text = repr(sim)
+    assert "\n" not in text and len(text) < 200, text
+    assert text.startswith("Simulation(step 2 s") and "compute 100%" in text and "h2d 50%" in text
+    assert "emulated x2" in text and f"{len(sim.events)} ops in .events" in text
+    assert "SimEvent" not in text and len(sim.events) == 2
+
+
 def test_op_latency_is_paid_per_compute_op():
     s = Schedule()
     s.forward(0, 0)
@@ -354,6 +366,16 @@ def test_every_preset_loads_with_positive_figures_and_a_source():
         assert d.h2d_bandwidth in PCIE.values() and d.d2h_bandwidth == d.h2d_bandwidth
         assert "datasheet" in d.source or "specifications" in d.source or "whitepaper" in d.source
         assert all(v > 0 for v in d.peak_flops.values())
+
+
+def test_presets_are_found_as_written_or_squeezed_and_errors_list_them_as_written():
+    from harmony.compiler.hardware import PRESET_NAMES
+    assert "a100-40gb" in PRESET_NAMES and "h100-sxm" in PRESET_NAMES
+    for name in ("a100-40gb", "a10040gb", "A100 40GB", "A100_40GB"):
+        assert Hardware.preset(name).devices[0].name == "A100 SXM4 40GB"
+    with pytest.raises(ConfigError) as e:
+        Hardware.preset("b200")
+    assert "a100-40gb" in str(e.value) and "a10040gb" not in str(e.value)
 
 
 def test_preset_figures_are_the_datasheets():

@@ -58,6 +58,38 @@ def test_report_text_has_every_pass_and_the_last_step(compiled):
         assert spec.name in text
 
 
+def test_report_names_the_tied_weight_and_says_it_is_allclose(compiled):
+    sm, _ = compiled                       # GPT ties its embedding and head
+    text = sm.report()
+    line = text[text.index("tied weights"):text.index("compile ")]
+    assert "tok.weight = head.weight" in line and "allclose" in line and "not bitwise" in line
+    packs = [s.index for s in sm.program.plan.packs if "tok.weight" in s.params]
+    assert len(packs) > 1 and f"packs {packs[0]} and {packs[-1]}" in line
+    assert json.loads(sm.report("json"))["tied"] == [dict(names=["tok.weight", "head.weight"], packs=packs)]
+
+
+def test_untied_models_report_no_tied_weight():
+    torch.manual_seed(0)
+    c = GPTConfig(layers=1, width=32, vocab=32, seq=8, tie=False)
+    model = GPT(c)
+    sm = harmony.compile(model, next(copy_task(c, 4, 1)), memory_budget="64MiB")
+    assert "tied weights" not in sm.report() and report.summary(sm)["tied"] == []
+    sm.close()
+
+
+def test_the_report_ends_with_a_legend_of_the_terms_it_used(compiled):
+    sm, _ = compiled
+    text = sm.report()
+    body, legend = text.split("== terms ==")
+    assert "\n\n" not in legend.strip()                            # one paragraph, at the end
+    legend = " ".join(legend.split())
+    assert "saves_per_byte: what keeping an item on the device saves" in legend
+    assert "objective_s: what the partition's dynamic program minimised" in legend
+    for term, meaning in report.TERMS.items():                     # only the terms the report used
+        assert (f"{term}: {meaning}" in legend) == (term in body), term
+    assert "## terms" in sm.report("markdown")
+
+
 def test_report_markdown_is_tables(compiled):
     sm, _ = compiled
     md = sm.report("markdown")

@@ -29,6 +29,32 @@ from harmony.runtime.precision import device_bytes
 
 FORMATS = ("text", "markdown", "json")
 
+# The report's words that are Harmony's own, explained once at its end (only those it used).
+TERMS = {
+    "units": "how many of the partition's layers (the graph cut at its narrowest gaps) a pack holds",
+    "need_MiB": "the device memory a pack's forward and backward need at the microbatch size",
+    "objective_s": "what the partition's dynamic program minimised: the sum of each pack's cost-model seconds "
+                   "(compute or copies, whichever is longer), before overlap between packs",
+    "predicted_step_s": "the cost model's whole step for the chosen packs, overlap and host steps included",
+    "usable_budget_MiB": "the bytes the planner may fill: the budget less the device libraries' share and a "
+                         "headroom for prediction error",
+    "grads_out_MiB": "gradients a pack sends to the host for its optimizer step, per step",
+    "in_memory_MiB": "files of the disk tier the host budget has room to keep in memory",
+    "saves_per_byte": "what keeping an item on the device saves, per byte it holds: bytes of copy traffic "
+                      "(a recompute saved is priced as the bytes the host link moves in that time); the swap "
+                      "pass keeps the highest first",
+    "params between visits": "weights held on the device from a pack's forward to its backward within a step "
+                             "instead of being copied in twice; (4/8): 4 of the pack's 8 weights (parameters "
+                             "and buffers)",
+    "params across steps": "weights left on the device from their step to the next step's forward",
+    "forward outputs": "a pack's output kept on the device for the next pack instead of stashed to the host",
+    "input grads": "the gradient a pack's backward hands to the pack before it, kept on the device",
+    "activations (no recompute)": "a pack's saved activations kept, so its backward does not rerun its forward",
+    "recompute": "the backward reruns the pack's forward from its stashed input (activation checkpointing)",
+    "h2d": "host to device copies",
+    "d2h": "device to host copies",
+}
+
 
 def render(sm, fmt: str = "text") -> str:
     """``sm``'s report in ``fmt`` ("text", "markdown" or "json")."""
@@ -56,6 +82,7 @@ def summary(sm) -> dict:
         passes=[dict(title=r.title, seconds=r.seconds, rows=list(r.rows), totals=dict(r.totals),
                      notes=list(r.notes)) for r in program.reports],
         packs=_packs(program),
+        tied=_tied(program),
         last_step=dict(sm.stats) if getattr(sm, "stats", None) else None,
     )
 
@@ -124,6 +151,24 @@ def _tiers(program) -> dict:
                 device_bytes=sum(sizes.get(k, 0) for k in resident if k[0] != "optim") + optim["device"],
                 carried_bytes=carried, host_bytes=masters + int(optim["host"]),
                 disk_bytes=optim["disk"] + int(on_disk))
+
+
+def _tied(program) -> list[dict]:
+    """Each weight the model shares between modules (a tied embedding and head): its names and the packs reading it.
+
+    DESIGN's one exception to bitwise numerics: two packs' gradient contributions to one weight are
+    added in another order than eager's single backward adds them, so the weight is allclose to eager.
+    """
+    names: dict[int, list[str]] = {}
+    for n, p in program.model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(n)
+    canonical = {n: p for n, p in program.gm.named_parameters()}
+    out = []
+    for group in (g for g in names.values() if len(g) > 1):
+        name = next((n for n in group if n in canonical), group[0])
+        packs = [s.index for s in (program.plan.packs if program.plan else ()) if name in s.params]
+        out.append(dict(names=group, packs=packs))
+    return out
 
 
 def _packs(program) -> list[dict]:
@@ -257,7 +302,16 @@ class _Writer:
         self.table(d["packs"])
         self.heading("last step")
         self.last_step(d["last_step"], d["config"]["memory_budget"])
+        self.terms()
         return "\n".join(self.lines).rstrip() + "\n"
+
+    def terms(self):
+        """One paragraph explaining the report's own words that appear above (TERMS)."""
+        text = "\n".join(self.lines)
+        used = [f"{k}: {v}" for k, v in TERMS.items() if k in text]
+        if used:
+            self.heading("terms")
+            self.lines.append("; ".join(used) + "." if self.md else textwrap.fill("; ".join(used) + ".", 100))
 
     def header(self, d):
         m, c, t = d["model"], d["config"], d["compile_seconds"]
@@ -287,6 +341,15 @@ class _Writer:
                        if tiers.get("carried_bytes") else "")
                     + f", host {fmt_bytes(tiers['host_bytes'])}, disk {fmt_bytes(tiers['disk_bytes'])}")
             items += [("precision", copies), ("between steps", rest)]
+        for t in d.get("tied", ()):
+            same = " = ".join(t["names"])
+            if len(t["packs"]) > 1:
+                packs = " and ".join(", ".join(map(str, t["packs"])).rsplit(", ", 1))
+                items.append(("tied weights", f"{same} (read by packs {packs}): the packs' gradient contributions "
+                                              f"are added in another order than in eager's backward so this weight "
+                                              f"trains allclose to eager PyTorch and not bitwise as the others do"))
+            else:
+                items.append(("tied weights", f"{same} (one pack reads it)"))
         self.pairs(items + [("compile", compile_)])
 
     def heading(self, title: str):

@@ -1,0 +1,145 @@
+"""Fine-tune a Hugging Face causal LM under a memory budget: a DataLoader, AdamW, validation, checkpoint and resume.
+
+    python examples/hf_finetune.py                 # GPT-2 (6 layers, width 256) for 3 epochs
+    python examples/hf_finetune.py --resume        # carry on from the last epoch's checkpoint
+    python examples/hf_finetune.py --tiny          # a few seconds: the size CI runs
+
+The model is built from a config with random weights (nothing is downloaded); with a
+checkpoint of your own, use ``AutoModelForCausalLM.from_pretrained(...)`` instead. The data
+is synthetic: each sequence counts up from a random token by a random stride (mod the
+vocabulary), which a language model learns within a few hundred steps, so the loss visibly
+falls. Replace ``CountingDataset`` with your tokenized text.
+
+Hugging Face models take their batch as keywords, so the batch is a dict: compile with
+``example_batch=batch`` and call ``sm(**batch)``; ``labels`` in the batch make the model
+return its loss, which Harmony trains on.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+
+import harmony  # before torch: it sets the OpenMP and allocator variables torch reads when it loads
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+
+class CountingDataset(Dataset):
+    """``size`` sequences of ``seq`` tokens, each ``start, start + stride, ...`` mod ``vocab``."""
+
+    def __init__(self, size: int, seq: int, vocab: int, seed: int):
+        g = torch.Generator().manual_seed(seed)
+        start = torch.randint(0, vocab, (size, 1), generator=g)
+        stride = torch.randint(1, 4, (size, 1), generator=g)
+        self.ids = (start + stride * torch.arange(seq)) % vocab
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        ids = self.ids[i]
+        return {"input_ids": ids, "labels": ids.clone()}   # the model shifts labels by one itself
+
+
+def build_model(args):
+    import transformers
+
+    config = transformers.GPT2Config(vocab_size=args.vocab, n_positions=args.seq, n_layer=args.layers,
+                                     n_embd=args.width, n_head=args.heads, bos_token_id=0, eos_token_id=0)
+    config._attn_implementation = "eager"
+    return transformers.GPT2LMHeadModel(config)
+
+
+@torch.no_grad()
+def validation_loss(model, loader) -> float:
+    """The mean loss over ``loader``, run by the original model object.
+
+    Between steps its parameters are the trained weights (Harmony steps them in place on the
+    host), so eager PyTorch evaluates them as they are; this runs outside the memory budget.
+    """
+    model.eval()
+    losses = [model(**batch).loss.item() for batch in loader]
+    model.train()
+    return sum(losses) / len(losses)
+
+
+def train(args) -> list[float]:
+    torch.manual_seed(args.seed)
+    model = build_model(args)
+    train_set = CountingDataset(args.samples, args.seq, args.vocab, seed=args.seed)
+    val_set = CountingDataset(2 * args.batch, args.seq, args.vocab, seed=args.seed + 1)
+    order = torch.Generator()
+    # drop_last: a compiled step trains on batches of the example batch's shape
+    loader = DataLoader(train_set, batch_size=args.batch, shuffle=True, drop_last=True, generator=order)
+    val_loader = DataLoader(val_set, batch_size=args.batch)
+
+    n = sum(p.numel() for p in model.parameters())
+    budget = int(16 * n * args.budget)       # fp32 weights, gradients and AdamW's two moments: 16 bytes a parameter
+    example = next(iter(loader))
+    sm = harmony.compile(model, example_batch=example, memory_budget=budget, microbatches=args.microbatches,
+                         optimizer=torch.optim.AdamW, optimizer_kwargs=dict(lr=args.lr, weight_decay=0.01))
+    print(f"GPT-2, {n / 1e6:.2f}M parameters, {len(sm.plan.packs)} packs under {budget / 2**20:.1f} MiB "
+          f"({args.budget:.0%} of the training state), {args.microbatches} microbatches of "
+          f"{args.batch // args.microbatches}")
+
+    ckpt = Path(args.out) / "checkpoint"
+    first_epoch = 0
+    if args.resume and ckpt.exists():
+        info = harmony.load(sm, ckpt)          # weights, optimizer state, step count and RNG
+        first_epoch = math.ceil(info.step / len(loader))
+        print(f"resumed from {ckpt} at step {info.step} (epoch {first_epoch})")
+
+    losses = []
+    for epoch in range(first_epoch, args.epochs):
+        order.manual_seed(args.seed + epoch)   # the same order per epoch after a resume
+        for batch in loader:
+            # A learning-rate schedule steps here, before the step it sets the rate of.
+            loss = sm(**batch).item()          # forward, backward and AdamW update of the whole batch
+            losses.append(loss)
+            step = sm.steps
+            if step % args.log_every == 0:
+                print(f"epoch {epoch} step {step:4d}  loss {loss:.4f}")
+            if step % args.eval_every == 0:
+                print(f"epoch {epoch} step {step:4d}  validation loss {validation_loss(model, val_loader):.4f}")
+        harmony.save(sm, ckpt)                 # atomic: a crash leaves the last complete checkpoint
+        print(f"epoch {epoch} done: checkpoint {ckpt} at step {sm.steps}")
+    if losses:
+        k = max(1, len(losses) // 5)
+        print(f"loss {sum(losses[:k]) / k:.4f} -> {sum(losses[-k:]) / k:.4f} (mean of the first and last {k} "
+              f"steps), validation {validation_loss(model, val_loader):.4f}")
+    sm.close()
+    return losses
+
+
+def parse(argv=None, **defaults):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--tiny", action="store_true", help="2 layers, width 64, a few steps: what CI runs")
+    p.add_argument("--layers", type=int, default=6, help="transformer blocks (default 6)")
+    p.add_argument("--width", type=int, default=256, help="hidden size (default 256)")
+    p.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
+    p.add_argument("--vocab", type=int, default=1024, help="vocabulary size (default 1024)")
+    p.add_argument("--seq", type=int, default=64, help="tokens per sequence (default 64)")
+    p.add_argument("--samples", type=int, default=2048, help="training sequences per epoch (default 2048)")
+    p.add_argument("--batch", type=int, default=16, help="sequences per step (default 16)")
+    p.add_argument("--microbatches", type=int, default=4, help="microbatches per step (default 4)")
+    p.add_argument("--budget", type=float, default=0.5,
+                   help="device memory budget as a share of the training state (default 0.5)")
+    p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
+    p.add_argument("--epochs", type=int, default=3, help="epochs to train up to (default 3)")
+    p.add_argument("--log-every", type=int, default=20, help="print the loss every N steps (default 20)")
+    p.add_argument("--eval-every", type=int, default=100, help="validation loss every N steps (default 100)")
+    p.add_argument("--out", default="hf-finetune", help="where the checkpoint goes (default hf-finetune/)")
+    p.add_argument("--resume", action="store_true", help="load OUT/checkpoint first, if there is one")
+    p.add_argument("--seed", type=int, default=0, help="(default 0)")
+    p.set_defaults(**defaults)
+    args = p.parse_args(argv)
+    if args.tiny:
+        args.layers, args.width, args.heads, args.vocab, args.seq = 2, 64, 2, 64, 16
+        args.samples, args.batch, args.microbatches, args.budget = 64, 8, 2, 0.6
+        args.log_every, args.eval_every, args.lr = 4, 8, 3e-3
+    return args
+
+
+if __name__ == "__main__":
+    train(parse())

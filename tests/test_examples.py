@@ -1,0 +1,129 @@
+"""examples/: every script runs at its --tiny size and prints what its docstring promises; the demo's --help.
+
+Each script runs as a user runs it, in a fresh interpreter (the torchrun ones under
+``torch.distributed.run`` with 2 gloo ranks), and the test reads its output.
+"""
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+
+
+def _run(args, cwd, timeout=300) -> str:
+    env = dict(os.environ, OMP_NUM_THREADS="1", HARMONY_COMM_TIMEOUT="120")
+    done = subprocess.run([sys.executable, *map(str, args)], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done.stdout
+
+
+def _torchrun(script, cwd, *args) -> str:
+    with socket.socket() as s:          # a free port for the rendezvous
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return _run(["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+                 "--master_port", port, EXAMPLES / script, "--tiny", *args], cwd)
+
+
+def _losses(out: str) -> list[float]:
+    return [float(v) for v in re.findall(r"step +\d+ +loss (\d+\.\d+)", out)]
+
+
+@pytest.mark.slow
+def test_hf_finetune_trains_validates_checkpoints_and_resumes(tmp_path):
+    pytest.importorskip("transformers")
+    out = _run([EXAMPLES / "hf_finetune.py", "--tiny", "--epochs", "2", "--out", tmp_path], tmp_path)
+    losses = _losses(out)
+    assert len(losses) >= 4 and losses[-1] < losses[0], out
+    assert "validation loss" in out and (tmp_path / "checkpoint" / "manifest.json").exists()
+    steps = int(re.findall(r"checkpoint .* at step (\d+)", out)[-1])
+    again = _run([EXAMPLES / "hf_finetune.py", "--tiny", "--epochs", "3", "--out", tmp_path, "--resume"], tmp_path)
+    assert f"resumed from {tmp_path / 'checkpoint'} at step {steps} (epoch 2)" in again
+    assert "epoch 1 " not in again and re.search(r"epoch 2 step +\d+ +loss", again), again
+
+
+@pytest.mark.slow
+def test_bf16_trains_in_bf16_and_resumes(tmp_path):
+    out = _run([EXAMPLES / "bf16.py", "--tiny", "--out", tmp_path], tmp_path)
+    assert "bf16: device copies in bfloat16" in out
+    head, tail = re.search(r"loss (\d+\.\d+) -> (\d+\.\d+)", out).groups()
+    assert float(tail) < float(head), out
+    assert "resumed from" in out and "at step 24" in out
+
+
+@pytest.mark.slow
+def test_disk_offload_puts_state_on_disk_and_reports_it(tmp_path):
+    out = _run([EXAMPLES / "disk_offload.py", "--tiny", "--offload-dir", tmp_path], tmp_path)
+    tiers = re.search(r"between steps .*?disk ([\d.]+) (\w+)", out, flags=re.S)
+    assert tiers and float(tiers.group(1)) > 0, out
+    assert "== offload:" in out and re.search(r"\bdisk\b +disk", out)     # weights and optimizer state on disk
+    assert "disk_read_bytes" in out and "disk_write_bytes" in out
+    assert list(tmp_path.glob("harmony-offload-*")) == []                 # sm.close() removed the files
+
+
+@pytest.mark.slow
+def test_data_parallel_two_ranks_with_the_4bit_allreduce(tmp_path):
+    out = _torchrun("data_parallel.py", tmp_path)
+    assert "2 ranks" in out and "gradients all-reduced as 4bit" in out
+    assert "parameters equal on every rank: True" in out
+    assert "compression 4-bit" in out and len(_losses(out)) >= 2
+
+
+@pytest.mark.slow
+def test_mismatched_devices_balance_gives_the_slow_small_rank_less(tmp_path):
+    out = _torchrun("mismatched_devices.py", tmp_path)
+    assert "== balance:" in out and "EMULATED" in out
+    shares = {int(r): int(s) for r, s in re.findall(r"^rank (\d): (\d+) samples", out, flags=re.M)}
+    assert sum(shares.values()) == 12 and shares[1] < shares[0], out
+
+
+@pytest.mark.slow
+def test_inspect_plan_prints_report_code_drawings_and_a_simulated_gpu_step(tmp_path):
+    out = _run([EXAMPLES / "inspect_plan.py", "--tiny", "--out", tmp_path, "--code-lines", "5"], tmp_path)
+    assert out.startswith("Harmony report:") and "== terms ==" in out
+    assert "the schedule as Python (sm.code)" in out and "def forward(self):" in out
+    assert re.search(r"^Simulation\(step .* on device 0 \(A100 SXM4 40GB\); busy .*ops in \.events\)$", out,
+                     flags=re.M), out
+    assert "simulated step" in out and "SimEvent(" not in out
+    for name in ("gpt_timeline.json", "simulated_a100-40gb.json"):
+        assert (tmp_path / name).exists()
+    assert list(tmp_path.glob("gpt_model.*")) and list(tmp_path.glob("gpt_schedule.*"))
+
+
+def test_every_example_has_a_test_and_a_tiny_flag():
+    scripts = sorted(p.stem for p in EXAMPLES.glob("*.py"))
+    assert scripts == ["bf16", "data_parallel", "disk_offload", "hf_finetune", "inspect_plan", "mismatched_devices"]
+    here = Path(__file__).read_text()
+    for name in scripts:
+        assert f'"{name}.py"' in here and "--tiny" in (EXAMPLES / f"{name}.py").read_text()
+
+
+def test_readme_shows_the_dict_batch_lists_the_examples_and_says_what_checkpoints_hold():
+    readme = (ROOT / "README.md").read_text()
+    use = readme.split("## Use", 1)[1].split("\n## ", 1)[0]
+    assert "example_batch=batch" in use and "sm(**batch)" in use
+    for p in EXAMPLES.glob("*.py"):
+        assert f"`{p.name}`" in use, p.name
+    assert "weights-only" not in readme and "the optimizer's state" in readme
+
+
+def test_demo_help_documents_every_option_with_its_default(capsys):
+    from harmony.__main__ import main
+
+    with pytest.raises(SystemExit):
+        main(["demo", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    options = re.findall(r"\[(--[\w-]+)", text)
+    assert len(options) == 14
+    for opt in options:
+        entry = text.split(f" {opt} ", 2)[-1]              # the option's line in the options list
+        assert re.match(r"\S+ .*?\(default: [^)]*\)", entry), opt
