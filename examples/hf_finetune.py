@@ -77,8 +77,19 @@ def train(args) -> list[float]:
     n = sum(p.numel() for p in model.parameters())
     budget = int(16 * n * args.budget)       # fp32 weights, gradients and AdamW's two moments: 16 bytes a parameter
     example = next(iter(loader))
+    # AdamW in two param groups, as LLM recipes have it: no weight decay on biases and norms
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
+                            lr=args.lr)
     sm = harmony.compile(model, example_batch=example, memory_budget=budget, microbatches=args.microbatches,
-                         optimizer=torch.optim.AdamW, optimizer_kwargs=dict(lr=args.lr, weight_decay=0.01))
+                         optimizer=opt)
+    # linear warm-up, then cosine decay, on sm.optimizer: it drives every pack's optimizer; registered, the
+    # scheduler is saved and restored with the checkpoint
+    total, warmup = args.epochs * len(loader), max(1, args.epochs * len(loader) // 10)
+    sched = sm.add_scheduler(torch.optim.lr_scheduler.LambdaLR(
+        sm.optimizer, lambda s: (s + 1) / warmup if s < warmup else
+        0.5 * (1 + math.cos(math.pi * (s - warmup) / max(1, total - warmup)))))
     print(f"GPT-2, {n / 1e6:.2f}M parameters, {len(sm.plan.packs)} packs under {budget / 2**20:.1f} MiB "
           f"({args.budget:.0%} of the training state), {args.microbatches} microbatches of "
           f"{args.batch // args.microbatches}")
@@ -86,7 +97,7 @@ def train(args) -> list[float]:
     ckpt = Path(args.out) / "checkpoint"
     first_epoch = 0
     if args.resume and ckpt.exists():
-        info = harmony.load(sm, ckpt)          # weights, optimizer state, step count and RNG
+        info = harmony.load(sm, ckpt)          # weights, optimizer state, scheduler, step count and RNG
         first_epoch = math.ceil(info.step / len(loader))
         print(f"resumed from {ckpt} at step {info.step} (epoch {first_epoch})")
 
@@ -94,12 +105,12 @@ def train(args) -> list[float]:
     for epoch in range(first_epoch, args.epochs):
         order.manual_seed(args.seed + epoch)   # the same order per epoch after a resume
         for batch in loader:
-            # A learning-rate schedule steps here, before the step it sets the rate of.
             loss = sm(**batch).item()          # forward, backward and AdamW update of the whole batch
+            sched.step()
             losses.append(loss)
             step = sm.steps
             if step % args.log_every == 0:
-                print(f"epoch {epoch} step {step:4d}  loss {loss:.4f}")
+                print(f"epoch {epoch} step {step:4d}  loss {loss:.4f}  lr {sm.optimizer.param_groups[0]['lr']:.2e}")
             if step % args.eval_every == 0:
                 print(f"epoch {epoch} step {step:4d}  validation loss {validation_loss(model, val_loader):.4f}")
         harmony.save(sm, ckpt)                 # atomic: a crash leaves the last complete checkpoint
