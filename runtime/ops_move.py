@@ -40,8 +40,9 @@ def _swap_in_effect(m, pack, what, held=(), carried=False):
     return None, 0
 
 
-def _held_bytes(plan, held) -> int:
-    sizes = plan.per_param("params_held")
+def _held_bytes(plan, pack, held) -> int:
+    """Bytes of the weights ``held=`` keeps on the device across a swap of ``pack`` (its record's, by name)."""
+    sizes = plan.at(pack).params_held
     return sum(sizes.get(n, 0) for n in held)
 
 
@@ -51,7 +52,7 @@ def _swap_in_cost(plan, hw, pack, what, held=(), carried=False):
             "optim": spec.optim_bytes}[what]
     if carried:
         size *= plan.at(pack).in_memory_share   # only the files in memory
-    return "h2d", max(0, size - _held_bytes(plan, held)) / hw.h2d_bandwidth
+    return "h2d", max(0, size - _held_bytes(plan, pack, held)) / hw.h2d_bandwidth
 
 
 def _wait_execute(rt, handle):
@@ -88,7 +89,7 @@ def _release_cost(plan, hw, pack, what, handoff=False, held=(), carry=False):
     spec = plan.packs[pack]
     # the whole write-back; the simulator scales it by what the effect moves (dirty params, existing grads)
     size = {"params": spec.param_bytes, "grads": spec.param_bytes, "optim": spec.optim_bytes}[what]
-    return "d2h", max(0, size - _held_bytes(plan, held)) / hw.d2h_bandwidth
+    return "d2h", max(0, size - _held_bytes(plan, pack, held)) / hw.d2h_bandwidth
 
 
 def _no_effect(m, *args, **kwargs):

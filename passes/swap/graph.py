@@ -38,14 +38,19 @@ def place(plan, chosen: Choice, sizes: dict, profile: dict) -> None:
     """Write ``chosen`` into the packs' residency records (``plan.residency``): what each keeps on the device,
     holds between visits or carries across steps, and its single parameters kept, held or stepped there.
     ``sizes``: (kind, name) -> bytes (``state_sizes``); ``profile``: the optimizer's (``optimizer_profile``)."""
+    kinds, held, kept, steps = ({p: [] for p in plan.residency} for _ in range(4))
+    for pack, kind in chosen.resident:
+        kinds[pack].append(kind)
+    for table, pairs in ((held, chosen.parts), (kept, chosen.optim), (steps, chosen.steps)):
+        for pack, name in sorted(pairs):
+            table[pack].append(name)
     for pack, record in plan.residency.items():
-        record.kept = frozenset(k for p, k in chosen.resident if p == pack)
+        record.kept = frozenset(kinds[pack])
         record.held, record.carried = pack in chosen.held, pack in chosen.carried
-        record.params_held = {n: sizes[("params", n)] for p, n in sorted(chosen.parts) if p == pack}
-        record.optim_kept = {n: sizes[("optim", n)] for p, n in sorted(chosen.optim) if p == pack}
-        steps = [n for p, n in sorted(chosen.steps) if p == pack]
-        record.device_parts = {n: step_extra(profile, [sizes[("params", n)]]) for n in steps}
-        record.device_part_bytes = {n: sizes[("params", n)] for n in steps}   # fp32: the device step needs it
+        record.params_held = {n: sizes[("params", n)] for n in held[pack]}
+        record.optim_kept = {n: sizes[("optim", n)] for n in kept[pack]}
+        record.device_parts = {n: step_extra(profile, [sizes[("params", n)]]) for n in steps[pack]}
+        record.device_part_bytes = {n: sizes[("params", n)] for n in steps[pack]}   # fp32: the device step needs it
 
 
 def _visits(graph):
