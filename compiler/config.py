@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -56,6 +57,13 @@ def _count(name: str, value, what: str) -> None:
         raise ConfigError(f"{name}={value!r} must be a positive integer: {what}")
 
 
+def _positive(value, finite: bool) -> bool:
+    """A real number above 0 (``finite``: and not infinite); bools and strings are not numbers here."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    return value > 0 and (math.isfinite(value) or not finite and value == math.inf)
+
+
 class _Group:
     """The end of the chain of ``__post_init__`` checks: every group checks its fields, then calls the next."""
 
@@ -85,6 +93,16 @@ class TrainConfig(_Group):
     first group of their own. None: one group (an optimizer instance given as ``optimizer`` sets it)."""
     loss_fn: Any = None
     """``loss_fn(output, *batch)`` -> scalar loss when the model's forward returns an output, not a loss."""
+    clip_grad_norm: float | None = None
+    """Clip the gradients by their global norm before the update, as ``torch.nn.utils.clip_grad_norm_(
+    model.parameters(), clip_grad_norm)`` does between backward and ``optimizer.step()``: the norm is over every
+    parameter's gradient wherever it lives (device, host, every data-parallel rank's reduced gradient, fp16's
+    unscaled ones). No update can start before the last gradient exists, so every pack steps after the last
+    backward (the report's schedule section says what that costs); ``sm.stats["grad_norm"]`` is the norm before
+    clipping, as ``clip_grad_norm_`` returns it. None: no clipping."""
+    clip_norm_type: float = 2.0
+    """The p of the clipping norm (``clip_grad_norm_``'s ``norm_type``); ``float("inf")`` clips by the largest
+    absolute gradient."""
 
     def __post_init__(self):
         super().__post_init__()
@@ -103,6 +121,14 @@ class TrainConfig(_Group):
         self.optimizer_kwargs = dict(self.optimizer_kwargs or {})
         if self.loss_fn is not None and not callable(self.loss_fn):
             raise ConfigError(f"loss_fn={self.loss_fn!r} is not callable: give loss_fn(output, *batch) -> loss")
+        if self.clip_grad_norm is not None and not _positive(self.clip_grad_norm, finite=True):
+            raise ConfigError(f"clip_grad_norm={self.clip_grad_norm!r} must be a positive finite number (the largest "
+                              f"global gradient norm an update may use, e.g. 1.0), or None for no clipping")
+        if not _positive(self.clip_norm_type, finite=False):
+            raise ConfigError(f"clip_norm_type={self.clip_norm_type!r} must be a positive number or float('inf') "
+                              f"(the p of the norm; 2.0 is the usual)")
+        if self.clip_grad_norm is not None:
+            self.clip_grad_norm, self.clip_norm_type = float(self.clip_grad_norm), float(self.clip_norm_type)
 
 
 @dataclass(kw_only=True)
@@ -336,6 +362,11 @@ class Config(TrainConfig, MemoryConfig, DiskConfig, ParallelConfig, NumericsConf
                               f"fp32 state as ops touch it. Use policy='harmony' or 'sequential', or precision='fp32'")
         if self.balance is not None:
             self._check_balance()
+        if self.clip_grad_norm is not None and self.weights_on == "disk":
+            raise ConfigError("clip_grad_norm with weights_on='disk': a pack wholly on disk steps file by file while "
+                              "its gradients leave the device, before the global norm can be known; use "
+                              "weights_on='auto' or 'host' (optimizer state may still go to disk under "
+                              "host_memory_budget), or clip_grad_norm=None")
 
     def _check_balance(self) -> None:
         if self.precision != "fp32" or self.weights_on == "disk":

@@ -345,6 +345,8 @@ class ScheduledModule(torch.nn.Module):
             self.stats[key] = self.stats.get(key, 0.0) + e.end - e.start
         if rt.scaler is not None:   # the scale the next step uses, and the steps skipped for inf/nan so far
             self.stats.update(loss_scale=self.loss_scale, skipped_steps=rt.scaler.skipped)
+        if rt.gate is not None and rt.gate.clipper is not None:   # the norm before clipping (clip_grad_norm_'s)
+            self.stats["grad_norm"] = rt.gate.grad_norm()
         for hook in self.program.step_hooks:     # what the passes measure per step (compress: the wire's bytes)
             self.stats.update(hook(self))
         return loss

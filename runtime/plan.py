@@ -127,6 +127,9 @@ class Plan:
     policy: str = "harmony"
     precision: str = "fp32"                      # fp32 | bf16 | fp16: dtype of device copies (runtime/precision.py)
     loss_scaling: dict = field(default_factory=dict)   # fp16: LossScaler arguments
+    clip_grad_norm: float | None = None          # clip by the global gradient norm (runtime/precision.py GradClip)
+    clip_norm_type: float = 2.0
+    param_order: list = field(default_factory=list)    # the model's parameter names in model.parameters() order
     state_owner: dict = field(default_factory=dict)    # param -> rank that steps it (sharded optimizer state)
     state_bytes: dict = field(default_factory=dict)    # param -> its bytes (the broadcast that follows the steps)
     sync_buffers: dict = field(default_factory=dict)   # data parallel: mutated buffer -> bytes, broadcast from rank 0

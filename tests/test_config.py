@@ -174,5 +174,6 @@ def test_every_field_has_a_docstring():
                 "disk_group_bytes", "data_parallel", "compression", "min_size", "precision", "loss_scaling",
                 "balance", "shard_state", "recompute"}       # compile's keywords before the groups came in
     variables = {"comm_timeout", "cache_dir", "direct_io", "read_depth", "keep_free"}
-    added = {"param_groups"}       # fields that came after the groups (sm.optimizer's param groups)
+    added = {"param_groups",       # fields that came after the groups: sm.optimizer's param groups, clipping
+             "clip_grad_norm", "clip_norm_type"}
     assert fields == keywords | variables | added
