@@ -107,8 +107,12 @@ def _forward_effect(m, pack, mb, *inputs, keep=False):
         # them dies, until the backward; not when that value is a kept forward's own, which lives until its
         # (later) backward, nor for the last pack, whose backward follows at once (its measured backward peak,
         # which counts a seed the runtime does not allocate, covers that)
+        # The batch tensors a pack reads count too: ``in_bytes`` has the other packs' outputs only, and a first op
+        # that saves its input (a convolution's weight gradient needs it, an embedding its indices) keeps the
+        # microbatch ``load_batch`` brought after that value dies.
         last = "loss" in spec.outputs
-        retained = 0 if last or any(isinstance(v, Predicted) and v.kept for v in inputs) else spec.in_bytes
+        batch = sum(m.plan.batch_bytes.get(n, 0) for n in spec.inputs if n in m.plan.input_names)
+        retained = 0 if last or any(isinstance(v, Predicted) and v.kept for v in inputs) else spec.in_bytes + batch
         held = spec.saved_bytes + retained
         return Predicted(spec.out_bytes + held, kept=held), spec.fwd_keep_peak
     return Predicted(spec.out_bytes), spec.fwd_peak
