@@ -218,10 +218,13 @@ class ParallelConfig(_Group):
     count; ``"uniform"``: equal shares of ``microbatches`` each; or one entry per rank, ``(microbatch size,
     microbatches)`` or a sample count. Each rank's budget is its device's ``memory``; a ``speed_factor`` > 1
     makes the runtime emulate a slower device. ``sm(*global_batch)`` takes this rank's rows."""
-    shard_state: bool | None = None
+    shard_state: bool | str | None = None
     """True: each parameter's optimizer state is kept, and the parameter stepped, by one rank, which broadcasts it
     (ZeRO stage 1; runtime/shard.py), in equal byte shares or under ``balance`` the shares its plan chose; False:
-    every rank keeps all of it. None: True under ``balance``, False otherwise. Bitwise the same training."""
+    every rank keeps all of it. None: True under ``balance``, False otherwise. ``"full"``: parameters, gradients and
+    optimizer state partitioned (ZeRO stage 3; passes/shard.py): each rank keeps an equal chunk of every pack's fp32
+    weights and its optimizer state on its host, weights are all-gathered for use and gradients reduce-scattered
+    to their owners (host-stepped packs, fp32, uncompressed). Bitwise the same training."""
     comm_timeout: float = _env("comm_timeout")
     """*env* ``HARMONY_COMM_TIMEOUT``. Seconds a collective waits for its peers, also when compile initialises the
     process group (default 300)."""
@@ -235,8 +238,9 @@ class ParallelConfig(_Group):
                               f"uncompressed (an integer >= 0; CGX uses 16)")
         for name in ("data_parallel", "shard_state"):
             value = getattr(self, name)
-            if value is not None and not isinstance(value, bool):
-                raise ConfigError(f"{name}={value!r}: use None (the default), True or False")
+            if value is not None and not isinstance(value, bool) and not (name == "shard_state" and value == "full"):
+                raise ConfigError(f"{name}={value!r}: use None (the default), True or False"
+                                  + (", or 'full'" if name == "shard_state" else ""))
         spec = self.balance
         if not (spec is None or spec in ("auto", "uniform") or (isinstance(spec, (list, tuple)) and spec)):
             raise ConfigError(f"balance={spec!r}: use 'auto', 'uniform', or one entry per rank ((microbatch size, "

@@ -61,7 +61,8 @@ class Runtime:
         self.device = torch.device(device)
         self.meter = MemoryMeter(f"{self.device.type}:logical" if self.device.type == "cpu" else str(self.device),
                                  budget)
-        reduces = any(n.op == "call_function" and n.target is allreduce for n in graph.nodes)
+        reduces = any(n.op == "call_function" and n.target.__name__ in (allreduce.__name__, "reduce_scatter")
+                      for n in graph.nodes)
         self.state = TieredState(tensors, optimizers, self.meter, self.device, idle_host=not reduces)
         self.compute_dtype = compute_dtype(getattr(plan, "precision", "fp32"))   # None: fp32, no casts
         self.state.compute_dtype = self.compute_dtype

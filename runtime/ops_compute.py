@@ -11,6 +11,7 @@ import torch
 from harmony.base.units import nbytes
 from harmony.runtime.ops import Acts, Predicted, backward, forward, label_args, register, step
 from harmony.runtime.ops_move import disk_io
+from harmony.runtime.partitioned import share_params
 from harmony.runtime.plan import step_traffic
 from harmony.runtime.precision import master_grads
 
@@ -286,7 +287,8 @@ def _step_host(rt, pack, spec) -> None:
         rt.state.dirty.update(on_device)
         if len(on_device) == len(spec.stepped):    # nothing left for the host to step
             return
-    params = [rt.state.tensors[n] for n in spec.owned]
+    # (partitioned: the optimizer steps this rank's pieces of the pack's parameters, whose gradients go with them)
+    params = [rt.state.tensors[n] for n in spec.owned] + share_params(rt, pack)
     opts = list(dict.fromkeys(rt.state.optimizers[n] for n in spec.stepped))
     disk = getattr(rt.state, "disk", None)   # optimizer state of disk-placed packs (runtime/disk.py)
 

@@ -70,6 +70,8 @@ class Residency:
     disk_groups: list = field(default_factory=list)   # [[param names]]: a file each
     in_memory: tuple = ()           # indices into disk_groups of files kept in host memory, never written or read
     in_memory_share: float = 0.0    # the share of its files' bytes those hold
+    # partitioned over data-parallel ranks (shard_state="full"): runtime/partitioned.PackShares, else None
+    shares: object = None
 
     def has(self, kind: str) -> bool:
         """Whether the pack's state of ``kind`` is on the device for the whole run."""
@@ -139,6 +141,11 @@ class Plan:
     def __post_init__(self):
         for spec in self.packs:
             self.residency.setdefault(spec.index, Residency())
+
+    @property
+    def sharded(self) -> bool:
+        """Whether ranks hold different training state: optimizer state (ZeRO-1) or all of it partitioned."""
+        return bool(self.state_owner) or any(r.shares is not None for r in self.residency.values())
 
     def at(self, pack: int) -> Residency:
         """The residency record of ``pack``."""

@@ -51,7 +51,7 @@ def test_unknown_choices_name_the_accepted_values(name, bad, accepted):
     (dict(microbatches=0), "microbatches=0 must be a positive integer"),
     (dict(microbatches=2.0), "microbatches=2.0"),
     (dict(microbatches=3), "positive divisor of the batch size 8"),
-    (dict(shard_state="full"), "shard_state='full': use None .*, True or False"),
+    (dict(shard_state="half"), "shard_state='half': use None .*, True or False, or 'full'"),
     (dict(shard_state=1), "shard_state=1: use None"),
     (dict(data_parallel="yes"), "data_parallel='yes': use None"),
     (dict(min_size=-1), "min_size=-1"),
