@@ -50,6 +50,8 @@ def check_config(cfg, given_kwargs: dict) -> None:
         (str(cfg.device).split(":")[0] != "cpu", f"device={cfg.device!r} (the gathers are gloo collectives on host "
                                                  f"tensors; CUDA is not built yet): use device='cpu', or {instead}"),
         (cfg.policy == "ondemand", f"policy='ondemand': use policy='harmony', or {instead}"),
+        (cfg.clip_grad_norm is not None, f"clip_grad_norm (each rank holds only its chunk of the gradients, and "
+                                         f"the global norm over the ranks' chunks is not built yet): {instead}"),
     ]
     for bad, why in refused:
         if bad:

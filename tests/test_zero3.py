@@ -79,7 +79,7 @@ def _refused(rank, world):
     out = {}
     cases = dict(compression=dict(compression="4bit"), device=dict(optimizer_on="device"),
                  disk=dict(weights_on="disk"), adafactor=dict(optimizer=torch.optim.Adafactor),
-                 tied=dict(tie=True))
+                 tied=dict(tie=True), clip=dict(clip_grad_norm=1.0))
     for key, kw in cases.items():
         try:
             _compile(4 * world, shard_state="full", **kw)[2].close()
@@ -171,6 +171,7 @@ def test_what_full_sharding_does_not_do_is_refused_by_name(two):
     assert "weights_on='disk'" in got["disk"]
     assert "element-wise" in got["adafactor"] and "Adafactor" in got["adafactor"]
     assert "read by two packs" in got["tied"] and "untie" in got["tied"]
+    assert "clip_grad_norm" in got["clip"] and "shard_state=True" in got["clip"]
 
 
 @pytest.mark.slow
