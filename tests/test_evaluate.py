@@ -277,3 +277,29 @@ def test_what_cannot_evaluate_says_so():
     with pytest.raises(BudgetError, match="evaluation schedule does not fit"):
         tight.evaluate(*data[0])
     tight.close()
+
+
+def _data_parallel_rank(rank, world):
+    import harmony.data
+    from test_collectives import _digest
+    model, data = gpt_dropout_case()
+    sm = harmony.compile(copy.deepcopy(model), example_batch=harmony.data.shard(data[0]), microbatches=2,
+                         memory_budget=int(training_state_bytes(model) * 0.5), shard_state=True)
+    step(sm, harmony.data.shard(data[0]), rank)
+    mine = harmony.data.shard(data[1])
+    loss = sm.evaluate(*mine)
+    same = torch.equal(loss, eager_eval(model, sm, mine, 2))
+    step(sm, harmony.data.shard(data[2]), 10 + rank)
+    out = dict(loss=loss.item(), same=same, steps=sm.steps, digest=_digest([p.detach() for p in sm.model.parameters()]))
+    sm.close()
+    return out
+
+
+def test_data_parallel_ranks_evaluate_their_own_batch():
+    """2 gloo ranks, optimizer state sharded: each rank's evaluation is eager eval of its own share of the batch
+    (no all-reduce: the two losses differ), and the ranks train on in step with each other."""
+    from test_collectives import _spawn
+    out = _spawn(2, _data_parallel_rank, timeout=240)
+    assert all(isinstance(out.get(r), dict) for r in range(2)), out
+    assert out[0]["same"] and out[1]["same"] and out[0]["loss"] != out[1]["loss"]
+    assert out[0]["steps"] == out[1]["steps"] == 2 and out[0]["digest"] == out[1]["digest"]
