@@ -47,21 +47,20 @@ def build_model(args):
     import transformers
 
     config = transformers.GPT2Config(vocab_size=args.vocab, n_positions=args.seq, n_layer=args.layers,
-                                     n_embd=args.width, n_head=args.heads, bos_token_id=0, eos_token_id=0)
+                                     n_embd=args.width, n_head=args.heads, bos_token_id=0, eos_token_id=0,
+                                     resid_pdrop=args.dropout, embd_pdrop=args.dropout, attn_pdrop=args.dropout)
     config._attn_implementation = "eager"
     return transformers.GPT2LMHeadModel(config)
 
 
-@torch.no_grad()
-def validation_loss(model, loader) -> float:
-    """The mean loss over ``loader``, run by the original model object.
+def validation_loss(sm, loader) -> float:
+    """The mean loss over ``loader``, evaluated by the compiled module under the same memory budget.
 
-    Between steps its parameters are the trained weights (Harmony steps them in place on the
-    host), so eager PyTorch evaluates them as they are; this runs outside the memory budget.
+    ``sm.evaluate`` runs the model as ``model.eval()`` under ``torch.no_grad()`` would (dropout off), forward
+    only, on the trained weights where they are; it changes nothing training reads, so the run trains on as if
+    it had not evaluated. Its batches must have the compiled shape: the loader drops a smaller last batch.
     """
-    model.eval()
-    losses = [model(**batch).loss.item() for batch in loader]
-    model.train()
+    losses = [sm.evaluate(**batch).item() for batch in loader]
     return sum(losses) / len(losses)
 
 
@@ -73,7 +72,7 @@ def train(args) -> list[float]:
     order = torch.Generator()
     # drop_last: a compiled step trains on batches of the example batch's shape
     loader = DataLoader(train_set, batch_size=args.batch, shuffle=True, drop_last=True, generator=order)
-    val_loader = DataLoader(val_set, batch_size=args.batch)
+    val_loader = DataLoader(val_set, batch_size=args.batch, drop_last=True)
 
     n = sum(p.numel() for p in model.parameters())
     budget = int(16 * n * args.budget)       # fp32 weights, gradients and AdamW's two moments: 16 bytes a parameter
@@ -116,13 +115,13 @@ def train(args) -> list[float]:
                 print(f"epoch {epoch} step {step:4d}  loss {loss:.4f}  lr {sm.optimizer.param_groups[0]['lr']:.2e}  "
                       f"grad norm {sm.stats['grad_norm']:.3f}")
             if step % args.eval_every == 0:
-                print(f"epoch {epoch} step {step:4d}  validation loss {validation_loss(model, val_loader):.4f}")
+                print(f"epoch {epoch} step {step:4d}  validation loss {validation_loss(sm, val_loader):.4f}")
         harmony.save(sm, ckpt)                 # atomic: a crash leaves the last complete checkpoint
         print(f"epoch {epoch} done: checkpoint {ckpt} at step {sm.steps}")
     if losses:
         k = max(1, len(losses) // 5)
         print(f"loss {sum(losses[:k]) / k:.4f} -> {sum(losses[-k:]) / k:.4f} (mean of the first and last {k} "
-              f"steps), validation {validation_loss(model, val_loader):.4f}")
+              f"steps), validation {validation_loss(sm, val_loader):.4f}")
     sm.close()
     return losses
 
@@ -141,6 +140,7 @@ def parse(argv=None, **defaults):
     p.add_argument("--budget", type=float, default=0.5,
                    help="device memory budget as a share of the training state (default 0.5)")
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
+    p.add_argument("--dropout", type=float, default=0.1, help="GPT-2's dropouts; off in validation (default 0.1)")
     p.add_argument("--epochs", type=int, default=3, help="epochs to train up to (default 3)")
     p.add_argument("--log-every", type=int, default=20, help="print the loss every N steps (default 20)")
     p.add_argument("--eval-every", type=int, default=100, help="validation loss every N steps (default 100)")

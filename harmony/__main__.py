@@ -41,7 +41,10 @@ def demo(args) -> int:
         last = loss
         bar.set_postfix(loss=f"{loss:.3f}", peak=fmt_bytes(sm.stats["measured_peak"]))
     bar.close()
-    print(f"loss {first:.3f} -> {last:.3f} over {args.steps} steps\n")
+    print(f"loss {first:.3f} -> {last:.3f} over {args.steps} steps")
+    val = sm.evaluate(*next(copy_task(c, args.batch, 1, seed=args.seed + 1))).item()   # forward only, same budget
+    print(f"validation loss {val:.3f} (sm.evaluate: {sm.eval_stats['eval_seconds']:.2f} s, its schedule built in "
+          f"{sm.eval_stats['compile_seconds']:.2f} s; a training step {sm.stats['step_seconds']:.2f} s)\n")
     print(sm.report())
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -260,6 +260,8 @@ class ScheduledModule(torch.nn.Module):
         self.optimizers = list(dict.fromkeys(optimizers.values()))
         self.schedulers: list = []     # saved and restored with the module (add_scheduler)
         self.stats: dict = {}
+        self.eval_stats: dict = {}     # the last evaluation's (harmony/evaluating.py)
+        self._evaluation = None        # its schedule, built by the first sm.evaluate(...)
         self.steps = 0
         self.huge_pages = huge_pages()     # torch's CPU allocations: one page fault per 2 MiB, not per 4 KiB
         self.idle_threads_sleep = idle_threads_sleep()   # OpenMP threads between regions: sleep, or spin on a core
@@ -326,7 +328,25 @@ class ScheduledModule(torch.nn.Module):
         """The arguments every optimizer was built with (``fused=True`` added where torch has it: harmony/optim.py)."""
         return dict(self.program.config.optimizer_kwargs)
 
+    def train(self, mode: bool = True) -> "ScheduledModule":
+        """``sm.eval()`` / ``sm.train()``: in eval mode ``sm(...)`` evaluates (``evaluate``). Only this module's
+        flag changes: the model passed to compile keeps its own modes (a step runs it in training mode)."""
+        self.training = bool(mode)
+        return self
+
+    def evaluate(self, *batch, **named) -> torch.Tensor:
+        """The batch's loss as ``model.eval()`` under ``torch.no_grad()`` computes it, forward only, within the same
+        memory budget, on the weights as training left them; the mean over microbatches, in fp32. Takes the batch
+        as ``sm(...)`` does. No gradient, step, buffer update or RNG draw that training would see; an error is
+        rolled back. The evaluation schedule is built on the first call and kept (harmony/evaluating.py)."""
+        from harmony.evaluating import evaluate
+        return evaluate(self, batch, named)
+
     def forward(self, *batch, **named):
+        """One training step on the batch; it evaluates instead (``evaluate``) in eval mode (``sm.eval()``) or where
+        gradients are off (``torch.no_grad()``, ``torch.inference_mode()``)."""
+        if not self.training or not torch.is_grad_enabled():
+            return self.evaluate(*batch, **named)
         if self.runtime is None:
             raise ConfigError(f"this module was compiled with passes={[h[0] for h in self.history]}, which "
                               f"make no schedule; compile with the default passes to train")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from harmony.base.errors import InputError, TornStepError
+from harmony.runtime.executor import module_modes
 
 
 def batch_of(sm, batch: tuple, named: dict) -> tuple:
@@ -51,10 +52,10 @@ def run_step(sm, batch: tuple) -> torch.Tensor:
     if rt.torn is not None:
         from harmony.runtime.transaction import describe_torn
         raise TornStepError(f"step {sm.steps + 1} refused: {describe_torn(rt.torn)}")
-    # a step trains whatever mode the caller is in: under torch.no_grad() or inference_mode() its backward
-    # would find no graph, fail half-way and leave the module to roll back every time
+    # sm(...) under torch.no_grad() evaluates (ScheduledModule.forward); whoever calls a step otherwise, its
+    # backward needs a graph. The model's leaf modules run in training mode whatever mode the user left them in.
     try:
-        with torch.inference_mode(False), torch.enable_grad():
+        with torch.inference_mode(False), torch.enable_grad(), module_modes(train_modules(sm), True):
             loss = rt.run(dict(zip(sm.program.plan.input_names, batch)))
     except BaseException:
         if rt.transaction is not None and rt.transaction.outcome == "committed":
@@ -62,6 +63,14 @@ def run_step(sm, batch: tuple) -> torch.Tensor:
         raise
     sm.steps += 1
     return loss
+
+
+def train_modules(sm) -> list:
+    """The modules the packs' graphs call (the fx front end's leaf modules), which read their training flag."""
+    if getattr(sm, "_train_modules", None) is None:
+        from harmony.evaluating import leaf_modules
+        sm._train_modules = leaf_modules(sm.program.plan.packs)
+    return sm._train_modules
 
 
 def accept_partial_step(sm) -> dict | None:

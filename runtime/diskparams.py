@@ -145,6 +145,13 @@ class DiskParams:
     def holds(self, name: str) -> bool:
         return name in self.pack_of
 
+    def carried(self) -> dict:
+        """The weights carried to the next forward (an evaluation's swap_in takes them: ``carry_on`` after it)."""
+        return dict(self._carried)
+
+    def carry_on(self, carried: dict) -> None:
+        self._carried.update(carried)
+
     # -- weights for the device ---------------------------------------------------------------------
     def read_params(self, names) -> tuple[list[Future], list[tuple[str, torch.Tensor, torch.Tensor]]]:
         """Start reading the weights of ``names`` (whole groups) for the device.

@@ -44,6 +44,68 @@ def last_uses(graph: torch.fx.Graph) -> dict[torch.fx.Node, list[torch.fx.Node]]
     return out
 
 
+def run_graph(rt, graph: torch.fx.Graph, free_after: dict, txn: Transaction) -> None:
+    """The loop: each op of ``graph`` executed on ``rt`` in order, a trace event per op in ``rt.events``, every value
+    freed after its last use (``free_after``)."""
+    env: dict[torch.fx.Node, object] = {}
+    t0 = time.perf_counter()
+    meter = rt.meter
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        op = op_of(node)
+        args = torch.fx.node.map_arg(node.args, env.__getitem__)
+        kwargs = torch.fx.node.map_arg(node.kwargs, env.__getitem__)
+        start = time.perf_counter() - t0
+        peak, meter.peak = meter.peak, meter.live
+        if node.target is step and not (getattr(rt, "gate", None) is not None and node.kwargs.get("where") == "host"):
+            txn.stepping(node.args[0])     # a deferred host update counts when the gate runs it
+        env[node] = op.execute(rt, *args, **kwargs)
+        if rt.speed_factor != 1.0 and op.kind == "compute" and kwargs.get("where", "device") != "host":
+            # EMULATION of a slower device: a compute op on it takes speed_factor x as long, so this
+            # thread idles for the rest (a sleep leaves the core to other ranks, as a device of its own
+            # would). A step on host copies is the host's work, not the device's: not stretched.
+            time.sleep((rt.speed_factor - 1.0) * (time.perf_counter() - t0 - start))
+        rt.events.append(TraceEvent(node.name, op.kind, "compute" if op.kind == "compute" else "copy",
+                                    start, time.perf_counter() - t0, meter.live, meter.peak))
+        meter.peak = max(peak, meter.peak)
+        for dead in free_after[node]:
+            env.pop(dead, None)
+
+
+@contextlib.contextmanager
+def module_modes(modules, training: bool):
+    """``modules`` in training mode (or eval mode) for the block, each back to its own mode after it.
+
+    The fx front end keeps the model's own leaf modules (``nn.Dropout``, ``nn.BatchNorm2d``) whole in the
+    packs' graphs, and they read their ``training`` flag as they run: a step runs them in training mode and
+    an evaluation in eval mode, whatever mode the user's model is in (compiler/trace_eval.py)."""
+    saved = [(m, m.training) for m in modules]
+    for m, _ in saved:
+        m.training = training
+    try:
+        yield
+    finally:
+        for m, mode in saved:
+            m.training = mode
+
+
+class EvalRun:
+    """A forward-only schedule's run on a training ``Runtime``: the same state, meter and device, its own plan
+    (eval-mode forwards), values, losses and trace events. Everything else is the runtime's."""
+
+    def __init__(self, rt: "Runtime", plan: Plan, graph: torch.fx.Graph):
+        self.rt, self.plan, self.graph = rt, plan, graph
+        self.free_after = last_uses(graph)
+        self.losses: list[torch.Tensor] = []
+        self.batch: dict[str, torch.Tensor] = {}
+        self.rng: dict = {}
+        self.events: list[TraceEvent] = []
+
+    def __getattr__(self, name):
+        return getattr(self.rt, name)
+
+
 class Runtime:
     """Executes a schedule graph on real tensors, one device, enforcing its memory budget.
 
@@ -109,29 +171,7 @@ class Runtime:
             self.gate.begin()
         if self.on_demand is not None:
             self.on_demand.start_step()
-        env: dict[torch.fx.Node, object] = {}
-        t0 = time.perf_counter()
-        for node in self.graph.nodes:
-            if node.op != "call_function":
-                continue
-            op = op_of(node)
-            args = torch.fx.node.map_arg(node.args, env.__getitem__)
-            kwargs = torch.fx.node.map_arg(node.kwargs, env.__getitem__)
-            start = time.perf_counter() - t0
-            peak, self.meter.peak = self.meter.peak, self.meter.live
-            if node.target is step and not (self.gate is not None and node.kwargs.get("where") == "host"):
-                txn.stepping(node.args[0])     # a deferred host update counts when the gate runs it
-            env[node] = op.execute(self, *args, **kwargs)
-            if self.speed_factor != 1.0 and op.kind == "compute" and kwargs.get("where", "device") != "host":
-                # EMULATION of a slower device: a compute op on it takes speed_factor x as long, so this
-                # thread idles for the rest (a sleep leaves the core to other ranks, as a device of its own
-                # would). A step on host copies is the host's work, not the device's: not stretched.
-                time.sleep((self.speed_factor - 1.0) * (time.perf_counter() - t0 - start))
-            self.events.append(TraceEvent(node.name, op.kind, "compute" if op.kind == "compute" else "copy",
-                                          start, time.perf_counter() - t0, self.meter.live, self.meter.peak))
-            self.meter.peak = max(peak, self.meter.peak)
-            for dead in self.free_after[node]:
-                env.pop(dead, None)
+        run_graph(self, self.graph, self.free_after, txn)
         self.finish_updates()
         self.batch = {}
         return torch.stack([loss.float() for loss in self.losses]).mean()   # fp32 whatever the compute dtype
@@ -144,6 +184,44 @@ class Runtime:
         if self.gate is not None and self.gate.open:
             self.gate.finish(self.transaction.stepping)
             self.state.drain()
+
+    def evaluate(self, graph: torch.fx.Graph, plan: Plan, batch: dict[str, torch.Tensor], modules=()) -> torch.Tensor:
+        """Run a forward-only ``graph`` (passes/eval_schedule.py) whose packs are ``plan``'s on this runtime's state
+        between two steps; returns the mean loss over microbatches, in fp32. ``modules``: those it runs in eval mode.
+
+        It changes no training state: no gradient, no step, no buffer (``plan``'s packs mutate none), the RNG
+        as it was, the weights a disk step carried for the next forward left where they were, the meter's
+        live bytes and every hold as before it. An error rolls it back as a failed step is
+        (runtime/transaction.py); ``run.events`` and the meter's peak are the evaluation's until the next step."""
+        run = EvalRun(self, plan, graph)
+        run.batch = batch
+        state, pd = self.state, self.state.params_disk
+        carried = pd.carried() if pd is not None else None
+        rng = torch.get_rng_state(), torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
+        moved = dict(state.moved)
+        state.moved.clear()
+        self.meter.reset_peak()
+        txn = Transaction(run, [], what="evaluation")
+        try:
+            # not in inference mode (a caller's): its tensors could not be written by the copy thread, nor trained
+            with torch.inference_mode(False), torch.no_grad(), module_modes(modules, False):
+                run_graph(run, graph, run.free_after, txn)
+            loss = torch.stack([loss.float() for loss in run.losses]).mean()
+        except BaseException as e:
+            txn.roll_back(e)
+            raise
+        finally:
+            if pd is not None:        # a carried group's swap_in took it: the next step's forward takes it again
+                pd.carry_on(carried)
+            torch.set_rng_state(rng[0])
+            if rng[1] is not None:
+                torch.cuda.set_rng_state(rng[1], self.device)
+            self.eval_moved = dict(state.moved)
+            state.moved.clear()
+            state.moved.update(moved)
+        txn.commit()
+        self.eval_events = run.events
+        return loss
 
     def close(self):
         self.state.close()

@@ -38,8 +38,9 @@ ROLLED_BACK, COMMITTED, TORN = "rolled back", "committed", "torn"
 class Transaction:
     """One step's record: the device holds before it, the packs whose optimizer step began, held signals."""
 
-    def __init__(self, rt, step_packs: list[int]):
+    def __init__(self, rt, step_packs: list[int], what: str = "step"):
         self.rt = rt
+        self.what = what                               # "step", or "evaluation" (a forward-only schedule)
         self.step_packs = step_packs                   # every pack the schedule steps, in order
         self.refs = Counter({k: n for k, n in rt.state.refs.items() if n > 0})
         self.live = rt.meter.live
@@ -134,6 +135,10 @@ class Transaction:
             f" (while rolling back: {'; '.join(cleanup_errors[:3])})"
         if held is not None:
             extra += "; a Ctrl-C that arrived during the step was dropped with it"
+        if self.outcome == ROLLED_BACK and self.what != "step":
+            return (f"harmony: the {self.what} was rolled back: the device holds {fmt_bytes(rt.meter.live)} as "
+                    f"before it ({fmt_bytes(self.live)}) and no training state changed; the next sm(...) trains as "
+                    f"if this call had not happened{extra}")
         if self.outcome == ROLLED_BACK:
             return (f"harmony: the step was rolled back: no parameter or optimizer state changed, its gradients "
                     f"were dropped and the device holds {fmt_bytes(rt.meter.live)} as before it "

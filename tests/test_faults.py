@@ -169,14 +169,17 @@ def test_accepting_a_partial_step_trains_on_with_exactly_the_packs_it_updated():
 
 
 @pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
-def test_a_step_under_no_grad_still_trains(mode):
-    """Finding 1: sm(...) under torch.no_grad() (or inference_mode) trains as outside it and poisons nothing."""
+def test_a_step_under_no_grad_evaluates_and_poisons_nothing(mode):
+    """Finding 1: sm(...) under torch.no_grad() (or inference_mode) evaluates (issue 28: tests/test_evaluate.py)
+    instead of failing half-way; it trains nothing, and the next step trains as if it had not been called."""
     sm, ref, data = compiled(0.4)
+    before = holds(sm)
     with getattr(torch, mode)():
-        sm(*data[0])
+        loss = sm(*data[0])
+    assert sm.steps == 0 and holds(sm) == before and torch.equal(loss, sm.evaluate(*data[0]))
     sm(*data[1])
-    assert sm.steps == 2
-    assert_bitwise(sm, expected(ref, data[:2]))
+    assert sm.steps == 1
+    assert_bitwise(sm, expected(ref, data[1:2]))
     sm.close()
 
 

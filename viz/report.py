@@ -84,7 +84,19 @@ def summary(sm) -> dict:
         packs=_packs(program),
         tied=_tied(program),
         last_step=dict(sm.stats) if getattr(sm, "stats", None) else None,
+        evaluation=_evaluation(sm),
     )
+
+
+def _evaluation(sm) -> dict | None:
+    """The evaluation schedule, once the first ``sm.evaluate(...)`` built it (harmony/evaluating.py), and the last
+    evaluation's figures."""
+    ev = getattr(sm, "_evaluation", None)
+    if ev is None:
+        return None
+    r = ev.report
+    return dict(title=r.title, seconds=ev.seconds, rows=list(r.rows), totals=dict(r.totals), notes=list(r.notes),
+                last=dict(getattr(sm, "eval_stats", {}) or {}))
 
 
 def _implementation(cfg) -> str:
@@ -304,6 +316,8 @@ class _Writer:
         self.table(d["packs"])
         self.heading("last step")
         self.last_step(d["last_step"], d["config"]["memory_budget"])
+        if d.get("evaluation"):
+            self.evaluation(d["evaluation"])
         self.terms()
         return "\n".join(self.lines).rstrip() + "\n"
 
@@ -399,6 +413,17 @@ class _Writer:
         self.lines.append(line(cols))
         self.lines.append("  ".join("-" * w for w in widths))
         self.lines += [line(row) for row in cells]
+
+    def evaluation(self, ev: dict):
+        self.heading(f"{ev['title']}  (built in {fmt_seconds(ev['seconds'])} by the first sm.evaluate)")
+        self.table(ev["rows"])
+        self.pairs([(k, fmt_value(k, v)) for k, v in ev["totals"].items()], inline=True)
+        self.notes(ev["notes"])
+        s = ev["last"]
+        if s:
+            self.pairs([("last evaluation", f"{fmt_seconds(s['eval_seconds'])}, peak {fmt_bytes(s['measured_peak'])} "
+                                            f"measured vs {fmt_bytes(s['predicted_peak'])} predicted, h2d "
+                                            f"{fmt_bytes(s['h2d_bytes'])} ({s['evaluations']} so far)")])
 
     def last_step(self, s: dict | None, budget: int):
         if not s:

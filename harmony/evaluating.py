@@ -1,0 +1,131 @@
+"""``sm.evaluate(*batch)``: a batch's loss as ``model.eval()`` under ``torch.no_grad()`` computes it, within the budget.
+
+The evaluation runs a schedule of its own (passes/eval_schedule.py: each pack's weights swapped in
+once, its eval-mode forward over every microbatch, released) on the training runtime's state as the
+last step left it: the same weights on the same tiers, the same meter and budget. It makes no
+gradient, takes no optimizer step, updates no buffer, leaves the RNG and ``sm.steps`` as they were,
+and an error inside it is rolled back as a failed step is, so the next ``sm(...)`` trains as if it had
+not run. The schedule is built on the first evaluation (``sm.eval_stats["compile_seconds"]``) and
+kept; switching between training and evaluation costs nothing after that.
+
+It returns the mean of the microbatches' losses, in fp32, as a step does: the traced graph computes
+the loss and nothing else, so a model's other outputs (logits) are not returned. Under data
+parallelism each rank evaluates its own batch (its share of a global one) and returns its own loss:
+no all-reduce runs (average the ranks' losses with ``torch.distributed`` where one figure is wanted).
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import torch
+
+from harmony.base.errors import ConfigError, TornStepError
+from harmony.base.process import peak_rss_bytes
+from harmony.data import check_world
+from harmony.stepping import batch_of
+
+
+@dataclasses.dataclass
+class Evaluation:
+    """A compiled module's evaluation schedule, built once: its graph, the plan of eval-mode packs it runs,
+    the leaf modules it runs in eval mode, its predicted memory and the report of how it was made."""
+
+    graph: object
+    plan: object
+    modules: list
+    predicted: object
+    report: object
+    rewritten: int            # ops of the traced graph turned to eval mode (dropout, batch norm)
+    seconds: float
+
+
+def eval_plan(plan):
+    """``plan`` with each pack's forward in eval mode (compiler/trace_eval.py): no random numbers to replay, no
+    buffer it writes. Returns the plan, the modules to run in eval mode, and how many ops changed."""
+    from harmony.compiler.trace_eval import eval_module
+    packs, changed = [], 0
+    for spec in plan.packs:
+        module, n = eval_module(spec.module)
+        changed += n
+        packs.append(dataclasses.replace(spec, module=module, mutated=[], random=False))
+    return dataclasses.replace(plan, packs=packs), leaf_modules(packs), changed
+
+
+def leaf_modules(packs) -> list:
+    """The modules the packs' graphs call whole (the fx front end's leaf modules: ``nn.Dropout``, ``nn.BatchNorm2d``,
+    the user's ``leaf_modules``) with everything inside them: they read their own ``training`` flag as they run."""
+    out: dict = {}
+    for spec in packs:
+        for node in spec.module.graph.nodes:
+            if node.op == "call_module":
+                out.update(dict.fromkeys(spec.module.get_submodule(node.target).modules()))
+    return list(out)
+
+
+def _reads_mode(module) -> bool:
+    """A module whose forward differs in eval mode: dropout, batch and instance norm (others may too: all run in
+    eval mode; these are named in the report)."""
+    from torch.nn.modules.batchnorm import _NormBase
+    from torch.nn.modules.dropout import _DropoutNd
+    return isinstance(module, (_DropoutNd, _NormBase))
+
+
+def compile_evaluation(sm) -> Evaluation:
+    """The module's evaluation schedule, built on the first call and kept."""
+    if sm._evaluation is not None:
+        return sm._evaluation
+    from harmony.passes.eval_schedule import build
+    t0 = time.perf_counter()
+    plan, modules, changed = eval_plan(sm.program.plan)
+    graph, predicted, report = build(sm.program, plan)
+    if changed:
+        report.notes.append(f"{changed} ops of the traced graph run as in eval mode (dropout off, batch norm on "
+                            f"its running statistics, which it leaves as they are)")
+    kinds = sorted({type(m).__name__ for m in modules if _reads_mode(m)})
+    if kinds:
+        report.notes.append(f"the model's own {', '.join(kinds)} modules run in eval mode during it (and in "
+                            f"training mode during a step)")
+    sm._evaluation = Evaluation(graph, plan, modules, predicted, report, changed, time.perf_counter() - t0)
+    return sm._evaluation
+
+
+def _check(sm) -> None:
+    cfg = sm.program.config
+    if sm.runtime is None:
+        raise ConfigError(f"this module was compiled with passes={[h[0] for h in sm.history]}, which make no "
+                          f"schedule; compile with the default passes to evaluate")
+    if cfg.policy == "ondemand":
+        raise ConfigError("policy='ondemand' has no planned movement to evaluate with: its runtime fetches state "
+                          "as a training step touches it; compile with policy='harmony' or 'sequential' to evaluate")
+    check_world(cfg, sm.program.capabilities)
+    if sm.runtime.torn is not None:
+        from harmony.runtime.transaction import describe_torn
+        raise TornStepError(f"evaluation refused: {describe_torn(sm.runtime.torn)}")
+
+
+def evaluate(sm, batch: tuple, named: dict) -> torch.Tensor:
+    """The mean loss over the batch's microbatches, forward only, in eval mode (see the module docstring)."""
+    _check(sm)
+    batch = batch_of(sm, batch, named)
+    rt = sm.runtime
+    compiled = sm._evaluation is None
+    ev = compile_evaluation(sm)
+    cuda = rt.device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(rt.device)
+    t0 = time.perf_counter()
+    loss = rt.evaluate(ev.graph, ev.plan, dict(zip(sm.program.plan.input_names, batch)), ev.modules)
+    seconds = time.perf_counter() - t0
+    stats = sm.eval_stats
+    stats.update(eval_seconds=seconds, evaluations=stats.get("evaluations", 0) + 1,
+                 compile_seconds=ev.seconds, measured_peak=rt.meter.peak, predicted_peak=ev.predicted.peak,
+                 budget=rt.meter.budget, h2d_bytes=rt.eval_moved.get("h2d", 0),
+                 d2h_bytes=rt.eval_moved.get("d2h", 0), predicted_h2d=ev.predicted.moved["h2d"],
+                 peak_rss_bytes=peak_rss_bytes())
+    if compiled:
+        stats["first_eval_seconds"] = seconds + ev.seconds
+    if cuda:
+        stats.update(cuda_allocated_peak=torch.cuda.max_memory_allocated(rt.device),
+                     cuda_reserved_peak=torch.cuda.max_memory_reserved(rt.device))
+    return loss
