@@ -1,0 +1,172 @@
+"""Batches of other shapes than the example's (harmony/shapes.py): a smaller last batch, another sequence length.
+
+Each trains the same state as eager PyTorch does: gradient accumulation over the same microbatches, each
+microbatch's mean loss weighted by its rows (``loss_i / m`` where the microbatches are alike), bitwise in fp32.
+"""
+import copy
+import logging
+
+import pytest
+import torch
+
+import harmony
+from harmony.optim import optimizer_kwargs
+from harmony.shapes import split_rows
+from models import call, gpt_case, hf_gpt2_case, training_state_bytes
+
+
+def eager_steps(model, batches, microbatch):
+    """Eager AdamW over ``batches``, each cut as ``split_rows`` cuts it at ``microbatch`` rows (one size, or one per
+    batch), the microbatches' losses weighted by rows."""
+    model = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), **optimizer_kwargs(torch.optim.AdamW, {}))
+    losses = []
+    sizes = microbatch if isinstance(microbatch, list) else [microbatch] * len(batches)
+    for batch, size in zip(batches, sizes):
+        items = batch if isinstance(batch, dict) else dict(enumerate(batch))
+        n = next(iter(items.values())).shape[0]
+        rows = split_rows(n, size)
+        start, total = 0, 0.0
+        for r in rows:
+            part = {k: v[start:start + r] for k, v in items.items()}
+            loss = call(model, part if isinstance(batch, dict) else tuple(part.values()))
+            (loss / len(rows) if len(set(rows)) == 1 else loss * (r / n)).backward()
+            total += loss.item() * r
+            start += r
+        opt.step()
+        opt.zero_grad()
+        losses.append(total / n)
+    return model, losses
+
+
+def run(sm, batches):
+    return [(sm(**b) if isinstance(b, dict) else sm(*b)).item() for b in batches]
+
+
+def assert_same_params(ours, ref):
+    for (name, a), b in zip(ours.named_parameters(), ref.parameters()):
+        assert torch.equal(a, b), f"{name}: max diff {(a - b).abs().max().item()}"
+
+
+def swapping(sm) -> bool:
+    return any(n.op == "call_function" and n.target.__name__ == "swap_in" for n in sm.graph.nodes)
+
+
+def test_split_rows():
+    assert split_rows(32, 8) == (8, 8, 8, 8)
+    assert split_rows(30, 8) == (8, 8, 8, 6)
+    assert split_rows(17, 8) == (6, 6, 5)
+    assert split_rows(5, 8) == (5,)
+    assert split_rows(7, 4) == (4, 3)
+    assert all(sum(split_rows(n, b)) == n and max(split_rows(n, b)) <= b for n in range(1, 40) for b in range(1, 9))
+
+
+@pytest.mark.parametrize("microbatches", [1, 2])
+def test_a_dataloader_epoch_with_a_smaller_last_batch_trains_as_eager(microbatches):
+    """23 samples in batches of 8: the last has 7 rows, one microbatch of 7 or two of 4 and 3 (uneven)."""
+    model, data = gpt_case(batch=8)
+    x = torch.cat([b[0] for b in data])[:23]
+    y = torch.cat([b[1] for b in data])[:23]
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8)
+    batches = [tuple(b) for b in loader] * 2       # two epochs: the cached plan serves the second
+    assert [b[0].shape[0] for b in batches[:3]] == [8, 8, 7]
+    ref, ref_losses = eager_steps(model, batches, 8 // microbatches)
+    ours = copy.deepcopy(model)
+    sm = harmony.compile(ours, batches[0], memory_budget=int(training_state_bytes(model) * 0.5),
+                         microbatches=microbatches)
+    assert swapping(sm)
+    losses = run(sm, batches)
+    assert_same_params(ours, ref)
+    assert losses == pytest.approx(ref_losses, rel=1e-6)
+    assert sm.shapes.compiles == 1 and sm.steps == 6
+    last = sm.shapes.plans[(((7, 16), torch.int64),) * 2]
+    assert last.steps == 2 and last.program.plan.microbatches == microbatches
+    assert sm.stats["microbatch_rows"] == list(split_rows(7, 8 // microbatches))
+    assert sm.stats["measured_peak"] <= sm.stats["budget"]
+    assert sm.stats["predicted_peak"] == last.predicted.peak     # at its largest microbatch
+    assert "batch shapes" in sm.report() and "idx int64[7, 16]" in sm.report()
+
+
+def test_a_shorter_sequence_trains_as_eager_and_compiles_once(caplog):
+    model, data = gpt_case(batch=8)
+    short = [(x[:, :12], y[:, :12]) for x, y in data]
+    batches = [data[0], short[0], short[1], data[1], short[2]]
+    ref, _ = eager_steps(model, batches, 2)
+    ours = copy.deepcopy(model)
+    sm = harmony.compile(ours, data[0], memory_budget=int(training_state_bytes(model) * 0.5), microbatches=4)
+    with caplog.at_level(logging.INFO, logger="harmony"):
+        run(sm, batches)
+    assert_same_params(ours, ref)
+    compiled = [r.getMessage() for r in caplog.records if "new batch shape" in r.getMessage()]
+    assert len(compiled) == 1 and "idx int64[8, 12]" in compiled[0], compiled
+    assert sm.shapes.compiles == 1 and len(sm.shapes.plans) == 2
+    assert sm.plan is sm.shapes.example.program.plan and sm.graph is sm.program.schedule   # the example's plan
+
+
+def test_a_longer_sequence_that_does_not_fit_is_refused_before_any_state_changes():
+    """Compiled at 16 tokens under a tight budget: 64 tokens do not fit the compiled packs even one row per
+    microbatch, and nothing changes; 32 tokens fit with fewer rows per microbatch and train as eager."""
+    model, data = gpt_case(batch=8, seq=64)
+    x, y = data[0]
+    ours = copy.deepcopy(model)
+    sm = harmony.compile(ours, (x[:, :16], y[:, :16]), memory_budget=int(training_state_bytes(model) * 0.5),
+                         microbatches=4)
+    sm(x[:, :16], y[:, :16])
+    before = copy.deepcopy(sm.state_dict())
+    with pytest.raises(harmony.errors.InputError, match=r"idx int64\[8, 64\].*largest batch"):
+        sm(x, y)
+    after = sm.state_dict()
+    assert sm.steps == 1 and len(sm.shapes.plans) == 1
+    for name, a in before["model"].items():
+        assert torch.equal(a, after["model"][name]), name
+    assert _flat(before["optimizer"]) == _flat(after["optimizer"])
+    sm(x[:, :32], y[:, :32])      # fits the compiled packs with fewer rows per microbatch, every pack recomputing
+    rows = sm.stats["microbatch_rows"]
+    assert max(rows) < 2 and sm.stats["measured_peak"] <= sm.stats["budget"]
+    ref, _ = eager_steps(model, [(x[:, :16], y[:, :16]), (x[:, :32], y[:, :32])], [2, max(rows)])
+    assert_same_params(ours, ref)
+
+
+def _flat(state) -> list:
+    out = []
+    if isinstance(state, dict):
+        for k in sorted(state, key=str):
+            out += [k] + _flat(state[k])
+    elif isinstance(state, (list, tuple)):
+        for v in state:
+            out += _flat(v)
+    elif isinstance(state, torch.Tensor):
+        out.append(state.clone().tolist())
+    else:
+        out.append(state)
+    return out
+
+
+def test_hugging_face_gpt2_trains_a_new_sequence_length_as_eager():
+    """torch.export bakes the sequence length into the graph's views: a new one is traced again."""
+    model, data = hf_gpt2_case(batch=4)
+    short = [{k: v[:, :10] for k, v in b.items()} for b in data]
+    batches = [data[0], short[0], data[1], short[1]]
+    ref, ref_losses = eager_steps(model, batches, 2)
+    ours = copy.deepcopy(model)
+    sm = harmony.compile(ours, data[0], memory_budget=int(training_state_bytes(model) * 0.5), microbatches=2)
+    assert swapping(sm)
+    losses = run(sm, batches)
+    assert_same_params(ours, ref)
+    assert losses == pytest.approx(ref_losses, rel=1e-6)
+    assert sm.shapes.compiles == 1
+
+
+def test_the_cache_keeps_at_most_its_limit_and_always_the_example(caplog):
+    model, data = gpt_case(batch=8)
+    sm = harmony.compile(model, data[0], memory_budget=int(training_state_bytes(model) * 0.5), microbatches=2)
+    sm.shapes.limit = 2
+    x, y = data[0]
+    with caplog.at_level(logging.WARNING, logger="harmony"):
+        for n in (6, 4, 6):
+            sm(x[:n], y[:n])
+    assert sm.shapes.compiles == 3 and sm.shapes.dropped == 2
+    assert list(sm.shapes.plans) == [sm.shapes.example.key, (((6, 16), torch.int64),) * 2]
+    assert any("dropped the plan" in r.getMessage() for r in caplog.records)
+    sm(x, y)
+    assert sm.shapes.compiles == 3
