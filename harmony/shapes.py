@@ -143,11 +143,13 @@ def plan_shape(sm, batch: tuple, names: list[str]) -> Program:
     try:
         with _state_as_planned(sm.runtime.state, tensors):
             program = _plan(base, batch, rows.pop())
-    except HarmonyError as e:
+    except BudgetError as e:
         raise InputError(f"{what} cannot be trained with the compiled plan's packs under memory_budget="
                          f"{fmt_bytes(cfg.memory_budget)}, even one row per microbatch: "
                          f"{str(e).splitlines()[0].rstrip('.')}. Compile with the largest batch you will train on "
                          f"as example_batch: smaller batches and shorter sequences reuse its plan's layout.") from e
+    except HarmonyError as e:
+        raise InputError(f"{what} cannot be planned: {str(e).splitlines()[0]}") from e
     differs = _layout_differs(base, program, tensors)
     if differs:
         raise InputError(f"{what}: its plan would keep training state elsewhere than the compiled plan ({differs}); "
@@ -218,10 +220,16 @@ def _layout_differs(base: Program, new: Program, tensors: dict) -> str:
                 return f"pack {a.index} holds other {field}"
         if old_plan.at(a.index) != plan.at(b.index):
             return f"pack {a.index}'s residency"
-    steps = [[n.args[0] for n in p.schedule.nodes if n.op == "call_function" and n.target.__name__ == "step"]
-             for p in (base, new)]
+    steps, hands = [], []       # the step order, and the weights' releases that the disk tier reads once
+    for p in (base, new):
+        ops = [n for n in p.schedule.nodes if n.op == "call_function"]
+        steps.append([n.args[0] for n in ops if n.target.__name__ == "step"])
+        hands.append({(n.args[0], n.kwargs.get("handoff"), n.kwargs.get("carry")) for n in ops
+                      if n.target.__name__ == "release" and n.args[1] == "params"})
     if steps[0] != steps[1]:
         return f"packs step in the order {steps[1]}, not {steps[0]}"
+    if hands[0] != hands[1]:
+        return "the weights on disk are handed over otherwise"
     mine = dict(new.gm.named_parameters()) | dict(new.gm.named_buffers())
     other = [n for n, t in mine.items() if tensors.get(n) is not t]
     return f"the graph reads {other[0]!r} as another tensor" if other else ""

@@ -170,3 +170,40 @@ def test_the_cache_keeps_at_most_its_limit_and_always_the_example(caplog):
     assert any("dropped the plan" in r.getMessage() for r in caplog.records)
     sm(x, y)
     assert sm.shapes.compiles == 3
+
+
+def test_weights_on_disk_train_other_shapes_as_on_the_host(tmp_path):
+    """Packs wholly on disk (placeholders in the model between steps) plan and train other shapes bitwise as the
+    same plan with its weights on the host."""
+    results = []
+    for weights_on in ("host", "disk"):
+        model, data = gpt_case(batch=8)
+        x, y = data[1]
+        sm = harmony.compile(model, data[0], memory_budget=training_state_bytes(model) // 3, microbatches=4,
+                             optimizer_on="host", disk_group_bytes="24KiB", weights_on=weights_on,
+                             offload_dir=tmp_path)
+        assert set(sm.plan.by_pack("master_on").values()) == {weights_on}
+        losses = run(sm, [data[0], (x[:7], y[:7]), (x[:, :12], y[:, :12]), data[2], (x[:7], y[:7])])
+        sm.sync_model()
+        results.append((losses, [p.detach().clone() for p in model.parameters()], sm.shapes.compiles))
+        sm.close()
+    assert results[0][0] == results[1][0] and results[1][2] == 2
+    assert all(torch.equal(a, b) for a, b in zip(results[0][1], results[1][1]))
+
+
+def test_a_step_that_fails_at_a_new_shape_is_rolled_back():
+    """A bad token id in a batch of a new shape: planned (shapes only), then the step raises and changes nothing;
+    the module trains on as eager after the same exception."""
+    model, data = gpt_case(batch=8)
+    x, y = data[1]
+    bad = x[:6].clone()
+    bad[0, 0] = 10_000
+    ours = copy.deepcopy(model)
+    sm = harmony.compile(ours, data[0], memory_budget=int(training_state_bytes(model) * 0.5), microbatches=4)
+    sm(*data[0])
+    with pytest.raises(IndexError):
+        sm(bad, y[:6])
+    assert sm.steps == 1 and sm.shapes.compiles == 1
+    run(sm, [(x[:6], y[:6]), data[2]])
+    ref, _ = eager_steps(model, [data[0], (x[:6], y[:6]), data[2]], 2)
+    assert_same_params(ours, ref)
