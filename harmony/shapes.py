@@ -25,9 +25,12 @@ by their rows computes. Where the microbatches are alike it is the usual ``loss_
 
 Data parallel: every rank must pass batches of the same shapes at the same step (a ``DistributedSampler``
 gives every rank as many samples, so its last batches agree); a new shape is checked across ranks when it is
-planned (a collective), a cached one is not. ``balance=`` plans each rank's share of one global batch and
-refuses other shapes. ``sm.code``, ``sm.plan``, ``sm.graph`` and ``sm.history`` stay the compiled plan's;
-``sm.shapes.plans`` holds the others' programs, ``sm.stats`` after a step describes the plan that ran.
+planned (a collective: ranks that pass different new shapes all refuse), a cached one is not (ranks that
+disagree there fail at the step's first all-reduce after the communication timeout). ``balance=`` plans each
+rank's share of one global batch and refuses other shapes, as does the ``ondemand`` baseline.
+
+``sm.code``, ``sm.plan``, ``sm.graph`` and ``sm.history`` stay the compiled plan's; ``sm.shapes.plans`` holds
+every cached plan's program, and ``sm.stats`` after a step describes the plan that ran.
 """
 from __future__ import annotations
 
@@ -134,10 +137,13 @@ def plan_shape(sm, batch: tuple, names: list[str]) -> Program:
     key = shape_key(batch)
     what = f"a batch of {describe(key, names)} (compiled for {describe(shape_key(base.example_batch), names)})"
     rows = {t.shape[0] for t in batch if t.dim() > 0}
-    if len(rows) != 1 or 0 in rows:
-        raise InputError(f"{what}: every batch tensor needs the same number of rows (> 0) in dimension 0")
-    if cfg.policy == "ondemand" or base.schedule is None:
-        raise InputError(f"{what}: the {cfg.policy!r} policy trains the example batch's shapes only; compile again")
+    if len(rows) != 1:
+        raise InputError(f"{what}: every batch tensor needs the same number of rows in dimension 0")
+    if 0 in rows:
+        raise InputError(f"{what} has 0 rows: give at least one sample")
+    if cfg.policy == "ondemand":
+        raise InputError(f"{what}: the 'ondemand' baseline trains the example batch's shapes only (its runtime "
+                         f"fetches and evicts without a plan to reuse); compile again for this shape")
     _agree_across_ranks(cfg, key, what)
     tensors = dict(base.gm.named_parameters()) | dict(base.gm.named_buffers())
     try:

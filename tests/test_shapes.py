@@ -12,7 +12,7 @@ import torch
 import harmony
 from harmony.optim import optimizer_kwargs
 from harmony.shapes import split_rows
-from models import call, gpt_case, hf_gpt2_case, training_state_bytes
+from models import call, eager_full, gpt_case, hf_gpt2_case, training_state_bytes
 
 
 def eager_steps(model, batches, microbatch):
@@ -87,13 +87,15 @@ def test_a_dataloader_epoch_with_a_smaller_last_batch_trains_as_eager(microbatch
     assert "batch shapes" in sm.report() and "idx int64[7, 16]" in sm.report()
 
 
-def test_a_shorter_sequence_trains_as_eager_and_compiles_once(caplog):
+@pytest.mark.parametrize("policy", ["harmony", "sequential"])
+def test_a_shorter_sequence_trains_as_eager_and_compiles_once(caplog, policy):
     model, data = gpt_case(batch=8)
     short = [(x[:, :12], y[:, :12]) for x, y in data]
     batches = [data[0], short[0], short[1], data[1], short[2]]
     ref, _ = eager_steps(model, batches, 2)
     ours = copy.deepcopy(model)
-    sm = harmony.compile(ours, data[0], memory_budget=int(training_state_bytes(model) * 0.5), microbatches=4)
+    sm = harmony.compile(ours, data[0], memory_budget=int(training_state_bytes(model) * 0.5), microbatches=4,
+                         policy=policy)
     with caplog.at_level(logging.INFO, logger="harmony"):
         run(sm, batches)
     assert_same_params(ours, ref)
@@ -207,3 +209,73 @@ def test_a_step_that_fails_at_a_new_shape_is_rolled_back():
     run(sm, [(x[:6], y[:6]), data[2]])
     ref, _ = eager_steps(model, [data[0], (x[:6], y[:6]), data[2]], 2)
     assert_same_params(ours, ref)
+
+
+def test_the_ondemand_baseline_refuses_other_shapes():
+    model, data = gpt_case(batch=8)
+    sm = harmony.compile(model, data[0], memory_budget=int(training_state_bytes(model) * 0.5), microbatches=4,
+                         policy="ondemand")
+    x, y = data[0]
+    with pytest.raises(harmony.errors.InputError, match="ondemand"):
+        sm(x[:6], y[:6])
+    sm(x, y)
+
+
+def _dp_rank(rank, world):
+    """Each rank trains its rows of the batches ``_dp_batches`` gives; a step whose ranks disagree is refused."""
+    import harmony.data
+    model, data = gpt_case(batch=8)
+    sgd = dict(optimizer=torch.optim.SGD, optimizer_kwargs=dict(lr=0.1, momentum=0.9))
+    sm = harmony.compile(model, harmony.data.shard(data[0]), memory_budget=int(training_state_bytes(model) * 0.5),
+                         microbatches=2, **sgd)
+    refused = None
+    for i, batch in enumerate(_dp_batches(data)):
+        sm(*harmony.data.shard(batch))
+        if i == 1:       # rank 0 passes 1 row, rank 1 passes 2, both new shapes: both refuse, neither steps
+            x, y = harmony.data.shard(batch)
+            try:
+                sm(x[:1 + rank], y[:1 + rank])
+            except harmony.errors.InputError as e:
+                refused = str(e)
+    return dict(params=[p.detach().numpy().copy() for p in model.parameters()], refused=refused, steps=sm.steps,
+                compiles=sm.shapes.compiles)
+
+
+def _dp_batches(data):
+    x, y = data[1]
+    return [data[0], (x[:6], y[:6]), (x[:, :12], y[:, :12]), data[2]]
+
+
+def test_data_parallel_ranks_train_a_smaller_last_batch_and_a_shorter_sequence_as_eager():
+    """Two gloo ranks, each with half of each batch (3 rows of a last batch of 6: microbatches of 2 and 1): the
+    parameters of eager full-batch SGD on the whole batches (allclose: the all-reduce sums in another order)."""
+    from test_collectives import _spawn
+    res = _spawn(2, _dp_rank, timeout=300)
+    assert sorted(res) == [0, 1] and all(isinstance(v, dict) for v in res.values()), res
+    model, data = gpt_case(batch=8)
+    ref, _ = eager_full(model, _dp_batches(data), torch.optim.SGD, lr=0.1, momentum=0.9)
+    for r in (0, 1):
+        assert res[r]["steps"] == 4 and res[r]["compiles"] == 2, res[r]    # 3 rows a rank, 12 tokens
+        assert "different shapes" in res[r]["refused"]
+        for a, b in zip(res[r]["params"], ref.parameters()):
+            assert torch.allclose(torch.from_numpy(a), b.detach(), rtol=1e-5, atol=1e-6)
+    assert all((a == b).all() for a, b in zip(res[0]["params"], res[1]["params"]))
+
+
+def test_a_checkpoint_saved_after_a_new_shape_resumes_bitwise(tmp_path):
+    """The state is shared between the shapes' plans: a checkpoint is the same whatever shape stepped last, and a
+    module loaded from it trains the next batches (one of a new shape) as the one that saved it."""
+    model, data = gpt_case(batch=8)
+    x, y = data[1]
+    budget = int(training_state_bytes(model) * 0.5)
+    twin = copy.deepcopy(model)
+    sm = harmony.compile(model, data[0], memory_budget=budget, microbatches=4)
+    run(sm, [data[0], (x[:7], y[:7])])
+    harmony.save(sm, tmp_path / "ckpt")
+    later = [(x[:, :12], y[:, :12]), (x[:7], y[:7])]
+    run(sm, later)
+    resumed = harmony.compile(twin, data[0], memory_budget=budget, microbatches=4)
+    harmony.load(resumed, tmp_path / "ckpt")
+    run(resumed, later)
+    assert resumed.steps == sm.steps == 4
+    assert_same_params(twin, model)
