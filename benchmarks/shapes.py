@@ -1,10 +1,12 @@
 """What a batch of a new shape costs: its first step (which plans it) against a step at a cached shape.
 
-The demo GPT (``python -m harmony demo``'s defaults: 6 layers, width 256, batch 16 in 4 microbatches, 40% of its
-training state as the budget) is compiled for full batches; then an epoch's smaller last batch, a shorter
-sequence and a longer one (fewer rows per microbatch, every pack recomputing, where the compiled choice does
-not fit) each take a first step, which traces and plans the shape (harmony/shapes.py), and more steps from
-the cache. The table gives each shape's first step, its median cached step and the plan's compile seconds.
+The demo GPT (``python -m harmony demo``'s defaults: 6 layers, width 256, 64 tokens, batch 16 in 4
+microbatches, 40% of its training state as the budget; its position table twice as long, for the longer
+sequence) is compiled for full batches; then an epoch's smaller last batch, a shorter sequence and a longer
+one (where the compiled choice does not fit it: every pack recomputing and stashing, fewer rows per
+microbatch if need be) each take a first step, which traces and plans the shape (harmony/shapes.py), and
+more steps from the cache. The table gives each shape's first step, its median cached step, and the seconds
+its plan took (the example's: compile's).
 """
 from __future__ import annotations
 
@@ -37,7 +39,7 @@ def main():
     common.add_json_arg(ap)
     args = ap.parse_args()
     torch.manual_seed(0)
-    c = GPTConfig(vocab=256, seq=2 * args.seq, layers=args.layers, width=args.width, heads=4)
+    c = GPTConfig(vocab=128, seq=2 * args.seq, layers=args.layers, width=args.width, heads=4)   # room for 1.5x seq
     model = GPT(c)
     x, y = next(copy_task(c, args.batch, 1))
     full = (x[:, :args.seq], y[:, :args.seq])
