@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -56,6 +57,13 @@ def _count(name: str, value, what: str) -> None:
         raise ConfigError(f"{name}={value!r} must be a positive integer: {what}")
 
 
+def _positive(value, finite: bool) -> bool:
+    """A real number above 0 (``finite``: and not infinite); bools and strings are not numbers here."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    return value > 0 and (math.isfinite(value) or not finite and value == math.inf)
+
+
 class _Group:
     """The end of the chain of ``__post_init__`` checks: every group checks its fields, then calls the next."""
 
@@ -85,6 +93,16 @@ class TrainConfig(_Group):
     first group of their own. None: one group (an optimizer instance given as ``optimizer`` sets it)."""
     loss_fn: Any = None
     """``loss_fn(output, *batch)`` -> scalar loss when the model's forward returns an output, not a loss."""
+    clip_grad_norm: float | None = None
+    """Clip the gradients by their global norm before the update, as ``torch.nn.utils.clip_grad_norm_(
+    model.parameters(), clip_grad_norm)`` does between backward and ``optimizer.step()``: the norm is over every
+    parameter's gradient wherever it lives (device, host, every data-parallel rank's reduced gradient, fp16's
+    unscaled ones). No update can start before the last gradient exists, so every pack steps after the last
+    backward (the report's schedule section says what that costs); ``sm.stats["grad_norm"]`` is the norm before
+    clipping, as ``clip_grad_norm_`` returns it. None: no clipping."""
+    clip_norm_type: float = 2.0
+    """The p of the clipping norm (``clip_grad_norm_``'s ``norm_type``); ``float("inf")`` clips by the largest
+    absolute gradient."""
 
     def __post_init__(self):
         super().__post_init__()
@@ -103,6 +121,14 @@ class TrainConfig(_Group):
         self.optimizer_kwargs = dict(self.optimizer_kwargs or {})
         if self.loss_fn is not None and not callable(self.loss_fn):
             raise ConfigError(f"loss_fn={self.loss_fn!r} is not callable: give loss_fn(output, *batch) -> loss")
+        if self.clip_grad_norm is not None and not _positive(self.clip_grad_norm, finite=True):
+            raise ConfigError(f"clip_grad_norm={self.clip_grad_norm!r} must be a positive finite number (the largest "
+                              f"global gradient norm an update may use, e.g. 1.0), or None for no clipping")
+        if not _positive(self.clip_norm_type, finite=False):
+            raise ConfigError(f"clip_norm_type={self.clip_norm_type!r} must be a positive number or float('inf') "
+                              f"(the p of the norm; 2.0 is the usual)")
+        if self.clip_grad_norm is not None:
+            self.clip_grad_norm, self.clip_norm_type = float(self.clip_grad_norm), float(self.clip_norm_type)
 
 
 @dataclass(kw_only=True)
@@ -192,10 +218,13 @@ class ParallelConfig(_Group):
     count; ``"uniform"``: equal shares of ``microbatches`` each; or one entry per rank, ``(microbatch size,
     microbatches)`` or a sample count. Each rank's budget is its device's ``memory``; a ``speed_factor`` > 1
     makes the runtime emulate a slower device. ``sm(*global_batch)`` takes this rank's rows."""
-    shard_state: bool | None = None
+    shard_state: bool | str | None = None
     """True: each parameter's optimizer state is kept, and the parameter stepped, by one rank, which broadcasts it
     (ZeRO stage 1; runtime/shard.py), in equal byte shares or under ``balance`` the shares its plan chose; False:
-    every rank keeps all of it. None: True under ``balance``, False otherwise. Bitwise the same training."""
+    every rank keeps all of it. None: True under ``balance``, False otherwise. ``"full"``: parameters, gradients and
+    optimizer state partitioned (ZeRO stage 3; passes/shard.py): each rank keeps an equal chunk of every pack's fp32
+    weights and its optimizer state on its host, weights are all-gathered for use and gradients reduce-scattered
+    to their owners (host-stepped packs, fp32, uncompressed). Bitwise the same training."""
     comm_timeout: float = _env("comm_timeout")
     """*env* ``HARMONY_COMM_TIMEOUT``. Seconds a collective waits for its peers, also when compile initialises the
     process group (default 300)."""
@@ -209,8 +238,9 @@ class ParallelConfig(_Group):
                               f"uncompressed (an integer >= 0; CGX uses 16)")
         for name in ("data_parallel", "shard_state"):
             value = getattr(self, name)
-            if value is not None and not isinstance(value, bool):
-                raise ConfigError(f"{name}={value!r}: use None (the default), True or False")
+            if value is not None and not isinstance(value, bool) and not (name == "shard_state" and value == "full"):
+                raise ConfigError(f"{name}={value!r}: use None (the default), True or False"
+                                  + (", or 'full'" if name == "shard_state" else ""))
         spec = self.balance
         if not (spec is None or spec in ("auto", "uniform") or (isinstance(spec, (list, tuple)) and spec)):
             raise ConfigError(f"balance={spec!r}: use 'auto', 'uniform', or one entry per rank ((microbatch size, "
@@ -336,6 +366,11 @@ class Config(TrainConfig, MemoryConfig, DiskConfig, ParallelConfig, NumericsConf
                               f"fp32 state as ops touch it. Use policy='harmony' or 'sequential', or precision='fp32'")
         if self.balance is not None:
             self._check_balance()
+        if self.clip_grad_norm is not None and self.weights_on == "disk":
+            raise ConfigError("clip_grad_norm with weights_on='disk': a pack wholly on disk steps file by file while "
+                              "its gradients leave the device, before the global norm can be known; use "
+                              "weights_on='auto' or 'host' (optimizer state may still go to disk under "
+                              "host_memory_budget), or clip_grad_norm=None")
 
     def _check_balance(self) -> None:
         if self.precision != "fp32" or self.weights_on == "disk":

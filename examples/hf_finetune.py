@@ -1,4 +1,5 @@
-"""Fine-tune a Hugging Face causal LM under a memory budget: a DataLoader, AdamW, validation, checkpoint and resume.
+"""Fine-tune a Hugging Face causal LM under a memory budget: a DataLoader, AdamW, clipping, validation, checkpoint
+and resume.
 
     python examples/hf_finetune.py                 # GPT-2 (6 layers, width 256) for 3 epochs
     python examples/hf_finetune.py --resume        # carry on from the last epoch's checkpoint
@@ -82,8 +83,10 @@ def train(args) -> list[float]:
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
                             lr=args.lr)
+    # clip_grad_norm: the recipe's max_grad_norm, by the global norm as clip_grad_norm_ computes it (the gradients
+    # never reach model.parameters()' .grad, so clipping them by hand after sm(...) would clip nothing)
     sm = harmony.compile(model, example_batch=example, memory_budget=budget, microbatches=args.microbatches,
-                         optimizer=opt)
+                         optimizer=opt, clip_grad_norm=1.0)
     # linear warm-up, then cosine decay, on sm.optimizer: it drives every pack's optimizer; registered, the
     # scheduler is saved and restored with the checkpoint
     total, warmup = args.epochs * len(loader), max(1, args.epochs * len(loader) // 10)
@@ -110,7 +113,8 @@ def train(args) -> list[float]:
             losses.append(loss)
             step = sm.steps
             if step % args.log_every == 0:
-                print(f"epoch {epoch} step {step:4d}  loss {loss:.4f}  lr {sm.optimizer.param_groups[0]['lr']:.2e}")
+                print(f"epoch {epoch} step {step:4d}  loss {loss:.4f}  lr {sm.optimizer.param_groups[0]['lr']:.2e}  "
+                      f"grad norm {sm.stats['grad_norm']:.3f}")
             if step % args.eval_every == 0:
                 print(f"epoch {epoch} step {step:4d}  validation loss {validation_loss(model, val_loader):.4f}")
         harmony.save(sm, ckpt)                 # atomic: a crash leaves the last complete checkpoint

@@ -124,8 +124,14 @@ def _resolve(options: Config, batch_size: int) -> CompileConfig:
         raise ConfigError(f"precision={cfg.precision!r} is not supported with data-parallel training yet: the "
                           f"gradient all-reduce expects fp32 gradients; use precision='fp32' or train one process")
     if cfg.shard_state and (not cfg.data_parallel or (cfg.world_size or 1) < 2):
-        raise ConfigError("shard_state=True splits optimizer state over data-parallel ranks, but this process "
-                          "trains alone: run it under torchrun with data_parallel=None or True, or drop shard_state")
+        raise ConfigError(f"shard_state={cfg.shard_state!r} splits training state over data-parallel ranks, but this "
+                          f"process trains alone: run it under torchrun with data_parallel=None or True, or drop "
+                          f"shard_state")
+    if cfg.shard_state == "full":    # ZeRO-3: what it does not do yet is refused here (passes/shard.py)
+        from harmony.passes import shard
+        shard.check_config(cfg, options.optimizer_kwargs or {})
+        if "compress" in split_choices(cfg.passes)[0] and "shard" not in split_choices(cfg.passes)[0]:
+            cfg.passes = (*cfg.passes, "shard")
     if cfg.hardware is None and device_type == "cuda":   # plan for the GPU: its cached profile, else its datasheet
         from harmony.compiler.hardware import Hardware
         cfg.hardware = Hardware.this_machine(cache_dir=cfg.cache_dir)
@@ -141,7 +147,7 @@ def _plan_rank(model, gm, batch, cfg: CompileConfig):
         balanced = plan_this_rank(model, gm, batch, cfg.balance, cfg, cfg.hardware, sharded=cfg.shard_state)
     elif cfg.hardware is not None:
         cfg.plan_for_device(_device_of(cfg.hardware), cfg.hardware)
-    if cfg.shard_state:
+    if cfg.shard_state is True:
         shard_over_ranks(cfg, gm, balanced.shares if balanced else [1.0] * cfg.world_size)
     _check_masters(gm, cfg.precision)
     if torch.device(cfg.device).type == "cuda":
@@ -250,6 +256,10 @@ class ScheduledModule(torch.nn.Module):
         tensors = dict(gm.named_parameters())
         tensors.update(dict(gm.named_buffers()))
         cfg = program.config
+        shares = None
+        if any(r.shares is not None for r in plan.residency.values()):   # ZeRO-3: keep this rank's chunks only
+            from harmony.runtime.partitioned import Shares
+            shares = Shares(plan, tensors, cfg.comm_timeout)
         # one optimizer per pack (per file for a pack wholly on disk); sm.optimizer holds their groups' settings
         optimizers, self.optimizer = build_optimizers(cfg, plan, tensors)
         self.optimizers = list(dict.fromkeys(optimizers.values()))
@@ -268,6 +278,10 @@ class ScheduledModule(torch.nn.Module):
             self.runtime = Runtime(plan, program.schedule, tensors, optimizers, cfg.state_budget, device,
                                    on_demand=OnDemand if cfg.policy == "ondemand" else None,
                                    speed_factor=getattr(cfg, "speed_factor", 1.0))
+            self.runtime.state.shares = shares
+            if shares is not None:        # the model refuses to be read while its weights are in other ranks' shares
+                from harmony.usermodel import guard
+                guard(self)
             self.predicted = memory_curve(program, check_residency=False)
             self.shapes = ShapeCache(self)     # a plan per batch shape, this one the example's (harmony/shapes.py)
             if cfg.host_memory_budget is not None:   # the host's memory is budgeted: freed buffers must go back
@@ -364,6 +378,8 @@ class ScheduledModule(torch.nn.Module):
             stats[key] = stats.get(key, 0.0) + e.end - e.start
         if rt.scaler is not None:   # the scale the next step uses, and the steps skipped for inf/nan so far
             stats.update(loss_scale=self.loss_scale, skipped_steps=rt.scaler.skipped)
+        if rt.gate is not None and rt.gate.clipper is not None:   # the norm before clipping (clip_grad_norm_'s)
+            stats["grad_norm"] = rt.gate.grad_norm()
         self.stats = stats
         for hook in self.program.step_hooks:     # what the passes measure per step (compress: the wire's bytes)
             stats.update(hook(self))

@@ -284,7 +284,7 @@ def _replicated_ranks(sm) -> bool:
     import torch.distributed as dist
     cfg, plan = sm.program.config, getattr(sm.program, "plan", None)
     return (bool(getattr(cfg, "data_parallel", False)) and (getattr(cfg, "world_size", 1) or 1) > 1
-            and dist.is_available() and dist.is_initialized() and not getattr(plan, "state_owner", None))
+            and dist.is_available() and dist.is_initialized() and not getattr(plan, "sharded", False))
 
 
 def _save_here(sm, path, progress) -> Path:
@@ -434,7 +434,7 @@ def _rank_path(sm, path) -> Path:
     """Where this rank's checkpoint goes: ``path`` itself, or ``path/rank-R-of-W`` when optimizer state is
     sharded over ranks (each rank holds only its shard, so each saves and loads its own, every one atomically)."""
     plan = getattr(sm.program, "plan", None)
-    if not getattr(plan, "state_owner", None):
+    if not getattr(plan, "sharded", False):
         return Path(path)
     return Path(path) / f"rank-{plan.rank}-of-{sm.program.config.world_size}"
 

@@ -53,7 +53,8 @@ def saved_world(path: Path) -> int | None:
 def check_world(path, sm) -> None:
     """Refuse, naming both world sizes, a checkpoint saved by another world (or sharding) than this run's."""
     plan, cfg = getattr(sm.program, "plan", None), sm.program.config
-    sharded = bool(getattr(plan, "state_owner", None))
+    sharded = bool(getattr(plan, "sharded", False))
+    full = sharded and not getattr(plan, "state_owner", None)     # shard_state="full": weights partitioned too
     world = (getattr(cfg, "world_size", 1) or 1) if getattr(cfg, "data_parallel", False) else 1
     path = Path(os.path.realpath(os.fspath(path)))
     saved = saved_world(path)
@@ -61,13 +62,14 @@ def check_world(path, sm) -> None:
         if sharded and (path / "manifest.json").is_file():
             raise CheckpointError(
                 f"cannot load {path}: it was saved with the whole optimizer state (shard_state off), and this run "
-                f"of {world} ranks shards it (shard_state=True); compile with shard_state=False to load it. "
-                f"Nothing was changed.")
+                f"of {world} ranks shards it (shard_state={cfg.shard_state!r}); compile with shard_state=False to "
+                f"load it. Nothing was changed.")
         return
     if not sharded or saved != world:
         here = f"{world} rank{'s' if world != 1 else ''}" + (" with sharded optimizer state" if sharded else
                                                              " with the whole optimizer state on each")
         raise CheckpointError(
-            f"cannot load {path}: it was saved by {saved} ranks, each with its shard of the optimizer state "
-            f"(rank-R-of-{saved}), and this run has {here}. Load it in a run of {saved} ranks with shard_state=True "
-            f"(resharding into another world size is not supported). Nothing was changed.")
+            f"cannot load {path}: it was saved by {saved} ranks, each with its shard of the "
+            f"{'weights and ' if full else ''}optimizer state (rank-R-of-{saved}), and this run has {here}. Load it "
+            f"in a run of {saved} ranks with shard_state={'full' if full else True!r} (resharding into another world "
+            f"size is not supported). Nothing was changed.")

@@ -24,6 +24,8 @@ class LiveState:
         self.sm = sm
         self.tensors = {**dict(gm.named_parameters()), **dict(gm.named_buffers())}
         self.tiers = sm.runtime.state if sm.runtime is not None else None
+        if getattr(self.tiers, "shares", None) is not None:   # shard_state="full": this rank's chunk pieces instead
+            self.tiers.shares.substitute(self.tensors)         # of the partitioned weights (runtime/partitioned.py)
         if hasattr(self.tiers, "drain"):   # no background optimizer step may still write what we read or replace
             self.tiers.drain()
         self.disk = getattr(self.tiers, "disk", None)   # optimizer state of disk-placed packs (runtime/disk.py)

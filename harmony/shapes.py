@@ -27,7 +27,7 @@ Data parallel: every rank must pass batches of the same shapes at the same step 
 gives every rank as many samples, so its last batches agree); a new shape is checked across ranks when it is
 planned (a collective: ranks that pass different new shapes all refuse), a cached one is not (ranks that
 disagree there fail at the step's first all-reduce after the communication timeout). ``balance=`` plans each
-rank's share of one global batch and refuses other shapes, as does the ``ondemand`` baseline.
+rank's share of one global batch and refuses other shapes, as do ``shard_state="full"`` and the ``ondemand`` baseline.
 
 ``sm.code``, ``sm.plan``, ``sm.graph`` and ``sm.history`` stay the compiled plan's; ``sm.shapes.plans`` holds
 every cached plan's program, and ``sm.stats`` after a step describes the plan that ran.
@@ -141,6 +141,9 @@ def plan_shape(sm, batch: tuple, names: list[str]) -> Program:
         raise InputError(f"{what}: every batch tensor needs the same number of rows in dimension 0")
     if 0 in rows:
         raise InputError(f"{what} has 0 rows: give at least one sample")
+    if any(getattr(r, "shares", None) is not None for r in base.plan.residency.values()):
+        raise InputError(f"{what}: shard_state='full' trains the example batch's shapes only (each rank's shares of "
+                         f"the packs are laid out for its plan); compile again for this shape")
     if cfg.policy == "ondemand":
         raise InputError(f"{what}: the 'ondemand' baseline trains the example batch's shapes only (its runtime "
                          f"fetches and evicts without a plan to reuse); compile again for this shape")

@@ -175,12 +175,14 @@ def _weights_on(cfg) -> str:
     weights_on = getattr(cfg, "weights_on", "auto")
     if weights_on not in WEIGHTS:
         raise ConfigError(f"weights_on={weights_on!r}; choose one of {', '.join(WEIGHTS)}")
-    if cfg.precision == "fp32":
+    clip = getattr(cfg, "clip_grad_norm", None) is not None
+    if cfg.precision == "fp32" and not clip:
         return weights_on
-    if weights_on == "disk":             # the disk step does not yet cast weights and gradients
-        raise ConfigError(f"weights_on='disk' with precision={cfg.precision!r}: packs wholly on disk train in fp32 "
-                          f"only for now; use precision='fp32', or weights_on='host' with a host_memory_budget that "
-                          f"holds the fp32 weights")
+    if weights_on == "disk":             # the disk step neither casts weights and gradients nor waits for the norm
+        what = f"precision={cfg.precision!r}" if cfg.precision != "fp32" else "clip_grad_norm"
+        raise ConfigError(f"weights_on='disk' with {what}: packs wholly on disk step file by file as their "
+                          f"gradients leave the device, in fp32 and unclipped only for now; use weights_on='host' "
+                          f"with a host_memory_budget that holds the fp32 weights")
     return "host"
 
 
@@ -202,9 +204,17 @@ def _place(program: Program, place: str, disk: set, whole: set, need: dict) -> N
 
 
 def _grads_held(cfg) -> str:
-    """Which gradients the host holds at once: fp16 keeps every pack's until the overflow check."""
+    """Which gradients the host holds at once: fp16 and clipping keep every pack's until the last is in."""
+    if getattr(cfg, "clip_grad_norm", None) is not None:
+        return "gradients of every pack (clipping: the steps wait for the global norm over the last gradient)"
     return {"fp32": "gradients of two packs", "bf16": "gradients of two packs (bf16 and fp32)",
             "fp16": "gradients of every pack (fp16 steps after the last is checked for overflow)"}[cfg.precision]
+
+
+def holds_every_gradient(cfg) -> bool:
+    """Whether the updates wait for the last gradient (fp16's overflow check, clipping's global norm), so the host
+    holds every host-stepped pack's gradients at once."""
+    return cfg.precision == "fp16" or getattr(cfg, "clip_grad_norm", None) is not None
 
 
 def place_state(program: Program) -> tuple[set[int], set[int], dict]:
@@ -221,7 +231,7 @@ def place_state(program: Program) -> tuple[set[int], set[int], dict]:
     buffers = sum(nbytes(t) for t in gm.buffers())
     owned = {s.index: sum(sizes.get(n, 0) for n in s.owned) for s in plan.packs}
     # a pack's gradients on the host between its release and its step; under mixed precision they arrive in
-    # the compute dtype and step as fp32 copies, and fp16 holds every pack's until the last is checked
+    # the compute dtype and step as fp32 copies, and fp16 and clipping hold every pack's until the last is in
     held = {s.index: s.param_bytes + (s.master_bytes if cfg.precision != "fp32" else 0) for s in plan.packs}
     optim = {s.index: s.optim_bytes for s in plan.packs}
     groups = groups_of(plan, set(optim), cfg.disk_group_bytes, sizes)
@@ -235,7 +245,7 @@ def place_state(program: Program) -> tuple[set[int], set[int], dict]:
     def need(disk: set[int], whole: set[int]) -> dict:
         masters = buffers + sum(b for p, b in owned.items() if p not in whole)
         host_held = [b for p, b in held.items() if p not in whole]
-        grads = (sum(host_held) if cfg.precision == "fp16" else 2 * max(host_held, default=0)) + \
+        grads = (sum(host_held) if holds_every_gradient(cfg) else 2 * max(host_held, default=0)) + \
             max((group_grads[p] for p in whole), default=0)
         host_optim = sum(b for p, b in optim.items() if p not in disk and p not in whole)
         staging = 2 * max((optim[p] for p in disk), default=0) + 3 * max((file_bytes[p] for p in whole), default=0)
@@ -269,12 +279,13 @@ def place_state(program: Program) -> tuple[set[int], set[int], dict]:
     planned = need(disk, whole)
     if budget is not None and planned["planned"] > budget:
         what = ("with every pack's optimizer state on disk the host still needs the fp32 weights "
-                f"({fmt_bytes(need(set(optim), set())['masters'])}), two packs' gradients and two packs' optimizer "
-                f"state in flight" if weights_on == "host" else
+                f"({fmt_bytes(need(set(optim), set())['masters'])}), {_grads_held(cfg)} and two packs' "
+                f"optimizer state in flight" if weights_on == "host" else
                 f"with every pack's weights and optimizer state on disk the host still needs buffers "
                 f"({fmt_bytes(buffers)}), a file's gradients and three files of weights and optimizer state in "
                 f"flight")
-        todo = ("weights_on='auto' to let weights go to disk too, or " if weights_on == "host" else "")
+        todo = ("weights_on='auto' to let weights go to disk too, or "
+                if weights_on == "host" and getattr(cfg, "weights_on", "auto") == "host" else "")
         raise BudgetError(
             f"host_memory_budget={fmt_bytes(budget)} cannot hold the host's share of training state: {what}, "
             f"{fmt_bytes(minimum)}. Raise host_memory_budget to at least {fmt_bytes(minimum)} ({minimum} bytes), "

@@ -4,7 +4,8 @@
 pack's weights are needed once per phase; backward runs in reverse pack order,
 recomputing each pack from its stashed inputs; the last pack runs forward and
 backward per microbatch without recompute; each pack's optimizer step follows its
-backward at once, while its gradients are still on the device.
+backward at once, while its gradients are still on the device (with ``clip_grad_norm``, after the last
+backward: the global norm needs every gradient).
 
 ``sequential`` and ``ondemand``: forward then backward of one microbatch at a time
 (gradient accumulation), the optimizer steps after the last microbatch. This is the
@@ -79,16 +80,23 @@ def lower(program: Program) -> torch.fx.Graph:
     b = Builder(program)
     n_packs, m = len(program.plan.packs), program.plan.microbatches
     last = n_packs - 1
+    # clipping by the global norm: no update may start before the last gradient exists, so under harmony too
+    # every step follows the last backward (the host steps would wait for it anyway, as fp16's do)
+    steps_at_end = program.config.clip_grad_norm is not None
     if program.config.policy == "harmony":
         for p in range(last):
             for mb in range(m):
                 b.forward(p, mb, keep=False)
         for mb in range(m):
             b.backward(last, mb, b.forward(last, mb, keep=True))
-        b.emit(ops.step, last)
+        if not steps_at_end:
+            b.emit(ops.step, last)
         for p in reversed(range(last)):
             for mb in range(m):
                 b.backward(p, mb, None)
+            if not steps_at_end:
+                b.emit(ops.step, p)
+        for p in reversed(range(n_packs)) if steps_at_end else ():
             b.emit(ops.step, p)
     else:
         for mb in range(m):
@@ -115,4 +123,12 @@ def run(program: Program, ctx) -> PassResult:
     report = PassReport(f"schedule: policy {program.config.policy}",
                         [dict(op=k, count=v) for k, v in counts.items()],
                         totals=dict(ops=sum(counts.values()), seconds=time.perf_counter() - start))
+    clip = program.config.clip_grad_norm
+    if clip is not None:
+        report.notes.append(
+            f"clip_grad_norm={clip:g} (norm type {program.config.clip_norm_type:g}): every pack steps after the last "
+            f"backward, once the global norm is known" + (
+                "; under harmony a pack's step would otherwise follow its own backward, so the device steps lose "
+                "that overlap and the host holds every pack's gradients until then (offload's host bytes count them)"
+                if program.config.policy == "harmony" else ""))
     return PassResult(program, report)

@@ -11,7 +11,7 @@ import torch.fx
 from harmony.runtime.memory import CountAllocations, MemoryMeter
 from harmony.runtime.ops import allreduce, op_of, resident_state, step
 from harmony.runtime.plan import Plan
-from harmony.runtime.precision import LossScaler, compute_dtype
+from harmony.runtime.precision import GradClip, LossScaler, StepGate, compute_dtype
 from harmony.runtime.state import TieredState
 from harmony.runtime.transaction import Transaction
 
@@ -61,11 +61,16 @@ class Runtime:
         self.device = torch.device(device)
         self.meter = MemoryMeter(f"{self.device.type}:logical" if self.device.type == "cpu" else str(self.device),
                                  budget)
-        reduces = any(n.op == "call_function" and n.target is allreduce for n in graph.nodes)
+        reduces = any(n.op == "call_function" and n.target.__name__ in (allreduce.__name__, "reduce_scatter")
+                      for n in graph.nodes)
         self.state = TieredState(tensors, optimizers, self.meter, self.device, idle_host=not reduces)
         self.compute_dtype = compute_dtype(getattr(plan, "precision", "fp32"))   # None: fp32, no casts
         self.state.compute_dtype = self.compute_dtype
         self.scaler = LossScaler(**plan.loss_scaling) if getattr(plan, "precision", "fp32") == "fp16" else None
+        clip = getattr(plan, "clip_grad_norm", None)
+        clipper = None if clip is None else GradClip(clip, plan.clip_norm_type, plan.param_order, self.state.grad)
+        # fp16 and clipping: the updates wait for the last gradient (runtime/precision.py StepGate)
+        self.gate = StepGate(self.scaler, clipper) if self.scaler is not None or clipper is not None else None
         self.on_demand = on_demand(self) if on_demand is not None else None
         self.free_after = last_uses(graph)
         self.rng: dict = {}
@@ -100,9 +105,8 @@ class Runtime:
         self.batch, self.losses, self.events = batch, [], []
         self.state.moved.clear()
         self.meter.reset_peak()
-        if self.scaler is not None:
-            self.scaler.begin()
-            txn.deferred = True       # host updates run at ``finish``: until then none has stepped
+        if self.gate is not None:
+            self.gate.begin()
         if self.on_demand is not None:
             self.on_demand.start_step()
         env: dict[torch.fx.Node, object] = {}
@@ -115,8 +119,8 @@ class Runtime:
             kwargs = torch.fx.node.map_arg(node.kwargs, env.__getitem__)
             start = time.perf_counter() - t0
             peak, self.meter.peak = self.meter.peak, self.meter.live
-            if node.target is step:
-                txn.stepping(node.args[0])
+            if node.target is step and not (self.gate is not None and node.kwargs.get("where") == "host"):
+                txn.stepping(node.args[0])     # a deferred host update counts when the gate runs it
             env[node] = op.execute(self, *args, **kwargs)
             if self.speed_factor != 1.0 and op.kind == "compute" and kwargs.get("where", "device") != "host":
                 # EMULATION of a slower device: a compute op on it takes speed_factor x as long, so this
@@ -128,11 +132,7 @@ class Runtime:
             self.meter.peak = max(peak, self.meter.peak)
             for dead in self.free_after[node]:
                 env.pop(dead, None)
-        self.state.drain()    # the last packs' optimizer steps may still run on the host
-        if self.scaler is not None:   # fp16: the steps wait for every gradient's overflow check
-            txn.deferred = False
-            self.scaler.finish()
-            self.state.drain()
+        self.finish_updates()
         self.batch = {}
         losses = torch.stack([loss.float() for loss in self.losses])   # fp32 whatever the compute dtype
         if self.plan.rows:     # uneven microbatches: the mean over the batch's rows
@@ -150,6 +150,15 @@ class Runtime:
             yield
         finally:
             self.plan, self.graph, self.free_after, self.step_packs = saved
+
+    def finish_updates(self) -> None:
+        """Wait for the host's optimizer steps; run those the ``StepGate`` holds (fp16, clipping), which wait for
+        every gradient's check and norm. At the end of the step, or earlier for an op that needs the updated
+        weights (``sync_state``); once per step."""
+        self.state.drain()
+        if self.gate is not None and self.gate.open:
+            self.gate.finish(self.transaction.stepping)
+            self.state.drain()
 
     def close(self):
         self.state.close()

@@ -11,6 +11,7 @@ import torch
 from harmony.base.units import nbytes
 from harmony.runtime.ops import Acts, Predicted, backward, forward, label_args, register, step
 from harmony.runtime.ops_move import disk_io
+from harmony.runtime.partitioned import share_params
 from harmony.runtime.plan import step_traffic
 from harmony.runtime.precision import master_grads
 
@@ -107,8 +108,12 @@ def _forward_effect(m, pack, mb, *inputs, keep=False):
         # them dies, until the backward; not when that value is a kept forward's own, which lives until its
         # (later) backward, nor for the last pack, whose backward follows at once (its measured backward peak,
         # which counts a seed the runtime does not allocate, covers that)
+        # The batch tensors a pack reads count too: ``in_bytes`` has the other packs' outputs only, and a first op
+        # that saves its input (a convolution's weight gradient needs it, an embedding its indices) keeps the
+        # microbatch ``load_batch`` brought after that value dies.
         last = "loss" in spec.outputs
-        retained = 0 if last or any(isinstance(v, Predicted) and v.kept for v in inputs) else spec.in_bytes
+        batch = sum(m.plan.batch_bytes.get(n, 0) for n in spec.inputs if n in m.plan.input_names)
+        retained = 0 if last or any(isinstance(v, Predicted) and v.kept for v in inputs) else spec.in_bytes + batch
         held = spec.saved_bytes + retained
         return Predicted(spec.out_bytes + held, kept=held), spec.fwd_keep_peak
     return Predicted(spec.out_bytes), spec.fwd_peak
@@ -227,8 +232,8 @@ def _step_execute(rt, pack, stream=False, where="device", overlap=False):
     Its parameters in ``Residency.device_parts`` (all their state resident) step first, here, on
     the device, one at a time; the host step leaves them (their gradients are gone by then).
     With mixed precision the host gradients arrive in the compute dtype and become fp32 first;
-    under fp16 loss scaling they are unscaled and checked here, and the update waits for
-    ``LossScaler.finish`` (runtime/precision.py).
+    under fp16 loss scaling they are unscaled and checked here, and under fp16 or clipping the update
+    waits for ``StepGate.finish`` (runtime/precision.py), which clips it by the global norm first.
     ``stream``: the optimizer state lives on the host; bring each parameter's in, step it
     alone on the device, and send it back, so the device holds one parameter's state at a time.
     """
@@ -237,6 +242,9 @@ def _step_execute(rt, pack, stream=False, where="device", overlap=False):
         return _step_disk(rt, pack, spec, overlap)
     if where == "host":
         return _step_host(rt, pack, spec)
+    if rt.gate is not None:     # clipping: every step follows the last backward; the norm is known now
+        rt.state.drain()        # (the host steps' fp32 gradients are final)
+        rt.gate.clip([rt.state.tensors[n] for n in spec.stepped])
     if not stream:
         with rt.counting():
             for opt in dict.fromkeys(rt.state.optimizers[n] for n in spec.stepped):
@@ -269,6 +277,9 @@ def _step_host(rt, pack, spec) -> None:
     """Step the host copies on the host thread (its ``Residency.device_parts`` first, here, on the device)."""
     on_device = _device_parts(rt.plan, spec)
     if on_device:
+        if rt.gate is not None:
+            rt.state.drain()
+            rt.gate.clip([rt.state.tensors[n] for n in on_device])
         with rt.counting():
             for n in on_device:
                 _step_one(rt.state.optimizers[n], rt.state.tensors[n])
@@ -277,7 +288,8 @@ def _step_host(rt, pack, spec) -> None:
         rt.state.dirty.update(on_device)
         if len(on_device) == len(spec.stepped):    # nothing left for the host to step
             return
-    params = [rt.state.tensors[n] for n in spec.owned]
+    # (partitioned: the optimizer steps this rank's pieces of the pack's parameters, whose gradients go with them)
+    params = [rt.state.tensors[n] for n in spec.owned] + share_params(rt, pack)
     opts = list(dict.fromkeys(rt.state.optimizers[n] for n in spec.stepped))
     disk = getattr(rt.state, "disk", None)   # optimizer state of disk-placed packs (runtime/disk.py)
 
@@ -286,6 +298,8 @@ def _step_host(rt, pack, spec) -> None:
         if disk is not None:   # read ahead the next disk pack's state; bring in this one's if on disk
             disk.begin(pack)
         try:
+            if rt.gate is not None and not skip:     # clipping: by the global norm, known once every update waits
+                rt.gate.clip(params)
             for opt in opts:
                 if not skip:
                     opt.step()
@@ -298,14 +312,15 @@ def _step_host(rt, pack, spec) -> None:
         for p in params:
             p.grad = None
 
-    def check_then_update():   # mixed precision: fp32 gradients; fp16: unscaled, checked, step deferred
+    def check_then_update():   # mixed precision: fp32 gradients; fp16: unscaled, checked; fp16, clipping: deferred
         rt.state.unpark(spec.owned)
         master_grads(params)
-        if rt.scaler is None:
+        if rt.gate is None:
             return update()
-        rt.scaler.unscale([p.grad for p in params if p.grad is not None])
-        rt.scaler.defer(update)
-    fut = rt.state.host_pool.submit(update if rt.compute_dtype is None else check_then_update)
+        if rt.scaler is not None:
+            rt.scaler.unscale([p.grad for p in params if p.grad is not None])
+        rt.gate.defer(pack, update)
+    fut = rt.state.host_pool.submit(update if rt.compute_dtype is None and rt.gate is None else check_then_update)
     rt.state.pending.update((n, fut) for n in spec.stepped if n not in on_device)
 
 

@@ -70,6 +70,8 @@ class Residency:
     disk_groups: list = field(default_factory=list)   # [[param names]]: a file each
     in_memory: tuple = ()           # indices into disk_groups of files kept in host memory, never written or read
     in_memory_share: float = 0.0    # the share of its files' bytes those hold
+    # partitioned over data-parallel ranks (shard_state="full"): runtime/partitioned.PackShares, else None
+    shares: object = None
 
     def has(self, kind: str) -> bool:
         """Whether the pack's state of ``kind`` is on the device for the whole run."""
@@ -127,6 +129,9 @@ class Plan:
     policy: str = "harmony"
     precision: str = "fp32"                      # fp32 | bf16 | fp16: dtype of device copies (runtime/precision.py)
     loss_scaling: dict = field(default_factory=dict)   # fp16: LossScaler arguments
+    clip_grad_norm: float | None = None          # clip by the global gradient norm (runtime/precision.py GradClip)
+    clip_norm_type: float = 2.0
+    param_order: list = field(default_factory=list)    # the model's parameter names in model.parameters() order
     state_owner: dict = field(default_factory=dict)    # param -> rank that steps it (sharded optimizer state)
     state_bytes: dict = field(default_factory=dict)    # param -> its bytes (the broadcast that follows the steps)
     sync_buffers: dict = field(default_factory=dict)   # data parallel: mutated buffer -> bytes, broadcast from rank 0
@@ -143,6 +148,11 @@ class Plan:
     def __post_init__(self):
         for spec in self.packs:
             self.residency.setdefault(spec.index, Residency())
+
+    @property
+    def sharded(self) -> bool:
+        """Whether ranks hold different training state: optimizer state (ZeRO-1) or all of it partitioned."""
+        return bool(self.state_owner) or any(r.shares is not None for r in self.residency.values())
 
     def at(self, pack: int) -> Residency:
         """The residency record of ``pack``."""

@@ -14,6 +14,9 @@ bytes are made:
   (``master_grads``);
 - float batch tensors are cast on ``load_batch``; integer ones (token ids) are not.
 
+Updates that must wait for the last gradient (fp16's overflow check, clipping's global norm) wait in one
+``StepGate``, whatever asks for the wait.
+
 fp16's narrow exponent range needs loss scaling; ``LossScaler`` has torch.amp.GradScaler's
 semantics and uses torch's own kernels for them: the loss is multiplied by the scale before
 backward, every gradient is unscaled in fp32 and checked for inf/nan before any parameter
@@ -54,12 +57,11 @@ def master_grads(params) -> None:
 class LossScaler:
     """Dynamic loss scaling for one runtime, as ``torch.amp.GradScaler`` does it.
 
-    Per iteration: ``begin()``; the loss seed of backward is ``scale_loss(loss)``; each
-    pack's host step calls ``unscale`` on its fp32 gradients and hands its update to
-    ``defer``; ``finish()``, after the last backward, runs the deferred updates only if no
-    gradient was inf or nan, and updates the scale with ``torch._amp_update_scale_``.
-    The updates wait for the last gradient because one overflow anywhere skips the whole
-    step: fp16 gives up overlapping the host steps with backward (bf16 keeps it).
+    Per iteration: ``begin()``; the loss seed of backward is ``scale_loss(loss)``; each pack's host step calls
+    ``unscale`` on its fp32 gradients and hands its update to the runtime's ``StepGate``, whose ``finish``, after the
+    last backward, runs the updates only if no gradient was inf or nan (``found_inf``) and then calls ``end`` to
+    update the scale with ``torch._amp_update_scale_``. The updates wait for the last gradient because one overflow
+    anywhere skips the whole step: fp16 gives up overlapping the host steps with backward (bf16 keeps it).
     """
 
     def __init__(self, init_scale=2.0 ** 16, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000):
@@ -69,13 +71,11 @@ class LossScaler:
         self.growth_interval = int(growth_interval)
         self.found_inf = torch.zeros(1)
         self.inv_scale = torch.ones(1)
-        self.deferred: list = []
         self.skipped = 0            # iterations whose update was skipped for an inf/nan gradient
 
     def begin(self) -> None:
         self.found_inf = torch.zeros(1)
         self.inv_scale = self.scale.double().reciprocal().float()
-        self.deferred = []
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return loss * self.scale
@@ -85,20 +85,15 @@ class LossScaler:
         if grads:
             torch._amp_foreach_non_finite_check_and_unscale_(grads, self.found_inf, self.inv_scale)
 
-    def defer(self, update) -> None:
-        """Queue ``update(skip: bool)``, a pack's step, until every gradient has been checked."""
-        self.deferred.append(update)
+    def overflowed(self) -> bool:
+        """Whether any gradient unscaled this iteration was inf or nan: the whole step is skipped."""
+        return bool(self.found_inf.item())
 
-    def finish(self) -> bool:
-        """Run (or skip) the deferred updates in order and update the scale; True if the step was taken."""
-        skip = bool(self.found_inf.item())
-        updates, self.deferred = self.deferred, []
-        for update in updates:
-            update(skip)
-        self.skipped += skip
+    def end(self, skipped: bool) -> None:
+        """Count a skipped iteration and update the scale for the next."""
+        self.skipped += skipped
         torch._amp_update_scale_(self.scale, self.growth_tracker, self.found_inf, self.growth_factor,
                                  self.backoff_factor, self.growth_interval)
-        return not skip
 
     def state_dict(self) -> dict:
         """What a resumed run needs (plain numbers: checkpoints keep it in their JSON manifest)."""
@@ -108,3 +103,79 @@ class LossScaler:
         self.scale.fill_(float(state["scale"]))
         self.growth_tracker.fill_(int(state["growth_tracker"]))
         self.skipped = int(state.get("skipped", 0))
+
+
+class GradClip:
+    """Clipping by the global gradient norm, computed by torch's own ``get_total_norm`` and
+    ``clip_grads_with_norm_`` (what ``clip_grad_norm_`` is made of), so the update is bitwise eager's.
+
+    The norm stacks the per-tensor norms in ``order`` (``model.parameters()``'s); it is taken once per
+    iteration, at the first update that needs it, when every gradient is final, wherever it lives
+    (``grad_of(name)``: on the device, on the host, parked beside an fp32 master). Each pack's gradients are
+    then multiplied by ``min(max_norm / (norm + 1e-6), 1)`` right before its update.
+    """
+
+    def __init__(self, max_norm: float, norm_type: float, order: list[str], grad_of):
+        self.max_norm, self.norm_type, self.order, self.grad_of = float(max_norm), float(norm_type), order, grad_of
+        self.total: torch.Tensor | None = None     # this iteration's norm, before clipping
+
+    def begin(self) -> None:
+        self.total = None
+
+    def norm(self) -> torch.Tensor:
+        if self.total is None:
+            grads = [g for g in map(self.grad_of, self.order) if g is not None]
+            self.total = torch.nn.utils.get_total_norm(grads, self.norm_type)
+        return self.total
+
+    def clip(self, params: list[torch.Tensor]) -> None:
+        """Scale these parameters' gradients by the iteration's clipping coefficient, in place."""
+        torch.nn.utils.clip_grads_with_norm_(params, self.max_norm, self.norm())
+
+
+class StepGate:
+    """One iteration's optimizer updates held until every gradient is in: what fp16's overflow check
+    (``LossScaler``) and clipping by the global norm (``GradClip``) both need.
+
+    A host step hands its update to ``defer(pack, update)``; ``finish``, after the last backward and once the
+    host thread is drained, runs them in order, each with ``skip`` set when fp16 found an inf or nan; an update
+    clips its gradients itself (``clip``) right before it steps. Under clipping every step op follows the last
+    backward (passes/schedule.py), so a device step clips and steps in place; it never defers.
+    """
+
+    def __init__(self, scaler: LossScaler | None, clipper: GradClip | None):
+        self.scaler, self.clipper = scaler, clipper
+        self.deferred: list = []
+        self.open = False            # between ``begin`` and ``finish``: updates wait
+
+    def begin(self) -> None:
+        if self.scaler is not None:
+            self.scaler.begin()
+        if self.clipper is not None:
+            self.clipper.begin()
+        self.deferred, self.open = [], True
+
+    def defer(self, pack: int, update) -> None:
+        """Queue ``update(skip: bool)``, ``pack``'s step, until every gradient has been checked."""
+        self.deferred.append((pack, update))
+
+    def clip(self, params: list[torch.Tensor]) -> None:
+        """Clip these parameters' gradients by the global norm (nothing without clipping)."""
+        if self.clipper is not None:
+            self.clipper.clip([p for p in params if p.grad is not None])
+
+    def finish(self, stepping) -> bool:
+        """Run (or skip) the deferred updates in order, ``stepping(pack)`` before each; update the loss scale.
+        True if the step was taken."""
+        skip = self.scaler is not None and self.scaler.overflowed()
+        updates, self.deferred, self.open = self.deferred, [], False
+        for pack, update in updates:
+            stepping(pack)
+            update(skip)
+        if self.scaler is not None:
+            self.scaler.end(skip)
+        return not skip
+
+    def grad_norm(self) -> float | None:
+        """The iteration's global gradient norm before clipping; None without clipping (or before it is known)."""
+        return None if self.clipper is None or self.clipper.total is None else self.clipper.total.item()

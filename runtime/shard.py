@@ -60,6 +60,7 @@ def _sync_execute(rt, world):
     rank 0's buffers that forward mutates (BatchNorm statistics, as DDP's ``broadcast_buffers``)."""
     st = rt.state
     st.settle(list(st.pending))          # host steps (and the host all-reduces ahead of them) are done
+    rt.finish_updates()                  # and those waiting in the StepGate (clipping) have run
     mine = rt.plan.rank
     for owner, names in enumerate(by_owner(rt.plan)):
         if names:

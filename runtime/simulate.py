@@ -182,7 +182,7 @@ def simulate(graph: torch.fx.Graph, plan: Plan, hw, device: int = 0, memory=None
             clock.moved["h2d"] += optim
             clock.moved["d2h"] += optim
         ready = max((done[n] for n in node.all_input_nodes), default=0.0)
-        if name == "swap_in" and node.args[1] == "params" and node.args[0] in clock.host_steps:
+        if name in ("swap_in", "gather") and node.args[1] == "params" and node.args[0] in clock.host_steps:
             # the runtime waits for the host's update of these weights before it copies them,
             # on the thread that issues the copy: the compute stream stalls until then
             settled = clock.host_steps.pop(node.args[0])
@@ -258,7 +258,7 @@ class _Clock:
             seconds *= dev.speed_factor
         if stream in READS_DEVICE:
             ready = max(ready, free["compute"])
-        if name == "swap_in":
+        if name in ("swap_in", "gather"):
             ready = max(ready, self.written_back.get(tuple(node.args[:2]), 0.0))
         if name == "step" and stream == "host":   # it updates the host copies the releases wrote
             first = device_part_cost(self.plan, dev, node.args[0]) * dev.speed_factor
@@ -275,7 +275,7 @@ class _Clock:
         if sync:                       # issued once the compute before it is done
             ready = max(ready, free["compute"])
         ev = self.run(stream, max(free.get(stream, 0.0), ready), seconds, node.name, op.kind)
-        if sync and name != "swap_in":      # a copy the issuing thread makes itself
+        if sync and name not in ("swap_in", "gather"):      # a copy the issuing thread makes itself
             free["compute"] = ev.end
         if name == "step" and stream == "host":
             self.host_steps[node.args[0]] = ev.end

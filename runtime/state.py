@@ -89,6 +89,7 @@ class TieredState:
         self.disk = None                  # runtime.disk.DiskTier: optimizer state of the disk-placed packs
         self.params_disk = None           # runtime.diskparams.DiskParams: packs wholly on disk (weights too)
         self.compute_dtype = None         # mixed precision: dtype of device copies of float params and buffers
+        self.shares = None                # runtime.partitioned.Shares: this rank's chunks (shard_state="full")
 
     def _host_setup(self, one_thread: bool, idle: bool) -> None:
         if one_thread:

@@ -43,8 +43,8 @@ class Transaction:
         self.step_packs = step_packs                   # every pack the schedule steps, in order
         self.refs = Counter({k: n for k, n in rt.state.refs.items() if n > 0})
         self.live = rt.meter.live
-        self.stepped: list[int] = []                   # packs whose step op began, in order
-        self.deferred = False                          # fp16: host updates wait for ``LossScaler.finish``
+        self.stepped: list[int] = []                   # packs whose update began, in order (a host update that
+                                                       # waits in the StepGate counts when the gate runs it)
         self.outcome: str | None = None
         self._held: tuple | None = None                # (signum, frame) of a SIGINT held until the step ends
         self._previous = None                          # the SIGINT handler to restore
@@ -98,7 +98,7 @@ class Transaction:
         rt, state = self.rt, self.rt.state
         _clear_frames(error)
         failed = _settle(rt)
-        stepped = [] if self.deferred else list(dict.fromkeys(self.stepped))
+        stepped = list(dict.fromkeys(self.stepped))
         for t in state.tensors.values():
             if isinstance(t, torch.nn.Parameter):
                 t.grad = None
@@ -108,8 +108,8 @@ class Transaction:
         self._restore_holds()
         rt.rng.clear()
         rt.losses, rt.batch = [], {}
-        if rt.scaler is not None:
-            rt.scaler.deferred = []
+        if rt.gate is not None:
+            rt.gate.deferred, rt.gate.open = [], False
         if rt.on_demand is not None:     # its record of what each op allocates is the last whole step's
             rt.on_demand.current = []
         rt.meter.reset_peak()

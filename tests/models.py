@@ -101,21 +101,24 @@ def split(batch, m):
     return list(zip(*(t.chunk(m) for t in batch)))
 
 
-def eager_accumulate(model, data, microbatches, optimizer=torch.optim.AdamW, **kw):
-    """Eager PyTorch: each batch as ``microbatches`` gradient-accumulation steps, then one update.
+def eager_accumulate(model, data, microbatches, optimizer=torch.optim.AdamW, clip=None, norm_type=2.0, **kw):
+    """Eager PyTorch: each batch as ``microbatches`` gradient-accumulation steps, then one update
+    (``clip``: after ``clip_grad_norm_(model.parameters(), clip, norm_type)``; the norms are in ``model.norms``).
 
     The optimizer gets the arguments Harmony would give it (``fused=True`` where torch has it,
     unless ``kw`` chose): the same update, so the same bits."""
     from harmony.optim import optimizer_kwargs
     model = copy.deepcopy(model)
     opt = optimizer(model.parameters(), **optimizer_kwargs(optimizer, kw))
-    losses = []
+    losses, model.norms = [], []
     for batch in data:
         total = 0.0
         for mb in split(batch, microbatches):
             loss = call(model, mb)
             (loss / microbatches).backward()
             total += loss.item()
+        if clip is not None:
+            model.norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip, norm_type).item())
         opt.step()
         opt.zero_grad()
         losses.append(total / microbatches)

@@ -51,7 +51,7 @@ def test_unknown_choices_name_the_accepted_values(name, bad, accepted):
     (dict(microbatches=0), "microbatches=0 must be a positive integer"),
     (dict(microbatches=2.0), "microbatches=2.0"),
     (dict(microbatches=3), "positive divisor of the batch size 8"),
-    (dict(shard_state="full"), "shard_state='full': use None .*, True or False"),
+    (dict(shard_state="half"), "shard_state='half': use None .*, True or False, or 'full'"),
     (dict(shard_state=1), "shard_state=1: use None"),
     (dict(data_parallel="yes"), "data_parallel='yes': use None"),
     (dict(min_size=-1), "min_size=-1"),
@@ -174,5 +174,6 @@ def test_every_field_has_a_docstring():
                 "disk_group_bytes", "data_parallel", "compression", "min_size", "precision", "loss_scaling",
                 "balance", "shard_state", "recompute"}       # compile's keywords before the groups came in
     variables = {"comm_timeout", "cache_dir", "direct_io", "read_depth", "keep_free"}
-    added = {"param_groups"}       # fields that came after the groups (sm.optimizer's param groups)
+    added = {"param_groups",       # fields that came after the groups: sm.optimizer's param groups, clipping
+             "clip_grad_norm", "clip_norm_type"}
     assert fields == keywords | variables | added

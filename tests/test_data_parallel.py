@@ -22,6 +22,7 @@ from test_collectives import _digest, _spawn
 SGD = dict(optimizer=torch.optim.SGD, optimizer_kwargs=dict(lr=0.1, momentum=0.9))
 ADAMW = dict(optimizer=torch.optim.AdamW, optimizer_kwargs=dict(lr=1e-3))
 STEPS = 3
+CLIP = 0.05       # below the gradient norm of every step here: each update is clipped
 
 
 def _case(batch, tie=False):
@@ -72,6 +73,10 @@ def _two_ranks(rank, world):
     out["adamw_device_shard"] = _train(rank, 0.5, optimizer_on="device", tie=True, shard_state=True, **ADAMW)
     out["adamw_fits"] = _train(rank, 4.0, optimizer_on="device", **ADAMW)                   # all state resident
     out["adamw_fits_shard"] = _train(rank, 4.0, optimizer_on="device", shard_state=True, **ADAMW)
+    # clipping by the global norm of the averaged gradients: host steps, sharded host steps, device steps
+    out["clip"] = _train(rank, 0.5, clip_grad_norm=CLIP, **ADAMW)
+    out["clip_shard"] = _train(rank, 0.5, clip_grad_norm=CLIP, shard_state=True, **ADAMW)
+    out["clip_fits"] = _train(rank, 4.0, clip_grad_norm=CLIP, optimizer_on="device", **ADAMW)
     out["shard_resume"] = _sharded_resume(rank)
     out["bn"] = _batchnorm(rank)
     out["replicated_resume"] = _sharded_resume(rank, shard_state=False)
@@ -175,11 +180,11 @@ def _deferred(rank):
                      for n in program.schedule.nodes if n.op == "call_function"])
 
 
-def _reference(batch, steps=STEPS, tie=False, **kw):
-    """Eager PyTorch on the whole (concatenated) batch."""
+def _reference(batch, steps=STEPS, tie=False, clip=None, **kw):
+    """Eager PyTorch on the whole (concatenated) batch (``clip``: then ``clip_grad_norm_`` before each step)."""
     model, data = _case(batch, tie)
     opt = kw["optimizer"]
-    ref, _ = eager_full(model, [data[i % len(data)] for i in range(steps)], opt, **kw["optimizer_kwargs"])
+    ref, _ = eager_full(model, [data[i % len(data)] for i in range(steps)], opt, clip=clip, **kw["optimizer_kwargs"])
     return [p.detach() for p in ref.parameters()]
 
 
@@ -200,7 +205,8 @@ def _with_references(world, fn, batch, **spawn):
     from concurrent.futures import ThreadPoolExecutor
     with ThreadPoolExecutor(1) as pool:
         refs = pool.submit(lambda: {"sgd": _reference(batch, **SGD), "adamw": _reference(batch, **ADAMW),
-                                    "sgd_tied": _reference(batch, tie=True, **SGD)})
+                                    "sgd_tied": _reference(batch, tie=True, **SGD),
+                                    "clip": _reference(batch, clip=CLIP, **ADAMW)})
         res = _spawn(world, fn, **spawn)
         res["ref"] = refs.result()
     return res
@@ -593,3 +599,16 @@ def test_balance_bad_inputs_are_clear_errors_on_every_rank(hetero):
     for r in (1, 2):                          # not left waiting for rank 0 in the compress pass
         kind, message = hetero[r]["rank0_fails"][:2]
         assert kind == "ConfigError" and "ranks [0] could not compile" in message
+
+
+def test_clipping_uses_the_global_norm_of_the_averaged_gradients(two):
+    """Every rank clips by the same norm (that of the averaged gradients, which each holds whole): the ranks agree,
+    sharded state is bitwise the replicated run, and the result is eager clip_grad_norm_ on the whole batch's."""
+    for key in ("clip", "clip_shard", "clip_fits"):
+        assert two[0][key]["digest"] == two[1][key]["digest"], f"{key}: ranks differ"
+        norms = [s["grad_norm"] for s in two[0][key]["stats"]]
+        assert norms == [s["grad_norm"] for s in two[1][key]["stats"]] and min(norms) > CLIP, norms
+        ok, worst = _close(two[0][key]["params"], two["ref"]["clip"], 1e-3, 1e-4)
+        assert ok, f"{key}: max difference to eager clip_grad_norm_ on the whole batch {worst}"
+    assert two[0]["clip_shard"]["digest"] == two[0]["clip"]["digest"]
+    assert two[0]["clip"]["digest"] != two[0]["adamw"]["digest"]       # clipping changed the update

@@ -19,8 +19,9 @@ from harmony.optim import optimizer_kwargs
 from models import CASES, call, run_compiled, split, training_state_bytes
 
 
-def eager_mixed(model, data, microbatches, dtype, scaler=None, optimizer=torch.optim.AdamW, **kw):
-    """The fp32 master model after training ``data`` with compute copies in ``dtype``; and the losses."""
+def eager_mixed(model, data, microbatches, dtype, scaler=None, optimizer=torch.optim.AdamW, clip=None, **kw):
+    """The fp32 master model after training ``data`` with compute copies in ``dtype``; and the losses.
+    ``clip``: ``clip_grad_norm_`` of the fp32 (unscaled) gradients before the step, as AMP recipes do."""
     compute = copy.deepcopy(model).to(dtype)
     master = copy.deepcopy(model)
     opt = optimizer(master.parameters(), **optimizer_kwargs(optimizer, kw))   # as Harmony builds it
@@ -35,10 +36,13 @@ def eager_mixed(model, data, microbatches, dtype, scaler=None, optimizer=torch.o
             total.append(loss.detach().float())
         for m, c in zip(master.parameters(), compute.parameters()):
             m.grad, c.grad = (None if c.grad is None else c.grad.float()), None
+        if scaler is not None:
+            scaler.unscale_(opt)
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(master.parameters(), clip)
         if scaler is None:
             opt.step()
         else:
-            scaler.unscale_(opt)
             scaler.step(opt)
             scaler.update()
         opt.zero_grad()

@@ -15,10 +15,11 @@ from harmony.shapes import split_rows
 from models import call, eager_full, gpt_case, hf_gpt2_case, training_state_bytes
 
 
-def eager_steps(model, batches, microbatch):
+def eager_steps(model, batches, microbatch, clip=None):
     """Eager AdamW over ``batches``, each cut as ``split_rows`` cuts it at ``microbatch`` rows (one size, or one per
-    batch), the microbatches' losses weighted by rows."""
+    batch), the microbatches' losses weighted by rows (``clip``: ``clip_grad_norm_`` before each step)."""
     model = copy.deepcopy(model)
+    model.norms = []
     opt = torch.optim.AdamW(model.parameters(), **optimizer_kwargs(torch.optim.AdamW, {}))
     losses = []
     sizes = microbatch if isinstance(microbatch, list) else [microbatch] * len(batches)
@@ -33,6 +34,8 @@ def eager_steps(model, batches, microbatch):
             (loss / len(rows) if len(set(rows)) == 1 else loss * (r / n)).backward()
             total += loss.item() * r
             start += r
+        if clip is not None:
+            model.norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item())
         opt.step()
         opt.zero_grad()
         losses.append(total / n)
@@ -279,3 +282,20 @@ def test_a_checkpoint_saved_after_a_new_shape_resumes_bitwise(tmp_path):
     run(resumed, later)
     assert resumed.steps == sm.steps == 4
     assert_same_params(twin, model)
+
+
+def test_gradient_clipping_at_a_smaller_last_batch_is_eager_clip_grad_norm():
+    """clip_grad_norm= clips the norm of the last batch's row-weighted gradient as eager clip_grad_norm_ does."""
+    model, data = gpt_case(batch=8)
+    x, y = data[1]
+    batches = [data[0], (x[:7], y[:7]), (x[:, :12], y[:, :12])]
+    ref, _ = eager_steps(model, batches, 4, clip=0.05)
+    ours = copy.deepcopy(model)
+    sm = harmony.compile(ours, data[0], memory_budget=int(training_state_bytes(model) * 0.5), microbatches=2,
+                         clip_grad_norm=0.05)
+    norms = []
+    for b in batches:
+        sm(*b)
+        norms.append(sm.stats["grad_norm"])
+    assert_same_params(ours, ref)
+    assert norms == ref.norms and min(norms) > 0.05

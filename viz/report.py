@@ -129,6 +129,8 @@ def _tiers(program) -> dict:
     on_disk = disk_masters = 0    # fp32 weights (and optimizer state) of wholly-disk packs, less files kept in memory
     for spec in plan.packs:
         record = plan.at(spec.index)
+        if record.shares is not None:   # partitioned over ranks: this rank's host holds its chunk of the masters
+            masters -= sum(nbytes(t) for n, t in gm.named_parameters() if n in set(spec.owned)) - spec.master_bytes
         if record.master_on == "disk":
             mine = set(spec.owned)
             owned = sum(nbytes(t) for n, t in gm.named_parameters() if n in mine)

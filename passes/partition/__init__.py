@@ -252,6 +252,15 @@ def measure_kept(program: Program, specs: list[PackSpec]) -> None:
         spec.bwd_peak, spec.bwd_peak_accum = m["bwd_peak"], m["bwd_peak_accum"]
 
 
+def param_order(program: Program) -> list[str]:
+    """The traced parameters' names in ``model.parameters()`` order (clipping's norm stacks per-tensor norms in
+    it, as ``clip_grad_norm_`` does); any the model does not name by the same path follow in the trace's order."""
+    traced = [n for n, p in program.gm.named_parameters() if p.requires_grad]
+    known = set(traced)
+    order = [n for n, _ in program.model.named_parameters() if n in known]
+    return order + [n for n in traced if n not in set(order)]
+
+
 def tensor_bytes(v, floating: bool = True) -> int:
     if not isinstance(v, torch.Tensor) or (floating and not v.is_floating_point()):
         return 0
@@ -398,6 +407,8 @@ def run(program: Program, ctx) -> PassResult:
     program.plan = Plan(packs=specs, microbatches=cfg.microbatches, microbatch_size=cfg.microbatch_size,
                         input_names=list(batch_bytes), batch_bytes=batch_bytes, policy=cfg.policy,
                         precision=cfg.precision, loss_scaling=dict(cfg.loss_scaling),
+                        clip_grad_norm=cfg.clip_grad_norm, clip_norm_type=cfg.clip_norm_type,
+                        param_order=param_order(program),
                         state_owner=dict(cfg.state_owner or {}), rank=cfg.rank,
                         state_bytes={n: b for n, b in device_sizes(program).items() if n in (cfg.state_owner or {})})
     rows = [dict(pack=s.index, layers=s.name, units=e - b, params_MiB=s.param_bytes / 2**20,

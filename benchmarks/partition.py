@@ -1,0 +1,115 @@
+"""Partitioned training state (shard_state="full", ZeRO-3) vs ZeRO-1 vs replicated data parallelism, per rank.
+
+The built-in GPT (harmony/models.py, untied head), compiled under a device budget of half its training state with
+the optimizer on the host, trained by 2 and 3 gloo ranks started with ``torchrun`` on this machine, one launch per
+(world, mode) so each rank's peak RSS is its mode's. Per rank: the host bytes of its training state between steps
+(fp32 weights and optimizer state, each storage once: ``runtime.partitioned.host_state_bytes``), its peak RSS, the
+bytes it sent per step (all-reduce, or gather + reduce-scatter) and the median step time after a warm-up step.
+The ranks share this machine's 2 cores, so step times compare the modes, not a cluster.
+
+    python benchmarks/partition.py                      # 2 and 3 ranks, the three modes
+    python benchmarks/partition.py --worlds 2 --layers 4 --width 256
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.common import add_json_arg, save_json, table  # noqa: E402
+
+MODES = {"replicated": False, "zero1": True, "full": "full"}
+
+
+def rank_run(args) -> None:
+    """One rank of one launch: compile, train, report this rank's figures to rank 0, which writes them."""
+    import torch
+    import torch.distributed as dist
+
+    import harmony
+    import harmony.data
+    from harmony.models import GPT, GPTConfig, copy_task
+    from harmony.runtime.partitioned import host_state_bytes
+    torch.manual_seed(0)
+    c = GPTConfig(layers=args.layers, width=args.width, heads=args.heads, vocab=args.vocab, seq=args.seq, tie=False)
+    model = GPT(c)
+    world = int(os.environ["WORLD_SIZE"])
+    data = list(copy_task(c, args.batch * world, args.steps + 1))
+    state = sum(p.numel() * 4 * 4 for p in model.parameters())      # weights, grads, AdamW's two moments
+    sm = harmony.compile(model, example_batch=harmony.data.shard(data[0]), memory_budget=state // 2,
+                         microbatches=args.microbatches, optimizer=torch.optim.AdamW, optimizer_kwargs=dict(lr=1e-3),
+                         optimizer_on="host", shard_state=MODES[args.mode])
+    times, sent = [], []
+    for batch in data:
+        sm(*harmony.data.shard(batch))
+        times.append(sm.stats["step_seconds"])
+        sent.append(sum(sm.stats.get(k, 0) for k in ("comm_wire_bytes", "gather_wire_bytes",
+                                                     "reduce_scatter_wire_bytes")))
+    mine = dict(rank=dist.get_rank(), host_state_MiB=host_state_bytes(sm.runtime.state) / 2**20,
+                peak_rss_MiB=sm.stats["peak_rss_bytes"] / 2**20, sent_MiB_per_step=sent[-1] / 2**20,
+                step_s=statistics.median(times[1:]), params=sum(p.numel() for p in model.parameters()))
+    sm.close()
+    every = [None] * world
+    dist.all_gather_object(every, mine)
+    if dist.get_rank() == 0:
+        Path(args.out).write_text(json.dumps(every))
+
+
+def launch(world: int, mode: str, args) -> list[dict]:
+    with tempfile.TemporaryDirectory() as d:
+        out = Path(d) / "ranks.json"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), __file__,
+               "--rank-run", mode, "--out", str(out)] + [f"--{k}={getattr(args, k)}" for k in
+                                                          ("layers", "width", "heads", "vocab", "seq", "batch",
+                                                           "microbatches", "steps")]
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=1200)
+        return json.loads(out.read_text())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--worlds", type=int, nargs="+", default=[2, 3])
+    ap.add_argument("--layers", type=int, default=6)
+    ap.add_argument("--width", type=int, default=384)
+    ap.add_argument("--heads", type=int, default=6)
+    ap.add_argument("--vocab", type=int, default=256)
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=4, help="samples per rank")
+    ap.add_argument("--microbatches", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=3, help="timed steps after one warm-up step")
+    ap.add_argument("--rank-run", default=None, choices=list(MODES), help=argparse.SUPPRESS)
+    ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    add_json_arg(ap)
+    args = ap.parse_args()
+    if args.rank_run:
+        args.mode = args.rank_run
+        return rank_run(args)
+    rows, figures = [], {}
+    for world in args.worlds:
+        base = None
+        for mode in MODES:
+            ranks = launch(world, mode, args)
+            host = [r["host_state_MiB"] for r in ranks]
+            base = base or max(host)
+            row = dict(world=world, mode=mode, params=ranks[0]["params"],
+                       host_state_MiB_per_rank=" ".join(f"{h:.1f}" for h in host),
+                       host_vs_replicated=max(host) / base,
+                       peak_rss_MiB_max=max(r["peak_rss_MiB"] for r in ranks),
+                       sent_MiB_per_step=ranks[0]["sent_MiB_per_step"],
+                       step_s_slowest=max(r["step_s"] for r in ranks))
+            rows.append(row)
+            figures[f"w{world}_{mode}_host_MiB"] = max(host)
+            figures[f"w{world}_{mode}_step_s"] = row["step_s_slowest"]
+    print(table(rows, "partitioned state vs ZeRO-1 vs replicated, per rank (measured on this machine)"))
+    save_json(args.json, figures)
+
+
+if __name__ == "__main__":
+    main()

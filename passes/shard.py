@@ -1,0 +1,190 @@
+"""shard: partition parameters, gradients and optimizer state over data-parallel ranks (``shard_state="full"``).
+
+ZeRO stage 3 with ZeRO-Infinity's bandwidth-centric reads: each rank keeps on its host, and steps, one
+contiguous chunk of every pack's parameters (equal elements per rank; runtime/partitioned.py has the layout
+and the ops). The plan: every pack that owns parameters steps on the host, with its fp32 weights and
+optimizer state there (``optimizer_on="host"``, which ``shard_state="full"`` makes the default); its
+``Residency.shares`` says which chunk is this rank's. The rewrite: each ``swap_in`` of such a pack's weights
+becomes a ``gather`` (an all-gather of the chunks into the device copy), its host ``allreduce`` a
+``reduce_scatter`` (this rank's chunk of the averaged gradients, which its ``step`` updates). Nothing is
+broadcast after the step: the next gather reads the updated chunks. The pack records count only this
+rank's chunk (``master_bytes``, ``optim_bytes``), so ``verify``, the simulator (whose ``network`` stream
+carries the gathers and reduce-scatters) and the report see this rank's share.
+
+What is not built yet is refused at compile with a ``ConfigError`` (``check_config``): compressed
+gradients, uneven shares (``balance``), disk tiers, device steps, CUDA devices, the ondemand policy, a
+weight shared by two packs, and optimizers that are not element-wise.
+"""
+from __future__ import annotations
+
+import time
+
+from harmony.base.errors import ConfigError
+from harmony.compiler.ir import PassReport, PassResult, Program, calls, copy_graph
+from harmony.runtime import ops, partitioned
+from harmony.runtime.collectives import ring_bytes
+from harmony.runtime.plan import optim_state_bytes
+
+NAME = "shard"
+REQUIRES = {"communication", "residency"}
+PROVIDES = {"partitioned_state"}
+AFTER = {"prefetch"}      # it rewrites the swap_ins where the prefetch pass has put them
+FULL = "full"
+
+
+def check_config(cfg, given_kwargs: dict) -> None:
+    """Refuse what ``shard_state="full"`` does not do yet, naming what to use instead; settle the optimizer's
+    implementation (an element-wise one) and the default ``optimizer_on="host"`` on ``cfg`` (a CompileConfig)."""
+    from harmony.optim import elementwise
+    instead = "use shard_state=True (ZeRO stage 1: optimizer state sharded, weights replicated), which supports it"
+    refused = [
+        (cfg.compression is not None and cfg.compression.kind != "none",
+         f"compression={cfg.compression.kind if cfg.compression else None!r} (the compressed reduce-scatter is not "
+         f"built yet): train uncompressed with shard_state='full', or {instead}"),
+        (cfg.balance is not None, f"balance= (uneven shares are not built yet): {instead}"),
+        (cfg.optimizer_on == "device", f"optimizer_on='device' (partitioned packs step on the host): use "
+                                       f"optimizer_on='host' or 'auto', or {instead}"),
+        (cfg.weights_on == "disk" or cfg.host_memory_budget is not None,
+         f"weights_on={cfg.weights_on!r}, host_memory_budget={cfg.host_memory_budget!r} (the disk tiers are not "
+         f"partitioned yet): keep the state on the host (weights_on='auto', no host_memory_budget), or {instead}"),
+        (str(cfg.device).split(":")[0] != "cpu", f"device={cfg.device!r} (the gathers are gloo collectives on host "
+                                                 f"tensors; CUDA is not built yet): use device='cpu', or {instead}"),
+        (cfg.policy == "ondemand", f"policy='ondemand': use policy='harmony', or {instead}"),
+        (cfg.clip_grad_norm is not None, f"clip_grad_norm (each rank holds only its chunk of the gradients, and "
+                                         f"the global norm over the ranks' chunks is not built yet): {instead}"),
+    ]
+    for bad, why in refused:
+        if bad:
+            raise ConfigError(f"shard_state='full' does not support {why}")
+    if cfg.optimizer_on == "auto":
+        cfg.optimizer_on = "host"
+    if not elementwise(cfg.optimizer, cfg.optimizer_kwargs):
+        plain = {k: v for k, v in cfg.optimizer_kwargs.items() if k != "fused"}
+        if "fused" not in given_kwargs and elementwise(cfg.optimizer, plain):
+            cfg.optimizer_kwargs = plain       # torch's fused kernel rounds a chunk apart from the whole: its loop
+            return
+        raise ConfigError(f"shard_state='full' steps each rank's flat chunk of the parameters, which needs an "
+                          f"element-wise optimizer; {cfg.optimizer.__name__}({cfg.optimizer_kwargs}) updates a "
+                          f"chunk differently from the whole tensor: use AdamW, Adam or SGD (without fused=True), "
+                          f"or {instead}")
+
+
+def run(program: Program, ctx) -> PassResult:
+    start = time.perf_counter()
+    cfg, plan = program.config, program.plan
+    report = PassReport("shard: parameters, gradients and optimizer state partitioned over ranks (ZeRO-3)")
+    if getattr(cfg, "shard_state", None) != FULL:
+        report.notes.append("shard_state is not 'full': every rank keeps its whole copy of the weights")
+        return PassResult(program, report)
+    from harmony.optim import group_of
+    from harmony.passes.compress import owned_grads
+    world, rank = cfg.world_size, cfg.rank
+    owned = owned_grads(program)
+    _, which = group_of([n for s in plan.packs for n in s.stepped], cfg.param_groups)
+    for p, named in owned.items():
+        _check_pack(plan, p)
+        numel = {n: t.numel() for n, t in named}
+        groups = plan.comm_groups.get(p) or [[n for n, _ in named]]
+        record = plan.at(p)
+        record.shares = partitioned.layout([[(n, numel[n]) for n in g] for g in groups], world, rank, which)
+        _count_share(program, plan.packs[p], record.shares, dict(named))
+    _check_tied(plan)
+    program.schedule = rewrite(program.schedule, plan, world)
+    if partitioned.step_stats not in program.step_hooks:
+        program.step_hooks.append(partitioned.step_stats)
+    report.rows, report.totals = _rows(program, owned), _totals(program, owned)
+    report.totals["seconds"] = time.perf_counter() - start
+    report.notes.append(
+        f"each of the {world} ranks keeps one contiguous chunk of every pack's parameters (equal elements, cut in "
+        f"the all-reduce's fused buffers) and its optimizer state on its host; a pack's weights come to the device "
+        f"by an all-gather of the chunks (gather), its gradients go to their owners by a reduce-scatter "
+        f"(reduce_scatter), each rank steps its chunk, and nothing is broadcast after the step")
+    return PassResult(program, report)
+
+
+def _check_pack(plan, p: int) -> None:
+    r = plan.at(p)
+    why = ("it steps on the device" if r.step_on != "host" else
+           "its state is on disk" if "disk" in (r.optim_on, r.master_on) else
+           "the plan keeps some of its state on the device" if r.kept or r.device_parts or r.optim_kept else "")
+    if why:
+        raise ConfigError(f"shard_state='full' partitions packs that step on the host with their state there, but "
+                          f"pack {p} ({plan.packs[p].name}): {why}; pass optimizer_on='host', or use "
+                          f"shard_state=True")
+
+
+def _check_tied(plan) -> None:
+    home = {n: p for p, r in plan.residency.items() if r.shares is not None for n in r.shares.names()}
+    for spec in plan.packs:
+        other = [n for n in spec.params if n in home and home[n] != spec.index]
+        if other:
+            raise ConfigError(f"shard_state='full' does not support a weight read by two packs yet: {other[0]} "
+                              f"(packs {home[other[0]]} and {spec.index}; a tied embedding and head): untie it, or "
+                              f"use shard_state=True")
+
+
+def _count_share(program, spec, shares, tensors: dict) -> None:
+    """The pack's record counts this rank's chunk: its fp32 masters and the optimizer state of its pieces."""
+    size = next(iter(tensors.values())).element_size()
+    spec.master_bytes = size * shares.elements()
+    spec.optim_bytes = sum(optim_state_bytes(program.optim_profile, size * (q.end - q.start)) for q in shares.pieces)
+
+
+def rewrite(graph, plan, world: int):
+    """A copy of ``graph``: a partitioned pack's weights swap in by ``gather``, its gradients go by
+    ``reduce_scatter`` instead of the all-reduce."""
+    graph = copy_graph(graph)
+    k = 0
+    for n in calls(graph):
+        pack = n.args[0] if n.args and isinstance(n.args[0], int) else None
+        if pack is None or pack >= len(plan.packs) or plan.at(pack).shares is None:
+            continue
+        if n.target is ops.swap_in and n.args[1] == "params":
+            n.target = partitioned.gather
+            n._rename(f"gather_{k}")
+            k += 1
+        elif n.target is ops.allreduce:
+            n.target, n.args, n.kwargs = partitioned.reduce_scatter, (pack,), {"world": world}
+            n._rename(f"rs{pack}")
+    return graph
+
+
+def _rows(program, owned) -> list[dict]:
+    plan = program.plan
+    gathers = {}
+    for n in calls(program.schedule):
+        if n.target is partitioned.gather:
+            gathers[n.args[0]] = gathers.get(n.args[0], 0) + 1
+    rows = []
+    for p in sorted(owned):
+        s = plan.at(p).shares
+        whole = 4 * sum(seg.chunk for seg in s.segments)
+        spec = plan.packs[p]
+        rows.append(dict(pack=p, layers=spec.name, elements=s.elements(-1), segments=len(s.segments),
+                         share_elements=s.elements(), pieces=len(s.pieces), master_share_MiB=spec.master_bytes / 2**20,
+                         optim_share_MiB=spec.optim_bytes / 2**20, gathers=gathers.get(p, 0),
+                         gather_in_MiB=whole * (s.world - 1) / s.world / 2**20,
+                         reduce_scatter_out_MiB=sum(ring_bytes(4 * g.total, s.world) for g in s.segments) / 2**20))
+    return rows
+
+
+def _totals(program, owned) -> dict:
+    plan, cfg = program.plan, program.config
+    shares = [plan.at(p).shares for p in owned]
+    per_rank = [sum(4 * s.elements(r) for s in shares) for r in range(cfg.world_size)]
+    whole = sum(4 * s.elements(-1) for s in shares)
+    wire = {"gather": 0, "reduce_scatter": 0}
+    for n in calls(program.schedule):
+        s = plan.at(n.args[0]).shares if n.target in (partitioned.gather, partitioned.reduce_scatter) else None
+        if n.target is partitioned.gather:
+            wire["gather"] += 4 * sum(seg.chunk for seg in s.segments) * (s.world - 1)
+        elif s is not None:
+            wire["reduce_scatter"] += sum(ring_bytes(4 * seg.total, s.world) for seg in s.segments)
+    return dict(world_size=cfg.world_size, rank=cfg.rank, partitioned_packs=len(shares),
+                master_bytes_whole=whole, master_bytes_this_rank=per_rank[cfg.rank],
+                master_bytes_by_rank=per_rank,
+                optim_bytes_this_rank=sum(plan.packs[p].optim_bytes for p in owned),
+                gather_wire_bytes_per_step=int(wire["gather"]),
+                reduce_scatter_wire_bytes_per_step=int(wire["reduce_scatter"]))
+
+
