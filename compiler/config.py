@@ -470,4 +470,6 @@ class CompileConfig(Config):
 
     @property
     def microbatch_size(self) -> int:
-        return self.batch_size // self.microbatches
+        """Rows of the largest microbatch: the last is smaller where ``microbatches`` does not divide the batch (a
+        batch of another shape than the example's, harmony/shapes.py)."""
+        return -(-self.batch_size // self.microbatches)

@@ -46,8 +46,11 @@ class Program:
     history: list[tuple[str, str]] = field(default_factory=list)  # (pass name, schedule code after it)
     predicted_peak: int = 0
     rows: tuple | None = None          # this rank's rows [start, stop) of the global batch (balance)
+    partition_choice: list | None = None   # the first node of each pack (partition.first_nodes): plain data, which
+                                           # passes=(("partition", names), ...) applies again without searching
     swap_choice: Any = None            # what the swap pass kept on the device (passes.swap.graph.Choice): plain data,
                                        # which passes=(..., ("swap", choice), ...) applies again without searching
+    batch_keys: tuple | None = None    # a dict batch's keys (the model takes its inputs by name); None: a tuple
     step_hooks: list = field(default_factory=list)   # fn(sm) -> stats a pass adds to ``sm.stats`` after each step
                                                      # (module-level functions: a checkpoint pickles them by name)
 

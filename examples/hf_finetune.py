@@ -70,7 +70,7 @@ def train(args) -> list[float]:
     train_set = CountingDataset(args.samples, args.seq, args.vocab, seed=args.seed)
     val_set = CountingDataset(2 * args.batch, args.seq, args.vocab, seed=args.seed + 1)
     order = torch.Generator()
-    # drop_last: a compiled step trains on batches of the example batch's shape
+    # drop_last: every step has as many samples (a smaller last batch would work too: its first step plans it)
     loader = DataLoader(train_set, batch_size=args.batch, shuffle=True, drop_last=True, generator=order)
     val_loader = DataLoader(val_set, batch_size=args.batch, drop_last=True)
 

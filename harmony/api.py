@@ -1,6 +1,7 @@
 """``harmony.compile``: an ordinary ``nn.Module`` in, a ``ScheduledModule`` that trains it under a budget out."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 
@@ -23,6 +24,7 @@ from harmony.optim import optimizer_kwargs as optimizer_kwargs_for
 from harmony.passes.compress import parse_compression
 from harmony.runtime.executor import Runtime
 from harmony.runtime.ondemand import OnDemand
+from harmony.shapes import ShapeCache, describe
 from harmony.stepping import accept_partial_step, batch_of, run_step
 
 
@@ -61,7 +63,8 @@ def compile(model: torch.nn.Module, example_batch, *, memory_budget=None, microb
     balanced = _plan_rank(model, gm, batch, cfg)
     batch = balanced.batch if balanced is not None else batch
     t_plan = time.perf_counter()
-    program = Program(model=model, gm=gm, example_batch=tuple(batch), config=cfg)
+    program = Program(model=model, gm=gm, example_batch=tuple(batch), config=cfg,
+                      batch_keys=tuple(names) if names else None)
     program.fake = cost.annotate(gm, tuple(batch), cfg.microbatch_size, dtype=cfg.compute_dtype)
     program.optim_profile = cost.optimizer_profile(cfg.optimizer, cfg.optimizer_kwargs)
     t_cost = time.perf_counter()
@@ -75,6 +78,8 @@ def compile(model: torch.nn.Module, example_batch, *, memory_budget=None, microb
     sm.compile_seconds = dict(trace=t_trace - t0, **({"balance": t_plan - t_trace} if balanced else {}),
                               cost=t_cost - t_plan, passes=time.perf_counter() - t_cost,
                               total=time.perf_counter() - t0)
+    if sm.shapes is not None:
+        sm.shapes.example.seconds = sm.compile_seconds["total"]
     return sm
 
 
@@ -265,7 +270,7 @@ class ScheduledModule(torch.nn.Module):
         self.steps = 0
         self.huge_pages = huge_pages()     # torch's CPU allocations: one page fault per 2 MiB, not per 4 KiB
         self.idle_threads_sleep = idle_threads_sleep()   # OpenMP threads between regions: sleep, or spin on a core
-        self.runtime = self.predicted = None
+        self.runtime = self.predicted = self.shapes = None
         if torch.device(device).type != "cpu":   # the trace ran on the CPU: its device constants name it
             from harmony.compiler.trace import retarget
             managed = {id(t) for t in [*gm.parameters(), *gm.buffers()]}
@@ -280,6 +285,7 @@ class ScheduledModule(torch.nn.Module):
                 from harmony.usermodel import guard
                 guard(self)
             self.predicted = memory_curve(program, check_residency=False)
+            self.shapes = ShapeCache(self)     # a plan per batch shape, this one the example's (harmony/shapes.py)
             if cfg.host_memory_budget is not None:   # the host's memory is budgeted: freed buffers must go back
                 from harmony.base.process import return_freed_memory
                 return_freed_memory()
@@ -351,39 +357,53 @@ class ScheduledModule(torch.nn.Module):
             raise ConfigError(f"this module was compiled with passes={[h[0] for h in self.history]}, which "
                               f"make no schedule; compile with the default passes to train")
         check_world(self.program.config, self.program.capabilities)   # a plan is for one world size
-        batch = batch_of(self, batch, named)
+        batch = batch_of(self, batch, named, same_shape=False)
+        shape = self.shapes.plan_for(batch)     # another shape: its plan, made once (harmony/shapes.py)
         cuda = self.runtime.device.type == "cuda"
         if cuda:     # the allocator's peaks over this step (the report shows them beside the meter's)
             torch.cuda.reset_peak_memory_stats(self.runtime.device)
         t0 = time.perf_counter()
         self.optimizer.step()      # the param groups' settings (a scheduler's lr) into every pack's optimizer
-        loss = run_step(self, batch)     # a transaction: rolled back if it raises (harmony/stepping.py)
-        rt = self.runtime
-        self.stats = dict(step_seconds=time.perf_counter() - t0, measured_peak=rt.meter.peak,
-                          predicted_peak=self.predicted.peak, budget=rt.meter.budget,
-                          h2d_bytes=rt.state.moved["h2d"], d2h_bytes=rt.state.moved["d2h"],
-                          predicted_h2d=self.predicted.moved["h2d"], predicted_d2h=self.predicted.moved["d2h"],
-                          peak_rss_bytes=peak_rss_bytes(), huge_pages=self.huge_pages,
-                          idle_threads_sleep=self.idle_threads_sleep)
-        if cuda:
-            self.stats.update(expandable_segments=self.program.config.expandable_segments,
-                              cuda_allocated_peak=torch.cuda.max_memory_allocated(rt.device),
-                              cuda_reserved_peak=torch.cuda.max_memory_reserved(rt.device),
-                              device_reserved=self.program.config.device_reserved)
+        with self.runtime.running(shape.program.plan, shape.program.schedule) \
+                if shape is not self.shapes.example else contextlib.nullcontext():
+            loss = run_step(self, batch)     # a transaction: rolled back if it raises (harmony/stepping.py)
+        shape.steps += 1
+        self.stats = self._step_stats(shape, time.perf_counter() - t0)
+        return loss
+
+    def _step_stats(self, shape, seconds: float) -> dict:
+        """``sm.stats``: the step's measured memory, traffic and time beside what the plan that ran predicted."""
+        rt, predicted = self.runtime, shape.predicted
+        stats = dict(step_seconds=seconds, measured_peak=rt.meter.peak,
+                     predicted_peak=predicted.peak, budget=rt.meter.budget,
+                     h2d_bytes=rt.state.moved["h2d"], d2h_bytes=rt.state.moved["d2h"],
+                     predicted_h2d=predicted.moved["h2d"], predicted_d2h=predicted.moved["d2h"],
+                     peak_rss_bytes=peak_rss_bytes(), huge_pages=self.huge_pages,
+                     idle_threads_sleep=self.idle_threads_sleep)
+        if shape is not self.shapes.example:    # the plan of another shape than the example batch's ran
+            plan = shape.program.plan
+            stats.update(batch_shape=describe(shape.key, self.shapes.names),
+                         microbatch_rows=list(plan.rows or (plan.microbatch_size,) * plan.microbatches))
+        if rt.device.type == "cuda":
+            stats.update(expandable_segments=self.program.config.expandable_segments,
+                         cuda_allocated_peak=torch.cuda.max_memory_allocated(rt.device),
+                         cuda_reserved_peak=torch.cuda.max_memory_reserved(rt.device),
+                         device_reserved=self.program.config.device_reserved)
         if getattr(rt.state, "host_idle", None) is not None:     # the CPU device's host thread has run
-            self.stats["background_idle_priority"] = rt.state.host_idle
-        self.stats.update(_disk_stats(rt.state))
-        kinds = {n.name: n.target.__name__ for n in self.graph.nodes if n.op == "call_function"}
+            stats["background_idle_priority"] = rt.state.host_idle
+        stats.update(_disk_stats(rt.state))
+        kinds = {n.name: n.target.__name__ for n in shape.program.schedule.nodes if n.op == "call_function"}
         for e in rt.events:          # where the step's time went on the thread that runs the schedule, by op
             key = f"time_{kinds.get(e.name, 'other')}_s"
-            self.stats[key] = self.stats.get(key, 0.0) + e.end - e.start
+            stats[key] = stats.get(key, 0.0) + e.end - e.start
         if rt.scaler is not None:   # the scale the next step uses, and the steps skipped for inf/nan so far
-            self.stats.update(loss_scale=self.loss_scale, skipped_steps=rt.scaler.skipped)
+            stats.update(loss_scale=self.loss_scale, skipped_steps=rt.scaler.skipped)
         if rt.gate is not None and rt.gate.clipper is not None:   # the norm before clipping (clip_grad_norm_'s)
-            self.stats["grad_norm"] = rt.gate.grad_norm()
+            stats["grad_norm"] = rt.gate.grad_norm()
+        self.stats = stats
         for hook in self.program.step_hooks:     # what the passes measure per step (compress: the wire's bytes)
-            self.stats.update(hook(self))
-        return loss
+            stats.update(hook(self))
+        return stats
 
     @property
     def loss_scale(self) -> float | None:

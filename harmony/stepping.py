@@ -12,8 +12,9 @@ from harmony.base.errors import InputError, TornStepError
 from harmony.runtime.executor import module_modes
 
 
-def batch_of(sm, batch: tuple, named: dict) -> tuple:
-    """The call's batch tensors in the plan's order; every argument is checked against the compiled example."""
+def batch_of(sm, batch: tuple, named: dict, same_shape: bool = True) -> tuple:
+    """The call's batch tensors in the plan's order; every argument is checked against the compiled example (its
+    shape and dtype too unless ``same_shape`` is False: ``sm(...)`` plans other shapes, harmony/shapes.py)."""
     plan, cfg = sm.program.plan, sm.program.config
     names = list(plan.input_names)
     if named:
@@ -37,10 +38,16 @@ def batch_of(sm, batch: tuple, named: dict) -> tuple:
     if len(batch) != len(names):
         raise InputError(f"expected {len(names)} batch tensors ({', '.join(names)}), got {len(batch)}")
     for name, x, ex in zip(names, batch, sm.program.example_batch):
-        if not isinstance(x, torch.Tensor) or x.shape != ex.shape or x.dtype != ex.dtype:
+        if not isinstance(x, torch.Tensor) or ((same_shape or rows is not None)
+                                               and (x.shape != ex.shape or x.dtype != ex.dtype)):
             got = f"{tuple(x.shape)} {x.dtype}" if isinstance(x, torch.Tensor) else type(x).__name__
+            why = ("balance= plans each rank's share of one global batch, which cannot change shape"
+                   if rows is not None else
+                   "sm.evaluate runs the example batch's shapes only (sm(...) trains other shapes; evaluation "
+                   "plans for them are not built yet): drop or pad a smaller last validation batch "
+                   "(DataLoader(..., drop_last=True))" if same_shape else "compile again for other shapes")
             raise InputError(f"batch tensor {name!r}: expected shape {tuple(ex.shape)} {ex.dtype} as in "
-                             f"example_batch, got {got}; compile again for other shapes")
+                             f"example_batch, got {got}; {why}")
         if x.is_meta:
             raise InputError(f"batch tensor {name!r} is on the meta device: it has no values to train on")
     return batch

@@ -174,7 +174,22 @@ class Runtime:
         run_graph(self, self.graph, self.free_after, txn)
         self.finish_updates()
         self.batch = {}
-        return torch.stack([loss.float() for loss in self.losses]).mean()   # fp32 whatever the compute dtype
+        losses = torch.stack([loss.float() for loss in self.losses])   # fp32 whatever the compute dtype
+        if self.plan.rows:     # uneven microbatches: the mean over the batch's rows
+            return (losses * losses.new_tensor(self.plan.rows)).sum() / sum(self.plan.rows)
+        return losses.mean()
+
+    @contextlib.contextmanager
+    def running(self, plan: Plan, graph: torch.fx.Graph):
+        """Run ``graph`` over ``plan`` inside the block: another schedule of the same packs, parameters and residency
+        (a batch of another shape, harmony/shapes.py), over this runtime's state as it is."""
+        saved = self.plan, self.graph, self.free_after, self.step_packs
+        self.plan, self.graph, self.free_after = plan, graph, last_uses(graph)
+        self.step_packs = [n.args[0] for n in graph.nodes if n.op == "call_function" and n.target is step]
+        try:
+            yield
+        finally:
+            self.plan, self.graph, self.free_after, self.step_packs = saved
 
     def finish_updates(self) -> None:
         """Wait for the host's optimizer steps; run those the ``StepGate`` holds (fp16, clipping), which wait for

@@ -171,7 +171,8 @@ def _backward_execute(rt, pack, mb, *inputs, saved=None, grads=()):
         else:
             leaves, outs, restore = saved.leaves, saved.outs, []
         if "loss" in outs:   # the seed is fp32 (a no-op in fp32); fp16 scales it (GradScaler.scale)
-            seed = outs["loss"].float() / rt.plan.microbatches
+            weight = rt.plan.loss_weight(mb)     # uneven microbatches: by rows, so the seeds sum to the batch mean
+            seed = outs["loss"].float() / rt.plan.microbatches if weight is None else outs["loss"].float() * weight
             tensors, seeds = [seed if rt.scaler is None else rt.scaler.scale_loss(seed)], [None]
         else:
             upstream: dict[str, torch.Tensor] = {}

@@ -137,6 +137,13 @@ class Plan:
     sync_buffers: dict = field(default_factory=dict)   # data parallel: mutated buffer -> bytes, broadcast from rank 0
     rank: int = 0
     comm_groups: dict = field(default_factory=dict)  # pack -> its gradients' all-reduce groups (lists of names)
+    rows: tuple = ()      # rows of each microbatch where they differ (the last one smaller: harmony/shapes.py);
+                          # () where every microbatch has ``microbatch_size`` rows
+
+    def loss_weight(self, mb: int) -> float | None:
+        """What microbatch ``mb``'s mean loss counts for in the batch's mean: its rows over the batch's; None where
+        the microbatches are alike (each counts ``1 / microbatches``)."""
+        return self.rows[mb] / sum(self.rows) if self.rows else None
 
     def __post_init__(self):
         for spec in self.packs:

@@ -194,7 +194,7 @@ def test_the_arguments_of_a_step_are_checked():
         sm(x, y, y=y)
     with pytest.raises(InputError, match="missing batch tensor 'y'"):
         sm(x=x)
-    with pytest.raises(InputError, match=r"expected shape \(16, 32\)"):
+    with pytest.raises(InputError, match=r"x float32\[0, 32\].* has 0 rows"):
         sm(x[:0], y[:0])
     sm(x, y=y)
     assert sm.steps == 1

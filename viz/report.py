@@ -85,6 +85,7 @@ def summary(sm) -> dict:
         tied=_tied(program),
         last_step=dict(sm.stats) if getattr(sm, "stats", None) else None,
         evaluation=_evaluation(sm),
+        shapes=sm.shapes.summary() if getattr(sm, "shapes", None) is not None else [],
     )
 
 
@@ -314,6 +315,11 @@ class _Writer:
                 self.lines.append("(nothing reported)")
         self.heading("packs")
         self.table(d["packs"])
+        if len(d["shapes"]) > 1:     # batches of other shapes were planned (harmony/shapes.py)
+            self.heading("batch shapes")
+            self.table(d["shapes"])
+            self.notes(["a plan per batch shape is made on its first step with the packs and residency above; "
+                        "sm.code and sm.plan are the example batch's"])
         self.heading("last step")
         self.last_step(d["last_step"], d["config"]["memory_budget"])
         if d.get("evaluation"):

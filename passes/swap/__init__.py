@@ -143,7 +143,8 @@ def run(program: Program, ctx) -> PassResult:
         if not isinstance(ctx, Choice):
             raise ConfigError(f"the swap pass's choice is a harmony.passes.swap.graph.Choice (a compiled module's "
                               f"program.swap_choice is one), got {type(ctx).__name__}")
-        chosen, rows, how = ctx, [], "given"
+        # a choice made at another batch shape (harmony/shapes.py) may name activation groups this schedule lacks
+        chosen, rows, how = ctx._replace(stashed=set(ctx.stashed) & set(groups)), [], "given"
         curve = fits(chosen)
         if curve.peak > budget:
             raise BudgetError(f"the swap choice given peaks at {fmt_bytes(curve.peak)}, over the {fmt_bytes(budget)} "

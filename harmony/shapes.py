@@ -1,0 +1,283 @@
+"""Batches of other shapes than the example's: a plan per input shape, made on first sight, over the same state.
+
+``sm(*batch)`` looks the batch's shapes and dtypes up, as ``torch.compile``'s guards do: the example batch's key
+runs the compiled plan; a key seen before runs the plan made for it; a new key is planned once (logged on the
+``"harmony"`` logger at INFO with the seconds it took, and listed by ``sm.report()``), then cached. At most
+``MAX_SHAPES`` keys are kept, the example's always, the others least recently used first out (a warning says
+when one is dropped: a loop whose shapes change every step pays a compile each time).
+
+A plan for another shape trains the same state: it is traced and costed at that shape, then planned with the
+compiled plan's choices handed to its passes (the same packs, ``Program.partition_choice``; the same
+placement of the optimizer step; the same ``Program.swap_choice``) so that every pack keeps its parameters,
+its residency (what stays on the device between steps, where optimizer state and masters live) and its step
+order, and only the schedule and the memory of each op differ. The runtime then runs that schedule over its
+state as it is (``Runtime.running``). A batch that plan cannot hold (a longer sequence than the example's,
+more rows than its batch under kept activations) or whose plan would keep state elsewhere is refused with an
+``InputError`` before anything changes: compile with the largest shape as ``example_batch``, and smaller
+batches and shorter sequences reuse its layout.
+
+Rows: a batch of N rows is cut into ``ceil(N / b)`` microbatches for the compiled microbatch size b, each of
+``ceil(N / that)`` rows but the last (30 rows at b = 8: 8, 8, 8, 6; 17 rows: 6, 6, 5). Each microbatch's loss
+counts for its share of the rows (its gradient seed is ``loss_i * rows_i / N``, the returned loss the
+row-weighted mean): the gradient of the batch's mean loss for a loss that is a mean over its rows (or over
+tokens, the same number in each row), what eager gradient accumulation over the same microbatches weighted
+by their rows computes. Where the microbatches are alike it is the usual ``loss_i / microbatches``.
+
+Data parallel: every rank must pass batches of the same shapes at the same step (a ``DistributedSampler``
+gives every rank as many samples, so its last batches agree); a new shape is checked across ranks when it is
+planned (a collective: ranks that pass different new shapes all refuse), a cached one is not (ranks that
+disagree there fail at the step's first all-reduce after the communication timeout). ``balance=`` plans each
+rank's share of one global batch and refuses other shapes, as do ``shard_state="full"`` and the ``ondemand`` baseline.
+
+``sm.code``, ``sm.plan``, ``sm.graph`` and ``sm.history`` stay the compiled plan's; ``sm.shapes.plans`` holds
+every cached plan's program, and ``sm.stats`` after a step describes the plan that ran.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import time
+from collections import OrderedDict
+
+import torch
+
+from harmony.base.errors import BudgetError, HarmonyError, InputError
+from harmony.base.units import fmt_bytes
+from harmony.compiler import cost
+from harmony.compiler.ir import Program
+from harmony.compiler.passmanager import run_passes, split_choices
+from harmony.compiler.trace import trace
+from harmony.compiler.verify import MemoryCurve, memory_curve
+
+MAX_SHAPES = 8      # plans kept, the example batch's included
+log = logging.getLogger("harmony")
+
+
+def shape_key(batch) -> tuple:
+    """What a plan is cached by: each batch tensor's shape and dtype, in the plan's order."""
+    return tuple((tuple(t.shape), t.dtype) for t in batch)
+
+
+def describe(key: tuple, names) -> str:
+    """``input_ids int64[4, 24], labels int64[4, 24]``."""
+    return ", ".join(f"{n} {str(dtype).removeprefix('torch.')}{list(shape)}" for n, (shape, dtype) in zip(names, key))
+
+
+def split_rows(rows: int, microbatch: int) -> tuple[int, ...]:
+    """The rows of each microbatch of a batch of ``rows``, none over ``microbatch`` (see the module's docstring)."""
+    count = -(-rows // microbatch)
+    size = -(-rows // count)
+    count = -(-rows // size)
+    return tuple(min(size, rows - i * size) for i in range(count))
+
+
+@dataclasses.dataclass
+class ShapePlan:
+    """One cached plan: the program for one key, its predicted memory curve, and what the report lists of it."""
+
+    key: tuple
+    program: Program
+    predicted: MemoryCurve
+    seconds: float = 0.0      # compile seconds (the example batch's: compile's total)
+    steps: int = 0            # steps run with it
+
+
+class ShapeCache:
+    """``sm.shapes``: the plan of every batch shape seen, by key; the example batch's is ``sm.program``'s."""
+
+    def __init__(self, sm, limit: int = MAX_SHAPES):
+        self.sm, self.limit = sm, limit
+        program = sm.program
+        self.names = list(program.plan.input_names) if program.plan is not None else []
+        self.example = ShapePlan(shape_key(program.example_batch), program, sm.predicted)
+        self.plans: OrderedDict = OrderedDict({self.example.key: self.example})
+        self.compiles = 0         # shapes planned after compile
+        self.dropped = 0          # plans dropped to keep at most ``limit``
+
+    def plan_for(self, batch: tuple) -> ShapePlan:
+        """The plan for ``batch``'s shapes: cached, or made now (``InputError`` where none can be, nothing changed)."""
+        key = shape_key(batch)
+        found = self.plans.get(key)
+        if found is not None:
+            self.plans.move_to_end(key)
+            return found
+        start = time.perf_counter()
+        program = plan_shape(self.sm, batch, self.names)
+        made = ShapePlan(key, program, memory_curve(program, check_residency=False), time.perf_counter() - start)
+        self.plans[key] = made
+        self.compiles += 1
+        while len(self.plans) > self.limit:
+            old = next(k for k in self.plans if k != self.example.key)
+            del self.plans[old]
+            self.dropped += 1
+            log.warning("harmony: dropped the plan for batch %s: at most %d shapes are cached (harmony.shapes."
+                        "MAX_SHAPES); a shape that comes back compiles again", describe(old, self.names), self.limit)
+        log.info("harmony: new batch shape %s: compiled a plan in %.2f s (%d microbatches; predicted peak %s; "
+                 "%d shapes cached)", describe(key, self.names), made.seconds, program.plan.microbatches,
+                 fmt_bytes(made.predicted.peak), len(self.plans))
+        return made
+
+    def summary(self) -> list[dict]:
+        """One row per cached plan, for the report: shapes, microbatch rows, predicted peak, compile seconds."""
+        rows = []
+        for key, p in self.plans.items():
+            plan = p.program.plan
+            split = plan.rows or (plan.microbatch_size,) * plan.microbatches
+            rows.append(dict(shape=describe(key, self.names), example=key == self.example.key,
+                             microbatches="+".join(map(str, split)), predicted_peak_bytes=p.predicted.peak,
+                             compile_s=p.seconds, steps=p.steps))
+        return rows
+
+
+def plan_shape(sm, batch: tuple, names: list[str]) -> Program:
+    """A program for ``batch``'s shapes with the compiled program's packs and residency; ``InputError`` if none."""
+    base = sm.program
+    cfg = base.config
+    key = shape_key(batch)
+    what = f"a batch of {describe(key, names)} (compiled for {describe(shape_key(base.example_batch), names)})"
+    rows = {t.shape[0] for t in batch if t.dim() > 0}
+    if len(rows) != 1:
+        raise InputError(f"{what}: every batch tensor needs the same number of rows in dimension 0")
+    if 0 in rows:
+        raise InputError(f"{what} has 0 rows: give at least one sample")
+    if any(getattr(r, "shares", None) is not None for r in base.plan.residency.values()):
+        raise InputError(f"{what}: shard_state='full' trains the example batch's shapes only (each rank's shares of "
+                         f"the packs are laid out for its plan); compile again for this shape")
+    if cfg.policy == "ondemand":
+        raise InputError(f"{what}: the 'ondemand' baseline trains the example batch's shapes only (its runtime "
+                         f"fetches and evicts without a plan to reuse); compile again for this shape")
+    _agree_across_ranks(cfg, key, what)
+    tensors = dict(base.gm.named_parameters()) | dict(base.gm.named_buffers())
+    try:
+        with _state_as_planned(sm.runtime.state, tensors):
+            program = _plan(base, batch, rows.pop())
+    except BudgetError as e:
+        raise InputError(f"{what} cannot be trained with the compiled plan's packs under memory_budget="
+                         f"{fmt_bytes(cfg.memory_budget)}, even one row per microbatch: "
+                         f"{str(e).splitlines()[0].rstrip('.')}. Compile with the largest batch you will train on "
+                         f"as example_batch: smaller batches and shorter sequences reuse its plan's layout.") from e
+    except HarmonyError as e:
+        raise InputError(f"{what} cannot be planned: {str(e).splitlines()[0]}") from e
+    differs = _layout_differs(base, program, tensors)
+    if differs:
+        raise InputError(f"{what}: its plan would keep training state elsewhere than the compiled plan ({differs}); "
+                         f"compile with this shape as example_batch")
+    if torch.device(cfg.device).type != "cpu":      # as ScheduledModule does for the compiled packs
+        from harmony.compiler.trace import retarget
+        managed = {id(t) for t in tensors.values()}
+        for spec in program.plan.packs:
+            retarget(spec.module, torch.device(cfg.device), managed)
+    program.example_batch = tuple(torch.empty_like(t, device="meta") for t in batch)   # shapes, not the user's data
+    return program
+
+
+def _plan(base: Program, batch: tuple, rows: int) -> Program:
+    """Trace and cost ``batch`` and run the passes with the compiled plan's choices at the compiled microbatch size;
+    where that does not fit the budget (a longer sequence), with the least activation memory the same state layout
+    allows (every pack recomputes, every activation goes to the host), at that size, then half of it, and so on
+    down to one row per microbatch."""
+    cfg = base.config
+    example = dict(zip(base.batch_keys, batch)) if base.batch_keys else tuple(batch)
+    gm = trace(base.model, example, loss_fn=cfg.loss_fn, leaf_modules=cfg.leaf_modules, dtype=cfg.compute_dtype)
+    order, given = split_choices(cfg.passes)
+    given["partition"] = base.partition_choice
+    size, choices = min(cfg.microbatch_size, rows), [base.swap_choice]
+    if base.swap_choice is not None:     # the same state kept, held and stepped; no activation kept on the device
+        packs = range(len(base.plan.packs))
+        choices.append(base.swap_choice._replace(kept=frozenset(), stashed={(op, p) for op in ("forward", "backward")
+                                                                            for p in packs}))
+    fake = None
+    while True:
+        split = split_rows(rows, size)
+        config = dataclasses.replace(cfg, batch_size=rows, microbatches=len(split), optimizer_on=_step_place(base))
+        if fake is None or fake[0] != split[0]:
+            fake = split[0], cost.annotate(gm, tuple(batch), split[0], dtype=config.compute_dtype)
+        program = Program(model=base.model, gm=gm, example_batch=tuple(batch), config=config, fake=fake[1],
+                          batch_keys=base.batch_keys, optim_profile=base.optim_profile)
+        try:
+            given["swap"] = choices[0]
+            program = run_passes(program, [(n, given[n]) if given.get(n) is not None else n for n in order])
+        except BudgetError:
+            if len(choices) > 1:
+                choices.pop(0)
+            elif split[0] > 1:
+                size = -(-split[0] // 2)
+            else:
+                raise
+            continue
+        program.plan.rows = split if len(set(split)) > 1 else ()
+        return program
+
+
+def _step_place(base: Program) -> str:
+    """Where the compiled plan's offload pass put the optimizer step ("device" or "host"): the new shape's plan must
+    not decide again (``optimizer_on="auto"`` asks whether everything fits, which a smaller batch may change)."""
+    placed = [r.totals.get("step_on") for r in base.reports if r.title.startswith("offload")]
+    return placed[0] if placed and placed[0] else base.config.optimizer_on
+
+
+def _layout_differs(base: Program, new: Program, tensors: dict) -> str:
+    """What of the training state's layout differs between two plans ("" if nothing): the packs' state, their
+    residency records, the order they step in, and the tensors the pack modules read."""
+    old_plan, plan = base.plan, new.plan
+    if len(plan.packs) != len(old_plan.packs):
+        return f"{len(plan.packs)} packs, not {len(old_plan.packs)}"
+    for a, b in zip(old_plan.packs, plan.packs):
+        for field in ("params", "buffers", "owned", "stepped"):
+            if getattr(a, field) != getattr(b, field):
+                return f"pack {a.index} holds other {field}"
+        if old_plan.at(a.index) != plan.at(b.index):
+            return f"pack {a.index}'s residency"
+    steps, hands = [], []       # the step order, and the weights' releases that the disk tier reads once
+    for p in (base, new):
+        ops = [n for n in p.schedule.nodes if n.op == "call_function"]
+        steps.append([n.args[0] for n in ops if n.target.__name__ == "step"])
+        hands.append({(n.args[0], n.kwargs.get("handoff"), n.kwargs.get("carry")) for n in ops
+                      if n.target.__name__ == "release" and n.args[1] == "params"})
+    if steps[0] != steps[1]:
+        return f"packs step in the order {steps[1]}, not {steps[0]}"
+    if hands[0] != hands[1]:
+        return "the weights on disk are handed over otherwise"
+    mine = dict(new.gm.named_parameters()) | dict(new.gm.named_buffers())
+    other = [n for n, t in mine.items() if tensors.get(n) is not t]
+    return f"the graph reads {other[0]!r} as another tensor" if other else ""
+
+
+@contextlib.contextmanager
+def _state_as_planned(state, tensors: dict):
+    """Every parameter and buffer reads, for the block, as an uninitialised host tensor shaped as its master.
+
+    Tracing and costing read shapes and dtypes only, and compile read them with all state on the host in the
+    model's dtype; between steps some of it is a device copy (in the compute dtype under mixed precision) or a
+    placeholder of weights on disk, which the user's model refuses to run with. The tensor objects stay: the
+    new graph reads the very parameters the runtime trains.
+    """
+    swapped = []
+    for name, t in {id(t): (n, t) for n, t in tensors.items()}.values():
+        master = state.master.get(name, t.data)
+        swapped.append((t, t.data, t.grad if isinstance(t, torch.nn.Parameter) else None))
+        if isinstance(t, torch.nn.Parameter):
+            t.grad = None
+        t.data = torch.empty(master.shape, dtype=master.dtype)
+    try:
+        yield
+    finally:
+        for t, data, grad in reversed(swapped):
+            t.data = data
+            if grad is not None:
+                t.grad = grad
+
+
+def _agree_across_ranks(cfg, key: tuple, what: str) -> None:
+    """Data parallel: every rank plans the same new shape at the same step, or all refuse."""
+    if not cfg.data_parallel or (cfg.world_size or 1) < 2:
+        return
+    import torch.distributed as dist
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, [(list(s), str(d)) for s, d in key])
+    if any(k != every[0] for k in every):
+        raise InputError(f"{what}: data-parallel ranks passed batches of different shapes at this step "
+                         f"({every}); every rank must pass the same shapes (drop_last, or a DistributedSampler)")
