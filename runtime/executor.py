@@ -130,7 +130,8 @@ class Runtime:
         self.state.compute_dtype = self.compute_dtype
         self.scaler = LossScaler(**plan.loss_scaling) if getattr(plan, "precision", "fp32") == "fp16" else None
         clip = getattr(plan, "clip_grad_norm", None)
-        clipper = None if clip is None else GradClip(clip, plan.clip_norm_type, plan.param_order, self.state.grad)
+        clipper = None if clip is None else GradClip(clip, plan.clip_norm_type, plan.param_order, self.state.grad,
+                                                settle=self.state.drain)
         # fp16 and clipping: the updates wait for the last gradient (runtime/precision.py StepGate)
         self.gate = StepGate(self.scaler, clipper) if self.scaler is not None or clipper is not None else None
         self.on_demand = on_demand(self) if on_demand is not None else None

@@ -243,7 +243,6 @@ def _step_execute(rt, pack, stream=False, where="device", overlap=False):
     if where == "host":
         return _step_host(rt, pack, spec)
     if rt.gate is not None:     # clipping: every step follows the last backward; the norm is known now
-        rt.state.drain()        # (the host steps' fp32 gradients are final)
         rt.gate.clip([rt.state.tensors[n] for n in spec.stepped])
     if not stream:
         with rt.counting():
@@ -278,7 +277,6 @@ def _step_host(rt, pack, spec) -> None:
     on_device = _device_parts(rt.plan, spec)
     if on_device:
         if rt.gate is not None:
-            rt.state.drain()
             rt.gate.clip([rt.state.tensors[n] for n in on_device])
         with rt.counting():
             for n in on_device:

@@ -31,7 +31,7 @@ def _swap_in_execute(rt, pack, what, held=(), carried=False):
     return rt.state.fetch(what, moving_names(rt.plan.packs[pack], what, held))
 
 
-def _swap_in_effect(m, pack, what, held=(), carried=False):
+def swap_in_effect(m, pack, what, held=(), carried=False):
     names = moving_names(m.plan.packs[pack], what, held)
     if carried:     # on the device since the last step: ``memory_curve`` holds them from the start of the step
         carry = set(carried_names(m.plan, pack))
@@ -185,7 +185,7 @@ def disk_io(plan, node, hw) -> dict:
     return {"read": read / rbw, "write": written / wbw}
 
 
-def _pack_what(args, kwargs) -> str:
+def pack_what(args, kwargs) -> str:
     return f"pack {args[0]} {args[1]}" if len(args) >= 2 else label_args(args, kwargs)
 
 
@@ -194,11 +194,11 @@ def _batch_label(args, kwargs) -> str:
 
 
 # colours: compute blues, state copies orange, activation copies purple, sync grey, optimizer green, network reds
-register(swap_in, _swap_in_execute, _swap_in_effect, _swap_in_cost, "copy", state_copy=True, disk_io=disk_io,
-         colour="#fdae6b", label=_pack_what)
+register(swap_in, _swap_in_execute, swap_in_effect, _swap_in_cost, "copy", state_copy=True, disk_io=disk_io,
+         colour="#fdae6b", label=pack_what)
 register(wait, _wait_execute, _no_effect, _free, "sync", colour="#d9d9d9")
 register(release, _release_execute, _release_effect, _release_cost, "copy", state_copy=True, colour="#fdd0a2",
-         label=_pack_what)
+         label=pack_what)
 register(load_batch, _load_batch_execute, _load_batch_effect, _load_batch_cost, "copy", colour="#fee6ce",
          label=_batch_label)
 register(stash, _stash_execute, _stash_effect, _stash_cost, "copy", colour="#bcbddc")

@@ -36,7 +36,7 @@ from harmony.base.errors import HarmonyError
 from harmony.base.units import nbytes
 from harmony.runtime.collectives import DEFAULT_FUSION_BYTES, ring_bytes
 from harmony.runtime.ops import moving_names, register
-from harmony.runtime.ops_move import _pack_what, _swap_in_effect
+from harmony.runtime.ops_move import pack_what, swap_in_effect
 from harmony.runtime.placeholders import is_placeholder, placeholder
 from harmony.runtime.plan import NOMINAL_NETWORK_BANDWIDTH, NOMINAL_NETWORK_LATENCY
 
@@ -329,7 +329,7 @@ def _reduce_scatter_cost(plan, hw, pack, *, world=1):
     return "network", sent / bandwidth + 2 * (world - 1) * latency * len(shares.segments)
 
 
-register(gather, _gather_execute, _swap_in_effect, _gather_cost, "copy", colour="#fb6a4a", label=_pack_what)
+register(gather, _gather_execute, swap_in_effect, _gather_cost, "copy", colour="#fb6a4a", label=pack_what)
 register(reduce_scatter, _reduce_scatter_execute, _reduce_scatter_effect, _reduce_scatter_cost, "copy",
          colour="#ef3b2c")
 

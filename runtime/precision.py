@@ -110,13 +110,15 @@ class GradClip:
     ``clip_grads_with_norm_`` (what ``clip_grad_norm_`` is made of), so the update is bitwise eager's.
 
     The norm stacks the per-tensor norms in ``order`` (``model.parameters()``'s); it is taken once per
-    iteration, at the first update that needs it, when every gradient is final, wherever it lives
-    (``grad_of(name)``: on the device, on the host, parked beside an fp32 master). Each pack's gradients are
+    iteration, at the first update that needs it, when every gradient is final (``settle()`` first waits for
+    those still on their way), wherever it lives (``grad_of(name)``: on the device, on the host, parked beside an
+    fp32 master). Each pack's gradients are
     then multiplied by ``min(max_norm / (norm + 1e-6), 1)`` right before its update.
     """
 
-    def __init__(self, max_norm: float, norm_type: float, order: list[str], grad_of):
+    def __init__(self, max_norm: float, norm_type: float, order: list[str], grad_of, settle=lambda: None):
         self.max_norm, self.norm_type, self.order, self.grad_of = float(max_norm), float(norm_type), order, grad_of
+        self.settle = settle      # waits for gradients still on their way (the host thread's copies, all-reduces)
         self.total: torch.Tensor | None = None     # this iteration's norm, before clipping
 
     def begin(self) -> None:
@@ -124,6 +126,7 @@ class GradClip:
 
     def norm(self) -> torch.Tensor:
         if self.total is None:
+            self.settle()
             grads = [g for g in map(self.grad_of, self.order) if g is not None]
             self.total = torch.nn.utils.get_total_norm(grads, self.norm_type)
         return self.total
