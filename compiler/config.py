@@ -228,6 +228,16 @@ class ParallelConfig(_Group):
     comm_timeout: float = _env("comm_timeout")
     """*env* ``HARMONY_COMM_TIMEOUT``. Seconds a collective waits for its peers, also when compile initialises the
     process group (default 300)."""
+    parallel: str | None = None
+    """None or ``"data"``: as ``data_parallel`` says. ``"pipeline"``: Harmony's vPP under torchrun, one process per
+    device of one node: the packs are placed across the ranks (``placement``); each rank holds, steps and saves only
+    its packs' state; a microbatch's activations at a pack boundary go to the next rank by send/recv and their
+    gradients come back (passes/stage.py). Every rank is given the whole batch (the first rank reads the inputs, the
+    last the labels); ``sm(*batch)`` returns the same mean loss on every rank."""
+    placement: str = "contiguous"
+    """Under ``parallel="pipeline"``: ``"contiguous"`` stages that balance the predicted compute per rank (the fewest
+    rank-to-rank transfers), or ``"round_robin"`` (pack p on rank p mod N, the Harmony paper's: every pack boundary
+    crosses ranks, and consecutive packs run on different ranks at once)."""
 
     def __post_init__(self):
         super().__post_init__()
@@ -246,6 +256,8 @@ class ParallelConfig(_Group):
             raise ConfigError(f"balance={spec!r}: use 'auto', 'uniform', or one entry per rank ((microbatch size, "
                               f"microbatches) or a sample count)")
         self.comm_timeout = env.check("comm_timeout", self.comm_timeout)
+        _choice("parallel", self.parallel, (None, "data", "pipeline"))
+        _choice("placement", self.placement, ("contiguous", "round_robin"))
 
 
 @dataclass(kw_only=True)

@@ -18,7 +18,8 @@ import torch.fx
 
 from harmony.base.units import fmt_bytes
 
-_OP_PREFIX = re.compile(r"\bharmony_runtime_(?:ops|shard)_")   # fx's qualified names of the runtime's op stubs
+# fx's qualified names of the runtime's op stubs
+_OP_PREFIX = re.compile(r"\bharmony_runtime_(?:ops|shard|partitioned|pipeline)_")
 
 
 def plain(graph: torch.fx.Graph) -> str:

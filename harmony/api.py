@@ -112,6 +112,10 @@ def _resolve(options: Config, batch_size: int) -> CompileConfig:
     spec, adaptive = parse_compression(options.compression)
     world = resolve_data_parallel(True if balance and options.data_parallel is None else options.data_parallel,
                                   options.comm_timeout)
+    pipeline = options.parallel == "pipeline"
+    if pipeline:        # one rank of a pipeline: its world, not data parallel, the stage pass (harmony/pipeline.py)
+        from harmony.pipeline import resolve as resolve_pipeline
+        world = resolve_pipeline(options, world)
     mixed = options.precision != "fp32"
     cfg = CompileConfig(**dict(
         options.items(), batch_size=batch_size, optimizer_kwargs=dict(kwargs or {}),
@@ -119,7 +123,11 @@ def _resolve(options: Config, batch_size: int) -> CompileConfig:
         optimizer_on="host" if mixed and options.optimizer_on == "auto" else options.optimizer_on,
         loss_scaling=options.scaling(), compression=spec, adaptive=adaptive,
         shard_state=balance if options.shard_state is None else options.shard_state,
-        data_parallel=world["data_parallel"], world_size=world.get("world_size"), rank=world.get("rank", 0)))
+        data_parallel=world["data_parallel"], world_size=world.get("world_size"), rank=world.get("rank", 0),
+        **({"passes": world["passes"]} if pipeline else {})))
+    if pipeline:
+        from harmony.passes.stage import check_config
+        check_config(cfg)
     if cfg.data_parallel and mixed:
         raise ConfigError(f"precision={cfg.precision!r} is not supported with data-parallel training yet: the "
                           f"gradient all-reduce expects fp32 gradients; use precision='fp32' or train one process")
@@ -211,16 +219,31 @@ def _disk_stats(state) -> dict:
 
 def _run_passes(program: Program, passes) -> Program:
     """``run_passes``; a rank that fails before the compress pass tells the others, which would wait for it there."""
+    cfg, names = program.config, split_choices(passes)[0]
+    if cfg.parallel == "pipeline" and "stage" in names:   # the ranks meet in the stage pass and once compiled
+        return _run_pipeline_passes(program, passes)
     try:
         return run_passes(program, passes)
     except HarmonyError as e:
-        cfg, names = program.config, split_choices(passes)[0]
         # the pass that failed is the first one not in the history; compress itself has met the others already
         if cfg.data_parallel and (cfg.world_size or 1) > 1 and "compress" in names \
                 and names.index("compress") > len(program.history):
             from harmony.passes.compress import report_failure
             report_failure(f"{type(e).__name__}: {str(e).splitlines()[0]}")
         raise
+
+
+def _run_pipeline_passes(program: Program, passes) -> Program:
+    """``run_passes`` for a pipeline rank: a rank that fails tells the others where they wait for it (the stage
+    pass's agreement on the plan, or the meeting once every rank has compiled), so none waits for its timeout."""
+    from harmony.passes.compress import check_same_plan, report_failure
+    try:
+        program = run_passes(program, passes)
+    except HarmonyError as e:
+        report_failure(f"{type(e).__name__}: {str(e).splitlines()[0]}")
+        raise
+    check_same_plan("compiled")
+    return program
 
 
 def _device_of(hardware):
@@ -256,6 +279,9 @@ class ScheduledModule(torch.nn.Module):
         tensors = dict(gm.named_parameters())
         tensors.update(dict(gm.named_buffers()))
         cfg = program.config
+        if plan is not None and plan.stage is not None:   # a pipeline rank keeps its packs' state only
+            from harmony.pipeline import local_tensors
+            tensors = local_tensors(plan, tensors)
         shares = None
         if any(r.shares is not None for r in plan.residency.values()):   # ZeRO-3: keep this rank's chunks only
             from harmony.runtime.partitioned import Shares
@@ -281,7 +307,8 @@ class ScheduledModule(torch.nn.Module):
                                    on_demand=OnDemand if cfg.policy == "ondemand" else None,
                                    speed_factor=getattr(cfg, "speed_factor", 1.0))
             self.runtime.state.shares = shares
-            if shares is not None:        # the model refuses to be read while its weights are in other ranks' shares
+            if shares is not None or plan.stage is not None:   # the model refuses to be read while weights are in
+                # other ranks' shares or stages
                 from harmony.usermodel import guard
                 guard(self)
             self.predicted = memory_curve(program, check_residency=False)
@@ -400,7 +427,9 @@ class ScheduledModule(torch.nn.Module):
             stats.update(loss_scale=self.loss_scale, skipped_steps=rt.scaler.skipped)
         if rt.gate is not None and rt.gate.clipper is not None:   # the norm before clipping (clip_grad_norm_'s)
             stats["grad_norm"] = rt.gate.grad_norm()
-        self.stats = stats
+        if self.plan.stage is not None:        # a pipeline rank: the training state it holds
+            from harmony.pipeline import state_bytes
+            stats.update(state_bytes(self))
         for hook in self.program.step_hooks:     # what the passes measure per step (compress: the wire's bytes)
             stats.update(hook(self))
         return stats

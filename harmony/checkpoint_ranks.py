@@ -55,16 +55,25 @@ def check_world(path, sm) -> None:
     plan, cfg = getattr(sm.program, "plan", None), sm.program.config
     sharded = bool(getattr(plan, "sharded", False))
     full = sharded and not getattr(plan, "state_owner", None)     # shard_state="full": weights partitioned too
-    world = (getattr(cfg, "world_size", 1) or 1) if getattr(cfg, "data_parallel", False) else 1
+    staged = getattr(plan, "stage", None) is not None      # a pipeline rank saves its packs' state
+    world = (getattr(cfg, "world_size", 1) or 1) if getattr(cfg, "data_parallel", False) or staged else 1
     path = Path(os.path.realpath(os.fspath(path)))
     saved = saved_world(path)
     if saved is None:
+        if staged and (path / "manifest.json").is_file():
+            raise CheckpointError(f"cannot load {path}: it was saved by one process, and this pipeline of {world} "
+                                  f"ranks loads each rank's packs from rank-R-of-{world}. Nothing was changed.")
         if sharded and (path / "manifest.json").is_file():
             raise CheckpointError(
                 f"cannot load {path}: it was saved with the whole optimizer state (shard_state off), and this run "
                 f"of {world} ranks shards it (shard_state={cfg.shard_state!r}); compile with shard_state=False to "
                 f"load it. Nothing was changed.")
         return
+    if staged and saved != world:
+        raise CheckpointError(
+            f"cannot load {path}: it was saved by {saved} ranks (rank-R-of-{saved}, each with its own packs' state), "
+            f"and this pipeline runs on {world}: load it with --nproc_per_node {saved} (moving packs to another "
+            f"number of ranks is not supported). Nothing was changed.")
     if not sharded or saved != world:
         here = f"{world} rank{'s' if world != 1 else ''}" + (" with sharded optimizer state" if sharded else
                                                              " with the whole optimizer state on each")

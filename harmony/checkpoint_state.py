@@ -23,6 +23,10 @@ class LiveState:
         gm = sm.program.gm
         self.sm = sm
         self.tensors = {**dict(gm.named_parameters()), **dict(gm.named_buffers())}
+        plan = getattr(sm.program, "plan", None)
+        if getattr(plan, "stage", None) is not None:      # a pipeline rank: its packs' state only
+            mine = {n for s in plan.packs for n in s.params + s.buffers}
+            self.tensors = {n: t for n, t in self.tensors.items() if n in mine}
         self.tiers = sm.runtime.state if sm.runtime is not None else None
         if getattr(self.tiers, "shares", None) is not None:   # shard_state="full": this rank's chunk pieces instead
             self.tiers.shares.substitute(self.tensors)         # of the partitioned weights (runtime/partitioned.py)

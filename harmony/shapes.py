@@ -144,6 +144,10 @@ def plan_shape(sm, batch: tuple, names: list[str]) -> Program:
     if any(getattr(r, "shares", None) is not None for r in base.plan.residency.values()):
         raise InputError(f"{what}: shard_state='full' trains the example batch's shapes only (each rank's shares of "
                          f"the packs are laid out for its plan); compile again for this shape")
+    if base.plan.stage is not None:
+        raise InputError(f"{what}: parallel='pipeline' trains the example batch's shapes only (the ranks' boundary "
+                         f"sends and receives are sized for its microbatches); compile again for this shape, or "
+                         f"drop the last short batch (DataLoader(drop_last=True))")
     if cfg.policy == "ondemand":
         raise InputError(f"{what}: the 'ondemand' baseline trains the example batch's shapes only (its runtime "
                          f"fetches and evicts without a plan to reuse); compile again for this shape")

@@ -26,16 +26,18 @@ def _refuse(model: torch.nn.Module, use: str) -> None:
     if missing:
         raise OffloadError(f"{use} of the model passed to harmony.compile: {len(missing)} of its parameters "
                            f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}) live on disk between "
-                           f"steps (weights_on='disk'), or in shares over the ranks (shard_state='full'), and hold "
-                           f"placeholders here. Call sm.sync_model() first to read "
-                           f"the trained weights into the model (after the last step: each step puts placeholders "
-                           f"back), or use sm.state_dict() / harmony.save, which read them from disk")
+                           f"steps (weights_on='disk'), in shares over the ranks (shard_state='full'), or on other "
+                           f"pipeline ranks (parallel='pipeline'), and hold placeholders here. Call sm.sync_model() "
+                           f"first to read the trained weights into the model (after the last step: each step puts "
+                           f"placeholders back; not under a pipeline), or use sm.state_dict() / harmony.save, which "
+                           f"read them from disk")
 
 
 def guard(sm) -> None:
     """Make the user's model refuse ``forward`` and ``state_dict`` while weights of it live on disk only."""
     state = getattr(sm.runtime, "state", None)
-    if state is None or (state.params_disk is None and state.shares is None):
+    staged = getattr(getattr(sm, "plan", None), "stage", None) is not None   # a pipeline rank: others' packs
+    if state is None or (state.params_disk is None and state.shares is None and not staged):
         return
     model = sm.model
     model.register_forward_pre_hook(lambda m, args: _refuse(m, "forward"))
@@ -48,6 +50,10 @@ def sync_model(sm) -> list[str]:
 
     Needs host memory for those weights (they are new tensors the model then owns). Nothing to do for any other
     tier: those parameters hold their trained weights between steps."""
+    if getattr(getattr(sm, "plan", None), "stage", None) is not None:
+        from harmony.base.errors import ConfigError
+        raise ConfigError("parallel='pipeline': each rank holds its packs' weights only; read them with "
+                          "sm.state_dict() on every rank, or harmony.save, which writes each rank's")
     shares = getattr(getattr(sm.runtime, "state", None), "shares", None)
     if shares is not None:       # shard_state="full": all-gathered from the ranks (every rank must call it)
         return shares.gather_all(sm.runtime.state.tensors)

@@ -299,7 +299,9 @@ def run(program: Program, ctx) -> PassResult:
     world = getattr(cfg, "world_size", 1) or 1
     report = PassReport("compress: gradient all-reduce across ranks")
     if not getattr(cfg, "data_parallel", False) or world <= 1:
-        report.notes.append("one rank: no gradient to average, nothing inserted")
+        report.notes.append("a pipeline: each rank steps its own packs, no gradient to average, nothing inserted"
+                            if getattr(plan, "stage", None) is not None else
+                            "one rank: no gradient to average, nothing inserted")
         report.totals = dict(world_size=world, allreduces=0)
         return PassResult(program, report)
     if step_stats not in program.step_hooks:      # sm.stats: the wire's bytes, seconds and bits of each step

@@ -77,6 +77,9 @@ class Builder:
 
 
 def lower(program: Program) -> torch.fx.Graph:
+    if program.plan.stage is not None:     # one rank of a pipeline: its packs, and messages to the others
+        from harmony.passes.stage_schedule import lower_stages
+        return lower_stages(program)
     b = Builder(program)
     n_packs, m = len(program.plan.packs), program.plan.microbatches
     last = n_packs - 1

@@ -137,6 +137,8 @@ class Plan:
     sync_buffers: dict = field(default_factory=dict)   # data parallel: mutated buffer -> bytes, broadcast from rank 0
     rank: int = 0
     comm_groups: dict = field(default_factory=dict)  # pack -> its gradients' all-reduce groups (lists of names)
+    stage: object = None           # pipeline (runtime/pipeline.Stages): the whole model's packs and their ranks;
+                                   # ``packs`` are then this rank's only
     rows: tuple = ()      # rows of each microbatch where they differ (the last one smaller: harmony/shapes.py);
                           # () where every microbatch has ``microbatch_size`` rows
 
@@ -151,8 +153,10 @@ class Plan:
 
     @property
     def sharded(self) -> bool:
-        """Whether ranks hold different training state: optimizer state (ZeRO-1) or all of it partitioned."""
-        return bool(self.state_owner) or any(r.shares is not None for r in self.residency.values())
+        """Whether ranks hold different training state: optimizer state (ZeRO-1), all of it partitioned, or each
+        rank its pipeline stage's packs."""
+        return bool(self.state_owner) or any(r.shares is not None for r in self.residency.values()) \
+            or self.stage is not None
 
     def at(self, pack: int) -> Residency:
         """The residency record of ``pack``."""

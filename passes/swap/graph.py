@@ -14,6 +14,7 @@ import torch.fx
 from harmony.compiler.ir import calls, copy_graph
 from harmony.compiler.meta import SCHEDULE
 from harmony.runtime import ops
+from harmony.runtime.pipeline import recv
 from harmony.runtime.plan import step_extra
 
 COMPUTE = (ops.forward, ops.backward, ops.step)       # the ops a memory curve's peaks are read at
@@ -129,13 +130,16 @@ def stash_value(graph: torch.fx.Graph, value: torch.fx.Node, order: dict | None 
 def stash_groups(graph: torch.fx.Graph) -> dict:
     """Activation handles that could go to the host, grouped by (op, pack) over all microbatches.
 
-    Pack outputs (``forward``, unless the pack's backward reuses its graph at once) and
-    gradients of pack inputs (``backward``) that a later op reads.
+    Pack outputs (``forward``, unless the pack's backward reuses its graph at once),
+    gradients of pack inputs (``backward``) that a later op reads, and a pipeline's values from
+    another rank that a recompute reads again (``recv``).
     """
     groups: dict = {}
     for n in calls(graph):
         if n.target in (ops.forward, ops.backward) and not n.kwargs.get("keep") and n.users:
             groups.setdefault((n.target.__name__, n.args[0]), []).append(n.name)
+        elif n.target is recv and not n.kwargs.get("grads") and len(n.users) > 1:   # another pipeline rank's
+            groups.setdefault(("recv", n.args[0]), []).append(n.name)               # outputs, read again later
     return groups
 
 

@@ -1,0 +1,59 @@
+"""``parallel="pipeline"`` from the user's side: the world it plans for, the state each rank keeps, what it holds.
+
+Under ``torchrun --nproc_per_node N train.py`` every rank calls ``harmony.compile(model, batch,
+parallel="pipeline", ...)`` with the same model and the whole batch; the stage pass (passes/stage.py) places
+the packs across the ranks and each rank keeps only its packs' weights and optimizer state: the other
+parameters of the model hold placeholders on that rank (its forward and ``state_dict`` refuse, as under
+``weights_on="disk"``), so the node holds one copy of the training state in all.
+"""
+from __future__ import annotations
+
+import torch
+
+from harmony.base.errors import ConfigError
+
+
+def resolve(options, world: dict) -> dict:
+    """The ``CompileConfig`` fields of a pipeline rank: its world, not data parallel, the stage pass after the
+    partition (``world``: what ``harmony.data.resolve`` found)."""
+    from harmony.compiler.passmanager import split_choices
+    if options.data_parallel:
+        raise ConfigError("parallel='pipeline' with data_parallel=True is not supported yet: use "
+                          "data_parallel=None, or parallel=None for data parallelism")
+    names = split_choices(options.passes)[0]
+    passes = tuple(options.passes)
+    if "stage" not in names and "partition" in names:
+        at = names.index("partition") + 1
+        passes = passes[:at] + ("stage",) + passes[at:]
+    return dict(world, data_parallel=False, passes=passes)
+
+
+def local_tensors(plan, tensors: dict) -> dict:
+    """This rank's packs' parameters and buffers; every other one of the model holds a placeholder here."""
+    from harmony.runtime.placeholders import placeholder
+    mine = {n for s in plan.packs for n in s.params + s.buffers}
+    with torch.no_grad():
+        for n, t in tensors.items():
+            if n not in mine:
+                t.data = placeholder(t)
+    return {n: t for n, t in tensors.items() if n in mine}
+
+
+def state_bytes(sm) -> dict:
+    """Bytes of training state this rank holds between steps: its weights and buffers (host masters or device
+    copies, each storage once) and its optimizers' state. Summed over the ranks: one copy of the model's."""
+    from harmony.runtime.placeholders import is_placeholder
+    seen: set = set()
+
+    def size(t) -> int:
+        if not isinstance(t, torch.Tensor) or is_placeholder(t) or t.device.type == "meta":
+            return 0
+        s = t.untyped_storage()
+        if s.data_ptr() in seen or not s.nbytes():
+            return 0
+        seen.add(s.data_ptr())
+        return s.nbytes()
+    state = sm.runtime.state
+    weights = sum(size(t.data) for t in state.tensors.values())
+    optim = sum(size(v) for opt in sm.optimizers for st in opt.state.values() for v in st.values())
+    return dict(state_weight_bytes=weights, state_optim_bytes=optim)

@@ -1,0 +1,239 @@
+"""stage: place the packs across the ranks of one node (``parallel="pipeline"``) and keep this rank's.
+
+Every rank traces the same model and partitions it the same way, for the per-device budget; this pass
+then (1) cuts packs further where there are fewer than ranks (the largest pack by predicted compute, at
+the layer that halves it best), (2) places the packs: ``"contiguous"`` stages by an exact dynamic
+program that minimises the largest predicted compute of a rank (forward, backward and recompute at the
+planner's FLOP/s), so the fewest boundaries cross ranks (N - 1); or ``"round_robin"``, pack p on rank
+p mod N, the Harmony paper's vPP, where consecutive packs run on different ranks at once but every
+boundary crosses; (3) checks that the ranks agree on the packs and their placement (one all-gather of a
+digest, as the compress pass does), and (4) restricts ``program.plan`` to this rank's packs, re-indexed
+from 0, with the whole model's packs in ``plan.stage`` (runtime/pipeline.Stages). The passes after it
+plan this rank's schedule, swaps and steps under its own budget, as for one device; the schedule pass
+adds the ``recv`` and ``send`` of each microbatch's values at the boundaries that cross ranks
+(passes/stage_schedule.py).
+
+A weight two ranks' packs use (a tied embedding and head) would need its gradient summed over the
+ranks: refused here by name, for now.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import torch
+
+from harmony.base.errors import ConfigError
+from harmony.compiler.ir import PassReport, PassResult, Program
+from harmony.compiler.meta import PACK
+from harmony.runtime.pipeline import Stages
+
+NAME = "stage"
+REQUIRES = {"packs"}
+PROVIDES = {"stages"}
+PLACEMENTS = ("contiguous", "round_robin")
+
+
+def check_config(cfg) -> None:
+    """What ``parallel="pipeline"`` does not do yet, refused by name with what to use instead."""
+    if (cfg.world_size or 1) < 2:
+        raise ConfigError("parallel='pipeline' places packs across the ranks of one node: launch N >= 2 processes "
+                          "with `torchrun --nproc_per_node N train.py`, or drop parallel= to train one process")
+    refused = [(cfg.precision != "fp32", f"precision={cfg.precision!r}", "precision='fp32'"),
+               (cfg.compression is not None and cfg.compression.kind != "none" or cfg.adaptive,
+                "compression=", "no compression (there is no gradient all-reduce in a pipeline)"),
+               (cfg.balance is not None, "balance=", "memory_budget= (one budget per device)"),
+               (bool(cfg.shard_state), f"shard_state={cfg.shard_state!r}", "shard_state=None (each rank holds "
+                                                                            "only its packs' state already)"),
+               (cfg.data_parallel, "data_parallel=True", "data_parallel=None"),
+               (cfg.weights_on == "disk", "weights_on='disk'", "weights_on='auto' or 'host'"),
+               (cfg.clip_grad_norm is not None, "clip_grad_norm=", "clip_grad_norm=None (the global norm over the "
+                                                                  "ranks' packs is not built yet)"),
+               (cfg.policy == "ondemand", "policy='ondemand'", "policy='harmony' or 'sequential'")]
+    for bad, what, instead in refused:
+        if bad:
+            raise ConfigError(f"parallel='pipeline' with {what} is not supported yet: use {instead}, or "
+                              f"parallel=None for data parallelism")
+
+
+# -- (1) enough packs ------------------------------------------------------------------------------
+def _cuts(program: Program, units) -> list[tuple[int, int]]:
+    """The partition's packs as runs of layers (``build_packs`` marks each node with its pack)."""
+    at = [u.nodes[0].meta[PACK] for u in units]
+    starts = [i for i in range(len(units)) if i == 0 or at[i] != at[i - 1]]
+    return list(zip(starts, starts[1:] + [len(units)]))
+
+
+def enough_packs(program: Program, world: int) -> list[str]:
+    """Cut the largest packs until there are ``world``; returns notes of the cuts made."""
+    from harmony.passes.partition import build_packs, find_units, measure_kept
+    plan = program.plan
+    if len(plan.packs) >= world:
+        return []
+    units = find_units(program)
+    flops = [u.fwd_flops + u.bwd_flops for u in units]
+    cuts = _cuts(program, units)
+    while len(cuts) < world:
+        splittable = [i for i, (b, e) in enumerate(cuts) if e - b > 1]
+        if not splittable:
+            raise ConfigError(f"parallel='pipeline' over {world} ranks needs at least {world} packs, but the model "
+                              f"has {len(units)} layers (cut points); use fewer ranks (--nproc_per_node)")
+        i = max(splittable, key=lambda j: sum(flops[cuts[j][0]:cuts[j][1]]))
+        b, e = cuts[i]
+        k = min(range(b + 1, e), key=lambda k: abs(sum(flops[b:k]) - sum(flops[k:e])))
+        cuts[i:i + 1] = [(b, k), (k, e)]
+    specs = build_packs(program, cuts, units)
+    if program.config.recompute == "auto":
+        measure_kept(program, specs)
+    program.plan = dataclasses.replace(plan, packs=specs, residency={})
+    return [f"the partition made {len(plan.packs)} packs for {world} ranks: the largest were cut at layer "
+            f"boundaries into {len(specs)}"]
+
+
+# -- (2) placement -----------------------------------------------------------------------------------
+def pack_seconds(plan, flops: float) -> list[float]:
+    """Predicted compute of each pack per step: forward, backward, and the recompute of every pack but the last."""
+    last = len(plan.packs) - 1
+    return [plan.microbatches * (s.fwd_flops * (1 if i == last else 2) + s.bwd_flops) / flops
+            for i, s in enumerate(plan.packs)]
+
+
+def contiguous(costs: list[float], world: int) -> list[int]:
+    """Contiguous stages, each of at least one pack, minimising the largest stage's sum (an exact DP)."""
+    n = len(costs)
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(world + 1)]   # best[r][j]: first j packs on r ranks
+    cut = [[0] * (n + 1) for _ in range(world + 1)]
+    best[0][0] = 0.0
+    for r in range(1, world + 1):
+        for j in range(r, n - (world - r) + 1):
+            for i in range(r - 1, j):
+                v = max(best[r - 1][i], prefix[j] - prefix[i])
+                if v < best[r][j]:
+                    best[r][j], cut[r][j] = v, i
+    rank_of, j = [0] * n, n
+    for r in range(world, 0, -1):
+        i = cut[r][j]
+        rank_of[i:j] = [r - 1] * (j - i)
+        j = i
+    return rank_of
+
+
+def place(costs: list[float], world: int, placement: str) -> list[int]:
+    if placement == "round_robin":
+        return [p % world for p in range(len(costs))]
+    return contiguous(costs, world)
+
+
+def _check_shared(plan, rank_of: list[int]) -> list[str]:
+    """Refuse a weight (or a buffer written in forward) that packs on two ranks use; note read-only buffers."""
+    ranks: dict[str, set] = {}
+    for spec in plan.packs:
+        for n in spec.params + spec.buffers:
+            ranks.setdefault(n, set()).add(rank_of[spec.index])
+    params = {n for s in plan.packs for n in s.params}
+    mutated = {n for s in plan.packs for n in s.mutated}
+    shared = {n: r for n, r in ranks.items() if len(r) > 1}
+    bad = [n for n in shared if n in params or n in mutated]
+    if bad:
+        users = [s.index for s in plan.packs if bad[0] in s.params + s.buffers]
+        raise ConfigError(f"parallel='pipeline': {bad[0]!r} is used by packs {users} on ranks "
+                          f"{sorted(shared[bad[0]])} (a tied weight, such as an embedding shared with the output "
+                          f"head{'; ' + str(len(bad) - 1) + ' more' if len(bad) > 1 else ''}); its gradient would need "
+                          f"summing across ranks, which is not built yet. Untie it (GPTConfig(tie=False), "
+                          f"tie_word_embeddings=False in a Hugging Face config), or use parallel=None")
+    return [f"{len(shared)} read-only buffers are used on several ranks: each of those keeps a copy"] if shared else []
+
+
+# -- (4) this rank's packs ----------------------------------------------------------------------------
+def _crossing_values(program: Program, rank_of: list[int]) -> dict:
+    """Each value a pack reads from a pack on another rank: (shape, dtype name) at the microbatch size, or
+    ("const", value) for one that is not a tensor (the same in every step)."""
+    plan = program.plan
+    producer = {o: s.index for s in plan.packs for o in s.outputs}
+    nodes = {n.name: n for n in program.gm.graph.nodes}
+    out = {}
+    for spec in plan.packs:
+        for n in spec.inputs:
+            if n in producer and rank_of[producer[n]] != rank_of[spec.index]:
+                v = program.fake.vals[nodes[n]]
+                out[n] = ((tuple(int(d) for d in v.shape), str(v.dtype).removeprefix("torch."))
+                          if isinstance(v, torch.Tensor) else ("const", v))
+    return out
+
+
+def restrict(program: Program, rank_of: list[int]) -> None:
+    """``program.plan`` becomes this rank's packs, re-indexed from 0, with the whole model's in ``plan.stage``."""
+    plan, cfg = program.plan, program.config
+    local = [s.index for s in plan.packs if rank_of[s.index] == cfg.rank]
+    stage = Stages(rank=cfg.rank, world=cfg.world_size, rank_of=list(rank_of), local=local,
+                   inputs=[list(s.inputs) for s in plan.packs], outputs=[list(s.outputs) for s in plan.packs],
+                   names=[s.name for s in plan.packs], values=_crossing_values(program, rank_of),
+                   placement=cfg.placement, timeout=cfg.comm_timeout)
+    specs = [dataclasses.replace(plan.packs[g], index=i) for i, g in enumerate(local)]
+    program.plan = dataclasses.replace(plan, packs=specs, residency={}, stage=stage)
+
+
+def run(program: Program, ctx) -> PassResult:
+    """Place the packs; ``ctx``, where given, is the rank of every pack (a list as long as the packs)."""
+    from harmony.passes.compress import check_same_plan
+    start = time.perf_counter()
+    cfg = program.config
+    world = cfg.world_size
+    notes = enough_packs(program, world)
+    plan = program.plan
+    costs = pack_seconds(plan, cfg.flops)
+    if ctx is not None:
+        if sorted(set(ctx)) != list(range(world)) or len(ctx) != len(plan.packs):
+            raise ConfigError(f"the stage pass's choice is the rank of each of the {len(plan.packs)} packs, every "
+                              f"rank 0..{world - 1} given at least one; got {ctx!r}")
+        rank_of = list(ctx)
+    else:
+        rank_of = place(costs, world, cfg.placement)
+    notes += _check_shared(plan, rank_of)
+    check_same_plan(repr((world, cfg.policy, cfg.microbatches, rank_of,
+                          [(s.name, s.inputs, s.outputs, s.params) for s in plan.packs])))
+    rows = _rows(plan, rank_of, costs, world)
+    restrict(program, rank_of)
+    crossing = sum(_bytes(v) for v in program.plan.stage.values.values())
+    worst, total = max(r["compute_s"] for r in rows), sum(costs)
+    report = PassReport(f"stage: packs across {world} ranks ({cfg.placement})", rows, totals=dict(
+        ranks=world, packs=len(plan.packs), this_rank=cfg.rank, max_rank_compute_s=worst,
+        lower_bound_s=max(total / world, max(costs)), ideal_speedup=total / worst if worst else 1.0,
+        boundary_MiB_per_microbatch=crossing / 2**20, seconds=time.perf_counter() - start))
+    report.notes += notes + [
+        f"placement {cfg.placement!r}: " + ("contiguous stages by an exact DP minimising the largest rank's "
+                                            "predicted compute (forward, backward, recompute)"
+                                            if cfg.placement == "contiguous" else "pack p on rank p mod N"),
+        f"each microbatch's boundary values cross ranks forward and their gradients back: "
+        f"{2 * plan.microbatches * crossing / 2**20:.3f} MiB per step in all; every rank is given the whole batch",
+        "each rank holds, steps and saves only its packs' fp32 weights and optimizer state: one copy on the node; "
+        + ("contiguous stages never move a pack between devices, so no shared host copy is needed"
+           if cfg.placement == "contiguous" else "packs stay on their ranks, so no shared host copy is needed")]
+    return PassResult(program, report)
+
+
+def _bytes(v) -> int:
+    shape, dtype = v
+    if shape == "const":
+        return 0
+    n = 1
+    for d in shape:
+        n *= d
+    return n * getattr(torch, dtype).itemsize
+
+
+def _rows(plan, rank_of, costs, world) -> list[dict]:
+    rows = []
+    for r in range(world):
+        mine = [s for s in plan.packs if rank_of[s.index] == r]
+        rows.append(dict(rank=r, packs=",".join(str(s.index) for s in mine),
+                         layers=f"{mine[0].name} .. {mine[-1].name}" if len(mine) > 1 else mine[0].name,
+                         GFLOP=sum(s.fwd_flops + s.bwd_flops for s in mine) * plan.microbatches / 1e9,
+                         compute_s=sum(costs[s.index] for s in mine),
+                         params_MiB=sum(s.master_bytes for s in mine) / 2**20,
+                         optim_MiB=sum(s.optim_bytes for s in mine) / 2**20))
+    return rows

@@ -1,0 +1,168 @@
+"""Pipeline across the devices of one node (``parallel="pipeline"``): what a rank knows of the other ranks' packs,
+and the ops that pass a microbatch's values between ranks, registered in the op table (runtime/ops.py).
+
+``recv`` brings one message from another rank: a microbatch's outputs of one of its packs that this rank's packs
+read, or the gradients of those outputs that one of its packs computed; ``send`` is the other end. A message is a
+mask of the values it carries (a backward leaves no gradient for an input it does not depend on) and then each
+value, on ``torch.distributed`` point-to-point (gloo here, the same calls on NCCL). A send copies the values to the
+host first and returns at once (``isend``): the device copy is free for the schedule to drop, and no rank ever
+waits for a peer to take what it sent, which is what keeps the ranks' schedules free of deadlock (each is the
+single-device order restricted to its packs: every recv comes after its send in that order). ``share_loss`` ends
+the step: the sends are joined, and the rank that holds the loss broadcasts its mean to the others.
+
+A peer that dies or stalls fails a wait within the module's ``comm_timeout`` with ``CommunicationError``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from harmony.base.units import nbytes
+from harmony.runtime.ops import Acts, Predicted, register
+from harmony.runtime.plan import NOMINAL_NETWORK_BANDWIDTH, NOMINAL_NETWORK_LATENCY
+
+SLOTS = 256          # tags per message: the mask, then one per value
+
+
+@dataclass
+class Stages:
+    """The packs of the whole model and the rank each runs on; ``plan.packs`` holds this rank's, re-indexed."""
+
+    rank: int
+    world: int
+    rank_of: list[int]                  # global pack -> the rank that holds, runs and steps it
+    local: list[int]                    # this rank's pack i -> its global index
+    inputs: list[list[str]]             # global pack -> the values it reads
+    outputs: list[list[str]]            # global pack -> the values it makes
+    names: list[str]                    # global pack -> its layers' name
+    values: dict = field(default_factory=dict)   # value crossing ranks -> (shape, dtype name) or ("const", value)
+    placement: str = "contiguous"
+    timeout: float = 300.0
+
+    @property
+    def loss_rank(self) -> int:
+        return self.rank_of[-1]
+
+
+# -- stubs: the names a schedule graph calls ----------------------------------------------------
+def recv(pack: int, mb: int, *, src: int, tag: int, names: tuple, grads: bool = False): ...
+def send(value, pack: int, mb: int, *, dst: int, tag: int, names: tuple, grads: bool = False): ...
+def share_loss(src: int): ...
+
+
+def _wait(work, what: str, timeout: float) -> None:
+    from harmony.runtime.collectives import _wait as wait_work
+    wait_work(work, what, timeout, None)
+
+
+def _post(fn, what: str, timeout: float, *args, **kwargs):
+    import torch.distributed as dist
+
+    from harmony.runtime.collectives import _comm_error
+    try:
+        return fn(*args, **kwargs)
+    except (RuntimeError, dist.DistError) as e:
+        raise _comm_error(what, e, timeout, None) from e
+
+
+def _recv_execute(rt, pack, mb, *, src, tag, names, grads=False):
+    import torch.distributed as dist
+    st = rt.plan.stage
+    what = f"recv of {'gradients' if grads else 'activations'} (microbatch {mb}) from rank {src}"
+    mask = torch.zeros(len(names), dtype=torch.uint8)
+    _wait(_post(dist.irecv, what, st.timeout, mask, src, tag=tag * SLOTS), what, st.timeout)
+    out, works = {}, []
+    for i, n in enumerate(names):
+        shape, dtype = st.values[n]
+        if shape == "const":
+            out[n] = dtype
+            continue
+        if not mask[i]:
+            continue
+        host = torch.empty(shape, dtype=getattr(torch, dtype))
+        works.append(_post(dist.irecv, what, st.timeout, host, src, tag=tag * SLOTS + 1 + i))
+        out[n] = host
+    for w in works:
+        _wait(w, what, st.timeout)
+    for n, host in out.items():      # on the device, counted by its meter (the CPU device: the buffer itself)
+        if isinstance(host, torch.Tensor):
+            dst = host if rt.device.type == "cpu" else host.to(rt.device)
+            rt.meter.track(dst)
+            out[n] = dst
+    return Acts(out)
+
+
+def _send_execute(rt, value, pack, mb, *, dst, tag, names, grads=False):
+    import torch.distributed as dist
+    st = rt.plan.stage
+    what = f"send of {'gradients' if grads else 'activations'} (microbatch {mb}) to rank {dst}"
+    vals = value.values
+    present = [isinstance(vals.get(n), torch.Tensor) for n in names]
+    mask = torch.tensor(present, dtype=torch.uint8)
+    pending = rt.__dict__.setdefault("sends", [])
+    pending.append((_post(dist.isend, what, st.timeout, mask, dst, tag=tag * SLOTS), mask, what))
+    for i, n in enumerate(names):
+        if present[i]:       # a host copy: the device's may be dropped as soon as the schedule is done with it
+            host = vals[n].detach().to("cpu", copy=True)
+            pending.append((_post(dist.isend, what, st.timeout, host, dst, tag=tag * SLOTS + 1 + i), host, what))
+
+
+def _share_loss_execute(rt, src):
+    """Join this step's sends; the loss rank's mean loss to every rank (the executor's mean of one is itself)."""
+    import torch.distributed as dist
+    st = rt.plan.stage
+    for work, _, what in rt.__dict__.pop("sends", []):
+        _wait(work, what, st.timeout)
+    if st.rank == src:
+        loss = torch.stack([x.float() for x in rt.losses]).mean().reshape(1)
+    else:
+        loss = torch.zeros(1)
+    what = f"broadcast of the loss from rank {src}"
+    _wait(_post(dist.broadcast, what, st.timeout, loss, src, async_op=True), what, st.timeout)
+    if st.rank != src:
+        rt.losses = [loss[0]]
+
+
+def _message_bytes(plan, names) -> int:
+    total = 0
+    for n in names:
+        shape, dtype = plan.stage.values[n]
+        if shape != "const":
+            total += nbytes(torch.empty(shape, dtype=getattr(torch, dtype), device="meta"))
+    return total
+
+
+def _recv_effect(m, pack, mb, *, names, **kw):
+    return Predicted(_message_bytes(m.plan, names)), 0
+
+
+def _send_effect(m, value, pack, mb, **kw):
+    return None, 0         # the values go from a host copy; the device's dies with its last use
+
+
+def _none(m, *args, **kwargs):
+    return None, 0
+
+
+def _p2p_cost(plan, hw, *args, names=(), **kw):
+    """The message at the device-to-device link's speed (``p2p_bandwidth``; the network's where a device has none)."""
+    bandwidth = getattr(hw, "p2p_bandwidth", None) or getattr(hw, "network_bandwidth", NOMINAL_NETWORK_BANDWIDTH)
+    return "network", _message_bytes(plan, names) / bandwidth + getattr(hw, "network_latency",
+                                                                         NOMINAL_NETWORK_LATENCY)
+
+
+def _share_loss_cost(plan, hw, src):
+    return "network", getattr(hw, "network_latency", NOMINAL_NETWORK_LATENCY)
+
+
+def _label(args, kwargs) -> str:
+    peer = f"from {kwargs.get('src')}" if "src" in kwargs else f"to {kwargs.get('dst')}"
+    mb = args[1] if len(args) == 2 else args[2] if len(args) > 2 else "?"
+    return f"mb {mb} {'grads' if kwargs.get('grads') else 'acts'} {peer}"
+
+
+register(recv, _recv_execute, _recv_effect, _p2p_cost, "copy", colour="#ef3b2c", label=_label)
+register(send, _send_execute, _send_effect, _p2p_cost, "copy", colour="#fb6a4a", label=_label)
+register(share_loss, _share_loss_execute, _none, _share_loss_cost, "sync", colour="#fcbba1",
+         label=lambda args, kwargs: f"loss from rank {args[0]}")

@@ -1,0 +1,274 @@
+"""parallel="pipeline" (issue 31): packs placed across 2 and 3 gloo ranks, bitwise against eager gradient
+accumulation; each rank within its budget and holding its packs' state only; checkpoints per rank; a dead rank.
+
+Each multi-process fixture spawns its ranks once (``_spawn`` from test_collectives) and runs every check of that
+world size in them; the eager references are computed in the parent meanwhile. Tensors come back as numpy arrays
+(a rank exits at once after reporting: shared-memory tensors would not outlive it).
+"""
+from __future__ import annotations
+
+import os
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import harmony
+from harmony.errors import CheckpointError, CommunicationError, ConfigError, InputError
+from harmony.passes import stage
+from harmony.passes.stage_schedule import global_order
+from models import CASES, eager_accumulate, training_state_bytes
+from test_collectives import _spawn
+
+MICROBATCHES = 4
+RUNS = {"gpt": ("gpt", 0.5, "contiguous"), "gpt_tight": ("gpt", 0.3, "round_robin"),
+        "hf": ("hf-gpt2", 0.5, "contiguous")}
+
+
+def _data(case):
+    return CASES[case](batch=8) if case == "gpt" else CASES[case]()
+
+
+def _call(sm, batch):
+    return sm(**batch) if isinstance(batch, dict) else sm(*batch)
+
+
+def _train(case, frac, placement, steps=3, keep=False):
+    """Compile on this rank (the whole batch) and train ``steps`` batches: this rank's parameters, its stats."""
+    model, data = _data(case)
+    budget = int(training_state_bytes(model) * frac)
+    sm = harmony.compile(model, data[0], memory_budget=budget, microbatches=MICROBATCHES, parallel="pipeline",
+                         placement=placement, comm_timeout=20)
+    losses, stats = [], []
+    for i in range(steps):
+        losses.append(_call(sm, data[i % len(data)]).item())
+        stats.append(dict(sm.stats))
+    mine = sm.state_dict()["model"]
+    out = dict(params={n: t.detach().numpy().copy() for n, t in mine.items()}, losses=losses, stats=stats,
+               packs=list(sm.plan.stage.local), rank_of=list(sm.plan.stage.rank_of), text=sm.report(),
+               ops=[n.target.__name__ for n in sm.graph.nodes if n.op == "call_function"])
+    if keep:
+        out["sm"] = (sm, data)
+    else:
+        sm.close()
+    return out
+
+
+def _resume(rank, path, world):
+    """Save after one step, train two more, load, train the same two: the same parameters."""
+    out = _train("gpt", 0.5, "contiguous", steps=1, keep=True)
+    sm, data = out.pop("sm")
+    harmony.save(sm, path)
+    short = {k: t[:6] for k, t in data[1].items()} if isinstance(data[1], dict) else tuple(t[:6] for t in data[1])
+    try:                # another batch shape: refused on every rank before anything is sent
+        _call(sm, short)
+        other_shape = "no error"
+    except InputError as e:
+        other_shape = str(e)
+    after = []
+    for _ in range(2):
+        for b in data[1:3]:
+            _call(sm, b)
+        after.append({n: t.detach().clone() for n, t in sm.state_dict()["model"].items()})
+        harmony.load(sm, path)
+    sm.close()
+    return dict(same=all(torch.equal(after[0][n], after[1][n]) for n in after[0]), files=sorted(os.listdir(path)),
+                other_shape=other_shape)
+
+
+def _refused(rank):
+    """A tied weight used by packs on two ranks: refused by name, on every rank (none is left waiting)."""
+    model, data = CASES["gpt"](batch=8, tie=True)
+    try:
+        harmony.compile(model, data[0], memory_budget=int(training_state_bytes(model) * 0.5),
+                        microbatches=MICROBATCHES, parallel="pipeline", comm_timeout=20)
+        return "no error"
+    except ConfigError as e:
+        return str(e)
+
+
+def _ranks(rank, world, path):
+    out = {key: _train(*args) for key, args in RUNS.items()}
+    out["tied"] = _refused(rank)
+    if world == 2:
+        out["resume"] = _resume(rank, path, world)
+        return out
+    out["dead"] = _dead(rank, world, path)    # the last rank dies there
+    return out
+
+
+def _dead(rank, world, path):
+    """Load a checkpoint of 2 ranks into 3 (refused), then the last rank dies between steps: the others fail."""
+    out = _train("gpt", 0.5, "contiguous", steps=1, keep=True)
+    sm, data = out.pop("sm")
+    try:
+        harmony.load(sm, path)
+        wrong_world = "no error"
+    except CheckpointError as e:
+        wrong_world = str(e)
+    if rank == world - 1:
+        os._exit(1)                        # dies without a word
+    start = time.monotonic()
+    try:
+        _call(sm, data[1])
+        _call(sm, data[2])
+        return dict(wrong_world=wrong_world, error=("no error", time.monotonic() - start, ""))
+    except Exception as e:  # noqa: BLE001 - reported to the parent
+        return dict(wrong_world=wrong_world, error=(type(e).__name__, time.monotonic() - start, str(e)))
+
+
+def _references():
+    """Eager gradient accumulation, on one thread as the ranks run (another thread count sums matmuls in another
+    order: not the same bits)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _eager()
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _eager():
+    out = {}
+    for key, (case, _, _) in RUNS.items():
+        model, data = _data(case)
+        ref, losses = eager_accumulate(model, data, MICROBATCHES)
+        out[key] = dict(params={n: p.detach().clone() for n, p in ref.named_parameters()}, losses=losses,
+                        bytes={n: p.numel() * p.element_size() for n, p in model.named_parameters()})
+    return out
+
+
+def _run(world, path, **spawn):
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(1) as pool:
+        refs = pool.submit(_references)
+        res = _spawn(world, _ranks, str(path), **spawn)
+        res["ref"] = refs.result()
+    return res
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return tmp_path_factory.mktemp("pipeline") / "ckpt"
+
+
+@pytest.fixture(scope="module")
+def two(ckpt):
+    res = _run(2, ckpt, timeout=400)
+    for r in (0, 1):
+        assert isinstance(res.get(r), dict), f"rank {r}: {res.get(r)}"
+    return res
+
+
+@pytest.fixture(scope="module")
+def three(ckpt, two):      # after ``two``: it loads the checkpoint two ranks saved
+    res = _run(3, ckpt, timeout=400, pg_timeout=20, wait_for=[0, 1])
+    for r in (0, 1):
+        assert isinstance(res.get(r), dict), f"rank {r}: {res.get(r)}"
+    return res
+
+
+def _check_training(res, ranks):
+    for key in RUNS:
+        ref = res["ref"][key]
+        got = {}
+        for r in ranks:
+            run = res[r][key]
+            assert run["losses"] == res[ranks[0]][key]["losses"], f"{key}: rank {r}'s loss differs"
+            assert set(got).isdisjoint(run["params"]), f"{key}: a parameter on two ranks"
+            got.update(run["params"])
+            for s in run["stats"]:               # within its budget; the state it holds is its packs' only
+                assert s["measured_peak"] <= s["budget"], (key, r, s["measured_peak"], s["budget"])
+                weights = sum(ref["bytes"][n] for n in run["params"] if n in ref["bytes"])
+                assert s["state_weight_bytes"] == weights, (key, r)
+                assert s["state_optim_bytes"] == 2 * weights + 4 * len(run["params"]), (key, r)   # AdamW + step
+            assert {"send", "recv", "share_loss"} <= set(run["ops"]) and "stage: packs across" in run["text"]
+        assert got.keys() == ref["params"].keys()
+        for n, t in ref["params"].items():
+            assert torch.equal(torch.from_numpy(got[n]), t), f"{key}: {n} differs from eager gradient accumulation"
+        assert abs(res[ranks[0]][key]["losses"][0] - ref["losses"][0]) < 1e-5
+        assert sorted(set(res[ranks[0]][key]["rank_of"])) == list(ranks)     # every rank holds packs
+
+
+@pytest.mark.slow
+def test_two_ranks_train_bitwise_as_eager_within_their_budgets(two):
+    _check_training(two, [0, 1])
+    assert "round_robin" in two[0]["gpt_tight"]["text"]
+
+
+@pytest.mark.slow
+def test_two_ranks_resume_from_their_checkpoints(two):
+    for r in (0, 1):
+        assert two[r]["resume"]["same"]
+        assert two[r]["resume"]["files"] == ["rank-0-of-2", "rank-1-of-2"]
+        assert "parallel='pipeline' trains the example batch's shapes only" in two[r]["resume"]["other_shape"]
+
+
+@pytest.mark.slow
+def test_a_tied_weight_across_ranks_is_refused_on_every_rank(two):
+    for r in (0, 1):
+        assert "tied weight" in two[r]["tied"] and "tie=False" in two[r]["tied"], two[r]["tied"]
+
+
+@pytest.mark.slow
+def test_three_ranks_train_bitwise_and_a_dead_rank_fails_the_others(three):
+    for key in RUNS:        # rank 2 died before reporting: its packs are checked against eager by ranks 0 and 1
+        ref = three["ref"][key]
+        for r in (0, 1):
+            run = three[r][key]
+            assert run["losses"] == three[0][key]["losses"] and abs(run["losses"][0] - ref["losses"][0]) < 1e-5
+            for n, t in run["params"].items():
+                assert torch.equal(torch.from_numpy(t), ref["params"][n]), f"{key}: {n}"
+            assert all(s["measured_peak"] <= s["budget"] for s in run["stats"])
+        assert sorted(set(three[0][key]["rank_of"])) == [0, 1, 2]
+    for r in (0, 1):
+        assert "saved by 2 ranks" in three[r]["dead"]["wrong_world"], three[r]["dead"]["wrong_world"]
+        kind, seconds, msg = three[r]["dead"]["error"]
+        assert kind == CommunicationError.__name__, three[r]["dead"]
+        assert "rank" in msg
+
+
+# -- in one process ------------------------------------------------------------------------------
+def test_one_process_is_refused():
+    model, data = CASES["gpt"](batch=8)
+    with pytest.raises(ConfigError, match="nproc_per_node"):
+        harmony.compile(model, data[0], microbatches=2, parallel="pipeline")
+    with pytest.raises(ConfigError, match="parallel"):
+        harmony.Config(parallel="pipe")
+    with pytest.raises(ConfigError, match="placement"):
+        harmony.Config(placement="zigzag")
+
+
+@pytest.mark.parametrize("field,value,named", [
+    ("precision", "bf16", "precision='bf16'"), ("weights_on", "disk", "weights_on='disk'"),
+    ("shard_state", True, "shard_state=True"), ("data_parallel", True, "data_parallel=True"),
+    ("balance", "auto", "balance="), ("clip_grad_norm", 1.0, "clip_grad_norm="),
+    ("policy", "ondemand", "ondemand"), ("compression", SimpleNamespace(kind="4bit"), "compression=")])
+def test_unsupported_combinations_are_refused_by_name(field, value, named):
+    cfg = dict(world_size=2, precision="fp32", compression=None, adaptive=False, balance=None, shard_state=False,
+               data_parallel=False, weights_on="auto", clip_grad_norm=None, policy="harmony")
+    cfg[field] = value
+    with pytest.raises(ConfigError, match="not supported yet") as e:
+        stage.check_config(SimpleNamespace(**cfg))
+    assert named in str(e.value)
+
+
+def test_contiguous_placement_is_the_exact_min_max():
+    assert stage.contiguous([1, 1, 1, 1], 2) == [0, 0, 1, 1]
+    assert stage.contiguous([4, 1, 1, 1, 1], 2) == [0, 1, 1, 1, 1]
+    assert stage.contiguous([1, 2, 3], 3) == [0, 1, 2]
+    costs = [3, 1, 4, 1, 5, 9, 2, 6]
+    rank_of = stage.contiguous(costs, 3)
+    worst = max(sum(c for c, r in zip(costs, rank_of) if r == k) for k in range(3))
+    assert worst == 14 and rank_of == sorted(rank_of)      # 3 1 4 1 | 5 9 | 2 6 -> 9, 14, 8 (no split does better)
+    assert stage.place(costs, 3, "round_robin") == [0, 1, 2, 0, 1, 2, 0, 1]
+
+
+def test_each_rank_runs_the_single_device_order_of_its_packs():
+    order = global_order(3, 2, "harmony")
+    assert order[:4] == [("F", 0, 0), ("F", 0, 1), ("F", 1, 0), ("F", 1, 1)]
+    assert order[4:7] == [("FB", 2, 0), ("FB", 2, 1), ("S", 2)]
+    assert order[-3:] == [("B", 0, 0), ("B", 0, 1), ("S", 0)]
+    seq = global_order(2, 2, "sequential")
+    assert seq == [("F", 0, 0), ("FB", 1, 0), ("B", 0, 0), ("F", 0, 1), ("FB", 1, 1), ("B", 0, 1), ("S", 1), ("S", 0)]
