@@ -10,8 +10,15 @@ from pathlib import Path
 import torch
 
 import harmony
+from harmony.base.errors import BudgetError
 from harmony.base.units import fmt_bytes
 from harmony.models import GPT, GPTConfig, copy_task
+
+
+def _compile(model, batch, budget, args):
+    return harmony.compile(model, example_batch=batch, optimizer=torch.optim.AdamW,
+                           optimizer_kwargs={"lr": args.lr}, memory_budget=budget,
+                           microbatches=args.microbatches, policy=args.policy, precision=args.precision)
 
 
 def demo(args) -> int:
@@ -20,17 +27,30 @@ def demo(args) -> int:
     model = GPT(c)
     n = sum(p.numel() for p in model.parameters())
     state = 16 * n   # fp32 parameter, gradient and two Adam moments
-    budget = int(state * args.budget)
+    share = 0.4 if args.budget is None else args.budget
+    budget = int(state * share)
     print(f"model: GPT, {args.layers} layers, width {args.width}, {n / 1e6:.2f}M parameters; "
           f"training state {fmt_bytes(state)} (16 B/param with AdamW)")
-    print(f"device budget: {fmt_bytes(budget)} = {args.budget:.0%} of the training state; "
-          f"batch {args.batch} in {args.microbatches} microbatches; policy {args.policy}; precision {args.precision}")
     data = copy_task(c, args.batch, args.steps, seed=args.seed)
     x, y = next(copy_task(c, args.batch, 1, seed=args.seed))
     t0 = time.perf_counter()
-    sm = harmony.compile(model, example_batch=(x, y), optimizer=torch.optim.AdamW,
-                         optimizer_kwargs={"lr": args.lr}, memory_budget=budget,
-                         microbatches=args.microbatches, policy=args.policy, precision=args.precision)
+    for _ in range(4):       # each pass that finds the budget short says what would work: at most a few raises
+        try:
+            sm = _compile(model, (x, y), budget, args)
+            break
+        except BudgetError as e:
+            if args.budget is not None or e.min_budget is None or e.min_budget <= budget:
+                print(f"error: {e}", file=sys.stderr)     # the user's own budget: say why, change nothing
+                return 2
+            # A small model's activations outweigh 40% of its state: the default is a share, not a promise
+            print(f"a budget of {fmt_bytes(budget)} is below what this model needs: "
+                  f"using the smallest budget that works, {fmt_bytes(e.min_budget)}")
+            budget, share = e.min_budget, e.min_budget / state
+    else:
+        print(f"error: still no plan under {fmt_bytes(budget)} after 4 tries: pass --budget", file=sys.stderr)
+        return 2
+    print(f"device budget: {fmt_bytes(budget)} = {share:.0%} of the training state; "
+          f"batch {args.batch} in {args.microbatches} microbatches; policy {args.policy}; precision {args.precision}")
     print(f"compiled in {time.perf_counter() - t0:.1f} s: {len(sm.plan.packs)} packs")
     from tqdm import tqdm
     bar = tqdm(data, total=args.steps, desc="training", unit="step", file=sys.stdout, mininterval=0.5)
@@ -69,7 +89,9 @@ def main(argv=None) -> int:
     d.add_argument("--batch", type=int, default=16, help="sequences per step")
     d.add_argument("--microbatches", type=int, default=4, help="microbatches the batch is cut into")
     d.add_argument("--steps", type=int, default=60, help="training steps")
-    d.add_argument("--budget", type=float, default=0.4, help="device budget as a share of the training state")
+    d.add_argument("--budget", type=float, default=None,
+                   help="device budget as a share of the training state (default 0.4, raised to the smallest "
+                        "budget that works where one layer needs more)")
     d.add_argument("--policy", default="harmony", choices=["harmony", "sequential", "ondemand"],
                    help="the schedule: harmony, or a baseline (sequential: gradient accumulation under swapping; "
                         "ondemand: fetch on use, evict the least recently used)")

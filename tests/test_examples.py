@@ -127,3 +127,18 @@ def test_demo_help_documents_every_option_with_its_default(capsys):
     for opt in options:
         entry = text.split(f" {opt} ", 2)[-1]              # the option's line in the options list
         assert re.match(r"\S+ .*?\(default: [^)]*\)", entry), opt
+
+
+def test_demo_raises_its_default_budget_to_what_a_small_model_needs_and_refuses_a_users_own(capsys, tmp_path):
+    """40% of a tiny GPT's state is below one layer's activations: the default share is raised to the smallest
+    budget that works, and said so; a budget the user chose is never changed (exit 2 with the reason)."""
+    from harmony.__main__ import main
+
+    small = ["demo", "--layers", "1", "--width", "32", "--steps", "1", "--out", str(tmp_path)]
+    assert main(small + ["--budget", "0.1"]) == 2
+    err = capsys.readouterr().err
+    assert "error: memory_budget=" in err and "the smallest budget that works is" in err
+    assert main(small) == 0
+    out = capsys.readouterr().out
+    assert "is below what this model needs: using the smallest budget that works" in out
+    assert "validation loss" in out
