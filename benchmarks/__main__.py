@@ -63,6 +63,11 @@ FIGURES = [
     Figure("hetero", "simulated balanced/uniform throughput", ">= 1.5", "higher"),
     Figure("calibration", "simulated/measured harmony", "within 15%", "one"),
     Figure("calibration", "simulator error worst policy", "<= 0.15", "lower"),
+    Figure("loop", "harmony_clip_ratio", "(none: what clip_grad_norm adds to a step)", "lower"),
+    Figure("evaluate", "evaluate/step", "(none: forward only, under the training budget)", "lower"),
+    Figure("evaluate", "eval_peak/budget", "<= 1", "lower"),
+    Figure("shapes", "new shape first/cached step worst", "(none: a new batch shape's planning)", "lower"),
+    Figure("shapes", "peak/budget worst", "<= 1", "lower"),
 ]
 
 
@@ -70,7 +75,7 @@ def commands(out: Path, py: str) -> dict[str, list[str]]:
     """Each benchmark's quick run, writing ``out/<name>.json``."""
     b = str(HERE)
     j = {name: str(out / f"{name}.json") for name in ("overhead", "swap_volume", "offload", "allreduce", "hetero",
-                                                      "calibration")}
+                                                      "calibration", "loop", "evaluate", "shapes")}
     return {
         "overhead": [py, f"{b}/overhead.py", "--layers", "4", "--width", "384", "--steps", "10",
                      "--json", j["overhead"]],
@@ -85,6 +90,9 @@ def commands(out: Path, py: str) -> dict[str, list[str]]:
         "hetero": [py, f"{b}/hetero.py", "--steps", "4", "--warmup", "1", "--profile-seconds", "4",
                    "--json", j["hetero"]],
         "calibration": [py, f"{b}/calibration.py", "--quick", "--steps", "5", "--json", j["calibration"]],
+        "loop": [py, f"{b}/loop.py", "--layers", "4", "--steps", "6", "--json", j["loop"]],
+        "evaluate": [py, f"{b}/evaluate.py", "--layers", "4", "--steps", "4", "--json", j["evaluate"]],
+        "shapes": [py, f"{b}/shapes.py", "--layers", "4", "--steps", "3", "--json", j["shapes"]],
     }
 
 

@@ -14,6 +14,7 @@ import copy
 import statistics
 import time
 
+import common
 import harmony  # before torch: it sets the OpenMP and allocator variables torch reads when it loads
 import torch
 from harmony.models import GPT, GPTConfig, copy_task
@@ -31,6 +32,7 @@ def main(argv=None) -> None:
     p.add_argument("--budget", type=float, default=0.4, help="share of the training state (default 0.4)")
     p.add_argument("--steps", type=int, default=8, help="rounds of step + evaluation measured (default 8)")
     p.add_argument("--device", default="cpu")
+    common.add_json_arg(p)
     args = p.parse_args(argv)
     torch.manual_seed(0)
     c = GPTConfig(vocab=args.vocab, seq=args.seq, layers=args.layers, width=args.width, heads=args.heads)
@@ -66,6 +68,9 @@ def main(argv=None) -> None:
     print(f"evaluation: peak {s['measured_peak'] / 2**20:.2f} MiB measured vs {s['predicted_peak'] / 2**20:.2f} "
           f"predicted (budget {s['budget'] / 2**20:.2f}), h2d {s['h2d_bytes'] / 2**20:.2f} MiB; training step: peak "
           f"{sm.stats['measured_peak'] / 2**20:.2f} MiB, h2d {sm.stats['h2d_bytes'] / 2**20:.2f} MiB")
+    common.save_json(args.json, {"evaluate/step": ev / step, "evaluate/eager": ev / eg, "step_s": step,
+                                 "evaluate_s": ev, "eager_s": eg, "first_evaluate/step": first / step,
+                                 "eval_peak/budget": s["measured_peak"] / s["budget"]})
     sm.close()
 
 

@@ -63,7 +63,10 @@ def main():
     print(common.table(rows, f"GPT {args.layers}x{args.width}, batch {args.batch} in {args.microbatches} "
                              f"microbatches, budget {args.budget:.0%} of the training state "
                              f"(example row: plan_s is compile's)"))
-    common.save_json(args.json, {r["shape"]: {k: v for k, v in r.items() if k != "shape"} for r in rows})
+    others = rows[1:]        # each other shape against the example's cached step: what a new shape costs
+    common.save_json(args.json, {**{r["shape"]: {k: v for k, v in r.items() if k != "shape"} for r in rows},
+                                 "new shape first/cached step worst": max(r["first_over_step"] for r in others),
+                                 "peak/budget worst": max(r["peak_MiB"] / r["budget_MiB"] for r in rows)})
 
 
 if __name__ == "__main__":
