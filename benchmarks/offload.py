@@ -185,6 +185,8 @@ def free_port() -> int:
 
 
 def init_gloo():
+    if "TORCHELASTIC_RUN_ID" in os.environ:    # a torchrun rank (benchmarks/zero3_peer.py): its world as given
+        return
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
 
@@ -299,7 +301,7 @@ def ds_config(a, nvme: str, block_params: list[int], other_params: list[int]) ->
     buffer = -(-largest // 2**20) * 2**20
     block = max(sum(swapped), 1)
     return {
-        "train_batch_size": a.batch,
+        "train_batch_size": a.batch * int(os.environ.get("WORLD_SIZE", "1")),   # a.batch: each rank's
         "train_micro_batch_size_per_gpu": a.batch // a.microbatches,
         "gradient_accumulation_steps": a.microbatches,
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD}},
