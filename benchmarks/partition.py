@@ -73,7 +73,7 @@ def rank_run(args) -> None:
 def launch(world: int, mode: str, args) -> list[dict]:
     with tempfile.TemporaryDirectory() as d:
         out = Path(d) / "ranks.json"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), __file__,
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world), __file__,
                "--rank-run", mode, "--out", str(out)] + [f"--{k}={getattr(args, k)}" for k in
                                                           ("layers", "width", "heads", "vocab", "seq", "batch",
                                                            "microbatches", "steps")]

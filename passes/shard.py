@@ -59,7 +59,9 @@ def check_config(cfg, given_kwargs: dict) -> None:
          f"clip_grad_norm with compression={cfg.compression.kind!r} (the norm needs each whole gradient, which "
          f"the quantized reduce-scatter never puts on one rank): train one of them without the other, or "
          f"{instead}"),
-        (cfg.balance is not None, f"balance= (uneven shares are not built yet): {instead}"),
+        (cfg.balance is not None, f"balance= (uneven shares are not built yet: balanced ranks can run different "
+                                  f"schedules, which would all-gather a pack a different number of times, and each "
+                                  f"gather is a collective every rank must join): {instead}"),
         (cfg.optimizer_on == "device", f"optimizer_on='device' (partitioned packs step on the host): use "
                                        f"optimizer_on='host' or 'auto', or {instead}"),
         (cfg.weights_on == "disk" or cfg.host_memory_budget is not None,
