@@ -102,11 +102,11 @@ def main() -> None:
         return rank_run(args)
     rows, figures = [], {}
     for world in args.worlds:
-        base = None
-        for mode in args.modes:
-            ranks = launch(world, mode, args)
+        runs = {mode: launch(world, mode, args) for mode in args.modes}
+        ref = next((m for m in runs if m.startswith("replicated")), args.modes[0])   # host bytes against it
+        base = max(r["host_state_MiB"] for r in runs[ref])
+        for mode, ranks in runs.items():
             host = [r["host_state_MiB"] for r in ranks]
-            base = base or max(host)
             row = dict(world=world, mode=mode, params=ranks[0]["params"],
                        host_state_MiB_per_rank=" ".join(f"{h:.1f}" for h in host),
                        host_vs_replicated=max(host) / base,
