@@ -143,3 +143,22 @@ def test_what_full_sharding_still_refuses_with_compression_or_clipping(two):
     assert "adaptive" in got["adaptive"] and "'4bit'" in got["adaptive"]
     assert "error_feedback" in got["feedback"]
     assert "clip_grad_norm with compression='quantized'" in got["clip4"]
+
+
+# -- one process ---------------------------------------------------------------------------------------
+def test_quantized_layout_follows_the_codec_chunks_and_keeps_small_tensors_in_an_fp32_buffer():
+    from harmony.passes.compress import _job_bytes
+    spec = CompressionSpec(bits=4, bucket_size=128)
+    sizes = {"w": (60, 50), "b": (50,), "v": (33, 40)}
+    specs = {n: spec if len(s) > 1 else CompressionSpec("none") for n, s in sizes.items()}
+    numel = {n: torch.Size(s).numel() for n, s in sizes.items()}
+    for world in (2, 3):
+        shares = [partitioned.layout([[(n, numel[n]) for n in sizes]], world, r, dict.fromkeys(sizes, 0),
+                                     specs=specs) for r in range(world)]
+        q, f = shares[0].segments       # the quantized buffer first (first seen), then the fp32 one
+        assert q.names == ["w", "v"] and f.names == ["b"] and q.codec["bits"] == 4 and f.codec is None
+        assert q.offsets == [0, 3072] and all(o % 128 == 0 for o in q.offsets)     # 3000 padded to whole buckets
+        chunk = q.bounds[1]
+        assert q.bounds == [r * chunk for r in range(world + 1)] and chunk % 128 == 0
+        assert q.sent == _job_bytes([numel["w"], numel["v"]], spec, world) // 2     # the first half of the two
+        assert sum(s.elements() for s in shares) == q.size + f.total
