@@ -5,9 +5,12 @@ the optimizer on the host, trained by 2 and 3 gloo ranks started with ``torchrun
 (world, mode) so each rank's peak RSS is its mode's. Per rank: the host bytes of its training state between steps
 (fp32 weights and optimizer state, each storage once: ``runtime.partitioned.host_state_bytes``), its peak RSS, the
 bytes it sent per step (all-reduce, or gather + reduce-scatter) and the median step time after a warm-up step.
-The ranks share this machine's 2 cores, so step times compare the modes, not a cluster.
+The ranks share this machine's 2 cores, so step times compare the modes, not a cluster. The ``+clip`` modes clip by
+the global norm (0.05, below the norm: every step clips), the ``+4bit`` ones send 4-bit gradients (CGX's codec):
+the partitioned run's reduce-scatter is the quantized all-reduce's first half.
 
-    python benchmarks/partition.py                      # 2 and 3 ranks, the three modes
+    python benchmarks/partition.py                      # 2 and 3 ranks, every mode
+    python benchmarks/partition.py --modes full full+clip full+4bit replicated+4bit
     python benchmarks/partition.py --worlds 2 --layers 4 --width 256
 """
 from __future__ import annotations
@@ -25,7 +28,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import add_json_arg, save_json, table  # noqa: E402
 
-MODES = {"replicated": False, "zero1": True, "full": "full"}
+MODES = {"replicated": dict(shard_state=False), "zero1": dict(shard_state=True), "full": dict(shard_state="full"),
+         # clipping by the global norm, and 4-bit gradients: each partitioned beside its replicated reference
+         "replicated+clip": dict(shard_state=False, clip_grad_norm=0.05),
+         "full+clip": dict(shard_state="full", clip_grad_norm=0.05),
+         "replicated+4bit": dict(shard_state=False, compression="4bit"),
+         "full+4bit": dict(shard_state="full", compression="4bit")}
 
 
 def rank_run(args) -> None:
@@ -45,7 +53,7 @@ def rank_run(args) -> None:
     state = sum(p.numel() * 4 * 4 for p in model.parameters())      # weights, grads, AdamW's two moments
     sm = harmony.compile(model, example_batch=harmony.data.shard(data[0]), memory_budget=state // 2,
                          microbatches=args.microbatches, optimizer=torch.optim.AdamW, optimizer_kwargs=dict(lr=1e-3),
-                         optimizer_on="host", shard_state=MODES[args.mode])
+                         optimizer_on="host", **MODES[args.mode])
     times, sent = [], []
     for batch in data:
         sm(*harmony.data.shard(batch))
@@ -65,7 +73,7 @@ def rank_run(args) -> None:
 def launch(world: int, mode: str, args) -> list[dict]:
     with tempfile.TemporaryDirectory() as d:
         out = Path(d) / "ranks.json"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), __file__,
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world), __file__,
                "--rank-run", mode, "--out", str(out)] + [f"--{k}={getattr(args, k)}" for k in
                                                           ("layers", "width", "heads", "vocab", "seq", "batch",
                                                            "microbatches", "steps")]
@@ -84,6 +92,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=4, help="samples per rank")
     ap.add_argument("--microbatches", type=int, default=2)
     ap.add_argument("--steps", type=int, default=3, help="timed steps after one warm-up step")
+    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     ap.add_argument("--rank-run", default=None, choices=list(MODES), help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
     add_json_arg(ap)
@@ -93,11 +102,11 @@ def main() -> None:
         return rank_run(args)
     rows, figures = [], {}
     for world in args.worlds:
-        base = None
-        for mode in MODES:
-            ranks = launch(world, mode, args)
+        runs = {mode: launch(world, mode, args) for mode in args.modes}
+        ref = next((m for m in runs if m.startswith("replicated")), args.modes[0])   # host bytes against it
+        base = max(r["host_state_MiB"] for r in runs[ref])
+        for mode, ranks in runs.items():
             host = [r["host_state_MiB"] for r in ranks]
-            base = base or max(host)
             row = dict(world=world, mode=mode, params=ranks[0]["params"],
                        host_state_MiB_per_rank=" ".join(f"{h:.1f}" for h in host),
                        host_vs_replicated=max(host) / base,

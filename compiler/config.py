@@ -224,7 +224,8 @@ class ParallelConfig(_Group):
     every rank keeps all of it. None: True under ``balance``, False otherwise. ``"full"``: parameters, gradients and
     optimizer state partitioned (ZeRO stage 3; passes/shard.py): each rank keeps an equal chunk of every pack's fp32
     weights and its optimizer state on its host, weights are all-gathered for use and gradients reduce-scattered
-    to their owners (host-stepped packs, fp32, uncompressed). Bitwise the same training."""
+    to their owners (host-stepped packs, fp32; quantized under ``compression``; ``clip_grad_norm`` too). Bitwise the
+    same training as the replicated run with the same settings."""
     comm_timeout: float = _env("comm_timeout")
     """*env* ``HARMONY_COMM_TIMEOUT``. Seconds a collective waits for its peers, also when compile initialises the
     process group (default 300)."""

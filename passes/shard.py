@@ -11,9 +11,19 @@ broadcast after the step: the next gather reads the updated chunks. The pack rec
 rank's chunk (``master_bytes``, ``optim_bytes``), so ``verify``, the simulator (whose ``network`` stream
 carries the gathers and reduce-scatters) and the report see this rank's share.
 
-What is not built yet is refused at compile with a ``ConfigError`` (``check_config``): compressed
-gradients, uneven shares (``balance``), disk tiers, device steps, CUDA devices, the ondemand policy, a
-weight shared by two packs, and optimizers that are not element-wise.
+Clipping by the global norm (``clip_grad_norm``) works: each rank has the whole averaged buffer for a moment in the
+reduce-scatter (runtime/partitioned.py), takes every gradient's norm there, and the norm of those norms is the
+replicated run's, bitwise, on every rank, with no collective of its own.
+
+Quantized gradients (``compression="4bit"``, any of 1..8 bits, either rounding) work too: a buffer with quantized
+tensors is cut where the codec cuts it (each parameter from a bucket boundary, rank r owning the codec's chunk r),
+and the reduce-scatter is the first half of the quantized all-reduce (``collectives.reduce_scatter``): each owner
+gets its chunk's quantized sum, decoded from the bytes the all-gather would have sent, so it trains bitwise like
+the replicated run with the same compression, with half its quantized bytes on the wire.
+
+What is not built yet is refused at compile with a ``ConfigError`` (``check_config``): fp16/bf16 and adaptive
+compression, error feedback, clipping together with compression, uneven shares (``balance``), disk tiers, device
+steps, CUDA devices, the ondemand policy, a weight shared by two packs, and optimizers that are not element-wise.
 """
 from __future__ import annotations
 
@@ -22,7 +32,6 @@ import time
 from harmony.base.errors import ConfigError
 from harmony.compiler.ir import PassReport, PassResult, Program, calls, copy_graph
 from harmony.runtime import ops, partitioned
-from harmony.runtime.collectives import ring_bytes
 from harmony.runtime.plan import optim_state_bytes
 
 NAME = "shard"
@@ -38,10 +47,21 @@ def check_config(cfg, given_kwargs: dict) -> None:
     from harmony.optim import elementwise
     instead = "use shard_state=True (ZeRO stage 1: optimizer state sharded, weights replicated), which supports it"
     refused = [
-        (cfg.compression is not None and cfg.compression.kind != "none",
-         f"compression={cfg.compression.kind if cfg.compression else None!r} (the compressed reduce-scatter is not "
-         f"built yet): train uncompressed with shard_state='full', or {instead}"),
-        (cfg.balance is not None, f"balance= (uneven shares are not built yet): {instead}"),
+        (cfg.compression is not None and cfg.compression.kind not in ("none", "quantized"),
+         f"compression={cfg.compression.kind if cfg.compression else None!r} (only the quantized codec's "
+         f"reduce-scatter is built): use compression='4bit' (any of 1..8 bits) or None, or {instead}"),
+        (getattr(cfg, "adaptive", False), f"compression='adaptive' (the bits chosen after the warm-up are not "
+                                          f"partitioned yet): use compression='4bit', or {instead}"),
+        (cfg.compression is not None and cfg.compression.error_feedback,
+         f"error_feedback=True (the owners' residuals are not built yet): use a CompressionSpec without it, or "
+         f"{instead}"),
+        (_quantized(cfg) and cfg.clip_grad_norm is not None,
+         f"clip_grad_norm with compression={cfg.compression.kind!r} (the norm needs each whole gradient, which "
+         f"the quantized reduce-scatter never puts on one rank): train one of them without the other, or "
+         f"{instead}"),
+        (cfg.balance is not None, f"balance= (uneven shares are not built yet: balanced ranks can run different "
+                                  f"schedules, which would all-gather a pack a different number of times, and each "
+                                  f"gather is a collective every rank must join): {instead}"),
         (cfg.optimizer_on == "device", f"optimizer_on='device' (partitioned packs step on the host): use "
                                        f"optimizer_on='host' or 'auto', or {instead}"),
         (cfg.weights_on == "disk" or cfg.host_memory_budget is not None,
@@ -50,8 +70,6 @@ def check_config(cfg, given_kwargs: dict) -> None:
         (str(cfg.device).split(":")[0] != "cpu", f"device={cfg.device!r} (the gathers are gloo collectives on host "
                                                  f"tensors; CUDA is not built yet): use device='cpu', or {instead}"),
         (cfg.policy == "ondemand", f"policy='ondemand': use policy='harmony', or {instead}"),
-        (cfg.clip_grad_norm is not None, f"clip_grad_norm (each rank holds only its chunk of the gradients, and "
-                                         f"the global norm over the ranks' chunks is not built yet): {instead}"),
     ]
     for bad, why in refused:
         if bad:
@@ -69,6 +87,10 @@ def check_config(cfg, given_kwargs: dict) -> None:
                           f"or {instead}")
 
 
+def _quantized(cfg) -> bool:
+    return cfg.compression is not None and cfg.compression.kind == "quantized"
+
+
 def run(program: Program, ctx) -> PassResult:
     start = time.perf_counter()
     cfg, plan = program.config, program.plan
@@ -79,14 +101,18 @@ def run(program: Program, ctx) -> PassResult:
     from harmony.optim import group_of
     from harmony.passes.compress import owned_grads
     world, rank = cfg.world_size, cfg.rank
+    from harmony.runtime.compression import NO_COMPRESSION, spec_for
     owned = owned_grads(program)
+    base = cfg.compression or NO_COMPRESSION
+    specs = {n: spec_for(t, base, cfg.min_size) for named in owned.values() for n, t in named}
     _, which = group_of([n for s in plan.packs for n in s.stepped], cfg.param_groups)
     for p, named in owned.items():
         _check_pack(plan, p)
         numel = {n: t.numel() for n, t in named}
         groups = plan.comm_groups.get(p) or [[n for n, _ in named]]
         record = plan.at(p)
-        record.shares = partitioned.layout([[(n, numel[n]) for n in g] for g in groups], world, rank, which)
+        record.shares = partitioned.layout([[(n, numel[n]) for n in g] for g in groups], world, rank, which,
+                                           specs=specs)
         _count_share(program, plan.packs[p], record.shares, dict(named))
     _check_tied(plan)
     program.schedule = rewrite(program.schedule, plan, world)
@@ -164,7 +190,7 @@ def _rows(program, owned) -> list[dict]:
                          share_elements=s.elements(), pieces=len(s.pieces), master_share_MiB=spec.master_bytes / 2**20,
                          optim_share_MiB=spec.optim_bytes / 2**20, gathers=gathers.get(p, 0),
                          gather_in_MiB=whole * (s.world - 1) / s.world / 2**20,
-                         reduce_scatter_out_MiB=sum(ring_bytes(4 * g.total, s.world) for g in s.segments) / 2**20))
+                         reduce_scatter_out_MiB=sum(g.sent for g in s.segments) / 2**20))
     return rows
 
 
@@ -177,9 +203,10 @@ def _totals(program, owned) -> dict:
     for n in calls(program.schedule):
         s = plan.at(n.args[0]).shares if n.target in (partitioned.gather, partitioned.reduce_scatter) else None
         if n.target is partitioned.gather:
-            wire["gather"] += 4 * sum(seg.chunk for seg in s.segments) * (s.world - 1)
+            held = n.kwargs.get("held", n.args[2] if len(n.args) > 2 else ())
+            wire["gather"] += partitioned.gather_bytes(plan, n.args[0], held)
         elif s is not None:
-            wire["reduce_scatter"] += sum(ring_bytes(4 * seg.total, s.world) for seg in s.segments)
+            wire["reduce_scatter"] += sum(seg.sent for seg in s.segments)
     return dict(world_size=cfg.world_size, rank=cfg.rank, partitioned_packs=len(shares),
                 master_bytes_whole=whole, master_bytes_this_rank=per_rank[cfg.rank],
                 master_bytes_by_rank=per_rank,

@@ -17,6 +17,9 @@ uncompressed -- CGX's rule. Tensors sharing a spec are fused into buffers of up 
 mixes two tensors' ranges. Each call returns ``CommStats``: bytes this rank sent, what fp32
 would have sent, seconds.
 
+``reduce_scatter`` runs the same buffers through the first half only (``shard_state="full"``: each owner keeps
+its chunk of the average; runtime/partitioned.py).
+
 The codec (``CompressionSpec``, ``quantize``, ``dequantize``) is ``runtime/compression.py``.
 
 Only ``torch.distributed`` moves bytes (gloo on the CPU; the same calls run on NCCL).
@@ -218,6 +221,35 @@ def allreduce(tensors: Sequence[torch.Tensor], spec: CompressionSpec | Sequence[
     return stats
 
 
+def reduce_scatter(tensors: Sequence[torch.Tensor], specs: Sequence[CompressionSpec], group=None, *,
+                   timeout: float | None = None, generator: torch.Generator | None = None,
+                   fusion_bytes: int = DEFAULT_FUSION_BYTES) -> tuple[list, CommStats]:
+    """The reduce-scatter half of ``allreduce`` (the same fused buffers, the same quantization in the same order,
+    the same generator draws), for ranks that keep only their chunk of the average (``shard_state="full"``).
+
+    ``specs``: one per tensor, as ``spec_for`` settled them. Returns, per fused buffer in ``allreduce``'s order,
+    ``(indices, offsets, chunk, out)``: a quantized buffer's ``out`` is this rank's chunk (``chunk`` elements from
+    ``rank * chunk`` of the padded buffer), decoded from the bytes ``allreduce`` would all-gather, so it is bitwise
+    what ``allreduce`` leaves there; an uncompressed one's ``out`` is the whole average (``chunk`` is 0)."""
+    start = time.perf_counter()
+    tensors, world = list(tensors), dist.get_world_size(group)
+    stats = CommStats(tensors=len(tensors), compressed=sum(s.lossy for s in specs), calls=1)
+    jobs = [_Job(idx, tensors, s, group, world, None, timeout, generator, scatter=True)
+            for s, idx in _fuse(tensors, specs, fusion_bytes)]
+    for job in jobs:
+        job.launch()
+    for job in jobs:
+        job.reduce()
+    out = []
+    for job in jobs:
+        chunk = job.state.get("chunk", 0) if job.spec.kind == "quantized" else 0
+        out.append((job.idx, list(job.offsets), chunk, job.finish()))
+        stats.wire_bytes += job.wire_bytes
+        stats.fp32_bytes += ring_bytes(4 * job.numel, world)
+    stats.seconds = time.perf_counter() - start
+    return out, stats
+
+
 def _fuse(tensors, specs, fusion_bytes):
     """Group tensor indices by spec (first-seen order), then cut each group into fused buffers."""
     groups: dict[CompressionSpec, list[int]] = {}
@@ -250,6 +282,7 @@ class _Job:
     generator: torch.Generator | None
     scale: float = 1.0           # weight * world: the plain average of the scaled tensors is the weighted one
     release: Callable | None = None   # called with each buffer once done (allreduce's ``release``)
+    scatter: bool = False             # the reduce-scatter half only (``reduce_scatter``): no all-gather
     wire_bytes: int = 0
     numel: int = 0
     offsets: list = field(default_factory=list)   # where each tensor starts in the fused buffer
@@ -342,6 +375,10 @@ class _Job:
             r = st["residual"][rank * chunk: (rank + 1) * chunk]
             dequantize(mine, out=r)
             torch.sub(acc, r, out=r).mul_(w)
+        if self.scatter:        # this rank's chunk, decoded from the bytes the all-gather would send
+            dequantize(Packed.from_wire(mine.to_wire(), chunk, s.bits, s.bucket_size, s.meta_dtype), out=acc)
+            self.wire_bytes = (w - 1) * wb
+            return
         st["gathered"] = torch.empty(w * wb, dtype=torch.uint8, device=acc.device)
         st["sent"] = mine.to_wire()
         all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -349,6 +386,8 @@ class _Job:
 
     def finish(self):
         kind, st = self.spec.kind, self.state
+        if self.scatter:
+            return self._finish_scatter()
         _wait(self.work, f"collective({kind})", self.timeout, self.group)
         if kind == "none":
             out = self.buf.div_(self.world)
@@ -372,6 +411,16 @@ class _Job:
                     self.release(b)
         self.buf = self.work = out = None
         self.state.clear()
+
+    def _finish_scatter(self) -> torch.Tensor:
+        if self.spec.kind == "quantized":
+            out = self.buf[self.state["rank"] * self.state["chunk"]: (self.state["rank"] + 1) * self.state["chunk"]]
+        else:
+            _wait(self.work, "all_reduce(fp32)", self.timeout, self.group)
+            out = self.buf.div_(self.world)
+        self.buf = self.work = None
+        self.state.clear()
+        return out
 
     def _keep_residual(self, flat):
         for i, off in zip(self.idx, self.offsets):

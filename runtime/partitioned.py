@@ -14,7 +14,21 @@ placeholders between uses (runtime/placeholders.py).
 * ``reduce_scatter(pack, world=...)`` takes the place of the pack's host all-reduce: on the host thread,
   behind the release of the pack's gradients to the host, each segment's gradients are summed over the ranks
   and this rank keeps its chunk, divided by ``world`` as the all-reduce divides; the pack's ``step`` (queued
-  behind it on the same thread) steps the chunk; the whole gradients are dropped.
+  behind it on the same thread) steps the chunk; the whole gradients are dropped. Under ``clip_grad_norm`` it
+  also takes each parameter's gradient norm from the whole averaged buffer it holds for that moment
+  (``GradClip.known``): the per-tensor norms of every parameter, computed by the kernel ``get_total_norm`` uses on
+  values bitwise the replicated run's, so the global norm (the norm of those, in ``model.parameters()`` order) and
+  the clipped chunks are the replicated clipped run's bit for bit, for every norm type, on every rank, with no
+  extra collective: the cost is one pass over each buffer (the division of all of it, not only the chunk, and the
+  norms), what the replicated run spends too.
+
+With ``compression`` (the quantized codec) a pack's buffers are fused and cut as ``collectives.allreduce`` fuses
+and cuts them (``layout``: the small and 1-d tensors in an fp32 buffer, the others in quantized buffers whose
+chunks are the codec's), and the reduce-scatter of an all-reduce group with a quantized buffer is
+``collectives.reduce_scatter``: the all-reduce's scatter-reduce (each owner sums its chunk from every peer's
+quantized copy and quantizes the sum once, drawing from a generator seeded as the replicated run's
+``Communicator``'s) without the all-gather; the owner decodes its own chunk from those bytes, which is what the
+replicated run decodes there, bit for bit.
 
 Numerics: the chunk's optimizer steps flat pieces of the chunk (one per run of parameters of one param group);
 an element-wise optimizer (AdamW, Adam, SGD: ``harmony.optim.elementwise``) computes bitwise what it computes on
@@ -46,11 +60,20 @@ PREFIX = "share:"      # the names of a rank's chunk pieces (optimizer state and
 # -- the layout: plain data, in the plan -----------------------------------------------------------
 @dataclass
 class Segment:
-    """One fused buffer of a pack's parameters, cut into ``world`` chunks: rank r's is ``bounds[r]:bounds[r + 1]``."""
+    """One fused buffer of a pack's parameters, cut into ``world`` chunks: rank r's is ``bounds[r]:bounds[r + 1]``.
+
+    ``offsets``: where each parameter starts in the buffer (packed, or on bucket boundaries in a quantized one);
+    ``codec``: the quantized buffer's ``CompressionSpec`` fields (None: fp32); ``call``: which of the pack's
+    all-reduce groups it belongs to (one ``collectives`` call each); ``sent``: the bytes this rank sends to
+    reduce-scatter it."""
 
     names: list[str]
     numels: list[int]
     bounds: list[int]
+    offsets: list[int] = field(default_factory=list)
+    codec: dict | None = None
+    call: int = 0
+    sent: int = 0
 
     @property
     def chunk(self) -> int:
@@ -61,12 +84,14 @@ class Segment:
     def total(self) -> int:
         return sum(self.numels)
 
+    @property
+    def size(self) -> int:
+        """Elements of the buffer, padding included."""
+        return self.bounds[-1]
+
     def items(self):
         """(name, offset, numel) of each parameter in the buffer."""
-        off = 0
-        for n, k in zip(self.names, self.numels):
-            yield n, off, k
-            off += k
+        yield from zip(self.names, self.offsets, self.numels)
 
     def share(self, rank: int) -> int:
         """Elements of rank ``rank``'s chunk."""
@@ -104,26 +129,31 @@ class PackShares:
 
 
 def layout(groups: list[list[tuple[str, int]]], world: int, rank: int, group_of: dict[str, int],
-           fusion_bytes: int = DEFAULT_FUSION_BYTES) -> PackShares:
+           fusion_bytes: int = DEFAULT_FUSION_BYTES, specs: dict | None = None) -> PackShares:
     """The segments of a pack whose all-reduce groups are ``groups`` ([(name, numel)] each), fused as
-    ``collectives.allreduce`` fuses fp32 tensors, and this rank's pieces (with their param groups, ``group_of``).
+    ``collectives.allreduce`` fuses them (``specs``: each name's ``CompressionSpec`` as ``spec_for`` settles it;
+    fp32 without), and this rank's pieces (with their param groups, ``group_of``).
 
-    A chunk boundary falls on a multiple of ``ALIGN`` elements from the start of the parameter it cuts: torch's
-    fused CPU optimizers (and other vectorised kernels) round a tensor's last ``numel % lanes`` elements apart from
-    the rest, so a piece must start where the parameter's vector lanes start for its update to be the whole
-    parameter's, bit for bit (cut at 13 elements, fused AdamW differed in 1784 of 200k elements after 3 steps; at
-    multiples of 64, 8 or 1000, in none).
+    An fp32 buffer is cut into equal chunks, each boundary on a multiple of ``ALIGN`` elements from the start of
+    the parameter it cuts: torch's fused CPU optimizers (and other vectorised kernels) round a tensor's last
+    ``numel % lanes`` elements apart from the rest, so a piece must start where the parameter's vector lanes start
+    for its update to be the whole parameter's, bit for bit (cut at 13 elements, fused AdamW differed in 1784 of
+    200k elements after 3 steps; at multiples of 64, 8 or 1000, in none). A quantized buffer follows the codec's
+    chunking instead: its parameters start on bucket boundaries and rank r owns the codec's chunk r, whose sum it
+    reduces and quantizes in the all-reduce too, so the partition's chunk is bitwise the replicated run's.
     """
+    from harmony.runtime.collectives import _fuse
+    from harmony.runtime.compression import NO_COMPRESSION
     segments = []
-    for group in groups:
-        cur: list[tuple[str, int]] = []
-        for item in group + [None]:
-            if item is not None and not (cur and 4 * (sum(c for _, c in cur) + item[1]) > fusion_bytes):
-                cur.append(item)
-                continue
-            if cur:
-                segments.append(_segment([a for a, _ in cur], [c for _, c in cur], world))
-            cur = [item] if item is not None else []
+    for call, group in enumerate(groups):
+        sizes = [_Numel(k) for _, k in group]
+        codec = [(specs or {}).get(n, NO_COMPRESSION) for n, _ in group]
+        for spec, idx in _fuse(sizes, codec, fusion_bytes):
+            names, numels = [group[i][0] for i in idx], [group[i][1] for i in idx]
+            seg = _quantized(names, numels, world, spec) if spec.kind == "quantized" else _segment(names, numels,
+                                                                                                 world)
+            seg.call = call
+            segments.append(seg)
     shares = PackShares(world, rank, segments)
     for s, seg in enumerate(segments):
         lo, hi = seg.bounds[rank], seg.bounds[rank + 1]
@@ -134,12 +164,23 @@ def layout(groups: list[list[tuple[str, int]]], world: int, rank: int, group_of:
     return shares
 
 
+class _Numel:
+    """A stand-in with a tensor's ``numel`` for ``collectives._fuse``."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def numel(self) -> int:
+        return self.n
+
+
 ALIGN = 64
 
 
 def _segment(names: list[str], numels: list[int], world: int) -> Segment:
     """Equal chunks, each boundary moved back to a multiple of ``ALIGN`` from the start of the parameter it cuts."""
-    seg = Segment(names, numels, [])
+    offsets = [sum(numels[:i]) for i in range(len(numels))]
+    seg = Segment(names, numels, [], offsets)
     total, step = seg.total, -(-seg.total // world)
     bounds = [0]
     for r in range(1, world):
@@ -150,7 +191,23 @@ def _segment(names: list[str], numels: list[int], world: int) -> Segment:
                 break
         bounds.append(max(b, bounds[-1]))
     seg.bounds = bounds + [total]
+    seg.sent = ring_bytes(4 * total, world)       # gloo's all-reduce of the buffer (the module's note)
     return seg
+
+
+def _quantized(names: list[str], numels: list[int], world: int, spec) -> Segment:
+    """The codec's buffer (``collectives._Job.launch``): each parameter from a bucket boundary, ``world`` chunks
+    of whole buckets; the reduce-scatter sends every other rank its chunk quantized."""
+    from harmony.runtime.compression import wire_bytes
+    align, offsets, off = spec.bucket_size, [], 0
+    for k in numels:
+        offsets.append(off)
+        off += -(-k // align) * align
+    chunk = -(-off // (world * align)) * align if off >= world * align else -(-off // world)
+    codec = dict(kind=spec.kind, bits=spec.bits, bucket_size=spec.bucket_size, rounding=spec.rounding,
+                 error_feedback=spec.error_feedback, meta=spec.meta)
+    return Segment(names, numels, [r * chunk for r in range(world + 1)], offsets, codec,
+                   sent=(world - 1) * wire_bytes(chunk, spec.bits, spec.bucket_size, spec.meta_dtype))
 
 
 # -- the live chunks -----------------------------------------------------------------------------
@@ -167,6 +224,9 @@ class Shares:
         self.stats = {"gather_wire_bytes": 0, "reduce_scatter_wire_bytes": 0}
         kw = {"timeout": datetime.timedelta(seconds=timeout)} if timeout else {}
         self.group = dist.new_group(backend="gloo", **kw)   # the copy thread's all-gathers: a group of their own
+        self.timeout = timeout
+        # stochastic rounding draws as the replicated run's Communicator draws (runtime/communicator.py)
+        self.generator = torch.Generator().manual_seed(0x5EED + dist.get_rank())
         with torch.no_grad():
             for p, record in sorted(plan.residency.items()):
                 if record.shares is not None:
@@ -176,7 +236,9 @@ class Shares:
         """Keep this rank's chunk of each segment, hand its pieces to ``tensors``, and drop the rest."""
         r = shares.rank
         for s, seg in enumerate(shares.segments):
-            flat = torch.cat([tensors[n].data.reshape(-1) for n in seg.names])
+            flat = torch.zeros(seg.size, dtype=tensors[seg.names[0]].dtype)
+            for n, off, k in seg.items():
+                flat[off: off + k] = tensors[n].data.reshape(-1)
             chunk = torch.zeros(seg.chunk, dtype=flat.dtype)
             chunk[: seg.share(r)] = flat[seg.bounds[r]: seg.bounds[r + 1]]
             self.chunks[(pack, s)] = chunk
@@ -277,13 +339,25 @@ def _network(hw):
             getattr(hw, "network_latency", NOMINAL_NETWORK_LATENCY))
 
 
+def gathered(plan, pack: int, held=()) -> list[int]:
+    """The segments a ``gather`` of the pack brings: those with a weight it moves (whole segments: a held weight
+    in one comes too; a segment of held weights only, the small tensors' fp32 buffer beside quantized ones, not)."""
+    moving = set(moving_names(plan.packs[pack], "params", held))
+    return [s for s, seg in enumerate(plan.at(pack).shares.segments) if moving.intersection(seg.names)]
+
+
+def gather_bytes(plan, pack: int, held=()) -> int:
+    """Bytes a rank receives in one ``gather``: every other rank's chunks of those segments."""
+    shares = plan.at(pack).shares
+    return 4 * sum(shares.segments[s].chunk for s in gathered(plan, pack, held)) * (shares.world - 1)
+
+
 def _gather_cost(plan, hw, pack, what="params", held=()):
-    """Every other rank's chunks of the pack's weights arrive over the network (the held ones too: the gather is
-    of whole segments)."""
+    """Every other rank's chunks of the pack's weights arrive over the network."""
     shares = plan.at(pack).shares
     bandwidth, latency = _network(hw)
-    received = 4 * sum(s.chunk for s in shares.segments) * (shares.world - 1)
-    return "network", received / bandwidth + (shares.world - 1) * latency * len(shares.segments)
+    return "network", (gather_bytes(plan, pack, held) / bandwidth +
+                       (shares.world - 1) * latency * len(gathered(plan, pack, held)))
 
 
 def _reduce_scatter_execute(rt, pack, *, world=1):
@@ -292,29 +366,82 @@ def _reduce_scatter_execute(rt, pack, *, world=1):
     import torch.distributed as dist
     st, shares = rt.state, rt.plan.at(pack).shares
     pieces = st.shares.pieces[pack]
+    clipper = rt.gate.clipper if rt.gate is not None else None
+
+    def grads(seg):
+        out = []
+        for n in seg.names:
+            g = st.grad(n)
+            if g is None:
+                raise HarmonyError(f"parameter {n} got no gradient in this step; shard_state='full' steps flat "
+                                   f"chunks of every parameter of its pack: use shard_state=True for a model with "
+                                   f"parameters that some steps leave unused")
+            out.append(g)
+        return out
+
+    def keep(s, seg, out):
+        base = seg.bounds[shares.rank]
+        for piece, t in zip(shares.pieces, pieces):
+            if piece.segment == s:
+                t.grad = out[piece.start - base: piece.end - base]
 
     def job():
         try:
+            done = set()
             for s, seg in enumerate(shares.segments):
-                flat = torch.empty(seg.total)
-                for n, off, k in seg.items():
-                    g = st.grad(n)
-                    if g is None:
-                        raise HarmonyError(f"parameter {n} got no gradient in this step; shard_state='full' steps "
-                                           f"flat chunks of every parameter of its pack: use shard_state=True for "
-                                           f"a model with parameters that some steps leave unused")
+                if s in done:
+                    continue
+                if any(g.codec is not None for g in shares.segments if g.call == seg.call):
+                    done.update(_reduce_scatter_quantized(st, shares, seg.call, grads, keep))
+                    continue
+                flat = torch.empty(seg.size)
+                shapes = {}
+                for (n, off, k), g in zip(seg.items(), grads(seg)):
                     flat[off: off + k].copy_(g.reshape(-1))
+                    shapes[n] = g.shape
                 dist.all_reduce(flat)        # the replicated run's collective on its buffer: the same sums
                 base = seg.bounds[shares.rank]
-                out = flat[base: base + seg.share(shares.rank)].div_(world).clone()   # averaged as it averages
-                st.shares.stats["reduce_scatter_wire_bytes"] += ring_bytes(nbytes(flat), world)
-                for piece, t in zip(shares.pieces, pieces):
-                    if piece.segment == s:
-                        t.grad = out[piece.start - base: piece.end - base]
+                if clipper is not None:      # every rank has the whole average here: each gradient's own norm
+                    flat.div_(world)
+                    views = [flat[off: off + k].view(shapes[n]) for n, off, k in seg.items()]
+                    clipper.known.update(zip(seg.names, torch._foreach_norm(views, clipper.norm_type)))
+                    out = flat[base: base + seg.share(shares.rank)].clone()
+                else:
+                    out = flat[base: base + seg.share(shares.rank)].div_(world).clone()   # averaged as it averages
+                st.shares.stats["reduce_scatter_wire_bytes"] += seg.sent
+                keep(s, seg, out)
         finally:
             for n in shares.names():
                 st.set_grad(n, None)
     st.pending[("allreduce", pack)] = st.host_pool.submit(job)
+
+
+def _reduce_scatter_quantized(st, shares, call: int, grads, keep) -> list[int]:
+    """One all-reduce group with quantized buffers: ``collectives.reduce_scatter`` of its gradients (the replicated
+    run's buffers, codec and generator draws); each segment keeps this rank's chunk. Returns the segments done."""
+    from harmony.runtime.collectives import reduce_scatter
+    from harmony.runtime.compression import NO_COMPRESSION, CompressionSpec
+    mine = [s for s, seg in enumerate(shares.segments) if seg.call == call]
+    tensors, specs, where = [], [], []
+    for s in mine:      # the group's tensors in its order; each with its buffer's codec
+        seg = shares.segments[s]
+        spec = CompressionSpec(**seg.codec) if seg.codec is not None else NO_COMPRESSION
+        for i, g in enumerate(grads(seg)):
+            where.append((s, i))
+            tensors.append(g)
+            specs.append(spec)
+    results, stats = reduce_scatter(tensors, specs, timeout=st.shares.timeout, generator=st.shares.generator)
+    if len(results) != len(mine):
+        raise HarmonyError(f"the reduce-scatter fused {len(results)} buffers where the layout has {len(mine)}: "
+                           f"the partition and the codec disagree (a bug)")
+    for s, (idx, offsets, chunk, out) in zip(mine, results):
+        seg = shares.segments[s]
+        if [where[i] for i in idx] != [(s, i) for i in range(len(seg.names))] or offsets != seg.offsets:
+            raise HarmonyError(f"the reduce-scatter's buffer {s} is not the layout's (a bug)")
+        base = seg.bounds[shares.rank]
+        keep(s, seg, out.clone() if chunk else out[base: base + seg.share(shares.rank)].clone())
+    st.shares.stats["reduce_scatter_wire_bytes"] += stats.wire_bytes
+    return mine
 
 
 def _reduce_scatter_effect(m, pack, *, world=1):
@@ -325,7 +452,7 @@ def _reduce_scatter_cost(plan, hw, pack, *, world=1):
     """A ring all-reduce of the pack's gradients (what gloo's reduce-scatter costs too: see the module's note)."""
     shares = plan.at(pack).shares
     bandwidth, latency = _network(hw)
-    sent = sum(ring_bytes(4 * s.total, world) for s in shares.segments)
+    sent = sum(s.sent for s in shares.segments)
     return "network", sent / bandwidth + 2 * (world - 1) * latency * len(shares.segments)
 
 

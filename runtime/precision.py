@@ -120,16 +120,40 @@ class GradClip:
         self.max_norm, self.norm_type, self.order, self.grad_of = float(max_norm), float(norm_type), order, grad_of
         self.settle = settle      # waits for gradients still on their way (the host thread's copies, all-reduces)
         self.total: torch.Tensor | None = None     # this iteration's norm, before clipping
+        # per-tensor norms computed where the gradient was whole though no rank keeps it so (shard_state="full":
+        # the reduce-scatter's buffer), by name; the others are computed from ``grad_of`` at ``norm``
+        self.known: dict[str, torch.Tensor] = {}
 
     def begin(self) -> None:
         self.total = None
+        self.known = {}
 
     def norm(self) -> torch.Tensor:
         if self.total is None:
             self.settle()
-            grads = [g for g in map(self.grad_of, self.order) if g is not None]
-            self.total = torch.nn.utils.get_total_norm(grads, self.norm_type)
+            if not self.known:
+                grads = [g for g in map(self.grad_of, self.order) if g is not None]
+                self.total = torch.nn.utils.get_total_norm(grads, self.norm_type)
+            else:
+                self.total = self._total_with_known()
         return self.total
+
+    def _total_with_known(self) -> torch.Tensor:
+        """get_total_norm's two steps, with the per-tensor norms of ``known`` taken as given: the norm of each
+        gradient by ``_foreach_norm`` (what get_total_norm uses on the CPU), then the norm of the stacked norms in
+        ``order``."""
+        found = []
+        for n in self.order:
+            if n in self.known:
+                found.append((n, None))
+            else:
+                g = self.grad_of(n)
+                if g is not None:
+                    found.append((n, g))
+        missing = [g for _, g in found if g is not None]
+        computed = iter(torch._foreach_norm(missing, self.norm_type) if missing else ())
+        norms = [self.known[n] if g is None else next(computed) for n, g in found]
+        return torch.linalg.vector_norm(torch.stack(norms), self.norm_type)
 
     def clip(self, params: list[torch.Tensor]) -> None:
         """Scale these parameters' gradients by the iteration's clipping coefficient, in place."""
