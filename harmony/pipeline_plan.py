@@ -81,3 +81,40 @@ def simulate_programs(programs, hardware, replicas: int = 1):
     from harmony.runtime.simulate_node import simulate_node
     ranks = [rank_inputs(p) for p in programs]
     return simulate_node([r for r in ranks for _ in range(replicas)], hardware)
+
+
+def node_hardware(sm, hardware=None):
+    """The node a pipeline rank's ``sm.simulate`` simulates: ``hardware`` (a ``Hardware``, a server preset of
+    ``Hardware.node`` or a GPU preset, one per rank), or None: this machine as one logical device per rank under
+    the module's budget and speed factor."""
+    from harmony.compiler.hardware import Hardware
+    from harmony.compiler.nodes import NODES
+    cfg = sm.program.config
+    world = cfg.world_size
+    if hardware is None:
+        return Hardware.this_machine(cache_dir=cfg.cache_dir).logical([cfg.memory_budget] * world,
+                                                                      [cfg.speed_factor] * world)
+    if isinstance(hardware, str):
+        return Hardware.node(hardware) if hardware in NODES else Hardware.preset(hardware, count=world)
+    return hardware
+
+
+def simulate_rank_node(sm, hardware=None):
+    """A pipeline rank's whole node simulated (``sm.simulate()`` of a rank): this rank's program as compiled, every
+    other rank's planned here from the same trace (its passes with its rank number; nothing is sent), all simulated
+    together. The result is kept as ``sm.node_simulation``, which ``sm.report()`` shows, a row per device."""
+    from harmony.compiler.ir import Program
+    hw = node_hardware(sm, hardware)
+    mine, cfg = sm.program, sm.program.config
+    programs = []
+    for rank in range(cfg.world_size):
+        if rank == cfg.rank:
+            programs.append(mine)
+            continue
+        program = Program(model=mine.model, gm=mine.gm, example_batch=mine.example_batch,
+                          config=dataclasses.replace(cfg, rank=rank), batch_keys=mine.batch_keys)
+        program.fake, program.optim_profile = mine.fake, mine.optim_profile
+        from harmony.compiler.passmanager import run_passes
+        programs.append(run_passes(program, cfg.passes))
+    sm.node_simulation = simulate_programs(programs, hw)
+    return sm.node_simulation

@@ -5,10 +5,13 @@ No processes are spawned: a real rank's compile runs here with its world given b
 """
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
 import harmony
+import harmony.viz
 from harmony.compiler.hardware import Hardware
 from harmony.compiler.printer import schedule_code
 from harmony.compiler.verify import state_sizes
@@ -112,7 +115,7 @@ def test_a_recv_waits_for_its_send_and_shifts_with_the_sender(planned):
     assert slow.step_seconds > node.step_seconds
 
 
-def test_planned_ranks_are_what_the_stage_pass_gives_real_ranks(planned, monkeypatch):
+def test_planned_ranks_are_what_the_stage_pass_gives_real_ranks(planned, monkeypatch, tmp_path):
     """A real rank's compile (harmony.compile under torchrun) with its world given by hand: the same packs on the
     same ranks, the same schedule, op for op."""
     import harmony.api
@@ -129,6 +132,15 @@ def test_planned_ranks_are_what_the_stage_pass_gives_real_ranks(planned, monkeyp
             assert sm.plan.stage.local == program.plan.stage.local
             assert [s.name for s in sm.plan.packs] == [s.name for s in program.plan.packs]
             assert sm.code == schedule_code(program)
+            if rank == 1:        # the rank's own simulate: the whole node, its report a row per device
+                node = sm.simulate(_node())
+                assert node.step_seconds == simulate_programs(planned, _node()).step_seconds
+                text = sm.report()
+                assert "simulated node: 2 devices" in text and "device 1 (GeForce GTX 1080 Ti)" in text
+                assert [r["device"] for r in json.loads(sm.report("json"))["node"]["rows"]] == \
+                    [d.device for d in node.devices]
+                drawn = harmony.viz.draw(sm, "timeline", out_dir=tmp_path)
+                assert [p.name for p in drawn] == ["gpt_node_timeline.json"]
         finally:
             sm.close()
     assert planned[0].plan.stage.rank_of == [0] * 4 + [1] * 4      # contiguous halves of 8 packs
