@@ -14,7 +14,27 @@ figure is the one-rank state times the ranks (not run).
     python benchmarks/pipeline.py                       # 4 ranks, 8 layers of width 256, speed factor 4
     python benchmarks/pipeline.py --ranks 2 --layers 4  # smaller
 
-Not here yet: part 2 (the simulated paper servers) needs the simulator to model N devices and their links.
+Part 2, SIMULATED (``--simulated`` runs it alone; by default it follows part 1): the Harmony paper's server (4 and
+8 GTX 1080 Ti, 11 GB each, PCIe 3.0 behind one switch) and one of today (8 x A100 40 GB SXM4 on NVSwitch, two GPUs
+per PCIe 4 switch), ``Hardware.node`` presets (compiler/nodes.py says where each figure comes from). GPT-2 1.5B
+(48 x 1600) and a GPT of 6.7B (32 x 4096), both untied, sequences of 1024, built on the meta device (nothing is
+allocated) and planned without ranks (harmony/pipeline_plan.py), each device's budget its memory. A global batch
+of ``--sim-batch`` samples in microbatches of ``--sim-microbatch``; three systems side by side:
+
+- vPP: ``parallel="pipeline"``, contiguous placement (vPP) and round-robin (vPP-rr, the paper's vPP), every rank's
+  schedule simulated together (runtime/simulate_node.py: messages over P2P, swaps sharing the switch's uplink);
+- vDP: data-parallel Harmony, each device one plan at its share of the batch, the N copies simulated together (so
+  their swaps share the switch too), plus a ring all-reduce of the fp32 gradients over P2P not overlapped;
+- ondemand: the same data-parallel replicas with ``policy="ondemand"`` (virtualized memory's fetch on touch).
+
+Throughput is the global batch over the node's simulated step; per-device peak is the predicted device memory;
+host memory of the node is the fp32 weights and optimizer state on the host (one copy under vPP, N under vDP).
+The Harmony paper's reported figures stand beside ours where we found them (its abstract: "up to 7.6x" over
+virtualized-memory baselines, "up to two orders of magnitude" less swap); a per-setting vPP or vDP speed-up from
+its evaluation was not found in what we could search, and is marked so rather than guessed.
+
+    python benchmarks/pipeline.py --simulated            # part 2 only, about 30 minutes on 2 cores (planning)
+    python benchmarks/pipeline.py --quick --json out.json    # both parts at a small size, under 2 minutes
 """
 from __future__ import annotations
 
@@ -44,10 +64,31 @@ def main():
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--placement", default="contiguous", help=argparse.SUPPRESS)
+    ap.add_argument("--simulated", action="store_true", help="part 2 only (the simulated servers)")
+    ap.add_argument("--real", action="store_true", help="part 1 only (the real ranks on this machine)")
+    ap.add_argument("--quick", action="store_true", help="both parts at a small size (under 2 minutes)")
+    ap.add_argument("--servers", nargs="+", default=list(SERVERS), choices=list(SERVERS))
+    ap.add_argument("--models", nargs="+", default=["gpt2-1.5b", "gpt-6.7b"], choices=list(SIM_MODELS))
+    ap.add_argument("--sim-batch", type=int, default=64)
+    ap.add_argument("--sim-microbatch", type=int, default=4)
+    ap.add_argument("--sim-budget", type=float, default=None, help="GiB per device (default: its memory)")
     common.add_json_arg(ap)
     args = ap.parse_args()
     if args.worker:
         return worker(args)
+    if args.quick:
+        args.ranks, args.layers, args.width, args.steps, args.microbatches = 2, 4, 128, 2, 4
+        args.servers, args.models, args.sim_batch, args.sim_budget = ["4x1080ti"], ["gpt-0.4b"], 16, 3.0
+        args.sim_microbatch = 1
+    figures = {} if args.simulated else real_part(args)
+    if not args.real:
+        figures.update(simulated_part(args))
+    common.save_json(args.json, figures)
+
+
+def real_part(args) -> dict:
+    """Part 1: real ranks on this machine; returns {run: throughput ratio to one rank}."""
+    print("== part 1: REAL ranks on this machine ==", flush=True)
     out = Path(tempfile.mkdtemp(prefix="harmony-pipeline-"))
     runs = {"1 rank": _launch(args, out, 1, "none")}
     for placement in ("contiguous", "round_robin"):
@@ -65,8 +106,125 @@ def main():
                              f"{args.microbatches} microbatches, budget {args.budget:g} of the state per device, "
                              f"speed factor {args.speed_factor:g} (EMULATED)"))
     print(f"data parallel on {args.ranks} ranks would hold {args.ranks} x {sum(one['state']) / 2**20:.1f} MiB = "
-          f"{args.ranks * sum(one['state']) / 2**20:.1f} MiB of training state on the node (not run)")
-    common.save_json(args.json, {r["run"]: r["vs_one_rank"] for r in rows})
+          f"{args.ranks * sum(one['state']) / 2**20:.1f} MiB of training state on the node (not run)\n", flush=True)
+    return {r["run"]: r["vs_one_rank"] for r in rows}
+
+
+# -- part 2: simulated servers ------------------------------------------------------------------------
+SERVERS = ("4x1080ti", "8x1080ti", "8xa100-40gb")
+SIM_MODELS = {"gpt2-1.5b": dict(layers=48, width=1600, heads=25), "gpt-6.7b": dict(layers=32, width=4096, heads=32),
+              "gpt-0.4b": dict(layers=12, width=1600, heads=25)}     # the last: --quick's
+PAIRS = (("vPP", "vDP"), ("vPP-rr", "vDP"), ("vPP-rr", "ondemand"), ("vDP", "ondemand"))
+PAPER = {"vPP/vDP": "not found", "vPP-rr/vDP": "not found", "vPP-rr/ondemand": "up to 7.6x (abstract, any mode)",
+         "vDP/ondemand": "up to 7.6x (abstract, any mode)"}
+PAPER_CITE = ("Li et al., Harmony, VLDB 2022 (arXiv 2202.01306), abstract: throughput \"up to 7.6x over highly "
+              "optimized baselines with virtualized memory\", swap \"reduced by up to two orders of magnitude\"; "
+              "no per-model vPP or vDP figure was found by our search of the paper's text")
+
+
+def _sim_model(name):
+    from harmony.models import GPT, GPTConfig
+    return GPT(GPTConfig(vocab=50257, seq=1024, tie=False, **SIM_MODELS[name]))
+
+
+def _host_bytes(programs, copies=1) -> int:
+    """fp32 weights and optimizer state on the host: each program's packs, ``copies`` times."""
+    return copies * sum(s.master_bytes + s.optim_bytes for p in programs for s in p.plan.packs)
+
+
+def _replica_programs(model, batch, hw, microbatches, budget) -> dict:
+    """{policy: Program or BudgetError} for one data-parallel replica, harmony and ondemand (papers.py's way:
+    ondemand reuses the harmony compile's trace and cost analysis)."""
+    import dataclasses
+
+    import harmony
+    from harmony.compiler.ir import Program
+    from harmony.compiler.passmanager import DEFAULT_PIPELINE, run_passes
+    from harmony.errors import BudgetError
+    out = {}
+    try:
+        sm = harmony.compile(model, batch, memory_budget=budget, microbatches=microbatches, device="meta",
+                             hardware=hw, data_parallel=False)
+    except BudgetError as e:
+        return {"harmony": e, "ondemand": e}
+    out["harmony"] = base = sm.program
+    program = Program(model=model, gm=base.gm, example_batch=base.example_batch,
+                      config=dataclasses.replace(base.config, policy="ondemand"))
+    program.fake, program.optim_profile = base.fake, base.optim_profile
+    try:
+        out["ondemand"] = run_passes(program, DEFAULT_PIPELINE)
+    except BudgetError as e:
+        out["ondemand"] = e
+    return out
+
+
+def simulated_part(args) -> dict:
+    """Part 2 (see the module's docstring); returns its ratios for --json."""
+    import time
+
+    import torch
+
+    from harmony.compiler.hardware import Hardware
+    from harmony.errors import BudgetError
+    from harmony.pipeline_plan import plan_node, simulate_programs
+    GiB, rows, summary = 2**30, [], []
+    print(f"== part 2: SIMULATED, not measured: {', '.join(args.servers)}; global batch {args.sim_batch} in "
+          f"microbatches of {args.sim_microbatch} ==", flush=True)
+    for server in args.servers:
+        hw = Hardware.node(server)
+        n, dev = len(hw.devices), hw.devices[0]
+        budget = int(args.sim_budget * GiB) if args.sim_budget else dev.memory
+        if args.sim_budget:     # the budget is the device: ondemand's replay fills the device's memory
+            hw = hw.replace(devices=tuple(d.replace(memory=budget) for d in hw.devices))
+        print(hw.describe().splitlines()[0] + f" (x{n}); " + hw.describe().splitlines()[n], flush=True)
+        for name in args.models:
+            t0, got = time.perf_counter(), {}
+            with torch.device("meta"):
+                model = _sim_model(name)
+                params = sum(p.numel() for p in model.parameters())
+                ids = torch.zeros(args.sim_batch, 1024, dtype=torch.long)
+                for system, placement in (("vPP", "contiguous"), ("vPP-rr", "round_robin")):
+                    try:
+                        programs = plan_node(model, (ids, ids), hw, memory_budget=budget, placement=placement,
+                                             microbatches=args.sim_batch // args.sim_microbatch)
+                        got[system] = (simulate_programs(programs, hw), _host_bytes(programs), 0.0)
+                    except BudgetError as e:
+                        got[system] = e
+                share = ids[:args.sim_batch // n]
+                replicas = _replica_programs(model, (share, share), hw,
+                                             max(1, args.sim_batch // n // args.sim_microbatch), budget)
+            allreduce = 2 * (n - 1) / n * 4 * params / dev.p2p_bandwidth
+            for system, policy in (("vDP", "harmony"), ("ondemand", "ondemand")):
+                p = replicas[policy]
+                got[system] = p if isinstance(p, BudgetError) else \
+                    (simulate_programs([p], hw, replicas=n), _host_bytes([p], n), allreduce)
+            for system, r in got.items():
+                row = dict(server=server, model=name, params_B=params / 1e9, system=system)
+                if isinstance(r, BudgetError):
+                    rows.append(dict(row, note="does not fit: " + str(r).splitlines()[0][:80]))
+                    continue
+                node, host, comm = r
+                step = node.step_seconds + comm
+                util = sum(d.busy.get("compute", 0.0) for d in node.devices) / (n * step)
+                rows.append(dict(row, step_s=step, allreduce_s=comm, samples_per_s=args.sim_batch / step,
+                                 compute_util=util, swap_GiB=sum(node.moved.values()) / GiB,
+                                 sent_GiB=sum(node.sent) / GiB, peak_GiB=node.peak_bytes / GiB,
+                                 host_GiB=host / GiB))
+            speed = {r["system"]: r["samples_per_s"] for r in rows[-len(got):] if "samples_per_s" in r}
+            line = dict(server=server, model=name)
+            for a, b in PAIRS:
+                line[f"{a}/{b}"] = speed[a] / speed[b] if a in speed and b in speed else "n/a"
+                line[f"paper {a}/{b}"] = PAPER[f"{a}/{b}"].split(" (")[0]
+            summary.append(line)
+            print(common.table(rows[-len(got):], f"{server}, {name} (planned and simulated in "
+                                                 f"{time.perf_counter() - t0:.0f} s)"), flush=True)
+    print()
+    print(common.table(rows, "SIMULATED: throughput, per-device peak and node host memory of each system"))
+    print()
+    print(common.table(summary, "SIMULATED: throughput ratios, ours beside the Harmony paper's"))
+    print(f"paper: {PAPER_CITE}")
+    return {f"simulated {r['server']} {r['model']} {k}": v for r in summary for k, v in r.items()
+            if "/" in k and not k.startswith("paper") and isinstance(v, float)}
 
 
 def _launch(args, out: Path, ranks: int, placement: str) -> dict:

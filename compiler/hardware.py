@@ -104,6 +104,7 @@ class Device:
     sync_copies: bool = False              # copies follow the compute before them; all but swap_in block it
     queued: bool = False                   # ops are queued to the device (a GPU): launches hide behind kernels
     link: str = ""                         # what the host link is, for reports ("pcie4", "memcpy", ...)
+    p2p_bandwidth: float = 0.0             # bytes/s to a peer device of the node, one direction (0: none given)
     source: str = ""                       # where the figures come from
 
     def __post_init__(self):
@@ -165,11 +166,19 @@ class Hardware:
     network_bandwidth: float = NOMINAL["network_bandwidth"]        # bytes/s per rank
     network_latency: float = NOMINAL["network_latency"]            # seconds per message
     notes: tuple[str, ...] = field(default_factory=tuple)          # what is measured, nominal or emulated
+    switches: tuple[tuple[int, ...], ...] = ()   # devices whose host links share one upstream link (a PCIe switch)
+    switch_bandwidth: float = 0.0                # bytes/s of that upstream link, per direction
 
     def __post_init__(self):
         object.__setattr__(self, "devices", tuple(self.devices))
+        object.__setattr__(self, "switches", tuple(tuple(g) for g in self.switches))
         if not self.devices:
             raise ConfigError("a Hardware needs at least one device")
+        shared = [d for g in self.switches for d in g]
+        if len(shared) != len(set(shared)) or any(not 0 <= d < len(self.devices) for d in shared) or \
+                (shared and self.switch_bandwidth <= 0):
+            raise ConfigError(f"switches={self.switches!r}: each of the {len(self.devices)} devices in at most one "
+                              f"group, with switch_bandwidth > 0 (got {self.switch_bandwidth:g})")
 
     @property
     def emulated(self) -> bool:
@@ -190,6 +199,12 @@ class Hardware:
         nominal = [k for k in NOMINAL if k not in host]
         notes = (f"GPU figures: vendor datasheets (dense peak); nominal, not measured: {', '.join(nominal)}",)
         return cls(devices, notes=notes, **host)
+
+    @classmethod
+    def node(cls, name: str) -> "Hardware":
+        """A whole server from ``compiler/nodes.py``: "4x1080ti", "8x1080ti" (one PCIe 3.0 switch), "8xa100-40gb"."""
+        from harmony.compiler.nodes import node
+        return node(name)
 
     def logical(self, budgets, speed_factors=None) -> "Hardware":
         """This hardware's first device as several logical devices, each with its own memory budget.
@@ -217,7 +232,11 @@ class Hardware:
             lat = f", {d.kernel_latency * 1e6:.3g} us per tensor op" if d.kernel_latency else ""
             lines.append(f"device {i}: {d.name}, {d.memory / GiB:.1f} GiB, {d.flops / T:.3g} TFLOP/s {d.dtype}{eff}"
                          f"{lat}, h2d {d.h2d_bandwidth / GB:.3g} GB/s ({d.link}), memory "
-                         f"{d.memory_bandwidth / GB:.4g} GB/s{emu}")
+                         f"{d.memory_bandwidth / GB:.4g} GB/s{emu}"
+                         + (f", p2p {d.p2p_bandwidth / GB:.3g} GB/s" if d.p2p_bandwidth else ""))
+        for g in self.switches:
+            lines.append(f"devices {', '.join(map(str, g))} share one host link of {self.switch_bandwidth / GB:.3g} "
+                         f"GB/s per direction (a PCIe switch)")
         lines.append(f"host: {self.host_memory / GiB:.1f} GiB, disk read {self.disk_read_bandwidth / GB:.3g} GB/s, "
                      f"write {self.disk_write_bandwidth / GB:.3g} GB/s, network {self.network_bandwidth / GB:.3g} "
                      f"GB/s + {self.network_latency * 1e6:.0f} us")
@@ -369,6 +388,7 @@ class Hardware:
         d = dict(d)
         d["devices"] = tuple(Device(**dev) for dev in d["devices"])
         d["notes"] = tuple(d.get("notes", ()))
+        d["switches"] = tuple(tuple(g) for g in d.get("switches", ()))
         return cls(**d)
 
 

@@ -442,12 +442,16 @@ class ScheduledModule(torch.nn.Module):
 
     def simulate(self, hardware=None, device: int = 0):
         """One step simulated on ``hardware``: a ``Hardware``, a preset name, or None (this machine under the
-        budget, at the speed factor the module was compiled for)."""
+        budget, at the speed factor the module was compiled for). A pipeline rank simulates its whole node
+        (harmony/pipeline_plan.py ``simulate_rank_node``): a ``NodeSimulation`` with a row per device."""
         from harmony.compiler.hardware import Hardware
         from harmony.compiler.verify import state_sizes
         from harmony.runtime.simulate import simulate
         if self.predicted is None:
             raise ConfigError("this module has no schedule to simulate; compile with the default passes")
+        if self.plan.stage is not None:     # a pipeline rank: the whole node, a row per device (NodeSimulation)
+            from harmony.pipeline_plan import simulate_rank_node
+            return simulate_rank_node(self, hardware)
         if hardware is None or isinstance(hardware, str):
             cfg = self.program.config
             hardware = Hardware.preset(hardware) if hardware else \

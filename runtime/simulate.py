@@ -153,32 +153,59 @@ def simulate(graph: torch.fx.Graph, plan: Plan, hw, device: int = 0, memory=None
     and under the ``ondemand`` policy they are what the state must fit beside.
     """
     dev = _OnHost(hw.devices[device], hw) if hasattr(hw, "devices") else hw
-    nodes = [n for n in graph.nodes if n.op == "call_function"]
-    steps = [n.args[0] for n in nodes if n.target.__name__ == "step"]
-    clock = _Clock(plan, dev, f"device {device} ({dev.name})", steps)
-    done: dict[torch.fx.Node, float] = {}  # when each op's result is ready
-    # The effects, replayed, give the values as costs see them (a stash's bytes) and which state a copy
-    # really moves. Tolerant of schedules verify would reject (a release with no swap_in): that is verify's job.
-    model = MemoryModel(plan, _OnePerTensor() if sizes is None else sizes, refs=defaultdict(int))
-    for what, names in resident_state(plan):
-        model.hold(what, names)
-    model.carry_in(graph)
-    values: dict[torch.fx.Node, object] = {}
-    op_events: list[SimEvent] = []         # one per schedule op, in program order
-    on_demand = _OnDemand(plan, dev, nodes, memory) if plan.policy == "ondemand" else None
-    for i, node in enumerate(nodes):
+    replay = Replay(graph, plan, dev, f"device {device} ({dev.name})", memory, sizes)
+    while not replay.finished:
+        replay.advance()
+    return replay.result()
+
+
+class Replay:
+    """One device's schedule, replayed op by op (``advance``); ``simulate`` runs one to its end, and the node's
+    simulator (runtime/simulate_node.py) interleaves several, handing each a ``peers`` object that times the
+    messages between them and the host links they share."""
+
+    def __init__(self, graph, plan, dev, label: str, memory=None, sizes=None, peers=None):
+        self.plan, self.dev, self.memory, self.sizes, self.peers = plan, dev, memory, sizes, peers
+        self.nodes = [n for n in graph.nodes if n.op == "call_function"]
+        steps = [n.args[0] for n in self.nodes if n.target.__name__ == "step"]
+        self.clock = _Clock(plan, dev, label, steps, peers)
+        self.done: dict[torch.fx.Node, float] = {}   # when each op's result is ready
+        # The effects, replayed, give the values as costs see them (a stash's bytes) and which state a copy
+        # really moves. Tolerant of schedules verify would reject (a release with no swap_in): that is verify's job.
+        self.model = MemoryModel(plan, _OnePerTensor() if sizes is None else sizes, refs=defaultdict(int))
+        for what, names in resident_state(plan):
+            self.model.hold(what, names)
+        self.model.carry_in(graph)
+        self.values: dict[torch.fx.Node, object] = {}
+        self.op_events: list[SimEvent] = []     # one per schedule op, in program order
+        self.on_demand = _OnDemand(plan, dev, self.nodes, memory) if plan.policy == "ondemand" else None
+        self.i = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.i >= len(self.nodes)
+
+    @property
+    def next_node(self):
+        return None if self.finished else self.nodes[self.i]
+
+    def advance(self) -> SimEvent:
+        """Replay the next op: its cost, its effect, and when it runs."""
+        i, node = self.i, self.nodes[self.i]
+        clock, dev, done, model, values = self.clock, self.dev, self.done, self.model, self.values
         op, name = op_of(node), node.target.__name__
         args = torch.fx.node.map_arg(node.args, values.__getitem__)
         kwargs = torch.fx.node.map_arg(node.kwargs, values.__getitem__)
-        stream, seconds = op.cost(plan, dev, *args, **kwargs)
+        stream, seconds = op.cost(self.plan, dev, *args, **kwargs)
         before = sum(model.moved.values())
         values[node], _ = op.effect(model, *args, **kwargs)
         if op.state_copy:
-            seconds = _copy_seconds(plan, dev, node, stream, seconds, sum(model.moved.values()) - before, sizes)
+            seconds = _copy_seconds(self.plan, dev, node, stream, seconds, sum(model.moved.values()) - before,
+                                    self.sizes)
         if stream in clock.moved:
             clock.moved[stream] += round(seconds * (dev.h2d_bandwidth if stream == "h2d" else dev.d2h_bandwidth))
         if name == "step" and node.kwargs.get("stream") and node.kwargs.get("where", "device") == "device":
-            optim = streamed_optim_bytes(plan, node.args[0])
+            optim = streamed_optim_bytes(self.plan, node.args[0])
             clock.moved["h2d"] += optim
             clock.moved["d2h"] += optim
         ready = max((done[n] for n in node.all_input_nodes), default=0.0)
@@ -188,18 +215,27 @@ def simulate(graph: torch.fx.Graph, plan: Plan, hw, device: int = 0, memory=None
             settled = clock.host_steps.pop(node.args[0])
             clock.free["compute"] = max(clock.free["compute"], settled)
             ready = max(ready, settled)
-        if on_demand is not None and op.kind == "compute":
-            clock.fetch(on_demand, i, node, ready)
+        if self.peers is not None and name == "recv":    # its data arrive when the peer's send is done
+            ready, seconds = max(ready, self.peers.arrival(node)), 0.0
+        if self.on_demand is not None and op.kind == "compute":
+            clock.fetch(self.on_demand, i, node, ready)
         ev = clock.wait(node, op, ready) if stream == "sync" else clock.issue(node, op, stream, seconds, ready)
         if name == "release":
             clock.written_back[tuple(node.args[:2])] = ev.end
+        if self.peers is not None and name == "send":
+            self.peers.sent(node, ev.end)
         done[node] = ev.end
-        op_events.append(ev)
-    sim = Simulation(max(clock.free.values()), clock.busy, clock.events, clock.label, dev.speed_factor,
-                     moved=clock.moved)
-    if memory is not None:
-        _place_memory(sim, nodes, op_events, memory)
-    return sim
+        self.op_events.append(ev)
+        self.i += 1
+        return ev
+
+    def result(self) -> Simulation:
+        clock = self.clock
+        sim = Simulation(max(clock.free.values()), clock.busy, clock.events, clock.label, self.dev.speed_factor,
+                         moved=clock.moved)
+        if self.memory is not None:
+            _place_memory(sim, self.nodes, self.op_events, self.memory)
+        return sim
 
 
 def _copy_seconds(plan, dev, node, stream: str, seconds: float, moved: float, sizes) -> float:
@@ -216,8 +252,8 @@ class _Clock:
     """The streams of one simulated step: when each next idles, how long each ran, the events on them, and what
     the ops after an op wait for (host steps, releases written back, disk read-ahead)."""
 
-    def __init__(self, plan, dev, label: str, step_order: list[int]):
-        self.plan, self.dev, self.label, self.step_order = plan, dev, label, step_order
+    def __init__(self, plan, dev, label: str, step_order: list[int], peers=None):
+        self.plan, self.dev, self.label, self.step_order, self.peers = plan, dev, label, step_order, peers
         self.free = dict.fromkeys(STREAMS, 0.0)     # when each stream next idles
         self.busy = dict.fromkeys(STREAMS, 0.0)
         self.events: list[SimEvent] = []
@@ -227,10 +263,14 @@ class _Clock:
         self.disk_after: dict[int, float] = {}      # pack -> when the step before it started (its files' read-ahead)
 
     def run(self, stream: str, start: float, seconds: float, name: str, kind: str) -> SimEvent:
+        """``seconds`` on ``stream`` from ``start``; a host copy whose link shares a switch may take longer."""
+        end = start + seconds
+        if self.peers is not None and stream in ("h2d", "d2h") and seconds:
+            end = self.peers.host_copy(self.label, stream, start, seconds)
         self.free.setdefault(stream, 0.0)
-        self.busy[stream] = self.busy.get(stream, 0.0) + seconds
-        self.free[stream] = start + seconds
-        self.events.append(SimEvent(name, kind, stream, start, start + seconds, 0, 0, self.label))
+        self.busy[stream] = self.busy.get(stream, 0.0) + (seconds if end == start + seconds else end - start)
+        self.free[stream] = end
+        self.events.append(SimEvent(name, kind, stream, start, end, 0, 0, self.label))
         return self.events[-1]
 
     def wait(self, node, op, ready: float) -> SimEvent:

@@ -22,7 +22,9 @@ def draw(sm, what: str = "plan", out_dir=".", name: str | None = None) -> list[P
 
     ``what``: "model" (model graph by pack), "schedule" (schedule graph by op), "timeline"
     (Chrome trace of the last step), or "plan" (both drawings, and the timeline once a step
-    has run). Drawings are SVG if graphviz's ``dot`` is installed, else DOT source.
+    has run). A pipeline rank whose node was simulated (``sm.simulate()``) also gets
+    ``<name>_node_timeline.json``: the simulated step, one process row per device.
+    Drawings are SVG if graphviz's ``dot`` is installed, else DOT source.
     ``name`` prefixes the files (default: the model's class name, lower case).
     """
     if what not in WHAT:
@@ -33,7 +35,8 @@ def draw(sm, what: str = "plan", out_dir=".", name: str | None = None) -> list[P
     out_dir.mkdir(parents=True, exist_ok=True)
     name = name or type(sm.program.model).__name__.lower()
     events = list(getattr(getattr(sm, "runtime", None), "events", None) or [])
-    if what == "timeline" and not events:
+    node = getattr(sm, "node_simulation", None)    # a pipeline rank's sm.simulate(): every device's row
+    if what == "timeline" and not events and node is None:
         raise ConfigError("what='timeline' needs a step that has run: call sm(*batch) once, then draw")
     drawings = {"model": dot.model_dot, "schedule": dot.schedule_dot}
     paths: list[Path] = []
@@ -43,8 +46,10 @@ def draw(sm, what: str = "plan", out_dir=".", name: str | None = None) -> list[P
     fallback = [p for p in paths if p.suffix == ".dot"]
     if fallback and not dot.dot_available():
         print(dot.missing_dot_hint(fallback), file=sys.stderr)
-    if what == "timeline" or (what == "plan" and events):
+    if what in ("timeline", "plan") and events:
         paths.append(timeline.chrome_trace(events, out_dir / f"{name}_timeline.json"))
+    if what in ("timeline", "plan") and node is not None:   # one process (row) per simulated device
+        paths.append(timeline.chrome_trace(node.events, out_dir / f"{name}_node_timeline.json"))
     return paths
 
 

@@ -86,7 +86,16 @@ def summary(sm) -> dict:
         last_step=dict(sm.stats) if getattr(sm, "stats", None) else None,
         evaluation=_evaluation(sm),
         shapes=sm.shapes.summary() if getattr(sm, "shapes", None) is not None else [],
+        node=_node(getattr(sm, "node_simulation", None)),
     )
+
+
+def _node(node) -> dict | None:
+    """A pipeline rank's simulated node (``sm.simulate()``): a row per device."""
+    if node is None:
+        return None
+    return dict(title=f"simulated node: {len(node.devices)} devices, step {fmt_seconds(node.step_seconds)}",
+                rows=node.rows())
 
 
 def _evaluation(sm) -> dict | None:
@@ -320,6 +329,9 @@ class _Writer:
             self.table(d["shapes"])
             self.notes(["a plan per batch shape is made on its first step with the packs and residency above; "
                         "sm.code and sm.plan are the example batch's"])
+        if d.get("node"):
+            self.heading(d["node"]["title"])
+            self.table(d["node"]["rows"])
         self.heading("last step")
         self.last_step(d["last_step"], d["config"]["memory_budget"])
         if d.get("evaluation"):

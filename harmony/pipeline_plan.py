@@ -1,0 +1,120 @@
+"""A whole pipeline node planned in one process: every rank's packs and schedule, without ranks or weights.
+
+>>> with torch.device("meta"):                     # a model too big for this machine: no memory is allocated
+...     model = GPT(GPTConfig(layers=48, width=1600, heads=25, vocab=50257, seq=1024, tie=False))
+>>> programs = plan_node(model, (ids, ids), Hardware.node("8x1080ti"), microbatches=16)
+>>> node = simulate_programs(programs, Hardware.node("8x1080ti"))
+>>> print(node.summary())                          # a row per device
+
+Each rank is planned as ``harmony.compile(..., parallel="pipeline")`` plans it under torchrun: the model is
+traced and costed once, then the passes (with the stage pass after the partition) run once per rank with that
+rank's number, its device's figures and its budget. The stage pass places the packs and this rank's schedule is
+built by passes/stage_schedule.py, the same code the real ranks run; only the stage pass's agreement among live
+ranks (an all-gather) is skipped, as there are none. Nothing is run: the programs are for ``simulate_programs``,
+reports and reading (``schedule_code(program)``).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from harmony.base.errors import ConfigError
+from harmony.compiler.config import Config
+
+
+def plan_node(model: torch.nn.Module, example_batch, hardware, *, world: int | None = None, memory_budget=None,
+              config: Config | None = None, **options) -> list:
+    """One ``Program`` per rank of a pipeline over ``world`` devices of ``hardware`` (default: all of them).
+
+    ``memory_budget``: bytes per device (default: each device's memory); every other option as
+    ``harmony.compile``'s (``microbatches``, ``placement``, ``policy``, ...). ``device="meta"`` is the default:
+    build the model under ``torch.device("meta")`` and nothing is allocated.
+    """
+    from harmony import api
+    from harmony.compiler import cost
+    from harmony.compiler.ir import Program
+    from harmony.compiler.passmanager import split_choices
+    from harmony.compiler.trace import trace
+    from harmony.passes.stage import check_config
+    world = world or len(hardware.devices)
+    if world > len(hardware.devices):
+        raise ConfigError(f"world={world} but the hardware has {len(hardware.devices)} devices")
+    if options.pop("parallel", "pipeline") != "pipeline":
+        raise ConfigError("plan_node plans a pipeline: drop parallel=, or use harmony.compile for one device")
+    options.setdefault("device", "meta")
+    budget = memory_budget or hardware.devices[0].memory
+    options = Config.of(config, memory_budget=budget, hardware=hardware, data_parallel=False, **options)
+    names, batch = api._batch_items(example_batch)
+    cfg = api._resolve(options, api._batch_size(batch))
+    passes = tuple(cfg.passes)
+    if "stage" not in split_choices(passes)[0]:
+        at = split_choices(passes)[0].index("partition") + 1
+        passes = passes[:at] + ("stage",) + passes[at:]
+    cfg = dataclasses.replace(cfg, parallel="pipeline", world_size=world, passes=passes)
+    check_config(cfg)
+    gm = trace(model, dict(zip(names, batch)) if names else tuple(batch), loss_fn=cfg.loss_fn,
+               leaf_modules=cfg.leaf_modules, dtype=cfg.compute_dtype)
+    fake = cost.annotate(gm, tuple(batch), cfg.microbatch_size, dtype=cfg.compute_dtype)
+    profile = cost.optimizer_profile(cfg.optimizer, cfg.optimizer_kwargs)
+    programs = []
+    for rank in range(world):
+        dev = hardware.devices[rank]
+        mine = dataclasses.replace(cfg, rank=rank, memory_budget=memory_budget or dev.memory)
+        mine.plan_for_device(dev, hardware)
+        program = Program(model=model, gm=gm, example_batch=tuple(batch), config=mine,
+                          batch_keys=tuple(names) if names else None)
+        program.fake, program.optim_profile = fake, profile
+        programs.append(api.run_passes(program, passes))
+    return programs
+
+
+def rank_inputs(program) -> tuple:
+    """``(graph, plan, memory curve, state sizes)`` of a planned program: what ``simulate_node`` takes per device."""
+    from harmony.compiler.verify import memory_curve, state_sizes
+    return (program.schedule, program.plan, memory_curve(program, check_residency=False), state_sizes(program))
+
+
+def simulate_programs(programs, hardware, replicas: int = 1):
+    """The node's step with device r running ``programs[r]`` (``replicas``: each program run by that many devices
+    in a row, e.g. one data-parallel plan on every device of the node)."""
+    from harmony.runtime.simulate_node import simulate_node
+    ranks = [rank_inputs(p) for p in programs]
+    return simulate_node([r for r in ranks for _ in range(replicas)], hardware)
+
+
+def node_hardware(sm, hardware=None):
+    """The node a pipeline rank's ``sm.simulate`` simulates: ``hardware`` (a ``Hardware``, a server preset of
+    ``Hardware.node`` or a GPU preset, one per rank), or None: this machine as one logical device per rank under
+    the module's budget and speed factor."""
+    from harmony.compiler.hardware import Hardware
+    from harmony.compiler.nodes import NODES
+    cfg = sm.program.config
+    world = cfg.world_size
+    if hardware is None:
+        return Hardware.this_machine(cache_dir=cfg.cache_dir).logical([cfg.memory_budget] * world,
+                                                                      [cfg.speed_factor] * world)
+    if isinstance(hardware, str):
+        return Hardware.node(hardware) if hardware in NODES else Hardware.preset(hardware, count=world)
+    return hardware
+
+
+def simulate_rank_node(sm, hardware=None):
+    """A pipeline rank's whole node simulated (``sm.simulate()`` of a rank): this rank's program as compiled, every
+    other rank's planned here from the same trace (its passes with its rank number; nothing is sent), all simulated
+    together. The result is kept as ``sm.node_simulation``, which ``sm.report()`` shows, a row per device."""
+    from harmony.compiler.ir import Program
+    hw = node_hardware(sm, hardware)
+    mine, cfg = sm.program, sm.program.config
+    programs = []
+    for rank in range(cfg.world_size):
+        if rank == cfg.rank:
+            programs.append(mine)
+            continue
+        program = Program(model=mine.model, gm=mine.gm, example_batch=mine.example_batch,
+                          config=dataclasses.replace(cfg, rank=rank), batch_keys=mine.batch_keys)
+        program.fake, program.optim_profile = mine.fake, mine.optim_profile
+        from harmony.compiler.passmanager import run_passes
+        programs.append(run_passes(program, cfg.passes))
+    sm.node_simulation = simulate_programs(programs, hw)
+    return sm.node_simulation
