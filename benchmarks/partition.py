@@ -7,7 +7,12 @@ the optimizer on the host, trained by 2 and 3 gloo ranks started with ``torchrun
 bytes it sent per step (all-reduce, or gather + reduce-scatter) and the median step time after a warm-up step.
 The ranks share this machine's 2 cores, so step times compare the modes, not a cluster. The ``+clip`` modes clip by
 the global norm (0.05, below the norm: every step clips), the ``+4bit`` ones send 4-bit gradients (CGX's codec):
-the partitioned run's reduce-scatter is the quantized all-reduce's first half.
+the partitioned run's reduce-scatter is the quantized all-reduce's first half. ``deepspeed`` runs DeepSpeed ZeRO-3
+on the same ranks, GPT and per-rank batch, with parameters and optimizer state on NVMe (benchmarks/zero3_peer.py;
+where ``pip install -e ".[bench]"`` and libaio are there, else its row says what is missing); its state is on disk,
+so its host column is empty and its disk columns (bytes each rank's process read from and wrote to the block
+device per step, /proc/self/io) are where its state moves. Harmony's ``full`` keeps its share in host memory
+(disk tiers under ``full`` are not built yet), so the two differ in where the state lives, not only in speed.
 
     python benchmarks/partition.py                      # 2 and 3 ranks, every mode
     python benchmarks/partition.py --modes full full+clip full+4bit replicated+4bit
@@ -36,10 +41,18 @@ MODES = {"replicated": dict(shard_state=False), "zero1": dict(shard_state=True),
          "full+4bit": dict(shard_state="full", compression="4bit")}
 
 
+PEER = "deepspeed"       # DeepSpeed ZeRO-3, parameters and optimizer state on NVMe (benchmarks/zero3_peer.py)
+
+
 def rank_run(args) -> None:
     """One rank of one launch: compile, train, report this rank's figures to rank 0, which writes them."""
     import torch
     import torch.distributed as dist
+
+    from benchmarks import zero3_peer
+    if args.mode == PEER:
+        return _peer_rank(args, zero3_peer)
+    proc_io = zero3_peer.offload.proc_io
 
     import harmony
     import harmony.data
@@ -54,20 +67,41 @@ def rank_run(args) -> None:
     sm = harmony.compile(model, example_batch=harmony.data.shard(data[0]), memory_budget=state // 2,
                          microbatches=args.microbatches, optimizer=torch.optim.AdamW, optimizer_kwargs=dict(lr=1e-3),
                          optimizer_on="host", **MODES[args.mode])
-    times, sent = [], []
+    times, sent, io = [], [], []
     for batch in data:
+        before = proc_io()
         sm(*harmony.data.shard(batch))
+        after = proc_io()
+        io.append([after.get(k, 0) - before.get(k, 0) for k in ("read_bytes", "write_bytes")])
         times.append(sm.stats["step_seconds"])
         sent.append(sum(sm.stats.get(k, 0) for k in ("comm_wire_bytes", "gather_wire_bytes",
                                                      "reduce_scatter_wire_bytes")))
     mine = dict(rank=dist.get_rank(), host_state_MiB=host_state_bytes(sm.runtime.state) / 2**20,
                 peak_rss_MiB=sm.stats["peak_rss_bytes"] / 2**20, sent_MiB_per_step=sent[-1] / 2**20,
-                step_s=statistics.median(times[1:]), params=sum(p.numel() for p in model.parameters()))
+                step_s=statistics.median(times[1:]), params=sum(p.numel() for p in model.parameters()),
+                read_MiB_per_step=statistics.median(r for r, _ in io[1:]) / 2**20,
+                write_MiB_per_step=statistics.median(w for _, w in io[1:]) / 2**20)
     sm.close()
-    every = [None] * world
+    _report(args, mine)
+
+
+def _report(args, mine: dict) -> None:
+    import torch.distributed as dist
+    every = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
     if dist.get_rank() == 0:
         Path(args.out).write_text(json.dumps(every))
+
+
+def _peer_rank(args, zero3_peer) -> None:
+    """A DeepSpeed rank: the same GPT and per-rank batch, its state on NVMe (no host state to count)."""
+    from harmony.models import GPTConfig, copy_task
+    c = GPTConfig(layers=args.layers, width=args.width, heads=args.heads, vocab=args.vocab, seq=args.seq, tie=False)
+    world = int(os.environ["WORLD_SIZE"])
+    x, y = next(copy_task(c, args.batch * world, 1))
+    r = int(os.environ["RANK"])
+    mine = zero3_peer.rank(c, x.chunk(world)[r], y.chunk(world)[r], args.microbatches, args.steps + 1)
+    _report(args, dict(mine, rank=r, host_state_MiB=None, sent_MiB_per_step=None, params=None))
 
 
 def launch(world: int, mode: str, args) -> list[dict]:
@@ -92,30 +126,43 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=4, help="samples per rank")
     ap.add_argument("--microbatches", type=int, default=2)
     ap.add_argument("--steps", type=int, default=3, help="timed steps after one warm-up step")
-    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
-    ap.add_argument("--rank-run", default=None, choices=list(MODES), help=argparse.SUPPRESS)
+    ap.add_argument("--modes", nargs="+", default=list(MODES) + [PEER], choices=list(MODES) + [PEER],
+                    help=f"{PEER}: DeepSpeed ZeRO-3 with NVMe offload on the same ranks, where it is installed")
+    ap.add_argument("--rank-run", default=None, choices=list(MODES) + [PEER], help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
     add_json_arg(ap)
     args = ap.parse_args()
     if args.rank_run:
         args.mode = args.rank_run
         return rank_run(args)
+    from benchmarks import zero3_peer
+    missing = zero3_peer.missing() if PEER in args.modes else None
+    if missing:
+        print(f"{PEER}: not run, {missing}")
     rows, figures = [], {}
     for world in args.worlds:
-        runs = {mode: launch(world, mode, args) for mode in args.modes}
+        runs = {mode: launch(world, mode, args) for mode in args.modes if not (mode == PEER and missing)}
         ref = next((m for m in runs if m.startswith("replicated")), args.modes[0])   # host bytes against it
         base = max(r["host_state_MiB"] for r in runs[ref])
         for mode, ranks in runs.items():
             host = [r["host_state_MiB"] for r in ranks]
-            row = dict(world=world, mode=mode, params=ranks[0]["params"],
-                       host_state_MiB_per_rank=" ".join(f"{h:.1f}" for h in host),
-                       host_vs_replicated=max(host) / base,
-                       peak_rss_MiB_max=max(r["peak_rss_MiB"] for r in ranks),
+            peer = mode == PEER
+            row = dict(world=world, mode=mode, params=runs[ref][0]["params"],
+                       host_state_MiB_per_rank="(on NVMe)" if peer else " ".join(f"{h:.1f}" for h in host),
+                       host_vs_replicated=None if peer else max(host) / base,
+                       peak_rss_MiB_max=max(r["peak_rss_MiB"] or 0 for r in ranks),
+                       disk_read_MiB_step=max(r["read_MiB_per_step"] for r in ranks),
+                       disk_write_MiB_step=max(r["write_MiB_per_step"] for r in ranks),
                        sent_MiB_per_step=ranks[0]["sent_MiB_per_step"],
                        step_s_slowest=max(r["step_s"] for r in ranks))
             rows.append(row)
-            figures[f"w{world}_{mode}_host_MiB"] = max(host)
+            if not peer:
+                figures[f"w{world}_{mode}_host_MiB"] = max(host)
             figures[f"w{world}_{mode}_step_s"] = row["step_s_slowest"]
+        if PEER in runs and "full" in runs:
+            figures[f"w{world}_full/{PEER} step"] = (figures[f"w{world}_full_step_s"] /
+                                                     figures[f"w{world}_{PEER}_step_s"])
+            rows.append(dict(world=world, mode=f"full / {PEER}", step_s_slowest=figures[f"w{world}_full/{PEER} step"]))
     print(table(rows, "partitioned state vs ZeRO-1 vs replicated, per rank (measured on this machine)"))
     save_json(args.json, figures)
 
