@@ -44,7 +44,7 @@ class Layout:
 def describe(layout: Layout) -> str:
     """'2 ranks with shard_state=True (each its shard of the optimizer state)', for the messages."""
     n = f"{layout.world} rank{'s' if layout.world != 1 else ''}"
-    return {"whole": f"{'one process' if layout.world == 1 else n} with the whole state (no shard_state)",
+    return {"whole": f"{'1 rank (one process)' if layout.world == 1 else n} with the whole state (no shard_state)",
             "zero1": f"{n} with shard_state=True (each its shard of the optimizer state)",
             "full": f"{n} with shard_state='full' (each its share of the weights and optimizer state)",
             "pipeline": f"{n} of a pipeline (each its packs' state)"}.get(layout.mode, f"{n} in mode {layout.mode!r}")
