@@ -88,7 +88,7 @@ def saved_layout(path) -> Layout | None:
     world = sizes.pop()
     dirs = [rank_dir(path, r, world) for r in range(world)]
     mode = _field(dirs[0], "mode", None) or _field(dirs[0].with_name(dirs[0].name + ".old"), "mode", None)
-    return Layout(world, mode if mode in MODES else _guess(dirs[0]), dirs)
+    return Layout(world, mode if mode in MODES else _guess(dirs), dirs)
 
 
 def _field(d: Path, key: str, default):
@@ -100,11 +100,16 @@ def _field(d: Path, key: str, default):
         return default
 
 
-def _guess(d: Path) -> str:
-    """A manifest written before it named its layout: pieces of weights mean ``full``, else ``zero1``."""
-    try:
-        files = json.loads((d / "manifest.json").read_text()).get("files", [])
-        names = [n for f in files if isinstance(f, dict) for n in f.get("model", {})]
-    except (OSError, ValueError, AttributeError):
-        return "zero1"
-    return "full" if any(n.startswith("share:") for n in names) else "zero1"
+def _guess(dirs: list[Path]) -> str:
+    """A manifest written before it named its layout: pieces of weights mean ``full``; ranks holding different
+    weights, a pipeline's packs; else ``zero1``."""
+    held = []
+    for d in dirs[:2]:
+        try:
+            files = json.loads((d / "manifest.json").read_text()).get("files", [])
+            held.append({n for f in files if isinstance(f, dict) for n in f.get("model", {})})
+        except (OSError, ValueError, AttributeError):
+            return "zero1"
+    if any(n.startswith("share:") for n in held[0]):
+        return "full"
+    return "pipeline" if len(held) > 1 and held[0] != held[1] else "zero1"
