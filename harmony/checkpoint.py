@@ -329,11 +329,6 @@ def _prepare(sm, path):
         return _prepare_own(sm, path)
     where = f"cannot load {os.path.realpath(os.fspath(path))}: it was saved by {describe(saved)}; this run has " \
             f"{describe(here)}. Resharding it"
-    if "pipeline" in (saved.mode, here.mode):
-        to = (f"a pipeline of {saved.world} ranks (torchrun --nproc_per_node {saved.world}, parallel='pipeline')"
-              if saved.mode == "pipeline" else describe(saved))
-        raise CheckpointError(f"{where} is not supported where a pipeline saved or loads it (its packs' state "
-                              f"would move between ranks): load it in {to}. Nothing was changed.")
     try:
         rank = sm.program.plan.rank if here.world > 1 else 0
         reshard = Reshard(Path(path), saved, here, rank, _read_manifest)
