@@ -137,6 +137,14 @@ def _save_on_rank_0_only(rank, world, root):
         _step(sm, data, 1, world)           # the ranks agree again: a step together works
         out[f"{mode}_then"] = sm.steps
         sm.close()
+    os.environ["HARMONY_COMM_TIMEOUT"] = "3"     # last: rank 1 leaves, rank 0 saves with no one to meet
+    model, data, sm = _compile("rep", world)
+    if rank == 0:
+        try:
+            harmony.save(sm, Path(root) / "left")
+            out["left"] = "no error"
+        except CommunicationError as e:
+            out["left"] = str(e)
     return out
 
 
@@ -244,6 +252,8 @@ def test_saving_on_rank_0_alone_is_refused_at_once_on_both_ranks_naming_each_cal
             assert "rank 0: harmony.save" in msg and "rank 1: sm(...)" in msg, msg
             assert "Every rank must call harmony.save" in msg, msg
             assert got[f"{mode}_steps"] == 1 and got[f"{mode}_then"] == 2, got
+    left = two_again[0]["alone"]["left"]         # a rank that never comes: named after comm_timeout
+    assert left.startswith("harmony.save on rank 0 of 2: not every rank made a collective call"), left
 
 
 def test_a_checkpoint_of_another_layout_that_cannot_be_read_names_both_layouts(tmp_path):
