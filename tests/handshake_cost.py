@@ -1,6 +1,6 @@
 """What the ranks' handshake (harmony/handshake.py) costs: 2 gloo ranks, one small model, replicated data parallel.
 
-    python tests/handshake_cost.py
+    python tests/handshake_cost.py [mlp|gpt|gpt-wide]
 
 Prints the handshake's own time per call and a step's time with and without it (interleaved, median of each).
 Not a test: a measurement, run by hand.
@@ -15,13 +15,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 
 
-def _measure(rank, world, calls, steps):
+def _measure(rank, world, case, calls, steps):
     import torch
 
     import harmony
     import harmony.data
-    from models import mlp_case, training_state_bytes
-    model, data = mlp_case(batch=16)
+    from models import CASES, training_state_bytes
+    model, data = CASES["gpt"](batch=16, width=256, layers=4, seq=64) if case == "gpt-wide" else CASES[case](batch=16)
     sm = harmony.compile(model, example_batch=harmony.data.shard(data[0]), microbatches=2,
                          memory_budget=int(training_state_bytes(model) * 0.5), optimizer=torch.optim.AdamW)
     handshake = sm.handshake
@@ -41,7 +41,8 @@ def _measure(rank, world, calls, steps):
 
 if __name__ == "__main__":
     from test_collectives import _spawn
-    res = _spawn(2, _measure, 500, 40, timeout=600)
+    case = sys.argv[1] if len(sys.argv) > 1 else "mlp"
+    res = _spawn(2, _measure, case, 500, 20 if case == "gpt-wide" else 40, timeout=600)
     for r, (per_call, w, wo) in sorted(res.items()):
-        print(f"rank {r}: handshake {per_call * 1e6:.0f} us per call; step median {w * 1e3:.2f} ms with it, "
+        print(f"{case}, rank {r}: handshake {per_call * 1e6:.0f} us per call; step median {w * 1e3:.2f} ms with it, "
               f"{wo * 1e3:.2f} ms without ({(w - wo) / wo * 100:+.1f}%)")
