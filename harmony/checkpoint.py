@@ -139,7 +139,7 @@ def load_state_dict(sm, sd: dict) -> None:
 
 
 def _checked_state(sm, sd: dict, where: str) -> tuple:
-    """``sd`` (a state dict's entries) checked against ``sm``: (sm, its LiveState, sd, the flat groups)."""
+    """``sd`` (a state dict's entries) checked against ``sm``, nothing written: (its LiveState, sd, the flat groups)."""
     live = LiveState(sm)
     model = {n: _spec(t) for n, t in sd["model"].items()}
     optim = {n: {k: _spec(v) for k, v in s.items()} for n, s in sd["optimizer"].items()}
@@ -199,7 +199,8 @@ def save(sm, path, *, progress=None) -> Path:
     data-parallel ranks (``shard_state``), every rank calls it with the same ``path`` and writes
     its own ``path/rank-R-of-W`` (``load`` reads it back on the same rank); with replicated
     state every rank calls it too, rank 0 writes (the ranks hold the same state) and the others
-    return once it has, raising its ``CheckpointError`` if it failed.
+    return once it has, raising its ``CheckpointError`` if it failed. Called on some ranks only (``if rank == 0``),
+    it raises ``CommunicationError`` at once on every rank, naming each rank's call (``harmony.handshake``).
     """
     agree(sm, CALLS[1])     # every rank saves now: one that steps instead is named at once, on every rank
     refuse_torn(sm)
