@@ -326,7 +326,7 @@ def _prepare(sm, path):
     here, saved = this_layout(sm), saved_layout(path)
     if saved is None:
         ckfiles.find(*ckfiles.paths(path)[:2])      # raises: no checkpoint there
-    if saved.same(here):
+    if saved.same(here) and _fits(sm, path, here):
         return _prepare_own(sm, path)
     where = f"cannot load {os.path.realpath(os.fspath(path))}: it was saved by {describe(saved)}; this run has " \
             f"{describe(here)}. Resharding it"
@@ -346,6 +346,22 @@ def _prepare(sm, path):
         _warn_recovered(reshard.recovered, path, sm.steps)
         return CheckpointInfo(Path(os.path.realpath(os.fspath(path))), reshard.step, reshard.recovered)
     return apply
+
+
+def _fits(sm, path, here) -> bool:
+    """This rank's own directory holds the names it holds now: the same owners (``balance``'s shares) or pipeline
+    placement as when saved. Where not (another budget placed the packs otherwise), it is resharded too."""
+    if here.mode == "whole":
+        return True
+    try:
+        manifest = json.loads((ckfiles.paths(_rank_path(sm, path))[0] / MANIFEST).read_text())
+        files = [f for f in manifest["files"] if not f.get("rng")]
+        model = {n for f in files for n in f.get("model", {})}
+        optim = {n for f in files for n in f.get("optimizer", {})}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return True         # the own directory's load names what is wrong with it
+    live = LiveState(sm)
+    return model == set(live.tensors) and optim <= set(live.optimizers)
 
 
 def _prepare_own(sm, path):

@@ -276,11 +276,11 @@ def test_a_checkpoint_of_another_layout_that_cannot_be_read_names_both_layouts(t
 PIPE_STEPS = 1
 
 
-def _pipe_compile(world):
+def _pipe_compile(world, placement="contiguous", frac=0.5):
     from models import gpt_case
     model, data = gpt_case(batch=8)
-    kw = dict(parallel="pipeline", comm_timeout=20) if world > 1 else {}
-    sm = harmony.compile(model, data[0], memory_budget=int(training_state_bytes(model) * 0.5), microbatches=4, **kw)
+    kw = dict(parallel="pipeline", comm_timeout=20, placement=placement) if world > 1 else {}
+    sm = harmony.compile(model, data[0], memory_budget=int(training_state_bytes(model) * frac), microbatches=4, **kw)
     return model, data, sm
 
 
@@ -297,6 +297,17 @@ def _pipe(rank, world, root, loads):
         sm(*data[i])
     harmony.save(sm, Path(root) / f"p{world}")
     out = {}
+    if world == 2:          # the same world, packs placed otherwise: resharded; the union of the ranks' weights
+        sm.close()          # is compared with the contiguous placement's own load
+        for placement in ("contiguous", "round_robin"):
+            model, data, sm = _pipe_compile(world, placement, 0.5 if placement == "contiguous" else 0.3)
+            harmony.load(sm, Path(root) / "p2")
+            for i in range(PIPE_STEPS, PIPE_STEPS + 2):
+                sm(*data[i])
+            out[placement] = {n: t.numpy().copy() for n, t in sm.state_dict()["model"].items()}
+            out[placement + "_names"] = sorted(out[placement])
+            sm.close()
+        return out
     for src in loads:
         try:
             harmony.load(sm, Path(root) / src)
@@ -324,7 +335,12 @@ def pipes(root, two_again):
 @pytest.mark.slow
 def test_pipeline_checkpoints_move_packs_between_ranks_bitwise(pipes):
     two, one, three = pipes
-    assert all(v == {} for v in two.values()), two
+    assert all(isinstance(v, dict) for v in two.values()), two
+    whole = {p: {n: t for r in (0, 1) for n, t in two[r][p].items()} for p in ("contiguous", "round_robin")}
+    assert two[0]["contiguous_names"] != two[0]["round_robin_names"]     # the packs did move
+    assert whole["contiguous"].keys() == whole["round_robin"].keys()
+    for n, t in whole["contiguous"].items():
+        assert t.tobytes() == whole["round_robin"][n].tobytes(), n
     one = one[0]
     assert isinstance(one, dict) and all(isinstance(v, dict) for v in one.values()), one
     for n in one["p1"]:       # a 2-rank pipeline's checkpoint into one process: as its own checkpoint
