@@ -19,6 +19,7 @@ from harmony.compiler.trace import trace
 from harmony.compiler.verify import memory_curve
 from harmony.data import check_world
 from harmony.data import resolve as resolve_data_parallel
+from harmony.handshake import CALLS, agree, attach
 from harmony.optim import build_optimizers, from_instance
 from harmony.optim import optimizer_kwargs as optimizer_kwargs_for
 from harmony.passes.compress import parse_compression
@@ -312,6 +313,7 @@ class ScheduledModule(torch.nn.Module):
                 from harmony.usermodel import guard
                 guard(self)
             self.predicted = memory_curve(program, check_residency=False)
+            attach(self)      # the ranks' calls that use collectives are checked alike (harmony/handshake.py)
             self.shapes = ShapeCache(self)     # a plan per batch shape, this one the example's (harmony/shapes.py)
             if cfg.host_memory_budget is not None:   # the host's memory is budgeted: freed buffers must go back
                 from harmony.base.process import return_freed_memory
@@ -384,6 +386,7 @@ class ScheduledModule(torch.nn.Module):
             raise ConfigError(f"this module was compiled with passes={[h[0] for h in self.history]}, which "
                               f"make no schedule; compile with the default passes to train")
         check_world(self.program.config, self.program.capabilities)   # a plan is for one world size
+        agree(self, CALLS[0])      # every rank steps now (not one saving): else an error on every rank at once
         batch = batch_of(self, batch, named, same_shape=False)
         shape = self.shapes.plan_for(batch)     # another shape: its plan, made once (harmony/shapes.py)
         cuda = self.runtime.device.type == "cuda"
@@ -486,6 +489,8 @@ class ScheduledModule(torch.nn.Module):
         """Read weights that live on disk between steps (``weights_on="disk"``) into the model passed to compile,
         whose forward and state_dict refuse until then (harmony/usermodel.py); returns their names."""
         from harmony.usermodel import sync_model
+        if getattr(getattr(self.runtime, "state", None), "shares", None) is not None:   # it gathers the shares
+            agree(self, CALLS[3])
         return sync_model(self)
 
     def accept_partial_step(self) -> dict | None:

@@ -45,6 +45,7 @@ from harmony import checkpoint_files as ckfiles
 from harmony.base.errors import CheckpointError
 from harmony.base.units import fmt_bytes
 from harmony.checkpoint_check import (
+    check_against_model,
     check_groups,
     check_manifest,
     check_payload,
@@ -54,8 +55,10 @@ from harmony.checkpoint_check import (
     seal,
 )
 from harmony.checkpoint_files import MANIFEST
-from harmony.checkpoint_ranks import check_world, meet
+from harmony.checkpoint_ranks import describe, saved_layout, this_layout
+from harmony.checkpoint_reshard import Reshard
 from harmony.checkpoint_state import LiveState
+from harmony.handshake import CALLS, agree
 
 FORMAT = 1
 KIND = "harmony-checkpoint"
@@ -131,17 +134,28 @@ def load_state_dict(sm, sd: dict) -> None:
             raise CheckpointError(f"state dict has no {key!r} entry; pass the dict that "
                                   f"ScheduledModule.state_dict() returns")
     check_step(sd["step"], "the state dict")
+    live, sd, groups = _checked_state(sm, sd, "the state dict")
+    _write_state(sm, live, sd, groups)
+
+
+def _checked_state(sm, sd: dict, where: str) -> tuple:
+    """``sd`` (a state dict's entries) checked against ``sm``, nothing written: (its LiveState, sd, the flat groups)."""
     live = LiveState(sm)
     model = {n: _spec(t) for n, t in sd["model"].items()}
     optim = {n: {k: _spec(v) for k, v in s.items()} for n, s in sd["optimizer"].items()}
     groups = [g for per_opt in sd["param_groups"] for g in per_opt]
-    check_groups(groups, live, "the state dict")
-    _check(live, model, optim, groups, "the state dict")
+    check_groups(groups, live, where)
+    check_against_model(live, model, optim, groups, where)
+    check_schedulers(sd.get("schedulers", []), getattr(sm, "schedulers", ()), where)
+    return live, sd, groups
+
+
+def _write_state(sm, live: LiveState, sd: dict, groups: list[dict]) -> None:
+    """Replace ``sm``'s state with the checked ``sd``."""
     for n, t in sd["model"].items():
         live.write_tensor(n, t)
     live.write_optims(sd["optimizer"], list(live.optimizers))
     live.clear_optim(set(sd["optimizer"]))
-    check_schedulers(sd.get("schedulers", []), getattr(sm, "schedulers", ()), "the state dict")
     live.write_groups(groups)
     _load_schedules(sm, sd.get("schedulers", []))
     sm.steps = int(sd["step"])
@@ -157,77 +171,6 @@ def _load_schedules(sm, states: list) -> None:
         sm.optimizer.pull()
     for scheduler, state in zip(getattr(sm, "schedulers", ()), states):
         scheduler.load_state_dict(state)
-
-
-def _check(live: LiveState, model: dict, optim: dict, groups: list[dict], where: str) -> None:
-    """Every mismatch between a checkpoint's contents and the compiled model, in one error."""
-    problems = []
-    missing = [n for n in live.tensors if n not in model]
-    extra = [n for n in model if n not in live.tensors]
-    if missing:
-        problems.append(f"{len(missing)} tensors of the model are missing ({_few(missing)})")
-    if extra:
-        problems.append(f"{len(extra)} tensors are not in the model ({_few(extra)})")
-    wrong = []
-    for n, spec in model.items():
-        if n in live.tensors:
-            t = live.tensors[n]
-            if spec is None or spec != _spec(t):
-                wrong.append(f"{n}: checkpoint {_show(spec)}, model {_show(_spec(t))}")
-    for n, state in optim.items():
-        if n not in live.optimizers:
-            wrong.append(f"optimizer state for {n!r}, which is not a trained parameter of this model")
-            continue
-        for k, spec in state.items():
-            old = live.optim_state(n).get(k)
-            if isinstance(old, torch.Tensor) and spec is not None and spec["shape"] != list(old.shape):
-                wrong.append(f"optimizer state {n}[{k!r}]: checkpoint {_show(spec)}, now {_show(_spec(old))}")
-    if wrong:
-        problems.append(f"{len(wrong)} entries do not match: " + "; ".join(wrong[:5])
-                        + (" ..." if len(wrong) > 5 else ""))
-    saved = {}
-    for g in groups:
-        for n in g.get("params", []):
-            saved[n] = g
-    unplaced = [n for n in live.optimizers if n not in saved]
-    if unplaced:
-        problems.append(f"no optimizer hyperparameters for {len(unplaced)} parameters ({_few(unplaced)})")
-    for opt_groups in live.groups:
-        for names, group in opt_groups:
-            found = [saved[n] for n in names if n in saved]
-            if not found:
-                continue
-            keys = {k for k in found[0] if k != "params"}
-            unknown = sorted(keys - set(group))
-            if unknown:
-                cls = type(live.optimizers[names[0]]).__name__
-                problems.append(f"hyperparameters {unknown} are unknown to this model's {cls}: "
-                                f"the checkpoint was saved with another optimizer class")
-                break
-            differ = [n for n, g in zip(names, found) if g is not found[0]
-                      and any(_plain(g.get(k)) != _plain(found[0].get(k)) for k in keys)]
-            if differ:
-                problems.append(f"{names[0]} and {differ[0]} share an optimizer group here but had different "
-                                f"hyperparameters when saved")
-    if problems:
-        raise CheckpointError(f"{where} does not match the compiled model: " + "; ".join(problems) +
-                              ". Load a checkpoint saved from the same model (same parameter names and shapes, "
-                              "as in model.state_dict()) and the same optimizer class; the memory budget and "
-                              "microbatches may differ. Nothing was changed.")
-
-
-def _few(names: list[str]) -> str:
-    return ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
-
-
-def _show(spec) -> str:
-    return "a non-tensor" if spec is None else f"{tuple(spec['shape'])} {spec['dtype']}"
-
-
-def _plain(v):
-    if isinstance(v, torch.Tensor):
-        return v.tolist()
-    return list(v) if isinstance(v, tuple) else v
 
 
 def _rng_state() -> dict:
@@ -256,14 +199,14 @@ def save(sm, path, *, progress=None) -> Path:
     data-parallel ranks (``shard_state``), every rank calls it with the same ``path`` and writes
     its own ``path/rank-R-of-W`` (``load`` reads it back on the same rank); with replicated
     state every rank calls it too, rank 0 writes (the ranks hold the same state) and the others
-    return once it has, raising its ``CheckpointError`` if it failed.
+    return once it has, raising its ``CheckpointError`` if it failed. Called on some ranks only (``if rank == 0``),
+    it raises ``CommunicationError`` at once on every rank, naming each rank's call (``harmony.handshake``).
     """
+    agree(sm, CALLS[1])     # every rank saves now: one that steps instead is named at once, on every rank
     refuse_torn(sm)
     if not _replicated_ranks(sm):
         return _save_here(sm, path, progress)
     import torch.distributed as dist
-    # a rank that never calls save is named now, not after a raw gloo error
-    meet("harmony.save", sm.program.config.comm_timeout)
     box, error = [None], None
     if dist.get_rank() == 0:
         try:
@@ -330,7 +273,9 @@ def _save_here(sm, path, progress) -> Path:
         files.append({"name": "rng.pt", "pack": None, "bytes": size, "sha256": digest, "rng": True})
         if progress is not None:
             progress(total - 1, total, tmp / "rng.pt")
+        here = this_layout(sm)
         manifest = {"format": KIND, "version": FORMAT, "step": sm.steps, "torch": torch.__version__,
+                    "world": here.world, "mode": here.mode,
                     "param_groups": groups, "files": files,
                     "schedulers": [_jsonable(s.state_dict()) for s in getattr(sm, "schedulers", ())]}
         if _scaler(sm) is not None:
@@ -357,9 +302,70 @@ def load(sm, path) -> CheckpointInfo:
 
     The manifest is checked against the model and every file against its checksum before
     anything changes. If only ``<path>.old`` exists (a save was killed between its two
-    renames) that is loaded, with a warning.
+    renames) that is loaded, with a warning. A checkpoint saved by another number of ranks, or
+    with another ``shard_state``, is resharded: each rank reads the pieces of the state it holds
+    (``harmony.checkpoint_reshard``). Over several ranks, each rank's part is read and checked
+    before any rank changes anything: a rank that fails makes every rank raise.
     """
-    check_world(path, sm)
+    agree(sm, CALLS[2])      # every rank loads now
+    handshake = getattr(sm, "handshake", None)
+    apply, error = None, None
+    try:
+        apply = _prepare(sm, path)
+    except Exception as e:    # noqa: BLE001 (told to the other ranks, then raised here)
+        if handshake is None:
+            raise
+        error = e
+    if handshake is not None:
+        handshake.outcome(CALLS[2], error)
+    return apply()
+
+
+def _prepare(sm, path):
+    """Everything ``load`` reads, read and checked; returns what writes it into ``sm``."""
+    here, saved = this_layout(sm), saved_layout(path)
+    if saved is None:
+        ckfiles.find(*ckfiles.paths(path)[:2])      # raises: no checkpoint there
+    if saved.same(here) and _fits(sm, path, here):
+        return _prepare_own(sm, path)
+    where = f"cannot load {os.path.realpath(os.fspath(path))}: it was saved by {describe(saved)}; this run has " \
+            f"{describe(here)}. Resharding it"
+    try:
+        rank = sm.program.plan.rank if here.world > 1 else 0
+        reshard = Reshard(Path(path), saved, here, rank, _read_manifest)
+        sd = reshard.state_dict(LiveState(sm), FORMAT)
+        checked = _checked_state(sm, sd, f"{where}: the checkpoint")
+    except CheckpointError as e:
+        raise CheckpointError(f"{where} failed: {e}") from e
+    except OSError as e:
+        raise CheckpointError(f"{where} failed: could not read {e.filename}: {e.strerror or e}; nothing was "
+                              f"changed. Check the file system, or load an older checkpoint.") from e
+
+    def apply():
+        _write_state(sm, *checked)
+        _warn_recovered(reshard.recovered, path, sm.steps)
+        return CheckpointInfo(Path(os.path.realpath(os.fspath(path))), reshard.step, reshard.recovered)
+    return apply
+
+
+def _fits(sm, path, here) -> bool:
+    """This rank's own directory holds the names it holds now: the same owners (``balance``'s shares) or pipeline
+    placement as when saved. Where not (another budget placed the packs otherwise), it is resharded too."""
+    if here.mode == "whole":
+        return True
+    try:
+        manifest = json.loads((ckfiles.paths(_rank_path(sm, path))[0] / MANIFEST).read_text())
+        files = [f for f in manifest["files"] if not f.get("rng")]
+        model = {n for f in files for n in f.get("model", {})}
+        optim = {n for f in files for n in f.get("optimizer", {})}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return True         # the own directory's load names what is wrong with it
+    live = LiveState(sm)
+    return model == set(live.tensors) and optim <= set(live.optimizers)
+
+
+def _prepare_own(sm, path):
+    """``_prepare`` of a checkpoint in this run's own layout: this rank's directory."""
     target, old, _ = ckfiles.paths(_rank_path(sm, path))
     src, recovered = ckfiles.find(target, old)
     manifest = _read_manifest(src)
@@ -370,7 +376,7 @@ def load(sm, path) -> CheckpointInfo:
     groups = [g for per_opt in manifest["param_groups"] for g in per_opt]
     check_groups(groups, live, src / MANIFEST)
     check_schedulers(manifest.get("schedulers", []), getattr(sm, "schedulers", ()), src / MANIFEST)
-    _check(live, model, optim, groups, f"checkpoint {src}")
+    check_against_model(live, model, optim, groups, f"checkpoint {src}")
     try:
         for f in manifest["files"]:
             ckfiles.verify(src, f)
@@ -386,27 +392,34 @@ def load(sm, path) -> CheckpointInfo:
     except OSError as e:
         raise CheckpointError(f"could not read checkpoint {src}: {e.strerror or e} ({e.filename}); "
                               f"nothing was changed. Check the file system, or load an older checkpoint.") from e
-    try:
-        for data in datas:
-            for n, t in data["model"].items():
-                live.write_tensor(n, t)
-            live.write_optims(data["optimizer"], list(data["model"]))
-        del datas
-    except OSError as e:
-        raise CheckpointError(f"could not read checkpoint {src}: {e.strerror or e} ({e.filename}). The model "
-                              f"may be partly loaded: load again, or another checkpoint, before training.") from e
-    live.clear_optim(set(optim))
-    live.write_groups(groups)
-    _load_schedules(sm, manifest.get("schedulers", []))
-    sm.steps = int(manifest["step"])
-    _set_rng_state(rng)
-    _consistent_again(sm)
-    _load_scaler(sm, manifest.get("loss_scaler"))
+
+    def apply():
+        try:
+            for data in datas:
+                for n, t in data["model"].items():
+                    live.write_tensor(n, t)
+                live.write_optims(data["optimizer"], list(data["model"]))
+            datas.clear()
+        except OSError as e:
+            raise CheckpointError(f"could not read checkpoint {src}: {e.strerror or e} ({e.filename}). The model "
+                                  f"may be partly loaded: load again, or another checkpoint, before training.") from e
+        live.clear_optim(set(optim))
+        live.write_groups(groups)
+        _load_schedules(sm, manifest.get("schedulers", []))
+        sm.steps = int(manifest["step"])
+        _set_rng_state(rng)
+        _consistent_again(sm)
+        _load_scaler(sm, manifest.get("loss_scaler"))
+        _warn_recovered(recovered, src, sm.steps)
+        return CheckpointInfo(src, int(manifest["step"]), recovered)
+    return apply
+
+
+def _warn_recovered(recovered: bool, src, step: int) -> None:
     if recovered:
-        warnings.warn(f"{target} is missing: a save was interrupted between its renames; loaded the previous "
-                      f"checkpoint {src} (step {sm.steps}). The next harmony.save to {target} moves it back.",
-                      stacklevel=2)
-    return CheckpointInfo(src, int(manifest["step"]), recovered)
+        warnings.warn(f"a checkpoint directory was missing under {src}: a save was interrupted between its renames; "
+                      f"loaded the previous checkpoint {src} (step {step}). The next harmony.save there moves it "
+                      f"back.", stacklevel=3)
 
 
 def refuse_torn(sm) -> None:

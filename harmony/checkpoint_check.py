@@ -184,3 +184,79 @@ def check_payload(data, f: dict, live, path: Path) -> None:
                                                 or str(v.dtype).removeprefix("torch.") != spec["dtype"]):
                 raise _fail(path, f"optimizer state {n}[{k!r}] is {tuple(v.shape)} {v.dtype}, the manifest "
                                   f"lists {spec}")
+
+
+def check_against_model(live, model: dict, optim: dict, groups: list[dict], where: str) -> None:
+    """Every mismatch between a checkpoint's contents and the compiled model, in one error."""
+    problems = []
+    missing = [n for n in live.tensors if n not in model]
+    extra = [n for n in model if n not in live.tensors]
+    if missing:
+        problems.append(f"{len(missing)} tensors of the model are missing ({_few(missing)})")
+    if extra:
+        problems.append(f"{len(extra)} tensors are not in the model ({_few(extra)})")
+    wrong = []
+    for n, spec in model.items():
+        if n in live.tensors:
+            t = live.tensors[n]
+            if spec is None or spec != _spec(t):
+                wrong.append(f"{n}: checkpoint {_show(spec)}, model {_show(_spec(t))}")
+    for n, state in optim.items():
+        if n not in live.optimizers:
+            wrong.append(f"optimizer state for {n!r}, which is not a trained parameter of this model")
+            continue
+        for k, spec in state.items():
+            old = live.optim_state(n).get(k)
+            if isinstance(old, torch.Tensor) and spec is not None and spec["shape"] != list(old.shape):
+                wrong.append(f"optimizer state {n}[{k!r}]: checkpoint {_show(spec)}, now {_show(_spec(old))}")
+    if wrong:
+        problems.append(f"{len(wrong)} entries do not match: " + "; ".join(wrong[:5])
+                        + (" ..." if len(wrong) > 5 else ""))
+    saved = {}
+    for g in groups:
+        for n in g.get("params", []):
+            saved[n] = g
+    unplaced = [n for n in live.optimizers if n not in saved]
+    if unplaced:
+        problems.append(f"no optimizer hyperparameters for {len(unplaced)} parameters ({_few(unplaced)})")
+    for opt_groups in live.groups:
+        for names, group in opt_groups:
+            found = [saved[n] for n in names if n in saved]
+            if not found:
+                continue
+            keys = {k for k in found[0] if k != "params"}
+            unknown = sorted(keys - set(group))
+            if unknown:
+                cls = type(live.optimizers[names[0]]).__name__
+                problems.append(f"hyperparameters {unknown} are unknown to this model's {cls}: "
+                                f"the checkpoint was saved with another optimizer class")
+                break
+            differ = [n for n, g in zip(names, found) if g is not found[0]
+                      and any(_plain(g.get(k)) != _plain(found[0].get(k)) for k in keys)]
+            if differ:
+                problems.append(f"{names[0]} and {differ[0]} share an optimizer group here but had different "
+                                f"hyperparameters when saved")
+    if problems:
+        raise CheckpointError(f"{where} does not match the compiled model: " + "; ".join(problems) +
+                              ". Load a checkpoint saved from the same model (same parameter names and shapes, "
+                              "as in model.state_dict()) and the same optimizer class; the memory budget and "
+                              "microbatches may differ. Nothing was changed.")
+
+
+def _few(names: list[str]) -> str:
+    return ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
+
+
+def _show(spec) -> str:
+    return "a non-tensor" if spec is None else f"{tuple(spec['shape'])} {spec['dtype']}"
+
+
+def _plain(v):
+    if isinstance(v, torch.Tensor):
+        return v.tolist()
+    return list(v) if isinstance(v, tuple) else v
+
+
+def _spec(t) -> dict | None:
+    return {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")} if isinstance(t, torch.Tensor) \
+        else None

@@ -1,84 +1,115 @@
-"""Checkpoints under data parallelism: every rank must take part, and a checkpoint names the world it was saved in.
+"""Checkpoints over several ranks: the layout a checkpoint was saved in, and the one this run loads into.
 
-``meet(op, timeout)``: before rank 0 writes the checkpoint the ranks share (or any rank reads), the ranks meet at a
-monitored barrier (gloo; a plain barrier elsewhere, bounded by the process group's timeout). A rank that does not
-come within ``comm_timeout`` seconds (the process group's: HARMONY_COMM_TIMEOUT, default 300) is named in a
-``CommunicationError`` on the ranks that came, which says that every rank must call the operation: the common DDP
-habit of saving on rank 0 alone would otherwise wait for the whole timeout and end in a raw gloo error.
+A checkpoint is saved in one of four layouts, named in its manifest (``world``, ``mode``):
 
-``check_world(path, sm)``: a checkpoint saved by W ranks with sharded optimizer state is a directory of
-``rank-R-of-W`` checkpoints; loading it into another world size (or an unsharded run), or an unsharded checkpoint into
-a sharded run, names both sizes and what to do, instead of "no manifest.json".
+* ``whole``: one directory with the whole state, by one process or by replicated data-parallel ranks (rank 0
+  writes it);
+* ``zero1`` (``shard_state=True``): ``rank-R-of-W`` directories, each with every weight and the optimizer state of
+  the parameters rank R owns;
+* ``full`` (``shard_state="full"``): ``rank-R-of-W`` directories, each with rank R's pieces of the weights and
+  their optimizer state (``share:<name>[a:b]``, elements ``a:b`` of the flattened parameter);
+* ``pipeline``: ``rank-R-of-W`` directories, each with the weights and optimizer state of the packs rank R runs.
+
+``saved_layout(path)`` reads which, ``this_layout(sm)`` says the run's own. Where the two are the same, each rank
+reads its own directory; otherwise ``harmony.checkpoint_reshard`` assembles the run's layout from the pieces the
+saved ranks wrote. ``describe`` names a layout in the messages ("2 ranks with shard_state='full'").
 """
 from __future__ import annotations
 
+import json
 import os
 import re
-from datetime import timedelta
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from harmony.base.errors import CheckpointError, CommunicationError
+from harmony.base.errors import CheckpointError
 
-_RANK_DIR = re.compile(r"rank-(\d+)-of-(\d+)")
-
-
-def meet(op: str, timeout: float) -> None:
-    """Every rank reaches ``op`` (``harmony.save`` / ``harmony.load``) within ``timeout`` seconds (the module's
-    ``comm_timeout``), or a CommunicationError."""
-    import torch.distributed as dist
-    rank, world = dist.get_rank(), dist.get_world_size()
-    try:
-        if dist.get_backend() == "gloo":
-            dist.monitored_barrier(timeout=timedelta(seconds=timeout), wait_all_ranks=True)
-        else:
-            dist.barrier()
-    except (RuntimeError, dist.DistError) as e:
-        detail = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise CommunicationError(
-            f"{op} on rank {rank} of {world}: not every rank called {op} within {timeout:g} s ({detail}). Every "
-            f"rank must call {op} with the same path, at the same point of training (rank 0 writes the checkpoint "
-            f"the ranks share, or each rank its shard); calling it on rank 0 alone is not supported. If a rank "
-            f"died, restart all ranks (torchrun --max-restarts) and load the last checkpoint.") from e
+_RANK_DIR = re.compile(r"rank-(\d+)-of-(\d+)(\.old)?")
+MODES = ("whole", "zero1", "full", "pipeline")
 
 
-def saved_world(path: Path) -> int | None:
-    """The world size a sharded checkpoint at ``path`` was saved by (its ``rank-R-of-W`` entries), or None."""
+@dataclass
+class Layout:
+    """How a checkpoint's state is split: ``world`` ranks in ``mode``; ``dirs``: each saved rank's directory."""
+
+    world: int
+    mode: str
+    dirs: list[Path] = field(default_factory=list)
+
+    def same(self, other: "Layout") -> bool:
+        """Each rank of ``other`` finds its own state in this layout as it is (nothing to reshard)."""
+        return self.mode == other.mode and (self.mode == "whole" or self.world == other.world)
+
+
+def describe(layout: Layout) -> str:
+    """'2 ranks with shard_state=True (each its shard of the optimizer state)', for the messages."""
+    n = f"{layout.world} rank{'s' if layout.world != 1 else ''}"
+    return {"whole": f"{'1 rank (one process)' if layout.world == 1 else n} with the whole state (no shard_state)",
+            "zero1": f"{n} with shard_state=True (each its shard of the optimizer state)",
+            "full": f"{n} with shard_state='full' (each its share of the weights and optimizer state)",
+            "pipeline": f"{n} of a pipeline (each its packs' state)"}.get(layout.mode, f"{n} in mode {layout.mode!r}")
+
+
+def this_layout(sm) -> Layout:
+    """The layout this run's ranks hold their state in."""
+    plan, cfg = getattr(sm.program, "plan", None), sm.program.config
+    staged = getattr(plan, "stage", None) is not None
+    world = (getattr(cfg, "world_size", 1) or 1) if getattr(cfg, "data_parallel", False) or staged else 1
+    if staged:
+        mode = "pipeline"
+    elif any(r.shares is not None for r in getattr(plan, "residency", {}).values()):
+        mode = "full"
+    elif getattr(plan, "state_owner", None):
+        mode = "zero1"
+    else:
+        mode = "whole"
+    return Layout(world, mode)
+
+
+def rank_dir(path, rank: int, world: int) -> Path:
+    return Path(path) / f"rank-{rank}-of-{world}"
+
+
+def saved_layout(path) -> Layout | None:
+    """The layout of the checkpoint at ``path`` (its rank-0 manifest says which), or None where there is none."""
+    path = Path(os.path.realpath(os.fspath(path)))
     try:
         sizes = {int(m.group(2)) for p in path.iterdir() if (m := _RANK_DIR.fullmatch(p.name))}
     except OSError:
-        return None
-    return max(sizes) if sizes else None
+        sizes = set()
+    if not sizes:
+        if not ((path / "manifest.json").is_file() or path.with_name(path.name + ".old").is_dir()):
+            return None
+        return Layout(_field(path, "world", 1), "whole", [path])
+    if len(sizes) > 1:
+        raise CheckpointError(f"cannot load {path}: it holds the rank directories of several world sizes "
+                              f"({', '.join(f'rank-R-of-{w}' for w in sorted(sizes))}); keep one save's "
+                              f"directories there. Nothing was changed.")
+    world = sizes.pop()
+    dirs = [rank_dir(path, r, world) for r in range(world)]
+    mode = _field(dirs[0], "mode", None) or _field(dirs[0].with_name(dirs[0].name + ".old"), "mode", None)
+    return Layout(world, mode if mode in MODES else _guess(dirs), dirs)
 
 
-def check_world(path, sm) -> None:
-    """Refuse, naming both world sizes, a checkpoint saved by another world (or sharding) than this run's."""
-    plan, cfg = getattr(sm.program, "plan", None), sm.program.config
-    sharded = bool(getattr(plan, "sharded", False))
-    full = sharded and not getattr(plan, "state_owner", None)     # shard_state="full": weights partitioned too
-    staged = getattr(plan, "stage", None) is not None      # a pipeline rank saves its packs' state
-    world = (getattr(cfg, "world_size", 1) or 1) if getattr(cfg, "data_parallel", False) or staged else 1
-    path = Path(os.path.realpath(os.fspath(path)))
-    saved = saved_world(path)
-    if saved is None:
-        if staged and (path / "manifest.json").is_file():
-            raise CheckpointError(f"cannot load {path}: it was saved by one process, and this pipeline of {world} "
-                                  f"ranks loads each rank's packs from rank-R-of-{world}. Nothing was changed.")
-        if sharded and (path / "manifest.json").is_file():
-            raise CheckpointError(
-                f"cannot load {path}: it was saved with the whole optimizer state (shard_state off), and this run "
-                f"of {world} ranks shards it (shard_state={cfg.shard_state!r}); compile with shard_state=False to "
-                f"load it. Nothing was changed.")
-        return
-    if staged and saved != world:
-        raise CheckpointError(
-            f"cannot load {path}: it was saved by {saved} ranks (rank-R-of-{saved}, each with its own packs' state), "
-            f"and this pipeline runs on {world}: load it with --nproc_per_node {saved} (moving packs to another "
-            f"number of ranks is not supported). Nothing was changed.")
-    if not sharded or saved != world:
-        here = f"{world} rank{'s' if world != 1 else ''}" + (" with sharded optimizer state" if sharded else
-                                                             " with the whole optimizer state on each")
-        raise CheckpointError(
-            f"cannot load {path}: it was saved by {saved} ranks, each with its shard of the "
-            f"{'weights and ' if full else ''}optimizer state (rank-R-of-{saved}), and this run has {here}. Load it "
-            f"in a run of {saved} ranks with shard_state={'full' if full else True!r} (resharding into another world "
-            f"size is not supported). Nothing was changed.")
+def _field(d: Path, key: str, default):
+    """One field of the manifest in ``d`` (or ``default``: an older checkpoint, or one that is damaged, which
+    the load names when it reads it)."""
+    try:
+        return json.loads((d / "manifest.json").read_text()).get(key, default)
+    except (OSError, ValueError, AttributeError):
+        return default
+
+
+def _guess(dirs: list[Path]) -> str:
+    """A manifest written before it named its layout: pieces of weights mean ``full``; ranks holding different
+    weights, a pipeline's packs; else ``zero1``."""
+    held = []
+    for d in dirs[:2]:
+        try:
+            files = json.loads((d / "manifest.json").read_text()).get("files", [])
+            held.append({n for f in files if isinstance(f, dict) for n in f.get("model", {})})
+        except (OSError, ValueError, AttributeError):
+            return "zero1"
+    if any(n.startswith("share:") for n in held[0]):
+        return "full"
+    return "pipeline" if len(held) > 1 and held[0] != held[1] else "zero1"

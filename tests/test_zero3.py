@@ -94,7 +94,7 @@ def _ranks(rank, world, path, other):
     if world == 2:
         out["resume"] = _resume(rank, world, path)
         out["refused"] = _refused(rank, world)
-    else:       # the checkpoint the 2-rank run saved cannot be loaded by 3 ranks
+    else:       # the checkpoint the 2-rank run saved loads into 3 ranks
         model, data, sm = _compile(4 * world, shard_state="full")
         try:
             harmony.load(sm, other)
@@ -178,7 +178,7 @@ def test_three_ranks_partitioned_train_bitwise_like_replicated(three):
     _check_partitioned(three, 3)
     for r in range(3):
         msg = three[r]["other_world"]
-        assert "saved by 2 ranks" in msg and "3 ranks" in msg and "shard_state='full'" in msg
+        assert msg == "no error", msg       # resharded into 3 ranks (bitwise: tests/test_reshard.py)
 
 
 # -- one process ---------------------------------------------------------------------------------------

@@ -1,0 +1,102 @@
+"""Ranks agree on what they are doing before a call that uses collectives: a mismatch is named at once, on every rank.
+
+Under data parallelism (and a pipeline) every rank must make the same collective calls in the same order: a step
+(``sm(...)``), ``harmony.save``, ``harmony.load``, ``sm.sync_model()`` under ``shard_state="full"``. The common DDP
+habit ``if rank == 0: harmony.save(sm, path)`` breaks that: rank 0 would wait in the save's collectives for the
+whole communication timeout while the others fail at their next step with a raw gloo error. So each such call
+starts with ``agree``: one all-gather of two integers (the call's code and the module's step count) over a process
+group of its own, made at compile time on every rank (its collectives never interleave with the host thread's
+all-reduces on the default group). Where the ranks' calls differ, every rank raises ``CommunicationError`` naming
+each rank's call, before anything of the module changes; where a rank never comes, its peers raise it after
+``comm_timeout`` seconds naming the call they waited in.
+
+``outcome`` is the second half of a call that must succeed on every rank or on none (``harmony.load``): each rank
+says whether its part is ready, and a rank whose peers failed raises their errors instead of going on.
+"""
+from __future__ import annotations
+
+import datetime
+
+import torch
+
+from harmony.base.errors import CheckpointError, CommunicationError
+
+CALLS = ("sm(...) (a training step)", "harmony.save", "harmony.load", "sm.sync_model()")
+
+
+class Handshake:
+    """The module's own gloo process group and what each rank's calls were."""
+
+    def __init__(self, rank: int, world: int, timeout: float):
+        import torch.distributed as dist
+        self.rank, self.world, self.timeout = rank, world, timeout
+        self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout))
+
+    def agree(self, call: str, steps: int) -> None:
+        """Every rank is making ``call`` (one of ``CALLS``), or CommunicationError on every rank."""
+        import torch.distributed as dist
+        mine = torch.tensor([CALLS.index(call), steps], dtype=torch.int64)
+        got = [torch.empty_like(mine) for _ in range(self.world)]
+        try:
+            dist.all_gather(got, mine, group=self.group)
+        except (RuntimeError, dist.DistError) as e:
+            detail = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise CommunicationError(
+                f"{call} on rank {self.rank} of {self.world}: not every rank made a collective call within "
+                f"{self.timeout:g} s (comm_timeout; {detail}). Every rank must call {call} at the same point of "
+                f"training. If a rank died, restart all ranks (torchrun --max-restarts) and load the last "
+                f"checkpoint.") from e
+        calls = [CALLS[int(t[0])] if 0 <= int(t[0]) < len(CALLS) else f"call {int(t[0])}" for t in got]
+        if len(set(calls)) > 1:
+            each = ", ".join(f"rank {r}: {c} at step {int(t[1])}" for r, (c, t) in enumerate(zip(calls, got)))
+            raise CommunicationError(
+                f"{call} on rank {self.rank} of {self.world}: the ranks are making different calls ({each}); "
+                f"nothing was run. Every rank must call {_who(calls)} at the same point of training, with the same "
+                f"arguments: each rank holds its part of the state and takes part in the collectives that write, "
+                f"read or update it" + (" (calling harmony.save on rank 0 alone, as with DDP, is not supported: call "
+                                        "it on every rank; rank 0 writes what the ranks share)" if CALLS[1] in calls
+                                        else "") + ".")
+
+    def outcome(self, call: str, error: Exception | None) -> None:
+        """Every rank's part of ``call`` is ready; else each rank raises (its own error, or its peers')."""
+        import torch.distributed as dist
+        got: list = [None] * self.world
+        try:
+            dist.all_gather_object(got, None if error is None else f"{type(error).__name__}: {error}",
+                                   group=self.group)
+        except (RuntimeError, dist.DistError) as e:
+            raise CommunicationError(f"{call} on rank {self.rank} of {self.world}: the ranks could not tell each "
+                                     f"other whether their parts are ready within {self.timeout:g} s ({e}); "
+                                     f"nothing was changed. Call it again on every rank.") from e
+        if error is not None:
+            raise error
+        failed = [(r, msg) for r, msg in enumerate(got) if msg is not None]
+        if failed:
+            raise CheckpointError(f"{call} on rank {self.rank} of {self.world}: "
+                                  + "; ".join(f"rank {r} failed ({msg})" for r, msg in failed)
+                                  + ". Nothing was changed on any rank.")
+
+
+def _who(calls: list[str]) -> str:
+    """The call to name: the one other than a step (a save or load the others did not make)."""
+    rest = [c for c in dict.fromkeys(calls) if c != CALLS[0]]
+    return " and ".join(rest) if rest else calls[0]
+
+
+def attach(sm) -> None:
+    """``sm.handshake``: a Handshake where ``sm`` runs over several ranks (data parallel, a pipeline), else None.
+    Every rank compiles, so every rank makes the group here, in the same order."""
+    cfg, plan = sm.program.config, sm.program.plan
+    world = getattr(cfg, "world_size", 1) or 1
+    sm.handshake = None
+    if world > 1 and (getattr(cfg, "data_parallel", False) or getattr(plan, "stage", None) is not None):
+        import torch.distributed as dist
+        if dist.is_available() and dist.is_initialized():
+            sm.handshake = Handshake(dist.get_rank(), world, cfg.comm_timeout)
+
+
+def agree(sm, call: str) -> None:
+    """``sm.handshake.agree`` where there is one (several ranks), else nothing."""
+    handshake = getattr(sm, "handshake", None)
+    if handshake is not None:
+        handshake.agree(call, sm.steps)
