@@ -26,7 +26,7 @@ from harmony.passes.compress import parse_compression
 from harmony.runtime.executor import Runtime
 from harmony.runtime.ondemand import OnDemand
 from harmony.shapes import ShapeCache, describe
-from harmony.stepping import accept_partial_step, batch_of, run_step
+from harmony.stepping import accept_partial_step, batch_of, disk_stats, run_step
 
 
 def compile(model: torch.nn.Module, example_batch, *, memory_budget=None, microbatches: int | None = None,
@@ -204,18 +204,6 @@ def shard_over_ranks(config: CompileConfig, gm, shares: list[float]) -> None:
     from harmony.runtime.shard import owners
     config.state_owner = owners([(n, nbytes(p)) for n, p in gm.named_parameters()
                                  if p.requires_grad], shares)
-
-
-def _disk_stats(state) -> dict:
-    """This step's disk traffic of both disk tiers (optimizer state alone; packs wholly on disk), summed."""
-    out: dict = {}
-    for tier in (getattr(state, "disk", None), getattr(state, "params_disk", None)):
-        for k, v in (tier.step_stats() if tier is not None else {}).items():
-            out[k] = out[k] + v if isinstance(v, (int, float)) and k in out else out.get(k, v)
-    for way in ("read", "write") if out else ():     # GB/s of the I/O that finished in this step, with its seconds
-        sec = out[f"disk_{way}_seconds"]
-        out[f"disk_{way}_GBps"] = out[f"disk_{way}_done"] / sec / 1e9 if sec else 0.0
-    return out
 
 
 def _run_passes(program: Program, passes) -> Program:
@@ -421,7 +409,7 @@ class ScheduledModule(torch.nn.Module):
                          device_reserved=self.program.config.device_reserved)
         if getattr(rt.state, "host_idle", None) is not None:     # the CPU device's host thread has run
             stats["background_idle_priority"] = rt.state.host_idle
-        stats.update(_disk_stats(rt.state))
+        stats.update(disk_stats(rt.state))
         kinds = {n.name: n.target.__name__ for n in shape.program.schedule.nodes if n.op == "call_function"}
         for e in rt.events:          # where the step's time went on the thread that runs the schedule, by op
             key = f"time_{kinds.get(e.name, 'other')}_s"

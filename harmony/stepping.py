@@ -85,3 +85,15 @@ def accept_partial_step(sm) -> dict | None:
     rt = sm.runtime
     torn, rt.torn = (rt.torn, None) if rt is not None else (None, None)
     return torn
+
+
+def disk_stats(state) -> dict:
+    """This step's disk traffic of both disk tiers (optimizer state alone; packs wholly on disk), summed."""
+    out: dict = {}
+    for tier in (getattr(state, "disk", None), getattr(state, "params_disk", None)):
+        for k, v in (tier.step_stats() if tier is not None else {}).items():
+            out[k] = out[k] + v if isinstance(v, (int, float)) and k in out else out.get(k, v)
+    for way in ("read", "write") if out else ():     # GB/s of the I/O that finished in this step, with its seconds
+        sec = out[f"disk_{way}_seconds"]
+        out[f"disk_{way}_GBps"] = out[f"disk_{way}_done"] / sec / 1e9 if sec else 0.0
+    return out
