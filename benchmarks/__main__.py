@@ -68,6 +68,10 @@ FIGURES = [
     Figure("evaluate", "eval_peak/budget", "<= 1", "lower"),
     Figure("shapes", "new shape first/cached step worst", "(none: a new batch shape's planning)", "lower"),
     Figure("shapes", "peak/budget worst", "<= 1", "lower"),
+    Figure("partition", "w2_full/replicated host", "<= 0.525 (1/N + 5%)", "lower"),
+    Figure("partition", "w2_full/replicated step", "(none: gathers and reduce-scatters on 2 shared cores)", "lower"),
+    Figure("pipeline", "2 ranks contiguous", "(none: 2 emulated ranks vs 1; 2.5x at 4 ranks full size)", "higher"),
+    Figure("pipeline", "simulated 4x1080ti gpt-0.4b vPP-rr/vDP", "(none: SIMULATED)", "higher"),
 ]
 
 
@@ -75,7 +79,8 @@ def commands(out: Path, py: str) -> dict[str, list[str]]:
     """Each benchmark's quick run, writing ``out/<name>.json``."""
     b = str(HERE)
     j = {name: str(out / f"{name}.json") for name in ("overhead", "swap_volume", "offload", "allreduce", "hetero",
-                                                      "calibration", "loop", "evaluate", "shapes")}
+                                                      "calibration", "loop", "evaluate", "shapes", "partition",
+                                                      "pipeline")}
     return {
         "overhead": [py, f"{b}/overhead.py", "--layers", "4", "--width", "384", "--steps", "10",
                      "--json", j["overhead"]],
@@ -93,6 +98,10 @@ def commands(out: Path, py: str) -> dict[str, list[str]]:
         "loop": [py, f"{b}/loop.py", "--layers", "4", "--steps", "6", "--json", j["loop"]],
         "evaluate": [py, f"{b}/evaluate.py", "--layers", "4", "--steps", "4", "--json", j["evaluate"]],
         "shapes": [py, f"{b}/shapes.py", "--layers", "4", "--steps", "3", "--json", j["shapes"]],
+        "partition": [py, f"{b}/partition.py", "--worlds", "2", "--layers", "4", "--width", "256", "--heads", "4",
+                      "--json", j["partition"], "--modes", "replicated", "full"] +
+                     (["deepspeed"] if _deepspeed() else []),
+        "pipeline": [py, f"{b}/pipeline.py", "--quick", "--json", j["pipeline"]],
     }
 
 

@@ -159,6 +159,11 @@ def main() -> None:
             if not peer:
                 figures[f"w{world}_{mode}_host_MiB"] = max(host)
             figures[f"w{world}_{mode}_step_s"] = row["step_s_slowest"]
+        if "full" in runs and "replicated" in runs:     # the headline ratios python -m benchmarks reads
+            figures[f"w{world}_full/replicated host"] = (figures[f"w{world}_full_host_MiB"] /
+                                                         figures[f"w{world}_replicated_host_MiB"])
+            figures[f"w{world}_full/replicated step"] = (figures[f"w{world}_full_step_s"] /
+                                                         figures[f"w{world}_replicated_step_s"])
         if PEER in runs and "full" in runs:
             figures[f"w{world}_full/{PEER} step"] = (figures[f"w{world}_full_step_s"] /
                                                      figures[f"w{world}_{PEER}_step_s"])
