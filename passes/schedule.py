@@ -30,6 +30,16 @@ PROVIDES = {"schedule"}
 POLICIES = ("harmony", "sequential", "ondemand")
 
 
+def emit(g: torch.fx.Graph, fn, *args, name=None, **kwargs) -> torch.fx.Node:
+    """A call of the runtime op ``fn`` in the schedule ``g``, named ``name`` where given, tagged with its pack (the
+    first argument where it is an int) for the passes that follow."""
+    node = g.call_function(fn, args, kwargs)
+    if name:
+        node.name = g._graph_namespace.create_name(name, node)
+    node.meta[SCHEDULE] = {"pack": args[0] if args and isinstance(args[0], int) else None}
+    return node
+
+
 class Builder:
     """Emits ops into a graph and tracks which value holds each pack's inputs per microbatch."""
 
@@ -44,11 +54,7 @@ class Builder:
         self.grads = {}              # (pack, mb) -> node holding grads of the pack's inputs
 
     def emit(self, fn, *args, name=None, **kwargs):
-        node = self.g.call_function(fn, args, kwargs)
-        if name:
-            node.name = self.g._graph_namespace.create_name(name, node)
-        node.meta[SCHEDULE] = {"pack": args[0] if args and isinstance(args[0], int) else None}
-        return node
+        return emit(self.g, fn, *args, name=name, **kwargs)
 
     def inputs_of(self, p: int, mb: int):
         """The values a pack reads: batch tensors (loaded here) and earlier packs' outputs."""

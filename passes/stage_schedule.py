@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch.fx
 
 from harmony.compiler.ir import Program
-from harmony.compiler.meta import SCHEDULE
+from harmony.passes.schedule import emit
 from harmony.runtime import ops
 from harmony.runtime.pipeline import recv, send, share_loss
 
@@ -53,11 +53,7 @@ class StageBuilder:
         self.n, self.m = len(st.inputs), self.plan.microbatches
 
     def emit(self, fn, *args, name=None, **kwargs):
-        node = self.g.call_function(fn, args, kwargs)
-        if name:
-            node.name = self.g._graph_namespace.create_name(name, node)
-        node.meta[SCHEDULE] = {"pack": args[0] if args and isinstance(args[0], int) else None}
-        return node
+        return emit(self.g, fn, *args, name=name, **kwargs)
 
     def tag(self, grads: bool, pack: int, dst: int, mb: int) -> int:
         """One tag per message: both ends compute it from the same plan."""
