@@ -207,7 +207,7 @@ def allreduce(tensors: Sequence[torch.Tensor], spec: CompressionSpec | Sequence[
     if not math.isfinite(scale) or scale < 0:
         raise ConfigError(f"allreduce weight={weight!r}: give this rank's share of the average, a number >= 0")
     jobs = [_Job(idx, tensors, s, group, world, error_feedback_state, timeout, generator, scale, release)
-            for s, idx in _fuse(tensors, specs, fusion_bytes)]
+            for s, idx in fuse(tensors, specs, fusion_bytes)]
     # Three sweeps so each buffer's compression overlaps the previous buffer's transfer.
     for job in jobs:
         job.launch()
@@ -235,7 +235,7 @@ def reduce_scatter(tensors: Sequence[torch.Tensor], specs: Sequence[CompressionS
     tensors, world = list(tensors), dist.get_world_size(group)
     stats = CommStats(tensors=len(tensors), compressed=sum(s.lossy for s in specs), calls=1)
     jobs = [_Job(idx, tensors, s, group, world, None, timeout, generator, scatter=True)
-            for s, idx in _fuse(tensors, specs, fusion_bytes)]
+            for s, idx in fuse(tensors, specs, fusion_bytes)]
     for job in jobs:
         job.launch()
     for job in jobs:
@@ -250,7 +250,7 @@ def reduce_scatter(tensors: Sequence[torch.Tensor], specs: Sequence[CompressionS
     return out, stats
 
 
-def _fuse(tensors, specs, fusion_bytes):
+def fuse(tensors, specs, fusion_bytes):
     """Group tensor indices by spec (first-seen order), then cut each group into fused buffers."""
     groups: dict[CompressionSpec, list[int]] = {}
     for i, s in enumerate(specs):

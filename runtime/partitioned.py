@@ -142,13 +142,13 @@ def layout(groups: list[list[tuple[str, int]]], world: int, rank: int, group_of:
     chunking instead: its parameters start on bucket boundaries and rank r owns the codec's chunk r, whose sum it
     reduces and quantizes in the all-reduce too, so the partition's chunk is bitwise the replicated run's.
     """
-    from harmony.runtime.collectives import _fuse
+    from harmony.runtime.collectives import fuse
     from harmony.runtime.compression import NO_COMPRESSION
     segments = []
     for call, group in enumerate(groups):
         sizes = [_Numel(k) for _, k in group]
         codec = [(specs or {}).get(n, NO_COMPRESSION) for n, _ in group]
-        for spec, idx in _fuse(sizes, codec, fusion_bytes):
+        for spec, idx in fuse(sizes, codec, fusion_bytes):
             names, numels = [group[i][0] for i in idx], [group[i][1] for i in idx]
             seg = _quantized(names, numels, world, spec) if spec.kind == "quantized" else _segment(names, numels,
                                                                                                  world)
@@ -165,7 +165,7 @@ def layout(groups: list[list[tuple[str, int]]], world: int, rank: int, group_of:
 
 
 class _Numel:
-    """A stand-in with a tensor's ``numel`` for ``collectives._fuse``."""
+    """A stand-in with a tensor's ``numel`` for ``collectives.fuse``."""
 
     def __init__(self, n: int):
         self.n = n

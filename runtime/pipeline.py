@@ -124,7 +124,8 @@ def _share_loss_execute(rt, src):
         rt.losses = [loss[0]]
 
 
-def _message_bytes(plan, names) -> int:
+def message_bytes(plan, names) -> int:
+    """Bytes of the boundary values ``names`` a send carries (their shapes and dtypes from the stage plan)."""
     total = 0
     for n in names:
         shape, dtype = plan.stage.values[n]
@@ -134,7 +135,7 @@ def _message_bytes(plan, names) -> int:
 
 
 def _recv_effect(m, pack, mb, *, names, **kw):
-    return Predicted(_message_bytes(m.plan, names)), 0
+    return Predicted(message_bytes(m.plan, names)), 0
 
 
 def _send_effect(m, value, pack, mb, **kw):
@@ -148,7 +149,7 @@ def _none(m, *args, **kwargs):
 def _p2p_cost(plan, hw, *args, names=(), **kw):
     """The message at the device-to-device link's speed (``p2p_bandwidth``; the network's where a device has none)."""
     bandwidth = getattr(hw, "p2p_bandwidth", None) or getattr(hw, "network_bandwidth", NOMINAL_NETWORK_BANDWIDTH)
-    return "network", _message_bytes(plan, names) / bandwidth + getattr(hw, "network_latency",
+    return "network", message_bytes(plan, names) / bandwidth + getattr(hw, "network_latency",
                                                                          NOMINAL_NETWORK_LATENCY)
 
 

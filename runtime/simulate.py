@@ -110,15 +110,15 @@ class Simulation:
         busy = ", ".join(f"{s} {u:.0%}" for s, u in self.utilisation.items() if u)
         peak = f", peak {self.peak_bytes / 2**20:.1f} MiB" if self.memory else ""
         emu = f", emulated x{self.speed_factor:g}" if self.emulated else ""
-        return (f"Simulation(step {_seconds(self.step_seconds)} on {self.device}{emu}; busy {busy or 'nothing'}"
+        return (f"Simulation(step {fmt_seconds(self.step_seconds)} on {self.device}{emu}; busy {busy or 'nothing'}"
                 f"{peak}; {len(self.events)} ops in .events)")
 
     def summary(self) -> str:
         emu = f", emulated: compute time x{self.speed_factor:g}" if self.emulated else ""
-        lines = [f"simulated step {_seconds(self.step_seconds)} on {self.device}{emu}",
+        lines = [f"simulated step {fmt_seconds(self.step_seconds)} on {self.device}{emu}",
                  f"{'stream':<9}{'busy':>12}{'util':>8}"]
         for s, b in self.busy.items():
-            lines.append(f"{s:<9}{_seconds(b):>12}{self.utilisation[s]:>8.1%}")
+            lines.append(f"{s:<9}{fmt_seconds(b):>12}{self.utilisation[s]:>8.1%}")
         if self.moved:
             lines.append(f"copied {self.moved.get('h2d', 0) / 2**20:.1f} MiB in, "
                          f"{self.moved.get('d2h', 0) / 2**20:.1f} MiB out")
@@ -137,7 +137,8 @@ class _OnePerTensor(dict):
         return 1
 
 
-def _seconds(t: float) -> str:
+def fmt_seconds(t: float) -> str:
+    """Seconds for a report: ``1.25 s``, ``3.2 ms``."""
     return f"{t:.4g} s" if t >= 1 or t == 0 else f"{t * 1e3:.4g} ms"
 
 
@@ -152,7 +153,7 @@ def simulate(graph: torch.fx.Graph, plan: Plan, hw, device: int = 0, memory=None
     per-op bytes are placed at the simulated times (events' live/peak bytes, ``.memory``),
     and under the ``ondemand`` policy they are what the state must fit beside.
     """
-    dev = _OnHost(hw.devices[device], hw) if hasattr(hw, "devices") else hw
+    dev = OnHost(hw.devices[device], hw) if hasattr(hw, "devices") else hw
     replay = Replay(graph, plan, dev, f"device {device} ({dev.name})", memory, sizes)
     while not replay.finished:
         replay.advance()
@@ -329,7 +330,7 @@ class _Clock:
         return ev
 
 
-class _OnHost:
+class OnHost:
     """A device as the costs see it, with its host's figures (a step on the host reads the host's bandwidth)."""
 
     def __init__(self, device, hardware):

@@ -32,7 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from harmony.base.errors import ConfigError
-from harmony.runtime.simulate import Replay, SimEvent, Simulation, _OnHost, _seconds
+from harmony.runtime.simulate import OnHost, Replay, SimEvent, Simulation, fmt_seconds
 
 MiB = 2**20
 
@@ -81,7 +81,7 @@ class NodeSimulation:
         return out
 
     def summary(self) -> str:
-        lines = [f"simulated step {_seconds(self.step_seconds)} on {len(self.devices)} devices "
+        lines = [f"simulated step {fmt_seconds(self.step_seconds)} on {len(self.devices)} devices "
                  f"(step = the slowest device)"]
         rows = self.rows()
         cols = list(rows[0])
@@ -93,7 +93,7 @@ class NodeSimulation:
         return "\n".join(lines)
 
     def __repr__(self) -> str:
-        return (f"NodeSimulation(step {_seconds(self.step_seconds)} on {len(self.devices)} devices; "
+        return (f"NodeSimulation(step {fmt_seconds(self.step_seconds)} on {len(self.devices)} devices; "
                 f"{len(self.events)} ops in .events, a row per device in .rows())")
 
 
@@ -154,9 +154,9 @@ class _Port:
         return self.links.arrivals[self.key_of_recv(node)]
 
     def sent(self, node, end: float) -> None:
-        from harmony.runtime.pipeline import _message_bytes
+        from harmony.runtime.pipeline import message_bytes
         self.links.arrivals[(self.rank, node.kwargs["dst"], node.kwargs["tag"])] = end
-        self.links.sent[self.rank] += _message_bytes(self.links.plans[self.rank], node.kwargs["names"])
+        self.links.sent[self.rank] += message_bytes(self.links.plans[self.rank], node.kwargs["names"])
         self.links.messages[self.rank] += 1
 
     def host_copy(self, label: str, stream: str, start: float, seconds: float) -> float:
@@ -176,7 +176,7 @@ def simulate_node(ranks, hw) -> NodeSimulation:
     links = _Links(hw, [r[1] for r in ranks])
     replays = []
     for i, (graph, plan, memory, sizes) in enumerate(ranks):
-        dev = _OnHost(hw.devices[i], hw)
+        dev = OnHost(hw.devices[i], hw)
         replays.append(Replay(graph, plan, dev, f"device {i} ({dev.name})", memory, sizes, peers=_Port(links, i)))
     while True:
         active = [r for r in replays if not r.finished]
