@@ -74,12 +74,9 @@ def _resume(rank, world, path):
     return dict(digests=digests, files=sorted(p.name for p in Path(path).iterdir()))
 
 
-def _refused(rank, world):
-    """What shard_state="full" does not do yet: a ConfigError naming it and what to use instead."""
+def refusals(world: int, cases: dict) -> dict:
+    """Each case compiled under shard_state="full": "no error", or the message of the ConfigError it raised."""
     out = {}
-    cases = dict(device=dict(optimizer_on="device"),
-                 disk=dict(weights_on="disk"), adafactor=dict(optimizer=torch.optim.Adafactor),
-                 tied=dict(tie=True))
     for key, kw in cases.items():
         try:
             _compile(4 * world, shard_state="full", **kw)[2].close()
@@ -87,6 +84,12 @@ def _refused(rank, world):
         except ConfigError as e:
             out[key] = str(e)
     return out
+
+
+def _refused(rank, world):
+    """What shard_state="full" does not do yet: a ConfigError naming it and what to use instead."""
+    return refusals(world, dict(device=dict(optimizer_on="device"), disk=dict(weights_on="disk"),
+                                adafactor=dict(optimizer=torch.optim.Adafactor), tied=dict(tie=True)))
 
 
 def _ranks(rank, world, path, other):

@@ -10,25 +10,15 @@ import torch
 
 import harmony
 import harmony.data
-from harmony.errors import ConfigError
 from harmony.runtime import partitioned
 from harmony.runtime.compression import CompressionSpec
-from models import CASES, training_state_bytes
 from test_collectives import _digest, _spawn
+from test_zero3 import STEPS, _compile, refusals
 
-ADAMW = dict(optimizer=torch.optim.AdamW, optimizer_kwargs=dict(lr=1e-3))
-STEPS = 3
 CLIPS = {"l2": dict(clip_grad_norm=0.05), "inf": dict(clip_grad_norm=0.01, clip_norm_type=float("inf")),
          "l1": dict(clip_grad_norm=0.5, clip_norm_type=1.0)}
 CODECS = {"4bit": dict(compression="4bit"),      # stochastic rounding: the same generator draws as the replicated run
           "2bit": dict(compression=CompressionSpec(bits=2, bucket_size=128, rounding="nearest"))}
-
-
-def _compile(batch, **kw):
-    model, data = CASES["gpt"](batch=batch)
-    sm = harmony.compile(model, example_batch=harmony.data.shard(data[0]), microbatches=2,
-                         memory_budget=int(training_state_bytes(model) * 0.5), **{**ADAMW, **kw})
-    return model, data, sm
 
 
 def _train(world, shard_state, **kw):
@@ -51,17 +41,9 @@ def _train(world, shard_state, **kw):
 
 def _refused(world):
     """What shard_state="full" still refuses with compression or clipping: a ConfigError naming it."""
-    out = {}
-    cases = dict(fp16=dict(compression="fp16"), adaptive=dict(compression="adaptive"),
-                 feedback=dict(compression=CompressionSpec(bits=4, error_feedback=True)),
-                 clip4=dict(compression="4bit", clip_grad_norm=1.0))
-    for key, kw in cases.items():
-        try:
-            _compile(4 * world, shard_state="full", **kw)[2].close()
-            out[key] = "no error"
-        except ConfigError as e:
-            out[key] = str(e)
-    return out
+    return refusals(world, dict(fp16=dict(compression="fp16"), adaptive=dict(compression="adaptive"),
+                                feedback=dict(compression=CompressionSpec(bits=4, error_feedback=True)),
+                                clip4=dict(compression="4bit", clip_grad_norm=1.0)))
 
 
 def _ranks(rank, world):
