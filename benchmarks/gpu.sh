@@ -3,6 +3,7 @@
 # Everything it prints also lands in $OUT (the device tool brings that folder back). Run
 # benchmarks/gpu_wheels.sh here first and carry .whl. Stages are time-boxed so that one stuck stage
 # leaves the others' results:   bash benchmarks/gpu.sh [test-seconds] [bench-seconds] [gpu.py arguments...]
+# (CUDA_TESTS=EXPR runs only the tests pytest's -k EXPR selects.)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_out}
@@ -17,9 +18,9 @@ python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >"$OUT/
   python3 -c "import torch, sys; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'python', sys.version.split()[0])"
   nproc; free -g | head -2; df -h /tmp | tail -1; } 2>&1 | tee "$OUT/machine.txt"
 if [ "$TESTS" != 0 ]; then
-  timeout "$TESTS" python3 -m pytest -q -p no:cacheprovider --timeout 120 -rA -s tests/test_cuda.py 2>&1 \
-    | grep -v "^PASSED\|^$" | tee "$OUT/tests.log" | tail -60
+  timeout "$TESTS" python3 -m pytest -q -p no:cacheprovider --timeout 120 -rA -s tests/test_cuda.py ${CUDA_TESTS:+-k "$CUDA_TESTS"} 2>&1 \
+    | grep -v "^PASSED\|^$\|^DEBUG" | tee "$OUT/tests.log" | tail -60
 fi
 if [ "$BENCH" != 0 ]; then
-  timeout "$BENCH" python3 benchmarks/gpu.py --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log" | tail -40
+  timeout "$BENCH" python3 benchmarks/gpu.py --out "$OUT" "$@" 2>&1 | tee -a "$OUT/bench.log" | grep -v "^DEBUG" | tail -40
 fi

@@ -364,12 +364,6 @@ class Config(TrainConfig, MemoryConfig, DiskConfig, ParallelConfig, NumericsConf
 
     def __post_init__(self):
         super().__post_init__()
-        device_type = torch.device(self.device).type
-        if self.policy == "ondemand" and device_type != "cpu":
-            raise ConfigError(f"policy='ondemand' runs on the CPU device only for now: it moves state as each op "
-                              f"touches it, below autograd, which on a GPU records the host's device for the weights "
-                              f"it brings in. Use policy='harmony' or 'sequential' on {self.device!r}, or "
-                              f"device='cpu'")
         if self.precision != "fp32" and self.optimizer_on == "device":
             raise ConfigError(f"precision={self.precision!r} with optimizer_on='device': mixed precision keeps the "
                               f"fp32 master weights and optimizer state on the host and steps there, so the device "

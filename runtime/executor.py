@@ -149,8 +149,12 @@ class Runtime:
     @contextlib.contextmanager
     def counting(self):
         """Count (and on demand, fetch) every tensor the ops inside allocate or touch."""
-        with CountAllocations(self.meter, self.on_demand):
-            yield
+        if self.on_demand is None:
+            with CountAllocations(self.meter):
+                yield
+        else:
+            with self.on_demand.calls(), CountAllocations(self.meter, self.on_demand):
+                yield
 
     def run(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """One training iteration; returns the mean loss over microbatches. A step that raises is rolled back

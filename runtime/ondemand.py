@@ -8,6 +8,14 @@ makes room for the bytes that op allocated in the previous step (the largest see
 far in the first step), as a virtual-memory system that knows the access pattern
 would. Activations are not evictable here, so the schedule's packs still recompute
 to bound them.
+
+On a GPU the fetch has to happen above autograd: autograd records the device of every
+tensor an op takes, and a weight fetched only inside the op (below autograd, where the
+allocation counter runs) would be recorded on the host, so its gradient, computed on the
+GPU, would be refused. ``calls()`` fetches what each torch call touches before autograd
+sees it (and keeps it from eviction until the call returns); the per-op fetch below
+autograd still serves the backward (autograd unpacks saved weights there) and the
+optimizer.
 """
 from __future__ import annotations
 
@@ -15,6 +23,8 @@ import weakref
 from collections import OrderedDict
 
 import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten
 
 
@@ -28,6 +38,7 @@ class OnDemand:
         self.persistent = {id(t) for t in rt.state.tensors.values()}
         self.on_host: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # evicted grads, state
         self.busy: set[int] = set()
+        self.held: dict[int, int] = {}    # id -> depth: inputs of the torch calls in flight (not evictable)
         self.allocs: list[int] = []       # bytes each op of the previous step allocated, in order
         self.current: list[int] = []
         self.largest = 0
@@ -70,6 +81,30 @@ class OnDemand:
         if meter.budget is not None and meter.live + room > meter.budget:
             self.evict(meter.live + room - meter.budget)
 
+    def calls(self) -> "FetchOnCall":
+        """A mode that fetches each torch call's managed inputs before autograd records them."""
+        return FetchOnCall(self)
+
+    def hold(self, tensors) -> list[int]:
+        keys = []
+        for t in tensors:
+            if id(t) in self.lru:
+                self.lru.move_to_end(id(t))
+            elif self._is_managed_on_host(t):
+                self.fetch(t)
+            else:
+                continue
+            self.held[id(t)] = self.held.get(id(t), 0) + 1
+            keys.append(id(t))
+        return keys
+
+    def unhold(self, keys: list[int]) -> None:
+        for k in keys:
+            if self.held[k] == 1:
+                del self.held[k]
+            else:
+                self.held[k] -= 1
+
     def after_op(self, new_bytes: int):
         self.current.append(new_bytes)
         self.largest = max(self.largest, new_bytes)
@@ -110,7 +145,7 @@ class OnDemand:
         for key in list(self.lru):
             if meter.live <= target:
                 return
-            if key in self.busy:
+            if key in self.busy or key in self.held:
                 continue
             t = self.lru.pop(key)()
             if t is None or not meter.holds(t):
@@ -128,3 +163,28 @@ class OnDemand:
                 self.rt.state.moved["d2h"] += n
                 self.on_host[key] = t
             t.data = host
+
+
+class FetchOnCall(TorchFunctionMode):
+    """Fetches the managed tensors a torch call takes before the call (and autograd) sees them.
+
+    Inside the handler the mode is off, so the call's own inner calls and ops run below it;
+    the per-op fetch of ``CountAllocations`` still sees them.
+    """
+
+    def __init__(self, on_demand: OnDemand):
+        super().__init__()
+        self.on_demand = on_demand
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        od = self.on_demand
+        if getattr(func, "__name__", None) in ("__get__", "__set__"):   # reading t.grad or t.data moves nothing
+            return func(*args, **kwargs)
+        with _disable_current_modes():   # the copies are the fetch's own, tracked by it, not an op's allocations
+            keys = od.hold([a for a in tree_flatten((args, kwargs))[0]
+                            if isinstance(a, torch.Tensor) and id(a) in od.persistent])
+        try:
+            return func(*args, **kwargs)
+        finally:
+            od.unhold(keys)
