@@ -38,7 +38,8 @@ MB = 1e6
 
 def save_json(path, figures: dict) -> None:
     """As benchmarks/common.py's, which this script does not import: it puts the checkout first on ``sys.path``,
-    and a bisection runs this script against an installed build (``PYTHONPATH``)."""
+    and a bisection runs this script against a build installed into a folder (``PYTHONPATH``;
+    benchmarks/compare_builds.sh)."""
     if path:
         with open(path, "w") as f:
             json.dump(figures, f, indent=1)

@@ -19,10 +19,12 @@ Quantized gradients (``compression="4bit"``, any of 1..8 bits, either rounding) 
 tensors is cut where the codec cuts it (each parameter from a bucket boundary, rank r owning the codec's chunk r),
 and the reduce-scatter is the first half of the quantized all-reduce (``collectives.reduce_scatter``): each owner
 gets its chunk's quantized sum, decoded from the bytes the all-gather would have sent, so it trains bitwise like
-the replicated run with the same compression, with half its quantized bytes on the wire.
+the replicated run with the same compression, with half its quantized bytes on the wire. Under clipping as well,
+the whole quantized all-reduce runs (the replicated run's bytes): each rank needs every whole decoded gradient for
+its norm, and then cuts its chunks from them.
 
 What is not built yet is refused at compile with a ``ConfigError`` (``check_config``): fp16/bf16 and adaptive
-compression, error feedback, clipping together with compression, uneven shares (``balance``), disk tiers, device
+compression, error feedback, uneven shares (``balance``), disk tiers, device
 steps, CUDA devices, the ondemand policy, a weight shared by two packs, and optimizers that are not element-wise.
 """
 from __future__ import annotations
@@ -54,10 +56,6 @@ def check_config(cfg, given_kwargs: dict) -> None:
                                           f"partitioned yet): use compression='4bit', or {instead}"),
         (cfg.compression is not None and cfg.compression.error_feedback,
          f"error_feedback=True (the owners' residuals are not built yet): use a CompressionSpec without it, or "
-         f"{instead}"),
-        (_quantized(cfg) and cfg.clip_grad_norm is not None,
-         f"clip_grad_norm with compression={cfg.compression.kind!r} (the norm needs each whole gradient, which "
-         f"the quantized reduce-scatter never puts on one rank): train one of them without the other, or "
          f"{instead}"),
         (cfg.balance is not None, f"balance= (uneven shares are not built yet: balanced ranks can run different "
                                   f"schedules, which would all-gather a pack a different number of times, and each "

@@ -47,8 +47,6 @@ def check_config(cfg) -> None:
                                                                             "only its packs' state already)"),
                (cfg.data_parallel, "data_parallel=True", "data_parallel=None"),
                (cfg.weights_on == "disk", "weights_on='disk'", "weights_on='auto' or 'host'"),
-               (cfg.clip_grad_norm is not None, "clip_grad_norm=", "clip_grad_norm=None (the global norm over the "
-                                                                  "ranks' packs is not built yet)"),
                (cfg.policy == "ondemand", "policy='ondemand'", "policy='harmony' or 'sequential'")]
     for bad, what, instead in refused:
         if bad:

@@ -18,7 +18,7 @@ import torch.fx
 from harmony.compiler.ir import Program
 from harmony.passes.schedule import emit
 from harmony.runtime import ops
-from harmony.runtime.pipeline import recv, send, share_loss
+from harmony.runtime.pipeline import recv, send, share_loss, share_norms
 
 
 def global_order(n_packs: int, microbatches: int, policy: str) -> list[tuple]:
@@ -109,6 +109,8 @@ class StageBuilder:
 def lower_stages(program: Program) -> torch.fx.Graph:
     """This rank's schedule graph (see the module's docstring)."""
     b = StageBuilder(program)
+    clipping = program.config.clip_grad_norm is not None
+    steps = []        # under clipping: after the last backward and the norms' exchange (runtime/pipeline.py)
     for event in global_order(b.n, b.m, program.config.policy):
         g = event[1]
         if g not in b.mine:
@@ -119,8 +121,14 @@ def lower_stages(program: Program) -> torch.fx.Graph:
             b.backward(g, event[2], b.forward(g, event[2], keep=True))
         elif event[0] == "B":
             b.backward(g, event[2], None)
+        elif clipping:
+            steps.append(b.mine[g])
         else:
             b.emit(ops.step, b.mine[g])
+    if clipping:
+        b.emit(share_norms)
+        for p in steps:
+            b.emit(ops.step, p)
     b.emit(share_loss, b.st.loss_rank)
     b.g.output(None)
     return b.g

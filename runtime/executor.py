@@ -10,6 +10,7 @@ import torch.fx
 
 from harmony.runtime.memory import CountAllocations, MemoryMeter
 from harmony.runtime.ops import allreduce, op_of, resident_state, step
+from harmony.runtime.pipeline import norm_exchange
 from harmony.runtime.plan import Plan
 from harmony.runtime.precision import GradClip, LossScaler, StepGate, compute_dtype
 from harmony.runtime.state import TieredState
@@ -130,8 +131,11 @@ class Runtime:
         self.state.compute_dtype = self.compute_dtype
         self.scaler = LossScaler(**plan.loss_scaling) if getattr(plan, "precision", "fp32") == "fp16" else None
         clip = getattr(plan, "clip_grad_norm", None)
-        clipper = None if clip is None else GradClip(clip, plan.clip_norm_type, plan.param_order, self.state.grad,
-                                                settle=self.state.drain)
+        stage = getattr(plan, "stage", None)
+        grad_of = self.state.grad if stage is None else self._local_grad    # a pipeline rank has its packs' only
+        clipper = None if clip is None else GradClip(clip, plan.clip_norm_type, plan.param_order, grad_of,
+                                                settle=self.state.drain,
+                                                exchange=None if stage is None else norm_exchange(stage))
         # fp16 and clipping: the updates wait for the last gradient (runtime/precision.py StepGate)
         self.gate = StepGate(self.scaler, clipper) if self.scaler is not None or clipper is not None else None
         self.on_demand = on_demand(self) if on_demand is not None else None
@@ -145,6 +149,9 @@ class Runtime:
         self.torn: dict | None = None    # a failed step that updated some packs only: what it updated
         for what, names in resident_state(plan):
             self.state.wait(self.state.fetch(what, names))
+
+    def _local_grad(self, name: str):
+        return self.state.grad(name) if name in self.state.tensors else None
 
     @contextlib.contextmanager
     def counting(self):

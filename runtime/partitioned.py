@@ -392,7 +392,7 @@ def _reduce_scatter_execute(rt, pack, *, world=1):
                 if s in done:
                     continue
                 if any(g.codec is not None for g in shares.segments if g.call == seg.call):
-                    done.update(_reduce_scatter_quantized(st, shares, seg.call, grads, keep))
+                    done.update(_reduce_scatter_quantized(st, shares, seg.call, grads, keep, clipper))
                     continue
                 flat = torch.empty(seg.size)
                 shapes = {}
@@ -416,10 +416,14 @@ def _reduce_scatter_execute(rt, pack, *, world=1):
     st.pending[("allreduce", pack)] = st.host_pool.submit(job)
 
 
-def _reduce_scatter_quantized(st, shares, call: int, grads, keep) -> list[int]:
+def _reduce_scatter_quantized(st, shares, call: int, grads, keep, clipper=None) -> list[int]:
     """One all-reduce group with quantized buffers: ``collectives.reduce_scatter`` of its gradients (the replicated
-    run's buffers, codec and generator draws); each segment keeps this rank's chunk. Returns the segments done."""
-    from harmony.runtime.collectives import reduce_scatter
+    run's buffers, codec and generator draws); each segment keeps this rank's chunk. Returns the segments done.
+
+    Under ``clip_grad_norm`` the whole quantized all-reduce runs instead (its all-gather half too: the bytes the
+    replicated run sends), so every rank holds each whole decoded gradient, bitwise the replicated run's, and takes
+    its norm there as the fp32 path does; the chunks are then cut from those gradients."""
+    from harmony.runtime.collectives import allreduce, reduce_scatter
     from harmony.runtime.compression import NO_COMPRESSION, CompressionSpec
     mine = [s for s, seg in enumerate(shares.segments) if seg.call == call]
     tensors, specs, where = [], [], []
@@ -430,6 +434,23 @@ def _reduce_scatter_quantized(st, shares, call: int, grads, keep) -> list[int]:
             where.append((s, i))
             tensors.append(g)
             specs.append(spec)
+    if clipper is not None:
+        stats = allreduce(tensors, specs, timeout=st.shares.timeout, generator=st.shares.generator)
+        at = 0
+        for s in mine:
+            seg = shares.segments[s]
+            got = tensors[at: at + len(seg.names)]
+            at += len(seg.names)
+            clipper.known.update(zip(seg.names, torch._foreach_norm(got, clipper.norm_type)))
+            base, share = seg.bounds[shares.rank], seg.share(shares.rank)
+            out = torch.zeros(share)       # (padding between tensors stays zero: no piece covers it)
+            for (n, off, k), g in zip(seg.items(), got):
+                lo, hi = max(off, base), min(off + k, base + share)
+                if lo < hi:
+                    out[lo - base: hi - base].copy_(g.reshape(-1)[lo - off: hi - off])
+            keep(s, seg, out)
+        st.shares.stats["reduce_scatter_wire_bytes"] += stats.wire_bytes
+        return mine
     results, stats = reduce_scatter(tensors, specs, timeout=st.shares.timeout, generator=st.shares.generator)
     if len(results) != len(mine):
         raise HarmonyError(f"the reduce-scatter fused {len(results)} buffers where the layout has {len(mine)}: "

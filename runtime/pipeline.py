@@ -10,6 +10,11 @@ waits for a peer to take what it sent, which is what keeps the ranks' schedules 
 single-device order restricted to its packs: every recv comes after its send in that order). ``share_loss`` ends
 the step: the sends are joined, and the rank that holds the loss broadcasts its mean to the others.
 
+Under ``clip_grad_norm`` every rank's steps follow its last backward, after ``share_norms``: each rank takes the
+per-tensor norms of its packs' gradients (bitwise eager's: the gradients are) and all ranks all-gather them, so each
+stacks every parameter's norm in ``model.parameters()`` order as ``clip_grad_norm_`` does: the same global norm,
+the same clipped updates, bit for bit.
+
 A peer that dies or stalls fails a wait within the module's ``comm_timeout`` with ``CommunicationError``.
 """
 from __future__ import annotations
@@ -49,6 +54,7 @@ class Stages:
 def recv(pack: int, mb: int, *, src: int, tag: int, names: tuple, grads: bool = False): ...
 def send(value, pack: int, mb: int, *, dst: int, tag: int, names: tuple, grads: bool = False): ...
 def share_loss(src: int): ...
+def share_norms(): ...
 
 
 def _wait(work, what: str, timeout: float) -> None:
@@ -124,6 +130,23 @@ def _share_loss_execute(rt, src):
         rt.losses = [loss[0]]
 
 
+def norm_exchange(stage: Stages):
+    """``GradClip``'s exchange on a pipeline rank: this rank's per-tensor gradient norms (by name) to every rank,
+    every rank's back, merged (each parameter lives on one rank)."""
+    def exchange(local: dict) -> dict:
+        import torch.distributed as dist
+        what = "all-gather of the gradient norms (clip_grad_norm)"
+        got: list = [None] * stage.world
+        _post(dist.all_gather_object, what, stage.timeout, got, {n: t.detach().cpu() for n, t in local.items()})
+        return {n: t for part in got for n, t in part.items()}
+    return exchange
+
+
+def _share_norms_execute(rt):
+    """Every rank joins the norms' all-gather here, at one point of its schedule: before its first step."""
+    rt.gate.clipper.norm()
+
+
 def message_bytes(plan, names) -> int:
     """Bytes of the boundary values ``names`` a send carries (their shapes and dtypes from the stage plan)."""
     total = 0
@@ -167,3 +190,5 @@ register(recv, _recv_execute, _recv_effect, _p2p_cost, "copy", colour="#ef3b2c",
 register(send, _send_execute, _send_effect, _p2p_cost, "copy", colour="#fb6a4a", label=_label)
 register(share_loss, _share_loss_execute, _none, _share_loss_cost, "sync", colour="#fcbba1",
          label=lambda args, kwargs: f"loss from rank {args[0]}")
+register(share_norms, _share_norms_execute, _none, lambda plan, hw: _share_loss_cost(plan, hw, 0), "sync",
+         colour="#fcbba1", label=lambda args, kwargs: "gradient norms")

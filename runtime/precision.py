@@ -116,9 +116,13 @@ class GradClip:
     then multiplied by ``min(max_norm / (norm + 1e-6), 1)`` right before its update.
     """
 
-    def __init__(self, max_norm: float, norm_type: float, order: list[str], grad_of, settle=lambda: None):
+    def __init__(self, max_norm: float, norm_type: float, order: list[str], grad_of, settle=lambda: None,
+                 exchange=None):
         self.max_norm, self.norm_type, self.order, self.grad_of = float(max_norm), float(norm_type), order, grad_of
         self.settle = settle      # waits for gradients still on their way (the host thread's copies, all-reduces)
+        # a pipeline rank holds its packs' gradients only: ``exchange(norms by name)`` returns every rank's
+        # per-tensor norms (a collective every rank joins once per iteration, runtime/pipeline.py)
+        self.exchange = exchange
         self.total: torch.Tensor | None = None     # this iteration's norm, before clipping
         # per-tensor norms computed where the gradient was whole though no rank keeps it so (shard_state="full":
         # the reduce-scatter's buffer), by name; the others are computed from ``grad_of`` at ``norm``
@@ -131,6 +135,10 @@ class GradClip:
     def norm(self) -> torch.Tensor:
         if self.total is None:
             self.settle()
+            if self.exchange is not None:
+                local = [(n, g) for n, g in ((n, self.grad_of(n)) for n in self.order) if g is not None]
+                norms = torch._foreach_norm([g for _, g in local], self.norm_type) if local else []
+                self.known = self.exchange(dict(zip([n for n, _ in local], norms)))
             if not self.known:
                 grads = [g for g in map(self.grad_of, self.order) if g is not None]
                 self.total = torch.nn.utils.get_total_norm(grads, self.norm_type)

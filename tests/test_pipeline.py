@@ -23,7 +23,9 @@ from test_collectives import _spawn
 
 MICROBATCHES = 4
 RUNS = {"gpt": ("gpt", 0.5, "contiguous"), "gpt_tight": ("gpt", 0.3, "round_robin"),
-        "hf": ("hf-gpt2", 0.5, "contiguous")}
+        "hf": ("hf-gpt2", 0.5, "contiguous"),
+        # clipped by the global norm over every rank's packs (the bound below the norm: every step clips)
+        "gpt_clip": ("gpt", 0.5, "round_robin", dict(clip_grad_norm=0.05))}
 
 
 def _data(case):
@@ -34,12 +36,12 @@ def _call(sm, batch):
     return sm(**batch) if isinstance(batch, dict) else sm(*batch)
 
 
-def _train(case, frac, placement, steps=3, keep=False):
+def _train(case, frac, placement, extra=None, steps=3, keep=False):
     """Compile on this rank (the whole batch) and train ``steps`` batches: this rank's parameters, its stats."""
     model, data = _data(case)
     budget = int(training_state_bytes(model) * frac)
     sm = harmony.compile(model, data[0], memory_budget=budget, microbatches=MICROBATCHES, parallel="pipeline",
-                         placement=placement, comm_timeout=20)
+                         placement=placement, comm_timeout=20, **(extra or {}))
     losses, stats = [], []
     for i in range(steps):
         losses.append(_call(sm, data[i % len(data)]).item())
@@ -131,11 +133,13 @@ def _references():
 
 def _eager():
     out = {}
-    for key, (case, _, _) in RUNS.items():
+    for key, (case, _, _, *extra) in RUNS.items():
         model, data = _data(case)
-        ref, losses = eager_accumulate(model, data, MICROBATCHES)
+        clip = extra[0]["clip_grad_norm"] if extra else None
+        ref, losses = eager_accumulate(model, data, MICROBATCHES, clip=clip)
         out[key] = dict(params={n: p.detach().clone() for n, p in ref.named_parameters()}, losses=losses,
-                        bytes={n: p.numel() * p.element_size() for n, p in model.named_parameters()})
+                        bytes={n: p.numel() * p.element_size() for n, p in model.named_parameters()},
+                        norms=ref.norms, clip=clip)
     return out
 
 
@@ -184,6 +188,9 @@ def _check_training(res, ranks):
                 assert s["state_weight_bytes"] == weights, (key, r)
                 assert s["state_optim_bytes"] == 2 * weights + 4 * len(run["params"]), (key, r)   # AdamW + step
             assert {"send", "recv", "share_loss"} <= set(run["ops"]) and "stage: packs across" in run["text"]
+            if ref["clip"] is not None:     # every rank knows the global norm, clip_grad_norm_'s to the bit
+                assert [s["grad_norm"] for s in run["stats"]] == ref["norms"], (key, r)
+                assert min(ref["norms"]) > ref["clip"] and "share_norms" in run["ops"]
         assert got.keys() == ref["params"].keys()
         for n, t in ref["params"].items():
             assert torch.equal(torch.from_numpy(got[n]), t), f"{key}: {n} differs from eager gradient accumulation"
@@ -243,7 +250,7 @@ def test_one_process_is_refused():
 @pytest.mark.parametrize("field,value,named", [
     ("precision", "bf16", "precision='bf16'"), ("weights_on", "disk", "weights_on='disk'"),
     ("shard_state", True, "shard_state=True"), ("data_parallel", True, "data_parallel=True"),
-    ("balance", "auto", "balance="), ("clip_grad_norm", 1.0, "clip_grad_norm="),
+    ("balance", "auto", "balance="),
     ("policy", "ondemand", "ondemand"), ("compression", SimpleNamespace(kind="4bit"), "compression=")])
 def test_unsupported_combinations_are_refused_by_name(field, value, named):
     cfg = dict(world_size=2, precision="fp32", compression=None, adaptive=False, balance=None, shard_state=False,

@@ -19,6 +19,8 @@ CLIPS = {"l2": dict(clip_grad_norm=0.05), "inf": dict(clip_grad_norm=0.01, clip_
          "l1": dict(clip_grad_norm=0.5, clip_norm_type=1.0)}
 CODECS = {"4bit": dict(compression="4bit"),      # stochastic rounding: the same generator draws as the replicated run
           "2bit": dict(compression=CompressionSpec(bits=2, bucket_size=128, rounding="nearest"))}
+# both: the norm is taken from the whole decoded gradients (the full quantized all-reduce runs)
+BOTH = {"clip4": dict(compression="4bit", clip_grad_norm=0.05)}
 
 
 def _train(world, shard_state, **kw):
@@ -42,12 +44,11 @@ def _train(world, shard_state, **kw):
 def _refused(world):
     """What shard_state="full" still refuses with compression or clipping: a ConfigError naming it."""
     return refusals(world, dict(fp16=dict(compression="fp16"), adaptive=dict(compression="adaptive"),
-                                feedback=dict(compression=CompressionSpec(bits=4, error_feedback=True)),
-                                clip4=dict(compression="4bit", clip_grad_norm=1.0)))
+                                feedback=dict(compression=CompressionSpec(bits=4, error_feedback=True))))
 
 
 def _ranks(rank, world):
-    every = {**CLIPS, **CODECS}
+    every = {**CLIPS, **CODECS, **BOTH}
     out = {key: {mode: _train(world, mode, **kw) for mode in (False, "full")} for key, kw in every.items()}
     if world == 2:
         out["refused"] = _refused(world)
@@ -72,14 +73,14 @@ def three():
     return _run(3)
 
 
-def _check_clipping(res, world):
-    for key in CLIPS:
+def _check_clipping(res, world, cases=CLIPS):
+    for key in cases:
         for r in range(world):
             rep, full = res[r][key][False], res[r][key]["full"]
             assert full["digest"] == rep["digest"] == res[0][key]["full"]["digest"], key    # bitwise
             assert full["norms"] == rep["norms"] and all(n is not None for n in full["norms"]), key
         # the bound is below the norm: the clipped update is the one compared
-        assert min(res[0][key][False]["norms"]) > CLIPS[key]["clip_grad_norm"], (key, res[0][key][False]["norms"])
+        assert min(res[0][key][False]["norms"]) > cases[key]["clip_grad_norm"], (key, res[0][key][False]["norms"])
 
 
 @pytest.mark.slow
@@ -124,7 +125,15 @@ def test_what_full_sharding_still_refuses_with_compression_or_clipping(two):
     assert "compression='fp16'" in got["fp16"] and "shard_state=True" in got["fp16"]
     assert "adaptive" in got["adaptive"] and "'4bit'" in got["adaptive"]
     assert "error_feedback" in got["feedback"]
-    assert "clip_grad_norm with compression='quantized'" in got["clip4"]
+
+
+@pytest.mark.slow
+def test_clipped_and_compressed_partitioned_train_bitwise_like_replicated_clipped_and_compressed(two, three):
+    for res, world in ((two, 2), (three, 3)):
+        _check_clipping(res, world, BOTH)
+        # the clipped compressed run is neither the plain compressed nor the plain clipped one
+        assert res[0]["clip4"]["full"]["digest"] not in (res[0]["4bit"]["full"]["digest"],
+                                                          res[0]["l2"]["full"]["digest"])
 
 
 # -- one process ---------------------------------------------------------------------------------------
