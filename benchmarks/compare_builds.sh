@@ -21,7 +21,7 @@ cleanup() {
 trap cleanup EXIT
 for rev in $revs; do
   git -C "$repo" worktree add --detach -q "$work/tree-$rev" "$rev"
-  python3 -m pip install -q --no-deps --no-build-isolation --target "$work/site-$rev" "$work/tree-$rev" >/dev/null
+  PIP_ROOT_USER_ACTION=ignore python3 -m pip install -q --no-deps --no-build-isolation --target "$work/site-$rev" "$work/tree-$rev" >/dev/null
   echo "$rev = $(git -C "$repo" rev-parse --short "$rev")" >&2
 done
 for round in $(seq "$rounds"); do

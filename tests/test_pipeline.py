@@ -25,7 +25,9 @@ MICROBATCHES = 4
 RUNS = {"gpt": ("gpt", 0.5, "contiguous"), "gpt_tight": ("gpt", 0.3, "round_robin"),
         "hf": ("hf-gpt2", 0.5, "contiguous"),
         # clipped by the global norm over every rank's packs (the bound below the norm: every step clips)
-        "gpt_clip": ("gpt", 0.5, "round_robin", dict(clip_grad_norm=0.05))}
+        "gpt_clip": ("gpt", 0.5, "round_robin", dict(clip_grad_norm=0.05)),
+        # bf16 compute, fp32 masters on the host: bitwise one process's Harmony in bf16 (the reference below)
+        "gpt_bf16": ("gpt", 0.5, "contiguous", dict(precision="bf16"))}
 
 
 def _data(case):
@@ -133,13 +135,22 @@ def _references():
 
 def _eager():
     out = {}
-    for key, (case, _, _, *extra) in RUNS.items():
+    for key, (case, frac, _, *extra) in RUNS.items():
         model, data = _data(case)
-        clip = extra[0]["clip_grad_norm"] if extra else None
+        extra = extra[0] if extra else {}
+        clip = extra.get("clip_grad_norm")
+        nbytes = {n: p.numel() * p.element_size() for n, p in model.named_parameters()}
+        if "precision" in extra:      # one process's Harmony at that precision, the same microbatches and budget
+            sm = harmony.compile(model, data[0], memory_budget=int(training_state_bytes(model) * frac),
+                                 microbatches=MICROBATCHES, precision=extra["precision"])
+            losses = [_call(sm, data[i % len(data)]).item() for i in range(3)]
+            params = {n: t.detach().clone() for n, t in sm.state_dict()["model"].items()}
+            sm.close()
+            out[key] = dict(params=params, losses=losses, bytes=nbytes, norms=[], clip=None)
+            continue
         ref, losses = eager_accumulate(model, data, MICROBATCHES, clip=clip)
         out[key] = dict(params={n: p.detach().clone() for n, p in ref.named_parameters()}, losses=losses,
-                        bytes={n: p.numel() * p.element_size() for n, p in model.named_parameters()},
-                        norms=ref.norms, clip=clip)
+                        bytes=nbytes, norms=ref.norms, clip=clip)
     return out
 
 
@@ -248,7 +259,7 @@ def test_one_process_is_refused():
 
 
 @pytest.mark.parametrize("field,value,named", [
-    ("precision", "bf16", "precision='bf16'"), ("weights_on", "disk", "weights_on='disk'"),
+    ("precision", "fp16", "precision='fp16'"), ("weights_on", "disk", "weights_on='disk'"),
     ("shard_state", True, "shard_state=True"), ("data_parallel", True, "data_parallel=True"),
     ("balance", "auto", "balance="),
     ("policy", "ondemand", "ondemand"), ("compression", SimpleNamespace(kind="4bit"), "compression=")])
