@@ -47,7 +47,6 @@ def check_config(cfg) -> None:
                (bool(cfg.shard_state), f"shard_state={cfg.shard_state!r}", "shard_state=None (each rank holds "
                                                                             "only its packs' state already)"),
                (cfg.data_parallel, "data_parallel=True", "data_parallel=None"),
-               (cfg.weights_on == "disk", "weights_on='disk'", "weights_on='auto' or 'host'"),
                (cfg.policy == "ondemand", "policy='ondemand'", "policy='harmony' or 'sequential'")]
     for bad, what, instead in refused:
         if bad:
