@@ -51,6 +51,7 @@ from harmony.base.units import nbytes
 from harmony.runtime.collectives import DEFAULT_FUSION_BYTES, ring_bytes
 from harmony.runtime.ops import moving_names, register
 from harmony.runtime.ops_move import pack_what, swap_in_effect
+from harmony.runtime.partitioned_quantized import reduce_scatter_quantized
 from harmony.runtime.placeholders import is_placeholder, placeholder
 from harmony.runtime.plan import NOMINAL_NETWORK_BANDWIDTH, NOMINAL_NETWORK_LATENCY
 
@@ -392,7 +393,7 @@ def _reduce_scatter_execute(rt, pack, *, world=1):
                 if s in done:
                     continue
                 if any(g.codec is not None for g in shares.segments if g.call == seg.call):
-                    done.update(_reduce_scatter_quantized(st, shares, seg.call, grads, keep, clipper))
+                    done.update(reduce_scatter_quantized(st, shares, seg.call, grads, keep, clipper))
                     continue
                 flat = torch.empty(seg.size)
                 shapes = {}
@@ -414,55 +415,6 @@ def _reduce_scatter_execute(rt, pack, *, world=1):
             for n in shares.names():
                 st.set_grad(n, None)
     st.pending[("allreduce", pack)] = st.host_pool.submit(job)
-
-
-def _reduce_scatter_quantized(st, shares, call: int, grads, keep, clipper=None) -> list[int]:
-    """One all-reduce group with quantized buffers: ``collectives.reduce_scatter`` of its gradients (the replicated
-    run's buffers, codec and generator draws); each segment keeps this rank's chunk. Returns the segments done.
-
-    Under ``clip_grad_norm`` the whole quantized all-reduce runs instead (its all-gather half too: the bytes the
-    replicated run sends), so every rank holds each whole decoded gradient, bitwise the replicated run's, and takes
-    its norm there as the fp32 path does; the chunks are then cut from those gradients."""
-    from harmony.runtime.collectives import allreduce, reduce_scatter
-    from harmony.runtime.compression import NO_COMPRESSION, CompressionSpec
-    mine = [s for s, seg in enumerate(shares.segments) if seg.call == call]
-    tensors, specs, where = [], [], []
-    for s in mine:      # the group's tensors in its order; each with its buffer's codec
-        seg = shares.segments[s]
-        spec = CompressionSpec(**seg.codec) if seg.codec is not None else NO_COMPRESSION
-        for i, g in enumerate(grads(seg)):
-            where.append((s, i))
-            tensors.append(g)
-            specs.append(spec)
-    if clipper is not None:
-        stats = allreduce(tensors, specs, timeout=st.shares.timeout, generator=st.shares.generator)
-        at = 0
-        for s in mine:
-            seg = shares.segments[s]
-            got = tensors[at: at + len(seg.names)]
-            at += len(seg.names)
-            clipper.known.update(zip(seg.names, torch._foreach_norm(got, clipper.norm_type)))
-            base, share = seg.bounds[shares.rank], seg.share(shares.rank)
-            out = torch.zeros(share)       # (padding between tensors stays zero: no piece covers it)
-            for (n, off, k), g in zip(seg.items(), got):
-                lo, hi = max(off, base), min(off + k, base + share)
-                if lo < hi:
-                    out[lo - base: hi - base].copy_(g.reshape(-1)[lo - off: hi - off])
-            keep(s, seg, out)
-        st.shares.stats["reduce_scatter_wire_bytes"] += stats.wire_bytes
-        return mine
-    results, stats = reduce_scatter(tensors, specs, timeout=st.shares.timeout, generator=st.shares.generator)
-    if len(results) != len(mine):
-        raise HarmonyError(f"the reduce-scatter fused {len(results)} buffers where the layout has {len(mine)}: "
-                           f"the partition and the codec disagree (a bug)")
-    for s, (idx, offsets, chunk, out) in zip(mine, results):
-        seg = shares.segments[s]
-        if [where[i] for i in idx] != [(s, i) for i in range(len(seg.names))] or offsets != seg.offsets:
-            raise HarmonyError(f"the reduce-scatter's buffer {s} is not the layout's (a bug)")
-        base = seg.bounds[shares.rank]
-        keep(s, seg, out.clone() if chunk else out[base: base + seg.share(shares.rank)].clone())
-    st.shares.stats["reduce_scatter_wire_bytes"] += stats.wire_bytes
-    return mine
 
 
 def _reduce_scatter_effect(m, pack, *, world=1):
