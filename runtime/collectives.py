@@ -95,17 +95,20 @@ def init_process_group(timeout: float = 60.0, backend: str | None = None, **kwar
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout), **kwargs)
 
 
-def _wait(work, what: str, timeout: float | None, group) -> None:
+def wait_work(work, what: str, timeout: float | None, group=None) -> None:
+    """Join an async ``work`` within ``timeout`` seconds; a failure or a timeout is a ``CommunicationError``
+    naming ``what`` and this rank."""
     try:
         if timeout is None:
             work.wait()
         else:
             work.wait(timedelta(seconds=timeout))
     except (RuntimeError, dist.DistError) as e:
-        raise _comm_error(what, e, timeout, group) from e
+        raise comm_error(what, e, timeout, group) from e
 
 
-def _comm_error(what: str, e: BaseException, timeout, group) -> CommunicationError:
+def comm_error(what: str, e: BaseException, timeout, group=None) -> CommunicationError:
+    """The ``CommunicationError`` a failed ``what`` raises: this rank, the limit, the backend's first line."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     limit = f" within {timeout:g} s" if timeout is not None else ""
     detail = str(e).splitlines()[0] if str(e) else type(e).__name__
@@ -120,7 +123,7 @@ def _run(what: str, timeout, group, fn, *args, **kwargs):
     try:
         return fn(*args, group=group, async_op=True, **kwargs)
     except (RuntimeError, dist.DistError) as e:
-        raise _comm_error(what, e, timeout, group) from e
+        raise comm_error(what, e, timeout, group) from e
 
 
 def measure_network(nbytes: int = 16 << 20, repeats: int = 5, group=None) -> tuple[float, float]:
@@ -358,7 +361,7 @@ class _Job:
     def reduce(self):
         if self.spec.kind != "quantized":
             return
-        _wait(self.work, "all_to_all_single(quantized)", self.timeout, self.group)
+        wait_work(self.work, "all_to_all_single(quantized)", self.timeout, self.group)
         s, w, st = self.spec, self.world, self.state
         chunk, wb, rank, recv = st["chunk"], st["wb"], st["rank"], st.pop("recv")
         del st["send"]
@@ -388,7 +391,7 @@ class _Job:
         kind, st = self.spec.kind, self.state
         if self.scatter:
             return self._finish_scatter()
-        _wait(self.work, f"collective({kind})", self.timeout, self.group)
+        wait_work(self.work, f"collective({kind})", self.timeout, self.group)
         if kind == "none":
             out = self.buf.div_(self.world)
         elif kind in ("fp16", "bf16"):
@@ -416,7 +419,7 @@ class _Job:
         if self.spec.kind == "quantized":
             out = self.buf[self.state["rank"] * self.state["chunk"]: (self.state["rank"] + 1) * self.state["chunk"]]
         else:
-            _wait(self.work, "all_reduce(fp32)", self.timeout, self.group)
+            wait_work(self.work, "all_reduce(fp32)", self.timeout, self.group)
             out = self.buf.div_(self.world)
         self.buf = self.work = None
         self.state.clear()

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from harmony.base.units import nbytes
+from harmony.runtime.collectives import comm_error, wait_work
 from harmony.runtime.ops import Acts, Predicted, register
 from harmony.runtime.plan import NOMINAL_NETWORK_BANDWIDTH, NOMINAL_NETWORK_LATENCY
 
@@ -57,19 +58,13 @@ def share_loss(src: int): ...
 def share_norms(): ...
 
 
-def _wait(work, what: str, timeout: float) -> None:
-    from harmony.runtime.collectives import _wait as wait_work
-    wait_work(work, what, timeout, None)
-
-
 def _post(fn, what: str, timeout: float, *args, **kwargs):
+    """Start a point-to-point op (or a blocking collective); a failure to start it is a ``CommunicationError``."""
     import torch.distributed as dist
-
-    from harmony.runtime.collectives import _comm_error
     try:
         return fn(*args, **kwargs)
     except (RuntimeError, dist.DistError) as e:
-        raise _comm_error(what, e, timeout, None) from e
+        raise comm_error(what, e, timeout) from e
 
 
 def _recv_execute(rt, pack, mb, *, src, tag, names, grads=False):
@@ -77,7 +72,7 @@ def _recv_execute(rt, pack, mb, *, src, tag, names, grads=False):
     st = rt.plan.stage
     what = f"recv of {'gradients' if grads else 'activations'} (microbatch {mb}) from rank {src}"
     mask = torch.zeros(len(names), dtype=torch.uint8)
-    _wait(_post(dist.irecv, what, st.timeout, mask, src, tag=tag * SLOTS), what, st.timeout)
+    wait_work(_post(dist.irecv, what, st.timeout, mask, src, tag=tag * SLOTS), what, st.timeout)
     out, works = {}, []
     for i, n in enumerate(names):
         shape, dtype = st.values[n]
@@ -90,7 +85,7 @@ def _recv_execute(rt, pack, mb, *, src, tag, names, grads=False):
         works.append(_post(dist.irecv, what, st.timeout, host, src, tag=tag * SLOTS + 1 + i))
         out[n] = host
     for w in works:
-        _wait(w, what, st.timeout)
+        wait_work(w, what, st.timeout)
     for n, host in out.items():      # on the device, counted by its meter (the CPU device: the buffer itself)
         if isinstance(host, torch.Tensor):
             dst = host if rt.device.type == "cpu" else host.to(rt.device)
@@ -119,13 +114,13 @@ def _share_loss_execute(rt, src):
     import torch.distributed as dist
     st = rt.plan.stage
     for work, _, what in rt.__dict__.pop("sends", []):
-        _wait(work, what, st.timeout)
+        wait_work(work, what, st.timeout)
     if st.rank == src:
         loss = torch.stack([x.float() for x in rt.losses]).mean().reshape(1)
     else:
         loss = torch.zeros(1)
     what = f"broadcast of the loss from rank {src}"
-    _wait(_post(dist.broadcast, what, st.timeout, loss, src, async_op=True), what, st.timeout)
+    wait_work(_post(dist.broadcast, what, st.timeout, loss, src, async_op=True), what, st.timeout)
     if st.rank != src:
         rt.losses = [loss[0]]
 
