@@ -38,7 +38,7 @@ class OnDemand:
         self.persistent = {id(t) for t in rt.state.tensors.values()}
         self.on_host: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # evicted grads, state
         self.busy: set[int] = set()
-        self.held: dict[int, int] = {}    # id -> depth: inputs of the torch calls in flight (not evictable)
+        self.held: set[int] = set()       # the inputs of the torch call in flight (not evictable during it)
         self.allocs: list[int] = []       # bytes each op of the previous step allocated, in order
         self.current: list[int] = []
         self.largest = 0
@@ -85,25 +85,20 @@ class OnDemand:
         """A mode that fetches each torch call's managed inputs before autograd records them."""
         return FetchOnCall(self)
 
-    def hold(self, tensors) -> list[int]:
-        keys = []
-        for t in tensors:
+    def hold(self, tensors) -> None:
+        """Fetch what a torch call takes and keep it from eviction until ``unhold`` (calls do not nest: the
+        mode is off inside its handler)."""
+        for t in {id(t): t for t in tensors}.values():
             if id(t) in self.lru:
                 self.lru.move_to_end(id(t))
             elif self._is_managed_on_host(t):
                 self.fetch(t)
             else:
                 continue
-            self.held[id(t)] = self.held.get(id(t), 0) + 1
-            keys.append(id(t))
-        return keys
+            self.held.add(id(t))
 
-    def unhold(self, keys: list[int]) -> None:
-        for k in keys:
-            if self.held[k] == 1:
-                del self.held[k]
-            else:
-                self.held[k] -= 1
+    def unhold(self) -> None:
+        self.held = set()
 
     def after_op(self, new_bytes: int):
         self.current.append(new_bytes)
@@ -182,9 +177,9 @@ class FetchOnCall(TorchFunctionMode):
         if getattr(func, "__name__", None) in ("__get__", "__set__"):   # reading t.grad or t.data moves nothing
             return func(*args, **kwargs)
         with _disable_current_modes():   # the copies are the fetch's own, tracked by it, not an op's allocations
-            keys = od.hold([a for a in tree_flatten((args, kwargs))[0]
-                            if isinstance(a, torch.Tensor) and id(a) in od.persistent])
+            od.hold(a for a in tree_flatten((args, kwargs))[0]
+                    if isinstance(a, torch.Tensor) and id(a) in od.persistent)
         try:
             return func(*args, **kwargs)
         finally:
-            od.unhold(keys)
+            od.unhold()

@@ -35,13 +35,11 @@ def reduce_scatter_quantized(st, shares, call: int, grads, keep, clipper=None) -
             got = tensors[at: at + len(seg.names)]
             at += len(seg.names)
             clipper.known.update(zip(seg.names, torch._foreach_norm(got, clipper.norm_type)))
-            base, share = seg.bounds[shares.rank], seg.share(shares.rank)
-            out = torch.zeros(share)       # (padding between tensors stays zero: no piece covers it)
-            for (n, off, k), g in zip(seg.items(), got):
-                lo, hi = max(off, base), min(off + k, base + share)
-                if lo < hi:
-                    out[lo - base: hi - base].copy_(g.reshape(-1)[lo - off: hi - off])
-            keep(s, seg, out)
+            flat = torch.zeros(seg.size)       # the segment's layout (no piece covers its padding)
+            for (_, off, k), g in zip(seg.items(), got):
+                flat[off: off + k].copy_(g.reshape(-1))
+            base = seg.bounds[shares.rank]
+            keep(s, seg, flat[base: base + seg.share(shares.rank)].clone())
         st.shares.stats["reduce_scatter_wire_bytes"] += stats.wire_bytes
         return mine
     results, stats = reduce_scatter(tensors, specs, timeout=st.shares.timeout, generator=st.shares.generator)
