@@ -11,11 +11,13 @@ the partitioned run's reduce-scatter is the quantized all-reduce's first half. `
 on the same ranks, GPT and per-rank batch, with parameters and optimizer state on NVMe (benchmarks/zero3_peer.py;
 where ``pip install -e ".[bench]"`` and libaio are there, else its row says what is missing); its state is on disk,
 so its host column is empty and its disk columns (bytes each rank's process read from and wrote to the block
-device per step, /proc/self/io) are where its state moves. Harmony's ``full`` keeps its share in host memory
-(disk tiers under ``full`` are not built yet), so the two differ in where the state lives, not only in speed.
+device per step, /proc/self/io) are where its state moves. Harmony's ``full`` keeps its share in host memory;
+``full+disk`` keeps it on disk as DeepSpeed does (runtime/partitioned_disk.py), beside ``replicated+disk``, whose
+ranks each keep and read whole files.
 
     python benchmarks/partition.py                      # 2 and 3 ranks, every mode
     python benchmarks/partition.py --modes full full+clip full+4bit replicated+4bit
+    python benchmarks/partition.py --worlds 2 --modes replicated+disk full+disk deepspeed
     python benchmarks/partition.py --worlds 2 --layers 4 --width 256
 """
 from __future__ import annotations
@@ -38,7 +40,10 @@ MODES = {"replicated": dict(shard_state=False), "zero1": dict(shard_state=True),
          "replicated+clip": dict(shard_state=False, clip_grad_norm=0.05),
          "full+clip": dict(shard_state="full", clip_grad_norm=0.05),
          "replicated+4bit": dict(shard_state=False, compression="4bit"),
-         "full+4bit": dict(shard_state="full", compression="4bit")}
+         "full+4bit": dict(shard_state="full", compression="4bit"),
+         # weights and optimizer state on disk: each replicated rank its whole files, each partitioned rank its share
+         "replicated+disk": dict(shard_state=False, weights_on="disk"),
+         "full+disk": dict(shard_state="full", weights_on="disk")}
 
 
 PEER = "deepspeed"       # DeepSpeed ZeRO-3, parameters and optimizer state on NVMe (benchmarks/zero3_peer.py)
@@ -164,6 +169,15 @@ def main() -> None:
                                                          figures[f"w{world}_replicated_host_MiB"])
             figures[f"w{world}_full/replicated step"] = (figures[f"w{world}_full_step_s"] /
                                                          figures[f"w{world}_replicated_step_s"])
+        if "full+disk" in runs and "replicated+disk" in runs:
+            figures[f"w{world}_full+disk/replicated+disk write"] = (
+                max(r["write_MiB_per_step"] for r in runs["full+disk"]) /
+                max(max(r["write_MiB_per_step"] for r in runs["replicated+disk"]), 1e-9))
+        if PEER in runs and "full+disk" in runs:
+            figures[f"w{world}_full+disk/{PEER} step"] = (figures[f"w{world}_full+disk_step_s"] /
+                                                          figures[f"w{world}_{PEER}_step_s"])
+            rows.append(dict(world=world, mode=f"full+disk / {PEER}",
+                             step_s_slowest=figures[f"w{world}_full+disk/{PEER} step"]))
         if PEER in runs and "full" in runs:
             figures[f"w{world}_full/{PEER} step"] = (figures[f"w{world}_full_step_s"] /
                                                      figures[f"w{world}_{PEER}_step_s"])

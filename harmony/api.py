@@ -313,6 +313,10 @@ class ScheduledModule(torch.nn.Module):
                 try:
                     state.disk = DiskTier.create(plan, program.schedule, tensors, optimizers, cfg.offload_dir,
                                                  **cfg.disk_io())
+                    if shares is not None:    # this rank's shares of the partitioned packs on disk
+                        from harmony.runtime.partitioned_disk import ShareTier
+                        state.disk = ShareTier.create(plan, program.schedule, tensors, optimizers, shares,
+                                                      cfg.offload_dir, **cfg.disk_io())
                     state.params_disk = DiskParams.create(plan, program.schedule, tensors, optimizers,
                                                           self.runtime.meter, device, cfg.offload_dir,
                                                           **cfg.disk_io())

@@ -35,6 +35,9 @@ class LiveState:
         self.disk = getattr(self.tiers, "disk", None)   # optimizer state of disk-placed packs (runtime/disk.py)
         self.pdisk = getattr(self.tiers, "params_disk", None)   # packs wholly on disk (runtime/diskparams.py)
         self._weights: dict[int, dict] = {}   # group -> weights given to write_tensor, written with its state
+        # shard_state="full" with packs on disk: this rank's chunks are in their files (runtime/partitioned_disk.py)
+        self.shared = self.disk if hasattr(self.disk, "holds_weight") else None
+        self._share_weights: dict[int, dict] = {}   # pack -> pieces' weights, as _weights
         name_of = {id(t): n for n, t in self.tensors.items()}
         if getattr(sm, "optimizer", None) is not None:   # the groups' settings the next step uses (a scheduler's
             sm.optimizer.step()                          # lr), in the packs' optimizers whose groups are saved
@@ -80,6 +83,8 @@ class LiveState:
     def weights(self, names) -> dict[str, torch.Tensor]:
         """The fp32 weights and buffers of ``names``: the tensors the runtime reads, or read from their files."""
         out = {n: self.tensors[n].data for n in names}
+        if self.shared is not None:
+            out.update(self.shared.weights_of(names))
         if self.pdisk is not None:
             from harmony.runtime.diskparams import PARAM
             for _, files in self._groups(names):
@@ -104,7 +109,10 @@ class LiveState:
             else:
                 self.write_optim(n, s)
         for pack, given in packs.items():
-            self.disk.set_state(pack, given)
+            if self.shared is not None:
+                self.shared.set_state(pack, given, self._share_weights.pop(pack, None))
+            else:
+                self.disk.set_state(pack, given)
         for gid in dict.fromkeys(list(files) + list(self._weights)):   # weights and state: one write per file
             self.pdisk.write_group(gid, self._weights.pop(gid, {}), files.get(gid))
 
@@ -148,6 +156,9 @@ class LiveState:
         t = self.tensors[name]
         if self.pdisk is not None and self.pdisk.holds(name):   # its file is written with its state (write_optims)
             self._weights.setdefault(self.pdisk.pack_of[name], {})[name] = value
+            return
+        if self.shared is not None and self.shared.holds_weight(name):   # written with its pack's state, too
+            self._share_weights.setdefault(self.shared.piece_pack[name], {})[name] = value
             return
         with torch.no_grad():
             t.data.copy_(value)

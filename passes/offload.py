@@ -46,7 +46,10 @@ such a file is never written or read, so each byte held saves a write and a read
 (under the backward, where the disk is busiest) and the weights' reads. That step runs on the host thread, overlapping
 the next pack's backward, while the pack's gradients wait on the device (the swap pass
 makes it inline where the device cannot hold them that long). ``weights_on`` overrides the choice.
-Wholly-disk packs and data-parallel training do not combine yet (a ``ConfigError``).
+Under data parallelism replicated ranks each keep their own files; ``shard_state=True`` (ZeRO-1) refuses wholly-disk
+packs (its owners broadcast stepped weights). Under ``shard_state="full"`` the pass plans this rank's share (1/N of
+each pack's weights and optimizer state, and the whole gradients and gathered weights its host holds for a moment),
+and a pack on disk is one file of that share, stepped on the host (runtime/partitioned_disk.py), not groups.
 """
 from __future__ import annotations
 
@@ -101,33 +104,14 @@ def run(program: Program, ctx) -> PassResult:
     host = place == "host"
     budget = getattr(cfg, "host_memory_budget", None)
     disk, whole, need = place_state(program) if host else (set(), set(), {})
-    if whole and cfg.data_parallel and (cfg.world_size or 1) > 1:
-        raise ConfigError(f"packs {sorted(whole)} would keep their weights on disk, which data-parallel training does "
-                          f"not support yet (their gradients are averaged on the device, then stepped from disk); "
-                          f"raise host_memory_budget, or pass weights_on='host'")
+    if whole and cfg.data_parallel and (cfg.world_size or 1) > 1 and cfg.shard_state is True:
+        raise ConfigError(f"packs {sorted(whole)} would keep their weights on disk, which shard_state=True (ZeRO "
+                          f"stage 1) does not support: its owners broadcast stepped weights that a pack on disk keeps "
+                          f"in its files. Use shard_state='full' (each rank keeps and reads its share of every pack "
+                          f"on its own disk), no shard_state, a larger host_memory_budget, or weights_on='host'")
     _place(program, place, disk, whole, need)
     in_memory = sorted(plan.packs_with("in_memory"))
-    # weights are read for the forward and the backward; under harmony the step takes the backward's
-    # (runtime/diskparams.py)
-    weight_reads = 2 if cfg.policy == "harmony" else 3
-    rows = []
-    for spec in plan.packs:
-        where = plan.at(spec.index).optim_on
-        on_disk = spec.optim_bytes if where == "disk" else 0
-        weights = spec.index in whole
-        owned = need.get("owned", {}).get(spec.index, 0)
-        share = plan.at(spec.index).in_memory_share     # of its files, kept in host memory
-        kept = share * owned
-        on_disk *= 1 - share
-        rows.append(dict(pack=spec.index, layers=spec.name, step_on="host (inline, by file)" if weights else place,
-                         weights="disk" if weights else "host",
-                         optimizer_state=where if host else "device (streamed or resident)",
-                         optim_MiB=spec.optim_bytes / 2**20,
-                         grads_out_MiB=(spec.param_bytes if host else 0) / 2**20,
-                         disk_read_MiB=(on_disk + (weight_reads * (owned - kept) if weights else 0)) / 2**20,
-                         disk_write_MiB=(on_disk + (owned - kept if weights else 0)) / 2**20,
-                         **({"in_memory_MiB": share * (owned + spec.optim_bytes) / 2**20}
-                            if in_memory else {})))
+    rows = _rows(program, place, whole, need, in_memory)
     disk_read = sum(r["disk_read_MiB"] for r in rows) * 2**20
     disk_write = sum(r["disk_write_MiB"] for r in rows) * 2**20
     totals = dict(step_on=place, disk_packs=len(disk), disk_weight_packs=len(whole),
@@ -170,6 +154,48 @@ def run(program: Program, ctx) -> PassResult:
     return PassResult(program, report)
 
 
+def _rows(program: Program, place: str, whole: set, need: dict, in_memory: list) -> list[dict]:
+    """The report's row per pack: where it steps, where its weights and optimizer state live, its disk bytes."""
+    cfg, plan = program.config, program.plan
+    host = place == "host"
+    # weights are read for the forward and the backward; under harmony the step takes the backward's
+    # (runtime/diskparams.py)
+    weight_reads = 2 if cfg.policy == "harmony" else 3
+    world = cfg.world_size if full_sharding(cfg) else 1
+    gathers = [n.args[0] for n in program.schedule.nodes if n.op == "call_function" and n.target is ops.swap_in
+               and n.args[1] == "params"]
+    rows = []
+    for spec in plan.packs:
+        where = plan.at(spec.index).optim_on
+        weights = spec.index in whole
+        owned = need.get("owned", {}).get(spec.index, 0)
+        if world > 1:   # partitioned: one file of the share, read by the last gather before the step, the other
+            # gathers reading its weights (an estimate before the swap pass settles the gathers: the shard report's
+            # disk_*_bytes_per_step are the plan's)
+            on_disk = spec.optim_bytes // world + (owned if weights else 0) if where == "disk" else 0
+            reads = on_disk + (max(gathers.count(spec.index) - 1, 0) * owned if weights else 0)
+            rows.append(dict(pack=spec.index, layers=spec.name, step_on=place,
+                             weights="disk (this rank's share)" if weights else "host (this rank's share)",
+                             optimizer_state=where, optim_MiB=spec.optim_bytes / world / 2**20,
+                             grads_out_MiB=spec.param_bytes / 2**20, disk_read_MiB=reads / 2**20,
+                             disk_write_MiB=on_disk / 2**20))
+            continue
+        on_disk = spec.optim_bytes if where == "disk" else 0
+        share = plan.at(spec.index).in_memory_share     # of its files, kept in host memory
+        kept = share * owned
+        on_disk *= 1 - share
+        rows.append(dict(pack=spec.index, layers=spec.name, step_on="host (inline, by file)" if weights else place,
+                         weights="disk" if weights else "host",
+                         optimizer_state=where if host else "device (streamed or resident)",
+                         optim_MiB=spec.optim_bytes / 2**20,
+                         grads_out_MiB=(spec.param_bytes if host else 0) / 2**20,
+                         disk_read_MiB=(on_disk + (weight_reads * (owned - kept) if weights else 0)) / 2**20,
+                         disk_write_MiB=(on_disk + (owned - kept if weights else 0)) / 2**20,
+                         **({"in_memory_MiB": share * (owned + spec.optim_bytes) / 2**20}
+                            if in_memory else {})))
+    return rows
+
+
 def _weights_on(cfg) -> str:
     """Where host-stepped packs' fp32 weights may go: ``weights_on``, but never disk under mixed precision."""
     weights_on = getattr(cfg, "weights_on", "auto")
@@ -186,13 +212,22 @@ def _weights_on(cfg) -> str:
     return "host"
 
 
+def full_sharding(cfg) -> bool:
+    """Whether each rank keeps only its share of every pack (``shard_state="full"`` over several ranks)."""
+    return getattr(cfg, "shard_state", None) == "full" and (cfg.world_size or 1) > 1
+
+
 def _place(program: Program, place: str, disk: set, whole: set, need: dict) -> None:
     """Write where each pack steps and where its optimizer state and fp32 weights live into its residency record
     and its ``step`` op: ``disk`` packs keep their optimizer state on disk, ``whole`` ones their weights too
     (``need``: their files)."""
+    if full_sharding(program.config):    # a partitioned pack on disk steps its share from one file on the host
+        whole_steps = set()
+    else:
+        whole_steps = whole
     for n in program.schedule.nodes:     # a wholly-disk pack's step overlaps the next backward (swap may inline it)
         if n.op == "call_function" and n.target is ops.step:
-            n.kwargs = {**n.kwargs, "where": place} if n.args[0] not in whole else \
+            n.kwargs = {**n.kwargs, "where": place} if n.args[0] not in whole_steps else \
                 {**n.kwargs, "where": "disk", "overlap": True}
     for p, record in program.plan.residency.items():
         record.step_on = place
@@ -229,12 +264,15 @@ def place_state(program: Program) -> tuple[set[int], set[int], dict]:
     budget = getattr(cfg, "host_memory_budget", None)
     sizes = {n: nbytes(t) for n, t in gm.named_parameters()}
     buffers = sum(nbytes(t) for t in gm.buffers())
-    owned = {s.index: sum(sizes.get(n, 0) for n in s.owned) for s in plan.packs}
+    # shard_state="full": this rank keeps its share of each pack's weights and optimizer state (runtime/partitioned.py)
+    world = cfg.world_size if full_sharding(cfg) else 1
+    owned = {s.index: sum(sizes.get(n, 0) for n in s.owned) // world for s in plan.packs}
     # a pack's gradients on the host between its release and its step; under mixed precision they arrive in
     # the compute dtype and step as fp32 copies, and fp16 and clipping hold every pack's until the last is in
     held = {s.index: s.param_bytes + (s.master_bytes if cfg.precision != "fp32" else 0) for s in plan.packs}
-    optim = {s.index: s.optim_bytes for s in plan.packs}
-    groups = groups_of(plan, set(optim), cfg.disk_group_bytes, sizes)
+    optim = {s.index: s.optim_bytes // world for s in plan.packs}
+    # a partitioned pack wholly on disk is one file of its share (runtime/partitioned_disk.py), not groups
+    groups = groups_of(plan, set(optim), cfg.disk_group_bytes, sizes) if world == 1 else {p: [] for p in optim}
     # a wholly-disk pack's largest file: its largest group's weights and their share of the optimizer state
     file_bytes = {p: max((sum(sizes[n] for n in g) * (1 + optim[p] / max(owned[p], 1)) for g in gs), default=0)
                   for p, gs in groups.items()}
@@ -244,11 +282,17 @@ def place_state(program: Program) -> tuple[set[int], set[int], dict]:
 
     def need(disk: set[int], whole: set[int]) -> dict:
         masters = buffers + sum(b for p, b in owned.items() if p not in whole)
-        host_held = [b for p, b in held.items() if p not in whole]
+        # partitioned: every pack's whole gradients reach the host for its reduce-scatter, and its gathers assemble
+        # its whole weights there
+        host_held = [b for p, b in held.items() if world > 1 or p not in whole]
         grads = (sum(host_held) if holds_every_gradient(cfg) else 2 * max(host_held, default=0)) + \
             max((group_grads[p] for p in whole), default=0)
         host_optim = sum(b for p, b in optim.items() if p not in disk and p not in whole)
         staging = 2 * max((optim[p] for p in disk), default=0) + 3 * max((file_bytes[p] for p in whole), default=0)
+        if world > 1:      # a file is the share's weights and state: one stepping, one read ahead (by the pack's
+            # last gather, which may come before the write of the file stepped before is done), one being written
+            staging = 3 * max([optim[p] for p in disk] + [owned[p] + optim[p] for p in whole], default=0) + \
+                max((s.param_bytes for s in plan.packs), default=0)
         return dict(masters=masters, grads=grads, host_optim=host_optim, staging=int(staging),
                     planned=int(masters + grads + host_optim + staging))
 
@@ -278,25 +322,33 @@ def place_state(program: Program) -> tuple[set[int], set[int], dict]:
                 whole.add(p)
     planned = need(disk, whole)
     if budget is not None and planned["planned"] > budget:
-        what = ("with every pack's optimizer state on disk the host still needs the fp32 weights "
-                f"({fmt_bytes(need(set(optim), set())['masters'])}), {_grads_held(cfg)} and two packs' "
-                f"optimizer state in flight" if weights_on == "host" else
-                f"with every pack's weights and optimizer state on disk the host still needs buffers "
-                f"({fmt_bytes(buffers)}), a file's gradients and three files of weights and optimizer state in "
-                f"flight")
-        todo = ("weights_on='auto' to let weights go to disk too, or "
-                if weights_on == "host" and getattr(cfg, "weights_on", "auto") == "host" else "")
-        raise BudgetError(
-            f"host_memory_budget={fmt_bytes(budget)} cannot hold the host's share of training state: {what}, "
-            f"{fmt_bytes(minimum)}. Raise host_memory_budget to at least {fmt_bytes(minimum)} ({minimum} bytes), "
-            f"or compile with {todo}a smaller disk_group_bytes.",
-            min_budget=minimum)
+        _refuse(cfg, budget, minimum, weights_on, world, buffers, need(set(optim), set())["masters"])
     memory, memory_share, kept = _in_memory(budget - planned["planned"] if budget is not None else 0,
                                             [p for p in reversed(order) if p in whole], groups, sizes,
                                             {p: optim[p] / max(owned[p], 1) for p in whole})
     planned.update(in_memory=kept, planned=planned["planned"] + kept)
     return disk, whole, dict(planned, minimum=minimum, groups={p: groups[p] for p in whole}, owned=owned,
                              memory=memory, memory_share=memory_share)
+
+
+def _refuse(cfg, budget: int, minimum: int, weights_on: str, world: int, buffers: int, masters: int) -> None:
+    """Raise the ``BudgetError`` of a host budget below ``minimum``, saying what the host still holds."""
+    what = ("with every pack's optimizer state on disk the host still needs the fp32 weights "
+            f"({fmt_bytes(masters)}), {_grads_held(cfg)} and two packs' "
+            f"optimizer state in flight" if weights_on == "host" else
+            f"with every pack's weights and optimizer state on disk the host still needs buffers "
+            f"({fmt_bytes(buffers)}), a file's gradients and three files of weights and optimizer state in "
+            f"flight" if world == 1 else
+            f"with this rank's share of every pack on disk the host still needs buffers ({fmt_bytes(buffers)}), "
+            f"{_grads_held(cfg)} (whole, for their reduce-scatter), three files of its share in flight and the "
+            f"largest pack's gathered weights")
+    todo = ("weights_on='auto' to let weights go to disk too, or "
+            if weights_on == "host" and getattr(cfg, "weights_on", "auto") == "host" else "")
+    raise BudgetError(
+        f"host_memory_budget={fmt_bytes(budget)} cannot hold the host's share of training state: {what}, "
+        f"{fmt_bytes(minimum)}. Raise host_memory_budget to at least {fmt_bytes(minimum)} ({minimum} bytes), "
+        f"or compile with {todo}{'a smaller disk_group_bytes' if world == 1 else 'more ranks or smaller packs'}.",
+        min_budget=minimum)
 
 
 def _in_memory(spare: int, packs: list[int], groups: dict, sizes: dict, state_per_byte: dict):

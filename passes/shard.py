@@ -11,6 +11,11 @@ broadcast after the step: the next gather reads the updated chunks. The pack rec
 rank's chunk (``master_bytes``, ``optim_bytes``), so ``verify``, the simulator (whose ``network`` stream
 carries the gathers and reduce-scatters) and the report see this rank's share.
 
+The disk tiers work on the share: under ``host_memory_budget`` (or ``weights_on="disk"``) the offload pass plans this
+rank's bytes, and a pack it places on disk keeps this rank's chunks and their optimizer state in one file of the rank's
+own ``offload_dir`` (runtime/partitioned_disk.py): each gather reads the chunks from it, each step the whole file, so
+N ranks read a pack from N disks, each 1/N of it (ZeRO-Infinity's bandwidth-centric partitioning).
+
 Clipping by the global norm (``clip_grad_norm``) works: each rank has the whole averaged buffer for a moment in the
 reduce-scatter (runtime/partitioned.py), takes every gradient's norm there, and the norm of those norms is the
 replicated run's, bitwise, on every rank, with no collective of its own.
@@ -24,8 +29,8 @@ the whole quantized all-reduce runs (the replicated run's bytes): each rank need
 its norm, and then cuts its chunks from them.
 
 What is not built yet is refused at compile with a ``ConfigError`` (``check_config``): fp16/bf16 and adaptive
-compression, error feedback, uneven shares (``balance``), disk tiers, device
-steps, CUDA devices, the ondemand policy, a weight shared by two packs, and optimizers that are not element-wise.
+compression, error feedback, uneven shares (``balance``), device steps, CUDA devices, the ondemand policy, a weight
+shared by two packs, and optimizers that are not element-wise.
 """
 from __future__ import annotations
 
@@ -62,9 +67,6 @@ def check_config(cfg, given_kwargs: dict) -> None:
                                   f"gather is a collective every rank must join): {instead}"),
         (cfg.optimizer_on == "device", f"optimizer_on='device' (partitioned packs step on the host): use "
                                        f"optimizer_on='host' or 'auto', or {instead}"),
-        (cfg.weights_on == "disk" or cfg.host_memory_budget is not None,
-         f"weights_on={cfg.weights_on!r}, host_memory_budget={cfg.host_memory_budget!r} (the disk tiers are not "
-         f"partitioned yet): keep the state on the host (weights_on='auto', no host_memory_budget), or {instead}"),
         (str(cfg.device).split(":")[0] != "cpu", f"device={cfg.device!r} (the gathers are gloo collectives on host "
                                                  f"tensors; CUDA is not built yet): use device='cpu', or {instead}"),
         (cfg.policy == "ondemand", f"policy='ondemand': use policy='harmony', or {instead}"),
@@ -129,7 +131,6 @@ def run(program: Program, ctx) -> PassResult:
 def _check_pack(plan, p: int) -> None:
     r = plan.at(p)
     why = ("it steps on the device" if r.step_on != "host" else
-           "its state is on disk" if "disk" in (r.optim_on, r.master_on) else
            "the plan keeps some of its state on the device" if r.kept or r.device_parts or r.optim_kept else "")
     if why:
         raise ConfigError(f"shard_state='full' partitions packs that step on the host with their state there, but "
@@ -205,11 +206,30 @@ def _totals(program, owned) -> dict:
             wire["gather"] += partitioned.gather_bytes(plan, n.args[0], held)
         elif s is not None:
             wire["reduce_scatter"] += sum(seg.sent for seg in s.segments)
+    disk = _disk_bytes(program, owned)
     return dict(world_size=cfg.world_size, rank=cfg.rank, partitioned_packs=len(shares),
                 master_bytes_whole=whole, master_bytes_this_rank=per_rank[cfg.rank],
                 master_bytes_by_rank=per_rank,
                 optim_bytes_this_rank=sum(plan.packs[p].optim_bytes for p in owned),
                 gather_wire_bytes_per_step=int(wire["gather"]),
-                reduce_scatter_wire_bytes_per_step=int(wire["reduce_scatter"]))
+                reduce_scatter_wire_bytes_per_step=int(wire["reduce_scatter"]),
+                **({"disk_read_bytes_per_step": disk[0], "disk_write_bytes_per_step": disk[1]} if disk[1] else {}))
+
+
+def _disk_bytes(program, owned) -> tuple[int, int]:
+    """This rank's disk bytes read and written per step for its shares on disk (runtime/partitioned_disk.py): each
+    pack's file (its chunks where its weights are on disk, and their optimizer state) is written once and read
+    once, by the last gather before the step where the weights are there, and each earlier gather reads the chunks."""
+    plan = program.plan
+    gathers = [n.args[0] for n in calls(program.schedule) if n.target is partitioned.gather]
+    read = written = 0
+    for p in owned:
+        record, spec = plan.at(p), plan.packs[p]
+        if record.optim_on != "disk":
+            continue
+        weights = spec.master_bytes if record.master_on == "disk" else 0
+        written += weights + spec.optim_bytes
+        read += weights + spec.optim_bytes + weights * max(gathers.count(p) - 1, 0)
+    return read, written
 
 

@@ -92,7 +92,8 @@ class DiskTier:
     def create(cls, plan, graph, tensors: dict, optimizers: dict, offload_dir=None, **io) -> "DiskTier | None":
         """The tier of the packs whose optimizer state ``plan.residency`` places on disk, or None if there are none."""
         packs = {s.index: [n for n in s.stepped if n in optimizers] for s in plan.packs   # packs wholly on disk
-                 if plan.at(s.index).optim_on == "disk" and plan.at(s.index).master_on != "disk"}   # have their own
+                 if plan.at(s.index).optim_on == "disk" and plan.at(s.index).master_on != "disk"   # have their own
+                 and plan.at(s.index).shares is None}          # partitioned: runtime/partitioned_disk.py
         if not packs:
             return None
         return cls(DiskStore(offload_dir, **io), packs, tensors, optimizers, step_order(graph))
@@ -118,8 +119,7 @@ class DiskTier:
         """After the step: write the pack's state back, leave placeholders, let the buffer go once written."""
         if pack not in self.names:
             return
-        entries = [(n, k, v) for n in self.names[pack]
-                   for k, v in self.optimizers[n].state.get(self.tensors[n], {}).items() if _large(v)]
+        entries = self._entries(pack)
         lay = [(n, k, tuple(v.shape), v.dtype) for n, k, v in entries]
         live = self._live.pop(pack, None)
         if live is not None and len(live) == len(entries) and all(a is e[2] for a, e in zip(live, entries)):
@@ -141,6 +141,15 @@ class DiskTier:
         self._writing.append((pack, fut))
         if self._wrap is not None and pack == self._wrap[0]:
             self.prefetch(self._wrap[1])
+
+    def _entries(self, pack: int) -> list[tuple[str, str, torch.Tensor]]:
+        """(name, key, tensor) of what the pack's file holds: ``_head`` and its parameters' large optimizer state."""
+        return self._head(pack) + [(n, k, v) for n in self.names[pack]
+                                   for k, v in self.optimizers[n].state.get(self.tensors[n], {}).items() if _large(v)]
+
+    def _head(self, pack: int) -> list[tuple[str, str, torch.Tensor]]:
+        """Entries ahead of the optimizer state in a file (a partitioned pack's chunks: runtime/partitioned_disk.py)."""
+        return []
 
     def abort(self, pack: int) -> None:
         """The step failed: leave placeholders; the file keeps the state from before the step."""
@@ -230,7 +239,8 @@ class DiskTier:
         with self._lock:
             self._kept.pop(pack, None)
         self._live.pop(pack, None)
-        lay, values = [], []
+        head = self._head(pack)
+        lay, values = [(n, k, tuple(v.shape), v.dtype) for n, k, v in head], [v for _, _, v in head]
         for n in self.names[pack]:
             p, s = self.tensors[n], states.get(n) or {}
             new = {}

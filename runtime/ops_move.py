@@ -178,8 +178,12 @@ def disk_io(plan, node, hw) -> dict:
     if node.target is swap_in and node.args[1] == "params" and whole and not node.kwargs.get("carried"):
         read = spec.param_bytes * on_disk
     elif node.target is step and (whole or optim):
-        written = (spec.optim_bytes + (spec.param_bytes if whole else 0)) * on_disk
-        read = written
+        # partitioned (runtime/partitioned_disk.py): the record counts this rank's share, its weights as master_bytes
+        weights = spec.master_bytes if record.shares is not None else spec.param_bytes
+        written = (spec.optim_bytes + (weights if whole else 0)) * on_disk
+        read = written if record.shares is None else spec.optim_bytes   # a gather reads the chunks (below)
+    elif whole and record.shares is not None and node.args[1:2] == ("params",) and node.target.__name__ == "gather":
+        read = spec.master_bytes      # a gather of a partitioned pack on disk reads this rank's chunks
     rbw = getattr(hw, "disk_read_bandwidth", 0) or 1e30
     wbw = getattr(hw, "disk_write_bandwidth", 0) or 1e30
     return {"read": read / rbw, "write": written / wbw}

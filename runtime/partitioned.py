@@ -5,7 +5,8 @@ uses (``Plan.comm_groups``, cut at ``DEFAULT_FUSION_BYTES`` as ``collectives.all
 ``Segment``s; each segment is cut into ``world`` contiguous chunks of about ``n / world`` elements and rank
 ``r`` owns chunk ``r`` of every segment (``PackShares``, plain data in ``Residency.shares``). A rank's host
 holds only its chunks (fp32) and their optimizer state; the model's parameters of such a pack hold
-placeholders between uses (runtime/placeholders.py).
+placeholders between uses (runtime/placeholders.py). The layout is plain data (runtime/partitioned_layout.py); where
+the offload pass puts a pack's share on disk, its chunks live in a file between uses (runtime/partitioned_disk.py).
 
 * ``gather(pack, 'params', held=...)`` takes the place of the pack's ``swap_in`` of its weights: an all-gather
   of every rank's chunk into a host staging buffer on the copy thread, then into fresh device copies
@@ -42,173 +43,16 @@ counted as the ring all-reduce it is (twice a ring reduce-scatter's bytes; NCCL'
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
 from harmony.base.errors import HarmonyError
 from harmony.base.units import nbytes
-from harmony.runtime.collectives import DEFAULT_FUSION_BYTES, ring_bytes
 from harmony.runtime.ops import moving_names, register
-from harmony.runtime.ops_move import pack_what, swap_in_effect
+from harmony.runtime.ops_move import disk_io, pack_what, swap_in_effect
+from harmony.runtime.partitioned_layout import ALIGN, PREFIX, PackShares, Piece, Segment, layout  # noqa: F401
 from harmony.runtime.partitioned_quantized import reduce_scatter_quantized
 from harmony.runtime.placeholders import is_placeholder, placeholder
 from harmony.runtime.plan import NOMINAL_NETWORK_BANDWIDTH, NOMINAL_NETWORK_LATENCY
-
-PREFIX = "share:"      # the names of a rank's chunk pieces (optimizer state and checkpoints are keyed by them)
-
-
-# -- the layout: plain data, in the plan -----------------------------------------------------------
-@dataclass
-class Segment:
-    """One fused buffer of a pack's parameters, cut into ``world`` chunks: rank r's is ``bounds[r]:bounds[r + 1]``.
-
-    ``offsets``: where each parameter starts in the buffer (packed, or on bucket boundaries in a quantized one);
-    ``codec``: the quantized buffer's ``CompressionSpec`` fields (None: fp32); ``call``: which of the pack's
-    all-reduce groups it belongs to (one ``collectives`` call each); ``sent``: the bytes this rank sends to
-    reduce-scatter it."""
-
-    names: list[str]
-    numels: list[int]
-    bounds: list[int]
-    offsets: list[int] = field(default_factory=list)
-    codec: dict | None = None
-    call: int = 0
-    sent: int = 0
-
-    @property
-    def chunk(self) -> int:
-        """Elements of the largest chunk: what each rank sends in an all-gather (the others padded to it)."""
-        return max(b - a for a, b in zip(self.bounds, self.bounds[1:]))
-
-    @property
-    def total(self) -> int:
-        return sum(self.numels)
-
-    @property
-    def size(self) -> int:
-        """Elements of the buffer, padding included."""
-        return self.bounds[-1]
-
-    def items(self):
-        """(name, offset, numel) of each parameter in the buffer."""
-        yield from zip(self.names, self.offsets, self.numels)
-
-    def share(self, rank: int) -> int:
-        """Elements of rank ``rank``'s chunk."""
-        return self.bounds[rank + 1] - self.bounds[rank]
-
-
-@dataclass
-class Piece:
-    """One parameter's part of a rank's chunk: one tensor its optimizer steps."""
-
-    name: str
-    segment: int
-    start: int          # in the segment's elements
-    end: int
-    group: int
-
-
-@dataclass
-class PackShares:
-    """How one pack's parameters are partitioned over ``world`` ranks, and this rank's pieces."""
-
-    world: int
-    rank: int
-    segments: list[Segment]
-    pieces: list[Piece] = field(default_factory=list)
-
-    def names(self) -> list[str]:
-        return [n for s in self.segments for n in s.names]
-
-    def elements(self, rank: int | None = None) -> int:
-        """Elements rank ``rank`` (this one by default) owns; all of them with ``rank=-1``."""
-        if rank == -1:
-            return sum(s.total for s in self.segments)
-        return sum(s.share(self.rank if rank is None else rank) for s in self.segments)
-
-
-def layout(groups: list[list[tuple[str, int]]], world: int, rank: int, group_of: dict[str, int],
-           fusion_bytes: int = DEFAULT_FUSION_BYTES, specs: dict | None = None) -> PackShares:
-    """The segments of a pack whose all-reduce groups are ``groups`` ([(name, numel)] each), fused as
-    ``collectives.allreduce`` fuses them (``specs``: each name's ``CompressionSpec`` as ``spec_for`` settles it;
-    fp32 without), and this rank's pieces (with their param groups, ``group_of``).
-
-    An fp32 buffer is cut into equal chunks, each boundary on a multiple of ``ALIGN`` elements from the start of
-    the parameter it cuts: torch's fused CPU optimizers (and other vectorised kernels) round a tensor's last
-    ``numel % lanes`` elements apart from the rest, so a piece must start where the parameter's vector lanes start
-    for its update to be the whole parameter's, bit for bit (cut at 13 elements, fused AdamW differed in 1784 of
-    200k elements after 3 steps; at multiples of 64, 8 or 1000, in none). A quantized buffer follows the codec's
-    chunking instead: its parameters start on bucket boundaries and rank r owns the codec's chunk r, whose sum it
-    reduces and quantizes in the all-reduce too, so the partition's chunk is bitwise the replicated run's.
-    """
-    from harmony.runtime.collectives import fuse
-    from harmony.runtime.compression import NO_COMPRESSION
-    segments = []
-    for call, group in enumerate(groups):
-        sizes = [_Numel(k) for _, k in group]
-        codec = [(specs or {}).get(n, NO_COMPRESSION) for n, _ in group]
-        for spec, idx in fuse(sizes, codec, fusion_bytes):
-            names, numels = [group[i][0] for i in idx], [group[i][1] for i in idx]
-            seg = _quantized(names, numels, world, spec) if spec.kind == "quantized" else _segment(names, numels,
-                                                                                                 world)
-            seg.call = call
-            segments.append(seg)
-    shares = PackShares(world, rank, segments)
-    for s, seg in enumerate(segments):
-        lo, hi = seg.bounds[rank], seg.bounds[rank + 1]
-        for n, off, k in seg.items():
-            a, b = max(lo, off), min(hi, off + k)
-            if a < b:
-                shares.pieces.append(Piece(f"{PREFIX}{n}[{a - off}:{b - off}]", s, a, b, group_of[n]))
-    return shares
-
-
-class _Numel:
-    """A stand-in with a tensor's ``numel`` for ``collectives.fuse``."""
-
-    def __init__(self, n: int):
-        self.n = n
-
-    def numel(self) -> int:
-        return self.n
-
-
-ALIGN = 64
-
-
-def _segment(names: list[str], numels: list[int], world: int) -> Segment:
-    """Equal chunks, each boundary moved back to a multiple of ``ALIGN`` from the start of the parameter it cuts."""
-    offsets = [sum(numels[:i]) for i in range(len(numels))]
-    seg = Segment(names, numels, [], offsets)
-    total, step = seg.total, -(-seg.total // world)
-    bounds = [0]
-    for r in range(1, world):
-        b = min(total, r * step)
-        for _, off, k in seg.items():
-            if off <= b < off + k:
-                b = off + (b - off) // ALIGN * ALIGN
-                break
-        bounds.append(max(b, bounds[-1]))
-    seg.bounds = bounds + [total]
-    seg.sent = ring_bytes(4 * total, world)       # gloo's all-reduce of the buffer (the module's note)
-    return seg
-
-
-def _quantized(names: list[str], numels: list[int], world: int, spec) -> Segment:
-    """The codec's buffer (``collectives._Job.launch``): each parameter from a bucket boundary, ``world`` chunks
-    of whole buckets; the reduce-scatter sends every other rank its chunk quantized."""
-    from harmony.runtime.compression import wire_bytes
-    align, offsets, off = spec.bucket_size, [], 0
-    for k in numels:
-        offsets.append(off)
-        off += -(-k // align) * align
-    chunk = -(-off // (world * align)) * align if off >= world * align else -(-off // world)
-    codec = dict(kind=spec.kind, bits=spec.bits, bucket_size=spec.bucket_size, rounding=spec.rounding,
-                 error_feedback=spec.error_feedback, meta=spec.meta)
-    return Segment(names, numels, [r * chunk for r in range(world + 1)], offsets, codec,
-                   sent=(world - 1) * wire_bytes(chunk, spec.bits, spec.bucket_size, spec.meta_dtype))
 
 
 # -- the live chunks -----------------------------------------------------------------------------
@@ -226,6 +70,7 @@ class Shares:
         kw = {"timeout": datetime.timedelta(seconds=timeout)} if timeout else {}
         self.group = dist.new_group(backend="gloo", **kw)   # the copy thread's all-gathers: a group of their own
         self.timeout = timeout
+        self.tier = None            # runtime/partitioned_disk.ShareTier, where some packs' chunks live on disk
         # stochastic rounding draws as the replicated run's Communicator draws (runtime/communicator.py)
         self.generator = torch.Generator().manual_seed(0x5EED + dist.get_rank())
         with torch.no_grad():
@@ -252,11 +97,49 @@ class Shares:
         for n in shares.names():
             tensors[n].data = placeholder(tensors[n])
 
-    def gather(self, pack: int, segment: int) -> torch.Tensor:
-        """One segment whole, from every rank's chunk (a collective of ``self.group``)."""
+    # the chunks of a pack: in host memory, or between steps in this rank's file of it (runtime/partitioned_disk.py)
+    def in_memory(self, pack: int) -> bool:
+        return (pack, 0) in self.chunks
+
+    def loaded(self, pack: int) -> list[torch.Tensor]:
+        return [self.chunks[(pack, s)] for s in range(len(self.plan.at(pack).shares.segments))]
+
+    def load(self, pack: int, graph=None) -> list[torch.Tensor]:
+        """The pack's chunks, read from its file if they are not in memory (for a gather of ``graph``)."""
+        return self.loaded(pack) if self.in_memory(pack) else self.tier.read_chunks(pack, graph)
+
+    def install(self, pack: int, segment: int, chunk: torch.Tensor) -> None:
+        """``chunk`` becomes the segment's chunk, and the pieces in it views of it."""
+        self.chunks[(pack, segment)] = chunk
+        for piece, t in self.pieces_of(pack, {segment: chunk}, params=True).items():
+            piece.data = t
+
+    def evict(self, pack: int) -> None:
+        """Drop the pack's chunks from host memory (their file holds them); its pieces hold placeholders."""
+        for s in range(len(self.plan.at(pack).shares.segments)):
+            self.chunks.pop((pack, s), None)
+        for t in self.pieces[pack]:
+            t.data = placeholder(t)
+
+    def pieces_of(self, pack: int, chunks, params: bool = False) -> dict:
+        """{piece name (or, with ``params``, its parameter): its view of ``chunks``} ({segment: chunk} or a list)."""
+        shares = self.plan.at(pack).shares
+        chunks = dict(enumerate(chunks)) if isinstance(chunks, list) else chunks
+        out = {}
+        for piece, t in zip(shares.pieces, self.pieces[pack]):
+            if piece.segment in chunks:
+                base = shares.segments[piece.segment].bounds[shares.rank]
+                out[t if params else piece.name] = chunks[piece.segment][piece.start - base: piece.end - base] \
+                    .view(t.shape)
+        return out
+
+    def gather(self, pack: int, segment: int, mine: torch.Tensor | None = None) -> torch.Tensor:
+        """One segment whole, from every rank's chunk (``mine``: this rank's, if not in memory; a collective of
+        ``self.group``)."""
         import torch.distributed as dist
         shares = self.plan.at(pack).shares
-        seg, mine = shares.segments[segment], self.chunks[(pack, segment)]
+        seg = shares.segments[segment]
+        mine = self.chunks[(pack, segment)] if mine is None else mine
         out = torch.empty(mine.numel() * shares.world, dtype=mine.dtype)
         dist.all_gather_into_tensor(out, mine, group=self.group)
         self.stats["gather_wire_bytes"] += nbytes(mine) * (shares.world - 1)
@@ -276,8 +159,9 @@ class Shares:
         done = []
         with torch.no_grad():
             for p, record in sorted(self.plan.residency.items()):
+                chunks = self.load(p) if record.shares is not None else []
                 for s, seg in enumerate(record.shares.segments if record.shares is not None else ()):
-                    flat = self.gather(p, s)
+                    flat = self.gather(p, s, chunks[s])
                     for n, off, k in seg.items():
                         tensors[n].data = flat[off: off + k].clone().view_as(tensors[n])
                         done.append(n)
@@ -324,9 +208,10 @@ def _gather_execute(rt, pack, what="params", held=()):
         return first
 
     def copy():
+        chunks = st.shares.load(pack, rt.graph)
         for s, seg in enumerate(shares.segments):
             if any(n in targets for n in seg.names):
-                flat = st.shares.gather(pack, s)
+                flat = st.shares.gather(pack, s, chunks[s])
                 for n, off, k in seg.items():
                     if n in targets:
                         targets[n].view(-1).copy_(flat[off: off + k])
@@ -429,7 +314,8 @@ def _reduce_scatter_cost(plan, hw, pack, *, world=1):
     return "network", sent / bandwidth + 2 * (world - 1) * latency * len(shares.segments)
 
 
-register(gather, _gather_execute, swap_in_effect, _gather_cost, "copy", colour="#fb6a4a", label=pack_what)
+register(gather, _gather_execute, swap_in_effect, _gather_cost, "copy", colour="#fb6a4a", label=pack_what,
+         disk_io=disk_io)
 register(reduce_scatter, _reduce_scatter_execute, _reduce_scatter_effect, _reduce_scatter_cost, "copy",
          colour="#ef3b2c")
 

@@ -1,0 +1,177 @@
+"""``shard_state="full"`` with the disk tiers: each rank keeps its share of a pack in a file on its own disk.
+
+This is ZeRO-Infinity's bandwidth-centric partitioning: every rank reads and writes only its chunks of each pack
+(runtime/partitioned.py), so N ranks read a layer from N disks at once and no rank's disk holds more than its
+share. The offload pass places a partitioned pack's state on disk when ``host_memory_budget`` cannot hold this
+rank's share of it (``Residency.optim_on == "disk"``: the optimizer state of the rank's pieces), or its weights'
+share too (``master_on == "disk"``: the pieces' fp32 weights, as this rank's chunk of each of the pack's
+segments, ahead of the state in the same file).
+
+``ShareTier`` is a ``DiskTier`` (runtime/disktier.py) whose files hold, in this order, the pack's chunks (when its
+weights are on disk) and its pieces' optimizer state, so a pack's host step is the disk tier's: ``begin`` installs
+the file read ahead (the chunks into ``Shares``, whose pieces' parameters become views of them, and the state into
+the pack's optimizer), the optimizer steps the pieces, ``end`` writes the file back and leaves placeholders. A
+``gather`` of such a pack reads the chunks, a prefix of the file, on the copy thread and all-gathers them
+(``Shares.load``), after the write of the last step (``DiskStore`` orders a file's reads after its write). Per
+step a rank therefore reads its chunks once per gather and its whole file once, and writes its file once: each
+1/N of the replicated run's files.
+
+Between steps a weights-on-disk pack's pieces hold placeholders and ``Shares.chunks`` has no entry for it;
+checkpoints read and write the chunks through ``weights_of`` and ``set_state``, one pack at a time.
+"""
+from __future__ import annotations
+
+from concurrent.futures import wait as wait_all
+
+import torch
+
+from harmony.runtime.disk import DiskStore, _views, layout, step_order
+from harmony.runtime.disktier import DiskTier
+
+CHUNK = "chunk"      # the key of a chunk's entry in a file's layout (optimizer state keys are the optimizer's)
+
+
+def _chunk_name(pack: int, segment: int) -> str:
+    return f"{CHUNK}:{pack}:{segment}"
+
+
+class ShareTier(DiskTier):
+    """This rank's share of the partitioned packs placed on disk: a file per pack, see the module docstring."""
+
+    def __init__(self, store: DiskStore, packs: dict[int, list[str]], tensors: dict, optimizers: dict,
+                 order: list[int], shares, weights: set[int]):
+        super().__init__(store, packs, tensors, optimizers, order)
+        self.shares, self.weights = shares, set(weights)
+        self.piece_pack = {}                 # piece name -> its pack, for the packs whose chunks are on disk
+        for p in self.weights:
+            self.piece_pack.update(dict.fromkeys(self.names[p], p))
+        shares.tier = self
+        self._graph, self._gathers, self._expect = None, {}, {}    # gathers since each pack's step (read_chunks)
+        for p in sorted(self.weights):       # the chunks go to their files now: the host keeps none of them
+            entries = self._head(p)
+            self.layouts[p] = [(n, k, tuple(v.shape), v.dtype) for n, k, v in entries]
+            self.store.write(p, [v for _, _, v in entries]).result()
+            shares.evict(p)
+
+    @classmethod
+    def create(cls, plan, graph, tensors: dict, optimizers: dict, shares, offload_dir=None, **io) -> "ShareTier | None":
+        """The tier of the partitioned packs whose state ``plan.residency`` places on disk, or None if none is."""
+        packs, opts, weights = {}, {}, set()
+        for p, record in plan.residency.items():
+            if record.shares is None or record.optim_on != "disk":
+                continue
+            names = [piece.name for piece in record.shares.pieces]
+            opt = next((optimizers[n] for n in plan.packs[p].stepped if n in optimizers), None)
+            if opt is None or not names:
+                continue
+            packs[p] = names
+            opts.update(dict.fromkeys(names, opt))
+            if record.master_on == "disk":
+                weights.add(p)
+        if not packs:
+            return None
+        return cls(DiskStore(offload_dir, **io), packs, tensors, opts, step_order(graph), shares, weights)
+
+    # -- the file's entries: the chunks first, then the pieces' optimizer state ----------------------
+    def _head(self, pack: int) -> list[tuple[str, str, torch.Tensor]]:
+        if pack not in self.weights:
+            return []
+        return [(_chunk_name(pack, s), CHUNK, c) for s, c in enumerate(self.shares.loaded(pack))]
+
+    def _install(self, pack: int, views: list[torch.Tensor]) -> None:
+        for (n, k, _, _), v in zip(self.layouts[pack], views):
+            if k == CHUNK:
+                self.shares.install(pack, int(n.rsplit(":", 1)[1]), v)
+            else:
+                self.optimizers[n].state.setdefault(self.tensors[n], {})[k] = v
+        self._live[pack] = views
+
+    def _placeholders(self, pack: int) -> None:
+        for n, k, shape, dtype in self.layouts.get(pack, ()):
+            if k != CHUNK:
+                self.optimizers[n].state[self.tensors[n]][k] = torch.empty(shape, dtype=dtype, device="meta")
+        if pack in self.weights:
+            self.shares.evict(pack)
+
+    def _last_gather(self, graph, pack: int) -> bool:
+        """Whether this gather of ``pack`` is the last before its step in ``graph`` (counted since that step)."""
+        with self._lock:
+            if graph is not self._graph:      # another schedule (an evaluation, another batch shape): count anew
+                from harmony.runtime import ops
+                nodes = [n for n in graph.nodes if n.op == "call_function"]
+                steps = {n.args[0]: i for i, n in enumerate(nodes) if n.target is ops.step}
+                self._graph, self._gathers = graph, {}
+                self._expect = {p: sum(n.target.__name__ == "gather" and n.args[0] == p for n in nodes[:i])
+                                for p, i in steps.items()}
+            count = self._gathers[pack] = self._gathers.get(pack, 0) + 1
+            return count == self._expect.get(pack)
+
+    def prefetch(self, pack: int) -> None:
+        with self._lock:       # the copy thread's gathers start the steps' reads too
+            super().prefetch(pack)
+
+    def end(self, pack: int) -> None:
+        with self._lock:
+            self._gathers.pop(pack, None)
+        super().end(pack)
+
+    def _chunk_count(self, pack: int) -> int:
+        return sum(k == CHUNK for _, k, _, _ in self.layouts.get(pack, ()))
+
+    # -- the gathers' reads ----------------------------------------------------------------------------
+    def read_chunks(self, pack: int, graph=None) -> list[torch.Tensor]:
+        """This rank's chunks of ``pack``, read from the front of its file (or its buffer, if its write failed).
+
+        The last gather of the pack before its step in ``graph`` (the schedule running) reads the whole file
+        instead, as the step's read ahead: the step takes the weights with their state, and the pack's chunks are
+        read once per gather, not once more for the step."""
+        with self._lock:
+            kept = self._kept.get(pack)
+        k = self._chunk_count(pack)
+        if kept is not None:
+            return list(kept[:k])
+        if graph is not None and self._last_gather(graph, pack):
+            self.prefetch(pack)
+            fut, views = self._reads[pack]
+            fut.result()
+            return list(views[:k])
+        specs = [(s, d) for _, _, s, d in self.layouts[pack]]
+        offsets, _ = layout(specs)
+        end = offsets[k - 1] + specs[k - 1][0][0] * specs[k - 1][1].itemsize
+        buf = self.store.buffers.take(end)
+        self.store.read_at(pack, buf, 0).result()
+        return _views(buf, specs[:k], offsets[:k])
+
+    # -- checkpoints -------------------------------------------------------------------------------------
+    def holds_weight(self, name: str) -> bool:
+        return name in self.piece_pack
+
+    def weights_of(self, names) -> dict[str, torch.Tensor]:
+        """The fp32 weights of the pieces among ``names`` whose chunks are on disk, read a pack at a time."""
+        out = {}
+        for pack in dict.fromkeys(self.piece_pack[n] for n in names if n in self.piece_pack):
+            views = self.shares.pieces_of(pack, self.shares.loaded(pack) if self.shares.in_memory(pack)
+                                          else self.read_chunks(pack))
+            out.update({n: v for n, v in views.items() if n in names})
+        return out
+
+    def set_state(self, pack: int, states: dict, weights: dict | None = None) -> None:
+        """Replace pack ``pack``'s optimizer state with ``states`` and, where its chunks are on disk, the
+        weights of its pieces in ``weights`` {piece name: tensor} (the others keep theirs)."""
+        if pack not in self.weights:
+            return super().set_state(pack, states)
+        self.flush()
+        old = self._reads.pop(pack, None)
+        if old is not None:
+            wait_all([old[0]])
+        chunks = [c.clone() for c in self.read_chunks(pack)]
+        with self._lock:
+            self._kept.pop(pack, None)
+        self._live.pop(pack, None)
+        views = self.shares.pieces_of(pack, chunks)
+        with torch.no_grad():
+            for n, v in (weights or {}).items():
+                views[n].copy_(v.reshape(views[n].shape))
+        for s, c in enumerate(chunks):
+            self.shares.install(pack, s, c)
+        super().set_state(pack, states)      # writes the chunks (``_head``) and the state, and evicts the chunks

@@ -1,0 +1,162 @@
+"""The layout of ``shard_state="full"``: how each pack's parameters are cut into chunks over the ranks (plain data,
+in the plan's ``Residency.shares``); runtime/partitioned.py has the live chunks and the ops that move them."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from harmony.runtime.collectives import DEFAULT_FUSION_BYTES, ring_bytes
+
+PREFIX = "share:"      # the names of a rank's chunk pieces (optimizer state and checkpoints are keyed by them)
+
+
+# -- the layout: plain data, in the plan -----------------------------------------------------------
+@dataclass
+class Segment:
+    """One fused buffer of a pack's parameters, cut into ``world`` chunks: rank r's is ``bounds[r]:bounds[r + 1]``.
+
+    ``offsets``: where each parameter starts in the buffer (packed, or on bucket boundaries in a quantized one);
+    ``codec``: the quantized buffer's ``CompressionSpec`` fields (None: fp32); ``call``: which of the pack's
+    all-reduce groups it belongs to (one ``collectives`` call each); ``sent``: the bytes this rank sends to
+    reduce-scatter it."""
+
+    names: list[str]
+    numels: list[int]
+    bounds: list[int]
+    offsets: list[int] = field(default_factory=list)
+    codec: dict | None = None
+    call: int = 0
+    sent: int = 0
+
+    @property
+    def chunk(self) -> int:
+        """Elements of the largest chunk: what each rank sends in an all-gather (the others padded to it)."""
+        return max(b - a for a, b in zip(self.bounds, self.bounds[1:]))
+
+    @property
+    def total(self) -> int:
+        return sum(self.numels)
+
+    @property
+    def size(self) -> int:
+        """Elements of the buffer, padding included."""
+        return self.bounds[-1]
+
+    def items(self):
+        """(name, offset, numel) of each parameter in the buffer."""
+        yield from zip(self.names, self.offsets, self.numels)
+
+    def share(self, rank: int) -> int:
+        """Elements of rank ``rank``'s chunk."""
+        return self.bounds[rank + 1] - self.bounds[rank]
+
+
+@dataclass
+class Piece:
+    """One parameter's part of a rank's chunk: one tensor its optimizer steps."""
+
+    name: str
+    segment: int
+    start: int          # in the segment's elements
+    end: int
+    group: int
+
+
+@dataclass
+class PackShares:
+    """How one pack's parameters are partitioned over ``world`` ranks, and this rank's pieces."""
+
+    world: int
+    rank: int
+    segments: list[Segment]
+    pieces: list[Piece] = field(default_factory=list)
+
+    def names(self) -> list[str]:
+        return [n for s in self.segments for n in s.names]
+
+    def elements(self, rank: int | None = None) -> int:
+        """Elements rank ``rank`` (this one by default) owns; all of them with ``rank=-1``."""
+        if rank == -1:
+            return sum(s.total for s in self.segments)
+        return sum(s.share(self.rank if rank is None else rank) for s in self.segments)
+
+
+def layout(groups: list[list[tuple[str, int]]], world: int, rank: int, group_of: dict[str, int],
+           fusion_bytes: int = DEFAULT_FUSION_BYTES, specs: dict | None = None) -> PackShares:
+    """The segments of a pack whose all-reduce groups are ``groups`` ([(name, numel)] each), fused as
+    ``collectives.allreduce`` fuses them (``specs``: each name's ``CompressionSpec`` as ``spec_for`` settles it;
+    fp32 without), and this rank's pieces (with their param groups, ``group_of``).
+
+    An fp32 buffer is cut into equal chunks, each boundary on a multiple of ``ALIGN`` elements from the start of
+    the parameter it cuts: torch's fused CPU optimizers (and other vectorised kernels) round a tensor's last
+    ``numel % lanes`` elements apart from the rest, so a piece must start where the parameter's vector lanes start
+    for its update to be the whole parameter's, bit for bit (cut at 13 elements, fused AdamW differed in 1784 of
+    200k elements after 3 steps; at multiples of 64, 8 or 1000, in none). A quantized buffer follows the codec's
+    chunking instead: its parameters start on bucket boundaries and rank r owns the codec's chunk r, whose sum it
+    reduces and quantizes in the all-reduce too, so the partition's chunk is bitwise the replicated run's.
+    """
+    from harmony.runtime.collectives import fuse
+    from harmony.runtime.compression import NO_COMPRESSION
+    segments = []
+    for call, group in enumerate(groups):
+        sizes = [_Numel(k) for _, k in group]
+        codec = [(specs or {}).get(n, NO_COMPRESSION) for n, _ in group]
+        for spec, idx in fuse(sizes, codec, fusion_bytes):
+            names, numels = [group[i][0] for i in idx], [group[i][1] for i in idx]
+            seg = _quantized(names, numels, world, spec) if spec.kind == "quantized" else _segment(names, numels,
+                                                                                                 world)
+            seg.call = call
+            segments.append(seg)
+    shares = PackShares(world, rank, segments)
+    for s, seg in enumerate(segments):
+        lo, hi = seg.bounds[rank], seg.bounds[rank + 1]
+        for n, off, k in seg.items():
+            a, b = max(lo, off), min(hi, off + k)
+            if a < b:
+                shares.pieces.append(Piece(f"{PREFIX}{n}[{a - off}:{b - off}]", s, a, b, group_of[n]))
+    return shares
+
+
+class _Numel:
+    """A stand-in with a tensor's ``numel`` for ``collectives.fuse``."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def numel(self) -> int:
+        return self.n
+
+
+ALIGN = 64
+
+
+def _segment(names: list[str], numels: list[int], world: int) -> Segment:
+    """Equal chunks, each boundary moved back to a multiple of ``ALIGN`` from the start of the parameter it cuts."""
+    offsets = [sum(numels[:i]) for i in range(len(numels))]
+    seg = Segment(names, numels, [], offsets)
+    total, step = seg.total, -(-seg.total // world)
+    bounds = [0]
+    for r in range(1, world):
+        b = min(total, r * step)
+        for _, off, k in seg.items():
+            if off <= b < off + k:
+                b = off + (b - off) // ALIGN * ALIGN
+                break
+        bounds.append(max(b, bounds[-1]))
+    seg.bounds = bounds + [total]
+    seg.sent = ring_bytes(4 * total, world)       # gloo's all-reduce of the buffer (the module's note)
+    return seg
+
+
+def _quantized(names: list[str], numels: list[int], world: int, spec) -> Segment:
+    """The codec's buffer (``collectives._Job.launch``): each parameter from a bucket boundary, ``world`` chunks
+    of whole buckets; the reduce-scatter sends every other rank its chunk quantized."""
+    from harmony.runtime.compression import wire_bytes
+    align, offsets, off = spec.bucket_size, [], 0
+    for k in numels:
+        offsets.append(off)
+        off += -(-k // align) * align
+    chunk = -(-off // (world * align)) * align if off >= world * align else -(-off // world)
+    codec = dict(kind=spec.kind, bits=spec.bits, bucket_size=spec.bucket_size, rounding=spec.rounding,
+                 error_feedback=spec.error_feedback, meta=spec.meta)
+    return Segment(names, numels, [r * chunk for r in range(world + 1)], offsets, codec,
+                   sent=(world - 1) * wire_bytes(chunk, spec.bits, spec.bucket_size, spec.meta_dtype))
