@@ -317,6 +317,8 @@ class ScheduledModule(torch.nn.Module):
                         from harmony.runtime.partitioned_disk import ShareTier
                         state.disk = ShareTier.create(plan, program.schedule, tensors, optimizers, shares,
                                                       cfg.offload_dir, **cfg.disk_io())
+                        for n in getattr(state.disk, "piece_pack", ()):   # the chunks are in their files
+                            state.master[n] = tensors[n].data
                     state.params_disk = DiskParams.create(plan, program.schedule, tensors, optimizers,
                                                           self.runtime.meter, device, cfg.offload_dir,
                                                           **cfg.disk_io())

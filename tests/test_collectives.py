@@ -201,6 +201,15 @@ def _spawn(world: int, fn, *args, timeout: float = 60.0, pg_timeout: float = 30.
     return out
 
 
+def spawn_ok(world: int, fn, *args, timeout: float = 400.0) -> dict:
+    """``_spawn``, asserting that every rank returned a dict (an exception comes back as its traceback)."""
+    res = _spawn(world, fn, *args, timeout=timeout)
+    assert sorted(res) == list(range(world)), res
+    for r, v in res.items():
+        assert isinstance(v, dict), f"rank {r}: {v}"
+    return res
+
+
 def _child(rank, world, port, pg_timeout, results, fn, args):
     import datetime
 

@@ -16,7 +16,7 @@ import harmony
 import harmony.data
 from harmony.errors import BudgetError, ConfigError
 from harmony.runtime import partitioned
-from test_collectives import _digest, _spawn
+from test_collectives import _digest, spawn_ok
 from models import CASES, training_state_bytes
 from test_zero3 import ADAMW, STEPS, _compile
 
@@ -87,11 +87,7 @@ def saved():
 
 
 def _run(world, saved):
-    res = _spawn(world, _ranks, saved, timeout=500)
-    assert sorted(res) == list(range(world)), res
-    for r, v in res.items():
-        assert isinstance(v, dict), f"rank {r}: {v}"
-    return res
+    return spawn_ok(world, _ranks, saved, timeout=500)
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +124,7 @@ def _check(res, world):
         assert 0 <= full_disk["stats"]["disk_read_bytes"] - planned["disk_read_bytes_per_step"] <= slack
         assert 0 <= full_disk["stats"]["disk_write_bytes"] - planned["disk_write_bytes_per_step"] <= 4096 * files
         # host memory between steps: none of the partitioned disk packs' state; the in-memory share's fraction
-        assert full_disk["host_bytes"] < got["full"]["host_bytes"] / 2
+        assert full_disk["host_bytes"] < got["full"]["host_bytes"] / 20
         assert mixed["host_bytes"] < got["larger_host"]["host_bytes"] / world
         for key in [*RUNS, "larger_host", "larger_mixed"]:
             assert got[key]["stats"]["measured_peak"] <= got[key]["stats"]["budget"], key
