@@ -137,6 +137,8 @@ def build_optimizers(cfg, plan, tensors: dict) -> tuple[dict, PackedOptimizer]:
         if shares is not None:   # partitioned (runtime/partitioned.py): one optimizer over this rank's pieces
             parts = [(i, [tensors[p.name] for p in shares.pieces if p.group == i]) for i in range(len(hyper))]
             parts = [(i, ts) for i, ts in parts if ts]
+            if not parts:      # this rank's chunks of a small pack are empty (more ranks than its elements): no step
+                continue
             opt = cfg.optimizer([{"params": ts, **hyper[i]} for i, ts in parts], **cfg.optimizer_kwargs)
             links += [(group, i) for group, (i, _) in zip(opt.param_groups, parts)]
             by_name.update(dict.fromkeys(spec.stepped, opt))

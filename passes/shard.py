@@ -29,8 +29,12 @@ the whole quantized all-reduce runs (the replicated run's bytes): each rank need
 its norm, and then cuts its chunks from them.
 
 What is not built yet is refused at compile with a ``ConfigError`` (``check_config``): fp16/bf16 and adaptive
-compression, error feedback, uneven shares (``balance``), device steps, CUDA devices, the ondemand policy, a weight
-shared by two packs, and optimizers that are not element-wise.
+compression, error feedback, uneven shares (``balance``), device steps, CUDA devices, the ondemand policy, and
+optimizers that are not element-wise.
+
+A weight two packs read (a tied embedding and head) is partitioned with the pack that steps it; the other pack's
+``swap_in`` becomes a ``gather`` too, of the segments of the first pack's chunks that hold the weight
+(``partitioned.gathered``), so the network and the report count it.
 """
 from __future__ import annotations
 
@@ -114,7 +118,6 @@ def run(program: Program, ctx) -> PassResult:
         record.shares = partitioned.layout([[(n, numel[n]) for n in g] for g in groups], world, rank, which,
                                            specs=specs)
         _count_share(program, plan.packs[p], record.shares, dict(named))
-    _check_tied(plan)
     program.schedule = rewrite(program.schedule, plan, world)
     if partitioned.step_stats not in program.step_hooks:
         program.step_hooks.append(partitioned.step_stats)
@@ -138,16 +141,6 @@ def _check_pack(plan, p: int) -> None:
                           f"shard_state=True")
 
 
-def _check_tied(plan) -> None:
-    home = {n: p for p, r in plan.residency.items() if r.shares is not None for n in r.shares.names()}
-    for spec in plan.packs:
-        other = [n for n in spec.params if n in home and home[n] != spec.index]
-        if other:
-            raise ConfigError(f"shard_state='full' does not support a weight read by two packs yet: {other[0]} "
-                              f"(packs {home[other[0]]} and {spec.index}; a tied embedding and head): untie it, or "
-                              f"use shard_state=True")
-
-
 def _count_share(program, spec, shares, tensors: dict) -> None:
     """The pack's record counts this rank's chunk: its fp32 masters and the optimizer state of its pieces."""
     size = next(iter(tensors.values())).element_size()
@@ -162,13 +155,15 @@ def rewrite(graph, plan, world: int):
     k = 0
     for n in calls(graph):
         pack = n.args[0] if n.args and isinstance(n.args[0], int) else None
-        if pack is None or pack >= len(plan.packs) or plan.at(pack).shares is None:
+        if pack is None or pack >= len(plan.packs):
             continue
-        if n.target is ops.swap_in and n.args[1] == "params":
+        if n.target is ops.swap_in and n.args[1] == "params" and partitioned.gathered(
+                plan, pack, n.kwargs.get("held", n.args[2] if len(n.args) > 2 else ())):
+            # its weights, or a weight another pack partitions (tied): gathered from the chunks
             n.target = partitioned.gather
             n._rename(f"gather_{k}")
             k += 1
-        elif n.target is ops.allreduce:
+        elif n.target is ops.allreduce and plan.at(pack).shares is not None:
             n.target, n.args, n.kwargs = partitioned.reduce_scatter, (pack,), {"world": world}
             n._rename(f"rs{pack}")
     return graph

@@ -288,7 +288,8 @@ def _step_host(rt, pack, spec) -> None:
             return
     # (partitioned: the optimizer steps this rank's pieces of the pack's parameters, whose gradients go with them)
     params = [rt.state.tensors[n] for n in spec.owned] + share_params(rt, pack)
-    opts = list(dict.fromkeys(rt.state.optimizers[n] for n in spec.stepped))
+    # (a rank whose chunks of a partitioned pack are empty has no optimizer for it)
+    opts = list(dict.fromkeys(rt.state.optimizers[n] for n in spec.stepped if n in rt.state.optimizers))
     disk = getattr(rt.state, "disk", None)   # optimizer state of disk-placed packs (runtime/disk.py)
 
     def update(skip=False):

@@ -185,15 +185,16 @@ def reduce_scatter(pack: int, *, world: int = 1): ...
 
 def _gather_execute(rt, pack, what="params", held=()):
     """Fresh device copies of the pack's moving weights, filled from the all-gather of every rank's chunks on the
-    copy thread (its buffers come in as a swap_in's do); returns the future a ``wait`` joins."""
-    st, shares = rt.state, rt.plan.at(pack).shares
-    names = moving_names(rt.plan.packs[pack], "params", held)
-    mine = set(shares.names())
-    first = st.fetch("params", [n for n in names if n not in mine])   # buffers: copied from the host
-    st.settle([n for n in names if n in mine])           # this rank's host step of the pack has updated its chunk
+    copy thread (its buffers come in as a swap_in's do); returns the future a ``wait`` joins. A weight another pack
+    partitions (a tied embedding read by the head's pack) is gathered from that pack's chunks."""
+    st, plan = rt.state, rt.plan
+    names = moving_names(plan.packs[pack], "params", held)
+    home = homes(plan)
+    first = st.fetch("params", [n for n in names if n not in home])   # buffers: copied from the host
+    st.settle([n for n in names if n in home])       # this rank's host steps have updated the chunks
     targets, jobs = {}, []
     for n in names:
-        if n not in mine:
+        if n not in home:
             continue
         st.refs[("params", n)] += 1
         if st.refs[("params", n)] > 1:
@@ -208,16 +209,26 @@ def _gather_execute(rt, pack, what="params", held=()):
         return first
 
     def copy():
-        chunks = st.shares.load(pack, rt.graph)
-        for s, seg in enumerate(shares.segments):
-            if any(n in targets for n in seg.names):
-                flat = st.shares.gather(pack, s, chunks[s])
-                for n, off, k in seg.items():
-                    if n in targets:
-                        targets[n].view(-1).copy_(flat[off: off + k])
+        for q in dict.fromkeys(q for q, _ in gathered(plan, pack, held)):
+            segments = plan.at(q).shares.segments
+            if not any(n in targets for seg in segments for n in seg.names):
+                continue
+            # the pack's own chunks count toward its step's read ahead (runtime/partitioned_disk.py); another's not
+            chunks = st.shares.load(q, rt.graph if q == pack else None)
+            for s, seg in enumerate(segments):
+                if any(n in targets for n in seg.names):
+                    flat = st.shares.gather(q, s, chunks[s])
+                    for n, off, k in seg.items():
+                        if n in targets:
+                            targets[n].view(-1).copy_(flat[off: off + k])
     fut = st.copier.submit(copy)
     fut.harmony_jobs = list(first.harmony_jobs if first is not None else ()) + jobs
     return fut
+
+
+def homes(plan) -> dict[str, int]:
+    """Each partitioned weight's pack: the one whose chunks hold it."""
+    return {n: p for p, r in plan.residency.items() if r.shares is not None for n in r.shares.names()}
 
 
 def _network(hw):
@@ -225,25 +236,31 @@ def _network(hw):
             getattr(hw, "network_latency", NOMINAL_NETWORK_LATENCY))
 
 
-def gathered(plan, pack: int, held=()) -> list[int]:
-    """The segments a ``gather`` of the pack brings: those with a weight it moves (whole segments: a held weight
-    in one comes too; a segment of held weights only, the small tensors' fp32 buffer beside quantized ones, not)."""
+def gathered(plan, pack: int, held=()) -> list[tuple[int, int]]:
+    """(pack, segment) of the segments a ``gather`` of the pack brings: those with a weight it moves, its own first,
+    then other packs' holding weights it reads (whole segments: a held weight in one comes too; a segment of held
+    weights only, the small tensors' fp32 buffer beside quantized ones, not)."""
     moving = set(moving_names(plan.packs[pack], "params", held))
-    return [s for s, seg in enumerate(plan.at(pack).shares.segments) if moving.intersection(seg.names)]
+    home = homes(plan)
+    owners = [pack] if plan.at(pack).shares is not None else []
+    owners += sorted({home[n] for n in moving if n in home} - {pack})
+    return [(q, s) for q in owners for s, seg in enumerate(plan.at(q).shares.segments)
+            if moving.intersection(seg.names)]
 
 
 def gather_bytes(plan, pack: int, held=()) -> int:
     """Bytes a rank receives in one ``gather``: every other rank's chunks of those segments."""
-    shares = plan.at(pack).shares
-    return 4 * sum(shares.segments[s].chunk for s in gathered(plan, pack, held)) * (shares.world - 1)
+    parts = gathered(plan, pack, held)
+    world = plan.at(parts[0][0]).shares.world if parts else 1
+    return 4 * sum(plan.at(q).shares.segments[s].chunk for q, s in parts) * (world - 1)
 
 
 def _gather_cost(plan, hw, pack, what="params", held=()):
     """Every other rank's chunks of the pack's weights arrive over the network."""
-    shares = plan.at(pack).shares
+    parts = gathered(plan, pack, held)
+    world = plan.at(parts[0][0]).shares.world if parts else 1
     bandwidth, latency = _network(hw)
-    return "network", (gather_bytes(plan, pack, held) / bandwidth +
-                       (shares.world - 1) * latency * len(gathered(plan, pack, held)))
+    return "network", gather_bytes(plan, pack, held) / bandwidth + (world - 1) * latency * len(parts)
 
 
 def _reduce_scatter_execute(rt, pack, *, world=1):

@@ -1,6 +1,6 @@
 """The disk tiers under data parallelism: replicated ranks with packs wholly on disk, and ``shard_state="full"``
 with each rank's share of a pack in a file of its own (runtime/partitioned_disk.py, ZeRO-Infinity's
-bandwidth-centric partitioning), on 2 and 3 gloo ranks.
+bandwidth-centric partitioning), on 2 and 3 gloo ranks; and ``"full"`` with a tied embedding and head.
 
 One spawn per world size: every run trains bitwise like the replicated run with everything in host memory; a
 partitioned rank writes 1/N of what a replicated rank with the same packs on disk writes and holds a fraction of
@@ -23,6 +23,10 @@ from test_zero3 import ADAMW, STEPS, _compile
 # the tiny GPT's host needs never fall below its gradients and staging: a larger one in smaller packs, whose host
 # budget (0.2 of its state on 2 ranks, 0.15 on 3) puts some packs' optimizer state on disk and others' weights too
 LARGER = dict(width=128, layers=8)
+# a tied embedding and head: the head's pack gathers the embedding pack's chunks (runtime/partitioned.py)
+TIED = {"tied_host": dict(shard_state=False), "tied_full": dict(shard_state="full"),
+        "tied_full_disk": dict(shard_state="full", weights_on="disk")}
+TIED_4BIT = {"tied_host_4bit": dict(shard_state=False), "tied_full_4bit": dict(shard_state="full")}
 RUNS = {"host": dict(shard_state=False), "disk": dict(shard_state=False, weights_on="disk"),
         "full": dict(shard_state="full"), "full_disk": dict(shard_state="full", weights_on="disk")}
 MIXED_BUDGET = {2: 0.2, 3: 0.15}
@@ -64,6 +68,8 @@ def _train(world, path=None, larger=False, **kw):
 
 def _ranks(rank, world, path):
     out = {key: _train(world, **kw) for key, kw in RUNS.items()}
+    out.update({key: _train(world, tie=True, **kw) for key, kw in TIED.items()})
+    out.update({key: _train(world, tie=True, compression="4bit", **kw) for key, kw in TIED_4BIT.items()})
     out["larger_host"] = _train(world, larger=True, shard_state=False)
     out["larger_mixed"] = _train(world, larger=True, shard_state="full", host_memory_budget=MIXED_BUDGET[world])
     out["saved_host"] = _train(world, path=f"{path}/host-{world}")
@@ -109,6 +115,11 @@ def _check(res, world):
         assert got["saved_disk"]["digest"] == got["saved_host"]["digest"] == first["saved_host"]["digest"]
         assert got["saved_disk"]["losses"] == got["saved_host"]["losses"]
         assert got["larger_mixed"]["digest"] == got["larger_host"]["digest"] == first["larger_host"]["digest"]
+        assert {got[k]["digest"] for k in TIED} == {first["tied_host"]["digest"]} != {first["host"]["digest"]}
+        assert {got[k]["digest"] for k in TIED_4BIT} == {first["tied_host_4bit"]["digest"]}
+        # the head's pack gathers the tied weight from the embedding's chunks, as the plan counts
+        tied = got["tied_full"]
+        assert tied["stats"]["gather_wire_bytes"] == tied["planned"]["gather_wire_bytes_per_step"] > 0
         disk, full_disk, mixed = got["disk"], got["full_disk"], got["larger_mixed"]
         assert set(full_disk["placed"].values()) == {("disk", "disk")}
         # the budget put some packs' share on disk and kept others in memory
@@ -126,7 +137,7 @@ def _check(res, world):
         # host memory between steps: none of the partitioned disk packs' state; the in-memory share's fraction
         assert full_disk["host_bytes"] < got["full"]["host_bytes"] / 20
         assert mixed["host_bytes"] < got["larger_host"]["host_bytes"] / world
-        for key in [*RUNS, "larger_host", "larger_mixed"]:
+        for key in [*RUNS, *TIED, *TIED_4BIT, "larger_host", "larger_mixed"]:
             assert got[key]["stats"]["measured_peak"] <= got[key]["stats"]["budget"], key
         assert got["full_disk"]["synced"] > 0
         refused = got["refused"]
