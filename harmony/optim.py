@@ -134,7 +134,9 @@ def build_optimizers(cfg, plan, tensors: dict) -> tuple[dict, PackedOptimizer]:
     by_name, links = {}, []
     for spec in plan.packs:
         shares = plan.at(spec.index).shares
-        if shares is not None:   # partitioned (runtime/partitioned.py): one optimizer over this rank's pieces
+        # partitioned (runtime/partitioned.py): one optimizer over this rank's pieces (on the meta device, where the
+        # plan is only simulated, there are no pieces: the whole parameters stand in)
+        if shares is not None and all(p.name in tensors for p in shares.pieces):
             parts = [(i, [tensors[p.name] for p in shares.pieces if p.group == i]) for i in range(len(hyper))]
             parts = [(i, ts) for i, ts in parts if ts]
             if not parts:      # this rank's chunks of a small pack are empty (more ranks than its elements): no step

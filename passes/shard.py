@@ -71,7 +71,8 @@ def check_config(cfg, given_kwargs: dict) -> None:
                                   f"gather is a collective every rank must join): {instead}"),
         (cfg.optimizer_on == "device", f"optimizer_on='device' (partitioned packs step on the host): use "
                                        f"optimizer_on='host' or 'auto', or {instead}"),
-        (str(cfg.device).split(":")[0] != "cpu", f"device={cfg.device!r} (the gathers are gloo collectives on host "
+        (str(cfg.device).split(":")[0] not in ("cpu", "meta"),   # meta: a plan to simulate, never run
+         f"device={cfg.device!r} (the gathers are gloo collectives on host "
                                                  f"tensors; CUDA is not built yet): use device='cpu', or {instead}"),
         (cfg.policy == "ondemand", f"policy='ondemand': use policy='harmony', or {instead}"),
     ]
