@@ -28,8 +28,12 @@ the replicated run with the same compression, with half its quantized bytes on t
 the whole quantized all-reduce runs (the replicated run's bytes): each rank needs every whole decoded gradient for
 its norm, and then cuts its chunks from them.
 
+With error feedback each rank keeps the replicated run's residuals (what its quantization of the others' chunks and
+the re-quantization of its own chunk's sum lost) and adds them to the next step's gradients: bitwise the replicated
+run with error feedback.
+
 What is not built yet is refused at compile with a ``ConfigError`` (``check_config``): fp16/bf16 and adaptive
-compression, error feedback, uneven shares (``balance``), device steps, CUDA devices, the ondemand policy, and
+compression, uneven shares (``balance``), device steps, CUDA devices, the ondemand policy, and
 optimizers that are not element-wise.
 
 A weight two packs read (a tied embedding and head) is partitioned with the pack that steps it; the other pack's
@@ -63,9 +67,6 @@ def check_config(cfg, given_kwargs: dict) -> None:
          f"reduce-scatter is built): use compression='4bit' (any of 1..8 bits) or None, or {instead}"),
         (getattr(cfg, "adaptive", False), f"compression='adaptive' (the bits chosen after the warm-up are not "
                                           f"partitioned yet): use compression='4bit', or {instead}"),
-        (cfg.compression is not None and cfg.compression.error_feedback,
-         f"error_feedback=True (the owners' residuals are not built yet): use a CompressionSpec without it, or "
-         f"{instead}"),
         (cfg.balance is not None, f"balance= (uneven shares are not built yet: balanced ranks can run different "
                                   f"schedules, which would all-gather a pack a different number of times, and each "
                                   f"gather is a collective every rank must join): {instead}"),

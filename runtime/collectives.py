@@ -226,18 +226,23 @@ def allreduce(tensors: Sequence[torch.Tensor], spec: CompressionSpec | Sequence[
 
 def reduce_scatter(tensors: Sequence[torch.Tensor], specs: Sequence[CompressionSpec], group=None, *,
                    timeout: float | None = None, generator: torch.Generator | None = None,
-                   fusion_bytes: int = DEFAULT_FUSION_BYTES) -> tuple[list, CommStats]:
+                   fusion_bytes: int = DEFAULT_FUSION_BYTES,
+                   error_feedback_state: dict | None = None) -> tuple[list, CommStats]:
     """The reduce-scatter half of ``allreduce`` (the same fused buffers, the same quantization in the same order,
     the same generator draws), for ranks that keep only their chunk of the average (``shard_state="full"``).
 
     ``specs``: one per tensor, as ``spec_for`` settled them. Returns, per fused buffer in ``allreduce``'s order,
     ``(indices, offsets, chunk, out)``: a quantized buffer's ``out`` is this rank's chunk (``chunk`` elements from
     ``rank * chunk`` of the padded buffer), decoded from the bytes ``allreduce`` would all-gather, so it is bitwise
-    what ``allreduce`` leaves there; an uncompressed one's ``out`` is the whole average (``chunk`` is 0)."""
+    what ``allreduce`` leaves there; an uncompressed one's ``out`` is the whole average (``chunk`` is 0). With error
+    feedback the residuals (``error_feedback_state``, as ``allreduce`` takes it) are ``allreduce``'s: what this rank's
+    quantization of the other ranks' chunks lost, and what re-quantizing its own chunk's sum lost."""
     start = time.perf_counter()
     tensors, world = list(tensors), dist.get_world_size(group)
     stats = CommStats(tensors=len(tensors), compressed=sum(s.lossy for s in specs), calls=1)
-    jobs = [_Job(idx, tensors, s, group, world, None, timeout, generator, scatter=True)
+    if any(s.error_feedback for s in specs) and error_feedback_state is None:
+        raise ConfigError("a spec has error_feedback=True but reduce_scatter got no error_feedback_state")
+    jobs = [_Job(idx, tensors, s, group, world, error_feedback_state, timeout, generator, scatter=True)
             for s, idx in fuse(tensors, specs, fusion_bytes)]
     for job in jobs:
         job.launch()
@@ -418,6 +423,8 @@ class _Job:
     def _finish_scatter(self) -> torch.Tensor:
         if self.spec.kind == "quantized":
             out = self.buf[self.state["rank"] * self.state["chunk"]: (self.state["rank"] + 1) * self.state["chunk"]]
+            if self.state.get("residual") is not None:
+                self._keep_residual(self.state["residual"])
         else:
             wait_work(self.work, "all_reduce(fp32)", self.timeout, self.group)
             out = self.buf.div_(self.world)

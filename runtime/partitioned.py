@@ -71,6 +71,7 @@ class Shares:
         self.group = dist.new_group(backend="gloo", **kw)   # the copy thread's all-gathers: a group of their own
         self.timeout = timeout
         self.tier = None            # runtime/partitioned_disk.ShareTier, where some packs' chunks live on disk
+        self.error_feedback: dict = {}   # a quantized reduce-scatter's residuals (runtime/partitioned_quantized.py)
         # stochastic rounding draws as the replicated run's Communicator draws (runtime/communicator.py)
         self.generator = torch.Generator().manual_seed(0x5EED + dist.get_rank())
         with torch.no_grad():

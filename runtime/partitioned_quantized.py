@@ -27,8 +27,12 @@ def reduce_scatter_quantized(st, shares, call: int, grads, keep, clipper=None) -
             where.append((s, i))
             tensors.append(g)
             specs.append(spec)
+    # error feedback: the residuals of this group's collective, kept across steps as the replicated run keeps them
+    key = tuple(n for s in mine for n in shares.segments[s].names)
+    ef = st.shares.error_feedback.setdefault(key, {}) if any(sp.error_feedback for sp in specs) else None
     if clipper is not None:
-        stats = allreduce(tensors, specs, timeout=st.shares.timeout, generator=st.shares.generator)
+        stats = allreduce(tensors, specs, timeout=st.shares.timeout, generator=st.shares.generator,
+                          error_feedback_state=ef)
         at = 0
         for s in mine:
             seg = shares.segments[s]
@@ -42,7 +46,8 @@ def reduce_scatter_quantized(st, shares, call: int, grads, keep, clipper=None) -
             keep(s, seg, flat[base: base + seg.share(shares.rank)].clone())
         st.shares.stats["reduce_scatter_wire_bytes"] += stats.wire_bytes
         return mine
-    results, stats = reduce_scatter(tensors, specs, timeout=st.shares.timeout, generator=st.shares.generator)
+    results, stats = reduce_scatter(tensors, specs, timeout=st.shares.timeout, generator=st.shares.generator,
+                                    error_feedback_state=ef)
     if len(results) != len(mine):
         raise HarmonyError(f"the reduce-scatter fused {len(results)} buffers where the layout has {len(mine)}: "
                            f"the partition and the codec disagree (a bug)")
