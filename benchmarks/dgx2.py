@@ -20,11 +20,11 @@ model TFLOP/s per GPU (the packs' forward and backward FLOPs over the predicted 
 the step does but not counted).
 
 Differences from the paper's runs, which make this a plan-size and throughput estimate, not a like-for-like figure:
-Harmony's ``"full"`` trains in fp32 (16 bytes of state per parameter with AdamW; ZeRO-Infinity's mixed precision
-keeps 2-byte weights on the GPU and 16 bytes of fp32 state plus 2 of fp16 weights), runs one data-parallel GPT per
-rank without tensor slicing (ZeRO-Infinity's memory-centric tiling splits a layer that does not fit; Harmony needs a
-layer's working set at microbatch 1 to fit a GPU), and the simulator's compute is the datasheet's fp32 peak times
-``--efficiency``.
+by default Harmony trains in fp32 here (16 bytes of state per parameter with AdamW; ``--precision fp16`` plans the
+paper's mixed precision: fp16 device copies on the tensor cores, fp32 masters and AdamW state on the host); it runs
+one data-parallel GPT per rank without tensor slicing (ZeRO-Infinity's memory-centric tiling splits a layer that
+does not fit; Harmony needs a layer's working set at microbatch 1 to fit a GPU); and the simulator's compute is the
+datasheet's peak for the compute dtype times ``--efficiency``.
 
     python benchmarks/dgx2.py                       # 52B .. 1.6T parameters
     python benchmarks/dgx2.py --shapes 32x4096 32x8192
@@ -75,7 +75,7 @@ def plan(args, layers: int, width: int, hw) -> dict:
     t0 = time.perf_counter()
     sm = harmony.compile(model, example_batch=(x, x), device="meta", hardware=hw, memory_budget="32GiB",
                          microbatches=args.microbatches, optimizer=torch.optim.AdamW, shard_state="full",
-                         host_memory_budget=hw.host_memory)
+                         host_memory_budget=hw.host_memory, precision=args.precision)
     compile_s = time.perf_counter() - t0
     sim = sm.simulate(hw)
     plan_ = sm.program.plan
@@ -104,7 +104,10 @@ def main() -> None:
     ap.add_argument("--nvme-read", type=float, default=25.0, help="GB/s, the node's drives together")
     ap.add_argument("--nvme-write", type=float, default=20.0, help="GB/s, the node's drives together")
     ap.add_argument("--nvswitch", type=float, default=150.0, help="GB/s per GPU per direction")
-    ap.add_argument("--efficiency", type=float, default=1.0, help="share of the fp32 datasheet peak compute reaches")
+    ap.add_argument("--efficiency", type=float, default=1.0, help="share of the datasheet peak compute reaches")
+    ap.add_argument("--precision", default="fp32", choices=["fp32", "fp16"],
+                    help="fp16: device copies in fp16 on the tensor cores, fp32 masters and AdamW on the host, as "
+                         "ZeRO-Infinity trains")
     add_json_arg(ap)
     args = ap.parse_args()
 
@@ -126,7 +129,7 @@ def main() -> None:
         largest = row
     print(f"SIMULATED, not measured: one rank of {RANKS} on {hw.devices[0].name}, "
           f"host budget {hw.host_memory / GiB:.0f} GiB, NVMe {args.nvme_read:g}/{args.nvme_write:g} GB/s per node, "
-          f"NVSwitch {args.nvswitch:g} GB/s per GPU, fp32 AdamW, {args.batch} x {args.seq} tokens per GPU")
+          f"NVSwitch {args.nvswitch:g} GB/s per GPU, {args.precision} AdamW, {args.batch} x {args.seq} tokens per GPU")
     print(table(rows, "the largest GPT Harmony plans on a DGX-2 under shard_state='full' (simulated)"))
     print(f"paper: {PAPER}")
     figures = {}

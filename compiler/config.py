@@ -373,11 +373,12 @@ class Config(TrainConfig, MemoryConfig, DiskConfig, ParallelConfig, NumericsConf
                               f"fp32 state as ops touch it. Use policy='harmony' or 'sequential', or precision='fp32'")
         if self.balance is not None:
             self._check_balance()
-        if self.clip_grad_norm is not None and self.weights_on == "disk":
+        if self.clip_grad_norm is not None and self.weights_on == "disk" and self.shard_state != "full":
             raise ConfigError("clip_grad_norm with weights_on='disk': a pack wholly on disk steps file by file while "
                               "its gradients leave the device, before the global norm can be known; use "
                               "weights_on='auto' or 'host' (optimizer state may still go to disk under "
-                              "host_memory_budget), or clip_grad_norm=None")
+                              "host_memory_budget), shard_state='full' under torchrun (its shares on disk step as "
+                              "host packs do), or clip_grad_norm=None")
 
     def _check_balance(self) -> None:
         if self.precision != "fp32" or self.weights_on == "disk":

@@ -25,6 +25,7 @@ from harmony.optim import optimizer_kwargs as optimizer_kwargs_for
 from harmony.passes.compress import parse_compression
 from harmony.runtime.executor import Runtime
 from harmony.runtime.ondemand import OnDemand
+from harmony.runtime.precision import max_over_ranks
 from harmony.shapes import ShapeCache, describe
 from harmony.stepping import accept_partial_step, batch_of, disk_stats, run_step
 
@@ -129,9 +130,6 @@ def _resolve(options: Config, batch_size: int) -> CompileConfig:
     if pipeline:
         from harmony.passes.stage import check_config
         check_config(cfg)
-    if cfg.data_parallel and mixed:
-        raise ConfigError(f"precision={cfg.precision!r} is not supported with data-parallel training yet: the "
-                          f"gradient all-reduce expects fp32 gradients; use precision='fp32' or train one process")
     if cfg.shard_state and (not cfg.data_parallel or (cfg.world_size or 1) < 2):
         raise ConfigError(f"shard_state={cfg.shard_state!r} splits training state over data-parallel ranks, but this "
                           f"process trains alone: run it under torchrun with data_parallel=None or True, or drop "
@@ -297,6 +295,8 @@ class ScheduledModule(torch.nn.Module):
                                    on_demand=OnDemand if cfg.policy == "ondemand" else None,
                                    speed_factor=getattr(cfg, "speed_factor", 1.0))
             self.runtime.state.shares = shares
+            if shares is not None and self.runtime.scaler is not None:   # fp16: one overflow skips every rank's step
+                self.runtime.scaler.agree = max_over_ranks
             if shares is not None or plan.stage is not None:   # the model refuses to be read while weights are in
                 # other ranks' shares or stages
                 from harmony.usermodel import guard

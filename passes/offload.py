@@ -202,7 +202,7 @@ def _weights_on(cfg) -> str:
     if weights_on not in WEIGHTS:
         raise ConfigError(f"weights_on={weights_on!r}; choose one of {', '.join(WEIGHTS)}")
     clip = getattr(cfg, "clip_grad_norm", None) is not None
-    if cfg.precision == "fp32" and not clip:
+    if cfg.precision == "fp32" and not clip or full_sharding(cfg):   # partitioned files step as host packs do
         return weights_on
     if weights_on == "disk":             # the disk step neither casts weights and gradients nor waits for the norm
         what = f"precision={cfg.precision!r}" if cfg.precision != "fp32" else "clip_grad_norm"
@@ -271,6 +271,7 @@ def place_state(program: Program) -> tuple[set[int], set[int], dict]:
     # the compute dtype and step as fp32 copies, and fp16 and clipping hold every pack's until the last is in
     held = {s.index: s.param_bytes + (s.master_bytes if cfg.precision != "fp32" else 0) for s in plan.packs}
     optim = {s.index: s.optim_bytes // world for s in plan.packs}
+    chunk_grads = {s.index: (s.master_bytes or s.param_bytes) // world for s in plan.packs}   # partitioned: fp32
     # a partitioned pack wholly on disk is one file of its share (runtime/partitioned_disk.py), not groups
     groups = groups_of(plan, set(optim), cfg.disk_group_bytes, sizes) if world == 1 else {p: [] for p in optim}
     # a wholly-disk pack's largest file: its largest group's weights and their share of the optimizer state
@@ -287,6 +288,8 @@ def place_state(program: Program) -> tuple[set[int], set[int], dict]:
         host_held = [b for p, b in held.items() if world > 1 or p not in whole]
         grads = (sum(host_held) if holds_every_gradient(cfg) else 2 * max(host_held, default=0)) + \
             max((group_grads[p] for p in whole), default=0)
+        if world > 1:   # two packs' whole gradients in flight; fp16 and clipping keep every pack's fp32 chunk
+            grads = 2 * max(host_held, default=0) + (sum(chunk_grads.values()) if holds_every_gradient(cfg) else 0)
         host_optim = sum(b for p, b in optim.items() if p not in disk and p not in whole)
         staging = 2 * max((optim[p] for p in disk), default=0) + 3 * max((file_bytes[p] for p in whole), default=0)
         if world > 1:      # a file is the share's weights and state: one stepping, one read ahead (by the pack's

@@ -56,8 +56,14 @@ class Communicator:
             self._reduce(rt, names)
 
     def _reduce(self, rt, owned: list[str]) -> None:
-        names = [n for n in owned if rt.state.tensors[n].grad is not None]
-        grads = [rt.state.tensors[n].grad for n in names]
+        st = rt.state
+        names = [n for n in owned if st.grad(n) is not None]
+        grads = [st.grad(n) for n in names]
+        # mixed precision: the gradients reach the host in the compute dtype (parked beside the fp32 masters); they
+        # are averaged as fp32 copies, which become the masters' gradients (what the step converts them to anyway)
+        mixed = [i for i, g in enumerate(grads) if g.dtype != torch.float32]
+        for i in mixed:
+            grads[i] = grads[i].float()
         specs = self.base
         if self.meter is not None:
             if self.step < self.warmup:                  # warm-up: measure on real gradients, send fp32
@@ -73,6 +79,8 @@ class Communicator:
         ef = self.ef.setdefault(tuple(owned), {}) if self.base.error_feedback else None
         stats = reduce_all(grads, specs, error_feedback_state=ef, min_size=self.min_size, generator=self.generator,
                            weight=self.weight, release=rt.meter.forget)
+        for i in mixed:
+            st.set_grad(names[i], grads[i])
         with self.lock:
             t = self.totals
             for k in ("wire_bytes", "fp32_bytes", "seconds", "calls"):

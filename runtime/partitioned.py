@@ -200,8 +200,8 @@ def _gather_execute(rt, pack, what="params", held=()):
         st.refs[("params", n)] += 1
         if st.refs[("params", n)] > 1:
             continue
-        t = st.tensors[n]
-        dst = torch.empty(t.shape, dtype=t.dtype, device=st.device)
+        t = st.tensors[n]   # (mixed precision: the device copy in the compute dtype, as a swap_in casts it)
+        dst = torch.empty(t.shape, dtype=st.compute_dtype or t.dtype, device=st.device)
         st.meter.track(dst)
         st.moved["h2d"] += nbytes(dst)
         targets[n] = dst

@@ -54,6 +54,12 @@ def master_grads(params) -> None:
             p.grad = p.grad.to(p.dtype)
 
 
+def max_over_ranks(t: torch.Tensor) -> None:
+    """``t`` becomes its maximum over the data-parallel ranks (a ``LossScaler.agree``)."""
+    import torch.distributed as dist
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+
+
 class LossScaler:
     """Dynamic loss scaling for one runtime, as ``torch.amp.GradScaler`` does it.
 
@@ -72,6 +78,9 @@ class LossScaler:
         self.found_inf = torch.zeros(1)
         self.inv_scale = torch.ones(1)
         self.skipped = 0            # iterations whose update was skipped for an inf/nan gradient
+        # partitioned ranks (shard_state="full") each check their own chunks of the gradients: ``agree(found_inf)``
+        # makes it every rank's (a max over the ranks), so all skip together
+        self.agree = None
 
     def begin(self) -> None:
         self.found_inf = torch.zeros(1)
@@ -87,6 +96,8 @@ class LossScaler:
 
     def overflowed(self) -> bool:
         """Whether any gradient unscaled this iteration was inf or nan: the whole step is skipped."""
+        if self.agree is not None:
+            self.agree(self.found_inf)
         return bool(self.found_inf.item())
 
     def end(self, skipped: bool) -> None:
