@@ -270,8 +270,8 @@ class ScheduledModule(torch.nn.Module):
             from harmony.pipeline import local_tensors
             tensors = local_tensors(plan, tensors)
         shares = None
-        if any(r.shares is not None for r in plan.residency.values()) and torch.device(device).type != "meta":
-            # ZeRO-3: keep this rank's chunks only (on the meta device the plan is simulated, never run)
+        simulated = torch.device(device).type == "meta"    # a plan to simulate: never run, no collective
+        if any(r.shares is not None for r in plan.residency.values()) and not simulated:   # ZeRO-3: this rank's chunks
             from harmony.runtime.partitioned import Shares
             shares = Shares(plan, tensors, cfg.comm_timeout)
         # one optimizer per pack (per file for a pack wholly on disk); sm.optimizer holds their groups' settings
@@ -302,7 +302,7 @@ class ScheduledModule(torch.nn.Module):
                 from harmony.usermodel import guard
                 guard(self)
             self.predicted = memory_curve(program, check_residency=False)
-            if torch.device(device).type != "meta":    # a plan to simulate calls no collective
+            if not simulated:
                 attach(self)      # the ranks' calls that use collectives are checked alike (harmony/handshake.py)
             self.shapes = ShapeCache(self)     # a plan per batch shape, this one the example's (harmony/shapes.py)
             if cfg.host_memory_budget is not None:   # the host's memory is budgeted: freed buffers must go back

@@ -163,7 +163,7 @@ def _rows(program: Program, place: str, whole: set, need: dict, in_memory: list)
     weight_reads = 2 if cfg.policy == "harmony" else 3
     world = cfg.world_size if full_sharding(cfg) else 1
     gathers = [n.args[0] for n in program.schedule.nodes if n.op == "call_function" and n.target is ops.swap_in
-               and n.args[1] == "params"]
+               and n.args[1] == "params"] if world > 1 else []
     rows = []
     for spec in plan.packs:
         where = plan.at(spec.index).optim_on

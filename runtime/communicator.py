@@ -57,8 +57,8 @@ class Communicator:
 
     def _reduce(self, rt, owned: list[str]) -> None:
         st = rt.state
-        names = [n for n in owned if st.grad(n) is not None]
-        grads = [st.grad(n) for n in names]
+        found = [(n, st.grad(n)) for n in owned]
+        names, grads = [n for n, g in found if g is not None], [g for _, g in found if g is not None]
         # mixed precision: the gradients reach the host in the compute dtype (parked beside the fp32 masters); they
         # are averaged as fp32 copies, which become the masters' gradients (what the step converts them to anyway)
         mixed = [i for i, g in enumerate(grads) if g.dtype != torch.float32]

@@ -197,7 +197,7 @@ class DiskStore:
         freed; until then its bytes count in ``buffers.in_use`` and its peak.
         """
         offsets, total = layout(specs)
-        return _views(self.buffers.take(total), specs, offsets)
+        return views_of(self.buffers.take(total), specs, offsets)
 
     def file(self, pack: int) -> Path:
         return self.path / f"pack-{pack:03d}.bin"
@@ -294,7 +294,7 @@ class DiskStore:
             done.set_result(None)
             return done, [None] * len(specs), (None, at, first)
         buf = self.buffers.take(total - at)
-        views = [None] * skip + _views(buf, specs[skip:], offsets[skip:], base=at)
+        views = [None] * skip + views_of(buf, specs[skip:], offsets[skip:], base=at)
         return self.read_at(pack, buf, at), views, (buf, at, first)
 
     def read_at(self, pack: int, buf: torch.Tensor, offset: int) -> Future:
@@ -447,7 +447,7 @@ class DiskStore:
         return f"DiskStore({str(self.path)!r}, direct={self.direct})"
 
 
-def _views(buf: torch.Tensor, specs, offsets, base: int = 0) -> list[torch.Tensor]:
+def views_of(buf: torch.Tensor, specs, offsets, base: int = 0) -> list[torch.Tensor]:
     """Tensors of ``specs`` [(shape, dtype)] at file ``offsets`` in ``buf``, whose byte 0 is the file's byte
     ``base``."""
     return [buf[o - base:o - base + _numel(shape) * _itemsize(dtype)].view(dtype).view(shape)

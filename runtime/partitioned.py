@@ -134,13 +134,12 @@ class Shares:
                     .view(t.shape)
         return out
 
-    def gather(self, pack: int, segment: int, mine: torch.Tensor | None = None) -> torch.Tensor:
-        """One segment whole, from every rank's chunk (``mine``: this rank's, if not in memory; a collective of
+    def gather(self, pack: int, segment: int, mine: torch.Tensor) -> torch.Tensor:
+        """One segment whole, from every rank's chunk (``mine``: this rank's, from ``load``; a collective of
         ``self.group``)."""
         import torch.distributed as dist
         shares = self.plan.at(pack).shares
         seg = shares.segments[segment]
-        mine = self.chunks[(pack, segment)] if mine is None else mine
         out = torch.empty(mine.numel() * shares.world, dtype=mine.dtype)
         dist.all_gather_into_tensor(out, mine, group=self.group)
         self.stats["gather_wire_bytes"] += nbytes(mine) * (shares.world - 1)
@@ -191,6 +190,7 @@ def _gather_execute(rt, pack, what="params", held=()):
     st, plan = rt.state, rt.plan
     names = moving_names(plan.packs[pack], "params", held)
     home = homes(plan)
+    parts = gathered(plan, pack, held, home)
     first = st.fetch("params", [n for n in names if n not in home])   # buffers: copied from the host
     st.settle([n for n in names if n in home])       # this rank's host steps have updated the chunks
     targets, jobs = {}, []
@@ -210,7 +210,7 @@ def _gather_execute(rt, pack, what="params", held=()):
         return first
 
     def copy():
-        for q in dict.fromkeys(q for q, _ in gathered(plan, pack, held)):
+        for q in dict.fromkeys(q for q, _ in parts):
             segments = plan.at(q).shares.segments
             if not any(n in targets for seg in segments for n in seg.names):
                 continue
@@ -237,12 +237,12 @@ def _network(hw):
             getattr(hw, "network_latency", NOMINAL_NETWORK_LATENCY))
 
 
-def gathered(plan, pack: int, held=()) -> list[tuple[int, int]]:
+def gathered(plan, pack: int, held=(), home: dict | None = None) -> list[tuple[int, int]]:
     """(pack, segment) of the segments a ``gather`` of the pack brings: those with a weight it moves, its own first,
     then other packs' holding weights it reads (whole segments: a held weight in one comes too; a segment of held
-    weights only, the small tensors' fp32 buffer beside quantized ones, not)."""
+    weights only, the small tensors' fp32 buffer beside quantized ones, not). ``home``: ``homes(plan)``."""
     moving = set(moving_names(plan.packs[pack], "params", held))
-    home = homes(plan)
+    home = homes(plan) if home is None else home
     owners = [pack] if plan.at(pack).shares is not None else []
     owners += sorted({home[n] for n in moving if n in home} - {pack})
     return [(q, s) for q in owners for s, seg in enumerate(plan.at(q).shares.segments)
@@ -251,17 +251,21 @@ def gathered(plan, pack: int, held=()) -> list[tuple[int, int]]:
 
 def gather_bytes(plan, pack: int, held=()) -> int:
     """Bytes a rank receives in one ``gather``: every other rank's chunks of those segments."""
-    parts = gathered(plan, pack, held)
+    return _received(plan, gathered(plan, pack, held))[0]
+
+
+def _received(plan, parts) -> tuple[int, int]:
+    """(bytes received, world) of a gather of ``parts``."""
     world = plan.at(parts[0][0]).shares.world if parts else 1
-    return 4 * sum(plan.at(q).shares.segments[s].chunk for q, s in parts) * (world - 1)
+    return 4 * sum(plan.at(q).shares.segments[s].chunk for q, s in parts) * (world - 1), world
 
 
 def _gather_cost(plan, hw, pack, what="params", held=()):
     """Every other rank's chunks of the pack's weights arrive over the network."""
     parts = gathered(plan, pack, held)
-    world = plan.at(parts[0][0]).shares.world if parts else 1
+    received, world = _received(plan, parts)
     bandwidth, latency = _network(hw)
-    return "network", gather_bytes(plan, pack, held) / bandwidth + (world - 1) * latency * len(parts)
+    return "network", received / bandwidth + (world - 1) * latency * len(parts)
 
 
 def _reduce_scatter_execute(rt, pack, *, world=1):

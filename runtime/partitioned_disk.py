@@ -25,7 +25,7 @@ from concurrent.futures import wait as wait_all
 
 import torch
 
-from harmony.runtime.disk import DiskStore, _views, layout, step_order
+from harmony.runtime.disk import DiskStore, layout, step_order, views_of
 from harmony.runtime.disktier import DiskTier
 
 CHUNK = "chunk"      # the key of a chunk's entry in a file's layout (optimizer state keys are the optimizer's)
@@ -135,12 +135,11 @@ class ShareTier(DiskTier):
             fut, views = self._reads[pack]
             fut.result()
             return list(views[:k])
-        specs = [(s, d) for _, _, s, d in self.layouts[pack]]
-        offsets, _ = layout(specs)
-        end = offsets[k - 1] + specs[k - 1][0][0] * specs[k - 1][1].itemsize
+        specs = [(s, d) for _, _, s, d in self.layouts[pack][:k]]
+        offsets, end = layout(specs)          # the chunks' entries, to the 4 KiB page after them
         buf = self.store.buffers.take(end)
         self.store.read_at(pack, buf, 0).result()
-        return _views(buf, specs[:k], offsets[:k])
+        return views_of(buf, specs, offsets)
 
     # -- checkpoints -------------------------------------------------------------------------------------
     def holds_weight(self, name: str) -> bool:
@@ -150,8 +149,7 @@ class ShareTier(DiskTier):
         """The fp32 weights of the pieces among ``names`` whose chunks are on disk, read a pack at a time."""
         out = {}
         for pack in dict.fromkeys(self.piece_pack[n] for n in names if n in self.piece_pack):
-            views = self.shares.pieces_of(pack, self.shares.loaded(pack) if self.shares.in_memory(pack)
-                                          else self.read_chunks(pack))
+            views = self.shares.pieces_of(pack, self.shares.load(pack))
             out.update({n: v for n, v in views.items() if n in names})
         return out
 
