@@ -30,12 +30,12 @@ def resolve(options, world: dict) -> dict:
 
 def local_tensors(plan, tensors: dict) -> dict:
     """This rank's packs' parameters and buffers; every other one of the model holds a placeholder here."""
-    from harmony.runtime.placeholders import placeholder
+    from harmony.runtime.placeholders import withhold
     mine = {n for s in plan.packs for n in s.params + s.buffers}
     with torch.no_grad():
         for n, t in tensors.items():
             if n not in mine:
-                t.data = placeholder(t)
+                withhold(t)
     return {n: t for n, t in tensors.items() if n in mine}
 
 

@@ -49,6 +49,7 @@ from harmony.compiler.ir import Program
 from harmony.compiler.passmanager import run_passes, split_choices
 from harmony.compiler.trace import trace
 from harmony.compiler.verify import MemoryCurve, memory_curve
+from harmony.runtime.placeholders import point
 
 MAX_SHAPES = 8      # plans kept, the example batch's included
 log = logging.getLogger("harmony")
@@ -268,7 +269,7 @@ def _state_as_planned(state, tensors: dict):
         yield
     finally:
         for t, data, grad in reversed(swapped):
-            t.data = data
+            point(t, data)         # a placeholder again: the user's parameter refuses to be read again
             if grad is not None:
                 t.grad = grad
 

@@ -3,9 +3,12 @@
 Between steps every parameter of the model passed to ``harmony.compile`` points at its trained
 weights (the host master, or the device copy of a pack that stays resident), except those of
 packs wholly on disk (``weights_on="disk"``, or a host budget that sends packs there): their
-weights are in files and the parameter holds a placeholder of the right shape (runtime/diskparams.py).
+weights are in files and the parameter holds a placeholder of the right shape (runtime/diskparams.py); likewise
+under ``shard_state="full"`` (other ranks' shares) and on pipeline ranks (other ranks' packs).
 Reading such a model would give NaN without a word, so ``guard`` makes the model's ``forward`` and
-``state_dict`` raise ``OffloadError`` while any placeholder is in it, and ``sync_model`` (``sm.sync_model()``)
+``state_dict`` raise ``OffloadError`` while any placeholder is in it, and each such parameter refuses any read of
+its values (runtime/placeholders.py ``WithheldParameter``: ``p.sum()``, ``p.data.clone()``, ``copy.deepcopy``,
+``model.to(...)``, pickling), while its shape, dtype and device still answer; and ``sync_model`` (``sm.sync_model()``)
 reads the weights from their files into the parameters: the model is then whole until the next step
 puts the placeholders back.
 """
@@ -34,12 +37,23 @@ def _refuse(model: torch.nn.Module, use: str) -> None:
 
 
 def guard(sm) -> None:
-    """Make the user's model refuse ``forward`` and ``state_dict`` while weights of it live on disk only."""
+    """Make the user's model refuse to be read while weights of it live elsewhere only: its ``forward`` and
+    ``state_dict`` raise OffloadError, and so does any read of a parameter holding a placeholder
+    (runtime/placeholders.py ``WithheldParameter``)."""
     state = getattr(sm.runtime, "state", None)
     staged = getattr(getattr(sm, "plan", None), "stage", None) is not None   # a pipeline rank: others' packs
     if state is None or (state.params_disk is None and state.shares is None and not staged):
         return
     model = sm.model
+    where = ("on other pipeline ranks (parallel='pipeline')" if staged else
+             "in shares over the ranks (shard_state='full')" if state.shares is not None else
+             "on disk (weights_on='disk', or a host_memory_budget that sends packs there)")
+    from harmony.runtime.placeholders import mark
+    for name, p in model.named_parameters():
+        mark(name, p, where)
+    if getattr(model, "_harmony_guarded", False):    # compile guards once per tier it sets up
+        return
+    model._harmony_guarded = True
     model.register_forward_pre_hook(lambda m, args: _refuse(m, "forward"))
     model.register_state_dict_pre_hook(lambda m, prefix, keep_vars: _refuse(m, "state_dict()") if not prefix
                                        else None)

@@ -65,7 +65,7 @@ from concurrent.futures import wait as wait_all
 import torch
 
 from harmony.base.errors import OffloadError
-from harmony.runtime.placeholders import placeholder
+from harmony.runtime.placeholders import placeholder, withhold
 
 PARAM = "param"     # the layout key of a group's weights (optimizer state keys are the optimizer's)
 class DiskParams:
@@ -136,7 +136,7 @@ class DiskParams:
                 self._store_state(gid, views)
                 self.layouts[gid] = lay
                 for n in names:
-                    tensors[n].data = placeholder(tensors[n])
+                    withhold(tensors[n])
         except BaseException:
             self.close()
             raise
@@ -351,7 +351,7 @@ class DiskParams:
             t = self.tensors[n]
             if k == PARAM:
                 t.grad = None
-                t.data = placeholder(t)
+                withhold(t)
             else:
                 self.optimizers[n].state[t][k] = torch.empty(shape, dtype=dtype, device="meta")
 

@@ -51,7 +51,7 @@ from harmony.runtime.ops import moving_names, register
 from harmony.runtime.ops_move import disk_io, pack_what, swap_in_effect
 from harmony.runtime.partitioned_layout import ALIGN, PREFIX, PackShares, Piece, Segment, layout  # noqa: F401
 from harmony.runtime.partitioned_quantized import reduce_scatter_quantized
-from harmony.runtime.placeholders import is_placeholder, placeholder
+from harmony.runtime.placeholders import is_placeholder, withhold
 from harmony.runtime.plan import NOMINAL_NETWORK_BANDWIDTH, NOMINAL_NETWORK_LATENCY
 
 
@@ -96,7 +96,7 @@ class Shares:
             tensors[piece.name] = t
             mine.append(t)
         for n in shares.names():
-            tensors[n].data = placeholder(tensors[n])
+            withhold(tensors[n])
 
     # the chunks of a pack: in host memory, or between steps in this rank's file of it (runtime/partitioned_disk.py)
     def in_memory(self, pack: int) -> bool:
@@ -120,7 +120,7 @@ class Shares:
         for s in range(len(self.plan.at(pack).shares.segments)):
             self.chunks.pop((pack, s), None)
         for t in self.pieces[pack]:
-            t.data = placeholder(t)
+            withhold(t)
 
     def pieces_of(self, pack: int, chunks, params: bool = False) -> dict:
         """{piece name (or, with ``params``, its parameter): its view of ``chunks``} ({segment: chunk} or a list)."""
@@ -163,7 +163,7 @@ class Shares:
                 for s, seg in enumerate(record.shares.segments if record.shares is not None else ()):
                     flat = self.gather(p, s, chunks[s])
                     for n, off, k in seg.items():
-                        tensors[n].data = flat[off: off + k].clone().view_as(tensors[n])
+                        tensors[n].data = flat[off: off + k].clone().view(tensors[n].shape)
                         done.append(n)
         return done
 

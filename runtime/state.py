@@ -16,6 +16,7 @@ import torch
 from harmony.base.process import run_when_idle, started_pool
 from harmony.base.units import nbytes
 from harmony.runtime.memory import MemoryMeter
+from harmony.runtime.placeholders import point
 
 
 class CopyEngine:
@@ -143,11 +144,11 @@ class TieredState:
         """Point parameter or buffer ``name`` at ``data``, its gradient following where it can."""
         t = self.tensors[name]
         if (data.device == t.device and data.dtype == t.dtype) or not isinstance(t, torch.nn.Parameter):
-            t.data = data
+            point(t, data)
             return
         g = self.grad(name)
         t.grad = None
-        t.data = data
+        point(t, data)
         self.set_grad(name, g)
 
     def _on_device(self, t: torch.Tensor) -> bool:

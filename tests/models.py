@@ -130,6 +130,19 @@ def eager_full(model, data, optimizer=torch.optim.AdamW, **kw):
     return eager_accumulate(model, data, 1, optimizer, **kw)
 
 
+def withheld(model) -> list[str]:
+    """The parameters of ``model`` whose values cannot be read here (reading one raises OffloadError: their
+    weights live on disk, in other ranks' shares, or on other pipeline ranks; runtime/placeholders.py)."""
+    from harmony.errors import OffloadError
+    out = []
+    for n, p in model.named_parameters():
+        try:
+            p.sum()
+        except OffloadError:
+            out.append(n)
+    return out
+
+
 def training_state_bytes(model) -> int:
     return 16 * sum(p.numel() for p in model.parameters())
 

@@ -7,7 +7,9 @@ state before the step and then train bitwise as eager PyTorch does after skippin
 from __future__ import annotations
 
 import copy
+import io
 import os
+import pickle
 import signal
 
 import pytest
@@ -16,7 +18,7 @@ import torch
 import harmony
 from faults import fail_at, schedule_ops
 from harmony.errors import InputError, TornStepError
-from models import assert_bitwise, eager_accumulate, mlp_case, params, training_state_bytes
+from models import assert_bitwise, eager_accumulate, mlp_case, params, training_state_bytes, withheld
 
 
 def compiled(frac: float, seed: int = 0, **kw):
@@ -412,7 +414,15 @@ def test_the_users_model_refuses_to_be_read_while_its_weights_are_on_disk_until_
         model(*DATA[1])
     with pytest.raises(OffloadError, match="live on disk"):
         model.state_dict()
+    p = model.tok.weight          # each parameter on disk refuses to be read, and still describes itself
+    assert set(withheld(model)) == {n for n, _ in model.named_parameters()} and p.shape == (64, 64)
+    for read in (lambda: p.data.clone(), lambda: p.T @ p, lambda: copy.deepcopy(model), lambda: pickle.dumps(p),
+                 lambda: model.to(torch.float64), lambda: torch.save(model.state_dict(keep_vars=True), io.BytesIO())):
+        with pytest.raises(OffloadError, match=r"(tok\.weight).*sm\.sync_model\(\)"):
+            read()
+    assert "sync_model" in repr(p) and p.requires_grad and p.grad is None
     assert sm.sync_model()
+    assert withheld(model) == [] and type(p) is torch.nn.Parameter      # its own class again
     trained = sm.state_dict()["model"]
     name_of = {id(p): n for n, p in sm.program.gm.named_parameters()}   # the traced graph's names
     for p in model.parameters():
@@ -422,6 +432,7 @@ def test_the_users_model_refuses_to_be_read_while_its_weights_are_on_disk_until_
     sm(*DATA[1])
     with pytest.raises(OffloadError):
         model(*DATA[2])
+    assert len(withheld(model)) == len(list(model.parameters()))     # placeholders again: refuses again
     sm.close()
 
 

@@ -18,7 +18,7 @@ import harmony.data
 from harmony.errors import ConfigError
 from harmony.runtime import ops, partitioned
 from harmony.runtime.placeholders import is_placeholder
-from models import CASES, training_state_bytes
+from models import CASES, training_state_bytes, withheld
 from test_collectives import _digest, spawn_ok
 
 ADAMW = dict(optimizer=torch.optim.AdamW, optimizer_kwargs=dict(lr=1e-3))
@@ -40,7 +40,7 @@ def _train(rank, batch, shard_state):
     state = sm.runtime.state
     out = dict(stats=dict(sm.stats), host_bytes=partitioned.host_state_bytes(state),
                largest=max(p.numel() * 4 for p in model.parameters()),
-               placeholders=sum(is_placeholder(p.data) for p in model.parameters()),
+               placeholders=sum(is_placeholder(p.data) for p in model.parameters()), withheld=len(withheld(model)),
                ops=[n.target.__name__ for n in sm.graph.nodes if n.op == "call_function"],
                text=sm.report(), network=sm.simulate("a100-40gb").busy.get("network", 0.0))
     report = next((r for r in sm.program.reports if r.title.startswith("shard")), None)
@@ -147,6 +147,7 @@ def _check_partitioned(res, world):
         assert s["h2d_bytes"] == s["predicted_h2d"] and s["measured_peak"] <= s["budget"]
         assert full["network"] > 0 and "== shard:" in full["text"]
         assert "shard_state='full'" in full["guard"] and full["synced"] > 0
+        assert full["withheld"] == full["placeholders"] and rep["withheld"] == 0   # each refuses to be read
 
 
 @pytest.mark.slow
