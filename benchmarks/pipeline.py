@@ -1,7 +1,8 @@
 """Pipeline across devices (``parallel="pipeline"``, issue 31), part 1: a REAL run on this machine.
 
 The built-in GPT trained (AdamW, fp32) by one rank, and by ``--ranks`` pipelined ranks (``torchrun
---nproc_per_node N``, gloo) with contiguous and round-robin placement, each rank a logical CPU device with the same
+--nproc_per_node N``, gloo) with contiguous and round-robin placement (and contiguous with each ``--groups``
+value as ``pipeline_group``), each rank a logical CPU device with the same
 ``memory_budget`` and the same EMULATED speed factor (``--speed-factor``, default 4: the runtime sleeps (factor - 1)
 x the measured time of each compute op, so the ranks' compute does not fight over this machine's two cores and the
 pipeline's overlap shows; Hardware.this_machine().logical(budgets, speed_factors), as benchmarks/hetero.py does).
@@ -21,8 +22,9 @@ per PCIe 4 switch), ``Hardware.node`` presets (compiler/nodes.py says where each
 allocated) and planned without ranks (harmony/pipeline_plan.py), each device's budget its memory. A global batch
 of ``--sim-batch`` samples in microbatches of ``--sim-microbatch``; three systems side by side:
 
-- vPP: ``parallel="pipeline"``, contiguous placement (vPP) and round-robin (vPP-rr, the paper's vPP), every rank's
-  schedule simulated together (runtime/simulate_node.py: messages over P2P, swaps sharing the switch's uplink);
+- vPP: ``parallel="pipeline"``, contiguous placement (vPP; vPP-g1 with ``pipeline_group=1``, one microbatch at a
+  time through a rank's packs) and round-robin (vPP-rr, the paper's vPP), every rank's schedule simulated together
+  (runtime/simulate_node.py: messages over P2P, swaps sharing the switch's uplink);
 - vDP: data-parallel Harmony, each device one plan at its share of the batch, the N copies simulated together (so
   their swaps share the switch too), plus a ring all-reduce of the fp32 gradients over P2P not overlapped;
 - ondemand: the same data-parallel replicas with ``policy="ondemand"`` (virtualized memory's fetch on touch).
@@ -64,6 +66,9 @@ def main():
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--placement", default="contiguous", help=argparse.SUPPRESS)
+    ap.add_argument("--group", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--groups", type=int, nargs="*", default=[1],
+                    help="pipeline_group values run as extra contiguous rows (default: 1)")
     ap.add_argument("--simulated", action="store_true", help="part 2 only (the simulated servers)")
     ap.add_argument("--real", action="store_true", help="part 1 only (the real ranks on this machine)")
     ap.add_argument("--quick", action="store_true", help="both parts at a small size (under 2 minutes)")
@@ -93,6 +98,8 @@ def real_part(args) -> dict:
     runs = {"1 rank": _launch(args, out, 1, "none")}
     for placement in ("contiguous", "round_robin"):
         runs[f"{args.ranks} ranks {placement}"] = _launch(args, out, args.ranks, placement)
+    for group in args.groups:
+        runs[f"{args.ranks} ranks contiguous group {group}"] = _launch(args, out, args.ranks, "contiguous", group)
     one = runs["1 rank"]
     rows = []
     for name, r in runs.items():
@@ -114,8 +121,12 @@ def real_part(args) -> dict:
 SERVERS = ("4x1080ti", "8x1080ti", "8xa100-40gb")
 SIM_MODELS = {"gpt2-1.5b": dict(layers=48, width=1600, heads=25), "gpt-6.7b": dict(layers=32, width=4096, heads=32),
               "gpt-0.4b": dict(layers=12, width=1600, heads=25)}     # the last: --quick's
-PAIRS = (("vPP", "vDP"), ("vPP-rr", "vDP"), ("vPP-rr", "ondemand"), ("vDP", "ondemand"))
-PAPER = {"vPP/vDP": "not found", "vPP-rr/vDP": "not found", "vPP-rr/ondemand": "up to 7.6x (abstract, any mode)",
+# (name, placement, pipeline_group): vPP-g1 hands each microbatch on once the rank's packs ran it
+SYSTEMS = (("vPP", "contiguous", None), ("vPP-g1", "contiguous", 1), ("vPP-rr", "round_robin", None))
+PAIRS = (("vPP", "vDP"), ("vPP-g1", "vDP"), ("vPP-rr", "vDP"), ("vPP-rr", "ondemand"),
+         ("vDP", "ondemand"))
+PAPER = {"vPP/vDP": "not found", "vPP-g1/vDP": "not found", "vPP-rr/vDP": "not found",
+         "vPP-rr/ondemand": "up to 7.6x (abstract, any mode)",
          "vDP/ondemand": "up to 7.6x (abstract, any mode)"}
 PAPER_CITE = ("Li et al., Harmony, VLDB 2022 (arXiv 2202.01306), abstract: throughput \"up to 7.6x over highly "
               "optimized baselines with virtualized memory\", swap \"reduced by up to two orders of magnitude\"; "
@@ -183,10 +194,11 @@ def simulated_part(args) -> dict:
                 model = _sim_model(name)
                 params = sum(p.numel() for p in model.parameters())
                 ids = torch.zeros(args.sim_batch, 1024, dtype=torch.long)
-                for system, placement in (("vPP", "contiguous"), ("vPP-rr", "round_robin")):
+                for system, placement, group in SYSTEMS:
                     try:
                         programs = plan_node(model, (ids, ids), hw, memory_budget=budget, placement=placement,
-                                             microbatches=args.sim_batch // args.sim_microbatch)
+                                             microbatches=args.sim_batch // args.sim_microbatch,
+                                             pipeline_group=group)
                         got[system] = (simulate_programs(programs, hw), _host_bytes(programs), 0.0)
                     except BudgetError as e:
                         got[system] = e
@@ -227,9 +239,9 @@ def simulated_part(args) -> dict:
             if "/" in k and not k.startswith("paper") and isinstance(v, float)}
 
 
-def _launch(args, out: Path, ranks: int, placement: str) -> dict:
-    result = out / f"{ranks}-{placement}.json"
-    base = [__file__, "--worker", str(result), "--placement", placement]
+def _launch(args, out: Path, ranks: int, placement: str, group: int | None = None) -> dict:
+    result = out / f"{ranks}-{placement}-{group}.json"
+    base = [__file__, "--worker", str(result), "--placement", placement] + (["--group", str(group)] if group else [])
     for k in ("layers", "width", "seq", "batch", "microbatches", "speed_factor", "budget", "steps", "warmup"):
         base += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
     if ranks == 1:
@@ -237,7 +249,7 @@ def _launch(args, out: Path, ranks: int, placement: str) -> dict:
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port",
                str(29500 + os.getpid() % 1000)] + base
-    print(f"running {ranks} rank(s) {placement} ...", flush=True)
+    print(f"running {ranks} rank(s) {placement}{f' group {group}' if group else ''} ...", flush=True)
     subprocess.run(cmd, check=True, env=dict(os.environ, OMP_NUM_THREADS="1", HARMONY_COMM_TIMEOUT="120"))
     return json.loads(result.read_text())
 
@@ -261,7 +273,8 @@ def worker(args) -> None:
     state = 16 * sum(p.numel() for p in model.parameters())
     budget = int(state * args.budget)
     hw = Hardware.this_machine().logical([budget], [args.speed_factor])
-    kw = dict(parallel="pipeline", placement=args.placement) if args.placement != "none" else {}
+    kw = dict(parallel="pipeline", placement=args.placement, pipeline_group=args.group) \
+        if args.placement != "none" else {}
     sm = harmony.compile(model, data[0], memory_budget=budget, microbatches=args.microbatches, hardware=hw, **kw)
     times, within = [], True
     for i, batch in enumerate(data):

@@ -239,6 +239,11 @@ class ParallelConfig(_Group):
     """Under ``parallel="pipeline"``: ``"contiguous"`` stages that balance the predicted compute per rank (the fewest
     rank-to-rank transfers), or ``"round_robin"`` (pack p on rank p mod N, the Harmony paper's: every pack boundary
     crosses ranks, and consecutive packs run on different ranks at once)."""
+    pipeline_group: int | None = None
+    """Under ``parallel="pipeline"`` (policy "harmony"): how many microbatches go through a rank's packs together
+    (default all: each pack swapped in once per forward and once per backward). Fewer let the next rank start
+    sooner (a finer pipeline) at the cost of more swaps of packs that do not stay resident on the device; each
+    pack still accumulates the microbatches in order, so the bits do not change."""
 
     def __post_init__(self):
         super().__post_init__()
@@ -259,6 +264,11 @@ class ParallelConfig(_Group):
         self.comm_timeout = env.check("comm_timeout", self.comm_timeout)
         _choice("parallel", self.parallel, (None, "data", "pipeline"))
         _choice("placement", self.placement, ("contiguous", "round_robin"))
+        group = self.pipeline_group
+        if group is not None and (isinstance(group, bool) or not isinstance(group, int) or group < 1
+                                  or self.parallel != "pipeline"):
+            raise ConfigError(f"pipeline_group={group!r}: give a number of microbatches >= 1, with "
+                              f"parallel='pipeline' (it orders a pipeline rank's packs), or leave it None")
 
 
 @dataclass(kw_only=True)

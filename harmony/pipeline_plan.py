@@ -43,6 +43,7 @@ def plan_node(model: torch.nn.Module, example_batch, hardware, *, world: int | N
     if options.pop("parallel", "pipeline") != "pipeline":
         raise ConfigError("plan_node plans a pipeline: drop parallel=, or use harmony.compile for one device")
     options.setdefault("device", "meta")
+    group = options.pop("pipeline_group", None)     # checked with parallel='pipeline' below
     budget = memory_budget or hardware.devices[0].memory
     options = Config.of(config, memory_budget=budget, hardware=hardware, data_parallel=False, **options)
     names, batch = api._batch_items(example_batch)
@@ -51,7 +52,7 @@ def plan_node(model: torch.nn.Module, example_batch, hardware, *, world: int | N
     if "stage" not in split_choices(passes)[0]:
         at = split_choices(passes)[0].index("partition") + 1
         passes = passes[:at] + ("stage",) + passes[at:]
-    cfg = dataclasses.replace(cfg, parallel="pipeline", world_size=world, passes=passes)
+    cfg = dataclasses.replace(cfg, parallel="pipeline", world_size=world, passes=passes, pipeline_group=group)
     check_config(cfg)
     gm = trace(model, dict(zip(names, batch)) if names else tuple(batch), loss_fn=cfg.loss_fn,
                leaf_modules=cfg.leaf_modules, dtype=cfg.compute_dtype)

@@ -47,7 +47,9 @@ def check_config(cfg) -> None:
                (bool(cfg.shard_state), f"shard_state={cfg.shard_state!r}", "shard_state=None (each rank holds "
                                                                             "only its packs' state already)"),
                (cfg.data_parallel, "data_parallel=True", "data_parallel=None"),
-               (cfg.policy == "ondemand", "policy='ondemand'", "policy='harmony' or 'sequential'")]
+               (cfg.policy == "ondemand", "policy='ondemand'", "policy='harmony' or 'sequential'"),
+               (cfg.pipeline_group is not None and cfg.policy != "harmony", f"policy={cfg.policy!r} and "
+                f"pipeline_group=", "policy='harmony' (the sequential policy runs one microbatch at a time)")]
     for bad, what, instead in refused:
         if bad:
             raise ConfigError(f"parallel='pipeline' with {what} is not supported yet: use {instead}, or "
@@ -193,7 +195,7 @@ def run(program: Program, ctx) -> PassResult:
         rank_of = place(costs, world, cfg.placement)
     notes += _check_shared(plan, rank_of)
     if _live(cfg):     # the ranks of a running node agree; a node planned in one process (pipeline_plan) has none
-        check_same_plan(repr((world, cfg.policy, cfg.microbatches, rank_of,
+        check_same_plan(repr((world, cfg.policy, cfg.microbatches, cfg.pipeline_group, rank_of,
                               [(s.name, s.inputs, s.outputs, s.params) for s in plan.packs])))
     rows = _rows(plan, rank_of, costs, world)
     restrict(program, rank_of)
@@ -201,12 +203,15 @@ def run(program: Program, ctx) -> PassResult:
     worst, total = max(r["compute_s"] for r in rows), sum(costs)
     report = PassReport(f"stage: packs across {world} ranks ({cfg.placement})", rows, totals=dict(
         ranks=world, packs=len(plan.packs), this_rank=cfg.rank, max_rank_compute_s=worst,
+        group=cfg.pipeline_group or plan.microbatches,
         lower_bound_s=max(total / world, max(costs)), ideal_speedup=total / worst if worst else 1.0,
         boundary_MiB_per_microbatch=crossing / 2**20, seconds=time.perf_counter() - start))
     report.notes += notes + [
         f"placement {cfg.placement!r}: " + ("contiguous stages by an exact DP minimising the largest rank's "
                                             "predicted compute (forward, backward, recompute)"
                                             if cfg.placement == "contiguous" else "pack p on rank p mod N"),
+        f"microbatches go through a rank's packs in groups of {cfg.pipeline_group or plan.microbatches} "
+        f"(pipeline_group): the next rank starts on a group once this rank's packs ran it",
         f"each microbatch's boundary values cross ranks forward and their gradients back: "
         f"{2 * plan.microbatches * crossing / 2**20:.3f} MiB per step in all; every rank is given the whole batch",
         "each rank holds, steps and saves only its packs' fp32 weights and optimizer state: one copy on the node; "

@@ -5,7 +5,9 @@ rank reads (passes/stage.py places the packs; runtime/pipeline.py runs the messa
 Every rank runs the whole model's order (harmony: every pack's forward for microbatches 0..M-1, pack after pack;
 the last pack's forward and backward per microbatch; then backward in reverse pack order, each pack's optimizer
 step after its last backward) keeping only its packs' ops: its forwards of all microbatches, then its
-backwards (GPipe's fill and drain, with Harmony's grouping inside a rank). A send never waits for its receiver,
+backwards (GPipe's fill and drain, with Harmony's grouping inside a rank). With ``pipeline_group=G`` the
+microbatches go through in groups of G (``global_order``), so a rank with several packs hands a group on to the
+next rank after its packs ran that group, not after they ran every microbatch. A send never waits for its receiver,
 and every recv comes after its send in that one order, so no rank waits on a rank that waits on it.
 
 A pack's backward adds its consumers' gradients in the order one device would (consumers in pack order, local
@@ -21,15 +23,25 @@ from harmony.runtime import ops
 from harmony.runtime.pipeline import recv, send, share_loss, share_norms
 
 
-def global_order(n_packs: int, microbatches: int, policy: str) -> list[tuple]:
+def global_order(n_packs: int, microbatches: int, policy: str, group: int | None = None) -> list[tuple]:
     """The single-device order: ("F", pack, mb), ("FB", last, mb) (kept forward, then backward), ("B", pack, mb),
-    ("S", pack) (the optimizer step)."""
+    ("S", pack) (the optimizer step).
+
+    Under "harmony" the microbatches go through the packs in groups of ``group`` (default all of them: each pack
+    is swapped in once per pass, Harmony's grouping): every group's forwards, pack after pack, then every group's
+    backwards in reverse pack order, each pack's step after its last group. A smaller group lets the next rank
+    start on a group while this one runs the next (a finer pipeline) for more swaps of packs that do not stay
+    resident; each pack still accumulates its microbatches in order 0..M-1, the same bits."""
     last, out = n_packs - 1, []
     if policy == "harmony":
-        out += [("F", p, mb) for p in range(last) for mb in range(microbatches)]
-        out += [("FB", last, mb) for mb in range(microbatches)] + [("S", last)]
-        for p in reversed(range(last)):
-            out += [("B", p, mb) for mb in range(microbatches)] + [("S", p)]
+        size = group or microbatches
+        groups = [range(s, min(s + size, microbatches)) for s in range(0, microbatches, size)]
+        for mbs in groups:
+            out += [("F", p, mb) for p in range(last) for mb in mbs] + [("FB", last, mb) for mb in mbs]
+        out.append(("S", last))
+        for i, mbs in enumerate(groups):
+            for p in reversed(range(last)):
+                out += [("B", p, mb) for mb in mbs] + ([("S", p)] if i == len(groups) - 1 else [])
         return out
     for mb in range(microbatches):
         out += [("F", p, mb) for p in range(last)] + [("FB", last, mb)]
@@ -111,7 +123,7 @@ def lower_stages(program: Program) -> torch.fx.Graph:
     b = StageBuilder(program)
     clipping = program.config.clip_grad_norm is not None
     steps = []        # under clipping: after the last backward and the norms' exchange (runtime/pipeline.py)
-    for event in global_order(b.n, b.m, program.config.policy):
+    for event in global_order(b.n, b.m, program.config.policy, program.config.pipeline_group):
         g = event[1]
         if g not in b.mine:
             continue

@@ -18,7 +18,7 @@ import harmony
 from harmony.errors import CheckpointError, CommunicationError, ConfigError, InputError
 from harmony.passes import stage
 from harmony.passes.stage_schedule import global_order
-from models import CASES, eager_accumulate, training_state_bytes
+from models import CASES, eager_accumulate, training_state_bytes, withheld
 from test_collectives import _spawn
 
 MICROBATCHES = 4
@@ -29,7 +29,9 @@ RUNS = {"gpt": ("gpt", 0.5, "contiguous"), "gpt_tight": ("gpt", 0.3, "round_robi
         # bf16 compute, fp32 masters on the host: bitwise one process's Harmony in bf16 (the reference below)
         "gpt_bf16": ("gpt", 0.5, "contiguous", dict(precision="bf16")),
         # each rank's packs' weights and optimizer state in files between steps
-        "gpt_disk": ("gpt", 0.5, "contiguous", dict(weights_on="disk"))}
+        "gpt_disk": ("gpt", 0.5, "contiguous", dict(weights_on="disk")),
+        # one microbatch at a time through a rank's packs: handed on to the next rank after each
+        "gpt_group1": ("gpt", 0.2, "contiguous", dict(pipeline_group=1))}
 
 
 def _data(case):
@@ -51,8 +53,10 @@ def _train(case, frac, placement, extra=None, steps=3, keep=False):
         losses.append(_call(sm, data[i % len(data)]).item())
         stats.append(dict(sm.stats))
     mine = sm.state_dict()["model"]
+    unread = withheld(model)       # the other ranks' packs' parameters: reading one raises OffloadError
     out = dict(params={n: t.detach().numpy().copy() for n, t in mine.items()}, losses=losses, stats=stats,
                packs=list(sm.plan.stage.local), rank_of=list(sm.plan.stage.rank_of), text=sm.report(),
+               held=sum(1 for _ in model.parameters()) - len(unread), n_params=sum(1 for _ in model.parameters()),
                ops=[n.target.__name__ for n in sm.graph.nodes if n.op == "call_function"])
     if keep:
         out["sm"] = (sm, data)
@@ -209,6 +213,10 @@ def _check_training(res, ranks):
                 assert [s["grad_norm"] for s in run["stats"]] == ref["norms"], (key, r)
                 assert min(ref["norms"]) > ref["clip"] and "share_norms" in run["ops"]
         assert got.keys() == ref["params"].keys()
+        held = [res[r][key]["held"] for r in ranks]     # each parameter readable on the rank that holds it only
+        on_disk = RUNS[key][3:] and RUNS[key][3].get("weights_on") == "disk"     # ... and none between steps
+        whole = res[ranks[0]][key]["n_params"]
+        assert held == [0] * len(ranks) if on_disk else (0 not in held and sum(held) == whole), (key, held)
         for n, t in ref["params"].items():
             assert torch.equal(torch.from_numpy(got[n]), t), f"{key}: {n} differs from eager gradient accumulation"
         assert abs(res[ranks[0]][key]["losses"][0] - ref["losses"][0]) < 1e-5
@@ -222,6 +230,16 @@ def test_two_ranks_train_bitwise_as_eager_within_their_budgets(two):
 
 
 @pytest.mark.slow
+def test_a_rank_hands_each_group_of_microbatches_on_once_its_packs_ran_it(two):
+    """pipeline_group=1: rank 0 sends microbatch 0 after one forward of each of its packs (by default, after its
+    first packs ran every microbatch: test_grouped_order...), the same bits (_check_training)."""
+    run = two[0]["gpt_group1"]
+    ops = run["ops"]
+    first = ops[:ops.index("send")].count("forward")
+    assert len(run["packs"]) > 1 and first == len(run["packs"]), (first, run["packs"])
+    assert "in groups of 1" in run["text"] and f"in groups of {MICROBATCHES}" in two[0]["gpt"]["text"]
+
+
 def test_two_ranks_resume_from_their_checkpoints(two):
     for r in (0, 1):
         assert two[r]["resume"]["same"]
@@ -262,17 +280,23 @@ def test_one_process_is_refused():
         harmony.Config(parallel="pipe")
     with pytest.raises(ConfigError, match="placement"):
         harmony.Config(placement="zigzag")
+    for group, parallel in ((0, "pipeline"), (True, "pipeline"), (2.0, "pipeline"), (2, None)):
+        with pytest.raises(ConfigError, match=f"pipeline_group={group!r}"):
+            harmony.Config(pipeline_group=group, parallel=parallel)
 
 
 @pytest.mark.parametrize("field,value,named", [
     ("precision", "fp16", "precision='fp16'"),
     ("shard_state", True, "shard_state=True"), ("data_parallel", True, "data_parallel=True"),
     ("balance", "auto", "balance="),
-    ("policy", "ondemand", "ondemand"), ("compression", SimpleNamespace(kind="4bit"), "compression=")])
+    ("policy", "ondemand", "ondemand"), ("compression", SimpleNamespace(kind="4bit"), "compression="),
+    ("policy", "sequential", "policy='sequential' and pipeline_group=")])
 def test_unsupported_combinations_are_refused_by_name(field, value, named):
     cfg = dict(world_size=2, precision="fp32", compression=None, adaptive=False, balance=None, shard_state=False,
-               data_parallel=False, weights_on="auto", clip_grad_norm=None, policy="harmony")
+               data_parallel=False, weights_on="auto", clip_grad_norm=None, policy="harmony", pipeline_group=None)
     cfg[field] = value
+    if value == "sequential":
+        cfg["pipeline_group"] = 1
     with pytest.raises(ConfigError, match="not supported yet") as e:
         stage.check_config(SimpleNamespace(**cfg))
     assert named in str(e.value)
@@ -287,6 +311,16 @@ def test_contiguous_placement_is_the_exact_min_max():
     worst = max(sum(c for c, r in zip(costs, rank_of) if r == k) for k in range(3))
     assert worst == 14 and rank_of == sorted(rank_of)      # 3 1 4 1 | 5 9 | 2 6 -> 9, 14, 8 (no split does better)
     assert stage.place(costs, 3, "round_robin") == [0, 1, 2, 0, 1, 2, 0, 1]
+
+
+def test_grouped_order_runs_each_group_through_the_packs_and_steps_after_the_last():
+    order = global_order(3, 4, "harmony", 2)
+    assert order[:6] == [("F", 0, 0), ("F", 0, 1), ("F", 1, 0), ("F", 1, 1), ("FB", 2, 0), ("FB", 2, 1)]
+    assert order[12:17] == [("S", 2), ("B", 1, 0), ("B", 1, 1), ("B", 0, 0), ("B", 0, 1)]
+    assert order[-4:] == [("S", 1), ("B", 0, 2), ("B", 0, 3), ("S", 0)]
+    for p in range(2):      # every pack accumulates microbatches 0..3 in order, as one device does
+        assert [e[2] for e in order if e[:2] == ("B", p)] == [0, 1, 2, 3]
+    assert global_order(3, 4, "harmony") == global_order(3, 4, "harmony", 4) == global_order(3, 4, "harmony", 9)
 
 
 def test_each_rank_runs_the_single_device_order_of_its_packs():
