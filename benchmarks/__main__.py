@@ -71,7 +71,8 @@ FIGURES = [
     Figure("partition", "w2_full/replicated host", "<= 0.525 (1/N + 5%)", "lower"),
     Figure("partition", "w2_full/replicated step", "(none: gathers and reduce-scatters on 2 shared cores)", "lower"),
     Figure("pipeline", "2 ranks contiguous", "(none: 2 emulated ranks vs 1; 2.5x at 4 ranks full size)", "higher"),
-    Figure("pipeline", "2 ranks contiguous group 1", "(none: pipeline_group=1, 2 emulated ranks vs 1)", "higher"),
+    Figure("pipeline", "2 ranks layers group 1", "(none: placement='layers', pipeline_group=1, 2 ranks vs 1)",
+           "higher"),
     Figure("pipeline", "simulated 4x1080ti gpt-0.4b vPP-rr/vDP", "(none: SIMULATED)", "higher"),
 ]
 

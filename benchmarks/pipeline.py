@@ -1,8 +1,8 @@
 """Pipeline across devices (``parallel="pipeline"``, issue 31), part 1: a REAL run on this machine.
 
 The built-in GPT trained (AdamW, fp32) by one rank, and by ``--ranks`` pipelined ranks (``torchrun
---nproc_per_node N``, gloo) with contiguous and round-robin placement (and contiguous with each ``--groups``
-value as ``pipeline_group``), each rank a logical CPU device with the same
+--nproc_per_node N``, gloo) with contiguous and round-robin placement (and contiguous and "layers" with each
+``--groups`` value as ``pipeline_group``), each rank a logical CPU device with the same
 ``memory_budget`` and the same EMULATED speed factor (``--speed-factor``, default 4: the runtime sleeps (factor - 1)
 x the measured time of each compute op, so the ranks' compute does not fight over this machine's two cores and the
 pipeline's overlap shows; Hardware.this_machine().logical(budgets, speed_factors), as benchmarks/hetero.py does).
@@ -22,9 +22,9 @@ per PCIe 4 switch), ``Hardware.node`` presets (compiler/nodes.py says where each
 allocated) and planned without ranks (harmony/pipeline_plan.py), each device's budget its memory. A global batch
 of ``--sim-batch`` samples in microbatches of ``--sim-microbatch``; three systems side by side:
 
-- vPP: ``parallel="pipeline"``, contiguous placement (vPP; vPP-g1 with ``pipeline_group=1``, one microbatch at a
-  time through a rank's packs) and round-robin (vPP-rr, the paper's vPP), every rank's schedule simulated together
-  (runtime/simulate_node.py: messages over P2P, swaps sharing the switch's uplink);
+- vPP: ``parallel="pipeline"``, contiguous placement (vPP; vPP-g1: ``placement="layers", pipeline_group=1``,
+  one microbatch at a time through a rank's packs) and round-robin (vPP-rr, the paper's vPP), every rank's
+  schedule simulated together (runtime/simulate_node.py: messages over P2P, swaps sharing the switch's uplink);
 - vDP: data-parallel Harmony, each device one plan at its share of the batch, the N copies simulated together (so
   their swaps share the switch too), plus a ring all-reduce of the fp32 gradients over P2P not overlapped;
 - ondemand: the same data-parallel replicas with ``policy="ondemand"`` (virtualized memory's fetch on touch).
@@ -68,7 +68,7 @@ def main():
     ap.add_argument("--placement", default="contiguous", help=argparse.SUPPRESS)
     ap.add_argument("--group", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--groups", type=int, nargs="*", default=[1],
-                    help="pipeline_group values run as extra contiguous rows (default: 1)")
+                    help="pipeline_group values run as extra rows, contiguous and layers placement (default: 1)")
     ap.add_argument("--simulated", action="store_true", help="part 2 only (the simulated servers)")
     ap.add_argument("--real", action="store_true", help="part 1 only (the real ranks on this machine)")
     ap.add_argument("--quick", action="store_true", help="both parts at a small size (under 2 minutes)")
@@ -98,8 +98,9 @@ def real_part(args) -> dict:
     runs = {"1 rank": _launch(args, out, 1, "none")}
     for placement in ("contiguous", "round_robin"):
         runs[f"{args.ranks} ranks {placement}"] = _launch(args, out, args.ranks, placement)
-    for group in args.groups:
-        runs[f"{args.ranks} ranks contiguous group {group}"] = _launch(args, out, args.ranks, "contiguous", group)
+    for placement in ("contiguous", "layers"):
+        for group in args.groups:
+            runs[f"{args.ranks} ranks {placement} group {group}"] = _launch(args, out, args.ranks, placement, group)
     one = runs["1 rank"]
     rows = []
     for name, r in runs.items():
@@ -121,8 +122,9 @@ def real_part(args) -> dict:
 SERVERS = ("4x1080ti", "8x1080ti", "8xa100-40gb")
 SIM_MODELS = {"gpt2-1.5b": dict(layers=48, width=1600, heads=25), "gpt-6.7b": dict(layers=32, width=4096, heads=32),
               "gpt-0.4b": dict(layers=12, width=1600, heads=25)}     # the last: --quick's
-# (name, placement, pipeline_group): vPP-g1 hands each microbatch on once the rank's packs ran it
-SYSTEMS = (("vPP", "contiguous", None), ("vPP-g1", "contiguous", 1), ("vPP-rr", "round_robin", None))
+# (name, placement, pipeline_group): vPP-g1, stages balanced over the layers, hands each microbatch on once the
+# rank's packs ran it
+SYSTEMS = (("vPP", "contiguous", None), ("vPP-g1", "layers", 1), ("vPP-rr", "round_robin", None))
 PAIRS = (("vPP", "vDP"), ("vPP-g1", "vDP"), ("vPP-rr", "vDP"), ("vPP-rr", "ondemand"),
          ("vDP", "ondemand"))
 PAPER = {"vPP/vDP": "not found", "vPP-g1/vDP": "not found", "vPP-rr/vDP": "not found",

@@ -238,7 +238,8 @@ class ParallelConfig(_Group):
     placement: str = "contiguous"
     """Under ``parallel="pipeline"``: ``"contiguous"`` stages that balance the predicted compute per rank (the fewest
     rank-to-rank transfers), or ``"round_robin"`` (pack p on rank p mod N, the Harmony paper's: every pack boundary
-    crosses ranks, and consecutive packs run on different ranks at once)."""
+    crosses ranks, and consecutive packs run on different ranks at once), or ``"layers"`` (contiguous stages that
+    balance the compute layer by layer, cutting the packs where a stage ends: best with a small ``pipeline_group``)."""
     pipeline_group: int | None = None
     """Under ``parallel="pipeline"`` (policy "harmony"): how many microbatches go through a rank's packs together
     (default all: each pack swapped in once per forward and once per backward). Fewer let the next rank start
@@ -263,7 +264,7 @@ class ParallelConfig(_Group):
                               f"microbatches) or a sample count)")
         self.comm_timeout = env.check("comm_timeout", self.comm_timeout)
         _choice("parallel", self.parallel, (None, "data", "pipeline"))
-        _choice("placement", self.placement, ("contiguous", "round_robin"))
+        _choice("placement", self.placement, ("contiguous", "layers", "round_robin"))
         group = self.pipeline_group
         if group is not None and (isinstance(group, bool) or not isinstance(group, int) or group < 1
                                   or self.parallel != "pipeline"):

@@ -31,7 +31,7 @@ from harmony.runtime.pipeline import Stages
 NAME = "stage"
 REQUIRES = {"packs"}
 PROVIDES = {"stages"}
-PLACEMENTS = ("contiguous", "round_robin")
+PLACEMENTS = ("contiguous", "layers", "round_robin")
 
 
 def check_config(cfg) -> None:
@@ -66,7 +66,7 @@ def _cuts(program: Program, units) -> list[tuple[int, int]]:
 
 def enough_packs(program: Program, world: int) -> list[str]:
     """Cut the largest packs until there are ``world``; returns notes of the cuts made."""
-    from harmony.passes.partition import build_packs, find_units, measure_kept
+    from harmony.passes.partition import find_units
     plan = program.plan
     if len(plan.packs) >= world:
         return []
@@ -82,12 +82,48 @@ def enough_packs(program: Program, world: int) -> list[str]:
         b, e = cuts[i]
         k = min(range(b + 1, e), key=lambda k: abs(sum(flops[b:k]) - sum(flops[k:e])))
         cuts[i:i + 1] = [(b, k), (k, e)]
+    _rebuild(program, cuts, units)
+    return [f"the partition made {len(plan.packs)} packs for {world} ranks: the largest were cut at layer "
+            f"boundaries into {len(cuts)}"]
+
+
+def balanced_stages(program: Program, world: int) -> list[str]:
+    """``placement="layers"``: cut packs where the best contiguous stages over the layers (not the packs) end.
+
+    The partition sizes packs for the device's budget, not for the pipeline: stages made of whole packs can be far
+    from equal (two ranks of three packs each may differ by a third). The exact min-max DP over the layers' predicted
+    compute (forward, backward, and the recompute of every pack but the last, as ``pack_seconds``) gives the stage
+    boundaries; a pack that straddles one is cut there (a part of a pack fits wherever the pack did), and placing
+    the packs then finds those stages again. More packs per rank cost pipelining under Harmony's grouping (a rank hands
+a microbatch on after its first packs ran every microbatch): it pays with a small ``pipeline_group``. Returns notes
+of the cuts made."""
+    from harmony.passes.partition import find_units
+    units = find_units(program)
+    cuts = _cuts(program, units)
+    last = cuts[-1][0]
+    cost = [u.fwd_flops * (1 if i >= last else 2) + u.bwd_flops for i, u in enumerate(units)]
+    stage_of = contiguous(cost, world)
+
+    def slowest(of, parts):
+        return max(sum(sum(cost[b:e]) for (b, e), r in zip(parts, of) if r == k) for k in range(world))
+    singles = [(i, i + 1) for i in range(len(units))]
+    if slowest(stage_of, singles) >= 0.99 * slowest(contiguous([sum(cost[b:e]) for b, e in cuts], world), cuts):
+        return []         # whole packs balance as well: no cut buys anything
+    starts = sorted({b for b, _ in cuts} | {i for i in range(1, len(units)) if stage_of[i] != stage_of[i - 1]})
+    finer = list(zip(starts, starts[1:] + [len(units)]))
+    before = len(cuts)
+    _rebuild(program, finer, units)
+    return [f"packs cut where the best contiguous stages over the layers end: {before} packs became {len(finer)}, "
+            f"so that the stages balance the predicted compute layer by layer, not pack by pack"]
+
+
+def _rebuild(program: Program, cuts, units) -> None:
+    """``program.plan``'s packs become ``cuts`` (runs of ``units``)."""
+    from harmony.passes.partition import build_packs, measure_kept
     specs = build_packs(program, cuts, units)
     if program.config.recompute == "auto":
         measure_kept(program, specs)
-    program.plan = dataclasses.replace(plan, packs=specs, residency={})
-    return [f"the partition made {len(plan.packs)} packs for {world} ranks: the largest were cut at layer "
-            f"boundaries into {len(specs)}"]
+    program.plan = dataclasses.replace(program.plan, packs=specs, residency={})
 
 
 # -- (2) placement -----------------------------------------------------------------------------------
@@ -184,6 +220,8 @@ def run(program: Program, ctx) -> PassResult:
     cfg = program.config
     world = cfg.world_size
     notes = enough_packs(program, world)
+    if cfg.placement == "layers" and ctx is None:
+        notes += balanced_stages(program, world)
     plan = program.plan
     costs = pack_seconds(plan, cfg.flops)
     if ctx is not None:
@@ -207,16 +245,17 @@ def run(program: Program, ctx) -> PassResult:
         lower_bound_s=max(total / world, max(costs)), ideal_speedup=total / worst if worst else 1.0,
         boundary_MiB_per_microbatch=crossing / 2**20, seconds=time.perf_counter() - start))
     report.notes += notes + [
-        f"placement {cfg.placement!r}: " + ("contiguous stages by an exact DP minimising the largest rank's "
+        f"placement {cfg.placement!r}: " + ("pack p on rank p mod N" if cfg.placement == "round_robin" else
+                                            "contiguous stages by an exact DP minimising the largest rank's "
                                             "predicted compute (forward, backward, recompute)"
-                                            if cfg.placement == "contiguous" else "pack p on rank p mod N"),
+                                            + (" over the layers" if cfg.placement == "layers" else "")),
         f"microbatches go through a rank's packs in groups of {cfg.pipeline_group or plan.microbatches} "
         f"(pipeline_group): the next rank starts on a group once this rank's packs ran it",
         f"each microbatch's boundary values cross ranks forward and their gradients back: "
         f"{2 * plan.microbatches * crossing / 2**20:.3f} MiB per step in all; every rank is given the whole batch",
         "each rank holds, steps and saves only its packs' fp32 weights and optimizer state: one copy on the node; "
         + ("contiguous stages never move a pack between devices, so no shared host copy is needed"
-           if cfg.placement == "contiguous" else "packs stay on their ranks, so no shared host copy is needed")]
+           if cfg.placement != "round_robin" else "packs stay on their ranks, so no shared host copy is needed")]
     return PassResult(program, report)
 
 

@@ -30,8 +30,8 @@ RUNS = {"gpt": ("gpt", 0.5, "contiguous"), "gpt_tight": ("gpt", 0.3, "round_robi
         "gpt_bf16": ("gpt", 0.5, "contiguous", dict(precision="bf16")),
         # each rank's packs' weights and optimizer state in files between steps
         "gpt_disk": ("gpt", 0.5, "contiguous", dict(weights_on="disk")),
-        # one microbatch at a time through a rank's packs: handed on to the next rank after each
-        "gpt_group1": ("gpt", 0.2, "contiguous", dict(pipeline_group=1))}
+        # stages balanced over the layers; one microbatch at a time through a rank's packs, handed on after each
+        "gpt_group1": ("gpt", 0.2, "layers", dict(pipeline_group=1))}
 
 
 def _data(case):
@@ -280,6 +280,7 @@ def test_one_process_is_refused():
         harmony.Config(parallel="pipe")
     with pytest.raises(ConfigError, match="placement"):
         harmony.Config(placement="zigzag")
+    assert harmony.Config(placement="layers").placement == "layers"
     for group, parallel in ((0, "pipeline"), (True, "pipeline"), (2.0, "pipeline"), (2, None)):
         with pytest.raises(ConfigError, match=f"pipeline_group={group!r}"):
             harmony.Config(pipeline_group=group, parallel=parallel)

@@ -161,3 +161,30 @@ def test_the_node_report_and_timeline_have_a_row_per_device(planned):
 def test_too_few_devices_is_refused(planned):
     with pytest.raises(ConfigError, match="a device per rank"):
         simulate_programs(planned, Hardware.preset("gtx1080ti"))
+
+
+def test_layers_placement_balances_stages_layer_by_layer_and_a_group_of_one_pipelines_them():
+    """placement="layers" cuts packs where the best stages over the layers end: its slowest rank's predicted compute
+    is below contiguous's (whole packs); with pipeline_group=1 the node's simulated step is shorter than with
+    Harmony's grouping, where a rank hands a microbatch on only after its first packs ran all of them (with packs
+    that stay on the device; where they swap, a group of one swaps them per microbatch and is slower)."""
+    cfg = GPTConfig(layers=5, width=128, heads=4, vocab=256, seq=64, tie=False)
+    torch.manual_seed(0)
+    model, batch = GPT(cfg), next(iter(copy_task(cfg, 8, 1, seed=0)))
+    kw = dict(memory_budget=int(0.8 * 16 * sum(p.numel() for p in model.parameters())), microbatches=MICROBATCHES,
+              device="cpu")
+
+    def stage(programs):
+        return next(r for r in programs[0].reports if r.title.startswith("stage"))
+
+    whole = plan_node(model, batch, _node(), **kw)
+    layers = plan_node(model, batch, _node(), placement="layers", **kw)
+    grouped = plan_node(model, batch, _node(), placement="layers", pipeline_group=1, **kw)
+    assert stage(layers).totals["max_rank_compute_s"] < stage(whole).totals["max_rank_compute_s"]
+    assert sum(len(p.plan.packs) for p in layers) > sum(len(p.plan.packs) for p in whole)
+    assert any("packs cut where the best contiguous stages" in n for n in stage(layers).notes)
+    assert stage(grouped).totals["group"] == 1 and stage(layers).totals["group"] == MICROBATCHES
+    assert simulate_programs(grouped, _node()).step_seconds < simulate_programs(layers, _node()).step_seconds
+    again = plan_node(model, batch, _node(), placement="layers", memory_budget=kw["memory_budget"] * 3 // 4,
+                      microbatches=MICROBATCHES, device="cpu")        # whole packs balance as well: nothing cut
+    assert not any("packs cut" in n for n in stage(again).notes)
