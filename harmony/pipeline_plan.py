@@ -58,14 +58,14 @@ def plan_node(model: torch.nn.Module, example_batch, hardware, *, world: int | N
                leaf_modules=cfg.leaf_modules, dtype=cfg.compute_dtype)
     fake = cost.annotate(gm, tuple(batch), cfg.microbatch_size, dtype=cfg.compute_dtype)
     profile = cost.optimizer_profile(cfg.optimizer, cfg.optimizer_kwargs)
-    programs = []
+    programs, measured = [], {}     # a pack's measured peaks are the same on every rank: measured once
     for rank in range(world):
         dev = hardware.devices[rank]
         mine = dataclasses.replace(cfg, rank=rank, memory_budget=memory_budget or dev.memory)
         mine.plan_for_device(dev, hardware)
         program = Program(model=model, gm=gm, example_batch=tuple(batch), config=mine,
                           batch_keys=tuple(names) if names else None)
-        program.fake, program.optim_profile = fake, profile
+        program.fake, program.optim_profile, program.pack_measurements = fake, profile, measured
         programs.append(api.run_passes(program, passes))
     return programs
 

@@ -94,9 +94,9 @@ def balanced_stages(program: Program, world: int) -> list[str]:
     from equal (two ranks of three packs each may differ by a third). The exact min-max DP over the layers' predicted
     compute (forward, backward, and the recompute of every pack but the last, as ``pack_seconds``) gives the stage
     boundaries; a pack that straddles one is cut there (a part of a pack fits wherever the pack did), and placing
-    the packs then finds those stages again. More packs per rank cost pipelining under Harmony's grouping (a rank hands
-a microbatch on after its first packs ran every microbatch): it pays with a small ``pipeline_group``. Returns notes
-of the cuts made."""
+    the packs then finds those stages again. More packs per rank cost pipelining under Harmony's grouping (a rank
+    hands a microbatch on after its first packs ran every microbatch): it pays with a small ``pipeline_group``.
+    Returns notes of the cuts made."""
     from harmony.passes.partition import find_units
     units = find_units(program)
     cuts = _cuts(program, units)

@@ -64,7 +64,7 @@ def _refusal(t, use: str) -> OffloadError:
                         f"sm.state_dict() / harmony.save, which read them where they are")
 
 
-def _guarded(cls, func, args, kwargs):
+def _guarded(func, args, kwargs):
     name = getattr(func, "__name__", "")
     prop = name in ("__get__", "__set__")
     if not prop and name not in _DESCRIBE:
@@ -72,7 +72,8 @@ def _guarded(cls, func, args, kwargs):
         raise _refusal(withheld, f"{name or func}()")
     with torch._C.DisableTorchFunctionSubclass():
         out = func(*args, **(kwargs or {}))
-    if name == "__set__" and func.__self__.__name__ == "data" and not is_placeholder(args[1]):
+    if name == "__set__" and func.__self__.__name__ == "data" and isinstance(args[0], WithheldParameter) \
+            and not is_placeholder(args[1]):
         args[0].__class__ = args[0]._harmony_user[1]      # real weights again: the parameter's own class
     if prop and isinstance(out, torch.Tensor) and is_placeholder(out):
         view = out.as_subclass(_WithheldView)     # .data, .T, ...: still a placeholder, still refuses
@@ -86,7 +87,7 @@ class WithheldParameter(torch.nn.Parameter):
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        return _guarded(cls, func, args, kwargs)
+        return _guarded(func, args, kwargs)
 
     def __repr__(self) -> str:
         name, _, where = self._harmony_user
@@ -105,7 +106,7 @@ class _WithheldView(torch.Tensor):
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        return _guarded(cls, func, args, kwargs)
+        return _guarded(func, args, kwargs)
 
     __repr__ = WithheldParameter.__repr__
     __deepcopy__ = WithheldParameter.__deepcopy__
