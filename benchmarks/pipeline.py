@@ -289,7 +289,9 @@ def worker(args) -> None:
     if not kw:       # one rank: every weight and all optimizer state
         held = sum(t.nbytes for t in mine.values()) + sum(v.nbytes for o in sm.optimizers for s in o.state.values()
                                                           for v in s.values() if isinstance(v, torch.Tensor))
-    mine = {n: t.detach().clone() for n, t in mine.items()}
+    # each parameter's digest, not the tensors: gathering every rank's weights on each would hold the model N times
+    mine = {n: hashlib.sha256(t.detach().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+            for n, t in mine.items()}
     me = dict(step_s=statistics.median(times), state=held, rss=sm.stats["peak_rss_bytes"], within=within,
               packs=len(sm.plan.packs), params=mine)
     every = [me]
@@ -298,10 +300,10 @@ def worker(args) -> None:
         dist.all_gather_object(every, me)
     sm.close()
     if not dist.is_initialized() or dist.get_rank() == 0:
-        params = {n: t for r in every for n, t in r["params"].items()}
+        params = {n: d for r in every for n, d in r["params"].items()}
         h = hashlib.sha256()
         for n in sorted(params):
-            h.update(params[n].contiguous().view(torch.uint8).numpy().tobytes())
+            h.update(f"{n}:{params[n]};".encode())
         Path(args.worker).write_text(json.dumps(dict(
             step_s=max(r["step_s"] for r in every), state=[r["state"] for r in every], rss=[r["rss"] for r in every],
             within=all(r["within"] for r in every), packs=[r["packs"] for r in every], digest=h.hexdigest())))
