@@ -229,7 +229,6 @@ def test_two_ranks_train_bitwise_as_eager_within_their_budgets(two):
     assert "round_robin" in two[0]["gpt_tight"]["text"]
 
 
-@pytest.mark.slow
 def test_a_rank_hands_each_group_of_microbatches_on_once_its_packs_ran_it(two):
     """pipeline_group=1: rank 0 sends microbatch 0 after one forward of each of its packs (by default, after its
     first packs ran every microbatch: test_grouped_order...), the same bits (_check_training)."""
@@ -240,6 +239,7 @@ def test_a_rank_hands_each_group_of_microbatches_on_once_its_packs_ran_it(two):
     assert "in groups of 1" in run["text"] and f"in groups of {MICROBATCHES}" in two[0]["gpt"]["text"]
 
 
+@pytest.mark.slow
 def test_two_ranks_resume_from_their_checkpoints(two):
     for r in (0, 1):
         assert two[r]["resume"]["same"]
