@@ -66,9 +66,10 @@ def main():
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--placement", default="contiguous", help=argparse.SUPPRESS)
-    ap.add_argument("--group", type=int, default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--groups", type=int, nargs="*", default=[1],
-                    help="pipeline_group values run as extra rows, contiguous and layers placement (default: 1)")
+    ap.add_argument("--group", type=_group, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--groups", type=_group, nargs="*", default=[1],
+                    help="pipeline_group values (a number or auto) run as extra rows, contiguous and layers placement "
+                         "(default: 1)")
     ap.add_argument("--simulated", action="store_true", help="part 2 only (the simulated servers)")
     ap.add_argument("--real", action="store_true", help="part 1 only (the real ranks on this machine)")
     ap.add_argument("--quick", action="store_true", help="both parts at a small size (under 2 minutes)")
@@ -89,6 +90,10 @@ def main():
     if not args.real:
         figures.update(simulated_part(args))
     common.save_json(args.json, figures)
+
+
+def _group(value: str):
+    return value if value == "auto" else int(value)
 
 
 def real_part(args) -> dict:

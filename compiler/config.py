@@ -240,11 +240,12 @@ class ParallelConfig(_Group):
     rank-to-rank transfers), or ``"round_robin"`` (pack p on rank p mod N, the Harmony paper's: every pack boundary
     crosses ranks, and consecutive packs run on different ranks at once), or ``"layers"`` (contiguous stages that
     balance the compute layer by layer, cutting the packs where a stage ends: best with a small ``pipeline_group``)."""
-    pipeline_group: int | None = None
+    pipeline_group: int | str | None = None
     """Under ``parallel="pipeline"`` (policy "harmony"): how many microbatches go through a rank's packs together
     (default all: each pack swapped in once per forward and once per backward). Fewer let the next rank start
     sooner (a finer pipeline) at the cost of more swaps of packs that do not stay resident on the device; each
-    pack still accumulates the microbatches in order, so the bits do not change."""
+    pack still accumulates the microbatches in order, so the bits do not change. ``"auto"``: the size (M, M/2,
+    ..., 1) whose node step the simulator predicts shortest, every rank planning the whole node for each."""
 
     def __post_init__(self):
         super().__post_init__()
@@ -266,9 +267,9 @@ class ParallelConfig(_Group):
         _choice("parallel", self.parallel, (None, "data", "pipeline"))
         _choice("placement", self.placement, ("contiguous", "layers", "round_robin"))
         group = self.pipeline_group
-        if group is not None and (isinstance(group, bool) or not isinstance(group, int) or group < 1
-                                  or self.parallel != "pipeline"):
-            raise ConfigError(f"pipeline_group={group!r}: give a number of microbatches >= 1, with "
+        if group is not None and (group != "auto" and (isinstance(group, bool) or not isinstance(group, int)
+                                                       or group < 1) or self.parallel != "pipeline"):
+            raise ConfigError(f"pipeline_group={group!r}: give a number of microbatches >= 1 or 'auto', with "
                               f"parallel='pipeline' (it orders a pipeline rank's packs), or leave it None")
 
 
@@ -451,6 +452,8 @@ class CompileConfig(Config):
     speed_factor: float = 1.0          # emulation: the runtime stretches compute ops' time by this (>= 1)
     state_owner: dict | None = None    # param -> the rank that steps it and keeps its optimizer state (sharded
                                        # optimizer state, runtime/shard.py); None: every rank steps every param
+    offline: bool = False              # planned in this process for another rank or a choice: meets no rank
+    group_predicted: dict | None = None   # pipeline_group="auto": each candidate's predicted node step (s)
 
     def __post_init__(self):
         pass

@@ -208,7 +208,8 @@ def _run_passes(program: Program, passes) -> Program:
     """``run_passes``; a rank that fails before the compress pass tells the others, which would wait for it there."""
     cfg, names = program.config, split_choices(passes)[0]
     if cfg.parallel == "pipeline" and "stage" in names:   # the ranks meet in the stage pass and once compiled
-        return _run_pipeline_passes(program, passes)
+        from harmony.pipeline import run_pipeline_passes
+        return run_pipeline_passes(program, passes)
     try:
         return run_passes(program, passes)
     except HarmonyError as e:
@@ -218,19 +219,6 @@ def _run_passes(program: Program, passes) -> Program:
             from harmony.passes.compress import report_failure
             report_failure(f"{type(e).__name__}: {str(e).splitlines()[0]}")
         raise
-
-
-def _run_pipeline_passes(program: Program, passes) -> Program:
-    """``run_passes`` for a pipeline rank: a rank that fails tells the others where they wait for it (the stage
-    pass's agreement on the plan, or the meeting once every rank has compiled), so none waits for its timeout."""
-    from harmony.passes.compress import check_same_plan, report_failure
-    try:
-        program = run_passes(program, passes)
-    except HarmonyError as e:
-        report_failure(f"{type(e).__name__}: {str(e).splitlines()[0]}")
-        raise
-    check_same_plan("compiled")
-    return program
 
 
 def _device_of(hardware):

@@ -57,3 +57,22 @@ def state_bytes(sm) -> dict:
     weights = sum(size(t.data) for t in state.tensors.values())
     optim = sum(size(v) for opt in sm.optimizers for st in opt.state.values() for v in st.values())
     return dict(state_weight_bytes=weights, state_optim_bytes=optim)
+
+
+def run_pipeline_passes(program, passes):
+    """``run_passes`` for a pipeline rank: ``pipeline_group="auto"`` chosen first (harmony/pipeline_plan.py); a rank
+    that fails tells the others where they wait for it (the stage pass's agreement on the plan, or the meeting once
+    every rank has compiled), so none waits for its timeout."""
+    from harmony.base.errors import HarmonyError
+    from harmony.compiler.passmanager import run_passes
+    from harmony.passes.compress import check_same_plan, report_failure
+    try:
+        if program.config.pipeline_group == "auto":
+            from harmony.pipeline_plan import choose_group
+            program.config.pipeline_group, program.config.group_predicted = choose_group(program, passes)
+        program = run_passes(program, passes)
+    except HarmonyError as e:
+        report_failure(f"{type(e).__name__}: {str(e).splitlines()[0]}")
+        raise
+    check_same_plan("compiled")
+    return program

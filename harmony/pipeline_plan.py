@@ -44,6 +44,9 @@ def plan_node(model: torch.nn.Module, example_batch, hardware, *, world: int | N
         raise ConfigError("plan_node plans a pipeline: drop parallel=, or use harmony.compile for one device")
     options.setdefault("device", "meta")
     group = options.pop("pipeline_group", None)     # checked with parallel='pipeline' below
+    if group == "auto":
+        raise ConfigError("plan_node plans one pipeline_group: give a number (group_candidates(M) lists what "
+                          "pipeline_group='auto' weighs on live ranks), and compare their simulate_programs")
     budget = memory_budget or hardware.devices[0].memory
     options = Config.of(config, memory_budget=budget, hardware=hardware, data_parallel=False, **options)
     names, batch = api._batch_items(example_batch)
@@ -84,20 +87,62 @@ def simulate_programs(programs, hardware, replicas: int = 1):
     return simulate_node([r for r in ranks for _ in range(replicas)], hardware)
 
 
-def node_hardware(sm, hardware=None):
-    """The node a pipeline rank's ``sm.simulate`` simulates: ``hardware`` (a ``Hardware``, a server preset of
-    ``Hardware.node`` or a GPU preset, one per rank), or None: this machine as one logical device per rank under
-    the module's budget and speed factor."""
+def node_hardware(cfg, hardware=None):
+    """The node a pipeline rank simulates (``sm.simulate``, ``pipeline_group="auto"``): ``hardware`` (a
+    ``Hardware``, one device per rank, or one device every rank is alike; a server preset of ``Hardware.node`` or a
+    GPU preset), or None: this machine as one logical device per rank under the rank's budget and speed factor."""
     from harmony.compiler.hardware import Hardware
     from harmony.compiler.nodes import NODES
-    cfg = sm.program.config
     world = cfg.world_size
     if hardware is None:
         return Hardware.this_machine(cache_dir=cfg.cache_dir).logical([cfg.memory_budget] * world,
                                                                       [cfg.speed_factor] * world)
     if isinstance(hardware, str):
         return Hardware.node(hardware) if hardware in NODES else Hardware.preset(hardware, count=world)
+    if len(hardware.devices) < world:        # one device given for the rank: every rank's alike
+        return hardware.replace(devices=tuple(hardware.devices[0] for _ in range(world)))
     return hardware
+
+
+def group_candidates(microbatches: int) -> list[int]:
+    """The group sizes ``pipeline_group="auto"`` weighs: M, then halving (rounded up) down to 1."""
+    out = [microbatches]
+    while out[-1] > 1:
+        out.append(-(-out[-1] // 2))
+    return out
+
+
+def choose_group(program, passes) -> tuple[int, dict]:
+    """``pipeline_group="auto"``: the group size whose node step the simulator predicts shortest (ties: the larger,
+    fewer swaps), with each candidate's predicted step (None where a rank's plan failed).
+
+    Every rank plans the whole node for each candidate from the same trace (offline: nothing is sent) and
+    simulates it, so all ranks choose alike; the stage pass then checks that they did. Its cost is the planning of
+    every rank once per candidate."""
+    from harmony.base.errors import HarmonyError
+    from harmony.compiler.ir import Program
+    from harmony.compiler.passmanager import run_passes
+    cfg = program.config
+    hw = node_hardware(cfg, cfg.hardware)
+    predicted: dict = {}
+    for group in group_candidates(cfg.microbatches):
+        programs = []
+        try:
+            for rank in range(cfg.world_size):
+                p = Program(model=program.model, gm=program.gm, example_batch=program.example_batch,
+                            config=dataclasses.replace(cfg, rank=rank, pipeline_group=group, offline=True),
+                            batch_keys=program.batch_keys)
+                p.fake, p.optim_profile = program.fake, program.optim_profile
+                p.pack_measurements = program.pack_measurements
+                programs.append(run_passes(p, passes))
+        except HarmonyError:
+            predicted[group] = None
+            continue
+        predicted[group] = simulate_programs(programs, hw).step_seconds
+    feasible = [g for g, t in predicted.items() if t is not None]
+    if not feasible:
+        return cfg.microbatches, predicted          # the real planning then says why
+    return min(feasible, key=lambda g: (predicted[g], -g)), predicted
 
 
 def simulate_rank_node(sm, hardware=None):
@@ -105,8 +150,8 @@ def simulate_rank_node(sm, hardware=None):
     other rank's planned here from the same trace (its passes with its rank number; nothing is sent), all simulated
     together. The result is kept as ``sm.node_simulation``, which ``sm.report()`` shows, a row per device."""
     from harmony.compiler.ir import Program
-    hw = node_hardware(sm, hardware)
     mine, cfg = sm.program, sm.program.config
+    hw = node_hardware(cfg, hardware)
     programs = []
     for rank in range(cfg.world_size):
         if rank == cfg.rank:
@@ -115,6 +160,7 @@ def simulate_rank_node(sm, hardware=None):
         program = Program(model=mine.model, gm=mine.gm, example_batch=mine.example_batch,
                           config=dataclasses.replace(cfg, rank=rank), batch_keys=mine.batch_keys)
         program.fake, program.optim_profile = mine.fake, mine.optim_profile
+        program.pack_measurements = mine.pack_measurements     # measured once for every rank
         from harmony.compiler.passmanager import run_passes
         programs.append(run_passes(program, cfg.passes))
     sm.node_simulation = simulate_programs(programs, hw)

@@ -250,7 +250,10 @@ def run(program: Program, ctx) -> PassResult:
                                             "predicted compute (forward, backward, recompute)"
                                             + (" over the layers" if cfg.placement == "layers" else "")),
         f"microbatches go through a rank's packs in groups of {cfg.pipeline_group or plan.microbatches} "
-        f"(pipeline_group): the next rank starts on a group once this rank's packs ran it",
+        f"(pipeline_group): the next rank starts on a group once this rank's packs ran it"
+        + ("" if not getattr(cfg, "group_predicted", None) else "; chosen by pipeline_group='auto' from the node's "
+           "simulated step per group size: " + ", ".join(f"{g}: {'does not fit' if t is None else f'{t:.4g} s'}"
+                                                        for g, t in cfg.group_predicted.items())),
         f"each microbatch's boundary values cross ranks forward and their gradients back: "
         f"{2 * plan.microbatches * crossing / 2**20:.3f} MiB per step in all; every rank is given the whole batch",
         "each rank holds, steps and saves only its packs' fp32 weights and optimizer state: one copy on the node; "
@@ -262,8 +265,8 @@ def run(program: Program, ctx) -> PassResult:
 def _live(cfg) -> bool:
     """Whether this plan is for a rank of the live process group (not one planned by harmony/pipeline_plan.py)."""
     import torch.distributed as dist
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() == cfg.world_size \
-        and dist.get_rank() == cfg.rank
+    return not getattr(cfg, "offline", False) and dist.is_available() and dist.is_initialized() \
+        and dist.get_world_size() == cfg.world_size and dist.get_rank() == cfg.rank
 
 
 def _bytes(v) -> int:

@@ -31,7 +31,9 @@ RUNS = {"gpt": ("gpt", 0.5, "contiguous"), "gpt_tight": ("gpt", 0.3, "round_robi
         # each rank's packs' weights and optimizer state in files between steps
         "gpt_disk": ("gpt", 0.5, "contiguous", dict(weights_on="disk")),
         # stages balanced over the layers; one microbatch at a time through a rank's packs, handed on after each
-        "gpt_group1": ("gpt", 0.2, "layers", dict(pipeline_group=1))}
+        "gpt_group1": ("gpt", 0.2, "layers", dict(pipeline_group=1)),
+        # the group size the node's simulation predicts fastest, the same on every rank (the stage pass checks)
+        "gpt_auto": ("gpt", 0.2, "layers", dict(pipeline_group="auto"))}
 
 
 def _data(case):
@@ -237,6 +239,8 @@ def test_a_rank_hands_each_group_of_microbatches_on_once_its_packs_ran_it(two):
     first = ops[:ops.index("send")].count("forward")
     assert len(run["packs"]) > 1 and first == len(run["packs"]), (first, run["packs"])
     assert "in groups of 1" in run["text"] and f"in groups of {MICROBATCHES}" in two[0]["gpt"]["text"]
+    auto = [two[r]["gpt_auto"]["text"] for r in (0, 1)]
+    assert all("chosen by pipeline_group='auto'" in t and "4: " in t and "1: " in t for t in auto)
 
 
 @pytest.mark.slow

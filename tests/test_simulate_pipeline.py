@@ -188,3 +188,27 @@ def test_layers_placement_balances_stages_layer_by_layer_and_a_group_of_one_pipe
     again = plan_node(model, batch, _node(), placement="layers", memory_budget=kw["memory_budget"] * 3 // 4,
                       microbatches=MICROBATCHES, device="cpu")        # whole packs balance as well: nothing cut
     assert not any("packs cut" in n for n in stage(again).notes)
+
+
+def test_auto_group_is_the_candidate_whose_simulated_node_step_is_shortest():
+    """pipeline_group="auto" (harmony/pipeline_plan.choose_group): every candidate M, M/2, ..., 1 planned for the
+    whole node and simulated, offline; each prediction equals plan_node's for that group, and the choice is the
+    fastest."""
+    from harmony.compiler.ir import Program
+    from harmony.pipeline_plan import choose_group, group_candidates
+    cfg = GPTConfig(layers=5, width=128, heads=4, vocab=256, seq=64, tie=False)
+    torch.manual_seed(0)
+    model, batch = GPT(cfg), next(iter(copy_task(cfg, 8, 1, seed=0)))
+    kw = dict(memory_budget=int(0.8 * 16 * sum(p.numel() for p in model.parameters())), microbatches=MICROBATCHES,
+              device="cpu", placement="layers")
+    first = plan_node(model, batch, _node(), **kw)[0]
+    probe = Program(model=model, gm=first.gm, example_batch=first.example_batch, config=first.config)
+    probe.fake, probe.optim_profile = first.fake, first.optim_profile
+    best, predicted = choose_group(probe, first.config.passes)
+    assert group_candidates(MICROBATCHES) == list(predicted) == [4, 2, 1]
+    for group, step in predicted.items():
+        assert step == simulate_programs(plan_node(model, batch, _node(), pipeline_group=group, **kw),
+                                         _node()).step_seconds
+    assert predicted[best] == min(predicted.values()) and best == 1
+    with pytest.raises(ConfigError, match="plan_node plans one pipeline_group"):
+        plan_node(model, batch, _node(), pipeline_group="auto", **kw)
