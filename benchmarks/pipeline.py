@@ -109,7 +109,8 @@ def real_part(args) -> dict:
     one = runs["1 rank"]
     rows = []
     for name, r in runs.items():
-        rows.append(dict(run=name, packs=" ".join(str(p) for p in r["packs"]), step_s=r["step_s"],
+        rows.append(dict(run=name, packs=" ".join(str(p) for p in r["packs"]), group=r.get("group", ""),
+                         step_s=r["step_s"],
                          samples_per_s=args.batch / r["step_s"], vs_one_rank=one["step_s"] / r["step_s"],
                          state_MiB=" ".join(f"{b / 2**20:.1f}" for b in r["state"]),
                          node_state_MiB=sum(r["state"]) / 2**20,
@@ -298,7 +299,8 @@ def worker(args) -> None:
     mine = {n: hashlib.sha256(t.detach().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
             for n, t in mine.items()}
     me = dict(step_s=statistics.median(times), state=held, rss=sm.stats["peak_rss_bytes"], within=within,
-              packs=len(sm.plan.packs), params=mine)
+              packs=len(sm.plan.packs), params=mine,
+              group=next((r.totals["group"] for r in sm.program.reports if r.title.startswith("stage")), ""))
     every = [me]
     if dist.is_initialized():
         every = [None] * dist.get_world_size()
@@ -311,7 +313,8 @@ def worker(args) -> None:
             h.update(f"{n}:{params[n]};".encode())
         Path(args.worker).write_text(json.dumps(dict(
             step_s=max(r["step_s"] for r in every), state=[r["state"] for r in every], rss=[r["rss"] for r in every],
-            within=all(r["within"] for r in every), packs=[r["packs"] for r in every], digest=h.hexdigest())))
+            within=all(r["within"] for r in every), packs=[r["packs"] for r in every], digest=h.hexdigest(),
+            group=every[0]["group"])))
 
 
 if __name__ == "__main__":
