@@ -117,8 +117,10 @@ def choose_group(program, passes) -> tuple[int, dict]:
     fewer swaps), with each candidate's predicted step (None where a rank's plan failed).
 
     Every rank plans the whole node for each candidate from the same trace (offline: nothing is sent) and
-    simulates it, so all ranks choose alike; the stage pass then checks that they did. Its cost is the planning of
-    every rank once per candidate."""
+    simulates it, so all ranks choose alike; the stage pass then checks that they did. Each rank takes every other
+    rank's device and budget to be its own (as ``sm.simulate`` does): ranks with different budgets may choose
+    differently, and the stage pass then refuses the plan on every rank. Its cost is the planning of every rank
+    once per candidate."""
     from harmony.base.errors import HarmonyError
     from harmony.compiler.ir import Program
     from harmony.compiler.passmanager import run_passes
