@@ -104,6 +104,17 @@ def node_hardware(cfg, hardware=None):
     return hardware
 
 
+def another_rank(program, config):
+    """A program to plan under ``config`` (another rank's) from ``program``'s trace, its fake run, its optimizer's
+    profile and its table of measured packs (a pack measures the same on every rank: measured once)."""
+    from harmony.compiler.ir import Program
+    other = Program(model=program.model, gm=program.gm, example_batch=program.example_batch, config=config,
+                    batch_keys=program.batch_keys)
+    other.fake, other.optim_profile = program.fake, program.optim_profile
+    other.pack_measurements = program.pack_measurements
+    return other
+
+
 def group_candidates(microbatches: int) -> list[int]:
     """The group sizes ``pipeline_group="auto"`` weighs: M, then halving (rounded up) down to 1."""
     out = [microbatches]
@@ -122,7 +133,6 @@ def choose_group(program, passes) -> tuple[int, dict]:
     differently, and the stage pass then refuses the plan on every rank. Its cost is the planning of every rank
     once per candidate."""
     from harmony.base.errors import HarmonyError
-    from harmony.compiler.ir import Program
     from harmony.compiler.passmanager import run_passes
     cfg = program.config
     hw = node_hardware(cfg, cfg.hardware)
@@ -131,12 +141,8 @@ def choose_group(program, passes) -> tuple[int, dict]:
         programs = []
         try:
             for rank in range(cfg.world_size):
-                p = Program(model=program.model, gm=program.gm, example_batch=program.example_batch,
-                            config=dataclasses.replace(cfg, rank=rank, pipeline_group=group, offline=True),
-                            batch_keys=program.batch_keys)
-                p.fake, p.optim_profile = program.fake, program.optim_profile
-                p.pack_measurements = program.pack_measurements
-                programs.append(run_passes(p, passes))
+                config = dataclasses.replace(cfg, rank=rank, pipeline_group=group, offline=True)
+                programs.append(run_passes(another_rank(program, config), passes))
         except HarmonyError:
             predicted[group] = None
             continue
@@ -151,19 +157,11 @@ def simulate_rank_node(sm, hardware=None):
     """A pipeline rank's whole node simulated (``sm.simulate()`` of a rank): this rank's program as compiled, every
     other rank's planned here from the same trace (its passes with its rank number; nothing is sent), all simulated
     together. The result is kept as ``sm.node_simulation``, which ``sm.report()`` shows, a row per device."""
-    from harmony.compiler.ir import Program
+    from harmony.compiler.passmanager import run_passes
     mine, cfg = sm.program, sm.program.config
     hw = node_hardware(cfg, hardware)
-    programs = []
-    for rank in range(cfg.world_size):
-        if rank == cfg.rank:
-            programs.append(mine)
-            continue
-        program = Program(model=mine.model, gm=mine.gm, example_batch=mine.example_batch,
-                          config=dataclasses.replace(cfg, rank=rank), batch_keys=mine.batch_keys)
-        program.fake, program.optim_profile = mine.fake, mine.optim_profile
-        program.pack_measurements = mine.pack_measurements     # measured once for every rank
-        from harmony.compiler.passmanager import run_passes
-        programs.append(run_passes(program, cfg.passes))
+    programs = [mine if rank == cfg.rank else run_passes(another_rank(mine, dataclasses.replace(cfg, rank=rank)),
+                                                         cfg.passes)
+                for rank in range(cfg.world_size)]
     sm.node_simulation = simulate_programs(programs, hw)
     return sm.node_simulation

@@ -286,16 +286,16 @@ def place_state(program: Program) -> tuple[set[int], set[int], dict]:
         # partitioned: every pack's whole gradients reach the host for its reduce-scatter, and its gathers assemble
         # its whole weights there
         host_held = [b for p, b in held.items() if world > 1 or p not in whole]
-        grads = (sum(host_held) if holds_every_gradient(cfg) else 2 * max(host_held, default=0)) + \
-            max((group_grads[p] for p in whole), default=0)
-        if world > 1:   # two packs' whole gradients in flight; fp16 and clipping keep every pack's fp32 chunk
-            grads = 2 * max(host_held, default=0) + (sum(chunk_grads.values()) if holds_every_gradient(cfg) else 0)
         host_optim = sum(b for p, b in optim.items() if p not in disk and p not in whole)
-        staging = 2 * max((optim[p] for p in disk), default=0) + 3 * max((file_bytes[p] for p in whole), default=0)
-        if world > 1:      # a file is the share's weights and state: one stepping, one read ahead (by the pack's
-            # last gather, which may come before the write of the file stepped before is done), one being written
+        if world > 1:      # two packs' whole gradients in flight; fp16 and clipping keep every pack's fp32 chunk;
+            # a file (the share's weights and state) stepping, one read ahead by a pack's last gather, one written
+            grads = 2 * max(host_held, default=0) + (sum(chunk_grads.values()) if holds_every_gradient(cfg) else 0)
             staging = 3 * max([optim[p] for p in disk] + [owned[p] + optim[p] for p in whole], default=0) + \
                 max((s.param_bytes for s in plan.packs), default=0)
+        else:
+            grads = (sum(host_held) if holds_every_gradient(cfg) else 2 * max(host_held, default=0)) + \
+                max((group_grads[p] for p in whole), default=0)
+            staging = 2 * max((optim[p] for p in disk), default=0) + 3 * max((file_bytes[p] for p in whole), default=0)
         return dict(masters=masters, grads=grads, host_optim=host_optim, staging=int(staging),
                     planned=int(masters + grads + host_optim + staging))
 

@@ -43,17 +43,21 @@ def withhold(t: torch.Tensor) -> None:
 def point(t: torch.Tensor, data: torch.Tensor) -> None:
     """``t.data = data``; a parameter of the user's model that now holds a placeholder refuses to be read."""
     t.data = data
-    if getattr(t, "_harmony_user", None) is not None and not isinstance(t, WithheldParameter) \
-            and is_placeholder(data):
-        t.__class__ = WithheldParameter
+    _withhold_if_placeholder(t, data)
 
 
 def mark(name: str, p: torch.nn.Parameter, where: str) -> None:
     """``p`` is the user's parameter ``name``, which holds a placeholder whenever its weights are ``where``."""
     if getattr(p, "_harmony_user", None) is None:
         p._harmony_user = (name, type(p), where)
-    if is_placeholder(p.data) and not isinstance(p, WithheldParameter):
-        p.__class__ = WithheldParameter
+    _withhold_if_placeholder(p, p.data)
+
+
+def _withhold_if_placeholder(t: torch.Tensor, data: torch.Tensor) -> None:
+    """A marked parameter of the user's model whose ``data`` is a placeholder becomes a ``WithheldParameter``."""
+    if getattr(t, "_harmony_user", None) is not None and not isinstance(t, WithheldParameter) \
+            and is_placeholder(data):
+        t.__class__ = WithheldParameter
 
 
 def _refusal(t, use: str) -> OffloadError:
