@@ -154,6 +154,9 @@ class LiveState:
     def write_tensor(self, name: str, value: torch.Tensor) -> None:
         """Copy into the tensor the runtime reads, and into its host master if that is another copy."""
         t = self.tensors[name]
+        carry = getattr(getattr(self.tiers, "shares", None), "carry", None)
+        if carry is not None:      # weights carried on the device across the step are the old ones now
+            carry.drop()
         if self.pdisk is not None and self.pdisk.holds(name):   # its file is written with its state (write_optims)
             self._weights.setdefault(self.pdisk.pack_of[name], {})[name] = value
             return

@@ -74,6 +74,9 @@ def build(program: Program, plan) -> tuple[torch.fx.Graph, MemoryCurve, PassRepo
                           f"planner may fill; compile with more microbatches or a memory_budget of about "
                           f"{fmt_bytes(need)}", min_budget=need)
     hoisted = prefetch.run(view, None).report.totals
+    if any(r.shares is not None for r in plan.residency.values()):   # shard_state="full": gathers, as in training
+        from harmony.passes.shard import rewrite
+        view.schedule = rewrite(view.schedule, plan, program.config.world_size)
     curve = memory_curve(view, check_residency=True)
     if curve.missing:     # a planner bug, not the user's: say where
         node, kind, name = curve.missing[0]

@@ -14,7 +14,14 @@ carries the gathers and reduce-scatters) and the report see this rank's share.
 The disk tiers work on the share: under ``host_memory_budget`` (or ``weights_on="disk"``) the offload pass plans this
 rank's bytes, and a pack it places on disk keeps this rank's chunks and their optimizer state in one file of the rank's
 own ``offload_dir`` (runtime/partitioned_disk.py): each gather reads the chunks from it, each step the whole file, so
-N ranks read a pack from N disks, each 1/N of it (ZeRO-Infinity's bandwidth-centric partitioning).
+N ranks read a pack from N disks, each 1/N of it (ZeRO-Infinity's bandwidth-centric partitioning). A pack the swap pass
+carries across its step (``Residency.carried``) keeps its device copy from the backward, its step all-gathers the
+updated chunks into it, and the next forward's ``gather(..., carried=True)`` takes it, reading nothing
+(runtime/partitioned_carry.py); where such a gather is the pack's last before the step, the step's read starts there
+(``reads``: its optimizer state alone, its chunks coming from the carried copy; in mixed precision, whose device
+copy is not the fp32 weights, its whole file). The ranks compare a digest of their gathers and reduce-scatters, so ranks
+that planned different swaps fail at compile time, not in a collective that never matches. ``rewrite`` serves the
+evaluation schedule too (passes/eval_schedule.py).
 
 Clipping by the global norm (``clip_grad_norm``) works: each rank has the whole averaged buffer for a moment in the
 reduce-scatter (runtime/partitioned.py), takes every gradient's norm there, and the norm of those norms is the
@@ -120,7 +127,8 @@ def run(program: Program, ctx) -> PassResult:
         record.shares = partitioned.layout([[(n, numel[n]) for n in g] for g in groups], world, rank, which,
                                            specs=specs)
         _count_share(program, plan.packs[p], record.shares, dict(named))
-    program.schedule = rewrite(program.schedule, plan, world)
+    program.schedule = rewrite(program.schedule, plan, world, fp32=cfg.compute_dtype is None)
+    _check_same_collectives(program.schedule)
     if partitioned.step_stats not in program.step_hooks:
         program.step_hooks.append(partitioned.step_stats)
     report.rows, report.totals = _rows(program, owned), _totals(program, owned)
@@ -150,9 +158,11 @@ def _count_share(program, spec, shares, tensors: dict) -> None:
     spec.optim_bytes = sum(optim_state_bytes(program.optim_profile, size * (q.end - q.start)) for q in shares.pieces)
 
 
-def rewrite(graph, plan, world: int):
+def rewrite(graph, plan, world: int, fp32: bool = True):
     """A copy of ``graph``: a partitioned pack's weights swap in by ``gather``, its gradients go by
-    ``reduce_scatter`` instead of the all-reduce."""
+    ``reduce_scatter`` instead of the all-reduce. A carried gather that is its pack's last before the step starts
+    the step's read there (``reads``): of the optimizer state alone where the device copy holds the fp32 weights
+    (``fp32``: the step takes this rank's chunks from it), else of the whole file."""
     graph = copy_graph(graph)
     k = 0
     for n in calls(graph):
@@ -168,7 +178,31 @@ def rewrite(graph, plan, world: int):
         elif n.target is ops.allreduce and plan.at(pack).shares is not None:
             n.target, n.args, n.kwargs = partitioned.reduce_scatter, (pack,), {"world": world}
             n._rename(f"rs{pack}")
+    last = {}
+    for n in calls(graph):
+        if n.target is partitioned.gather:
+            last[n.args[0]] = n
+        elif n.target is ops.step and n.args[0] in last:
+            g = last.pop(n.args[0])
+            if g.kwargs.get("carried"):
+                g.kwargs = {**g.kwargs, "reads": "state" if fp32 else "file"}
     return graph
+
+
+def _check_same_collectives(graph) -> None:
+    """Every rank must gather and reduce-scatter the same packs in the same order, with the same carried copies
+    (runtime/partitioned_carry.py): a digest compared over the ranks, so a difference is named at compile time."""
+    import torch.distributed as dist
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    from harmony.passes.compress import check_same_plan
+    try:
+        check_same_plan(repr([(n.target.__name__, n.args[0], bool(n.kwargs.get("carried"))) for n in calls(graph)
+                              if n.target in (partitioned.gather, partitioned.reduce_scatter)]))
+    except ConfigError as e:
+        raise ConfigError(f"shard_state='full': the ranks planned different gathers of the packs' shares ({e}); "
+                          f"every rank must plan the same packs and swaps: give each the same memory_budget and "
+                          f"host_memory_budget") from None
 
 
 def _rows(program, owned) -> list[dict]:
@@ -216,9 +250,12 @@ def _totals(program, owned) -> dict:
 def _disk_bytes(program, owned) -> tuple[int, int]:
     """This rank's disk bytes read and written per step for its shares on disk (runtime/partitioned_disk.py): each
     pack's file (its chunks where its weights are on disk, and their optimizer state) is written once and read
-    once, by the last gather before the step where the weights are there, and each earlier gather reads the chunks."""
+    once, by the last gather before the step where the weights are there, and each earlier gather reads the chunks,
+    but for one that takes the copy the pack's last step carried (``carried``, not the last one:
+    runtime/partitioned_carry.py)."""
     plan = program.plan
-    gathers = [n.args[0] for n in calls(program.schedule) if n.target is partitioned.gather]
+    gathers = [n.args[0] for n in calls(program.schedule) if n.target is partitioned.gather
+               and (not n.kwargs.get("carried") or n.kwargs.get("reads") == "file")]
     read = written = 0
     for p in owned:
         record, spec = plan.at(p), plan.packs[p]
@@ -226,7 +263,7 @@ def _disk_bytes(program, owned) -> tuple[int, int]:
             continue
         weights = spec.master_bytes if record.master_on == "disk" else 0
         written += weights + spec.optim_bytes
-        read += weights + spec.optim_bytes + weights * max(gathers.count(p) - 1, 0)
+        read += spec.optim_bytes + weights * gathers.count(p)
     return read, written
 
 

@@ -224,6 +224,8 @@ class Runtime:
         run.batch = batch
         state, pd = self.state, self.state.params_disk
         carried = pd.carried() if pd is not None else None
+        shares = state.shares
+        counted = dict(shares.stats) if shares is not None else None   # the next step's figures: not the evaluation's
         rng = torch.get_rng_state(), torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
         moved = dict(state.moved)
         state.moved.clear()
@@ -240,6 +242,10 @@ class Runtime:
         finally:
             if pd is not None:        # a carried group's swap_in took it: the next step's forward takes it again
                 pd.carry_on(carried)
+            if shares is not None:
+                shares.stats.update(counted)
+                if shares.carry is not None:      # partitioned: the copies the evaluation took, for the next step
+                    shares.carry.carry_on()
             torch.set_rng_state(rng[0])
             if rng[1] is not None:
                 torch.cuda.set_rng_state(rng[1], self.device)

@@ -99,9 +99,16 @@ class MemoryModel:
     def carry_in(self, graph) -> None:
         """The weights the last step left on the device for this one (``swap_in(..., carried=True)``): live from
         the start, held until the forward that takes them releases them; nothing moves."""
+        fetches = (swap_in, _gather())
         for n in graph.nodes:
-            if n.op == "call_function" and n.target is swap_in and n.kwargs.get("carried"):
+            if n.op == "call_function" and n.target in fetches and n.kwargs.get("carried"):
                 self.hold("params", carried_names(self.plan, n.args[0]), moves=False)
+
+
+def _gather():
+    """``partitioned.gather`` (a partitioned pack's swap_in), imported late: runtime/partitioned.py registers ops."""
+    from harmony.runtime.partitioned import gather
+    return gather
 
 
 def _needs_nothing(kwargs) -> tuple:
@@ -194,8 +201,13 @@ def moving_names(spec, what: str, held=()) -> list[str]:
 def carried_names(plan, pack: int) -> list[str]:
     """The weights of a wholly-disk pack that its step can leave on the device for the next iteration's forward
     (``Residency.carried``, the graph's ``carry``/``carried``): those of its files on disk. A file kept in host
-    memory (``Residency.in_memory``) is stepped there and copied in for each use, carried or not."""
+    memory (``Residency.in_memory``) is stepped there and copied in for each use, carried or not. A partitioned
+    pack (``shard_state="full"``) whose share is on disk carries the weights it partitions, which its step
+    all-gathers into the device copy (runtime/partitioned.py); before the shard pass has cut the shares (the swap
+    pass), its ``owned`` weights."""
     record = plan.at(pack)
+    if record.master_on == "disk" and not record.disk_groups:     # partitioned: no files of whole weights
+        return record.shares.names() if record.shares is not None else list(plan.packs[pack].owned)
     return [n for i, names in enumerate(record.disk_groups) if i not in record.in_memory for n in names]
 
 

@@ -291,6 +291,8 @@ def _step_host(rt, pack, spec) -> None:
     # (a rank whose chunks of a partitioned pack are empty has no optimizer for it)
     opts = list(dict.fromkeys(rt.state.optimizers[n] for n in spec.stepped if n in rt.state.optimizers))
     disk = getattr(rt.state, "disk", None)   # optimizer state of disk-placed packs (runtime/disk.py)
+    shares = getattr(rt.state, "shares", None)
+    carry = shares.carry if shares is not None and pack in shares.carry_packs else None
 
     def update(skip=False):
         rt.state.unpark(spec.owned)   # gradients that reached the host before their weights (TieredState.parked)
@@ -302,6 +304,8 @@ def _step_host(rt, pack, spec) -> None:
             for opt in opts:
                 if not skip:
                     opt.step()
+            if carry is not None:    # partitioned: the updated chunks into the device copy carried to the forward
+                carry.refill(rt.state.shares, pack)
         except BaseException:
             if disk is not None:
                 disk.abort(pack)

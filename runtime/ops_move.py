@@ -62,6 +62,14 @@ def _wait_execute(rt, handle):
 def _release_execute(rt, pack, what, handoff=False, held=(), carry=False):
     keep = ()
     pd = rt.state.params_disk
+    shares = rt.state.shares
+    if carry and shares is not None and shares.carry is not None and rt.plan.at(pack).shares is not None:
+        # partitioned: the step refills the copies with every rank's updated chunks (runtime/partitioned_carry.py)
+        own = set(rt.plan.at(pack).shares.names())
+        names = moving_names(rt.plan.packs[pack], what, held)
+        shares.carry.hand_over(rt.state, pack, [n for n in names if n in own])
+        rt.state.release(what, [n for n in names if n not in own])
+        return
     if handoff and pd is not None:   # the disk step after it takes this pack's own gradients from the device
         keep = {n for n in rt.plan.packs[pack].owned if pd.holds(n)}
     rt.state.release(what, moving_names(rt.plan.packs[pack], what, held), keep=keep)
@@ -183,7 +191,10 @@ def disk_io(plan, node, hw) -> dict:
         written = (spec.optim_bytes + (weights if whole else 0)) * on_disk
         read = written if record.shares is None else spec.optim_bytes   # a gather reads the chunks (below)
     elif whole and record.shares is not None and node.args[1:2] == ("params",) and node.target.__name__ == "gather":
-        read = spec.master_bytes      # a gather of a partitioned pack on disk reads this rank's chunks
+        # a gather of a partitioned pack on disk reads this rank's chunks; one that takes the copy its last step
+        # carried reads none, unless the step reads its whole file there (``reads``: runtime/partitioned.py)
+        carried = node.kwargs.get("carried") and node.kwargs.get("reads") != "file"
+        read = 0 if carried else spec.master_bytes
     rbw = getattr(hw, "disk_read_bandwidth", 0) or 1e30
     wbw = getattr(hw, "disk_write_bandwidth", 0) or 1e30
     return {"read": read / rbw, "write": written / wbw}

@@ -49,6 +49,7 @@ from harmony.base.errors import HarmonyError
 from harmony.base.units import nbytes
 from harmony.runtime.ops import moving_names, register
 from harmony.runtime.ops_move import disk_io, pack_what, swap_in_effect
+from harmony.runtime.partitioned_carry import Carry
 from harmony.runtime.partitioned_layout import ALIGN, PREFIX, PackShares, Piece, Segment, layout  # noqa: F401
 from harmony.runtime.partitioned_quantized import reduce_scatter_quantized
 from harmony.runtime.placeholders import is_placeholder, withhold
@@ -66,7 +67,7 @@ class Shares:
         self.plan = plan
         self.chunks: dict[tuple[int, int], torch.Tensor] = {}
         self.pieces: dict[int, list[torch.nn.Parameter]] = {}
-        self.stats = {"gather_wire_bytes": 0, "reduce_scatter_wire_bytes": 0}
+        self.stats = {"gather_wire_bytes": 0, "reduce_scatter_wire_bytes": 0, "carried_gathers": 0}
         kw = {"timeout": datetime.timedelta(seconds=timeout)} if timeout else {}
         self.group = dist.new_group(backend="gloo", **kw)   # the copy thread's all-gathers: a group of their own
         self.timeout = timeout
@@ -78,6 +79,9 @@ class Shares:
             for p, record in sorted(plan.residency.items()):
                 if record.shares is not None:
                     self._carve(p, record.shares, tensors)
+        # weights carried on the device across their pack's step (runtime/partitioned_carry.py)
+        self.carry_packs = {p for p, r in plan.residency.items() if r.shares is not None and r.carried}
+        self.carry = Carry() if self.carry_packs else None
 
     def _carve(self, pack: int, shares: PackShares, tensors: dict) -> None:
         """Keep this rank's chunk of each segment, hand its pieces to ``tensors``, and drop the rest."""
@@ -134,14 +138,14 @@ class Shares:
                     .view(t.shape)
         return out
 
-    def gather(self, pack: int, segment: int, mine: torch.Tensor) -> torch.Tensor:
+    def gather(self, pack: int, segment: int, mine: torch.Tensor, group=None) -> torch.Tensor:
         """One segment whole, from every rank's chunk (``mine``: this rank's, from ``load``; a collective of
-        ``self.group``)."""
+        ``group``, by default ``self.group``, the copy thread's)."""
         import torch.distributed as dist
         shares = self.plan.at(pack).shares
         seg = shares.segments[segment]
         out = torch.empty(mine.numel() * shares.world, dtype=mine.dtype)
-        dist.all_gather_into_tensor(out, mine, group=self.group)
+        dist.all_gather_into_tensor(out, mine, group=self.group if group is None else group)
         self.stats["gather_wire_bytes"] += nbytes(mine) * (shares.world - 1)
         c = mine.numel()
         return torch.cat([out[r * c: r * c + seg.share(r)] for r in range(shares.world)])
@@ -179,16 +183,30 @@ def share_params(rt, pack: int) -> list:
 
 
 # -- the ops ---------------------------------------------------------------------------------------
-def gather(pack: int, what: str = "params", held: tuple = ()): ...
+def gather(pack: int, what: str = "params", held: tuple = (), carried: bool = False, reads: str | None = None): ...
 def reduce_scatter(pack: int, *, world: int = 1): ...
 
 
-def _gather_execute(rt, pack, what="params", held=()):
+def _gather_execute(rt, pack, what="params", held=(), carried=False, reads=None):
     """Fresh device copies of the pack's moving weights, filled from the all-gather of every rank's chunks on the
     copy thread (its buffers come in as a swap_in's do); returns the future a ``wait`` joins. A weight another pack
-    partitions (a tied embedding read by the head's pack) is gathered from that pack's chunks."""
+    partitions (a tied embedding read by the head's pack) is gathered from that pack's chunks.
+
+    ``carried``: the copies the pack's last step refilled are taken instead, where every rank has them
+    (runtime/partitioned_carry.py). ``reads``: such a gather is the last before the pack's step, whose read of
+    its file starts here ("state": its optimizer state alone, the chunks coming from the copy; "file": all of it)."""
     st, plan = rt.state, rt.plan
     names = moving_names(plan.packs[pack], "params", held)
+    carry = st.shares.carry
+    if carried and carry is not None:
+        own = set(plan.at(pack).shares.names())
+        if carry.take(st, pack, [n for n in names if n in own]):
+            st.shares.stats["carried_gathers"] += 1
+            if st.shares.tier is not None and not st.shares.in_memory(pack):
+                st.shares.tier.count_gather(pack, rt.graph, reads)
+            names = [n for n in names if n not in own]
+            if not names:
+                return None
     home = homes(plan)
     parts = gathered(plan, pack, held, home)
     first = st.fetch("params", [n for n in names if n not in home])   # buffers: copied from the host
@@ -260,8 +278,13 @@ def _received(plan, parts) -> tuple[int, int]:
     return 4 * sum(plan.at(q).shares.segments[s].chunk for q, s in parts) * (world - 1), world
 
 
-def _gather_cost(plan, hw, pack, what="params", held=()):
-    """Every other rank's chunks of the pack's weights arrive over the network."""
+def _gather_effect(m, pack, what="params", held=(), carried=False, reads=None):
+    return swap_in_effect(m, pack, what, held, carried)
+
+
+def _gather_cost(plan, hw, pack, what="params", held=(), carried=False, reads=None):
+    """Every other rank's chunks of the pack's weights arrive over the network (``carried``: at the end of the
+    pack's last step, on the host thread; counted here, where they would have come)."""
     parts = gathered(plan, pack, held)
     received, world = _received(plan, parts)
     bandwidth, latency = _network(hw)
@@ -336,7 +359,7 @@ def _reduce_scatter_cost(plan, hw, pack, *, world=1):
     return "network", sent / bandwidth + 2 * (world - 1) * latency * len(shares.segments)
 
 
-register(gather, _gather_execute, swap_in_effect, _gather_cost, "copy", colour="#fb6a4a", label=pack_what,
+register(gather, _gather_execute, _gather_effect, _gather_cost, "copy", colour="#fb6a4a", label=pack_what,
          disk_io=disk_io)
 register(reduce_scatter, _reduce_scatter_execute, _reduce_scatter_effect, _reduce_scatter_cost, "copy",
          colour="#ef3b2c")

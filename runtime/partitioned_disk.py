@@ -21,11 +21,12 @@ checkpoints read and write the chunks through ``weights_of`` and ``set_state``, 
 """
 from __future__ import annotations
 
+from concurrent.futures import Future
 from concurrent.futures import wait as wait_all
 
 import torch
 
-from harmony.runtime.disk import DiskStore, layout, step_order, views_of
+from harmony.runtime.disk import ALIGN, DiskStore, layout, step_order, views_of
 from harmony.runtime.disktier import DiskTier
 
 CHUNK = "chunk"      # the key of a chunk's entry in a file's layout (optimizer state keys are the optimizer's)
@@ -47,6 +48,7 @@ class ShareTier(DiskTier):
             self.piece_pack.update(dict.fromkeys(self.names[p], p))
         shares.tier = self
         self._graph, self._gathers, self._expect = None, {}, {}    # gathers since each pack's step (read_chunks)
+        self._fill: dict[int, tuple] = {}    # pack -> (buffer, offset): a read ahead without its chunks (_take)
         for p in sorted(self.weights):       # the chunks go to their files now: the host keeps none of them
             entries = self._head(p)
             self.layouts[p] = [(n, k, tuple(v.shape), v.dtype) for n, k, v in entries]
@@ -119,6 +121,66 @@ class ShareTier(DiskTier):
         return sum(k == CHUNK for _, k, _, _ in self.layouts.get(pack, ()))
 
     # -- the gathers' reads ----------------------------------------------------------------------------
+    def count_gather(self, pack: int, graph, reads: str | None = None) -> None:
+        """A gather of ``pack`` that took its carried copies (runtime/partitioned_carry.py) reads no chunks, but
+        counts as a gather: where it is the last before the step, the step's read of the file starts here, of the
+        optimizer state alone where ``reads`` is "state" (the step takes the chunks from the carried copy)."""
+        with self._lock:
+            kept = self._kept.get(pack)
+        if kept is None and graph is not None and self._last_gather(graph, pack):
+            if reads == "state":
+                self._prefetch_state(pack)
+            else:
+                self.prefetch(pack)
+
+    def _prefetch_state(self, pack: int) -> None:
+        """The step's read ahead of the file's optimizer state, into the buffer of the whole file, from the 4 KiB
+        page holding its first byte; the chunks ahead of it are filled in from the carried copy (``_take``)."""
+        with self._lock:
+            if pack in self._reads or pack in self._kept or not self.layouts.get(pack):
+                return
+            specs = [(s, d) for _, _, s, d in self.layouts[pack]]
+            offsets, total = layout(specs)
+            k = self._chunk_count(pack)
+            at = (offsets[k] if k < len(specs) else total) // ALIGN * ALIGN
+            buf = self.store.buffers.take(total)
+            views = views_of(buf, specs, offsets)
+            if at < total:
+                fut = self.store.read_at(pack, buf[at:], at)
+            else:
+                fut = Future()
+                fut.set_result(None)
+            self._reads[pack] = (fut, views)
+            self._fill[pack] = (buf, at)
+
+    def _take(self, pack: int) -> list[torch.Tensor] | None:
+        views = super()._take(pack)
+        fill = self._fill.pop(pack, None)
+        if views is not None and fill is not None:
+            self._fill_chunks(pack, views[: self._chunk_count(pack)], *fill)
+        return views
+
+    def _fill_chunks(self, pack: int, chunks: list[torch.Tensor], buf: torch.Tensor, at: int) -> None:
+        """This rank's chunks, from the device copy the pack's step will refill (bitwise the file's: the copy was
+        all-gathered from these chunks); read from the file where a copy is missing."""
+        carry = self.shares.carry
+        copies = carry.stepping.get(pack, {}) if carry is not None else {}
+        shares = self.shares.plan.at(pack).shares
+        if any(n not in copies or copies[n].dtype != c.dtype for seg, c in zip(shares.segments, chunks)
+               for n in seg.names):
+            if at:
+                self.store.read_at(pack, buf[:at], 0).result()
+            return
+        r = shares.rank
+        with torch.no_grad():
+            for seg, c in zip(shares.segments, chunks):
+                b0, b1 = seg.bounds[r], seg.bounds[r + 1]
+                c.zero_()
+                for n, off, k in seg.items():
+                    lo, hi = max(off, b0), min(off + k, b1)
+                    if lo < hi:
+                        c[lo - b0: hi - b0].copy_(copies[n].reshape(-1)[lo - off: hi - off])
+
     def read_chunks(self, pack: int, graph=None) -> list[torch.Tensor]:
         """This rank's chunks of ``pack``, read from the front of its file (or its buffer, if its write failed).
 
@@ -160,6 +222,7 @@ class ShareTier(DiskTier):
             return super().set_state(pack, states)
         self.flush()
         old = self._reads.pop(pack, None)
+        self._fill.pop(pack, None)
         if old is not None:
             wait_all([old[0]])
         chunks = [c.clone() for c in self.read_chunks(pack)]

@@ -106,6 +106,10 @@ class Transaction:
         state.parked.clear()
         if getattr(state, "params_disk", None) is not None:
             state.params_disk.parked.clear()
+        if getattr(state, "shares", None) is not None:    # shard_state="full"
+            state.shares.stats.update(dict.fromkeys(state.shares.stats, 0))   # the next step counts its own
+            if state.shares.carry is not None:
+                state.shares.carry.drop()    # copies carried to the next forward: every rank gathers anew
         self._restore_holds()
         rt.rng.clear()
         rt.losses, rt.batch = [], {}

@@ -212,11 +212,28 @@ def carry_across_steps(graph: torch.fx.Graph, packs) -> None:
     with a single visit, or held between its visits, keeps its weights on the device for good (its step still
     writes them to its file)."""
     swaps = param_swaps(graph) if packs else {}
+    stepped = stepped_after_release(graph) if packs else set()
     for pack in packs:
         ins, outs = swaps.get(pack, ([], []))
-        if ins and outs and outs[-1].kwargs.get("handoff"):
+        if ins and outs and (outs[-1].kwargs.get("handoff") or pack in stepped):
             ins[0].kwargs = {**ins[0].kwargs, "carried": True}
             outs[-1].kwargs = {**outs[-1].kwargs, "carry": True}
+
+
+def stepped_after_release(graph: torch.fx.Graph) -> set[int]:
+    """Host-stepped packs whose step follows the last release of their weights with no compute between: where a
+    partitioned pack (``shard_state="full"``) can carry its weights across the step, since its step all-gathers
+    the updated chunks into the device copy the backward leaves (runtime/partitioned.py)."""
+    last: dict[int, bool] = {}
+    out = set()
+    for n in calls(graph):
+        if n.target is ops.release and n.args[1] == "params":
+            last[n.args[0]] = True
+        elif n.target in (ops.forward, ops.backward):
+            last.clear()
+        elif n.target is ops.step and n.kwargs.get("where") == "host" and last.get(n.args[0]):
+            out.add(n.args[0])
+    return out
 
 
 def step_on_device(graph: torch.fx.Graph, packs) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from harmony.base.units import fmt_bytes
 from harmony.compiler.ir import Program
 from harmony.passes.swap import lp as swap_lp
-from harmony.passes.swap.graph import COMPUTE, Choice, param_swaps
+from harmony.passes.swap.graph import COMPUTE, Choice, param_swaps, stepped_after_release
 from harmony.runtime import ops
 from harmony.runtime.plan import STATE_KINDS
 
@@ -460,13 +460,28 @@ def carry_weights(program: Program, chosen: Choice, fits, room: int, sizes: dict
     of the backward and the start of the forward, where the activations held for the backward
     are fewest, so they use room the choices above (all at the turn) cannot. First packs first;
     the files kept in host memory are stepped and copied there as before (``ops.carried_names``).
+    Under ``shard_state="full"`` a pack whose share is on disk is carried too: its step all-gathers the updated
+    chunks into the device copy (runtime/partitioned_carry.py), saving the forward's read of this rank's chunks.
     """
     plan = program.plan
     swaps = param_swaps(program.schedule)
+    # shard_state="full": a pack whose share is on disk all-gathers its updated chunks into the device copy at the
+    # end of its step (runtime/partitioned.py), unless another pack reads one of its weights (a tied head), whose
+    # gather would then find the weight it reads on the device in a copy the simulator does not know of
+    full = getattr(program.config, "shard_state", None) == "full"
+    stepped = stepped_after_release(program.schedule) if full else set()
+    readers = {}
+    for spec in plan.packs:
+        for n in spec.params:
+            readers.setdefault(n, set()).add(spec.index)
     candidates = []
     for spec in plan.packs:
         outs = swaps.get(spec.index, ((), ()))[1]
-        if plan.at(spec.index).master_on != "disk" or not outs or not outs[-1].kwargs.get("handoff"):
+        if plan.at(spec.index).master_on != "disk" or not outs:
+            continue
+        if full and (spec.index not in stepped or any(readers.get(n, set()) - {spec.index} for n in spec.owned)):
+            continue
+        if not full and not outs[-1].kwargs.get("handoff"):
             continue
         size = sum(sizes.get(("params", n), 0) for n in ops.carried_names(plan, spec.index))
         if size:

@@ -1,0 +1,85 @@
+"""``shard_state="full"``: a pack's gathered weights carried on the device across its step to the next forward.
+
+The swap pass carries a pack's weights across the step boundary where the device has room at the end of the
+backward (``Residency.carried``; passes/swap/search.py ``carry_weights``). For a pack wholly on disk in a replicated
+run the step updates the device copy where it is. A partitioned pack's step updates only this rank's chunks, so
+here the step, on the host thread, all-gathers the updated chunks into the device copy the backward left
+(``refill``), while the chunks are still in memory, before its file is written. The next forward's ``gather``
+then takes that copy (``take``): it reads nothing from disk and sends nothing, where it would have read this
+rank's chunks from its file and all-gathered them. The bytes on the network are the same, moved to the step.
+
+Each rank decides alone whether it holds an up-to-date copy (a rolled-back step, a checkpoint loaded, the first
+step hold none), and a gather is a collective every rank must join or skip alike, so ``take`` first agrees with
+the other ranks (a one-element all-reduce of its own process group, on the thread that runs the schedule):
+the copy is taken only where every rank has one; otherwise every rank drops its copy and gathers.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class Carry:
+    """The device copies of the carried packs' weights between a pack's backward and the next forward."""
+
+    def __init__(self):
+        import torch.distributed as dist
+        self.group = dist.new_group(backend="gloo")          # ``take``'s agreement: the schedule's thread only
+        self.stepping: dict[int, dict[str, torch.Tensor]] = {}   # released by the backward, step not done yet
+        self.ready: dict[int, dict[str, torch.Tensor]] = {}      # the stepped weights: the next gather takes them
+
+    def hand_over(self, st, pack: int, names) -> None:
+        """``release(pack, 'params', carry=True)``: the last hold of each of ``names`` keeps its device copy here
+        for the step to refill, instead of freeing it (the meter goes on counting it)."""
+        copies = self.stepping.setdefault(pack, {})
+        for n in names:
+            st.refs[("params", n)] -= 1
+            if st.refs[("params", n)] > 0:
+                continue
+            t = st.tensors[n]
+            if st.meter.holds(t.data):
+                copies[n] = t.data
+            st.set_data(n, st.master[n])
+            st.dirty.discard(n)
+
+    def refill(self, shares, pack: int) -> None:
+        """On the host thread, once the pack's chunks are stepped: every rank's updated chunks into the copies
+        (a collective of the default group, which the host thread's reduce-scatters use, in schedule order)."""
+        copies = self.stepping.pop(pack, None)
+        if not copies:
+            return
+        import torch.distributed as dist
+        chunks = shares.loaded(pack)
+        for s, seg in enumerate(shares.plan.at(pack).shares.segments):
+            if not any(n in copies for n in seg.names):
+                continue
+            flat = shares.gather(pack, s, chunks[s], group=dist.group.WORLD)
+            for n, off, k in seg.items():
+                if n in copies:
+                    copies[n].view(-1).copy_(flat[off: off + k])
+        self.ready[pack] = copies
+
+    def take(self, st, pack: int, names) -> bool:
+        """``gather(pack, 'params', carried=True)``: hold the carried copies of ``names`` if every rank has its
+        own (True); else drop this rank's and return False, for a gather."""
+        import torch.distributed as dist
+        copies = self.ready.pop(pack, None)
+        have = copies is not None and all(n in copies for n in names)
+        flag = torch.tensor([int(have)], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
+        if not flag.item():
+            return False
+        for n in names:
+            st.refs[("params", n)] += 1
+            st.set_data(n, copies[n])
+        return True
+
+    def carry_on(self) -> None:
+        """After an evaluation: the copies its gathers took and its releases handed over are still the stepped
+        weights (no step came between), so the next forward takes them."""
+        self.ready.update(self.stepping)
+        self.stepping.clear()
+
+    def drop(self) -> None:
+        """Forget every copy (a step rolled back, weights loaded): the next gathers read and all-gather."""
+        self.stepping.clear()
+        self.ready.clear()
