@@ -3,6 +3,7 @@
     python -m benchmarks --quick                      # about 12 minutes on the 2-core CI machine
     python -m benchmarks --quick --only overhead,hetero
     python -m benchmarks --quick --save-baseline      # after checking the table: the new baseline
+    python -m benchmarks --quick --add-to-baseline    # another run of the same build: widens the baseline's spread
     python -m benchmarks --self-test                  # a build slowed on purpose must be flagged
 
 Each benchmark runs in its own process, one after another, and writes its headline figures as JSON (its
@@ -15,6 +16,11 @@ baseline's (in the direction that is worse for it; for a ratio best at 1, ten po
 and a benchmark with a flagged figure runs once more: the figure stays flagged only if it is worse in both runs
 (``runs`` in its JSON keeps both), since a hypervisor that steals the cores for a minute moves any one run by
 more than 10%. Anything still flagged makes the run exit with status 1.
+
+The baseline is not one run but several of one build (``--save-baseline``, then ``--add-to-baseline`` for each
+further run): this machine moves some figures by 20-40% between runs of the same build (the simulator's error, a
+new shape's first step), so a figure is compared with the worst value the baseline's runs gave it, and the table
+shows the baseline's range. A figure flagged is then worse than anything the same build was seen to do here.
 
 The 1 Gbit/s all-reduce runs in a network namespace with a tc rate limit (benchmarks/netns.sh), which needs
 root and iproute2; elsewhere it is skipped and says so. DeepSpeed's figure is there only where it is
@@ -144,13 +150,22 @@ def run(name: str, cmd: list[str], out: Path, env: dict) -> dict:
     return dict(json.loads(path.read_text()), machine=load)
 
 
-def compare(results: dict, baseline: dict) -> tuple[list[dict], int]:
+_WORSENESS = {"lower": lambda v: v, "higher": lambda v: -v, "one": lambda v: abs(v - 1)}
+
+
+def compare(results: dict, baseline: dict, spread: dict | None = None) -> tuple[list[dict], int]:
+    """Each figure against the baseline: against the worst of the baseline runs' values where ``spread``
+    (``{bench: {figure: [value, ...]}}``) has them, else against ``baseline``'s one value."""
     rows, flagged = [], 0
     for f in FIGURES:
         r = results.get(f.bench, {})
         value = r.get(f.key) if isinstance(r, dict) else None
-        base = baseline.get(f.bench, {}).get(f.key) if baseline else None
-        row = dict(benchmark=f.bench, figure=f.key, value=value, target=f.target, baseline=base, change="", flag="")
+        seen = [v for v in (spread or {}).get(f.bench, {}).get(f.key, []) if v is not None]
+        base = max(seen, key=_WORSENESS[f.better]) if seen else (
+            baseline.get(f.bench, {}).get(f.key) if baseline else None)
+        row = dict(benchmark=f.bench, figure=f.key, value=value, target=f.target, baseline=base,
+                   range=f"{min(seen):.4g}..{max(seen):.4g} ({len(seen)} runs)" if len(seen) > 1 else "",
+                   change="", flag="")
         if f.bench not in results:
             row["flag"] = "not run"
         elif "skipped" in r:
@@ -219,6 +234,8 @@ def main() -> int:
     ap.add_argument("--out", default=None, help="folder for each benchmark's JSON and log (default: a temp folder)")
     ap.add_argument("--baseline", default=str(BASELINE))
     ap.add_argument("--save-baseline", action="store_true", help="write this run as the baseline")
+    ap.add_argument("--add-to-baseline", action="store_true",
+                    help="add this run's figures to the baseline's spread (another run of the baseline's build)")
     ap.add_argument("--self-test", action="store_true", help="check that a deliberately slowed build is flagged")
     ap.add_argument("--no-retry", dest="retry", action="store_false",
                     help="flag on one measurement (default: a benchmark with a flagged figure runs again, and a figure "
@@ -243,24 +260,27 @@ def main() -> int:
             continue
         results[name] = _run_and_say(name, cmds[name], out)
     baseline = json.loads(Path(args.baseline).read_text()) if Path(args.baseline).exists() else {}
-    rows, flagged = compare(results, baseline.get("results", {}))
+    spread = baseline.get("spread")
+    rows, flagged = compare(results, baseline.get("results", {}), spread)
     again = sorted({r["benchmark"] for r in rows if r["flag"] == "WORSE"})
     if again and args.retry:      # a figure flagged once is measured again: it stays flagged only if worse twice
         print(f"\nflagged, measured again: {', '.join(again)}", flush=True)
         for name in again:
             second = _run_and_say(name, cmds[name], out, suffix="-again")
             results[name] = _better(results[name], second)
-        rows, flagged = compare(results, baseline.get("results", {}))
+        rows, flagged = compare(results, baseline.get("results", {}), spread)
     print()
     print(_table(rows))
     print(f"\nbaseline: {args.baseline} ({baseline.get('when', 'none')}, {baseline.get('commit', '')}); "
           f"flagged: {flagged}; JSON and logs in {out}")
     summary = dict(when=time.strftime("%Y-%m-%d %H:%M"), commit=_commit(), cores=os.cpu_count(), results=results)
     (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
-    if args.save_baseline:
+    if args.save_baseline or args.add_to_baseline:
+        new = with_run(summary, baseline if args.add_to_baseline else None)
         Path(args.baseline).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.baseline).write_text(json.dumps(summary, indent=1, default=str))
-        print(f"saved as the baseline: {args.baseline}")
+        Path(args.baseline).write_text(json.dumps(new, indent=1, default=str))
+        print(f"{'added to' if args.add_to_baseline else 'saved as'} the baseline: {args.baseline} "
+              f"({len(new['spread_runs'])} runs)")
     return 1 if flagged else 0
 
 
@@ -287,10 +307,27 @@ def _better(first: dict, second: dict) -> dict:
         a, b = first.get(f.key), second.get(f.key)
         if a is None or b is None:
             continue
-        key = {"lower": lambda v: v, "higher": lambda v: -v, "one": lambda v: abs(v - 1)}[f.better]
-        out[f.key] = min(a, b, key=key)
+        out[f.key] = min(a, b, key=_WORSENESS[f.better])
     out["runs"] = [first, second]
     return out
+
+
+def with_run(summary: dict, baseline: dict | None) -> dict:
+    """The baseline with this run's headline figures added to its spread; a new baseline of this run alone where
+    ``baseline`` is None. The first run's full results stay under ``results``; ``spread`` keeps every run's value of
+    each figure and ``spread_runs`` when and at which commit each ran, with the machine's load."""
+    if baseline is None:
+        baseline = dict(summary, spread={}, spread_runs=[])
+    baseline.setdefault("spread", {})
+    baseline.setdefault("spread_runs", [])
+    for f in FIGURES:
+        r = summary["results"].get(f.bench)
+        if isinstance(r, dict) and r.get(f.key) is not None:
+            baseline["spread"].setdefault(f.bench, {}).setdefault(f.key, []).append(r[f.key])
+    load = {name: {k: round(v, 3) for k, v in r["machine"].items()} for name, r in summary["results"].items()
+            if isinstance(r, dict) and "machine" in r}
+    baseline["spread_runs"].append(dict(when=summary["when"], commit=summary["commit"], load=load))
+    return baseline
 
 
 def _commit() -> str:

@@ -23,8 +23,8 @@ def runner():
         sys.modules.pop("bench_runner", None)
 
 
-def flags(runner, results, baseline):
-    rows, n = runner.compare(results, baseline)
+def flags(runner, results, baseline, spread=None):
+    rows, n = runner.compare(results, baseline, spread)
     return {(r["benchmark"], r["figure"]): r["flag"] for r in rows}, n
 
 
@@ -72,3 +72,42 @@ def test_a_figure_flagged_once_is_kept_at_the_better_of_two_runs(runner):
     near = runner._better({"balanced predicted/measured": 0.7}, {"balanced predicted/measured": 1.2})
     assert near["balanced predicted/measured"] == 1.2              # best at 1: the nearer
     assert runner._better({"error": "exit 1"}, second)["compiled/eager step"] == 1.02
+
+
+def test_the_baseline_s_spread_sets_the_bar_at_its_worst_run(runner):
+    """A figure is compared with the worst value the baseline's runs of one build gave it, in its direction."""
+    runs = [{"when": "d1", "commit": "c", "results": {
+                "overhead": {"compiled/eager step": 1.00, "machine": {"busy": 0.5}},
+                "allreduce": {"fp32/Harmony 4-bit sync": 6.0},
+                "hetero": {"balanced predicted/measured": 1.05}}},
+            {"when": "d2", "commit": "c", "results": {
+                "overhead": {"compiled/eager step": 1.20},
+                "allreduce": {"fp32/Harmony 4-bit sync": 5.0},
+                "hetero": {"balanced predicted/measured": 0.85}}}]
+    base = runner.with_run(runs[0], None)
+    base = runner.with_run(runs[1], base)
+    assert base["spread"]["overhead"]["compiled/eager step"] == [1.00, 1.20]
+    assert [r["when"] for r in base["spread_runs"]] == ["d1", "d2"]
+    assert base["results"] == runs[0]["results"]           # the first run's full results stay
+    within = {"overhead": {"compiled/eager step": 1.30}, "allreduce": {"fp32/Harmony 4-bit sync": 4.6},
+              "hetero": {"balanced predicted/measured": 0.77}}
+    f, n = flags(runner, within, base["results"], base["spread"])
+    assert n == 0, f                       # each within 10% (10 points) of the worst run
+    beyond = {"overhead": {"compiled/eager step": 1.35}, "allreduce": {"fp32/Harmony 4-bit sync": 4.4},
+              "hetero": {"balanced predicted/measured": 1.27}}
+    f, n = flags(runner, beyond, base["results"], base["spread"])
+    assert f[("overhead", "compiled/eager step")] == "WORSE"
+    assert f[("allreduce", "fp32/Harmony 4-bit sync")] == "WORSE"
+    assert f[("hetero", "balanced predicted/measured")] == "WORSE"
+    # without a spread, the one value is the bar (as before)
+    f, n = flags(runner, within, base["results"])
+    assert f[("overhead", "compiled/eager step")] == "WORSE"
+
+
+def test_the_committed_baseline_has_a_spread_over_several_runs(runner):
+    import json
+    base = json.loads((ROOT / "benchmarks" / "results" / "cpu-quick.json").read_text())
+    assert len(base["spread_runs"]) >= 2
+    for f in runner.FIGURES:
+        if f.bench in base["spread"] and f.key != "harmony/deepspeed step":
+            assert len(base["spread"][f.bench].get(f.key, [])) >= 2, (f.bench, f.key)
