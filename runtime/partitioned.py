@@ -203,7 +203,7 @@ def _gather_execute(rt, pack, what="params", held=(), carried=False, reads=None)
         if carry.take(st, pack, [n for n in names if n in own]):
             st.shares.stats["carried_gathers"] += 1
             if st.shares.tier is not None and not st.shares.in_memory(pack):
-                st.shares.tier.count_gather(pack, rt.graph, reads)
+                st.shares.tier.count_gather(pack, rt.graph)
             names = [n for n in names if n not in own]
             if not names:
                 return None

@@ -36,6 +36,23 @@ def _chunk_name(pack: int, segment: int) -> str:
     return f"{CHUNK}:{pack}:{segment}"
 
 
+def state_only(graph) -> set[int]:
+    """Packs whose last gather before their step takes the copy the last step carried and reads the optimizer state
+    alone (``gather(..., carried=True, reads="state")``, passes/shard.py): every read ahead of their step's file
+    leaves the chunks out."""
+    from harmony.runtime import ops
+    last, out = {}, set()
+    for n in graph.nodes:
+        if n.op != "call_function":
+            continue
+        if n.target.__name__ == "gather" and n.args[1:2] == ("params",):
+            last[n.args[0]] = n
+        elif n.target is ops.step and n.args[0] in last:
+            if last.pop(n.args[0]).kwargs.get("reads") == "state":
+                out.add(n.args[0])
+    return out
+
+
 class ShareTier(DiskTier):
     """This rank's share of the partitioned packs placed on disk: a file per pack, see the module docstring."""
 
@@ -49,6 +66,7 @@ class ShareTier(DiskTier):
         shares.tier = self
         self._graph, self._gathers, self._expect = None, {}, {}    # gathers since each pack's step (read_chunks)
         self._fill: dict[int, tuple] = {}    # pack -> (buffer, offset): a read ahead without its chunks (_take)
+        self.state_only: set[int] = set()    # packs whose step reads its optimizer state alone (``state_only``)
         for p in sorted(self.weights):       # the chunks go to their files now: the host keeps none of them
             entries = self._head(p)
             self.layouts[p] = [(n, k, tuple(v.shape), v.dtype) for n, k, v in entries]
@@ -72,7 +90,9 @@ class ShareTier(DiskTier):
                 weights.add(p)
         if not packs:
             return None
-        return cls(DiskStore(offload_dir, **io), packs, tensors, opts, step_order(graph), shares, weights)
+        tier = cls(DiskStore(offload_dir, **io), packs, tensors, opts, step_order(graph), shares, weights)
+        tier.state_only = state_only(graph) & weights
+        return tier
 
     # -- the file's entries: the chunks first, then the pieces' optimizer state ----------------------
     def _head(self, pack: int) -> list[tuple[str, str, torch.Tensor]]:
@@ -109,6 +129,9 @@ class ShareTier(DiskTier):
             return count == self._expect.get(pack)
 
     def prefetch(self, pack: int) -> None:
+        if pack in self.state_only:     # the step takes the chunks from the carried copy: its state alone
+            self._prefetch_state(pack)
+            return
         with self._lock:       # the copy thread's gathers start the steps' reads too
             super().prefetch(pack)
 
@@ -121,17 +144,14 @@ class ShareTier(DiskTier):
         return sum(k == CHUNK for _, k, _, _ in self.layouts.get(pack, ()))
 
     # -- the gathers' reads ----------------------------------------------------------------------------
-    def count_gather(self, pack: int, graph, reads: str | None = None) -> None:
+    def count_gather(self, pack: int, graph) -> None:
         """A gather of ``pack`` that took its carried copies (runtime/partitioned_carry.py) reads no chunks, but
-        counts as a gather: where it is the last before the step, the step's read of the file starts here, of the
-        optimizer state alone where ``reads`` is "state" (the step takes the chunks from the carried copy)."""
+        counts as a gather: where it is the last before the step, the step's read of the file starts here (of the
+        optimizer state alone for a ``state_only`` pack, whose step takes the chunks from the carried copy)."""
         with self._lock:
             kept = self._kept.get(pack)
         if kept is None and graph is not None and self._last_gather(graph, pack):
-            if reads == "state":
-                self._prefetch_state(pack)
-            else:
-                self.prefetch(pack)
+            self.prefetch(pack)
 
     def _prefetch_state(self, pack: int) -> None:
         """The step's read ahead of the file's optimizer state, into the buffer of the whole file, from the 4 KiB
@@ -196,6 +216,9 @@ class ShareTier(DiskTier):
             self.prefetch(pack)
             fut, views = self._reads[pack]
             fut.result()
+            fill = self._fill.pop(pack, None)
+            if fill is not None and fill[1]:   # a read of the state alone, no carried copy taken: the chunks too
+                self.store.read_at(pack, fill[0][: fill[1]], 0).result()
             return list(views[:k])
         specs = [(s, d) for _, _, s, d in self.layouts[pack][:k]]
         offsets, end = layout(specs)          # the chunks' entries, to the 4 KiB page after them

@@ -124,5 +124,8 @@ def test_the_carry_saves_the_forward_s_reads_and_the_plan_counts_them(two):
         assert 0 <= c["read"][-1] - c["planned_read"] <= 4096 * (c["packs"] + gathers)
         # the step after the failed one had no copies to take: what the same step reads without the carry
         assert c["read"][-1] < got["failed"]["read"][1]
-        # each rank reads about its share of what a replicated rank reads with the same files on disk
-        assert c["read"][-1] <= disk["read"][-1] / 2 * 1.10
+        # each rank reads at most its share of what a replicated rank reads with the same files on disk (issue 32's
+        # target: 1/N + 5%), each read rounded up to 4 KiB pages
+        assert c["read"][-1] <= disk["read"][-1] / 2 * 1.05 + 4096 * (c["packs"] + gathers)
+        # a pack whose only gather before its step takes the carried copy reads its optimizer state alone
+        assert any(reads == "state" for _, _, reads in c["gathers"])
