@@ -30,7 +30,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from harmony.runtime.adaptive_bits import ErrorMeter, choose_bits_across_ranks, specs_for_bits
-from harmony.runtime.collectives import allreduce, init_process_group, ring_bytes
+from harmony.runtime.collectives import DEFAULT_FUSION_BYTES, allreduce, init_process_group, ring_bytes
 from harmony.runtime.compression import DEFAULT_MIN_SIZE, CompressionSpec, spec_for
 
 MB = 1e6
@@ -143,14 +143,14 @@ def ddp_method(shapes, grads, hook: str):
     return once, result, 2 if hook == "powersgd" else 0   # PowerSGD all-reduces plainly before start_powerSGD_iter
 
 
-def harmony_method(grads, spec):
+def harmony_method(grads, spec, fusion_bytes: int = DEFAULT_FUSION_BYTES):
     """(once, result, stats) of Harmony's all-reduce of the gradient set under ``spec``."""
     last = {}
 
     def once():
         last["work"] = work = [g.clone() for g in grads]
         dist.barrier()
-        last["stats"] = allreduce(work, spec, timeout=600)
+        last["stats"] = allreduce(work, spec, timeout=600, fusion_bytes=fusion_bytes)
         return last["stats"].seconds
     return once, lambda: last["work"], lambda: last["stats"]
 
@@ -224,6 +224,9 @@ def sync_benchmark(args):
             spec = CompressionSpec("quantized", bits=b, bucket_size=args.bucket, rounding="stochastic")
             once, result, stats = harmony_method(grads, spec)
             runs[f"Harmony {b}-bit"] = (once, result, lambda stats=stats: stats().wire_bytes, "", 0)
+    for mb in filter(None, args.fusion_mb.split(",")):    # the 4-bit sync with other fused buffer sizes
+        once, result, stats = harmony_method(grads, base, int(float(mb) * 2**20))
+        runs[f"Harmony 4-bit, {mb} MiB buffers"] = (once, result, lambda stats=stats: stats().wire_bytes, "", 0)
     if "adaptive" in methods:
         specs, report = adaptive_specs(shapes, grads, 4, base)
         once, result, stats = harmony_method(grads, specs)
@@ -389,6 +392,9 @@ def main():
     ap.add_argument("--bucket", type=int, default=512, help="elements per quantization bucket")
     ap.add_argument("--methods", default="ddp-fp16,ddp-powersgd,q8,q4,q2,adaptive")
     ap.add_argument("--link", default="unlimited loopback", help="label printed with the table")
+    ap.add_argument("--fusion-mb", default="",
+                    help=f"extra 4-bit rows fusing gradients into buffers of these MiB (default buffers: "
+                         f"{DEFAULT_FUSION_BYTES >> 20} MiB), e.g. 16,8")
     ap.add_argument("--json", default=None, help="rank 0 writes the headline figures here")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds before a stuck collective fails")
     ap.add_argument("--n-layer", type=int, default=12, help="GPT-2 small: 12")
