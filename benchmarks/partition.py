@@ -19,6 +19,13 @@ ranks each keep and read whole files.
     python benchmarks/partition.py --modes full full+clip full+4bit replicated+4bit
     python benchmarks/partition.py --worlds 2 --modes replicated+disk full+disk deepspeed
     python benchmarks/partition.py --worlds 2 --layers 4 --width 256
+    python benchmarks/partition.py --worlds 1 2 --modes replicated full deepspeed --layers 12 --width 512 --heads 8 \
+        --device-budget 0.125 --disk-group-mib 8 --host-budget 0.25    # a state 4x each rank's host budget
+
+With ``--host-budget`` each Harmony rank plans under that host memory budget (a fraction of the whole state, per
+rank), the offload pass putting on disk what does not fit: a replicated rank its whole state's, a partitioned rank
+its share's, which leaves it room to keep more of its share in memory. ``--worlds 1`` runs one rank (the replicated
+modes only) for the 1/N comparison.
 """
 from __future__ import annotations
 
@@ -69,9 +76,13 @@ def rank_run(args) -> None:
     world = int(os.environ["WORLD_SIZE"])
     data = list(copy_task(c, args.batch * world, args.steps + 1))
     state = sum(p.numel() * 4 * 4 for p in model.parameters())      # weights, grads, AdamW's two moments
-    sm = harmony.compile(model, example_batch=harmony.data.shard(data[0]), memory_budget=state // 2,
+    host = dict(host_memory_budget=int(state * args.host_budget)) if args.host_budget else {}
+    if args.disk_group_mib:
+        host["disk_group_bytes"] = int(args.disk_group_mib * 2**20)
+    budget = int(state * args.device_budget)
+    sm = harmony.compile(model, example_batch=harmony.data.shard(data[0]), memory_budget=budget,
                          microbatches=args.microbatches, optimizer=torch.optim.AdamW, optimizer_kwargs=dict(lr=1e-3),
-                         optimizer_on="host", **MODES[args.mode])
+                         optimizer_on="host", **host, **MODES[args.mode])
     times, sent, io = [], [], []
     for batch in data:
         before = proc_io()
@@ -81,7 +92,8 @@ def rank_run(args) -> None:
         times.append(sm.stats["step_seconds"])
         sent.append(sum(sm.stats.get(k, 0) for k in ("comm_wire_bytes", "gather_wire_bytes",
                                                      "reduce_scatter_wire_bytes")))
-    mine = dict(rank=dist.get_rank(), host_state_MiB=host_state_bytes(sm.runtime.state) / 2**20,
+    mine = dict(rank=dist.get_rank() if dist.is_initialized() else 0,
+                host_state_MiB=host_state_bytes(sm.runtime.state) / 2**20,
                 peak_rss_MiB=sm.stats["peak_rss_bytes"] / 2**20, sent_MiB_per_step=sent[-1] / 2**20,
                 step_s=statistics.median(times[1:]), params=sum(p.numel() for p in model.parameters()),
                 read_MiB_per_step=statistics.median(r for r, _ in io[1:]) / 2**20,
@@ -92,6 +104,9 @@ def rank_run(args) -> None:
 
 def _report(args, mine: dict) -> None:
     import torch.distributed as dist
+    if not dist.is_initialized():        # one rank: no process group to gather over
+        Path(args.out).write_text(json.dumps([mine]))
+        return
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
     if dist.get_rank() == 0:
@@ -113,10 +128,13 @@ def launch(world: int, mode: str, args) -> list[dict]:
     with tempfile.TemporaryDirectory() as d:
         out = Path(d) / "ranks.json"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world), __file__,
-               "--rank-run", mode, "--out", str(out)] + [f"--{k}={getattr(args, k)}" for k in
+               "--rank-run", mode, "--out", str(out)] + [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in
                                                           ("layers", "width", "heads", "vocab", "seq", "batch",
-                                                           "microbatches", "steps")]
-        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=1200)
+                                                           "microbatches", "steps", "host_budget", "device_budget",
+                                                           "disk_group_mib")]
+        done = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=1200)
+        if done.returncode:
+            raise SystemExit(f"{mode} on {world} ranks failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
         return json.loads(out.read_text())
 
 
@@ -131,6 +149,13 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=4, help="samples per rank")
     ap.add_argument("--microbatches", type=int, default=2)
     ap.add_argument("--steps", type=int, default=3, help="timed steps after one warm-up step")
+    ap.add_argument("--device-budget", type=float, default=0.5,
+                    help="each rank's memory_budget as a fraction of the GPT's training state")
+    ap.add_argument("--disk-group-mib", type=float, default=0.0, help="disk_group_bytes in MiB (0: the default)")
+    ap.add_argument("--host-budget", type=float, default=0.0,
+                    help="each Harmony rank's host_memory_budget as a fraction of the GPT's training state (0: none); "
+                         "the offload pass then puts what does not fit on disk, a replicated rank its whole state's, a "
+                         "partitioned rank its share's. --worlds 1 runs one rank (replicated modes only)")
     ap.add_argument("--modes", nargs="+", default=list(MODES) + [PEER], choices=list(MODES) + [PEER],
                     help=f"{PEER}: DeepSpeed ZeRO-3 with NVMe offload on the same ranks, where it is installed")
     ap.add_argument("--rank-run", default=None, choices=list(MODES) + [PEER], help=argparse.SUPPRESS)
@@ -146,7 +171,8 @@ def main() -> None:
         print(f"{PEER}: not run, {missing}")
     rows, figures = [], {}
     for world in args.worlds:
-        runs = {mode: launch(world, mode, args) for mode in args.modes if not (mode == PEER and missing)}
+        runs = {mode: launch(world, mode, args) for mode in args.modes if not (mode == PEER and missing)
+                and (world > 1 or mode.startswith("replicated"))}
         ref = next((m for m in runs if m.startswith("replicated")), args.modes[0])   # host bytes against it
         base = max(r["host_state_MiB"] for r in runs[ref])
         for mode, ranks in runs.items():
@@ -173,6 +199,10 @@ def main() -> None:
             figures[f"w{world}_full+disk/replicated+disk write"] = (
                 max(r["write_MiB_per_step"] for r in runs["full+disk"]) /
                 max(max(r["write_MiB_per_step"] for r in runs["replicated+disk"]), 1e-9))
+        for a, b in (("full+disk", "replicated+disk"), ("full", "replicated")):
+            if a in runs and b in runs:
+                figures[f"w{world}_{a}/{b} read"] = (max(r["read_MiB_per_step"] for r in runs[a]) /
+                                                     max(max(r["read_MiB_per_step"] for r in runs[b]), 1e-9))
         if PEER in runs and "full+disk" in runs:
             figures[f"w{world}_full+disk/{PEER} step"] = (figures[f"w{world}_full+disk_step_s"] /
                                                           figures[f"w{world}_{PEER}_step_s"])
