@@ -239,7 +239,12 @@ def report_failure(what: str) -> None:
     check_same_plan(None, failed=what)
 
 
-def check_same_plan(signature: str | None, failed: str | None = None) -> None:
+SAME_PLAN = ("every rank must compile the same model with the same policy, global batch, compression and min_size "
+             "(packs and memory budgets may differ)")
+
+
+def check_same_plan(signature: str | None, failed: str | None = None, what: str = "communication plan",
+                    advice: str = SAME_PLAN) -> None:
     """Every rank must issue the same collectives: compare a digest of the communication plan."""
     import torch.distributed as dist
 
@@ -255,9 +260,7 @@ def check_same_plan(signature: str | None, failed: str | None = None) -> None:
                           f"there names the budget they need), so no rank trains: fix them and start again")
     differ = [r for r, d in enumerate(every) if int(d) != digest]
     if differ:
-        raise ConfigError(f"rank {dist.get_rank()} compiled another communication plan than ranks {differ}: "
-                          f"every rank must compile the same model with the same policy, global batch, "
-                          f"compression and min_size (packs and memory budgets may differ)")
+        raise ConfigError(f"rank {dist.get_rank()} compiled another {what} than ranks {differ}: {advice}")
 
 
 def comm_groups(program: Program, owned: dict[int, list], issue: list[int]) -> dict[int, list[list[str]]]:

@@ -196,13 +196,11 @@ def _check_same_collectives(graph) -> None:
     if not (dist.is_available() and dist.is_initialized()):
         return
     from harmony.passes.compress import check_same_plan
-    try:
-        check_same_plan(repr([(n.target.__name__, n.args[0], bool(n.kwargs.get("carried"))) for n in calls(graph)
-                              if n.target in (partitioned.gather, partitioned.reduce_scatter)]))
-    except ConfigError as e:
-        raise ConfigError(f"shard_state='full': the ranks planned different gathers of the packs' shares ({e}); "
-                          f"every rank must plan the same packs and swaps: give each the same memory_budget and "
-                          f"host_memory_budget") from None
+    check_same_plan(repr([(n.target.__name__, n.args[0], bool(n.kwargs.get("carried"))) for n in calls(graph)
+                          if n.target in (partitioned.gather, partitioned.reduce_scatter)]),
+                    what="order of gathers and reduce-scatters (shard_state='full')",
+                    advice="every rank must plan the same packs and swaps, since each gather is a collective: give "
+                           "every rank the same memory_budget and host_memory_budget")
 
 
 def _rows(program, owned) -> list[dict]:

@@ -13,6 +13,7 @@ import torch
 
 import harmony
 import harmony.data
+from harmony.errors import ConfigError
 from harmony.runtime import ops, partitioned
 from models import CASES, training_state_bytes
 from test_collectives import _digest, spawn_ok
@@ -67,9 +68,23 @@ def _run(world, batches, evaluate_after=None, drop_on_rank0_after=None, **kw):
     return out
 
 
+def _mismatched(rank, world) -> str:
+    """Ranks with different device budgets plan different packs and swaps, so different gathers."""
+    model, data = CASES["gpt"](batch=4 * world)
+    state = training_state_bytes(model)
+    try:
+        harmony.compile(model, example_batch=harmony.data.shard(data[0]), microbatches=2,
+                        memory_budget=int(state * (0.5 if rank == 0 else 0.2)), shard_state="full",
+                        weights_on="disk", **ADAMW).close()
+        return "no error"
+    except ConfigError as e:
+        return f"ConfigError: {e}"
+
+
 def _ranks(rank, world):
     good = [0, 1, 2]
     return dict(
+        mismatched=_mismatched(rank, world),
         host=_run(world, good, evaluate_after=1, shard_state=False),
         disk=_run(world, good, shard_state=False, weights_on="disk"),
         full=_run(world, good, evaluate_after=1, shard_state="full"),
@@ -129,3 +144,11 @@ def test_the_carry_saves_the_forward_s_reads_and_the_plan_counts_them(two):
         assert c["read"][-1] <= disk["read"][-1] / 2 * 1.05 + 4096 * (c["packs"] + gathers)
         # a pack whose only gather before its step takes the carried copy reads its optimizer state alone
         assert any(reads == "state" for _, _, reads in c["gathers"])
+
+
+@pytest.mark.slow
+def test_ranks_that_planned_different_gathers_are_refused_at_compile_on_every_rank(two):
+    for r, got in two.items():
+        assert got["mismatched"].startswith("ConfigError"), got["mismatched"]
+        assert f"rank {r} compiled another order of gathers" in got["mismatched"]
+        assert "same memory_budget" in got["mismatched"]
