@@ -45,13 +45,12 @@ class Carry:
         """On the host thread, once the pack's chunks are stepped: every rank's updated chunks into the copies
         (a collective of the default group, which the host thread's reduce-scatters use, in schedule order)."""
         copies = self.stepping.pop(pack, None)
-        if not copies:
+        if copies is None:        # no release handed this pack over (on no rank: the schedule is every rank's)
             return
         import torch.distributed as dist
         chunks = shares.loaded(pack)
         for s, seg in enumerate(shares.plan.at(pack).shares.segments):
-            if not any(n in copies for n in seg.names):
-                continue
+            # every segment, whatever this rank kept: a collective every rank joins alike ("take" then agrees)
             flat = shares.gather(pack, s, chunks[s], group=dist.group.WORLD)
             for n, off, k in seg.items():
                 if n in copies:

@@ -14,7 +14,9 @@ the pack's optimizer), the optimizer steps the pieces, ``end`` writes the file b
 ``gather`` of such a pack reads the chunks, a prefix of the file, on the copy thread and all-gathers them
 (``Shares.load``), after the write of the last step (``DiskStore`` orders a file's reads after its write). Per
 step a rank therefore reads its chunks once per gather and its whole file once, and writes its file once: each
-1/N of the replicated run's files.
+1/N of the replicated run's files. A gather that takes the copy a carried pack's last step refilled
+(runtime/partitioned_carry.py) reads nothing; where it is the last before the step (``state_only``), every read
+ahead of the step's file reads the optimizer state alone, and ``_take`` fills the chunks in from that copy.
 
 Between steps a weights-on-disk pack's pieces hold placeholders and ``Shares.chunks`` has no entry for it;
 checkpoints read and write the chunks through ``weights_of`` and ``set_state``, one pack at a time.
