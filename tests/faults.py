@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
+import signal
+import threading
 
 import harmony.runtime.executor as executor
 
@@ -30,7 +31,10 @@ def fail_at(index: int, error=None, signum: int | None = None, kinds: tuple = ()
             if error is not None:
                 raise error
             out = op.execute(rt, *args, **kwargs)
-            os.kill(os.getpid(), signum)
+            # to this (the main) thread: a process-directed signal may land on any thread that does not block it (a
+            # copy or OpenMP thread), whose C handler can run late on a loaded machine, and the Python handler only
+            # after that; the test's step could then end before the interrupt is seen (a CI run failed so, once)
+            signal.pthread_kill(threading.get_ident(), signum)
             return out
         return dataclasses.replace(op, execute=execute)
 
