@@ -115,8 +115,8 @@ def test_ctrl_c_while_packs_step_finishes_the_step_then_stops():
     sm, ref, data = compiled(0.4)
     after_first_step = _first_step(sm) + 1
     assert "backward" in schedule_ops(sm)[after_first_step:]        # packs still to do their backward
-    # Ctrl-C as an interactive Python process has it: an earlier test in the same pytest process was seen to leave
-    # SIGINT ignored (signal.getsignal gave SIG_IGN), under which the runtime rightly has nothing to hold
+    # Ctrl-C as an interactive Python process has it: a pytest started as a background job of a non-interactive shell
+    # (`cmd &`) inherits SIGINT ignored, Python then keeps it so, and the runtime rightly has nothing to hold
     signal.signal(signal.SIGINT, signal.default_int_handler)
     with fail_at(after_first_step, signum=signal.SIGINT) as hit, pytest.raises(KeyboardInterrupt) as info:
         sm(*data[0])
