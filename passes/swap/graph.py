@@ -88,16 +88,25 @@ def insert_swaps(graph: torch.fx.Graph, resident: set) -> None:
     mark_streams(graph, resident)
 
 
-def mark_streams(graph: torch.fx.Graph, resident: set) -> None:
+def releases_before_step(graph: torch.fx.Graph, where: str, kinds=("grads", "params")) -> dict[int, list]:
+    """pack -> its releases of ``kinds`` that its step (``where=``) follows with no compute between."""
     last_release: dict = {}
-    for n in calls(graph):     # a disk step right after its pack's releases takes gradients and weights from the device
-        if n.target is ops.release and n.args[1] in ("grads", "params"):
+    out = {}
+    for n in calls(graph):
+        if n.target is ops.release and n.args[1] in kinds:
             last_release.setdefault(n.args[0], []).append(n)
         elif n.target in (ops.forward, ops.backward):    # compute in between: they go to the host as usual
             last_release.clear()
-        elif n.target is ops.step and n.kwargs.get("where") == "disk" and n.args[0] in last_release:
-            for r in last_release.pop(n.args[0]):
-                r.kwargs = {**r.kwargs, "handoff": True}
+        elif n.target is ops.step and n.kwargs.get("where") == where and n.args[0] in last_release:
+            out[n.args[0]] = last_release.pop(n.args[0])
+    return out
+
+
+def mark_streams(graph: torch.fx.Graph, resident: set) -> None:
+    # a disk step right after its pack's releases takes gradients and weights from the device
+    for releases in releases_before_step(graph, "disk").values():
+        for r in releases:
+            r.kwargs = {**r.kwargs, "handoff": True}
     for n in calls(graph):
         if n.target is ops.step and n.kwargs.get("where") not in ("host", "disk"):
             n.kwargs = {**n.kwargs, "stream": (n.args[0], "optim") not in resident}
@@ -223,17 +232,8 @@ def carry_across_steps(graph: torch.fx.Graph, packs) -> None:
 def stepped_after_release(graph: torch.fx.Graph) -> set[int]:
     """Host-stepped packs whose step follows the last release of their weights with no compute between: where a
     partitioned pack (``shard_state="full"``) can carry its weights across the step, since its step all-gathers
-    the updated chunks into the device copy the backward leaves (runtime/partitioned.py)."""
-    last: dict[int, bool] = {}
-    out = set()
-    for n in calls(graph):
-        if n.target is ops.release and n.args[1] == "params":
-            last[n.args[0]] = True
-        elif n.target in (ops.forward, ops.backward):
-            last.clear()
-        elif n.target is ops.step and n.kwargs.get("where") == "host" and last.get(n.args[0]):
-            out.add(n.args[0])
-    return out
+    the updated chunks into the device copy the backward leaves (runtime/partitioned_carry.py)."""
+    return set(releases_before_step(graph, "host", ("params",)))
 
 
 def step_on_device(graph: torch.fx.Graph, packs) -> None:
