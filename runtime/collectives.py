@@ -371,12 +371,10 @@ class _Job:
         chunk, wb, rank, recv = st["chunk"], st["wb"], st["rank"], st.pop("recv")
         del st["send"]
         acc = self.buf[rank * chunk: (rank + 1) * chunk]     # reduce in place in our own chunk
-        tmp = torch.empty_like(acc)
         for j in range(w):
             if j != rank:
                 dequantize(Packed.from_wire(recv[j * wb: (j + 1) * wb], chunk, s.bits, s.bucket_size, s.meta_dtype),
-                           out=tmp)
-                acc += tmp
+                           out=acc, accumulate=True)
         acc /= w
         mine = quantize(acc, s.bits, s.bucket_size, s.rounding, self.generator, s.meta_dtype)
         if st["residual"] is not None:   # the owner also keeps what re-quantization lost (x w: it is averaged)

@@ -26,6 +26,7 @@ KINDS = ("none", "fp16", "bf16", "quantized")
 ROUNDINGS = ("stochastic", "nearest")
 META_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 DEFAULT_MIN_SIZE = 16            # CGX leaves layers smaller than this uncompressed
+BLOCK_ELEMENTS = 1 << 16         # elements the codec works on at a time (its scratch fits a core's L2 cache)
 LITTLE_ENDIAN = sys.byteorder == "little"
 
 
@@ -221,10 +222,12 @@ def quantize(t: torch.Tensor, bits: int, bucket_size: int = 512, rounding: str =
     if n == 0:
         empty = x.new_zeros(0).to(meta_dtype)
         return Packed(x.new_zeros(0, dtype=torch.uint8), empty, empty.clone(), 0, bits, bucket_size, t.shape)
-    if buckets * bucket_size != x.numel():     # repeat the last value: the last bucket's range is unchanged
-        x = torch.cat([x, x[-1:].expand(buckets * bucket_size - x.numel())])
-    xb = x.view(buckets, bucket_size)
-    lo, hi = xb.amin(dim=1), xb.amax(dim=1)     # (torch's CPU aminmax over rows is not vectorised; these two are)
+    full = n // bucket_size
+    head = x[: full * bucket_size].view(full, bucket_size)
+    lo, hi = head.amin(dim=1), head.amax(dim=1)  # (torch's CPU aminmax over rows is not vectorised; these two are)
+    if full < buckets:                            # a partial last bucket: its own range
+        rest = x[full * bucket_size:]
+        lo, hi = torch.cat([lo, rest.amin()[None]]), torch.cat([hi, rest.amax()[None]])
     scale = (hi - lo) / top
     if meta_dtype != torch.float32:
         lo, scale = _round_meta(lo, hi, scale, top, meta_dtype)
@@ -234,15 +237,62 @@ def quantize(t: torch.Tensor, bits: int, bucket_size: int = 512, rounding: str =
     # (stochastic: 0.5 + (k + 1/2) / 65536 with k a uniform int16 -- a 16-bit dither, 4 per
     # random int64). u's constant part is folded into the subtraction to save a pass.
     offset = 0.5 if rounding == "nearest" else 0.5 + 0.5 / 65536
-    y = (xb - (lo32 - offset * scale32)[:, None]).mul_(inv[:, None])   # (one addcmul would round differently)
+    shift = lo32 - offset * scale32
+    data = torch.empty(-(-n * bits // 8), dtype=torch.uint8, device=x.device)
+    # A block of buckets at a time, through scratch buffers that stay in a core's cache: the eight passes
+    # below then cost about what one pass over memory does. Blocks hold a multiple of 8 elements, so each
+    # packs into whole bytes and draws whole random words: the result is bitwise the whole-tensor one.
+    rows = _block_rows(bucket_size)
+    y_buf = torch.empty(rows, bucket_size, device=x.device)
+    levels_buf = torch.empty(rows * bucket_size, dtype=torch.uint8, device=x.device)
+    pair_buf = torch.empty(rows * bucket_size // 2, dtype=torch.int16, device=x.device)
     if rounding == "stochastic":
-        words = torch.empty(-(-y.numel() // 4), dtype=torch.int64, device=y.device)
-        words.random_(-2**63, 2**63 - 1, generator=generator)
-        # converted first: torch's int16 + float add is several times slower than the conversion and a float add
-        y.view(-1).add_(words.view(torch.int16)[: y.numel()].to(torch.float32), alpha=1 / 65536)
-    levels = y.clamp_(0, top).to(torch.uint8)            # truncation == floor for y >= 0
-    return Packed(pack_bits(levels.view(-1)[:n], bits), lo.to(meta_dtype), scale.to(meta_dtype),
-                  n, bits, bucket_size, t.shape)
+        words_buf = torch.empty(-(-rows * bucket_size // 4), dtype=torch.int64, device=x.device)
+        dither_buf = torch.empty(rows * bucket_size, device=x.device)
+    for r0 in range(0, buckets, rows):
+        r1 = min(r0 + rows, buckets)
+        y = y_buf[: r1 - r0]
+        torch.sub(_buckets(x, r0, r1, bucket_size), shift[r0:r1, None], out=y).mul_(inv[r0:r1, None])
+        flat = y.view(-1)
+        if rounding == "stochastic":
+            words = words_buf[: -(-flat.numel() // 4)]
+            words.random_(-2**63, 2**63 - 1, generator=generator)
+            # converted first: torch's int16 + float add is several times slower than the conversion and a float add
+            dither = dither_buf[: flat.numel()]
+            dither.copy_(words.view(torch.int16)[: flat.numel()])
+            flat.add_(dither, alpha=1 / 65536)
+        first, last = r0 * bucket_size, min(r1 * bucket_size, n)
+        levels = levels_buf[: last - first]
+        levels.copy_(flat[: last - first].clamp_(0, top))     # truncation == floor for y >= 0
+        _pack_into(levels, bits, data[first * bits // 8: -(-last * bits // 8)], pair_buf)
+    return Packed(data, lo.to(meta_dtype), scale.to(meta_dtype), n, bits, bucket_size, t.shape)
+
+
+def _buckets(x: torch.Tensor, r0: int, r1: int, bucket_size: int) -> torch.Tensor:
+    """Buckets ``r0:r1`` of flat ``x`` as rows; a partial last bucket is padded with its last value (its range
+    is unchanged, and the padding's levels are never packed)."""
+    first, last = r0 * bucket_size, r1 * bucket_size
+    if last <= x.numel():
+        return x[first:last].view(r1 - r0, bucket_size)
+    return torch.cat([x[first:], x[-1:].expand(last - x.numel())]).view(r1 - r0, bucket_size)
+
+
+def _pack_into(levels: torch.Tensor, bits: int, out: torch.Tensor, pair_buf: torch.Tensor) -> None:
+    """``out[:] = pack_bits(levels, bits)``; 4 bits without a temporary (``pair_buf``: int16 scratch)."""
+    if bits == 4 and LITTLE_ENDIAN and levels.numel() % 2 == 0:   # as pack_bits: low byte of u | u >> 4
+        u, pairs = levels.view(torch.int16), pair_buf[: levels.numel() // 2]
+        torch.bitwise_right_shift(u, 4, out=pairs).bitwise_or_(u)
+        out.copy_(pairs)                                           # int16 -> uint8 keeps the low byte
+    else:
+        out.copy_(pack_bits(levels, bits))
+
+
+def _block_rows(bucket_size: int) -> int:
+    """Buckets per block of the codec: about ``BLOCK_ELEMENTS`` elements, a multiple of 8 of them."""
+    rows = max(1, BLOCK_ELEMENTS // bucket_size)
+    while rows * bucket_size % 8:
+        rows += 1
+    return rows
 
 
 def _round_meta(lo, hi, scale, top, dtype):
@@ -256,19 +306,45 @@ def _round_meta(lo, hi, scale, top, dtype):
     return lo_h, scale_h
 
 
-def dequantize(p: Packed, out: torch.Tensor | None = None) -> torch.Tensor:
-    """fp32 tensor of ``p.shape`` from a ``Packed`` (written into ``out``, a flat fp32 tensor, if given)."""
-    levels = unpack_bits(p.data, p.bits, p.numel)
-    buckets = p.mins.numel()
+def dequantize(p: Packed, out: torch.Tensor | None = None, accumulate: bool = False) -> torch.Tensor:
+    """fp32 tensor of ``p.shape`` from a ``Packed`` (written into ``out``, a flat fp32 tensor, if given).
+
+    ``accumulate``: add the values to ``out`` instead (bitwise ``out += dequantize(p)``, without writing the
+    values to memory first: a block at a time, as ``quantize`` works).
+    """
     if out is None:
+        if accumulate:
+            raise ConfigError("dequantize(accumulate=True) adds to out: pass out")
         out = torch.empty(p.numel, dtype=torch.float32, device=p.data.device)
-    full = p.numel // p.bucket_size            # whole buckets: uint8 to fp32 first (torch's mixed-dtype multiply is
-    if full:                                   # slower than the conversion and a float one), then scale and shift
-        head = out[: full * p.bucket_size].view(full, p.bucket_size)
-        head.copy_(levels[: full * p.bucket_size].view(full, p.bucket_size))
-        head.mul_(p.scales[:full].float()[:, None]).add_(p.mins[:full].float()[:, None])
-    if full < buckets:                          # the last, partial bucket
-        tail = out[full * p.bucket_size:]
-        torch.mul(levels[full * p.bucket_size:], p.scales[full:].float(), out=tail)
-        tail.add_(p.mins[full:].float())
+    scales, mins, bs = p.scales.float(), p.mins.float(), p.bucket_size
+    full = p.numel // bs                   # whole buckets, a block at a time, then the partial one
+    rows = _block_rows(bs)
+    fast4 = p.bits == 4 and LITTLE_ENDIAN
+    if fast4 and full:
+        pairs, high = (torch.empty(rows * bs // 2, dtype=torch.int16, device=out.device) for _ in "ph")
+    if accumulate and full:
+        values = torch.empty(rows, bs, device=out.device)
+    for r0 in range(0, full, rows):
+        r1 = min(r0 + rows, full)
+        first, last = r0 * bs, r1 * bs
+        if fast4 and (last - first) % 2 == 0:   # as unpack_bits, into scratch: each byte to (low nibble, high nibble)
+            u, h = pairs[: (last - first) // 2], high[: (last - first) // 2]
+            u.copy_(p.data[first // 2: last // 2])
+            torch.bitwise_right_shift(u, 4, out=h).bitwise_left_shift_(8)
+            levels = u.bitwise_and_(15).bitwise_or_(h).view(torch.uint8)
+        else:
+            levels = unpack_bits(p.data[first * p.bits // 8:], p.bits, last - first)
+        block = out[first:last].view(r1 - r0, bs)
+        dst = values[: r1 - r0] if accumulate else block
+        # uint8 to fp32 first: torch's mixed-dtype multiply is slower than the conversion and a float one
+        dst.copy_(levels.view(r1 - r0, bs))
+        dst.mul_(scales[r0:r1, None]).add_(mins[r0:r1, None])
+        if accumulate:
+            block.add_(dst)
+    if full < p.mins.numel():             # the last, partial bucket
+        first = full * bs
+        aligned = first // 8 * 8           # the bucket may start inside a byte: unpack from a whole byte
+        levels = unpack_bits(p.data[aligned * p.bits // 8:], p.bits, p.numel - aligned)[first - aligned:]
+        tail = torch.mul(levels, scales[full:]).add_(mins[full:])
+        out[first: p.numel].add_(tail) if accumulate else out[first: p.numel].copy_(tail)
     return out.view(p.shape) if out.numel() == math.prod(p.shape) else out

@@ -82,6 +82,42 @@ def test_stochastic_error_is_below_one_step_and_unbiased():
         assert abs(err.mean().item()) < 0.01 * step.mean().item()
 
 
+def _whole_tensor_quantize(x, bits, bucket, rounding, generator):
+    """The codec's formula on the whole tensor at once: what quantize computes a block at a time."""
+    n, top = x.numel(), (1 << bits) - 1
+    buckets = -(-n // bucket)
+    xb = torch.cat([x, x[-1:].expand(buckets * bucket - n)]).view(buckets, bucket)
+    lo, hi = xb.amin(1), xb.amax(1)
+    scale = (hi - lo) / top
+    inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+    offset = 0.5 if rounding == "nearest" else 0.5 + 0.5 / 65536
+    y = ((xb - (lo - offset * scale)[:, None]) * inv[:, None]).view(-1)
+    if rounding == "stochastic":
+        words = torch.empty(-(-y.numel() // 4), dtype=torch.int64).random_(-2**63, 2**63 - 1, generator=generator)
+        y = y + words.view(torch.int16)[: y.numel()].float() / 65536
+    return pack_bits(y.clamp(0, top).to(torch.uint8)[:n], bits), lo, scale
+
+
+@settings(max_examples=25, deadline=None)
+@given(bits=st.integers(1, 8), n=st.sampled_from([1, 9, 65_535, 65_536 * 2 + 517, 200_003]),
+       bucket=st.sampled_from([1, 3, 100, 512, 1000]), rounding=st.sampled_from(["stochastic", "nearest"]),
+       seed=st.integers(0, 2**31 - 1))
+def test_blocked_codec_is_bitwise_the_whole_tensor_formula(bits, n, bucket, rounding, seed):
+    # quantize and dequantize work a cache-sized block of buckets at a time; blocks start on whole bytes and
+    # whole random words, so nothing about the result may depend on where they fall
+    x = torch.randn(n, generator=torch.Generator().manual_seed(seed)) * 3
+    p = quantize(x, bits, bucket, rounding, torch.Generator().manual_seed(seed))
+    data, lo, scale = _whole_tensor_quantize(x, bits, bucket, rounding, torch.Generator().manual_seed(seed))
+    assert torch.equal(p.data, data) and torch.equal(p.mins, lo) and torch.equal(p.scales, scale)
+    levels = unpack_bits(data, bits, n).float()
+    assert torch.equal(dequantize(p), levels * scale.repeat_interleave(bucket)[:n] + lo.repeat_interleave(bucket)[:n])
+    acc = torch.randn(n)
+    expected = acc + dequantize(p)
+    assert torch.equal(dequantize(p, out=acc, accumulate=True), expected)
+    with pytest.raises(ConfigError, match="pass out"):
+        dequantize(p, accumulate=True)
+
+
 def test_quantize_edge_cases():
     const = torch.full((1000,), 2.5)
     assert torch.equal(dequantize(quantize(const, 2, 512)), const)       # zero range: exact
