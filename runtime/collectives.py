@@ -157,12 +157,44 @@ def measure_network(nbytes: int = 16 << 20, repeats: int = 5, group=None) -> tup
     return float(figures[0]), float(figures[1])
 
 
+# -- buffers kept between calls -------------------------------------------------------------------
+class Workspace:
+    """The fused buffers and wire messages of ``allreduce``, kept from one call to the next.
+
+    Fresh memory is not free: the kernel faults in and zeroes every page the first time it is written, and on
+    this project's machines that costs about as much as the 4-bit codec itself. A training loop that syncs the
+    same gradients every step can pass one ``Workspace`` to every call (as DDP keeps its buckets): from the
+    second call on nothing is allocated. It holds what one call needs at once (the gradients in fp32 plus their
+    messages); ``nbytes`` says how much, ``clear()`` gives it back. One workspace serves one thread at a time.
+    """
+
+    def __init__(self):
+        self._free: dict[tuple, list[torch.Tensor]] = {}
+
+    def take(self, numel: int, dtype: torch.dtype, device) -> torch.Tensor:
+        """A tensor of ``numel`` elements: a kept one of that size if there is one (its contents are stale)."""
+        kept = self._free.get((numel, dtype, torch.device(device)))
+        return kept.pop() if kept else torch.empty(numel, dtype=dtype, device=device)
+
+    def give(self, t: torch.Tensor) -> None:
+        """Keep ``t`` (from ``take``, its work done) for a later ``take`` of the same size."""
+        self._free.setdefault((t.numel(), t.dtype, t.device), []).append(t)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for kept in self._free.values() for t in kept)
+
+    def clear(self) -> None:
+        self._free.clear()
+
+
 # -- allreduce ------------------------------------------------------------------------------------
 def allreduce(tensors: Sequence[torch.Tensor], spec: CompressionSpec | Sequence[CompressionSpec] = NO_COMPRESSION,
               group=None, error_feedback_state: dict | None = None, *, min_size: int = DEFAULT_MIN_SIZE,
               timeout: float | None = None, generator: torch.Generator | None = None,
               fusion_bytes: int = DEFAULT_FUSION_BYTES, weight: float | None = None,
-              release: Callable[[torch.Tensor], None] | None = None) -> CommStats:
+              release: Callable[[torch.Tensor], None] | None = None,
+              workspace: Workspace | None = None) -> CommStats:
     """Average ``tensors`` over the ranks of ``group``, in place; returns what it cost.
 
     ``weight``: this rank's weight in a weighted average, ``sum_r weight_r * t_r`` (the weights of
@@ -183,6 +215,8 @@ def allreduce(tensors: Sequence[torch.Tensor], spec: CompressionSpec | Sequence[
     more: the backend's worker thread may still hold a reference to it for a while (gloo drops its own a moment
     after the wait returns), so a caller that accounts device memory (the runtime's meter) stops counting it
     there instead of waiting for the backend.
+    ``workspace``: a ``Workspace`` to take the fused buffers and messages from and give them back to, so that
+    repeated calls over the same tensors allocate nothing (``None``: fresh buffers, freed on return).
     With one rank there is nothing to average: tensors are left as they are.
 
     Typical use, after ``loss.backward()`` on every rank (under torchrun):
@@ -209,8 +243,8 @@ def allreduce(tensors: Sequence[torch.Tensor], spec: CompressionSpec | Sequence[
     scale = 1.0 if weight is None else float(weight) * world
     if not math.isfinite(scale) or scale < 0:
         raise ConfigError(f"allreduce weight={weight!r}: give this rank's share of the average, a number >= 0")
-    jobs = [_Job(idx, tensors, s, group, world, error_feedback_state, timeout, generator, scale, release)
-            for s, idx in fuse(tensors, specs, fusion_bytes)]
+    jobs = [_Job(idx, tensors, s, group, world, error_feedback_state, timeout, generator, scale, release,
+                 workspace=workspace) for s, idx in fuse(tensors, specs, fusion_bytes)]
     # Three sweeps so each buffer's compression overlaps the previous buffer's transfer.
     for job in jobs:
         job.launch()
@@ -291,6 +325,7 @@ class _Job:
     scale: float = 1.0           # weight * world: the plain average of the scaled tensors is the weighted one
     release: Callable | None = None   # called with each buffer once done (allreduce's ``release``)
     scatter: bool = False             # the reduce-scatter half only (``reduce_scatter``): no all-gather
+    workspace: Workspace | None = None  # where buffers come from and go back to (allreduce's ``workspace``)
     wire_bytes: int = 0
     numel: int = 0
     offsets: list = field(default_factory=list)   # where each tensor starts in the fused buffer
@@ -314,7 +349,7 @@ class _Job:
             chunk = -(-off // (w * align)) * align if off >= w * align else -(-off // w)
             self.state["chunk"] = chunk
             size = chunk * w
-        self.buf = torch.empty(size, dtype=torch.float32, device=ts[0].device)
+        self.buf = self._empty(size, torch.float32, ts[0].device)
         ends = self.offsets[1:] + [size]
         for i, t, start, end in zip(self.idx, ts, self.offsets, ends):
             piece = self.buf[start: start + t.numel()]
@@ -347,17 +382,16 @@ class _Job:
         s, w, rank, chunk = self.spec, self.world, dist.get_rank(self.group), self.state["chunk"]
         chunks = self.buf.view(w, chunk)
         wb = wire_bytes(chunk, s.bits, s.bucket_size, s.meta_dtype)
-        send = torch.empty(w * wb, dtype=torch.uint8, device=self.buf.device)
+        send = self._empty(w * wb, torch.uint8, self.buf.device)
         residual = torch.zeros_like(self.buf) if s.error_feedback else None
         for j in range(w):
             if j == rank:          # our own chunk stays fp32 on this rank (its slot is not sent)
                 continue
-            p = quantize(chunks[j], s.bits, s.bucket_size, s.rounding, self.generator, s.meta_dtype)
-            send[j * wb: (j + 1) * wb] = p.to_wire()
+            p = self._quantize(chunks[j], send[j * wb: (j + 1) * wb])
             if residual is not None:
                 dequantize(p, out=residual[j * chunk: (j + 1) * chunk])
                 torch.sub(chunks[j], residual[j * chunk: (j + 1) * chunk], out=residual[j * chunk: (j + 1) * chunk])
-        recv = torch.empty_like(send)
+        recv = self._empty(w * wb, torch.uint8, self.buf.device)
         self.state.update(wb=wb, recv=recv, send=send, residual=residual, rank=rank)   # keep buffers alive in flight
         self.wire_bytes = 2 * (w - 1) * wb
         self.work = _run("all_to_all_single(quantized)", self.timeout, self.group,
@@ -369,24 +403,26 @@ class _Job:
         wait_work(self.work, "all_to_all_single(quantized)", self.timeout, self.group)
         s, w, st = self.spec, self.world, self.state
         chunk, wb, rank, recv = st["chunk"], st["wb"], st["rank"], st.pop("recv")
-        del st["send"]
+        self._give(st.pop("send"))
         acc = self.buf[rank * chunk: (rank + 1) * chunk]     # reduce in place in our own chunk
         for j in range(w):
             if j != rank:
                 dequantize(Packed.from_wire(recv[j * wb: (j + 1) * wb], chunk, s.bits, s.bucket_size, s.meta_dtype),
                            out=acc, accumulate=True)
+        self._give(recv)
         acc /= w
-        mine = quantize(acc, s.bits, s.bucket_size, s.rounding, self.generator, s.meta_dtype)
+        sent = self._empty(wb, torch.uint8, acc.device)
+        mine = self._quantize(acc, sent)
         if st["residual"] is not None:   # the owner also keeps what re-quantization lost (x w: it is averaged)
             r = st["residual"][rank * chunk: (rank + 1) * chunk]
             dequantize(mine, out=r)
             torch.sub(acc, r, out=r).mul_(w)
         if self.scatter:        # this rank's chunk, decoded from the bytes the all-gather would send
-            dequantize(Packed.from_wire(mine.to_wire(), chunk, s.bits, s.bucket_size, s.meta_dtype), out=acc)
+            dequantize(Packed.from_wire(sent, chunk, s.bits, s.bucket_size, s.meta_dtype), out=acc)
             self.wire_bytes = (w - 1) * wb
             return
-        st["gathered"] = torch.empty(w * wb, dtype=torch.uint8, device=acc.device)
-        st["sent"] = mine.to_wire()
+        st["gathered"] = self._empty(w * wb, torch.uint8, acc.device)
+        st["sent"] = sent
         all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         self.work = _run("all_gather(quantized)", self.timeout, self.group, all_gather, st["gathered"], st["sent"])
 
@@ -415,6 +451,10 @@ class _Job:
             for b in [self.buf, out] + [v for v in self.state.values() if isinstance(v, torch.Tensor)]:
                 if b is not None:
                     self.release(b)
+        self._give(self.buf)
+        if kind == "quantized":
+            self._give(st["gathered"])
+            self._give(st["sent"])
         self.buf = self.work = out = None
         self.state.clear()
 
@@ -429,6 +469,25 @@ class _Job:
         self.buf = self.work = None
         self.state.clear()
         return out
+
+    def _empty(self, numel: int, dtype: torch.dtype, device) -> torch.Tensor:
+        if self.workspace is None:
+            return torch.empty(numel, dtype=dtype, device=device)
+        return self.workspace.take(numel, dtype, device)
+
+    def _give(self, t: torch.Tensor) -> None:
+        """Back to the workspace, once no collective reads or writes ``t`` (the reduce-scatter hands its buffer
+        out: it never gives it back)."""
+        if self.workspace is not None:
+            self.workspace.give(t)
+
+    def _quantize(self, x: torch.Tensor, message: torch.Tensor) -> Packed:
+        """Quantize ``x`` straight into wire message ``message`` (levels in place, then mins and scales)."""
+        s = self.spec
+        p = quantize(x, s.bits, s.bucket_size, s.rounding, self.generator, s.meta_dtype,
+                     out=Packed.wire_levels(message, x.numel(), s.bits, s.bucket_size, s.meta_dtype))
+        p.write_meta(message)
+        return p
 
     def _keep_residual(self, flat):
         for i, off in zip(self.idx, self.offsets):

@@ -181,32 +181,50 @@ class Packed:
         """One uint8 tensor: mins, scales, levels -- exactly ``nbytes`` long."""
         return torch.cat([self.mins.view(torch.uint8), self.scales.view(torch.uint8), self.data])
 
+    @staticmethod
+    def wire_levels(buf: torch.Tensor, numel: int, bits: int, bucket_size: int,
+                    meta_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The part of a wire message ``buf`` (as ``to_wire`` lays it out) that holds the packed levels: pass it
+        as ``quantize(..., out=)`` and then ``write_meta(buf)`` to build the message without a copy."""
+        m = _meta_bytes(numel, bucket_size, meta_dtype)
+        return buf[2 * m: 2 * m + -(-numel * bits // 8)]
+
+    def write_meta(self, buf: torch.Tensor) -> None:
+        """Write mins and scales to the head of wire message ``buf`` (whose levels ``quantize`` wrote in place)."""
+        m = nbytes(self.mins)
+        buf[:m] = self.mins.view(torch.uint8)
+        buf[m: 2 * m] = self.scales.view(torch.uint8)
+
     @classmethod
     def from_wire(cls, buf: torch.Tensor, numel: int, bits: int, bucket_size: int,
                   meta_dtype: torch.dtype = torch.float32, shape=None) -> "Packed":
-        buckets = -(-numel // bucket_size)
-        m = buckets * torch.tensor([], dtype=meta_dtype).element_size()
+        buckets, m = -(-numel // bucket_size), _meta_bytes(numel, bucket_size, meta_dtype)
         meta = buf[: 2 * m].clone().view(meta_dtype)   # clone: the slice may be misaligned
         return cls(buf[2 * m: 2 * m + -(-numel * bits // 8)], meta[:buckets], meta[buckets:],
                    numel, bits, bucket_size, torch.Size(shape if shape is not None else (numel,)))
 
 
+def _meta_bytes(numel: int, bucket_size: int, meta_dtype: torch.dtype) -> int:
+    return -(-numel // bucket_size) * torch.tensor([], dtype=meta_dtype).element_size()
+
+
 def wire_bytes(numel: int, bits: int, bucket_size: int = 512, meta_dtype: torch.dtype = torch.float32) -> int:
     """Exact bytes of ``quantize(t, bits, bucket_size)`` on the wire for a tensor of ``numel`` elements."""
     _check_bits(bits)
-    buckets = -(-numel // bucket_size)
-    return -(-numel * bits // 8) + 2 * buckets * torch.tensor([], dtype=meta_dtype).element_size()
+    return -(-numel * bits // 8) + 2 * _meta_bytes(numel, bucket_size, meta_dtype)
 
 
 def quantize(t: torch.Tensor, bits: int, bucket_size: int = 512, rounding: str = "stochastic",
-             generator: torch.Generator | None = None, meta_dtype: torch.dtype = torch.float32) -> Packed:
+             generator: torch.Generator | None = None, meta_dtype: torch.dtype = torch.float32,
+             out: torch.Tensor | None = None) -> Packed:
     """Bucketed max-min quantization of ``t`` to ``bits`` bits per element.
 
     Each bucket of ``bucket_size`` consecutive elements stores its min and
     ``scale = (max - min) / (2**bits - 1)``; an element becomes the level
     ``round((x - min) / scale)`` (nearest: error <= scale/2) or ``floor((x - min) / scale + u)``
     with ``u`` uniform over the midpoints of 65536 equal cells of (0, 1) (stochastic: error <
-    scale, unbiased to within 2**-17 of a step). Levels are packed densely (``pack_bits``).
+    scale, unbiased to within 2**-17 of a step). Levels are packed densely (``pack_bits``), into ``out`` (uint8,
+    ``ceil(numel * bits / 8)`` bytes) if given: the packed levels of a wire message can be written in place.
 
     >>> p = quantize(torch.tensor([0.0, 0.3, 1.0]), bits=2, rounding="nearest")
     >>> dequantize(p).tolist()
@@ -238,11 +256,15 @@ def quantize(t: torch.Tensor, bits: int, bucket_size: int = 512, rounding: str =
     # random int64). u's constant part is folded into the subtraction to save a pass.
     offset = 0.5 if rounding == "nearest" else 0.5 + 0.5 / 65536
     shift = lo32 - offset * scale32
-    data = torch.empty(-(-n * bits // 8), dtype=torch.uint8, device=x.device)
+    size = -(-n * bits // 8)
+    if out is not None and (out.dtype != torch.uint8 or out.numel() != size):
+        raise ConfigError(f"quantize(out=...) needs {size} uint8 bytes for {n} elements at {bits} bits; "
+                          f"got {out.numel()} of {out.dtype}")
+    data = torch.empty(size, dtype=torch.uint8, device=x.device) if out is None else out
     # A block of buckets at a time, through scratch buffers that stay in a core's cache: the eight passes
     # below then cost about what one pass over memory does. Blocks hold a multiple of 8 elements, so each
     # packs into whole bytes and draws whole random words: the result is bitwise the whole-tensor one.
-    rows = _block_rows(bucket_size)
+    rows = min(_block_rows(bucket_size), buckets)   # scratch no larger than the tensor (one block: no alignment)
     y_buf = torch.empty(rows, bucket_size, device=x.device)
     levels_buf = torch.empty(rows * bucket_size, dtype=torch.uint8, device=x.device)
     pair_buf = torch.empty(rows * bucket_size // 2, dtype=torch.int16, device=x.device)
@@ -318,7 +340,7 @@ def dequantize(p: Packed, out: torch.Tensor | None = None, accumulate: bool = Fa
         out = torch.empty(p.numel, dtype=torch.float32, device=p.data.device)
     scales, mins, bs = p.scales.float(), p.mins.float(), p.bucket_size
     full = p.numel // bs                   # whole buckets, a block at a time, then the partial one
-    rows = _block_rows(bs)
+    rows = max(1, min(_block_rows(bs), full))   # (scratch no larger than the tensor, as in quantize)
     fast4 = p.bits == 4 and LITTLE_ENDIAN
     if fast4 and full:
         pairs, high = (torch.empty(rows * bs // 2, dtype=torch.int16, device=out.device) for _ in "ph")

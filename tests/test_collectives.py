@@ -21,7 +21,7 @@ from hypothesis import given, settings, strategies as st
 from harmony.errors import CommunicationError, ConfigError
 from harmony.runtime.adaptive_bits import (ErrorMeter, choose_bits, choose_bits_across_ranks, measure_errors,
                                           quantization_error, specs_for_bits)
-from harmony.runtime.collectives import allreduce
+from harmony.runtime.collectives import Workspace, allreduce
 from harmony.runtime.compression import (CompressionSpec, Packed, dequantize, pack_bits, quantize, spec_for,
                                          unpack_bits,
                                          wire_bytes)
@@ -365,6 +365,25 @@ def _allreduce_checks(rank, world):
     out["ef_err"] = (total - true_total).norm().item()
     out["plain_err"] = (plain - true_total).norm().item()
 
+    # a workspace kept across calls: bitwise the same results as fresh buffers, call after call (its buffers hold
+    # the last call's bytes), and from the second call on it neither grows nor swaps its buffers for new ones
+    for name, spec, kw in (("none", CompressionSpec("none"), {}), ("fp16", CompressionSpec("fp16"), {}),
+                           ("q4", CompressionSpec(bits=4), {}), ("mixed_ef", specs, dict(fusion_bytes=20_000))):
+        results = {}
+        for ws in (None, Workspace()):
+            state, g, digests, kept = {}, torch.Generator().manual_seed(rank), [], []
+            for k in range(3):
+                ts = [t * (k + 1) for t in every[rank]]
+                allreduce(ts, spec, error_feedback_state=state, min_size=16, timeout=20, generator=g, workspace=ws,
+                          **kw)
+                digests.append(_digest(ts))
+                if ws is not None:
+                    kept.append((ws.nbytes, sorted(t.data_ptr() for v in ws._free.values() for t in v)))
+            results[ws is None] = digests
+            if ws is not None:
+                out[f"ws_{name}_kept"] = (kept[0][0] > 0, kept[0] == kept[1] == kept[2])
+        out[f"ws_{name}_same"] = results[True] == results[False]
+
     # a budgeted device's meter stops counting each internal buffer once its collective is done, even while
     # something else still holds it (as gloo's worker thread does for a moment): no wait for the backend
     from harmony.runtime.memory import CountAllocations, MemoryMeter
@@ -406,6 +425,8 @@ def test_allreduce_across_ranks(world):
     assert r0["fused_small_err"] < 1e-4, r0["fused_small_err"]   # its own 8-bit steps are ~5e-5; a shared bucket's ~1.5
     assert all(res[r]["adaptive_bits"] == r0["adaptive_bits"] and res[r]["adaptive_ok"] for r in res)
     assert r0["ef_err"] < 0.5 * r0["plain_err"], (r0["ef_err"], r0["plain_err"])
+    for key in [k for k in r0 if k.startswith("ws_")]:
+        assert all(res[r][key] in (True, (True, True)) for r in res), (key, [res[r][key] for r in res])
     for kind in ("none", "fp16", "quantized"):
         for r in res:
             left, released, counted, _ = res[r][f"release_{kind}"]
