@@ -55,6 +55,15 @@ def test_better_skipped_failed_and_not_run(runner):
     assert n == 3                 # each of hetero's three figures
 
 
+def test_a_figure_the_baseline_has_but_the_run_lacks_is_shown_missing(runner):
+    # the offload benchmark runs, but its DeepSpeed peer failed (no libaio): the figure must not vanish silently
+    base = {"offload": {"harmony/deepspeed step": 0.5, "harmony/eager step": 1.5}}
+    now = {"offload": {"harmony/eager step": 1.5}}
+    f, n = flags(runner, now, base)
+    assert f[("offload", "harmony/deepspeed step")].startswith("MISSING")
+    assert f[("offload", "harmony/eager step")] == "" and n == 0
+
+
 def test_the_committed_baseline_has_every_figure(runner):
     import json
     base = json.loads((ROOT / "benchmarks" / "results" / "cpu-quick.json").read_text())["results"]
