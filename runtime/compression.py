@@ -267,7 +267,6 @@ def quantize(t: torch.Tensor, bits: int, bucket_size: int = 512, rounding: str =
     rows = min(_block_rows(bucket_size), buckets)   # scratch no larger than the tensor (one block: no alignment)
     y_buf = torch.empty(rows, bucket_size, device=x.device)
     levels_buf = torch.empty(rows * bucket_size, dtype=torch.uint8, device=x.device)
-    pair_buf = torch.empty(rows * bucket_size // 2, dtype=torch.int16, device=x.device)
     if rounding == "stochastic":
         words_buf = torch.empty(-(-rows * bucket_size // 4), dtype=torch.int64, device=x.device)
         dither_buf = torch.empty(rows * bucket_size, device=x.device)
@@ -286,7 +285,7 @@ def quantize(t: torch.Tensor, bits: int, bucket_size: int = 512, rounding: str =
         first, last = r0 * bucket_size, min(r1 * bucket_size, n)
         levels = levels_buf[: last - first]
         levels.copy_(flat[: last - first].clamp_(0, top))     # truncation == floor for y >= 0
-        _pack_into(levels, bits, data[first * bits // 8: -(-last * bits // 8)], pair_buf)
+        data[first * bits // 8: -(-last * bits // 8)] = pack_bits(levels, bits)
     return Packed(data, lo.to(meta_dtype), scale.to(meta_dtype), n, bits, bucket_size, t.shape)
 
 
@@ -297,16 +296,6 @@ def _buckets(x: torch.Tensor, r0: int, r1: int, bucket_size: int) -> torch.Tenso
     if last <= x.numel():
         return x[first:last].view(r1 - r0, bucket_size)
     return torch.cat([x[first:], x[-1:].expand(last - x.numel())]).view(r1 - r0, bucket_size)
-
-
-def _pack_into(levels: torch.Tensor, bits: int, out: torch.Tensor, pair_buf: torch.Tensor) -> None:
-    """``out[:] = pack_bits(levels, bits)``; 4 bits without a temporary (``pair_buf``: int16 scratch)."""
-    if bits == 4 and LITTLE_ENDIAN and levels.numel() % 2 == 0:   # as pack_bits: low byte of u | u >> 4
-        u, pairs = levels.view(torch.int16), pair_buf[: levels.numel() // 2]
-        torch.bitwise_right_shift(u, 4, out=pairs).bitwise_or_(u)
-        out.copy_(pairs)                                           # int16 -> uint8 keeps the low byte
-    else:
-        out.copy_(pack_bits(levels, bits))
 
 
 def _block_rows(bucket_size: int) -> int:
@@ -341,21 +330,12 @@ def dequantize(p: Packed, out: torch.Tensor | None = None, accumulate: bool = Fa
     scales, mins, bs = p.scales.float(), p.mins.float(), p.bucket_size
     full = p.numel // bs                   # whole buckets, a block at a time, then the partial one
     rows = max(1, min(_block_rows(bs), full))   # (scratch no larger than the tensor, as in quantize)
-    fast4 = p.bits == 4 and LITTLE_ENDIAN
-    if fast4 and full:
-        pairs, high = (torch.empty(rows * bs // 2, dtype=torch.int16, device=out.device) for _ in "ph")
     if accumulate and full:
         values = torch.empty(rows, bs, device=out.device)
     for r0 in range(0, full, rows):
         r1 = min(r0 + rows, full)
         first, last = r0 * bs, r1 * bs
-        if fast4 and (last - first) % 2 == 0:   # as unpack_bits, into scratch: each byte to (low nibble, high nibble)
-            u, h = pairs[: (last - first) // 2], high[: (last - first) // 2]
-            u.copy_(p.data[first // 2: last // 2])
-            torch.bitwise_right_shift(u, 4, out=h).bitwise_left_shift_(8)
-            levels = u.bitwise_and_(15).bitwise_or_(h).view(torch.uint8)
-        else:
-            levels = unpack_bits(p.data[first * p.bits // 8:], p.bits, last - first)
+        levels = unpack_bits(p.data[first * p.bits // 8:], p.bits, last - first)
         block = out[first:last].view(r1 - r0, bs)
         dst = values[: r1 - r0] if accumulate else block
         # uint8 to fp32 first: torch's mixed-dtype multiply is slower than the conversion and a float one
