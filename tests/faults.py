@@ -31,10 +31,9 @@ def fail_at(index: int, error=None, signum: int | None = None, kinds: tuple = ()
             if error is not None:
                 raise error
             out = op.execute(rt, *args, **kwargs)
-            # to this (the main) thread: a process-directed signal may land on any thread that does not block it (a
-            # copy or OpenMP thread), whose C handler can run late on a loaded machine, and the Python handler only
-            # after that; the test's step could then end before the interrupt is seen (a CI run failed so, once)
-            signal.pthread_kill(threading.get_ident(), signum)
+            # to the main thread, where Python runs signal handlers: a process-directed signal may be taken by any
+            # thread that does not block it (a copy or OpenMP thread), so when the handler runs would depend on it
+            signal.pthread_kill(threading.main_thread().ident, signum)
             return out
         return dataclasses.replace(op, execute=execute)
 

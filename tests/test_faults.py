@@ -117,11 +117,14 @@ def test_ctrl_c_while_packs_step_finishes_the_step_then_stops():
     assert "backward" in schedule_ops(sm)[after_first_step:]        # packs still to do their backward
     # Ctrl-C as an interactive Python process has it: a pytest started as a background job of a non-interactive shell
     # (`cmd &`) inherits SIGINT ignored, Python then keeps it so, and the runtime rightly has nothing to hold
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    with fail_at(after_first_step, signum=signal.SIGINT) as hit, pytest.raises(KeyboardInterrupt) as info:
-        sm(*data[0])
-    assert hit["hit"] and "finished first" in " ".join(info.value.__notes__)
-    assert sm.steps == 1 and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with fail_at(after_first_step, signum=signal.SIGINT) as hit, pytest.raises(KeyboardInterrupt) as info:
+            sm(*data[0])
+        assert hit["hit"] and "finished first" in " ".join(info.value.__notes__)
+        assert sm.steps == 1 and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:                       # the process's handler as the test found it, for the tests after this one
+        signal.signal(signal.SIGINT, previous)
     sm(*data[1])
     assert_bitwise(sm, expected(ref, data[:2]))
     sm.close()
