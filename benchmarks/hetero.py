@@ -15,15 +15,15 @@ equal state shares.
 
 Then a REAL run on this machine (skip it with ``--simulated-only``): 3 ranks started by
 ``torchrun --nproc_per_node 3`` (gloo), each a logical CPU device with its own memory budget
-and an EMULATED speed factor (1x, 2x, 4x slower by default: the runtime sleeps
-(factor - 1) x the measured time of each compute op), train the built-in GPT on one global
-batch split two ways, ``balance="uniform"`` and ``balance="auto"`` (the ILP), compiled side
-by side and run step by step in turns. Measured: the median over ``--steps`` steps after
-``--warmup`` of the slowest rank's step. Predicted: each rank's compiled plan simulated on
-its device, the slowest rank's. Parameters after the run are checked equal on every rank
-(digest). Each rank keeps and steps the optimizer state of its planned state share
-(``shard_state``, on under ``balance``: columns state_share and optimizer_MiB). Targets:
-balanced <= 0.8 x uniform, prediction within 15%.
+and an EMULATED speed factor (1x, 2x, 4x slower by default: the runtime sleeps each
+compute op out to factor x its time alone on a core, runtime/executor.emulation_pause), train
+the built-in GPT on one global batch split two ways, ``balance="uniform"`` and
+``balance="auto"`` (the ILP), compiled side by side and run step by step in turns.
+Measured: the median over ``--steps`` steps after ``--warmup`` of the slowest rank's step.
+Predicted: each rank's compiled plan simulated on its device, the slowest rank's. Parameters
+after the run are checked equal on every rank (digest). Each rank keeps and steps the
+optimizer state of its planned state share (``shard_state``, on under ``balance``: columns
+state_share and optimizer_MiB). Targets: balanced <= 0.8 x uniform, prediction within 15%.
 
 The hardware the simulator reads is measured inside the job, before compiling, at one
 intra-op thread as the steps run: ``Hardware.profile`` (matmul peak, per-op latency, the

@@ -3,9 +3,10 @@
 The built-in GPT trained (AdamW, fp32) by one rank, and by ``--ranks`` pipelined ranks (``torchrun
 --nproc_per_node N``, gloo) with contiguous and round-robin placement (and contiguous and "layers" with each
 ``--groups`` value as ``pipeline_group``), each rank a logical CPU device with the same
-``memory_budget`` and the same EMULATED speed factor (``--speed-factor``, default 4: the runtime sleeps (factor - 1)
-x the measured time of each compute op, so the ranks' compute does not fight over this machine's two cores and the
-pipeline's overlap shows; Hardware.this_machine().logical(budgets, speed_factors), as benchmarks/hetero.py does).
+``memory_budget`` and the same EMULATED speed factor (``--speed-factor``, default 4: the runtime sleeps each compute
+op out to factor x its time alone on a core, runtime/executor.emulation_pause, so the ranks' compute does not fight
+over this machine's two cores and the pipeline's overlap shows; Hardware.this_machine().logical(budgets,
+speed_factors), as benchmarks/hetero.py does).
 Measured: the median step time after ``--warmup`` steps (the slowest rank's; every rank ends a step together, at
 the loss broadcast), throughput in samples/s and its ratio to one rank; per rank the training state it holds
 (``sm.stats`` state_weight_bytes + state_optim_bytes) and its peak RSS; whether the parameters after the run are

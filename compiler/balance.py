@@ -334,8 +334,9 @@ def report(plan: BalancePlan, devices, rank: int, how: str, sharded: bool = True
     rep.totals = dict(global_batch=plan.global_batch, predicted_step_s=plan.step_seconds, status=plan.status,
                       solve_s=plan.solve_seconds)
     if any(getattr(d, "speed_factor", 1.0) != 1 for d in devices):
-        rep.notes.append("speed factors are EMULATION: a rank's runtime sleeps (factor - 1) x the measured time of "
-                         "each compute op, and the simulator stretches its compute stream alike; no device is slower")
+        rep.notes.append("speed factors are EMULATION: a rank's runtime sleeps each compute op out to factor x its "
+                         "time alone on a core, and the simulator stretches its compute stream alike; no device "
+                         "is slower")
     if sharded:
         rep.notes.append("state shares are applied to the OPTIMIZER STATE (ZeRO stage 1, runtime/shard.py): each "
                          "rank keeps and steps the parameters of its share (contiguous, by bytes) and broadcasts "

@@ -57,7 +57,7 @@ def run_graph(rt, graph: torch.fx.Graph, free_after: dict, txn: Transaction) -> 
         op = op_of(node)
         args = torch.fx.node.map_arg(node.args, env.__getitem__)
         kwargs = torch.fx.node.map_arg(node.kwargs, env.__getitem__)
-        start = time.perf_counter() - t0
+        start, cpu = time.perf_counter() - t0, time.thread_time()
         peak, meter.peak = meter.peak, meter.live
         if node.target is step and not (getattr(rt, "gate", None) is not None and node.kwargs.get("where") == "host"):
             txn.stepping(node.args[0])     # a deferred host update counts when the gate runs it
@@ -66,12 +66,26 @@ def run_graph(rt, graph: torch.fx.Graph, free_after: dict, txn: Transaction) -> 
             # EMULATION of a slower device: a compute op on it takes speed_factor x as long, so this
             # thread idles for the rest (a sleep leaves the core to other ranks, as a device of its own
             # would). A step on host copies is the host's work, not the device's: not stretched.
-            time.sleep((rt.speed_factor - 1.0) * (time.perf_counter() - t0 - start))
+            time.sleep(emulation_pause(rt.speed_factor, time.thread_time() - cpu,
+                                       time.perf_counter() - t0 - start))
         rt.events.append(TraceEvent(node.name, op.kind, "compute" if op.kind == "compute" else "copy",
                                     start, time.perf_counter() - t0, meter.live, meter.peak))
         meter.peak = max(peak, meter.peak)
         for dead in free_after[node]:
             env.pop(dead, None)
+
+
+def emulation_pause(factor: float, cpu: float, wall: float) -> float:
+    """Seconds a compute op that took ``wall`` seconds, ``cpu`` of them on its thread's CPU, idles after it so that
+    it lasts ``factor`` x its time alone on a core.
+
+    Its time alone is its thread's CPU time where torch computes on the calling thread (one intra-op thread):
+    ranks that share this machine's cores wait for one another, and a device of their own would not, so the time
+    an op spent waiting for a core is not stretched ``factor`` times over (it was, once: four emulated ranks on
+    two cores paid their contention four times). With several intra-op threads the op's CPU is spread over
+    threads this one does not see: its wall time is the measure then."""
+    alone = cpu if torch.get_num_threads() == 1 else wall
+    return max(0.0, factor * alone - wall)
 
 
 @contextlib.contextmanager
@@ -111,9 +125,9 @@ class Runtime:
     """Executes a schedule graph on real tensors, one device, enforcing its memory budget.
 
     ``speed_factor`` > 1 emulates a slower device: each compute op (forward, backward, an
-    optimizer step on the device) is followed by a sleep of ``(speed_factor - 1)`` times its
-    measured time, as the simulator stretches the compute stream. Copies, all-reduces and
-    steps on the host are not stretched.
+    optimizer step on the device) is followed by a sleep that makes it last ``speed_factor`` times
+    its time alone on a core (``emulation_pause``), as the simulator stretches the compute stream.
+    Copies, all-reduces and steps on the host are not stretched.
     """
 
     def __init__(self, plan: Plan, graph: torch.fx.Graph, tensors: dict, optimizers: dict,
