@@ -9,9 +9,10 @@ over this machine's two cores and the pipeline's overlap shows; Hardware.this_ma
 speed_factors), as benchmarks/hetero.py does).
 Measured: the median step time after ``--warmup`` steps (the slowest rank's; every rank ends a step together, at
 the loss broadcast), throughput in samples/s and its ratio to one rank; per rank the training state it holds
-(``sm.stats`` state_weight_bytes + state_optim_bytes) and its peak RSS; whether the parameters after the run are
-bitwise those of the one-rank run. Data parallel on the same ranks would hold the whole state on every rank: its
-figure is the one-rank state times the ranks (not run).
+(``sm.stats`` state_weight_bytes + state_optim_bytes), its peak RSS and its host memory apart from its logical
+device (``HostSampler``), summed over the node against the state once plus 1 GiB per rank; whether the parameters
+after the run are bitwise those of the one-rank run. Data parallel on the same ranks would hold the whole state on
+every rank: its figure is the one-rank state times the ranks (not run).
 
     python benchmarks/pipeline.py                       # 4 ranks, 8 layers of width 256, speed factor 4
     python benchmarks/pipeline.py --ranks 2 --layers 4  # smaller
@@ -116,10 +117,18 @@ def real_part(args) -> dict:
                          state_MiB=" ".join(f"{b / 2**20:.1f}" for b in r["state"]),
                          node_state_MiB=sum(r["state"]) / 2**20,
                          peak_rss_MiB=" ".join(f"{b / 2**20:.0f}" for b in r["rss"]),
+                         host_MiB=" ".join(f"{b / 2**20:.0f}" for b in r["host"]),
+                         node_host_MiB=sum(r["host"]) / 2**20,
                          within_budget=r["within"], bitwise_as_1_rank=r["digest"] == one["digest"]))
     print(common.table(rows, f"GPT {args.layers} layers x {args.width}, batch {args.batch} x {args.seq} tokens in "
                              f"{args.microbatches} microbatches, budget {args.budget:g} of the state per device, "
                              f"speed factor {args.speed_factor:g} (EMULATED)"))
+    node = sum(one["state"]) + args.ranks * 2**30
+    print(f"host_MiB: each rank's peak resident memory less its logical device's live bytes, sampled every 20 ms "
+          f"(on a GPU node the device's bytes are not host memory); target for {args.ranks} ranks: the state once plus "
+          f"1 GiB per rank = {node / 2**20:.0f} MiB; " + "; ".join(
+              f"{r['run']}: {r['node_host_MiB']:.0f} MiB ({'within' if r['node_host_MiB'] * 2**20 <= node else 'OVER'})"
+              for r in rows if not r["run"].startswith("1 ")))
     print(f"data parallel on {args.ranks} ranks would hold {args.ranks} x {sum(one['state']) / 2**20:.1f} MiB = "
           f"{args.ranks * sum(one['state']) / 2**20:.1f} MiB of training state on the node (not run)\n", flush=True)
     return {r["run"]: r["vs_one_rank"] for r in rows}
@@ -263,6 +272,38 @@ def _launch(args, out: Path, ranks: int, placement: str, group: int | None = Non
     return json.loads(result.read_text())
 
 
+class HostSampler:
+    """The most host memory the process held apart from its logical device, sampled every ``every`` seconds on a
+    thread: resident memory (``/proc/self/statm``) less the device bytes its meter counts live at that moment. On a
+    GPU node the device's bytes are not host memory; on this machine the logical device sits in the process's RAM.
+    Bytes the allocator keeps after the device frees them count as host: an upper bound."""
+
+    def __init__(self, meter, every: float = 0.02):
+        import threading
+        self.meter, self.every, self.peak = meter, every, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _sample(self) -> None:
+        with open("/proc/self/statm") as f:
+            rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        self.peak = max(self.peak, rss - self.meter.live)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every):
+            self._sample()
+
+    def __enter__(self):
+        self._sample()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self._sample()
+
+
 def worker(args) -> None:
     import hashlib
 
@@ -286,11 +327,12 @@ def worker(args) -> None:
         if args.placement != "none" else {}
     sm = harmony.compile(model, data[0], memory_budget=budget, microbatches=args.microbatches, hardware=hw, **kw)
     times, within = [], True
-    for i, batch in enumerate(data):
-        sm(*batch)
-        within = within and sm.stats["measured_peak"] <= sm.stats["budget"]
-        if i >= args.warmup:
-            times.append(sm.stats["step_seconds"])
+    with HostSampler(sm.runtime.meter) as host:
+        for i, batch in enumerate(data):
+            sm(*batch)
+            within = within and sm.stats["measured_peak"] <= sm.stats["budget"]
+            if i >= args.warmup:
+                times.append(sm.stats["step_seconds"])
     mine = sm.state_dict()["model"]
     held = sm.stats.get("state_weight_bytes", 0) + sm.stats.get("state_optim_bytes", 0)
     if not kw:       # one rank: every weight and all optimizer state
@@ -299,7 +341,8 @@ def worker(args) -> None:
     # each parameter's digest, not the tensors: gathering every rank's weights on each would hold the model N times
     mine = {n: hashlib.sha256(t.detach().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
             for n, t in mine.items()}
-    me = dict(step_s=statistics.median(times), state=held, rss=sm.stats["peak_rss_bytes"], within=within,
+    me = dict(step_s=statistics.median(times), state=held, rss=sm.stats["peak_rss_bytes"], host=host.peak,
+              within=within,
               packs=len(sm.plan.packs), params=mine,
               group=next((r.totals["group"] for r in sm.program.reports if r.title.startswith("stage")), ""))
     every = [me]
@@ -314,6 +357,7 @@ def worker(args) -> None:
             h.update(f"{n}:{params[n]};".encode())
         Path(args.worker).write_text(json.dumps(dict(
             step_s=max(r["step_s"] for r in every), state=[r["state"] for r in every], rss=[r["rss"] for r in every],
+            host=[r["host"] for r in every],
             within=all(r["within"] for r in every), packs=[r["packs"] for r in every], digest=h.hexdigest(),
             group=every[0]["group"])))
 
