@@ -1,8 +1,8 @@
 """Pipeline across devices (``parallel="pipeline"``, issue 31), part 1: a REAL run on this machine.
 
 The built-in GPT trained (AdamW, fp32) by one rank, and by ``--ranks`` pipelined ranks (``torchrun
---nproc_per_node N``, gloo) with contiguous and round-robin placement (and contiguous and "layers" with each
-``--groups`` value as ``pipeline_group``), each rank a logical CPU device with the same
+--nproc_per_node N``, gloo) with contiguous and round-robin placement (and contiguous, "layers" and round-robin
+with each ``--groups`` value as ``pipeline_group``), each rank a logical CPU device with the same
 ``memory_budget`` and the same EMULATED speed factor (``--speed-factor``, default 4: the runtime sleeps each compute
 op out to factor x its time alone on a core, runtime/executor.emulation_pause, so the ranks' compute does not fight
 over this machine's two cores and the pipeline's overlap shows; Hardware.this_machine().logical(budgets,
@@ -70,8 +70,8 @@ def main():
     ap.add_argument("--placement", default="contiguous", help=argparse.SUPPRESS)
     ap.add_argument("--group", type=_group, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--groups", type=_group, nargs="*", default=[1],
-                    help="pipeline_group values (a number or auto) run as extra rows, contiguous and layers placement "
-                         "(default: 1)")
+                    help="pipeline_group values (a number or auto) run as extra rows, contiguous, layers and "
+                         "round-robin placement (default: 1)")
     ap.add_argument("--simulated", action="store_true", help="part 2 only (the simulated servers)")
     ap.add_argument("--real", action="store_true", help="part 1 only (the real ranks on this machine)")
     ap.add_argument("--quick", action="store_true", help="both parts at a small size (under 2 minutes)")
@@ -105,7 +105,7 @@ def real_part(args) -> dict:
     runs = {"1 rank": _launch(args, out, 1, "none")}
     for placement in ("contiguous", "round_robin"):
         runs[f"{args.ranks} ranks {placement}"] = _launch(args, out, args.ranks, placement)
-    for placement in ("contiguous", "layers"):
+    for placement in ("contiguous", "layers", "round_robin"):
         for group in args.groups:
             runs[f"{args.ranks} ranks {placement} group {group}"] = _launch(args, out, args.ranks, placement, group)
     one = runs["1 rank"]

@@ -23,25 +23,41 @@ from harmony.runtime import ops
 from harmony.runtime.pipeline import recv, send, share_loss, share_norms
 
 
-def global_order(n_packs: int, microbatches: int, policy: str, group: int | None = None) -> list[tuple]:
+def global_order(n_packs: int, microbatches: int, policy: str, group: int | None = None,
+                 rank_of: list[int] | None = None) -> list[tuple]:
     """The single-device order: ("F", pack, mb), ("FB", last, mb) (kept forward, then backward), ("B", pack, mb),
     ("S", pack) (the optimizer step).
 
     Under "harmony" the microbatches go through the packs in groups of ``group`` (default all of them: each pack
-    is swapped in once per pass, Harmony's grouping): every group's forwards, pack after pack, then every group's
-    backwards in reverse pack order, each pack's step after its last group. A smaller group lets the next rank
-    start on a group while this one runs the next (a finer pipeline) for more swaps of packs that do not stay
-    resident; each pack still accumulates its microbatches in order 0..M-1, the same bits."""
+    is swapped in once per pass, Harmony's grouping): every forward first, then every backward, each pack's step
+    after its last group. A smaller group lets the next rank start on a group while this one runs the next (a
+    finer pipeline) for more swaps of packs that do not stay resident; each pack still accumulates its
+    microbatches in order 0..M-1, the same bits.
+
+    The forwards go as a wavefront over (pipeline position, group): a pack's position is the number of rank
+    changes before it along the packs (``rank_of``; none on one device), and pack p's forward of group g comes
+    at ``position(p) + g`` (the earlier group first there, then packs in order); the backwards alike from the last
+    pack. On one device, and on each rank where a rank's packs are contiguous, that is every group's forwards
+    pack after pack, then every group's backwards in reverse pack order. Where a rank's packs are not contiguous
+    (``round_robin``), a rank runs its next pack on the first group while the other ranks run the packs between
+    (the interleaved pipeline); ordering by group alone made each group go through every pack of the node before
+    the next group started anywhere."""
     last, out = n_packs - 1, []
     if policy == "harmony":
         size = group or microbatches
-        groups = [range(s, min(s + size, microbatches)) for s in range(0, microbatches, size)]
-        for mbs in groups:
-            out += [("F", p, mb) for p in range(last) for mb in mbs] + [("FB", last, mb) for mb in mbs]
+        at = [0] * n_packs
+        for p in range(1, n_packs):
+            at[p] = at[p - 1] + (rank_of is not None and rank_of[p] != rank_of[p - 1])
+        # at one point of the wavefront the earlier group first (it is further along), then packs in order
+        forwards = sorted((at[p] + mb // size, mb // size, p, mb) for p in range(n_packs) for mb in range(microbatches))
+        out += [("FB" if p == last else "F", p, mb) for _, _, p, mb in forwards]
         out.append(("S", last))
-        for i, mbs in enumerate(groups):
-            for p in reversed(range(last)):
-                out += [("B", p, mb) for mb in mbs] + ([("S", p)] if i == len(groups) - 1 else [])
+        backwards = sorted((at[last] - at[p] + mb // size, mb // size, -p, mb)
+                           for p in range(last) for mb in range(microbatches))
+        for _, _, p, mb in backwards:
+            out.append(("B", -p, mb))
+            if mb == microbatches - 1:
+                out.append(("S", -p))
         return out
     for mb in range(microbatches):
         out += [("F", p, mb) for p in range(last)] + [("FB", last, mb)]
@@ -123,7 +139,7 @@ def lower_stages(program: Program) -> torch.fx.Graph:
     b = StageBuilder(program)
     clipping = program.config.clip_grad_norm is not None
     steps = []        # under clipping: after the last backward and the norms' exchange (runtime/pipeline.py)
-    for event in global_order(b.n, b.m, program.config.policy, program.config.pipeline_group):
+    for event in global_order(b.n, b.m, program.config.policy, program.config.pipeline_group, b.st.rank_of):
         g = event[1]
         if g not in b.mine:
             continue

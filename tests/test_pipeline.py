@@ -32,6 +32,9 @@ RUNS = {"gpt": ("gpt", 0.5, "contiguous"), "gpt_tight": ("gpt", 0.3, "round_robi
         "gpt_disk": ("gpt", 0.5, "contiguous", dict(weights_on="disk")),
         # stages balanced over the layers; one microbatch at a time through a rank's packs, handed on after each
         "gpt_group1": ("gpt", 0.2, "layers", dict(pipeline_group=1)),
+        # round robin one microbatch at a time: the interleaved pipeline (a rank's next pack runs microbatch 0 while
+        # its first pack runs the next ones)
+        "gpt_rr_group1": ("gpt", 0.3, "round_robin", dict(pipeline_group=1)),
         # the group size the node's simulation predicts fastest, the same on every rank (the stage pass checks)
         "gpt_auto": ("gpt", 0.2, "layers", dict(pipeline_group="auto"))}
 
@@ -239,6 +242,8 @@ def test_a_rank_hands_each_group_of_microbatches_on_once_its_packs_ran_it(two):
     first = ops[:ops.index("send")].count("forward")
     assert len(run["packs"]) > 1 and first == len(run["packs"]), (first, run["packs"])
     assert "in groups of 1" in run["text"] and f"in groups of {MICROBATCHES}" in two[0]["gpt"]["text"]
+    rr = two[0]["gpt_rr_group1"]      # round robin: rank 0 waits for its second pack's input after two forwards
+    assert len(rr["packs"]) > 1 and rr["ops"][:rr["ops"].index("recv")].count("forward") == 2, rr["ops"][:12]
     auto = [two[r]["gpt_auto"]["text"] for r in (0, 1)]
     assert all("chosen by pipeline_group='auto'" in t and "4: " in t and "1: " in t for t in auto)
 
@@ -326,6 +331,39 @@ def test_grouped_order_runs_each_group_through_the_packs_and_steps_after_the_las
     for p in range(2):      # every pack accumulates microbatches 0..3 in order, as one device does
         assert [e[2] for e in order if e[:2] == ("B", p)] == [0, 1, 2, 3]
     assert global_order(3, 4, "harmony") == global_order(3, 4, "harmony", 4) == global_order(3, 4, "harmony", 9)
+
+
+def _check_valid_order(order, n, m):
+    """A single-device order: every op once, each pack's microbatches in order, each after what it reads."""
+    at = {e: i for i, e in enumerate(order)}
+    assert len(at) == len(order) == 2 * n * m - m + n
+    for p in range(n):
+        f = "FB" if p == n - 1 else "F"
+        assert [e[2] for e in order if e[:2] == (f, p)] == list(range(m))
+        assert p == n - 1 or [e[2] for e in order if e[:2] == ("B", p)] == list(range(m))
+        for mb in range(m):
+            assert p == 0 or at[(f, p, mb)] > at[("F", p - 1, mb)]
+            if p < n - 1:
+                assert at[("B", p, mb)] > at[("FB" if p == n - 2 else "B", p + 1, mb)]
+        assert at[("S", p)] == at[("FB" if p == n - 1 else "B", p, m - 1)] + 1
+
+
+def test_the_order_is_a_wavefront_that_interleaves_round_robin_packs():
+    for n, m in ((2, 1), (3, 4), (5, 5), (6, 8)):
+        for group in range(1, m + 1):
+            plain = global_order(n, m, "harmony", group)
+            _check_valid_order(plain, n, m)
+            contiguous = sorted(p * 3 // n for p in range(n))    # each rank's packs together: each runs as before
+            node = global_order(n, m, "harmony", group, contiguous)
+            for k in set(contiguous):
+                assert [e for e in node if contiguous[e[1]] == k] == [e for e in plain if contiguous[e[1]] == k]
+            rr = global_order(n, m, "harmony", group, [p % 3 for p in range(n)])
+            _check_valid_order(rr, n, m)
+            if group == m:           # one group: pack-major, as Harmony's grouping
+                assert rr == plain
+    mine = [e for e in global_order(4, 4, "harmony", 1, [0, 1, 0, 1]) if e[0] == "F" and e[1] in (0, 2)]
+    assert mine == [("F", 0, 0), ("F", 0, 1), ("F", 2, 0), ("F", 0, 2), ("F", 2, 1), ("F", 0, 3), ("F", 2, 2),
+                    ("F", 2, 3)]      # rank 0: its second pack on microbatch 0 as soon as rank 1 has sent it
 
 
 def test_each_rank_runs_the_single_device_order_of_its_packs():
