@@ -89,10 +89,24 @@ def init_process_group(timeout: float = 60.0, backend: str | None = None, **kwar
 
     The backend defaults to nccl when CUDA is available, else gloo. The timeout bounds every
     collective: a rank that dies or stalls makes the others fail instead of hanging.
+
+    The group made here is destroyed at exit (``atexit``) unless the caller destroyed it first: a gloo
+    group left for the interpreter's finalization can abort the process ("terminate called without an
+    active exception", SIGABRT) after training ended well, when its workers free the tensors of their
+    last work without the interpreter they need.
     """
+    import atexit
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout), **kwargs)
+    atexit.register(_destroy_at_exit, dist.group.WORLD)
+
+
+def _destroy_at_exit(world) -> None:
+    """The process group ``init_process_group`` made, destroyed while the interpreter is whole (if it still is
+    the one in use: a caller may have destroyed it and made another)."""
+    if dist.is_initialized() and dist.group.WORLD is world:
+        dist.destroy_process_group()
 
 
 def wait_work(work, what: str, timeout: float | None, group=None) -> None:

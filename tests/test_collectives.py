@@ -478,3 +478,25 @@ def test_stalled_rank_makes_the_others_fail_within_the_timeout():
     kind, seconds, msg = res[0]
     assert kind == "CommunicationError", res[0]
     assert seconds < 10 and "within 3 s" in msg
+
+
+def _group_of_our_own(rank, world):
+    """The harness's group destroyed, one made by harmony's init_process_group, then the exit handlers run."""
+    import atexit
+
+    import torch.distributed as dist
+
+    from harmony.runtime.collectives import init_process_group
+    store = dist.distributed_c10d._get_default_store()
+    dist.destroy_process_group()
+    init_process_group(30, "gloo", store=dist.PrefixStore("ours", store), rank=rank, world_size=world)
+    x = torch.ones(3)
+    dist.all_reduce(x)
+    atexit._run_exitfuncs()
+    return x.tolist(), dist.is_initialized()
+
+
+def test_the_group_harmony_makes_is_destroyed_at_exit():
+    """Left to the interpreter's finalization, a gloo group sometimes aborted the process after training ended."""
+    res = _spawn(2, _group_of_our_own)
+    assert res == {0: ([2.0] * 3, False), 1: ([2.0] * 3, False)}, res
