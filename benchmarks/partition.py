@@ -122,6 +122,8 @@ def _peer_rank(args, zero3_peer) -> None:
     r = int(os.environ["RANK"])
     mine = zero3_peer.rank(c, x.chunk(world)[r], y.chunk(world)[r], args.microbatches, args.steps + 1)
     _report(args, dict(mine, rank=r, host_state_MiB=None, sent_MiB_per_step=None, params=None))
+    import torch.distributed as dist
+    dist.destroy_process_group()    # DeepSpeed's group: left to the interpreter's exit, gloo may abort the rank
 
 
 def launch(world: int, mode: str, args) -> list[dict]:
