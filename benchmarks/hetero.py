@@ -28,7 +28,7 @@ state_share and optimizer_MiB). Targets: balanced <= 0.8 x uniform, prediction w
 The hardware the simulator reads is measured inside the job, before compiling, at one
 intra-op thread as the steps run: ``Hardware.profile`` (matmul peak, per-op latency, the
 share of peak a transformer block sustains, memcpy) and the gloo all-reduce among the
-ranks (``collectives.measure_network``; the preset network figure is a nominal 10 Gb/s).
+ranks (``process_group.measure_network``; the preset network figure is a nominal 10 Gb/s).
 Three processes share this machine's 2 cores (and other users' jobs), so what the profile
 sees depends on what the other ranks do meanwhile (``--profile-load``): profiled on rank 0
 with the others idle, predictions of the balanced step ran 22-36% short of the measured one
@@ -257,9 +257,9 @@ def worker(args):
     out = Path(args.worker)
     given = json.loads((out / "budgets.json").read_text())
     if not dist.is_initialized():
-        from harmony.runtime.collectives import init_process_group
+        from harmony.runtime.process_group import init_process_group
         init_process_group(timeout=120.0)
-    from harmony.runtime.collectives import measure_network
+    from harmony.runtime.process_group import measure_network
     c = gpt_config(args)
     hw = profile_under_load(args, given["speed_factors"])
     bandwidth, latency = measure_network()      # gloo on this machine, not the nominal 10 Gb/s Ethernet

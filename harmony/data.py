@@ -51,7 +51,7 @@ def resolve(data_parallel=None, comm_timeout: float = 300.0) -> dict:
     if data_parallel is False:
         return dict(data_parallel=False, world_size=None)
     if not initialized() and int(os.environ.get("WORLD_SIZE", 1)) > 1:
-        from harmony.runtime.collectives import init_process_group
+        from harmony.runtime.process_group import init_process_group
         missing = [v for v in ("MASTER_ADDR", "MASTER_PORT", "RANK") if v not in os.environ]
         if missing:
             raise ConfigError(f"WORLD_SIZE={os.environ['WORLD_SIZE']} but {', '.join(missing)} not set: launch "

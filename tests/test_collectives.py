@@ -486,7 +486,7 @@ def _group_of_our_own(rank, world):
 
     import torch.distributed as dist
 
-    from harmony.runtime.collectives import init_process_group
+    from harmony.runtime.process_group import init_process_group
     store = dist.distributed_c10d._get_default_store()
     dist.destroy_process_group()
     init_process_group(30, "gloo", store=dist.PrefixStore("ours", store), rank=rank, world_size=world)

@@ -492,7 +492,7 @@ def _hetero_ranks(rank, world):
         allreduce([x], spec, weight=w, min_size=0)
         out["weighted"][spec.kind] = x.numpy().copy()
     out["inputs"] = t.numpy().copy()
-    from harmony.runtime.collectives import measure_network
+    from harmony.runtime.process_group import measure_network
     out["network"] = measure_network(1 << 20, repeats=3)
     for key, kw in (("wrong_count", dict(hardware=cpu.logical(budgets[:2]), balance="auto")),
                     ("too_small", dict(hardware=cpu.logical([1 << 16] * 3), balance="auto")),

@@ -1,0 +1,66 @@
+"""The process group: made from the torchrun environment (and destroyed at exit), and its network measured as the
+simulator costs it."""
+from __future__ import annotations
+
+import atexit
+import math
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+def init_process_group(timeout: float = 60.0, backend: str | None = None, **kwargs) -> None:
+    """``dist.init_process_group`` from the torchrun environment with a timeout in seconds.
+
+    The backend defaults to nccl when CUDA is available, else gloo. The timeout bounds every
+    collective: a rank that dies or stalls makes the others fail instead of hanging.
+
+    The group made here is destroyed at exit (``atexit``) unless the caller destroyed it first: a gloo
+    group left for the interpreter's finalization can abort the process ("terminate called without an
+    active exception", SIGABRT) after training ended well, when its workers free the tensors of their
+    last work without the interpreter they need.
+    """
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend, timeout=timedelta(seconds=timeout), **kwargs)
+    atexit.register(_destroy_at_exit, dist.group.WORLD)
+
+
+def _destroy_at_exit(world) -> None:
+    """The process group ``init_process_group`` made, destroyed while the interpreter is whole (if it still is
+    the one in use: a caller may have destroyed it and made another)."""
+    if dist.is_initialized() and dist.group.WORLD is world:
+        dist.destroy_process_group()
+
+
+def measure_network(nbytes: int = 16 << 20, repeats: int = 5, group=None) -> tuple[float, float]:
+    """(bytes/s, seconds per message) of this group's fp32 all-reduce, as the simulator costs it.
+
+    The simulator charges a ring all-reduce of ``n`` bytes ``2 (w - 1) / w * n / bandwidth +
+    2 (w - 1) * latency``; this times ``repeats`` all-reduces of 4 KiB and of ``nbytes`` (medians)
+    and solves for the two. A collective: every rank of ``group`` calls it, and gets the same
+    figures (rank 0's, broadcast).
+    """
+    world = dist.get_world_size(group)
+    if world == 1:
+        return math.inf, 0.0
+
+    def timed(n):
+        buf = torch.zeros(max(n // 4, 1))
+        times = []
+        for _ in range(repeats):
+            dist.barrier(group=group)
+            t0 = time.perf_counter()
+            dist.all_reduce(buf, group=group)
+            times.append(time.perf_counter() - t0)
+        return sorted(times)[len(times) // 2]
+
+    small, big = timed(4096), timed(nbytes)
+    hops = 2 * (world - 1)
+    latency = max(small / hops, 1e-6)
+    bandwidth = hops / world * nbytes / max(big - hops * latency, 1e-9)
+    figures = torch.tensor([bandwidth, latency], dtype=torch.float64)
+    dist.broadcast(figures, src=0, group=group)
+    return float(figures[0]), float(figures[1])
