@@ -377,8 +377,11 @@ SIGNALLED = """
 import os, signal, sys, time
 sys.path.insert(0, {tests!r})
 from test_disk import compile_gpt, DATA, TINY, smallest_host_budget
+signal.signal(signal.{sig}, signal.SIG_DFL)    # not what a launcher left (nohup ignores SIGHUP for its children)
 if {handler!r} == "exit":
     signal.signal(signal.{sig}, lambda *a: sys.exit(3))
+if {handler!r} == "ignore":
+    signal.signal(signal.{sig}, signal.SIG_IGN)
 sm = compile_gpt(cfg=TINY, host_memory_budget=smallest_host_budget(TINY), offload_dir={dir!r})
 sm(*DATA[0])
 print(sm.runtime.state.disk.store.path, flush=True)
@@ -386,10 +389,12 @@ time.sleep(60)
 """
 
 
-@pytest.mark.parametrize("sig,handler", [("SIGTERM", None), ("SIGHUP", None), ("SIGTERM", "exit")])
+@pytest.mark.parametrize("sig,handler", [("SIGTERM", None), ("SIGHUP", None), ("SIGTERM", "exit"),
+                                         ("SIGHUP", "ignore")])
 def test_sigterm_and_sighup_remove_the_offload_directory(tmp_path, sig, handler):
     """Finding 5: SIGTERM and SIGHUP remove the private directory as SIGINT does; the process still dies of the
-    signal, and a handler the user installed still runs (here it exits with status 3)."""
+    signal, and a handler the user installed still runs (here it exits with status 3). A signal the process
+    ignores stays ignored (a job under nohup outlives its terminal's hangup): then SIGTERM ends it, and cleans."""
     import subprocess
     import sys
     from pathlib import Path
@@ -400,8 +405,14 @@ def test_sigterm_and_sighup_remove_the_offload_directory(tmp_path, sig, handler)
     made = Path(p.stdout.readline().strip())
     assert made.is_dir() and any(made.iterdir())
     p.send_signal(getattr(signal, sig))
+    if handler == "ignore":
+        with pytest.raises(subprocess.TimeoutExpired):
+            p.wait(timeout=2)
+        assert made.is_dir()
+        p.send_signal(signal.SIGTERM)
+        sig = "SIGTERM"
     rc = p.wait(timeout=60)
-    assert rc == (3 if handler else -getattr(signal, sig))
+    assert rc == (3 if handler == "exit" else -getattr(signal, sig))
     assert not made.exists()
 
 
