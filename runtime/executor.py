@@ -51,18 +51,20 @@ def run_graph(rt, graph: torch.fx.Graph, free_after: dict, txn: Transaction) -> 
     env: dict[torch.fx.Node, object] = {}
     t0 = time.perf_counter()
     meter = rt.meter
+    emulated = rt.speed_factor != 1.0
     for node in graph.nodes:
         if node.op != "call_function":
             continue
         op = op_of(node)
         args = torch.fx.node.map_arg(node.args, env.__getitem__)
         kwargs = torch.fx.node.map_arg(node.kwargs, env.__getitem__)
-        start, cpu = time.perf_counter() - t0, time.thread_time()
+        start = time.perf_counter() - t0
+        cpu = time.thread_time() if emulated else 0.0      # a system call: only where an op is stretched
         peak, meter.peak = meter.peak, meter.live
         if node.target is step and not (getattr(rt, "gate", None) is not None and node.kwargs.get("where") == "host"):
             txn.stepping(node.args[0])     # a deferred host update counts when the gate runs it
         env[node] = op.execute(rt, *args, **kwargs)
-        if rt.speed_factor != 1.0 and op.kind == "compute" and kwargs.get("where", "device") != "host":
+        if emulated and op.kind == "compute" and kwargs.get("where", "device") != "host":
             # EMULATION of a slower device: a compute op on it takes speed_factor x as long, so this
             # thread idles for the rest (a sleep leaves the core to other ranks, as a device of its own
             # would). A step on host copies is the host's work, not the device's: not stretched.
