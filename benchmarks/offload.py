@@ -421,7 +421,7 @@ def child(a) -> None:
     if a.child == "harmony":
         import harmony  # noqa: F401  (first, as a user's script would: it sets the process up before torch loads)
     import torch
-    from harmony.base.process import huge_pages, idle_threads_sleep
+    from harmony.base.process import huge_pages, idle_threads_sleep, rss_bytes
     workdir = a.workdir
     result = {"system": a.child}
     t0 = time.perf_counter()
@@ -433,7 +433,7 @@ def child(a) -> None:
         result["setup_s"] = time.perf_counter() - t0
         result["huge_pages"] = huge_pages()
         result["idle_threads_sleep"] = idle_threads_sleep()
-        result["rss_after_setup"] = int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        result["rss_after_setup"] = rss_bytes()
         # clear_refs resets the high-water mark getrusage reads too: keep the setup's peak first
         result["peak_rss_setup"] = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, vm_hwm_bytes())
         result["hwm_reset"] = reset_peak_rss()

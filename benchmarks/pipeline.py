@@ -274,9 +274,9 @@ def _launch(args, out: Path, ranks: int, placement: str, group: int | None = Non
 
 class HostSampler:
     """The most host memory the process held apart from its logical device, sampled every ``every`` seconds on a
-    thread: resident memory (``/proc/self/statm``) less the device bytes its meter counts live at that moment. On a
-    GPU node the device's bytes are not host memory; on this machine the logical device sits in the process's RAM.
-    Bytes the allocator keeps after the device frees them count as host: an upper bound."""
+    thread: resident memory (``base.process.rss_bytes``) less the device bytes its meter counts live at that
+    moment. On a GPU node the device's bytes are not host memory; on this machine the logical device sits in the
+    process's RAM. Bytes the allocator keeps after the device frees them count as host: an upper bound."""
 
     def __init__(self, meter, every: float = 0.02):
         import threading
@@ -285,9 +285,8 @@ class HostSampler:
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _sample(self) -> None:
-        with open("/proc/self/statm") as f:
-            rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-        self.peak = max(self.peak, rss - self.meter.live)
+        from harmony.base.process import rss_bytes
+        self.peak = max(self.peak, rss_bytes() - self.meter.live)
 
     def _run(self) -> None:
         while not self._stop.wait(self.every):
