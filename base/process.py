@@ -4,6 +4,8 @@ from __future__ import annotations
 import os
 import resource
 import sys
+import traceback
+from concurrent.futures import ThreadPoolExecutor
 
 
 def peak_rss_bytes() -> int:
@@ -183,8 +185,35 @@ def run_when_idle() -> bool:
     return True
 
 
+class Pool(ThreadPoolExecutor):
+    """A ``ThreadPoolExecutor`` whose jobs let go of their function and arguments before their future resolves.
+
+    The standard pool's worker keeps a job's function and arguments until after it has set the
+    job's future. Whoever waits on the future can run on and find them still alive: a buffer the job
+    read into, a gradient it sent, still counted on the device's meter (a live tensor) for as long
+    as the worker waits for a core. Here the worker takes them out of a box and drops them before it
+    returns, so they are gone by the time the future is done.
+    """
+
+    def submit(self, fn, /, *args, **kwargs):
+        return super().submit(_run_boxed, [(fn, args, kwargs)])
+
+
+def _run_boxed(box: list):
+    fn, args, kwargs = box.pop()
+    try:
+        return fn(*args, **kwargs)
+    except BaseException as e:
+        # the future keeps the exception, its traceback the job's frames and their locals: the lines stay
+        # for the report, the buffers go
+        traceback.clear_frames(e.__traceback__)
+        raise
+    finally:
+        del fn, args, kwargs
+
+
 def started_pool(workers: int, name: str):
-    """A ``ThreadPoolExecutor`` of ``workers`` threads named ``name``, all started now, from the calling thread.
+    """A ``Pool`` of ``workers`` threads named ``name``, all started now, from the calling thread.
 
     A new thread takes the scheduling policy of the thread that starts it, and a pool starts a
     worker in whichever thread submits to it while none is idle: the host thread, at idle priority
@@ -193,8 +222,7 @@ def started_pool(workers: int, name: str):
     here starts one.
     """
     import threading
-    from concurrent.futures import ThreadPoolExecutor
-    pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=name)
+    pool = Pool(max_workers=workers, thread_name_prefix=name)
     gate = threading.Barrier(workers + 1)
     for _ in range(workers):
         pool.submit(gate.wait)

@@ -9,11 +9,11 @@ as ZeRO-Offload does. Moving a tensor between tiers is a real copy, counted in
 from __future__ import annotations
 
 from collections import Counter
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 import torch
 
-from harmony.base.process import run_when_idle, started_pool
+from harmony.base.process import Pool, run_when_idle, started_pool
 from harmony.base.units import nbytes
 from harmony.runtime.memory import MemoryMeter
 from harmony.runtime.placeholders import point
@@ -83,9 +83,9 @@ class TieredState:
         # team and the disk threads leave. (Not where it runs all-reduces: other ranks wait for those.)
         one = device.type == "cpu" and torch.get_num_threads() > 1
         self.host_idle = None             # whether the host thread runs at idle priority (once it has started)
-        self.host_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="harmony-host",
-                                            initializer=self._host_setup if device.type == "cpu" else None,
-                                            initargs=(one, idle_host) if device.type == "cpu" else ())
+        self.host_pool = Pool(max_workers=1, thread_name_prefix="harmony-host",
+                              initializer=self._host_setup if device.type == "cpu" else None,
+                              initargs=(one, idle_host) if device.type == "cpu" else ())
         self.pending: dict[str, Future] = {}  # param name -> optimizer step running on the host
         self.disk = None                  # runtime.disk.DiskTier: optimizer state of the disk-placed packs
         self.params_disk = None           # runtime.diskparams.DiskParams: packs wholly on disk (weights too)

@@ -177,6 +177,44 @@ def test_on_the_cpu_device_the_host_thread_runs_at_idle_priority(disk_run):
     assert "host thread" in sm.report() and "idle priority" in sm.report()
 
 
+def test_a_pools_job_lets_go_of_its_arguments_before_its_future_is_done(monkeypatch):
+    """The standard pool's worker holds a job's arguments until after it sets the future; harmony's pools drop them
+    first, so a buffer a job filled is freed (and off the device's meter) when whoever waited on it goes on."""
+    import concurrent.futures.thread as pool_thread
+    import weakref
+    from harmony.base.process import started_pool
+    seen_done = threading.Event()
+    run = pool_thread._WorkItem.run
+
+    def dawdling(item):           # the worker waits for a core after the job, until the test has looked
+        run(item)
+        seen_done.wait(5)
+    pool = started_pool(1, "harmony-test")
+    monkeypatch.setattr(pool_thread._WorkItem, "run", dawdling)
+    try:
+        for how in ("returns", "raises"):
+            buf = torch.empty(1024)
+            gone = weakref.ref(buf.untyped_storage())
+            meter = MemoryMeter("probe")
+            meter.track(buf)
+            fut = pool.submit(fill, buf, how)
+            del buf
+            assert (fut.exception(5) is None) == (how == "returns")
+            alive = gone() is not None
+            seen_done.set()
+            assert not alive and meter.live == 0, how
+            seen_done.clear()
+    finally:
+        seen_done.set()
+        pool.shutdown()
+
+
+def fill(buf: torch.Tensor, how: str) -> None:
+    buf.fill_(1.0)
+    if how == "raises":
+        raise OffloadError("the disk is gone")
+
+
 def test_a_host_budget_below_the_minimum_names_it(min_host_budget):
     m = model()
     assert state_bytes(m) // 4 < min_host_budget < state_bytes(m)   # the fixture's BudgetError named it

@@ -8,6 +8,8 @@ under ``torch.no_grad()`` or in eval mode evaluates.
 from __future__ import annotations
 
 import copy
+import threading
+import time
 
 import pytest
 import torch
@@ -209,10 +211,25 @@ def test_an_error_inside_an_evaluation_is_rolled_back():
     b.close()
 
 
-def test_weights_on_disk_evaluate_and_stay_carried(tmp_path):
+@pytest.fixture
+def slow_disk_workers(monkeypatch):
+    """A disk thread dawdles after each job, as one waiting for a core on a busy machine does: the buffers a read
+    filled must not outlive its future (they are the CPU device's memory, on the meter)."""
+    import concurrent.futures.thread as pool_thread
+    run = pool_thread._WorkItem.run
+
+    def dawdling(item):
+        run(item)
+        if threading.current_thread().name.startswith("harmony-disk"):
+            time.sleep(0.01)
+    monkeypatch.setattr(pool_thread._WorkItem, "run", dawdling)
+
+
+def test_weights_on_disk_evaluate_and_stay_carried(tmp_path, slow_disk_workers):
     """Packs wholly on disk: the evaluation reads their files (the weights the last step carried on the device are
     used where they are and stay carried for the next step), equals eager eval, and the next steps are bitwise those
-    of a module that never evaluated."""
+    of a module that never evaluated. The meter is as before it the moment it returns, also where the disk threads
+    are slow to go on to their next job."""
     cfg = GPTConfig(layers=3, width=64, vocab=64, seq=16)
     torch.manual_seed(0)
     model, data = GPT(cfg), list(copy_task(cfg, 8, 3))
