@@ -168,8 +168,11 @@ def evaluate(cost: ModelCost, devices, choice: list[tuple[int, int]], shares=Non
 
 
 def balance(cost: ModelCost, devices, global_batch: int, max_microbatches: int = 16,
-            time_limit: float = 30.0) -> BalancePlan:
-    """The split of ``global_batch`` and of the training state over ``devices`` that minimises step time."""
+            time_limit: float = 30.0, same_shape: bool = False) -> BalancePlan:
+    """The split of ``global_batch`` and of the training state over ``devices`` that minimises step time.
+
+    ``same_shape``: every rank runs the same microbatch size and count, and only the state shares differ
+    (``shard_state="full"``, whose ranks must run the same schedule: each gather is a collective)."""
     start = time.perf_counter()
     n = len(devices)
     floor = sum(rank_memory_floor(cost, d, 1) for d in devices)
@@ -205,6 +208,9 @@ def balance(cost: ModelCost, devices, global_batch: int, max_microbatches: int =
             over = prob.add_variable(f"over{d}", lowBound=0)       # GB
             prob += over >= (cost.replicated_bytes - dev.memory) / GB + share[d] * (cost.state_bytes / GB) + floor_d
             prob += T >= SWAP_PASSES * GB / link * over
+    if same_shape:           # every rank picks rank 0's option (one that fits every rank)
+        for (d, b, m), x in pick.items():
+            prob += x == (pick[0, b, m] if all((e, b, m) in pick for e in range(n)) else 0)
     prob += pulp.lpSum(b * m * x for (d, b, m), x in pick.items()) == global_batch
     prob += pulp.lpSum(share) == 1
     if not ilp.solve(prob, time_limit):
@@ -281,18 +287,19 @@ def model_cost(program, kernel_ops_per_param_tensor: float = 2.7 + 5.8 + 2.7) ->
 
 
 def plan_ranks(spec, cost: ModelCost, devices, global_batch: int, microbatches: int = 1,
-               max_microbatches: int = 16) -> BalancePlan:
+               max_microbatches: int = 16, same_shape: bool = False) -> BalancePlan:
     """Each rank's share of ``global_batch`` under ``spec``.
 
     ``"auto"``: the ILP (``balance``). ``"uniform"``: ``global_batch / ranks`` each, in
     ``microbatches`` microbatches. A list, one entry per rank: ``(microbatch size, count)`` pairs,
-    or sample counts, each run in ``microbatches`` microbatches.
+    or sample counts, each run in ``microbatches`` microbatches. ``same_shape``: every rank gets the
+    same microbatch size and count (``balance``'s), and a list that differs is refused.
     """
     from harmony.base.errors import ConfigError
 
     n = len(devices)
     if spec == "auto":
-        return balance(cost, devices, global_batch, max_microbatches=max_microbatches)
+        return balance(cost, devices, global_batch, max_microbatches=max_microbatches, same_shape=same_shape)
     if spec == "uniform":
         per = global_batch // n
         if global_batch % n or per % microbatches:
@@ -310,6 +317,11 @@ def plan_ranks(spec, cost: ModelCost, devices, global_batch: int, microbatches: 
             else:
                 raise ConfigError(f"balance[{r}]={item!r}: give (microbatch size, microbatches) or a sample count "
                                   f"that microbatches={microbatches} divides")
+        if same_shape and len(set(choice)) > 1:
+            raise ConfigError(f"balance={list(spec)!r} gives the ranks different microbatches ({choice}), but under "
+                              f"shard_state='full' every rank runs the same schedule (each gather of a pack is a "
+                              f"collective all ranks join); give every rank the same (microbatch size, "
+                              f"microbatches): the state shares still follow the devices, or use shard_state=True")
         if sum(b * m for b, m in choice) != global_batch:
             raise ConfigError(f"balance={list(spec)!r} shares {sum(b * m for b, m in choice)} samples but the global "
                               f"batch (example_batch) has {global_batch}; the shares must add up to it")
@@ -318,15 +330,16 @@ def plan_ranks(spec, cost: ModelCost, devices, global_batch: int, microbatches: 
                       f"(microbatch size, microbatches) pairs or sample counts")
 
 
-def report(plan: BalancePlan, devices, rank: int, how: str, sharded: bool = True):
+def report(plan: BalancePlan, devices, rank: int, how: str, sharded: bool | str = True):
     """The balance step's ``PassReport``: every rank's choice, this rank's marked, emulation said aloud."""
     from harmony.compiler.ir import PassReport
 
     rep = PassReport(f"balance: each rank's share of the global batch ({how})")
+    common = min(d.memory for d in devices) if sharded == "full" else None
     for s, d in zip(plan.shares, devices):
         f = getattr(d, "speed_factor", 1.0)
         rep.rows.append(dict(rank=f"{s.rank}{' (this)' if s.rank == rank else ''}", device=d.name,
-                             budget_MiB=d.memory / 2**20,
+                             budget_MiB=(common or d.memory) / 2**20,
                              speed="1x" if f == 1 else f"1/{f:g}x EMULATED",
                              samples=s.samples, microbatch=s.microbatch, microbatches=s.microbatches,
                              weight=s.samples / plan.global_batch, state_share_planned=s.state_share,
@@ -337,7 +350,14 @@ def report(plan: BalancePlan, devices, rank: int, how: str, sharded: bool = True
         rep.notes.append("speed factors are EMULATION: a rank's runtime sleeps each compute op out to factor x its "
                          "time alone on a core, and the simulator stretches its compute stream alike; no device "
                          "is slower")
-    if sharded:
+    if sharded == "full":
+        rep.notes.append("state shares are applied to the PARAMETERS, GRADIENTS AND OPTIMIZER STATE (ZeRO-3, "
+                         "shard_state='full'): each rank keeps its share of every pack's fp32 weights and their "
+                         "optimizer state on its host (or disk) and steps it; a pack's weights are all-gathered for "
+                         "compute and its gradients reduce-scattered to the owners. Every rank runs the same "
+                         "microbatches and plans under the smallest device's memory (budget_MiB), so all plan the "
+                         "same gathers: each is a collective")
+    elif sharded:
         rep.notes.append("state shares are applied to the OPTIMIZER STATE (ZeRO stage 1, runtime/shard.py): each "
                          "rank keeps and steps the parameters of its share (contiguous, by bytes) and broadcasts "
                          "them after the step; parameters and gradients are replicated on every rank (swapping what "

@@ -222,10 +222,10 @@ class ParallelConfig(_Group):
     """True: each parameter's optimizer state is kept, and the parameter stepped, by one rank, which broadcasts it
     (ZeRO stage 1; runtime/shard.py), in equal byte shares or under ``balance`` the shares its plan chose; False:
     every rank keeps all of it. None: True under ``balance``, False otherwise. ``"full"``: parameters, gradients and
-    optimizer state partitioned (ZeRO stage 3; passes/shard.py): each rank keeps an equal chunk of every pack's fp32
-    weights and its optimizer state on its host, weights are all-gathered for use and gradients reduce-scattered
-    to their owners (host-stepped packs, fp32; quantized under ``compression``; ``clip_grad_norm`` too). Bitwise the
-    same training as the replicated run with the same settings."""
+    optimizer state partitioned (ZeRO stage 3; passes/shard.py): each rank keeps an equal chunk (under ``balance``,
+    its planned share) of every pack's fp32 weights and its optimizer state on its host, weights are all-gathered for
+    use and gradients reduce-scattered to their owners (host-stepped packs, fp32; quantized under ``compression``;
+    ``clip_grad_norm`` too). Bitwise the same training as the replicated run with the same settings."""
     comm_timeout: float = _env("comm_timeout")
     """*env* ``HARMONY_COMM_TIMEOUT``. Seconds a collective waits for its peers, also when compile initialises the
     process group (default 300)."""
@@ -449,6 +449,7 @@ class CompileConfig(Config):
     adaptive_warmup: int = 3
     global_batch: int | None = None    # samples of one step over all ranks (balance); None: batch_size x world
     sample_weight: float | None = None  # this rank's share b_r / B of the gradient average (balance); None: 1/world
+    state_shares: list | None = None   # shard_state="full" under balance: each rank's share of every pack's parameters
     speed_factor: float = 1.0          # emulation: the runtime stretches compute ops' time by this (>= 1)
     state_owner: dict | None = None    # param -> the rank that steps it and keeps its optimizer state (sharded
                                        # optimizer state, runtime/shard.py); None: every rank steps every param

@@ -156,6 +156,8 @@ def _plan_rank(model, gm, batch, cfg: CompileConfig):
         cfg.plan_for_device(_device_of(cfg.hardware), cfg.hardware)
     if cfg.shard_state is True:
         shard_over_ranks(cfg, gm, balanced.shares if balanced else [1.0] * cfg.world_size)
+    elif cfg.shard_state == "full" and balanced is not None:     # the partition's chunks: the plan's uneven shares
+        cfg.state_shares = list(balanced.shares)
     _check_masters(gm, cfg.precision)
     if torch.device(cfg.device).type == "cuda":
         _reserve_for_cuda(cfg, cfg.device)

@@ -70,14 +70,22 @@ def plan_this_rank(model, gm, batch, spec, config: CompileConfig, hardware, shar
     program = Program(model=model, gm=gm, example_batch=tuple(batch), config=probe)
     program.optim_profile = cost.optimizer_profile(config.optimizer, config.optimizer_kwargs)
     t0 = time.perf_counter()
+    full = config.shard_state == "full"
     plan = plan_on_rank0(rank, lambda: planner.plan_ranks(spec, planner.model_cost(program), devices, global_batch,
-                                                            config.microbatches))
+                                                            config.microbatches, same_shape=full))
     seconds = time.perf_counter() - t0
     mine, dev = plan.shares[rank], devices[rank]
     start, stop = plan.rows(rank)
-    config.memory_budget, config.microbatches, config.batch_size = int(dev.memory), mine.microbatches, mine.samples
+    # shard_state="full": every rank plans its packs and swaps under the smallest device's memory (and below, the
+    # slowest device's speed), so that all plan the same gathers (the state shares live on the hosts; a device holds
+    # the packs it computes); each rank's runtime still runs at its own device's speed
+    budget = min(d.memory for d in devices) if full else dev.memory
+    config.memory_budget, config.microbatches, config.batch_size = int(budget), mine.microbatches, mine.samples
     config.global_batch, config.sample_weight = global_batch, mine.samples / global_batch
     config.plan_for_device(dev, hardware)
+    if full:        # the planner's time model too: the slowest device's FLOP/s and host link on every rank
+        config.flops = min(d.flops / d.speed_factor for d in devices)
+        config.copy_bandwidth = min(d.h2d_bandwidth for d in devices)
     how = "integer program" if spec == "auto" else "uniform" if spec == "uniform" else "given shares"
     report = planner.report(plan, devices, rank, how, sharded=sharded)
     report.seconds = seconds

@@ -1,8 +1,9 @@
 """shard: partition parameters, gradients and optimizer state over data-parallel ranks (``shard_state="full"``).
 
 ZeRO stage 3 with ZeRO-Infinity's bandwidth-centric reads: each rank keeps on its host, and steps, one
-contiguous chunk of every pack's parameters (equal elements per rank; runtime/partitioned.py has the layout
-and the ops). The plan: every pack that owns parameters steps on the host, with its fp32 weights and
+contiguous chunk of every pack's parameters (equal elements per rank, or under ``balance`` the plan's state
+shares, ``CompileConfig.state_shares``: Cephalo's uneven shards; runtime/partitioned.py has the layout and the
+ops). The plan: every pack that owns parameters steps on the host, with its fp32 weights and
 optimizer state there (``optimizer_on="host"``, which ``shard_state="full"`` makes the default); its
 ``Residency.shares`` says which chunk is this rank's. The rewrite: each ``swap_in`` of such a pack's weights
 becomes a ``gather`` (an all-gather of the chunks into the device copy), its host ``allreduce`` a
@@ -39,8 +40,12 @@ With error feedback each rank keeps the replicated run's residuals (what its qua
 the re-quantization of its own chunk's sum lost) and adds them to the next step's gradients: bitwise the replicated
 run with error feedback.
 
+Under ``balance`` every rank runs the same microbatch shape and plans under the smallest device's memory and the
+slowest device's speed (harmony/balanced.py), so the ranks' gathers match as they must; the digest check below still
+names any difference.
+
 What is not built yet is refused at compile with a ``ConfigError`` (``check_config``): fp16/bf16 and adaptive
-compression, uneven shares (``balance``), device steps, CUDA devices, the ondemand policy, and
+compression, device steps, CUDA devices, the ondemand policy, and
 optimizers that are not element-wise.
 
 A weight two packs read (a tied embedding and head) is partitioned with the pack that steps it; the other pack's
@@ -74,9 +79,6 @@ def check_config(cfg, given_kwargs: dict) -> None:
          f"reduce-scatter is built): use compression='4bit' (any of 1..8 bits) or None, or {instead}"),
         (getattr(cfg, "adaptive", False), f"compression='adaptive' (the bits chosen after the warm-up are not "
                                           f"partitioned yet): use compression='4bit', or {instead}"),
-        (cfg.balance is not None, f"balance= (uneven shares are not built yet: balanced ranks can run different "
-                                  f"schedules, which would all-gather a pack a different number of times, and each "
-                                  f"gather is a collective every rank must join): {instead}"),
         (cfg.optimizer_on == "device", f"optimizer_on='device' (partitioned packs step on the host): use "
                                        f"optimizer_on='host' or 'auto', or {instead}"),
         (str(cfg.device).split(":")[0] not in ("cpu", "meta"),   # meta: a plan to simulate, never run
@@ -125,7 +127,7 @@ def run(program: Program, ctx) -> PassResult:
         groups = plan.comm_groups.get(p) or [[n for n, _ in named]]
         record = plan.at(p)
         record.shares = partitioned.layout([[(n, numel[n]) for n in g] for g in groups], world, rank, which,
-                                           specs=specs)
+                                           specs=specs, fractions=cfg.state_shares)
         _count_share(program, plan.packs[p], record.shares, dict(named))
     program.schedule = rewrite(program.schedule, plan, world, fp32=cfg.compute_dtype is None)
     _check_same_collectives(program.schedule)
@@ -133,8 +135,10 @@ def run(program: Program, ctx) -> PassResult:
         program.step_hooks.append(partitioned.step_stats)
     report.rows, report.totals = _rows(program, owned), _totals(program, owned)
     report.totals["seconds"] = time.perf_counter() - start
+    how = ("equal elements" if cfg.state_shares is None else
+           "the balance plan's state shares " + ", ".join(f"{f:.3f}" for f in cfg.state_shares))
     report.notes.append(
-        f"each of the {world} ranks keeps one contiguous chunk of every pack's parameters (equal elements, cut in "
+        f"each of the {world} ranks keeps one contiguous chunk of every pack's parameters ({how}, cut in "
         f"the all-reduce's fused buffers) and its optimizer state on its host; a pack's weights come to the device "
         f"by an all-gather of the chunks (gather), its gradients go to their owners by a reduce-scatter "
         f"(reduce_scatter), each rank steps its chunk, and nothing is broadcast after the step")
@@ -176,7 +180,9 @@ def rewrite(graph, plan, world: int, fp32: bool = True):
             n._rename(f"gather_{k}")
             k += 1
         elif n.target is ops.allreduce and plan.at(pack).shares is not None:
-            n.target, n.args, n.kwargs = partitioned.reduce_scatter, (pack,), {"world": world}
+            weight = n.kwargs.get("weight")       # a balanced rank's share of the average
+            n.target, n.args = partitioned.reduce_scatter, (pack,)
+            n.kwargs = {"world": world, **({"weight": weight} if weight is not None else {})}
             n._rename(f"rs{pack}")
     last = {}
     for n in calls(graph):

@@ -218,8 +218,8 @@ def allreduce(tensors: Sequence[torch.Tensor], spec: CompressionSpec | Sequence[
 
 def reduce_scatter(tensors: Sequence[torch.Tensor], specs: Sequence[CompressionSpec], group=None, *,
                    timeout: float | None = None, generator: torch.Generator | None = None,
-                   fusion_bytes: int = DEFAULT_FUSION_BYTES,
-                   error_feedback_state: dict | None = None) -> tuple[list, CommStats]:
+                   fusion_bytes: int = DEFAULT_FUSION_BYTES, error_feedback_state: dict | None = None,
+                   weight: float | None = None) -> tuple[list, CommStats]:
     """The reduce-scatter half of ``allreduce`` (the same fused buffers, the same quantization in the same order,
     the same generator draws), for ranks that keep only their chunk of the average (``shard_state="full"``).
 
@@ -228,13 +228,15 @@ def reduce_scatter(tensors: Sequence[torch.Tensor], specs: Sequence[CompressionS
     ``rank * chunk`` of the padded buffer), decoded from the bytes ``allreduce`` would all-gather, so it is bitwise
     what ``allreduce`` leaves there; an uncompressed one's ``out`` is the whole average (``chunk`` is 0). With error
     feedback the residuals (``error_feedback_state``, as ``allreduce`` takes it) are ``allreduce``'s: what this rank's
-    quantization of the other ranks' chunks lost, and what re-quantizing its own chunk's sum lost."""
+    quantization of the other ranks' chunks lost, and what re-quantizing its own chunk's sum lost. ``weight``: as
+    ``allreduce``'s (a balanced rank's share of the average)."""
     start = time.perf_counter()
     tensors, world = list(tensors), dist.get_world_size(group)
     stats = CommStats(tensors=len(tensors), compressed=sum(s.lossy for s in specs), calls=1)
     if any(s.error_feedback for s in specs) and error_feedback_state is None:
         raise ConfigError("a spec has error_feedback=True but reduce_scatter got no error_feedback_state")
-    jobs = [_Job(idx, tensors, s, group, world, error_feedback_state, timeout, generator, scatter=True)
+    scale = 1.0 if weight is None else float(weight) * world
+    jobs = [_Job(idx, tensors, s, group, world, error_feedback_state, timeout, generator, scale, scatter=True)
             for s, idx in fuse(tensors, specs, fusion_bytes)]
     for job in jobs:
         job.launch()

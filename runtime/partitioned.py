@@ -2,8 +2,9 @@
 
 ``shard_state="full"``: each pack's parameters, in the order and fused buffers its replicated all-reduce
 uses (``Plan.comm_groups``, cut at ``DEFAULT_FUSION_BYTES`` as ``collectives.allreduce`` cuts them), form
-``Segment``s; each segment is cut into ``world`` contiguous chunks of about ``n / world`` elements and rank
-``r`` owns chunk ``r`` of every segment (``PackShares``, plain data in ``Residency.shares``). A rank's host
+``Segment``s; each segment is cut into ``world`` contiguous chunks of about ``n / world`` elements (or, under
+``balance``, of the plan's state shares; a gather pads each to the largest) and rank ``r`` owns chunk ``r`` of every
+segment (``PackShares``, plain data in ``Residency.shares``). A rank's host
 holds only its chunks (fp32) and their optimizer state; the model's parameters of such a pack hold
 placeholders between uses (runtime/placeholders.py). The layout is plain data (runtime/partitioned_layout.py); where
 the offload pass puts a pack's share on disk, its chunks live in a file between uses (runtime/partitioned_disk.py).
@@ -90,9 +91,8 @@ class Shares:
             flat = torch.zeros(seg.size, dtype=tensors[seg.names[0]].dtype)
             for n, off, k in seg.items():
                 flat[off: off + k] = tensors[n].data.reshape(-1)
-            chunk = torch.zeros(seg.chunk, dtype=flat.dtype)
-            chunk[: seg.share(r)] = flat[seg.bounds[r]: seg.bounds[r + 1]]
-            self.chunks[(pack, s)] = chunk
+            # its own size: under uneven shares the gather pads it to the largest, this rank's host holds its share
+            self.chunks[(pack, s)] = flat[seg.bounds[r]: seg.bounds[r + 1]].clone()
         mine = self.pieces[pack] = []
         for piece in shares.pieces:
             base = shares.segments[piece.segment].bounds[r]
@@ -144,10 +144,12 @@ class Shares:
         import torch.distributed as dist
         shares = self.plan.at(pack).shares
         seg = shares.segments[segment]
-        out = torch.empty(mine.numel() * shares.world, dtype=mine.dtype)
+        c = seg.chunk               # every rank sends the largest chunk's length: a smaller one padded
+        if mine.numel() < c:
+            mine = torch.cat([mine, mine.new_zeros(c - mine.numel())])
+        out = torch.empty(c * shares.world, dtype=mine.dtype)
         dist.all_gather_into_tensor(out, mine, group=self.group if group is None else group)
         self.stats["gather_wire_bytes"] += nbytes(mine) * (shares.world - 1)
-        c = mine.numel()
         return torch.cat([out[r * c: r * c + seg.share(r)] for r in range(shares.world)])
 
     def substitute(self, tensors: dict) -> None:
@@ -184,7 +186,7 @@ def share_params(rt, pack: int) -> list:
 
 # -- the ops ---------------------------------------------------------------------------------------
 def gather(pack: int, what: str = "params", held: tuple = (), carried: bool = False, reads: str | None = None): ...
-def reduce_scatter(pack: int, *, world: int = 1): ...
+def reduce_scatter(pack: int, *, world: int = 1, weight: float | None = None): ...
 
 
 def _gather_execute(rt, pack, what="params", held=(), carried=False, reads=None):
@@ -291,13 +293,15 @@ def _gather_cost(plan, hw, pack, what="params", held=(), carried=False, reads=No
     return "network", received / bandwidth + (world - 1) * latency * len(parts)
 
 
-def _reduce_scatter_execute(rt, pack, *, world=1):
-    """On the host thread, behind the release of the pack's gradients: this rank's chunk of their average, as the
+def _reduce_scatter_execute(rt, pack, *, world=1, weight=None):
+    """On the host thread, behind the release of the pack's gradients: this rank's chunk of their average (a
+    balanced rank's gradients weighted by ``weight`` first, as the replicated all-reduce weighs them), as the
     gradients of its pieces; the whole gradients are dropped."""
     import torch.distributed as dist
     st, shares = rt.state, rt.plan.at(pack).shares
     pieces = st.shares.pieces[pack]
     clipper = rt.gate.clipper if rt.gate is not None else None
+    scale = 1.0 if weight is None else float(weight) * world
 
     def grads(seg):
         out = []
@@ -323,13 +327,15 @@ def _reduce_scatter_execute(rt, pack, *, world=1):
                 if s in done:
                     continue
                 if any(g.codec is not None for g in shares.segments if g.call == seg.call):
-                    done.update(reduce_scatter_quantized(st, shares, seg.call, grads, keep, clipper))
+                    done.update(reduce_scatter_quantized(st, shares, seg.call, grads, keep, clipper, weight))
                     continue
                 flat = torch.empty(seg.size)
                 shapes = {}
                 for (n, off, k), g in zip(seg.items(), grads(seg)):
                     flat[off: off + k].copy_(g.reshape(-1))
                     shapes[n] = g.shape
+                if scale != 1.0:             # collectives.allreduce's weighting, on the same values
+                    flat.mul_(scale)
                 dist.all_reduce(flat)        # the replicated run's collective on its buffer: the same sums
                 base = seg.bounds[shares.rank]
                 if clipper is not None:      # every rank has the whole average here: each gradient's own norm
@@ -347,11 +353,11 @@ def _reduce_scatter_execute(rt, pack, *, world=1):
     st.pending[("allreduce", pack)] = st.host_pool.submit(job)
 
 
-def _reduce_scatter_effect(m, pack, *, world=1):
+def _reduce_scatter_effect(m, pack, *, world=1, weight=None):
     return None, 0          # the host copies of the gradients: nothing on the device
 
 
-def _reduce_scatter_cost(plan, hw, pack, *, world=1):
+def _reduce_scatter_cost(plan, hw, pack, *, world=1, weight=None):
     """A ring all-reduce of the pack's gradients (what gloo's reduce-scatter costs too: see the module's note)."""
     shares = plan.at(pack).shares
     bandwidth, latency = _network(hw)

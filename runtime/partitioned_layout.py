@@ -17,7 +17,8 @@ class Segment:
     ``offsets``: where each parameter starts in the buffer (packed, or on bucket boundaries in a quantized one);
     ``codec``: the quantized buffer's ``CompressionSpec`` fields (None: fp32); ``call``: which of the pack's
     all-reduce groups it belongs to (one ``collectives`` call each); ``sent``: the bytes this rank sends to
-    reduce-scatter it."""
+    reduce-scatter it; ``codec_chunks``: a quantized buffer's chunks are the codec's own (equal shares), so its
+    reduce-scatter is the codec's; uneven ones are cut from the whole quantized all-reduce."""
 
     names: list[str]
     numels: list[int]
@@ -26,6 +27,7 @@ class Segment:
     codec: dict | None = None
     call: int = 0
     sent: int = 0
+    codec_chunks: bool = False
 
     @property
     def chunk(self) -> int:
@@ -81,18 +83,22 @@ class PackShares:
 
 
 def layout(groups: list[list[tuple[str, int]]], world: int, rank: int, group_of: dict[str, int],
-           fusion_bytes: int = DEFAULT_FUSION_BYTES, specs: dict | None = None) -> PackShares:
+           fusion_bytes: int = DEFAULT_FUSION_BYTES, specs: dict | None = None,
+           fractions: list[float] | None = None) -> PackShares:
     """The segments of a pack whose all-reduce groups are ``groups`` ([(name, numel)] each), fused as
     ``collectives.allreduce`` fuses them (``specs``: each name's ``CompressionSpec`` as ``spec_for`` settles it;
     fp32 without), and this rank's pieces (with their param groups, ``group_of``).
 
-    An fp32 buffer is cut into equal chunks, each boundary on a multiple of ``ALIGN`` elements from the start of
-    the parameter it cuts: torch's fused CPU optimizers (and other vectorised kernels) round a tensor's last
+    ``fractions``: each rank's share of every buffer (a balanced plan's state shares, summing to 1); None or equal
+    ones: equal chunks. An fp32 buffer is cut there, each boundary on a multiple of ``ALIGN`` elements from the
+    start of the parameter it cuts: torch's fused CPU optimizers (and other vectorised kernels) round a tensor's last
     ``numel % lanes`` elements apart from the rest, so a piece must start where the parameter's vector lanes start
     for its update to be the whole parameter's, bit for bit (cut at 13 elements, fused AdamW differed in 1784 of
-    200k elements after 3 steps; at multiples of 64, 8 or 1000, in none). A quantized buffer follows the codec's
-    chunking instead: its parameters start on bucket boundaries and rank r owns the codec's chunk r, whose sum it
-    reduces and quantizes in the all-reduce too, so the partition's chunk is bitwise the replicated run's.
+    200k elements after 3 steps; at multiples of 64, 8 or 1000, in none). A quantized buffer's parameters start on
+    bucket boundaries; with equal shares rank r owns the codec's chunk r, whose sum it reduces and quantizes in the
+    all-reduce too, so the partition's chunk is bitwise the replicated run's. Uneven shares cut it as an fp32
+    buffer is cut, and each rank takes its chunk from the whole quantized all-reduce (both halves: the replicated
+    run's bytes and sums).
     """
     from harmony.runtime.collectives import fuse
     from harmony.runtime.compression import NO_COMPRESSION
@@ -102,8 +108,8 @@ def layout(groups: list[list[tuple[str, int]]], world: int, rank: int, group_of:
         codec = [(specs or {}).get(n, NO_COMPRESSION) for n, _ in group]
         for spec, idx in fuse(sizes, codec, fusion_bytes):
             names, numels = [group[i][0] for i in idx], [group[i][1] for i in idx]
-            seg = _quantized(names, numels, world, spec) if spec.kind == "quantized" else _segment(names, numels,
-                                                                                                 world)
+            seg = (_quantized(names, numels, world, spec, fractions) if spec.kind == "quantized" else
+                   _segment(names, numels, world, fractions))
             seg.call = call
             segments.append(seg)
     shares = PackShares(world, rank, segments)
@@ -129,27 +135,42 @@ class _Numel:
 ALIGN = 64
 
 
-def _segment(names: list[str], numels: list[int], world: int) -> Segment:
-    """Equal chunks, each boundary moved back to a multiple of ``ALIGN`` from the start of the parameter it cuts."""
-    offsets = [sum(numels[:i]) for i in range(len(numels))]
-    seg = Segment(names, numels, [], offsets)
-    total, step = seg.total, -(-seg.total // world)
-    bounds = [0]
+def uneven(fractions: list[float] | None) -> bool:
+    """Whether ``fractions`` asks for anything but equal shares."""
+    return fractions is not None and max(fractions) - min(fractions) > 1e-9
+
+
+def _cut(seg: Segment, size: int, world: int, fractions: list[float] | None) -> list[int]:
+    """Boundaries of ``world`` chunks of ``size`` elements (equal, or at the cumulative ``fractions``), each moved
+    back to a multiple of ``ALIGN`` from the start of the parameter it cuts."""
+    step, acc, bounds = -(-size // world), 0.0, [0]
     for r in range(1, world):
-        b = min(total, r * step)
+        if uneven(fractions):
+            acc += fractions[r - 1]
+            b = min(size, round(acc * size))
+        else:
+            b = min(size, r * step)
         for _, off, k in seg.items():
             if off <= b < off + k:
                 b = off + (b - off) // ALIGN * ALIGN
                 break
         bounds.append(max(b, bounds[-1]))
-    seg.bounds = bounds + [total]
-    seg.sent = ring_bytes(4 * total, world)       # gloo's all-reduce of the buffer (the module's note)
+    return bounds + [size]
+
+
+def _segment(names: list[str], numels: list[int], world: int, fractions: list[float] | None = None) -> Segment:
+    """Chunks in the shares (equal by default) of the packed buffer, each boundary moved back to a multiple of
+    ``ALIGN`` from the start of the parameter it cuts."""
+    seg = Segment(names, numels, [], [sum(numels[:i]) for i in range(len(numels))])
+    seg.bounds = _cut(seg, seg.total, world, fractions)
+    seg.sent = ring_bytes(4 * seg.total, world)       # gloo's all-reduce of the buffer (the module's note)
     return seg
 
 
-def _quantized(names: list[str], numels: list[int], world: int, spec) -> Segment:
+def _quantized(names: list[str], numels: list[int], world: int, spec, fractions: list[float] | None = None) -> Segment:
     """The codec's buffer (``collectives._Job.launch``): each parameter from a bucket boundary, ``world`` chunks
-    of whole buckets; the reduce-scatter sends every other rank its chunk quantized."""
+    of whole buckets, what the reduce-scatter sends every other rank quantized; uneven ``fractions``: chunks cut
+    as an fp32 buffer's, taken from the whole all-reduce (twice those bytes)."""
     from harmony.runtime.compression import wire_bytes
     align, offsets, off = spec.bucket_size, [], 0
     for k in numels:
@@ -158,5 +179,8 @@ def _quantized(names: list[str], numels: list[int], world: int, spec) -> Segment
     chunk = -(-off // (world * align)) * align if off >= world * align else -(-off // world)
     codec = dict(kind=spec.kind, bits=spec.bits, bucket_size=spec.bucket_size, rounding=spec.rounding,
                  error_feedback=spec.error_feedback, meta=spec.meta)
-    return Segment(names, numels, [r * chunk for r in range(world + 1)], offsets, codec,
-                   sent=(world - 1) * wire_bytes(chunk, spec.bits, spec.bucket_size, spec.meta_dtype))
+    sent = (world - 1) * wire_bytes(chunk, spec.bits, spec.bucket_size, spec.meta_dtype)
+    seg = Segment(names, numels, [r * chunk for r in range(world + 1)], offsets, codec, sent=sent, codec_chunks=True)
+    if uneven(fractions):
+        seg.bounds, seg.sent, seg.codec_chunks = _cut(seg, off, world, fractions), 2 * sent, False
+    return seg

@@ -9,13 +9,14 @@ import torch
 from harmony.base.errors import HarmonyError
 
 
-def reduce_scatter_quantized(st, shares, call: int, grads, keep, clipper=None) -> list[int]:
+def reduce_scatter_quantized(st, shares, call: int, grads, keep, clipper=None, weight=None) -> list[int]:
     """One all-reduce group with quantized buffers: ``collectives.reduce_scatter`` of its gradients (the replicated
     run's buffers, codec and generator draws); each segment keeps this rank's chunk. Returns the segments done.
 
     Under ``clip_grad_norm`` the whole quantized all-reduce runs instead (its all-gather half too: the bytes the
     replicated run sends), so every rank holds each whole decoded gradient, bitwise the replicated run's, and takes
-    its norm there as the fp32 path does; the chunks are then cut from those gradients."""
+    its norm there as the fp32 path does; the chunks are then cut from those gradients. So it does where the shares
+    are uneven (a balanced plan's): the chunks are not the codec's, and are cut from the whole result alike."""
     from harmony.runtime.collectives import allreduce, reduce_scatter
     from harmony.runtime.compression import NO_COMPRESSION, CompressionSpec
     mine = [s for s, seg in enumerate(shares.segments) if seg.call == call]
@@ -30,15 +31,16 @@ def reduce_scatter_quantized(st, shares, call: int, grads, keep, clipper=None) -
     # error feedback: the residuals of this group's collective, kept across steps as the replicated run keeps them
     key = tuple(n for s in mine for n in shares.segments[s].names)
     ef = st.shares.error_feedback.setdefault(key, {}) if any(sp.error_feedback for sp in specs) else None
-    if clipper is not None:
+    if clipper is not None or not all(shares.segments[s].codec_chunks for s in mine if shares.segments[s].codec):
         stats = allreduce(tensors, specs, timeout=st.shares.timeout, generator=st.shares.generator,
-                          error_feedback_state=ef)
+                          error_feedback_state=ef, weight=weight)
         at = 0
         for s in mine:
             seg = shares.segments[s]
             got = tensors[at: at + len(seg.names)]
             at += len(seg.names)
-            clipper.known.update(zip(seg.names, torch._foreach_norm(got, clipper.norm_type)))
+            if clipper is not None:
+                clipper.known.update(zip(seg.names, torch._foreach_norm(got, clipper.norm_type)))
             flat = torch.zeros(seg.size)       # the segment's layout (no piece covers its padding)
             for (_, off, k), g in zip(seg.items(), got):
                 flat[off: off + k].copy_(g.reshape(-1))
@@ -47,7 +49,7 @@ def reduce_scatter_quantized(st, shares, call: int, grads, keep, clipper=None) -
         st.shares.stats["reduce_scatter_wire_bytes"] += stats.wire_bytes
         return mine
     results, stats = reduce_scatter(tensors, specs, timeout=st.shares.timeout, generator=st.shares.generator,
-                                    error_feedback_state=ef)
+                                    error_feedback_state=ef, weight=weight)
     if len(results) != len(mine):
         raise HarmonyError(f"the reduce-scatter fused {len(results)} buffers where the layout has {len(mine)}: "
                            f"the partition and the codec disagree (a bug)")
