@@ -127,7 +127,8 @@ def run(program: Program, ctx) -> PassResult:
         groups = plan.comm_groups.get(p) or [[n for n, _ in named]]
         record = plan.at(p)
         record.shares = partitioned.layout([[(n, numel[n]) for n in g] for g in groups], world, rank, which,
-                                           specs=specs, fractions=cfg.state_shares)
+                                           specs=specs, fractions=cfg.state_shares,
+                                           pairwise=cfg.clip_grad_norm is None)   # clipping: whole gradients
         _count_share(program, plan.packs[p], record.shares, dict(named))
     program.schedule = rewrite(program.schedule, plan, world, fp32=cfg.compute_dtype is None)
     _check_same_collectives(program.schedule)

@@ -336,8 +336,13 @@ def _reduce_scatter_execute(rt, pack, *, world=1, weight=None):
                     shapes[n] = g.shape
                 if scale != 1.0:             # collectives.allreduce's weighting, on the same values
                     flat.mul_(scale)
-                dist.all_reduce(flat)        # the replicated run's collective on its buffer: the same sums
                 base = seg.bounds[shares.rank]
+                if seg.pairwise:             # two ranks: each sends the other its chunk, x + y is y + x bitwise
+                    out = _swap_chunks(flat, seg, shares.rank).div_(world)
+                    st.shares.stats["reduce_scatter_wire_bytes"] += seg.sent
+                    keep(s, seg, out)
+                    continue
+                dist.all_reduce(flat)        # the replicated run's collective on its buffer: the same sums
                 if clipper is not None:      # every rank has the whole average here: each gradient's own norm
                     flat.div_(world)
                     views = [flat[off: off + k].view(shapes[n]) for n, off, k in seg.items()]
@@ -351,6 +356,20 @@ def _reduce_scatter_execute(rt, pack, *, world=1, weight=None):
             for n in shares.names():
                 st.set_grad(n, None)
     st.pending[("allreduce", pack)] = st.host_pool.submit(job)
+
+
+def _swap_chunks(flat: torch.Tensor, seg, rank: int) -> torch.Tensor:
+    """Two ranks' reduce-scatter of an fp32 buffer: this rank's chunk of the sum, the peer's part sent to it and its
+    part of this one received (``Segment.pairwise``)."""
+    import torch.distributed as dist
+    peer = 1 - rank
+    mine = flat[seg.bounds[rank]: seg.bounds[rank + 1]].clone()
+    got = torch.empty_like(mine)
+    reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, flat[seg.bounds[peer]: seg.bounds[peer + 1]], peer),
+                                   dist.P2POp(dist.irecv, got, peer)])
+    for r in reqs:
+        r.wait()
+    return mine.add_(got)
 
 
 def _reduce_scatter_effect(m, pack, *, world=1, weight=None):

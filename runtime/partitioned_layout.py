@@ -18,7 +18,9 @@ class Segment:
     ``codec``: the quantized buffer's ``CompressionSpec`` fields (None: fp32); ``call``: which of the pack's
     all-reduce groups it belongs to (one ``collectives`` call each); ``sent``: the bytes this rank sends to
     reduce-scatter it; ``codec_chunks``: a quantized buffer's chunks are the codec's own (equal shares), so its
-    reduce-scatter is the codec's; uneven ones are cut from the whole quantized all-reduce."""
+    reduce-scatter is the codec's; uneven ones are cut from the whole quantized all-reduce; ``pairwise``: two
+    ranks reduce-scatter this fp32 buffer by swapping chunks (runtime/partitioned.py), sending the other rank its
+    chunk alone."""
 
     names: list[str]
     numels: list[int]
@@ -28,6 +30,7 @@ class Segment:
     call: int = 0
     sent: int = 0
     codec_chunks: bool = False
+    pairwise: bool = False
 
     @property
     def chunk(self) -> int:
@@ -84,7 +87,7 @@ class PackShares:
 
 def layout(groups: list[list[tuple[str, int]]], world: int, rank: int, group_of: dict[str, int],
            fusion_bytes: int = DEFAULT_FUSION_BYTES, specs: dict | None = None,
-           fractions: list[float] | None = None) -> PackShares:
+           fractions: list[float] | None = None, pairwise: bool = True) -> PackShares:
     """The segments of a pack whose all-reduce groups are ``groups`` ([(name, numel)] each), fused as
     ``collectives.allreduce`` fuses them (``specs``: each name's ``CompressionSpec`` as ``spec_for`` settles it;
     fp32 without), and this rank's pieces (with their param groups, ``group_of``).
@@ -99,6 +102,10 @@ def layout(groups: list[list[tuple[str, int]]], world: int, rank: int, group_of:
     all-reduce too, so the partition's chunk is bitwise the replicated run's. Uneven shares cut it as an fp32
     buffer is cut, and each rank takes its chunk from the whole quantized all-reduce (both halves: the replicated
     run's bytes and sums).
+
+    ``pairwise`` (unless the rank needs whole gradients, as clipping does): on two ranks the fp32 buffers of an
+    all-reduce group without quantized ones are reduce-scattered by a swap of chunks, half the ring all-reduce's
+    bytes; a sum of two is the same either way round, so bitwise the all-reduce's.
     """
     from harmony.runtime.collectives import fuse
     from harmony.runtime.compression import NO_COMPRESSION
@@ -112,6 +119,9 @@ def layout(groups: list[list[tuple[str, int]]], world: int, rank: int, group_of:
                    _segment(names, numels, world, fractions))
             seg.call = call
             segments.append(seg)
+        if pairwise and world == 2 and not any(s.codec for s in segments if s.call == call):
+            for seg in (s for s in segments if s.call == call):
+                seg.pairwise, seg.sent = True, 4 * seg.share(1 - rank)
     shares = PackShares(world, rank, segments)
     for s, seg in enumerate(segments):
         lo, hi = seg.bounds[rank], seg.bounds[rank + 1]

@@ -119,6 +119,8 @@ def _check(res, world):
             assert abs(by_rank[r] / t["master_bytes_whole"] - planned[r]) < 0.05, (by_rank, planned)
             assert s["gather_wire_bytes"] == t["gather_wire_bytes_per_step"] > 0
             assert s["reduce_scatter_wire_bytes"] == t["reduce_scatter_wire_bytes_per_step"] > 0
+            if world == 2 and key == "fp32":    # two ranks swap chunks: each sends the other its share alone
+                assert s["reduce_scatter_wire_bytes"] == by_rank[1 - r] < rep["stats"]["comm_wire_bytes"]
             assert s["measured_peak"] <= s["budget"] and s["h2d_bytes"] == s["predicted_h2d"]
             assert "PARAMETERS, GRADIENTS AND OPTIMIZER STATE" in full["text"]
         # every rank plans the same packs under "full"; the replicated ranks, under their own memories, need not
@@ -161,3 +163,18 @@ def test_layout_cuts_uneven_shares_at_aligned_offsets():
     assert seg.chunk == max(seg.share(r) for r in range(3))     # what each rank sends in a gather
     equal = partitioned.layout(groups, 3, 0, {"a": 0, "b": 0, "c": 0}, fractions=[1 / 3] * 3)
     assert equal.segments[0].bounds == partitioned.layout(groups, 3, 0, {"a": 0, "b": 0, "c": 0}).segments[0].bounds
+
+
+def test_two_ranks_reduce_scatter_fp32_by_swapping_chunks_unless_whole_gradients_are_needed():
+    groups = [[("a", 1000), ("b", 10), ("c", 3000)]]
+    for r in (0, 1):
+        seg = partitioned.layout(groups, 2, r, dict.fromkeys("abc", 0), fractions=[0.3, 0.7]).segments[0]
+        assert seg.pairwise and seg.sent == 4 * seg.share(1 - r)
+        whole = partitioned.layout(groups, 2, r, dict.fromkeys("abc", 0), pairwise=False).segments[0]  # clipping
+        assert not whole.pairwise and whole.sent == 4 * 4010      # the ring all-reduce's bytes
+    three = partitioned.layout(groups, 3, 0, dict.fromkeys("abc", 0)).segments[0]
+    assert not three.pairwise           # three ranks: gloo's all-reduce, whose sums a swap would not reproduce
+    from harmony.runtime.compression import CompressionSpec
+    q = CompressionSpec(bits=4)
+    mixed = partitioned.layout(groups, 2, 0, dict.fromkeys("abc", 0), specs={"a": q, "c": q}).segments
+    assert not any(s.pairwise for s in mixed)     # a call with quantized buffers goes through the codec
