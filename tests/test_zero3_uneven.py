@@ -8,9 +8,6 @@ holds its share (within one tensor); a checkpoint of uneven shares loads back, a
 """
 from __future__ import annotations
 
-import tempfile
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -97,12 +94,6 @@ def _ranks(rank, world, root):
     return out
 
 
-@pytest.fixture(scope="module")
-def root():
-    with tempfile.TemporaryDirectory(prefix="harmony-uneven-") as d:
-        yield Path(d) / "ckpt"
-
-
 def _check(res, world):
     for key in ("fp32", "4bit"):
         planned = res[0][f"{key}/full"]["planned"]
@@ -131,8 +122,8 @@ def _check(res, world):
 
 
 @pytest.mark.slow
-def test_two_ranks_uneven_shares_train_bitwise_like_replicated_and_checkpoints_reshard(root):
-    res = spawn_ok(2, _ranks, str(root), timeout=400)
+def test_two_ranks_uneven_shares_train_bitwise_like_replicated_and_checkpoints_reshard(tmp_path):
+    res = spawn_ok(2, _ranks, str(tmp_path / "ckpt"), timeout=400)
     _check(res, 2)
     for r in range(2):
         assert res[r]["checkpoint"]["uneven"] == res[r]["checkpoint"]["equal"] == res[0]["checkpoint"]["uneven"]
@@ -143,8 +134,8 @@ def test_two_ranks_uneven_shares_train_bitwise_like_replicated_and_checkpoints_r
 
 
 @pytest.mark.slow
-def test_three_ranks_uneven_shares_train_bitwise_like_replicated(root):
-    _check(spawn_ok(3, _ranks, str(root), timeout=400), 3)
+def test_three_ranks_uneven_shares_train_bitwise_like_replicated(tmp_path):
+    _check(spawn_ok(3, _ranks, str(tmp_path / "ckpt"), timeout=400), 3)
 
 
 # -- one process ---------------------------------------------------------------------------------------
