@@ -258,7 +258,8 @@ class Runtime:
         finally:
             if pd is not None:        # a carried group's swap_in took it: the next step's forward takes it again
                 pd.carry_on(carried)
-            if shares is not None:
+            if shares is not None:        # what the evaluation's gathers moved: its own figures (``eval_shares``)
+                self.eval_shares = {k: v - counted.get(k, 0) for k, v in shares.stats.items()}
                 shares.stats.update(counted)
                 if shares.carry is not None:      # partitioned: the copies the evaluation took, for the next step
                     shares.carry.carry_on()

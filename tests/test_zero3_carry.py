@@ -46,6 +46,7 @@ def _run(world, batches, evaluate_after=None, drop_on_rank0_after=None, **kw):
         out["read"].append(sm.stats.get("disk_read_bytes"))
         if i == evaluate_after:
             out["eval"] = float(sm.evaluate(*harmony.data.shard(data[-1])))
+            out["eval_sent"] = sm.eval_stats.get("gather_wire_bytes")
         if i == drop_on_rank0_after and torch.distributed.get_rank() == 0:
             sm.runtime.state.shares.carry.drop()
     plan = sm.program.plan
@@ -106,6 +107,8 @@ def test_carried_weights_train_and_evaluate_bitwise_like_the_replicated_run(two)
             assert got[key]["digest"] == two[0]["host"]["digest"], (r, key)
             assert got[key]["losses"] == got["host"]["losses"], (r, key)      # this rank's share of each batch
         assert got["full"]["eval"] == got["carried"]["eval"] == got["host"]["eval"]
+        # the evaluation's own gathers are its figures (eval_stats), not the next step's
+        assert got["full"]["eval_sent"] > 0 and got["host"]["eval_sent"] is None
         assert got["failed"]["errors"] == 1
         for key in ("host", "disk", "full", "carried", "failed", "dropped"):
             assert got[key]["peak"] <= got[key]["budget"], (r, key)
