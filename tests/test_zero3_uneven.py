@@ -169,3 +169,11 @@ def test_two_ranks_reduce_scatter_fp32_by_swapping_chunks_unless_whole_gradients
     q = CompressionSpec(bits=4)
     mixed = partitioned.layout(groups, 2, 0, dict.fromkeys("abc", 0), specs={"a": q, "c": q}).segments
     assert not any(s.pairwise for s in mixed)     # a call with quantized buffers goes through the codec
+
+
+def test_a_rank_with_a_zero_share_owns_nothing_and_still_joins_each_gather():
+    groups = [[("a", 1000), ("b", 10), ("c", 3000)]]
+    shares = [partitioned.layout(groups, 2, r, dict.fromkeys("abc", 0), fractions=[1.0, 0.0]) for r in (0, 1)]
+    seg = shares[1].segments[0]
+    assert shares[1].elements() == 0 and shares[1].pieces == [] and shares[0].elements() == 4010
+    assert seg.chunk == 4010 and seg.share(1) == 0     # its gather sends a padded chunk, as every rank does
