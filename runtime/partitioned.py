@@ -299,7 +299,6 @@ def _reduce_scatter_execute(rt, pack, *, world=1, weight=None):
     """On the host thread, behind the release of the pack's gradients: this rank's chunk of their average (a
     balanced rank's gradients weighted by ``weight`` first, as the replicated all-reduce weighs them), as the
     gradients of its pieces; the whole gradients are dropped."""
-    import torch.distributed as dist
     st, shares = rt.state, rt.plan.at(pack).shares
     pieces = st.shares.pieces[pack]
     clipper = rt.gate.clipper if rt.gate is not None else None
@@ -338,26 +337,31 @@ def _reduce_scatter_execute(rt, pack, *, world=1, weight=None):
                     shapes[n] = g.shape
                 if scale != 1.0:             # collectives.allreduce's weighting, on the same values
                     flat.mul_(scale)
-                base = seg.bounds[shares.rank]
                 if seg.pairwise:             # two ranks: each sends the other its chunk, x + y is y + x bitwise
                     out = _swap_chunks(flat, seg, shares.rank).div_(world)
-                    st.shares.stats["reduce_scatter_wire_bytes"] += seg.sent
-                    keep(s, seg, out)
-                    continue
-                dist.all_reduce(flat)        # the replicated run's collective on its buffer: the same sums
-                if clipper is not None:      # every rank has the whole average here: each gradient's own norm
-                    flat.div_(world)
-                    views = [flat[off: off + k].view(shapes[n]) for n, off, k in seg.items()]
-                    clipper.known.update(zip(seg.names, torch._foreach_norm(views, clipper.norm_type)))
-                    out = flat[base: base + seg.share(shares.rank)].clone()
                 else:
-                    out = flat[base: base + seg.share(shares.rank)].div_(world).clone()   # averaged as it averages
+                    out = _all_reduce_chunk(flat, seg, shares.rank, world, clipper, shapes)
                 st.shares.stats["reduce_scatter_wire_bytes"] += seg.sent
                 keep(s, seg, out)
         finally:
             for n in shares.names():
                 st.set_grad(n, None)
     st.pending[("allreduce", pack)] = st.host_pool.submit(job)
+
+
+def _all_reduce_chunk(flat: torch.Tensor, seg, rank: int, world: int, clipper, shapes: dict) -> torch.Tensor:
+    """This rank's chunk of the average from gloo's all-reduce of the whole buffer: the replicated run's collective on
+    its buffer, so the same sums. Under clipping every rank has the whole average here, and takes each gradient's
+    own norm from it (``clipper.known``)."""
+    import torch.distributed as dist
+    dist.all_reduce(flat)
+    base, end = seg.bounds[rank], seg.bounds[rank + 1]
+    if clipper is None:
+        return flat[base: end].div_(world).clone()       # averaged as the all-reduce averages
+    flat.div_(world)
+    views = [flat[off: off + k].view(shapes[n]) for n, off, k in seg.items()]
+    clipper.known.update(zip(seg.names, torch._foreach_norm(views, clipper.norm_type)))
+    return flat[base: end].clone()
 
 
 def _swap_chunks(flat: torch.Tensor, seg, rank: int) -> torch.Tensor:
