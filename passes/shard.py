@@ -44,9 +44,14 @@ Under ``balance`` every rank runs the same microbatch shape and plans under the 
 slowest device's speed (harmony/balanced.py), so the ranks' gathers match as they must; the digest check below still
 names any difference.
 
-What is not built yet is refused at compile with a ``ConfigError`` (``check_config``): fp16/bf16 and adaptive
-compression, device steps, CUDA devices, the ondemand policy, and
-optimizers that are not element-wise.
+fp16/bf16 compression and adaptive bits average the gradients by the replicated run's own all-reduce (its
+``Communicator``: the warm-up's fp32 sends, the chosen bits, the residuals, the generator's draws), and each rank keeps
+its chunks of the result (``PackShares.allreduce``): bitwise the replicated run, at its bytes on the wire (twice a
+reduce-scatter's). Their chunks are cut as fp32 buffers are, once: adaptive bits change the codec's buffers when
+they are chosen, and a cut that followed them would move the live state between ranks mid-training.
+
+What is not built yet is refused at compile with a ``ConfigError`` (``check_config``): device steps, CUDA devices,
+the ondemand policy, and optimizers that are not element-wise.
 
 A weight two packs read (a tied embedding and head) is partitioned with the pack that steps it; the other pack's
 ``swap_in`` becomes a ``gather`` too, of the segments of the first pack's chunks that hold the weight
@@ -74,11 +79,6 @@ def check_config(cfg, given_kwargs: dict) -> None:
     from harmony.optim import elementwise
     instead = "use shard_state=True (ZeRO stage 1: optimizer state sharded, weights replicated), which supports it"
     refused = [
-        (cfg.compression is not None and cfg.compression.kind not in ("none", "quantized"),
-         f"compression={cfg.compression.kind if cfg.compression else None!r} (only the quantized codec's "
-         f"reduce-scatter is built): use compression='4bit' (any of 1..8 bits) or None, or {instead}"),
-        (getattr(cfg, "adaptive", False), f"compression='adaptive' (the bits chosen after the warm-up are not "
-                                          f"partitioned yet): use compression='4bit', or {instead}"),
         (cfg.optimizer_on == "device", f"optimizer_on='device' (partitioned packs step on the host): use "
                                        f"optimizer_on='host' or 'auto', or {instead}"),
         (str(cfg.device).split(":")[0] not in ("cpu", "meta"),   # meta: a plan to simulate, never run
@@ -106,6 +106,14 @@ def _quantized(cfg) -> bool:
     return cfg.compression is not None and cfg.compression.kind == "quantized"
 
 
+def through_allreduce(cfg) -> bool:
+    """Whether the gradients are averaged by the replicated run's all-reduce, each rank keeping its chunks
+    (``PackShares.allreduce``): fp16 or bf16 compression, whose reduce-scatter half is not built, and adaptive
+    bits, whose codec buffers change once the bits are chosen (the chunks are cut once, as fp32 buffers)."""
+    c = cfg.compression
+    return c is not None and (c.kind in ("fp16", "bf16") or (c.kind == "quantized" and getattr(cfg, "adaptive", False)))
+
+
 def run(program: Program, ctx) -> PassResult:
     start = time.perf_counter()
     cfg, plan = program.config, program.plan
@@ -126,9 +134,12 @@ def run(program: Program, ctx) -> PassResult:
         numel = {n: t.numel() for n, t in named}
         groups = plan.comm_groups.get(p) or [[n for n, _ in named]]
         record = plan.at(p)
+        via = through_allreduce(cfg)
         record.shares = partitioned.layout([[(n, numel[n]) for n in g] for g in groups], world, rank, which,
-                                           specs=specs, fractions=cfg.state_shares,
-                                           pairwise=cfg.clip_grad_norm is None)   # clipping: whole gradients
+                                           specs=None if via else specs, fractions=cfg.state_shares,
+                                           pairwise=cfg.clip_grad_norm is None and not via)   # clipping: whole
+        if via:
+            _replicated_bytes(record.shares, groups, dict(named), specs, world)
         _count_share(program, plan.packs[p], record.shares, dict(named))
     program.schedule = rewrite(program.schedule, plan, world, fp32=cfg.compute_dtype is None)
     _check_same_collectives(program.schedule)
@@ -154,6 +165,19 @@ def _check_pack(plan, p: int) -> None:
         raise ConfigError(f"shard_state='full' partitions packs that step on the host with their state there, but "
                           f"pack {p} ({plan.packs[p].name}): {why}; pass optimizer_on='host', or use "
                           f"shard_state=True")
+
+
+def _replicated_bytes(shares, groups: list[list[str]], tensors: dict, specs: dict, world: int) -> None:
+    """``allreduce`` shares: each segment sends its part (by elements) of what the replicated run's all-reduce of its
+    group sends (adaptive: uniform bits, which the chosen bits may only undercut, as the compress pass counts)."""
+    from harmony.passes.compress import predict_wire
+    shares.allreduce = True
+    for call, names in enumerate(groups):
+        segs = [seg for seg in shares.segments if seg.call == call]
+        whole = predict_wire([tensors[n] for n in names], [specs[n] for n in names], world)
+        total = sum(seg.total for seg in segs)
+        for seg in segs:
+            seg.sent = whole * seg.total // total
 
 
 def _count_share(program, spec, shares, tensors: dict) -> None:
@@ -182,8 +206,12 @@ def rewrite(graph, plan, world: int, fp32: bool = True):
             k += 1
         elif n.target is ops.allreduce and plan.at(pack).shares is not None:
             weight = n.kwargs.get("weight")       # a balanced rank's share of the average
+            codec = {k: v for k, v in n.kwargs.items() if k not in ("world", "where", "sync", "weight")}
+            kind = n.args[1] if len(n.args) > 1 else n.kwargs.get("kind", "none")
             n.target, n.args = partitioned.reduce_scatter, (pack,)
-            n.kwargs = {"world": world, **({"weight": weight} if weight is not None else {})}
+            n.kwargs = {"world": world, **({"weight": weight} if weight is not None else {}),
+                        # the replicated run's all-reduce, which averages these gradients (PackShares.allreduce)
+                        **({"comm": {"kind": kind, **codec}} if plan.at(pack).shares.allreduce else {})}
             n._rename(f"rs{pack}")
     last = {}
     for n in calls(graph):

@@ -188,7 +188,7 @@ def share_params(rt, pack: int) -> list:
 
 # -- the ops ---------------------------------------------------------------------------------------
 def gather(pack: int, what: str = "params", held: tuple = (), carried: bool = False, reads: str | None = None): ...
-def reduce_scatter(pack: int, *, world: int = 1, weight: float | None = None): ...
+def reduce_scatter(pack: int, *, world: int = 1, weight: float | None = None, comm: dict | None = None): ...
 
 
 def _gather_execute(rt, pack, what="params", held=(), carried=False, reads=None):
@@ -295,10 +295,11 @@ def _gather_cost(plan, hw, pack, what="params", held=(), carried=False, reads=No
     return "network", received / bandwidth + (world - 1) * latency * len(parts)
 
 
-def _reduce_scatter_execute(rt, pack, *, world=1, weight=None):
+def _reduce_scatter_execute(rt, pack, *, world=1, weight=None, comm=None):
     """On the host thread, behind the release of the pack's gradients: this rank's chunk of their average (a
     balanced rank's gradients weighted by ``weight`` first, as the replicated all-reduce weighs them), as the
-    gradients of its pieces; the whole gradients are dropped."""
+    gradients of its pieces; the whole gradients are dropped. ``comm``: the replicated run's all-reduce (its codec
+    keywords) averages them, and the chunks are cut from its result (``PackShares.allreduce``)."""
     st, shares = rt.state, rt.plan.at(pack).shares
     pieces = st.shares.pieces[pack]
     clipper = rt.gate.clipper if rt.gate is not None else None
@@ -321,8 +322,13 @@ def _reduce_scatter_execute(rt, pack, *, world=1, weight=None):
             if piece.segment == s:
                 t.grad = out[piece.start - base: piece.end - base]
 
+    communicator = _communicator(rt, world, weight, comm) if comm is not None else None
+
     def job():
         try:
+            if communicator is not None:
+                _through_allreduce(rt, pack, communicator, grads, keep, clipper)
+                return
             done = set()
             for s, seg in enumerate(shares.segments):
                 if s in done:
@@ -347,6 +353,38 @@ def _reduce_scatter_execute(rt, pack, *, world=1, weight=None):
             for n in shares.names():
                 st.set_grad(n, None)
     st.pending[("allreduce", pack)] = st.host_pool.submit(job)
+
+
+def _communicator(rt, world: int, weight, comm: dict):
+    """The runtime's ``Communicator`` as the replicated run's ``allreduce`` ops make it (its step begins at the
+    first reduce-scatter of a step)."""
+    from harmony.runtime.communicator import communicator
+    from harmony.runtime.compression import DEFAULT_MIN_SIZE
+    spec = dict(comm)
+    kind, min_size, warmup = spec.pop("kind"), spec.pop("min_size", DEFAULT_MIN_SIZE), spec.pop("warmup", 0)
+    first = next(n.args[0] for n in rt.graph.nodes if n.op == "call_function" and n.target is reduce_scatter)
+    return communicator(rt, first, kind, world, min_size, warmup, spec, weight)
+
+
+def _through_allreduce(rt, pack: int, communicator, grads, keep, clipper) -> None:
+    """The pack's gradients averaged in place by the replicated run's all-reduce (fp16/bf16, or adaptive bits: the
+    warm-up's fp32 sends, then the chosen bits), bitwise its result; this rank keeps its chunk of each segment, and
+    under clipping each gradient's norm (``GradClip.known``)."""
+    st, shares = rt.state, rt.plan.at(pack).shares
+    before = communicator.totals.get("wire_bytes", 0)     # the host thread's: nothing else adds to it meanwhile
+    communicator.reduce(rt, pack)
+    st.shares.stats["reduce_scatter_wire_bytes"] += communicator.totals.get("wire_bytes", 0) - before
+    for s, seg in enumerate(shares.segments):
+        got = grads(seg)
+        if clipper is not None:
+            clipper.known.update(zip(seg.names, torch._foreach_norm(got, clipper.norm_type)))
+        lo, hi = seg.bounds[shares.rank], seg.bounds[shares.rank + 1]
+        chunk = torch.empty(hi - lo)
+        for (_, off, k), g in zip(seg.items(), got):
+            a, b = max(lo, off), min(hi, off + k)
+            if a < b:
+                chunk[a - lo: b - lo].copy_(g.reshape(-1)[a - off: b - off])
+        keep(s, seg, chunk)
 
 
 def _all_reduce_chunk(flat: torch.Tensor, seg, rank: int, world: int, clipper, shapes: dict) -> torch.Tensor:
@@ -378,12 +416,13 @@ def _swap_chunks(flat: torch.Tensor, seg, rank: int) -> torch.Tensor:
     return mine.add_(got)
 
 
-def _reduce_scatter_effect(m, pack, *, world=1, weight=None):
+def _reduce_scatter_effect(m, pack, *, world=1, weight=None, comm=None):
     return None, 0          # the host copies of the gradients: nothing on the device
 
 
-def _reduce_scatter_cost(plan, hw, pack, *, world=1, weight=None):
-    """A ring all-reduce of the pack's gradients (what gloo's reduce-scatter costs too: see the module's note)."""
+def _reduce_scatter_cost(plan, hw, pack, *, world=1, weight=None, comm=None):
+    """A ring all-reduce of the pack's gradients (what gloo's reduce-scatter costs too: see the module's note); a
+    two-rank swap of chunks, or the codec's scatter-reduce, as ``Segment.sent`` counts them."""
     shares = plan.at(pack).shares
     bandwidth, latency = _network(hw)
     sent = sum(s.sent for s in shares.segments)

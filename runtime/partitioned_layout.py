@@ -68,12 +68,17 @@ class Piece:
 
 @dataclass
 class PackShares:
-    """How one pack's parameters are partitioned over ``world`` ranks, and this rank's pieces."""
+    """How one pack's parameters are partitioned over ``world`` ranks, and this rank's pieces.
+
+    ``allreduce``: the gradients are averaged by the replicated run's own all-reduce (its ``Communicator``: fp16 or
+    bf16 compression, adaptive bits), each rank then keeping its chunks; the segments are cut as fp32 buffers, since
+    the codec's buffers change when adaptive bits are chosen, and the chunks must not."""
 
     world: int
     rank: int
     segments: list[Segment]
     pieces: list[Piece] = field(default_factory=list)
+    allreduce: bool = False
 
     def names(self) -> list[str]:
         return [n for s in self.segments for n in s.names]

@@ -1,5 +1,6 @@
-"""shard_state="full" with clipping by the global norm and with 4-bit compressed gradients (with and without error
-feedback), on 2 and 3 gloo ranks.
+"""shard_state="full" with clipping by the global norm, with 4-bit compressed gradients (with and without error
+feedback), and with the compressions the replicated run's own all-reduce averages (fp16, adaptive bits), on 2 and 3
+gloo ranks.
 
 One spawn per world size (module-scoped fixtures) runs every check of that world: the partitioned run trains
 bitwise like the replicated run (``shard_state=False``) with the same clipping or the same compression.
@@ -14,7 +15,7 @@ import harmony.data
 from harmony.runtime import partitioned
 from harmony.runtime.compression import CompressionSpec
 from test_collectives import _digest, _spawn
-from test_zero3 import STEPS, _compile, refusals
+from test_zero3 import STEPS, _compile
 
 CLIPS = {"l2": dict(clip_grad_norm=0.05), "inf": dict(clip_grad_norm=0.01, clip_norm_type=float("inf")),
          "l1": dict(clip_grad_norm=0.5, clip_norm_type=1.0)}
@@ -25,18 +26,24 @@ CODECS = {"4bit": dict(compression="4bit"),      # stochastic rounding: the same
 # both: the norm is taken from the whole decoded gradients (the full quantized all-reduce runs)
 BOTH = {"clip4": dict(compression="4bit", clip_grad_norm=0.05),
         "clip4_ef": dict(compression=CompressionSpec(bits=4, error_feedback=True), clip_grad_norm=0.05)}
+# averaged by the replicated run's all-reduce, each rank keeping its chunks (PackShares.allreduce); adaptive: 3 warm-up
+# steps in fp32, then the bits chosen, so 5 steps
+THROUGH = {"fp16": dict(compression="fp16"), "adaptive": dict(compression="adaptive"),
+           "adaptive_clip": dict(compression="adaptive", clip_grad_norm=0.05)}
+THROUGH_STEPS = 5
 
 
-def _train(world, shard_state, **kw):
-    """Three steps with the optimizer on the host: the parameters' digest, the norms, what the step measured."""
+def _train(world, shard_state, steps=STEPS, **kw):
+    """``steps`` steps with the optimizer on the host: the parameters' digest, the norms, what the step measured."""
     model, data, sm = _compile(4 * world, shard_state=shard_state, optimizer_on="host", **kw)
     norms, stats = [], []
-    for i in range(STEPS):
+    for i in range(steps):
         sm(*harmony.data.shard(data[i % len(data)]))
         norms.append(sm.stats.get("grad_norm"))
         stats.append(dict(sm.stats))
     sm.sync_model()
-    out = dict(norms=norms, stats=stats[-1], digest=_digest([p.detach() for p in model.parameters()]),
+    out = dict(norms=norms, stats=stats[-1], bits=[s.get("adaptive_bits") for s in stats],
+               digest=_digest([p.detach() for p in model.parameters()]),
                host_bytes=partitioned.host_state_bytes(sm.runtime.state),
                largest=max(p.numel() * 4 for p in model.parameters()))
     report = next((r for r in sm.program.reports if r.title.startswith("shard")), None)
@@ -45,16 +52,11 @@ def _train(world, shard_state, **kw):
     return out
 
 
-def _refused(world):
-    """What shard_state="full" still refuses with compression or clipping: a ConfigError naming it."""
-    return refusals(world, dict(fp16=dict(compression="fp16"), adaptive=dict(compression="adaptive")))
-
-
 def _ranks(rank, world):
     every = {**CLIPS, **CODECS, **BOTH}
     out = {key: {mode: _train(world, mode, **kw) for mode in (False, "full")} for key, kw in every.items()}
-    if world == 2:
-        out["refused"] = _refused(world)
+    out.update({key: {mode: _train(world, mode, THROUGH_STEPS, **kw) for mode in (False, "full")}
+                for key, kw in THROUGH.items()})
     return out
 
 
@@ -124,11 +126,31 @@ def test_three_ranks_compressed_partitioned_train_bitwise_like_replicated_compre
     _check_compressed(three, 3)
 
 
+def _check_through_allreduce(res, world):
+    for key in THROUGH:
+        for r in range(world):
+            rep, full = res[r][key][False], res[r][key]["full"]
+            assert full["digest"] == rep["digest"] == res[0][key]["full"]["digest"], key    # bitwise
+            assert full["norms"] == rep["norms"] and full["bits"] == rep["bits"], key
+            s, t = full["stats"], full["totals"]
+            # the replicated run's all-reduce: its bytes, counted as the reduce-scatter's
+            assert s["reduce_scatter_wire_bytes"] == s["comm_wire_bytes"] == rep["stats"]["comm_wire_bytes"] > 0, key
+            # planned at the codec's bytes (adaptive: uniform 4-bit, which the chosen bits undercut)
+            planned = t["reduce_scatter_wire_bytes_per_step"]
+            assert (s["reduce_scatter_wire_bytes"] == planned if key == "fp16" else
+                    s["reduce_scatter_wire_bytes"] <= planned), (key, s["reduce_scatter_wire_bytes"], planned)
+            share = rep["host_bytes"] / world
+            assert abs(full["host_bytes"] - share) <= 3 * full["largest"], (key, full["host_bytes"], share)
+    bits = res[0]["adaptive"]["full"]["bits"]
+    assert bits[:3] == [None] * 3 and bits[3] == bits[4] and len(set(bits[4].values())) > 1   # chosen per layer
+    assert res[0]["adaptive_clip"]["full"]["digest"] != res[0]["adaptive"]["full"]["digest"]
+    assert res[0]["fp16"]["full"]["digest"] != res[0]["l2"][False]["digest"]
+
+
 @pytest.mark.slow
-def test_what_full_sharding_still_refuses_with_compression_or_clipping(two):
-    got = two[0]["refused"]
-    assert "compression='fp16'" in got["fp16"] and "shard_state=True" in got["fp16"]
-    assert "adaptive" in got["adaptive"] and "'4bit'" in got["adaptive"]
+def test_fp16_and_adaptive_bits_partitioned_train_bitwise_like_replicated(two, three):
+    _check_through_allreduce(two, 2)
+    _check_through_allreduce(three, 3)
 
 
 @pytest.mark.slow
