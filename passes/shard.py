@@ -247,12 +247,12 @@ def _rows(program, owned) -> list[dict]:
     rows = []
     for p in sorted(owned):
         s = plan.at(p).shares
-        whole = 4 * sum(seg.chunk for seg in s.segments)
+        got = 4 * sum(partitioned.received(s, k) for k in range(len(s.segments)))
         spec = plan.packs[p]
         rows.append(dict(pack=p, layers=spec.name, elements=s.elements(-1), segments=len(s.segments),
                          share_elements=s.elements(), pieces=len(s.pieces), master_share_MiB=spec.master_bytes / 2**20,
                          optim_share_MiB=spec.optim_bytes / 2**20, gathers=gathers.get(p, 0),
-                         gather_in_MiB=whole * (s.world - 1) / s.world / 2**20,
+                         gather_in_MiB=got / 2**20,
                          reduce_scatter_out_MiB=sum(g.sent for g in s.segments) / 2**20))
     return rows
 

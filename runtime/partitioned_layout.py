@@ -33,11 +33,6 @@ class Segment:
     pairwise: bool = False
 
     @property
-    def chunk(self) -> int:
-        """Elements of the largest chunk: what each rank sends in an all-gather (the others padded to it)."""
-        return max(b - a for a, b in zip(self.bounds, self.bounds[1:]))
-
-    @property
     def total(self) -> int:
         return sum(self.numels)
 

@@ -151,7 +151,8 @@ def test_layout_cuts_uneven_shares_at_aligned_offsets():
         for p in shares[r].pieces:
             start = int(p.name.split("[")[1].split(":")[0])
             assert start % 64 == 0 or p.start == seg.bounds[r], p
-    assert seg.chunk == max(seg.share(r) for r in range(3))     # what each rank sends in a gather
+    for r in range(3):         # a gather: each rank receives the others' chunks at their own lengths, no padding
+        assert partitioned.received(shares[r], 0) == 4010 - seg.share(r)
     equal = partitioned.layout(groups, 3, 0, {"a": 0, "b": 0, "c": 0}, fractions=[1 / 3] * 3)
     assert equal.segments[0].bounds == partitioned.layout(groups, 3, 0, {"a": 0, "b": 0, "c": 0}).segments[0].bounds
 
@@ -171,9 +172,10 @@ def test_two_ranks_reduce_scatter_fp32_by_swapping_chunks_unless_whole_gradients
     assert not any(s.pairwise for s in mixed)     # a call with quantized buffers goes through the codec
 
 
-def test_a_rank_with_a_zero_share_owns_nothing_and_still_joins_each_gather():
+def test_a_rank_with_a_zero_share_owns_nothing_and_receives_every_chunk_in_each_gather():
     groups = [[("a", 1000), ("b", 10), ("c", 3000)]]
     shares = [partitioned.layout(groups, 2, r, dict.fromkeys("abc", 0), fractions=[1.0, 0.0]) for r in (0, 1)]
     seg = shares[1].segments[0]
     assert shares[1].elements() == 0 and shares[1].pieces == [] and shares[0].elements() == 4010
-    assert seg.chunk == 4010 and seg.share(1) == 0     # its gather sends a padded chunk, as every rank does
+    assert seg.share(1) == 0 and partitioned.received(shares[1], 0) == 4010     # it sends nothing, receives all
+    assert partitioned.received(shares[0], 0) == 0
