@@ -57,6 +57,8 @@ from harmony.runtime.partitioned_quantized import reduce_scatter_quantized
 from harmony.runtime.placeholders import is_placeholder, withhold
 from harmony.runtime.plan import NOMINAL_NETWORK_BANDWIDTH, NOMINAL_NETWORK_LATENCY
 
+DIRECT_BYTES = 256 << 10      # a segment whose parameters average this much is gathered into its copies directly
+
 
 # -- the live chunks -----------------------------------------------------------------------------
 class Shares:
@@ -164,6 +166,44 @@ class Shares:
         self.stats["gather_wire_bytes"] += mine.element_size() * (seg.size - seg.share(me))   # received
         return out
 
+    def gather_into(self, pack: int, segment: int, mine: torch.Tensor, dests: dict, group=None) -> None:
+        """One segment's weights into ``dests`` ({name: flat tensor of the whole parameter}; the segment's other
+        weights are not kept), from every rank's chunk, as ``gather`` brings them.
+
+        Where the copies are of the chunks' dtype and the parameters are large, each peer's chunk is received piece by
+        piece straight into the copies (one message per parameter it holds, every rank cutting its chunk alike), so
+        no staging buffer is allocated and nothing is copied twice; otherwise (a copy in the compute dtype, or a
+        buffer of many small tensors, where a message each would cost more than the copy) through ``gather``."""
+        shares = self.plan.at(pack).shares
+        seg, me = shares.segments[segment], shares.rank
+        if any(d.dtype != mine.dtype for d in dests.values()) or seg.total < DIRECT_BYTES // 4 * len(seg.names):
+            flat = self.gather(pack, segment, mine, group)
+            for n, off, k in seg.items():
+                if n in dests:
+                    dests[n].copy_(flat[off: off + k])
+            return
+        import torch.distributed as dist
+        group = self.group if group is None else group
+        ops = []
+        for r in range(shares.world):
+            lo, hi = seg.bounds[r], seg.bounds[r + 1]
+            for n, off, k in seg.items():
+                a, b = max(lo, off), min(hi, off + k)
+                if a >= b:
+                    continue
+                if r == me:            # this rank's piece, and what it sends every peer
+                    piece = mine[a - lo: b - lo]
+                    if n in dests:
+                        dests[n][a - off: b - off].copy_(piece)
+                    ops += [dist.P2POp(dist.isend, piece, dist.get_global_rank(group, q), group)
+                            for q in range(shares.world) if q != me]
+                else:
+                    into = dests[n][a - off: b - off] if n in dests else mine.new_empty(b - a)
+                    ops.append(dist.P2POp(dist.irecv, into, dist.get_global_rank(group, r), group))
+        for req in dist.batch_isend_irecv(ops) if ops else ():
+            req.wait()
+        self.stats["gather_wire_bytes"] += mine.element_size() * received(shares, segment)
+
     def substitute(self, tensors: dict) -> None:
         """In a name -> tensor table of the training state: this rank's pieces in place of the partitioned weights."""
         for p, record in self.plan.residency.items():
@@ -250,10 +290,7 @@ def _gather_execute(rt, pack, what="params", held=(), carried=False, reads=None)
             chunks = st.shares.load(q, rt.graph if q == pack else None)
             for s, seg in enumerate(segments):
                 if any(n in targets for n in seg.names):
-                    flat = st.shares.gather(q, s, chunks[s])
-                    for n, off, k in seg.items():
-                        if n in targets:
-                            targets[n].view(-1).copy_(flat[off: off + k])
+                    st.shares.gather_into(q, s, chunks[s], {n: targets[n].view(-1) for n in seg.names if n in targets})
     fut = st.copier.submit(copy)
     fut.harmony_jobs = list(first.harmony_jobs if first is not None else ()) + jobs
     return fut

@@ -51,10 +51,8 @@ class Carry:
         chunks = shares.loaded(pack)
         for s, seg in enumerate(shares.plan.at(pack).shares.segments):
             # every segment, whatever this rank kept: a collective every rank joins alike ("take" then agrees)
-            flat = shares.gather(pack, s, chunks[s], group=dist.group.WORLD)
-            for n, off, k in seg.items():
-                if n in copies:
-                    copies[n].view(-1).copy_(flat[off: off + k])
+            shares.gather_into(pack, s, chunks[s], {n: copies[n].view(-1) for n in seg.names if n in copies},
+                               group=dist.group.WORLD)
         self.ready[pack] = copies
 
     def take(self, st, pack: int, names) -> bool:

@@ -6,6 +6,7 @@ rank's host holds its share of the weights and optimizer state; a checkpoint rou
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 from pathlib import Path
@@ -72,6 +73,17 @@ def _resume(rank, world, path):
     sm.close()
     dist.barrier()
     return dict(digests=digests, files=sorted(p.name for p in Path(path).iterdir()))
+
+
+@contextlib.contextmanager
+def direct_gathers():
+    """Every gather received piece by piece into the device copies (``Shares.gather_into``), as large parameters are;
+    the tests' small ones would otherwise go through the staging buffer."""
+    threshold, partitioned.DIRECT_BYTES = partitioned.DIRECT_BYTES, 0
+    try:
+        yield
+    finally:
+        partitioned.DIRECT_BYTES = threshold
 
 
 def refusals(world: int, cases: dict) -> dict:

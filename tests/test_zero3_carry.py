@@ -17,6 +17,7 @@ from harmony.errors import ConfigError
 from harmony.runtime import ops, partitioned
 from models import CASES, training_state_bytes
 from test_collectives import _digest, spawn_ok
+from test_zero3 import direct_gathers
 
 ADAMW = dict(optimizer=torch.optim.AdamW, optimizer_kwargs=dict(lr=1e-3), optimizer_on="host")
 
@@ -28,9 +29,13 @@ def _compile(world, **kw):
     return model, data, sm
 
 
-def _run(world, batches, evaluate_after=None, drop_on_rank0_after=None, **kw):
+def _run(world, batches, evaluate_after=None, drop_on_rank0_after=None, direct=False, **kw):
     """Train on ``batches`` (None: a bad batch, whose step fails and is rolled back); evaluate after the step of that
-    index; rank 0 alone forgets its carried copies after another."""
+    index; rank 0 alone forgets its carried copies after another. ``direct``: every gather (and the steps' refills
+    of carried copies) received piece by piece into the copies."""
+    if direct:
+        with direct_gathers():
+            return _run(world, batches, evaluate_after, drop_on_rank0_after, **kw)
     model, data, sm = _compile(world, **kw)
     out = dict(losses=[], carried=[], read=[], errors=0)
     for i, b in enumerate(batches):
@@ -90,6 +95,7 @@ def _ranks(rank, world):
         disk=_run(world, good, shard_state=False, weights_on="disk"),
         full=_run(world, good, evaluate_after=1, shard_state="full"),
         carried=_run(world, good, evaluate_after=1, shard_state="full", weights_on="disk"),
+        direct=_run(world, good, evaluate_after=1, shard_state="full", weights_on="disk", direct=True),
         failed=_run(world, [0, None, 1, 2], shard_state="full", weights_on="disk"),
         dropped=_run(world, good, drop_on_rank0_after=0, shard_state="full", weights_on="disk"),
     )
@@ -103,10 +109,11 @@ def two():
 @pytest.mark.slow
 def test_carried_weights_train_and_evaluate_bitwise_like_the_replicated_run(two):
     for r, got in two.items():
-        for key in ("full", "carried", "failed", "dropped", "disk"):
+        for key in ("full", "carried", "direct", "failed", "dropped", "disk"):
             assert got[key]["digest"] == two[0]["host"]["digest"], (r, key)
             assert got[key]["losses"] == got["host"]["losses"], (r, key)      # this rank's share of each batch
-        assert got["full"]["eval"] == got["carried"]["eval"] == got["host"]["eval"]
+        assert got["full"]["eval"] == got["carried"]["eval"] == got["direct"]["eval"] == got["host"]["eval"]
+        assert got["direct"]["carried"] == got["carried"]["carried"] and got["direct"]["carried"][-1] > 0
         # the evaluation's own gathers are its figures (eval_stats), not the next step's
         assert got["full"]["eval_sent"] > 0 and got["host"]["eval_sent"] is None
         assert got["failed"]["errors"] == 1

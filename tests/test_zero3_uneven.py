@@ -8,6 +8,8 @@ holds its share (within one tensor); a checkpoint of uneven shares loads back, a
 """
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -17,6 +19,7 @@ from harmony.errors import ConfigError
 from harmony.runtime import partitioned
 from models import CASES, training_state_bytes
 from test_collectives import _digest, spawn_ok
+from test_zero3 import direct_gathers
 
 ADAMW = dict(optimizer=torch.optim.AdamW, optimizer_kwargs=dict(lr=1e-3))
 MEMORY = (0.5, 0.8, 1.2)          # each device's memory, of the training state: uneven state shares
@@ -41,10 +44,12 @@ def _compile(world, mode, balance, speeds=None, **kw):
 
 
 def _train(world, mode, **kw):
-    model, data, sm = _compile(world, mode, [(2, 2)] * world, **kw)
-    for i in range(STEPS):
-        sm(*data[i % len(data)])               # the global batch: each rank takes its rows
-    sm.sync_model()
+    """``mode`` "direct": "full" with every gather received piece by piece into the copies."""
+    with direct_gathers() if mode == "direct" else contextlib.nullcontext():
+        model, data, sm = _compile(world, "full" if mode == "direct" else mode, [(2, 2)] * world, **kw)
+        for i in range(STEPS):
+            sm(*data[i % len(data)])               # the global batch: each rank takes its rows
+        sm.sync_model()
     report = next((r for r in sm.program.reports if r.title.startswith("shard")), None)
     out = dict(digest=_digest([p.detach() for p in model.parameters()]), stats=dict(sm.stats),
                host_bytes=partitioned.host_state_bytes(sm.runtime.state), packs=len(sm.plan.packs),
@@ -79,7 +84,7 @@ def _checkpoint(rank, world, root):
 
 def _ranks(rank, world, root):
     out = {f"{key}/{mode}": _train(world, mode, **kw) for key, kw in (("fp32", {}), ("4bit", dict(compression="4bit")))
-           for mode in (False, "full")}
+           for mode in (False, "full", "direct")}
     if world == 2:
         out["checkpoint"] = _checkpoint(rank, world, root)
         auto = _compile(world, "full", "auto", speeds=[1, 3])[2]     # the ILP keeps one shape, shares follow speed
@@ -101,6 +106,9 @@ def _check(res, world):
         for r in range(world):
             rep, full = res[r][f"{key}/False"], res[r][f"{key}/full"]
             assert full["digest"] == rep["digest"] == res[0][f"{key}/False"]["digest"], (key, r)   # bitwise
+            direct = res[r][f"{key}/direct"]        # chunks received straight into the copies: the same bits
+            assert direct["digest"] == full["digest"], (key, r)
+            assert direct["stats"]["gather_wire_bytes"] == full["stats"]["gather_wire_bytes"]
             t, s = full["totals"], full["stats"]
             by_rank = t["master_bytes_by_rank"]
             assert by_rank[r] == t["master_bytes_this_rank"] and sum(by_rank) == t["master_bytes_whole"]
