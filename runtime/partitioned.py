@@ -147,8 +147,8 @@ class Shares:
 
         Each rank sends its chunk to every other and receives theirs straight into their places in the buffer
         (gloo's point-to-point sends, all posted at once): the same bytes as gloo's ``all_gather_into_tensor``, which
-        took 2.1x to 2.4x as long on loopback here (2 and 3 ranks, chunks of 4 to 64 MiB), and chunks of uneven
-        shares travel at their own lengths, with no padding and no copy to drop it."""
+        took more than twice as long on loopback here, and chunks of uneven shares travel at their own lengths, with
+        no padding and no copy to drop it."""
         import torch.distributed as dist
         shares = self.plan.at(pack).shares
         seg, me, group = shares.segments[segment], shares.rank, self.group if group is None else group
@@ -172,11 +172,13 @@ class Shares:
 
         Where the copies are of the chunks' dtype and the parameters are large, each peer's chunk is received piece by
         piece straight into the copies (one message per parameter it holds, every rank cutting its chunk alike), so
-        no staging buffer is allocated and nothing is copied twice; otherwise (a copy in the compute dtype, or a
-        buffer of many small tensors, where a message each would cost more than the copy) through ``gather``."""
+        no staging buffer is allocated and nothing is copied twice; otherwise (a copy in the compute dtype or in
+        memory gloo cannot receive into, or a buffer of many small tensors, where a message each would cost more than
+        the copy) through ``gather``."""
         shares = self.plan.at(pack).shares
         seg, me = shares.segments[segment], shares.rank
-        if any(d.dtype != mine.dtype for d in dests.values()) or seg.total < DIRECT_BYTES // 4 * len(seg.names):
+        if (any(d.dtype != mine.dtype or d.device.type != "cpu" for d in dests.values())
+                or seg.total < DIRECT_BYTES // 4 * len(seg.names)):
             flat = self.gather(pack, segment, mine, group)
             for n, off, k in seg.items():
                 if n in dests:
