@@ -53,7 +53,13 @@ from harmony.runtime.ops import moving_names, register
 from harmony.runtime.ops_move import disk_io, pack_what, swap_in_effect
 from harmony.runtime.partitioned_carry import Carry
 from harmony.runtime.partitioned_layout import ALIGN, PREFIX, PackShares, Piece, Segment, layout  # noqa: F401
-from harmony.runtime.partitioned_quantized import reduce_scatter_quantized
+from harmony.runtime.partitioned_reduce import (
+    all_reduce_chunk,
+    reduce_scatter_quantized,
+    replicated_communicator,
+    swap_chunks,
+    through_allreduce,
+)
 from harmony.runtime.placeholders import is_placeholder, withhold
 from harmony.runtime.plan import NOMINAL_NETWORK_BANDWIDTH, NOMINAL_NETWORK_LATENCY
 
@@ -76,7 +82,7 @@ class Shares:
         self.group = dist.new_group(backend="gloo", **kw)   # the copy thread's all-gathers: a group of their own
         self.timeout = timeout
         self.tier = None            # runtime/partitioned_disk.ShareTier, where some packs' chunks live on disk
-        self.error_feedback: dict = {}   # a quantized reduce-scatter's residuals (runtime/partitioned_quantized.py)
+        self.error_feedback: dict = {}   # a quantized reduce-scatter's residuals (runtime/partitioned_reduce.py)
         # stochastic rounding draws as the replicated run's Communicator draws (runtime/communicator.py)
         self.generator = torch.Generator().manual_seed(0x5EED + dist.get_rank())
         with torch.no_grad():
@@ -377,12 +383,13 @@ def _reduce_scatter_execute(rt, pack, *, world=1, weight=None, comm=None):
             if piece.segment == s:
                 t.grad = out[piece.start - base: piece.end - base]
 
-    communicator = _communicator(rt, world, weight, comm) if comm is not None else None
+    first = next(n.args[0] for n in rt.graph.nodes if n.op == "call_function" and n.target is reduce_scatter)
+    communicator = replicated_communicator(rt, first, world, weight, comm) if comm is not None else None
 
     def job():
         try:
             if communicator is not None:
-                _through_allreduce(rt, pack, communicator, grads, keep, clipper)
+                through_allreduce(rt, pack, communicator, grads, keep, clipper)
                 return
             done = set()
             for s, seg in enumerate(shares.segments):
@@ -399,76 +406,15 @@ def _reduce_scatter_execute(rt, pack, *, world=1, weight=None, comm=None):
                 if scale != 1.0:             # collectives.allreduce's weighting, on the same values
                     flat.mul_(scale)
                 if seg.pairwise:             # two ranks: each sends the other its chunk, x + y is y + x bitwise
-                    out = _swap_chunks(flat, seg, shares.rank).div_(world)
+                    out = swap_chunks(flat, seg, shares.rank).div_(world)
                 else:
-                    out = _all_reduce_chunk(flat, seg, shares.rank, world, clipper, shapes)
+                    out = all_reduce_chunk(flat, seg, shares.rank, world, clipper, shapes)
                 st.shares.stats["reduce_scatter_wire_bytes"] += seg.sent
                 keep(s, seg, out)
         finally:
             for n in shares.names():
                 st.set_grad(n, None)
     st.pending[("allreduce", pack)] = st.host_pool.submit(job)
-
-
-def _communicator(rt, world: int, weight, comm: dict):
-    """The runtime's ``Communicator`` as the replicated run's ``allreduce`` ops make it (its step begins at the
-    first reduce-scatter of a step)."""
-    from harmony.runtime.communicator import communicator
-    from harmony.runtime.compression import DEFAULT_MIN_SIZE
-    spec = dict(comm)
-    kind, min_size, warmup = spec.pop("kind"), spec.pop("min_size", DEFAULT_MIN_SIZE), spec.pop("warmup", 0)
-    first = next(n.args[0] for n in rt.graph.nodes if n.op == "call_function" and n.target is reduce_scatter)
-    return communicator(rt, first, kind, world, min_size, warmup, spec, weight)
-
-
-def _through_allreduce(rt, pack: int, communicator, grads, keep, clipper) -> None:
-    """The pack's gradients averaged in place by the replicated run's all-reduce (fp16/bf16, or adaptive bits: the
-    warm-up's fp32 sends, then the chosen bits), bitwise its result; this rank keeps its chunk of each segment, and
-    under clipping each gradient's norm (``GradClip.known``)."""
-    st, shares = rt.state, rt.plan.at(pack).shares
-    before = communicator.totals.get("wire_bytes", 0)     # the host thread's: nothing else adds to it meanwhile
-    communicator.reduce(rt, pack)
-    st.shares.stats["reduce_scatter_wire_bytes"] += communicator.totals.get("wire_bytes", 0) - before
-    for s, seg in enumerate(shares.segments):
-        got = grads(seg)
-        if clipper is not None:
-            clipper.known.update(zip(seg.names, torch._foreach_norm(got, clipper.norm_type)))
-        lo, hi = seg.bounds[shares.rank], seg.bounds[shares.rank + 1]
-        chunk = torch.empty(hi - lo)
-        for (_, off, k), g in zip(seg.items(), got):
-            a, b = max(lo, off), min(hi, off + k)
-            if a < b:
-                chunk[a - lo: b - lo].copy_(g.reshape(-1)[a - off: b - off])
-        keep(s, seg, chunk)
-
-
-def _all_reduce_chunk(flat: torch.Tensor, seg, rank: int, world: int, clipper, shapes: dict) -> torch.Tensor:
-    """This rank's chunk of the average from gloo's all-reduce of the whole buffer: the replicated run's collective on
-    its buffer, so the same sums. Under clipping every rank has the whole average here, and takes each gradient's
-    own norm from it (``clipper.known``)."""
-    import torch.distributed as dist
-    dist.all_reduce(flat)
-    base, end = seg.bounds[rank], seg.bounds[rank + 1]
-    if clipper is None:
-        return flat[base: end].div_(world).clone()       # averaged as the all-reduce averages
-    flat.div_(world)
-    views = [flat[off: off + k].view(shapes[n]) for n, off, k in seg.items()]
-    clipper.known.update(zip(seg.names, torch._foreach_norm(views, clipper.norm_type)))
-    return flat[base: end].clone()
-
-
-def _swap_chunks(flat: torch.Tensor, seg, rank: int) -> torch.Tensor:
-    """Two ranks' reduce-scatter of an fp32 buffer: this rank's chunk of the sum, the peer's part sent to it and its
-    part of this one received (``Segment.pairwise``)."""
-    import torch.distributed as dist
-    peer = 1 - rank
-    mine = flat[seg.bounds[rank]: seg.bounds[rank + 1]].clone()
-    got = torch.empty_like(mine)
-    reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, flat[seg.bounds[peer]: seg.bounds[peer + 1]], peer),
-                                   dist.P2POp(dist.irecv, got, peer)])
-    for r in reqs:
-        r.wait()
-    return mine.add_(got)
 
 
 def _reduce_scatter_effect(m, pack, *, world=1, weight=None, comm=None):
