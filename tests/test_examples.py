@@ -79,6 +79,22 @@ def test_data_parallel_two_ranks_with_the_4bit_allreduce(tmp_path):
 
 
 @pytest.mark.slow
+def test_zero3_partitions_a_llama_over_two_ranks_and_trains_like_the_replicated_run(tmp_path):
+    pytest.importorskip("transformers")
+    outs = {m: _torchrun("zero3.py", tmp_path, "--out", tmp_path / m, *(["--replicated"] if m == "rep" else []))
+            for m in ("full", "rep")}
+    digest = {m: re.search(r"parameters equal on every rank: True \((\w+)\)", out).group(1) for m, out in outs.items()}
+    assert digest["full"] == digest["rep"], outs          # bitwise the replicated run
+    kept = {m: [(float(a), float(b)) for a, b in re.findall(r"^rank \d: keeps (\d+\.\d+) MiB .* \(of (\d+\.\d+)\)",
+                                                            out, flags=re.M)] for m, out in outs.items()}
+    assert len(kept["full"]) == 2 and all(abs(a - b / 2) <= 0.02 * b for a, b in kept["full"]), outs["full"]
+    assert all(a == b for a, b in kept["rep"]), outs["rep"]
+    assert _losses(outs["full"]) == _losses(outs["rep"]) and len(_losses(outs["full"])) >= 3
+    assert "validation loss" in outs["full"] and (tmp_path / "full" / "checkpoint").exists()
+    assert "each rank's chunks" in outs["full"]
+
+
+@pytest.mark.slow
 def test_mismatched_devices_balance_gives_the_slow_small_rank_less(tmp_path):
     out = _torchrun("mismatched_devices.py", tmp_path)
     assert "== balance:" in out and "EMULATED" in out
@@ -101,7 +117,8 @@ def test_inspect_plan_prints_report_code_drawings_and_a_simulated_gpu_step(tmp_p
 
 def test_every_example_has_a_test_and_a_tiny_flag():
     scripts = sorted(p.stem for p in EXAMPLES.glob("*.py"))
-    assert scripts == ["bf16", "data_parallel", "disk_offload", "hf_finetune", "inspect_plan", "mismatched_devices"]
+    assert scripts == ["bf16", "data_parallel", "disk_offload", "hf_finetune", "inspect_plan", "mismatched_devices",
+                       "zero3"]
     here = Path(__file__).read_text()
     for name in scripts:
         assert f'"{name}.py"' in here and "--tiny" in (EXAMPLES / f"{name}.py").read_text()
