@@ -3,7 +3,9 @@
 The built-in GPT (harmony/models.py, untied head), compiled under a device budget of half its training state with
 the optimizer on the host, trained by 2 and 3 gloo ranks started with ``torchrun`` on this machine, one launch per
 (world, mode) so each rank's peak RSS is its mode's. Per rank: the host bytes of its training state between steps
-(fp32 weights and optimizer state, each storage once: ``runtime.partitioned.host_state_bytes``), its peak RSS, the
+(fp32 weights and optimizer state, each storage once: ``runtime.partitioned.host_state_bytes``), what it stores in
+memory and in its files together (``stored_MiB_per_rank``; ``stored_vs_one_rank``: against one replicated rank's,
+``--worlds 1``: the 1/N target), its peak RSS, the
 bytes it sent per step (all-reduce, or gather + reduce-scatter) and the median step time after a warm-up step.
 The ranks share this machine's 2 cores, so step times compare the modes, not a cluster. The ``+clip`` modes clip by
 the global norm (0.05, below the norm: every step clips), the ``+4bit`` ones send 4-bit gradients (CGX's codec):
@@ -35,6 +37,7 @@ import os
 import statistics
 import subprocess
 import sys
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -80,9 +83,10 @@ def rank_run(args) -> None:
     if args.disk_group_mib:
         host["disk_group_bytes"] = int(args.disk_group_mib * 2**20)
     budget = int(state * args.device_budget)
+    files = tempfile.mkdtemp(prefix="harmony-partition-")        # this rank's own: its files are counted below
     sm = harmony.compile(model, example_batch=harmony.data.shard(data[0]), memory_budget=budget,
                          microbatches=args.microbatches, optimizer=torch.optim.AdamW, optimizer_kwargs=dict(lr=1e-3),
-                         optimizer_on="host", **host, **MODES[args.mode])
+                         optimizer_on="host", offload_dir=files, **host, **MODES[args.mode])
     times, sent, io = [], [], []
     for batch in data:
         before = proc_io()
@@ -92,13 +96,15 @@ def rank_run(args) -> None:
         times.append(sm.stats["step_seconds"])
         sent.append(sum(sm.stats.get(k, 0) for k in ("comm_wire_bytes", "gather_wire_bytes",
                                                      "reduce_scatter_wire_bytes")))
+    on_disk = sum(f.stat().st_size for f in Path(files).rglob("*") if f.is_file())
     mine = dict(rank=dist.get_rank() if dist.is_initialized() else 0,
-                host_state_MiB=host_state_bytes(sm.runtime.state) / 2**20,
+                host_state_MiB=host_state_bytes(sm.runtime.state) / 2**20, disk_state_MiB=on_disk / 2**20,
                 peak_rss_MiB=sm.stats["peak_rss_bytes"] / 2**20, sent_MiB_per_step=sent[-1] / 2**20,
                 step_s=statistics.median(times[1:]), params=sum(p.numel() for p in model.parameters()),
                 read_MiB_per_step=statistics.median(r for r, _ in io[1:]) / 2**20,
                 write_MiB_per_step=statistics.median(w for _, w in io[1:]) / 2**20)
     sm.close()
+    shutil.rmtree(files, ignore_errors=True)
     _report(args, mine)
 
 
@@ -121,7 +127,7 @@ def _peer_rank(args, zero3_peer) -> None:
     x, y = next(copy_task(c, args.batch * world, 1))
     r = int(os.environ["RANK"])
     mine = zero3_peer.rank(c, x.chunk(world)[r], y.chunk(world)[r], args.microbatches, args.steps + 1)
-    _report(args, dict(mine, rank=r, host_state_MiB=None, sent_MiB_per_step=None, params=None))
+    _report(args, dict(mine, rank=r, host_state_MiB=None, disk_state_MiB=None, sent_MiB_per_step=None, params=None))
     import torch.distributed as dist
     dist.destroy_process_group()    # DeepSpeed's group: left to the interpreter's exit, gloo may abort the rank
     # and so may a thread of DeepSpeed's (its NVMe I/O) the interpreter's exit destroys unjoined ("terminate called
@@ -176,7 +182,7 @@ def main() -> None:
     missing = zero3_peer.missing() if PEER in args.modes else None
     if missing:
         print(f"{PEER}: not run, {missing}")
-    rows, figures = [], {}
+    rows, figures, one = [], {}, None
     for world in args.worlds:
         runs = {mode: launch(world, mode, args) for mode in args.modes if not (mode == PEER and missing)
                 and (world > 1 or mode.startswith("replicated"))}
@@ -185,9 +191,14 @@ def main() -> None:
         for mode, ranks in runs.items():
             host = [r["host_state_MiB"] for r in ranks]
             peer = mode == PEER
+            # the training state a rank stores between steps, in its memory and its files; one rank's the 1/N target's
+            stored = None if peer else max(r["host_state_MiB"] + r["disk_state_MiB"] for r in ranks)
+            if world == 1 and mode == "replicated":
+                one = stored
             row = dict(world=world, mode=mode, params=runs[ref][0]["params"],
                        host_state_MiB_per_rank="(on NVMe)" if peer else " ".join(f"{h:.1f}" for h in host),
                        host_vs_replicated=None if peer else max(host) / base,
+                       stored_MiB_per_rank=stored, stored_vs_one_rank=stored / one if stored and one else None,
                        peak_rss_MiB_max=max(r["peak_rss_MiB"] or 0 for r in ranks),
                        disk_read_MiB_step=max(r["read_MiB_per_step"] for r in ranks),
                        disk_write_MiB_step=max(r["write_MiB_per_step"] for r in ranks),
@@ -196,6 +207,8 @@ def main() -> None:
             rows.append(row)
             if not peer:
                 figures[f"w{world}_{mode}_host_MiB"] = max(host)
+                if one:
+                    figures[f"w{world}_{mode} stored/one rank"] = stored / one
             figures[f"w{world}_{mode}_step_s"] = row["step_s_slowest"]
         if "full" in runs and "replicated" in runs:     # the headline ratios python -m benchmarks reads
             figures[f"w{world}_full/replicated host"] = (figures[f"w{world}_full_host_MiB"] /
