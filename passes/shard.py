@@ -154,6 +154,12 @@ def run(program: Program, ctx) -> PassResult:
         f"the all-reduce's fused buffers) and its optimizer state on its host; a pack's weights come to the device "
         f"by an all-gather of the chunks (gather), its gradients go to their owners by a reduce-scatter "
         f"(reduce_scatter), each rank steps its chunk, and nothing is broadcast after the step")
+    if through_allreduce(cfg):
+        report.notes.append(
+            f"{'adaptive bits' if getattr(cfg, 'adaptive', False) else cfg.compression.kind}: each reduce_scatter "
+            f"runs the replicated run's all-reduce of the gradients (its codec, warm-up and random draws) and keeps "
+            f"this rank's chunks, so it sends the all-reduce's bytes (twice a reduce-scatter's); the chunks are cut as "
+            f"fp32 buffers, once")
     return PassResult(program, report)
 
 

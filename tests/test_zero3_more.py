@@ -48,6 +48,7 @@ def _train(world, shard_state, steps=STEPS, **kw):
                largest=max(p.numel() * 4 for p in model.parameters()))
     report = next((r for r in sm.program.reports if r.title.startswith("shard")), None)
     out["totals"] = dict(report.totals) if report is not None else {}
+    out["notes"] = list(report.notes) if report is not None else []
     sm.close()
     return out
 
@@ -141,6 +142,7 @@ def _check_through_allreduce(res, world):
                     s["reduce_scatter_wire_bytes"] <= planned), (key, s["reduce_scatter_wire_bytes"], planned)
             share = rep["host_bytes"] / world
             assert abs(full["host_bytes"] - share) <= 3 * full["largest"], (key, full["host_bytes"], share)
+    assert any("replicated run's all-reduce" in n for n in res[0]["adaptive"]["full"]["notes"])   # the report says
     bits = res[0]["adaptive"]["full"]["bits"]
     assert bits[:3] == [None] * 3 and bits[3] == bits[4] and len(set(bits[4].values())) > 1   # chosen per layer
     assert res[0]["adaptive_clip"]["full"]["digest"] != res[0]["adaptive"]["full"]["digest"]
