@@ -212,7 +212,7 @@ def rewrite(graph, plan, world: int, fp32: bool = True):
             k += 1
         elif n.target is ops.allreduce and plan.at(pack).shares is not None:
             weight = n.kwargs.get("weight")       # a balanced rank's share of the average
-            codec = {k: v for k, v in n.kwargs.items() if k not in ("world", "where", "sync", "weight")}
+            codec = {key: v for key, v in n.kwargs.items() if key not in ("world", "where", "sync", "weight")}
             kind = n.args[1] if len(n.args) > 1 else n.kwargs.get("kind", "none")
             n.target, n.args = partitioned.reduce_scatter, (pack,)
             n.kwargs = {"world": world, **({"weight": weight} if weight is not None else {}),
