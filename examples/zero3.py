@@ -16,7 +16,6 @@ bytes, a validation loss, and the checkpoint it saved (each rank its own chunks)
 from __future__ import annotations
 
 import argparse
-import hashlib
 import tempfile
 from pathlib import Path
 
@@ -24,7 +23,8 @@ import harmony  # before torch: it sets the OpenMP and allocator variables torch
 import harmony.data
 import torch
 import torch.distributed as dist
-from hf_finetune import CountingDataset     # the same synthetic data (this script's directory is on sys.path)
+from data_parallel import digest              # (this script's directory is on sys.path)
+from hf_finetune import CountingDataset         # the same synthetic data
 from torch.utils.data import DataLoader
 
 MiB = 2**20
@@ -39,14 +39,6 @@ def build_model(args):
                                       bos_token_id=0, eos_token_id=0, pad_token_id=0)
     config._attn_implementation = "eager"
     return transformers.LlamaForCausalLM(config)
-
-
-def digest(model) -> str:
-    """A hash of every parameter's bytes: equal on every rank once ``sm.sync_model()`` has gathered the chunks."""
-    h = hashlib.sha256()
-    for p in model.parameters():
-        h.update(p.detach().contiguous().view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()[:12]
 
 
 def main(argv=None) -> dict:

@@ -129,12 +129,12 @@ def run(program: Program, ctx) -> PassResult:
     base = cfg.compression or NO_COMPRESSION
     specs = {n: spec_for(t, base, cfg.min_size) for named in owned.values() for n, t in named}
     _, which = group_of([n for s in plan.packs for n in s.stepped], cfg.param_groups)
+    via = through_allreduce(cfg)
     for p, named in owned.items():
         _check_pack(plan, p)
         numel = {n: t.numel() for n, t in named}
         groups = plan.comm_groups.get(p) or [[n for n, _ in named]]
         record = plan.at(p)
-        via = through_allreduce(cfg)
         record.shares = partitioned.layout([[(n, numel[n]) for n in g] for g in groups], world, rank, which,
                                            specs=None if via else specs, fractions=cfg.state_shares,
                                            pairwise=cfg.clip_grad_norm is None and not via)   # clipping: whole
@@ -154,7 +154,7 @@ def run(program: Program, ctx) -> PassResult:
         f"the all-reduce's fused buffers) and its optimizer state on its host; a pack's weights come to the device "
         f"by an all-gather of the chunks (gather), its gradients go to their owners by a reduce-scatter "
         f"(reduce_scatter), each rank steps its chunk, and nothing is broadcast after the step")
-    if through_allreduce(cfg):
+    if via:
         report.notes.append(
             f"{'adaptive bits' if getattr(cfg, 'adaptive', False) else cfg.compression.kind}: each reduce_scatter "
             f"runs the replicated run's all-reduce of the gradients (its codec, warm-up and random draws) and keeps "

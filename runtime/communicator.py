@@ -99,10 +99,13 @@ class Communicator:
 _COMMS = weakref.WeakKeyDictionary()   # Runtime -> its Communicator, made by its first all-reduce
 
 
-def communicator(rt, first: int | None, kind, world, min_size, warmup, spec, weight=None) -> Communicator:
-    """The runtime's ``Communicator``, made at its first all-reduce (``first``: the pack whose comes first)."""
+def communicator(rt, op, kind, world, min_size, warmup, spec, weight=None) -> Communicator:
+    """The runtime's ``Communicator``, made at its first all-reduce: a step begins at the first ``op`` of the
+    runtime's schedule (the op that averages gradients through it: ``allreduce``, or under ``shard_state="full"``
+    ``reduce_scatter``), looked up once, here."""
     comm = _COMMS.get(rt)
     if comm is None:
+        first = next((n.args[0] for n in rt.graph.nodes if n.op == "call_function" and n.target is op), None)
         comm = _COMMS[rt] = Communicator(first, kind, world, min_size, warmup, spec, weight)
     return comm
 

@@ -23,8 +23,7 @@ def _allreduce_execute(rt, pack, kind="none", *, world=1, where="device", sync=F
 
     from harmony.runtime.communicator import communicator
     from harmony.runtime.memory import CountAllocations
-    first = next((n.args[0] for n in rt.graph.nodes if n.op == "call_function" and n.target is allreduce), None)
-    comm = communicator(rt, first, kind, world, min_size, warmup, spec, weight)
+    comm = communicator(rt, allreduce, kind, world, min_size, warmup, spec, weight)
     if rt.on_demand is not None:
         with rt.counting():
             comm.reduce(rt, pack)

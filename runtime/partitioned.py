@@ -194,11 +194,8 @@ class Shares:
         group = self.group if group is None else group
         ops = []
         for r in range(shares.world):
-            lo, hi = seg.bounds[r], seg.bounds[r + 1]
-            for n, off, k in seg.items():
-                a, b = max(lo, off), min(hi, off + k)
-                if a >= b:
-                    continue
+            lo = seg.bounds[r]
+            for n, off, a, b in seg.overlaps(r):
                 if r == me:            # this rank's piece, and what it sends every peer
                     piece = mine[a - lo: b - lo]
                     if n in dests:
@@ -383,8 +380,7 @@ def _reduce_scatter_execute(rt, pack, *, world=1, weight=None, comm=None):
             if piece.segment == s:
                 t.grad = out[piece.start - base: piece.end - base]
 
-    first = next(n.args[0] for n in rt.graph.nodes if n.op == "call_function" and n.target is reduce_scatter)
-    communicator = replicated_communicator(rt, first, world, weight, comm) if comm is not None else None
+    communicator = replicated_communicator(rt, reduce_scatter, world, weight, comm) if comm is not None else None
 
     def job():
         try:

@@ -45,6 +45,15 @@ class Segment:
         """(name, offset, numel) of each parameter in the buffer."""
         yield from zip(self.names, self.offsets, self.numels)
 
+    def overlaps(self, rank: int):
+        """(name, offset, a, b) of each parameter that rank ``rank``'s chunk holds a piece of: elements ``a:b`` of
+        the buffer (``a - offset : b - offset`` of the parameter), in the buffer's order."""
+        lo, hi = self.bounds[rank], self.bounds[rank + 1]
+        for n, off, k in self.items():
+            a, b = max(lo, off), min(hi, off + k)
+            if a < b:
+                yield n, off, a, b
+
     def share(self, rank: int) -> int:
         """Elements of rank ``rank``'s chunk."""
         return self.bounds[rank + 1] - self.bounds[rank]
@@ -124,11 +133,8 @@ def layout(groups: list[list[tuple[str, int]]], world: int, rank: int, group_of:
                 seg.pairwise, seg.sent = True, 4 * seg.share(1 - rank)
     shares = PackShares(world, rank, segments)
     for s, seg in enumerate(segments):
-        lo, hi = seg.bounds[rank], seg.bounds[rank + 1]
-        for n, off, k in seg.items():
-            a, b = max(lo, off), min(hi, off + k)
-            if a < b:
-                shares.pieces.append(Piece(f"{PREFIX}{n}[{a - off}:{b - off}]", s, a, b, group_of[n]))
+        for n, off, a, b in seg.overlaps(rank):
+            shares.pieces.append(Piece(f"{PREFIX}{n}[{a - off}:{b - off}]", s, a, b, group_of[n]))
     return shares
 
 

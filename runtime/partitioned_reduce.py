@@ -39,15 +39,8 @@ def reduce_scatter_quantized(st, shares, call: int, grads, keep, clipper=None, w
         at = 0
         for s in mine:
             seg = shares.segments[s]
-            got = tensors[at: at + len(seg.names)]
+            keep(s, seg, chunk_of_whole(seg, shares.rank, tensors[at: at + len(seg.names)], clipper))
             at += len(seg.names)
-            if clipper is not None:
-                clipper.known.update(zip(seg.names, torch._foreach_norm(got, clipper.norm_type)))
-            flat = torch.zeros(seg.size)       # the segment's layout (no piece covers its padding)
-            for (_, off, k), g in zip(seg.items(), got):
-                flat[off: off + k].copy_(g.reshape(-1))
-            base = seg.bounds[shares.rank]
-            keep(s, seg, flat[base: base + seg.share(shares.rank)].clone())
         st.shares.stats["reduce_scatter_wire_bytes"] += stats.wire_bytes
         return mine
     results, stats = reduce_scatter(tensors, specs, timeout=st.shares.timeout, generator=st.shares.generator,
@@ -65,14 +58,14 @@ def reduce_scatter_quantized(st, shares, call: int, grads, keep, clipper=None, w
     return mine
 
 
-def replicated_communicator(rt, first: int, world: int, weight, comm: dict):
+def replicated_communicator(rt, op, world: int, weight, comm: dict):
     """The runtime's ``Communicator`` as the replicated run's ``allreduce`` ops make it (``comm``: their codec
-    keywords; its step begins at pack ``first``'s reduce-scatter)."""
+    keywords; its step begins at the schedule's first ``op``, the reduce-scatter)."""
     from harmony.runtime.communicator import communicator
     from harmony.runtime.compression import DEFAULT_MIN_SIZE
     spec = dict(comm)
     kind, min_size, warmup = spec.pop("kind"), spec.pop("min_size", DEFAULT_MIN_SIZE), spec.pop("warmup", 0)
-    return communicator(rt, first, kind, world, min_size, warmup, spec, weight)
+    return communicator(rt, op, kind, world, min_size, warmup, spec, weight)
 
 
 def through_allreduce(rt, pack: int, communicator, grads, keep, clipper) -> None:
@@ -84,16 +77,21 @@ def through_allreduce(rt, pack: int, communicator, grads, keep, clipper) -> None
     communicator.reduce(rt, pack)
     st.shares.stats["reduce_scatter_wire_bytes"] += communicator.totals.get("wire_bytes", 0) - before
     for s, seg in enumerate(shares.segments):
-        got = grads(seg)
-        if clipper is not None:
-            clipper.known.update(zip(seg.names, torch._foreach_norm(got, clipper.norm_type)))
-        lo, hi = seg.bounds[shares.rank], seg.bounds[shares.rank + 1]
-        chunk = torch.empty(hi - lo)
-        for (_, off, k), g in zip(seg.items(), got):
-            a, b = max(lo, off), min(hi, off + k)
-            if a < b:
-                chunk[a - lo: b - lo].copy_(g.reshape(-1)[a - off: b - off])
-        keep(s, seg, chunk)
+        keep(s, seg, chunk_of_whole(seg, shares.rank, grads(seg), clipper))
+
+
+def chunk_of_whole(seg, rank: int, got: list[torch.Tensor], clipper=None) -> torch.Tensor:
+    """Rank ``rank``'s chunk of segment ``seg`` cut from its whole averaged gradients ``got`` (the segment's
+    parameters in order), piece by piece; under clipping each gradient's own norm, taken from the whole
+    (``clipper.known``)."""
+    if clipper is not None:
+        clipper.known.update(zip(seg.names, torch._foreach_norm(got, clipper.norm_type)))
+    lo = seg.bounds[rank]
+    chunk = torch.zeros(seg.share(rank))      # a quantized buffer's chunk has gaps between its pieces: zeros
+    whole = dict(zip(seg.names, got))
+    for n, off, a, b in seg.overlaps(rank):
+        chunk[a - lo: b - lo].copy_(whole[n].reshape(-1)[a - off: b - off])
+    return chunk
 
 
 def all_reduce_chunk(flat: torch.Tensor, seg, rank: int, world: int, clipper, shapes: dict) -> torch.Tensor:
