@@ -129,12 +129,14 @@ def main():
         for who, events in (("predicted", sims[policy].events), ("measured", sm.runtime.events)):
             row = dict(policy=policy, timeline=who)
             for e in events:
-                kind = op.get(e.name, "ondemand copies")
+                kind = "host steps" if getattr(e, "stream", None) == "host" else op.get(e.name, "ondemand copies")
                 row[kind] = row.get(kind, 0.0) + (e.end - e.start)
+            if who == "measured":    # the host thread's optimizer updates (the step op only hands them over)
+                row["host steps"] = sm.stats["host_step_seconds"]
             breakdown.append(row)
     print()
     print(common.table(breakdown, "seconds per op kind (measured: the last step; copies on their own streams "
-                                  "overlap compute)"))
+                                  "overlap compute; host steps: the host thread's optimizer updates)"))
 
     out = Path(args.out)
     if args.trace in compiled:

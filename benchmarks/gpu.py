@@ -145,6 +145,7 @@ def setup_harmony(a, c, data, policy, frac):
     sim = sm.simulate(hw.logical([budget]))
     idle = round(1 - sim.utilisation.get("compute", 0), 3)
     info.update(predicted_step_s=sim.step_seconds, predicted_compute_idle=idle, predicted_peak=sm.predicted.peak,
+                predicted_host_s=sim.busy.get("host", 0.0),
                 hardware=hw.devices[0].name)
 
     def step(x, y):
@@ -267,12 +268,16 @@ def summarize(r: dict, a, card: dict, tokens: int) -> dict:
         s.update(h2d_GBps=round(last["h2d_bytes"] / step / 1e9, 2), d2h_GBps=round(last["d2h_bytes"] / step / 1e9, 2),
                  meter_peak_gib=round(last["measured_peak"] / GiB, 2),
                  predicted_peak_gib=round(last["predicted_peak"] / GiB, 2))
+        if "host_step_seconds" in last:     # the host thread's optimizer updates: what bounds a bf16 step
+            s["host_step_s"] = round(statistics.median(x["host_step_seconds"] for x in st[1:] or st), 3)
     if "compute_idle" in r:
         s["compute_idle"] = r["compute_idle"]
     if "predicted_step_s" in r:
         s["predicted_step_s"] = round(r["predicted_step_s"], 3)
         s["predicted/measured"] = round(r["predicted_step_s"] / step, 3)
         s["predicted_compute_idle"] = r.get("predicted_compute_idle")
+        if "predicted_host_s" in r:
+            s["predicted_host_s"] = round(r["predicted_host_s"], 3)
     return s
 
 

@@ -393,6 +393,7 @@ class ScheduledModule(torch.nn.Module):
         stats = dict(step_seconds=seconds, measured_peak=rt.meter.peak,
                      predicted_peak=predicted.peak, budget=rt.meter.budget,
                      h2d_bytes=rt.state.moved["h2d"], d2h_bytes=rt.state.moved["d2h"],
+                     host_step_seconds=rt.state.host_step_seconds,
                      predicted_h2d=predicted.moved["h2d"], predicted_d2h=predicted.moved["d2h"],
                      peak_rss_bytes=peak_rss_bytes(), huge_pages=self.huge_pages,
                      idle_threads_sleep=self.idle_threads_sleep)

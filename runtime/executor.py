@@ -194,6 +194,7 @@ class Runtime:
     def _run(self, batch: dict[str, torch.Tensor], txn: Transaction) -> torch.Tensor:
         self.batch, self.losses, self.events = batch, [], []
         self.state.moved.clear()
+        self.state.host_step_seconds = 0.0
         self.meter.reset_peak()
         if self.gate is not None:
             self.gate.begin()

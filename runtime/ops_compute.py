@@ -5,6 +5,7 @@ device, streamed, on the host copies or group by group from disk); each register
 from __future__ import annotations
 
 import contextlib
+import time
 
 import torch
 
@@ -295,6 +296,7 @@ def _step_host(rt, pack, spec) -> None:
     carry = shares.carry if shares is not None and pack in shares.carry_packs else None
 
     def update(skip=False):
+        start = time.perf_counter()
         rt.state.unpark(spec.owned)   # gradients that reached the host before their weights (TieredState.parked)
         if disk is not None:   # read ahead the next disk pack's state; bring in this one's if on disk
             disk.begin(pack)
@@ -314,10 +316,13 @@ def _step_host(rt, pack, spec) -> None:
             disk.end(pack)
         for p in params:
             p.grad = None
+        rt.state.host_step_seconds += time.perf_counter() - start
 
     def check_then_update():   # mixed precision: fp32 gradients; fp16: unscaled, checked; fp16, clipping: deferred
+        start = time.perf_counter()
         rt.state.unpark(spec.owned)
         master_grads(params)
+        rt.state.host_step_seconds += time.perf_counter() - start
         if rt.gate is None:
             return update()
         if rt.scaler is not None:

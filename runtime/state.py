@@ -74,6 +74,7 @@ class TieredState:
         self.dirty: set[str] = set()      # params changed on the device since they came in
         self.parked: dict[str, torch.Tensor] = {}   # param -> its gradient, on another device than its weights
         self.moved = Counter()            # "h2d" / "d2h" -> bytes since the counter was cleared
+        self.host_step_seconds = 0.0      # the host thread's time in optimizer updates since the executor cleared it
         self.pin = device.type == "cuda"
         # On the CPU device the host thread shares the cores with the device's compute: its torch ops (the
         # optimizer steps that overlap the next pack's backward) run on one intra-op thread. A second

@@ -128,3 +128,19 @@ def test_harmony_save_and_load_keep_the_schedulers_and_the_groups_settings(tmp_p
     assert all(torch.equal(a[n], b[n]) for n in a)
     for sm in (straight, resumed, bare):
         sm.close()
+
+
+@pytest.mark.parametrize("optimizer_on,precision", [("host", "fp32"), ("host", "bf16"), ("device", "fp32")])
+def test_stats_time_the_host_threads_updates(optimizer_on, precision):
+    """``sm.stats["host_step_seconds"]``: the host thread's time in optimizer updates (and, in bf16, in making fp32
+    gradients), per step: what the simulator's host stream predicts. Host steps take some; device steps none."""
+    model, data = CASES["gpt"](layers=2)
+    sm = harmony.compile(model, example_batch=data[0], microbatches=2, optimizer_on=optimizer_on,
+                         precision=precision, memory_budget=int(training_state_bytes(model) * 0.6))
+    for x, y in data[:2]:
+        sm(x, y)
+        if optimizer_on == "host":
+            assert sm.stats["host_step_seconds"] > 0
+        else:
+            assert sm.stats["host_step_seconds"] == 0
+    sm.close()
