@@ -440,6 +440,7 @@ class CompileConfig(Config):
     copy_bandwidth: float = 8e9        # bytes/s host<->device, for the planner's time model
     flops: float = 60e9                # FLOP/s of the device, for the planner's time model
     host_bandwidth: float = NOMINAL["host_memory_bandwidth"]   # bytes/s of host memory: the planner's host steps
+    copies_block: bool = True          # the device's copies hold its compute up (sync_copies; assumed unless planned)
     headroom: float = 0.05             # share of the budget the planner leaves for its prediction error
     device_reserved: int = 0           # bytes of the budget the device's libraries hold (CUDA: cuBLAS workspaces)
     expandable_segments: bool | None = None   # CUDA: whether torch's allocator grows segments in place
@@ -451,8 +452,7 @@ class CompileConfig(Config):
     sample_weight: float | None = None  # this rank's share b_r / B of the gradient average (balance); None: 1/world
     state_shares: list | None = None   # shard_state="full" under balance: each rank's share of every pack's parameters
     speed_factor: float = 1.0          # emulation: the runtime stretches compute ops' time by this (>= 1)
-    state_owner: dict | None = None    # param -> the rank that steps it and keeps its optimizer state (sharded
-                                       # optimizer state, runtime/shard.py); None: every rank steps every param
+    state_owner: dict | None = None    # param -> the rank stepping it (runtime/shard.py); None: each rank steps all
     offline: bool = False              # planned in this process for another rank or a choice: meets no rank
     group_predicted: dict | None = None   # pipeline_group="auto": each candidate's predicted node step (s)
 
@@ -478,6 +478,7 @@ class CompileConfig(Config):
             raise ConfigError(f"device {dev.name!r} has speed_factor {dev.speed_factor:g} < 1: emulation can only "
                               f"slow a device down; divide every factor by the smallest so the fastest device is 1")
         self.flops, self.copy_bandwidth = dev.flops / dev.speed_factor, dev.h2d_bandwidth
+        self.copies_block = dev.sync_copies
         self.host_bandwidth = getattr(hardware, "host_memory_bandwidth", self.host_bandwidth)
         self.speed_factor = float(dev.speed_factor)
 

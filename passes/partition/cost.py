@@ -319,8 +319,7 @@ class PackCost:
             return set()
         m = cfg.microbatches
         times = cfg.microbatches if cfg.policy == "harmony" else 1
-        compute = sum(u.fwd_flops * 2 + u.bwd_flops for u in self.units) * m / cfg.flops
-        copies = sum(self.traffic(s, e, i == len(cuts) - 1) for i, (s, e) in enumerate(cuts)) / cfg.copy_bandwidth
+        compute, copies = self.balance(cuts)
         room = budget - last_need - (largest if compute > copies else 0)
         options = []
         for i, (s, e) in enumerate(cuts[:-1]):
@@ -336,6 +335,17 @@ class PackCost:
                 out.add(i)
                 room -= held
         return out
+
+    def balance(self, cuts, host: bool = False) -> tuple[float, float]:
+        """(compute seconds, copy seconds) of a partition's step with every pack swapped: every pack's forward, its
+        recompute and backward for every microbatch at the planner's FLOP/s, and what each pack moves (``traffic``)
+        at the link's speed (``host``: the optimizer steps on the host, so its state does not move). Where the compute
+        outlasts the copies, recompute is on the step's critical path and the copies are not: the swap pass weighs a
+        kept graph by how many times (``Program.compute_to_copies``)."""
+        cfg = self.p.config
+        compute = sum(u.fwd_flops * 2 + u.bwd_flops for u in self.units) * cfg.microbatches / cfg.flops
+        copies = sum(self.traffic(s, e, i == len(cuts) - 1, host) for i, (s, e) in enumerate(cuts)) / cfg.copy_bandwidth
+        return compute, copies
 
     def _param_bytes(self, s: int, e: int) -> float:
         return sum(self.sizes[n] for n in self.params(s, e))

@@ -49,6 +49,10 @@ time it saves, counted as the bytes the host link moves in that time, so it comp
 with the traffic the same bytes could save: on a CPU, where a copy is cheap beside a
 layer's forward, keeping graphs comes first; on a GPU behind PCIe, traffic does. That
 holds in the nothing-to-do case as well: everything resident, graphs kept while they fit.
+Where the plan's hardware is given, its copies overlap compute and the compute outlasts them
+(a fast link), the traffic saved is hidden behind compute anyway and that ranking undervalues
+graphs: the pass also makes the choice that keeps graphs first and takes whichever the
+simulator finds faster on that hardware (passes/swap/compare.py; the report says both).
 
 This module decides; how each decision reads in the schedule (the swap ops, stashes, ``held=``
 and so on) is ``passes/swap/graph.py``.
@@ -61,6 +65,7 @@ from harmony.base.errors import BudgetError, ConfigError
 from harmony.base.units import fmt_bytes
 from harmony.compiler.ir import PassReport, PassResult, Program, calls
 from harmony.compiler.verify import memory_curve, state_sizes
+from harmony.passes.swap import compare
 from harmony.passes.swap.graph import Choice, build, insert_swaps, place, stash_groups
 from harmony.passes.swap.search import choose, greedy, may_step_on_device, mixed_placement, peak_bound
 from harmony.runtime import ops
@@ -152,7 +157,8 @@ def run(program: Program, ctx) -> PassResult:
                               f"{fmt_bytes(program.config.budget_for(curve.peak))}",
                               min_budget=program.config.budget_for(curve.peak))
     else:
-        chosen, rows, how, curve = choose(program, chosen, curve, base, groups, sizes, graphs, fits, report)
+        made = choose(program, chosen, curve, base, groups, sizes, graphs, fits, report)
+        chosen, rows, how, curve = _graphs_first(program, made, chosen, base, groups, sizes, graphs, fits, report)
     program.swap_choice = chosen
     for p in chosen.device:
         plan.at(p).step_on = plan.at(p).optim_on = "device"
@@ -172,6 +178,37 @@ def run(program: Program, ctx) -> PassResult:
     report.totals["chosen_by"] = how
     _notes(report, program, chosen, graphs)
     return PassResult(program, report)
+
+
+def _graphs_first(program: Program, made: tuple, start: Choice, base, groups: dict, sizes: dict, graphs: list, fits,
+                  report: PassReport) -> tuple:
+    """``made`` (the choice by traffic saved from ``start``: chosen, rows, how, curve) or, where it applies
+    (passes/swap/compare.py), keeps more graphs and the simulator finds it faster, the choice that ranks ``graphs``
+    before any traffic."""
+    first = compare.graphs_first(program, graphs)
+    if first is None:
+        return made
+    scratch = PassReport("swap: graphs first")
+    other = choose(program, start, fits(start), base, groups, sizes, first, fits, scratch)
+    if len(other[0].kept) <= len(made[0].kept):
+        fits(made[0])
+        return made
+    by_traffic, by_graphs = compare.simulated(program, fits, [made[0], other[0]], sizes)
+    took = by_graphs < by_traffic
+    report.notes.append(f"the step's compute outlasts its copies {program.compute_to_copies:.3g} times (every pack "
+                        f"swapped): keeping {len(other[0].kept)} packs' graphs first simulates at "
+                        f"{by_graphs * 1e3:.1f} ms, ranking by traffic saved ({len(made[0].kept)} graphs) at "
+                        f"{by_traffic * 1e3:.1f} ms on {compare.hardware(program.config).devices[0].name}; took "
+                        + ("graphs first" if took else "traffic saved"))
+    if not took:
+        fits(made[0])
+        return made
+    chosen, rows, how, _ = other
+    for row in rows:       # the value the ranking saw was raised; the table shows the recompute's own
+        if row["kept"] == "activations (no recompute)":
+            row["saves_per_byte"] /= compare.GRAPHS_FIRST
+    report.notes.extend(scratch.notes)
+    return chosen, rows, f"{how}, graphs first", fits(chosen)
 
 
 def _all_resident(program: Program, everything: Choice, graphs: list, sizes: dict, report: PassReport) -> PassResult:
