@@ -364,7 +364,9 @@ def main():
     dev = hw.devices[0]
     card = dict(name=dev.name, fp32_flops=dev.peak_flops.get("fp32"), bf16_flops=dev.peak_flops.get("bf16"),
                 h2d=dev.h2d_bandwidth, d2h=dev.d2h_bandwidth, kernel_latency=dev.kernel_latency,
-                memory_bandwidth=dev.memory_bandwidth, torch=torch.__version__, cuda=torch.version.cuda)
+                memory_bandwidth=dev.memory_bandwidth, torch=torch.__version__, cuda=torch.version.cuda,
+                # what else the simulator's predictions rest on, so that plans can be simulated again off the card
+                efficiency=dev.efficiency, host_memory_bandwidth=hw.host_memory_bandwidth, host_flops=hw.host_flops)
     print(f"card: {hw.describe()}", flush=True)
     print(f"model: {c.n_params() / 1e9:.2f}B parameters, training state {state_bytes(c) / GiB:.1f} GiB, "
           f"batch {a.batch} x {a.seq} in {a.microbatches} microbatches, {a.precision}", flush=True)
