@@ -201,6 +201,13 @@ class Hardware:
         return cls(devices, notes=notes, **host)
 
     @classmethod
+    def of(cls, hardware) -> "Hardware":
+        """``hardware=`` as compile takes it (a ``Hardware``, a ``Device`` or a GPU preset name) as a ``Hardware``."""
+        if isinstance(hardware, str):
+            return cls.preset(hardware)
+        return cls((hardware,)) if isinstance(hardware, Device) else hardware
+
+    @classmethod
     def node(cls, name: str) -> "Hardware":
         """A whole server from ``compiler/nodes.py``: "4x1080ti", "8x1080ti" (one PCIe 3.0 switch), "8xa100-40gb"."""
         from harmony.compiler.nodes import node

@@ -49,7 +49,7 @@ class Program:
     partition_choice: list | None = None   # the first node of each pack (partition.first_nodes): plain data, which
                                            # passes=(("partition", names), ...) applies again without searching
     compute_to_copies: float = 1.0     # how many times the step's compute outlasts its copies, every pack swapped
-                                       # (partition: PackCost.balance); the swap pass weighs recompute by it
+                                       # (PackCost.compute_and_copies); the swap pass weighs recompute by it
     swap_choice: Any = None            # what the swap pass kept on the device (passes.swap.graph.Choice): plain data,
                                        # which passes=(..., ("swap", choice), ...) applies again without searching
     batch_keys: tuple | None = None    # a dict batch's keys (the model takes its inputs by name); None: a tuple

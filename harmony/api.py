@@ -224,10 +224,8 @@ def _run_passes(program: Program, passes) -> Program:
 
 
 def _device_of(hardware):
-    from harmony.compiler.hardware import Device, Hardware
-    if isinstance(hardware, str):
-        return Device.preset(hardware)
-    return hardware.devices[0] if isinstance(hardware, Hardware) else hardware
+    from harmony.compiler.hardware import Hardware
+    return Hardware.of(hardware).devices[0]
 
 
 def _batch_items(batch):

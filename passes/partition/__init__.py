@@ -417,7 +417,7 @@ def run(program: Program, ctx) -> PassResult:
                  GFLOP=(s.fwd_flops + s.bwd_flops) / 1e9)
             for i, (s, (b, e)) in enumerate(zip(specs, cuts))]
     seconds, moved = need.plan_cost(cuts, cfg.usable_budget)[:2]
-    compute, copies = need.balance(cuts, host=need.traffic_model(cfg.usable_budget) != "device")
+    compute, copies = need.compute_and_copies(cuts, host=need.traffic_model(cfg.usable_budget) != "device")
     # where copies hold the compute up (the CPU device), a byte not moved saves its time as surely as a recompute does
     program.compute_to_copies = compute / copies if copies and not cfg.copies_block else 1.0
     report = PassReport("partition: layer packs", rows, totals=dict(

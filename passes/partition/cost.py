@@ -319,7 +319,7 @@ class PackCost:
             return set()
         m = cfg.microbatches
         times = cfg.microbatches if cfg.policy == "harmony" else 1
-        compute, copies = self.balance(cuts)
+        compute, copies = self.compute_and_copies(cuts)
         room = budget - last_need - (largest if compute > copies else 0)
         options = []
         for i, (s, e) in enumerate(cuts[:-1]):
@@ -336,7 +336,7 @@ class PackCost:
                 room -= held
         return out
 
-    def balance(self, cuts, host: bool = False) -> tuple[float, float]:
+    def compute_and_copies(self, cuts, host: bool = False) -> tuple[float, float]:
         """(compute seconds, copy seconds) of a partition's step with every pack swapped: every pack's forward, its
         recompute and backward for every microbatch at the planner's FLOP/s, and what each pack moves (``traffic``)
         at the link's speed (``host``: the optimizer steps on the host, so its state does not move). Where the compute

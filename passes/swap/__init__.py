@@ -190,17 +190,16 @@ def _graphs_first(program: Program, made: tuple, start: Choice, base, groups: di
         return made
     scratch = PassReport("swap: graphs first")
     other = choose(program, start, fits(start), base, groups, sizes, first, fits, scratch)
-    if len(other[0].kept) <= len(made[0].kept):
-        fits(made[0])
-        return made
-    by_traffic, by_graphs = compare.simulated(program, fits, [made[0], other[0]], sizes)
-    took = by_graphs < by_traffic
-    report.notes.append(f"the step's compute outlasts its copies {program.compute_to_copies:.3g} times (every pack "
-                        f"swapped): keeping {len(other[0].kept)} packs' graphs first simulates at "
-                        f"{by_graphs * 1e3:.1f} ms, ranking by traffic saved ({len(made[0].kept)} graphs) at "
-                        f"{by_traffic * 1e3:.1f} ms on {compare.hardware(program.config).devices[0].name}; took "
-                        + ("graphs first" if took else "traffic saved"))
-    if not took:
+    took = False
+    if len(other[0].kept) > len(made[0].kept):
+        by_traffic, by_graphs = compare.simulated(program, fits, [made[0], other[0]], sizes)
+        took = by_graphs < by_traffic
+        report.notes.append(f"the step's compute outlasts its copies {program.compute_to_copies:.3g} times (every "
+                            f"pack swapped): keeping {len(other[0].kept)} packs' graphs first simulates at "
+                            f"{by_graphs * 1e3:.1f} ms, ranking by traffic saved ({len(made[0].kept)} graphs) at "
+                            f"{by_traffic * 1e3:.1f} ms on {compare.hardware(program.config).devices[0].name}; took "
+                            + ("graphs first" if took else "traffic saved"))
+    if not took:       # the schedule and placement back to the choice taken
         fits(made[0])
         return made
     chosen, rows, how, _ = other

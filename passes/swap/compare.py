@@ -32,15 +32,11 @@ def hardware(cfg):
     devices share a host link through a switch: the swap pass simulates one device, which would miss the contention
     the graphs-first choice's added traffic meets there (benchmarks/pipeline.py's 4 x GTX 1080 Ti vDP simulated
     2.33 -> 2.35 s per step with it)."""
-    from harmony.compiler.hardware import Device, Hardware
-    hw = cfg.hardware
-    if isinstance(hw, str):
-        hw = Hardware.preset(hw)
-    elif isinstance(hw, Device):
-        hw = Hardware((hw,))
-    if not isinstance(hw, Hardware) or cfg.balance is not None or hw.switches:
+    from harmony.compiler.hardware import Hardware
+    if cfg.hardware is None or cfg.balance is not None:
         return None
-    return hw
+    hw = Hardware.of(cfg.hardware)
+    return None if hw.switches else hw
 
 
 def simulated(program, fits, choices: list[Choice], sizes: dict) -> list[float]:
