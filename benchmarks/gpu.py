@@ -199,6 +199,9 @@ def row(a) -> dict:
             times.append(time.perf_counter() - t)
             allocated.append(torch.cuda.max_memory_allocated() if cuda else 0)
             reserved.append(torch.cuda.max_memory_reserved() if cuda else 0)
+            # after every step, what the row has so far: a row cut off by --row-timeout reports these
+            print(json.dumps(dict(out, step_s=times, losses=losses, allocated=allocated, reserved=reserved,
+                                  partial=True)), flush=True)
         if cuda and a.profile_step:
             out["compute_idle"] = compute_idle(step, *data[-1])
     finally:
@@ -240,9 +243,14 @@ def run_row(a, name: str) -> dict:
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=a.row_timeout)
     except subprocess.TimeoutExpired as e:
-        tail = (e.stderr or b"")[-2000:]
-        return dict(system=name, error=f"timed out after {a.row_timeout} s",
-                    log=tail.decode() if isinstance(tail, bytes) else tail)
+        text = lambda b: b.decode() if isinstance(b, bytes) else (b or "")    # noqa: E731
+        done = [ln for ln in text(e.stdout).splitlines() if ln.startswith("{")]
+        if done:     # the steps it finished (the first is the warm-up the summary leaves out)
+            r = json.loads(done[-1])
+            r["timed_out"] = f"timed out after {a.row_timeout} s, {len(r['step_s'])} of {a.steps} steps done"
+            return r
+        return dict(system=name, error=f"timed out after {a.row_timeout} s, in setup or its first step",
+                    log=text(e.stderr)[-2000:])
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
     if p.returncode or not lines:
         return dict(system=name, error=f"exit {p.returncode}", log=(p.stdout + p.stderr)[-4000:],
@@ -262,6 +270,8 @@ def summarize(r: dict, a, card: dict, tokens: int) -> dict:
              of_matmul=round(flops / step / rate, 3) if rate else None,
              peak_alloc_gib=round(max(r["allocated"]) / GiB, 2), peak_reserved_gib=round(max(r["reserved"]) / GiB, 2),
              budget_gib=round(r["budget"] / GiB, 2) if "budget" in r else None, setup_s=r["setup_s"])
+    if "timed_out" in r:     # one step only: the warm-up's time stands for the row's, an overestimate
+        s["timed_out"] = r["timed_out"] + (" (the first step's time)" if len(r["step_s"]) == 1 else "")
     st = r.get("stats") or []
     if st:
         last = st[-1]
@@ -270,6 +280,9 @@ def summarize(r: dict, a, card: dict, tokens: int) -> dict:
                  predicted_peak_gib=round(last["predicted_peak"] / GiB, 2))
         if "host_step_seconds" in last:     # the host thread's optimizer updates: what bounds a bf16 step
             s["host_step_s"] = round(statistics.median(x["host_step_seconds"] for x in st[1:] or st), 3)
+        for k in ("ondemand_fetch_seconds", "ondemand_evict_seconds"):   # where the ondemand baseline's step goes
+            if k in last:
+                s[k.replace("_seconds", "_s")] = round(statistics.median(x[k] for x in st[1:] or st), 3)
     if "compute_idle" in r:
         s["compute_idle"] = r["compute_idle"]
     if "predicted_step_s" in r:

@@ -407,6 +407,8 @@ class ScheduledModule(torch.nn.Module):
         if getattr(rt.state, "host_idle", None) is not None:     # the CPU device's host thread has run
             stats["background_idle_priority"] = rt.state.host_idle
         stats.update(disk_stats(rt.state))
+        if rt.on_demand is not None:
+            stats.update(rt.on_demand.stats())
         kinds = {n.name: n.target.__name__ for n in shape.program.schedule.nodes if n.op == "call_function"}
         for e in rt.events:          # where the step's time went on the thread that runs the schedule, by op
             key = f"time_{kinds.get(e.name, 'other')}_s"

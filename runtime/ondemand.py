@@ -16,9 +16,14 @@ GPU, would be refused. ``calls()`` fetches what each torch call touches before a
 sees it (and keeps it from eviction until the call returns); the per-op fetch below
 autograd still serves the backward (autograd unpacks saved weights there) and the
 optimizer.
+
+Evicted gradients and optimizer state go to host buffers the policy keeps and reuses (pinned on CUDA),
+as a virtual-memory system's backing store is allocated once: fresh pageable memory per eviction would
+charge the baseline for page faults and staged copies that have nothing to do with its policy.
 """
 from __future__ import annotations
 
+import time
 import weakref
 from collections import OrderedDict
 
@@ -42,6 +47,11 @@ class OnDemand:
         self.allocs: list[int] = []       # bytes each op of the previous step allocated, in order
         self.current: list[int] = []
         self.largest = 0
+        self.pin = torch.device(rt.device).type == "cuda"
+        self.spare: dict[tuple, list[torch.Tensor]] = {}   # (shape, dtype) -> host buffers free for an eviction
+        self.backing: dict[int, weakref.finalize] = {}     # evicted tensor -> returns its buffer should it die there
+        self.seconds = dict(fetch=0.0, evict=0.0)          # on the main thread, in the step so far
+        self.new_host_bytes = 0                            # host buffers allocated for evictions in the step
         rt.meter.on_pressure = self.evict
         rt.state.fetch = self._no_fetch
 
@@ -62,6 +72,15 @@ class OnDemand:
         if self.current:
             self.allocs = self.current
         self.current = []
+        self.seconds = dict(fetch=0.0, evict=0.0)
+        self.new_host_bytes = 0
+
+    def stats(self) -> dict:
+        """For ``sm.stats``: the step's time in fetches and evictions (both block the main thread), the host buffers
+        it allocated for evictions, and those kept spare for the next."""
+        return dict(ondemand_fetch_seconds=self.seconds["fetch"], ondemand_evict_seconds=self.seconds["evict"],
+                    ondemand_new_host_bytes=self.new_host_bytes,
+                    ondemand_spare_bytes=sum(b.untyped_storage().nbytes() for v in self.spare.values() for b in v))
 
     def _is_managed_on_host(self, t) -> bool:
         key = id(t)
@@ -109,14 +128,24 @@ class OnDemand:
         n = t.untyped_storage().nbytes()
         if meter.budget is not None and meter.live + n > meter.budget:
             self.evict(meter.live + n - meter.budget)
+        start = time.perf_counter()
         dev = torch.empty_like(t.data, device=self.rt.device)
         meter.track(dev)
-        dev.copy_(t.data)
+        dev.copy_(t.data)      # synchronous: its host buffer is free once this returns
         self.rt.state.moved["h2d"] += n
         t.data = dev
         self.on_host.pop(id(t), None)
+        back = self.backing.pop(id(t), None)
+        if back is not None:      # an evicted grad or state tensor: its host buffer is spare again
+            _, _, args, _ = back.detach()
+            self._spare(*args)
+        self.seconds["fetch"] += time.perf_counter() - start
         self.lru[id(t)] = weakref.ref(t)
         self.version[id(t)] = t._version
+
+    def _spare(self, key: int, host: torch.Tensor) -> None:
+        self.backing.pop(key, None)
+        self.spare.setdefault((tuple(host.shape), host.dtype), []).append(host)
 
     def evict(self, needed: int):
         """Send least recently used state to the host until ``needed`` bytes are really free.
@@ -126,6 +155,12 @@ class OnDemand:
         """
         meter = self.rt.meter
         target = meter.live - needed
+        start = time.perf_counter()
+        self._evict(target)
+        self.seconds["evict"] += time.perf_counter() - start
+
+    def _evict(self, target: int) -> None:
+        meter = self.rt.meter
         self._evict_lru(target)
         if meter.live > target:   # new grads and optimizer state become evictable
             for t in self._managed():
@@ -153,10 +188,17 @@ class OnDemand:
                     host.copy_(t.data)
                     self.rt.state.moved["d2h"] += n
             else:
-                host = torch.empty_like(t.data, device="cpu")
+                free = self.spare.get((tuple(t.shape), t.dtype))
+                if free:
+                    host = free.pop()
+                else:
+                    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=self.pin)
+                    self.new_host_bytes += n
                 host.copy_(t.data)
                 self.rt.state.moved["d2h"] += n
                 self.on_host[key] = t
+                # a gradient dropped while on the host (set to None) gives its buffer back
+                self.backing[key] = weakref.finalize(t, self._spare, key, host)
             t.data = host
 
 

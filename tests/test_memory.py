@@ -37,6 +37,18 @@ def test_ondemand_stays_within_budget_once_it_has_seen_a_step():
     assert stats[-1]["h2d_bytes"] > 0
 
 
+def test_ondemand_reuses_its_host_buffers_for_evictions():
+    """Evicted gradients and optimizer state go to host buffers kept from earlier evictions: once a step has run,
+    a step evicts without allocating host memory (its fetches and evictions are timed for sm.stats)."""
+    model, data = CASES["gpt"]()
+    budget = int(training_state_bytes(model) * 0.5)
+    _, stats, _ = run_compiled(copy.deepcopy(model), data * 2, 4, budget, "ondemand")
+    assert stats[-1]["d2h_bytes"] > 0 and stats[0]["ondemand_new_host_bytes"] > 0
+    assert stats[-1]["ondemand_new_host_bytes"] == 0
+    assert stats[-1]["ondemand_spare_bytes"] > 0
+    assert stats[-1]["ondemand_fetch_seconds"] > 0 and stats[-1]["ondemand_evict_seconds"] > 0
+
+
 def test_the_runtime_enforces_the_budget():
     """A plan that under-predicts is stopped by the runtime's meter, not silently exceeded."""
     model, data = CASES["gpt"]()
