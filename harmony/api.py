@@ -297,34 +297,42 @@ class ScheduledModule(torch.nn.Module):
                 from harmony.base.process import return_freed_memory
                 return_freed_memory()
             if "disk" in plan.by_pack("optim_on").values():   # the disk tiers: their directories are made now
-                from harmony.runtime.diskparams import DiskParams
-                from harmony.runtime.disktier import DiskTier
-                state = self.runtime.state
-                try:
-                    state.disk = DiskTier.create(plan, program.schedule, tensors, optimizers, cfg.offload_dir,
-                                                 **cfg.disk_io())
-                    if shares is not None:    # this rank's shares of the partitioned packs on disk
-                        from harmony.runtime.partitioned_disk import ShareTier
-                        state.disk = ShareTier.create(plan, program.schedule, tensors, optimizers, shares,
-                                                      cfg.offload_dir, **cfg.disk_io())
-                        for n in getattr(state.disk, "piece_pack", ()):   # the chunks are in their files
-                            state.master[n] = tensors[n].data
-                    state.params_disk = DiskParams.create(plan, program.schedule, tensors, optimizers,
-                                                          self.runtime.meter, device, cfg.offload_dir,
-                                                          **cfg.disk_io())
-                    if state.params_disk is not None:   # the weights are in their files: no host copy stays
-                        state.params_disk.parked = state.parked
-                        for n in state.params_disk.pack_of:
-                            state.master[n] = tensors[n].data
-                    if torch.device(device).type == "cpu":     # their free I/O buffers: within the device's room
-                        for tier in (state.disk, state.params_disk):
-                            if tier is not None:
-                                tier.store.buffers.share_room(self.runtime.meter)
-                except BaseException:
-                    self.runtime.close()
-                    raise
-                from harmony.usermodel import guard
-                guard(self)     # the user's model refuses to be read while weights of it are on disk only
+                self._disk_tiers(tensors, optimizers, shares, device)
+
+    def _disk_tiers(self, tensors: dict, optimizers: dict, shares, device) -> None:
+        """The disk tiers' stores, their directories made now (after checking the disk has room for the plan)."""
+        from harmony.runtime.diskparams import DiskParams
+        from harmony.runtime.disktier import DiskTier
+        from harmony.runtime.offload_dirs import check_room
+        from harmony.viz.report import tiers_of
+        program, plan, cfg = self.program, self.program.plan, self.program.config
+        state = self.runtime.state
+        try:
+            check_room(cfg.offload_dir, tiers_of(program)["disk_bytes"])
+            state.disk = DiskTier.create(plan, program.schedule, tensors, optimizers, cfg.offload_dir,
+                                         **cfg.disk_io())
+            if shares is not None:    # this rank's shares of the partitioned packs on disk
+                from harmony.runtime.partitioned_disk import ShareTier
+                state.disk = ShareTier.create(plan, program.schedule, tensors, optimizers, shares,
+                                              cfg.offload_dir, **cfg.disk_io())
+                for n in getattr(state.disk, "piece_pack", ()):   # the chunks are in their files
+                    state.master[n] = tensors[n].data
+            state.params_disk = DiskParams.create(plan, program.schedule, tensors, optimizers,
+                                                  self.runtime.meter, device, cfg.offload_dir,
+                                                  **cfg.disk_io())
+            if state.params_disk is not None:   # the weights are in their files: no host copy stays
+                state.params_disk.parked = state.parked
+                for n in state.params_disk.pack_of:
+                    state.master[n] = tensors[n].data
+            if torch.device(device).type == "cpu":     # their free I/O buffers: within the device's room
+                for tier in (state.disk, state.params_disk):
+                    if tier is not None:
+                        tier.store.buffers.share_room(self.runtime.meter)
+        except BaseException:
+            self.runtime.close()
+            raise
+        from harmony.usermodel import guard
+        guard(self)     # the user's model refuses to be read while weights of it are on disk only
 
     @property
     def code(self) -> str:

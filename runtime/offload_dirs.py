@@ -10,6 +10,8 @@ swept only where they are provably dead.
   that still has the default action: it removes every live directory, then lets the signal end the process as it
   would have (default action, same exit status). A handler the user installed is left alone: it decides whether
   the process ends, and if it exits normally the finalizers run.
+* ``check_room(parent, nbytes)``, before any file is written: the disk under ``parent`` has room for the state the
+  plan puts there (a write that fails later, on a disk something else filled, still names the file and what to do).
 * ``remove_stale(parent)`` removes a directory only when it can prove its owner dead: its name records this host
   and this boot, that pid is gone, and its lock can be taken. Shared scratch (NFS, a volume several containers
   mount) may hold other machines' live state: their directories are never touched, nor any without a record (a
@@ -27,7 +29,9 @@ import tempfile
 import threading
 from pathlib import Path
 
+from harmony.base.errors import OffloadError
 from harmony.base.process import pid_alive
+from harmony.base.units import fmt_bytes
 
 _live: set[str] = set()              # directories this process holds (for the signal handlers)
 _guarded: dict[int, object] = {}     # signal -> the handler that was there before
@@ -60,6 +64,31 @@ def make_private_dir(parent: Path, prefix: str) -> tuple[Path, int | None]:
     _live.add(str(path))
     guard_signals()
     return path, fd
+
+
+# room left beside the plan's bytes: alignment of each file to the I/O block, the probe, the file system's own
+HEADROOM = 1.02, 64 * 2**20
+
+
+def check_room(parent, nbytes: int) -> None:
+    """Raise ``OffloadError`` before anything is written if the disk under ``parent`` (None: the system's temp
+    directory) has less free space than ``nbytes`` of training state need there."""
+    if nbytes <= 0:
+        return
+    where = Path(os.path.abspath(os.fspath(parent))) if parent is not None else Path(tempfile.gettempdir())
+    probe = where
+    while not probe.exists() and probe != probe.parent:    # a directory still to be made: its disk is its parent's
+        probe = probe.parent
+    try:
+        free = shutil.disk_usage(probe).free
+    except OSError:
+        return      # the store's own setup reports an unusable path, with what to do
+    need = int(nbytes * HEADROOM[0]) + HEADROOM[1]
+    if free < need:
+        raise OffloadError(f"the plan puts {fmt_bytes(nbytes)} of training state on disk under {where}, whose file "
+                           f"system has {fmt_bytes(free)} free (with headroom it needs {fmt_bytes(need)}): pass "
+                           f"offload_dir= naming a disk with room, or raise host_memory_budget so that less of the "
+                           f"state goes to disk")
 
 
 def remove_dir(path: str, lock_fd: int | None) -> None:

@@ -2,6 +2,7 @@
 a full disk or an unwritable path raises OffloadError and leaves nothing behind; direct and buffered I/O."""
 import errno
 import os
+import shutil
 import stat
 import subprocess
 import sys
@@ -16,6 +17,7 @@ import torch
 import harmony
 import harmony.runtime.disk as disk
 import harmony.runtime.iobuffers as iobuffers
+import harmony.runtime.offload_dirs as od
 from harmony.errors import BudgetError, OffloadError
 from harmony.models import GPT, GPTConfig, copy_task
 from harmony.runtime.disk import DiskStore
@@ -316,6 +318,22 @@ def test_enospc_at_the_write_call_raises_offload_error_and_leaves_nothing(tiny_b
     path = tier.store.path
     sm.close()
     assert not path.exists() and offload_dirs(tmp_path) == []
+
+
+def test_a_disk_without_room_for_the_plan_is_refused_before_anything_is_written(tiny_budget, tmp_path, monkeypatch):
+    sm = compile_gpt(cfg=TINY, host_memory_budget=tiny_budget, offload_dir=tmp_path)
+    planned = harmony.viz.report.tiers_of(sm.program)["disk_bytes"]
+    sm.close()
+    assert planned > 0
+    real = shutil.disk_usage
+
+    def small(path):    # the disk under tmp_path, with a little less free than the plan needs
+        return real(path)._replace(free=planned)
+    monkeypatch.setattr(od.shutil, "disk_usage", small)
+    target = tmp_path / "not-yet"
+    with pytest.raises(OffloadError, match=f"on disk under {target}, whose file system has .* free .*offload_dir="):
+        compile_gpt(cfg=TINY, host_memory_budget=tiny_budget, offload_dir=target)
+    assert not target.exists()        # refused before its directory was made
 
 
 def test_a_real_full_file_system(tmp_path):

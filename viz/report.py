@@ -77,7 +77,7 @@ def summary(sm) -> dict:
                     microbatch_size=cfg.microbatch_size, batch_size=cfg.batch_size,
                     optimizer=getattr(cfg.optimizer, "__name__", str(cfg.optimizer)) + _implementation(cfg),
                     precision=getattr(cfg, "precision", "fp32")),
-        tiers=_tiers(program),
+        tiers=tiers_of(program),
         compile_seconds=dict(getattr(sm, "compile_seconds", {}) or {}),
         passes=[dict(title=r.title, seconds=r.seconds, rows=list(r.rows), totals=dict(r.totals),
                      notes=list(r.notes)) for r in program.reports],
@@ -128,7 +128,7 @@ def _model(program) -> dict:
                 state_bytes=param_bytes + grad_bytes + optim_bytes + buffer_bytes)
 
 
-def _tiers(program) -> dict:
+def tiers_of(program) -> dict:
     """Bytes of training state per tier between steps, and the device copies' dtype and bytes.
 
     The host always holds the master of every parameter and buffer (fp32, or the model's own
