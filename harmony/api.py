@@ -296,7 +296,7 @@ class ScheduledModule(torch.nn.Module):
             if cfg.host_memory_budget is not None:   # the host's memory is budgeted: freed buffers must go back
                 from harmony.base.process import return_freed_memory
                 return_freed_memory()
-            if "disk" in plan.by_pack("optim_on").values():   # the disk tiers: their directories are made now
+            if "disk" in plan.by_pack("optim_on").values() and not simulated:   # the disk tiers: made now
                 self._disk_tiers(tensors, optimizers, shares, device)
 
     def _disk_tiers(self, tensors: dict, optimizers: dict, shares, device) -> None:
