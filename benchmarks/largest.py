@@ -28,6 +28,8 @@ import time
 
 import common
 
+from harmony.base.units import parse_bytes
+
 GiB = 2**30
 
 
@@ -37,9 +39,32 @@ def gpt_config(a, layers: int):
                      tie=False)
 
 
+def card_hardware(path: str):
+    """The card a ``benchmarks/gpu.py`` run measured (its JSON's ``card``) over the datasheet preset of its kind: plans
+    for that machine simulated off it. Figures the record lacks stay the datasheet's (or nominal, for the host)."""
+    from harmony.compiler.hardware import Hardware
+    with open(path) as f:
+        card = json.load(f)["card"]
+    kind = next((k for k in ("h200", "h100", "a100") if k in card["name"].lower()), "a100")
+    hw = Hardware.preset(f"{kind}-sxm" if kind != "a100" else "a100-80gb")
+    dev = hw.devices[0]
+    flops = dict(dev.peak_flops, **{k: card[f"{k}_flops"] for k in ("fp32", "bf16") if card.get(f"{k}_flops")})
+    dev = dev.replace(name=card["name"] + " (measured by benchmarks/gpu.py)", peak_flops=flops, queued=True,
+                      **{f: card[k] for f, k in (("h2d_bandwidth", "h2d"), ("d2h_bandwidth", "d2h"),
+                                                 ("kernel_latency", "kernel_latency"), ("efficiency", "efficiency"),
+                                                 ("memory_bandwidth", "memory_bandwidth")) if card.get(k)})
+    host = {f: card[f] for f in ("host_memory_bandwidth", "host_flops") if card.get(f)}
+    return hw.replace(devices=(dev,), **host)
+
+
 def hardware(a):
     from harmony.compiler.hardware import Hardware
-    hw = Hardware.this_machine() if a.hardware == "this" else Hardware.preset(a.hardware)
+    if a.hardware.endswith(".json"):
+        hw = card_hardware(a.hardware)
+    else:
+        hw = Hardware.this_machine() if a.hardware == "this" else Hardware.preset(a.hardware)
+    if a.host_ram:      # the machine's host memory, where the hardware description does not know it
+        hw = hw.replace(host_memory=parse_bytes(a.host_ram, "--host-ram"))
     if a.precision == "bf16" and "bf16" in hw.devices[0].peak_flops:
         hw = hw.replace(devices=(hw.devices[0].replace(dtype="bf16"),))
     return hw
@@ -148,7 +173,6 @@ def run(a, hw, layers: int) -> dict:
 
 
 def main(argv=None) -> dict:
-    from harmony.base.units import parse_bytes
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--width", type=int, default=4096)
     p.add_argument("--head-dim", type=int, default=128)
@@ -157,7 +181,9 @@ def main(argv=None) -> dict:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--microbatches", type=int, default=4)
     p.add_argument("--precision", default="fp32", choices=("fp32", "bf16"))
-    p.add_argument("--hardware", default="this", help="a GPU preset (h100-sxm, ...), or 'this': this machine's profile")
+    p.add_argument("--hardware", default="this", help="a GPU preset (h100-sxm, ...), a benchmarks/gpu.py JSON "
+                   "(the card it measured), or 'this': this machine's profile")
+    p.add_argument("--host-ram", default=None, help="the host's memory, for --host-memory's default (60%% of it)")
     p.add_argument("--device-memory", default=None, help="the device budget (default 90%% of the device's memory)")
     p.add_argument("--host-memory", default=None, help="the host budget (default 60%% of the host's memory)")
     p.add_argument("--disk", default=None, help="room on disk (default: the free space under --offload-dir)")
