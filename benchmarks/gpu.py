@@ -16,6 +16,8 @@ Before the rows the card is probed in the parent (``Hardware.profile`` on CUDA: 
 pinned h2d / d2h GB/s, kernel launch latency, device memory bandwidth); each Harmony row also reports
 ``sm.simulate`` on that measured description against its measured step.
 
+A row that runs past ``--row-timeout`` reports the steps it finished (``timed_out`` says how many).
+
 Figures per row: median step time of the steps after the first, tokens/s, model TFLOP/s (6 x parameters
 x tokens, plus the recompute Harmony does as 2 x more, not counted) and its share of the probed matmul rate
 at the compute dtype, h2d / d2h GB/s the runtime moved against the probe, peak allocated and reserved
@@ -236,6 +238,10 @@ def compute_idle(step, x, y) -> float:
     return round(max(0.0, 1 - busy / 1e6 / wall), 3)
 
 
+def _text(b) -> str:
+    return b.decode() if isinstance(b, bytes) else (b or "")
+
+
 def run_row(a, name: str) -> dict:
     cmd = [sys.executable, __file__, "--row", name] + [f"--{k.replace('_', '-')}={v}" for k, v in vars(a).items()
                                                        if k not in ("row", "rows", "out", "quick") and v is not None]
@@ -243,14 +249,13 @@ def run_row(a, name: str) -> dict:
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=a.row_timeout)
     except subprocess.TimeoutExpired as e:
-        text = lambda b: b.decode() if isinstance(b, bytes) else (b or "")    # noqa: E731
-        done = [ln for ln in text(e.stdout).splitlines() if ln.startswith("{")]
+        done = [ln for ln in _text(e.stdout).splitlines() if ln.startswith("{")]
         if done:     # the steps it finished (the first is the warm-up the summary leaves out)
             r = json.loads(done[-1])
             r["timed_out"] = f"timed out after {a.row_timeout} s, {len(r['step_s'])} of {a.steps} steps done"
             return r
         return dict(system=name, error=f"timed out after {a.row_timeout} s, in setup or its first step",
-                    log=text(e.stderr)[-2000:])
+                    log=_text(e.stderr)[-2000:])
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
     if p.returncode or not lines:
         return dict(system=name, error=f"exit {p.returncode}", log=(p.stdout + p.stderr)[-4000:],
@@ -315,8 +320,9 @@ def ratios(rows: list[dict]) -> list[str]:
             if peer in by:
                 x = r["tokens_per_s"] / by[peer]["tokens_per_s"]
                 verdict = f"target >= {target}: {'met' if x >= target else 'MISSED'}; " if target else ""
+                cut = f"; {peer} {by[peer]['timed_out']}" if "timed_out" in by[peer] else ""
                 out.append(f"{name} / {peer} tokens/s  {x:.2f}   ({verdict}"
-                           f"peaks {r['peak_alloc_gib']} vs {by[peer]['peak_alloc_gib']} GiB)")
+                           f"peaks {r['peak_alloc_gib']} vs {by[peer]['peak_alloc_gib']} GiB{cut})")
         if r.get("budget_gib"):
             within = "within" if r["peak_alloc_gib"] <= r["budget_gib"] else "OVER"
             out.append(f"{name} peak allocated {r['peak_alloc_gib']} GiB, reserved {r['peak_reserved_gib']} GiB, "

@@ -277,4 +277,4 @@ class Runtime:
     def close(self):
         self.state.close()
         if self.on_demand is not None:     # its spare host buffers (pinned on CUDA)
-            self.on_demand.spare.clear()
+            self.on_demand.close()

@@ -143,6 +143,13 @@ class OnDemand:
         self.lru[id(t)] = weakref.ref(t)
         self.version[id(t)] = t._version
 
+    def close(self) -> None:
+        """Let go of the spare host buffers (pinned on CUDA) and of the evicted tensors' claims on theirs."""
+        for back in self.backing.values():
+            back.detach()
+        self.backing.clear()
+        self.spare.clear()
+
     def _spare(self, key: int, host: torch.Tensor) -> None:
         self.backing.pop(key, None)
         self.spare.setdefault((tuple(host.shape), host.dtype), []).append(host)
@@ -198,7 +205,8 @@ class OnDemand:
                 self.rt.state.moved["d2h"] += n
                 self.on_host[key] = t
                 # a gradient dropped while on the host (set to None) gives its buffer back
-                self.backing[key] = weakref.finalize(t, self._spare, key, host)
+                self.backing[key] = back = weakref.finalize(t, self._spare, key, host)
+                back.atexit = False
             t.data = host
 
 

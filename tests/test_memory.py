@@ -42,7 +42,8 @@ def test_ondemand_reuses_its_host_buffers_for_evictions():
     a step evicts without allocating host memory (its fetches and evictions are timed for sm.stats)."""
     model, data = CASES["gpt"]()
     budget = int(training_state_bytes(model) * 0.5)
-    _, stats, _ = run_compiled(copy.deepcopy(model), data * 2, 4, budget, "ondemand")
+    sm, stats, _ = run_compiled(copy.deepcopy(model), data * 2, 4, budget, "ondemand")
+    assert sm.runtime.on_demand.spare == {} and sm.runtime.on_demand.backing == {}     # closed: let go
     assert stats[-1]["d2h_bytes"] > 0 and stats[0]["ondemand_new_host_bytes"] > 0
     assert stats[-1]["ondemand_new_host_bytes"] == 0
     assert stats[-1]["ondemand_spare_bytes"] > 0
