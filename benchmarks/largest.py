@@ -216,7 +216,8 @@ def main(argv=None) -> dict:
     result = dict(limits=dict(device=a.device_memory, host=a.host_memory, disk=a.disk), hardware=hw.describe(),
                   tried=tried, largest=best)
     if best is None or not best["fits"]:
-        print("no depth fits these limits" + (f": {best['why']}" if best else ""))
+        what = f"{a.layers} layers do not fit" if a.layers is not None else "no depth fits"
+        print(f"{what} these limits" + (f": {best['why']}" if best else ""))
     else:
         print(f"largest: {best['params'] / 1e9:.3f}B parameters ({best['layers']} layers of width {best['width']}), "
               f"training state {best['state_GiB']} GiB: device {best['device_GiB']}, host {best['host_GiB']}, "
