@@ -16,6 +16,7 @@ import harmony
 import harmony.data
 from harmony.errors import BudgetError, ConfigError
 from harmony.runtime import partitioned
+from harmony.viz.report import tiers_of
 from test_collectives import _digest, spawn_ok
 from models import CASES, training_state_bytes
 from test_zero3 import ADAMW, STEPS, _compile
@@ -54,6 +55,7 @@ def _train(world, path=None, larger=False, **kw):
     disk = sm.runtime.state.disk or sm.runtime.state.params_disk
     if disk is not None:
         out["files"] = sum(f.stat().st_size for f in Path(disk.store.path).iterdir())
+        out["planned_disk"] = tiers_of(sm.program)["disk_bytes"]    # what compile checks the disk's room against
     if path is not None:     # save, train on, load: the next step is the one after the save
         harmony.save(sm, path)
         sm(*harmony.data.shard(data[0]))
@@ -129,6 +131,8 @@ def _check(res, world):
         share = disk["stats"]["disk_write_bytes"] / world
         assert share - 4096 * files <= full_disk["stats"]["disk_write_bytes"] <= share * 1.05 + 4096 * files
         assert full_disk["files"] <= disk["files"] / world * 1.05 + 4096 * files
+        for run in (disk, full_disk, mixed):    # the report's disk figure (a rank's share) is its files, to a page each
+            assert abs(run["files"] - run["planned_disk"]) <= 4096 * len(run["placed"]) + 0.01 * run["files"]
         # it reads its chunks for each gather and its file for the step, no more: the plan's bytes
         planned = full_disk["planned"]
         slack = 4096 * (files + full_disk["gathers"])      # each read and file rounded up to 4 KiB pages
