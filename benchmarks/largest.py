@@ -83,7 +83,7 @@ def plan(a, hw, layers: int) -> dict:
     import harmony
     from harmony.errors import BudgetError
     from harmony.models import GPT
-    from harmony.runtime.offload_dirs import HEADROOM
+    from harmony.runtime.offload_dirs import room_needed
     from harmony.viz.report import tiers_of
     c = gpt_config(a, layers)
     with torch.device("meta"):
@@ -97,7 +97,7 @@ def plan(a, hw, layers: int) -> dict:
         return dict(row, fits=False, why=str(e).split(":")[0][:120])
     tiers = tiers_of(sm.program)
     sim = sm.simulate(hw.logical([a.device_memory]))
-    disk_need = int(tiers["disk_bytes"] * HEADROOM[0]) + (HEADROOM[1] if tiers["disk_bytes"] else 0)
+    disk_need = room_needed(tiers["disk_bytes"])     # as compile checks the disk it runs on
     row.update(fits=disk_need <= a.disk, packs=len(sm.plan.packs),
                device_GiB=round(tiers["device_bytes"] / GiB, 3), host_GiB=round(tiers["host_bytes"] / GiB, 3),
                disk_GiB=round(tiers["disk_bytes"] / GiB, 3), predicted_peak_GiB=round(sm.predicted.peak / GiB, 2),

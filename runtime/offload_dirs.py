@@ -66,8 +66,10 @@ def make_private_dir(parent: Path, prefix: str) -> tuple[Path, int | None]:
     return path, fd
 
 
-# room left beside the plan's bytes: alignment of each file to the I/O block, the probe, the file system's own
-HEADROOM = 1.02, 64 * 2**20
+def room_needed(nbytes: int) -> int:
+    """Free space ``nbytes`` of training state on disk need: with room for each file's alignment to the I/O block,
+    the probe and the file system's own."""
+    return int(nbytes * 1.02) + 64 * 2**20 if nbytes > 0 else 0
 
 
 def check_room(parent, nbytes: int) -> None:
@@ -83,7 +85,7 @@ def check_room(parent, nbytes: int) -> None:
         free = shutil.disk_usage(probe).free
     except OSError:
         return      # the store's own setup reports an unusable path, with what to do
-    need = int(nbytes * HEADROOM[0]) + HEADROOM[1]
+    need = room_needed(nbytes)
     if free < need:
         raise OffloadError(f"the plan puts {fmt_bytes(nbytes)} of training state on disk under {where}, whose file "
                            f"system has {fmt_bytes(free)} free (with headroom it needs {fmt_bytes(need)}): pass "

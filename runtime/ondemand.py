@@ -49,6 +49,7 @@ class OnDemand:
         self.largest = 0
         self.pin = torch.device(rt.device).type == "cuda"
         self.spare: dict[tuple, list[torch.Tensor]] = {}   # (shape, dtype) -> host buffers free for an eviction
+        self.spare_bytes = 0
         self.backing: dict[int, weakref.finalize] = {}     # evicted tensor -> returns its buffer should it die there
         self.seconds = dict(fetch=0.0, evict=0.0)          # on the main thread, in the step so far
         self.new_host_bytes = 0                            # host buffers allocated for evictions in the step
@@ -80,7 +81,7 @@ class OnDemand:
         it allocated for evictions, and those kept spare for the next."""
         return dict(ondemand_fetch_seconds=self.seconds["fetch"], ondemand_evict_seconds=self.seconds["evict"],
                     ondemand_new_host_bytes=self.new_host_bytes,
-                    ondemand_spare_bytes=sum(b.untyped_storage().nbytes() for v in self.spare.values() for b in v))
+                    ondemand_spare_bytes=self.spare_bytes)
 
     def _is_managed_on_host(self, t) -> bool:
         key = id(t)
@@ -149,10 +150,12 @@ class OnDemand:
             back.detach()
         self.backing.clear()
         self.spare.clear()
+        self.spare_bytes = 0
 
     def _spare(self, key: int, host: torch.Tensor) -> None:
         self.backing.pop(key, None)
         self.spare.setdefault((tuple(host.shape), host.dtype), []).append(host)
+        self.spare_bytes += host.untyped_storage().nbytes()
 
     def evict(self, needed: int):
         """Send least recently used state to the host until ``needed`` bytes are really free.
@@ -198,6 +201,7 @@ class OnDemand:
                 free = self.spare.get((tuple(t.shape), t.dtype))
                 if free:
                     host = free.pop()
+                    self.spare_bytes -= host.untyped_storage().nbytes()
                 else:
                     host = torch.empty(t.shape, dtype=t.dtype, pin_memory=self.pin)
                     self.new_host_bytes += n

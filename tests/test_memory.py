@@ -42,11 +42,20 @@ def test_ondemand_reuses_its_host_buffers_for_evictions():
     a step evicts without allocating host memory (its fetches and evictions are timed for sm.stats)."""
     model, data = CASES["gpt"]()
     budget = int(training_state_bytes(model) * 0.5)
-    sm, stats, _ = run_compiled(copy.deepcopy(model), data * 2, 4, budget, "ondemand")
-    assert sm.runtime.on_demand.spare == {} and sm.runtime.on_demand.backing == {}     # closed: let go
+    sm = harmony.compile(copy.deepcopy(model), example_batch=data[0], memory_budget=budget, microbatches=4,
+                         policy="ondemand")
+    od, stats = sm.runtime.on_demand, []
+    for x, y in data * 2:
+        sm(x, y)
+        held = sum(b.untyped_storage().nbytes() for v in od.spare.values() for b in v)
+        stats.append(dict(sm.stats, spare_held=held))
+    sm.close()
+    assert od.spare == {} and od.backing == {}     # closed: let go
     assert stats[-1]["d2h_bytes"] > 0 and stats[0]["ondemand_new_host_bytes"] > 0
     assert stats[-1]["ondemand_new_host_bytes"] == 0
     assert stats[-1]["ondemand_spare_bytes"] > 0
+    # the running count of spare bytes is what the spare buffers hold
+    assert all(s["ondemand_spare_bytes"] == s["spare_held"] for s in stats)
     assert stats[-1]["ondemand_fetch_seconds"] > 0 and stats[-1]["ondemand_evict_seconds"] > 0
 
 
