@@ -30,8 +30,8 @@ def graphs_first(program, graphs: list) -> list | None:
 def hardware(cfg):
     """The hardware the plan is for, as the simulator takes it; None without one, under ``balance``, or where
     devices share a host link through a switch: the swap pass simulates one device, which would miss the contention
-    the graphs-first choice's added traffic meets there (benchmarks/pipeline.py's 4 x GTX 1080 Ti vDP simulated
-    2.33 -> 2.35 s per step with it)."""
+    the graphs-first choice's added traffic meets there (benchmarks/pipeline.py's switched 4 x GTX 1080 Ti vDP
+    simulated slower with it)."""
     from harmony.compiler.hardware import Hardware
     if cfg.hardware is None or cfg.balance is not None:
         return None
