@@ -8,7 +8,7 @@ import time
 import torch
 
 from harmony.base.errors import BudgetError, ConfigError, HarmonyError, InputError
-from harmony.base.process import huge_pages, idle_threads_sleep, peak_rss_bytes
+from harmony.base.process import huge_pages, idle_threads_sleep
 from harmony.base.units import fmt_bytes, nbytes
 from harmony.compiler import cost
 from harmony.compiler.config import DEFAULT_MEMORY_BUDGET, CompileConfig, Config
@@ -26,8 +26,8 @@ from harmony.passes.compress import parse_compression
 from harmony.runtime.executor import Runtime
 from harmony.runtime.ondemand import OnDemand
 from harmony.runtime.precision import max_over_ranks
-from harmony.shapes import ShapeCache, describe
-from harmony.stepping import accept_partial_step, batch_of, disk_stats, run_step
+from harmony.shapes import ShapeCache
+from harmony.stepping import accept_partial_step, batch_of, run_step, step_stats
 
 
 def compile(model: torch.nn.Module, example_batch, *, memory_budget=None, microbatches: int | None = None,
@@ -390,47 +390,8 @@ class ScheduledModule(torch.nn.Module):
                 if shape is not self.shapes.example else contextlib.nullcontext():
             loss = run_step(self, batch)     # a transaction: rolled back if it raises (harmony/stepping.py)
         shape.steps += 1
-        self.stats = self._step_stats(shape, time.perf_counter() - t0)
+        self.stats = step_stats(self, shape, time.perf_counter() - t0)
         return loss
-
-    def _step_stats(self, shape, seconds: float) -> dict:
-        """``sm.stats``: the step's measured memory, traffic and time beside what the plan that ran predicted."""
-        rt, predicted = self.runtime, shape.predicted
-        stats = dict(step_seconds=seconds, measured_peak=rt.meter.peak,
-                     predicted_peak=predicted.peak, budget=rt.meter.budget,
-                     h2d_bytes=rt.state.moved["h2d"], d2h_bytes=rt.state.moved["d2h"],
-                     host_step_seconds=rt.state.host_step_seconds,
-                     predicted_h2d=predicted.moved["h2d"], predicted_d2h=predicted.moved["d2h"],
-                     peak_rss_bytes=peak_rss_bytes(), huge_pages=self.huge_pages,
-                     idle_threads_sleep=self.idle_threads_sleep)
-        if shape is not self.shapes.example:    # the plan of another shape than the example batch's ran
-            plan = shape.program.plan
-            stats.update(batch_shape=describe(shape.key, self.shapes.names),
-                         microbatch_rows=list(plan.rows or (plan.microbatch_size,) * plan.microbatches))
-        if rt.device.type == "cuda":
-            stats.update(expandable_segments=self.program.config.expandable_segments,
-                         cuda_allocated_peak=torch.cuda.max_memory_allocated(rt.device),
-                         cuda_reserved_peak=torch.cuda.max_memory_reserved(rt.device),
-                         device_reserved=self.program.config.device_reserved)
-        if getattr(rt.state, "host_idle", None) is not None:     # the CPU device's host thread has run
-            stats["background_idle_priority"] = rt.state.host_idle
-        stats.update(disk_stats(rt.state))
-        if rt.on_demand is not None:
-            stats.update(rt.on_demand.stats())
-        kinds = {n.name: n.target.__name__ for n in shape.program.schedule.nodes if n.op == "call_function"}
-        for e in rt.events:          # where the step's time went on the thread that runs the schedule, by op
-            key = f"time_{kinds.get(e.name, 'other')}_s"
-            stats[key] = stats.get(key, 0.0) + e.end - e.start
-        if rt.scaler is not None:   # the scale the next step uses, and the steps skipped for inf/nan so far
-            stats.update(loss_scale=self.loss_scale, skipped_steps=rt.scaler.skipped)
-        if rt.gate is not None and rt.gate.clipper is not None:   # the norm before clipping (clip_grad_norm_'s)
-            stats["grad_norm"] = rt.gate.grad_norm()
-        if self.plan.stage is not None:        # a pipeline rank: the training state it holds
-            from harmony.pipeline import state_bytes
-            stats.update(state_bytes(self))
-        for hook in self.program.step_hooks:     # what the passes measure per step (compress: the wire's bytes)
-            stats.update(hook(self))
-        return stats
 
     @property
     def loss_scale(self) -> float | None:

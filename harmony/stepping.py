@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from harmony.base.errors import InputError, TornStepError
+from harmony.base.process import peak_rss_bytes
 from harmony.runtime.executor import module_modes
 
 
@@ -97,3 +98,44 @@ def disk_stats(state) -> dict:
         sec = out[f"disk_{way}_seconds"]
         out[f"disk_{way}_GBps"] = out[f"disk_{way}_done"] / sec / 1e9 if sec else 0.0
     return out
+
+
+def step_stats(sm, shape, seconds: float) -> dict:
+    """``sm.stats``: the step's measured memory, traffic and time beside what the plan that ran predicted."""
+    rt, predicted = sm.runtime, shape.predicted
+    stats = dict(step_seconds=seconds, measured_peak=rt.meter.peak,
+                 predicted_peak=predicted.peak, budget=rt.meter.budget,
+                 h2d_bytes=rt.state.moved["h2d"], d2h_bytes=rt.state.moved["d2h"],
+                 host_step_seconds=rt.state.host_step_seconds,
+                 predicted_h2d=predicted.moved["h2d"], predicted_d2h=predicted.moved["d2h"],
+                 peak_rss_bytes=peak_rss_bytes(), huge_pages=sm.huge_pages,
+                 idle_threads_sleep=sm.idle_threads_sleep)
+    if shape is not sm.shapes.example:    # the plan of another shape than the example batch's ran
+        from harmony.shapes import describe
+        plan = shape.program.plan
+        stats.update(batch_shape=describe(shape.key, sm.shapes.names),
+                     microbatch_rows=list(plan.rows or (plan.microbatch_size,) * plan.microbatches))
+    if rt.device.type == "cuda":
+        stats.update(expandable_segments=sm.program.config.expandable_segments,
+                     cuda_allocated_peak=torch.cuda.max_memory_allocated(rt.device),
+                     cuda_reserved_peak=torch.cuda.max_memory_reserved(rt.device),
+                     device_reserved=sm.program.config.device_reserved)
+    if getattr(rt.state, "host_idle", None) is not None:     # the CPU device's host thread has run
+        stats["background_idle_priority"] = rt.state.host_idle
+    stats.update(disk_stats(rt.state))
+    if rt.on_demand is not None:
+        stats.update(rt.on_demand.stats())
+    kinds = {n.name: n.target.__name__ for n in shape.program.schedule.nodes if n.op == "call_function"}
+    for e in rt.events:          # where the step's time went on the thread that runs the schedule, by op
+        key = f"time_{kinds.get(e.name, 'other')}_s"
+        stats[key] = stats.get(key, 0.0) + e.end - e.start
+    if rt.scaler is not None:   # the scale the next step uses, and the steps skipped for inf/nan so far
+        stats.update(loss_scale=sm.loss_scale, skipped_steps=rt.scaler.skipped)
+    if rt.gate is not None and rt.gate.clipper is not None:   # the norm before clipping (clip_grad_norm_'s)
+        stats["grad_norm"] = rt.gate.grad_norm()
+    if sm.plan.stage is not None:        # a pipeline rank: the training state it holds
+        from harmony.pipeline import state_bytes
+        stats.update(state_bytes(sm))
+    for hook in sm.program.step_hooks:     # what the passes measure per step (compress: the wire's bytes)
+        stats.update(hook(sm))
+    return stats
