@@ -21,11 +21,9 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any
 
 import torch
@@ -33,6 +31,7 @@ import torch
 from harmony.base import env
 from harmony.base.errors import ConfigError
 from harmony.base.units import parse_bytes
+from harmony.compiler.config_checks import Group, choice, count, env_field, positive
 from harmony.compiler.hardware import NOMINAL, Device, Hardware
 from harmony.runtime.compression import DEFAULT_MIN_SIZE
 from harmony.runtime.precision import PRECISIONS, SCALING_DEFAULTS, compute_dtype
@@ -43,36 +42,8 @@ RECOMPUTE = ("auto", "always")
 DEFAULT_MEMORY_BUDGET = 1 << 30        # bytes per device when memory_budget is not given (and balance= is not)
 
 
-def _env(name: str):
-    return field(default_factory=partial(env.env_default, name))
-
-
-def _choice(name: str, value, choices) -> None:
-    if value not in choices:
-        raise ConfigError(f"unknown {name}: {name}={value!r}; choose one of {', '.join(map(repr, choices))}")
-
-
-def _count(name: str, value, what: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{name}={value!r} must be a positive integer: {what}")
-
-
-def _positive(value, finite: bool) -> bool:
-    """A real number above 0 (``finite``: and not infinite); bools and strings are not numbers here."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return False
-    return value > 0 and (math.isfinite(value) or not finite and value == math.inf)
-
-
-class _Group:
-    """The end of the chain of ``__post_init__`` checks: every group checks its fields, then calls the next."""
-
-    def __post_init__(self):
-        pass
-
-
 @dataclass(kw_only=True)
-class TrainConfig(_Group):
+class TrainConfig(Group):
     """What one training step does."""
 
     microbatches: int = 1
@@ -106,7 +77,7 @@ class TrainConfig(_Group):
 
     def __post_init__(self):
         super().__post_init__()
-        _count("microbatches", self.microbatches, "how many microbatches the batch is cut into")
+        count("microbatches", self.microbatches, "how many microbatches the batch is cut into")
         if not (isinstance(self.optimizer, torch.optim.Optimizer)
                 or isinstance(self.optimizer, type) and issubclass(self.optimizer, torch.optim.Optimizer)):
             raise ConfigError(f"optimizer must be a torch.optim.Optimizer class or instance, got {self.optimizer!r}")
@@ -121,10 +92,10 @@ class TrainConfig(_Group):
         self.optimizer_kwargs = dict(self.optimizer_kwargs or {})
         if self.loss_fn is not None and not callable(self.loss_fn):
             raise ConfigError(f"loss_fn={self.loss_fn!r} is not callable: give loss_fn(output, *batch) -> loss")
-        if self.clip_grad_norm is not None and not _positive(self.clip_grad_norm, finite=True):
+        if self.clip_grad_norm is not None and not positive(self.clip_grad_norm, finite=True):
             raise ConfigError(f"clip_grad_norm={self.clip_grad_norm!r} must be a positive finite number (the largest "
                               f"global gradient norm an update may use, e.g. 1.0), or None for no clipping")
-        if not _positive(self.clip_norm_type, finite=False):
+        if not positive(self.clip_norm_type, finite=False):
             raise ConfigError(f"clip_norm_type={self.clip_norm_type!r} must be a positive number or float('inf') "
                               f"(the p of the norm; 2.0 is the usual)")
         if self.clip_grad_norm is not None:
@@ -132,7 +103,7 @@ class TrainConfig(_Group):
 
 
 @dataclass(kw_only=True)
-class MemoryConfig(_Group):
+class MemoryConfig(Group):
     """Where training state lives between uses, and what the planner may spend to fit the budget."""
 
     memory_budget: int | str | None = None
@@ -161,25 +132,25 @@ class MemoryConfig(_Group):
             self.memory_budget = parse_bytes(self.memory_budget, "memory_budget")
         if self.host_memory_budget is not None:
             self.host_memory_budget = parse_bytes(self.host_memory_budget, "host_memory_budget")
-        _choice("optimizer_on", self.optimizer_on, PLACES)
-        _choice("weights_on", self.weights_on, WEIGHTS)
-        _choice("recompute", self.recompute, RECOMPUTE)
+        choice("optimizer_on", self.optimizer_on, PLACES)
+        choice("weights_on", self.weights_on, WEIGHTS)
+        choice("recompute", self.recompute, RECOMPUTE)
 
 
 @dataclass(kw_only=True)
-class DiskConfig(_Group):
+class DiskConfig(Group):
     """The disk tier: files of training state in a private directory, removed by ``sm.close()`` or at exit."""
 
     offload_dir: str | os.PathLike | None = None
     """Where the disk tier makes its private directory; None: the system's temp directory."""
     disk_group_bytes: int | str = "32MiB"
     """Weights per file of a pack wholly on disk; such a pack steps one file at a time."""
-    direct_io: bool | None = _env("direct_io")
+    direct_io: bool | None = env_field("direct_io")
     """*env* ``HARMONY_DIRECT_IO``. None: direct I/O where the file system takes it (probed once), buffered
     elsewhere; False: buffered; True: direct, or an error."""
-    read_depth: int = _env("read_depth")
+    read_depth: int = env_field("read_depth")
     """*env* ``HARMONY_READ_DEPTH``. Concurrent ``preadv`` calls of one file read (default 4; 1: one at a time)."""
-    keep_free: int | None = _env("keep_free")
+    keep_free: int | None = env_field("keep_free")
     """*env* ``HARMONY_KEEP_FREE``. Free I/O buffer bytes a store keeps for reuse; None: what keeps the buffers
     mapped within the most ever in use at once."""
 
@@ -200,7 +171,7 @@ class DiskConfig(_Group):
 
 
 @dataclass(kw_only=True)
-class ParallelConfig(_Group):
+class ParallelConfig(Group):
     """Several processes (torchrun): data parallelism, its compressed all-reduce, uneven shares, sharded state."""
 
     data_parallel: bool | None = None
@@ -226,7 +197,7 @@ class ParallelConfig(_Group):
     its planned share) of every pack's fp32 weights and its optimizer state on its host, weights are all-gathered for
     use and gradients reduce-scattered to their owners (host-stepped packs, fp32; quantized under ``compression``;
     ``clip_grad_norm`` too). Bitwise the same training as the replicated run with the same settings."""
-    comm_timeout: float = _env("comm_timeout")
+    comm_timeout: float = env_field("comm_timeout")
     """*env* ``HARMONY_COMM_TIMEOUT``. Seconds a collective waits for its peers, also when compile initialises the
     process group (default 300)."""
     parallel: str | None = None
@@ -264,8 +235,8 @@ class ParallelConfig(_Group):
             raise ConfigError(f"balance={spec!r}: use 'auto', 'uniform', or one entry per rank ((microbatch size, "
                               f"microbatches) or a sample count)")
         self.comm_timeout = env.check("comm_timeout", self.comm_timeout)
-        _choice("parallel", self.parallel, (None, "data", "pipeline"))
-        _choice("placement", self.placement, ("contiguous", "layers", "round_robin"))
+        choice("parallel", self.parallel, (None, "data", "pipeline"))
+        choice("placement", self.placement, ("contiguous", "layers", "round_robin"))
         group = self.pipeline_group
         if group is not None and (group != "auto" and (isinstance(group, bool) or not isinstance(group, int)
                                                        or group < 1) or self.parallel != "pipeline"):
@@ -274,7 +245,7 @@ class ParallelConfig(_Group):
 
 
 @dataclass(kw_only=True)
-class NumericsConfig(_Group):
+class NumericsConfig(Group):
     """The dtypes of the device's copies and of the loss scale."""
 
     precision: str = "fp32"
@@ -289,7 +260,7 @@ class NumericsConfig(_Group):
 
     def __post_init__(self):
         super().__post_init__()
-        _choice("precision", self.precision, tuple(PRECISIONS))
+        choice("precision", self.precision, tuple(PRECISIONS))
         if self.loss_scaling is None:
             return
         if self.precision != "fp16":
@@ -313,7 +284,7 @@ class NumericsConfig(_Group):
 
 
 @dataclass(kw_only=True)
-class PlanConfig(_Group):
+class PlanConfig(Group):
     """How the model is traced and planned, and for which device."""
 
     policy: str = "harmony"
@@ -335,14 +306,14 @@ class PlanConfig(_Group):
     """A ``Hardware``, ``Device`` or preset name such as ``"a100-40gb"``: the FLOP/s and host link the planner weighs
     compute against traffic with. None: this machine (its cached profile on CUDA). A device whose ``speed_factor``
     is above 1 (``hw.logical(budgets, speed_factors)``) is emulated: the runtime stretches every compute op."""
-    cache_dir: str | None = _env("cache_dir")
+    cache_dir: str | None = env_field("cache_dir")
     """*env* ``HARMONY_CACHE_DIR``. Where the hardware profile is cached; None: ``$XDG_CACHE_HOME/harmony``
     (``~/.cache/harmony``)."""
 
     def __post_init__(self):
         super().__post_init__()
         from harmony.passes.schedule import POLICIES
-        _choice("policy", self.policy, POLICIES)
+        choice("policy", self.policy, POLICIES)
         try:
             torch.device(self.device)
         except (RuntimeError, TypeError) as e:
