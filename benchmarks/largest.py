@@ -14,12 +14,14 @@ The peer is eager PyTorch's ceiling: the model whose fp32 + AdamW state alone fi
     python benchmarks/largest.py --quick --run                                                       # a minute, here
 
 The fp32 + AdamW state is 16 bytes a parameter (weights, gradients, two moments); the host's share of it is what
-``host_memory_budget`` bounds, not the process: the run's peak RSS (building the model included, which holds its
-fp32 weights in host memory before compile moves them) is printed beside it.
+``host_memory_budget`` bounds. ``--run`` builds the model under ``harmony.empty_weights()``, so compile makes its
+weights as it places them and the host never holds them all (``--eager-build``: built with its weights, which the
+host then holds whole until compile has written the disk packs); the run's peak RSS is printed beside the budget.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import shutil
 import statistics
@@ -138,7 +140,9 @@ def run(a, hw, layers: int) -> dict:
     torch.manual_seed(0)
     c = gpt_config(a, layers)
     t0 = time.perf_counter()
-    model = GPT(c)
+    # without its weights: compile makes them as it places them, so the host never holds the whole model
+    with contextlib.nullcontext() if a.eager_build else harmony.empty_weights():
+        model = GPT(c)
     g = torch.Generator().manual_seed(0)
     data = [torch.randint(0, c.vocab, (a.batch, c.seq), generator=g) for _ in range(a.steps)]
     sm = harmony.compile(model, (data[0], data[0]), device=a.device, **compile_options(a, hw))
@@ -162,7 +166,8 @@ def run(a, hw, layers: int) -> dict:
                predicted_step_s=round(sim.step_seconds, 3), measured_peak_GiB=round(last["measured_peak"] / GiB, 3),
                budget_GiB=round(a.device_memory / GiB, 3), predicted_peak_GiB=round(last["predicted_peak"] / GiB, 3),
                peak_rss_GiB=round(max(s["peak_rss_bytes"] for s in stats) / GiB, 2),
-               host_budget_GiB=round(a.host_memory / GiB, 2), losses=[round(s["loss"], 4) for s in stats])
+               host_budget_GiB=round(a.host_memory / GiB, 2), build="eager" if a.eager_build else "empty_weights",
+               losses=[round(s["loss"], 4) for s in stats])
     for k in ("disk_read_bytes", "disk_write_bytes"):
         if k in last:
             out[k.replace("_bytes", "_GB")] = round(last[k] / 1e9, 2)
@@ -191,6 +196,8 @@ def main(argv=None) -> dict:
     p.add_argument("--max-layers", type=int, default=512)
     p.add_argument("--layers", type=int, default=None, help="skip the search: plan (and --run) this depth")
     p.add_argument("--run", action="store_true", help="then build and train the model found")
+    p.add_argument("--eager-build", action="store_true", help="--run builds the model with its weights (the "
+                   "default builds it under harmony.empty_weights and compile makes them a pack at a time)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--quick", action="store_true", help="a small search and run on this machine (a minute)")

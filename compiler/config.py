@@ -124,10 +124,18 @@ class MemoryConfig(Group):
     """``"auto"``: a pack keeps its forward's activations for its backward where the budget has room (the swap pass
     weighs the compute saved against the traffic the same bytes could save); ``"always"``: every pack but the last
     recomputes its forward from its stashed inputs, the least memory (the Harmony paper's schedule)."""
+    init: Any = None
+    """For a model built without its weights (under ``harmony.empty_weights()``: parameters on the meta device):
+    ``init(module)`` fills a module's own parameters as compile places them, a pack at a time (harmony/materialize.py).
+    None: the model's ``_init_weights(module)`` where it has one (Hugging Face models, the built-in GPT), else each
+    module's ``reset_parameters()``. Ignored for a model whose parameters are real."""
 
     def __post_init__(self):
         super().__post_init__()
         from harmony.passes.offload import PLACES, WEIGHTS
+        if self.init is not None and not callable(self.init):
+            raise ConfigError(f"init={self.init!r} is not callable: give init(module), which fills the module's own "
+                              f"parameters (e.g. with torch.nn.init), or None")
         if self.memory_budget is not None:
             self.memory_budget = parse_bytes(self.memory_budget, "memory_budget")
         if self.host_memory_budget is not None:

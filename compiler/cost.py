@@ -29,6 +29,7 @@ from torch.utils._pytree import tree_flatten, tree_map_only
 from torch.utils.flop_counter import FlopCounterMode
 
 from harmony.base.errors import InputError
+from harmony.compiler.fake import device_of_batch, fake_twin
 from harmony.compiler.meta import COST, STATE
 from harmony.compiler.trace_inplace import inplace_error
 from harmony.runtime.memory import CountAllocations, MemoryMeter
@@ -381,19 +382,11 @@ def _resize(t: torch.Tensor, batch: int, mode: FakeTensorMode, dtype=None) -> to
     return out
 
 
-def _fake(t: torch.Tensor, mode: FakeTensorMode, dtype) -> torch.Tensor:
-    """A fake twin of a parameter or buffer as the device holds it (cast to the compute dtype if float)."""
-    if device_dtype(t, dtype) == t.dtype:
-        return mode.from_tensor(t)
-    with mode:
-        return torch.empty_strided(tuple(t.shape), t.stride(), dtype=dtype, device=t.device)
-
-
 def _measure_at(gm, batch, b, dtype=None, reuse: dict | None = None):
     mode = FakeTensorMode(allow_non_fake_inputs=True)   # constants the tracer lifted (GPT-2 masks) are real
     fake_state = {}
     for name, t in list(gm.named_parameters(remove_duplicate=False)) + list(gm.named_buffers(remove_duplicate=False)):
-        fake_state[name] = _fake(t, mode, dtype)
+        fake_state[name] = fake_twin(t, mode, dtype, device_of_batch(batch))
         if isinstance(t, torch.nn.Parameter):
             fake_state[name].requires_grad_(t.requires_grad)
     # tied tensors must stay one tensor under the fake mode too

@@ -17,6 +17,7 @@ import traceback
 import torch
 
 from harmony.base.errors import HarmonyError, InputError, TraceError
+from harmony.compiler.fake import fake_state_if_empty
 
 
 def forward_signature(model: torch.nn.Module) -> inspect.Signature | None:
@@ -40,7 +41,7 @@ def eager_error(step: torch.nn.Module, batch) -> Exception | None:
     """Run the step eagerly (no grad, state restored) to tell a bad batch from an untraceable model."""
     saved = [(b, b.detach().clone()) for b in step.buffers()]
     try:
-        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        with torch.no_grad(), torch.random.fork_rng(devices=[]), fake_state_if_empty(step, batch.tensors):
             step(*batch.tensors)
     except HarmonyError:
         raise

@@ -74,11 +74,12 @@ def drop_metadata_asserts(gm: torch.fx.GraphModule) -> None:
             m.recompile()
 
 
-def retarget(module: torch.nn.Module, device: torch.device, managed: set[int]) -> None:
-    """Make a graph traced on the CPU run on ``device``: device arguments recorded as the CPU (export's
-    ``arange(..., device=cpu)``, ``_to_copy(device=cpu)``) name ``device``, and tensor constants the graph
-    reads (not the training state, ``managed``: ids of the tensors the runtime moves) are copied there once."""
-    cpu = torch.device("cpu")
+def retarget(module: torch.nn.Module, device: torch.device, managed: set[int], source: str = "cpu") -> None:
+    """Make a graph traced on the CPU (``source``) run on ``device``: device arguments recorded as the CPU
+    (export's ``arange(..., device=cpu)``, ``_to_copy(device=cpu)``) name ``device``, and tensor constants the
+    graph reads (not the training state, ``managed``: ids of the tensors the runtime moves) are copied there once.
+    A model built without its weights is traced with them on the meta device: ``source="meta"``."""
+    cpu = torch.device(source)
 
     def swap(v):
         return device if isinstance(v, torch.device) and v == cpu else v

@@ -11,10 +11,16 @@ state, packs' optimizer state goes to disk and is stepped there in the backgroun
 cannot hold the fp32 weights either, whole packs go to disk and are read for the forward and
 the backward. ``sm.report()`` says which: its "between steps" line gives the bytes per tier,
 and the offload pass's table where each pack's weights and optimizer state live.
+
+The model is built under ``harmony.empty_weights()``: its parameters are shapes only until
+compile has planned where they live, then each is made (the model's own initialisation,
+seeded by the module's name) where it goes; the weights of packs on disk are written a
+group at a time, so the host's peak stays near its budget rather than the model's size.
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import tempfile
 
 import harmony  # before torch: it sets the OpenMP and allocator variables torch reads when it loads
@@ -27,7 +33,10 @@ def main(argv=None) -> list[float]:
     args = parse(argv)
     torch.manual_seed(args.seed)
     c = GPTConfig(vocab=args.vocab, seq=args.seq, layers=args.layers, width=args.width, heads=args.heads)
-    model = GPT(c)
+    # built without its weights: compile makes them as it places them, the disk packs' a file at a time, so the
+    # host never holds the whole model (build it as usual and the host holds its fp32 weights until compile)
+    with harmony.empty_weights():
+        model = GPT(c)
     n = sum(p.numel() for p in model.parameters())
     state = 16 * n                     # fp32 weights, gradients and AdamW's two moments
     data = list(copy_task(c, args.batch, args.steps, seed=args.seed))
@@ -47,8 +56,9 @@ def main(argv=None) -> list[float]:
     report = sm.report()
     sections = {s.split(" ", 1)[0]: s for s in report.split("\n== ")}   # the report's parts, by first word
     header = sections["Harmony"].splitlines()
-    at = next(i for i, line in enumerate(header) if line.startswith("between steps"))   # bytes per tier
-    print("\n".join([header[at]] + [line for line in header[at + 1:at + 3] if line.startswith(" ")]))
+    for key in ("between steps", "weights "):      # bytes per tier; the weights compile made
+        at = next(i for i, line in enumerate(header) if line.startswith(key))
+        print("\n".join([header[at]] + list(itertools.takewhile(lambda line: line.startswith(" "), header[at + 1:]))))
     print("== " + sections["offload:"].strip())     # per pack: where it steps, where weights and state live
     print("disk I/O of the last step:")
     for line in sections["last"].splitlines():

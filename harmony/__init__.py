@@ -22,9 +22,11 @@ from harmony.compiler.config import (
     TrainConfig,
 )
 from harmony.compiler.hardware import Device, Hardware
+from harmony.materialize import empty_weights, materialize
 
 __all__ = ["compile", "ScheduledModule", "Config", "TrainConfig", "MemoryConfig", "DiskConfig", "ParallelConfig",
-           "NumericsConfig", "PlanConfig", "Hardware", "Device", "errors", "save", "load"]
+           "NumericsConfig", "PlanConfig", "Hardware", "Device", "errors", "save", "load",
+           "empty_weights", "materialize"]
 __version__ = "0.1.0"
 
 

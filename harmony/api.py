@@ -20,6 +20,7 @@ from harmony.compiler.verify import memory_curve
 from harmony.data import check_world
 from harmony.data import resolve as resolve_data_parallel
 from harmony.handshake import CALLS, agree, attach
+from harmony.materialize import Filler, is_empty
 from harmony.optim import build_optimizers, from_instance
 from harmony.optim import optimizer_kwargs as optimizer_kwargs_for
 from harmony.passes.compress import parse_compression
@@ -77,9 +78,10 @@ def compile(model: torch.nn.Module, example_batch, *, memory_budget=None, microb
     sm = ScheduledModule(program, cfg.device)
     if balanced is not None:
         balanced.simulated(sm, cfg.hardware)
+    fill = sm.filled["seconds"] if sm.filled else 0.0     # an empty model's weights, made as placed
     sm.compile_seconds = dict(trace=t_trace - t0, **({"balance": t_plan - t_trace} if balanced else {}),
-                              cost=t_cost - t_plan, passes=time.perf_counter() - t_cost,
-                              total=time.perf_counter() - t0)
+                              cost=t_cost - t_plan, passes=time.perf_counter() - t_cost - fill,
+                              **({"fill": fill} if sm.filled else {}), total=time.perf_counter() - t0)
     if sm.shapes is not None:
         sm.shapes.example.seconds = sm.compile_seconds["total"]
     return sm
@@ -259,6 +261,9 @@ class ScheduledModule(torch.nn.Module):
             tensors = local_tensors(plan, tensors)
         shares = None
         simulated = torch.device(device).type == "meta"    # a plan to simulate: never run, no collective
+        filler = None
+        if not simulated and is_empty(self.model):   # built under empty_weights(): filled as the plan places it
+            filler = self._fill_host(tensors)
         if any(r.shares is not None for r in plan.residency.values()) and not simulated:   # ZeRO-3: this rank's chunks
             from harmony.runtime.partitioned import Shares
             shares = Shares(plan, tensors, cfg.comm_timeout)
@@ -273,6 +278,7 @@ class ScheduledModule(torch.nn.Module):
         self.huge_pages = huge_pages()     # torch's CPU allocations: one page fault per 2 MiB, not per 4 KiB
         self.idle_threads_sleep = idle_threads_sleep()   # OpenMP threads between regions: sleep, or spin on a core
         self.runtime = self.predicted = self.shapes = None
+        self.filled = None     # {"bytes", "seconds"}: the weights compile made for a model built without them
         if torch.device(device).type != "cpu":   # the trace ran on the CPU: its device constants name it
             from harmony.compiler.trace import retarget
             managed = {id(t) for t in [*gm.parameters(), *gm.buffers()]}
@@ -297,9 +303,28 @@ class ScheduledModule(torch.nn.Module):
                 from harmony.base.process import return_freed_memory
                 return_freed_memory()
             if "disk" in plan.by_pack("optim_on").values() and not simulated:   # the disk tiers: made now
-                self._disk_tiers(tensors, optimizers, shares, device)
+                self._disk_tiers(tensors, optimizers, shares, device, filler)
+        if filler is not None:      # whatever no disk tier took (none is made without a schedule)
+            try:
+                filler.fill(tensors.values())
+            except BaseException:
+                self.close()
+                raise
+            self.filled = dict(bytes=filler.filled, seconds=time.perf_counter() - filler.started)
 
-    def _disk_tiers(self, tensors: dict, optimizers: dict, shares, device) -> None:
+    def _fill_host(self, tensors: dict):
+        """An empty model's parameters that stay in host memory, filled now; those of packs wholly on disk are
+        filled group by group as their files are written (harmony/materialize.py)."""
+        from harmony.runtime.diskparams import written_names
+        from harmony.runtime.ops import resident_state
+        plan = self.program.plan
+        filler = Filler(self.model, self.program.config.init)
+        on_disk = set() if any(r.shares is not None for r in plan.residency.values()) else written_names(plan)
+        on_disk -= {n for what, names in resident_state(plan) if what == "params" for n in names}   # read at start
+        filler.fill(t for n, t in tensors.items() if n not in on_disk)
+        return filler
+
+    def _disk_tiers(self, tensors: dict, optimizers: dict, shares, device, filler=None) -> None:
         """The disk tiers' stores, their directories made now (after checking the disk has room for the plan)."""
         from harmony.runtime.diskparams import DiskParams
         from harmony.runtime.disktier import DiskTier
@@ -319,7 +344,7 @@ class ScheduledModule(torch.nn.Module):
                     state.master[n] = tensors[n].data
             state.params_disk = DiskParams.create(plan, program.schedule, tensors, optimizers,
                                                   self.runtime.meter, device, cfg.offload_dir,
-                                                  **cfg.disk_io())
+                                                  fill=filler and filler.fill, **cfg.disk_io())
             if state.params_disk is not None:   # the weights are in their files: no host copy stays
                 state.params_disk.parked = state.parked
                 for n in state.params_disk.pack_of:

@@ -59,11 +59,18 @@ class GPT(nn.Module):
         self.head = nn.Linear(c.width, c.vocab, bias=False)
         if c.tie:
             self.head.weight = self.tok.weight
-        for m in self.modules():   # GPT-2's initialisation: small weights, so the first loss is about ln(vocab)
-            if isinstance(m, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(m.weight, std=0.02)
-            if isinstance(m, nn.Linear) and m.bias is not None:
-                nn.init.zeros_(m.bias)
+        for m in self.modules():
+            self._init_weights(m)
+
+    def _init_weights(self, module: nn.Module) -> None:
+        """GPT-2's initialisation of one module's own parameters: small weights, so the first loss is about
+        ln(vocab). (Named as Hugging Face's: ``harmony.compile`` fills a GPT built under ``empty_weights`` with it.)"""
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=0.02)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.LayerNorm):
+            module.reset_parameters()
 
     def forward(self, idx, targets):
         t = idx.shape[1]

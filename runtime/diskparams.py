@@ -65,10 +65,20 @@ from concurrent.futures import wait as wait_all
 import torch
 
 from harmony.base.errors import OffloadError
+from harmony.runtime.diskparams_groups import PARAM, WholeGroups
 from harmony.runtime.placeholders import placeholder, withhold
 
-PARAM = "param"     # the layout key of a group's weights (optimizer state keys are the optimizer's)
-class DiskParams:
+
+def _records(plan) -> dict:
+    return {p: r for p, r in plan.residency.items() if r.master_on == "disk" and r.disk_groups}
+
+
+def written_names(plan) -> set[str]:
+    """The parameters whose weights live in files between steps (those ``DiskParams.create`` writes)."""
+    return {n for r in _records(plan).values() for group in r.disk_groups for n in group}
+
+
+class DiskParams(WholeGroups):
     """Weights and optimizer state of the disk-placed packs, a file per group; see the module docstring."""
 
     def __init__(self, store, pack_groups: dict[int, list[list[str]]], tensors: dict, optimizers: dict,
@@ -113,10 +123,13 @@ class DiskParams:
 
     @classmethod
     def create(cls, plan, graph, tensors: dict, optimizers: dict, meter, device,
-               offload_dir=None, **io) -> "DiskParams | None":
-        """Write the weights of the packs ``plan.residency`` places on disk to their files, leave placeholders."""
+               offload_dir=None, fill=None, **io) -> "DiskParams | None":
+        """Write the weights of the packs ``plan.residency`` places on disk to their files, leave placeholders.
+
+        ``fill(params)``: makes the weights of a model built without them (harmony/materialize.py), called for each
+        group before it is written, so that the host holds one group of them at a time."""
         from harmony.runtime.disk import DiskStore, step_order
-        records = {p: r for p, r in plan.residency.items() if r.master_on == "disk" and r.disk_groups}
+        records = _records(plan)
         if not records:
             return None
         self = cls(DiskStore(offload_dir, **io), {p: r.disk_groups for p, r in records.items()}, tensors, optimizers,
@@ -128,6 +141,8 @@ class DiskParams:
         self.carry = {n.args[0] for n in releases if n.kwargs.get("handoff") and n.kwargs.get("carry")}
         try:
             for gid, names in enumerate(self.groups):
+                if fill is not None:
+                    fill([tensors[n] for n in names])
                 lay = [(n, PARAM, tuple(tensors[n].shape), tensors[n].dtype) for n in names]
                 views = self.store.empty([(s, d) for _, _, s, d in lay])
                 with torch.no_grad():
@@ -417,61 +432,6 @@ class DiskParams:
         errors, self._errors = self._errors, []
         if errors:
             raise errors[0]
-
-    # -- checkpoints: a group at a time --------------------------------------------------------------
-    def read_group(self, gid: int) -> dict[tuple[str, str], torch.Tensor]:
-        """A group's weights and optimizer state, {(name, key): tensor}, read from its file."""
-        self.flush()
-        lay = self.layouts[gid]
-        with self._lock:
-            views = self._kept.get(gid)
-        if views is None:
-            views = self.store.empty([(s, d) for _, _, s, d in lay])
-            self.store.read(gid, into=views).result()
-        return {(n, k): v for (n, k, _, _), v in zip(lay, views)}
-
-    def write_group(self, gid: int, params: dict[str, torch.Tensor], states: dict[str, dict] | None) -> None:
-        """Replace a group's weights (those given) and, if ``states`` is given, its optimizer state."""
-        cur = self.read_group(gid)
-        old = self._reads.pop(gid, None)
-        if old is not None:
-            wait_all([old[0]])
-        self._carried.pop(gid, None)       # the device's copy of the old weights: the file has the new ones
-        with self._lock:
-            self._kept.pop(gid, None)
-        lay, values = [], []
-        for n in self.groups[gid]:
-            t = self.tensors[n]
-            lay.append((n, PARAM, tuple(t.shape), t.dtype))
-            values.append(params.get(n, cur[(n, PARAM)]))
-        for n in self.groups[gid]:
-            t, opt = self.tensors[n], self.optimizers.get(n)
-            if opt is None:
-                continue
-            if states is None:
-                for (m, k), v in cur.items():
-                    if m == n and k != PARAM:
-                        lay.append((n, k, tuple(v.shape), v.dtype))
-                        values.append(v)
-                continue
-            s, small = states.get(n) or {}, {}
-            for k, v in s.items():
-                if isinstance(v, torch.Tensor) and v.dim() > 0:
-                    lay.append((n, k, tuple(v.shape), v.dtype))
-                    values.append(v)
-                else:
-                    small[k] = v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v
-            if s:
-                opt.state[t] = small
-            else:
-                opt.state.pop(t, None)
-        views = self.store.empty([(s, d) for _, _, s, d in lay])
-        with torch.no_grad():
-            for dst, src in zip(views, values):
-                dst.copy_(src)
-        self._store_state(gid, views)
-        self.layouts[gid] = lay
-        self._leave(gid)
 
     def _store_state(self, gid: int, views: list[torch.Tensor]) -> None:
         """The group's state between steps, now: kept in host memory if it is a file the offload pass keeps there,

@@ -10,7 +10,11 @@ weights are set into it, so the runtime's steps pay nothing for the guard.
 """
 from __future__ import annotations
 
+import gc
+import weakref
+
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from harmony.base.errors import OffloadError
 
@@ -42,8 +46,32 @@ def withhold(t: torch.Tensor) -> None:
 
 def point(t: torch.Tensor, data: torch.Tensor) -> None:
     """``t.data = data``; a parameter of the user's model that now holds a placeholder refuses to be read."""
-    t.data = data
+    if t.device.type == "meta" and data.device.type != "meta":    # a model built under harmony.empty_weights
+        take(t, data)
+    else:
+        t.data = data
     _withhold_if_placeholder(t, data)
+
+
+def take(t: torch.Tensor, data: torch.Tensor) -> None:
+    """``t``, a tensor on the meta device, holds ``data`` from now on: the same Python object (the model, the traced
+    graph and the optimizers hold it), its attributes kept. ``t.data = data`` cannot move a tensor off the meta
+    device, so the two objects' contents are swapped (``torch.utils.swap_tensors``)."""
+    made = type(t)(data, requires_grad=t.requires_grad) if isinstance(t, torch.nn.Parameter) else data
+    made.__dict__.update(t.__dict__)
+    if weakref.getweakrefs(t):
+        _forget_meta_fakes()
+    torch.utils.swap_tensors(t, made)
+
+
+def _forget_meta_fakes() -> None:
+    """Drop meta tensors from torch's weak caches of fake tensors (a fake mode keeps one entry per tensor it saw: the
+    trace's and the cost analysis's saw the empty model's parameters): ``swap_tensors`` refuses a tensor anything
+    holds a weak reference to. A cache makes a fake again for a tensor it no longer holds."""
+    for cache in gc.get_objects():
+        if isinstance(cache, WeakIdKeyDictionary):
+            for key in [k for k in cache.keys() if isinstance(k, torch.Tensor) and k.device.type == "meta"]:
+                del cache[key]
 
 
 def mark(name: str, p: torch.nn.Parameter, where: str) -> None:

@@ -119,9 +119,19 @@ def case_of(name, **kw):
     return cnn_case() if name == "cnn" else CASES[name](**kw)
 
 
-def check_bitwise(case, microbatches=2, frac=0.5, **kw):
+def check_bitwise(case, microbatches=2, frac=0.5, empty=False, **kw):
+    """``empty``: Harmony's model built under ``harmony.empty_weights`` (compile makes its weights), the reference
+    given the same weights by ``harmony.materialize``."""
     model, data = case_of(case)
     ours = copy.deepcopy(model)
+    if empty:
+        import harmony
+
+        def build():
+            torch.manual_seed(0)
+            with harmony.empty_weights():
+                return type(model)(model.config)
+        model, ours = harmony.materialize(build()), build()
     sm, budget, peaks, _ = run_on_gpu(ours, data, microbatches, frac, **kw)
     got = params(sm)       # read where they are (a pack wholly on disk keeps its weights in its files)
     sm.close()
@@ -169,6 +179,15 @@ def test_disk_tier_bitwise(tmp_path):
         least = e.min_budget
     sm, _, _ = check_bitwise("gpt", host_memory_budget=least, offload_dir=tmp_path)
     assert "disk" in sm.plan.by_pack("optim_on").values()
+
+
+def test_an_empty_model_is_made_where_it_is_placed_bitwise(tmp_path):
+    """Built under ``harmony.empty_weights``: the host packs' weights made in pinned memory, the disk packs' written
+    a group at a time, and training bitwise eager's on the weights ``harmony.materialize`` makes."""
+    sm, _, _ = check_bitwise("gpt", empty=True, weights_on="disk", optimizer_on="host", offload_dir=tmp_path,
+                             disk_group_bytes="32KiB")
+    assert sm.filled["bytes"] == sum(p.numel() * 4 for p in sm.model.parameters())
+    assert "disk" in sm.plan.by_pack("master_on").values()
 
 
 @pytest.mark.parametrize("policy", ["harmony", "sequential"])

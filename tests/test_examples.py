@@ -67,6 +67,7 @@ def test_disk_offload_puts_state_on_disk_and_reports_it(tmp_path):
     assert tiers and float(tiers.group(1)) > 0, out
     assert "== offload:" in out and re.search(r"\bdisk\b +disk", out)     # weights and optimizer state on disk
     assert "disk_read_bytes" in out and "disk_write_bytes" in out
+    assert "made by compile as it placed them" in out                     # built under harmony.empty_weights
     assert list(tmp_path.glob("harmony-offload-*")) == []                 # sm.close() removed the files
 
 

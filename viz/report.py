@@ -79,6 +79,7 @@ def summary(sm) -> dict:
                     precision=getattr(cfg, "precision", "fp32")),
         tiers=tiers_of(program),
         compile_seconds=dict(getattr(sm, "compile_seconds", {}) or {}),
+        filled=getattr(sm, "filled", None),
         passes=[dict(title=r.title, seconds=r.seconds, rows=list(r.rows), totals=dict(r.totals),
                      notes=list(r.notes)) for r in program.reports],
         packs=_packs(program),
@@ -386,6 +387,9 @@ class _Writer:
                                               f"trains allclose to eager PyTorch and not bitwise as the others do"))
             else:
                 items.append(("tied weights", f"{same} (one pack reads it)"))
+        if d.get("filled"):
+            items.append(("weights", f"{fmt_bytes(d['filled']['bytes'])} made by compile as it placed them, a disk "
+                                     f"group at a time (the model was built under harmony.empty_weights)"))
         self.pairs(items + [("compile", compile_)])
 
     def heading(self, title: str):

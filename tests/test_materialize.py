@@ -1,0 +1,292 @@
+"""A model built without its weights (``harmony.empty_weights``): compile fills it as it places it, a disk group at a
+time; the weights do not depend on the plan; training is bitwise eager's on the same weights; bad inputs are refused
+before anything is made."""
+import pytest
+import torch
+import torch.nn as nn
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import harmony
+import harmony.runtime.disk as disk
+from harmony.errors import ConfigError, InputError
+from harmony.materialize import Filler, is_empty
+from harmony.models import GPT, GPTConfig, copy_task
+from harmony.runtime.diskparams import written_names
+from harmony.runtime.placeholders import is_placeholder
+from models import eager_accumulate, hf_llama_case, params
+
+CFG = GPTConfig(layers=3, width=64, vocab=64, seq=16, tie=False)
+DATA = list(copy_task(CFG, 8, 3))
+STATE = 16 * GPT(CFG).config.n_params()
+
+
+def empty_gpt(seed=0, c=CFG):
+    torch.manual_seed(seed)
+    with harmony.empty_weights():
+        return GPT(c)
+
+
+def compile_empty(m, **kw):
+    kw = dict(dict(memory_budget=STATE // 3, microbatches=4), **kw)
+    return harmony.compile(m, example_batch=DATA[0], **kw)
+
+
+def test_empty_weights_makes_parameters_meta_and_leaves_buffers_and_ties():
+    torch.manual_seed(0)
+    with harmony.empty_weights():
+        tied = GPT(GPTConfig(layers=1, width=32, tie=True))
+        bn = nn.BatchNorm1d(4)
+    assert all(p.device.type == "meta" for p in [*tied.parameters(), *bn.parameters()]) and is_empty(tied)
+    assert tied.head.weight is tied.tok.weight
+    assert bn.running_var.device.type == "cpu" and torch.equal(bn.running_var, torch.ones(4))
+    assert not is_empty(nn.Linear(2, 2))        # the patch is gone once the block ends, also after an error
+    with pytest.raises(RuntimeError), harmony.empty_weights():
+        raise RuntimeError("in the block")
+    assert nn.Linear(2, 2).weight.device.type == "cpu"
+
+
+@pytest.mark.parametrize("where", ["host", "disk"])
+def test_an_empty_gpt_trains_bitwise_as_eager_on_the_weights_materialize_makes(where, tmp_path):
+    ref = harmony.materialize(empty_gpt())
+    assert not is_empty(ref)
+    expected, _ = eager_accumulate(ref, DATA, 4)
+    m = empty_gpt()
+    extra = dict(weights_on="disk", optimizer_on="host", disk_group_bytes="24KiB", offload_dir=tmp_path) \
+        if where == "disk" else {}
+    sm = compile_empty(m, **extra)
+    assert set(sm.plan.by_pack("master_on").values()) == {where}
+    assert sm.filled["bytes"] == 4 * CFG.n_params()
+    for x, y in DATA:
+        sm(x, y)
+    got = params(sm)
+    for n, p in expected.named_parameters():
+        assert torch.equal(got[n], p), n
+    sm.close()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(disk.PREFIX)] == []
+
+
+def test_the_filled_weights_depend_on_the_seed_not_on_the_plan(tmp_path):
+    a = compile_empty(empty_gpt(), memory_budget=2 * STATE)       # every pack's weights in host memory
+    b = compile_empty(empty_gpt(), memory_budget=STATE // 4, weights_on="disk", optimizer_on="host",
+                      offload_dir=tmp_path, disk_group_bytes="16KiB")
+    assert len(a.plan.packs) < len(b.plan.packs) and set(b.plan.by_pack("master_on").values()) == {"disk"}
+    wa, wb = params(a), params(b)
+    assert all(torch.equal(wa[n], wb[n]) for n in wa)
+    c = compile_empty(empty_gpt(seed=1))
+    assert not torch.equal(params(c)["blocks.0.fc.weight"], wa["blocks.0.fc.weight"])
+    for sm in (a, b, c):
+        sm.close()
+    # and what they are: the model's own init per module (GPT-2's: N(0, 0.02) for Linear and Embedding weights)
+    w = wa["blocks.1.fc.weight"]
+    assert abs(w.std().item() - 0.02) < 0.002 and torch.equal(wa["blocks.1.fc.bias"], torch.zeros(4 * CFG.width))
+    assert torch.equal(wa["ln.weight"], torch.ones(CFG.width))
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.randoms(use_true_random=False), st.booleans())
+def test_the_weights_do_not_depend_on_the_order_the_parameters_are_asked_for(rng, tie):
+    c = GPTConfig(layers=2, width=16, vocab=32, seq=8, tie=tie)
+    expected = dict(harmony.materialize(empty_gpt(c=c)).named_parameters())
+    m = empty_gpt(c=c)
+    filler = Filler(m)
+    names = [n for n, _ in m.named_parameters()]
+    rng.shuffle(names)
+    named = dict(m.named_parameters())
+    for i in range(0, len(names), 3):       # a few at a time, as the disk tier asks group by group
+        filler.fill([named[n] for n in names[i:i + 3]])
+    assert not is_empty(m) and filler.filled == 4 * c.n_params()
+    assert all(torch.equal(p, expected[n]) for n, p in m.named_parameters())
+
+
+def test_filling_leaves_the_process_random_stream_as_it_was():
+    m = empty_gpt(seed=3)
+    sm = compile_empty(m)
+    after = torch.rand(4)
+    torch.manual_seed(3)
+    assert torch.equal(after, torch.rand(4))
+    sm.close()
+
+
+def test_the_host_holds_one_disk_group_beside_the_weights_it_keeps(monkeypatch, tmp_path):
+    """Weights of packs on disk are made a group at a time as their files are written, not all at once."""
+    c = GPTConfig(layers=8, width=64, vocab=64, seq=16, tie=False)
+    m = empty_gpt(c=c)
+    held: list[int] = []
+    fill = Filler.fill
+
+    def fill_and_count(self, ps):
+        fill(self, ps)
+        real = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in m.parameters()
+                if p.device.type == "cpu" and not is_placeholder(p)}
+        held.append(sum(real.values()))
+    monkeypatch.setattr(Filler, "fill", fill_and_count)
+    sm = harmony.compile(m, example_batch=DATA[0], memory_budget=16 * c.n_params() // 6, microbatches=4,
+                         weights_on="disk", optimizer_on="host", disk_group_bytes="32KiB", offload_dir=tmp_path)
+    on_disk = written_names(sm.plan)
+    named = dict(m.named_parameters())
+    kept = sum(p.numel() * 4 for n, p in named.items() if n not in on_disk)
+    group = max(sum(named[n].numel() * 4 for n in g) for r in sm.plan.residency.values() for g in r.disk_groups)
+    widest = max(sum(p.numel() * 4 for p in mod.parameters(recurse=False)) for mod in m.modules())
+    assert len(on_disk) > len(named) // 2
+    # a module's parameters are made together, and may straddle two groups
+    assert max(held) <= kept + group + widest < 4 * c.n_params() // 2
+    assert all(is_placeholder(named[n]) for n in on_disk)
+    sm(*DATA[0])
+    sm.close()
+
+
+def test_a_hugging_face_llama_built_empty_trains_bitwise_as_eager_on_the_same_weights():
+    transformers = pytest.importorskip("transformers")
+    model, data = hf_llama_case()
+    torch.manual_seed(0)
+    with harmony.empty_weights():
+        ref = type(model)(model.config)
+    assert is_empty(ref) and ref.model.rotary_emb.inv_freq.device.type == "cpu"
+    harmony.materialize(ref)
+    norm = ref.model.layers[0].input_layernorm.weight
+    assert torch.equal(norm, torch.ones_like(norm))        # the model's own _init_weights filled it
+    expected, _ = eager_accumulate(ref, data, 2)
+    torch.manual_seed(0)
+    with harmony.empty_weights():
+        m = transformers.LlamaForCausalLM(model.config)
+    sm = harmony.compile(m, example_batch=data[0], memory_budget=16 * sum(p.numel() for p in model.parameters()) // 2,
+                         microbatches=2)
+    for batch in data:
+        sm(**batch)
+    got = params(sm)
+    for n, p in expected.named_parameters():
+        assert torch.equal(got[n], p), n
+    sm.close()
+
+
+class Scale(nn.Module):
+    """A module with a parameter and no reset_parameters (as many hand-written ones)."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.gamma = nn.Parameter(torch.ones(n))
+        self.beta = nn.Parameter(torch.zeros(n))
+
+    def forward(self, x):
+        return x * self.gamma + self.beta
+
+
+def scaled_mlp():
+    with harmony.empty_weights():
+        return nn.Sequential(nn.Linear(8, 16), Scale(16), nn.ReLU(), nn.Linear(16, 4))
+
+
+MLP_BATCH = (torch.randn(8, 8), torch.randint(0, 4, (8,)))
+CE = nn.functional.cross_entropy
+
+
+def test_a_module_without_an_init_is_refused_before_anything_is_made(tmp_path):
+    m = scaled_mlp()
+    with pytest.raises(ConfigError, match=r"1 modules .* have no reset_parameters\(\) .* \(first: 1 \(Scale\)\); "
+                                          r"pass init=fn"):
+        harmony.compile(m, MLP_BATCH, loss_fn=CE, offload_dir=tmp_path, weights_on="disk", optimizer_on="host",
+                        memory_budget="64KiB")
+    assert is_empty(m) and all(p.device.type == "meta" for p in m.parameters()) and list(tmp_path.iterdir()) == []
+
+    def init(module):        # the user's: fills what it knows, the Linear layers through their own
+        if isinstance(module, Scale):
+            nn.init.ones_(module.gamma)
+            nn.init.zeros_(module.beta)
+        else:
+            module.reset_parameters()
+    sm = harmony.compile(m, MLP_BATCH, loss_fn=CE, init=init, memory_budget="64KiB")
+    assert torch.equal(m[1].gamma, torch.ones(16)) and torch.isfinite(sm(*MLP_BATCH))
+    sm.close()
+
+
+def test_an_init_that_leaves_a_parameter_unfilled_is_named_and_nothing_is_left_behind(tmp_path):
+    def partial(module):
+        if isinstance(module, Scale):
+            nn.init.ones_(module.gamma)            # beta forgotten
+        elif hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+    with pytest.raises(ConfigError, match=r"1\.beta \(Scale\) was left unfilled by init \(it still holds the NaN"):
+        harmony.compile(scaled_mlp(), MLP_BATCH, loss_fn=CE, init=partial, memory_budget="64KiB",
+                        offload_dir=tmp_path, weights_on="disk", optimizer_on="host", disk_group_bytes="4KiB")
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(disk.PREFIX)] == []
+    # the same found while the disk packs' files are being written: they are removed with their directory
+    m = empty_gpt()
+
+    def forgets_the_last_fc(module):
+        if module is not m.blocks[-1].fc:
+            m._init_weights(module)
+    with pytest.raises(ConfigError, match=r"blocks\.2\.fc\.weight \(Linear\) was left unfilled by init"):
+        compile_empty(m, init=forgets_the_last_fc, weights_on="disk", optimizer_on="host", offload_dir=tmp_path,
+                      disk_group_bytes="16KiB")
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(ConfigError, match="init='normal' is not callable"):
+        harmony.compile(scaled_mlp(), MLP_BATCH, loss_fn=CE, init="normal")
+
+
+def test_buffers_on_the_meta_device_are_refused_with_what_to_do():
+    with torch.device("meta"):
+        m = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Linear(16, 4))
+    with pytest.raises(InputError, match=r"3 buffers of the model are on the meta device \(first: 1.running_mean\).*"
+                                         r"build the model under harmony.empty_weights\(\)"):
+        harmony.compile(m, MLP_BATCH, loss_fn=CE, memory_budget="64KiB")
+
+
+def test_an_empty_model_plans_on_the_meta_device_without_being_filled():
+    m = empty_gpt()
+    x = DATA[0][0].to("meta")
+    sm = harmony.compile(m, (x, x), memory_budget=STATE // 3, microbatches=4, device="meta")
+    assert is_empty(m) and sm.simulate("v100-16gb").step_seconds > 0
+
+
+def _rank(rank, world, offload_dir, how):
+    """An empty GPT on 2 ranks: pipelined with each rank's packs' weights on disk (each rank makes its own packs'
+    weights only), or with its state partitioned (ZeRO-3: each rank makes them all, then keeps its chunks)."""
+    out = {}
+    for built in ("empty", "made") if how == "zero3" else ("empty",):     # ZeRO-3: and the same weights made first
+        m = empty_gpt() if built == "empty" else harmony.materialize(empty_gpt())
+        parallel = dict(parallel="pipeline", weights_on="disk") if how == "pipeline" else dict(shard_state="full")
+        sm = harmony.compile(m, DATA[0], memory_budget=STATE // 2, microbatches=4, comm_timeout=20,
+                             offload_dir=offload_dir, optimizer_on="host", **parallel)
+        for x, y in DATA:
+            sm(x, y)
+        if how == "zero3":
+            sm.sync_model()
+            mine = dict(m.named_parameters())
+        else:
+            mine = sm.state_dict()["model"]
+        params = dict(m.named_parameters())
+        out[built] = dict(params={n: t.detach().numpy().copy() for n, t in mine.items()},
+                          filled=sm.filled and sm.filled["bytes"],
+                          mine=sum(t.numel() * t.element_size() for n, t in mine.items() if n in params))
+        sm.close()
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["pipeline", "zero3"])
+def test_ranks_make_the_weights_they_hold_and_train_bitwise_as_eager(tmp_path, how):
+    from test_collectives import _spawn
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)          # as the ranks run: the same bits
+    try:
+        expected, _ = eager_accumulate(harmony.materialize(empty_gpt()), DATA, 4)
+    finally:
+        torch.set_num_threads(threads)
+    out = _spawn(2, _rank, str(tmp_path), how, timeout=300)
+    assert all(isinstance(out.get(r), dict) for r in (0, 1)), out
+    res = {r: out[r]["empty"] for r in (0, 1)}
+    whole = 4 * CFG.n_params()
+    if how == "pipeline":    # bitwise eager gradient accumulation, as any pipeline run
+        assert res[0]["filled"] == res[0]["mine"] and res[1]["filled"] == res[1]["mine"]
+        assert res[0]["filled"] + res[1]["filled"] == whole and min(res[0]["filled"], res[1]["filled"]) > 0
+        ref = dict(expected.named_parameters())
+        assert set(res[0]["params"]) | set(res[1]["params"]) >= set(ref)
+    else:                    # every rank makes them all before it keeps its chunks: bitwise the run given them made
+        assert res[0]["filled"] == res[1]["filled"] == whole
+        ref = {n: torch.from_numpy(a) for n, a in out[0]["made"]["params"].items()}
+        assert set(res[0]["params"]) == set(ref)
+    for r in (0, 1):
+        for n, a in res[r]["params"].items():
+            if n in ref:
+                assert torch.equal(torch.from_numpy(a), ref[n].detach()), f"rank {r}: {n}"
