@@ -44,7 +44,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.nn.utils.stateless import _reparametrize_module
 
 from harmony.base.errors import ConfigError, HarmonyError, TraceError
-from harmony.compiler.fake import device_of_batch, fake_twins, is_empty
+from harmony.compiler.fake import device_of_batch, fake_twins
 from harmony.compiler.meta import MODULE_PATH
 from harmony.compiler.trace_batch import Batch
 from harmony.compiler.trace_errors import (
@@ -135,10 +135,6 @@ def trace(
             if leaf_modules:
                 notes.append("torch.export traces through leaf_modules; they are not single nodes")
         gm, constants = _rebuild(raw, model, step)
-        device = device_of_batch(batch.tensors)
-        if used == "export" and device is not None and device.type != "meta" and is_empty(model):
-            # exported with its weights on the meta device: the devices it recorded are where they will be
-            retarget(gm, device, {id(t) for t in [*gm.parameters(), *gm.buffers()]}, source="meta")
         if used == "fx":
             notes += _propagate_fake_values(gm, model, step, batch)
         if functionalize_inplace(gm):

@@ -21,7 +21,10 @@ import sys
 
 import torch
 import torch.fx
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn.utils.stateless import _reparametrize_module
+
+from harmony.compiler.fake import device_of_batch, fake_twins, is_empty
 
 __all__ = ["drop_metadata_asserts", "export_graph", "graph_modules", "retarget", "torch_output_held"]
 
@@ -34,7 +37,7 @@ def export_graph(step: torch.nn.Module, tensors: tuple[torch.Tensor, ...],
     dynamic = tuple({0: torch.export.Dim.AUTO} if t.dim() > 0 else None for t in tensors)
     if dtype is not None:
         tensors = tuple(t.to(dtype) if t.is_floating_point() else t for t in tensors)
-    with torch_output_held(), _state_in(step, dtype):
+    with torch_output_held(), _state_in(step, dtype), _fake_if_empty(step, tensors) as tensors:
         program = torch.export.export(step, tensors, strict=False, dynamic_shapes=dynamic)
     # ep.module() would add a guard node that rejects other batch sizes.
     gm = program.module(check_guards=False)
@@ -57,6 +60,25 @@ def _state_in(module: torch.nn.Module, dtype: torch.dtype | None):
         yield
 
 
+@contextlib.contextmanager
+def _fake_if_empty(module: torch.nn.Module, tensors: tuple):
+    """A model built without its weights (meta parameters) is exported on fake twins of its state on the batch's
+    device, and a fake batch, all of one fake mode: every op sees the devices it will run on (a model that compares
+    ``device.type`` takes the branch it will take), and nothing is computed."""
+    if not is_empty(module):
+        yield tensors
+        return
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    state = dict(module.named_parameters(remove_duplicate=False)) | dict(module.named_buffers(remove_duplicate=False))
+    twins = fake_twins(state, mode, device_of_batch(tensors))
+    params = {}     # export wants parameters to be Parameters (tied ones: one object)
+    for name, t in state.items():
+        if isinstance(t, torch.nn.Parameter):
+            twins[name] = params.setdefault(id(t), torch.nn.Parameter(twins[name], t.requires_grad))
+    with _reparametrize_module(module, twins, tie_weights=True):
+        yield tuple(mode.from_tensor(t) for t in tensors)
+
+
 def graph_modules(module: torch.nn.Module) -> list[torch.fx.GraphModule]:
     """The GraphModules in ``module``, nested ones too (export wraps no-grad regions in submodules)."""
     return [m for m in module.modules() if isinstance(m, torch.fx.GraphModule)]
@@ -74,12 +96,11 @@ def drop_metadata_asserts(gm: torch.fx.GraphModule) -> None:
             m.recompile()
 
 
-def retarget(module: torch.nn.Module, device: torch.device, managed: set[int], source: str = "cpu") -> None:
-    """Make a graph traced on the CPU (``source``) run on ``device``: device arguments recorded as the CPU
-    (export's ``arange(..., device=cpu)``, ``_to_copy(device=cpu)``) name ``device``, and tensor constants the
-    graph reads (not the training state, ``managed``: ids of the tensors the runtime moves) are copied there once.
-    A model built without its weights is traced with them on the meta device: ``source="meta"``."""
-    cpu = torch.device(source)
+def retarget(module: torch.nn.Module, device: torch.device, managed: set[int]) -> None:
+    """Make a graph traced on the CPU run on ``device``: device arguments recorded as the CPU (export's
+    ``arange(..., device=cpu)``, ``_to_copy(device=cpu)``) name ``device``, and tensor constants the graph
+    reads (not the training state, ``managed``: ids of the tensors the runtime moves) are copied there once."""
+    cpu = torch.device("cpu")
 
     def swap(v):
         return device if isinstance(v, torch.device) and v == cpu else v
