@@ -16,7 +16,7 @@ import weakref
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from harmony.base.errors import OffloadError
+from harmony.base.errors import ConfigError, OffloadError
 
 _NAN: dict[torch.dtype, torch.Tensor] = {}
 
@@ -61,16 +61,21 @@ def take(t: torch.Tensor, data: torch.Tensor) -> None:
     made.__dict__.update(t.__dict__)
     if weakref.getweakrefs(t):
         _forget_meta_fakes()
+    if weakref.getweakrefs(t):
+        raise ConfigError(f"a parameter of shape {list(t.shape)} built under harmony.empty_weights() cannot be made: "
+                          f"something outside torch's fake-tensor caches holds a weak reference to it "
+                          f"({weakref.getweakrefs(t)[0]!r}); build the model with its weights")
     torch.utils.swap_tensors(t, made)
 
 
 def _forget_meta_fakes() -> None:
-    """Drop meta tensors from torch's weak caches of fake tensors (a fake mode keeps one entry per tensor it saw: the
-    trace's and the cost analysis's saw the empty model's parameters): ``swap_tensors`` refuses a tensor anything
-    holds a weak reference to. A cache makes a fake again for a tensor it no longer holds."""
+    """Drop meta parameters from torch's weak caches of fake tensors (a fake mode keeps one entry per tensor it saw:
+    the trace's and the cost analysis's saw the empty model's parameters): ``swap_tensors`` refuses a tensor anything
+    holds a weak reference to. A cache makes a fake again for a tensor it no longer holds. One scan drops them all,
+    so the parameters taken after it find no reference left."""
     for cache in gc.get_objects():
         if isinstance(cache, WeakIdKeyDictionary):
-            for key in [k for k in cache.keys() if isinstance(k, torch.Tensor) and k.device.type == "meta"]:
+            for key in [k for k in cache.keys() if isinstance(k, torch.nn.Parameter) and k.device.type == "meta"]:
                 del cache[key]
 
 

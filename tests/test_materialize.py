@@ -1,6 +1,8 @@
 """A model built without its weights (``harmony.empty_weights``): compile fills it as it places it, a disk group at a
 time; the weights do not depend on the plan; training is bitwise eager's on the same weights; bad inputs are refused
 before anything is made."""
+import weakref
+
 import pytest
 import torch
 import torch.nn as nn
@@ -298,3 +300,17 @@ def test_ranks_make_the_weights_they_hold_and_train_bitwise_as_eager(tmp_path, h
         for n, a in res[r]["params"].items():
             if n in ref:
                 assert torch.equal(torch.from_numpy(a), ref[n].detach()), f"rank {r}: {n}"
+
+
+def test_a_meta_parameter_takes_its_data_as_the_same_object_or_says_why_not():
+    from harmony.runtime.placeholders import take
+    p = nn.Parameter(torch.empty(3, device="meta"))
+    p.tag = "kept"
+    before = id(p)
+    take(p, torch.ones(3))
+    assert id(p) == before and p.tag == "kept" and p.device.type == "cpu" and torch.equal(p, torch.ones(3))
+    held = nn.Parameter(torch.empty(3, device="meta"))
+    ref = weakref.ref(held)        # not torch's fake-tensor cache: it cannot be dropped for it
+    with pytest.raises(ConfigError, match=r"something outside torch's fake-tensor caches holds a weak reference"):
+        take(held, torch.ones(3))
+    assert ref() is held and held.device.type == "meta"
