@@ -22,11 +22,11 @@ from harmony.compiler.config import (
     TrainConfig,
 )
 from harmony.compiler.hardware import Device, Hardware
-from harmony.materialize import empty_weights, materialize
+from harmony.materialize import empty_weights, from_state_dict, materialize
 
 __all__ = ["compile", "ScheduledModule", "Config", "TrainConfig", "MemoryConfig", "DiskConfig", "ParallelConfig",
            "NumericsConfig", "PlanConfig", "Hardware", "Device", "errors", "save", "load",
-           "empty_weights", "materialize"]
+           "empty_weights", "from_state_dict", "materialize"]
 __version__ = "0.1.0"
 
 

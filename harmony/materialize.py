@@ -44,7 +44,7 @@ from harmony.base.errors import ConfigError, InputError
 from harmony.compiler.fake import is_empty
 from harmony.runtime.placeholders import take
 
-__all__ = ["Filler", "empty_weights", "is_empty", "materialize", "module_seed"]
+__all__ = ["Filler", "empty_weights", "from_state_dict", "is_empty", "materialize", "module_seed"]
 
 _patch = threading.Lock()
 
@@ -75,6 +75,32 @@ def materialize(model: nn.Module, init=None, seed: int | None = None) -> nn.Modu
     filler = Filler(model, init, seed)
     filler.fill(list(model.parameters()))
     return model
+
+
+def from_state_dict(model: nn.Module, state_dict) -> "callable":
+    """An ``init`` that fills each module's parameters from ``state_dict`` (by the model's names) instead of drawing
+    them: a pretrained checkpoint read a module at a time as compile places it. With ``torch.load(path, mmap=True,
+    weights_only=True)`` the checkpoint stays in its file and the host holds one module of it at a time.
+
+    >>> init = harmony.from_state_dict(model, torch.load("model.pt", mmap=True, weights_only=True))
+    >>> sm = harmony.compile(model, batch, memory_budget="2GiB", init=init)
+    """
+    names = {id(m): n for n, m in model.named_modules()}
+
+    def init(module: nn.Module) -> None:
+        prefix = names[id(module)]
+        for name, p in module.named_parameters(recurse=False):
+            key = f"{prefix}.{name}" if prefix else name
+            if key not in state_dict:
+                raise ConfigError(f"from_state_dict: the state dict has no {key!r} for the model's parameter of that "
+                                  f"name ({len(state_dict)} keys, e.g. {next(iter(state_dict), None)!r}); give the "
+                                  f"state dict of this model (model.state_dict()'s names)")
+            value = state_dict[key]
+            if tuple(value.shape) != tuple(p.shape):
+                raise ConfigError(f"from_state_dict: {key!r} is {list(value.shape)} in the state dict and "
+                                  f"{list(p.shape)} in the model")
+            p.copy_(value)
+    return init
 
 
 def module_seed(seed: int, name: str) -> int:

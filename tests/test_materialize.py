@@ -314,3 +314,25 @@ def test_a_meta_parameter_takes_its_data_as_the_same_object_or_says_why_not():
     with pytest.raises(ConfigError, match=r"something outside torch's fake-tensor caches holds a weak reference"):
         take(held, torch.ones(3))
     assert ref() is held and held.device.type == "meta"
+
+
+def test_a_checkpoint_is_read_a_module_at_a_time_into_an_empty_model(tmp_path):
+    """Fine-tuning a checkpoint bigger than the host: memory-mapped, each module's weights copied in as compile
+    places them, the disk packs' straight into their files; training is bitwise the model that loaded it whole."""
+    torch.manual_seed(5)
+    pretrained = GPT(CFG)
+    torch.save(pretrained.state_dict(), tmp_path / "model.pt")
+    expected, _ = eager_accumulate(pretrained, DATA, 4)
+    m = empty_gpt(seed=9)          # another seed: nothing is drawn
+    state = torch.load(tmp_path / "model.pt", mmap=True, weights_only=True)
+    sm = compile_empty(m, init=harmony.from_state_dict(m, state), weights_on="disk", optimizer_on="host",
+                       offload_dir=tmp_path, disk_group_bytes="24KiB")
+    for x, y in DATA:
+        sm(x, y)
+    got = params(sm)
+    for n, p in expected.named_parameters():
+        assert torch.equal(got[n], p), n
+    sm.close()
+    wrong = empty_gpt()
+    with pytest.raises(ConfigError, match=r"from_state_dict: the state dict has no 'blocks.0.fc.weight'"):
+        compile_empty(wrong, init=harmony.from_state_dict(wrong, {k: v for k, v in state.items() if "fc.w" not in k}))
