@@ -34,6 +34,16 @@ def compile_empty(m, **kw):
     return harmony.compile(m, example_batch=DATA[0], **kw)
 
 
+def train_bitwise(sm, expected):
+    """Train ``sm`` on DATA; its parameters then equal ``expected``'s (eager on the same weights) bit for bit."""
+    for x, y in DATA:
+        sm(x, y)
+    got = params(sm)
+    for n, p in expected.named_parameters():
+        assert torch.equal(got[n], p), n
+    sm.close()
+
+
 def test_empty_weights_makes_parameters_meta_and_leaves_buffers_and_ties():
     torch.manual_seed(0)
     with harmony.empty_weights():
@@ -59,12 +69,7 @@ def test_an_empty_gpt_trains_bitwise_as_eager_on_the_weights_materialize_makes(w
     sm = compile_empty(m, **extra)
     assert set(sm.plan.by_pack("master_on").values()) == {where}
     assert sm.filled["bytes"] == 4 * CFG.n_params()
-    for x, y in DATA:
-        sm(x, y)
-    got = params(sm)
-    for n, p in expected.named_parameters():
-        assert torch.equal(got[n], p), n
-    sm.close()
+    train_bitwise(sm, expected)
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(disk.PREFIX)] == []
 
 
@@ -327,12 +332,7 @@ def test_a_checkpoint_is_read_a_module_at_a_time_into_an_empty_model(tmp_path):
     state = torch.load(tmp_path / "model.pt", mmap=True, weights_only=True)
     sm = compile_empty(m, init=harmony.from_state_dict(m, state), weights_on="disk", optimizer_on="host",
                        offload_dir=tmp_path, disk_group_bytes="24KiB")
-    for x, y in DATA:
-        sm(x, y)
-    got = params(sm)
-    for n, p in expected.named_parameters():
-        assert torch.equal(got[n], p), n
-    sm.close()
+    train_bitwise(sm, expected)
     wrong = empty_gpt()
     with pytest.raises(ConfigError, match=r"from_state_dict: the state dict has no 'blocks.0.fc.weight'"):
         compile_empty(wrong, init=harmony.from_state_dict(wrong, {k: v for k, v in state.items() if "fc.w" not in k}))
