@@ -27,17 +27,24 @@ def device_of_batch(batch) -> torch.device | None:
 
 
 @contextlib.contextmanager
-def fake_state_if_empty(module: torch.nn.Module, batch):
-    """Where ``module`` was built without its weights (meta parameters) and the batch is real: run it inside on fake
-    twins (no compute), so that an eager check of the batch meets the model's errors, not the meta device's."""
+def fake_state_if_empty(module: torch.nn.Module, batch: tuple):
+    """Where ``module`` was built without its weights (meta parameters): the block runs it on fake twins of its state
+    on the batch's device, yielding ``(mode, fake batch)`` of one fake mode, so that every op sees the devices it will
+    run on (a model that compares ``device.type`` takes the branch it will take) and nothing is computed; export
+    takes them, and an eager check of the batch meets the model's errors, not the meta device's. Parameters stay
+    Parameters (export wants them so; tied ones one object). Yields ``(None, batch)`` for any other model."""
     if not is_empty(module):
-        yield
+        yield None, batch
         return
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    device = device_of_batch(batch)
     state = dict(module.named_parameters(remove_duplicate=False)) | dict(module.named_buffers(remove_duplicate=False))
-    with _reparametrize_module(module, fake_twins(state, mode, device), tie_weights=True), mode:
-        yield
+    twins = fake_twins(state, mode, device_of_batch(batch))
+    params: dict[int, torch.nn.Parameter] = {}
+    for name, t in state.items():
+        if isinstance(t, torch.nn.Parameter):
+            twins[name] = params.setdefault(id(t), torch.nn.Parameter(twins[name], t.requires_grad))
+    with _reparametrize_module(module, twins, tie_weights=True):
+        yield mode, tuple(mode.from_tensor(t) for t in batch)
 
 
 def fake_twins(state: dict, mode: FakeTensorMode, batch_device=None) -> dict:

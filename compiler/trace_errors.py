@@ -7,6 +7,7 @@ with the module running there, so the message can suggest the leaf module that f
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import linecache
@@ -41,8 +42,9 @@ def eager_error(step: torch.nn.Module, batch) -> Exception | None:
     """Run the step eagerly (no grad, state restored) to tell a bad batch from an untraceable model."""
     saved = [(b, b.detach().clone()) for b in step.buffers()]
     try:
-        with torch.no_grad(), torch.random.fork_rng(devices=[]), fake_state_if_empty(step, batch.tensors):
-            step(*batch.tensors)
+        with torch.no_grad(), torch.random.fork_rng(devices=[]), \
+                fake_state_if_empty(step, batch.tensors) as (mode, tensors), mode or contextlib.nullcontext():
+            step(*tensors)
     except HarmonyError:
         raise
     except Exception as error:

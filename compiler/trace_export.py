@@ -21,10 +21,9 @@ import sys
 
 import torch
 import torch.fx
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn.utils.stateless import _reparametrize_module
 
-from harmony.compiler.fake import device_of_batch, fake_twins, is_empty
+from harmony.compiler.fake import fake_state_if_empty
 
 __all__ = ["drop_metadata_asserts", "export_graph", "graph_modules", "retarget", "torch_output_held"]
 
@@ -37,7 +36,8 @@ def export_graph(step: torch.nn.Module, tensors: tuple[torch.Tensor, ...],
     dynamic = tuple({0: torch.export.Dim.AUTO} if t.dim() > 0 else None for t in tensors)
     if dtype is not None:
         tensors = tuple(t.to(dtype) if t.is_floating_point() else t for t in tensors)
-    with torch_output_held(), _state_in(step, dtype), _fake_if_empty(step, tensors) as tensors:
+    # a model built without its weights is exported on fake twins of its state (compiler/fake.py)
+    with torch_output_held(), _state_in(step, dtype), fake_state_if_empty(step, tensors) as (_, tensors):
         program = torch.export.export(step, tensors, strict=False, dynamic_shapes=dynamic)
     # ep.module() would add a guard node that rejects other batch sizes.
     gm = program.module(check_guards=False)
@@ -58,25 +58,6 @@ def _state_in(module: torch.nn.Module, dtype: torch.dtype | None):
             swapped[name] = torch.nn.Parameter(twin, t.requires_grad) if isinstance(t, torch.nn.Parameter) else twin
     with _reparametrize_module(module, swapped, tie_weights=True):
         yield
-
-
-@contextlib.contextmanager
-def _fake_if_empty(module: torch.nn.Module, tensors: tuple):
-    """A model built without its weights (meta parameters) is exported on fake twins of its state on the batch's
-    device, and a fake batch, all of one fake mode: every op sees the devices it will run on (a model that compares
-    ``device.type`` takes the branch it will take), and nothing is computed."""
-    if not is_empty(module):
-        yield tensors
-        return
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    state = dict(module.named_parameters(remove_duplicate=False)) | dict(module.named_buffers(remove_duplicate=False))
-    twins = fake_twins(state, mode, device_of_batch(tensors))
-    params = {}     # export wants parameters to be Parameters (tied ones: one object)
-    for name, t in state.items():
-        if isinstance(t, torch.nn.Parameter):
-            twins[name] = params.setdefault(id(t), torch.nn.Parameter(twins[name], t.requires_grad))
-    with _reparametrize_module(module, twins, tie_weights=True):
-        yield tuple(mode.from_tensor(t) for t in tensors)
 
 
 def graph_modules(module: torch.nn.Module) -> list[torch.fx.GraphModule]:

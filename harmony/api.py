@@ -310,7 +310,7 @@ class ScheduledModule(torch.nn.Module):
             except BaseException:
                 self.close()
                 raise
-            self.filled = dict(bytes=filler.filled, seconds=time.perf_counter() - filler.started)
+            self.filled = dict(bytes=filler.filled, seconds=filler.seconds)
 
     def _fill_host(self, tensors: dict):
         """An empty model's parameters that stay in host memory, filled now; those of packs wholly on disk are

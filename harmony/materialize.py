@@ -122,7 +122,7 @@ class Filler:
                 if p.device.type == "meta":
                     self.owner.setdefault(id(p), (name, module))
         self.filled = 0           # bytes filled so far
-        self.started = time.perf_counter()
+        self.seconds = 0.0        # spent filling them
         self._check()
 
     def _check(self) -> None:
@@ -144,6 +144,13 @@ class Filler:
 
     def fill(self, params) -> None:
         """Fill the modules that own ``params`` (Parameter objects) where they are still empty."""
+        t0 = time.perf_counter()
+        try:
+            self._fill(params)
+        finally:
+            self.seconds += time.perf_counter() - t0
+
+    def _fill(self, params) -> None:
         for p in params:
             if p.device.type != "meta":
                 continue

@@ -336,3 +336,12 @@ def test_a_checkpoint_is_read_a_module_at_a_time_into_an_empty_model(tmp_path):
     wrong = empty_gpt()
     with pytest.raises(ConfigError, match=r"from_state_dict: the state dict has no 'blocks.0.fc.weight'"):
         compile_empty(wrong, init=harmony.from_state_dict(wrong, {k: v for k, v in state.items() if "fc.w" not in k}))
+
+
+def test_a_batch_that_does_not_fit_an_empty_model_gets_the_model_s_error_not_the_meta_device_s():
+    with harmony.empty_weights():
+        m = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    with pytest.raises(InputError, match=r"fails on the example batch: RuntimeError: a and b must have same "
+                                         r"reduction dim, but got \[8, 9\] X \[8, 16\]"):
+        harmony.compile(m, (torch.randn(8, 9), MLP_BATCH[1]), loss_fn=CE, memory_budget="64KiB")
+    assert is_empty(m)

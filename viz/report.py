@@ -156,9 +156,9 @@ def tiers_of(program) -> dict:
         if record.master_on == "disk":
             mine = set(spec.owned)
             owned = sum(nbytes(t) for n, t in gm.named_parameters() if n in mine)
-            masters -= spec.master_bytes if record.shares is not None else owned   # (its chunk went above)
             if record.shares is not None:     # this rank's file holds its chunk and that chunk's optimizer state
-                owned = spec.master_bytes
+                owned = spec.master_bytes     # (the chunk the host figure above counted)
+            masters -= owned
             disk_masters += owned
             on_disk += (owned + spec.optim_bytes) * (1 - record.in_memory_share)
             optim["host"] += (owned + spec.optim_bytes) * record.in_memory_share
