@@ -320,8 +320,10 @@ def _step_host(rt, pack, spec) -> None:
 
     def check_then_update():   # mixed precision: fp32 gradients; fp16: unscaled, checked; fp16, clipping: deferred
         start = time.perf_counter()
-        rt.state.unpark(spec.owned)
-        master_grads(params)
+        # an update run now drops its gradients before the next pack's are made: they can share one buffer
+        buffer = rt.state.grad_buffer if rt.gate is None else None
+        cast = rt.state.unpark(spec.owned, convert=False)
+        master_grads(cast + [(p, p.grad) for p in params if p.grad is not None and p.grad.dtype != p.dtype], buffer)
         rt.state.host_step_seconds += time.perf_counter() - start
         if rt.gate is None:
             return update()

@@ -47,11 +47,48 @@ def device_bytes(t: torch.Tensor, dtype: torch.dtype | None) -> int:
     return t.numel() * torch.empty((), dtype=device_dtype(t, dtype)).element_size()
 
 
-def master_grads(params) -> None:
-    """Give each parameter an fp32 gradient (its master's dtype) from the compute-dtype one, on the host."""
-    for p in params:
-        if p.grad is not None and p.grad.dtype != p.dtype:
-            p.grad = p.grad.to(p.dtype)
+def master_grads(pairs, buffer: "GradBuffer | None" = None) -> None:
+    """Give each parameter of ``pairs`` (parameter, its gradient in the compute dtype) an fp32 gradient (its master's
+    dtype), on the host: in ``buffer`` where given (the update that follows drops them before the next pack's are
+    made), else as new tensors."""
+    if buffer is not None:
+        pairs = buffer.fill(pairs)
+    for p, g in pairs:
+        p.grad = g.to(p.dtype)
+
+
+class GradBuffer:
+    """One flat fp32 buffer the host thread converts each pack's gradients into, reused by every pack and step.
+
+    A new fp32 tensor per gradient per step costs more than the conversion itself: tensors this large are fresh
+    pages from the system each time (freed ones go back to it), which the host faults in and zeroes before writing
+    a byte; converting into pages already mapped is one pass (``copy_`` casts as it copies). The host thread runs
+    one update at a time and an update that runs at once drops its gradients (``p.grad = None``) before the next
+    pack's conversion, so one buffer as large as the largest pack's fp32 gradients serves them all; the host budget
+    already counts that much (passes/offload.py: two packs' gradients in both dtypes). Updates a ``StepGate``
+    defers hold their gradients until the last one, so those are made as new tensors instead.
+    """
+
+    def __init__(self):
+        self.flat: torch.Tensor | None = None
+
+    def fill(self, pairs) -> list:
+        """Copy the gradients of fp32 host parameters into views of the buffer (grown first where they do not fit)
+        and give them to their parameters; the other pairs are returned."""
+        def mine(p):
+            return p.dtype == torch.float32 and p.device.type == "cpu"
+        need = sum(p.numel() for p, _ in pairs if mine(p))
+        if need and (self.flat is None or self.flat.numel() < need):
+            self.flat = None             # the smaller one goes before the larger is made
+            self.flat = torch.empty(need, dtype=torch.float32)
+        at = 0
+        for p, g in pairs:
+            if mine(p):
+                view = self.flat[at:at + p.numel()].view(p.shape)
+                view.copy_(g)
+                p.grad = view
+                at += p.numel()
+        return [(p, g) for p, g in pairs if not mine(p)]
 
 
 def max_over_ranks(t: torch.Tensor) -> None:

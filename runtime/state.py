@@ -17,6 +17,7 @@ from harmony.base.process import Pool, run_when_idle, started_pool
 from harmony.base.units import nbytes
 from harmony.runtime.memory import MemoryMeter
 from harmony.runtime.placeholders import point
+from harmony.runtime.precision import GradBuffer, master_grads
 
 
 class CopyEngine:
@@ -91,6 +92,7 @@ class TieredState:
         self.disk = None                  # runtime.disk.DiskTier: optimizer state of the disk-placed packs
         self.params_disk = None           # runtime.diskparams.DiskParams: packs wholly on disk (weights too)
         self.compute_dtype = None         # mixed precision: dtype of device copies of float params and buffers
+        self.grad_buffer = GradBuffer()   # mixed precision: the host's fp32 gradients of the pack stepping now
         self.shares = None                # runtime.partitioned.Shares: this rank's chunks (shard_state="full")
 
     def _host_setup(self, one_thread: bool, idle: bool) -> None:
@@ -133,13 +135,23 @@ class TieredState:
             g = None
         t.grad = g
 
-    def unpark(self, names) -> None:
-        """Give these host parameters their parked gradients, in the parameter's dtype (fp32 masters; the step)."""
+    def unpark(self, names, convert: bool = True) -> list:
+        """Give these host parameters their parked gradients, in the parameter's dtype (fp32 masters: the step).
+        ``convert=False``: mixed precision's compute-dtype gradients are returned as (parameter, gradient) pairs
+        for ``precision.master_grads`` instead (which converts them into the host thread's buffer)."""
+        cast = []
         for name in names:
             g = self.parked.pop(name, None)
             if g is not None:
                 t = self.tensors[name]
-                t.grad = g.to(t.dtype) if g.dtype != t.dtype else g
+                if g.dtype == t.dtype:
+                    t.grad = g
+                else:
+                    cast.append((t, g))
+        if convert:
+            master_grads(cast)
+            return []
+        return cast
 
     def set_data(self, name: str, data: torch.Tensor) -> None:
         """Point parameter or buffer ``name`` at ``data``, its gradient following where it can."""

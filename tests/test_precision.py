@@ -313,3 +313,29 @@ def test_tied_embedding_and_head_are_close_in_bf16():
     assert max(diffs.values()) < 3e-4, diffs   # measured 1.4e-4; fp32 training lands 6e-4 from this reference
 
 
+
+
+@pytest.mark.parametrize("clip", [None, 1.0])
+def test_host_fp32_gradients_reuse_one_buffer_unless_the_updates_wait(clip):
+    """bf16 host steps convert every pack's gradients into one fp32 buffer the host thread reuses (the largest
+    pack's size, the same memory every step: no fresh pages per step), and the run stays bitwise eager's; updates
+    that wait for the global norm hold every pack's gradients, so those are made apart and the buffer stays unused."""
+    model, data = CASES["gpt"]()
+    ref, _ = eager_mixed(model, data, 4, torch.bfloat16, clip=clip)
+    ours = copy.deepcopy(model)
+    sm = harmony.compile(ours, example_batch=data[0], memory_budget=int(training_state_bytes(model) * 0.2),
+                         microbatches=4, precision="bf16", clip_grad_norm=clip)
+    buffer, places = sm.runtime.state.grad_buffer, set()
+    for batch in data:
+        sm(*batch)
+        if buffer.flat is not None:
+            places.add(buffer.flat.data_ptr())
+    sm.close()
+    _assert_bitwise(ours, ref)
+    assert len(sm.plan.packs) > 1 and set(sm.plan.by_pack("step_on").values()) == {"host"}
+    if clip is not None:
+        assert buffer.flat is None
+        return
+    largest = max(sum(dict(sm.program.gm.named_parameters())[n].numel() for n in s.stepped) for s in sm.plan.packs)
+    assert buffer.flat.numel() == largest and len(places) == 1
+    assert all(p.grad is None for p in ours.parameters())
