@@ -61,7 +61,7 @@ NOMINAL = dict(host_memory=256 * GiB, host_flops=1 * T, host_memory_bandwidth=10
                network_latency=NOMINAL_NETWORK_LATENCY)
 NOMINAL_CORE_FLOPS = 40e9      # fp32 matmul FLOP/s one AVX2 core sustains, roughly; profile() measures
 NOMINAL_MEMCPY = 10 * GB       # bytes/s a large memcpy copies on a few server cores, roughly; profile() measures
-PROFILE_VERSION = 3            # bumped when profile() measures more or differently: older caches are not used
+PROFILE_VERSION = 4            # bumped when profile() measures more or differently: older caches are not used
 
 
 @dataclass(frozen=True)
@@ -80,8 +80,10 @@ class Device:
     multiply); ``kernel_latency`` is the fixed cost of each tensor op a pack dispatches
     (a kernel launch on a GPU; on the CPU runtime, PyTorch's dispatch plus the runtime's
     allocation accounting); ``op_latency`` is a fixed cost per schedule op (the executor's
-    loop). ``Hardware.profile`` measures all three on this machine; presets keep the
-    datasheet peak (efficiency 1, no latencies) unless told otherwise.
+    loop). ``ondemand_call_latency`` and ``ondemand_op_latency`` are what the ``ondemand`` baseline's
+    fetch checks add to each tensor op (runtime/ondemand.py): ops called from Python pass a function-level and a
+    dispatch-level mode, autograd's backward ops the dispatch level only. ``Hardware.profile`` measures all of
+    these on this machine; presets keep the datasheet peak (efficiency 1, no latencies) unless told otherwise.
     ``queued``: the host queues ops to the device (CUDA), so a pack's compute takes the longer of its
     kernels' time and its launches' time, not their sum.
     ``sync_copies``: the runtime on the CPU runs compute on the thread that issues the ops,
@@ -101,6 +103,8 @@ class Device:
     op_latency: float = 0.0                # seconds per compute op of the schedule
     efficiency: float = 1.0                # share of peak FLOP/s a layer pack's compute sustains
     kernel_latency: float = 0.0            # seconds per tensor op (kernel) a compute op dispatches
+    ondemand_call_latency: float = 0.0     # seconds the ondemand runtime's fetch checks add per tensor op called
+    ondemand_op_latency: float = 0.0       # from Python (forward, step); per op of autograd's backward
     sync_copies: bool = False              # copies follow the compute before them; all but swap_in block it
     queued: bool = False                   # ops are queued to the device (a GPU): launches hide behind kernels
     link: str = ""                         # what the host link is, for reports ("pcie4", "memcpy", ...)
@@ -237,6 +241,9 @@ class Hardware:
             emu = f", emulated: compute x{d.speed_factor:g}" if d.emulated else ""
             eff = f" ({d.efficiency:.0%} sustained by a layer pack)" if d.efficiency != 1 else ""
             lat = f", {d.kernel_latency * 1e6:.3g} us per tensor op" if d.kernel_latency else ""
+            if d.ondemand_call_latency or d.ondemand_op_latency:
+                lat += (f" (ondemand +{d.ondemand_call_latency * 1e6:.3g} us, +{d.ondemand_op_latency * 1e6:.3g} us "
+                        f"in backward)")
             lines.append(f"device {i}: {d.name}, {d.memory / GiB:.1f} GiB, {d.flops / T:.3g} TFLOP/s {d.dtype}{eff}"
                          f"{lat}, h2d {d.h2d_bandwidth / GB:.3g} GB/s ({d.link}), memory "
                          f"{d.memory_bandwidth / GB:.4g} GB/s{emu}"
@@ -297,12 +304,14 @@ class Hardware:
         h2d, d2h, d2d = machine.cuda_copy_bandwidth(0.12 * seconds, device)
         launch = machine.cuda_launch_latency(0.03 * seconds, device)
         latency = machine.kernel_latency(0.05 * seconds, torch.get_num_threads(), device=device)
+        call, op = machine.ondemand_latency(0.04 * seconds, torch.get_num_threads(), device=device)
         efficiency = machine.block_efficiency(0.16 * seconds, flops["fp32"], latency, torch.get_num_threads(),
                                               *block, device=device)
         copy = machine.memcpy_bandwidth(0.08 * seconds)
         read, write, how = machine.disk_bandwidth(0.25 * seconds, path)
         dev = base.devices[0].replace(
             peak_flops=flops, efficiency=efficiency, kernel_latency=latency, h2d_bandwidth=h2d, d2h_bandwidth=d2h,
+            ondemand_call_latency=call, ondemand_op_latency=op,
             memory_bandwidth=d2d, link="pinned copies", queued=True,
             source=f"Hardware.profile {time.strftime('%Y-%m-%d %H:%M')}: measured on {base.devices[0].name}")
         return base.replace(devices=(dev,), host_memory_bandwidth=2 * copy, disk_read_bandwidth=read,
@@ -322,6 +331,8 @@ class Hardware:
         - ``kernel_latency``: the time per tensor op of a transformer block too small to
           compute anything (width 16, 8 tokens), run as below: what every op pays besides
           its arithmetic (dispatch, module calls, autograd, the runtime's accounting);
+        - ``ondemand_call_latency``, ``ondemand_op_latency``: that block's forward and its backward timed with
+          and without the ondemand runtime's modes, its weights fetched: the extra seconds per op;
         - ``efficiency``: transformer blocks (pre-norm, GELU; ``block`` = (width, tokens per
           microbatch[, sequence length, default 128]); as many distinct layers as hold 64 MiB
           of weights, at most 8, so caches start cold as in a step) run as a pack's backward
@@ -357,11 +368,13 @@ class Hardware:
             threads = torch.get_num_threads()
         flops = machine.matmul_flops(0.25 * seconds, threads)
         latency = machine.kernel_latency(0.05 * seconds, threads)
+        call, op = machine.ondemand_latency(0.04 * seconds, threads)
         efficiency = machine.block_efficiency(0.2 * seconds, flops, latency, threads, *block)
         copy = machine.memcpy_bandwidth(0.15 * seconds)
         read, write, how = machine.disk_bandwidth(0.35 * seconds, path)
         cpu = base.devices[0]
         dev = cpu.replace(peak_flops={"fp32": flops}, efficiency=efficiency, kernel_latency=latency,
+                          ondemand_call_latency=call, ondemand_op_latency=op,
                           h2d_bandwidth=copy, d2h_bandwidth=copy, memory_bandwidth=2 * copy,
                           source=f"Hardware.profile {time.strftime('%Y-%m-%d %H:%M')}: measured")
         hw = base.replace(devices=(dev,), host_flops=flops, host_memory_bandwidth=2 * copy,

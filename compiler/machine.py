@@ -9,6 +9,7 @@ it is given (compute timings: repeated after a warm-up, the median):
 """
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import tempfile
@@ -92,6 +93,58 @@ def kernel_latency(budget: float, threads: int, device: str = "cpu") -> float:
         block.close()
 
 
+def ondemand_latency(budget: float, threads: int, device: str = "cpu") -> tuple[float, float]:
+    """Seconds the ``ondemand`` runtime's fetch checks (runtime/ondemand.py) add to each tensor op, its state
+    already fetched: (ops called from Python, as a forward and an optimizer step make them: a function-level and
+    a dispatch-level mode; ops autograd's backward runs: the dispatch level only). A block too small to compute
+    anything (width 16, 8 tokens), its forward and backward timed apart with and without the modes."""
+    import types
+    from collections import Counter
+
+    import torch
+
+    from harmony.runtime.memory import CountAllocations, MemoryMeter
+    from harmony.runtime.ondemand import OnDemand
+    block = _Block(16, 8, 8, threads, layers=1, device=device)
+    meter = MemoryMeter("profile")
+    state = types.SimpleNamespace(tensors=dict(block.layer.named_parameters()), optimizers={}, moved=Counter())
+    od = OnDemand(types.SimpleNamespace(meter=meter, state=state, device=block.device))
+
+    def modes(on: bool):
+        if not on:
+            return CountAllocations(meter)
+        stack = contextlib.ExitStack()
+        stack.enter_context(od.calls())
+        stack.enter_context(CountAllocations(meter, od))
+        return stack
+
+    def forward(on: bool):
+        with modes(on), torch.no_grad():
+            block.layer(block.x)
+        _sync(block.device)
+
+    def backward(on: bool) -> float:
+        with modes(False):
+            out = block.layer(block.x.detach().requires_grad_())
+        _sync(block.device)
+        t0 = time.perf_counter()
+        with modes(on):
+            torch.autograd.backward(out, block.seed)
+        _sync(block.device)
+        return time.perf_counter() - t0
+    try:
+        forward(True)                # fetches the weights once: what follows are the checks alone
+        fwd_ops = block.ops_of(lambda: block.layer(block.x))
+        bwd_ops = block.ops - 2 * fwd_ops
+        call = [_median(_timed(lambda on=on: forward(on), budget / 4, at_least=5)) for on in (False, True)]
+        op = [_median([backward(on) for _ in range(max(5, int(budget / 4 / max(call[1], 1e-4))))])
+              for on in (False, True)]
+        return max(0.0, (call[1] - call[0]) / fwd_ops), max(0.0, (op[1] - op[0]) / max(bwd_ops, 1))
+    finally:
+        od.close()
+        block.close()
+
+
 def block_efficiency(budget: float, peak: float, latency: float, threads: int, width: int = 512,
                       tokens: int = 512, seq: int = 128, device: str = "cpu") -> float:
     """Share of ``peak`` a transformer block sustains, run as a recomputing backward runs it, net of op latency.
@@ -107,6 +160,19 @@ def block_efficiency(budget: float, peak: float, latency: float, threads: int, w
     return min(1.0, block.flops / compute / peak)
 
 
+def _counter():
+    """A dispatch mode that counts the tensor ops run under it (``.n``)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += 1
+            return func(*args, **(kwargs or {}))
+    return Count()
+
+
 class _Block:
     """Pre-norm GELU transformer blocks run as a pack's backward runs them: forward without grad,
     then forward again with grad and backward, under the runtime's allocation accounting.
@@ -119,15 +185,7 @@ class _Block:
     def __init__(self, width: int, tokens: int, seq: int, threads: int, layers: int | None = None,
                  device: str = "cpu"):
         import torch
-        from torch.utils._python_dispatch import TorchDispatchMode
         from torch.utils.flop_counter import FlopCounterMode
-
-        class Count(TorchDispatchMode):
-            n = 0
-
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                self.n += 1
-                return func(*args, **(kwargs or {}))
 
         self.threads = torch.get_num_threads()
         torch.set_num_threads(threads)
@@ -141,9 +199,15 @@ class _Block:
             norm_first=True) for _ in range(layers))).to(self.device)
         self.x = torch.randn(max(1, tokens // seq), seq, width, device=self.device)
         self.seed = torch.ones_like(self.x)
-        with FlopCounterMode(display=False) as fc, Count() as count:
+        with FlopCounterMode(display=False) as fc, _counter() as count:
             self.pack()
         self.flops, self.ops = fc.get_total_flops(), count.n
+
+    def ops_of(self, fn) -> int:
+        """Tensor ops ``fn`` dispatches."""
+        with _counter() as count:
+            fn()
+        return count.n
 
     def pack(self):
         import torch

@@ -120,16 +120,17 @@ def _forward_effect(m, pack, mb, *inputs, keep=False):
     return Predicted(spec.out_bytes), spec.fwd_peak
 
 
-def _pack_compute_cost(hw, flops: float, tensor_ops: float) -> float:
+def _pack_compute_cost(hw, flops: float, tensor_ops: float, extra: float = 0.0) -> float:
     """Seconds of compute on ``hw``: FLOPs at the rate a layer pack sustains, plus a fixed cost per tensor op.
 
     The rate is the peak times the device's ``efficiency`` (matmuls at a pack's shapes and the
     memory-bound ops around them); each tensor op (kernel) pays ``kernel_latency`` (launch,
-    dispatch, the runtime's accounting), and the schedule op itself ``op_latency``. On a device whose
+    dispatch, the runtime's accounting), and the schedule op itself ``op_latency``; ``extra``: seconds the host
+    spends besides, issuing them (``ondemand_latency``). On a device whose
     ops are ``queued`` (a GPU) the launches overlap the kernels: the longer of the two counts.
     """
     rate = hw.flops * getattr(hw, "efficiency", 1.0)
-    launches = tensor_ops * getattr(hw, "kernel_latency", 0.0)
+    launches = tensor_ops * getattr(hw, "kernel_latency", 0.0) + extra
     if getattr(hw, "queued", False):      # a GPU runs queued kernels while the host issues the next ones
         return max(flops / rate, launches) + hw.op_latency
     return flops / rate + launches + hw.op_latency
@@ -150,9 +151,20 @@ def _kernels_cost(spec, phase: str) -> float:
     return per_tensor * max(tensors, 1)
 
 
+def ondemand_latency(plan, hw, python_ops: float, autograd_ops: float = 0.0) -> float:
+    """Seconds the ``ondemand`` runtime's fetch checks add to these tensor ops (runtime/ondemand.py): ops called
+    from Python (a forward, a recompute, a for-loop optimizer step) pass its function-level and dispatch-level
+    modes, those autograd's backward runs the dispatch level only; 0 under the other policies."""
+    if plan.policy != "ondemand":
+        return 0.0
+    return python_ops * getattr(hw, "ondemand_call_latency", 0.0) + \
+        autograd_ops * getattr(hw, "ondemand_op_latency", 0.0)
+
+
 def _forward_cost(plan, hw, pack, mb, *inputs, keep=False):
     spec = plan.packs[pack]
-    return "compute", _pack_compute_cost(hw, spec.fwd_flops, _kernels_cost(spec, "forward"))
+    ops = _kernels_cost(spec, "forward")
+    return "compute", _pack_compute_cost(hw, spec.fwd_flops, ops, ondemand_latency(plan, hw, ops))
 
 
 def _backward_execute(rt, pack, mb, *inputs, saved=None, grads=()):
@@ -215,8 +227,9 @@ def _backward_cost(plan, hw, pack, mb, *inputs, saved=None, grads=()):
     spec = plan.packs[pack]
     recompute = saved is None
     flops = spec.bwd_flops + (spec.fwd_flops if recompute else 0)
-    ops = _kernels_cost(spec, "backward") + (_kernels_cost(spec, "forward") if recompute else 0)
-    return "compute", _pack_compute_cost(hw, flops, ops)
+    forward = _kernels_cost(spec, "forward") if recompute else 0
+    ops = _kernels_cost(spec, "backward") + forward
+    return "compute", _pack_compute_cost(hw, flops, ops, ondemand_latency(plan, hw, forward, ops - forward))
 
 
 def _step_execute(rt, pack, stream=False, where="device", overlap=False):
@@ -418,7 +431,8 @@ def _step_cost(plan, hw, pack, stream=False, where="device", overlap=False):
         host = master - sum(device_part_bytes(plan, spec).values()) if where == "host" else master
         traffic = _share_traffic(spec, host)
         return "host", traffic / getattr(hw, "host_memory_bandwidth", hw.memory_bandwidth)
-    seconds = traffic / hw.memory_bandwidth + _pack_compute_cost(hw, 0, _kernels_cost(spec, "step"))
+    ops = _kernels_cost(spec, "step")
+    seconds = traffic / hw.memory_bandwidth + _pack_compute_cost(hw, 0, ops, ondemand_latency(plan, hw, ops))
     if stream:
         optim = streamed_optim_bytes(plan, pack)
         seconds += optim / hw.h2d_bandwidth + optim / hw.d2h_bandwidth

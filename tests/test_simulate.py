@@ -427,11 +427,12 @@ def test_profile_measures_and_this_machine_uses_the_cache(tmp_path, monkeypatch)
               hw.disk_write_bandwidth, dev.kernel_latency):
         assert v > 0 and math.isfinite(v)
     assert 0 < dev.efficiency <= 1 and dev.sync_copies
+    assert all(v >= 0 and math.isfinite(v) for v in (dev.ondemand_call_latency, dev.ondemand_op_latency))
     assert "per tensor op" in hw.describe()
     assert "measured" in hw.notes[0]
     assert list(tmp_path.glob("harmony-disk-*")) == []                  # the temp file is gone
     cached = Hardware.this_machine()
-    assert cached.devices[0].flops == dev.flops and cached.disk_read_bandwidth == hw.disk_read_bandwidth
+    assert cached.devices[0] == dev and cached.disk_read_bandwidth == hw.disk_read_bandwidth
     budgeted = cached.logical([512 * 2**20])                              # a logical CPU device with a budget
     assert budgeted.devices[0].memory == 512 * 2**20 and budgeted.devices[0].h2d_bandwidth == dev.h2d_bandwidth
 
@@ -458,6 +459,21 @@ def test_efficiency_and_kernel_latency_in_compute_costs():
     p = plan(pack(0))               # one parameter tensor
     sim = simulate(s.done(), p, UNIT.replace(efficiency=0.5, kernel_latency=0.5))
     assert [e.end - e.start for e in sim.events] == pytest.approx([2 + 2.7 * 0.5, 6 + 8.5 * 0.5, 8 + 21 * 0.5])
+
+
+def test_ondemand_fetch_checks_are_charged_per_op_under_that_policy_only():
+    """The ondemand runtime's modes cost the host time per tensor op: ops called from Python (forward, the
+    recompute, the step) pay ``ondemand_call_latency``, autograd's backward ops ``ondemand_op_latency``."""
+    s = Schedule()
+    s.forward(0, 0)                 # 1 s of FLOPs, 2.7 ops per parameter tensor
+    s.backward(0, 0)                # recompute: 3 s, 2.7 ops called from Python and 5.8 backward
+    s.step(0)                       # 8 s of memory traffic, 21 ops
+    hw = UNIT.replace(ondemand_call_latency=0.25, ondemand_op_latency=0.125)
+    p = plan(pack(0))
+    assert [e.end - e.start for e in simulate(s.done(), p, hw).events] == pytest.approx([1, 3, 8])
+    p.policy = "ondemand"
+    assert [e.end - e.start for e in simulate(s.done(), p, hw).events] == pytest.approx(
+        [1 + 2.7 * 0.25, 3 + 2.7 * 0.25 + 5.8 * 0.125, 8 + 21 * 0.25])
 
 
 def test_a_queued_device_overlaps_launches_with_kernels():
