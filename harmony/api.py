@@ -266,7 +266,7 @@ class ScheduledModule(torch.nn.Module):
             filler = self._fill_host(tensors)
         if any(r.shares is not None for r in plan.residency.values()) and not simulated:   # ZeRO-3: this rank's chunks
             from harmony.runtime.partitioned import Shares
-            shares = Shares(plan, tensors, cfg.comm_timeout)
+            shares = Shares(plan, tensors, cfg.comm_timeout, fill=filler and filler.fill)
         # one optimizer per pack (per file for a pack wholly on disk); sm.optimizer holds their groups' settings
         optimizers, self.optimizer = build_optimizers(cfg, plan, tensors)
         self.optimizers = list(dict.fromkeys(optimizers.values()))
@@ -314,14 +314,16 @@ class ScheduledModule(torch.nn.Module):
 
     def _fill_host(self, tensors: dict):
         """An empty model's parameters that stay in host memory, filled now; those of packs wholly on disk are
-        filled group by group as their files are written (harmony/materialize.py)."""
+        filled group by group as their files are written, and those partitioned over the ranks a pack at a time
+        as this rank cuts its chunks of them (harmony/materialize.py)."""
         from harmony.runtime.diskparams import written_names
         from harmony.runtime.ops import resident_state
         plan = self.program.plan
         filler = Filler(self.model, self.program.config.init)
-        on_disk = set() if any(r.shares is not None for r in plan.residency.values()) else written_names(plan)
-        on_disk -= {n for what, names in resident_state(plan) if what == "params" for n in names}   # read at start
-        filler.fill(t for n, t in tensors.items() if n not in on_disk)
+        partitioned = {n for r in plan.residency.values() if r.shares is not None for n in r.shares.names()}
+        later = partitioned or written_names(plan) - {n for what, names in resident_state(plan) if what == "params"
+                                                      for n in names}   # (resident weights are read at start)
+        filler.fill(t for n, t in tensors.items() if n not in later)
         return filler
 
     def _disk_tiers(self, tensors: dict, optimizers: dict, shares, device, filler=None) -> None:

@@ -10,8 +10,10 @@ host budget until the packs on disk are written. Built under ``empty_weights()``
 (its buffers are made as usual: they are small, and some, such as rotary frequencies, are computed in ``__init__``
 and cannot be recomputed). ``harmony.compile`` plans it on fake tensors as any model, then fills it as it places it:
 the parameters of packs kept in host memory before the runtime starts, those of packs wholly on disk a group at a
-time as their files are written. The host never holds more than its share of the plan and one disk group beside it
-(DeepSpeed's ``zero.Init`` does this for ZeRO-3 ranks).
+time as their files are written, and under ``shard_state="full"`` (ZeRO-3) each pack's right before the rank cuts its
+chunks of them (runtime/partitioned.Shares), the rest dropped before the next pack is made. The host never holds more
+than its share of the plan and one disk group or one pack beside it (DeepSpeed's ``zero.Init`` does the latter for
+ZeRO-3 ranks).
 
 How a module's own parameters are filled: compile's ``init(module)`` where given; else the model's
 ``_init_weights(module)`` (Hugging Face models and the built-in GPT have one), with the module's

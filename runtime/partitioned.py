@@ -70,7 +70,10 @@ DIRECT_BYTES = 256 << 10      # a segment whose parameters average this much is 
 class Shares:
     """This rank's chunks (host fp32 tensors, the only copy of its share of the weights) and their pieces."""
 
-    def __init__(self, plan, tensors: dict, timeout: float | None = None):
+    def __init__(self, plan, tensors: dict, timeout: float | None = None, fill=None):
+        """``fill(params)``: makes the parameters of a model built without its weights (harmony/materialize.py),
+        called with each pack's right before its chunks are cut, so the host holds one pack's whole weights at a
+        time beside this rank's chunks."""
         import datetime
 
         import torch.distributed as dist
@@ -88,6 +91,8 @@ class Shares:
         with torch.no_grad():
             for p, record in sorted(plan.residency.items()):
                 if record.shares is not None:
+                    if fill is not None:
+                        fill([tensors[n] for n in record.shares.names()])
                     self._carve(p, record.shares, tensors)
         # weights carried on the device across their pack's step (runtime/partitioned_carry.py)
         self.carry_packs = {p for p, r in plan.residency.items() if r.shares is not None and r.carried}

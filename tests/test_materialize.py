@@ -256,13 +256,28 @@ def test_an_empty_model_plans_on_the_meta_device_without_being_filled():
 
 def _rank(rank, world, offload_dir, how):
     """An empty GPT on 2 ranks: pipelined with each rank's packs' weights on disk (each rank makes its own packs'
-    weights only), or with its state partitioned (ZeRO-3: each rank makes them all, then keeps its chunks)."""
+    weights only), or with its state partitioned (ZeRO-3: each rank makes them all, a pack at a time, keeping its
+    chunks of each before it makes the next)."""
     out = {}
     for built in ("empty", "made") if how == "zero3" else ("empty",):     # ZeRO-3: and the same weights made first
         m = empty_gpt() if built == "empty" else harmony.materialize(empty_gpt())
+        sizes = {n: p.numel() * p.element_size() for n, p in m.named_parameters()}
+        held, fill = [], Filler.fill
+
+        def fill_and_count(self, ps):     # the model's whole weights in host memory after each fill
+            fill(self, ps)
+            held.append(sum(p.untyped_storage().nbytes() for p in m.parameters()
+                            if p.device.type == "cpu" and not is_placeholder(p)))
+        Filler.fill = fill_and_count
         parallel = dict(parallel="pipeline", weights_on="disk") if how == "pipeline" else dict(shard_state="full")
-        sm = harmony.compile(m, DATA[0], memory_budget=STATE // 2, microbatches=4, comm_timeout=20,
-                             offload_dir=offload_dir, optimizer_on="host", **parallel)
+        try:
+            sm = harmony.compile(m, DATA[0], memory_budget=STATE // 2, microbatches=4, comm_timeout=20,
+                                 offload_dir=offload_dir, optimizer_on="host", **parallel)
+        finally:
+            Filler.fill = fill
+        widest = max(sum(p.numel() * p.element_size() for p in mod.parameters(recurse=False)) for mod in m.modules())
+        packs = len(sm.plan.packs)
+        bound = max(sum(sizes.get(n, 0) for n in spec.params) for spec in sm.plan.packs) + widest
         for x, y in DATA:
             sm(x, y)
         if how == "zero3":
@@ -272,8 +287,8 @@ def _rank(rank, world, offload_dir, how):
             mine = sm.state_dict()["model"]
         params = dict(m.named_parameters())
         out[built] = dict(params={n: t.detach().numpy().copy() for n, t in mine.items()},
-                          filled=sm.filled and sm.filled["bytes"],
-                          mine=sum(t.numel() * t.element_size() for n, t in mine.items() if n in params))
+                          filled=sm.filled and sm.filled["bytes"], held=max(held, default=0), bound=bound,
+                          packs=packs, mine=sum(t.numel() * t.element_size() for n, t in mine.items() if n in params))
         sm.close()
     return out
 
@@ -297,8 +312,10 @@ def test_ranks_make_the_weights_they_hold_and_train_bitwise_as_eager(tmp_path, h
         assert res[0]["filled"] + res[1]["filled"] == whole and min(res[0]["filled"], res[1]["filled"]) > 0
         ref = dict(expected.named_parameters())
         assert set(res[0]["params"]) | set(res[1]["params"]) >= set(ref)
-    else:                    # every rank makes them all before it keeps its chunks: bitwise the run given them made
-        assert res[0]["filled"] == res[1]["filled"] == whole
+    else:                    # every rank makes them all, keeping its chunks of each pack before it makes the next
+        assert res[0]["filled"] == res[1]["filled"] == whole        # bitwise the run given them made
+        for r in (0, 1):    # one pack's whole weights at a time (a module's straddling two packs made together)
+            assert res[r]["packs"] >= 2 and res[r]["held"] <= res[r]["bound"] < whole, res[r]
         ref = {n: torch.from_numpy(a) for n, a in out[0]["made"]["params"].items()}
         assert set(res[0]["params"]) == set(ref)
     for r in (0, 1):
