@@ -355,10 +355,14 @@ class Config(TrainConfig, MemoryConfig, DiskConfig, ParallelConfig, NumericsConf
 
     def __post_init__(self):
         super().__post_init__()
-        if self.precision != "fp32" and self.optimizer_on == "device":
-            raise ConfigError(f"precision={self.precision!r} with optimizer_on='device': mixed precision keeps the "
-                              f"fp32 master weights and optimizer state on the host and steps there, so the device "
-                              f"never holds them; use optimizer_on='host' (or 'auto'), or precision='fp32'")
+        if self.precision == "fp16" and self.optimizer_on == "device":
+            raise ConfigError("precision='fp16' with optimizer_on='device': fp16's overflow check must see every "
+                              "gradient before any update, and device steps follow each pack's backward; use "
+                              "optimizer_on='host' (or 'auto'), or precision='bf16'")
+        if self.precision == "bf16" and self.optimizer_on == "device" and self.clip_grad_norm is not None:
+            raise ConfigError("precision='bf16' with optimizer_on='device' and clip_grad_norm: the global norm is "
+                              "taken over fp32 gradients, which a device step makes one parameter at a time; use "
+                              "optimizer_on='host' (or 'auto') to clip, or no clip_grad_norm")
         if self.precision != "fp32" and self.policy == "ondemand":
             raise ConfigError(f"precision={self.precision!r} needs a planned schedule; the ondemand baseline moves "
                               f"fp32 state as ops touch it. Use policy='harmony' or 'sequential', or precision='fp32'")

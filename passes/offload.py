@@ -84,8 +84,14 @@ def everything_fits(program: Program) -> bool:
 def step_place(cfg, fits) -> tuple[str, str]:
     """Where the optimizer steps ("device" or "host") and why; ``fits()`` says whether all training state fits
     the device, asked only under ``optimizer_on="auto"`` (the partition asks before packs exist, with an estimate)."""
-    if cfg.precision != "fp32":   # compile() refuses optimizer_on="device" with mixed precision
+    if cfg.precision != "fp32" and cfg.optimizer_on != "device":   # (compile() refuses fp16 on the device)
         return "host", f"precision={cfg.precision!r}: fp32 master weights and optimizer state stay on the host"
+    if cfg.precision != "fp32":
+        if (cfg.world_size or 1) > 1:
+            raise ConfigError(f"precision={cfg.precision!r} with optimizer_on='device' runs on one rank for now "
+                              f"(world size {cfg.world_size}); use optimizer_on='host' (or 'auto') with several")
+        return "device", ("optimizer_on='device': each fp32 master comes to the device with its optimizer state "
+                          "for the step, one parameter at a time")
     if cfg.optimizer_on != "auto":
         return cfg.optimizer_on, f"optimizer_on={cfg.optimizer_on!r}"
     if fits():

@@ -16,7 +16,7 @@ moves and the device's memory after it (a 2-layer GPT at 80% of its state, 4 mic
 
 This module is the table, the stubs and the values ops pass; the ops' implementations and their
 ``register`` calls live beside the runtime code they drive: ``ops_move`` (swap_in, wait, release,
-load_batch, stash, unstash), ``ops_compute`` (forward, backward, step), ``ops_comm`` (allreduce) and
+load_batch, stash, unstash), ``ops_compute`` (forward, backward), ``ops_step`` (step), ``ops_comm`` (allreduce) and
 ``shard`` (sync_state). Adding an op is one stub and one ``register`` call: its ``OpDef`` holds everything
 the runtime, the verifier (what it needs resident), the simulator (its stream, state copies, disk I/O),
 the passes and the drawings (colour, label) use. ``harmony.runtime`` registers every op when it is imported.

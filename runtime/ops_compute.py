@@ -1,23 +1,16 @@
-"""The ops that compute: a pack's ``forward`` and ``backward`` on one microbatch, and the optimizer ``step`` (on the
-device, streamed, on the host copies or group by group from disk); each registered in the op table
-(runtime/ops.py) with all it needs.
+"""The ops that compute: a pack's ``forward`` and ``backward`` on one microbatch, each registered in the op table
+(runtime/ops.py) with all it needs, and the compute costs the optimizer ``step`` (runtime/ops_step.py) shares.
 """
 from __future__ import annotations
 
 import contextlib
-import time
 
 import torch
 
-from harmony.base.units import nbytes
-from harmony.runtime.ops import Acts, Predicted, backward, forward, label_args, register, step
-from harmony.runtime.ops_move import disk_io
-from harmony.runtime.partitioned import share_params
-from harmony.runtime.plan import step_traffic
-from harmony.runtime.precision import master_grads
+from harmony.runtime.ops import Acts, Predicted, backward, forward, label_args, register
 
 
-# -- forward / backward / step -----------------------------------------------------------------
+# -- forward / backward -----------------------------------------------------------------------
 def _gather(spec, handles):
     found = {}
     for h in handles:
@@ -120,7 +113,7 @@ def _forward_effect(m, pack, mb, *inputs, keep=False):
     return Predicted(spec.out_bytes), spec.fwd_peak
 
 
-def _pack_compute_cost(hw, flops: float, tensor_ops: float, extra: float = 0.0) -> float:
+def pack_compute_cost(hw, flops: float, tensor_ops: float, extra: float = 0.0) -> float:
     """Seconds of compute on ``hw``: FLOPs at the rate a layer pack sustains, plus a fixed cost per tensor op.
 
     The rate is the peak times the device's ``efficiency`` (matmuls at a pack's shapes and the
@@ -136,7 +129,7 @@ def _pack_compute_cost(hw, flops: float, tensor_ops: float, extra: float = 0.0) 
     return flops / rate + launches + hw.op_latency
 
 
-def _kernels_cost(spec, phase: str) -> float:
+def kernels_cost(spec, phase: str) -> float:
     """Tensor ops one ``phase`` ("forward", "backward", "step") of a pack dispatches, estimated.
 
     The plan does not keep the ops a pack dispatches, so they are estimated from the
@@ -163,8 +156,8 @@ def ondemand_latency(plan, hw, python_ops: float, autograd_ops: float = 0.0) -> 
 
 def _forward_cost(plan, hw, pack, mb, *inputs, keep=False):
     spec = plan.packs[pack]
-    ops = _kernels_cost(spec, "forward")
-    return "compute", _pack_compute_cost(hw, spec.fwd_flops, ops, ondemand_latency(plan, hw, ops))
+    ops = kernels_cost(spec, "forward")
+    return "compute", pack_compute_cost(hw, spec.fwd_flops, ops, ondemand_latency(plan, hw, ops))
 
 
 def _backward_execute(rt, pack, mb, *inputs, saved=None, grads=()):
@@ -227,231 +220,10 @@ def _backward_cost(plan, hw, pack, mb, *inputs, saved=None, grads=()):
     spec = plan.packs[pack]
     recompute = saved is None
     flops = spec.bwd_flops + (spec.fwd_flops if recompute else 0)
-    forward = _kernels_cost(spec, "forward") if recompute else 0
-    ops = _kernels_cost(spec, "backward") + forward
-    return "compute", _pack_compute_cost(hw, flops, ops, ondemand_latency(plan, hw, forward, ops - forward))
+    forward = kernels_cost(spec, "forward") if recompute else 0
+    ops = kernels_cost(spec, "backward") + forward
+    return "compute", pack_compute_cost(hw, flops, ops, ondemand_latency(plan, hw, forward, ops - forward))
 
-
-def _step_execute(rt, pack, stream=False, where="device", overlap=False):
-    """The optimizer update of the parameters whose gradients this pack completed.
-
-    ``where="disk"``: the pack's weights and optimizer state are in files; its gradients
-    leave the device a group at a time as the groups step on the host (runtime/diskparams.py).
-    ``overlap``: that step runs on the host thread while the device runs the next pack's
-    backward; the next such step first waits for it, so at most one is under way and the
-    device holds its pack's gradients until it has taken them.
-    ``where="host"``: the pack's gradients and weights are already on the host (its
-    releases ran first); the optimizer steps the host copies on a host thread, overlapped
-    with the next pack's backward, and the pack's next swap_in waits for it (ZeRO-Offload).
-    Its parameters in ``Residency.device_parts`` (all their state resident) step first, here, on
-    the device, one at a time; the host step leaves them (their gradients are gone by then).
-    With mixed precision the host gradients arrive in the compute dtype and become fp32 first;
-    under fp16 loss scaling they are unscaled and checked here, and under fp16 or clipping the update
-    waits for ``StepGate.finish`` (runtime/precision.py), which clips it by the global norm first.
-    ``stream``: the optimizer state lives on the host; bring each parameter's in, step it
-    alone on the device, and send it back, so the device holds one parameter's state at a time.
-    """
-    spec = rt.plan.packs[pack]
-    if where == "disk":
-        return _step_disk(rt, pack, spec, overlap)
-    if where == "host":
-        return _step_host(rt, pack, spec)
-    if rt.gate is not None:     # clipping: every step follows the last backward; the norm is known now
-        rt.gate.clip([rt.state.tensors[n] for n in spec.stepped])
-    if not stream:
-        with rt.counting():
-            for opt in dict.fromkeys(rt.state.optimizers[n] for n in spec.stepped):
-                opt.step()
-    else:
-        for n in spec.stepped:    # moves happen outside the counting mode: host copies are not device bytes
-            rt.state.wait(rt.state.fetch("optim", [n]))
-            with rt.counting():
-                _step_one(rt.state.optimizers[n], rt.state.tensors[n])
-            rt.state.release("optim", [n])
-    for n in spec.owned:      # sharded: the gradients of params other ranks step are dropped too
-        rt.state.tensors[n].grad = None
-    rt.state.dirty.update(spec.stepped)
-
-
-def _step_disk(rt, pack, spec, overlap) -> None:
-    """Weights and state in files: step group by group (runtime/diskparams.py), inline or on the host thread."""
-    pd = rt.state.params_disk
-    if not overlap:
-        pd.step(pack, rt.state.to_host)
-        return
-    pd.join()            # the previous overlapped step (the memory plan frees its gradients here)
-    handed = [rt.state.tensors[n].grad for n in spec.owned]
-    rt.state.moved["d2h"] += sum(nbytes(g) for g in handed if g is not None and rt.meter.holds(g))
-    fut = pd.step_in_background(rt.state.host_pool, pack, lambda g: rt.state.to_host(g, count=False))
-    rt.state.pending.update((n, fut) for n in spec.owned)
-
-
-def _step_host(rt, pack, spec) -> None:
-    """Step the host copies on the host thread (its ``Residency.device_parts`` first, here, on the device)."""
-    on_device = _device_parts(rt.plan, spec)
-    if on_device:
-        if rt.gate is not None:
-            rt.gate.clip([rt.state.tensors[n] for n in on_device])
-        with rt.counting():
-            for n in on_device:
-                _step_one(rt.state.optimizers[n], rt.state.tensors[n])
-        for n in on_device:
-            rt.state.tensors[n].grad = None
-        rt.state.dirty.update(on_device)
-        if len(on_device) == len(spec.stepped):    # nothing left for the host to step
-            return
-    # (partitioned: the optimizer steps this rank's pieces of the pack's parameters, whose gradients go with them)
-    params = [rt.state.tensors[n] for n in spec.owned] + share_params(rt, pack)
-    # (a rank whose chunks of a partitioned pack are empty has no optimizer for it)
-    opts = list(dict.fromkeys(rt.state.optimizers[n] for n in spec.stepped if n in rt.state.optimizers))
-    disk = getattr(rt.state, "disk", None)   # optimizer state of disk-placed packs (runtime/disk.py)
-    shares = getattr(rt.state, "shares", None)
-    carry = shares.carry if shares is not None and pack in shares.carry_packs else None
-
-    def update(skip=False):
-        start = time.perf_counter()
-        rt.state.unpark(spec.owned)   # gradients that reached the host before their weights (TieredState.parked)
-        if disk is not None:   # read ahead the next disk pack's state; bring in this one's if on disk
-            disk.begin(pack)
-        try:
-            if rt.gate is not None and not skip:     # clipping: by the global norm, known once every update waits
-                rt.gate.clip(params)
-            for opt in opts:
-                if not skip:
-                    opt.step()
-            if carry is not None:    # partitioned: the updated chunks into the device copy carried to the forward
-                carry.refill(rt.state.shares, pack)
-        except BaseException:
-            if disk is not None:
-                disk.abort(pack)
-            raise
-        if disk is not None:   # write it back; placeholders stay in the optimizer until the next step
-            disk.end(pack)
-        for p in params:
-            p.grad = None
-        rt.state.host_step_seconds += time.perf_counter() - start
-
-    def check_then_update():   # mixed precision: fp32 gradients; fp16: unscaled, checked; fp16, clipping: deferred
-        start = time.perf_counter()
-        # an update run now drops its gradients before the next pack's are made: they can share one buffer
-        buffer = rt.state.grad_buffer if rt.gate is None else None
-        cast = rt.state.unpark(spec.owned, convert=False)
-        master_grads(cast + [(p, p.grad) for p in params if p.grad is not None and p.grad.dtype != p.dtype], buffer)
-        rt.state.host_step_seconds += time.perf_counter() - start
-        if rt.gate is None:
-            return update()
-        if rt.scaler is not None:
-            rt.scaler.unscale([p.grad for p in params if p.grad is not None])
-        rt.gate.defer(pack, update)
-    fut = rt.state.host_pool.submit(update if rt.compute_dtype is None and rt.gate is None else check_then_update)
-    rt.state.pending.update((n, fut) for n in spec.stepped if n not in on_device)
-
-
-def device_part_bytes(plan, spec) -> dict[str, int]:
-    """The fp32 bytes of each of the pack's parameters that step on the device though the pack steps on the host."""
-    sizes = plan.at(spec.index).device_part_bytes
-    return {n: sizes.get(n, 0) for n in _device_parts(plan, spec)}
-
-
-def _share_traffic(spec, master: float) -> float:
-    """``step_traffic`` of ``master`` fp32 bytes of the pack's parameters, with their share of its optimizer state."""
-    whole = spec.master_bytes or spec.param_bytes
-    return step_traffic(master, spec.optim_bytes * master / whole if whole else 0)
-
-
-def device_part_cost(plan, hw, pack: int) -> float:
-    """Seconds a host-stepped pack's ``step`` spends on the compute stream first, stepping its
-    ``Residency.device_parts`` on the device one at a time: their traffic at the device's memory bandwidth and
-    their tensor ops."""
-    spec = plan.packs[pack]
-    parts = device_part_bytes(plan, spec)
-    if not parts:
-        return 0.0
-    ops = _kernels_cost(spec, "step") / max(1, len(spec.stepped)) * len(parts)
-    return _share_traffic(spec, sum(parts.values())) / hw.memory_bandwidth + _pack_compute_cost(hw, 0, ops)
-
-
-def _device_parts(plan, spec) -> list[str]:
-    """The pack's parameters that step on the device though the pack steps on the host."""
-    parts = plan.at(spec.index).device_parts
-    return [n for n in spec.stepped if n in parts] if parts else []
-
-
-def _step_one(opt: torch.optim.Optimizer, param: torch.Tensor) -> None:
-    """Step one parameter with its optimizer: its group sees only it for the call, and the other groups nothing."""
-    kept = [group["params"] for group in opt.param_groups]
-    for group in opt.param_groups:
-        group["params"] = [p for p in group["params"] if p is param]
-    try:
-        opt.step()
-    finally:
-        for group, params in zip(opt.param_groups, kept):
-            group["params"] = params
-
-
-def _step_effect(m, pack, stream=False, where="device", overlap=False):
-    spec = m.plan.packs[pack]
-    if where in ("host", "disk"):   # gradients left with the pack's release (a disk step takes them now)
-        on_device = _device_parts(m.plan, spec) if where == "host" else []
-        for n in on_device:         # but those of parameters stepping on the device: they go with the step
-            if n in m.grads_exist and m.resident("grads", n):
-                m.live -= m.sizes[("grads", n)]
-        m.dirty.update(on_device)
-        m.grads_exist -= set(spec.owned)
-        if overlap:                 # the previous overlapped step has taken its gradients; this one holds its own
-            m.live -= m.overlapping
-            m.overlapping = m.handed.pop(pack, 0)
-        else:
-            m.live -= m.handed.pop(pack, 0)
-        return None, max((m.plan.at(pack).device_parts[n] for n in on_device), default=0)
-    for n in spec.owned:
-        if n in m.grads_exist:
-            m.grads_exist.discard(n)
-            if m.resident("grads", n):
-                m.live -= m.sizes[("grads", n)]
-    m.dirty.update(spec.stepped)
-    if stream:   # what is not held on the device comes in and goes back out
-        moved = sum(m.sizes.get(("optim", n), 0) for n in spec.stepped if not m.resident("optim", n))
-        m.moved["h2d"] += moved
-        m.moved["d2h"] += moved
-        return None, spec.stream_step_peak
-    return None, spec.step_extra
-
-
-def _step_cost(plan, hw, pack, stream=False, where="device", overlap=False):
-    """An optimizer step is memory-bound: its traffic at memory bandwidth, plus a fixed cost per tensor op.
-
-    Traffic: ``plan.step_traffic``, 4 x (2 P + O) bytes. A streamed step also copies each parameter's optimizer state in
-    and back out, one parameter at a time, on the compute stream's critical path.
-    """
-    spec = plan.packs[pack]
-    traffic = step_traffic(spec.param_bytes, spec.optim_bytes)
-    if where in ("host", "disk"):   # the host's own memory, outside the runtime's accounting: plain dispatch
-        master = spec.master_bytes or spec.param_bytes      # fp32 masters, less those stepped on the device first
-        host = master - sum(device_part_bytes(plan, spec).values()) if where == "host" else master
-        traffic = _share_traffic(spec, host)
-        return "host", traffic / getattr(hw, "host_memory_bandwidth", hw.memory_bandwidth)
-    ops = _kernels_cost(spec, "step")
-    seconds = traffic / hw.memory_bandwidth + _pack_compute_cost(hw, 0, ops, ondemand_latency(plan, hw, ops))
-    if stream:
-        optim = streamed_optim_bytes(plan, pack)
-        seconds += optim / hw.h2d_bandwidth + optim / hw.d2h_bandwidth
-    return "compute", seconds
-
-
-def streamed_optim_bytes(plan, pack: int) -> int:
-    """A streamed step's optimizer state that comes in and goes out: the pack's, less what stays resident."""
-    spec = plan.packs[pack]
-    kept = plan.at(pack).optim_kept
-    return spec.optim_bytes - sum(kept.get(n, 0) for n in spec.stepped)
-
-
-def _step_needs(kwargs) -> tuple:
-    if kwargs.get("where", "device") in ("host", "disk"):
-        return ()                      # the host copies are stepped
-    if kwargs.get("stream"):
-        return ("params", "grads")     # it brings the optimizer state in itself, a parameter at a time
-    return ("params", "grads", "optim")
 
 
 def _pack_mb(args, kwargs) -> str:
@@ -462,15 +234,7 @@ def _pack_mb(args, kwargs) -> str:
     return f"pack {args[0]} · mb {args[1]}{keep}{recompute}"
 
 
-def _step_label(args, kwargs) -> str:
-    where = kwargs.get("where", "device")
-    return (f"pack {args[0]}" + (f" · {where}" if where != "device" else "")
-            + (" · overlapped" if kwargs.get("overlap") else "")) if args else ""
-
-
 register(forward, _forward_execute, _forward_effect, _forward_cost, "compute", needs=lambda kw: ("params",),
          colour="#9ecae1", label=_pack_mb)
 register(backward, _backward_execute, _backward_effect, _backward_cost, "compute",
          needs=lambda kw: ("params", "grads"), colour="#6baed6", label=_pack_mb)
-register(step, _step_execute, _step_effect, _step_cost, "compute", needs=_step_needs, disk_io=disk_io,
-         colour="#a1d99b", label=_step_label)

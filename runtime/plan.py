@@ -98,6 +98,7 @@ class PackSpec:
     optim_bytes: int = 0          # optimizer state of the stepped params
     step_extra: int = 0           # transient bytes of the optimizer step over the whole pack
     stream_step_peak: int = 0     # peak bytes of a step that brings each parameter's optimizer state in turn
+                                  # (mixed precision: with its fp32 master and gradient)
     in_bytes: int = 0             # one microbatch's float inputs from other packs (their gradients)
     out_bytes: int = 0            # one microbatch's outputs
     saved_bytes: int = 0          # one microbatch's activations kept for backward
@@ -110,6 +111,7 @@ class PackSpec:
     fwd_flops: int = 0
     bwd_flops: int = 0
     master_bytes: int = 0         # the host's fp32 masters of ``params`` (param_bytes is the device copies)
+    stepped_master_bytes: int = 0   # those of ``stepped``: what a mixed-precision device step brings in
 
     def __post_init__(self):
         if self.stepped is None:

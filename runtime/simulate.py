@@ -65,7 +65,7 @@ import torch.fx
 
 from harmony.runtime.executor import TraceEvent
 from harmony.runtime.ops import MemoryModel, moving_names, op_of, resident_state
-from harmony.runtime.ops_compute import device_part_cost, streamed_optim_bytes
+from harmony.runtime.ops_step import device_part_cost, streamed_optim_bytes
 from harmony.runtime.plan import Plan
 
 STREAMS = ("compute", "h2d", "d2h", "disk", "network")

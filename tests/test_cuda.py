@@ -209,11 +209,14 @@ def test_peak_allocated_within_budget(policy):
     assert "CUDA allocator" in sm.report()
 
 
-def test_bf16_within_rounding_of_autocast():
+@pytest.mark.parametrize("optimizer_on", ["host", "device"])
+def test_bf16_within_rounding_of_autocast(optimizer_on):
+    """Host steps, and device steps (each fp32 master brought to the card for its step), against autocast."""
     model, data = CASES["gpt"](width=128)
     ours = copy.deepcopy(model)
-    sm, _, _, losses = run_on_gpu(ours, data, 2, 0.5, precision="bf16")
+    sm, budget, peaks, losses = run_on_gpu(ours, data, 2, 0.5, precision="bf16", optimizer_on=optimizer_on)
     sm.close()
+    assert all(s["allocated"] <= budget for s in peaks)
     ref = copy.deepcopy(model).to(DEV)
     opt = torch.optim.AdamW(ref.parameters())
     ref_losses = []

@@ -21,7 +21,7 @@ from harmony.compiler.hardware import PCIE, PRESETS, Device, Hardware
 from harmony.compiler.verify import memory_curve
 from harmony.errors import ConfigError
 from harmony.models import GPT, GPTConfig, copy_task
-from harmony.runtime import ops, ops_compute
+from harmony.runtime import ops, ops_step
 from harmony.runtime.plan import PackSpec, Plan
 from harmony.runtime.simulate import simulate
 from harmony.viz import timeline
@@ -326,7 +326,7 @@ def test_simulate_a_compiled_schedule(tmp_path):
         nodes = [n for n in sm.graph.nodes if n.op == "call_function"]
         # one event per op, and before a host step the device steps of its single parameters (``step.device``)
         host = [n for n in nodes if n.target is ops.step and n.kwargs.get("where") == "host"]
-        first = [n for n in host if ops_compute.device_part_cost(sm.plan, hw.devices[0], n.args[0])]
+        first = [n for n in host if ops_step.device_part_cost(sm.plan, hw.devices[0], n.args[0])]
         assert [e.name for e in sim.events if not e.name.endswith(".device")] == [n.name for n in nodes]
         assert [e.name for e in sim.events if e.name.endswith(".device")] == [f"{n.name}.device" for n in first]
         dev = hw.devices[0]
@@ -334,13 +334,13 @@ def test_simulate_a_compiled_schedule(tmp_path):
         # a step on the host (offload) runs on the host stream
         costs = [ops.op_of(n).cost(sm.plan, dev, *n.args, **n.kwargs) for n in nodes
                  if n.target in (ops.forward, ops.backward, ops.step)]
-        device_first = sum(ops_compute.device_part_cost(sm.plan, dev, n.args[0]) for n in host)
+        device_first = sum(ops_step.device_part_cost(sm.plan, dev, n.args[0]) for n in host)
         assert sim.busy["compute"] == pytest.approx(sum(t for stream, t in costs if stream == "compute")
                                                     + device_first)
         # the host step reads the host's memory bandwidth, which the simulator takes from the Hardware, for what
         # is not stepped on the device first
         rest = {n: sm.plan.packs[n.args[0]].param_bytes
-                - sum(ops_compute.device_part_bytes(sm.plan, sm.plan.packs[n.args[0]]).values()) for n in host}
+                - sum(ops_step.device_part_bytes(sm.plan, sm.plan.packs[n.args[0]]).values()) for n in host}
         assert sim.busy.get("host", 0.0) == pytest.approx(sum(
             4 * (2 * rest[n] + sm.plan.packs[n.args[0]].optim_bytes * rest[n] / sm.plan.packs[n.args[0]].param_bytes)
             / hw.host_memory_bandwidth for n in host))

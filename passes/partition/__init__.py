@@ -209,8 +209,11 @@ def build_packs(program: Program, cuts: list[tuple[int, int]], units: list[Unit]
         spec.master_bytes = sum(master[n] for n in spec.params)
         owned = [master[n] for n in spec.stepped]   # optimizer state is per fp32 master byte
         spec.optim_bytes = sum(optim_state_bytes(prof, b) for b in owned)
+        spec.stepped_master_bytes = sum(owned)
         spec.step_extra = step_extra(prof, owned)
-        spec.stream_step_peak = max((optim_state_bytes(prof, b) + step_extra(prof, [b]) for b in owned),
+        # mixed precision: a device step also brings the parameter's fp32 master and makes its gradient fp32
+        fp32 = 2 if program.config.precision != "fp32" else 0
+        spec.stream_step_peak = max((optim_state_bytes(prof, b) + step_extra(prof, [b]) + fp32 * b for b in owned),
                                     default=0)
         spec.fwd_flops = int(sum(n.meta[COST].fwd_flops.at(program.config.microbatch_size) for n in nodes))
         spec.bwd_flops = int(sum(n.meta[COST].bwd_flops.at(program.config.microbatch_size) for n in nodes))

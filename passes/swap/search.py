@@ -188,8 +188,11 @@ def _candidates(program: Program, base, groups: dict, graphs: list) -> list[tupl
     n_packs, m = len(plan.packs), plan.microbatches
     candidates = list(graphs)
     swaps = param_swaps(base)
+    # mixed precision keeps no compute copy between steps (the fp32 masters are the weights): those of packs stepped
+    # on the device come in afresh too, and only their optimizer state may stay
+    mixed = program.config.precision != "fp32"
     for spec in plan.packs:
-        if plan.at(spec.index).step_on == "host":   # the host updates the weights: they come in afresh each iteration
+        if plan.at(spec.index).step_on == "host" or mixed:   # the host updates the weights: they come in afresh
             visits = len(swaps.get(spec.index, ([], []))[0])
             if visits > 1:
                 candidates.append((visits - 1, spec.param_bytes + spec.buffer_bytes, ("held", spec.index)))
@@ -197,6 +200,8 @@ def _candidates(program: Program, base, groups: dict, graphs: list) -> list[tupl
             if spec.stepped and may_step_on_device(program, spec.index):
                 held = spec.param_bytes + spec.buffer_bytes + spec.optim_bytes
                 candidates.append(((spec.param_bytes + spec.buffer_bytes) * 2 / held, held, ("device", spec.index)))
+            if plan.at(spec.index).step_on != "host":
+                candidates.append((2, spec.optim_bytes, ("optim", spec.index)))   # in and out around the step
             continue
         phases = m if program.config.policy == "sequential" else 1
         per_byte = phases * (2 if spec.index == n_packs - 1 else 3)   # in for forward and backward, out once
