@@ -438,6 +438,9 @@ class CompileConfig(Config):
     state_owner: dict | None = None    # param -> the rank stepping it (runtime/shard.py); None: each rank steps all
     offline: bool = False              # planned in this process for another rank or a choice: meets no rank
     group_predicted: dict | None = None   # pipeline_group="auto": each candidate's predicted node step (s)
+    weigh_device_steps: bool = False  # bf16 under optimizer_on="auto" (which mixed precision resolves to "host"):
+    device_steps: int = 0             # compile weighs stepping the last packs on the device, this many chosen
+    steps_predicted: dict | None = None   # (harmony/mixed_steps.py); each count tried: its predicted step (s)
 
     def __post_init__(self):
         pass

@@ -211,6 +211,14 @@ class Hardware:
             return cls.preset(hardware)
         return cls((hardware,)) if isinstance(hardware, Device) else hardware
 
+    def computing_in(self, precision: str) -> "Hardware":
+        """The devices costed at ``precision``'s FLOP/s ("bf16", "fp16") where they have a figure for it: a plan
+        in mixed precision multiplies in that dtype, not in the fp32 a description defaults to."""
+        if precision == "fp32":
+            return self
+        return self.replace(devices=tuple(d.replace(dtype=precision) if precision in d.peak_flops else d
+                                          for d in self.devices))
+
     @classmethod
     def node(cls, name: str) -> "Hardware":
         """A whole server from ``compiler/nodes.py``: "4x1080ti", "8x1080ti" (one PCIe 3.0 switch), "8xa100-40gb"."""
@@ -266,7 +274,7 @@ class Hardware:
         RAM (give it a budget with ``hw.logical([budget])``); default: the first GPU where CUDA is
         available, else the CPU.
         """
-        if _wants_cuda(device):
+        if machine.wants_cuda(device):
             return cls._detect_cuda(path, device or "cuda")
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         ram, model = machine.meminfo("MemTotal"), machine.cpu_model()
@@ -356,7 +364,7 @@ class Hardware:
         (2048, 4096)) against the fp32 peak; its compute is ``queued`` (launches overlap kernels).
         The result is cached for ``this_machine()`` when ``save``.
         """
-        if _wants_cuda(device):
+        if machine.wants_cuda(device):
             hw = cls._profile_cuda(seconds, path, device or "cuda", block or (2048, 4096))
             if save:
                 _save_profile(hw)
@@ -410,19 +418,6 @@ class Hardware:
         d["notes"] = tuple(d.get("notes", ()))
         d["switches"] = tuple(tuple(g) for g in d.get("switches", ()))
         return cls(**d)
-
-
-def _wants_cuda(device) -> bool:
-    """Whether ``device`` (None: whatever this machine has) names a CUDA GPU that is here."""
-    if device is not None and not str(device).startswith("cuda"):
-        return False
-    try:
-        import torch
-    except ImportError:
-        return False
-    if device is not None and not torch.cuda.is_available():
-        raise ConfigError(f"device={device!r} but torch sees no CUDA GPU here; use device='cpu'")
-    return torch.cuda.is_available()
 
 
 def _save_profile(hw: "Hardware") -> None:

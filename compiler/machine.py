@@ -44,6 +44,20 @@ def disk_free(path=None) -> int:
     return st.f_bavail * st.f_frsize
 
 
+def wants_cuda(device) -> bool:
+    """Whether ``device`` (None: whatever this machine has) names a CUDA GPU that is here."""
+    if device is not None and not str(device).startswith("cuda"):
+        return False
+    try:
+        import torch
+    except ImportError:
+        return False
+    if device is not None and not torch.cuda.is_available():
+        from harmony.base.errors import ConfigError
+        raise ConfigError(f"device={device!r} but torch sees no CUDA GPU here; use device='cpu'")
+    return torch.cuda.is_available()
+
+
 def _timed(fn, budget: float, at_least: int = 2) -> list[float]:
     """Seconds of each run of ``fn`` after one warm-up, until ``budget`` seconds pass (at least ``at_least`` runs)."""
     stop = time.perf_counter() + budget

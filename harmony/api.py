@@ -125,6 +125,7 @@ def _resolve(options: Config, batch_size: int) -> CompileConfig:
         options.items(), batch_size=batch_size, optimizer_kwargs=dict(kwargs or {}),
         memory_budget=0 if balance else options.memory_budget or DEFAULT_MEMORY_BUDGET,
         optimizer_on="host" if mixed and options.optimizer_on == "auto" else options.optimizer_on,
+        weigh_device_steps=options.precision == "bf16" and options.optimizer_on == "auto",
         loss_scaling=options.scaling(), compression=spec, adaptive=adaptive,
         shard_state=balance if options.shard_state is None else options.shard_state,
         data_parallel=world["data_parallel"], world_size=world.get("world_size"), rank=world.get("rank", 0),
@@ -155,6 +156,8 @@ def _plan_rank(model, gm, batch, cfg: CompileConfig):
         from harmony.balanced import plan_this_rank
         balanced = plan_this_rank(model, gm, batch, cfg.balance, cfg, cfg.hardware, sharded=cfg.shard_state)
     elif cfg.hardware is not None:
+        from harmony.compiler.hardware import Hardware
+        cfg.hardware = Hardware.of(cfg.hardware).computing_in(cfg.precision)
         cfg.plan_for_device(_device_of(cfg.hardware), cfg.hardware)
     if cfg.shard_state is True:
         shard_over_ranks(cfg, gm, balanced.shares if balanced else [1.0] * cfg.world_size)
@@ -215,6 +218,9 @@ def _run_passes(program: Program, passes) -> Program:
         from harmony.pipeline import run_pipeline_passes
         return run_pipeline_passes(program, passes)
     try:
+        from harmony import mixed_steps
+        if mixed_steps.wanted(cfg):
+            cfg.device_steps, cfg.steps_predicted = mixed_steps.choose(program, passes)
         return run_passes(program, passes)
     except HarmonyError as e:
         # the pass that failed is the first one not in the history; compress itself has met the others already

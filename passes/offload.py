@@ -116,6 +116,7 @@ def run(program: Program, ctx) -> PassResult:
                           f"in its files. Use shard_state='full' (each rank keeps and reads its share of every pack "
                           f"on its own disk), no shard_state, a larger host_memory_budget, or weights_on='host'")
     _place(program, place, disk, whole, need)
+    on_device = _device_steps(program, disk | whole) if host else []
     in_memory = sorted(plan.packs_with("in_memory"))
     rows = _rows(program, place, whole, need, in_memory)
     disk_read = sum(r["disk_read_MiB"] for r in rows) * 2**20
@@ -129,6 +130,14 @@ def run(program: Program, ctx) -> PassResult:
     report = PassReport("offload: where the optimizer steps and where weights and its state live", rows,
                         totals=totals)
     report.notes.append(f"chosen because {reason}")
+    if on_device:
+        tried = getattr(cfg, "steps_predicted", None) or {}
+        report.notes.append(
+            f"packs {', '.join(map(str, sorted(on_device)))} (the last to step) step on the device, each fp32 master "
+            f"and its optimizer state brought in for it, beside the host's steps of the others"
+            + (": chosen by compile, the simulator's step for each count of such packs "
+               + ", ".join(f"{k}: {t * 1e3:.1f} ms" if t is not None else f"{k}: does not fit"
+                           for k, t in tried.items()) if tried else ""))
     if host and budget is None:
         report.notes.append("no host_memory_budget: every pack's weights and optimizer state stay in host memory")
     elif host:
@@ -163,7 +172,6 @@ def run(program: Program, ctx) -> PassResult:
 def _rows(program: Program, place: str, whole: set, need: dict, in_memory: list) -> list[dict]:
     """The report's row per pack: where it steps, where its weights and optimizer state live, its disk bytes."""
     cfg, plan = program.config, program.plan
-    host = place == "host"
     # weights are read for the forward and the backward; under harmony the step takes the backward's
     # (runtime/diskparams.py)
     weight_reads = 2 if cfg.policy == "harmony" else 3
@@ -190,11 +198,13 @@ def _rows(program: Program, place: str, whole: set, need: dict, in_memory: list)
         share = plan.at(spec.index).in_memory_share     # of its files, kept in host memory
         kept = share * owned
         on_disk *= 1 - share
-        rows.append(dict(pack=spec.index, layers=spec.name, step_on="host (inline, by file)" if weights else place,
+        here = plan.at(spec.index).step_on == "host"     # (mixed precision: some packs may step on the device)
+        rows.append(dict(pack=spec.index, layers=spec.name,
+                         step_on="host (inline, by file)" if weights else plan.at(spec.index).step_on,
                          weights="disk" if weights else "host",
-                         optimizer_state=where if host else "device (streamed or resident)",
+                         optimizer_state=where if here else "device (streamed or resident)",
                          optim_MiB=spec.optim_bytes / 2**20,
-                         grads_out_MiB=(spec.param_bytes if host else 0) / 2**20,
+                         grads_out_MiB=(spec.param_bytes if here else 0) / 2**20,
                          disk_read_MiB=(on_disk + (weight_reads * (owned - kept) if weights else 0)) / 2**20,
                          disk_write_MiB=(on_disk + (owned - kept if weights else 0)) / 2**20,
                          **({"in_memory_MiB": share * (owned + spec.optim_bytes) / 2**20}
@@ -216,6 +226,24 @@ def _weights_on(cfg) -> str:
                           f"gradients leave the device, in fp32 and unclipped only for now; use weights_on='host' "
                           f"with a host_memory_budget that holds the fp32 weights")
     return "host"
+
+
+def _device_steps(program: Program, off_host: set) -> list[int]:
+    """Mixed precision under ``optimizer_on="auto"``: the last ``config.device_steps`` packs to step (of those whose
+    state stays in host memory) step on the device instead, each fp32 master and its state brought in for it, so
+    the host's steps and the device's share the work (compile chooses how many by simulation:
+    harmony/mixed_steps.py)."""
+    k = getattr(program.config, "device_steps", 0)
+    if not k or program.config.precision == "fp32":
+        return []
+    steps = [n for n in program.schedule.nodes if n.op == "call_function" and n.target is ops.step]
+    packs = [p for p in dict.fromkeys(n.args[0] for n in steps) if p not in off_host][-k:]
+    for n in steps:
+        if n.args[0] in packs:
+            n.kwargs = {**n.kwargs, "where": "device"}
+    for p in packs:
+        program.plan.at(p).step_on = program.plan.at(p).optim_on = "device"
+    return packs
 
 
 def full_sharding(cfg) -> bool:
