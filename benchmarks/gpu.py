@@ -8,6 +8,9 @@ only itself):
                the compute reference, where the training state and activations fit the card
   harmony-F    harmony.compile(device="cuda", memory_budget=F x the training state), policy harmony
   sequential-F / ondemand-F   the same budget under the Harmony paper's two baselines
+  hostonly-F   harmony-F with every optimizer step on the host (optimizer_on="host"): in bf16, harmony-F may step
+               the packs that step last on the card instead, as many as its simulation finds fastest
+               (harmony/mixed_steps.py; the row's device_steps says how many)
   fsdp2        torch's fully_shard per block and at the root with CPUOffloadPolicy(pin_memory=True)
                on a one-GPU NCCL mesh: parameters, gradients and optimizer state on the host,
                AdamW stepping on the CPU (peak allocated beside its time)
@@ -139,10 +142,14 @@ def setup_harmony(a, c, data, policy, frac):
     hw = Hardware.this_machine()       # the parent's profile of this card (cached), planned for and simulated on
     if a.precision == "bf16" and "bf16" in hw.devices[0].peak_flops:
         hw = hw.replace(devices=(hw.devices[0].replace(dtype="bf16"),))
+    where = dict(optimizer_on="host") if policy == "hostonly" else {}
     sm = harmony.compile(model, data[0], optimizer=torch.optim.AdamW, optimizer_kwargs=dict(lr=LR, weight_decay=WD),
-                         memory_budget=budget, microbatches=a.microbatches, policy=policy, device=a.device,
-                         precision=a.precision, hardware=hw)
-    info = dict(budget=budget, compile_s=round(sm.compile_seconds["total"], 2), packs=len(sm.plan.packs))
+                         memory_budget=budget, microbatches=a.microbatches, device=a.device, precision=a.precision,
+                         hardware=hw, policy="harmony" if policy == "hostonly" else policy, **where)
+    cfg = sm.program.config
+    info = dict(budget=budget, compile_s=round(sm.compile_seconds["total"], 2), packs=len(sm.plan.packs),
+                device_steps=list(sm.plan.by_pack("step_on").values()).count("device"),
+                steps_predicted={str(k): v for k, v in (cfg.steps_predicted or {}).items()})
     stats = info.setdefault("stats", [])
     sim = sm.simulate(hw.logical([budget]))
     idle = round(1 - sim.utilisation.get("compute", 0), 3)
@@ -296,6 +303,8 @@ def summarize(r: dict, a, card: dict, tokens: int) -> dict:
         s["predicted_compute_idle"] = r.get("predicted_compute_idle")
         if "predicted_host_s" in r:
             s["predicted_host_s"] = round(r["predicted_host_s"], 3)
+    if r.get("device_steps") is not None and r.get("packs"):
+        s["device_steps"] = f"{r['device_steps']} of {r['packs']}"
     return s
 
 
