@@ -29,8 +29,12 @@ Parameters are filled with NaN before their init runs and checked after it: one 
 naming it, raised before the step could train on garbage.
 
 The init is called on the modules that own parameters, one at a time (a tied weight belongs to the first module that
-holds it). An ``_init_weights`` that reaches from a parent into its children's parameters (GPT-2's scaled init of
-``c_proj`` from ``GPT2MLP``) is not applied from the parent: pass an ``init`` that does it from the child.
+holds it). The model's ``_init_weights`` then runs on each module above it, nearest first, as Hugging Face's
+``init_weights`` (``Module.apply``: children before parents) reaches them, with every other real parameter under that
+module standing in as a meta tensor (``Filler._only``): an init that reaches from a parent into its children's
+parameters (GPT-2's scaled ``c_proj`` from ``GPT2MLP``, T5's feed-forward weights from ``T5DenseActDense``) draws
+them for the module being filled, from its own generator, whatever was filled before. A user's ``init`` is called
+on the owning modules only.
 """
 from __future__ import annotations
 
@@ -124,6 +128,7 @@ class Filler:
                 if p.device.type == "meta":
                     self.owner.setdefault(id(p), (name, module))
         self.filled = 0           # bytes filled so far
+        self.stand_ins: dict[int, nn.Parameter] = {}     # meta twins of filled parameters, while another module inits
         self.seconds = 0.0        # spent filling them
         self._check()
 
@@ -174,11 +179,16 @@ class Filler:
                 self.init(module)
             else:
                 own = getattr(self.model, "_init_weights", None)
+                mine = {id(p) for _, p in empty}
                 if callable(own):
-                    own(module)
+                    with self._only(module, mine):
+                        own(module)
                 reset = getattr(module, "reset_parameters", None)
                 if callable(reset) and (own is None or _unfilled(empty)):
                     reset()
+                for parent in self._ancestors(name) if callable(own) else ():
+                    with self._only(parent, mine):    # as Hugging Face's init() reaches it: children first
+                        own(parent)
         left = _unfilled(empty)
         if left:
             how = "init" if self.init is not None else "its _init_weights and reset_parameters"
@@ -187,6 +197,34 @@ class Filler:
                               f"it was made with): pass init=fn to harmony.compile that fills every parameter of "
                               f"such a module, e.g. with torch.nn.init")
         self.filled += sum(p.numel() * p.element_size() for _, p in empty)
+
+
+    def _ancestors(self, name: str) -> list[nn.Module]:
+        """The modules above ``name``, the nearest first, the model last (the order ``Module.apply`` reaches them)."""
+        parts = name.split(".") if name else []
+        return [self.model.get_submodule(".".join(parts[:i])) for i in reversed(range(len(parts)))]
+
+    @contextlib.contextmanager
+    def _only(self, target: nn.Module, keep: set[int]):
+        """While an init runs on ``target``: every real parameter under it but ``keep``'s (by id) stands in as a meta
+        tensor of its shape, which an init draws nothing for, so the module being filled gets the draws an
+        ancestor's init makes for it (GPT-2's scaled ``c_proj``, T5's feed-forward) whatever was filled before."""
+        swapped = []
+        for mod in target.modules():
+            for key, p in mod._parameters.items():
+                if p is not None and id(p) not in keep and p.device.type != "meta":
+                    swapped.append((mod, key, p))
+        for mod, key, p in swapped:
+            stand_in = self.stand_ins.get(id(p))
+            if stand_in is None:
+                stand_in = self.stand_ins[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"),
+                                                                requires_grad=p.requires_grad)
+            mod._parameters[key] = stand_in
+        try:
+            yield
+        finally:
+            for mod, key, p in swapped:
+                mod._parameters[key] = p
 
 
 def _unfilled(params) -> list[str]:

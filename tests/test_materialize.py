@@ -167,11 +167,13 @@ def test_hugging_face_models_built_empty_train_bitwise_as_eager_on_the_same_weig
     for batch in data:
         sm(**batch)
     got = params(sm)
-    # a weight tied into several packs adds its gradients in another order than eager: allclose (README)
+    # a weight tied into several packs adds its gradients in another order than eager: allclose (README); AdamW
+    # moves an element whose gradient is near zero by up to its lr (1e-3) either way, so the sum's last bits show,
+    # and from the next step on in every weight the tied one feeds (T5's embedding feeds them all)
     names = [id(p) for _, p in m.named_parameters(remove_duplicate=False)]
     tied = {n for n, p in m.named_parameters() if names.count(id(p)) > 1}
     for n, p in expected.named_parameters():
-        assert torch.equal(got[n], p) or n in tied and torch.allclose(got[n], p, atol=1e-6), n
+        assert torch.equal(got[n], p) or tied and torch.allclose(got[n], p, atol=1e-4), (n, (got[n] - p).abs().max())
     sm.close()
 
 
@@ -362,3 +364,23 @@ def test_a_batch_that_does_not_fit_an_empty_model_gets_the_model_s_error_not_the
                                          r"reduction dim, but got \[8, 9\] X \[8, 16\]"):
         harmony.compile(m, (torch.randn(8, 9), MLP_BATCH[1]), loss_fn=CE, memory_budget="64KiB")
     assert is_empty(m)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "t5", "llama", "bert"])
+def test_hugging_face_weights_made_empty_follow_the_model_s_own_init(arch):
+    """Each weight has the spread the model's own init gives it built eagerly, also where that init reaches from a
+    parent into its children (GPT-2 scales c_proj by the depth from GPT2MLP and GPT2Attention; T5 draws its
+    feed-forward and attention weights from their parents and its embeddings from the model), and constants
+    (norms, biases) are equal."""
+    pytest.importorskip("transformers")
+    model, _ = hf_bert_case() if arch == "bert" else ARCHITECTURES[arch]()
+    torch.manual_seed(0)
+    eager = type(model)(model.config)
+    with harmony.empty_weights():
+        empty = type(model)(model.config)
+    harmony.materialize(empty)
+    for (n, a), b in zip(eager.named_parameters(), empty.parameters()):
+        if a.numel() >= 256:
+            assert abs(b.std().item() / a.std().item() - 1) < 0.15, (n, b.std().item(), a.std().item())
+        elif a.std() == 0:
+            assert torch.equal(a, b), n
