@@ -82,25 +82,33 @@ def test_bf16_matches_eager_mixed_precision_bitwise(case, policy):
         assert abs(s["measured_peak"] - s["predicted_peak"]) <= 0.1 * s["measured_peak"], s
 
 
+def train_bf16_as_eager(case: str, policy: str, **kw):
+    """Train ``case`` in bf16 under a fifth of its training state; assert the run bitwise eager mixed precision's,
+    within the budget, its peak within 10% and (after the first step, which makes the optimizer state) every byte
+    moved as predicted. Returns the module and its stats per step."""
+    model, data = CASES[case]()
+    ref, ref_losses = eager_mixed(model, data, 4, torch.bfloat16)
+    ours = copy.deepcopy(model)
+    budget = int(training_state_bytes(model) * 0.2)
+    sm, stats, losses = run_compiled(ours, data, 4, budget, policy, precision="bf16", **kw)
+    _assert_bitwise(ours, ref)
+    assert losses == [x.item() for x in ref_losses]
+    for i, s in enumerate(stats):
+        assert s["measured_peak"] <= budget
+        assert abs(s["measured_peak"] - s["predicted_peak"]) <= 0.1 * s["measured_peak"], s
+        if i:
+            assert (s["h2d_bytes"], s["d2h_bytes"]) == (s["predicted_h2d"], s["predicted_d2h"])
+    return sm, stats
+
+
 @pytest.mark.parametrize("policy", ["harmony", "sequential"])
 @pytest.mark.parametrize("case", ["mlp", "gpt"])
 def test_bf16_steps_on_the_device_match_eager_bitwise(case, policy):
     """optimizer_on='device' under bf16: each fp32 master comes to the device with its optimizer state for its
     step; the run is bitwise eager's as the host-stepped one is, within the budget, its peak and every byte moved
     as predicted, and between steps the model holds its fp32 masters (no compute copy stays on the device)."""
-    model, data = CASES[case]()
-    ref, ref_losses = eager_mixed(model, data, 4, torch.bfloat16)
-    ours = copy.deepcopy(model)
-    budget = int(training_state_bytes(model) * 0.2)
-    sm, stats, losses = run_compiled(ours, data, 4, budget, policy, precision="bf16", optimizer_on="device")
+    sm, stats = train_bf16_as_eager(case, policy, optimizer_on="device")
     assert set(sm.plan.by_pack("step_on").values()) == {"device"} and len(sm.plan.packs) > 1
-    _assert_bitwise(ours, ref)
-    assert losses == [x.item() for x in ref_losses]
-    for i, s in enumerate(stats):
-        assert s["measured_peak"] <= budget
-        assert abs(s["measured_peak"] - s["predicted_peak"]) <= 0.1 * s["measured_peak"], s
-        if i:      # (the first step makes the optimizer state: none comes in)
-            assert (s["h2d_bytes"], s["d2h_bytes"]) == (s["predicted_h2d"], s["predicted_d2h"])
     masters = sum(spec.stepped_master_bytes for spec in sm.plan.packs)
     assert stats[-1]["d2h_bytes"] >= masters      # every master went back
 
