@@ -63,17 +63,19 @@ def _step_execute(rt, pack, stream=False, where="device", overlap=False):
 def _step_mixed(rt, spec) -> None:
     """bf16 on the device: each parameter's fp32 master comes in with its optimizer state (unless that stays
     resident), steps there against its gradient made fp32, refreshes the device copy in place (cast as ``swap_in``
-    casts it) and goes back to the host, so the device holds one parameter's fp32 state at a time."""
+    casts it) and goes back to the host. The next parameter's master and state come in on the copy engine while
+    this one steps, so the device holds one parameter's fp32 state and the next one's inputs at a time."""
     st = rt.state
-    for n in spec.stepped:
-        t, grad = st.tensors[n], st.grad(n)
-        if grad is None:
-            continue
-        st.wait(st.fetch("optim", [n]))
-        copy, host = t.data, st.master[n]
+    names = [n for n in spec.stepped if st.grad(n) is not None]
+    coming = _bring(st, names[0]) if names else None
+    for i, n in enumerate(names):
+        master, jobs = coming
+        for job in jobs:
+            st.wait(job)
+        coming = _bring(st, names[i + 1]) if i + 1 < len(names) else None
+        t, grad, host = st.tensors[n], st.grad(n), st.master[n]
+        copy = t.data
         with rt.counting():
-            master = torch.empty_like(host, device=st.device)
-            master.copy_(host)
             g32 = grad.to(host.dtype)
         t.grad = None
         point(t, master)     # the Parameter the optimizer holds steps as its fp32 master
@@ -86,10 +88,25 @@ def _step_mixed(rt, spec) -> None:
         finally:
             t.grad = None
             point(t, copy)
-        st.moved["h2d"] += nbytes(master)
         st.moved["d2h"] += nbytes(master)
         del master, g32
         st.release("optim", [n])
+
+
+def _bring(st, name: str):
+    """Start bringing parameter ``name``'s fp32 master and optimizer state to the device: (the master's device
+    tensor, the copies to wait for)."""
+    host = st.master[name]
+    master = torch.empty_like(host, device=st.device)
+    st.meter.track(master)
+    st.moved["h2d"] += nbytes(master)
+    def copy():
+        master.copy_(host, non_blocking=st.pin)
+        if master.is_cuda:   # freed before its wait (a failed step), it is not reused while the copy runs
+            master.record_stream(torch.cuda.current_stream(master.device))
+    fut = st.copier.submit(copy)
+    fut.harmony_jobs = ()
+    return master, [st.fetch("optim", [name]), fut]
 
 
 def _step_disk(rt, pack, spec, overlap) -> None:
@@ -252,7 +269,8 @@ def _step_cost(plan, hw, pack, stream=False, where="device", overlap=False):
     Traffic: ``plan.step_traffic``, 4 x (2 P + O) bytes. A streamed step also copies each parameter's optimizer state in
     and back out, one parameter at a time, on the compute stream's critical path; under mixed precision its fp32
     master too (M bytes), stepped in place of the device copy, with the casts of its gradient to fp32 and of the
-    master back into the copy (1.5 M bytes of traffic each).
+    master back into the copy (1.5 M bytes of traffic each); there the next parameter's copies in run beside this
+    one's step, and only the copies out hold the compute stream.
     """
     spec = plan.packs[pack]
     master = mixed_master_bytes(plan, spec)
@@ -265,6 +283,8 @@ def _step_cost(plan, hw, pack, stream=False, where="device", overlap=False):
     ops = kernels_cost(spec, "step")
     seconds = traffic / hw.memory_bandwidth + pack_compute_cost(hw, 0, ops, ondemand_latency(plan, hw, ops))
     copies = (streamed_optim_bytes(plan, pack) if stream else 0) + master
+    if master:     # mixed precision: each parameter's copies in overlap the step before; its copies out wait on it
+        return "compute", max(seconds, copies / hw.h2d_bandwidth) + copies / hw.d2h_bandwidth
     return "compute", seconds + copies / hw.h2d_bandwidth + copies / hw.d2h_bandwidth
 
 

@@ -211,10 +211,7 @@ def build_packs(program: Program, cuts: list[tuple[int, int]], units: list[Unit]
         spec.optim_bytes = sum(optim_state_bytes(prof, b) for b in owned)
         spec.stepped_master_bytes = sum(owned)
         spec.step_extra = step_extra(prof, owned)
-        # mixed precision: a device step also brings the parameter's fp32 master and makes its gradient fp32
-        fp32 = 2 if program.config.precision != "fp32" else 0
-        spec.stream_step_peak = max((optim_state_bytes(prof, b) + step_extra(prof, [b]) + fp32 * b for b in owned),
-                                    default=0)
+        spec.stream_step_peak = _stream_step_peak(prof, owned, program.config.precision != "fp32")
         spec.fwd_flops = int(sum(n.meta[COST].fwd_flops.at(program.config.microbatch_size) for n in nodes))
         spec.bwd_flops = int(sum(n.meta[COST].bwd_flops.at(program.config.microbatch_size) for n in nodes))
         key = (tuple(nodes), "loss" in spec.outputs)
@@ -434,3 +431,14 @@ def run(program: Program, ctx) -> PassResult:
         report.notes.append("the copies outlast the compute and the host's steps: the partition that leaves the least "
                             "traffic (a large first pack, few cuts, small last packs) was predicted fastest")
     return PassResult(program, report)
+
+
+def _stream_step_peak(prof: dict, owned: list[int], mixed: bool) -> int:
+    """Peak bytes of a step that brings each parameter's optimizer state in turn (``owned``: their fp32 bytes, in
+    step order). Mixed precision's brings its fp32 master too and makes its gradient fp32, while the next
+    parameter's master and state come in (runtime/ops_step.py)."""
+    if not mixed:
+        return max((optim_state_bytes(prof, b) + step_extra(prof, [b]) for b in owned), default=0)
+    full = [optim_state_bytes(prof, b) + step_extra(prof, [b]) + 2 * b for b in owned]
+    coming = [b + optim_state_bytes(prof, b) for b in owned[1:]] + [0]
+    return max((a + c for a, c in zip(full, coming)), default=0)
