@@ -148,7 +148,8 @@ def ondemand_latency(budget: float, threads: int, device: str = "cpu") -> tuple[
         return time.perf_counter() - t0
     try:
         forward(True)                # fetches the weights once: what follows are the checks alone
-        fwd_ops = block.ops_of(lambda: block.layer(block.x))
+        with torch.no_grad():      # as ``forward`` runs it; the block's ops are a forward, another, a backward
+            fwd_ops = block.ops_of(lambda: block.layer(block.x))
         bwd_ops = block.ops - 2 * fwd_ops
         call = [_median(_timed(lambda on=on: forward(on), budget / 4, at_least=5)) for on in (False, True)]
         op = [_median([backward(on) for _ in range(max(5, int(budget / 4 / max(call[1], 1e-4))))])
