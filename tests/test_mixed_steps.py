@@ -66,3 +66,17 @@ def test_a_split_plan_trains_bitwise_as_eager_mixed_precision(monkeypatch, polic
     sm, _ = train_bf16_as_eager("gpt", policy)
     where = sm.plan.by_pack("step_on")
     assert list(where.values()).count("device") == 2 and "host" in where.values()
+
+
+def test_a_mixed_precision_plan_is_costed_at_its_compute_dtype():
+    """bf16 multiplies at bf16's rate: a hardware description given in fp32 (a preset's default) is costed at its
+    bf16 figure, so the planner does not take the compute for 13x slower than it is (which hid the host's steps)."""
+    c = GPTConfig(vocab=512, seq=64, layers=2, width=64, heads=2, tie=False)
+    with torch.device("meta"):
+        m = GPT(c)
+    x = torch.zeros(4, 64, dtype=torch.long, device="meta")
+    for precision, dtype in (("bf16", "bf16"), ("fp32", "fp32")):
+        sm = harmony.compile(m, (x, x), device="meta", memory_budget=16 * c.n_params(), precision=precision,
+                             hardware="h100-sxm")
+        dev = sm.program.config.hardware.devices[0]
+        assert dev.dtype == dtype and sm.program.config.flops == dev.peak_flops[dtype]
