@@ -115,8 +115,10 @@ class MemoryConfig(Group):
     fp32 weights too (what lets a model whose weights exceed host memory train)."""
     optimizer_on: str = "auto"
     """``"host"`` steps the optimizer on host copies while the device runs the next pack's backward (its state never
-    touches the device); ``"device"`` brings the state to the device; ``"auto"`` steps on the host when the training
-    state does not fit the budget, except packs the swap pass finds room to keep wholly resident (fp32, one rank)."""
+    touches the device); ``"device"`` brings the state to the device (under bf16: each fp32 master with it, one
+    parameter at a time); ``"auto"`` steps on the host when the training state does not fit the budget, except packs
+    the swap pass finds room to keep wholly resident (fp32, one rank), and under bf16 on a GPU the packs that step
+    last, as many as the simulator finds fastest (harmony/mixed_steps.py)."""
     weights_on: str = "auto"
     """Where a host-stepped pack's fp32 weights live between uses: ``"auto"`` (the host, or disk when the host budget
     forces it), ``"host"`` or ``"disk"``."""
