@@ -140,8 +140,7 @@ def setup_harmony(a, c, data, policy, frac):
     model = GPT(c)
     budget = int(state_bytes(c) * frac)
     hw = Hardware.this_machine()       # the parent's profile of this card (cached), planned for and simulated on
-    if a.precision == "bf16" and "bf16" in hw.devices[0].peak_flops:
-        hw = hw.replace(devices=(hw.devices[0].replace(dtype="bf16"),))
+    hw = hw.computing_in(a.precision)      # as compile costs the plan (bf16's FLOP/s)
     where = dict(optimizer_on="host") if policy == "hostonly" else {}
     sm = harmony.compile(model, data[0], optimizer=torch.optim.AdamW, optimizer_kwargs=dict(lr=LR, weight_decay=WD),
                          memory_budget=budget, microbatches=a.microbatches, device=a.device, precision=a.precision,

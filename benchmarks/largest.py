@@ -67,9 +67,7 @@ def hardware(a):
         hw = Hardware.this_machine() if a.hardware == "this" else Hardware.preset(a.hardware)
     if a.host_ram:      # the machine's host memory, where the hardware description does not know it
         hw = hw.replace(host_memory=parse_bytes(a.host_ram, "--host-ram"))
-    if a.precision == "bf16" and "bf16" in hw.devices[0].peak_flops:
-        hw = hw.replace(devices=(hw.devices[0].replace(dtype="bf16"),))
-    return hw
+    return hw.computing_in(a.precision)
 
 
 def compile_options(a, hw) -> dict:

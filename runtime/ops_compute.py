@@ -119,7 +119,7 @@ def pack_compute_cost(hw, flops: float, tensor_ops: float, extra: float = 0.0) -
     The rate is the peak times the device's ``efficiency`` (matmuls at a pack's shapes and the
     memory-bound ops around them); each tensor op (kernel) pays ``kernel_latency`` (launch,
     dispatch, the runtime's accounting), and the schedule op itself ``op_latency``; ``extra``: seconds the host
-    spends besides, issuing them (``ondemand_latency``). On a device whose
+    spends besides, issuing them (``ondemand_seconds``). On a device whose
     ops are ``queued`` (a GPU) the launches overlap the kernels: the longer of the two counts.
     """
     rate = hw.flops * getattr(hw, "efficiency", 1.0)
@@ -144,7 +144,7 @@ def kernels_cost(spec, phase: str) -> float:
     return per_tensor * max(tensors, 1)
 
 
-def ondemand_latency(plan, hw, python_ops: float, autograd_ops: float = 0.0) -> float:
+def ondemand_seconds(plan, hw, python_ops: float, autograd_ops: float = 0.0) -> float:
     """Seconds the ``ondemand`` runtime's fetch checks add to these tensor ops (runtime/ondemand.py): ops called
     from Python (a forward, a recompute, a for-loop optimizer step) pass its function-level and dispatch-level
     modes, those autograd's backward runs the dispatch level only; 0 under the other policies."""
@@ -157,7 +157,7 @@ def ondemand_latency(plan, hw, python_ops: float, autograd_ops: float = 0.0) -> 
 def _forward_cost(plan, hw, pack, mb, *inputs, keep=False):
     spec = plan.packs[pack]
     ops = kernels_cost(spec, "forward")
-    return "compute", pack_compute_cost(hw, spec.fwd_flops, ops, ondemand_latency(plan, hw, ops))
+    return "compute", pack_compute_cost(hw, spec.fwd_flops, ops, ondemand_seconds(plan, hw, ops))
 
 
 def _backward_execute(rt, pack, mb, *inputs, saved=None, grads=()):
@@ -222,7 +222,7 @@ def _backward_cost(plan, hw, pack, mb, *inputs, saved=None, grads=()):
     flops = spec.bwd_flops + (spec.fwd_flops if recompute else 0)
     forward = kernels_cost(spec, "forward") if recompute else 0
     ops = kernels_cost(spec, "backward") + forward
-    return "compute", pack_compute_cost(hw, flops, ops, ondemand_latency(plan, hw, forward, ops - forward))
+    return "compute", pack_compute_cost(hw, flops, ops, ondemand_seconds(plan, hw, forward, ops - forward))
 
 
 

@@ -9,7 +9,7 @@ import torch
 
 from harmony.base.units import nbytes
 from harmony.runtime.ops import register, step
-from harmony.runtime.ops_compute import kernels_cost, ondemand_latency, pack_compute_cost
+from harmony.runtime.ops_compute import kernels_cost, ondemand_seconds, pack_compute_cost
 from harmony.runtime.ops_move import disk_io
 from harmony.runtime.partitioned import share_params
 from harmony.runtime.placeholders import point
@@ -96,16 +96,7 @@ def _step_mixed(rt, spec) -> None:
 def _bring(st, name: str):
     """Start bringing parameter ``name``'s fp32 master and optimizer state to the device: (the master's device
     tensor, the copies to wait for)."""
-    host = st.master[name]
-    master = torch.empty_like(host, device=st.device)
-    st.meter.track(master)
-    st.moved["h2d"] += nbytes(master)
-    def copy():
-        master.copy_(host, non_blocking=st.pin)
-        if master.is_cuda:   # freed before its wait (a failed step), it is not reused while the copy runs
-            master.record_stream(torch.cuda.current_stream(master.device))
-    fut = st.copier.submit(copy)
-    fut.harmony_jobs = ()
+    master, fut = st.fetch_master(name)
     return master, [st.fetch("optim", [name]), fut]
 
 
@@ -281,7 +272,7 @@ def _step_cost(plan, hw, pack, stream=False, where="device", overlap=False):
         traffic = _share_traffic(spec, host)
         return "host", traffic / getattr(hw, "host_memory_bandwidth", hw.memory_bandwidth)
     ops = kernels_cost(spec, "step")
-    seconds = traffic / hw.memory_bandwidth + pack_compute_cost(hw, 0, ops, ondemand_latency(plan, hw, ops))
+    seconds = traffic / hw.memory_bandwidth + pack_compute_cost(hw, 0, ops, ondemand_seconds(plan, hw, ops))
     copies = (streamed_optim_bytes(plan, pack) if stream else 0) + master
     if master:     # mixed precision: each parameter's copies in overlap the step before; its copies out wait on it
         return "compute", max(seconds, copies / hw.h2d_bandwidth) + copies / hw.d2h_bandwidth

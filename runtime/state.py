@@ -214,9 +214,20 @@ class TieredState:
             for name, dst, src in placed:
                 jobs.append((lambda d, n=name: self.set_data(n, d), dst, src))
                 self.moved["h2d"] += nbytes(dst)
-        if not jobs:
-            return None
+        return self._copy_in(jobs, reads) if jobs else None
 
+    def fetch_master(self, name: str) -> tuple[torch.Tensor, Future]:
+        """Start bringing parameter ``name``'s fp32 master to the device as it is (a mixed-precision device step
+        steps it there): its device tensor, and the future ``wait`` joins."""
+        host = self.master[name]
+        dst = torch.empty_like(host, device=self.device)
+        self.meter.track(dst)
+        self.moved["h2d"] += nbytes(dst)
+        return dst, self._copy_in([(lambda d: None, dst, host)])
+
+    def _copy_in(self, jobs: list, reads=()) -> Future:
+        """Run ``jobs`` ((write, device tensor, host tensor)) on the copy engine once ``reads`` are done; ``wait``
+        hands each device tensor to its ``write``."""
         def copy():
             for r in reads:
                 r.result()
