@@ -11,6 +11,8 @@ only itself):
   hostonly-F   harmony-F with every optimizer step on the host (optimizer_on="host"): in bf16, harmony-F may step
                the packs that step last on the card instead, as many as its simulation finds fastest
                (harmony/mixed_steps.py; the row's device_steps says how many)
+  alloc-F      harmony-F counting device memory with the caching allocator's counters (accounting="allocator"),
+               no hook around each tensor op: what that hook costs a host issuing ops to the card
   fsdp2        torch's fully_shard per block and at the root with CPUOffloadPolicy(pin_memory=True)
                on a one-GPU NCCL mesh: parameters, gradients and optimizer state on the host,
                AdamW stepping on the CPU (peak allocated beside its time)
@@ -141,10 +143,10 @@ def setup_harmony(a, c, data, policy, frac):
     budget = int(state_bytes(c) * frac)
     hw = Hardware.this_machine()       # the parent's profile of this card (cached), planned for and simulated on
     hw = hw.computing_in(a.precision)      # as compile costs the plan (bf16's FLOP/s)
-    where = dict(optimizer_on="host") if policy == "hostonly" else {}
+    where = dict(hostonly=dict(optimizer_on="host"), alloc=dict(accounting="allocator")).get(policy, {})
     sm = harmony.compile(model, data[0], optimizer=torch.optim.AdamW, optimizer_kwargs=dict(lr=LR, weight_decay=WD),
                          memory_budget=budget, microbatches=a.microbatches, device=a.device, precision=a.precision,
-                         hardware=hw, policy="harmony" if policy == "hostonly" else policy, **where)
+                         hardware=hw, policy="harmony" if policy in ("hostonly", "alloc") else policy, **where)
     cfg = sm.program.config
     info = dict(budget=budget, compile_s=round(sm.compile_seconds["total"], 2), packs=len(sm.plan.packs),
                 device_steps=list(sm.plan.by_pack("step_on").values()).count("device"),

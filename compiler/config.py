@@ -316,6 +316,11 @@ class PlanConfig(Group):
     """A ``Hardware``, ``Device`` or preset name such as ``"a100-40gb"``: the FLOP/s and host link the planner weighs
     compute against traffic with. None: this machine (its cached profile on CUDA). A device whose ``speed_factor``
     is above 1 (``hw.logical(budgets, speed_factors)``) is emulated: the runtime stretches every compute op."""
+    accounting: str = "ops"
+    """How the runtime counts the device's bytes: ``"ops"``, each tensor every op allocates, exactly (a Python hook
+    around each tensor op); ``"allocator"`` (CUDA, not ondemand): torch's caching allocator's counters, read between
+    ops, which spares the host that hook's cost per op and finds an op over the budget after it, not at the
+    allocation. Not yet measured on a card."""
     cache_dir: str | None = env_field("cache_dir")
     """*env* ``HARMONY_CACHE_DIR``. Where the hardware profile is cached; None: ``$XDG_CACHE_HOME/harmony``
     (``~/.cache/harmony``)."""
@@ -333,6 +338,11 @@ class PlanConfig(Group):
             raise ConfigError(f"hardware={self.hardware!r}: give a Hardware, a Device or a preset name such as "
                               f"'a100-40gb'")
         self.passes = _passes(self.passes)
+        choice("accounting", self.accounting, ("ops", "allocator"))
+        if self.accounting == "allocator" and (torch.device(self.device).type != "cuda" or self.policy == "ondemand"):
+            raise ConfigError(f"accounting='allocator' reads torch's CUDA allocator, and ondemand fetches at each op: "
+                              f"it needs device='cuda' and policy 'harmony' or 'sequential' (here device="
+                              f"{self.device!r}, policy={self.policy!r}); use accounting='ops'")
         if isinstance(self.leaf_modules, (str, type)):
             self.leaf_modules = (self.leaf_modules,)
         self.cache_dir = env.check("cache_dir", self.cache_dir)

@@ -293,7 +293,7 @@ class ScheduledModule(torch.nn.Module):
         if program.schedule is not None:   # a pipeline cut short (passes=...) can be inspected, not run
             self.runtime = Runtime(plan, program.schedule, tensors, optimizers, cfg.state_budget, device,
                                    on_demand=OnDemand if cfg.policy == "ondemand" else None,
-                                   speed_factor=getattr(cfg, "speed_factor", 1.0))
+                                   speed_factor=getattr(cfg, "speed_factor", 1.0), accounting=cfg.accounting)
             self.runtime.state.shares = shares
             if shares is not None and self.runtime.scaler is not None:   # fp16: one overflow skips every rank's step
                 self.runtime.scaler.agree = max_over_ranks
@@ -419,6 +419,7 @@ class ScheduledModule(torch.nn.Module):
             torch.cuda.reset_peak_memory_stats(self.runtime.device)
         t0 = time.perf_counter()
         self.optimizer.step()      # the param groups' settings (a scheduler's lr) into every pack's optimizer
+        self.runtime.meter.settle_above = shape.predicted.peak    # copies in flight use no more than the plan's
         with self.runtime.running(shape.program.plan, shape.program.schedule) \
                 if shape is not self.shapes.example else contextlib.nullcontext():
             loss = run_step(self, batch)     # a transaction: rolled back if it raises (harmony/stepping.py)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 
-from harmony.runtime.memory import CountAllocations, MemoryMeter
+from harmony.runtime.memory import AllocatorMeter, CountAllocations, MemoryMeter
 from harmony.runtime.ops import allreduce, op_of, resident_state, step
 from harmony.runtime.pipeline import norm_exchange
 from harmony.runtime.plan import Plan
@@ -130,16 +130,21 @@ class Runtime:
     optimizer step on the device) is followed by a sleep that makes it last ``speed_factor`` times
     its time alone on a core (``emulation_pause``), as the simulator stretches the compute stream.
     Copies, all-reduces and steps on the host are not stretched.
+
+    ``accounting="allocator"`` (CUDA): the meter is the caching allocator's (``AllocatorMeter``), and no hook runs
+    around each tensor op.
     """
 
     def __init__(self, plan: Plan, graph: torch.fx.Graph, tensors: dict, optimizers: dict,
-                 budget: int | None, device: torch.device | str = "cpu", on_demand=None, speed_factor: float = 1.0):
+                 budget: int | None, device: torch.device | str = "cpu", on_demand=None, speed_factor: float = 1.0,
+                 accounting: str = "ops"):
         self.plan = plan
         self.speed_factor = speed_factor      # > 1: an emulated slower device (see ``run``)
         self.graph = graph
         self.device = torch.device(device)
-        self.meter = MemoryMeter(f"{self.device.type}:logical" if self.device.type == "cpu" else str(self.device),
-                                 budget)
+        name = f"{self.device.type}:logical" if self.device.type == "cpu" else str(self.device)
+        self.meter = AllocatorMeter(name, budget, self.device) if accounting == "allocator" else \
+            MemoryMeter(name, budget)
         reduces = any(n.op == "call_function" and n.target.__name__ in (allreduce.__name__, "reduce_scatter")
                       for n in graph.nodes)
         self.state = TieredState(tensors, optimizers, self.meter, self.device, idle_host=not reduces)
@@ -172,7 +177,13 @@ class Runtime:
     @contextlib.contextmanager
     def counting(self):
         """Count (and on demand, fetch) every tensor the ops inside allocate or touch."""
-        if self.on_demand is None:
+        if isinstance(self.meter, AllocatorMeter):    # the allocator counts; copies out in flight may take the
+            m = self.meter                             # room the budget leaves above the plan's peak, no more
+            slack = m.budget - m.settle_above if m.budget is not None and m.settle_above is not None else 0
+            self.state.land_beyond(max(0, slack))
+            yield
+            m.observe()
+        elif self.on_demand is None:
             with CountAllocations(self.meter):
                 yield
         else:

@@ -46,6 +46,9 @@ class MemoryMeter:
         self._sizes: dict[int, int] = {}
         self._lock = threading.Lock()
         self.on_pressure = None  # callable(bytes_needed) -> bytes_freed, for on-demand eviction
+        self.settle = None       # callable(limit): lets go of device tensors only copies in flight still hold,
+                                 # oldest first, until the live bytes are within ``limit`` or none are left
+        self.settle_above = None  # live bytes above which ``settle`` runs first (the plan's predicted peak)
         self.caches: list = []   # free memory kept for reuse in the same memory (iobuffers.Buffers.share_room): trimmed
                                  # so that it and the live bytes stay within the budget
 
@@ -65,9 +68,18 @@ class MemoryMeter:
         with self._lock:
             self._sizes[key] = n
             self.live += n
-            self.peak = max(self.peak, self.live)
+            above = self.settle_above if self.budget is None or self.settle_above is None \
+                else min(self.budget, self.settle_above)
+            if self.settle is None or above is None or self.live <= above:
+                self.peak = max(self.peak, self.live)
+                above = None
             over = self.budget is not None and self.live > self.budget
         weakref.finalize(s, self._release, key)
+        if above is not None:     # copies in flight hold device memory the plan had freed: they land first
+            self.settle(above)
+            with self._lock:
+                self.peak = max(self.peak, self.live)
+                over = self.budget is not None and self.live > self.budget
         if over and enforce:
             self._over_budget(n)
         if self.caches and self.budget is not None:
@@ -101,6 +113,68 @@ class MemoryMeter:
 
     def reset_peak(self) -> None:
         self.peak = self.live
+
+
+class AllocatorMeter:
+    """A CUDA device's bytes as torch's caching allocator counts them (``accounting="allocator"``): what
+    ``MemoryMeter`` keeps, without looking at each op.
+
+    ``CountAllocations`` runs Python around every tensor op; a GPU's host issuing small ops runs ahead of the card only
+    if each costs it little. Here ``live`` is the bytes allocated on the device less those allocated when the
+    runtime started (the user's tensors, the CUDA libraries' workspaces that compile measured), ``peak`` the
+    allocator's peak less the same, and a tensor is on the device if it is on this CUDA device. ``observe`` after
+    each op raises if the op took the device over the budget, which the ops' meter would have caught at the
+    allocation. ``stats``: (allocated, max allocated, reset peak) functions, the allocator's by default.
+    """
+
+    def __init__(self, name: str, budget: int | None, device: torch.device, stats=None):
+        self.name, self.budget, self.device = name, budget, torch.device(device)
+        self._allocated, self._max_allocated, self._reset = stats or (
+            lambda: torch.cuda.memory_allocated(self.device), lambda: torch.cuda.max_memory_allocated(self.device),
+            lambda: torch.cuda.reset_peak_memory_stats(self.device))
+        self.base = self._allocated()
+        self.on_pressure = self.settle = self.settle_above = None    # (as MemoryMeter's)
+        self.caches: list = []
+
+    @property
+    def live(self) -> int:
+        return max(0, self._allocated() - self.base)
+
+    @property
+    def peak(self) -> int:
+        return max(0, self._max_allocated() - self.base)
+
+    def track(self, tensor_or_storage, enforce: bool = True) -> None:
+        """The allocator has counted it; past the plan's peak, copies in flight land first (``MemoryMeter.track``)."""
+        above = [b for b in (self.budget, self.settle_above) if b is not None]
+        if self.settle is not None and above and self.live > min(above):
+            self.settle(min(above))
+        if enforce:
+            self.observe()
+
+    def observe(self) -> None:
+        """Raise if the device went over the budget since the peak was last reset."""
+        if self.budget is not None and self.peak > self.budget:
+            raise DeviceOutOfMemory(
+                f"{self.name}: the allocator's peak, {self.peak / 2**20:.1f} MiB above what was allocated when the "
+                f"runtime started, is over the budget of {self.budget / 2**20:.1f} MiB. The plan under-predicted "
+                f"this device's memory; compile with a smaller memory_budget to leave headroom, and report the "
+                f"model so the cost model can be fixed.")
+
+    def forget(self, tensor: torch.Tensor) -> None:
+        pass
+
+    def holds(self, tensor: torch.Tensor) -> bool:
+        return self._here(tensor.device)
+
+    def holds_storage(self, storage) -> bool:
+        return self._here(storage.device)
+
+    def _here(self, device: torch.device) -> bool:
+        return device.type == self.device.type and self.device.index in (None, device.index)
+
+    def reset_peak(self) -> None:
+        self._reset()
 
 
 class CountAllocations(TorchDispatchMode):

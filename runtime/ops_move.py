@@ -133,7 +133,8 @@ def _load_batch_cost(plan, hw, mb, names):
 
 
 def _stash_execute(rt, acts):
-    return Acts({k: rt.state.to_host(v) if isinstance(v, torch.Tensor) else v for k, v in acts.values.items()},
+    # the copies land on their own time: ``unstash`` waits for them on the device's stream
+    return Acts({k: rt.state.send(v) if isinstance(v, torch.Tensor) else v for k, v in acts.values.items()},
                 on_device=False)
 
 
@@ -150,7 +151,8 @@ def _unstash_execute(rt, acts):
             continue
         dst = torch.empty_like(v, device=rt.device)
         rt.meter.track(dst)
-        dst.copy_(v)
+        rt.state.landed(v, device=True)
+        dst.copy_(v, non_blocking=rt.state.pin)     # (pinned: the host allocator keeps ``v`` until it is read)
         rt.state.moved["h2d"] += nbytes(dst)
         out[k] = dst
     return Acts(out)

@@ -84,11 +84,10 @@ def _step_mixed(rt, spec) -> None:
             with rt.counting():
                 _step_one(st.optimizers[n], t)
                 copy.copy_(master)
-            host.copy_(master)
+            st.send(master, host)     # lands while the next parameter steps; the next fetch waits for it
         finally:
             t.grad = None
             point(t, copy)
-        st.moved["d2h"] += nbytes(master)
         del master, g32
         st.release("optim", [n])
 
@@ -104,6 +103,7 @@ def _step_disk(rt, pack, spec, overlap) -> None:
     """Weights and state in files: step group by group (runtime/diskparams.py), inline or on the host thread."""
     pd = rt.state.params_disk
     if not overlap:
+        rt.state.land()      # the gradients it reads that left the device ahead of their weights (parked)
         pd.step(pack, rt.state.to_host)
         return
     pd.join()            # the previous overlapped step (the memory plan frees its gradients here)
@@ -258,10 +258,11 @@ def _step_cost(plan, hw, pack, stream=False, where="device", overlap=False):
     """An optimizer step is memory-bound: its traffic at memory bandwidth, plus a fixed cost per tensor op.
 
     Traffic: ``plan.step_traffic``, 4 x (2 P + O) bytes. A streamed step also copies each parameter's optimizer state in
-    and back out, one parameter at a time, on the compute stream's critical path; under mixed precision its fp32
-    master too (M bytes), stepped in place of the device copy, with the casts of its gradient to fp32 and of the
-    master back into the copy (1.5 M bytes of traffic each); there the next parameter's copies in run beside this
-    one's step, and only the copies out hold the compute stream.
+    and back out, one parameter at a time, the copies in on the compute stream's critical path; under mixed precision
+    its fp32 master too (M bytes), stepped in place of the device copy, with the casts of its gradient to fp32 and of
+    the master back into the copy (1.5 M bytes of traffic each); there the next parameter's copies in run beside this
+    one's step. The copies out land on the other copy engine while the next parameters come in and step
+    (``TieredState.send``), except where copies block the compute (``sync_copies``: the CPU device).
     """
     spec = plan.packs[pack]
     master = mixed_master_bytes(plan, spec)
@@ -274,9 +275,10 @@ def _step_cost(plan, hw, pack, stream=False, where="device", overlap=False):
     ops = kernels_cost(spec, "step")
     seconds = traffic / hw.memory_bandwidth + pack_compute_cost(hw, 0, ops, ondemand_seconds(plan, hw, ops))
     copies = (streamed_optim_bytes(plan, pack) if stream else 0) + master
-    if master:     # mixed precision: each parameter's copies in overlap the step before; its copies out wait on it
-        return "compute", max(seconds, copies / hw.h2d_bandwidth) + copies / hw.d2h_bandwidth
-    return "compute", seconds + copies / hw.h2d_bandwidth + copies / hw.d2h_bandwidth
+    ins, out = copies / hw.h2d_bandwidth, copies / hw.d2h_bandwidth
+    if getattr(hw, "sync_copies", False):
+        return "compute", (max(seconds, ins) if master else seconds + ins) + out
+    return "compute", max(seconds, ins, out) if master else max(seconds + ins, out)
 
 
 def streamed_optim_bytes(plan, pack: int) -> int:

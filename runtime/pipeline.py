@@ -105,6 +105,7 @@ def _send_execute(rt, value, pack, mb, *, dst, tag, names, grads=False):
     pending.append((_post(dist.isend, what, st.timeout, mask, dst, tag=tag * SLOTS), mask, what))
     for i, n in enumerate(names):
         if present[i]:       # a host copy: the device's may be dropped as soon as the schedule is done with it
+            rt.state.landed(vals[n])     # (a stashed value: its copy from the device may be in flight)
             host = vals[n].detach().to("cpu", copy=True)
             pending.append((_post(dist.isend, what, st.timeout, host, dst, tag=tag * SLOTS + 1 + i), host, what))
 

@@ -8,7 +8,8 @@ as ZeRO-Offload does. Moving a tensor between tiers is a real copy, counted in
 """
 from __future__ import annotations
 
-from collections import Counter
+import threading
+from collections import Counter, deque
 from concurrent.futures import Future
 
 import torch
@@ -21,12 +22,23 @@ from harmony.runtime.precision import GradBuffer, master_grads
 
 
 class CopyEngine:
-    """Asynchronous copies: a worker thread on the CPU, a side stream where CUDA exists."""
+    """Asynchronous copies: a worker thread on the CPU, a side stream where CUDA exists; copies out of device memory
+    (``send``) on a stream of their own, the other copy engine's direction.
+
+    ``late_out`` (a debugging aid, for tests): seconds by which every copy out lands late on the CPU device, where
+    they are otherwise made at once. A reader that does not wait for one (``TieredState.landed``) reads NaN or the
+    old value, and a test that compares with eager catches it, as a use before the copy lands would on a GPU.
+    """
+
+    late_out: float | None = None
 
     def __init__(self, device: torch.device):
         self.device = device
         self.pool = started_pool(1, "harmony-copy")    # at this thread's priority, not the idle host thread's
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.out_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.late = None if device.type == "cuda" else self.late_out
+        self.out_pool = started_pool(1, "harmony-copy-out") if self.late is not None else None
 
     def submit(self, fn) -> Future:
         if self.stream is None:
@@ -47,8 +59,62 @@ class CopyEngine:
         if self.stream is not None:
             torch.cuda.current_stream(self.device).wait_event(res)
 
+    def send(self, fn):
+        """Run ``fn``, copies out of device memory, after the compute issued so far (it wrote what they read): on
+        the out stream, returning the event that marks them done; at once on the CPU device (None), or late on a
+        thread under ``late_out`` (a future)."""
+        if self.out_stream is not None:
+            self.out_stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.out_stream):
+                fn()
+            event = torch.cuda.Event()
+            event.record(self.out_stream)
+            return event
+        if self.out_pool is not None:
+            return self.out_pool.submit(_late, self.late, fn)
+        fn()
+        return None
+
     def close(self):
         self.pool.shutdown(wait=True)
+        if self.out_pool is not None:
+            self.out_pool.shutdown(wait=True)
+
+
+def _late(seconds: float, fn) -> None:
+    threading.Event().wait(seconds)     # (not time.sleep: tests count the emulated device's sleeps)
+    fn()
+
+
+def _done(handle) -> bool:
+    return handle.query() if isinstance(handle, torch.cuda.Event) else handle.done()
+
+
+def _block(handle) -> None:
+    """Wait here, on this thread, until the copies out behind ``handle`` have landed."""
+    if isinstance(handle, torch.cuda.Event):
+        handle.synchronize()
+    else:
+        handle.result()
+
+
+class HostPool(Pool):
+    """The host thread: each job first waits for the copies out issued before it was submitted (``landing()``: the
+    last one; copies out land in order), since it reads what they write (gradients, optimizer state)."""
+
+    def __init__(self, landing, **kwargs):
+        super().__init__(**kwargs)
+        self.landing = landing
+
+    def submit(self, fn, /, *args, **kwargs):
+        handle = self.landing()
+        return super().submit(_after, handle, fn, *args, **kwargs) if handle is not None else \
+            super().submit(fn, *args, **kwargs)
+
+
+def _after(handle, fn, *args, **kwargs):
+    _block(handle)
+    return fn(*args, **kwargs)
 
 
 class TieredState:
@@ -85,9 +151,18 @@ class TieredState:
         # team and the disk threads leave. (Not where it runs all-reduces: other ranks wait for those.)
         one = device.type == "cpu" and torch.get_num_threads() > 1
         self.host_idle = None             # whether the host thread runs at idle priority (once it has started)
-        self.host_pool = Pool(max_workers=1, thread_name_prefix="harmony-host",
-                              initializer=self._host_setup if device.type == "cpu" else None,
-                              initargs=(one, idle_host) if device.type == "cpu" else ())
+        self.host_pool = HostPool(lambda: self.last_out, max_workers=1, thread_name_prefix="harmony-host",
+                                  initializer=self._host_setup if device.type == "cpu" else None,
+                                  initargs=(one, idle_host) if device.type == "cpu" else ())
+        # Copies out of device memory in flight (``send``), in the order issued: (handle, host storage, host
+        # tensor, device tensor). The device tensor stays referenced, so counted on the meter and not reused, until
+        # its copy lands; ``landing`` has the last handle of each host storage, for readers of that storage.
+        self.outgoing: deque = deque()
+        self.landing: dict[int, object] = {}
+        self.last_out = None
+        self.inflight = 0                 # bytes of the device tensors ``outgoing`` holds
+        self._out_lock = threading.Lock()
+        meter.settle = self._make_room
         self.pending: dict[str, Future] = {}  # param name -> optimizer step running on the host
         self.disk = None                  # runtime.disk.DiskTier: optimizer state of the disk-placed packs
         self.params_disk = None           # runtime.diskparams.DiskParams: packs wholly on disk (weights too)
@@ -113,8 +188,9 @@ class TieredState:
                     raise
 
     def drain(self) -> None:
-        """Wait for every host optimizer step and its disk writes (the end of an iteration)."""
+        """Wait for every host optimizer step and its disk writes, and every copy out (the end of an iteration)."""
         self.settle(list(self.pending))
+        self.land()
         if self.disk is not None:
             self.disk.flush()
         if self.params_disk is not None:
@@ -168,13 +244,86 @@ class TieredState:
         return self.meter.holds(t)
 
     def to_host(self, src: torch.Tensor, count: bool = True) -> torch.Tensor:
-        """A host copy of a device tensor, counted as bytes moved device-to-host (``count``: the caller counts them
-        on the main thread, for a copy made on another)."""
+        """A host copy of a device tensor, made now, counted as bytes moved device-to-host (``count``: the caller
+        counts them on the main thread, for a copy made on another)."""
         dst = torch.empty(src.shape, dtype=src.dtype, pin_memory=self.pin)
         dst.copy_(src)
         if count:
             self.moved["d2h"] += nbytes(src)
         return dst
+
+    def send(self, src: torch.Tensor, dst: torch.Tensor | None = None) -> torch.Tensor:
+        """Copy device tensor ``src`` to the host (into ``dst``, or a new pinned tensor) without waiting for it: a
+        reader of the host copy waits for it with ``landed`` (the host thread's jobs and ``drain`` do). ``src`` is
+        held until the copy lands, on the meter too. Counted as bytes moved device-to-host."""
+        if dst is None:
+            dst = torch.empty(src.shape, dtype=src.dtype, pin_memory=self.pin)
+            if self.copier.late is not None:    # (debugging: an early reader reads NaN)
+                dst.fill_(float("nan")) if dst.is_floating_point() else dst.fill_(-1)
+        self.moved["d2h"] += nbytes(src)
+        handle = self.copier.send(lambda: dst.copy_(src, non_blocking=self.pin))
+        if handle is not None:
+            key = id(dst.untyped_storage())
+            self._reap()
+            with self._out_lock:
+                self.outgoing.append((handle, key, dst, src))
+                self.landing[key] = self.last_out = handle
+                self.inflight += nbytes(src)
+        return dst
+
+    def landed(self, t: torch.Tensor, device: bool = False) -> None:
+        """Wait until host tensor ``t``'s copy from the device (``send``), if one is in flight, has landed:
+        here, or (``device``: a copy to the device reads it next) on the device's current stream."""
+        handle = self.landing.get(id(t.untyped_storage())) if self.landing else None
+        if handle is None:
+            return
+        if device and isinstance(handle, torch.cuda.Event):
+            torch.cuda.current_stream(self.device).wait_event(handle)
+        else:
+            _block(handle)
+
+    def land(self) -> None:
+        """Wait for every copy out in flight and let go of the device tensors they read."""
+        last = self.last_out
+        if last is not None:
+            _block(last)       # copies out land in order: every one before it has landed too
+            self._reap()
+
+    def _make_room(self, limit: int) -> None:
+        """The meter's ``settle`` (any thread allocating device memory may call it): the oldest copies out land
+        until the device tensors let go of bring the live bytes within ``limit``."""
+        while self.meter.live > limit and self._land_oldest():
+            pass
+
+    def land_beyond(self, slack: int) -> None:
+        """The oldest copies out land until those in flight hold at most ``slack`` bytes of device memory (the
+        ``AllocatorMeter``'s runtime, before each op: the room the budget leaves above the plan's peak)."""
+        self._reap()
+        while self.inflight > slack and self._land_oldest():
+            pass
+
+    def _land_oldest(self) -> bool:
+        try:
+            oldest = self.outgoing[0][0]
+        except IndexError:
+            return False
+        _block(oldest)
+        self._reap()
+        return True
+
+    def _reap(self) -> None:
+        """Let go of the device tensors whose copies out have landed (in order: they land in order)."""
+        done = []
+        with self._out_lock:
+            while self.outgoing and _done(self.outgoing[0][0]):
+                entry = self.outgoing.popleft()
+                if self.landing.get(entry[1]) is entry[0]:
+                    del self.landing[entry[1]]
+                self.inflight -= nbytes(entry[3])
+                done.append(entry)
+            if not self.outgoing:
+                self.last_out = None
+        del done               # (outside the lock: freeing them calls the meter, which may call ``land``)
 
     def _slots(self, kind: str, name: str):
         """(read, write) pairs for the tensors of one kind of one parameter."""
@@ -228,9 +377,18 @@ class TieredState:
     def _copy_in(self, jobs: list, reads=()) -> Future:
         """Run ``jobs`` ((write, device tensor, host tensor)) on the copy engine once ``reads`` are done; ``wait``
         hands each device tensor to its ``write``."""
+        sources = [src for _, dst, src in jobs if dst is not src]
+        landing = [h for h in dict.fromkeys(self.landing.get(id(s.untyped_storage())) for s in sources)
+                   if h is not None] if self.landing else []
+
         def copy():
             for r in reads:
                 r.result()
+            for h in landing:     # a host copy still coming back from the device (``send``)
+                if isinstance(h, torch.cuda.Event):
+                    torch.cuda.current_stream(self.device).wait_event(h)
+                else:
+                    h.result()
             for _, dst, src in jobs:
                 if dst is not src:
                     dst.copy_(src, non_blocking=self.pin)
@@ -261,15 +419,14 @@ class TieredState:
                 t = self.tensors[name]
                 if self._on_device(t.data):
                     if name in self.dirty:
-                        self.master[name].copy_(t.data)
-                        self.moved["d2h"] += nbytes(t)
+                        self.send(t.data, self.master[name])
                     self.set_data(name, self.master[name])
                 self.dirty.discard(name)
                 continue
             for read, write in self._slots(kind, name):
                 v = read()
                 if v is not None and self._on_device(v):
-                    write(self.to_host(v))
+                    write(self.send(v))
 
     def close(self):
         try:

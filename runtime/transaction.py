@@ -133,6 +133,7 @@ class Transaction:
         for (kind, name), n in self.refs.items():          # holds the step had let go (weights it carried)
             for _ in range(n - state.refs.get((kind, name), 0)):
                 state.wait(state.fetch(kind, [name]))
+        state.land()      # the state the releases sent back is on the host before the error reaches the user
 
     def _note(self, rt, stepped, held, cleanup_errors) -> str:
         extra = "" if not cleanup_errors else \
@@ -186,6 +187,7 @@ def _settle(rt) -> tuple[bool, list[str]]:
     state, errors, step_failed = rt.state, [], False
     try:
         state.copier.join(state.copier.submit(lambda: None))   # one worker, in order: every copy before it is done
+        state.land()
     except BaseException as e:     # noqa: BLE001 (the step's own error is the one to raise)
         errors.append(f"{type(e).__name__}: {e}")
     for fut in dict.fromkeys(state.pending.values()):

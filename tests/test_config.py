@@ -174,5 +174,6 @@ def test_every_field_has_a_docstring():
     variables = {"comm_timeout", "cache_dir", "direct_io", "read_depth", "keep_free"}
     added = {"param_groups",       # fields that came after the groups: sm.optimizer's param groups, clipping
              "clip_grad_norm", "clip_norm_type", "parallel", "placement", "pipeline_group",   # and the pipeline's
-             "init"}     # how a model built under empty_weights is filled
+             "init",     # how a model built under empty_weights is filled
+             "accounting"}     # the runtime's meter: each op's allocations, or (CUDA) the caching allocator's
     assert fields == keywords | variables | added

@@ -160,6 +160,15 @@ def test_matches_eager_accumulation_bitwise(case, policy):
         assert s["measured_peak"] <= s["budget"]    # 512-byte rounding, which these tiny models are made of)
 
 
+@pytest.mark.parametrize("policy", ["harmony", "sequential"])
+def test_allocator_accounting_bitwise(policy):
+    """accounting='allocator': no hook around each op, the caching allocator counts; the same training."""
+    sm, _, peaks = check_bitwise("gpt", policy=policy, accounting="allocator")
+    assert type(sm.runtime.meter).__name__ == "AllocatorMeter"
+    for s in peaks:
+        assert s["measured_peak"] <= s["budget"]
+
+
 @pytest.mark.parametrize("optimizer_on", ["host", "device"])
 def test_host_and_device_steps_bitwise(optimizer_on):
     sm, _, _ = check_bitwise("gpt", optimizer_on=optimizer_on)
@@ -190,13 +199,14 @@ def test_an_empty_model_is_made_where_it_is_placed_bitwise(tmp_path):
     assert "disk" in sm.plan.by_pack("master_on").values()
 
 
+@pytest.mark.parametrize("accounting", ["ops", "allocator"])
 @pytest.mark.parametrize("policy", ["harmony", "sequential"])
-def test_peak_allocated_within_budget(policy):
+def test_peak_allocated_within_budget(policy, accounting):
     """CUDA's own count of allocated bytes stays within the budget, step after step, on a model whose state is
     large beside the libraries' workspaces; the meter's peak is within 10% of the prediction, and the allocator's
     reserved bytes within the budget plus 10% (expandable segments)."""
     model, data = CASES["gpt"](width=512, layers=8, seq=128, vocab=512, batch=16)
-    sm, budget, peaks, _ = run_on_gpu(model, data, 4, 0.4, policy=policy)
+    sm, budget, peaks, _ = run_on_gpu(model, data, 4, 0.4, policy=policy, accounting=accounting)
     sm.close()
     assert len(sm.plan.packs) > 2
     for s in peaks:

@@ -494,7 +494,8 @@ def test_a_streamed_step_pays_for_its_copies():
     s.step(0, stream=True)          # 8 s of traffic, and 2e9 bytes of optimizer state in and out
     p = plan(PackSpec(**{**vars(pack(0)), "optim_bytes": 2 * G}))
     sim = simulate(s.done(), p, FAST_MEMORY)        # traffic 4 * (2e9 + 2e9) / 8e9 = 2 s
-    assert sim.step_seconds == 2.0 + 2.0 + 2.0
+    assert sim.step_seconds == 2.0 + 2.0            # the copies in; those out land beside the next ones'
+    assert simulate(s.g, p, FAST_MEMORY.replace(sync_copies=True)).step_seconds == 2.0 + 2.0 + 2.0
     assert sim.moved == {"h2d": 2 * G, "d2h": 2 * G}
 
 
@@ -591,3 +592,18 @@ def test_ondemand_writes_back_changed_state_and_leaves_room_for_activations():
         ("backward.evict", "d2h", 0.0, 1.0), ("backward", "compute", 1.0, 2.0),
         ("step.fetch", "h2d", 2.0, 3.0), ("step", "compute", 3.0, 4.5)]     # 4 * (2e9 + 1e9) / 8e9 = 1.5 s
     assert sim.moved == {"h2d": G, "d2h": G}
+
+
+def test_a_streamed_steps_copies_out_hold_the_compute_only_where_copies_block():
+    """A streamed step's copies out land on the other copy engine while the next parameters come in and step
+    (TieredState.send); on a device whose copies hold the compute (the CPU) they add to the step."""
+    p = pack(0)
+    p.optim_bytes = 2 * G                 # in and out: 2 s each; the step's traffic 4 * (2 + 2) G: 16 s
+    blocking = UNIT.replace(sync_copies=True)
+    assert ops_step._step_cost(plan(p), UNIT, 0, stream=True) == ("compute", 16.0 + 2.0)
+    assert ops_step._step_cost(plan(p), blocking, 0, stream=True) == ("compute", 16.0 + 2.0 + 2.0)
+    p.stepped_master_bytes = G            # bf16: the fp32 master comes in and goes back too, 1 s each way; the
+    mixed = plan(p)                       # step's traffic 4 * (2 + 2) G plus the casts' 3 G: 19 s
+    mixed.precision = "bf16"
+    assert ops_step._step_cost(mixed, UNIT, 0) == ("compute", 19.0)       # copies in and out beside the step
+    assert ops_step._step_cost(mixed, blocking, 0) == ("compute", 19.0 + 1.0)

@@ -211,7 +211,8 @@ def build_packs(program: Program, cuts: list[tuple[int, int]], units: list[Unit]
         spec.optim_bytes = sum(optim_state_bytes(prof, b) for b in owned)
         spec.stepped_master_bytes = sum(owned)
         spec.step_extra = step_extra(prof, owned)
-        spec.stream_step_peak = _stream_step_peak(prof, owned, program.config.precision != "fp32")
+        spec.stream_step_peak = _stream_step_peak(prof, owned, program.config.precision != "fp32",
+                                                  late=not program.config.copies_block)
         spec.fwd_flops = int(sum(n.meta[COST].fwd_flops.at(program.config.microbatch_size) for n in nodes))
         spec.bwd_flops = int(sum(n.meta[COST].bwd_flops.at(program.config.microbatch_size) for n in nodes))
         key = (tuple(nodes), "loss" in spec.outputs)
@@ -433,12 +434,15 @@ def run(program: Program, ctx) -> PassResult:
     return PassResult(program, report)
 
 
-def _stream_step_peak(prof: dict, owned: list[int], mixed: bool) -> int:
+def _stream_step_peak(prof: dict, owned: list[int], mixed: bool, late: bool = False) -> int:
     """Peak bytes of a step that brings each parameter's optimizer state in turn (``owned``: their fp32 bytes, in
     step order). Mixed precision's brings its fp32 master too and makes its gradient fp32, while the next
-    parameter's master and state come in (runtime/ops_step.py)."""
+    parameter's master and state come in (runtime/ops_step.py). ``late``: copies out do not hold the compute up
+    (a GPU), so the parameter before is still going out (``TieredState.send``)."""
+    sent = [b + optim_state_bytes(prof, b) if mixed else optim_state_bytes(prof, b) for b in owned]
+    going = [0] + sent[:-1] if late else [0] * len(owned)
     if not mixed:
-        return max((optim_state_bytes(prof, b) + step_extra(prof, [b]) for b in owned), default=0)
+        return max((optim_state_bytes(prof, b) + step_extra(prof, [b]) + g for b, g in zip(owned, going)), default=0)
     full = [optim_state_bytes(prof, b) + step_extra(prof, [b]) + 2 * b for b in owned]
-    coming = [b + optim_state_bytes(prof, b) for b in owned[1:]] + [0]
-    return max((a + c for a, c in zip(full, coming)), default=0)
+    coming = sent[1:] + [0]
+    return max((a + c + g for a, c, g in zip(full, coming, going)), default=0)
