@@ -142,7 +142,7 @@ def setup_harmony(a, c, data, policy, frac):
     model = GPT(c)
     budget = int(state_bytes(c) * frac)
     hw = Hardware.this_machine()       # the parent's profile of this card (cached), planned for and simulated on
-    hw = hw.computing_in(a.precision)      # as compile costs the plan (bf16's FLOP/s)
+    hw = hw.computing_in(a.precision, "allocator" if policy == "alloc" else "ops")   # as compile costs the plan
     where = dict(hostonly=dict(optimizer_on="host"), alloc=dict(accounting="allocator")).get(policy, {})
     sm = harmony.compile(model, data[0], optimizer=torch.optim.AdamW, optimizer_kwargs=dict(lr=LR, weight_decay=WD),
                          memory_budget=budget, microbatches=a.microbatches, device=a.device, precision=a.precision,
@@ -393,6 +393,7 @@ def main():
     dev = hw.devices[0]
     card = dict(name=dev.name, fp32_flops=dev.peak_flops.get("fp32"), bf16_flops=dev.peak_flops.get("bf16"),
                 h2d=dev.h2d_bandwidth, d2h=dev.d2h_bandwidth, kernel_latency=dev.kernel_latency,
+                plain_kernel_latency=dev.plain_kernel_latency,
                 memory_bandwidth=dev.memory_bandwidth, torch=torch.__version__, cuda=torch.version.cuda,
                 # what else the simulator's predictions rest on, so that plans can be simulated again off the card
                 efficiency=dev.efficiency, host_memory_bandwidth=hw.host_memory_bandwidth, host_flops=hw.host_flops)

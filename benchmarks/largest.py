@@ -54,6 +54,7 @@ def card_hardware(path: str):
     dev = dev.replace(name=card["name"] + " (measured by benchmarks/gpu.py)", peak_flops=flops, queued=True,
                       **{f: card[k] for f, k in (("h2d_bandwidth", "h2d"), ("d2h_bandwidth", "d2h"),
                                                  ("kernel_latency", "kernel_latency"), ("efficiency", "efficiency"),
+                                                 ("plain_kernel_latency", "plain_kernel_latency"),
                                                  ("memory_bandwidth", "memory_bandwidth")) if card.get(k)})
     host = {f: card[f] for f in ("host_memory_bandwidth", "host_flops") if card.get(f)}
     return hw.replace(devices=(dev,), **host)

@@ -61,7 +61,7 @@ NOMINAL = dict(host_memory=256 * GiB, host_flops=1 * T, host_memory_bandwidth=10
                network_latency=NOMINAL_NETWORK_LATENCY)
 NOMINAL_CORE_FLOPS = 40e9      # fp32 matmul FLOP/s one AVX2 core sustains, roughly; profile() measures
 NOMINAL_MEMCPY = 10 * GB       # bytes/s a large memcpy copies on a few server cores, roughly; profile() measures
-PROFILE_VERSION = 4            # bumped when profile() measures more or differently: older caches are not used
+PROFILE_VERSION = 5            # bumped when profile() measures more or differently: older caches are not used
 
 
 @dataclass(frozen=True)
@@ -84,6 +84,7 @@ class Device:
     fetch checks add to each tensor op (runtime/ondemand.py): ops called from Python pass a function-level and a
     dispatch-level mode, autograd's backward ops the dispatch level only. ``Hardware.profile`` measures all of
     these on this machine; presets keep the datasheet peak (efficiency 1, no latencies) unless told otherwise.
+    ``plain_kernel_latency`` (CUDA): ``kernel_latency`` without the runtime's accounting (``accounting="allocator"``).
     ``queued``: the host queues ops to the device (CUDA), so a pack's compute takes the longer of its
     kernels' time and its launches' time, not their sum.
     ``sync_copies``: the runtime on the CPU runs compute on the thread that issues the ops,
@@ -103,6 +104,7 @@ class Device:
     op_latency: float = 0.0                # seconds per compute op of the schedule
     efficiency: float = 1.0                # share of peak FLOP/s a layer pack's compute sustains
     kernel_latency: float = 0.0            # seconds per tensor op (kernel) a compute op dispatches
+    plain_kernel_latency: float = 0.0      # the same without the runtime's per-op accounting (0: not measured)
     ondemand_call_latency: float = 0.0     # seconds the ondemand runtime's fetch checks add per tensor op called
     ondemand_op_latency: float = 0.0       # from Python (forward, step); per op of autograd's backward
     sync_copies: bool = False              # copies follow the compute before them; all but swap_in block it
@@ -211,13 +213,15 @@ class Hardware:
             return cls.preset(hardware)
         return cls((hardware,)) if isinstance(hardware, Device) else hardware
 
-    def computing_in(self, precision: str) -> "Hardware":
+    def computing_in(self, precision: str, accounting: str = "ops") -> "Hardware":
         """The devices costed at ``precision``'s FLOP/s ("bf16", "fp16") where they have a figure for it: a plan
-        in mixed precision multiplies in that dtype, not in the fp32 a description defaults to."""
-        if precision == "fp32":
-            return self
-        return self.replace(devices=tuple(d.replace(dtype=precision) if precision in d.peak_flops else d
-                                          for d in self.devices))
+        in mixed precision multiplies in that dtype, not in the fp32 a description defaults to. ``accounting=
+        "allocator"``: each tensor op costs ``plain_kernel_latency`` where measured (no hook runs around it)."""
+        plain = accounting == "allocator"
+        return self.replace(devices=tuple(d.replace(
+            dtype=precision if precision in d.peak_flops else d.dtype,
+            kernel_latency=d.plain_kernel_latency if plain and d.plain_kernel_latency else d.kernel_latency)
+            for d in self.devices))
 
     @classmethod
     def node(cls, name: str) -> "Hardware":
@@ -312,13 +316,15 @@ class Hardware:
         h2d, d2h, d2d = machine.cuda_copy_bandwidth(0.12 * seconds, device)
         launch = machine.cuda_launch_latency(0.03 * seconds, device)
         latency = machine.kernel_latency(0.05 * seconds, torch.get_num_threads(), device=device)
+        plain = machine.kernel_latency(0.03 * seconds, torch.get_num_threads(), device=device, metered=False)
         call, op = machine.ondemand_latency(0.04 * seconds, torch.get_num_threads(), device=device)
         efficiency = machine.block_efficiency(0.16 * seconds, flops["fp32"], latency, torch.get_num_threads(),
                                               *block, device=device)
         copy = machine.memcpy_bandwidth(0.08 * seconds)
         read, write, how = machine.disk_bandwidth(0.25 * seconds, path)
         dev = base.devices[0].replace(
-            peak_flops=flops, efficiency=efficiency, kernel_latency=latency, h2d_bandwidth=h2d, d2h_bandwidth=d2h,
+            peak_flops=flops, efficiency=efficiency, kernel_latency=latency, plain_kernel_latency=plain,
+            h2d_bandwidth=h2d, d2h_bandwidth=d2h,
             ondemand_call_latency=call, ondemand_op_latency=op,
             memory_bandwidth=d2d, link="pinned copies", queued=True,
             source=f"Hardware.profile {time.strftime('%Y-%m-%d %H:%M')}: measured on {base.devices[0].name}")

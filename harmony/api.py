@@ -157,7 +157,7 @@ def _plan_rank(model, gm, batch, cfg: CompileConfig):
         balanced = plan_this_rank(model, gm, batch, cfg.balance, cfg, cfg.hardware, sharded=cfg.shard_state)
     elif cfg.hardware is not None:
         from harmony.compiler.hardware import Hardware
-        cfg.hardware = Hardware.of(cfg.hardware).computing_in(cfg.precision)
+        cfg.hardware = Hardware.of(cfg.hardware).computing_in(cfg.precision, cfg.accounting)
         cfg.plan_for_device(_device_of(cfg.hardware), cfg.hardware)
     if cfg.shard_state is True:
         shard_over_ranks(cfg, gm, balanced.shares if balanced else [1.0] * cfg.world_size)

@@ -167,3 +167,15 @@ def test_copies_in_flight_land_oldest_first_down_to_the_slack(held):
     assert st.inflight <= 1500 and meter.live == st.inflight
     st.land_beyond(0)
     assert st.inflight == 0 and meter.live == 0 and not st.outgoing
+
+
+def test_allocator_accounting_plans_with_the_ops_latency_without_the_hook():
+    """Hardware.computing_in(precision, "allocator"): each tensor op costs the profile's plain_kernel_latency
+    (measured on CUDA without the runtime's accounting), where there is one."""
+    from harmony.compiler.hardware import Hardware
+    card = Hardware.preset("h100-sxm")
+    measured = card.replace(devices=(card.devices[0].replace(kernel_latency=4e-5, plain_kernel_latency=1e-5),))
+    assert measured.computing_in("bf16", "allocator").devices[0].kernel_latency == 1e-5
+    assert measured.computing_in("bf16").devices[0].kernel_latency == 4e-5
+    assert measured.computing_in("bf16").devices[0].dtype == "bf16"
+    assert card.computing_in("fp32", "allocator").devices[0].kernel_latency == card.devices[0].kernel_latency
