@@ -133,6 +133,7 @@ class AllocatorMeter:
             lambda: torch.cuda.memory_allocated(self.device), lambda: torch.cuda.max_memory_allocated(self.device),
             lambda: torch.cuda.reset_peak_memory_stats(self.device))
         self.base = self._allocated()
+        self._reset()       # a peak from before the runtime (another model, the compile's probes) is not its
         self.on_pressure = self.settle = self.settle_above = None    # (as MemoryMeter's)
         self.caches: list = []
 
@@ -143,6 +144,12 @@ class AllocatorMeter:
     @property
     def peak(self) -> int:
         return max(0, self._max_allocated() - self.base)
+
+    @peak.setter
+    def peak(self, value: int) -> None:
+        """Ignored: the executor sets the peak to the live bytes around each op to take the op's own, which would
+        mean resetting the allocator's, which the report and the user read over the whole step. Each op's event
+        has the step's peak so far."""
 
     def track(self, tensor_or_storage, enforce: bool = True) -> None:
         """The allocator has counted it; past the plan's peak, copies in flight land first (``MemoryMeter.track``)."""

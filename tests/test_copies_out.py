@@ -132,12 +132,14 @@ def test_the_allocator_meter_counts_from_where_the_runtime_started():
     from harmony.errors import DeviceOutOfMemory
     from harmony.runtime.memory import AllocatorMeter
     fake = FakeAllocator(allocated=700)
+    fake.max = 5000                     # a peak from before the runtime started is not its own
     meter = AllocatorMeter("cuda:0", 1000, torch.device("cpu"), stats=fake.stats())
     assert (meter.live, meter.peak) == (0, 0) and meter.holds(torch.ones(1))
     assert not meter.holds(torch.ones(1, device="meta"))
     fake.alloc(900)
     fake.alloc(-400)
     meter.observe()
+    meter.peak = meter.live             # (the executor's per-op peak: the allocator's is the step's, not reset)
     assert (meter.live, meter.peak) == (500, 900)
     meter.reset_peak()
     assert meter.peak == 500
