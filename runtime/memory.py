@@ -3,13 +3,14 @@
 ``MemoryMeter`` counts every storage that is allocated while it is active (each
 op output whose storage is new) plus the tensors the runtime registers
 explicitly (copies made by ``swap_in``). A storage is counted once, however many
-views share it, and uncounted the moment it is freed (a ``weakref.finalize`` on
+views share it, and uncounted the moment it is freed (a weak reference's callback on
 the storage object, which PyTorch keeps alive exactly as long as the storage).
 It works on real and on fake tensors, so the cost model and the runtime measure
 memory with the same code.
 """
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
 
@@ -44,6 +45,7 @@ class MemoryMeter:
         self.live = 0
         self.peak = 0
         self._sizes: dict[int, int] = {}
+        self._refs: dict[int, weakref.ref] = {}    # the weak reference to each counted storage, whose death uncounts it
         self._lock = threading.Lock()
         self.on_pressure = None  # callable(bytes_needed) -> bytes_freed, for on-demand eviction
         self.settle = None       # callable(limit): lets go of device tensors only copies in flight still hold,
@@ -55,6 +57,13 @@ class MemoryMeter:
     def _release(self, key: int) -> None:
         with self._lock:
             self.live -= self._sizes.pop(key, 0)
+
+    def _freed(self, key: int, ref) -> None:
+        # (a weak reference's callback rather than weakref.finalize, which costs several times more, on every op)
+        with self._lock:
+            self.live -= self._sizes.pop(key, 0)
+            if self._refs.get(key) is ref:
+                del self._refs[key]
 
     def track(self, tensor_or_storage, enforce: bool = True) -> None:
         """Count a storage as living on this device until it is freed."""
@@ -74,7 +83,7 @@ class MemoryMeter:
                 self.peak = max(self.peak, self.live)
                 above = None
             over = self.budget is not None and self.live > self.budget
-        weakref.finalize(s, self._release, key)
+        self._refs[key] = weakref.ref(s, functools.partial(self._freed, key))
         if above is not None:     # copies in flight hold device memory the plan had freed: they land first
             self.settle(above)
             with self._lock:
