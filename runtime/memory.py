@@ -19,6 +19,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from harmony.base.errors import DeviceOutOfMemory
 
+UNDER_PREDICTED = ("The plan under-predicted this device's memory; compile with a smaller memory_budget to leave "
+                   "headroom, and report the model so the cost model can be fixed.")
+
 
 def _storages(x, out: list) -> list:
     """Append the storages of the tensors in an op's arguments or results to ``out``: aten ops take and return
@@ -105,9 +108,7 @@ class MemoryMeter:
         if self.live > self.budget:
             raise DeviceOutOfMemory(
                 f"{self.name}: {self.live / 2**20:.1f} MiB live after allocating {n / 2**20:.2f} MiB, "
-                f"over its budget of {self.budget / 2**20:.1f} MiB. The plan under-predicted this "
-                f"device's memory; compile with a smaller memory_budget to leave headroom, and "
-                f"report the model so the cost model can be fixed.")
+                f"over its budget of {self.budget / 2**20:.1f} MiB. {UNDER_PREDICTED}")
 
     def forget(self, tensor: torch.Tensor) -> None:
         """Stop counting ``tensor``'s storage on this device: it lives on as host memory (on the CPU device,
@@ -173,9 +174,7 @@ class AllocatorMeter:
         if self.budget is not None and self.peak > self.budget:
             raise DeviceOutOfMemory(
                 f"{self.name}: the allocator's peak, {self.peak / 2**20:.1f} MiB above what was allocated when the "
-                f"runtime started, is over the budget of {self.budget / 2**20:.1f} MiB. The plan under-predicted "
-                f"this device's memory; compile with a smaller memory_budget to leave headroom, and report the "
-                f"model so the cost model can be fixed.")
+                f"runtime started, is over the budget of {self.budget / 2**20:.1f} MiB. {UNDER_PREDICTED}")
 
     def forget(self, tensor: torch.Tensor) -> None:
         pass
