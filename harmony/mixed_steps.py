@@ -12,6 +12,7 @@ no faster than the one before it or does not fit. The offload pass's report list
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 
 def wanted(cfg) -> bool:
@@ -36,7 +37,7 @@ def choose(program, passes) -> tuple[int, dict]:
     hw = compare.hardware(cfg)
     predicted: dict = {}
     best = 0
-    for k in range(0, 1 << 16):
+    for k in itertools.count():
         try:
             p = run_passes(another_rank(program, dataclasses.replace(cfg, device_steps=k, offline=True)), passes)
         except HarmonyError:

@@ -10,7 +10,6 @@ memory with the same code.
 """
 from __future__ import annotations
 
-import functools
 import threading
 import weakref
 
@@ -21,6 +20,13 @@ from harmony.base.errors import DeviceOutOfMemory
 
 UNDER_PREDICTED = ("The plan under-predicted this device's memory; compile with a smaller memory_budget to leave "
                    "headroom, and report the model so the cost model can be fixed.")
+
+
+def settle_limit(meter) -> int | None:
+    """Live bytes past which a meter's ``settle`` lets copies in flight land first: its budget, or the plan's
+    predicted peak (``settle_above``) where that is lower; None if it has neither."""
+    limits = [b for b in (meter.budget, meter.settle_above) if b is not None]
+    return min(limits) if limits else None
 
 
 def _storages(x, out: list) -> list:
@@ -58,15 +64,11 @@ class MemoryMeter:
                                  # so that it and the live bytes stay within the budget
 
     def _release(self, key: int) -> None:
+        """Uncount a storage: it died (its weak reference's callback) or lives on elsewhere (``forget``, whose
+        dropped reference never calls back)."""
         with self._lock:
             self.live -= self._sizes.pop(key, 0)
-
-    def _freed(self, key: int, ref) -> None:
-        # (a weak reference's callback rather than weakref.finalize, which costs several times more, on every op)
-        with self._lock:
-            self.live -= self._sizes.pop(key, 0)
-            if self._refs.get(key) is ref:
-                del self._refs[key]
+            self._refs.pop(key, None)
 
     def track(self, tensor_or_storage, enforce: bool = True) -> None:
         """Count a storage as living on this device until it is freed."""
@@ -80,13 +82,13 @@ class MemoryMeter:
         with self._lock:
             self._sizes[key] = n
             self.live += n
-            above = self.settle_above if self.budget is None or self.settle_above is None \
-                else min(self.budget, self.settle_above)
+            above = settle_limit(self)
             if self.settle is None or above is None or self.live <= above:
                 self.peak = max(self.peak, self.live)
                 above = None
             over = self.budget is not None and self.live > self.budget
-        self._refs[key] = weakref.ref(s, functools.partial(self._freed, key))
+        # (a weak reference's callback rather than weakref.finalize, which costs several times more, on every op)
+        self._refs[key] = weakref.ref(s, lambda _, key=key: self._release(key))
         if above is not None:     # copies in flight hold device memory the plan had freed: they land first
             self.settle(above)
             with self._lock:
@@ -163,9 +165,9 @@ class AllocatorMeter:
 
     def track(self, tensor_or_storage, enforce: bool = True) -> None:
         """The allocator has counted it; past the plan's peak, copies in flight land first (``MemoryMeter.track``)."""
-        above = [b for b in (self.budget, self.settle_above) if b is not None]
-        if self.settle is not None and above and self.live > min(above):
-            self.settle(min(above))
+        above = settle_limit(self)
+        if self.settle is not None and above is not None and self.live > above:
+            self.settle(above)
         if enforce:
             self.observe()
 

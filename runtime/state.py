@@ -259,7 +259,7 @@ class TieredState:
         if dst is None:
             dst = torch.empty(src.shape, dtype=src.dtype, pin_memory=self.pin)
             if self.copier.late is not None:    # (debugging: an early reader reads NaN)
-                dst.fill_(float("nan")) if dst.is_floating_point() else dst.fill_(-1)
+                dst.fill_(float("nan") if dst.is_floating_point() else -1)
         self.moved["d2h"] += nbytes(src)
         handle = self.copier.send(lambda: dst.copy_(src, non_blocking=self.pin))
         if handle is not None:
@@ -377,18 +377,12 @@ class TieredState:
     def _copy_in(self, jobs: list, reads=()) -> Future:
         """Run ``jobs`` ((write, device tensor, host tensor)) on the copy engine once ``reads`` are done; ``wait``
         hands each device tensor to its ``write``."""
-        sources = [src for _, dst, src in jobs if dst is not src]
-        landing = [h for h in dict.fromkeys(self.landing.get(id(s.untyped_storage())) for s in sources)
-                   if h is not None] if self.landing else []
-
         def copy():
             for r in reads:
                 r.result()
-            for h in landing:     # a host copy still coming back from the device (``send``)
-                if isinstance(h, torch.cuda.Event):
-                    torch.cuda.current_stream(self.device).wait_event(h)
-                else:
-                    h.result()
+            for _, dst, src in jobs:     # a host copy still coming back from the device (``send``): after it
+                if dst is not src:
+                    self.landed(src, device=True)
             for _, dst, src in jobs:
                 if dst is not src:
                     dst.copy_(src, non_blocking=self.pin)
