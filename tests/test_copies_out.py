@@ -65,15 +65,17 @@ def test_a_copy_in_and_the_host_thread_wait_for_the_copy_out_before_them(held):
     assert torch.equal(seen.result(), 2 * torch.arange(1000.0))
 
 
-def test_memory_above_the_plans_peak_waits_for_the_copies_in_flight(held):
-    """Past ``settle_above`` (the step's predicted peak) an allocation first lets the copies out land, so the
-    device tensors they held go and the peak stays where the plan put it."""
+@pytest.mark.parametrize("limit", ["settle_above", "budget"])
+def test_memory_past_the_limit_waits_for_the_copies_in_flight(held, limit):
+    """Past ``settle_above`` (the step's predicted peak), or the budget where there is none, an allocation first
+    lets the copies out land, so the device tensors they held go and the peak stays where the plan put it (and
+    nothing is over the budget)."""
     st, meter, gate, _ = held
     src = torch.ones(256)
     meter.track(src)
     st.send(src)
     del src
-    meter.settle_above = 1500
+    setattr(meter, limit, 1500)
     threading.Timer(0.05, gate.set).start()
     new = torch.ones(256)
     meter.track(new)                          # 2048 bytes with the one in flight: it lands first
@@ -181,17 +183,3 @@ def test_allocator_accounting_plans_with_the_ops_latency_without_the_hook():
     assert measured.computing_in("bf16").devices[0].kernel_latency == 4e-5
     assert measured.computing_in("bf16").devices[0].dtype == "bf16"
     assert card.computing_in("fp32", "allocator").devices[0].kernel_latency == card.devices[0].kernel_latency
-
-
-def test_an_allocation_over_the_budget_lets_the_copies_in_flight_land_first(held):
-    """Without a predicted peak (settle_above) the budget alone is the limit: the copy lands, nothing is over."""
-    st, meter, gate, _ = held
-    src = torch.ones(256)
-    meter.track(src)
-    st.send(src)
-    del src
-    meter.budget = 1500
-    threading.Timer(0.05, gate.set).start()
-    new = torch.ones(256)
-    meter.track(new)                         # 2048 bytes with the one in flight: over 1500 until it lands
-    assert meter.live == 1024 and meter.peak <= 1500 and not st.outgoing
