@@ -38,7 +38,7 @@ from harmony.runtime.precision import PRECISIONS, SCALING_DEFAULTS, compute_dtyp
 
 # the values a pass accepts stay in the pass (passes.offload.PLACES, passes.schedule.POLICIES, ...), imported when a
 # config is checked: the passes import compiler.ir, which imports this module
-RECOMPUTE = ("auto", "always")
+RECOMPUTE = ("auto", "device", "always")
 DEFAULT_MEMORY_BUDGET = 1 << 30        # bytes per device when memory_budget is not given (and balance= is not)
 
 
@@ -123,9 +123,9 @@ class MemoryConfig(Group):
     """Where a host-stepped pack's fp32 weights live between uses: ``"auto"`` (the host, or disk when the host budget
     forces it), ``"host"`` or ``"disk"``."""
     recompute: str = "auto"
-    """``"auto"``: a pack keeps its forward's activations for its backward where the budget has room (the swap pass
-    weighs the compute saved against the traffic the same bytes could save); ``"always"``: every pack but the last
-    recomputes its forward from its stashed inputs, the least memory (the Harmony paper's schedule)."""
+    """``"auto"``: a pack keeps its forward's activations for its backward where the budget has room, on the device or
+    sent to the host and back (the swap pass weighs the compute saved against the traffic); ``"device"``: the same, on
+    the device only; ``"always"``: every pack but the last recomputes its forward from its stashed inputs."""
     init: Any = None
     """For a model built without its weights (under ``harmony.empty_weights()``: parameters on the meta device):
     ``init(module)`` fills a module's own parameters as compile places them, a pack at a time (harmony/materialize.py).

@@ -190,8 +190,8 @@ def _plan(base: Program, batch: tuple, rows: int) -> Program:
     size, choices = min(cfg.microbatch_size, rows), [base.swap_choice]
     if base.swap_choice is not None:     # the same state kept, held and stepped; no activation kept on the device
         packs = range(len(base.plan.packs))
-        choices.append(base.swap_choice._replace(kept=frozenset(), stashed={(op, p) for op in ("forward", "backward")
-                                                                            for p in packs}))
+        stashed = {(op, p) for op in ("forward", "backward") for p in packs}
+        choices.append(base.swap_choice._replace(kept=frozenset(), offloaded=frozenset(), stashed=stashed))
     fake = None
     while True:
         split = split_rows(rows, size)

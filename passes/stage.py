@@ -121,7 +121,7 @@ def _rebuild(program: Program, cuts, units) -> None:
     """``program.plan``'s packs become ``cuts`` (runs of ``units``)."""
     from harmony.passes.partition import build_packs, measure_kept
     specs = build_packs(program, cuts, units)
-    if program.config.recompute == "auto":
+    if program.config.recompute != "always":
         measure_kept(program, specs)
     program.plan = dataclasses.replace(program.plan, packs=specs, residency={})
 

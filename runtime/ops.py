@@ -40,6 +40,22 @@ class Acts:
     leaves: dict[str, torch.Tensor] | None = None   # kept forward: detached inputs that collect grads
     outs: dict[str, torch.Tensor] | None = None     # kept forward: outputs still attached to the graph
     on_device: bool = True
+    graph: list | None = None      # kept forward: the tensors autograd saved for the backward (``Saved``)
+    arriving: object = None        # the copies bringing a stashed graph back (``unstash``), which the backward joins
+
+
+class Saved:
+    """A tensor a kept forward's graph saved for its backward, held where a ``stash`` can move it.
+
+    Autograd keeps what the pack hook returns and gives it to the unpack hook in the backward, so
+    the graph holds this and not the tensor: a stash sends the tensor's storage to the host and
+    drops the device copy (``host`` plus the view's geometry), an unstash brings the storage back
+    and rebuilds the view (``t``), all without autograd knowing."""
+
+    __slots__ = ("t", "host", "view")
+
+    def __init__(self, t: torch.Tensor):
+        self.t, self.host, self.view = t, None, None
 
 
 @dataclass
@@ -49,6 +65,8 @@ class Predicted:
     bytes: int
     on_device: bool = True
     kept: int = 0          # activations held for backward (a kept forward)
+    graph: int = 0         # of those, the bytes a stash sends to the host (the graph's own, not inputs or outputs)
+    away: int = 0          # graph bytes a stash sent to the host, which an unstash brings back
 
 
 @dataclass

@@ -7,7 +7,7 @@ import contextlib
 
 import torch
 
-from harmony.runtime.ops import Acts, Predicted, backward, forward, label_args, register
+from harmony.runtime.ops import Acts, Predicted, Saved, backward, forward, label_args, register
 
 
 # -- forward / backward -----------------------------------------------------------------------
@@ -26,11 +26,12 @@ def _forward_execute(rt, pack, mb, *inputs, keep=False):
     with rt.counting():
         if keep:
             leaves = {n: _leaf(x, n not in rt.plan.input_names) for n, x in zip(spec.inputs, xs)}
-            with torch.enable_grad(), _state_by_name(rt, spec):
+            graph: list = []
+            with torch.enable_grad(), _state_by_name(rt, spec, graph):
                 outs = spec.module(*leaves.values())
             outs = dict(zip(spec.outputs, outs))
             values = {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in outs.items()}
-            result = Acts(values, leaves=leaves, outs=outs)
+            result = Acts(values, leaves=leaves, outs=outs, graph=graph)
         else:
             with torch.no_grad():
                 outs = spec.module(*xs)
@@ -52,8 +53,9 @@ def _set_rng_state(device: torch.device, state) -> None:
         torch.cuda.set_rng_state(state[1], device)
 
 
-def _state_by_name(rt, spec):
-    """Saved-tensor hooks under which a kept graph holds a parameter's name, not its device copy.
+def _state_by_name(rt, spec, graph: list):
+    """Saved-tensor hooks under which a kept graph holds a parameter's name, not its device copy, and every other
+    tensor it saves in a ``Saved`` holder, listed in ``graph`` (a ``stash`` may send them to the host).
 
     Autograd saves the weights a layer's backward needs (``addmm`` saves a view of the
     weight), which would keep the forward's device copy alive after the pack's release
@@ -77,11 +79,13 @@ def _state_by_name(rt, spec):
         for n, start, end in names.get(x.untyped_storage().data_ptr(), ()) if x.layout == torch.strided else ():
             if start <= x.storage_offset() < end:   # offset from the parameter's own start: its next copy may
                 return n, x.size(), x.stride(), x.storage_offset() - start   # sit elsewhere in its buffer
-        return x.detach()   # not x: a node saving its own output would hold itself (a cycle gc cannot see)
+        held = Saved(x.detach())   # not x: a node saving its own output would hold itself (a cycle gc cannot see)
+        graph.append(held)
+        return held
 
     def unpack(h):
-        if isinstance(h, torch.Tensor):
-            return h
+        if isinstance(h, Saved):
+            return h.t
         n, size, stride, offset = h
         data = rt.state.tensors[n].data
         return data.as_strided(size, stride, data.storage_offset() + offset)
@@ -109,7 +113,9 @@ def _forward_effect(m, pack, mb, *inputs, keep=False):
         batch = sum(m.plan.batch_bytes.get(n, 0) for n in spec.inputs if n in m.plan.input_names)
         retained = 0 if last or any(isinstance(v, Predicted) and v.kept for v in inputs) else spec.in_bytes + batch
         held = spec.saved_bytes + retained
-        return Predicted(spec.out_bytes + held, kept=held), spec.fwd_keep_peak
+        # a stash can send the graph's own tensors to the host; the last pack's and ondemand's keep no holders
+        graph = 0 if last or m.plan.policy == "ondemand" else spec.saved_bytes
+        return Predicted(spec.out_bytes + held, kept=held, graph=graph), spec.fwd_keep_peak
     return Predicted(spec.out_bytes), spec.fwd_peak
 
 
@@ -176,6 +182,9 @@ def _backward_execute(rt, pack, mb, *inputs, saved=None, grads=()):
                 _set_rng_state(rt.device, rng)
         else:
             leaves, outs, restore = saved.leaves, saved.outs, []
+            if saved.arriving is not None:    # a stashed graph coming back (``unstash``): its copies first
+                rt.state.wait(saved.arriving)
+                saved.arriving = None
         if "loss" in outs:   # the seed is fp32 (a no-op in fp32); fp16 scales it (GradScaler.scale)
             weight = rt.plan.loss_weight(mb)     # uneven microbatches: by rows, so the seeds sum to the batch mean
             seed = outs["loss"].float() / rt.plan.microbatches if weight is None else outs["loss"].float() * weight
@@ -195,7 +204,7 @@ def _backward_execute(rt, pack, mb, *inputs, saved=None, grads=()):
         result = Acts({n: x.grad for n, x in leaves.items()
                        if isinstance(x, torch.Tensor) and x.grad is not None and n not in rt.plan.input_names})
     if saved is not None:
-        saved.leaves = saved.outs = None
+        saved.leaves = saved.outs = saved.graph = None
     return result
 
 

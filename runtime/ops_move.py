@@ -133,17 +133,50 @@ def _load_batch_cost(plan, hw, mb, names):
 
 
 def _stash_execute(rt, acts):
+    if acts.graph is not None:      # a kept forward: its graph goes, its values stay
+        return _send_graph(rt, acts)
     # the copies land on their own time: ``unstash`` waits for them on the device's stream
     return Acts({k: rt.state.send(v) if isinstance(v, torch.Tensor) else v for k, v in acts.values.items()},
                 on_device=False)
 
 
+def _send_graph(rt, acts):
+    """A kept forward's graph to the host: each device storage its saved tensors view, once. The storages of the
+    pack's inputs and outputs stay (the values and the graph's roots hold them on the device anyway)."""
+    stay = {id(t.untyped_storage()) for t in (*acts.leaves.values(), *acts.outs.values())
+            if isinstance(t, torch.Tensor)}
+    sent: dict[int, torch.Tensor] = {}
+    for held in acts.graph:
+        t = held.t
+        if t is None or t.layout != torch.strided or not rt.meter.holds(t):
+            continue
+        storage = t.untyped_storage()
+        key = id(storage)
+        if key in stay or not storage.nbytes():
+            continue
+        if key not in sent:
+            whole = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
+            sent[key] = rt.state.send(whole)
+        held.host, held.view, held.t = sent[key], (t.dtype, t.size(), t.stride(), t.storage_offset()), None
+    return Acts(acts.values, acts.leaves, acts.outs, graph=acts.graph)
+
+
 def _stash_effect(m, value):
+    if value.graph:
+        # the forward's inputs and outputs stay on the device, now the stash's value's: the forward's keeps the
+        # graph's bytes until it dies (after this, its last use)
+        m.moved["d2h"] += value.graph
+        stays = value.bytes - value.graph
+        m.live -= stays
+        value.bytes = value.graph
+        return Predicted(stays, kept=value.kept - value.graph, away=value.graph), 0
     m.moved["d2h"] += value.bytes
     return Predicted(value.bytes, on_device=False), 0
 
 
 def _unstash_execute(rt, acts):
+    if acts.graph is not None:
+        return _bring_graph(rt, acts)
     out = {}
     for k, v in acts.values.items():
         if not isinstance(v, torch.Tensor):
@@ -158,13 +191,39 @@ def _unstash_execute(rt, acts):
     return Acts(out)
 
 
+def _bring_graph(rt, acts):
+    """A stashed graph back on the copy engine: its storages' device copies are reserved now and its saved tensors'
+    views rebuilt on them; the pack's backward waits for the copies (``Acts.arriving``) before it runs."""
+    hosts = list({id(h.host): h.host for h in acts.graph if h.host is not None}.values())
+    back, arriving = rt.state.bring(hosts) if hosts else ([], None)
+    device = dict(zip(map(id, hosts), back))
+    for held in acts.graph:
+        if held.host is not None:
+            dtype, size, stride, offset = held.view
+            whole = device[id(held.host)]
+            held.t = torch.empty(0, dtype=dtype, device=whole.device).set_(whole.untyped_storage(), offset, size,
+                                                                             stride)
+            held.host = held.view = None
+    return Acts(acts.values, acts.leaves, acts.outs, graph=acts.graph, arriving=arriving)
+
+
 def _unstash_effect(m, value):
+    if value.away:         # the graph back beside the inputs and outputs the stash's value held
+        m.moved["h2d"] += value.away
+        stays, value.bytes = value.bytes, 0
+        m.live -= stays
+        return Predicted(stays + value.away, kept=value.kept + value.away, graph=value.away), 0
     m.moved["h2d"] += value.bytes
     return Predicted(value.bytes), 0
 
 
 def _stash_cost(plan, hw, value):
-    # one cost for both directions: stash reads a value on the device, unstash one on the host
+    # one cost for both directions: stash reads a value on the device, unstash one on the host; a kept forward's
+    # graph goes out and comes back, its inputs and outputs stay
+    if value.graph:
+        return "d2h", value.graph / hw.d2h_bandwidth
+    if value.away:
+        return "h2d", value.away / hw.h2d_bandwidth
     if value.on_device:
         return "d2h", value.bytes / hw.d2h_bandwidth
     return "h2d", value.bytes / hw.h2d_bandwidth

@@ -368,11 +368,19 @@ class TieredState:
     def fetch_master(self, name: str) -> tuple[torch.Tensor, Future]:
         """Start bringing parameter ``name``'s fp32 master to the device as it is (a mixed-precision device step
         steps it there): its device tensor, and the future ``wait`` joins."""
-        host = self.master[name]
-        dst = torch.empty_like(host, device=self.device)
-        self.meter.track(dst)
-        self.moved["h2d"] += nbytes(dst)
-        return dst, self._copy_in([(lambda d: None, dst, host)])
+        (dst,), fut = self.bring([self.master[name]])
+        return dst, fut
+
+    def bring(self, hosts: list[torch.Tensor]) -> tuple[list[torch.Tensor], Future]:
+        """Start copying host tensors to the device on the copy engine: their device tensors, reserved on the meter
+        now, and the future ``wait`` joins before anything reads them."""
+        jobs = []
+        for host in hosts:
+            dst = torch.empty_like(host, device=self.device)
+            self.meter.track(dst)
+            self.moved["h2d"] += nbytes(dst)
+            jobs.append((lambda d: None, dst, host))
+        return [dst for _, dst, _ in jobs], self._copy_in(jobs)
 
     def _copy_in(self, jobs: list, reads=()) -> Future:
         """Run ``jobs`` ((write, device tensor, host tensor)) on the copy engine once ``reads`` are done; ``wait``

@@ -528,7 +528,7 @@ def test_the_schedule_is_the_same_in_every_process():
 
 
 def test_unknown_recompute_is_a_config_error():
-    with pytest.raises(ConfigError, match="recompute='sometimes'; choose one of 'auto', 'always'"):
+    with pytest.raises(ConfigError, match="recompute='sometimes'; choose one of 'auto', 'device', 'always'"):
         compiled(recompute="sometimes")
 
 

@@ -402,7 +402,7 @@ def run(program: Program, ctx) -> PassResult:
             f"{cfg.microbatch_size}: the smallest budget that works is {fmt_bytes(floor)} ({floor} bytes). "
             f"Raise memory_budget, or use more microbatches.", min_budget=floor)
     program.partition_choice = [units[b].nodes[0].name for b, _ in cuts]   # what ctx would hand back
-    if cfg.recompute == "auto" and cfg.policy != "ondemand":
+    if cfg.recompute != "always" and cfg.policy != "ondemand":
         measure_kept(program, specs)
     batch_bytes = dict(program.fake_batch_bytes)
     program.plan = Plan(packs=specs, microbatches=cfg.microbatches, microbatch_size=cfg.microbatch_size,

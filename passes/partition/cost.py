@@ -315,7 +315,7 @@ class PackCost:
         what residency leaves. Smaller packs leave more room: this is what lets the cap search see it.
         """
         cfg = self.p.config
-        if cfg.recompute != "auto" or cfg.policy == "ondemand" or len(cuts) < 2:
+        if cfg.recompute == "always" or cfg.policy == "ondemand" or len(cuts) < 2:
             return set()
         m = cfg.microbatches
         times = cfg.microbatches if cfg.policy == "harmony" else 1

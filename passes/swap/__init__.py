@@ -54,6 +54,14 @@ Where the plan's hardware is given, its copies overlap compute and the compute o
 graphs: the pass also makes the choice that keeps graphs first and takes whichever the
 simulator finds faster on that hardware (passes/swap/compare.py; the report says both).
 
+Where the device has no room for a graph, it may wait on the host instead (``Choice.offloaded``, under
+``recompute="auto"``; ``"device"`` keeps graphs on the device only): the forward's saved tensors go out after it and
+come back before the pack's backward (``graph.offload_graphs``; the prefetch pass starts that copy one forward or
+backward earlier where the budget has room), and only the pack's inputs and outputs stay. It saves the same recompute
+for the graph's bytes moved out and back, so it is taken where the recompute costs more than the copies
+(``offload_candidates``); behind a fast link, where the compute outlasts the copies, the graphs-first choice is also
+made with graphs on the host and the simulator decides.
+
 This module decides; how each decision reads in the schedule (the swap ops, stashes, ``held=``
 and so on) is ``passes/swap/graph.py``.
 """
@@ -67,11 +75,13 @@ from harmony.compiler.ir import PassReport, PassResult, Program, calls
 from harmony.compiler.verify import memory_curve, state_sizes
 from harmony.passes.swap import compare
 from harmony.passes.swap.graph import Choice, build, insert_swaps, place, stash_groups
-from harmony.passes.swap.search import choose, greedy, may_step_on_device, mixed_placement, peak_bound
+from harmony.passes.swap.parts import may_step_on_device, mixed_placement
+from harmony.passes.swap.search import choose, greedy, peak_bound
 from harmony.runtime import ops
 from harmony.runtime.plan import STATE_KINDS
 
-__all__ = ["NAME", "REQUIRES", "PROVIDES", "run", "graph_candidates", "may_step_on_device", "mixed_placement"]
+__all__ = ["NAME", "REQUIRES", "PROVIDES", "run", "graph_candidates", "offload_candidates", "may_step_on_device",
+           "mixed_placement"]
 
 NAME = "swap"
 REQUIRES = {"schedule", "placement"}
@@ -87,7 +97,7 @@ def graph_candidates(program: Program) -> list[tuple]:
     under the harmony policy (they wait for the pack's backward), for one under sequential.
     """
     cfg, plan = program.config, program.plan
-    if cfg.recompute != "auto" or cfg.policy == "ondemand":
+    if cfg.recompute == "always" or cfg.policy == "ondemand":
         return []
     m = plan.microbatches
     out = []
@@ -96,6 +106,30 @@ def graph_candidates(program: Program) -> list[tuple]:
         if spec.fwd_flops and held:
             seconds = m * spec.fwd_flops / cfg.flops
             out.append((seconds * cfg.copy_bandwidth / held, held, ("graph", spec.index)))
+    return out
+
+
+def offload_candidates(program: Program, copies_free: bool = False) -> list[tuple]:
+    """(value per byte held, bytes held, ("offload", pack)) for every pack that could keep its forward's graph on the
+    host: sent there after the forward, brought back for the backward (``graph.offload_graphs``).
+
+    It saves the same recompute as a graph kept on the device and holds only the pack's inputs and outputs there
+    (the values and the graph's roots), for the graph's bytes moved out and back in. Its value is the recompute, as
+    bytes the host link moves in that time, less those bytes, per byte held; ``copies_free``: the copies are not
+    counted (the graphs-first choice's: behind a fast link they run beside compute that outlasts them). None with a
+    value of zero or less.
+    """
+    cfg, plan = program.config, program.plan
+    if cfg.recompute != "auto" or cfg.policy == "ondemand":
+        return []
+    m = plan.microbatches
+    phases = m if cfg.policy == "harmony" else 1
+    out = []
+    for spec in plan.packs[:-1]:
+        held = (spec.in_bytes + spec.out_bytes) * phases
+        worth = m * spec.fwd_flops / cfg.flops * cfg.copy_bandwidth - (0 if copies_free else 2 * m * spec.saved_bytes)
+        if spec.saved_bytes and held and worth > 0:
+            out.append((worth / held, held, ("offload", spec.index)))
     return out
 
 
@@ -113,7 +147,7 @@ def run(program: Program, ctx) -> PassResult:
     everything = Choice({(p.index, k) for p in plan.packs for k in STATE_KINDS}, set())
     place(plan, everything, sizes, program.optim_profile)
     mixed = program.config.precision != "fp32"   # host steps update fp32 masters: compute copies come in afresh
-    graphs = graph_candidates(program)
+    graphs = graph_candidates(program) + offload_candidates(program)
     if not mixed and ctx is None and memory_curve(program, check_residency=False).peak <= budget:
         return _all_resident(program, everything, graphs, sizes, report)
 
@@ -124,7 +158,8 @@ def run(program: Program, ctx) -> PassResult:
     chosen = Choice(set(), set(groups))
 
     def fits(c: Choice):
-        program.schedule = build(base, c.resident, c.stashed, groups, c.kept, c.held, c.device, c.parts, c.carried)
+        program.schedule = build(base, c.resident, c.stashed, groups, c.kept, c.held, c.device, c.parts, c.carried,
+                                 c.offloaded)
         place(plan, c, sizes, program.optim_profile)
         return memory_curve(program, check_residency=False)
 
@@ -172,10 +207,9 @@ def run(program: Program, ctx) -> PassResult:
                          params_held_between_visits=len(chosen.parts), params_stepped_on_device=len(chosen.steps),
                          device_stepped=len(chosen.device), carried_across_steps=len(chosen.carried),
                          recomputing_packs=len(plan.packs) - 1 - len(chosen.kept),
-                         predicted_peak_MiB=curve.peak / 2**20,
+                         graphs_on_host=len(chosen.offloaded), predicted_peak_MiB=curve.peak / 2**20,
                          h2d_MiB=curve.moved["h2d"] / 2**20, d2h_MiB=curve.moved["d2h"] / 2**20,
-                         seconds=time.perf_counter() - start)
-    report.totals["chosen_by"] = how
+                         seconds=time.perf_counter() - start, chosen_by=how)
     _notes(report, program, chosen, graphs)
     return PassResult(program, report)
 
@@ -183,31 +217,44 @@ def run(program: Program, ctx) -> PassResult:
 def _graphs_first(program: Program, made: tuple, start: Choice, base, groups: dict, sizes: dict, graphs: list, fits,
                   report: PassReport) -> tuple:
     """``made`` (the choice by traffic saved from ``start``: chosen, rows, how, curve) or, where it applies
-    (passes/swap/compare.py), keeps more graphs and the simulator finds it faster, the choice that ranks ``graphs``
-    before any traffic."""
-    first = compare.graphs_first(program, graphs)
+    (passes/swap/compare.py), keeps more graphs and the simulator finds it faster, a choice that ranks graphs
+    before any traffic: on the device only, or also on the host where the device has no room for them (their
+    copies counted free, as the compute outlasts them)."""
+    device_only = [c for c in graphs if c[2][0] == "graph"]
+    first = compare.graphs_first(program, device_only)
     if first is None:
         return made
-    scratch = PassReport("swap: graphs first")
-    other = choose(program, start, fits(start), base, groups, sizes, first, fits, scratch)
-    took = False
-    if len(other[0].kept) > len(made[0].kept):
-        by_traffic, by_graphs = compare.simulated(program, fits, [made[0], other[0]], sizes)
-        took = by_graphs < by_traffic
-        report.notes.append(f"the step's compute outlasts its copies {program.compute_to_copies:.3g} times (every "
-                            f"pack swapped): keeping {len(other[0].kept)} packs' graphs first simulates at "
-                            f"{by_graphs * 1e3:.1f} ms, ranking by traffic saved ({len(made[0].kept)} graphs) at "
-                            f"{by_traffic * 1e3:.1f} ms on {compare.hardware(program.config).devices[0].name}; took "
-                            + ("graphs first" if took else "traffic saved"))
+    ways = {"graphs first": first,
+            "graphs first, on the host too": compare.graphs_first(program, device_only
+                                                                   + offload_candidates(program, copies_free=True))}
+    others = {}
+    for name, ranked in ways.items():
+        scratch = PassReport("swap: " + name)
+        other = choose(program, start, fits(start), base, groups, sizes, ranked, fits, scratch)
+        if len(other[0].kept) > len(made[0].kept) and all(other[0] != o[0][0] for o in others.values()):
+            others[name] = other, scratch
+    if not others:
+        fits(made[0])
+        return made
+    seconds = compare.simulated(program, fits, [made[0]] + [o[0][0] for o in others.values()], sizes)
+    by_traffic, fastest = seconds[0], min(range(1, len(seconds)), key=seconds.__getitem__)
+    name = list(others)[fastest - 1]
+    took = seconds[fastest] < by_traffic
+    hw = compare.hardware(program.config).devices[0].name
+    tried = ", ".join(f"{n} ({len(o[0][0].kept)} graphs, {len(o[0][0].offloaded)} on the host) at "
+                      f"{t * 1e3:.1f} ms" for (n, o), t in zip(others.items(), seconds[1:]))
+    report.notes.append(f"the step's compute outlasts its copies {program.compute_to_copies:.3g} times (every pack "
+                        f"swapped): simulated on {hw}, ranking by traffic saved ({len(made[0].kept)} graphs) at "
+                        f"{by_traffic * 1e3:.1f} ms, {tried}; took " + (name if took else "traffic saved"))
     if not took:       # the schedule and placement back to the choice taken
         fits(made[0])
         return made
-    chosen, rows, how, _ = other
+    (chosen, rows, how, _), scratch = others[name]
     for row in rows:       # the value the ranking saw was raised; the table shows the recompute's own
-        if row["kept"] == "activations (no recompute)":
+        if row["kept"].startswith("activations"):
             row["saves_per_byte"] /= compare.GRAPHS_FIRST
     report.notes.extend(scratch.notes)
-    return chosen, rows, f"{how}, graphs first", fits(chosen)
+    return chosen, rows, f"{how}, {name}", fits(chosen)
 
 
 def _all_resident(program: Program, everything: Choice, graphs: list, sizes: dict, report: PassReport) -> PassResult:
@@ -215,7 +262,7 @@ def _all_resident(program: Program, everything: Choice, graphs: list, sizes: dic
     base, plan, budget = program.schedule, program.plan, program.config.usable_budget
 
     def fits_all(c: Choice):     # only graphs are candidates here
-        program.schedule = build(base, c.resident, c.stashed, {}, c.kept)
+        program.schedule = build(base, c.resident, c.stashed, {}, c.kept, offloaded=c.offloaded)
         return memory_curve(program, check_residency=False)
     chosen, rows = greedy(graphs, everything, fits_all, budget,
                           lambda c, what: peak_bound(program, c, what, {}, sizes, set()))   # graphs only
@@ -226,7 +273,7 @@ def _all_resident(program: Program, everything: Choice, graphs: list, sizes: dic
                         + (f"; {len(chosen.kept)} packs keep their forward's graph (no recompute)" if chosen.kept
                            else ""))
     report.totals = dict(resident_packs=len(plan.packs), swaps=0, stashes=0,
-                         recomputing_packs=len(plan.packs) - 1 - len(chosen.kept))
+                         recomputing_packs=len(plan.packs) - 1 - len(chosen.kept), graphs_on_host=len(chosen.offloaded))
     return PassResult(program, report)
 
 
@@ -257,5 +304,10 @@ def _notes(report: PassReport, program: Program, chosen: Choice, graphs: list) -
     if graphs:
         report.notes.append("activations (no recompute): saves_per_byte is the recompute time saved, as bytes the "
                             "host link moves in that time, per byte held")
+    if chosen.offloaded:
+        report.notes.append(f"packs {', '.join(map(str, sorted(chosen.offloaded)))} keep their forward's graph on "
+                            f"the host (activations on the host): sent out after each forward, back before its "
+                            f"backward; their MiB is the inputs and outputs they hold on the device meanwhile, "
+                            f"saves_per_byte the recompute saved less the copies, per byte held")
 
 

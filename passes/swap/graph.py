@@ -33,6 +33,7 @@ class Choice(NamedTuple):
     carried: frozenset = frozenset()  # wholly-disk packs whose stepped weights stay for the next iteration's forward
     optim: frozenset = frozenset()    # (pack, param): single parameters' optimizer state kept on the device, where
                                       # the whole pack's is not
+    offloaded: frozenset = frozenset()    # kept packs whose graph waits for the backward on the host, not the device
 
 
 def place(plan, chosen: Choice, sizes: dict, profile: dict) -> None:
@@ -178,6 +179,28 @@ def keep_graphs(graph: torch.fx.Graph, packs) -> None:
             graph.erase_node(n)
 
 
+def offload_graphs(graph: torch.fx.Graph, packs) -> None:
+    """The ``packs``' kept graphs wait for their backward on the host: each forward's goes right after the forward
+    (the readers of its outputs take the stash's value, whose outputs stay on the device; under the harmony policy
+    they come after the pack's other microbatches), and comes back just before its backward (the prefetch pass
+    starts the copy earlier where the budget has room)."""
+    for n in list(calls(graph)):
+        if n.target is not ops.forward or n.args[0] not in packs or not n.kwargs.get("keep"):
+            continue
+        back = [u for u in n.users if u.target is ops.backward and u.kwargs.get("saved") is n]
+        if len(back) != 1:
+            continue
+        readers = [u for u in n.users if u is not back[0]]
+        with graph.inserting_after(n):
+            s = graph.call_function(ops.stash, (n,))
+        with graph.inserting_before(back[0]):
+            un = graph.call_function(ops.unstash, (s,))
+        for u in readers:
+            u.replace_input_with(n, s)
+        back[0].replace_input_with(n, un)
+        s.meta[SCHEDULE] = un.meta[SCHEDULE] = {"pack": n.args[0]}
+
+
 def param_swaps(graph: torch.fx.Graph) -> dict[int, tuple[list, list]]:
     """pack -> (its parameters' ``swap_in`` nodes, their ``release`` nodes), in schedule order: one scan."""
     out: dict = {}
@@ -245,11 +268,12 @@ def step_on_device(graph: torch.fx.Graph, packs) -> None:
 
 def build(base: torch.fx.Graph, resident: set, stashed: set, groups: dict, kept: frozenset = frozenset(),
            held: frozenset = frozenset(), device: frozenset = frozenset(), parts: frozenset = frozenset(),
-           carried: frozenset = frozenset()):
+           carried: frozenset = frozenset(), offloaded: frozenset = frozenset()):
     """The swapped schedule: ``resident`` state left in place, the ``stashed`` groups sent to the host,
     the ``kept`` packs' graphs held for their backward, the ``held`` packs' weights (and the ``parts``,
     single weights) held between visits, the ``device`` packs (host-stepped in ``base``) stepped on the device,
-    the ``carried`` packs' stepped weights kept on the device for the next iteration's forward."""
+    the ``carried`` packs' stepped weights kept on the device for the next iteration's forward, the ``offloaded``
+    (kept) packs' graphs sent to the host until their backward."""
     g = copy_graph(base)
     keep_graphs(g, kept)
     step_on_device(g, device)
@@ -265,4 +289,5 @@ def build(base: torch.fx.Graph, resident: set, stashed: set, groups: dict, kept:
             continue      # a kept forward's outputs carry its graph: they stay on the device
         for name in groups[key]:
             stash_value(g, by_name[name], order)
+    offload_graphs(g, offloaded)
     return g
