@@ -11,6 +11,7 @@ from harmony.runtime.ops import (
     Predicted,
     _short,
     carried_names,
+    forward,
     label_args,
     load_batch,
     moving_names,
@@ -169,7 +170,7 @@ def _stash_effect(m, value):
         stays = value.bytes - value.graph
         m.live -= stays
         value.bytes = value.graph
-        return Predicted(stays, kept=value.kept - value.graph, away=value.graph), 0
+        return Predicted(stays, kept=value.kept, away=value.graph), 0    # (its outputs live until its backward)
     m.moved["d2h"] += value.bytes
     return Predicted(value.bytes, on_device=False), 0
 
@@ -212,7 +213,7 @@ def _unstash_effect(m, value):
         m.moved["h2d"] += value.away
         stays, value.bytes = value.bytes, 0
         m.live -= stays
-        return Predicted(stays + value.away, kept=value.kept + value.away, graph=value.away), 0
+        return Predicted(stays + value.away, kept=value.kept, graph=value.away), 0
     m.moved["h2d"] += value.bytes
     return Predicted(value.bytes), 0
 
@@ -277,5 +278,15 @@ register(release, _release_execute, _release_effect, _release_cost, "copy", stat
          label=pack_what)
 register(load_batch, _load_batch_execute, _load_batch_effect, _load_batch_cost, "copy", colour="#fee6ce",
          label=_batch_label)
-register(stash, _stash_execute, _stash_effect, _stash_cost, "copy", colour="#bcbddc")
-register(unstash, _unstash_execute, _unstash_effect, _stash_cost, "copy", colour="#9e9ac8")
+def _graph_label(args, kwargs) -> str:
+    """A kept forward's graph says so, with its pack and microbatch; any other value is named."""
+    value = args[0] if args else None
+    if getattr(value, "target", None) is stash:     # an unstash's value: what its stash sent
+        value = value.args[0]
+    if getattr(value, "target", None) is forward and value.kwargs.get("keep"):
+        return f"graph of pack {value.args[0]} · mb {value.args[1]}"
+    return label_args(args, kwargs)
+
+
+register(stash, _stash_execute, _stash_effect, _stash_cost, "copy", colour="#bcbddc", label=_graph_label)
+register(unstash, _unstash_execute, _unstash_effect, _stash_cost, "copy", colour="#9e9ac8", label=_graph_label)

@@ -37,7 +37,7 @@ def test_bad_sizes_name_the_argument(name, bad):
 @pytest.mark.parametrize("name, bad, accepted", [
     ("policy", "lru", "'harmony', 'sequential', 'ondemand'"),
     ("precision", "fp8", "'fp32', 'bf16', 'fp16'"),
-    ("recompute", "never", "'auto', 'always'"),
+    ("recompute", "never", "'auto', 'device', 'always'"),
     ("optimizer_on", "gpu", "'auto', 'device', 'host'"),
     ("weights_on", "nvme", "'auto', 'host', 'disk'"),
 ])

@@ -133,6 +133,16 @@ def check_bitwise(case, microbatches=2, frac=0.5, empty=False, **kw):
                 return type(model)(model.config)
         model, ours = harmony.materialize(build()), build()
     sm, budget, peaks, _ = run_on_gpu(ours, data, microbatches, frac, **kw)
+    assert_matches_eager(sm, model, ours, data, microbatches)
+    for s in peaks:
+        print(f"CUDA-MEM {case} {kw} budget={budget} measured={s['measured_peak']} predicted={s['predicted_peak']} "
+              f"allocated={s['allocated']} reserved={s['reserved']} step={s['step_seconds']:.4f}s")
+    return sm, budget, peaks
+
+
+def assert_matches_eager(sm, model, ours, data, microbatches):
+    """``ours``, trained by ``sm``, has the weights and buffers of ``model`` trained by eager accumulation (each
+    parameter stepped where ``sm`` stepped it); closes ``sm``."""
     got = params(sm)       # read where they are (a pack wholly on disk keeps its weights in its files)
     sm.close()
     names = [{id(p): n for n, p in sm.program.gm.named_parameters()}[id(p)] for p in ours.parameters()]
@@ -143,10 +153,6 @@ def check_bitwise(case, microbatches=2, frac=0.5, empty=False, **kw):
         assert torch.equal(a, b), f"{name}: max diff {(a - b).abs().max().item()}"
     for (name, a), b in zip(ours.named_buffers(), ref.buffers()):
         assert torch.equal(a.cpu(), b.cpu()), f"buffer {name}"
-    for s in peaks:
-        print(f"CUDA-MEM {case} {kw} budget={budget} measured={s['measured_peak']} predicted={s['predicted_peak']} "
-              f"allocated={s['allocated']} reserved={s['reserved']} step={s['step_seconds']:.4f}s")
-    return sm, budget, peaks
 
 
 @pytest.mark.parametrize("policy", ["harmony", "sequential", "ondemand"])
@@ -165,6 +171,26 @@ def test_allocator_accounting_bitwise(policy):
     """accounting='allocator': no hook around each op, the caching allocator counts; the same training."""
     sm, _, peaks = check_bitwise("gpt", policy=policy, accounting="allocator")
     assert type(sm.runtime.meter).__name__ == "AllocatorMeter"
+    for s in peaks:
+        assert s["measured_peak"] <= s["budget"]
+
+
+@pytest.mark.parametrize("accounting", ["ops", "allocator"])
+def test_graphs_on_the_host_bitwise(accounting):
+    """Every pack's graph waits for its backward on the host (sent on the copy-out stream, back on the copy stream,
+    the backward waiting on its event): the same training as eager, within the budget."""
+    import harmony
+    from test_graph_offload import bare, handed
+    model, data = CASES["gpt"](layers=8)
+    first = harmony.compile(copy.deepcopy(model), example_batch=data[0], memory_budget=gpu_budget(model, 0.5),
+                            microbatches=2, device="cuda")
+    packs = range(len(first.plan.packs) - 1)
+    passes = handed(first.program.partition_choice, bare(first.program.swap_choice, packs, packs))
+    first.close()
+    ours = copy.deepcopy(model)
+    sm, _, peaks, _ = run_on_gpu(ours, data, 2, 1.0, passes=passes, accounting=accounting)
+    assert len(sm.program.swap_choice.offloaded) == len(packs) > 0
+    assert_matches_eager(sm, model, ours, data, 2)
     for s in peaks:
         assert s["measured_peak"] <= s["budget"]
 
