@@ -153,7 +153,8 @@ def test_bf16_device_peak_is_clearly_below_fp32_at_the_same_plan():
     runs = {}
     for precision, share in (("fp32", 1.0), ("bf16", 0.5)):
         sm, stats, _ = run_compiled(copy.deepcopy(model), data[:1], 4, int(budget * share), optimizer_on="host",
-                                    precision=precision)
+                                    precision=precision, recompute="device")   # (graphs on the host are priced
+        # by the compute they save, which bf16 does not halve)
         s = stats[-1]
         assert s["measured_peak"] <= budget * share
         assert abs(s["measured_peak"] - s["predicted_peak"]) <= 0.1 * s["measured_peak"], (precision, s)
