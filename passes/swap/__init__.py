@@ -59,7 +59,7 @@ Where the device has no room for a graph, it may wait on the host instead (``Cho
 come back before the pack's backward (``graph.offload_graphs``; the prefetch pass starts that copy one forward or
 backward earlier where the budget has room), and only the pack's inputs and outputs stay. It saves the same recompute
 for the graph's bytes moved out and back, so it is taken where the recompute costs more than the copies
-(``offload_candidates``); behind a fast link, where the compute outlasts the copies, the graphs-first choice is also
+(``graph_candidates``); behind a fast link, where the compute outlasts the copies, the graphs-first choice is also
 made with graphs on the host and the simulator decides.
 
 This module decides; how each decision reads in the schedule (the swap ops, stashes, ``held=``
@@ -80,7 +80,7 @@ from harmony.passes.swap.search import choose, greedy, peak_bound
 from harmony.runtime import ops
 from harmony.runtime.plan import STATE_KINDS
 
-__all__ = ["NAME", "REQUIRES", "PROVIDES", "run", "graph_candidates", "offload_candidates", "may_step_on_device",
+__all__ = ["NAME", "REQUIRES", "PROVIDES", "run", "graph_candidates", "may_step_on_device",
            "mixed_placement"]
 
 NAME = "swap"
@@ -89,48 +89,37 @@ PROVIDES = {"residency"}
 AFTER = {"communication"}    # the memory curve it fits counts the all-reduces' buffers where compress placed them
 
 
-def graph_candidates(program: Program) -> list[tuple]:
-    """(value per byte held, bytes held, ("graph", pack)) for every pack that could keep its forward's graph.
+def graph_candidates(program: Program, copies_free: bool = False) -> list[tuple]:
+    """(value per byte held, bytes held, what) for every pack that could keep its forward's graph: on the device
+    (``("graph", pack)``) and, under ``recompute="auto"``, on the host (``("offload", pack)``: sent
+    there after the forward, brought back for the backward, ``graph.offload_graphs``).
 
-    The value is the recompute time saved, counted as the bytes the host link moves in that
-    time, per byte held; bytes held are one microbatch's activations, for every microbatch
-    under the harmony policy (they wait for the pack's backward), for one under sequential.
+    A graph on the device holds one microbatch's saved activations and inputs; on the host only the pack's inputs
+    and outputs (the values and the graph's roots); either for every microbatch under the harmony policy (they wait
+    for the pack's backward), for one under sequential. The value is the recompute time saved, counted as the bytes
+    the host link moves in that time, per byte held; on the host less the graph's bytes moved out and back in,
+    unless ``copies_free`` (the graphs-first choice's: behind a fast link the copies run beside compute that
+    outlasts them). None on the host with a value of zero or less.
     """
     cfg, plan = program.config, program.plan
     if cfg.recompute == "always" or cfg.policy == "ondemand":
         return []
     m = plan.microbatches
-    out = []
-    for spec in plan.packs[:-1]:
-        held = (spec.saved_bytes + spec.in_bytes) * (m if cfg.policy == "harmony" else 1)
-        if spec.fwd_flops and held:
-            seconds = m * spec.fwd_flops / cfg.flops
-            out.append((seconds * cfg.copy_bandwidth / held, held, ("graph", spec.index)))
-    return out
-
-
-def offload_candidates(program: Program, copies_free: bool = False) -> list[tuple]:
-    """(value per byte held, bytes held, ("offload", pack)) for every pack that could keep its forward's graph on the
-    host: sent there after the forward, brought back for the backward (``graph.offload_graphs``).
-
-    It saves the same recompute as a graph kept on the device and holds only the pack's inputs and outputs there
-    (the values and the graph's roots), for the graph's bytes moved out and back in. Its value is the recompute, as
-    bytes the host link moves in that time, less those bytes, per byte held; ``copies_free``: the copies are not
-    counted (the graphs-first choice's: behind a fast link they run beside compute that outlasts them). None with a
-    value of zero or less.
-    """
-    cfg, plan = program.config, program.plan
-    if cfg.recompute != "auto" or cfg.policy == "ondemand":
-        return []
-    m = plan.microbatches
     phases = m if cfg.policy == "harmony" else 1
-    out = []
+    host = cfg.recompute == "auto"
+    on_device, on_host = [], []
     for spec in plan.packs[:-1]:
+        if not spec.fwd_flops:
+            continue
+        worth = m * spec.fwd_flops / cfg.flops * cfg.copy_bandwidth      # the recompute, as link bytes
+        held = (spec.saved_bytes + spec.in_bytes) * phases
+        if held:
+            on_device.append((worth / held, held, ("graph", spec.index)))
         held = (spec.in_bytes + spec.out_bytes) * phases
-        worth = m * spec.fwd_flops / cfg.flops * cfg.copy_bandwidth - (0 if copies_free else 2 * m * spec.saved_bytes)
-        if spec.saved_bytes and held and worth > 0:
-            out.append((worth / held, held, ("offload", spec.index)))
-    return out
+        worth -= 0 if copies_free else 2 * m * spec.saved_bytes
+        if host and spec.saved_bytes and held and worth > 0:
+            on_host.append((worth / held, held, ("offload", spec.index)))
+    return on_device + on_host
 
 
 def run(program: Program, ctx) -> PassResult:
@@ -147,7 +136,7 @@ def run(program: Program, ctx) -> PassResult:
     everything = Choice({(p.index, k) for p in plan.packs for k in STATE_KINDS}, set())
     place(plan, everything, sizes, program.optim_profile)
     mixed = program.config.precision != "fp32"   # host steps update fp32 masters: compute copies come in afresh
-    graphs = graph_candidates(program) + offload_candidates(program)
+    graphs = graph_candidates(program)
     if not mixed and ctx is None and memory_curve(program, check_residency=False).peak <= budget:
         return _all_resident(program, everything, graphs, sizes, report)
 
@@ -225,8 +214,7 @@ def _graphs_first(program: Program, made: tuple, start: Choice, base, groups: di
     if first is None:
         return made
     ways = {"graphs first": first,
-            "graphs first, on the host too": compare.graphs_first(program, device_only
-                                                                   + offload_candidates(program, copies_free=True))}
+            "graphs first, on the host too": compare.graphs_first(program, graph_candidates(program, copies_free=True))}
     others = {}
     for name, ranked in ways.items():
         scratch = PassReport("swap: " + name)
