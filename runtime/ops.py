@@ -41,7 +41,16 @@ class Acts:
     outs: dict[str, torch.Tensor] | None = None     # kept forward: outputs still attached to the graph
     on_device: bool = True
     graph: list | None = None      # kept forward: the tensors autograd saved for the backward (``Saved``)
-    arriving: object = None        # the copies bringing a stashed graph back (``unstash``), which the backward joins
+    arriving: object = None        # the copies bringing it back (``unstash``), which its readers join (``arrived``)
+
+
+def arrived(rt, acts: Acts) -> Acts:
+    """``acts`` once the copies bringing it back to the device (``unstash``, on the copy engine) have landed: every
+    op that reads a value joins them first, so the copy overlaps whatever runs between the unstash and its reader."""
+    if acts.arriving is not None:
+        rt.state.wait(acts.arriving)
+        acts.arriving = None
+    return acts
 
 
 class Saved:

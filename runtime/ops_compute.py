@@ -7,20 +7,20 @@ import contextlib
 
 import torch
 
-from harmony.runtime.ops import Acts, Predicted, Saved, backward, forward, label_args, register
+from harmony.runtime.ops import Acts, Predicted, Saved, arrived, backward, forward, label_args, register
 
 
 # -- forward / backward -----------------------------------------------------------------------
-def _gather(spec, handles):
+def _gather(rt, spec, handles):
     found = {}
     for h in handles:
-        found.update(h.values)
+        found.update(arrived(rt, h).values)
     return [found[n] for n in spec.inputs]
 
 
 def _forward_execute(rt, pack, mb, *inputs, keep=False):
     spec = rt.plan.packs[pack]
-    xs = _gather(spec, inputs)
+    xs = _gather(rt, spec, inputs)
     if spec.random and not keep:     # a recompute replays the forward's random numbers
         rt.rng[(pack, mb)] = _rng_state(rt.device)
     with rt.counting():
@@ -171,7 +171,7 @@ def _backward_execute(rt, pack, mb, *inputs, saved=None, grads=()):
     with rt.counting():
         if saved is None:  # recompute the pack's forward from its stashed inputs
             leaves = {n: _leaf(x, n not in rt.plan.input_names)
-                      for n, x in zip(spec.inputs, _gather(spec, inputs))}
+                      for n, x in zip(spec.inputs, _gather(rt, spec, inputs))}
             restore = [(t, t.clone()) for t in (rt.state.tensors[n] for n in spec.mutated)]
             rng = _rng_state(rt.device) if spec.random else None
             if spec.random:
@@ -181,10 +181,7 @@ def _backward_execute(rt, pack, mb, *inputs, saved=None, grads=()):
             if rng is not None:
                 _set_rng_state(rt.device, rng)
         else:
-            leaves, outs, restore = saved.leaves, saved.outs, []
-            if saved.arriving is not None:    # a stashed graph coming back (``unstash``): its copies first
-                rt.state.wait(saved.arriving)
-                saved.arriving = None
+            leaves, outs, restore = arrived(rt, saved).leaves, saved.outs, []   # (a stashed graph: its copies)
         if "loss" in outs:   # the seed is fp32 (a no-op in fp32); fp16 scales it (GradScaler.scale)
             weight = rt.plan.loss_weight(mb)     # uneven microbatches: by rows, so the seeds sum to the batch mean
             seed = outs["loss"].float() / rt.plan.microbatches if weight is None else outs["loss"].float() * weight
@@ -192,7 +189,7 @@ def _backward_execute(rt, pack, mb, *inputs, saved=None, grads=()):
         else:
             upstream: dict[str, torch.Tensor] = {}
             for g in grads:
-                for k, v in g.values.items():
+                for k, v in arrived(rt, g).values.items():
                     upstream[k] = upstream[k] + v if k in upstream else v
             pairs = [(outs[k], upstream[k]) for k in spec.outputs
                      if k in upstream and isinstance(outs[k], torch.Tensor) and outs[k].requires_grad]

@@ -10,6 +10,7 @@ from harmony.runtime.ops import (
     Acts,
     Predicted,
     _short,
+    arrived,
     carried_names,
     forward,
     label_args,
@@ -134,6 +135,7 @@ def _load_batch_cost(plan, hw, mb, names):
 
 
 def _stash_execute(rt, acts):
+    arrived(rt, acts)
     if acts.graph is not None:      # a kept forward: its graph goes, its values stay
         return _send_graph(rt, acts)
     # the copies land on their own time: ``unstash`` waits for them on the device's stream
@@ -176,20 +178,13 @@ def _stash_effect(m, value):
 
 
 def _unstash_execute(rt, acts):
+    """A stashed value back on the copy engine (``TieredState.bring``): device memory reserved now, the copies
+    joined by the value's readers (``ops.arrived``)."""
     if acts.graph is not None:
         return _bring_graph(rt, acts)
-    out = {}
-    for k, v in acts.values.items():
-        if not isinstance(v, torch.Tensor):
-            out[k] = v
-            continue
-        dst = torch.empty_like(v, device=rt.device)
-        rt.meter.track(dst)
-        rt.state.landed(v, device=True)
-        dst.copy_(v, non_blocking=rt.state.pin)     # (pinned: the host allocator keeps ``v`` until it is read)
-        rt.state.moved["h2d"] += nbytes(dst)
-        out[k] = dst
-    return Acts(out)
+    keys = [k for k, v in acts.values.items() if isinstance(v, torch.Tensor)]
+    back, arriving = rt.state.bring([acts.values[k] for k in keys]) if keys else ([], None)
+    return Acts({**acts.values, **dict(zip(keys, back))}, arriving=arriving)
 
 
 def _bring_graph(rt, acts):

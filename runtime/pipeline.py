@@ -25,7 +25,7 @@ import torch
 
 from harmony.base.units import nbytes
 from harmony.runtime.collectives import comm_error, wait_work
-from harmony.runtime.ops import Acts, Predicted, register
+from harmony.runtime.ops import Acts, Predicted, arrived, register
 from harmony.runtime.plan import NOMINAL_NETWORK_BANDWIDTH, NOMINAL_NETWORK_LATENCY
 
 SLOTS = 256          # tags per message: the mask, then one per value
@@ -98,7 +98,7 @@ def _send_execute(rt, value, pack, mb, *, dst, tag, names, grads=False):
     import torch.distributed as dist
     st = rt.plan.stage
     what = f"send of {'gradients' if grads else 'activations'} (microbatch {mb}) to rank {dst}"
-    vals = value.values
+    vals = arrived(rt, value).values
     present = [isinstance(vals.get(n), torch.Tensor) for n in names]
     mask = torch.tensor(present, dtype=torch.uint8)
     pending = rt.__dict__.setdefault("sends", [])

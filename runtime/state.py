@@ -28,9 +28,12 @@ class CopyEngine:
     ``late_out`` (a debugging aid, for tests): seconds by which every copy out lands late on the CPU device, where
     they are otherwise made at once. A reader that does not wait for one (``TieredState.landed``) reads NaN or the
     old value, and a test that compares with eager catches it, as a use before the copy lands would on a GPU.
+    ``late_in``: the same for copies in (``submit``), whose device tensors ``TieredState.bring`` hands out poisoned
+    until they land: a reader that does not join them (``ops.arrived``) reads NaN.
     """
 
     late_out: float | None = None
+    late_in: float | None = None
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -38,11 +41,12 @@ class CopyEngine:
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.out_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.late = None if device.type == "cuda" else self.late_out
+        self.late_back = None if device.type == "cuda" else self.late_in
         self.out_pool = started_pool(1, "harmony-copy-out") if self.late is not None else None
 
     def submit(self, fn) -> Future:
         if self.stream is None:
-            return self.pool.submit(fn)
+            return self.pool.submit(fn) if self.late_back is None else self.pool.submit(_late, self.late_back, fn)
         # The copy writes into blocks the caching allocator handed out on the compute stream, which may have
         # held tensors that kernels queued there still read: the copy starts only after them.
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -377,6 +381,8 @@ class TieredState:
         jobs = []
         for host in hosts:
             dst = torch.empty_like(host, device=self.device)
+            if self.copier.late_back is not None:    # (debugging: an early reader reads NaN)
+                dst.fill_(float("nan") if dst.is_floating_point() else -1)
             self.meter.track(dst)
             self.moved["h2d"] += nbytes(dst)
             jobs.append((lambda d: None, dst, host))

@@ -1,7 +1,9 @@
 """Copies out of device memory land on their own time (TieredState.send): on a GPU, on the copy engine of that
 direction while the compute goes on. Every reader of what they write waits for them, and the device tensors they
 read stay counted until they land. ``CopyEngine.late_out`` makes them land late on the CPU device too (and poisons
-new host copies until they do), so that the tests here and a whole training run catch a reader that does not wait."""
+new host copies until they do), so that the tests here and a whole training run catch a reader that does not wait.
+Copies back in (``TieredState.bring``: stashed activations, graphs, masters) are joined by their readers alike;
+``CopyEngine.late_in`` makes them late and poisoned until then."""
 import copy
 import threading
 
@@ -17,6 +19,11 @@ from test_precision import train_bf16_as_eager
 @pytest.fixture
 def late(monkeypatch):
     monkeypatch.setattr(CopyEngine, "late_out", 0.002)
+
+
+@pytest.fixture
+def late_both(late, monkeypatch):
+    monkeypatch.setattr(CopyEngine, "late_in", 0.002)
 
 
 @pytest.fixture
@@ -65,6 +72,21 @@ def test_a_copy_in_and_the_host_thread_wait_for_the_copy_out_before_them(held):
     assert torch.equal(seen.result(), 2 * torch.arange(1000.0))
 
 
+def test_a_copy_in_is_poisoned_until_its_reader_joins_it(late_both):
+    """``bring`` hands out its device tensors at once, reserved on the meter; what they hold is the host's only
+    once the copy is joined (``ops.arrived``, as every op reading a value does)."""
+    from harmony.runtime.ops import Acts, arrived
+    st = TieredState({}, {}, MemoryMeter("cpu:logical"), torch.device("cpu"))
+    host = torch.arange(256.0)
+    (dst,), fut = st.bring([host])
+    assert torch.isnan(dst).all() and st.meter.live == 1024 and st.moved["h2d"] == 1024
+    acts = Acts({"x": dst}, arriving=fut)
+    rt = type("Runtime", (), {"state": st})()
+    assert arrived(rt, acts) is acts and acts.arriving is None
+    assert torch.equal(dst, host)
+    st.close()
+
+
 @pytest.mark.parametrize("limit", ["settle_above", "budget"])
 def test_memory_past_the_limit_waits_for_the_copies_in_flight(held, limit):
     """Past ``settle_above`` (the step's predicted peak), or the budget where there is none, an allocation first
@@ -83,9 +105,10 @@ def test_memory_past_the_limit_waits_for_the_copies_in_flight(held, limit):
 
 
 @pytest.mark.parametrize("policy,frac", [("harmony", 0.25), ("sequential", 0.5)])
-def test_training_with_late_copies_out_is_bitwise_eager(late, policy, frac):
-    """Gradients to the host steps, stashed activations, optimizer state and weights written back all land late;
-    the run is still eager gradient accumulation's, bit for bit, within its predicted peak."""
+def test_training_with_late_copies_is_bitwise_eager(late_both, policy, frac):
+    """Gradients to the host steps, stashed activations, optimizer state and weights written back all land late,
+    and so do weights and stashed activations coming back; the run is still eager gradient accumulation's, bit for
+    bit, within its predicted peak."""
     model, data = CASES["gpt"]()
     ref, _ = eager_accumulate(model, data, 4)
     ours = copy.deepcopy(model)
