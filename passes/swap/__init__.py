@@ -241,7 +241,7 @@ def _graphs_first(program: Program, made: tuple, start: Choice, base, groups: di
     for row in rows:       # the value the ranking saw was raised; the table shows the recompute's own
         if row["kept"].startswith("activations"):
             row["saves_per_byte"] /= compare.GRAPHS_FIRST
-    report.notes.extend(scratch.notes)
+    report.notes.extend(f"{name}: {note}" for note in scratch.notes)   # (the one by traffic has its own)
     return chosen, rows, f"{how}, {name}", fits(chosen)
 
 
