@@ -21,7 +21,12 @@ names, for the seconds it returns, and every stream runs its ops in program orde
 at a time. An op starts when its stream is free and:
 
 - its inputs (the fx nodes it reads) are done: a forward waits for its ``load_batch``,
-  an ``unstash`` for its ``stash``;
+  an ``unstash`` for its ``stash`` (but the ops reading the stash of a kept forward's
+  graph, whose outputs stay on the device, only for the forward);
+- given the memory curve, a compute op whose predicted peak leaves less room under the
+  step's peak than the copies out still in flight hold waits for enough of them to land:
+  the runtime keeps their device bytes until then, and its meter lets an allocation past
+  the predicted peak wait for them;
 - on the compute stream, a ``wait(h)`` holds everything after it until ``h`` is done;
 - a copy out of device memory (d2h, network) also waits for the compute issued before
   it, since it reads what that compute wrote (a CUDA event recorded at issue);
@@ -151,7 +156,8 @@ def simulate(graph: torch.fx.Graph, plan: Plan, hw, device: int = 0, memory=None
 
     ``memory``: the ``MemoryCurve`` of ``compiler.verify.memory_curve`` for this graph; its
     per-op bytes are placed at the simulated times (events' live/peak bytes, ``.memory``),
-    and under the ``ondemand`` policy they are what the state must fit beside.
+    compute waits for copies out in flight where they would take the device past the curve's
+    peak, and under the ``ondemand`` policy they are what the state must fit beside.
     """
     dev = OnHost(hw.devices[device], hw) if hasattr(hw, "devices") else hw
     replay = Replay(graph, plan, dev, f"device {device} ({dev.name})", memory, sizes)
@@ -171,6 +177,9 @@ class Replay:
         steps = [n.args[0] for n in self.nodes if n.target.__name__ == "step"]
         self.clock = _Clock(plan, dev, label, steps, peers)
         self.done: dict[torch.fx.Node, float] = {}   # when each op's result is ready
+        self.through: dict[torch.fx.Node, float] = {}   # a graph's stash: when the values it passes on are ready
+        self.memory_index = {n: i for i, n in enumerate(memory.nodes)} if memory is not None else None
+        self.memory_peak = max(memory.peak_at, default=0) if memory is not None else 0
         # The effects, replayed, give the values as costs see them (a stash's bytes) and which state a copy
         # really moves. Tolerant of schedules verify would reject (a release with no swap_in): that is verify's job.
         self.model = MemoryModel(plan, _OnePerTensor() if sizes is None else sizes, refs=defaultdict(int))
@@ -209,7 +218,14 @@ class Replay:
             optim = streamed_optim_bytes(self.plan, node.args[0])
             clock.moved["h2d"] += optim
             clock.moved["d2h"] += optim
-        ready = max((done[n] for n in node.all_input_nodes), default=0.0)
+        ready = max((self.through.get(n, done[n]) if name != "unstash" else done[n] for n in node.all_input_nodes),
+                    default=0.0)
+        if name == "stash" and values[node].away:
+            # a kept forward's graph going to the host: the forward's outputs stay on the device, and the ops that
+            # read them (not its unstash) need not wait for the copy
+            self.through[node] = ready
+        if stream == "compute" and self.memory_index is not None and node in self.memory_index:
+            ready = max(ready, clock.room_for(self.memory_peak - self.memory.peak_at[self.memory_index[node]], ready))
         if name in ("swap_in", "gather") and node.args[1] == "params" and node.args[0] in clock.host_steps:
             # the runtime waits for the host's update of these weights before it copies them,
             # on the thread that issues the copy: the compute stream stalls until then
@@ -262,6 +278,7 @@ class _Clock:
         self.written_back: dict[tuple, float] = {}  # (pack, kind) -> end of its last release
         self.host_steps: dict[int, float] = {}      # pack -> end of its optimizer step on the host
         self.disk_after: dict[int, float] = {}      # pack -> when the step before it started (its files' read-ahead)
+        self.landing: list[tuple[float, int]] = []  # copies out: (when they land, device bytes held until then)
 
     def run(self, stream: str, start: float, seconds: float, name: str, kind: str) -> SimEvent:
         """``seconds`` on ``stream`` from ``start``; a host copy whose link shares a switch may take longer."""
@@ -273,6 +290,22 @@ class _Clock:
         self.free[stream] = end
         self.events.append(SimEvent(name, kind, stream, start, end, 0, 0, self.label))
         return self.events[-1]
+
+    def room_for(self, room: int, ready: float) -> float:
+        """When a compute op ``room`` bytes below the step's predicted peak may start, from ``ready``, as the
+        runtime's meter lets it: the device bytes copies out still read stay allocated until they land (the memory
+        curve counts them gone at the copy's issue), and an allocation that would take the device past the
+        predicted peak first waits for them."""
+        start = max(ready, self.free["compute"])
+        self.landing = [(end, size) for end, size in self.landing if end > start]
+        over = sum(size for _, size in self.landing) - room
+        if over <= 0:
+            return ready
+        for end, size in sorted(self.landing):
+            over -= size
+            if over <= 0:
+                return end
+        return ready
 
     def wait(self, node, op, ready: float) -> SimEvent:
         """A wait: the compute stream idles until what it waits for is done."""
@@ -316,6 +349,8 @@ class _Clock:
         if sync:                       # issued once the compute before it is done
             ready = max(ready, free["compute"])
         ev = self.run(stream, max(free.get(stream, 0.0), ready), seconds, node.name, op.kind)
+        if stream == "d2h" and seconds:     # (its device bytes, for ``room_for``)
+            self.landing.append((ev.end, round(seconds * dev.d2h_bandwidth)))
         if sync and name not in ("swap_in", "gather"):      # a copy the issuing thread makes itself
             free["compute"] = ev.end
         if name == "step" and stream == "host":

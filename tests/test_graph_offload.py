@@ -152,3 +152,35 @@ def test_the_simulator_costs_a_graph_on_the_host_as_its_two_copies_and_no_recomp
             assert e.end - e.start < r.end - r.start
     for s in (sm, recompute, host):
         s.close()
+
+
+def test_compute_waits_for_copies_out_only_where_memory_says_so():
+    """The ops reading a graph's stash (the next pack's forward) need the forward's outputs, which stay on the
+    device, not the copy: without a memory curve they start before it lands. With one, a compute op waits while
+    copies out in flight (device bytes the runtime holds until they land) would take it past the step's predicted
+    peak, as the runtime's meter makes it; behind a d2h link slowed four times, that is what holds the step up."""
+    h100 = Hardware.preset("h100-sxm")
+    dev = h100.devices[0].replace(queued=True, efficiency=0.9)
+    hw = h100.replace(devices=(dev.replace(d2h_bandwidth=dev.d2h_bandwidth / 4),))
+    plain = meta_gpt(hw)
+    packs = range(len(plain.plan.packs) - 1)
+    sm = meta_gpt(hw, 16, passes=handed(plain.program.partition_choice,
+                                        bare(plain.program.swap_choice, packs, packs)))
+    from harmony.compiler.verify import state_sizes
+    from harmony.runtime.simulate import simulate
+    free = simulate(sm.graph, sm.plan, hw, sizes=state_sizes(sm.program))
+    held = sm.simulate(hw)
+    ends = {e.name: e for e in free.events}
+    early = [u for s in calls(sm, "stash") if s.args[0].kwargs.get("keep")
+             for u in s.users if u.target.__name__ != "unstash" and ends[u.name].start < ends[s.name].end]
+    assert early, "no reader of a graph's stash started before its copy landed"
+    curve, at = sm.predicted, {n.name: i for i, n in enumerate(sm.predicted.nodes)}
+
+    def over(sim) -> list:      # compute ops that start with more in flight than their room under the peak
+        copies = [e for e in sim.events if e.stream == "d2h" and e.end > e.start]
+        return [e.name for e in sim.events if e.stream == "compute" and e.name in at and
+                sum((c.end - c.start) * hw.devices[0].d2h_bandwidth for c in copies if c.start <= e.start < c.end)
+                > curve.peak - curve.peak_at[at[e.name]] + 1]
+    assert over(free) and not over(held)
+    for s in (plain, sm):
+        s.close()

@@ -42,6 +42,7 @@ def hardware(cfg):
 def simulated(program, fits, choices: list[Choice], sizes: dict) -> list[float]:
     """Each choice's step as the simulator predicts it on the plan's hardware, its swap_ins hoisted as the prefetch
     pass will; ``fits`` builds a choice's schedule (the caller builds the one it takes again afterwards)."""
+    from harmony.compiler.verify import memory_curve
     from harmony.passes import prefetch
     from harmony.runtime.simulate import simulate
     plan, hw = program.plan, hardware(program.config)
@@ -52,7 +53,8 @@ def simulated(program, fits, choices: list[Choice], sizes: dict) -> list[float]:
         for p in choice.device:     # as the swap pass marks a pack it steps on the device
             plan.at(p).step_on = plan.at(p).optim_on = "device"
         prefetch.run(program, None)
-        seconds.append(simulate(program.schedule, plan, hw, sizes=sizes).step_seconds)
+        curve = memory_curve(program, check_residency=False)     # (copies out in flight hold memory until they land)
+        seconds.append(simulate(program.schedule, plan, hw, memory=curve, sizes=sizes).step_seconds)
         for p, (step_on, optim_on) in before.items():
             plan.at(p).step_on, plan.at(p).optim_on = step_on, optim_on
     return seconds
