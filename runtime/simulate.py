@@ -42,7 +42,8 @@ at a time. An op starts when its stream is free and:
   stalls until the update is done, as the runtime's ``fetch`` does;
 - on a device with ``sync_copies`` (the CPU, where one thread runs compute and issues
   copies) a copy starts only after the compute before it, and every copy but a
-  ``swap_in`` holds the compute stream until it is done.
+  ``swap_in`` or an ``unstash`` (copies in, on the copy thread) holds the compute stream
+  until it is done.
 
 A ``swap_in`` or ``release`` moves only the state that is not already where it goes,
 as the op's ``effect`` says: a release of clean parameters drops them (no copy), a
@@ -351,7 +352,7 @@ class _Clock:
         ev = self.run(stream, max(free.get(stream, 0.0), ready), seconds, node.name, op.kind)
         if stream == "d2h" and seconds:     # (its device bytes, for ``room_for``)
             self.landing.append((ev.end, round(seconds * dev.d2h_bandwidth)))
-        if sync and name not in ("swap_in", "gather"):      # a copy the issuing thread makes itself
+        if sync and name not in ("swap_in", "gather", "unstash"):      # a copy the issuing thread makes itself
             free["compute"] = ev.end
         if name == "step" and stream == "host":
             self.host_steps[node.args[0]] = ev.end
