@@ -85,6 +85,12 @@ class CopyEngine:
             self.out_pool.shutdown(wait=True)
 
 
+def _poison(t: torch.Tensor) -> None:
+    """A late copy's destination until it lands (``late_out``, ``late_in``: debugging): a reader that does not wait
+    for the copy reads NaN (or -1), which a comparison with eager catches."""
+    t.fill_(float("nan") if t.is_floating_point() else -1)
+
+
 def _late(seconds: float, fn) -> None:
     threading.Event().wait(seconds)     # (not time.sleep: tests count the emulated device's sleeps)
     fn()
@@ -262,8 +268,8 @@ class TieredState:
         held until the copy lands, on the meter too. Counted as bytes moved device-to-host."""
         if dst is None:
             dst = torch.empty(src.shape, dtype=src.dtype, pin_memory=self.pin)
-            if self.copier.late is not None:    # (debugging: an early reader reads NaN)
-                dst.fill_(float("nan") if dst.is_floating_point() else -1)
+            if self.copier.late is not None:
+                _poison(dst)
         self.moved["d2h"] += nbytes(src)
         handle = self.copier.send(lambda: dst.copy_(src, non_blocking=self.pin))
         if handle is not None:
@@ -381,8 +387,8 @@ class TieredState:
         jobs = []
         for host in hosts:
             dst = torch.empty_like(host, device=self.device)
-            if self.copier.late_back is not None:    # (debugging: an early reader reads NaN)
-                dst.fill_(float("nan") if dst.is_floating_point() else -1)
+            if self.copier.late_back is not None:
+                _poison(dst)
             self.meter.track(dst)
             self.moved["h2d"] += nbytes(dst)
             jobs.append((lambda d: None, dst, host))
