@@ -29,6 +29,7 @@ from torch.utils._pytree import tree_flatten, tree_map_only
 from torch.utils.flop_counter import FlopCounterMode
 
 from harmony.base.errors import InputError
+from harmony.compiler import measured
 from harmony.compiler.fake import device_of_batch, fake_twin
 from harmony.compiler.meta import COST, STATE
 from harmony.compiler.trace_inplace import inplace_error
@@ -301,7 +302,7 @@ def _describe(x, node, storages: dict, is_state) -> tuple:
         return ("node",) + tuple(node(x))
     if isinstance(x, torch.Tensor):
         st = x.untyped_storage()
-        return ("tensor", tuple(x.shape), x.dtype, tuple(x.stride()), x.storage_offset(), st.nbytes(),
+        return ("tensor", tuple(x.shape), x.dtype, x.device.type, tuple(x.stride()), x.storage_offset(), st.nbytes(),
                 x.requires_grad, is_state(id(st)), storages.setdefault(id(st), len(storages)))
     if isinstance(x, (tuple, list)):
         return (type(x).__name__,) + tuple(_describe(v, node, storages, is_state) for v in x)
@@ -431,13 +432,13 @@ def annotate(gm: torch.fx.GraphModule, batch: tuple, microbatch: int, dtype: tor
     Measures at microbatch sizes ``microbatch`` and ``2 * microbatch``; returns the fake run
     at ``microbatch`` (``pack_cost.measure_pack`` reuses it). ``dtype`` (mixed precision): float
     parameters, buffers and inputs are measured as the device holds them, in that dtype. ``reuse``: a node
-    whose op and inputs look like those of one measured before takes its figures (``_Measure._signature``);
-    False measures every node.
+    whose op and inputs look like those of one measured before, in this compile or an earlier one of the process,
+    takes its figures (``_Measure._signature``, ``compiler/measured.py``); False measures every node.
     """
     names = state_names(gm)
     b1, b2 = microbatch, 2 * microbatch
-    r1, run = _measure_at(gm, batch, b1, dtype, {} if reuse else None)
-    r2, _ = _measure_at(gm, batch, b2, dtype, {} if reuse else None)
+    r1, run = _measure_at(gm, batch, b1, dtype, measured.NODES if reuse else None)
+    r2, _ = _measure_at(gm, batch, b2, dtype, measured.NODES if reuse else None)
     for node in gm.graph.nodes:
         node.meta[STATE] = _node_state(gm, node, names)
         if node not in r1:

@@ -67,7 +67,37 @@ def copy_graph(graph: torch.fx.Graph) -> torch.fx.Graph:
     g = torch.fx.Graph()
     env: dict = {}
     for n in graph.nodes:
-        env[n] = g.node_copy(n, lambda x: env[x])
-        env[n].name = n.name
-        env[n].meta = dict(n.meta)
+        m = env[n] = add_node(g, n.op, n.target, torch.fx.node.map_arg(n.args, env.__getitem__),
+                              torch.fx.node.map_arg(n.kwargs, env.__getitem__), n.name, n.type)
+        if m.name != n.name:      # the namespace renames what shadows a builtin
+            m.name = n.name
+        m.meta = dict(n.meta)
     return g
+
+
+def add_call(graph: torch.fx.Graph, target, args: tuple, kwargs: dict | None = None) -> torch.fx.Node:
+    """``graph.call_function(target, args, kwargs)`` at the graph's insert point, as ``add_node`` makes it."""
+    return add_node(graph, "call_function", target, args, kwargs)
+
+
+# Graph.create_node walks every call's arguments with pytree to warn of raw SymInts: most of the swap pass's
+# time, which builds a whole schedule graph (copy and inserts) for each plan it tries. A schedule's arguments are
+# pack indices, names, flags and nodes, never symbolic, so its nodes are made by create_node's other steps alone.
+# Where the graph's internals are not these (another torch), or a module owns the graph (its hooks), create_node
+# makes them (tests/test_ir.py pins the two alike).
+_INTERNALS = ("_graph_namespace", "_insert", "_find_nodes_lookup_table", "_len", "_target_to_str")
+_FAST = all(hasattr(torch.fx.Graph(), a) for a in _INTERNALS)
+
+
+def add_node(graph: torch.fx.Graph, op: str, target, args: tuple = (), kwargs: dict | None = None,
+             name: str | None = None, type_expr=None) -> torch.fx.Node:
+    """``graph.create_node(op, target, args, kwargs, name, type_expr)`` without its scan for raw SymInts."""
+    if not _FAST or graph.owning_module is not None:
+        return graph.create_node(op, target, args, kwargs, name, type_expr)
+    name = graph._graph_namespace.create_name(name if name is not None else graph._target_to_str(target), None)
+    n = torch.fx.Node(graph, name, op, target, tuple(args), dict(kwargs) if kwargs else {}, type_expr)
+    graph._graph_namespace.associate_name_with_obj(name, n)
+    graph._insert(n)
+    graph._find_nodes_lookup_table.insert(n)
+    graph._len += 1
+    return n

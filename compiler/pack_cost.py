@@ -19,6 +19,7 @@ from torch._subclasses.fake_tensor import (
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.nn.utils.stateless import _reparametrize_module
 
+from harmony.compiler import measured
 from harmony.compiler.cost import FakeRun, leaf, pack_signature, tensors_of
 from harmony.runtime.memory import CountAllocations, MemoryMeter
 from harmony.runtime.precision import device_dtype
@@ -44,14 +45,16 @@ def measure_pack(module: torch.fx.GraphModule, inputs: list, grad_inputs: list[b
     bwd_recompute_peak (recompute + backward). Each when the parameters have no gradient
     yet and, suffixed ``_accum``, when they have one to accumulate into.
 
-    ``memo``: figures by ``pack_signature``; a pack like one measured before takes its figures.
+    ``memo``: figures by ``pack_signature``; a pack like one measured before, in ``memo`` or in an earlier
+    compile of the process (``compiler/measured.py``), takes its figures. None: measure it afresh.
     """
     key = pack_signature(module, inputs, grad_inputs, run, loss_output, keep) if memo is not None else None
     if key is not None and key in memo:
         return dict(memo[key])
-    out = _measure_pack(module, inputs, grad_inputs, run, loss_output, keep)
+    out = measured.PACKS[key] if key is not None and key in measured.PACKS else \
+        _measure_pack(module, inputs, grad_inputs, run, loss_output, keep)
     if key is not None:
-        memo[key] = out
+        memo[key] = measured.PACKS[key] = out
     return dict(out)
 
 

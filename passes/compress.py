@@ -43,7 +43,7 @@ import torch.fx
 
 from harmony.base.errors import ConfigError
 from harmony.base.units import nbytes
-from harmony.compiler.ir import PassReport, PassResult, Program, calls, copy_graph
+from harmony.compiler.ir import PassReport, PassResult, Program, add_call, calls, copy_graph
 from harmony.compiler.meta import SCHEDULE
 from harmony.runtime import ops
 from harmony.runtime.collectives import DEFAULT_FUSION_BYTES, ring_bytes
@@ -134,7 +134,7 @@ def _job_bytes(sizes, s: CompressionSpec, world: int) -> int:
 # -- the pass ---------------------------------------------------------------------------------------
 def _emit(graph, after, fn, args, kwargs, name):
     with graph.inserting_after(after):
-        node = graph.call_function(fn, args, kwargs)
+        node = add_call(graph, fn, args, kwargs)
     node._rename(name)       # a readable name in the plan and in the runtime's trace events
     node.meta[SCHEDULE] = {"pack": args[0] if isinstance(args[0], int) else None}
     return node

@@ -8,7 +8,7 @@ import sympy
 import torch
 
 import harmony
-from harmony.compiler import cost, pack_cost
+from harmony.compiler import cost, measured, pack_cost
 from harmony.compiler.meta import COST
 from harmony.compiler.trace import trace
 from harmony.models import GPT, GPTConfig, copy_task
@@ -92,20 +92,21 @@ def test_nodes_like_one_measured_before_get_its_figures_exactly(monkeypatch, cas
     batch = data[0]
     example = batch if isinstance(batch, dict) else tuple(batch)
     values = tuple(batch.values()) if isinstance(batch, dict) else tuple(batch)
-    measured = {}
+    counts = {False: 0, True: 0}
     real = cost._Measure._measure
 
     def counting(self, n, **kw):
-        measured[reuse] = measured.get(reuse, 0) + 1
+        counts[reuse] += 1
         return real(self, n, **kw)
     monkeypatch.setattr(cost._Measure, "_measure", counting)
+    measured.forget()       # none kept from earlier compiles of the process
     costs = {}
     for reuse in (False, True):
         gm = trace(model, example)
         cost.annotate(gm, values, microbatch=2, reuse=reuse)
         costs[reuse] = [(n.name, n.meta.get(COST)) for n in gm.graph.nodes]
     assert costs[True] == costs[False]
-    assert measured[True] < measured[False], measured
+    assert 0 < counts[True] < counts[False], counts
 
 
 @pytest.mark.parametrize("case", ["gpt", "hf-gpt2"])
@@ -126,3 +127,37 @@ def test_packs_like_one_measured_before_get_its_figures_exactly(case):
                 pack_cost.measure_pack(spec.module, *args, loss_output=last, keep=keep)
     assert len(memo) < 2 * len(sm.plan.packs)
     sm.close()
+
+
+def test_a_second_compile_of_the_same_layers_measures_nothing_and_plans_the_same(monkeypatch):
+    """Measurements are kept for the process (compiler/measured.py): compiling the same model again (another rank,
+    budget or batch shape) measures no node and no pack and plans exactly as the first compile did; another
+    compute dtype is measured afresh (its signature differs)."""
+    from models import CASES, training_state_bytes
+    counts = {"node": 0, "pack": 0}
+    node, pack = cost._Measure._measure, pack_cost._measure_pack
+
+    def count(kind, real):
+        def counted(*a, **kw):
+            counts[kind] += 1
+            return real(*a, **kw)
+        return counted
+    monkeypatch.setattr(cost._Measure, "_measure", count("node", node))
+    monkeypatch.setattr(pack_cost, "_measure_pack", count("pack", pack))
+    model, data = CASES["gpt"]()
+    budget = int(training_state_bytes(model) * 0.4)
+
+    def compiled(**kw):
+        counts.update(node=0, pack=0)
+        sm = harmony.compile(model, data[0], memory_budget=budget, microbatches=4, **kw)
+        out = (dict(counts), sm.graph.python_code("self").src,
+               [(n.name, n.meta.get(COST)) for n in sm.program.gm.graph.nodes],
+               [(p.inputs, p.outputs, p.fwd_peak, p.bwd_recompute_peak, p.saved_bytes) for p in sm.plan.packs])
+        sm.close()
+        return out
+    measured.forget()
+    first, again = compiled(), compiled()
+    assert first[0]["node"] > 0 and first[0]["pack"] > 0, first[0]
+    assert again[0] == {"node": 0, "pack": 0}
+    assert again[1:] == first[1:]
+    assert compiled(precision="bf16")[0]["node"] > 0

@@ -68,6 +68,7 @@ and so on) is ``passes/swap/graph.py``.
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 
 from harmony.base.errors import BudgetError, ConfigError
 from harmony.base.units import fmt_bytes
@@ -122,6 +123,39 @@ def graph_candidates(program: Program, copies_free: bool = False) -> list[tuple]
     return on_device + on_host
 
 
+class _Fits:
+    """``fits(choice)``: ``choice``'s schedule built from ``base``, made ``program.schedule`` with the plan placed,
+    and its memory curve. The searches try some choices again (the greedy's plan after the integer program's): the
+    last few schedules and curves are kept by choice."""
+
+    KEEP = 8
+
+    def __init__(self, program: Program, base, groups: dict, sizes: dict):
+        self.program, self.base, self.groups, self.sizes = program, base, groups, sizes
+        self.tried: OrderedDict = OrderedDict()
+
+    def __call__(self, c: Choice):
+        program, key = self.program, tuple(frozenset(part) for part in c)
+        if key in self.tried:
+            self.tried.move_to_end(key)
+            program.schedule, curve = self.tried[key]
+        else:
+            program.schedule = build(self.base, c.resident, c.stashed, self.groups, c.kept, c.held, c.device, c.parts,
+                                     c.carried, c.offloaded)
+            curve = None
+        place(program.plan, c, self.sizes, program.optim_profile)
+        if curve is None:
+            curve = memory_curve(program, check_residency=False)
+            self.tried[key] = program.schedule, curve
+            if len(self.tried) > self.KEEP:
+                self.tried.popitem(last=False)
+        return curve
+
+    def forget(self) -> None:
+        """Drop the kept schedules (the base changed)."""
+        self.tried.clear()
+
+
 def run(program: Program, ctx) -> PassResult:
     """Insert the swaps and stashes, then keep on the device what saves the most; ``ctx``, where given, is the
     ``Choice`` to apply instead of searching (``program.swap_choice`` of a compiled module is the one it chose)."""
@@ -146,17 +180,14 @@ def run(program: Program, ctx) -> PassResult:
     groups = stash_groups(base)
     chosen = Choice(set(), set(groups))
 
-    def fits(c: Choice):
-        program.schedule = build(base, c.resident, c.stashed, groups, c.kept, c.held, c.device, c.parts, c.carried,
-                                 c.offloaded)
-        place(plan, c, sizes, program.optim_profile)
-        return memory_curve(program, check_residency=False)
+    fits = _Fits(program, base, groups, sizes)
 
     curve = fits(chosen)
     inline = [n for n in calls(base) if n.target is ops.step and n.kwargs.get("overlap")]
     if curve.peak > budget and inline:   # a disk step overlapping the next backward holds its gradients that long
         for n in inline:
             n.kwargs = {**n.kwargs, "overlap": False}
+        fits.forget()                    # the schedules built from the base before it changed
         curve = fits(chosen)
         report.notes.append(f"{len(inline)} disk steps run inline: the device cannot also hold a pack's gradients "
                             f"through the next pack's backward")

@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 import torch.fx
 
-from harmony.compiler.ir import calls, copy_graph
+from harmony.compiler.ir import add_call, calls, copy_graph
 from harmony.compiler.meta import SCHEDULE
 from harmony.runtime import ops
 from harmony.runtime.pipeline import recv
@@ -79,11 +79,11 @@ def insert_swaps(graph: torch.fx.Graph, resident: set) -> None:
             if kind not in kinds or (p, kind) in resident:
                 continue
             with graph.inserting_before(first):
-                h = graph.call_function(ops.swap_in, (p, kind))
+                h = add_call(graph, ops.swap_in, (p, kind))
                 h.name = graph._graph_namespace.create_name(f"{kind}{p}", h)
-                w = graph.call_function(ops.wait, (h,))
+                w = add_call(graph, ops.wait, (h,))
             with graph.inserting_after(last):
-                r = graph.call_function(ops.release, (p, kind))
+                r = add_call(graph, ops.release, (p, kind))
             for x in (h, w, r):
                 x.meta[SCHEDULE] = {"pack": p, "kind": kind}
     mark_streams(graph, resident)
@@ -127,11 +127,11 @@ def stash_value(graph: torch.fx.Graph, value: torch.fx.Node, order: dict | None 
         return False
     keep = users[:1] if len(users) >= 2 else []
     with graph.inserting_after(keep[0] if keep else value):
-        s = graph.call_function(ops.stash, (value,))
+        s = add_call(graph, ops.stash, (value,))
     s.meta[SCHEDULE] = {"pack": None}
     for u in users[len(keep):]:
         with graph.inserting_before(u):
-            un = graph.call_function(ops.unstash, (s,))
+            un = add_call(graph, ops.unstash, (s,))
         un.meta[SCHEDULE] = {"pack": None}
         u.replace_input_with(value, un)
     return True
@@ -192,9 +192,9 @@ def offload_graphs(graph: torch.fx.Graph, packs) -> None:
             continue
         readers = [u for u in n.users if u is not back[0]]
         with graph.inserting_after(n):
-            s = graph.call_function(ops.stash, (n,))
+            s = add_call(graph, ops.stash, (n,))
         with graph.inserting_before(back[0]):
-            un = graph.call_function(ops.unstash, (s,))
+            un = add_call(graph, ops.unstash, (s,))
         for u in readers:
             u.replace_input_with(n, s)
         back[0].replace_input_with(n, un)
