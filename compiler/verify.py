@@ -59,10 +59,13 @@ def state_sizes(program) -> dict:
     return sizes
 
 
-def memory_curve(program, graph: torch.fx.Graph | None = None, check_residency: bool = True) -> MemoryCurve:
+def memory_curve(program, graph: torch.fx.Graph | None = None, check_residency: bool = True,
+                 sizes: dict | None = None) -> MemoryCurve:
+    """Predicted device bytes before, at the peak of and after each op of ``graph`` (the program's schedule).
+    ``sizes``: ``state_sizes(program)``, where the caller has it (the swap pass prices many schedules)."""
     graph = graph if graph is not None else program.schedule
     plan = program.plan
-    model = MemoryModel(plan, state_sizes(program))
+    model = MemoryModel(plan, sizes if sizes is not None else state_sizes(program))
     for what, names in resident_state(plan):
         model.hold(what, names)
     model.carry_in(graph)

@@ -145,7 +145,7 @@ class _Fits:
             curve = None
         place(program.plan, c, self.sizes, program.optim_profile)
         if curve is None:
-            curve = memory_curve(program, check_residency=False)
+            curve = memory_curve(program, check_residency=False, sizes=self.sizes)
             self.tried[key] = program.schedule, curve
             if len(self.tried) > self.KEEP:
                 self.tried.popitem(last=False)
