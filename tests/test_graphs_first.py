@@ -44,3 +44,17 @@ def test_without_hardware_the_ranking_is_by_traffic_saved():
     assert sm.program.compute_to_copies == 1.0
     assert "outlasts its copies" not in sm.report()
     sm.close()
+
+
+def test_the_schedules_the_swap_pass_keeps_plan_as_building_each_afresh(monkeypatch):
+    """The swap pass keeps the last schedules it built by choice (``_Fits``), and the comparison here prefetches
+    each schedule it simulates (on a copy): the plan equals the one made building every schedule afresh."""
+    from harmony.passes import swap
+    h100 = Hardware.preset("h100-sxm")
+    overlap = h100.replace(devices=(h100.devices[0].replace(queued=True, efficiency=0.9),))
+    kept = planned(overlap)
+    assert "outlasts its copies" in kept.report()        # the simulated comparison ran
+    monkeypatch.setattr(swap._Fits, "KEEP", 0)
+    fresh = planned(overlap)
+    assert kept.graph.python_code("self").src == fresh.graph.python_code("self").src
+    assert kept.program.predicted_peak == fresh.program.predicted_peak

@@ -126,7 +126,8 @@ def graph_candidates(program: Program, copies_free: bool = False) -> list[tuple]
 class _Fits:
     """``fits(choice)``: ``choice``'s schedule built from ``base``, made ``program.schedule`` with the plan placed,
     and its memory curve. The searches try some choices again (the greedy's plan after the integer program's): the
-    last few schedules and curves are kept by choice."""
+    last few schedules and curves are kept by choice, so a caller that changes the schedule works on a copy
+    (``compare.simulated`` prefetches)."""
 
     KEEP = 8
 

@@ -12,6 +12,7 @@ choice that ranks graphs before any traffic, and keeps whichever the simulator f
 """
 from __future__ import annotations
 
+from harmony.compiler.ir import copy_graph
 from harmony.passes.swap.graph import Choice
 
 GRAPHS_FIRST = 1e3    # times a graph's value per byte: before any traffic (a byte held saves at most a few moved)
@@ -50,6 +51,7 @@ def simulated(program, fits, choices: list[Choice], sizes: dict) -> list[float]:
     seconds = []
     for choice in choices:
         fits(choice)
+        program.schedule = copy_graph(program.schedule)   # the prefetch below changes it; fits keeps what it built
         for p in choice.device:     # as the swap pass marks a pack it steps on the device
             plan.at(p).step_on = plan.at(p).optim_on = "device"
         prefetch.run(program, None)
