@@ -36,7 +36,7 @@ class Program:
     config: CompileConfig
     fake: Any = None                   # FakeRun of the cost analysis (fake values at the microbatch size)
     fake_batch_bytes: dict = field(default_factory=dict)  # one microbatch of each model input
-    pack_measurements: dict = field(default_factory=dict)  # (pack nodes, last) and pack_signature -> figures
+    pack_measurements: dict = field(default_factory=dict)  # (pack nodes, last) -> figures
     optim_profile: dict = field(default_factory=dict)   # bytes of optimizer state per parameter byte, ...
     units: list[list[torch.fx.Node]] = field(default_factory=list)  # narrowest-cut layers, in order
     plan: Plan | None = None           # packs (partition), residency (swap)

@@ -39,9 +39,6 @@ class _Kind:
         while len(_RECORDS) > LIMIT:
             _RECORDS.popitem(last=False)
 
-    def __len__(self) -> int:
-        return sum(k == self.kind for k, _ in _RECORDS)
-
 
 _RECORDS: OrderedDict = OrderedDict()
 NODES = _Kind("node")    # cost._Measure's records: bytes, FLOPs and saved tensors of one node

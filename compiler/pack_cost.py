@@ -35,7 +35,7 @@ def _fake_state_of(module, run):
 
 
 def measure_pack(module: torch.fx.GraphModule, inputs: list, grad_inputs: list[bool], run: FakeRun,
-                 loss_output: bool, keep: bool = False, memo: dict | None = None) -> dict:
+                 loss_output: bool, keep: bool = False, reuse: bool = True) -> dict:
     """Bytes a pack allocates at its peak, run exactly as the runtime runs it, on fake tensors.
 
     Every figure counts the bytes newly allocated during the op, results included:
@@ -45,16 +45,15 @@ def measure_pack(module: torch.fx.GraphModule, inputs: list, grad_inputs: list[b
     bwd_recompute_peak (recompute + backward). Each when the parameters have no gradient
     yet and, suffixed ``_accum``, when they have one to accumulate into.
 
-    ``memo``: figures by ``pack_signature``; a pack like one measured before, in ``memo`` or in an earlier
-    compile of the process (``compiler/measured.py``), takes its figures. None: measure it afresh.
+    ``reuse``: a pack like one measured before, in this compile or an earlier one of the process
+    (``pack_signature``, ``compiler/measured.py``), takes its figures; False measures it afresh.
     """
-    key = pack_signature(module, inputs, grad_inputs, run, loss_output, keep) if memo is not None else None
-    if key is not None and key in memo:
-        return dict(memo[key])
-    out = measured.PACKS[key] if key is not None and key in measured.PACKS else \
-        _measure_pack(module, inputs, grad_inputs, run, loss_output, keep)
+    key = pack_signature(module, inputs, grad_inputs, run, loss_output, keep) if reuse else None
+    if key is not None and key in measured.PACKS:
+        return measured.PACKS[key]
+    out = _measure_pack(module, inputs, grad_inputs, run, loss_output, keep)
     if key is not None:
-        memo[key] = measured.PACKS[key] = out
+        measured.PACKS[key] = out
     return dict(out)
 
 

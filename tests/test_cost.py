@@ -110,22 +110,31 @@ def test_nodes_like_one_measured_before_get_its_figures_exactly(monkeypatch, cas
 
 
 @pytest.mark.parametrize("case", ["gpt", "hf-gpt2"])
-def test_packs_like_one_measured_before_get_its_figures_exactly(case):
+def test_packs_like_one_measured_before_get_its_figures_exactly(monkeypatch, case):
     """The partition measures many packs, most of them the same layers at another depth: one like a pack
     measured before (``pack_signature``) takes its figures, which equal measuring it afresh."""
     from models import CASES, training_state_bytes
     model, data = CASES[case](tie=True)
     sm = harmony.compile(model, data[0], memory_budget=int(training_state_bytes(model) * 0.4), microbatches=4)
-    program, memo = sm.program, {}
+    program, reused = sm.program, []
+    real = pack_cost._measure_pack
+
+    def counted(*a, **kw):
+        reused.append(reuse)
+        return real(*a, **kw)
+    monkeypatch.setattr(pack_cost, "_measure_pack", counted)
+    measured.forget()       # none kept from the compile above
     by_name = {n.name: n for n in program.gm.graph.nodes}
     for spec in sm.plan.packs:
         inputs = [by_name[n] for n in spec.inputs]
         args = ([program.fake.vals[a] for a in inputs], [a.op != "placeholder" for a in inputs], program.fake)
         for keep in (False, True):
             last = "loss" in spec.outputs
-            assert pack_cost.measure_pack(spec.module, *args, loss_output=last, keep=keep, memo=memo) == \
-                pack_cost.measure_pack(spec.module, *args, loss_output=last, keep=keep)
-    assert len(memo) < 2 * len(sm.plan.packs)
+            figures = {}
+            for reuse in (True, False):
+                figures[reuse] = pack_cost.measure_pack(spec.module, *args, loss_output=last, keep=keep, reuse=reuse)
+            assert figures[True] == figures[False]
+    assert 0 < reused.count(True) < 2 * len(sm.plan.packs) == reused.count(False)
     sm.close()
 
 

@@ -220,8 +220,7 @@ def build_packs(program: Program, cuts: list[tuple[int, int]], units: list[Unit]
             vals = [program.fake.vals[a] for a in inputs]
             grad_inputs = [a.op != "placeholder" for a in inputs]
             program.pack_measurements[key] = measure_pack(spec.module, vals, grad_inputs, program.fake,
-                                                          loss_output="loss" in spec.outputs,
-                                                          memo=program.pack_measurements)
+                                                          loss_output="loss" in spec.outputs)
         m = program.pack_measurements[key]
         spec.fwd_peak, spec.fwd_keep_peak = m["fwd_peak"], m["fwd_keep_peak"]
         spec.saved_bytes, spec.out_bytes = m["saved_bytes"], m["out_bytes"]
@@ -247,7 +246,7 @@ def measure_kept(program: Program, specs: list[PackSpec]) -> None:
             inputs = [by_name[n] for n in spec.inputs]
             program.pack_measurements[key] = measure_pack(
                 spec.module, [program.fake.vals[a] for a in inputs], [a.op != "placeholder" for a in inputs],
-                program.fake, loss_output=False, keep=True, memo=program.pack_measurements)
+                program.fake, loss_output=False, keep=True)
         m = program.pack_measurements[key]
         spec.fwd_keep_peak, spec.saved_bytes = m["fwd_keep_peak"], m["saved_bytes"]
         spec.bwd_peak, spec.bwd_peak_accum = m["bwd_peak"], m["bwd_peak_accum"]
