@@ -32,6 +32,7 @@ from harmony.base.errors import InputError
 from harmony.compiler import measured
 from harmony.compiler.fake import device_of_batch, fake_twin
 from harmony.compiler.meta import COST, STATE
+from harmony.compiler.signature import Unknown, describe, getattr_path, graph_signature, module_signature
 from harmony.compiler.trace_inplace import inplace_error
 from harmony.runtime.memory import CountAllocations, MemoryMeter
 from harmony.runtime.precision import device_dtype
@@ -115,19 +116,13 @@ def state_names(gm: torch.fx.GraphModule) -> dict[int, str]:
 
 def _node_state(gm, node, names) -> tuple:
     if node.op == "get_attr":
-        t = _getattr(gm, node.target)
+        t = getattr_path(gm, node.target)
         return (names[id(t)],) if isinstance(t, torch.Tensor) and id(t) in names else ()
     if node.op == "call_module":
         mod = gm.get_submodule(node.target)
         ts = list(mod.parameters()) + list(mod.buffers())
         return tuple(dict.fromkeys(names[id(t)] for t in ts))
     return ()
-
-
-def _getattr(obj, target: str):
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 class _Writes(TorchDispatchMode):
@@ -163,6 +158,7 @@ class _Measure(torch.fx.Interpreter):
         self.records = {}
         self.vals = {}   # node -> its fake output value, at this microbatch size
         self.reuse = reuse          # signature -> the record of a node measured before (None: measure every node)
+        self.signatures = {}        # node -> its signature (None: it has none), where ``reuse`` is given
         self.current = None         # the node running (errors name it)
 
     def run_node(self, n):
@@ -170,7 +166,7 @@ class _Measure(torch.fx.Interpreter):
         if n.op in ("placeholder", "output", "get_attr"):
             self.vals[n] = super().run_node(n)
             return self.vals[n]
-        key = self._signature(n) if self.reuse is not None else None
+        key = self.signatures[n] = self._signature(n) if self.reuse is not None else None
         if key is not None and key in self.reuse:     # the same op on the same kind of inputs: run it, no measuring
             args, kwargs = tree_map_only(torch.Tensor, leaf, self.fetch_args_kwargs_from_env(n))
             out = self.vals[n] = getattr(self, n.op)(n.target, args, kwargs)
@@ -191,17 +187,18 @@ class _Measure(torch.fx.Interpreter):
 
     def _signature(self, n) -> tuple | None:
         """Everything a node's measurement depends on, or None where that cannot be told (it is then measured):
-        the op (a function, a method name, or a leaf module as ``_module_signature`` sees it) and its arguments
-        as ``_describe`` sees them. The 24 blocks of a GPT are then measured once, the other 23 only run."""
+        the op (a function, a method name, or a leaf module as ``signature.module_signature`` sees it) and its
+        arguments as ``signature.describe`` sees them. The 24 blocks of a GPT are then measured once, the other 23
+        only run."""
         inputs = {a: i for i, a in enumerate(n.all_input_nodes)}
         storages: dict = {}
 
         def node(a):
-            return inputs[a], _describe(self.env[a], node, storages, self._is_state)
+            return inputs[a], describe(self.env[a], node, storages, self._is_state)
         try:
-            op = _module_signature(self.module.get_submodule(n.target)) if n.op == "call_module" else n.target
-            return n.op, op, _describe((tuple(n.args), dict(n.kwargs)), node, storages, self._is_state)
-        except _Unknown:
+            op = module_signature(self.module.get_submodule(n.target)) if n.op == "call_module" else n.target
+            return n.op, op, describe((tuple(n.args), dict(n.kwargs)), node, storages, self._is_state)
+        except Unknown:
             return None
 
     def _is_state(self, storage_id: int) -> bool:
@@ -286,86 +283,6 @@ class _Measure(torch.fx.Interpreter):
         return meter.peak, fc.get_total_flops()
 
 
-_CONSTANTS = (bool, int, float, complex, str, torch.dtype, torch.device, torch.layout, torch.memory_format)
-
-
-class _Unknown(Exception):
-    """An argument or module setting a signature cannot describe."""
-
-
-def _describe(x, node, storages: dict, is_state) -> tuple:
-    """An argument as a measurement sees it, hashable: constants as they are; tensors by shape, dtype, layout,
-    storage size, whether they need a gradient or are a parameter or buffer (``is_state(storage id)``), and
-    which share a storage (``storages``: id -> first seen); graph nodes as ``node(n)`` names them. Anything
-    else raises ``_Unknown``."""
-    if isinstance(x, torch.fx.Node):
-        return ("node",) + tuple(node(x))
-    if isinstance(x, torch.Tensor):
-        st = x.untyped_storage()
-        return ("tensor", tuple(x.shape), x.dtype, x.device.type, tuple(x.stride()), x.storage_offset(), st.nbytes(),
-                x.requires_grad, is_state(id(st)), storages.setdefault(id(st), len(storages)))
-    if isinstance(x, (tuple, list)):
-        return (type(x).__name__,) + tuple(_describe(v, node, storages, is_state) for v in x)
-    if isinstance(x, dict):
-        return ("dict",) + tuple((k, _describe(v, node, storages, is_state)) for k, v in x.items())
-    if isinstance(x, slice):
-        return ("slice",) + tuple(_describe(v, node, storages, is_state) for v in (x.start, x.stop, x.step))
-    if x is None or isinstance(x, _CONSTANTS):
-        return (type(x), x)
-    raise _Unknown
-
-
-def pack_signature(module: torch.fx.GraphModule, inputs: list, grad_inputs: list[bool], run: "FakeRun",
-                   loss_output: bool, keep: bool) -> tuple | None:
-    """Everything ``pack_cost.measure_pack`` depends on, or None where that cannot be told: each node of the pack's
-    graph (its op, as ``_Measure._signature``, and its arguments, other nodes by position), the inputs and
-    the state tensors it reads as ``_describe`` sees them. Packs of the same layers at other depths match."""
-    at = {n: i for i, n in enumerate(module.graph.nodes)}
-    storages: dict = {}
-    feed = iter(zip(inputs, grad_inputs))
-
-    def describe(x):    # the pack measures its inputs and state alike (leaves), so "state" is not told apart
-        return _describe(x, lambda n: (at[n],), storages, lambda st: False)
-    try:
-        items = []
-        for n in module.graph.nodes:
-            if n.op == "placeholder":
-                value, grad = next(feed)
-                items.append(("input", describe(value), grad))
-            elif n.op == "get_attr":
-                items.append(("state", describe(_getattr(module, n.target))))
-            elif n.op == "call_module":
-                mod = module.get_submodule(n.target)
-                items.append((n.op, _module_signature(mod), describe(list(mod.state_dict(keep_vars=True).values())),
-                              describe((n.args, n.kwargs))))
-            else:
-                items.append((n.op, n.target, describe((n.args, n.kwargs))))
-        return tuple(items), loss_output, keep, run.dtype
-    except _Unknown:
-        return None
-
-
-def _module_signature(mod: torch.nn.Module) -> tuple:
-    """A leaf module as its measurement sees it: every submodule's class, public settings and state shapes.
-    A module with hooks, or a public attribute that is not a constant, is not described (``_Unknown``)."""
-    out = []
-    for name, m in mod.named_modules():
-        settings = []
-        for k, v in vars(m).items():
-            if k.startswith("_"):
-                if "hook" in k and v:
-                    raise _Unknown
-            elif v is None or isinstance(v, _CONSTANTS) or (isinstance(v, tuple) and all(
-                    isinstance(x, _CONSTANTS) for x in v)):
-                settings.append((k, v))
-            else:
-                raise _Unknown
-        state = tuple((k, tuple(t.shape), t.dtype, getattr(t, "requires_grad", False))
-                      for k, t in list(m._parameters.items()) + list(m._buffers.items()) if t is not None)
-        out.append((name, type(m), tuple(settings), state))
-    return tuple(out)
-
-
 def leaf(t: torch.Tensor) -> torch.Tensor:
     """A float tensor detached into a leaf that needs a gradient where ``t`` did; others as they are."""
     return t.detach().requires_grad_(t.requires_grad) if t.is_floating_point() else t
@@ -412,7 +329,7 @@ def _measure_at(gm, batch, b, dtype=None, reuse: dict | None = None):
             raise InputError(f"the example batch does not fit the model at microbatch size {b}: "
                              f"{type(e).__name__}: {e}. Check that every batch tensor has the batch "
                              f"in dimension 0 and the shapes the model expects.") from e
-    return interp.records, FakeRun(mode, interp.vals, by_id, dtype)
+    return interp.records, FakeRun(mode, interp.vals, by_id, dtype), interp.signatures
 
 
 @dataclass
@@ -433,12 +350,21 @@ def annotate(gm: torch.fx.GraphModule, batch: tuple, microbatch: int, dtype: tor
     at ``microbatch`` (``pack_cost.measure_pack`` reuses it). ``dtype`` (mixed precision): float
     parameters, buffers and inputs are measured as the device holds them, in that dtype. ``reuse``: a node
     whose op and inputs look like those of one measured before, in this compile or an earlier one of the process,
-    takes its figures (``_Measure._signature``, ``compiler/measured.py``); False measures every node.
+    takes its figures (``_Measure._signature``, ``compiler/measured.py``), and a graph like one annotated before
+    (``signature.graph_signature``) is not run at the second size at all; False measures every node.
     """
     names = state_names(gm)
     b1, b2 = microbatch, 2 * microbatch
-    r1, run = _measure_at(gm, batch, b1, dtype, measured.NODES if reuse else None)
-    r2, _ = _measure_at(gm, batch, b2, dtype, measured.NODES if reuse else None)
+    r1, run, signatures = _measure_at(gm, batch, b1, dtype, measured.NODES if reuse else None)
+    whole = graph_signature(gm, signatures, b2) if reuse else None
+    if whole is not None and whole in measured.GRAPHS:     # the same graph at the same sizes: no second run
+        by_position = list(gm.graph.nodes)
+        r2 = {by_position[i]: dict(record) for i, record in measured.GRAPHS[whole]["records"]}
+    else:
+        r2, _, _ = _measure_at(gm, batch, b2, dtype, measured.NODES if reuse else None)
+        if whole is not None:
+            at = {n: i for i, n in enumerate(gm.graph.nodes)}
+            measured.GRAPHS[whole] = {"records": tuple((at[n], dict(r)) for n, r in r2.items())}
     for node in gm.graph.nodes:
         node.meta[STATE] = _node_state(gm, node, names)
         if node not in r1:

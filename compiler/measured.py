@@ -2,7 +2,7 @@
 
 The cost model measures each node (``cost._Measure``) and the partition each candidate pack
 (``pack_cost.measure_pack``) on fake tensors. A node or pack whose signature
-(``cost._Measure._signature``, ``cost.pack_signature``) matches one measured before takes that
+(``compiler/signature.py``) matches one measured before takes that
 measurement's figures: the signature holds everything the measurement depends on (the op or the
 leaf module's class and settings, and each argument's shape, dtype, strides, storage and device).
 Within one compile that spares the blocks of a model after its first; kept for the process, it
@@ -43,6 +43,7 @@ class _Kind:
 _RECORDS: OrderedDict = OrderedDict()
 NODES = _Kind("node")    # cost._Measure's records: bytes, FLOPs and saved tensors of one node
 PACKS = _Kind("pack")    # pack_cost.measure_pack's figures: a pack's peaks, run as the runtime runs it
+GRAPHS = _Kind("graph")  # cost.annotate's records of a whole graph at its second microbatch size, by position
 
 
 def forget() -> None:

@@ -5,7 +5,7 @@
 counts the bytes each phase newly allocates (``runtime.memory.MemoryMeter``): what the
 partition checks a candidate pack against the budget with, and ``verify`` predicts with.
 Packs of the same layers at other depths take the figures of one measured before
-(``cost.pack_signature``).
+(``signature.pack_signature``).
 """
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.nn.utils.stateless import _reparametrize_module
 
 from harmony.compiler import measured
-from harmony.compiler.cost import FakeRun, leaf, pack_signature, tensors_of
+from harmony.compiler.cost import FakeRun, leaf, tensors_of
+from harmony.compiler.signature import pack_signature
 from harmony.runtime.memory import CountAllocations, MemoryMeter
 from harmony.runtime.precision import device_dtype
 

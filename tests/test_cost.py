@@ -140,11 +140,11 @@ def test_packs_like_one_measured_before_get_its_figures_exactly(monkeypatch, cas
 
 def test_a_second_compile_of_the_same_layers_measures_nothing_and_plans_the_same(monkeypatch):
     """Measurements are kept for the process (compiler/measured.py): compiling the same model again (another rank,
-    budget or batch shape) measures no node and no pack and plans exactly as the first compile did; another
-    compute dtype is measured afresh (its signature differs)."""
+    budget or batch shape) measures no node and no pack, runs the graph at one microbatch size only, and plans
+    exactly as the first compile did; another compute dtype is measured afresh (its signature differs)."""
     from models import CASES, training_state_bytes
-    counts = {"node": 0, "pack": 0}
-    node, pack = cost._Measure._measure, pack_cost._measure_pack
+    counts = {"node": 0, "pack": 0, "run": 0}
+    node, pack, run = cost._Measure._measure, pack_cost._measure_pack, cost._measure_at
 
     def count(kind, real):
         def counted(*a, **kw):
@@ -153,11 +153,12 @@ def test_a_second_compile_of_the_same_layers_measures_nothing_and_plans_the_same
         return counted
     monkeypatch.setattr(cost._Measure, "_measure", count("node", node))
     monkeypatch.setattr(pack_cost, "_measure_pack", count("pack", pack))
+    monkeypatch.setattr(cost, "_measure_at", count("run", run))
     model, data = CASES["gpt"]()
     budget = int(training_state_bytes(model) * 0.4)
 
     def compiled(**kw):
-        counts.update(node=0, pack=0)
+        counts.update(node=0, pack=0, run=0)
         sm = harmony.compile(model, data[0], memory_budget=budget, microbatches=4, **kw)
         out = (dict(counts), sm.graph.python_code("self").src,
                [(n.name, n.meta.get(COST)) for n in sm.program.gm.graph.nodes],
@@ -167,6 +168,31 @@ def test_a_second_compile_of_the_same_layers_measures_nothing_and_plans_the_same
     measured.forget()
     first, again = compiled(), compiled()
     assert first[0]["node"] > 0 and first[0]["pack"] > 0, first[0]
-    assert again[0] == {"node": 0, "pack": 0}
+    assert first[0]["run"] == 2, first[0]    # the graph on fake tensors at two microbatch sizes
+    assert again[0] == {"node": 0, "pack": 0, "run": 1}   # the second size's records are the graph's (GRAPHS)
     assert again[1:] == first[1:]
     assert compiled(precision="bf16")[0]["node"] > 0
+
+
+def test_graph_signatures_tell_wiring_apart_where_node_signatures_do_not():
+    """Two graphs whose nodes look alike one by one but are wired differently (``a - b`` against ``b - a``)
+    must not share the second size's records; the same model traced twice must."""
+    from harmony.compiler.signature import graph_signature
+
+    class Sub(torch.nn.Module):
+        def __init__(self, swap):
+            super().__init__()
+            self.swap = swap
+
+        def forward(self, x, y):
+            a, b = torch.relu(x), torch.relu(y)
+            return ((b - a) if self.swap else (a - b)).sum()
+
+    x, y = torch.randn(4, 3), torch.randn(4, 3)
+    keys = []
+    for swap in (False, True, False):
+        gm = torch.fx.symbolic_trace(Sub(swap))
+        _, _, signatures = cost._measure_at(gm, (x, y), 2, reuse={})
+        keys.append((graph_signature(gm, signatures, 4), [signatures[n] for n in gm.graph.nodes if n in signatures]))
+    assert keys[0][1] == keys[1][1]             # node by node they look the same
+    assert keys[0][0] != keys[1][0] and keys[0][0] == keys[2][0]
