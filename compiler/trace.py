@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import linecache
+import sys
 import time
 from collections.abc import Mapping
 from typing import Any, Callable, Sequence
@@ -40,6 +42,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import uninteresting_files
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.nn.utils.stateless import _reparametrize_module
 
@@ -259,10 +262,37 @@ class _LeafTracer(torch.fx.Tracer):
                 return True
         return super().is_leaf_module(module, module_qualified_name)
 
+    def create_node(self, *args, **kwargs) -> torch.fx.Node:
+        node = super().create_node(*args, **kwargs)
+        if not node.stack_trace:
+            node.stack_trace = _user_stack() or None
+        return node
+
+
+def _user_stack() -> str:
+    """The stack of user frames making a node, formatted as fx's ``record_stack_traces`` formats it (from the first
+    ``forward`` frame in, torch's own files left out), for errors that name a node's source line. fx's own recording
+    reads the source line of every frame of the stack, the test runner's and torch's included: that cost a first
+    trace in a process seconds, and each node half a millisecond after. Here only the frames kept are read."""
+    frames, f = [], sys._getframe(2)
+    while f is not None:
+        frames.append((f.f_code.co_filename, f.f_lineno, f.f_code.co_name))
+        f = f.f_back
+    frames.reverse()                   # outermost first, as a traceback reads
+    first = next((i for i, frame in enumerate(frames) if frame[2] == "forward"), None)
+    if first is None:
+        return ""
+    skip = uninteresting_files()
+    out = []
+    for file, line, name in frames[first:]:
+        if file not in skip:
+            code = linecache.getline(file, line).strip()
+            out.append(f'  File "{file}", line {line}, in {name}\n' + (f"    {code}\n" if code else ""))
+    return "".join(out).strip()
+
 
 def _trace_fx(step: _TrainStep, batch: Batch, leaf_modules: Sequence, dtype) -> torch.fx.GraphModule:
-    tracer = _LeafTracer(leaf_modules)
-    tracer.record_stack_traces = True     # source lines for errors about a node
+    tracer = _LeafTracer(leaf_modules)     # records each node's source lines itself (``_user_stack``)
     return torch.fx.GraphModule(step, tracer.trace(step))
 
 

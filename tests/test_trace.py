@@ -424,6 +424,31 @@ def test_untraceable_model_names_the_line_and_the_leaf_fix(frontend):
     assert "leaf_modules=[Branchy]" in message
 
 
+class AliasedWrite(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.lin(x)
+        v = h[:, :2]
+        h.mul_(2)
+        return v.sum() + h.sum()
+
+
+def test_an_in_place_write_that_cannot_be_rewritten_names_its_source_line():
+    """The fx tracer records each node's user frames (``trace._user_stack``): the error names this file, the line
+    of the write and its code, and every node of a model's forward carries a stack."""
+    with pytest.raises(TraceError) as raised:
+        trace(AliasedWrite(), (torch.randn(3, 4),), frontend="fx")
+    line = line_of(AliasedWrite.forward, "h.mul_(2)")
+    assert f"{os.path.basename(__file__)}:{line} in forward: h.mul_(2)" in str(raised.value)
+    gm = trace(BranchyNet(), classification_batch(features=4, classes=3), loss_fn=nn.CrossEntropyLoss(),
+               leaf_modules=[Branchy], frontend="fx")
+    ops = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output", "get_attr")]
+    assert ops and all(n.stack_trace and "in forward" in n.stack_trace for n in ops)
+
+
 @pytest.mark.parametrize("leaf", [Branchy, "Branchy", "blocks.1"])
 def test_leaf_module_with_control_flow_traces_with_fx(leaf):
     model, loss_fn = BranchyNet(), nn.CrossEntropyLoss()
