@@ -168,7 +168,9 @@ class _Measure(torch.fx.Interpreter):
             return self.vals[n]
         key = self.signatures[n] = self._signature(n) if self.reuse is not None else None
         if key is not None and key in self.reuse:     # the same op on the same kind of inputs: run it, no measuring
-            args, kwargs = tree_map_only(torch.Tensor, leaf, self.fetch_args_kwargs_from_env(n))
+            # its inputs as they are, not detached as ``_measure`` detaches them: the outputs' storages, aliases and
+            # gradient flags are the same either way, and a fake detach costs more than the op's autograd record
+            args, kwargs = self.fetch_args_kwargs_from_env(n)
             out = self.vals[n] = getattr(self, n.op)(n.target, args, kwargs)
             self.records[n] = dict(self.reuse[key])
             return out
