@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from harmony.passes.partition import Unit
-from harmony.passes.partition.cost import residency_lp
+from harmony.passes.partition.cost import _SpanSum, residency_lp
 from harmony.passes.partition.search import least_traffic
 
 MIB = 2**20
@@ -103,3 +103,17 @@ def test_a_large_first_pack_and_small_last_packs_leave_the_least():
     everything = [list(c) for c in itertools.islice(_packs(6), None)]
     assert all(_bound_of(*_figures(units, sizes, 4, c), 12 * MIB) >= bound - 1e-3 * 6 * MIB for c in everything
                if all(2 * (e - s) * MIB + (e - s) * MIB / 8 <= 12 * MIB for s, e in c))
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.sets(st.integers(0, 9), max_size=4), min_size=1, max_size=9),
+       st.lists(st.integers(0, 2**40), min_size=10, max_size=10), st.data())
+def test_span_sums_count_each_shared_name_once(owned, values, data):
+    """``_SpanSum`` (the partition's per-span bytes: prefix sums less names several units share) equals summing the
+    union of the span's names, tied names anywhere in the span included."""
+    units = [Unit([], frozenset(f"p{i}" for i in own), frozenset(), 0.0, 0.0, 0.0, 0.0, 0.0, 0.0) for own in owned]
+    value = {f"p{i}": v for i, v in enumerate(values)}
+    s = data.draw(st.integers(0, len(units) - 1))
+    e = data.draw(st.integers(s, len(units)))
+    union = frozenset().union(*(u.params for u in units[s:e]))
+    assert _SpanSum(units, "params", value)(s, e) == sum(value[n] for n in union)

@@ -9,6 +9,7 @@ they pick and corrects the target until they fit.
 """
 from __future__ import annotations
 
+from collections import Counter
 from typing import TYPE_CHECKING
 
 import pulp
@@ -43,6 +44,14 @@ class PackCost:
         self.sizes = device_sizes(program)       # bytes on the device (compute copies under mixed precision)
         self.master = {n: nbytes(t) for n, t in program.gm.named_parameters()}
         self.state_per_byte = program.optim_profile["state_per_byte"]   # per byte of fp32 master
+        # the searches price thousands of spans: their sums and maxima come from per-unit figures, not per parameter
+        prof, master = program.optim_profile, self.master
+        self.param_sum = _SpanSum(units, "params", self.sizes)
+        self.buffer_sum = _SpanSum(units, "buffers", self.sizes)
+        self.master_sum = _SpanSum(units, "params", master)
+        # the step brings one parameter's optimizer state in at a time: the largest parameter's need, per unit
+        self.unit_extra = [max((self.state_per_byte * master[n] + step_extra(prof, [master[n]]) for n in u.params),
+                               default=0) for u in units]
 
     def __call__(self, s: int, e: int, last: bool) -> tuple[float, float]:
         key = (s, e, last)
@@ -52,13 +61,8 @@ class PackCost:
 
     def _figures(self, s: int, e: int, last: bool) -> tuple[float, float]:
         us = self.units[s:e]
-        params = self.params(s, e)
-        bufs = frozenset().union(*(u.buffers for u in us))
-        pbytes = sum(self.sizes[n] for n in params)
-        bbytes = sum(self.sizes[n] for n in bufs)
-        prof = self.p.optim_profile   # the step brings one parameter's optimizer state in at a time
-        extra = max((self.state_per_byte * self.master[n] + step_extra(prof, [self.master[n]]) for n in params),
-                    default=0)
+        pbytes, bbytes = self.param_sum(s, e), self.buffer_sum(s, e)
+        extra = max(self.unit_extra[s:e], default=0)
         kept = sum(u.kept for u in us)
         boundary = us[0].cross_in + (self.units[e].cross_in if e < len(self.units) else 0)
         act = max(max(u.peak for u in us) + boundary, kept + max(u.bwd for u in us) + 2 * boundary)
@@ -69,7 +73,7 @@ class PackCost:
         m = cfg.microbatches
         flops = sum(u.fwd_flops + u.bwd_flops + (0 if last else u.fwd_flops) for u in us) * m
         traffic = (pbytes + bbytes) * self.visits(s, last) + pbytes * self.grad_moves() \
-            + sum(self.master[n] for n in params) * 2 * self.state_per_byte + self.stash(s)
+            + self.master_sum(s, e) * 2 * self.state_per_byte + self.stash(s)
         seconds = max(flops / cfg.flops, traffic / cfg.copy_bandwidth) + PACK_SECONDS
         return need, seconds
 
@@ -78,9 +82,8 @@ class PackCost:
         state in and out (``host``: the optimizer steps on the host, so gradients go out instead of weights and its
         state never moves), gradients around each microbatch's backward under the sequential policy
         (``grad_moves``), and what its input's stashes move (``stash``)."""
-        params = self.params(s, e)
-        pbytes = sum(self.sizes[n] for n in params)
-        optim = 0 if host else sum(self.master[n] for n in params) * 2 * self.state_per_byte
+        pbytes = self.param_sum(s, e)
+        optim = 0 if host else self.master_sum(s, e) * 2 * self.state_per_byte
         out = 0 if host and self.grad_moves() else 1
         return pbytes * (self.visits(s, last) + self.grad_moves() + out) + optim + self.stash(s)
 
@@ -149,7 +152,7 @@ class PackCost:
         host = model != "device"
         moved = sum(self.traffic(s, e, i == last, host) for i, (s, e) in enumerate(cuts))
         needs = [self(s, e, i == last)[0] for i, (s, e) in enumerate(cuts)]
-        optim = sum(self.master[n] for n in self.params(0, len(self.units))) * self.state_per_byte
+        optim = self.master_sum(0, len(self.units)) * self.state_per_byte
         all_params = total + max(n - p for n, p in zip(needs, own))
         if self.p.config.optimizer_on != "device":
             optim = 0.0
@@ -256,7 +259,7 @@ class PackCost:
         last, cfg = len(cuts) - 1, self.p.config
         flops = sum(u.fwd_flops * (1 if i == last else 2) + u.bwd_flops
                     for i, (s, e) in enumerate(cuts) for u in self.units[s:e])
-        master = sum(self.master[n] for n in self.params(0, len(self.units)))
+        master = self.master_sum(0, len(self.units))
         return max(flops * cfg.microbatches / cfg.flops,
                    step_traffic(master, master * self.state_per_byte) / cfg.host_bandwidth)
 
@@ -299,7 +302,7 @@ class PackCost:
         t = free = 0.0
         for i in reversed(range(len(cuts))):
             t += backward[i]
-            master = sum(self.master[n] for n in self.params(*cuts[i]))
+            master = self.master_sum(*cuts[i])
             step = step_traffic(master, master * self.state_per_byte) / self.p.config.host_bandwidth
             free = max(free, t) + shares[i] * step
         return max(0.0, free - t)
@@ -348,11 +351,28 @@ class PackCost:
         return compute, copies
 
     def _param_bytes(self, s: int, e: int) -> float:
-        return sum(self.sizes[n] for n in self.params(s, e))
+        return self.param_sum(s, e)
 
-    def params(self, s: int, e: int) -> frozenset:
-        """The trainable state names of units s..e-1 (a parameter two units share counts once)."""
-        return frozenset().union(*(u.params for u in self.units[s:e]))
+
+class _SpanSum:
+    """``value`` summed over the names (``attr``: "params" or "buffers") of units s..e-1, each name once, in time
+    independent of the span: prefix sums of each unit's own, less what names several units share (tied weights: few)
+    counted more than once."""
+
+    def __init__(self, units: list, attr: str, value: dict):
+        names = [getattr(u, attr) for u in units]
+        self.prefix = [0]
+        for own in names:
+            self.prefix.append(self.prefix[-1] + sum(value[n] for n in own))
+        count = Counter(n for own in names for n in own)
+        self.shared = [(value[n], [i for i, own in enumerate(names) if n in own]) for n, c in count.items() if c > 1]
+
+    def __call__(self, s: int, e: int) -> int:
+        total = self.prefix[e] - self.prefix[s]
+        for size, at in self.shared:
+            k = sum(s <= i < e for i in at)
+            total -= max(k - 1, 0) * size
+        return total
 
 
 def residency_lp(own: list[float], work: list[float], cross: list[float], budget: float,
