@@ -71,7 +71,7 @@ def copy_graph(graph: torch.fx.Graph) -> torch.fx.Graph:
                               torch.fx.node.map_arg(n.kwargs, env.__getitem__), n.name, n.type)
         if m.name != n.name:      # the namespace renames what shadows a builtin
             m.name = n.name
-        m.meta = dict(n.meta)
+        m.meta.update(n.meta)     # into the new node's own dict: assigning goes through Node.__setattr__'s index upkeep
     return g
 
 

@@ -49,6 +49,8 @@ def test_schedule_copies_and_inserts_are_what_create_node_makes(monkeypatch):
             [n.name for n in slow.find_nodes(op="call_function", target=target)]
     assert len(fast.nodes) == len(slow.nodes) == len(list(fast.nodes))     # fx counts what it holds
     assert [n.name for n in ir.copy_graph(graph).nodes] == [n.name for n in graph.nodes]
+    # each copy's meta is its own dict, equal to the original's: a pass that edits it leaves the original alone
+    assert all(a.meta == b.meta and a.meta is not b.meta for a, b in zip(graph.nodes, ir.copy_graph(graph).nodes))
     # the namespaces agree: a later insert of the same target takes the same next free name in both
     monkeypatch.setattr(ir, "_FAST", True)
     added = [ir.add_call(g, ops.stash, (next(n for n in g.nodes if n.op == "call_function"),)).name
