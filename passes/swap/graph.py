@@ -153,9 +153,11 @@ def stash_groups(graph: torch.fx.Graph) -> dict:
     return groups
 
 
-def _drop_swaps(graph: torch.fx.Graph, pack: int, kinds) -> None:
+def _drop_swaps(graph: torch.fx.Graph, resident: set) -> None:
+    """The swaps (``swap_in`` and its ``wait``, ``release``) of the ``resident`` (pack, kind) pairs go, in one scan
+    (a search's later schedules hold most of a model's state resident)."""
     for n in list(calls(graph)):
-        if n.target in (ops.swap_in, ops.release) and n.args[0] == pack and n.args[1] in kinds:
+        if n.target in (ops.swap_in, ops.release) and (n.args[0], n.args[1]) in resident:
             if n.target is ops.swap_in:
                 for w in list(n.users):
                     graph.erase_node(w)
@@ -277,8 +279,7 @@ def build(base: torch.fx.Graph, resident: set, stashed: set, groups: dict, kept:
     g = copy_graph(base)
     keep_graphs(g, kept)
     step_on_device(g, device)
-    for pack, kind in resident:
-        _drop_swaps(g, pack, (kind,))
+    _drop_swaps(g, set(resident))
     hold_between_visits(g, held, parts)
     mark_streams(g, resident)
     carry_across_steps(g, carried)
