@@ -272,8 +272,8 @@ class _LeafTracer(torch.fx.Tracer):
 def _user_stack() -> str:
     """The stack of user frames making a node, formatted as fx's ``record_stack_traces`` formats it (from the first
     ``forward`` frame in, torch's own files left out), for errors that name a node's source line. fx's own recording
-    reads the source line of every frame of the stack, the test runner's and torch's included: that cost a first
-    trace in a process seconds, and each node half a millisecond after. Here only the frames kept are read."""
+    reads the source line of every frame of the stack, the test runner's and torch's included, for every node (the
+    first trace of a process loads all those files): here only the frames kept are read."""
     frames, f = [], sys._getframe(2)
     while f is not None:
         frames.append((f.f_code.co_filename, f.f_lineno, f.f_code.co_name))
