@@ -265,11 +265,11 @@ class _LeafTracer(torch.fx.Tracer):
     def create_node(self, *args, **kwargs) -> torch.fx.Node:
         node = super().create_node(*args, **kwargs)
         if not node.stack_trace:
-            node.stack_trace = _user_stack() or None
+            node.stack_trace = _user_stack()
         return node
 
 
-def _user_stack() -> str:
+def _user_stack() -> str | None:
     """The stack of user frames making a node, formatted as fx's ``record_stack_traces`` formats it (from the first
     ``forward`` frame in, torch's own files left out), for errors that name a node's source line. fx's own recording
     reads the source line of every frame of the stack, the test runner's and torch's included, for every node (the
@@ -281,7 +281,7 @@ def _user_stack() -> str:
     frames.reverse()                   # outermost first, as a traceback reads
     first = next((i for i, frame in enumerate(frames) if frame[2] == "forward"), None)
     if first is None:
-        return ""
+        return None                    # not made by a forward (fx records none either)
     skip = uninteresting_files()
     out = []
     for file, line, name in frames[first:]:

@@ -121,7 +121,7 @@ class PackCost:
         """How ``plan_cost`` counts what stays resident: "device" (the optimizer steps there: where the offload pass
         will put it, which it decides after the partition with the exact curve), "host budget" (packs may live on
         disk), else "<policy> host" (the host steps every pack the swap pass does not move to the device)."""
-        total = self._param_bytes(0, len(self.units))
+        total = self.param_sum(0, len(self.units))
         cfg = self.p.config
         if step_place(cfg, lambda: (2 + self.state_per_byte) * total <= budget)[0] != "host":
             return "device"
@@ -145,7 +145,7 @@ class PackCost:
         ``working_set_cap``), not the rule above, which prices the turn and the device steps' room alone.
         """
         last = len(cuts) - 1
-        own = [self._param_bytes(s, e) for s, e in cuts]
+        own = [self.param_sum(s, e) for s, e in cuts]
         total = sum(own)
         shares = [0.0] * len(cuts)    # of each pack's parameters' bytes, what steps on the host (``host_tail``)
         model = self.traffic_model(budget)
@@ -281,7 +281,7 @@ class PackCost:
         if key in self.lp_memo:
             return self.lp_memo[key]
         n, m = len(self.units), self.p.config.microbatches
-        own = [self._param_bytes(s, e) for s, e in cuts]
+        own = [self.param_sum(s, e) for s, e in cuts]
         work = [self(s, e, e == n)[0] for s, e in cuts]
         cross = [0.0] + [self.units[s].cross_in * m for s, _ in cuts[1:]]     # into pack c, all microbatches
         steps = mixed_placement(self.p.config) and self.state_per_byte > 0
@@ -349,9 +349,6 @@ class PackCost:
         compute = sum(u.fwd_flops * 2 + u.bwd_flops for u in self.units) * cfg.microbatches / cfg.flops
         copies = sum(self.traffic(s, e, i == len(cuts) - 1, host) for i, (s, e) in enumerate(cuts)) / cfg.copy_bandwidth
         return compute, copies
-
-    def _param_bytes(self, s: int, e: int) -> float:
-        return self.param_sum(s, e)
 
 
 class _SpanSum:
