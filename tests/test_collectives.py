@@ -247,10 +247,10 @@ def spawn_ok(world: int, fn, *args, timeout: float = 400.0) -> dict:
     return res
 
 
-# What a rank imports before its test runs. A spawned rank imported them afresh, some seven seconds of a
-# two-core machine per rank and most of a multi-rank test's time; ranks forked from a server that imported
-# them once start in a fraction of a second. Nothing runs in the server but these imports (harmony first: it
-# sets OpenMP's and torch's environment before torch loads), so no thread or OpenMP pool is forked.
+# What a rank imports before its test runs. A spawned rank imported them afresh, most of a multi-rank test's
+# time on a small machine; ranks forked from a server that imported them once skip that. Nothing runs in the
+# server but these imports (harmony first: it sets OpenMP's and torch's environment before torch loads), so no
+# thread or OpenMP pool is forked.
 PRELOAD = ["harmony", "torch.distributed", "torch._dynamo"]
 
 

@@ -279,7 +279,7 @@ def build(base: torch.fx.Graph, resident: set, stashed: set, groups: dict, kept:
     g = copy_graph(base)
     keep_graphs(g, kept)
     step_on_device(g, device)
-    _drop_swaps(g, set(resident))
+    _drop_swaps(g, resident)
     hold_between_visits(g, held, parts)
     mark_streams(g, resident)
     carry_across_steps(g, carried)
