@@ -5,8 +5,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-import pytest
-
 sys.path.insert(0, str(Path(__file__).parent))
 
 # Plans must not depend on the machine profile a user or a benchmark cached (Hardware.profile saves one for
@@ -18,24 +16,28 @@ _cache = tempfile.mkdtemp(prefix="harmony-test-cache-")
 os.environ["HARMONY_CACHE_DIR"] = _cache
 atexit.register(shutil.rmtree, _cache, ignore_errors=True)
 
-# Under pytest-xdist (the README's `-n 2`) each worker's OpenMP team shares the cores with the other
-# worker's: a team waiting at a barrier for a member the other process descheduled stalls every small op, so
-# each worker takes its share of the cores (the commit that made this has the figures).
+# Under pytest-xdist (the README's `-n 2`) each worker's OpenMP team shares the cores with the other worker's
+# and with the processes they start: a team waiting at a barrier for a member another process descheduled
+# stalls every small op, so each worker, and what it starts, takes its share of the cores (the commit that
+# made this has the figures).
 _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _workers > 1:
     import torch
     _cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    torch.set_num_threads(max(1, _cores // _workers))
+    _share = max(1, _cores // _workers)
+    torch.set_num_threads(_share)
+    os.environ["OMP_NUM_THREADS"] = str(_share)      # and the processes a test starts (ranks, scripts, probes)
 
 
-def _module_scoped(item) -> bool:
-    return any(defs[-1].scope == "module" for defs in item._fixtureinfo.name2fixturedefs.values())
+# The modules that take longest here, first: under xdist (``--dist loadscope --no-loadscope-reorder``) a
+# worker takes a whole module and the next in this order when it is done, so starting the long ones
+# leaves short ones to even out the end. A stale list costs only time.
+LONGEST_FIRST = ("test_zero3_more", "test_examples", "test_data_parallel", "test_architectures", "test_pipeline",
+                 "test_numerics", "test_zero3_disk", "test_passes", "test_reshard", "test_zero3_uneven",
+                 "test_materialize", "test_shapes", "test_faults", "test_memory", "test_zero3_carry")
 
 
-@pytest.hookimpl(tryfirst=True)      # before xdist's own hook reads the groups (``--dist loadgroup``)
 def pytest_collection_modifyitems(config, items):
-    """The tests of a module that share a module-scoped fixture (one spawn of ranks checked many ways) run on
-    one worker, so the fixture runs once; ``--dist loadgroup`` hands every other test out one by one."""
-    for item in items:
-        if _module_scoped(item):
-            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    # a stable sort: each module keeps its own order
+    items.sort(key=lambda item: rank.get(getattr(item.module, "__name__", ""), len(rank)))

@@ -81,7 +81,9 @@ def test_budget_error_names_a_budget_that_compiles():
 
 
 def _in_fresh_process(code: str, **env) -> str:
-    e = {k: v for k, v in os.environ.items() if k not in ("THP_MEM_ALLOC_ENABLE", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    # the machine's defaults: not a choice of this session's (or of tests/conftest.py's, under xdist)
+    e = {k: v for k, v in os.environ.items()
+         if k not in ("THP_MEM_ALLOC_ENABLE", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS")}
     e.update(env)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=e, timeout=120)
     assert out.returncode == 0, out.stderr

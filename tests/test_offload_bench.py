@@ -18,7 +18,8 @@ def test_offload_bench_tiny(tmp_path):
            "--seq", "32", "--batch", "2", "--steps", "2", "--systems", "harmony,eager", "--budget", "1.5MiB",
            "--host-budget", "1KiB", "--raw-bytes", str(8 * 2**20), "--dir", str(tmp_path / "d"),
            "--interference-seconds", "0.3", "--json", str(out)]
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}  # a caller's defaults
+    # a caller's defaults (not tests/conftest.py's share of the cores under xdist)
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS")}
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
     assert p.returncode == 0, p.stdout + p.stderr
     assert "offload: GPT" in p.stdout and "Harmony / bound" in p.stdout, p.stdout
@@ -51,7 +52,7 @@ def test_offload_bench_tiny(tmp_path):
     assert rows["harmony"]["peak_rss_GiB"] * 2**30 == max(r["peak_rss"] for r in runs["harmony"])
     # the harmony child imports harmony first (its idle OpenMP threads sleep); eager keeps the caller's OpenMP
     # settings, although the parent imported harmony, which sets OMP_WAIT_POLICY in its own environment
-    if torch.get_num_threads() > 1 and torch.backends.openmp.is_available():
+    if h["threads"] > 1 and torch.backends.openmp.is_available():
         assert h["idle_threads_sleep"] is True and e["idle_threads_sleep"] is False
     # the disk tier was used; optimizer state alone on disk moves once each way, while packs wholly on disk
     # also read their weights for the forward and the backward
