@@ -280,7 +280,7 @@ class Hardware:
         """
         if machine.wants_cuda(device):
             return cls._detect_cuda(path, device or "cuda")
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        cores = machine.cores()
         ram, model = machine.meminfo("MemTotal"), machine.cpu_model()
         dev = Device(name=f"cpu ({cores} cores{', ' + model if model else ''})", memory=ram,
                      peak_flops={"fp32": cores * NOMINAL_CORE_FLOPS}, h2d_bandwidth=NOMINAL_MEMCPY,

@@ -23,8 +23,9 @@ atexit.register(shutil.rmtree, _cache, ignore_errors=True)
 _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _workers > 1:
     import torch
-    _cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    _share = max(1, _cores // _workers)
+
+    from harmony.compiler.machine import cores
+    _share = max(1, cores() // _workers)
     torch.set_num_threads(_share)
     os.environ["OMP_NUM_THREADS"] = str(_share)      # and the processes a test starts (ranks, scripts, probes)
 

@@ -106,17 +106,21 @@ def test_importing_harmony_turns_on_torchs_huge_page_allocations_unless_the_user
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="libgomp's mapping: Linux only")
 def test_importing_harmony_makes_idle_openmp_threads_sleep_unless_the_user_chose():
-    # a fresh process's thread count: this one's may be a share of the cores (tests/conftest.py, under xdist)
+    # the fresh processes' thread count, not this one's (a share of the cores under xdist: tests/conftest.py)
     probe = "import os, harmony, torch; from harmony.base.process import idle_threads_sleep; " \
-            "print(idle_threads_sleep(), os.environ.get('OMP_WAIT_POLICY'))"
-    first, threads = _in_fresh_process(probe[:-1] + ", torch.get_num_threads())").rsplit(" ", 1)
-    if int(threads) < 2 or not torch.backends.openmp.is_available():
-        pytest.skip("one thread or no OpenMP: no partner to spin")
-    assert first == "True PASSIVE"
-    assert _in_fresh_process(probe, OMP_WAIT_POLICY="ACTIVE") == "False ACTIVE"     # the user's choice stands
-    assert _in_fresh_process(probe, GOMP_SPINCOUNT="300000") == "False None"         # libgomp's own default
+            "print(idle_threads_sleep(), os.environ.get('OMP_WAIT_POLICY'), torch.get_num_threads())"
+
+    def sleeps(code=probe, **env) -> str:
+        said, threads = _in_fresh_process(code, **env).rsplit(" ", 1)
+        if int(threads) < 2 or not torch.backends.openmp.is_available():
+            pytest.skip("one thread or no OpenMP: no partner to spin")
+        return said
+
+    assert sleeps() == "True PASSIVE"
+    assert sleeps(OMP_WAIT_POLICY="ACTIVE") == "False ACTIVE"     # the user's choice stands
+    assert sleeps(GOMP_SPINCOUNT="300000") == "False None"         # libgomp's own default
     # libgomp read the environment when torch loaded it: too late to ask, so harmony leaves it, and the probe says so
-    assert _in_fresh_process("import torch; " + probe) == "False None"
+    assert sleeps("import torch; " + probe) == "False None"
 
 
 def test_the_report_says_whether_huge_pages_are_on():
