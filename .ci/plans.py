@@ -60,9 +60,20 @@ def fingerprint(sm) -> str:
     h = hashlib.sha256(sm.code.encode())
     h.update(json.dumps([s.name for s in sm.plan.packs]).encode())
     for pack, r in sorted(sm.plan.residency.items()):     # where each pack's state lives (the code names no tier)
-        fields = {f.name: getattr(r, f.name) for f in dataclasses.fields(r) if f.name != "shares"}
+        fields = {f.name: _plain(getattr(r, f.name)) for f in dataclasses.fields(r) if f.name != "shares"}
         h.update(repr((pack, sorted(fields.items()), r.shares is not None)).encode())
     return h.hexdigest()[:16]
+
+
+def _plain(value):
+    """A value whose repr is the same in every process: sets sorted (their order follows the string hash's seed)."""
+    if isinstance(value, (set, frozenset)):
+        return sorted(map(_plain, value), key=repr)
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in sorted(value.items(), key=repr)}
+    if isinstance(value, (list, tuple)):
+        return type(value)(map(_plain, value))
+    return value
 
 
 def _meta_gpt_bf16(**kw):
