@@ -10,7 +10,7 @@ only itself):
   sequential-F / ondemand-F   the same budget under the Harmony paper's two baselines
   hostonly-F   harmony-F with every optimizer step on the host (optimizer_on="host"): in bf16, harmony-F may step
                the packs that step last on the card instead, as many as its simulation finds fastest
-               (harmony/mixed_steps.py; the row's device_steps says how many)
+               (driver/mixed_steps.py; the row's device_steps says how many)
   alloc-F      harmony-F counting device memory with the caching allocator's counters (accounting="allocator"),
                no hook around each tensor op: what that hook costs a host issuing ops to the card
   fsdp2        torch's fully_shard per block and at the root with CPUOffloadPolicy(pin_memory=True)
@@ -71,7 +71,7 @@ def state_bytes(c) -> int:
 
 def adamw_kwargs(device_types=("cpu", "cuda")) -> dict:
     import torch
-    from harmony.optim import optimizer_kwargs
+    from harmony.runtime.optim import optimizer_kwargs
     return optimizer_kwargs(torch.optim.AdamW, dict(lr=LR, weight_decay=WD), device_types)
 
 

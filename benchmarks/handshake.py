@@ -1,4 +1,4 @@
-"""What the ranks' handshake (harmony/handshake.py) costs: 2 gloo ranks, one small model, replicated data parallel.
+"""What the ranks' handshake (driver/handshake.py) costs: 2 gloo ranks, one small model, replicated data parallel.
 
     python benchmarks/handshake.py [mlp|gpt|gpt-wide]
 

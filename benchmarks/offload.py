@@ -28,7 +28,7 @@ steps under each system, each in its own subprocess so that peak RSS is per syst
              Everything stays in RAM (run it where the model fits).
   eager      plain PyTorch in memory (forward, backward, torch AdamW step): the compute reference.
              Harmony, FSDP2 and eager step torch's AdamW with the same arguments: fused=True, which
-             Harmony adds where torch has the kernel (harmony/optim.py; torch's CPU default is a
+             Harmony adds where torch has the kernel (runtime/optim.py; torch's CPU default is a
              Python loop, 3.7x slower here on this model's 600M parameters: 1.45 vs 0.39 s).
 
 Every child runs with torch's huge-page CPU allocations (THP_MEM_ALLOC_ENABLE=1, which importing
@@ -204,9 +204,9 @@ def plain_step(model, opt, x, y):
 
 def adamw_kwargs() -> dict:
     """torch AdamW's arguments for every system that steps with it: the implementation Harmony picks
-    (fused where torch has it, harmony/optim.py), so the compute reference steps as fast as Harmony can."""
+    (fused where torch has it, runtime/optim.py), so the compute reference steps as fast as Harmony can."""
     import torch
-    from harmony.optim import optimizer_kwargs
+    from harmony.runtime.optim import optimizer_kwargs
     return optimizer_kwargs(torch.optim.AdamW, dict(lr=LR, weight_decay=WD))
 
 

@@ -21,7 +21,7 @@ Part 2, SIMULATED (``--simulated`` runs it alone; by default it follows part 1):
 8 GTX 1080 Ti, 11 GB each, PCIe 3.0 behind one switch) and one of today (8 x A100 40 GB SXM4 on NVSwitch, two GPUs
 per PCIe 4 switch), ``Hardware.node`` presets (compiler/nodes.py says where each figure comes from). GPT-2 1.5B
 (48 x 1600) and a GPT of 6.7B (32 x 4096), both untied, sequences of 1024, built on the meta device (nothing is
-allocated) and planned without ranks (harmony/pipeline_plan.py), each device's budget its memory. A global batch
+allocated) and planned without ranks (driver/node.py), each device's budget its memory. A global batch
 of ``--sim-batch`` samples in microbatches of ``--sim-microbatch``; three systems side by side:
 
 - vPP: ``parallel="pipeline"``, contiguous placement (vPP; vPP-g1: ``placement="layers", pipeline_group=1``,
@@ -195,7 +195,7 @@ def simulated_part(args) -> dict:
 
     from harmony.compiler.hardware import Hardware
     from harmony.errors import BudgetError
-    from harmony.pipeline_plan import plan_node, simulate_programs
+    from harmony.driver.node import plan_node, simulate_programs
     GiB, rows, summary = 2**30, [], []
     print(f"== part 2: SIMULATED, not measured: {', '.join(args.servers)}; global batch {args.sim_batch} in "
           f"microbatches of {args.sim_microbatch} ==", flush=True)

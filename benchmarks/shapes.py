@@ -4,7 +4,7 @@ The demo GPT (``python -m harmony demo``'s defaults: 6 layers, width 256, 64 tok
 microbatches, 40% of its training state as the budget; its position table twice as long, for the longer
 sequence) is compiled for full batches; then an epoch's smaller last batch, a shorter sequence and a longer
 one (where the compiled choice does not fit it: every pack recomputing and stashing, fewer rows per
-microbatch if need be) each take a first step, which traces and plans the shape (harmony/shapes.py), and
+microbatch if need be) each take a first step, which traces and plans the shape (driver/shapes.py), and
 more steps from the cache. The table gives each shape's first step, its median cached step, and the seconds
 its plan took (the example's: compile's).
 """
@@ -54,7 +54,7 @@ def main():
     for name, (bx, by) in shapes.items():
         first = timed(sm, bx, by)
         cached = statistics.median(timed(sm, bx, by) for _ in range(args.steps))
-        plan = sm.shapes.plans[harmony.shapes.shape_key((bx, by))]
+        plan = sm.shapes.plans[harmony.driver.shapes.shape_key((bx, by))]
         split = plan.program.plan.rows or (plan.program.plan.microbatch_size,) * plan.program.plan.microbatches
         rows.append(dict(shape=f"{name} {list(bx.shape)}", microbatches="+".join(map(str, split)),
                          first_step_s=first, step_s=cached, first_over_step=first / cached,

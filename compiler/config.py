@@ -118,7 +118,7 @@ class MemoryConfig(Group):
     touches the device); ``"device"`` brings the state to the device (under bf16: each fp32 master with it, one
     parameter at a time); ``"auto"`` steps on the host when the training state does not fit the budget, except packs
     the swap pass finds room to keep wholly resident (fp32, one rank), and under bf16 on a GPU the packs that step
-    last, as many as the simulator finds fastest (harmony/mixed_steps.py)."""
+    last, as many as the simulator finds fastest (driver/mixed_steps.py)."""
     weights_on: str = "auto"
     """Where a host-stepped pack's fp32 weights live between uses: ``"auto"`` (the host, or disk when the host budget
     forces it), ``"host"`` or ``"disk"``."""
@@ -128,7 +128,7 @@ class MemoryConfig(Group):
     the device only; ``"always"``: every pack but the last recomputes its forward from its stashed inputs."""
     init: Any = None
     """For a model built without its weights (under ``harmony.empty_weights()``: parameters on the meta device):
-    ``init(module)`` fills a module's own parameters as compile places them, a pack at a time (harmony/materialize.py).
+    ``init(module)`` fills a module's own parameters as compile places them, a pack at a time (driver/materialize.py).
     None: the model's ``_init_weights(module)`` where it has one (Hugging Face models, the built-in GPT), else each
     module's ``reset_parameters()``. Ignored for a model whose parameters are real."""
 
@@ -452,7 +452,7 @@ class CompileConfig(Config):
     group_predicted: dict | None = None   # pipeline_group="auto": each candidate's predicted node step (s)
     weigh_device_steps: bool = False  # bf16 under optimizer_on="auto" (which mixed precision resolves to "host"):
     device_steps: int = 0             # compile weighs stepping the last packs on the device, this many chosen
-    steps_predicted: dict | None = None   # (harmony/mixed_steps.py); each count tried: its predicted step (s)
+    steps_predicted: dict | None = None   # (driver/mixed_steps.py); each count tried: its predicted step (s)
 
     def __post_init__(self):
         pass
@@ -493,5 +493,5 @@ class CompileConfig(Config):
     @property
     def microbatch_size(self) -> int:
         """Rows of the largest microbatch: the last is smaller where ``microbatches`` does not divide the batch (a
-        batch of another shape than the example's, harmony/shapes.py)."""
+        batch of another shape than the example's, driver/shapes.py)."""
         return -(-self.batch_size // self.microbatches)

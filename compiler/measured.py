@@ -6,7 +6,7 @@ The cost model measures each node (``cost._Measure``) and the partition each can
 measurement's figures: the signature holds everything the measurement depends on (the op or the
 leaf module's class and settings, and each argument's shape, dtype, strides, storage and device).
 Within one compile that spares the blocks of a model after its first; kept for the process, it
-also spares the next compile of the same layers: a new batch shape (``harmony.shapes``), the
+also spares the next compile of the same layers: a new batch shape (``harmony.driver.shapes``), the
 evaluation plan, a budget sweep, every rank of a multi-rank run. Planning on the same model then
 costs the passes' own work, not the measuring.
 

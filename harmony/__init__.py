@@ -11,7 +11,6 @@ ask_idle_threads_to_sleep()   # before torch loads OpenMP, if it is still to com
 
 from harmony import errors  # noqa: E402
 from harmony.api import ScheduledModule, compile
-from harmony.checkpoint import load, save
 from harmony.compiler.config import (
     Config,
     DiskConfig,
@@ -22,7 +21,8 @@ from harmony.compiler.config import (
     TrainConfig,
 )
 from harmony.compiler.hardware import Device, Hardware
-from harmony.materialize import empty_weights, from_state_dict, materialize
+from harmony.driver.checkpoint import load, save
+from harmony.driver.materialize import empty_weights, from_state_dict, materialize
 
 __all__ = ["compile", "ScheduledModule", "Config", "TrainConfig", "MemoryConfig", "DiskConfig", "ParallelConfig",
            "NumericsConfig", "PlanConfig", "Hardware", "Device", "errors", "save", "load",

@@ -13,7 +13,7 @@ early as the budget allows. Where the pack-major order does not fit (every micro
 at a pack boundary at once, which a sequential plan never holds), one microbatch at a time goes
 through every pack ("microbatch major"), its weights swapped in for each.
 
-This is not a pass of the pipeline (``passes=``): ``harmony.evaluating`` builds it on the first
+This is not a pass of the pipeline (``passes=``): ``harmony.driver.evaluate`` builds it on the first
 ``sm.evaluate(...)`` from the compiled program, and the runtime runs it (``Runtime.evaluate``).
 """
 from __future__ import annotations

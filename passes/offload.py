@@ -232,7 +232,7 @@ def _device_steps(program: Program, off_host: set) -> list[int]:
     """Mixed precision under ``optimizer_on="auto"``: the last ``config.device_steps`` packs to step (of those whose
     state stays in host memory) step on the device instead, each fp32 master and its state brought in for it, so
     the host's steps and the device's share the work (compile chooses how many by simulation:
-    harmony/mixed_steps.py)."""
+    driver/mixed_steps.py)."""
     k = getattr(program.config, "device_steps", 0)
     if not k or program.config.precision == "fp32":
         return []

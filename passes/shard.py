@@ -41,7 +41,7 @@ the re-quantization of its own chunk's sum lost) and adds them to the next step'
 run with error feedback.
 
 Under ``balance`` every rank runs the same microbatch shape and plans under the smallest device's memory and the
-slowest device's speed (harmony/balanced.py), so the ranks' gathers match as they must; the digest check below still
+slowest device's speed (driver/modes/balance.py), so the ranks' gathers match as they must; the digest check below still
 names any difference.
 
 fp16/bf16 compression and adaptive bits average the gradients by the replicated run's own all-reduce (its
@@ -76,7 +76,7 @@ FULL = "full"
 def check_config(cfg, given_kwargs: dict) -> None:
     """Refuse what ``shard_state="full"`` does not do yet, naming what to use instead; settle the optimizer's
     implementation (an element-wise one) and the default ``optimizer_on="host"`` on ``cfg`` (a CompileConfig)."""
-    from harmony.optim import elementwise
+    from harmony.runtime.optim import elementwise
     instead = "use shard_state=True (ZeRO stage 1: optimizer state sharded, weights replicated), which supports it"
     refused = [
         (cfg.optimizer_on == "device", f"optimizer_on='device' (partitioned packs step on the host): use "
@@ -121,8 +121,8 @@ def run(program: Program, ctx) -> PassResult:
     if getattr(cfg, "shard_state", None) != FULL:
         report.notes.append("shard_state is not 'full': every rank keeps its whole copy of the weights")
         return PassResult(program, report)
-    from harmony.optim import group_of
     from harmony.passes.compress import owned_grads
+    from harmony.runtime.optim import group_of
     world, rank = cfg.world_size, cfg.rank
     from harmony.runtime.compression import NO_COMPRESSION, spec_for
     owned = owned_grads(program)

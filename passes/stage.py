@@ -263,7 +263,7 @@ def run(program: Program, ctx) -> PassResult:
 
 
 def _live(cfg) -> bool:
-    """Whether this plan is for a rank of the live process group (not one planned by harmony/pipeline_plan.py)."""
+    """Whether this plan is for a rank of the live process group (not one planned by driver/node.py)."""
     import torch.distributed as dist
     return not getattr(cfg, "offline", False) and dist.is_available() and dist.is_initialized() \
         and dist.get_world_size() == cfg.world_size and dist.get_rank() == cfg.rank

@@ -38,7 +38,7 @@ outside a step fails loudly (``optimizer.state_dict()`` shows them too: use
 is in host memory at once: a step first waits for the write of the pack stepped before it
 (which had this pack's backward to finish), then starts reading the next pack's, so one
 pack's buffer is stepping while one is read or written; the offload pass reserves that
-much of ``host_memory_budget``. ``harmony.checkpoint`` reads and writes a pack's state
+much of ``host_memory_budget``. ``harmony.driver.checkpoint.io`` reads and writes a pack's state
 through ``state_of`` and ``set_state``, one pack at a time.
 
 A write that fails (a full disk, a path that became unwritable) raises ``OffloadError``

@@ -126,7 +126,7 @@ class DiskParams(WholeGroups):
                offload_dir=None, fill=None, **io) -> "DiskParams | None":
         """Write the weights of the packs ``plan.residency`` places on disk to their files, leave placeholders.
 
-        ``fill(params)``: makes the weights of a model built without them (harmony/materialize.py), called for each
+        ``fill(params)``: makes the weights of a model built without them (driver/materialize.py), called for each
         group before it is written, so that the host holds one group of them at a time."""
         from harmony.runtime.disk import DiskStore, step_order
         records = _records(plan)

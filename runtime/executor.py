@@ -222,7 +222,7 @@ class Runtime:
     @contextlib.contextmanager
     def running(self, plan: Plan, graph: torch.fx.Graph):
         """Run ``graph`` over ``plan`` inside the block: another schedule of the same packs, parameters and residency
-        (a batch of another shape, harmony/shapes.py), over this runtime's state as it is."""
+        (a batch of another shape, driver/shapes.py), over this runtime's state as it is."""
         saved = self.plan, self.graph, self.free_after, self.step_packs
         self.plan, self.graph, self.free_after = plan, graph, last_uses(graph)
         self.step_packs = [n.args[0] for n in graph.nodes if n.op == "call_function" and n.target is step]

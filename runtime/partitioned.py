@@ -34,7 +34,7 @@ quantized copy and quantizes the sum once, drawing from a generator seeded as th
 replicated run decodes there, bit for bit.
 
 Numerics: the chunk's optimizer steps flat pieces of the chunk (one per run of parameters of one param group);
-an element-wise optimizer (AdamW, Adam, SGD: ``harmony.optim.elementwise``) computes bitwise what it computes on
+an element-wise optimizer (AdamW, Adam, SGD: ``harmony.runtime.optim.elementwise``) computes bitwise what it computes on
 the whole parameters. The sums: gloo adds a ring's partial sums in an order that depends on where an element
 sits in the buffer and on the buffer's length, so with 3 ranks or more only the replicated run's own collective
 on its own buffer gives its sums bit for bit (``reduce_scatter_tensor`` of the buffer padded to a multiple of the
@@ -71,7 +71,7 @@ class Shares:
     """This rank's chunks (host fp32 tensors, the only copy of its share of the weights) and their pieces."""
 
     def __init__(self, plan, tensors: dict, timeout: float | None = None, fill=None):
-        """``fill(params)``: makes the parameters of a model built without its weights (harmony/materialize.py),
+        """``fill(params)``: makes the parameters of a model built without its weights (driver/materialize.py),
         called with each pack's right before its chunks are cut, so the host holds one pack's whole weights at a
         time beside this rank's chunks."""
         import datetime

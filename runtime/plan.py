@@ -141,7 +141,7 @@ class Plan:
     comm_groups: dict = field(default_factory=dict)  # pack -> its gradients' all-reduce groups (lists of names)
     stage: object = None           # pipeline (runtime/pipeline.Stages): the whole model's packs and their ranks;
                                    # ``packs`` are then this rank's only
-    rows: tuple = ()      # rows of each microbatch where they differ (the last one smaller: harmony/shapes.py);
+    rows: tuple = ()      # rows of each microbatch where they differ (the last one smaller: driver/shapes.py);
                           # () where every microbatch has ``microbatch_size`` rows
 
     def loss_weight(self, mb: int) -> float | None:

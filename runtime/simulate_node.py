@@ -167,7 +167,7 @@ def simulate_node(ranks, hw) -> NodeSimulation:
     """Simulate one step of ``len(ranks)`` devices of ``hw`` together; ``ranks[r]`` is device r's schedule as
     ``(graph, plan, memory, sizes)`` (``simulate``'s arguments: the memory curve and state sizes may be None).
 
-    The pipeline ranks of one node (``plan_node`` in harmony/pipeline_plan.py), or N data-parallel replicas of
+    The pipeline ranks of one node (``plan_node`` in driver/node.py), or N data-parallel replicas of
     one schedule sharing the node's host links.
     """
     if len(ranks) > len(hw.devices):

@@ -107,7 +107,7 @@ def eager_accumulate(model, data, microbatches, optimizer=torch.optim.AdamW, cli
 
     The optimizer gets the arguments Harmony would give it (``fused=True`` where torch has it,
     unless ``kw`` chose): the same update, so the same bits."""
-    from harmony.optim import optimizer_kwargs
+    from harmony.runtime.optim import optimizer_kwargs
     model = copy.deepcopy(model)
     opt = optimizer(model.parameters(), **optimizer_kwargs(optimizer, kw))
     losses, model.norms = [], []

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import harmony
-import harmony.checkpoint as ckpt
-import harmony.checkpoint_files as ckfiles
+import harmony.driver.checkpoint.io as ckpt
+import harmony.driver.checkpoint.files as ckfiles
 from harmony.errors import CheckpointError
 from harmony.models import GPT, GPTConfig, copy_task
 from harmony.base.process import peak_rss_bytes
@@ -201,7 +201,7 @@ def test_directory_layout_manifest_and_damaged_files(run_a, tmp_path):
         harmony.load(b, src)
     assert_bitwise(b, before)
     manifest["files"][0]["name"] = "../escape.pt"
-    from harmony.checkpoint_check import seal           # resealed, as a forger would: the name itself is refused
+    from harmony.driver.checkpoint.check import seal           # resealed, as a forger would: the name itself is refused
     (src / "manifest.json").write_text(json.dumps(seal({k: v for k, v in manifest.items() if k != "manifest_sha256"})))
     with pytest.raises(CheckpointError, match="outside the checkpoint"):
         harmony.load(b, src)

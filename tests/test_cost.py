@@ -12,7 +12,7 @@ from harmony.compiler import cost, measured, pack_cost
 from harmony.compiler.meta import COST
 from harmony.compiler.trace import trace
 from harmony.models import GPT, GPTConfig, copy_task
-from harmony.optim import optimizer_kwargs
+from harmony.runtime.optim import optimizer_kwargs
 
 
 def test_linear_costs_are_exact_and_symbolic_in_the_batch():

@@ -13,6 +13,7 @@ import torch
 
 import harmony
 import harmony.data
+import harmony.runtime.world
 from harmony.errors import ConfigError, InputError
 from harmony.passes import compress
 from harmony.runtime import ops
@@ -380,7 +381,7 @@ def test_one_process_inserts_nothing_and_checks_its_world(monkeypatch):
     assert sm.program.config.world_size == 1 and not sm.program.config.data_parallel
     sm(*data[0])
     assert not any(k.startswith("comm_") for k in sm.stats)
-    monkeypatch.setattr(harmony.data, "current_world", lambda: 4)     # as if run under torchrun with 4 ranks
+    monkeypatch.setattr(harmony.runtime.world, "current_world", lambda: 4)   # as if run under torchrun with 4 ranks
     with pytest.raises(ConfigError, match="compiled for 1 rank but runs in a group of 4 ranks"):
         sm(*data[0])
     sm.close()

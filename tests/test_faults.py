@@ -219,7 +219,7 @@ def _manifest(ck):
 def _write_manifest(ck, manifest, reseal=True):
     import json
 
-    from harmony.checkpoint_check import seal
+    from harmony.driver.checkpoint.check import seal
     (ck / "manifest.json").write_text(json.dumps(seal(manifest) if reseal else manifest))
 
 
@@ -500,7 +500,7 @@ def _save_on_rank_0_only(rank, world):
 
 def test_saving_on_one_rank_only_is_a_communication_error_naming_it_within_the_timeout():
     """Finding 3: harmony.save on rank 0 alone gave a raw gloo error after the whole timeout; now a
-    CommunicationError at once (the ranks' handshake, harmony/handshake.py) names each rank's call and says that
+    CommunicationError at once (the ranks' handshake, driver/handshake.py) names each rank's call and says that
     every rank must call it."""
     from test_collectives import _spawn
     res = _spawn(2, _save_on_rank_0_only, timeout=120, pg_timeout=30, wait_for={0})

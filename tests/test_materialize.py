@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 import harmony
 import harmony.runtime.disk as disk
 from harmony.errors import ConfigError, InputError
-from harmony.materialize import Filler, is_empty
+from harmony.driver.materialize import Filler, is_empty
 from harmony.models import GPT, GPTConfig, copy_task
 from harmony.runtime.diskparams import written_names
 from harmony.runtime.placeholders import is_placeholder

@@ -1,4 +1,4 @@
-"""bf16 with some packs stepped on the device beside the host's steps (harmony/mixed_steps.py, passes/offload.py).
+"""bf16 with some packs stepped on the device beside the host's steps (driver/mixed_steps.py, passes/offload.py).
 
 Where the device computes much faster than the host updates, compile moves the last packs to step onto the device
 (their fp32 masters and state brought in one parameter at a time) and keeps the count the simulator finds fastest.
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import harmony
-from harmony import mixed_steps
+from harmony.driver import mixed_steps
 from harmony.compiler.hardware import Hardware
 from harmony.models import GPT, GPTConfig
 from models import CASES, training_state_bytes

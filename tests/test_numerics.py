@@ -26,7 +26,7 @@ def _check(case, policy, frac, microbatches, bitwise=True, **kw):
     """
     model, data = CASES[case](**kw)
     opt = {} if bitwise else SGD   # allclose under Adam fails on noise-sized gradients (see above)
-    loop = {"fused": False} if policy == "ondemand" else {}    # ondemand steps with torch's loop (harmony/optim.py)
+    loop = {"fused": False} if policy == "ondemand" else {}    # ondemand steps with torch's loop (runtime/optim.py)
     ref_acc, _ = eager_accumulate(model, data, microbatches, **opt, **loop)
     ours = copy.deepcopy(model)
     budget = int(training_state_bytes(model) * frac)

@@ -243,7 +243,7 @@ def test_mixed_placement_steps_some_packs_on_the_device_with_all_their_state_res
     assert_bitwise(sm, dict(expected.named_parameters()))
     sm.close()
     # the compiler's to decide only: an explicit optimizer_on keeps one place; mixed precision weighs its own split
-    # (the last packs to step stream their fp32 state through the device: harmony/mixed_steps.py), never this one
+    # (the last packs to step stream their fp32 state through the device: driver/mixed_steps.py), never this one
     for kw in (dict(optimizer_on="host"), dict(precision="bf16")):
         other = harmony.compile(copy.deepcopy(model), example_batch=data[0], microbatches=4, hardware="gtx1080ti",
                                 memory_budget=int(training_state_bytes(model) * 0.75), **kw)

@@ -15,7 +15,7 @@ import harmony
 from harmony.compiler.printer import plain
 from harmony.errors import ConfigError
 from harmony.models import GPT, GPTConfig, copy_task
-from harmony.optim import optimizer_kwargs
+from harmony.runtime.optim import optimizer_kwargs
 from models import CASES, call, run_compiled, split, training_state_bytes
 
 

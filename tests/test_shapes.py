@@ -1,4 +1,4 @@
-"""Batches of other shapes than the example's (harmony/shapes.py): a smaller last batch, another sequence length.
+"""Batches of other shapes than the example's (driver/shapes.py): a smaller last batch, another sequence length.
 
 Each trains the same state as eager PyTorch does: gradient accumulation over the same microbatches, each
 microbatch's mean loss weighted by its rows (``loss_i / m`` where the microbatches are alike), bitwise in fp32.
@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import harmony
-from harmony.optim import optimizer_kwargs
-from harmony.shapes import split_rows
+from harmony.runtime.optim import optimizer_kwargs
+from harmony.driver.shapes import split_rows
 from models import call, eager_full, gpt_case, hf_gpt2_case, training_state_bytes
 
 

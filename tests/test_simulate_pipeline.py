@@ -1,5 +1,5 @@
 """The node simulator (runtime/simulate_node.py) and the planning-only path of a pipeline node
-(harmony/pipeline_plan.py): one device is ``simulate``'s result exactly; a recv waits for its send; a shared
+(driver/modes/pipeline_plan.py): one device is ``simulate``'s result exactly; a recv waits for its send; a shared
 host link slows concurrent swaps; the planned ranks are what the stage pass gives real ranks; a row per device.
 No processes are spawned: a real rank's compile runs here with its world given by hand.
 """
@@ -17,7 +17,7 @@ from harmony.compiler.printer import schedule_code
 from harmony.compiler.verify import state_sizes
 from harmony.errors import ConfigError
 from harmony.models import GPT, GPTConfig, copy_task
-from harmony.pipeline_plan import plan_node, simulate_programs
+from harmony.driver.node import plan_node, simulate_programs
 from harmony.runtime.simulate import simulate
 from harmony.runtime.simulate_node import _Links, simulate_node
 from harmony.viz.timeline import trace_events
@@ -195,7 +195,7 @@ def test_auto_group_is_the_candidate_whose_simulated_node_step_is_shortest():
     whole node and simulated, offline; each prediction equals plan_node's for that group, and the choice is the
     fastest."""
     from harmony.compiler.ir import Program
-    from harmony.pipeline_plan import choose_group, group_candidates
+    from harmony.driver.modes.pipeline_plan import choose_group, group_candidates
     cfg = GPTConfig(layers=5, width=128, heads=4, vocab=256, seq=64, tie=False)
     torch.manual_seed(0)
     model, batch = GPT(cfg), next(iter(copy_task(cfg, 8, 1, seed=0)))

@@ -100,7 +100,7 @@ def _node(node) -> dict | None:
 
 
 def _evaluation(sm) -> dict | None:
-    """The evaluation schedule, once the first ``sm.evaluate(...)`` built it (harmony/evaluating.py), and the last
+    """The evaluation schedule, once the first ``sm.evaluate(...)`` built it (driver/evaluate.py), and the last
     evaluation's figures."""
     ev = getattr(sm, "_evaluation", None)
     if ev is None:
@@ -327,7 +327,7 @@ class _Writer:
                 self.lines.append("(nothing reported)")
         self.heading("packs")
         self.table(d["packs"])
-        if len(d["shapes"]) > 1:     # batches of other shapes were planned (harmony/shapes.py)
+        if len(d["shapes"]) > 1:     # batches of other shapes were planned (driver/shapes.py)
             self.heading("batch shapes")
             self.table(d["shapes"])
             self.notes(["a plan per batch shape is made on its first step with the packs and residency above; "

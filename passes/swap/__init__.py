@@ -204,7 +204,7 @@ def run(program: Program, ctx) -> PassResult:
         if not isinstance(ctx, Choice):
             raise ConfigError(f"the swap pass's choice is a harmony.passes.swap.graph.Choice (a compiled module's "
                               f"program.swap_choice is one), got {type(ctx).__name__}")
-        # a choice made at another batch shape (harmony/shapes.py) may name activation groups this schedule lacks
+        # a choice made at another batch shape (driver/shapes.py) may name activation groups this schedule lacks
         chosen, rows, how = ctx._replace(stashed=set(ctx.stashed) & set(groups)), [], "given"
         curve = fits(chosen)
         if curve.peak > budget:

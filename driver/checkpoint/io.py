@@ -23,8 +23,8 @@ process killed at any moment leaves a complete checkpoint under ``ckpt`` or, bet
 two renames, under ``ckpt.old``, which ``load`` falls back to (and the next ``save``
 puts back). Loading reads files with ``torch.load(weights_only=True)`` only after the
 manifest matches the model and every file matches its checksum. (The directory's mechanics,
-the renames, fsyncs, checksums and error messages, are ``harmony.checkpoint_files``; finding each
-tensor in the tier it lives in is ``harmony.checkpoint_state``.)
+the renames, fsyncs, checksums and error messages, are ``harmony.driver.checkpoint.files``; finding each
+tensor in the tier it lives in is ``harmony.driver.checkpoint.state``.)
 
 Tensors are referenced where the runtime keeps them (device copy or host master), never
 gathered first: the writer pulls one pack's state at a time, the unit the runtime moves.
@@ -41,10 +41,10 @@ from pathlib import Path
 
 import torch
 
-from harmony import checkpoint_files as ckfiles
 from harmony.base.errors import CheckpointError
 from harmony.base.units import fmt_bytes
-from harmony.checkpoint_check import (
+from harmony.driver.checkpoint import files as ckfiles
+from harmony.driver.checkpoint.check import (
     check_against_model,
     check_groups,
     check_manifest,
@@ -54,11 +54,11 @@ from harmony.checkpoint_check import (
     read_mapped,
     seal,
 )
-from harmony.checkpoint_files import MANIFEST
-from harmony.checkpoint_ranks import describe, saved_layout, this_layout
-from harmony.checkpoint_reshard import Reshard
-from harmony.checkpoint_state import LiveState
-from harmony.handshake import CALLS, agree
+from harmony.driver.checkpoint.files import MANIFEST
+from harmony.driver.checkpoint.ranks import describe, saved_layout, this_layout
+from harmony.driver.checkpoint.reshard import Reshard
+from harmony.driver.checkpoint.state import LiveState
+from harmony.driver.handshake import CALLS, agree
 
 FORMAT = 1
 KIND = "harmony-checkpoint"
@@ -200,7 +200,7 @@ def save(sm, path, *, progress=None) -> Path:
     its own ``path/rank-R-of-W`` (``load`` reads it back on the same rank); with replicated
     state every rank calls it too, rank 0 writes (the ranks hold the same state) and the others
     return once it has, raising its ``CheckpointError`` if it failed. Called on some ranks only (``if rank == 0``),
-    it raises ``CommunicationError`` at once on every rank, naming each rank's call (``harmony.handshake``).
+    it raises ``CommunicationError`` at once on every rank, naming each rank's call (``harmony.driver.handshake``).
     """
     agree(sm, CALLS[1])     # every rank saves now: one that steps instead is named at once, on every rank
     refuse_torn(sm)
@@ -304,7 +304,7 @@ def load(sm, path) -> CheckpointInfo:
     anything changes. If only ``<path>.old`` exists (a save was killed between its two
     renames) that is loaded, with a warning. A checkpoint saved by another number of ranks, or
     with another ``shard_state``, is resharded: each rank reads the pieces of the state it holds
-    (``harmony.checkpoint_reshard``). Over several ranks, each rank's part is read and checked
+    (``harmony.driver.checkpoint.reshard``). Over several ranks, each rank's part is read and checked
     before any rank changes anything: a rank that fails makes every rank raise.
     """
     agree(sm, CALLS[2])      # every rank loads now

@@ -22,8 +22,8 @@ import torch
 
 from harmony.base.errors import ConfigError, TornStepError
 from harmony.base.process import peak_rss_bytes
-from harmony.data import check_world
-from harmony.stepping import batch_of
+from harmony.driver.step import batch_of
+from harmony.runtime.world import check_world
 
 
 @dataclasses.dataclass

@@ -1,7 +1,7 @@
 """The files of a checkpoint directory: written under a temporary name and swapped in by rename, found again after a
 crash.
 
-``harmony.checkpoint`` decides what a checkpoint holds; this module only makes a directory of
+``harmony.driver.checkpoint.io`` decides what a checkpoint holds; this module only makes a directory of
 files appear atomically and reads it back with its checksums:
 
 * ``paths(ckpt)`` gives ``ckpt``, ``ckpt.old`` and ``ckpt.tmp-<pid>``; a save writes every file

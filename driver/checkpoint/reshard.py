@@ -1,12 +1,12 @@
 """Loading a checkpoint into another world size or sharding mode: each rank assembles its own state from the pieces.
 
-Every layout (``harmony.checkpoint_ranks``) stores the same training state under names: a weight or buffer whole
+Every layout (``harmony.driver.checkpoint.ranks``) stores the same training state under names: a weight or buffer whole
 (``blocks.0.w``), or a piece of one (``share:blocks.0.w[a:b]``: elements ``a:b`` of the flattened parameter, with
 the optimizer state of those elements under the same name). So a rank of any layout finds what it holds by
 name and element range: a whole tensor, or its own piece, is cut from whichever saved entries cover those
 elements, the optimizer state with it (an element-wise optimizer's state tensors have the parameter's elements;
 its step count, a scalar, is the same in every piece). The result is a state dict in this run's layout, which
-``harmony.checkpoint`` checks against the module like any other before it writes the first byte.
+``harmony.driver.checkpoint.io`` checks against the module like any other before it writes the first byte.
 
 Only the files holding something this rank needs are read, each checked against its sha256 and its manifest;
 the files are mapped, not read, so a whole tensor cut from one costs no copy.
@@ -19,10 +19,10 @@ from pathlib import Path
 
 import torch
 
-from harmony import checkpoint_files as ckfiles
 from harmony.base.errors import CheckpointError
-from harmony.checkpoint_check import read_mapped
-from harmony.checkpoint_ranks import Layout, describe
+from harmony.driver.checkpoint import files as ckfiles
+from harmony.driver.checkpoint.check import read_mapped
+from harmony.driver.checkpoint.ranks import Layout, describe
 
 _PIECE = re.compile(r"share:(.+)\[(\d+):(\d+)\]")
 
@@ -192,7 +192,7 @@ class Reshard:
         return rng
 
     def state_dict(self, live, fmt: int) -> dict:
-        """This rank's state in ``harmony.checkpoint.state_dict``'s form, every piece read and checked."""
+        """This rank's state in ``harmony.driver.checkpoint.io.state_dict``'s form, every piece read and checked."""
         model = {n: self.weight(n, t) for n, t in live.tensors.items()}
         optim = {}
         for n in live.optimizers:

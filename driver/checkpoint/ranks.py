@@ -11,7 +11,7 @@ A checkpoint is saved in one of four layouts, named in its manifest (``world``, 
 * ``pipeline``: ``rank-R-of-W`` directories, each with the weights and optimizer state of the packs rank R runs.
 
 ``saved_layout(path)`` reads which, ``this_layout(sm)`` says the run's own. Where the two are the same, each rank
-reads its own directory; otherwise ``harmony.checkpoint_reshard`` assembles the run's layout from the pieces the
+reads its own directory; otherwise ``harmony.driver.checkpoint.reshard`` assembles the run's layout from the pieces the
 saved ranks wrote. ``describe`` names a layout in the messages ("2 ranks with shard_state='full'").
 """
 from __future__ import annotations

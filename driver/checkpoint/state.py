@@ -1,6 +1,6 @@
 """The training state of a compiled module where it lives now: what a checkpoint reads and writes.
 
-``harmony.checkpoint`` decides what a checkpoint holds and ``harmony.checkpoint_files`` how its
+``harmony.driver.checkpoint.io`` decides what a checkpoint holds and ``harmony.driver.checkpoint.files`` how its
 directory is written; ``LiveState`` finds each tensor of the state in its tier (device, host,
 disk) and reads or replaces it in place, never gathering the whole model's state at once.
 """

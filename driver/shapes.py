@@ -112,7 +112,7 @@ class ShapeCache:
             old = next(k for k in self.plans if k != self.example.key)
             del self.plans[old]
             self.dropped += 1
-            log.warning("harmony: dropped the plan for batch %s: at most %d shapes are cached (harmony.shapes."
+            log.warning("harmony: dropped the plan for batch %s: at most %d shapes are cached (harmony.driver.shapes."
                         "MAX_SHAPES); a shape that comes back compiles again", describe(old, self.names), self.limit)
         log.info("harmony: new batch shape %s: compiled a plan in %.2f s (%d microbatches; predicted peak %s; "
                  "%d shapes cached)", describe(key, self.names), made.seconds, program.plan.microbatches,

@@ -26,12 +26,13 @@ def wanted(cfg) -> bool:
 
 def choose(program, passes) -> tuple[int, dict]:
     """(how many of the last-stepped packs step on the device, {count: predicted step in seconds, None: does not
-    fit}) for ``program``, each count planned from its trace as another rank's plan is (harmony/pipeline_plan.py)."""
+    fit}) for ``program``, each count planned from its trace as another rank's plan is
+    (driver/replan.py)."""
     from harmony.base.errors import HarmonyError
     from harmony.compiler.passmanager import run_passes
     from harmony.compiler.verify import memory_curve, state_sizes
+    from harmony.driver.replan import another_rank
     from harmony.passes.swap import compare
-    from harmony.pipeline_plan import another_rank
     from harmony.runtime.simulate import simulate
     cfg = program.config
     hw = compare.hardware(cfg)

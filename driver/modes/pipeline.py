@@ -11,21 +11,7 @@ from __future__ import annotations
 import torch
 
 from harmony.base.errors import ConfigError
-
-
-def resolve(options, world: dict) -> dict:
-    """The ``CompileConfig`` fields of a pipeline rank: its world, not data parallel, the stage pass after the
-    partition (``world``: what ``harmony.data.resolve`` found)."""
-    from harmony.compiler.passmanager import split_choices
-    if options.data_parallel:
-        raise ConfigError("parallel='pipeline' with data_parallel=True is not supported yet: use "
-                          "data_parallel=None, or parallel=None for data parallelism")
-    names = split_choices(options.passes)[0]
-    passes = tuple(options.passes)
-    if "stage" not in names and "partition" in names:
-        at = names.index("partition") + 1
-        passes = passes[:at] + ("stage",) + passes[at:]
-    return dict(world, data_parallel=False, passes=passes)
+from harmony.driver.modes.base import Mode
 
 
 def local_tensors(plan, tensors: dict) -> dict:
@@ -60,15 +46,15 @@ def state_bytes(sm) -> dict:
 
 
 def run_pipeline_passes(program, passes):
-    """``run_passes`` for a pipeline rank: ``pipeline_group="auto"`` chosen first (harmony/pipeline_plan.py); a rank
-    that fails tells the others where they wait for it (the stage pass's agreement on the plan, or the meeting once
+    """``run_passes`` for a pipeline rank: ``pipeline_group="auto"`` chosen first (driver/modes/pipeline_plan.py); a
+    rank that fails tells the others where they wait for it (the stage pass's agreement on the plan, or the meeting once
     every rank has compiled), so none waits for its timeout."""
     from harmony.base.errors import HarmonyError
     from harmony.compiler.passmanager import run_passes
     from harmony.passes.compress import check_same_plan, report_failure
     try:
         if program.config.pipeline_group == "auto":
-            from harmony.pipeline_plan import choose_group
+            from harmony.driver.modes.pipeline_plan import choose_group
             program.config.pipeline_group, program.config.group_predicted = choose_group(program, passes)
         program = run_passes(program, passes)
     except HarmonyError as e:
@@ -76,3 +62,46 @@ def run_pipeline_passes(program, passes):
         raise
     check_same_plan("compiled")
     return program
+
+
+class Pipeline(Mode):
+    """``parallel="pipeline"``: this rank's packs of a pipeline over the node's ranks."""
+
+    name = "pipeline"
+    adds = (("stage", "partition"),)
+
+    @classmethod
+    def applies(cls, options, world: dict) -> bool:
+        return options.parallel == "pipeline"
+
+    def resolve(self, options, world: dict) -> dict:
+        """Its world, not data parallel, the stage pass after the partition."""
+        if options.data_parallel:
+            raise ConfigError("parallel='pipeline' with data_parallel=True is not supported yet: use "
+                              "data_parallel=None, or parallel=None for data parallelism")
+        return dict(super().resolve(options, world), data_parallel=False)
+
+    def check(self, cfg, options) -> None:
+        from harmony.passes.stage import check_config
+        check_config(cfg)
+
+    def run_passes(self, program, passes):
+        from harmony.compiler.passmanager import split_choices
+        if "stage" not in split_choices(passes)[0]:     # cut short before the stage pass: nothing to meet for
+            return super().run_passes(program, passes)
+        return run_pipeline_passes(program, passes)
+
+    def local_tensors(self, plan, tensors: dict) -> dict:
+        return tensors if plan.stage is None else local_tensors(plan, tensors)
+
+    def guards_model(self, plan) -> bool:
+        return plan.stage is not None
+
+    def step_stats(self, sm) -> dict:
+        return state_bytes(sm) if sm.plan.stage is not None else {}
+
+    def simulate(self, sm, hardware):
+        if sm.plan.stage is None:
+            return None
+        from harmony.driver.modes.pipeline_plan import simulate_rank_node  # the whole node, a row per device
+        return simulate_rank_node(sm, hardware)

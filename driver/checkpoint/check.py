@@ -1,6 +1,6 @@
 """Everything a checkpoint says is checked before anything of the model changes.
 
-``harmony.checkpoint.load`` trusts nothing it reads: the manifest carries a sha256 of itself
+``harmony.driver.checkpoint.io.load`` trusts nothing it reads: the manifest carries a sha256 of itself
 (``seal`` / ``check_seal``), so an edited step or learning rate is found; every field has its
 type and range checked (``check_manifest``, ``check_step``, ``check_groups``: a hyperparameter
 must be of the kind the model's optimizer holds, finite, and in range); and every tensor of every
@@ -157,7 +157,7 @@ def _show_kind(v) -> str:
 
 def read_mapped(path: Path) -> dict:
     """A data file's tensors, mapped rather than read (checking them costs no copy), as plain tensors only."""
-    from harmony.checkpoint_files import read_file
+    from harmony.driver.checkpoint.files import read_file
     return read_file(path, mmap=True)
 
 

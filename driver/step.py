@@ -15,7 +15,7 @@ from harmony.runtime.executor import module_modes
 
 def batch_of(sm, batch: tuple, named: dict, same_shape: bool = True) -> tuple:
     """The call's batch tensors in the plan's order; every argument is checked against the compiled example (its
-    shape and dtype too unless ``same_shape`` is False: ``sm(...)`` plans other shapes, harmony/shapes.py)."""
+    shape and dtype too unless ``same_shape`` is False: ``sm(...)`` plans other shapes, driver/shapes.py)."""
     plan, cfg = sm.program.plan, sm.program.config
     names = list(plan.input_names)
     if named:
@@ -76,7 +76,7 @@ def run_step(sm, batch: tuple) -> torch.Tensor:
 def train_modules(sm) -> list:
     """The modules the packs' graphs call (the fx front end's leaf modules), which read their training flag."""
     if getattr(sm, "_train_modules", None) is None:
-        from harmony.evaluating import leaf_modules
+        from harmony.driver.evaluate import leaf_modules
         sm._train_modules = leaf_modules(sm.program.plan.packs)
     return sm._train_modules
 
@@ -111,7 +111,7 @@ def step_stats(sm, shape, seconds: float) -> dict:
                  peak_rss_bytes=peak_rss_bytes(), huge_pages=sm.huge_pages,
                  idle_threads_sleep=sm.idle_threads_sleep)
     if shape is not sm.shapes.example:    # the plan of another shape than the example batch's ran
-        from harmony.shapes import describe
+        from harmony.driver.shapes import describe
         plan = shape.program.plan
         stats.update(batch_shape=describe(shape.key, sm.shapes.names),
                      microbatch_rows=list(plan.rows or (plan.microbatch_size,) * plan.microbatches))
@@ -133,9 +133,7 @@ def step_stats(sm, shape, seconds: float) -> dict:
         stats.update(loss_scale=sm.loss_scale, skipped_steps=rt.scaler.skipped)
     if rt.gate is not None and rt.gate.clipper is not None:   # the norm before clipping (clip_grad_norm_'s)
         stats["grad_norm"] = rt.gate.grad_norm()
-    if sm.plan.stage is not None:        # a pipeline rank: the training state it holds
-        from harmony.pipeline import state_bytes
-        stats.update(state_bytes(sm))
+    stats.update(sm.mode.step_stats(sm))     # a pipeline rank: the training state it holds
     for hook in sm.program.step_hooks:     # what the passes measure per step (compress: the wire's bytes)
         stats.update(hook(sm))
     return stats

@@ -1,0 +1,175 @@
+"""The compile driver: trace -> cost -> plan this rank (its mode, balance, placement) -> passes -> the module.
+
+``harmony.compile`` checks its options into a ``Config`` and calls ``compile``; so does every other way into a
+plan that starts from a model (``plan_node`` in driver/modes/pipeline_plan.py resolves through ``resolve``).
+The phases are logged on the ``"harmony"`` logger at INFO with their seconds (each pass's line, with what it
+chose, comes from the pass manager), and kept in ``sm.compile_seconds``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+import torch
+
+from harmony.base.errors import BudgetError, ConfigError, InputError
+from harmony.base.units import fmt_bytes
+from harmony.compiler import cost
+from harmony.compiler.config import DEFAULT_MEMORY_BUDGET, CompileConfig, Config
+from harmony.compiler.ir import Program
+from harmony.compiler.trace import trace
+from harmony.driver import modes
+from harmony.passes.compress import parse_compression
+from harmony.runtime.optim import from_instance
+from harmony.runtime.optim import optimizer_kwargs as optimizer_kwargs_for
+from harmony.runtime.world import resolve as resolve_world
+
+log = logging.getLogger("harmony")
+
+
+def compile(model: torch.nn.Module, example_batch, options: Config, module: type):
+    """``module(program, device)`` (the face's ``ScheduledModule``) for ``model`` planned under ``options``."""
+    t0 = time.perf_counter()
+    if isinstance(options.optimizer, torch.optim.Optimizer):   # its class, defaults and param groups by name
+        cls, kwargs, groups = from_instance(model, options.optimizer, options.optimizer_kwargs)
+        options = dataclasses.replace(options, optimizer=cls, optimizer_kwargs=kwargs, param_groups=groups)
+    names, batch = batch_items(example_batch)
+    cfg, mode = resolve(options, batch_size(batch))
+    log.info("harmony: compiling %s as %s: %d microbatches of %d rows, memory budget %s", type(model).__name__,
+             mode.name, cfg.microbatches, cfg.microbatch_size, fmt_bytes(cfg.memory_budget))
+    gm = trace(model, dict(zip(names, batch)) if names else tuple(batch), loss_fn=cfg.loss_fn,
+               leaf_modules=cfg.leaf_modules, dtype=cfg.compute_dtype)
+    check_groups(cfg.param_groups, gm)
+    t_trace = time.perf_counter()
+    log.info("harmony: traced %d nodes in %.2f s", len(gm.graph.nodes), t_trace - t0)
+    balanced = plan_rank(mode, model, gm, batch, cfg)
+    batch = balanced.batch if balanced is not None else batch
+    t_plan = time.perf_counter()
+    program = Program(model=model, gm=gm, example_batch=tuple(batch), config=cfg,
+                      batch_keys=tuple(names) if names else None)
+    program.fake = cost.annotate(gm, tuple(batch), cfg.microbatch_size, dtype=cfg.compute_dtype)
+    program.optim_profile = cost.optimizer_profile(cfg.optimizer, cfg.optimizer_kwargs)
+    t_cost = time.perf_counter()
+    log.info("harmony: costed the graph in %.2f s", t_cost - t_plan)
+    program = mode.run_passes(program, cfg.passes)
+    report = balanced.report if balanced is not None else mode.report(program)
+    if report is not None:
+        program.reports.insert(0, report)
+    if balanced is not None:
+        program.rows = balanced.rows
+    t_passes = time.perf_counter()
+    sm = module(program, cfg.device)
+    if balanced is not None:
+        balanced.simulated(sm, cfg.hardware)
+    fill = sm.filled["seconds"] if sm.filled else 0.0     # an empty model's weights, made as placed
+    sm.compile_seconds = dict(trace=t_trace - t0, **({"balance": t_plan - t_trace} if balanced else {}),
+                              cost=t_cost - t_plan, passes=time.perf_counter() - t_cost - fill,
+                              **({"fill": fill} if sm.filled else {}), total=time.perf_counter() - t0)
+    log.info("harmony: built the runtime in %.2f s; compiled in %.2f s", time.perf_counter() - t_passes,
+             sm.compile_seconds["total"])
+    if sm.shapes is not None:
+        sm.shapes.example.seconds = sm.compile_seconds["total"]
+    return sm
+
+
+def resolve(options: Config, batch_size: int) -> tuple[CompileConfig, modes.Mode]:
+    """``program.config`` and the mode: the checked options resolved for this process -- its world, its optimizer's
+    arguments, the budget in bytes, where a mixed-precision step runs, the device the planner plans for."""
+    device_type = torch.device(options.device).type
+    balance = options.balance is not None
+    if not balance and batch_size % options.microbatches:
+        raise ConfigError(f"microbatches={options.microbatches!r} must be a positive divisor of the batch size "
+                          f"{batch_size}; divisors: {[d for d in range(1, batch_size + 1) if batch_size % d == 0]}")
+    kwargs = options.optimizer_kwargs
+    # torch's fused update where it has one and the caller did not choose (runtime/optim.py); not under
+    # ondemand, whose runtime fetches every tensor an op touches: one fused op touches a pack's whole state
+    if options.policy != "ondemand":
+        kwargs = optimizer_kwargs_for(options.optimizer, kwargs, ("cpu", device_type))
+    spec, adaptive = parse_compression(options.compression)
+    world = resolve_world(True if balance and options.data_parallel is None else options.data_parallel,
+                          options.comm_timeout)
+    mode = modes.of(options, world)
+    mixed = options.precision != "fp32"
+    cfg = CompileConfig(**dict(
+        options.items(), batch_size=batch_size, optimizer_kwargs=dict(kwargs or {}),
+        memory_budget=0 if balance else options.memory_budget or DEFAULT_MEMORY_BUDGET,
+        optimizer_on="host" if mixed and options.optimizer_on == "auto" else options.optimizer_on,
+        weigh_device_steps=options.precision == "bf16" and options.optimizer_on == "auto",
+        loss_scaling=options.scaling(), compression=spec, adaptive=adaptive,
+        shard_state=balance if options.shard_state is None else options.shard_state,
+        **mode.resolve(options, world)))
+    mode.check(cfg, options)
+    if cfg.hardware is None and device_type == "cuda":   # plan for the GPU: its cached profile, else its datasheet
+        from harmony.compiler.hardware import Hardware
+        cfg.hardware = Hardware.this_machine(cache_dir=cfg.cache_dir)
+    return cfg, mode
+
+
+def plan_rank(mode: modes.Mode, model, gm, batch, cfg: CompileConfig):
+    """Set ``cfg`` to what this rank plans for (its mode's share, its device's speed, the memory the device's
+    libraries hold); the ``Balanced`` share under ``balance=``, else None."""
+    balanced = mode.plan_rank(model, gm, batch, cfg)
+    check_masters(gm, cfg.precision)
+    if torch.device(cfg.device).type == "cuda":
+        reserve_for_cuda(cfg, cfg.device)
+    return balanced
+
+
+def check_groups(groups, gm) -> None:
+    """Every name a param group lists is one of the traced model's parameters, in one group only."""
+    known, seen = {n for n, _ in gm.named_parameters()}, set()
+    for i, group in enumerate(groups or ()):
+        bad = [n for n in group["params"] if n not in known]
+        twice = [n for n in group["params"] if n in seen]
+        seen.update(group["params"])
+        if bad or twice:
+            raise ConfigError(f"param_groups[{i}] names {', '.join(map(repr, (bad or twice)[:3]))}, "
+                              + ("not a parameter of the model" if bad else "already in an earlier group")
+                              + f"; the names are those of model.named_parameters(), e.g. {sorted(known)[:2]}")
+
+
+def batch_items(batch) -> tuple[list | None, list]:
+    """(names or None, tensors) of an example batch: a dict's keys and values, a tuple's items, one tensor."""
+    if isinstance(batch, dict):
+        return list(batch), list(batch.values())
+    if isinstance(batch, torch.Tensor):
+        return None, [batch]
+    if isinstance(batch, (tuple, list)):
+        return None, list(batch)
+    raise InputError(f"example_batch must be a tuple of tensors or a dict of them, got {type(batch).__name__}")
+
+
+def batch_size(batch) -> int:
+    sizes = {t.shape[0] for t in batch if isinstance(t, torch.Tensor) and t.dim() > 0}
+    if not batch or len(sizes) != 1:
+        raise InputError(f"example_batch must hold tensors whose dimension 0 is the batch and agrees; "
+                         f"got batch sizes {sorted(sizes)}")
+    if 0 in sizes:
+        raise InputError("example_batch has 0 rows: give at least one sample (as many as one training step "
+                         "takes), with the shapes and dtypes the batches will have")
+    return sizes.pop()
+
+
+def check_masters(gm, precision) -> None:
+    if precision == "fp32":
+        return
+    # the host's masters are the model's own tensors: they must be the fp32 ones
+    low = [(n, p.dtype) for n, p in gm.named_parameters() if p.is_floating_point() and p.dtype != torch.float32]
+    if low:
+        raise ConfigError(f"precision={precision!r} keeps the model's parameters as fp32 master weights, but "
+                          f"{len(low)} are not fp32 (first: {low[0][0]} is {low[0][1]}); pass the model in fp32 "
+                          f"(model.float()) and let Harmony make the {precision} copies")
+
+
+def reserve_for_cuda(config: CompileConfig, device) -> None:
+    """The CUDA libraries' own device memory comes out of the budget first (config.device_reserved)."""
+    from harmony.base.process import cuda_expandable_segments
+    from harmony.compiler.machine import cuda_library_bytes
+    config.expandable_segments = cuda_expandable_segments()
+    config.device_reserved = cuda_library_bytes(device, config.compute_dtype)
+    if config.device_reserved >= config.memory_budget:
+        raise BudgetError(f"memory_budget={fmt_bytes(config.memory_budget)} does not cover the "
+                          f"{fmt_bytes(config.device_reserved)} the CUDA libraries take on {device} (cuBLAS "
+                          f"workspaces, one per thread that multiplies matrices; CUBLAS_WORKSPACE_CONFIG sets "
+                          f"their size): raise memory_budget above that", min_budget=2 * config.device_reserved)
