@@ -118,11 +118,11 @@ def test_a_recv_waits_for_its_send_and_shifts_with_the_sender(planned):
 def test_planned_ranks_are_what_the_stage_pass_gives_real_ranks(planned, monkeypatch, tmp_path):
     """A real rank's compile (harmony.compile under torchrun) with its world given by hand: the same packs on the
     same ranks, the same schedule, op for op."""
-    import harmony.api
+    import harmony.driver.compile
     import harmony.passes.compress
     monkeypatch.setattr(harmony.passes.compress, "check_same_plan", lambda *a, **k: None)
     for rank, program in enumerate(planned):
-        monkeypatch.setattr(harmony.api, "resolve_data_parallel",
+        monkeypatch.setattr(harmony.driver.compile, "resolve_world",
                             lambda *a, rank=rank, **k: dict(data_parallel=True, world_size=2, rank=rank))
         model, batch = _model_and_batch()
         sm = harmony.compile(model, batch, memory_budget=BUDGET, microbatches=MICROBATCHES, parallel="pipeline",
