@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib
+import logging
 import time
 
 from harmony.base.errors import ConfigError, HarmonyError, PassError
@@ -10,6 +11,7 @@ from harmony.compiler.printer import schedule_code
 from harmony.compiler.verify import verify
 
 DEFAULT_PIPELINE = ("partition", "schedule", "offload", "compress", "swap", "prefetch")
+log = logging.getLogger("harmony")
 BASE_CAPABILITIES = {"cost"}
 
 
@@ -89,4 +91,12 @@ def run_passes(program: Program, entries=DEFAULT_PIPELINE) -> Program:
         program.history.append((p.NAME, f"# after pass {p.NAME!r} ({report.seconds * 1e3:.1f} ms)\n"
                                         + schedule_code(program, memory=False)))
         done.append(p.NAME)
+        log.info("harmony: pass %s: %s in %.2f s%s", p.NAME, report.title, report.seconds, _chose(report))
     return program
+
+
+def _chose(report: PassReport) -> str:
+    """The choice a pass made, for its log line: its report's totals, the first few."""
+    items = [f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in list(report.totals.items())[:4]
+             if isinstance(v, (int, float, str))]
+    return f" ({', '.join(items)})" if items else ""

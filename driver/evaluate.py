@@ -22,7 +22,7 @@ import torch
 
 from harmony.base.errors import ConfigError, TornStepError
 from harmony.base.process import peak_rss_bytes
-from harmony.driver.step import batch_of
+from harmony.driver.step import batch_of, leaf_modules
 from harmony.runtime.world import check_world
 
 
@@ -50,17 +50,6 @@ def eval_plan(plan):
         changed += n
         packs.append(dataclasses.replace(spec, module=module, mutated=[], random=False))
     return dataclasses.replace(plan, packs=packs), leaf_modules(packs), changed
-
-
-def leaf_modules(packs) -> list:
-    """The modules the packs' graphs call whole (the fx front end's leaf modules: ``nn.Dropout``, ``nn.BatchNorm2d``,
-    the user's ``leaf_modules``) with everything inside them: they read their own ``training`` flag as they run."""
-    out: dict = {}
-    for spec in packs:
-        for node in spec.module.graph.nodes:
-            if node.op == "call_module":
-                out.update(dict.fromkeys(spec.module.get_submodule(node.target).modules()))
-    return list(out)
 
 
 def _reads_mode(module) -> bool:

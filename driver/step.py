@@ -76,9 +76,19 @@ def run_step(sm, batch: tuple) -> torch.Tensor:
 def train_modules(sm) -> list:
     """The modules the packs' graphs call (the fx front end's leaf modules), which read their training flag."""
     if getattr(sm, "_train_modules", None) is None:
-        from harmony.driver.evaluate import leaf_modules
         sm._train_modules = leaf_modules(sm.program.plan.packs)
     return sm._train_modules
+
+
+def leaf_modules(packs) -> list:
+    """The modules the packs' graphs call whole (the fx front end's leaf modules: ``nn.Dropout``, ``nn.BatchNorm2d``,
+    the user's ``leaf_modules``) with everything inside them: they read their own ``training`` flag as they run."""
+    out: dict = {}
+    for spec in packs:
+        for node in spec.module.graph.nodes:
+            if node.op == "call_module":
+                out.update(dict.fromkeys(spec.module.get_submodule(node.target).modules()))
+    return list(out)
 
 
 def accept_partial_step(sm) -> dict | None:
