@@ -3,6 +3,8 @@ state."""
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
 import sys
 import time
 from pathlib import Path
@@ -21,6 +23,23 @@ def _compile(model, batch, budget, args):
                            microbatches=args.microbatches, policy=args.policy, precision=args.precision)
 
 
+@contextlib.contextmanager
+def _progress():
+    """The compile's phases as they finish (the ``"harmony"`` logger at INFO: trace, cost, each pass and its
+    choice, the runtime), on stderr: a long compile shows where it is."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("  %(message)s"))
+    log = logging.getLogger("harmony")
+    level = log.level
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+
+
 def demo(args) -> int:
     torch.manual_seed(args.seed)
     c = GPTConfig(vocab=args.vocab, seq=args.seq, layers=args.layers, width=args.width, heads=args.heads)
@@ -36,7 +55,8 @@ def demo(args) -> int:
     t0 = time.perf_counter()
     for _ in range(4):       # each pass that finds the budget short says what would work: at most a few raises
         try:
-            sm = _compile(model, (x, y), budget, args)
+            with _progress():
+                sm = _compile(model, (x, y), budget, args)
             break
         except BudgetError as e:
             if args.budget is not None or e.min_budget is None or e.min_budget <= budget:

@@ -8,7 +8,7 @@ from harmony.compiler.passmanager import split_choices
 class Mode:
     """The one-process mode, and what every mode does unless it says otherwise."""
 
-    name = "single"
+    name = "one process"
     adds: tuple = ()        # (pass name, the pass it comes after): the passes this mode declares
 
     def __init__(self, options=None):
