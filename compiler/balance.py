@@ -28,7 +28,7 @@ Gradients are then averaged with weights by sample count, so the update equals t
 homogeneous cluster makes on the same global batch.
 
 From ``harmony.compile(..., hardware=Hardware(devices=[one per rank]), balance="auto")``
-(``plan_ranks``): ``model_cost`` reads the ModelCost off the traced model's cost
+(``plan_ranks``): ``model_cost`` (driver/modes/balance.py) reads the ModelCost off the traced model's cost
 annotations (FLOPs and the partition's smallest working set, each affine in the
 microbatch size), rank 0 solves, every rank takes its row of the plan. There ``S`` is the
 optimizer state, which ``shard_state`` splits in the planned shares (runtime/shard.py, ZeRO
@@ -46,8 +46,7 @@ import pulp
 
 from harmony.base import ilp
 from harmony.base.errors import BudgetError
-from harmony.base.units import fmt_bytes, nbytes
-from harmony.runtime.plan import optim_state_bytes, step_traffic
+from harmony.base.units import fmt_bytes
 
 GB = 1e9     # the unit of the integer program's memory rows
 
@@ -231,59 +230,6 @@ def uniform(cost: ModelCost, devices, global_batch: int, microbatches: int = 1) 
     n = len(devices)
     b = global_batch // n // microbatches
     return evaluate(cost, devices, [(b, microbatches)] * n, [1 / n] * n)
-
-
-# -- from harmony.compile ---------------------------------------------------------------------------
-def model_cost(program, kernel_ops_per_param_tensor: float = 2.7 + 5.8 + 2.7) -> ModelCost:
-    """The ModelCost of a traced program (``program.gm`` on ``program.example_batch``).
-
-    The sharded state is the optimizer state (what ``shard_state`` splits); parameters, gradients
-    and buffers are replicated (``replicated_bytes``), each rank's plan swapping what its device
-    cannot hold, so a memory row reads: the rank keeps its optimizer shard resident beside the
-    working set of its microbatch.
-    FLOPs per microbatch: forward, backward and the recompute of every pack's forward (an upper
-    bound: the last pack does not recompute), affine in the microbatch size ``b``. Memory a rank
-    needs besides any state share: the smallest budget the partition pass can plan under, every
-    layer a pack of its own (measured as the pass measures packs, with its headroom), at ``b = 1``
-    and at the whole batch, and the line through the two: the need is a maximum of affine terms
-    (convex in ``b``), so the line is exact at both ends and above it in between. Tensor ops per
-    microbatch: ``kernel_ops_per_param_tensor`` per parameter tensor, as the simulator counts them.
-    """
-    import dataclasses
-
-    from harmony.compiler import cost as costs
-    from harmony.compiler.cost import Affine
-    from harmony.compiler.meta import COST
-    from harmony.passes.partition import find_units, smallest_budget, tensor_bytes
-
-    config, floors = program.config, []
-    top = max(2, program.example_batch[0].shape[0])
-    try:
-        for b in (1, top):
-            program.config = dataclasses.replace(config, batch_size=b, microbatches=1)
-            program.pack_measurements = {}      # measured at another microbatch size: not reusable
-            program.fake = costs.annotate(program.gm, program.example_batch, b)
-            program.fake_batch_bytes = {ph.name: tensor_bytes(program.fake.vals[ph], floating=False)
-                                        for ph in program.gm.graph.nodes if ph.op == "placeholder"}
-            floors.append(smallest_budget(program, find_units(program)))
-    finally:
-        program.config, program.pack_measurements = config, {}
-    act = Affine.fit(1, floors[0], top, floors[1])
-    flops = Affine(0.0, 0.0)
-    for node in program.gm.graph.nodes:
-        c = node.meta.get(COST)
-        if c is not None:
-            flops = flops + c.fwd_flops + c.fwd_flops + c.bwd_flops
-    params = list(program.gm.parameters())
-    pbytes = sum(nbytes(p) for p in params)
-    grads = sum(nbytes(p) for p in params if p.requires_grad)
-    optim = sum(optim_state_bytes(program.optim_profile, nbytes(p)) for p in params
-                if p.requires_grad)
-    replicated = pbytes + grads + sum(nbytes(t) for t in program.gm.buffers())
-    return ModelCost(flops_const=flops.c0, flops_per_sample=flops.c1, act_const=act.c0, act_per_sample=act.c1,
-                     state_bytes=float(optim), layer_bytes=0.0, replicated_bytes=float(replicated),
-                     step_bytes=step_traffic(pbytes, optim),
-                     ops_per_microbatch=kernel_ops_per_param_tensor * len(params))
 
 
 def plan_ranks(spec, cost: ModelCost, devices, global_batch: int, microbatches: int = 1,

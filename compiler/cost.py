@@ -30,7 +30,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from harmony.base.errors import InputError
 from harmony.compiler import measured
-from harmony.compiler.fake import device_of_batch, fake_twin
+from harmony.compiler.fake import FakeRun, device_of_batch, fake_twin
 from harmony.compiler.meta import COST, STATE
 from harmony.compiler.signature import Unknown, describe, getattr_path, graph_signature, module_signature
 from harmony.compiler.trace_inplace import inplace_error
@@ -332,16 +332,6 @@ def _measure_at(gm, batch, b, dtype=None, reuse: dict | None = None):
                              f"{type(e).__name__}: {e}. Check that every batch tensor has the batch "
                              f"in dimension 0 and the shapes the model expects.") from e
     return interp.records, FakeRun(mode, interp.vals, by_id, dtype), interp.signatures
-
-
-@dataclass
-class FakeRun:
-    """The fake values of one analysis run, kept so packs can be measured at the same microbatch size."""
-
-    mode: FakeTensorMode
-    vals: dict            # node -> fake value
-    state: dict           # id(real parameter or buffer) -> its fake twin
-    dtype: torch.dtype | None = None   # compute dtype of the twins and float inputs (None: as the model's)
 
 
 def annotate(gm: torch.fx.GraphModule, batch: tuple, microbatch: int, dtype: torch.dtype | None = None,

@@ -1,7 +1,9 @@
-"""Fake twins of a model's parameters and buffers: what the trace and the cost analysis run the model on."""
+"""Fake twins of a model's parameters and buffers: what the trace and the cost analysis run the model on, and
+the fake run the cost analysis keeps (``FakeRun``)."""
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -60,3 +62,13 @@ def is_empty(model: torch.nn.Module) -> bool:
     """Whether any parameter of ``model`` is on the meta device (built under ``harmony.empty_weights`` or
     ``torch.device("meta")``)."""
     return any(p.device.type == "meta" for p in model.parameters())
+
+
+@dataclass
+class FakeRun:
+    """The fake values of one analysis run, kept so packs can be measured at the same microbatch size."""
+
+    mode: FakeTensorMode
+    vals: dict            # node -> fake value
+    state: dict           # id(real parameter or buffer) -> its fake twin
+    dtype: torch.dtype | None = None   # compute dtype of the twins and float inputs (None: as the model's)

@@ -45,14 +45,14 @@ from pathlib import Path
 
 from harmony.base.env import env_default
 from harmony.base.errors import ConfigError
-from harmony.compiler import machine
+from harmony.compiler import machine, nodes
+from harmony.compiler.nodes import PCIE
 from harmony.runtime.plan import NOMINAL_NETWORK_BANDWIDTH, NOMINAL_NETWORK_LATENCY
 
 GiB = 2**30
 T = 1e12
 GB = 1e9
 
-PCIE = {"pcie3": 15.75 * GB, "pcie4": 31.5 * GB, "pcie5": 63.0 * GB}   # x16, bytes/s per direction
 
 # Nominal placeholders (not measured, not from a spec sheet): override them for real setups.
 NOMINAL = dict(host_memory=256 * GiB, host_flops=1 * T, host_memory_bandwidth=100 * GB,
@@ -226,8 +226,7 @@ class Hardware:
     @classmethod
     def node(cls, name: str) -> "Hardware":
         """A whole server from ``compiler/nodes.py``: "4x1080ti", "8x1080ti" (one PCIe 3.0 switch), "8xa100-40gb"."""
-        from harmony.compiler.nodes import node
-        return node(name)
+        return nodes.node(name, cls)
 
     def logical(self, budgets, speed_factors=None) -> "Hardware":
         """This hardware's first device as several logical devices, each with its own memory budget.

@@ -27,17 +27,19 @@ The presets and why each figure:
 from __future__ import annotations
 
 from harmony.base.errors import ConfigError
-from harmony.compiler.hardware import PCIE, Hardware
 
-GiB = 2**30
+GB, GiB = 1e9, 2**30
+PCIE = {"pcie3": 15.75 * GB, "pcie4": 31.5 * GB, "pcie5": 63.0 * GB}   # x16, bytes/s per direction
 HARMONY_SWAP = 11.5 * GiB        # msr-fiddle/harmony 3_scheduler/sched_args.py --bw_swap
 HARMONY_P2P = 8.2 * GiB          # msr-fiddle/harmony 3_scheduler/sched_args.py --bw_p2p
 NVLINK3 = 300e9                  # A100 datasheet: NVLink 600 GB/s, both directions together
 MEASURED_SHARE = 0.8             # a pinned copy reaches about this share of the PCI-SIG rate
 
 
-def _commodity(count: int) -> Hardware:
-    hw = Hardware.preset("gtx1080ti", count=count, link=HARMONY_SWAP)
+# Each recipe builds on ``Hardware`` (given, so that compiler/hardware.py, which imports this module's links,
+# is not imported back)
+def _commodity(hardware, count: int):
+    hw = hardware.preset("gtx1080ti", count=count, link=HARMONY_SWAP)
     devices = tuple(d.replace(p2p_bandwidth=HARMONY_P2P, link="pcie3, measured") for d in hw.devices)
     return hw.replace(devices=devices, switches=(tuple(range(count)),), switch_bandwidth=HARMONY_SWAP,
                       notes=hw.notes + (f"{count} GPUs behind one PCIe 3.0 switch: swaps share its "
@@ -45,21 +47,21 @@ def _commodity(count: int) -> Hardware:
                                         f"(msr-fiddle/harmony scheduler defaults)",))
 
 
-def _a100() -> Hardware:
+def _a100(hardware):
     link = MEASURED_SHARE * PCIE["pcie4"]
-    hw = Hardware.preset("a100-40gb", count=8, link=link)
+    hw = hardware.preset("a100-40gb", count=8, link=link)
     devices = tuple(d.replace(p2p_bandwidth=NVLINK3, link="pcie4") for d in hw.devices)
     return hw.replace(devices=devices, switches=((0, 1), (2, 3), (4, 5), (6, 7)), switch_bandwidth=link,
                       notes=hw.notes + ("8 A100 SXM4 on NVSwitch (NVLink 3, 300 GB/s one way); two GPUs per "
                                         "PCIe Gen4 switch to the host (assumed DGX A100 layout)",))
 
 
-NODES = {"4x1080ti": lambda: _commodity(4), "8x1080ti": lambda: _commodity(8), "8xa100-40gb": _a100}
+NODES = {"4x1080ti": lambda hw: _commodity(hw, 4), "8x1080ti": lambda hw: _commodity(hw, 8), "8xa100-40gb": _a100}
 
 
-def node(name: str) -> Hardware:
-    """A server preset by name: ``NODES``."""
+def node(name: str, hardware):
+    """A server preset by name (``NODES``), a ``hardware`` (the ``Hardware`` class)."""
     if name not in NODES:
         raise ConfigError(f"no server preset {name!r}; presets: {', '.join(NODES)} (or build a Hardware with "
                           f"devices=, switches=, switch_bandwidth= and Device.p2p_bandwidth)")
-    return NODES[name]()
+    return NODES[name](hardware)

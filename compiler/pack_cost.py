@@ -1,7 +1,7 @@
 """What a pack allocates when the runtime runs it: its forward, its backward, with and without recompute.
 
 ``measure_pack`` runs a pack's graph module exactly as the runtime's ``forward`` and
-``backward`` ops do, on the fake tensors of the cost model's run (``cost.FakeRun``), and
+``backward`` ops do, on the fake tensors of the cost model's run (``fake.FakeRun``), and
 counts the bytes each phase newly allocates (``runtime.memory.MemoryMeter``): what the
 partition checks a candidate pack against the budget with, and ``verify`` predicts with.
 Packs of the same layers at other depths take the figures of one measured before
@@ -20,7 +20,8 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.nn.utils.stateless import _reparametrize_module
 
 from harmony.compiler import measured
-from harmony.compiler.cost import FakeRun, leaf, tensors_of
+from harmony.compiler.cost import leaf, tensors_of
+from harmony.compiler.fake import FakeRun
 from harmony.compiler.signature import pack_signature
 from harmony.runtime.memory import CountAllocations, MemoryMeter
 from harmony.runtime.precision import device_dtype

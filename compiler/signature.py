@@ -8,13 +8,10 @@ its nodes' signatures and wiring. Two nodes, packs or graphs with equal signatur
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.fx
 
-if TYPE_CHECKING:
-    from harmony.compiler.cost import FakeRun
+from harmony.compiler.fake import FakeRun
 
 _CONSTANTS = (bool, int, float, complex, str, torch.dtype, torch.device, torch.layout, torch.memory_format)
 

@@ -209,7 +209,8 @@ def test_the_model_cost_of_a_traced_model_plans_budgets_its_compile_meets():
 
     import harmony
     from harmony.compiler import cost
-    from harmony.compiler.balance import model_cost, rank_memory_floor
+    from harmony.compiler.balance import rank_memory_floor
+    from harmony.driver.modes.balance import model_cost
     from harmony.compiler.ir import CompileConfig, Program
     from harmony.compiler.trace import trace
     from models import CASES

@@ -14,8 +14,14 @@ from dataclasses import dataclass
 import torch
 
 from harmony.base.errors import ConfigError, HarmonyError
+from harmony.base.units import nbytes
 from harmony.compiler import cost
+from harmony.compiler.balance import ModelCost
+from harmony.compiler.cost import Affine
 from harmony.compiler.ir import CompileConfig, PassReport, Program
+from harmony.compiler.meta import COST
+from harmony.passes.partition import find_units, smallest_budget, tensor_bytes
+from harmony.runtime.plan import optim_state_bytes, step_traffic
 
 
 @dataclass
@@ -71,7 +77,7 @@ def plan_this_rank(model, gm, batch, spec, config: CompileConfig, hardware, shar
     program.optim_profile = cost.optimizer_profile(config.optimizer, config.optimizer_kwargs)
     t0 = time.perf_counter()
     full = config.shard_state == "full"
-    plan = plan_on_rank0(rank, lambda: planner.plan_ranks(spec, planner.model_cost(program), devices, global_batch,
+    plan = plan_on_rank0(rank, lambda: planner.plan_ranks(spec, model_cost(program), devices, global_batch,
                                                             config.microbatches, same_shape=full))
     seconds = time.perf_counter() - t0
     mine, dev = plan.shares[rank], devices[rank]
@@ -108,3 +114,48 @@ def plan_on_rank0(rank: int, solve):
     if kind == "error":
         raise value
     return value
+
+
+def model_cost(program, kernel_ops_per_param_tensor: float = 2.7 + 5.8 + 2.7) -> ModelCost:
+    """The ModelCost of a traced program (``program.gm`` on ``program.example_batch``).
+
+    The sharded state is the optimizer state (what ``shard_state`` splits); parameters, gradients
+    and buffers are replicated (``replicated_bytes``), each rank's plan swapping what its device
+    cannot hold, so a memory row reads: the rank keeps its optimizer shard resident beside the
+    working set of its microbatch.
+    FLOPs per microbatch: forward, backward and the recompute of every pack's forward (an upper
+    bound: the last pack does not recompute), affine in the microbatch size ``b``. Memory a rank
+    needs besides any state share: the smallest budget the partition pass can plan under, every
+    layer a pack of its own (measured as the pass measures packs, with its headroom), at ``b = 1``
+    and at the whole batch, and the line through the two: the need is a maximum of affine terms
+    (convex in ``b``), so the line is exact at both ends and above it in between. Tensor ops per
+    microbatch: ``kernel_ops_per_param_tensor`` per parameter tensor, as the simulator counts them.
+    """
+    config, floors = program.config, []
+    top = max(2, program.example_batch[0].shape[0])
+    try:
+        for b in (1, top):
+            program.config = dataclasses.replace(config, batch_size=b, microbatches=1)
+            program.pack_measurements = {}      # measured at another microbatch size: not reusable
+            program.fake = cost.annotate(program.gm, program.example_batch, b)
+            program.fake_batch_bytes = {ph.name: tensor_bytes(program.fake.vals[ph], floating=False)
+                                        for ph in program.gm.graph.nodes if ph.op == "placeholder"}
+            floors.append(smallest_budget(program, find_units(program)))
+    finally:
+        program.config, program.pack_measurements = config, {}
+    act = Affine.fit(1, floors[0], top, floors[1])
+    flops = Affine(0.0, 0.0)
+    for node in program.gm.graph.nodes:
+        c = node.meta.get(COST)
+        if c is not None:
+            flops = flops + c.fwd_flops + c.fwd_flops + c.bwd_flops
+    params = list(program.gm.parameters())
+    pbytes = sum(nbytes(p) for p in params)
+    grads = sum(nbytes(p) for p in params if p.requires_grad)
+    optim = sum(optim_state_bytes(program.optim_profile, nbytes(p)) for p in params
+                if p.requires_grad)
+    replicated = pbytes + grads + sum(nbytes(t) for t in program.gm.buffers())
+    return ModelCost(flops_const=flops.c0, flops_per_sample=flops.c1, act_const=act.c0, act_per_sample=act.c1,
+                     state_bytes=float(optim), layer_bytes=0.0, replicated_bytes=float(replicated),
+                     step_bytes=step_traffic(pbytes, optim),
+                     ops_per_microbatch=kernel_ops_per_param_tensor * len(params))

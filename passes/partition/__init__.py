@@ -20,7 +20,6 @@ layers, measures the packs the search picks and corrects its target until they f
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 import torch
 import torch.fx
@@ -32,6 +31,7 @@ from harmony.compiler.meta import COST, MODULE_PATH, PACK, STATE
 from harmony.compiler.pack_cost import measure_pack
 from harmony.passes.partition.cost import PackCost, device_sizes
 from harmony.passes.partition.search import plan_packs, working_set_cap
+from harmony.passes.partition.units import Unit
 from harmony.runtime.compression import NO_COMPRESSION
 from harmony.runtime.ops_comm import comm_buffer_bytes
 from harmony.runtime.plan import PackSpec, Plan, optim_state_bytes, step_extra
@@ -41,19 +41,6 @@ REQUIRES = {"cost"}
 PROVIDES = {"packs"}
 
 COMPUTE_OPS = ("call_function", "call_method", "call_module")
-
-
-@dataclass
-class Unit:
-    nodes: list
-    params: frozenset        # trainable state names
-    buffers: frozenset
-    fwd_flops: float
-    bwd_flops: float
-    kept: float              # activation bytes kept for backward, one microbatch
-    peak: float              # transient bytes of its forward, one microbatch
-    bwd: float               # transient bytes of its backward, one microbatch
-    cross_in: float          # activation bytes entering it
 
 
 def compute_nodes(gm) -> list:

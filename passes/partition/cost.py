@@ -10,7 +10,6 @@ they pick and corrects the target until they fit.
 from __future__ import annotations
 
 from collections import Counter
-from typing import TYPE_CHECKING
 
 import pulp
 
@@ -18,12 +17,10 @@ from harmony.base import ilp
 from harmony.base.units import nbytes
 from harmony.compiler.ir import Program
 from harmony.passes.offload import step_place
+from harmony.passes.partition.units import Unit
 from harmony.passes.swap import mixed_placement
 from harmony.runtime.plan import step_extra, step_traffic
 from harmony.runtime.precision import device_bytes
-
-if TYPE_CHECKING:
-    from harmony.passes.partition import Unit
 
 # The planner's fixed cost of one more pack: about ten schedule ops (a swap_in, wait and release of its
 # weights per phase, its gradients' release, its step) at a few microseconds of executor loop and copy

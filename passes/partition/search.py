@@ -5,12 +5,9 @@ predicted time (``plan_packs``), the partition that leaves the least traffic whe
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 from harmony.passes.partition.cost import PackCost
-
-if TYPE_CHECKING:
-    from harmony.passes.partition import Unit
+from harmony.passes.partition.units import Unit
 
 
 def plan_packs(need: PackCost, budget: float) -> list[tuple[int, int]] | None:
