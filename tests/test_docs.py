@@ -136,7 +136,8 @@ def test_python_block(block, tmp_path_factory, monkeypatch):
 
 
 def _check_rank_code(block: Block) -> None:
-    """Names under ``harmony`` resolve; ``harmony.compile``'s literal keywords make a valid ``harmony.Config``."""
+    """Names under ``harmony`` resolve; ``harmony.compile``'s literal keywords pass their config group's checks (and
+    ``harmony.Config``'s, where every keyword is a literal)."""
     tree = ast.parse(block.source)
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute):
@@ -144,21 +145,23 @@ def _check_rank_code(block: Block) -> None:
             if chain and chain[0] == "harmony":
                 _resolve(chain, block)
         if isinstance(node, ast.Call) and _dotted(node.func) == ["harmony", "compile"]:
+            given = [kw for kw in node.keywords if kw.arg not in (None, "example_batch", "config")]
+            unknown = [kw.arg for kw in given if kw.arg not in harmony.Config.__dataclass_fields__]
+            assert not unknown, f"{block.id}: harmony.compile has no option {unknown}"
             literal = {}
-            for kw in node.keywords:
-                if kw.arg is None:
-                    continue
+            for kw in given:
                 try:
                     literal[kw.arg] = ast.literal_eval(kw.value)
                 except ValueError:
-                    literal[kw.arg] = None if kw.arg in _FIELDS else _UNKNOWN
-            unknown = [k for k, v in literal.items() if v is _UNKNOWN and k != "example_batch"]
-            assert not unknown, f"{block.id}: harmony.compile has no option {unknown}"
-            harmony.Config(**{k: v for k, v in literal.items() if k in _FIELDS and v is not None})
+                    pass
+            for group in GROUPS:
+                group(**{k: v for k, v in literal.items() if k in group.__dataclass_fields__})
+            if len(literal) == len(given):
+                harmony.Config(**literal)
 
 
-_UNKNOWN = object()
-_FIELDS = set(harmony.Config.__dataclass_fields__)
+GROUPS = (harmony.TrainConfig, harmony.MemoryConfig, harmony.DiskConfig, harmony.ParallelConfig,
+          harmony.NumericsConfig, harmony.PlanConfig)
 
 
 def _dotted(node) -> list[str] | None:
