@@ -87,9 +87,22 @@ def test_the_pages_exist_and_link_to_each_other():
         if name != "index.md":
             assert f"({name})" in index, f"docs/index.md does not link to {name}"
             assert f"(docs/{name})" in readme, f"README.md does not link to docs/{name}"
-    for page in PAGES:     # relative links point at files that exist
-        for target in re.findall(r"\]\(([^)#:\s]+)(?:#[^)]*)?\)", page.read_text()):
-            assert (page.parent / target).exists(), f"{page.relative_to(ROOT)} links to {target}, which is missing"
+    for page in PAGES:     # relative links point at files that exist, and at headings those have
+        for target, anchor in re.findall(r"\]\(([^)#:\s]*)(?:#([^)]*))?\)", page.read_text()):
+            path = page.parent / target if target else page
+            assert path.exists(), f"{page.relative_to(ROOT)} links to {target}, which is missing"
+            if anchor and path.suffix == ".md":
+                assert anchor in _anchors(path), f"{page.relative_to(ROOT)} links to {target}#{anchor}: no such heading"
+
+
+def _anchors(page: Path) -> set[str]:
+    """GitHub's ids of a page's headings (outside code blocks): lower case, punctuation dropped, spaces as dashes."""
+    heads, fenced = [], False
+    for line in page.read_text().splitlines():
+        fenced ^= bool(FENCE.match(line))
+        if not fenced and re.match(r"^#+ ", line):
+            heads.append(line.lstrip("#").strip())
+    return {re.sub(r"[^\w\- ]", "", h.lower()).replace(" ", "-") for h in heads}
 
 
 def test_the_readme_opens_with_the_demo_and_the_test_command_of_ci():
