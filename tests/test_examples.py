@@ -125,13 +125,15 @@ def test_every_example_has_a_test_and_a_tiny_flag():
         assert f'"{name}.py"' in here and "--tiny" in (EXAMPLES / f"{name}.py").read_text()
 
 
-def test_readme_shows_the_dict_batch_lists_the_examples_and_says_what_checkpoints_hold():
+def test_the_docs_show_the_dict_batch_list_the_examples_and_say_what_checkpoints_hold():
     readme = (ROOT / "README.md").read_text()
-    use = readme.split("## Use", 1)[1].split("\n## ", 1)[0]
-    assert "example_batch=batch" in use and "sm(**batch)" in use
+    examples = readme.split("## Examples", 1)[1].split("\n## ", 1)[0]
     for p in EXAMPLES.glob("*.py"):
-        assert f"`{p.name}`" in use, p.name
-    assert "weights-only" not in readme and "the optimizer's state" in readme
+        assert f"`{p.name}`" in examples, p.name
+    loop = (ROOT / "docs" / "training-loop.md").read_text()
+    assert "example_batch=batch" in loop and "sm(**batch)" in loop
+    checkpoints = (ROOT / "docs" / "checkpoints.md").read_text()
+    assert "weights-only" not in readme + checkpoints and "optimizer state" in checkpoints
 
 
 def test_demo_help_documents_every_option_with_its_default(capsys):
