@@ -47,7 +47,9 @@ at a time. An op starts when its stream is free and:
 
 Each rule reads what the op does from its table entry (runtime/ops.py's ``OpDef``: ``fetches``,
 ``releases``, ``steps``, ``stashes``, ``copy_thread``, ...), never its name: a ``gather`` is timed
-as a fetch because its entry says it is one, as is any new op declared one.
+as a fetch because its entry says it is one, as is any new op declared one. Stream names
+(``compute``, ``h2d``, ``d2h``, ``disk``, ``network``, ``host``) are strings; where state lives
+(a step's ``where=``) is a ``Tier``.
 
 A ``swap_in`` or ``release`` moves only the state that is not already where it goes,
 as the op's ``effect`` says: a release of clean parameters drops them (no copy), a
@@ -73,6 +75,7 @@ from dataclasses import dataclass, field
 
 import torch.fx
 
+from harmony.base.tiers import Tier
 from harmony.runtime.executor import TraceEvent
 from harmony.runtime.ops import MemoryModel, moving_names, op_of, ops_of, resident_state
 from harmony.runtime.ops_step import device_part_cost, streamed_optim_bytes
@@ -219,7 +222,7 @@ class Replay:
                                     self.sizes)
         if stream in clock.moved:
             clock.moved[stream] += round(seconds * (dev.h2d_bandwidth if stream == "h2d" else dev.d2h_bandwidth))
-        if op.steps and node.kwargs.get("stream") and node.kwargs.get("where", "device") == "device":
+        if op.steps and node.kwargs.get("stream") and node.kwargs.get("where", Tier.DEVICE) == Tier.DEVICE:
             optim = streamed_optim_bytes(self.plan, node.args[0])
             clock.moved["h2d"] += optim
             clock.moved["d2h"] += optim
@@ -360,7 +363,7 @@ class _Clock:
             free["compute"] = ev.end
         if op.steps and stream == "host":
             self.host_steps[node.args[0]] = ev.end
-            if node.kwargs.get("where") == "disk":   # a disk pack steps inline, group by group
+            if node.kwargs.get("where") == Tier.DISK:   # a disk pack steps inline, group by group
                 free["compute"] = max(free["compute"], ev.end)
         if disk["write"]:              # written back once stepped; the next pack's read may start meanwhile
             self.run("disk", max(free["disk"], ev.end), disk["write"], f"{node.name}.write", "disk")
