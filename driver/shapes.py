@@ -49,6 +49,7 @@ from harmony.compiler.ir import Program
 from harmony.compiler.passmanager import run_passes, split_choices
 from harmony.compiler.trace import trace
 from harmony.compiler.verify import MemoryCurve, memory_curve
+from harmony.runtime.ops import ops_of
 from harmony.runtime.placeholders import point
 
 MAX_SHAPES = 8      # plans kept, the example batch's included
@@ -236,10 +237,10 @@ def _layout_differs(base: Program, new: Program, tensors: dict) -> str:
             return f"pack {a.index}'s residency"
     steps, hands = [], []       # the step order, and the weights' releases that the disk tier reads once
     for p in (base, new):
-        ops = [n for n in p.schedule.nodes if n.op == "call_function"]
-        steps.append([n.args[0] for n in ops if n.target.__name__ == "step"])
-        hands.append({(n.args[0], n.kwargs.get("handoff"), n.kwargs.get("carry")) for n in ops
-                      if n.target.__name__ == "release" and n.args[1] == "params"})
+        calls = list(ops_of(p.schedule.nodes))
+        steps.append([n.args[0] for n, op in calls if op.steps])
+        hands.append({(n.args[0], n.kwargs.get("handoff"), n.kwargs.get("carry")) for n, op in calls
+                      if op.releases and n.args[1] == "params"})
     if steps[0] != steps[1]:
         return f"packs step in the order {steps[1]}, not {steps[0]}"
     if hands[0] != hands[1]:

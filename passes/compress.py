@@ -144,9 +144,10 @@ def insert(graph: torch.fx.Graph, packs: list[int], plan, kwargs: dict, policy: 
     """Insert the all-reduces (and the waits that join them) into ``graph``; returns pack -> overlap mode."""
     last_bwd, steps = {}, {}
     for n in calls(graph):
-        if n.target is ops.backward:
+        op = ops.op_of(n)
+        if op.runs_backward:
             last_bwd[n.args[0]] = n
-        elif n.target is ops.step:
+        elif op.steps:
             steps[n.args[0]] = n
     order = {n: i for i, n in enumerate(calls(graph))}
     issue = sorted((p for p in packs if p in last_bwd), key=lambda p: order[last_bwd[p]])
@@ -326,7 +327,7 @@ def run(program: Program, ctx) -> PassResult:
         check_same_plan(signature)
         broadcast = broadcast_state(program)
         position = {n: i for i, n in enumerate(calls(program.schedule))}
-        last_bwd = {n.args[0]: position[n] for n in position if n.target is ops.backward}
+        last_bwd = {n.args[0]: position[n] for n in position if ops.op_of(n).runs_backward}
         plan.comm_groups = comm_groups(program, owned, sorted(owned, key=lambda p: last_bwd.get(p, -1)))
 
     # the plan: all-reduce after each pack's last backward; asynchronous where nothing swaps the

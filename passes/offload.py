@@ -176,7 +176,7 @@ def _rows(program: Program, place: str, whole: set, need: dict, in_memory: list)
     # (runtime/diskparams.py)
     weight_reads = 2 if cfg.policy == "harmony" else 3
     world = cfg.world_size if full_sharding(cfg) else 1
-    gathers = [n.args[0] for n in program.schedule.nodes if n.op == "call_function" and n.target is ops.swap_in
+    gathers = [n.args[0] for n, op in ops.ops_of(program.schedule.nodes) if op.fetches and op.state_copy
                and n.args[1] == "params"] if world > 1 else []
     rows = []
     for spec in plan.packs:
@@ -236,7 +236,7 @@ def _device_steps(program: Program, off_host: set) -> list[int]:
     k = getattr(program.config, "device_steps", 0)
     if not k or program.config.precision == "fp32":
         return []
-    steps = [n for n in program.schedule.nodes if n.op == "call_function" and n.target is ops.step]
+    steps = [n for n, op in ops.ops_of(program.schedule.nodes) if op.steps]
     packs = [p for p in dict.fromkeys(n.args[0] for n in steps) if p not in off_host][-k:]
     for n in steps:
         if n.args[0] in packs:
@@ -259,8 +259,9 @@ def _place(program: Program, place: str, disk: set, whole: set, need: dict) -> N
         whole_steps = set()
     else:
         whole_steps = whole
-    for n in program.schedule.nodes:     # a wholly-disk pack's step overlaps the next backward (swap may inline it)
-        if n.op == "call_function" and n.target is ops.step:
+    # a wholly-disk pack's step overlaps the next backward (swap may inline it)
+    for n, op in ops.ops_of(program.schedule.nodes):
+        if op.steps:
             n.kwargs = {**n.kwargs, "where": place} if n.args[0] not in whole_steps else \
                 {**n.kwargs, "where": "disk", "overlap": True}
     for p, record in program.plan.residency.items():
@@ -312,7 +313,7 @@ def place_state(program: Program) -> tuple[set[int], set[int], dict]:
     file_bytes = {p: max((sum(sizes[n] for n in g) * (1 + optim[p] / max(owned[p], 1)) for g in gs), default=0)
                   for p, gs in groups.items()}
     group_grads = {p: max((sum(sizes[n] for n in g) for g in gs), default=0) for p, gs in groups.items()}
-    order = [n.args[0] for n in program.schedule.nodes if n.op == "call_function" and n.target is ops.step]
+    order = [n.args[0] for n, op in ops.ops_of(program.schedule.nodes) if op.steps]
     order = list(dict.fromkeys(order + [s.index for s in plan.packs]))   # packs without a step op last
 
     def need(disk: set[int], whole: set[int]) -> dict:

@@ -35,24 +35,23 @@ def run(program: Program, ctx) -> PassResult:
     nodes = list(curve.nodes)
     moved = graphs = hoisted_ops = 0
     for j in range(len(nodes)):
-        node = nodes[j]
-        graph_back = node.target is ops.unstash and _brings_graph(node)
-        if node.target is not ops.swap_in and not graph_back:
+        node, op = nodes[j], ops.op_of(nodes[j])
+        graph_back = op.unstashes and _brings_graph(node)
+        if not (op.fetches and op.state_copy) and not graph_back:     # a swap_in, or a graph coming back
             continue
         size = curve.before[j + 1] - curve.before[j] if j + 1 < len(nodes) else 0
         if size <= 0:
             continue
         i, passed = j, 0
         while i > 0:
-            prev = nodes[i - 1]
+            prev, before = nodes[i - 1], ops.op_of(nodes[i - 1])
             if graph_back and (prev in node.all_input_nodes or passed == GRAPH_AHEAD):
                 break          # a graph comes back beside the op before its backward, not sooner
-            if prev.target in (ops.release, ops.swap_in, ops.wait) and prev.args and \
-                    (prev.args[0] == node.args[0] or prev.target is ops.wait):
+            if (before.state_copy or before.joins) and prev.args and (prev.args[0] == node.args[0] or before.joins):
                 break          # never across a release/swap of the same pack, nor another copy's wait
             if peak_at[i - 1] + size > budget:
                 break
-            passed += prev.target in (ops.forward, ops.backward)
+            passed += before.runs_forward or before.runs_backward
             i -= 1
         if i == j:
             continue
@@ -74,4 +73,5 @@ def _brings_graph(node) -> bool:
     """Whether an ``unstash`` brings back a kept forward's graph (what its stash sent is a ``forward(keep=True)``)."""
     stash = node.args[0]
     value = stash.args[0] if isinstance(stash, torch.fx.Node) and stash.args else None
-    return isinstance(value, torch.fx.Node) and value.target is ops.forward and bool(value.kwargs.get("keep"))
+    op = ops.op_of(value) if isinstance(value, torch.fx.Node) else None
+    return op is not None and op.runs_forward and bool(value.kwargs.get("keep"))

@@ -221,13 +221,19 @@ def rewrite(graph, plan, world: int, fp32: bool = True):
             n._rename(f"rs{pack}")
     last = {}
     for n in calls(graph):
-        if n.target is partitioned.gather:
+        if _gathers(n):
             last[n.args[0]] = n
-        elif n.target is ops.step and n.args[0] in last:
+        elif ops.op_of(n).steps and n.args[0] in last:
             g = last.pop(n.args[0])
             if g.kwargs.get("carried"):
                 g.kwargs = {**g.kwargs, "reads": "state" if fp32 else "file"}
     return graph
+
+
+def _gathers(node) -> bool:
+    """Whether ``node`` brings its pack's weights from every rank's chunks (a ``gather``)."""
+    op = ops.op_of(node)
+    return op.fetches and op.partitioned
 
 
 def _check_same_collectives(graph) -> None:
@@ -238,7 +244,7 @@ def _check_same_collectives(graph) -> None:
         return
     from harmony.passes.compress import check_same_plan
     check_same_plan(repr([(n.target.__name__, n.args[0], bool(n.kwargs.get("carried"))) for n in calls(graph)
-                          if n.target in (partitioned.gather, partitioned.reduce_scatter)]),
+                          if ops.op_of(n).partitioned]),
                     what="order of gathers and reduce-scatters (shard_state='full')",
                     advice="every rank must plan the same packs and swaps, since each gather is a collective: give "
                            "every rank the same memory_budget and host_memory_budget")
@@ -248,7 +254,7 @@ def _rows(program, owned) -> list[dict]:
     plan = program.plan
     gathers = {}
     for n in calls(program.schedule):
-        if n.target is partitioned.gather:
+        if _gathers(n):
             gathers[n.args[0]] = gathers.get(n.args[0], 0) + 1
     rows = []
     for p in sorted(owned):
@@ -270,8 +276,8 @@ def _totals(program, owned) -> dict:
     whole = sum(4 * s.elements(-1) for s in shares)
     wire = {"gather": 0, "reduce_scatter": 0}
     for n in calls(program.schedule):
-        s = plan.at(n.args[0]).shares if n.target in (partitioned.gather, partitioned.reduce_scatter) else None
-        if n.target is partitioned.gather:
+        s = plan.at(n.args[0]).shares if ops.op_of(n).partitioned else None
+        if _gathers(n):
             held = n.kwargs.get("held", n.args[2] if len(n.args) > 2 else ())
             wire["gather"] += partitioned.gather_bytes(plan, n.args[0], held)
         elif s is not None:
@@ -293,7 +299,7 @@ def _disk_bytes(program, owned) -> tuple[int, int]:
     but for one that takes the copy the pack's last step carried (``carried``, not the last one:
     runtime/partitioned_carry.py)."""
     plan = program.plan
-    gathers = [n.args[0] for n in calls(program.schedule) if n.target is partitioned.gather
+    gathers = [n.args[0] for n in calls(program.schedule) if _gathers(n)
                and (not n.kwargs.get("carried") or n.kwargs.get("reads") == "file")]
     read = written = 0
     for p in owned:

@@ -492,5 +492,5 @@ def _explain(e: OSError, what: str, where, nbytes: int) -> str:
 
 def step_order(graph) -> list[int]:
     """Packs in the order the schedule steps them (the ``step`` ops' order)."""
-    from harmony.runtime import ops
-    return [n.args[0] for n in graph.nodes if n.op == "call_function" and n.target is ops.step]
+    from harmony.runtime.ops import ops_of
+    return [n.args[0] for n, op in ops_of(graph.nodes) if op.steps]

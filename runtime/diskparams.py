@@ -129,14 +129,14 @@ class DiskParams(WholeGroups):
         ``fill(params)``: makes the weights of a model built without them (driver/materialize.py), called for each
         group before it is written, so that the host holds one group of them at a time."""
         from harmony.runtime.disk import DiskStore, step_order
+        from harmony.runtime.ops import ops_of
         records = _records(plan)
         if not records:
             return None
         self = cls(DiskStore(offload_dir, **io), {p: r.disk_groups for p, r in records.items()}, tensors, optimizers,
                    step_order(graph), meter, device,
                    in_memory={p: list(r.in_memory) for p, r in records.items() if r.in_memory})
-        releases = [n for n in graph.nodes if n.op == "call_function" and n.target.__name__ == "release"
-                    and n.args[1] == "params"]
+        releases = [n for n, op in ops_of(graph.nodes) if op.releases and n.args[1] == "params"]
         self.handed = {n.args[0] for n in releases if n.kwargs.get("handoff")}
         self.carry = {n.args[0] for n in releases if n.kwargs.get("handoff") and n.kwargs.get("carry")}
         try:

@@ -9,7 +9,7 @@ import torch
 import torch.fx
 
 from harmony.runtime.memory import AllocatorMeter, CountAllocations, MemoryMeter
-from harmony.runtime.ops import allreduce, op_of, resident_state, step
+from harmony.runtime.ops import op_of, ops_of, resident_state
 from harmony.runtime.pipeline import norm_exchange
 from harmony.runtime.plan import Plan
 from harmony.runtime.precision import GradClip, LossScaler, StepGate, compute_dtype
@@ -61,7 +61,7 @@ def run_graph(rt, graph: torch.fx.Graph, free_after: dict, txn: Transaction) -> 
         start = time.perf_counter() - t0
         cpu = time.thread_time() if emulated else 0.0      # a system call: only where an op is stretched
         peak, meter.peak = meter.peak, meter.live
-        if node.target is step and not (getattr(rt, "gate", None) is not None and node.kwargs.get("where") == "host"):
+        if op.steps and not (getattr(rt, "gate", None) is not None and node.kwargs.get("where") == "host"):
             txn.stepping(node.args[0])     # a deferred host update counts when the gate runs it
         env[node] = op.execute(rt, *args, **kwargs)
         if emulated and op.kind == "compute" and kwargs.get("where", "device") != "host":
@@ -145,8 +145,7 @@ class Runtime:
         name = f"{self.device.type}:logical" if self.device.type == "cpu" else str(self.device)
         self.meter = AllocatorMeter(name, budget, self.device) if accounting == "allocator" else \
             MemoryMeter(name, budget)
-        reduces = any(n.op == "call_function" and n.target.__name__ in (allreduce.__name__, "reduce_scatter")
-                      for n in graph.nodes)
+        reduces = any(op.reduces for _, op in ops_of(graph.nodes))
         self.state = TieredState(tensors, optimizers, self.meter, self.device, idle_host=not reduces)
         self.compute_dtype = compute_dtype(getattr(plan, "precision", "fp32"))   # None: fp32, no casts
         self.state.compute_dtype = self.compute_dtype
@@ -165,7 +164,7 @@ class Runtime:
         self.losses: list[torch.Tensor] = []
         self.batch: dict[str, torch.Tensor] = {}
         self.events: list[TraceEvent] = []
-        self.step_packs = [n.args[0] for n in graph.nodes if n.op == "call_function" and n.target is step]
+        self.step_packs = [n.args[0] for n, op in ops_of(graph.nodes) if op.steps]
         self.transaction: Transaction | None = None    # the last step's (runtime/transaction.py)
         self.torn: dict | None = None    # a failed step that updated some packs only: what it updated
         for what, names in resident_state(plan):
@@ -225,7 +224,7 @@ class Runtime:
         (a batch of another shape, driver/shapes.py), over this runtime's state as it is."""
         saved = self.plan, self.graph, self.free_after, self.step_packs
         self.plan, self.graph, self.free_after = plan, graph, last_uses(graph)
-        self.step_packs = [n.args[0] for n in graph.nodes if n.op == "call_function" and n.target is step]
+        self.step_packs = [n.args[0] for n, op in ops_of(graph.nodes) if op.steps]
         try:
             yield
         finally:

@@ -16,17 +16,20 @@ moves and the device's memory after it (a 2-layer GPT at 80% of its state, 4 mic
 
 This module is the table, the stubs and the values ops pass; the ops' implementations and their
 ``register`` calls live beside the runtime code they drive: ``ops_move`` (swap_in, wait, release,
-load_batch, stash, unstash), ``ops_compute`` (forward, backward), ``ops_step`` (step), ``ops_comm`` (allreduce) and
-``shard`` (sync_state). Adding an op is one stub and one ``register`` call: its ``OpDef`` holds everything
-the runtime, the verifier (what it needs resident), the simulator (its stream, state copies, disk I/O),
-the passes and the drawings (colour, label) use. ``harmony.runtime`` registers every op when it is imported.
+load_batch, stash, unstash), ``ops_compute`` (forward, backward), ``ops_step`` (step), ``ops_comm`` (allreduce),
+``partitioned`` (gather, reduce_scatter), ``pipeline`` (send, recv, ...) and ``shard`` (sync_state). Adding an op is
+one stub and one ``register`` call: its ``OpDef`` holds everything the runtime, the verifier (what it needs
+resident), the simulator (its stream, state copies, disk I/O), the passes and the drawings (colour, label) use,
+and what it does (``fetches``, ``steps``, ``releases``, ...), which every module asks of the op
+(``op_of(node).steps``) rather than of its name. ``harmony.runtime`` registers every op when it is imported.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
+import torch.fx
 
 from harmony.runtime.compression import DEFAULT_MIN_SIZE
 
@@ -126,16 +129,9 @@ class MemoryModel:
     def carry_in(self, graph) -> None:
         """The weights the last step left on the device for this one (``swap_in(..., carried=True)``): live from
         the start, held until the forward that takes them releases them; nothing moves."""
-        fetches = (swap_in, _gather())
-        for n in graph.nodes:
-            if n.op == "call_function" and n.target in fetches and n.kwargs.get("carried"):
+        for n, op in ops_of(graph.nodes):
+            if op.fetches and n.kwargs.get("carried"):
                 self.hold("params", carried_names(self.plan, n.args[0]), moves=False)
-
-
-def _gather():
-    """``partitioned.gather`` (a partitioned pack's swap_in), imported late: runtime/partitioned.py registers ops."""
-    from harmony.runtime.partitioned import gather
-    return gather
 
 
 def _needs_nothing(kwargs) -> tuple:
@@ -169,6 +165,31 @@ class OpDef:
     disk_io: Callable | None = None    # (plan, node, hw) -> {"read": s, "write": s} of disk I/O around it
     colour: str = ""                   # fill in drawings ("": its kind's)
     label: Callable = label_args      # (args, kwargs) -> the second line of its label in drawings
+    # What it does, as the simulator, executor, passes, shape cache and reports ask (``op_of(node).steps``), never
+    # by its name: an op is each of these it declares, and none it does not.
+    fetches: bool = False        # brings its pack's state of one kind (args (pack, kind)) onto the device: swap_in,
+                                 # gather. It reads what the last release of that state wrote back, and the weights
+                                 # a host step updates (the thread issuing it waits for that step)
+    releases: bool = False       # takes its pack's state of one kind off the device, writing back what changed
+    steps: bool = False          # an optimizer step of its pack (args[0]): its gradients taken, weights and state
+                                 # changed; the schedule's step ops give the order packs step in
+    runs_forward: bool = False   # runs its pack (args (pack, mb)) forward on a microbatch
+    runs_backward: bool = False  # runs its pack backward on a microbatch: makes the pack's gradients
+    loads_batch: bool = False    # copies a microbatch's inputs onto the device
+    stashes: bool = False        # sends a value to the host; a kept forward's graph going out passes the forward's
+                                 # outputs on at once (its readers do not wait for the copy)
+    unstashes: bool = False      # brings a stashed value back: it waits for the whole copy out, not the outputs
+    joins: bool = False          # waits for a copy in flight (its argument's handle) on the compute stream
+    copy_thread: bool = False    # its copies run on the runtime's copy thread, not the thread issuing ops: where
+                                 # copies block compute (``sync_copies``) the compute stream goes on meanwhile
+    disk_read_ahead: bool = False   # its disk read (``disk_io``) starts ahead, once the step before its pack's in
+                                    # step order has started; otherwise when the op is ready
+    sends: bool = False          # sends values to a peer rank (kwargs ``dst``, ``tag``)
+    receives: bool = False       # receives values from a peer rank (kwargs ``src``, ``tag``): done once the peer's
+                                 # matching send is
+    reduces: bool = False        # reduces gradients over the data-parallel ranks, on the host thread (which then
+                                 # may not idle: the other ranks wait for it)
+    partitioned: bool = False    # works on its pack's partitioned share (``shard_state="full"``): each rank's chunks
 
     @property
     def name(self) -> str:
@@ -198,8 +219,17 @@ def register(stub, execute, effect, cost, kind, **more) -> OpDef:
     return op
 
 
-def op_of(node) -> OpDef:
-    return OPS[node.target]
+def op_of(node) -> OpDef | None:
+    """The table entry of the op ``node`` calls; None for a node that calls none (a placeholder, the output). A
+    schedule calls only registered ops: a call of any other function is a KeyError."""
+    return OPS[node.target] if node.op == "call_function" else None
+
+
+def ops_of(nodes) -> Iterator[tuple[torch.fx.Node, OpDef]]:
+    """(node, its op) for each of ``nodes`` that calls an op (a graph's ``nodes``, a node's ``users``)."""
+    for n in nodes:
+        if n.op == "call_function":
+            yield n, OPS[n.target]
 
 
 def op_named(name: str) -> OpDef | None:

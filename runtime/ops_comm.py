@@ -92,4 +92,4 @@ def _allreduce_cost(plan, hw, pack, kind="none", *, world=1, bits=4, **kw):
 
 
 register(allreduce, _allreduce_execute, _allreduce_effect, _allreduce_cost, "copy",
-         needs=lambda kw: () if kw.get("where") == "host" else ("grads",), colour="#fc9272")
+         needs=lambda kw: () if kw.get("where") == "host" else ("grads",), colour="#fc9272", reduces=True)

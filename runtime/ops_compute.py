@@ -241,6 +241,6 @@ def _pack_mb(args, kwargs) -> str:
 
 
 register(forward, _forward_execute, _forward_effect, _forward_cost, "compute", needs=lambda kw: ("params",),
-         colour="#9ecae1", label=_pack_mb)
+         colour="#9ecae1", label=_pack_mb, runs_forward=True)
 register(backward, _backward_execute, _backward_effect, _backward_cost, "compute",
-         needs=lambda kw: ("params", "grads"), colour="#6baed6", label=_pack_mb)
+         needs=lambda kw: ("params", "grads"), colour="#6baed6", label=_pack_mb, runs_backward=True)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import torch
+import torch.fx
 
 from harmony.base.units import nbytes
 from harmony.runtime.ops import (
@@ -12,14 +13,13 @@ from harmony.runtime.ops import (
     _short,
     arrived,
     carried_names,
-    forward,
     label_args,
     load_batch,
     moving_names,
+    op_of,
     register,
     release,
     stash,
-    step,
     swap_in,
     unstash,
     wait,
@@ -226,32 +226,47 @@ def _stash_cost(plan, hw, value):
 
 
 # -- what the simulator and drawings need besides ------------------------------------------------
-def disk_io(plan, node, hw) -> dict:
-    """Seconds a ``swap_in`` or ``step`` reads from and writes to disk (runtime/disk.py, runtime/diskparams.py).
-
-    A ``swap_in`` of a wholly-disk pack's weights reads them (unless the last step left them on the device:
-    ``carried``); the step of a wholly-disk pack reads and writes its files (weights and optimizer state), that
-    of a pack with optimizer state alone on disk reads and writes that state. Files kept in host memory
-    (``Residency.in_memory``) are neither read nor written.
-    """
+# Seconds an op reads from and writes to disk around it (runtime/disk.py, runtime/diskparams.py, its ``disk_io``).
+# Files kept in host memory (``Residency.in_memory``) are neither read nor written.
+def swap_in_disk_io(plan, node, hw) -> dict:
+    """A ``swap_in`` of a wholly-disk pack's weights reads them, unless the last step left them on the device
+    (``carried``)."""
     pack = node.args[0]
-    spec = plan.packs[pack]
     record = plan.at(pack)
+    read = 0
+    if node.args[1] == "params" and record.master_on == "disk" and not node.kwargs.get("carried"):
+        read = plan.packs[pack].param_bytes * (1 - record.in_memory_share)
+    return _disk_seconds(hw, read, 0)
+
+
+def step_disk_io(plan, node, hw) -> dict:
+    """The step of a wholly-disk pack reads and writes its files (weights and optimizer state), that of a pack with
+    optimizer state alone on disk reads and writes that state."""
+    pack = node.args[0]
+    spec, record = plan.packs[pack], plan.at(pack)
     whole, optim = record.master_on == "disk", record.optim_on == "disk"
-    read = written = 0
-    on_disk = 1 - record.in_memory_share
-    if node.target is swap_in and node.args[1] == "params" and whole and not node.kwargs.get("carried"):
-        read = spec.param_bytes * on_disk
-    elif node.target is step and (whole or optim):
-        # partitioned (runtime/partitioned_disk.py): the record counts this rank's share, its weights as master_bytes
-        weights = spec.master_bytes if record.shares is not None else spec.param_bytes
-        written = (spec.optim_bytes + (weights if whole else 0)) * on_disk
-        read = written if record.shares is None else spec.optim_bytes   # a gather reads the chunks (below)
-    elif whole and record.shares is not None and node.args[1:2] == ("params",) and node.target.__name__ == "gather":
-        # a gather of a partitioned pack on disk reads this rank's chunks; one that takes the copy its last step
-        # carried reads none, unless the step reads its whole file there (``reads``: runtime/partitioned.py)
+    if not (whole or optim):
+        return _disk_seconds(hw, 0, 0)
+    # partitioned (runtime/partitioned_disk.py): the record counts this rank's share, its weights as master_bytes
+    weights = spec.master_bytes if record.shares is not None else spec.param_bytes
+    written = (spec.optim_bytes + (weights if whole else 0)) * (1 - record.in_memory_share)
+    read = written if record.shares is None else spec.optim_bytes   # a gather reads the chunks (below)
+    return _disk_seconds(hw, read, written)
+
+
+def gather_disk_io(plan, node, hw) -> dict:
+    """A ``gather`` of a partitioned pack on disk reads this rank's chunks; one that takes the copy its last step
+    carried reads none, unless the step reads its whole file there (``reads``: runtime/partitioned.py)."""
+    pack = node.args[0]
+    record = plan.at(pack)
+    read = 0
+    if record.master_on == "disk" and record.shares is not None and node.args[1:2] == ("params",):
         carried = node.kwargs.get("carried") and node.kwargs.get("reads") != "file"
-        read = 0 if carried else spec.master_bytes
+        read = 0 if carried else plan.packs[pack].master_bytes
+    return _disk_seconds(hw, read, 0)
+
+
+def _disk_seconds(hw, read, written) -> dict:
     rbw = getattr(hw, "disk_read_bandwidth", 0) or 1e30
     wbw = getattr(hw, "disk_write_bandwidth", 0) or 1e30
     return {"read": read / rbw, "write": written / wbw}
@@ -266,22 +281,25 @@ def _batch_label(args, kwargs) -> str:
 
 
 # colours: compute blues, state copies orange, activation copies purple, sync grey, optimizer green, network reds
-register(swap_in, _swap_in_execute, swap_in_effect, _swap_in_cost, "copy", state_copy=True, disk_io=disk_io,
-         colour="#fdae6b", label=pack_what)
-register(wait, _wait_execute, _no_effect, _free, "sync", colour="#d9d9d9")
+register(swap_in, _swap_in_execute, swap_in_effect, _swap_in_cost, "copy", state_copy=True,
+         disk_io=swap_in_disk_io, colour="#fdae6b", label=pack_what, fetches=True, copy_thread=True)
+register(wait, _wait_execute, _no_effect, _free, "sync", colour="#d9d9d9", joins=True)
 register(release, _release_execute, _release_effect, _release_cost, "copy", state_copy=True, colour="#fdd0a2",
-         label=pack_what)
+         label=pack_what, releases=True)
 register(load_batch, _load_batch_execute, _load_batch_effect, _load_batch_cost, "copy", colour="#fee6ce",
-         label=_batch_label)
+         label=_batch_label, loads_batch=True)
 def _graph_label(args, kwargs) -> str:
     """A kept forward's graph says so, with its pack and microbatch; any other value is named."""
     value = args[0] if args else None
     if getattr(value, "target", None) is stash:     # an unstash's value: what its stash sent
         value = value.args[0]
-    if getattr(value, "target", None) is forward and value.kwargs.get("keep"):
+    op = op_of(value) if isinstance(value, torch.fx.Node) else None
+    if op is not None and op.runs_forward and value.kwargs.get("keep"):
         return f"graph of pack {value.args[0]} · mb {value.args[1]}"
     return label_args(args, kwargs)
 
 
-register(stash, _stash_execute, _stash_effect, _stash_cost, "copy", colour="#bcbddc", label=_graph_label)
-register(unstash, _unstash_execute, _unstash_effect, _stash_cost, "copy", colour="#9e9ac8", label=_graph_label)
+register(stash, _stash_execute, _stash_effect, _stash_cost, "copy", colour="#bcbddc", label=_graph_label,
+         stashes=True)
+register(unstash, _unstash_execute, _unstash_effect, _stash_cost, "copy", colour="#9e9ac8", label=_graph_label,
+         unstashes=True, copy_thread=True)

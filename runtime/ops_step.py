@@ -10,7 +10,7 @@ import torch
 from harmony.base.units import nbytes
 from harmony.runtime.ops import register, step
 from harmony.runtime.ops_compute import kernels_cost, ondemand_seconds, pack_compute_cost
-from harmony.runtime.ops_move import disk_io
+from harmony.runtime.ops_move import step_disk_io
 from harmony.runtime.partitioned import share_params
 from harmony.runtime.placeholders import point
 from harmony.runtime.plan import step_traffic
@@ -302,5 +302,5 @@ def _step_label(args, kwargs) -> str:
             + (" · overlapped" if kwargs.get("overlap") else "")) if args else ""
 
 
-register(step, _step_execute, _step_effect, _step_cost, "compute", needs=_step_needs, disk_io=disk_io,
-         colour="#a1d99b", label=_step_label)
+register(step, _step_execute, _step_effect, _step_cost, "compute", needs=_step_needs, disk_io=step_disk_io,
+         disk_read_ahead=True, colour="#a1d99b", label=_step_label, steps=True)

@@ -50,7 +50,7 @@ import torch
 from harmony.base.errors import HarmonyError
 from harmony.base.units import nbytes
 from harmony.runtime.ops import moving_names, register
-from harmony.runtime.ops_move import disk_io, pack_what, swap_in_effect
+from harmony.runtime.ops_move import gather_disk_io, pack_what, swap_in_effect
 from harmony.runtime.partitioned_carry import Carry
 from harmony.runtime.partitioned_layout import ALIGN, PREFIX, PackShares, Piece, Segment, layout  # noqa: F401
 from harmony.runtime.partitioned_reduce import (
@@ -432,9 +432,9 @@ def _reduce_scatter_cost(plan, hw, pack, *, world=1, weight=None, comm=None):
 
 
 register(gather, _gather_execute, _gather_effect, _gather_cost, "copy", colour="#fb6a4a", label=pack_what,
-         disk_io=disk_io)
+         disk_io=gather_disk_io, disk_read_ahead=True, fetches=True, copy_thread=True, partitioned=True)
 register(reduce_scatter, _reduce_scatter_execute, _reduce_scatter_effect, _reduce_scatter_cost, "copy",
-         colour="#ef3b2c")
+         colour="#ef3b2c", reduces=True, partitioned=True)
 
 
 # -- what a step measured ----------------------------------------------------------------------------

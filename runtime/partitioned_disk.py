@@ -42,14 +42,12 @@ def state_only(graph) -> set[int]:
     """Packs whose last gather before their step takes the copy the last step carried and reads the optimizer state
     alone (``gather(..., carried=True, reads="state")``, passes/shard.py): every read ahead of their step's file
     leaves the chunks out."""
-    from harmony.runtime import ops
+    from harmony.runtime.ops import ops_of
     last, out = {}, set()
-    for n in graph.nodes:
-        if n.op != "call_function":
-            continue
-        if n.target.__name__ == "gather" and n.args[1:2] == ("params",):
+    for n, op in ops_of(graph.nodes):
+        if op.fetches and op.partitioned and n.args[1:2] == ("params",):     # a gather
             last[n.args[0]] = n
-        elif n.target is ops.step and n.args[0] in last:
+        elif op.steps and n.args[0] in last:
             if last.pop(n.args[0]).kwargs.get("reads") == "state":
                 out.add(n.args[0])
     return out
@@ -121,11 +119,11 @@ class ShareTier(DiskTier):
         """Whether this gather of ``pack`` is the last before its step in ``graph`` (counted since that step)."""
         with self._lock:
             if graph is not self._graph:      # another schedule (an evaluation, another batch shape): count anew
-                from harmony.runtime import ops
-                nodes = [n for n in graph.nodes if n.op == "call_function"]
-                steps = {n.args[0]: i for i, n in enumerate(nodes) if n.target is ops.step}
+                from harmony.runtime.ops import ops_of
+                nodes = list(ops_of(graph.nodes))
+                steps = {n.args[0]: i for i, (n, op) in enumerate(nodes) if op.steps}
                 self._graph, self._gathers = graph, {}
-                self._expect = {p: sum(n.target.__name__ == "gather" and n.args[0] == p for n in nodes[:i])
+                self._expect = {p: sum(op.fetches and op.partitioned and n.args[0] == p for n, op in nodes[:i])
                                 for p, i in steps.items()}
             count = self._gathers[pack] = self._gathers.get(pack, 0) + 1
             return count == self._expect.get(pack)

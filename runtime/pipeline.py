@@ -182,8 +182,8 @@ def _label(args, kwargs) -> str:
     return f"mb {mb} {'grads' if kwargs.get('grads') else 'acts'} {peer}"
 
 
-register(recv, _recv_execute, _recv_effect, _p2p_cost, "copy", colour="#ef3b2c", label=_label)
-register(send, _send_execute, _send_effect, _p2p_cost, "copy", colour="#fb6a4a", label=_label)
+register(recv, _recv_execute, _recv_effect, _p2p_cost, "copy", colour="#ef3b2c", label=_label, receives=True)
+register(send, _send_execute, _send_effect, _p2p_cost, "copy", colour="#fb6a4a", label=_label, sends=True)
 register(share_loss, _share_loss_execute, _none, _share_loss_cost, "sync", colour="#fcbba1",
          label=lambda args, kwargs: f"loss from rank {args[0]}")
 register(share_norms, _share_norms_execute, _none, lambda plan, hw: _share_loss_cost(plan, hw, 0), "sync",

@@ -45,6 +45,12 @@ at a time. An op starts when its stream is free and:
   ``swap_in`` or an ``unstash`` (copies in, on the copy thread) holds the compute stream
   until it is done.
 
+Each rule reads what the op does from its table entry (runtime/ops.py's ``OpDef``: ``fetches``,
+``releases``, ``steps``, ``stashes``, ``copy_thread``, ...), never its name: a ``gather`` is timed
+as a fetch because its entry says it is one, as is any new op declared one. Stream names
+(``compute``, ``h2d``, ``d2h``, ``disk``, ``network``, ``host``) are strings; where state lives
+(a step's ``where=``) is a ``Tier``.
+
 A ``swap_in`` or ``release`` moves only the state that is not already where it goes,
 as the op's ``effect`` says: a release of clean parameters drops them (no copy), a
 swap_in of gradients not yet made fetches nothing. ``Simulation.moved`` adds up the
@@ -69,8 +75,9 @@ from dataclasses import dataclass, field
 
 import torch.fx
 
+from harmony.base.tiers import Tier
 from harmony.runtime.executor import TraceEvent
-from harmony.runtime.ops import MemoryModel, moving_names, op_of, resident_state
+from harmony.runtime.ops import MemoryModel, moving_names, op_of, ops_of, resident_state
 from harmony.runtime.ops_step import device_part_cost, streamed_optim_bytes
 from harmony.runtime.plan import Plan
 
@@ -175,7 +182,7 @@ class Replay:
     def __init__(self, graph, plan, dev, label: str, memory=None, sizes=None, peers=None):
         self.plan, self.dev, self.memory, self.sizes, self.peers = plan, dev, memory, sizes, peers
         self.nodes = [n for n in graph.nodes if n.op == "call_function"]
-        steps = [n.args[0] for n in self.nodes if n.target.__name__ == "step"]
+        steps = [n.args[0] for n, op in ops_of(self.nodes) if op.steps]
         self.clock = _Clock(plan, dev, label, steps, peers)
         self.done: dict[torch.fx.Node, float] = {}   # when each op's result is ready
         self.through: dict[torch.fx.Node, float] = {}   # a graph's stash: when the values it passes on are ready
@@ -204,7 +211,7 @@ class Replay:
         """Replay the next op: its cost, its effect, and when it runs."""
         i, node = self.i, self.nodes[self.i]
         clock, dev, done, model, values = self.clock, self.dev, self.done, self.model, self.values
-        op, name = op_of(node), node.target.__name__
+        op = op_of(node)
         args = torch.fx.node.map_arg(node.args, values.__getitem__)
         kwargs = torch.fx.node.map_arg(node.kwargs, values.__getitem__)
         stream, seconds = op.cost(self.plan, dev, *args, **kwargs)
@@ -215,32 +222,32 @@ class Replay:
                                     self.sizes)
         if stream in clock.moved:
             clock.moved[stream] += round(seconds * (dev.h2d_bandwidth if stream == "h2d" else dev.d2h_bandwidth))
-        if name == "step" and node.kwargs.get("stream") and node.kwargs.get("where", "device") == "device":
+        if op.steps and node.kwargs.get("stream") and node.kwargs.get("where", Tier.DEVICE) == Tier.DEVICE:
             optim = streamed_optim_bytes(self.plan, node.args[0])
             clock.moved["h2d"] += optim
             clock.moved["d2h"] += optim
-        ready = max((self.through.get(n, done[n]) if name != "unstash" else done[n] for n in node.all_input_nodes),
+        ready = max((done[n] if op.unstashes else self.through.get(n, done[n]) for n in node.all_input_nodes),
                     default=0.0)
-        if name == "stash" and values[node].away:
+        if op.stashes and values[node].away:
             # a kept forward's graph going to the host: the forward's outputs stay on the device, and the ops that
             # read them (not its unstash) need not wait for the copy
             self.through[node] = ready
         if stream == "compute" and self.memory_index is not None and node in self.memory_index:
             ready = max(ready, clock.room_for(self.memory_peak - self.memory.peak_at[self.memory_index[node]], ready))
-        if name in ("swap_in", "gather") and node.args[1] == "params" and node.args[0] in clock.host_steps:
+        if op.fetches and node.args[1] == "params" and node.args[0] in clock.host_steps:
             # the runtime waits for the host's update of these weights before it copies them,
             # on the thread that issues the copy: the compute stream stalls until then
             settled = clock.host_steps.pop(node.args[0])
             clock.free["compute"] = max(clock.free["compute"], settled)
             ready = max(ready, settled)
-        if self.peers is not None and name == "recv":    # its data arrive when the peer's send is done
+        if self.peers is not None and op.receives:    # its data arrive when the peer's send is done
             ready, seconds = max(ready, self.peers.arrival(node)), 0.0
         if self.on_demand is not None and op.kind == "compute":
             clock.fetch(self.on_demand, i, node, ready)
         ev = clock.wait(node, op, ready) if stream == "sync" else clock.issue(node, op, stream, seconds, ready)
-        if name == "release":
+        if op.releases:
             clock.written_back[tuple(node.args[:2])] = ev.end
-        if self.peers is not None and name == "send":
+        if self.peers is not None and op.sends:
             self.peers.sent(node, ev.end)
         done[node] = ev.end
         self.op_events.append(ev)
@@ -328,14 +335,14 @@ class _Clock:
 
     def issue(self, node, op, stream: str, seconds: float, ready: float) -> SimEvent:
         """An op on its stream, once its inputs are ``ready`` and what it depends on besides is done."""
-        name, dev, free = node.target.__name__, self.dev, self.free
+        dev, free = self.dev, self.free
         if stream == "compute":
             seconds *= dev.speed_factor
         if stream in READS_DEVICE:
             ready = max(ready, free["compute"])
-        if name in ("swap_in", "gather"):
+        if op.fetches:
             ready = max(ready, self.written_back.get(tuple(node.args[:2]), 0.0))
-        if name == "step" and stream == "host":   # it updates the host copies the releases wrote
+        if op.steps and stream == "host":   # it updates the host copies the releases wrote
             first = device_part_cost(self.plan, dev, node.args[0]) * dev.speed_factor
             if first:      # its parameters stepping on the device go first, on the thread that issues it
                 free["compute"] = self.run("compute", max(ready, free["compute"]), first, f"{node.name}.device",
@@ -344,7 +351,7 @@ class _Clock:
                                                     if p == node.args[0]])
         disk = op.disk_io(self.plan, node, dev) if op.disk_io is not None else NO_DISK
         if disk["read"]:               # the read from disk comes first: weights for the device, a step's files
-            start = max(free["disk"], ready if name == "swap_in" else self.disk_after.get(node.args[0], 0.0))
+            start = max(free["disk"], self.disk_after.get(node.args[0], 0.0) if op.disk_read_ahead else ready)
             ready = max(ready, self.run("disk", start, disk["read"], f"{node.name}.read", "disk").end)
         sync = getattr(dev, "sync_copies", False) and op.kind == "copy"
         if sync:                       # issued once the compute before it is done
@@ -352,15 +359,15 @@ class _Clock:
         ev = self.run(stream, max(free.get(stream, 0.0), ready), seconds, node.name, op.kind)
         if stream == "d2h" and seconds:     # (its device bytes, for ``room_for``)
             self.landing.append((ev.end, round(seconds * dev.d2h_bandwidth)))
-        if sync and name not in ("swap_in", "gather", "unstash"):      # a copy the issuing thread makes itself
+        if sync and not op.copy_thread:      # a copy the issuing thread makes itself
             free["compute"] = ev.end
-        if name == "step" and stream == "host":
+        if op.steps and stream == "host":
             self.host_steps[node.args[0]] = ev.end
-            if node.kwargs.get("where") == "disk":   # a disk pack steps inline, group by group
+            if node.kwargs.get("where") == Tier.DISK:   # a disk pack steps inline, group by group
                 free["compute"] = max(free["compute"], ev.end)
         if disk["write"]:              # written back once stepped; the next pack's read may start meanwhile
             self.run("disk", max(free["disk"], ev.end), disk["write"], f"{node.name}.write", "disk")
-        if name == "step" and disk["read"]:
+        if op.steps and disk["read"]:
             i = self.step_order.index(node.args[0])
             self.disk_after.update({p: ev.start for p in self.step_order[i + 1:i + 2]})
         return ev
@@ -412,8 +419,8 @@ class _OnDemand:
 
     def touch(self, i, node) -> tuple[int, int]:
         """Bytes fetched and written back before op ``i`` runs; updates residency to after it."""
-        name, pack = node.target.__name__, node.args[0]
-        kinds = list(op_of(node).needs(node.kwargs))         # (a step on host copies touches nothing here)
+        op, pack = op_of(node), node.args[0]
+        kinds = list(op.needs(node.kwargs))                  # (a step on host copies touches nothing here)
         exists = {"params": True, "grads": pack in self.grads, "optim": pack in self.optim}
         fetch = [k for k in kinds if exists[k] and (pack, k) not in self.lru]
         # gradients a first backward makes, and optimizer state a first step makes, are new bytes too
@@ -433,9 +440,9 @@ class _OnDemand:
         for k in kinds:
             self.lru[(pack, k)] = self.size(pack, k)
             self.lru.move_to_end((pack, k))
-        if name == "backward":
+        if op.runs_backward:                                 # it makes the pack's gradients
             self.grads.add(pack)
-        if name == "step":                                   # gradients are freed; weights and state changed
+        if op.steps:                                         # gradients are freed; weights and state changed
             self.grads.discard(pack)
             self.lru.pop((pack, "grads"), None)
             self.optim.add(pack)

@@ -32,6 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from harmony.base.errors import ConfigError
+from harmony.runtime.ops import op_of
 from harmony.runtime.simulate import OnHost, Replay, SimEvent, Simulation, fmt_seconds
 
 MiB = 2**20
@@ -148,7 +149,7 @@ class _Port:
 
     def waiting(self, node) -> bool:
         """Whether ``node`` is a recv whose send the peer has not replayed yet."""
-        return node.target.__name__ == "recv" and self.key_of_recv(node) not in self.links.arrivals
+        return op_of(node).receives and self.key_of_recv(node) not in self.links.arrivals
 
     def arrival(self, node) -> float:
         return self.links.arrivals[self.key_of_recv(node)]

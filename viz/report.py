@@ -24,6 +24,7 @@ import textwrap
 
 from harmony.base.errors import ConfigError
 from harmony.base.units import fmt_bytes, nbytes
+from harmony.runtime.ops import ops_of
 from harmony.runtime.plan import STATE_KINDS
 from harmony.runtime.precision import device_bytes
 
@@ -219,10 +220,9 @@ def _packs(program) -> list[dict]:
         if held:
             resident.setdefault(s.index, []).append(f"optim ({held}/{len(s.stepped)} params)")
     numel = {n: p.numel() for n, p in program.gm.named_parameters()}
-    recomputes = set()          # packs whose backward recomputes the forward (the swap pass keeps the others' graphs)
-    for n in (program.schedule.nodes if program.schedule is not None else ()):
-        if n.op == "call_function" and n.target.__name__ == "backward" and n.kwargs.get("saved") is None:
-            recomputes.add(n.args[0])
+    # packs whose backward recomputes the forward (the swap pass keeps the others' graphs)
+    recomputes = {n.args[0] for n, op in ops_of(program.schedule.nodes if program.schedule is not None else ())
+                  if op.runs_backward and n.kwargs.get("saved") is None}
     return [dict(pack=s.index, name=s.name, params=sum(numel.get(n, 0) for n in s.params),
                  param_bytes=s.param_bytes, saved_bytes=s.saved_bytes,
                  fwd_GFLOP=s.fwd_flops / 1e9, bwd_GFLOP=s.bwd_flops / 1e9, recompute=s.index in recomputes,

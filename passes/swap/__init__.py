@@ -184,7 +184,7 @@ def run(program: Program, ctx) -> PassResult:
     fits = _Fits(program, base, groups, sizes)
 
     curve = fits(chosen)
-    inline = [n for n in calls(base) if n.target is ops.step and n.kwargs.get("overlap")]
+    inline = [n for n in calls(base) if ops.op_of(n).steps and n.kwargs.get("overlap")]
     if curve.peak > budget and inline:   # a disk step overlapping the next backward holds its gradients that long
         for n in inline:
             n.kwargs = {**n.kwargs, "overlap": False}

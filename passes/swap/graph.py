@@ -14,10 +14,12 @@ import torch.fx
 from harmony.compiler.ir import add_call, calls, copy_graph
 from harmony.compiler.meta import SCHEDULE
 from harmony.runtime import ops
-from harmony.runtime.pipeline import recv
 from harmony.runtime.plan import step_extra
 
-COMPUTE = (ops.forward, ops.backward, ops.step)       # the ops a memory curve's peaks are read at
+
+def computes(node) -> bool:
+    """Whether ``node`` is a compute op (forward, backward, step): where a memory curve's peaks are read."""
+    return ops.op_of(node).kind == "compute"
 
 
 class Choice(NamedTuple):
@@ -94,11 +96,12 @@ def releases_before_step(graph: torch.fx.Graph, where: str, kinds=("grads", "par
     last_release: dict = {}
     out = {}
     for n in calls(graph):
-        if n.target is ops.release and n.args[1] in kinds:
+        op = ops.op_of(n)
+        if op.releases and n.args[1] in kinds:
             last_release.setdefault(n.args[0], []).append(n)
-        elif n.target in (ops.forward, ops.backward):    # compute in between: they go to the host as usual
+        elif op.runs_forward or op.runs_backward:    # compute in between: they go to the host as usual
             last_release.clear()
-        elif n.target is ops.step and n.kwargs.get("where") == where and n.args[0] in last_release:
+        elif op.steps and n.kwargs.get("where") == where and n.args[0] in last_release:
             out[n.args[0]] = last_release.pop(n.args[0])
     return out
 
@@ -109,7 +112,7 @@ def mark_streams(graph: torch.fx.Graph, resident: set) -> None:
         for r in releases:
             r.kwargs = {**r.kwargs, "handoff": True}
     for n in calls(graph):
-        if n.target is ops.step and n.kwargs.get("where") not in ("host", "disk"):
+        if ops.op_of(n).steps and n.kwargs.get("where") not in ("host", "disk"):
             n.kwargs = {**n.kwargs, "stream": (n.args[0], "optim") not in resident}
 
 
@@ -146,9 +149,10 @@ def stash_groups(graph: torch.fx.Graph) -> dict:
     """
     groups: dict = {}
     for n in calls(graph):
-        if n.target in (ops.forward, ops.backward) and not n.kwargs.get("keep") and n.users:
+        op = ops.op_of(n)
+        if (op.runs_forward or op.runs_backward) and not n.kwargs.get("keep") and n.users:
             groups.setdefault((n.target.__name__, n.args[0]), []).append(n.name)
-        elif n.target is recv and not n.kwargs.get("grads") and len(n.users) > 1:   # another pipeline rank's
+        elif op.receives and not n.kwargs.get("grads") and len(n.users) > 1:        # another pipeline rank's
             groups.setdefault(("recv", n.args[0]), []).append(n.name)               # outputs, read again later
     return groups
 
@@ -157,8 +161,9 @@ def _drop_swaps(graph: torch.fx.Graph, resident: set) -> None:
     """The swaps (``swap_in`` and its ``wait``, ``release``) of the ``resident`` (pack, kind) pairs go, in one scan
     (a search's later schedules hold most of a model's state resident)."""
     for n in list(calls(graph)):
-        if n.target in (ops.swap_in, ops.release) and (n.args[0], n.args[1]) in resident:
-            if n.target is ops.swap_in:
+        op = ops.op_of(n)
+        if op.state_copy and (n.args[0], n.args[1]) in resident:      # a swap_in or a release
+            if op.fetches:
                 for w in list(n.users):
                     graph.erase_node(w)
             graph.erase_node(n)
@@ -170,14 +175,15 @@ def keep_graphs(graph: torch.fx.Graph, packs) -> None:
         return
     fwd = {}
     for n in calls(graph):
-        if n.target is ops.forward and n.args[0] in packs:
+        op = ops.op_of(n)
+        if op.runs_forward and n.args[0] in packs:
             n.kwargs = {**n.kwargs, "keep": True}
             fwd[(n.args[0], n.args[1])] = n
-        elif n.target is ops.backward and n.args[0] in packs and n.kwargs.get("saved") is None:
+        elif op.runs_backward and n.args[0] in packs and n.kwargs.get("saved") is None:
             n.args = n.args[:2]
             n.kwargs = {**n.kwargs, "saved": fwd[(n.args[0], n.args[1])]}
     for n in calls(graph):       # the batch a recompute would have loaded
-        if n.target is ops.load_batch and not n.users:
+        if ops.op_of(n).loads_batch and not n.users:
             graph.erase_node(n)
 
 
@@ -187,9 +193,9 @@ def offload_graphs(graph: torch.fx.Graph, packs) -> None:
     they come after the pack's other microbatches), and comes back just before its backward (the prefetch pass
     starts the copy earlier where the budget has room)."""
     for n in list(calls(graph)):
-        if n.target is not ops.forward or n.args[0] not in packs or not n.kwargs.get("keep"):
+        if not ops.op_of(n).runs_forward or n.args[0] not in packs or not n.kwargs.get("keep"):
             continue
-        back = [u for u in n.users if u.target is ops.backward and u.kwargs.get("saved") is n]
+        back = [u for u, op in ops.ops_of(n.users) if op.runs_backward and u.kwargs.get("saved") is n]
         if len(back) != 1:
             continue
         readers = [u for u in n.users if u is not back[0]]
@@ -207,8 +213,9 @@ def param_swaps(graph: torch.fx.Graph) -> dict[int, tuple[list, list]]:
     """pack -> (its parameters' ``swap_in`` nodes, their ``release`` nodes), in schedule order: one scan."""
     out: dict = {}
     for n in calls(graph):
-        if n.target in (ops.swap_in, ops.release) and n.args[1] == "params":
-            out.setdefault(n.args[0], ([], []))[n.target is ops.release].append(n)
+        op = ops.op_of(n)
+        if op.state_copy and n.args[1] == "params":      # a swap_in, or a release
+            out.setdefault(n.args[0], ([], []))[op.releases].append(n)
     return out
 
 
@@ -264,7 +271,7 @@ def stepped_after_release(graph: torch.fx.Graph) -> set[int]:
 def step_on_device(graph: torch.fx.Graph, packs) -> None:
     """The ``packs``' optimizer steps run on the device (their state is resident: nothing streams)."""
     for n in calls(graph):
-        if n.target is ops.step and n.args[0] in packs:
+        if ops.op_of(n).steps and n.args[0] in packs:
             n.kwargs = {**n.kwargs, "where": "device", "overlap": False}
 
 
@@ -286,7 +293,7 @@ def build(base: torch.fx.Graph, resident: set, stashed: set, groups: dict, kept:
     by_name = {n.name: n for n in g.nodes}
     order = {n: i for i, n in enumerate(g.nodes)}
     for key in sorted(stashed):     # in one order in every process (a set of strings follows the hash seed)
-        if key[0] == "forward" and key[1] in kept:
+        if ops.op_named(key[0]).runs_forward and key[1] in kept:
             continue      # a kept forward's outputs carry its graph: they stay on the device
         for name in groups[key]:
             stash_value(g, by_name[name], order)

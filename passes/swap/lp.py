@@ -31,7 +31,7 @@ import pulp
 
 from harmony.base import ilp
 from harmony.compiler.ir import Program
-from harmony.passes.swap.graph import COMPUTE, Choice
+from harmony.passes.swap.graph import Choice, computes
 from harmony.runtime import ops
 from harmony.runtime.plan import STATE_KINDS
 
@@ -74,7 +74,7 @@ def rises(curve, plan, groups: dict, swaps: dict, optim_per_byte: float) -> dict
     nodes = curve.nodes
     at = {n: i for i, n in enumerate(nodes)}
     by_name = {n.name: i for i, n in enumerate(nodes)}
-    steps = {n.args[0]: i for i, n in enumerate(nodes) if n.target is ops.step}
+    steps = {n.args[0]: i for i, n in enumerate(nodes) if ops.op_of(n).steps}
     n_nodes = len(nodes)
     out = {}
     for spec in plan.packs:
@@ -97,8 +97,8 @@ def rises(curve, plan, groups: dict, swaps: dict, optim_per_byte: float) -> dict
         diff = [0] * (n_nodes + 1)
         for name in names:
             i = by_name.get(name)
-            s = next((u for u in nodes[i].users if u.target is ops.stash), None) if i is not None else None
-            back = [at[u] for u in s.users if u.target is ops.unstash] if s is not None else []
+            s = next((u for u, op in ops.ops_of(nodes[i].users) if op.stashes), None) if i is not None else None
+            back = [at[u] for u, op in ops.ops_of(s.users) if op.unstashes] if s is not None else []
             if back:
                 _span(diff, at[s], min(back), curve.out[i])
         out[("keep",) + key] = _total(diff, n_nodes)
@@ -112,9 +112,10 @@ def graph_spans(curve, plan, pack: int):
     at = {n: i for i, n in enumerate(nodes)}
     saved, fwd = plan.packs[pack].saved_bytes, {}
     for i, n in enumerate(nodes):
-        if n.target is ops.forward and n.args[0] == pack:
+        op = ops.op_of(n)
+        if op.runs_forward and n.args[0] == pack:
             fwd[n.args[1]] = i
-        elif n.target is ops.backward and n.args[0] == pack and n.args[1] in fwd:
+        elif op.runs_backward and n.args[0] == pack and n.args[1] in fwd:
             last = [a for a in n.all_input_nodes if max(at[u] for u in a.users) == i]   # dying after it
             yield fwd[n.args[1]], i, saved - sum(curve.out[at[a]] for a in last)
 
@@ -205,7 +206,7 @@ def solve(program: Program, curve, groups: dict, sizes: dict, swaps: dict, candi
     arguments): a set of ``("held", pack, name)``, ``("stepped", pack, name)``, ``("keep", op, pack)`` and
     ``("graph", pack)``; None where HiGHS finds nothing."""
     plan = program.plan
-    base = [(i, curve.peak_at[i]) for i, n in enumerate(curve.nodes) if n.target in COMPUTE]
+    base = [(i, curve.peak_at[i]) for i, n in enumerate(curve.nodes) if computes(n)]
     if not base:
         return None
     r = rises(curve, plan, groups, swaps, program.optim_profile["state_per_byte"])

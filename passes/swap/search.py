@@ -12,7 +12,7 @@ from __future__ import annotations
 from harmony.base.units import fmt_bytes
 from harmony.compiler.ir import Program
 from harmony.passes.swap import lp as swap_lp
-from harmony.passes.swap.graph import COMPUTE, Choice, param_swaps, stepped_after_release
+from harmony.passes.swap.graph import Choice, computes, param_swaps, stepped_after_release
 from harmony.passes.swap.parts import (
     keep_optimizer_parts,
     keep_step_parts,
@@ -38,7 +38,7 @@ def _row(what, size, per_byte) -> dict:
     elif what[0] == "carry":
         kind = "params across steps"
     elif what[0] == "keep":
-        kind = f"{what[1]} outputs" if what[1] == "forward" else "input grads"
+        kind = f"{what[1]} outputs" if ops.op_named(what[1]).runs_forward else "input grads"
     else:
         kind = what[0]
     return dict(kept=kind, pack=what[-1], MiB=size / 2**20, saves_per_byte=per_byte)
@@ -75,8 +75,8 @@ def peak_bound(program: Program, curve, what, groups: dict, sizes: dict, shared:
             i = at.get(name)
             if i is not None and nodes[i].kwargs.get("keep"):
                 continue                               # its stash sends the graph: the group is not stashed
-            s = next((u for u in nodes[i].users if u.target is ops.stash), None) if i is not None else None
-            back = [at[u.name] for u in s.users if u.target is ops.unstash] if s is not None else []
+            s = next((u for u, op in ops.ops_of(nodes[i].users) if op.stashes), None) if i is not None else None
+            back = [at[u.name] for u, op in ops.ops_of(s.users) if op.unstashes] if s is not None else []
             if back:
                 hold(at[s.name], min(back), curve.out[i])
     elif kind == "graph":
@@ -89,8 +89,9 @@ def peak_bound(program: Program, curve, what, groups: dict, sizes: dict, shared:
             return sum(sizes.get(("params", x), 0) for x in ops.moving_names(spec, "params", held) if x not in shared)
         size = weights()
         for i, n in enumerate(nodes):
-            if n.target in (ops.swap_in, ops.release) and n.args[0] == pack and n.args[1] == "params":
-                if n.target is ops.release:
+            op = ops.op_of(n)
+            if op.state_copy and n.args[0] == pack and n.args[1] == "params":     # a swap_in or a release
+                if op.releases:
                     since, size = i, weights(n.kwargs.get("held", ()))
                 else:
                     if since is not None:
@@ -104,7 +105,7 @@ def peak_bound(program: Program, curve, what, groups: dict, sizes: dict, shared:
     best = acc = 0
     for i, n in enumerate(nodes):
         acc += rise[i]
-        if acc and n.target in COMPUTE and (pack is None or n.args[0] != pack):
+        if acc and computes(n) and (pack is None or n.args[0] != pack):
             best = max(best, curve.peak_at[i] + acc)
     return best
 
@@ -211,7 +212,7 @@ def _candidates(program: Program, base, groups: dict, graphs: list) -> list[tupl
         candidates.append((2, spec.optim_bytes, ("optim", spec.index)))   # in and out around the step
     for key, names in groups.items():
         spec = plan.packs[key[1]]
-        size = (spec.out_bytes if key[0] == "forward" else spec.in_bytes) * len(names)
+        size = (spec.out_bytes if ops.op_named(key[0]).runs_forward else spec.in_bytes) * len(names)
         candidates.append((2, size, ("keep",) + key))                   # out and back in
     return candidates
 
