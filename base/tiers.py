@@ -6,6 +6,10 @@ name users write (``optimizer_on="host"``, ``weights_on="disk"``), so it compare
 and serialises (JSON, checkpoint manifests, printed schedules) exactly as that name does: a config value
 given as a plain string and the enum are interchangeable, and nothing a user reads changes. A new tier is
 one member here and the places that move state to and from it.
+
+One exception: torch.fx writes an enum argument of a graph node by its class (``where = Tier.HOST``), not
+by its repr, so the passes put a tier into a schedule op's arguments as its plain value (``Tier.HOST.value``),
+and ``sm.code`` still reads ``where = 'host'``; the ops compare what they are given with the members.
 """
 from __future__ import annotations
 

@@ -30,15 +30,16 @@ import torch
 
 from harmony.base import env
 from harmony.base.errors import ConfigError
+from harmony.base.tiers import Tier
 from harmony.base.units import parse_bytes
-from harmony.compiler.config_checks import Group, choice, count, env_field, positive
+from harmony.compiler.config_checks import Group, choice, count, env_field, positive, tier
 from harmony.compiler.hardware import NOMINAL, Device, Hardware
 from harmony.runtime.compression import DEFAULT_MIN_SIZE
 from harmony.runtime.precision import PRECISIONS, SCALING_DEFAULTS, compute_dtype
 
 # the values a pass accepts stay in the pass (passes.offload.PLACES, passes.schedule.POLICIES, ...), imported when a
 # config is checked: the passes import compiler.ir, which imports this module
-RECOMPUTE = ("auto", "device", "always")
+RECOMPUTE = ("auto", Tier.DEVICE, "always")
 DEFAULT_MEMORY_BUDGET = 1 << 30        # bytes per device when memory_budget is not given (and balance= is not)
 
 
@@ -142,9 +143,9 @@ class MemoryConfig(Group):
             self.memory_budget = parse_bytes(self.memory_budget, "memory_budget")
         if self.host_memory_budget is not None:
             self.host_memory_budget = parse_bytes(self.host_memory_budget, "host_memory_budget")
-        choice("optimizer_on", self.optimizer_on, PLACES)
-        choice("weights_on", self.weights_on, WEIGHTS)
-        choice("recompute", self.recompute, RECOMPUTE)
+        self.optimizer_on = tier("optimizer_on", self.optimizer_on, PLACES)   # a tier named: its Tier
+        self.weights_on = tier("weights_on", self.weights_on, WEIGHTS)
+        self.recompute = tier("recompute", self.recompute, RECOMPUTE)
 
 
 @dataclass(kw_only=True)
@@ -367,28 +368,28 @@ class Config(TrainConfig, MemoryConfig, DiskConfig, ParallelConfig, NumericsConf
 
     def __post_init__(self):
         super().__post_init__()
-        if self.precision == "fp16" and self.optimizer_on == "device":
-            raise ConfigError("precision='fp16' with optimizer_on='device': fp16's overflow check must see every "
-                              "gradient before any update, and device steps follow each pack's backward; use "
-                              "optimizer_on='host' (or 'auto'), or precision='bf16'")
-        if self.precision == "bf16" and self.optimizer_on == "device" and self.clip_grad_norm is not None:
-            raise ConfigError("precision='bf16' with optimizer_on='device' and clip_grad_norm: the global norm is "
-                              "taken over fp32 gradients, which a device step makes one parameter at a time; use "
-                              "optimizer_on='host' (or 'auto') to clip, or no clip_grad_norm")
+        if self.precision == "fp16" and self.optimizer_on == Tier.DEVICE:
+            raise ConfigError(f"precision='fp16' with optimizer_on={Tier.DEVICE!r}: fp16's overflow check must see "
+                              f"every gradient before any update, and device steps follow each pack's backward; use "
+                              f"optimizer_on={Tier.HOST!r} (or 'auto'), or precision='bf16'")
+        if self.precision == "bf16" and self.optimizer_on == Tier.DEVICE and self.clip_grad_norm is not None:
+            raise ConfigError(f"precision='bf16' with optimizer_on={Tier.DEVICE!r} and clip_grad_norm: the global norm "
+                              f"is taken over fp32 gradients, which a device step makes one parameter at a time; use "
+                              f"optimizer_on={Tier.HOST!r} (or 'auto') to clip, or no clip_grad_norm")
         if self.precision != "fp32" and self.policy == "ondemand":
             raise ConfigError(f"precision={self.precision!r} needs a planned schedule; the ondemand baseline moves "
                               f"fp32 state as ops touch it. Use policy='harmony' or 'sequential', or precision='fp32'")
         if self.balance is not None:
             self._check_balance()
-        if self.clip_grad_norm is not None and self.weights_on == "disk" and self.shard_state != "full":
-            raise ConfigError("clip_grad_norm with weights_on='disk': a pack wholly on disk steps file by file while "
-                              "its gradients leave the device, before the global norm can be known; use "
-                              "weights_on='auto' or 'host' (optimizer state may still go to disk under "
+        if self.clip_grad_norm is not None and self.weights_on == Tier.DISK and self.shard_state != "full":
+            raise ConfigError(f"clip_grad_norm with weights_on={Tier.DISK!r}: a pack wholly on disk steps file by file "
+                              f"while its gradients leave the device, before the global norm can be known; use "
+                              f"weights_on='auto' or {Tier.HOST!r} (optimizer state may still go to disk under "
                               "host_memory_budget), shard_state='full' under torchrun (its shares on disk step as "
                               "host packs do), or clip_grad_norm=None")
 
     def _check_balance(self) -> None:
-        if self.precision != "fp32" or self.weights_on == "disk":
+        if self.precision != "fp32" or self.weights_on == Tier.DISK:
             raise ConfigError(f"balance= trains data-parallel, which runs in fp32 with weights on the host for now "
                               f"(got precision={self.precision!r}, weights_on={self.weights_on!r}); drop those or "
                               f"balance=")
@@ -450,7 +451,7 @@ class CompileConfig(Config):
     state_owner: dict | None = None    # param -> the rank stepping it (runtime/shard.py); None: each rank steps all
     offline: bool = False              # planned in this process for another rank or a choice: meets no rank
     group_predicted: dict | None = None   # pipeline_group="auto": each candidate's predicted node step (s)
-    weigh_device_steps: bool = False  # bf16 under optimizer_on="auto" (which mixed precision resolves to "host"):
+    weigh_device_steps: bool = False  # bf16 under optimizer_on="auto" (which mixed precision resolves to Tier.HOST):
     device_steps: int = 0             # compile weighs stepping the last packs on the device, this many chosen
     steps_predicted: dict | None = None   # (driver/mixed_steps.py); each count tried: its predicted step (s)
 

@@ -7,6 +7,7 @@ from functools import partial
 
 from harmony.base import env
 from harmony.base.errors import ConfigError
+from harmony.base.tiers import Tier
 
 
 def env_field(name: str):
@@ -16,6 +17,13 @@ def env_field(name: str):
 def choice(name: str, value, choices) -> None:
     if value not in choices:
         raise ConfigError(f"unknown {name}: {name}={value!r}; choose one of {', '.join(map(repr, choices))}")
+
+
+def tier(name: str, value, choices):
+    """``choice``, then ``value`` as the ``Tier`` it names where it names one (``Tier(value)``: the string a user
+    gave, as its member); the choices that are no tier (``"auto"``, ``"always"``) stay as they are."""
+    choice(name, value, choices)
+    return Tier(value) if value in Tier.names() else value
 
 
 def count(name: str, value, what: str) -> None:

@@ -14,6 +14,7 @@ import time
 import torch
 
 from harmony.base.errors import BudgetError, ConfigError, InputError
+from harmony.base.tiers import Tier
 from harmony.base.units import fmt_bytes
 from harmony.compiler import cost
 from harmony.compiler.config import DEFAULT_MEMORY_BUDGET, CompileConfig, Config
@@ -94,7 +95,7 @@ def resolve(options: Config, batch_size: int) -> tuple[CompileConfig, modes.Mode
     cfg = CompileConfig(**dict(
         options.items(), batch_size=batch_size, optimizer_kwargs=dict(kwargs or {}),
         memory_budget=0 if balance else options.memory_budget or DEFAULT_MEMORY_BUDGET,
-        optimizer_on="host" if mixed and options.optimizer_on == "auto" else options.optimizer_on,
+        optimizer_on=Tier.HOST if mixed and options.optimizer_on == "auto" else options.optimizer_on,
         weigh_device_steps=options.precision == "bf16" and options.optimizer_on == "auto",
         loss_scaling=options.scaling(), compression=spec, adaptive=adaptive,
         shard_state=balance if options.shard_state is None else options.shard_state,

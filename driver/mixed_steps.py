@@ -14,6 +14,8 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
+from harmony.base.tiers import Tier
+
 
 def wanted(cfg) -> bool:
     """Whether compile weighs device steps: bf16 left to the compiler, one rank, no clipping, a planned policy, and
@@ -44,7 +46,7 @@ def choose(program, passes) -> tuple[int, dict]:
         except HarmonyError:
             predicted[k] = None
             break
-        if sum(r.step_on == "device" for r in p.plan.residency.values()) < k:   # no more packs could move
+        if sum(r.step_on == Tier.DEVICE for r in p.plan.residency.values()) < k:   # no more packs could move
             break
         predicted[k] = simulate(p.schedule, p.plan, hw, memory=memory_curve(p, check_residency=False),
                                 sizes=state_sizes(p)).step_seconds

@@ -217,8 +217,9 @@ def _plan(base: Program, batch: tuple, rows: int) -> Program:
 
 
 def _step_place(base: Program) -> str:
-    """Where the compiled plan's offload pass put the optimizer step ("device" or "host"): the new shape's plan must
-    not decide again (``optimizer_on="auto"`` asks whether everything fits, which a smaller batch may change)."""
+    """Where the compiled plan's offload pass put the optimizer step (``Tier.DEVICE`` or ``Tier.HOST``): the new
+    shape's plan must not decide again (``optimizer_on="auto"`` asks whether everything fits, which a smaller batch
+    may change)."""
     placed = [r.totals.get("step_on") for r in base.reports if r.title.startswith("offload")]
     return placed[0] if placed and placed[0] else base.config.optimizer_on
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from harmony.base.errors import OffloadError
+from harmony.base.tiers import Tier
 
 
 def _placeholders(model: torch.nn.Module) -> list[str]:
@@ -29,11 +30,11 @@ def _refuse(model: torch.nn.Module, use: str) -> None:
     if missing:
         raise OffloadError(f"{use} of the model passed to harmony.compile: {len(missing)} of its parameters "
                            f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}) live on disk between "
-                           f"steps (weights_on='disk'), in shares over the ranks (shard_state='full'), or on other "
-                           f"pipeline ranks (parallel='pipeline'), and hold placeholders here. Call sm.sync_model() "
-                           f"first to read the trained weights into the model (after the last step: each step puts "
-                           f"placeholders back; not under a pipeline), or use sm.state_dict() / harmony.save, which "
-                           f"read them from disk")
+                           f"steps (weights_on={Tier.DISK!r}), in shares over the ranks (shard_state='full'), or on "
+                           f"other pipeline ranks (parallel='pipeline'), and hold placeholders here. Call "
+                           f"sm.sync_model() first to read the trained weights into the model (after the last step: "
+                           f"each step puts placeholders back; not under a pipeline), or use sm.state_dict() / "
+                           f"harmony.save, which read them from disk")
 
 
 def guard(sm) -> None:
@@ -47,7 +48,7 @@ def guard(sm) -> None:
     model = sm.model
     where = ("on other pipeline ranks (parallel='pipeline')" if staged else
              "in shares over the ranks (shard_state='full')" if state.shares is not None else
-             "on disk (weights_on='disk', or a host_memory_budget that sends packs there)")
+             f"on disk (weights_on={Tier.DISK!r}, or a host_memory_budget that sends packs there)")
     from harmony.runtime.placeholders import mark
     for name, p in model.named_parameters():
         mark(name, p, where)

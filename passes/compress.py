@@ -42,6 +42,7 @@ import torch
 import torch.fx
 
 from harmony.base.errors import ConfigError
+from harmony.base.tiers import Tier
 from harmony.base.units import nbytes
 from harmony.compiler.ir import PassReport, PassResult, Program, add_call, calls, copy_graph
 from harmony.compiler.meta import SCHEDULE
@@ -153,14 +154,14 @@ def insert(graph: torch.fx.Graph, packs: list[int], plan, kwargs: dict, policy: 
     issue = sorted((p for p in packs if p in last_bwd), key=lambda p: order[last_bwd[p]])
     ars, mode = {}, {}
     for p in issue:
-        host = plan.at(p).step_on == "host"
-        kw = dict(kwargs, where="host") if host else dict(kwargs, sync=True) if sync else dict(kwargs)
+        host = plan.at(p).step_on == Tier.HOST
+        kw = dict(kwargs, where=Tier.HOST.value) if host else dict(kwargs, sync=True) if sync else dict(kwargs)
         ars[p] = _emit(graph, last_bwd[p], ops.allreduce, (p, kw.pop("kind")), kw, f"ar{p}")
         mode[p] = ("host thread, before the host step" if host else
                    "synchronous" if sync else "host thread, joined by wait")
     if sync:
         return mode
-    device = [p for p in issue if plan.at(p).step_on != "host"]
+    device = [p for p in issue if plan.at(p).step_on != Tier.HOST]
     for k, p in enumerate(device):       # one all-reduce in flight: join it before the next is issued
         nxt = ars[device[k + 1]] if k + 1 < len(device) else None
         step = steps.get(p)
@@ -334,7 +335,7 @@ def run(program: Program, ctx) -> PassResult:
     # gradients under it, else synchronous
     from harmony.passes.offload import everything_fits
     base = program.schedule
-    host = any(plan.at(p).step_on == "host" for p in owned)
+    host = any(plan.at(p).step_on == Tier.HOST for p in owned)
     sync = cfg.policy == "ondemand"
     program.schedule = copy_graph(base)
     mode = insert(program.schedule, list(owned), plan, kwargs, cfg.policy, sync)

@@ -56,6 +56,7 @@ from __future__ import annotations
 import time
 
 from harmony.base.errors import BudgetError, ConfigError
+from harmony.base.tiers import Tier
 from harmony.base.units import fmt_bytes, nbytes
 from harmony.compiler.ir import PassReport, PassResult, Program
 from harmony.compiler.verify import memory_curve
@@ -65,8 +66,8 @@ from harmony.runtime.plan import STATE_KINDS
 NAME = "offload"
 REQUIRES = {"schedule"}
 PROVIDES = {"placement"}
-PLACES = ("auto", "device", "host")
-WEIGHTS = ("auto", "host", "disk")     # where a host-stepped pack's fp32 weights live between uses
+PLACES = ("auto", Tier.DEVICE, Tier.HOST)
+WEIGHTS = ("auto", Tier.HOST, Tier.DISK)     # where a host-stepped pack's fp32 weights live between uses
 
 
 def everything_fits(program: Program) -> bool:
@@ -81,24 +82,26 @@ def everything_fits(program: Program) -> bool:
             r.kept = saved[p]
 
 
-def step_place(cfg, fits) -> tuple[str, str]:
-    """Where the optimizer steps ("device" or "host") and why; ``fits()`` says whether all training state fits
-    the device, asked only under ``optimizer_on="auto"`` (the partition asks before packs exist, with an estimate)."""
-    if cfg.precision != "fp32" and cfg.optimizer_on != "device":   # (compile() refuses fp16 on the device)
-        return "host", f"precision={cfg.precision!r}: fp32 master weights and optimizer state stay on the host"
+def step_place(cfg, fits) -> tuple[Tier, str]:
+    """Where the optimizer steps (``Tier.DEVICE`` or ``Tier.HOST``) and why; ``fits()`` says whether all training
+    state fits the device, asked only under ``optimizer_on="auto"`` (the partition asks before packs exist, with an
+    estimate)."""
+    if cfg.precision != "fp32" and cfg.optimizer_on != Tier.DEVICE:   # (compile() refuses fp16 on the device)
+        return Tier.HOST, f"precision={cfg.precision!r}: fp32 master weights and optimizer state stay on the host"
     if cfg.precision != "fp32":
         if (cfg.world_size or 1) > 1:
-            raise ConfigError(f"precision={cfg.precision!r} with optimizer_on='device' runs on one rank for now "
-                              f"(world size {cfg.world_size}); use optimizer_on='host' (or 'auto') with several")
-        return "device", ("optimizer_on='device': each fp32 master comes to the device with its optimizer state "
-                          "for the step, one parameter at a time")
+            raise ConfigError(f"precision={cfg.precision!r} with optimizer_on={Tier.DEVICE!r} runs on one rank for "
+                              f"now (world size {cfg.world_size}); use optimizer_on={Tier.HOST!r} (or 'auto') with "
+                              f"several")
+        return Tier.DEVICE, (f"optimizer_on={Tier.DEVICE!r}: each fp32 master comes to the device with its optimizer "
+                             f"state for the step, one parameter at a time")
     if cfg.optimizer_on != "auto":
-        return cfg.optimizer_on, f"optimizer_on={cfg.optimizer_on!r}"
+        return Tier(cfg.optimizer_on), f"optimizer_on={cfg.optimizer_on!r}"
     if fits():
-        return "device", "all training state fits the budget"
+        return Tier.DEVICE, "all training state fits the budget"
     if cfg.policy == "ondemand":
-        return "device", "the ondemand baseline leaves everything to the runtime"
-    return "host", "the training state does not fit the budget: optimizer state stays off the device"
+        return Tier.DEVICE, "the ondemand baseline leaves everything to the runtime"
+    return Tier.HOST, "the training state does not fit the budget: optimizer state stays off the device"
 
 
 def run(program: Program, ctx) -> PassResult:
@@ -107,14 +110,14 @@ def run(program: Program, ctx) -> PassResult:
     if cfg.optimizer_on not in PLACES:
         raise ConfigError(f"optimizer_on={cfg.optimizer_on!r}; choose one of {', '.join(PLACES)}")
     place, reason = step_place(cfg, lambda: everything_fits(program))
-    host = place == "host"
+    host = place == Tier.HOST
     budget = getattr(cfg, "host_memory_budget", None)
     disk, whole, need = place_state(program) if host else (set(), set(), {})
     if whole and cfg.data_parallel and (cfg.world_size or 1) > 1 and cfg.shard_state is True:
         raise ConfigError(f"packs {sorted(whole)} would keep their weights on disk, which shard_state=True (ZeRO "
                           f"stage 1) does not support: its owners broadcast stepped weights that a pack on disk keeps "
                           f"in its files. Use shard_state='full' (each rank keeps and reads its share of every pack "
-                          f"on its own disk), no shard_state, a larger host_memory_budget, or weights_on='host'")
+                          f"on its own disk), no shard_state, a larger host_memory_budget, or weights_on={Tier.HOST!r}")
     _place(program, place, disk, whole, need)
     on_device = _device_steps(program, disk | whole) if host else []
     in_memory = sorted(plan.packs_with("in_memory"))
@@ -169,7 +172,7 @@ def run(program: Program, ctx) -> PassResult:
     return PassResult(program, report)
 
 
-def _rows(program: Program, place: str, whole: set, need: dict, in_memory: list) -> list[dict]:
+def _rows(program: Program, place: Tier, whole: set, need: dict, in_memory: list) -> list[dict]:
     """The report's row per pack: where it steps, where its weights and optimizer state live, its disk bytes."""
     cfg, plan = program.config, program.plan
     # weights are read for the forward and the backward; under harmony the step takes the backward's
@@ -186,7 +189,7 @@ def _rows(program: Program, place: str, whole: set, need: dict, in_memory: list)
         if world > 1:   # partitioned: one file of the share, read by the last gather before the step, the other
             # gathers reading its weights (an estimate before the swap pass settles the gathers: the shard report's
             # disk_*_bytes_per_step are the plan's)
-            on_disk = spec.optim_bytes // world + (owned if weights else 0) if where == "disk" else 0
+            on_disk = spec.optim_bytes // world + (owned if weights else 0) if where == Tier.DISK else 0
             reads = on_disk + (max(gathers.count(spec.index) - 1, 0) * owned if weights else 0)
             rows.append(dict(pack=spec.index, layers=spec.name, step_on=place,
                              weights="disk (this rank's share)" if weights else "host (this rank's share)",
@@ -194,14 +197,14 @@ def _rows(program: Program, place: str, whole: set, need: dict, in_memory: list)
                              grads_out_MiB=spec.param_bytes / 2**20, disk_read_MiB=reads / 2**20,
                              disk_write_MiB=on_disk / 2**20))
             continue
-        on_disk = spec.optim_bytes if where == "disk" else 0
+        on_disk = spec.optim_bytes if where == Tier.DISK else 0
         share = plan.at(spec.index).in_memory_share     # of its files, kept in host memory
         kept = share * owned
         on_disk *= 1 - share
-        here = plan.at(spec.index).step_on == "host"     # (mixed precision: some packs may step on the device)
+        here = plan.at(spec.index).step_on == Tier.HOST     # (mixed precision: some packs may step on the device)
         rows.append(dict(pack=spec.index, layers=spec.name,
                          step_on="host (inline, by file)" if weights else plan.at(spec.index).step_on,
-                         weights="disk" if weights else "host",
+                         weights=Tier.DISK if weights else Tier.HOST,
                          optimizer_state=where if here else "device (streamed or resident)",
                          optim_MiB=spec.optim_bytes / 2**20,
                          grads_out_MiB=(spec.param_bytes if here else 0) / 2**20,
@@ -212,7 +215,7 @@ def _rows(program: Program, place: str, whole: set, need: dict, in_memory: list)
     return rows
 
 
-def _weights_on(cfg) -> str:
+def _weights_on(cfg) -> Tier | str:
     """Where host-stepped packs' fp32 weights may go: ``weights_on``, but never disk under mixed precision."""
     weights_on = getattr(cfg, "weights_on", "auto")
     if weights_on not in WEIGHTS:
@@ -220,12 +223,12 @@ def _weights_on(cfg) -> str:
     clip = getattr(cfg, "clip_grad_norm", None) is not None
     if cfg.precision == "fp32" and not clip or full_sharding(cfg):   # partitioned files step as host packs do
         return weights_on
-    if weights_on == "disk":             # the disk step neither casts weights and gradients nor waits for the norm
+    if weights_on == Tier.DISK:          # the disk step neither casts weights and gradients nor waits for the norm
         what = f"precision={cfg.precision!r}" if cfg.precision != "fp32" else "clip_grad_norm"
-        raise ConfigError(f"weights_on='disk' with {what}: packs wholly on disk step file by file as their "
-                          f"gradients leave the device, in fp32 and unclipped only for now; use weights_on='host' "
-                          f"with a host_memory_budget that holds the fp32 weights")
-    return "host"
+        raise ConfigError(f"weights_on={Tier.DISK!r} with {what}: packs wholly on disk step file by file as their "
+                          f"gradients leave the device, in fp32 and unclipped only for now; use "
+                          f"weights_on={Tier.HOST!r} with a host_memory_budget that holds the fp32 weights")
+    return Tier.HOST
 
 
 def _device_steps(program: Program, off_host: set) -> list[int]:
@@ -240,9 +243,9 @@ def _device_steps(program: Program, off_host: set) -> list[int]:
     packs = [p for p in dict.fromkeys(n.args[0] for n in steps) if p not in off_host][-k:]
     for n in steps:
         if n.args[0] in packs:
-            n.kwargs = {**n.kwargs, "where": "device"}
+            n.kwargs = {**n.kwargs, "where": Tier.DEVICE.value}   # the plain name: fx prints an enum as Tier.X
     for p in packs:
-        program.plan.at(p).step_on = program.plan.at(p).optim_on = "device"
+        program.plan.at(p).step_on = program.plan.at(p).optim_on = Tier.DEVICE
     return packs
 
 
@@ -251,7 +254,7 @@ def full_sharding(cfg) -> bool:
     return getattr(cfg, "shard_state", None) == "full" and (cfg.world_size or 1) > 1
 
 
-def _place(program: Program, place: str, disk: set, whole: set, need: dict) -> None:
+def _place(program: Program, place: Tier, disk: set, whole: set, need: dict) -> None:
     """Write where each pack steps and where its optimizer state and fp32 weights live into its residency record
     and its ``step`` op: ``disk`` packs keep their optimizer state on disk, ``whole`` ones their weights too
     (``need``: their files)."""
@@ -262,12 +265,12 @@ def _place(program: Program, place: str, disk: set, whole: set, need: dict) -> N
     # a wholly-disk pack's step overlaps the next backward (swap may inline it)
     for n, op in ops.ops_of(program.schedule.nodes):
         if op.steps:
-            n.kwargs = {**n.kwargs, "where": place} if n.args[0] not in whole_steps else \
-                {**n.kwargs, "where": "disk", "overlap": True}
+            n.kwargs = {**n.kwargs, "where": place.value} if n.args[0] not in whole_steps else \
+                {**n.kwargs, "where": Tier.DISK.value, "overlap": True}
     for p, record in program.plan.residency.items():
         record.step_on = place
-        record.optim_on = "disk" if p in disk | whole else place
-        record.master_on = "disk" if p in whole else "host"
+        record.optim_on = Tier.DISK if p in disk | whole else place
+        record.master_on = Tier.DISK if p in whole else Tier.HOST
         record.disk_groups = need["groups"][p] if p in whole else []
         record.in_memory = tuple(need.get("memory", {}).get(p, ())) if p in whole else ()
         record.in_memory_share = need.get("memory_share", {}).get(p, 0.0) if p in whole else 0.0
@@ -339,14 +342,14 @@ def place_state(program: Program) -> tuple[set[int], set[int], dict]:
     # the least the host can do with: usually everything on disk, but for a small model the files in
     # flight can outweigh what they replace
     options = [need(set(), set())["planned"], need(set(optim), set())["planned"]]
-    if weights_on == "disk":
+    if weights_on == Tier.DISK:
         options = [need(set(), packs)["planned"]]
     elif weights_on == "auto":
         options.append(need(set(), packs)["planned"])
     minimum = min(options)
     disk: set[int] = set()
-    whole: set[int] = packs if weights_on == "disk" else set()
-    if budget is not None and weights_on != "disk":
+    whole: set[int] = packs if weights_on == Tier.DISK else set()
+    if budget is not None and weights_on != Tier.DISK:
         for p in order:
             if need(disk, whole)["planned"] <= budget:
                 break
@@ -369,11 +372,11 @@ def place_state(program: Program) -> tuple[set[int], set[int], dict]:
                              memory=memory, memory_share=memory_share)
 
 
-def _refuse(cfg, budget: int, minimum: int, weights_on: str, world: int, buffers: int, masters: int) -> None:
+def _refuse(cfg, budget: int, minimum: int, weights_on: Tier | str, world: int, buffers: int, masters: int) -> None:
     """Raise the ``BudgetError`` of a host budget below ``minimum``, saying what the host still holds."""
     what = ("with every pack's optimizer state on disk the host still needs the fp32 weights "
             f"({fmt_bytes(masters)}), {_grads_held(cfg)} and two packs' "
-            f"optimizer state in flight" if weights_on == "host" else
+            f"optimizer state in flight" if weights_on == Tier.HOST else
             f"with every pack's weights and optimizer state on disk the host still needs buffers "
             f"({fmt_bytes(buffers)}), a file's gradients and three files of weights and optimizer state in "
             f"flight" if world == 1 else
@@ -381,7 +384,7 @@ def _refuse(cfg, budget: int, minimum: int, weights_on: str, world: int, buffers
             f"{_grads_held(cfg)} (whole, for their reduce-scatter), three files of its share in flight and the "
             f"largest pack's gathered weights")
     todo = ("weights_on='auto' to let weights go to disk too, or "
-            if weights_on == "host" and getattr(cfg, "weights_on", "auto") == "host" else "")
+            if weights_on == Tier.HOST and getattr(cfg, "weights_on", "auto") == Tier.HOST else "")
     raise BudgetError(
         f"host_memory_budget={fmt_bytes(budget)} cannot hold the host's share of training state: {what}, "
         f"{fmt_bytes(minimum)}. Raise host_memory_budget to at least {fmt_bytes(minimum)} ({minimum} bytes), "

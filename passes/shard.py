@@ -62,6 +62,7 @@ from __future__ import annotations
 import time
 
 from harmony.base.errors import ConfigError
+from harmony.base.tiers import Tier
 from harmony.compiler.ir import PassReport, PassResult, Program, calls, copy_graph
 from harmony.runtime import ops, partitioned
 from harmony.runtime.plan import optim_state_bytes
@@ -75,12 +76,13 @@ FULL = "full"
 
 def check_config(cfg, given_kwargs: dict) -> None:
     """Refuse what ``shard_state="full"`` does not do yet, naming what to use instead; settle the optimizer's
-    implementation (an element-wise one) and the default ``optimizer_on="host"`` on ``cfg`` (a CompileConfig)."""
+    implementation (an element-wise one) and the default ``optimizer_on`` (``Tier.HOST``) on ``cfg`` (a
+    CompileConfig)."""
     from harmony.runtime.optim import elementwise
     instead = "use shard_state=True (ZeRO stage 1: optimizer state sharded, weights replicated), which supports it"
     refused = [
-        (cfg.optimizer_on == "device", f"optimizer_on='device' (partitioned packs step on the host): use "
-                                       f"optimizer_on='host' or 'auto', or {instead}"),
+        (cfg.optimizer_on == Tier.DEVICE, f"optimizer_on={Tier.DEVICE!r} (partitioned packs step on the host): use "
+                                          f"optimizer_on={Tier.HOST!r} or 'auto', or {instead}"),
         (str(cfg.device).split(":")[0] not in ("cpu", "meta"),   # meta: a plan to simulate, never run
          f"device={cfg.device!r} (the gathers are gloo collectives on host "
                                                  f"tensors; CUDA is not built yet): use device='cpu', or {instead}"),
@@ -90,7 +92,7 @@ def check_config(cfg, given_kwargs: dict) -> None:
         if bad:
             raise ConfigError(f"shard_state='full' does not support {why}")
     if cfg.optimizer_on == "auto":
-        cfg.optimizer_on = "host"
+        cfg.optimizer_on = Tier.HOST
     if not elementwise(cfg.optimizer, cfg.optimizer_kwargs):
         plain = {k: v for k, v in cfg.optimizer_kwargs.items() if k != "fused"}
         if "fused" not in given_kwargs and elementwise(cfg.optimizer, plain):
@@ -165,11 +167,11 @@ def run(program: Program, ctx) -> PassResult:
 
 def _check_pack(plan, p: int) -> None:
     r = plan.at(p)
-    why = ("it steps on the device" if r.step_on != "host" else
+    why = ("it steps on the device" if r.step_on != Tier.HOST else
            "the plan keeps some of its state on the device" if r.kept or r.device_parts or r.optim_kept else "")
     if why:
         raise ConfigError(f"shard_state='full' partitions packs that step on the host with their state there, but "
-                          f"pack {p} ({plan.packs[p].name}): {why}; pass optimizer_on='host', or use "
+                          f"pack {p} ({plan.packs[p].name}): {why}; pass optimizer_on={Tier.HOST!r}, or use "
                           f"shard_state=True")
 
 
@@ -304,9 +306,9 @@ def _disk_bytes(program, owned) -> tuple[int, int]:
     read = written = 0
     for p in owned:
         record, spec = plan.at(p), plan.packs[p]
-        if record.optim_on != "disk":
+        if record.optim_on != Tier.DISK:
             continue
-        weights = spec.master_bytes if record.master_on == "disk" else 0
+        weights = spec.master_bytes if record.master_on == Tier.DISK else 0
         written += weights + spec.optim_bytes
         read += spec.optim_bytes + weights * gathers.count(p)
     return read, written

@@ -1,6 +1,6 @@
 """Packs wholly on disk: their fp32 master weights and optimizer state live in files, not in host memory.
 
-The offload pass places a pack here (``plan.at(pack).master_on == "disk"``) when even with
+The offload pass places a pack here (``plan.at(pack).master_on == Tier.DISK``) when even with
 its optimizer state on disk the host cannot hold its fp32 weights: this is what lets a
 model whose weights exceed host memory train (ZeRO-Infinity's parameter offload).
 
@@ -65,12 +65,13 @@ from concurrent.futures import wait as wait_all
 import torch
 
 from harmony.base.errors import OffloadError
+from harmony.base.tiers import Tier
 from harmony.runtime.diskparams_groups import PARAM, WholeGroups
 from harmony.runtime.placeholders import placeholder, withhold
 
 
 def _records(plan) -> dict:
-    return {p: r for p, r in plan.residency.items() if r.master_on == "disk" and r.disk_groups}
+    return {p: r for p, r in plan.residency.items() if r.master_on == Tier.DISK and r.disk_groups}
 
 
 def written_names(plan) -> set[str]:

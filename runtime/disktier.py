@@ -15,6 +15,7 @@ from concurrent.futures import wait as wait_all
 import torch
 
 from harmony.base.errors import OffloadError
+from harmony.base.tiers import Tier
 from harmony.runtime.disk import DiskStore, step_order
 
 
@@ -91,8 +92,9 @@ class DiskTier:
     @classmethod
     def create(cls, plan, graph, tensors: dict, optimizers: dict, offload_dir=None, **io) -> "DiskTier | None":
         """The tier of the packs whose optimizer state ``plan.residency`` places on disk, or None if there are none."""
-        packs = {s.index: [n for n in s.stepped if n in optimizers] for s in plan.packs   # packs wholly on disk
-                 if plan.at(s.index).optim_on == "disk" and plan.at(s.index).master_on != "disk"   # have their own
+        packs = {s.index: [n for n in s.stepped if n in optimizers] for s in plan.packs
+                 if plan.at(s.index).optim_on == Tier.DISK
+                 and plan.at(s.index).master_on != Tier.DISK    # packs wholly on disk have their own
                  and plan.at(s.index).shares is None}          # partitioned: runtime/partitioned_disk.py
         if not packs:
             return None

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 
+from harmony.base.tiers import Tier
 from harmony.runtime.memory import AllocatorMeter, CountAllocations, MemoryMeter
 from harmony.runtime.ops import op_of, ops_of, resident_state
 from harmony.runtime.pipeline import norm_exchange
@@ -61,10 +62,10 @@ def run_graph(rt, graph: torch.fx.Graph, free_after: dict, txn: Transaction) -> 
         start = time.perf_counter() - t0
         cpu = time.thread_time() if emulated else 0.0      # a system call: only where an op is stretched
         peak, meter.peak = meter.peak, meter.live
-        if op.steps and not (getattr(rt, "gate", None) is not None and node.kwargs.get("where") == "host"):
+        if op.steps and not (getattr(rt, "gate", None) is not None and node.kwargs.get("where") == Tier.HOST):
             txn.stepping(node.args[0])     # a deferred host update counts when the gate runs it
         env[node] = op.execute(rt, *args, **kwargs)
-        if emulated and op.kind == "compute" and kwargs.get("where", "device") != "host":
+        if emulated and op.kind == "compute" and kwargs.get("where", Tier.DEVICE) != Tier.HOST:
             # EMULATION of a slower device: a compute op on it takes speed_factor x as long, so this
             # thread idles for the rest (a sleep leaves the core to other ranks, as a device of its own
             # would). A step on host copies is the host's work, not the device's: not stretched.

@@ -31,6 +31,7 @@ from typing import Callable, Iterator
 import torch
 import torch.fx
 
+from harmony.base.tiers import Tier
 from harmony.runtime.compression import DEFAULT_MIN_SIZE
 
 
@@ -205,8 +206,8 @@ def forward(pack: int, mb: int, *inputs, keep: bool = False): ...
 def backward(pack: int, mb: int, *inputs, saved=None, grads=()): ...
 def stash(value): ...
 def unstash(value): ...
-def step(pack: int, stream: bool = False, where: str = "device", overlap: bool = False): ...
-def allreduce(pack: int, kind: str = "none", *, world: int = 1, where: str = "device", sync: bool = False,
+def step(pack: int, stream: bool = False, where: Tier = Tier.DEVICE, overlap: bool = False): ...
+def allreduce(pack: int, kind: str = "none", *, world: int = 1, where: Tier = Tier.DEVICE, sync: bool = False,
               min_size: int = DEFAULT_MIN_SIZE, warmup: int = 0, weight: float | None = None, **spec): ...
 
 
@@ -263,7 +264,7 @@ def carried_names(plan, pack: int) -> list[str]:
     all-gathers into the device copy (runtime/partitioned.py); before the shard pass has cut the shares (the swap
     pass), its ``owned`` weights."""
     record = plan.at(pack)
-    if record.master_on == "disk" and not record.disk_groups:     # partitioned: no files of whole weights
+    if record.master_on == Tier.DISK and not record.disk_groups:     # partitioned: no files of whole weights
         return record.shares.names() if record.shares is not None else list(plan.packs[pack].owned)
     return [n for i, names in enumerate(record.disk_groups) if i not in record.in_memory for n in names]
 

@@ -3,12 +3,13 @@ registered in the op table (runtime/ops.py) with all it needs.
 """
 from __future__ import annotations
 
+from harmony.base.tiers import Tier
 from harmony.runtime.compression import DEFAULT_MIN_SIZE
 from harmony.runtime.ops import Predicted, allreduce, register
 from harmony.runtime.plan import NOMINAL_NETWORK_BANDWIDTH, NOMINAL_NETWORK_LATENCY
 
 
-def _allreduce_execute(rt, pack, kind="none", *, world=1, where="device", sync=False, min_size=DEFAULT_MIN_SIZE,
+def _allreduce_execute(rt, pack, kind="none", *, world=1, where=Tier.DEVICE, sync=False, min_size=DEFAULT_MIN_SIZE,
                        warmup=0, weight=None, **spec):
     """Average the pack's gradients over ranks.
 
@@ -29,7 +30,7 @@ def _allreduce_execute(rt, pack, kind="none", *, world=1, where="device", sync=F
             comm.reduce(rt, pack)
         fut = Future()
         fut.set_result(None)
-    elif where == "host":
+    elif where == Tier.HOST:
         def job():
             try:
                 comm.reduce(rt, pack)
@@ -68,9 +69,9 @@ def comm_buffer_bytes(grad_bytes: int, kind: str, world: int, bits: int = 4, err
     return int(grad_bytes * (factor + (1.0 if error_feedback else 0.0)))
 
 
-def _allreduce_effect(m, pack, kind="none", *, world=1, where="device", sync=False, bits=4, error_feedback=False,
+def _allreduce_effect(m, pack, kind="none", *, world=1, where=Tier.DEVICE, sync=False, bits=4, error_feedback=False,
                       **kw):
-    if where == "host":             # the host copies: nothing on the device
+    if where == Tier.HOST:          # the host copies: nothing on the device
         return None, 0
     grads = sum(m.sizes.get(("grads", n), 0) for n in m.plan.packs[pack].owned)
     held = comm_buffer_bytes(grads, kind, world, bits, error_feedback)
@@ -92,4 +93,4 @@ def _allreduce_cost(plan, hw, pack, kind="none", *, world=1, bits=4, **kw):
 
 
 register(allreduce, _allreduce_execute, _allreduce_effect, _allreduce_cost, "copy",
-         needs=lambda kw: () if kw.get("where") == "host" else ("grads",), colour="#fc9272", reduces=True)
+         needs=lambda kw: () if kw.get("where") == Tier.HOST else ("grads",), colour="#fc9272", reduces=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
+from harmony.base.tiers import Tier
 from harmony.base.units import nbytes
 from harmony.runtime.ops import (
     Acts,
@@ -234,7 +235,7 @@ def swap_in_disk_io(plan, node, hw) -> dict:
     pack = node.args[0]
     record = plan.at(pack)
     read = 0
-    if node.args[1] == "params" and record.master_on == "disk" and not node.kwargs.get("carried"):
+    if node.args[1] == "params" and record.master_on == Tier.DISK and not node.kwargs.get("carried"):
         read = plan.packs[pack].param_bytes * (1 - record.in_memory_share)
     return _disk_seconds(hw, read, 0)
 
@@ -244,7 +245,7 @@ def step_disk_io(plan, node, hw) -> dict:
     optimizer state alone on disk reads and writes that state."""
     pack = node.args[0]
     spec, record = plan.packs[pack], plan.at(pack)
-    whole, optim = record.master_on == "disk", record.optim_on == "disk"
+    whole, optim = record.master_on == Tier.DISK, record.optim_on == Tier.DISK
     if not (whole or optim):
         return _disk_seconds(hw, 0, 0)
     # partitioned (runtime/partitioned_disk.py): the record counts this rank's share, its weights as master_bytes
@@ -260,7 +261,7 @@ def gather_disk_io(plan, node, hw) -> dict:
     pack = node.args[0]
     record = plan.at(pack)
     read = 0
-    if record.master_on == "disk" and record.shares is not None and node.args[1:2] == ("params",):
+    if record.master_on == Tier.DISK and record.shares is not None and node.args[1:2] == ("params",):
         carried = node.kwargs.get("carried") and node.kwargs.get("reads") != "file"
         read = 0 if carried else plan.packs[pack].master_bytes
     return _disk_seconds(hw, read, 0)

@@ -7,6 +7,7 @@ import time
 
 import torch
 
+from harmony.base.tiers import Tier
 from harmony.base.units import nbytes
 from harmony.runtime.ops import register, step
 from harmony.runtime.ops_compute import kernels_cost, ondemand_seconds, pack_compute_cost
@@ -17,7 +18,7 @@ from harmony.runtime.plan import step_traffic
 from harmony.runtime.precision import master_grads
 
 
-def _step_execute(rt, pack, stream=False, where="device", overlap=False):
+def _step_execute(rt, pack, stream=False, where=Tier.DEVICE, overlap=False):
     """The optimizer update of the parameters whose gradients this pack completed.
 
     ``where="disk"``: the pack's weights and optimizer state are in files; its gradients
@@ -37,9 +38,9 @@ def _step_execute(rt, pack, stream=False, where="device", overlap=False):
     alone on the device, and send it back, so the device holds one parameter's state at a time.
     """
     spec = rt.plan.packs[pack]
-    if where == "disk":
+    if where == Tier.DISK:
         return _step_disk(rt, pack, spec, overlap)
-    if where == "host":
+    if where == Tier.HOST:
         return _step_host(rt, pack, spec)
     if rt.compute_dtype is not None:    # (compile refuses fp16 and clipping with device steps)
         return _step_mixed(rt, spec)
@@ -216,10 +217,10 @@ def _step_one(opt: torch.optim.Optimizer, param: torch.Tensor) -> None:
             group["params"] = params
 
 
-def _step_effect(m, pack, stream=False, where="device", overlap=False):
+def _step_effect(m, pack, stream=False, where=Tier.DEVICE, overlap=False):
     spec = m.plan.packs[pack]
-    if where in ("host", "disk"):   # gradients left with the pack's release (a disk step takes them now)
-        on_device = _device_parts(m.plan, spec) if where == "host" else []
+    if where in (Tier.HOST, Tier.DISK):   # gradients left with the pack's release (a disk step takes them now)
+        on_device = _device_parts(m.plan, spec) if where == Tier.HOST else []
         for n in on_device:         # but those of parameters stepping on the device: they go with the step
             if n in m.grads_exist and m.resident("grads", n):
                 m.live -= m.sizes[("grads", n)]
@@ -254,7 +255,7 @@ def mixed_master_bytes(plan, spec) -> int:
     return spec.stepped_master_bytes if plan.precision != "fp32" else 0
 
 
-def _step_cost(plan, hw, pack, stream=False, where="device", overlap=False):
+def _step_cost(plan, hw, pack, stream=False, where=Tier.DEVICE, overlap=False):
     """An optimizer step is memory-bound: its traffic at memory bandwidth, plus a fixed cost per tensor op.
 
     Traffic: ``plan.step_traffic``, 4 x (2 P + O) bytes. A streamed step also copies each parameter's optimizer state in
@@ -267,9 +268,9 @@ def _step_cost(plan, hw, pack, stream=False, where="device", overlap=False):
     spec = plan.packs[pack]
     master = mixed_master_bytes(plan, spec)
     traffic = step_traffic(master or spec.param_bytes, spec.optim_bytes) + 3 * master
-    if where in ("host", "disk"):   # the host's own memory, outside the runtime's accounting: plain dispatch
+    if where in (Tier.HOST, Tier.DISK):   # the host's own memory, outside the runtime's accounting: plain dispatch
         master = spec.master_bytes or spec.param_bytes      # fp32 masters, less those stepped on the device first
-        host = master - sum(device_part_bytes(plan, spec).values()) if where == "host" else master
+        host = master - sum(device_part_bytes(plan, spec).values()) if where == Tier.HOST else master
         traffic = _share_traffic(spec, host)
         return "host", traffic / getattr(hw, "host_memory_bandwidth", hw.memory_bandwidth)
     ops = kernels_cost(spec, "step")
@@ -289,7 +290,7 @@ def streamed_optim_bytes(plan, pack: int) -> int:
 
 
 def _step_needs(kwargs) -> tuple:
-    if kwargs.get("where", "device") in ("host", "disk"):
+    if kwargs.get("where", Tier.DEVICE) in (Tier.HOST, Tier.DISK):
         return ()                      # the host copies are stepped
     if kwargs.get("stream"):
         return ("params", "grads")     # it brings the optimizer state in itself, a parameter at a time
@@ -297,8 +298,8 @@ def _step_needs(kwargs) -> tuple:
 
 
 def _step_label(args, kwargs) -> str:
-    where = kwargs.get("where", "device")
-    return (f"pack {args[0]}" + (f" · {where}" if where != "device" else "")
+    where = kwargs.get("where", Tier.DEVICE)
+    return (f"pack {args[0]}" + (f" · {where}" if where != Tier.DEVICE else "")
             + (" · overlapped" if kwargs.get("overlap") else "")) if args else ""
 
 

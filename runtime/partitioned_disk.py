@@ -3,8 +3,8 @@
 This is ZeRO-Infinity's bandwidth-centric partitioning: every rank reads and writes only its chunks of each pack
 (runtime/partitioned.py), so N ranks read a layer from N disks at once and no rank's disk holds more than its
 share. The offload pass places a partitioned pack's state on disk when ``host_memory_budget`` cannot hold this
-rank's share of it (``Residency.optim_on == "disk"``: the optimizer state of the rank's pieces), or its weights'
-share too (``master_on == "disk"``: the pieces' fp32 weights, as this rank's chunk of each of the pack's
+rank's share of it (``Residency.optim_on == Tier.DISK``: the optimizer state of the rank's pieces), or its weights'
+share too (``master_on == Tier.DISK``: the pieces' fp32 weights, as this rank's chunk of each of the pack's
 segments, ahead of the state in the same file).
 
 ``ShareTier`` is a ``DiskTier`` (runtime/disktier.py) whose files hold, in this order, the pack's chunks (when its
@@ -28,6 +28,7 @@ from concurrent.futures import wait as wait_all
 
 import torch
 
+from harmony.base.tiers import Tier
 from harmony.runtime.disk import ALIGN, DiskStore, layout, step_order, views_of
 from harmony.runtime.disktier import DiskTier
 
@@ -78,7 +79,7 @@ class ShareTier(DiskTier):
         """The tier of the partitioned packs whose state ``plan.residency`` places on disk, or None if none is."""
         packs, opts, weights = {}, {}, set()
         for p, record in plan.residency.items():
-            if record.shares is None or record.optim_on != "disk":
+            if record.shares is None or record.optim_on != Tier.DISK:
                 continue
             names = [piece.name for piece in record.shares.pieces]
             opt = next((optimizers[n] for n in plan.packs[p].stepped if n in optimizers), None)
@@ -86,7 +87,7 @@ class ShareTier(DiskTier):
                 continue
             packs[p] = names
             opts.update(dict.fromkeys(names, opt))
-            if record.master_on == "disk":
+            if record.master_on == Tier.DISK:
                 weights.add(p)
         if not packs:
             return None

@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from harmony.base.tiers import Tier
+
 
 def optim_state_bytes(profile: dict, nbytes: int) -> int:
     """Optimizer-state bytes of one parameter tensor of ``nbytes`` (see optimizer_profile)."""
@@ -56,9 +58,9 @@ class Residency:
                                     # on the host, they come in afresh after the step)
     carried: bool = False           # wholly on disk: its stepped weights stay on the device from its step to the
                                     # next iteration's forward (``carried_names``)
-    step_on: str = "device"         # where its optimizer steps: "device" | "host"
-    optim_on: str = "device"        # its optimizer state between steps: "device" | "host" | "disk"
-    master_on: str = "host"         # its fp32 weights between uses: "host" | "disk"
+    step_on: Tier = Tier.DEVICE     # where its optimizer steps: Tier.DEVICE | Tier.HOST
+    optim_on: Tier = Tier.DEVICE    # its optimizer state between steps: Tier.DEVICE | Tier.HOST | Tier.DISK
+    master_on: Tier = Tier.HOST     # its fp32 weights between uses: Tier.HOST | Tier.DISK
     # single parameters, where the pack's other state moves: param name -> bytes
     params_held: dict = field(default_factory=dict)   # weights held between visits (``held=`` of swap_in/release)
     optim_kept: dict = field(default_factory=dict)    # optimizer state kept on the device (the pack's is not kept)
@@ -66,7 +68,7 @@ class Residency:
                                                       # device, all their state kept there -> the step's transient
                                                       # bytes (what the host step leaves them)
     device_part_bytes: dict = field(default_factory=dict)  # the same parameters -> their fp32 bytes
-    # wholly on disk (master_on == "disk"): its files
+    # wholly on disk (master_on == Tier.DISK): its files
     disk_groups: list = field(default_factory=list)   # [[param names]]: a file each
     in_memory: tuple = ()           # indices into disk_groups of files kept in host memory, never written or read
     in_memory_share: float = 0.0    # the share of its files' bytes those hold

@@ -23,6 +23,7 @@ import math
 import textwrap
 
 from harmony.base.errors import ConfigError
+from harmony.base.tiers import Tier
 from harmony.base.units import fmt_bytes, nbytes
 from harmony.runtime.ops import ops_of
 from harmony.runtime.plan import STATE_KINDS
@@ -148,13 +149,13 @@ def tiers_of(program) -> dict:
     masters = sum(nbytes(t) for t in state)
     sizes = state_sizes(program)
     resident = {(kind, n) for pack, kind in plan.kept() for n in state_names(plan.packs[pack], kind)}
-    optim = {"device": 0, "host": 0, "disk": 0}
+    optim = dict.fromkeys(Tier, 0)    # optimizer state bytes per tier
     on_disk = disk_masters = 0    # fp32 weights (and optimizer state) of wholly-disk packs, less files kept in memory
     for spec in plan.packs:
         record = plan.at(spec.index)
         if record.shares is not None:   # partitioned over ranks: this rank's host holds its chunk of the masters
             masters -= sum(nbytes(t) for n, t in gm.named_parameters() if n in set(spec.owned)) - spec.master_bytes
-        if record.master_on == "disk":
+        if record.master_on == Tier.DISK:
             mine = set(spec.owned)
             owned = sum(nbytes(t) for n, t in gm.named_parameters() if n in mine)
             if record.shares is not None:     # this rank's file holds its chunk and that chunk's optimizer state
@@ -162,12 +163,11 @@ def tiers_of(program) -> dict:
             masters -= owned
             disk_masters += owned
             on_disk += (owned + spec.optim_bytes) * (1 - record.in_memory_share)
-            optim["host"] += (owned + spec.optim_bytes) * record.in_memory_share
+            optim[Tier.HOST] += (owned + spec.optim_bytes) * record.in_memory_share
             continue
-        if spec.stepped and all(("optim", n) in resident for n in spec.stepped):
-            where = "device"
-        else:        # a device step streams its state in and out: between steps it is on the host
-            where = "disk" if record.optim_on == "disk" else "host"
+        kept = spec.stepped and all(("optim", n) in resident for n in spec.stepped)
+        # (a device step streams its state in and out: between steps it is on the host)
+        where = Tier.DEVICE if kept else Tier.DISK if record.optim_on == Tier.DISK else Tier.HOST
         optim[where] += spec.optim_bytes
     # weights the last step left on the device for the next forward (``Residency.carried``): a copy, also on disk
     carried = sum(sizes.get(("params", n), 0)
@@ -176,9 +176,9 @@ def tiers_of(program) -> dict:
                 compute_dtype=str(dtype).replace("torch.", "") if dtype else "the model's dtype",
                 device_copy_bytes=sum(device_bytes(t, dtype) for t in state), master_bytes=masters,
                 disk_master_bytes=disk_masters,
-                device_bytes=sum(sizes.get(k, 0) for k in resident if k[0] != "optim") + optim["device"],
-                carried_bytes=carried, host_bytes=masters + int(optim["host"]),
-                disk_bytes=optim["disk"] + int(on_disk))
+                device_bytes=sum(sizes.get(k, 0) for k in resident if k[0] != "optim") + optim[Tier.DEVICE],
+                carried_bytes=carried, host_bytes=masters + int(optim[Tier.HOST]),
+                disk_bytes=optim[Tier.DISK] + int(on_disk))
 
 
 def _tied(program) -> list[dict]:

@@ -25,6 +25,7 @@ import torch
 import torch.fx
 
 from harmony.base.errors import BudgetError, ConfigError
+from harmony.base.tiers import Tier
 from harmony.base.units import fmt_bytes, nbytes
 from harmony.compiler.ir import PassReport, PassResult, Program
 from harmony.compiler.meta import COST, MODULE_PATH, PACK, STATE
@@ -299,7 +300,7 @@ def measured_need(program: Program, spec: PackSpec, last: bool) -> int:
     state = spec.param_bytes + spec.buffer_bytes
     grads = spec.param_bytes
     inputs = spec.in_bytes + sum(program.fake_batch_bytes.get(n, 0) for n in spec.inputs)
-    step = state + grads + (spec.stream_step_peak if program.config.optimizer_on == "device" else 0)
+    step = state + grads + (spec.stream_step_peak if program.config.optimizer_on == Tier.DEVICE else 0)
     forward = state + grads + inputs + (spec.fwd_keep_peak if last else spec.fwd_peak)
     if last:
         backward = inputs + spec.out_bytes + spec.saved_bytes + max(spec.bwd_peak, grads + spec.bwd_peak_accum)
@@ -404,7 +405,7 @@ def run(program: Program, ctx) -> PassResult:
                  GFLOP=(s.fwd_flops + s.bwd_flops) / 1e9)
             for i, (s, (b, e)) in enumerate(zip(specs, cuts))]
     seconds, moved = need.plan_cost(cuts, cfg.usable_budget)[:2]
-    compute, copies = need.compute_and_copies(cuts, host=need.traffic_model(cfg.usable_budget) != "device")
+    compute, copies = need.compute_and_copies(cuts, host=need.traffic_model(cfg.usable_budget) != Tier.DEVICE)
     # where copies hold the compute up (the CPU device), a byte not moved saves its time as surely as a recompute does
     program.compute_to_copies = compute / copies if copies and not cfg.copies_block else 1.0
     report = PassReport("partition: layer packs", rows, totals=dict(

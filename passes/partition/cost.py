@@ -14,6 +14,7 @@ from collections import Counter
 import pulp
 
 from harmony.base import ilp
+from harmony.base.tiers import Tier
 from harmony.base.units import nbytes
 from harmony.compiler.ir import Program
 from harmony.passes.offload import step_place
@@ -63,7 +64,7 @@ class PackCost:
         kept = sum(u.kept for u in us)
         boundary = us[0].cross_in + (self.units[e].cross_in if e < len(self.units) else 0)
         act = max(max(u.peak for u in us) + boundary, kept + max(u.bwd for u in us) + 2 * boundary)
-        if self.p.config.optimizer_on != "device":
+        if self.p.config.optimizer_on != Tier.DEVICE:
             extra = 0          # the optimizer steps on the host (offload pass)
         need = pbytes + bbytes + pbytes + max(extra, act)
         cfg = self.p.config
@@ -114,14 +115,14 @@ class PackCost:
             return 0.0
         return 4.0 * self.units[s].cross_in * self.p.config.microbatches
 
-    def traffic_model(self, budget: float) -> str:
-        """How ``plan_cost`` counts what stays resident: "device" (the optimizer steps there: where the offload pass
-        will put it, which it decides after the partition with the exact curve), "host budget" (packs may live on
-        disk), else "<policy> host" (the host steps every pack the swap pass does not move to the device)."""
+    def traffic_model(self, budget: float) -> Tier | str:
+        """How ``plan_cost`` counts what stays resident: ``Tier.DEVICE`` (the optimizer steps there: where the offload
+        pass will put it, which it decides after the partition with the exact curve), "host budget" (packs may live
+        on disk), else "<policy> host" (the host steps every pack the swap pass does not move to the device)."""
         total = self.param_sum(0, len(self.units))
         cfg = self.p.config
-        if step_place(cfg, lambda: (2 + self.state_per_byte) * total <= budget)[0] != "host":
-            return "device"
+        if step_place(cfg, lambda: (2 + self.state_per_byte) * total <= budget)[0] != Tier.HOST:
+            return Tier.DEVICE
         return "host budget" if cfg.host_memory_budget is not None else f"{cfg.policy} host"
 
     def plan_cost(self, cuts, budget: float, exact: bool = False) -> tuple[float, float]:
@@ -146,12 +147,12 @@ class PackCost:
         total = sum(own)
         shares = [0.0] * len(cuts)    # of each pack's parameters' bytes, what steps on the host (``host_tail``)
         model = self.traffic_model(budget)
-        host = model != "device"
+        host = model != Tier.DEVICE
         moved = sum(self.traffic(s, e, i == last, host) for i, (s, e) in enumerate(cuts))
         needs = [self(s, e, i == last)[0] for i, (s, e) in enumerate(cuts)]
         optim = self.master_sum(0, len(self.units)) * self.state_per_byte
         all_params = total + max(n - p for n, p in zip(needs, own))
-        if self.p.config.optimizer_on != "device":
+        if self.p.config.optimizer_on != Tier.DEVICE:
             optim = 0.0
         cross = [self.stash(s) / 4 for s, _ in cuts]     # activation bytes crossing into each pack, all microbatches
         crossing = sum(cross)

@@ -71,6 +71,7 @@ import time
 from collections import OrderedDict
 
 from harmony.base.errors import BudgetError, ConfigError
+from harmony.base.tiers import Tier
 from harmony.base.units import fmt_bytes
 from harmony.compiler.ir import PassReport, PassResult, Program, calls
 from harmony.compiler.verify import memory_curve, state_sizes
@@ -217,7 +218,7 @@ def run(program: Program, ctx) -> PassResult:
         chosen, rows, how, curve = _graphs_first(program, made, chosen, base, groups, sizes, graphs, fits, report)
     program.swap_choice = chosen
     for p in chosen.device:
-        plan.at(p).step_on = plan.at(p).optim_on = "device"
+        plan.at(p).step_on = plan.at(p).optim_on = Tier.DEVICE
     counts = {}
     for n in calls(program.schedule):
         counts[n.target.__name__] = counts.get(n.target.__name__, 0) + 1

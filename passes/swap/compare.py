@@ -12,6 +12,7 @@ choice that ranks graphs before any traffic, and keeps whichever the simulator f
 """
 from __future__ import annotations
 
+from harmony.base.tiers import Tier
 from harmony.compiler.ir import copy_graph
 from harmony.passes.swap.graph import Choice
 
@@ -53,7 +54,7 @@ def simulated(program, fits, choices: list[Choice], sizes: dict) -> list[float]:
         fits(choice)
         program.schedule = copy_graph(program.schedule)   # the prefetch below changes it; fits keeps what it built
         for p in choice.device:     # as the swap pass marks a pack it steps on the device
-            plan.at(p).step_on = plan.at(p).optim_on = "device"
+            plan.at(p).step_on = plan.at(p).optim_on = Tier.DEVICE
         prefetch.run(program, None)
         curve = memory_curve(program, check_residency=False)     # (copies out in flight hold memory until they land)
         seconds.append(simulate(program.schedule, plan, hw, memory=curve, sizes=sizes).step_seconds)

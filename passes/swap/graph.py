@@ -11,6 +11,7 @@ from typing import NamedTuple
 
 import torch.fx
 
+from harmony.base.tiers import Tier
 from harmony.compiler.ir import add_call, calls, copy_graph
 from harmony.compiler.meta import SCHEDULE
 from harmony.runtime import ops
@@ -91,7 +92,7 @@ def insert_swaps(graph: torch.fx.Graph, resident: set) -> None:
     mark_streams(graph, resident)
 
 
-def releases_before_step(graph: torch.fx.Graph, where: str, kinds=("grads", "params")) -> dict[int, list]:
+def releases_before_step(graph: torch.fx.Graph, where: Tier, kinds=("grads", "params")) -> dict[int, list]:
     """pack -> its releases of ``kinds`` that its step (``where=``) follows with no compute between."""
     last_release: dict = {}
     out = {}
@@ -108,11 +109,11 @@ def releases_before_step(graph: torch.fx.Graph, where: str, kinds=("grads", "par
 
 def mark_streams(graph: torch.fx.Graph, resident: set) -> None:
     # a disk step right after its pack's releases takes gradients and weights from the device
-    for releases in releases_before_step(graph, "disk").values():
+    for releases in releases_before_step(graph, Tier.DISK).values():
         for r in releases:
             r.kwargs = {**r.kwargs, "handoff": True}
     for n in calls(graph):
-        if ops.op_of(n).steps and n.kwargs.get("where") not in ("host", "disk"):
+        if ops.op_of(n).steps and n.kwargs.get("where") not in (Tier.HOST, Tier.DISK):
             n.kwargs = {**n.kwargs, "stream": (n.args[0], "optim") not in resident}
 
 
@@ -265,14 +266,14 @@ def stepped_after_release(graph: torch.fx.Graph) -> set[int]:
     """Host-stepped packs whose step follows the last release of their weights with no compute between: where a
     partitioned pack (``shard_state="full"``) can carry its weights across the step, since its step all-gathers
     the updated chunks into the device copy the backward leaves (runtime/partitioned_carry.py)."""
-    return set(releases_before_step(graph, "host", ("params",)))
+    return set(releases_before_step(graph, Tier.HOST, ("params",)))
 
 
 def step_on_device(graph: torch.fx.Graph, packs) -> None:
     """The ``packs``' optimizer steps run on the device (their state is resident: nothing streams)."""
     for n in calls(graph):
         if ops.op_of(n).steps and n.args[0] in packs:
-            n.kwargs = {**n.kwargs, "where": "device", "overlap": False}
+            n.kwargs = {**n.kwargs, "where": Tier.DEVICE.value, "overlap": False}   # plain: fx prints enums as Tier.X
 
 
 def build(base: torch.fx.Graph, resident: set, stashed: set, groups: dict, kept: frozenset = frozenset(),

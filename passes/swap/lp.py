@@ -30,6 +30,7 @@ from __future__ import annotations
 import pulp
 
 from harmony.base import ilp
+from harmony.base.tiers import Tier
 from harmony.compiler.ir import Program
 from harmony.passes.swap.graph import Choice, computes
 from harmony.runtime import ops
@@ -46,7 +47,7 @@ def applies(program: Program, tied: set[str]) -> bool:
     cfg, plan = program.config, program.plan
     return (cfg.policy == "harmony" and cfg.precision == "fp32" and cfg.optimizer_on == "auto"
             and (cfg.world_size or 1) <= 1 and cfg.host_memory_budget is None and not tied
-            and all(plan.at(s.index).step_on == "host" and plan.at(s.index).master_on == "host"
+            and all(plan.at(s.index).step_on == Tier.HOST and plan.at(s.index).master_on == Tier.HOST
                     for s in plan.packs))
 
 

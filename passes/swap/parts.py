@@ -4,6 +4,7 @@ the device), and the tests those choices share (which weights are tied, which pa
 """
 from __future__ import annotations
 
+from harmony.base.tiers import Tier
 from harmony.compiler.ir import Program
 from harmony.passes.swap.graph import Choice, param_swaps
 from harmony.runtime import ops
@@ -29,7 +30,7 @@ def may_step_on_device(program: Program, pack: int) -> bool:
     """Whether the swap pass may move this host-stepped pack's step to the device: ``mixed_placement``, and
     the pack's weights and optimizer state in host memory (not files)."""
     record = program.plan.at(pack)
-    return mixed_placement(program.config) and record.optim_on == "host" and record.master_on == "host"
+    return mixed_placement(program.config) and record.optim_on == Tier.HOST and record.master_on == Tier.HOST
 
 
 def _largest_first(sized, slack: int) -> list:
@@ -58,7 +59,7 @@ def keep_optimizer_parts(program: Program, chosen: Choice, fits, room: int, size
     if slack <= 0:
         return chosen, []
     parts = sorted(((sizes.get(("optim", n), 0), (spec.index, n)) for spec in plan.packs
-                    if (spec.index, "optim") not in chosen.resident and plan.at(spec.index).step_on != "host"
+                    if (spec.index, "optim") not in chosen.resident and plan.at(spec.index).step_on != Tier.HOST
                     for n in spec.stepped), reverse=True)
     kept = _largest_first(parts, slack)
     while kept and fits(chosen._replace(optim=frozenset(kept))).peak > room:
@@ -89,8 +90,8 @@ def keep_weight_parts(program: Program, chosen: Choice, fits, room: int, sizes: 
     curve = fits(chosen)
     swaps = param_swaps(program.schedule)
     order = [spec for spec in reversed(plan.packs)
-             if plan.at(spec.index).step_on == "host" and spec.index not in chosen.held
-             and spec.index not in chosen.device and plan.at(spec.index).master_on == "host"
+             if plan.at(spec.index).step_on == Tier.HOST and spec.index not in chosen.held
+             and spec.index not in chosen.device and plan.at(spec.index).master_on == Tier.HOST
              and len(swaps.get(spec.index, ((), ()))[0]) > 1]
     shared = tied_weights(plan)
     peak_at, at = list(curve.peak_at), {n: i for i, n in enumerate(curve.nodes)}
@@ -149,7 +150,7 @@ def keep_step_parts(program: Program, chosen: Choice, fits, room: int, sizes: di
     weight_parts = {p for p, _ in chosen.parts}
     taken: list = sorted(chosen.steps)      # the integer program's, if it ran
     for spec in plan.packs:
-        if (plan.at(spec.index).step_on != "host" or spec.index in chosen.device or spec.index in weight_parts
+        if (plan.at(spec.index).step_on != Tier.HOST or spec.index in chosen.device or spec.index in weight_parts
                 or not may_step_on_device(program, spec.index)):
             continue
         there = spec.index in chosen.held or len(swaps.get(spec.index, ((), ()))[0]) <= 1

@@ -9,6 +9,7 @@ integer program applies (``lp``), its plan is checked against the greedy's. The 
 """
 from __future__ import annotations
 
+from harmony.base.tiers import Tier
 from harmony.base.units import fmt_bytes
 from harmony.compiler.ir import Program
 from harmony.passes.swap import lp as swap_lp
@@ -195,7 +196,7 @@ def _candidates(program: Program, base, groups: dict, graphs: list) -> list[tupl
     # on the device come in afresh too, and only their optimizer state may stay
     mixed = program.config.precision != "fp32"
     for spec in plan.packs:
-        if plan.at(spec.index).step_on == "host" or mixed:   # the host updates the weights: they come in afresh
+        if plan.at(spec.index).step_on == Tier.HOST or mixed:   # the host updates the weights: they come in afresh
             visits = len(swaps.get(spec.index, ([], []))[0])
             if visits > 1:
                 candidates.append((visits - 1, spec.param_bytes + spec.buffer_bytes, ("held", spec.index)))
@@ -203,7 +204,7 @@ def _candidates(program: Program, base, groups: dict, graphs: list) -> list[tupl
             if spec.stepped and may_step_on_device(program, spec.index):
                 held = spec.param_bytes + spec.buffer_bytes + spec.optim_bytes
                 candidates.append(((spec.param_bytes + spec.buffer_bytes) * 2 / held, held, ("device", spec.index)))
-            if plan.at(spec.index).step_on != "host":
+            if plan.at(spec.index).step_on != Tier.HOST:
                 candidates.append((2, spec.optim_bytes, ("optim", spec.index)))   # in and out around the step
             continue
         phases = m if program.config.policy == "sequential" else 1
@@ -350,7 +351,7 @@ def carry_weights(program: Program, chosen: Choice, fits, room: int, sizes: dict
     candidates = []
     for spec in plan.packs:
         outs = swaps.get(spec.index, ((), ()))[1]
-        if plan.at(spec.index).master_on != "disk" or not outs:
+        if plan.at(spec.index).master_on != Tier.DISK or not outs:
             continue
         if full and (spec.index not in stepped or any(readers.get(n, set()) - {spec.index} for n in spec.owned)):
             continue
