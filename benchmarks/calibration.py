@@ -62,7 +62,7 @@ from harmony.compiler.hardware import Hardware
 from harmony.models import GPT, GPTConfig, copy_task
 from harmony.viz import timeline
 
-from harmony.passes.schedule import POLICIES  # noqa: E402
+from harmony.compiler.config import POLICIES  # noqa: E402
 
 
 def main():

@@ -47,7 +47,7 @@ from harmony.errors import BudgetError
 from harmony.base.units import parse_bytes
 
 GiB = 2**30
-from harmony.passes.schedule import POLICIES  # noqa: E402
+from harmony.compiler.config import POLICIES  # noqa: E402
 SWAP = 11.5 * GiB           # msr-fiddle/harmony 3_scheduler/sched_args.py --bw_swap
 P2P = 8.2 * GiB             # msr-fiddle/harmony 3_scheduler/sched_args.py --bw_p2p
 GPUS = 4

@@ -34,12 +34,15 @@ from harmony.base.tiers import Tier
 from harmony.base.units import parse_bytes
 from harmony.compiler.config_checks import Group, choice, count, env_field, positive, tier
 from harmony.compiler.hardware import NOMINAL, Device, Hardware
-from harmony.runtime.compression import DEFAULT_MIN_SIZE
+from harmony.runtime.compression import DEFAULT_MIN_SIZE, parse_compression
 from harmony.runtime.precision import PRECISIONS, SCALING_DEFAULTS, compute_dtype
 
-# the values a pass accepts stay in the pass (passes.offload.PLACES, passes.schedule.POLICIES, ...), imported when a
-# config is checked: the passes import compiler.ir, which imports this module
+# the values the options take, which the passes that act on them read from here
+PLACES = ("auto", Tier.DEVICE, Tier.HOST)    # optimizer_on
+WEIGHTS = ("auto", Tier.HOST, Tier.DISK)     # weights_on: where a host-stepped pack's fp32 weights live between uses
 RECOMPUTE = ("auto", Tier.DEVICE, "always")
+POLICIES = ("harmony", "sequential", "ondemand")
+DEFAULT_PIPELINE = ("partition", "schedule", "offload", "compress", "swap", "prefetch")
 DEFAULT_MEMORY_BUDGET = 1 << 30        # bytes per device when memory_budget is not given (and balance= is not)
 
 
@@ -135,7 +138,6 @@ class MemoryConfig(Group):
 
     def __post_init__(self):
         super().__post_init__()
-        from harmony.passes.offload import PLACES, WEIGHTS
         if self.init is not None and not callable(self.init):
             raise ConfigError(f"init={self.init!r} is not callable: give init(module), which fills the module's own "
                               f"parameters (e.g. with torch.nn.init), or None")
@@ -231,7 +233,6 @@ class ParallelConfig(Group):
 
     def __post_init__(self):
         super().__post_init__()
-        from harmony.passes.compress import parse_compression
         parse_compression(self.compression)      # a bad value fails even when there is one rank
         if isinstance(self.min_size, bool) or not isinstance(self.min_size, int) or self.min_size < 0:
             raise ConfigError(f"min_size={self.min_size!r}: give the number of elements below which a tensor travels "
@@ -328,7 +329,6 @@ class PlanConfig(Group):
 
     def __post_init__(self):
         super().__post_init__()
-        from harmony.passes.schedule import POLICIES
         choice("policy", self.policy, POLICIES)
         try:
             torch.device(self.device)
@@ -351,7 +351,6 @@ class PlanConfig(Group):
 
 def _passes(passes) -> tuple:
     """``passes=`` as a tuple of entries: a name, or (name, choice)."""
-    from harmony.compiler.passmanager import DEFAULT_PIPELINE
     if passes is None:
         return DEFAULT_PIPELINE
     if isinstance(passes, str):

@@ -8,6 +8,7 @@ import torch
 import torch.fx
 
 from harmony.compiler.config import CompileConfig
+from harmony.compiler.meta import SCHEDULE
 from harmony.runtime.plan import Plan
 
 
@@ -78,6 +79,16 @@ def copy_graph(graph: torch.fx.Graph) -> torch.fx.Graph:
 def add_call(graph: torch.fx.Graph, target, args: tuple, kwargs: dict | None = None) -> torch.fx.Node:
     """``graph.call_function(target, args, kwargs)`` at the graph's insert point, as ``add_node`` makes it."""
     return add_node(graph, "call_function", target, args, kwargs)
+
+
+def emit(g: torch.fx.Graph, fn, *args, name=None, **kwargs) -> torch.fx.Node:
+    """A call of the runtime op ``fn`` in the schedule ``g``, named ``name`` where given, tagged with its pack (the
+    first argument where it is an int) for the passes that follow."""
+    node = add_call(g, fn, args, kwargs)
+    if name:
+        node.name = g._graph_namespace.create_name(name, node)
+    node.meta[SCHEDULE] = {"pack": args[0] if args and isinstance(args[0], int) else None}
+    return node
 
 
 # Graph.create_node walks every call's arguments with pytree to warn of raw SymInts: most of the swap pass's

@@ -6,11 +6,11 @@ import logging
 import time
 
 from harmony.base.errors import ConfigError, HarmonyError, PassError
+from harmony.compiler.config import DEFAULT_PIPELINE
 from harmony.compiler.ir import PassReport, Program
 from harmony.compiler.printer import schedule_code
 from harmony.compiler.verify import verify
 
-DEFAULT_PIPELINE = ("partition", "schedule", "offload", "compress", "swap", "prefetch")
 log = logging.getLogger("harmony")
 BASE_CAPABILITIES = {"cost"}
 

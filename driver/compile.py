@@ -21,7 +21,7 @@ from harmony.compiler.config import DEFAULT_MEMORY_BUDGET, CompileConfig, Config
 from harmony.compiler.ir import Program
 from harmony.compiler.trace import trace
 from harmony.driver import modes
-from harmony.passes.compress import parse_compression
+from harmony.runtime.compression import parse_compression
 from harmony.runtime.optim import from_instance
 from harmony.runtime.optim import optimizer_kwargs as optimizer_kwargs_for
 from harmony.runtime.world import resolve as resolve_world

@@ -35,7 +35,6 @@ all-reduce sums the weighted mean gradients (``collectives.allreduce(weight=...)
 from __future__ import annotations
 
 import hashlib
-import re
 import time
 
 import torch
@@ -49,40 +48,18 @@ from harmony.compiler.meta import SCHEDULE
 from harmony.runtime import ops
 from harmony.runtime.collectives import DEFAULT_FUSION_BYTES, ring_bytes
 from harmony.runtime.communicator import comm_stats
-from harmony.runtime.compression import DEFAULT_MIN_SIZE, NO_COMPRESSION, CompressionSpec, spec_for, wire_bytes
+from harmony.runtime.compression import (
+    DEFAULT_MIN_SIZE,
+    NO_COMPRESSION,
+    CompressionSpec,
+    spec_for,
+    wire_bytes,
+)
 
 NAME = "compress"
 REQUIRES = {"schedule", "placement"}
 PROVIDES = {"communication"}
 ADAPTIVE_WARMUP = 3          # steps measuring quantization errors (sent in fp32) before bits are fixed
-NAMED = ("none", "fp32", "fp16", "bf16", "Nbit (N in 1..8)", "adaptive")
-
-
-# -- the user's compression argument --------------------------------------------------------------
-def parse_compression(compression) -> tuple[CompressionSpec, bool]:
-    """``compression=`` of ``harmony.compile`` -> (spec, adaptive).
-
-    ``None``/"none"/"fp32": plain fp32; "fp16"/"bf16"; "4bit" (any of 1..8): quantized, stochastic
-    rounding, buckets of 512; "adaptive": per-layer bits chosen after a warm-up so that the total
-    error is at most uniform 4-bit's; or a ``CompressionSpec``.
-    """
-    if compression is None:
-        return NO_COMPRESSION, False
-    if isinstance(compression, CompressionSpec):
-        return compression, False
-    if isinstance(compression, str):
-        c = compression.strip().lower()
-        if c in ("none", "fp32"):
-            return NO_COMPRESSION, False
-        if c in ("fp16", "bf16"):
-            return CompressionSpec(c), False
-        if c == "adaptive":
-            return CompressionSpec("quantized", bits=4), True
-        m = re.fullmatch(r"(\d+)[- ]?bits?", c)
-        if m:
-            return CompressionSpec("quantized", bits=int(m[1])), False   # bits out of 1..8: ConfigError there
-    raise ConfigError(f"compression={compression!r}: use None, one of {', '.join(NAMED)}, "
-                      f"or a harmony.runtime.compression.CompressionSpec")
 
 
 def spec_kwargs(spec: CompressionSpec) -> dict:

@@ -58,6 +58,7 @@ import time
 from harmony.base.errors import BudgetError, ConfigError
 from harmony.base.tiers import Tier
 from harmony.base.units import fmt_bytes, nbytes
+from harmony.compiler.config import PLACES, WEIGHTS
 from harmony.compiler.ir import PassReport, PassResult, Program
 from harmony.compiler.verify import memory_curve
 from harmony.runtime import ops
@@ -66,8 +67,6 @@ from harmony.runtime.plan import STATE_KINDS
 NAME = "offload"
 REQUIRES = {"schedule"}
 PROVIDES = {"placement"}
-PLACES = ("auto", Tier.DEVICE, Tier.HOST)
-WEIGHTS = ("auto", Tier.HOST, Tier.DISK)     # where a host-stepped pack's fp32 weights live between uses
 
 
 def everything_fits(program: Program) -> bool:

@@ -20,24 +20,13 @@ import time
 import torch.fx
 
 from harmony.base.errors import ConfigError
-from harmony.compiler.ir import PassReport, PassResult, Program, add_call
-from harmony.compiler.meta import SCHEDULE
+from harmony.compiler.config import POLICIES
+from harmony.compiler.ir import PassReport, PassResult, Program, emit
 from harmony.runtime import ops
 
 NAME = "schedule"
 REQUIRES = {"packs"}
 PROVIDES = {"schedule"}
-POLICIES = ("harmony", "sequential", "ondemand")
-
-
-def emit(g: torch.fx.Graph, fn, *args, name=None, **kwargs) -> torch.fx.Node:
-    """A call of the runtime op ``fn`` in the schedule ``g``, named ``name`` where given, tagged with its pack (the
-    first argument where it is an int) for the passes that follow."""
-    node = add_call(g, fn, args, kwargs)
-    if name:
-        node.name = g._graph_namespace.create_name(name, node)
-    node.meta[SCHEDULE] = {"pack": args[0] if args and isinstance(args[0], int) else None}
-    return node
 
 
 class Builder:

@@ -17,8 +17,7 @@ from __future__ import annotations
 
 import torch.fx
 
-from harmony.compiler.ir import Program
-from harmony.passes.schedule import emit
+from harmony.compiler.ir import Program, emit
 from harmony.runtime import ops
 from harmony.runtime.pipeline import recv, send, share_loss, share_norms
 

@@ -14,6 +14,7 @@ scale, and packs every element's level (``bits`` bits, 1..8) into bytes; ``dequa
 from __future__ import annotations
 
 import math
+import re
 import sys
 from dataclasses import dataclass
 
@@ -350,3 +351,33 @@ def dequantize(p: Packed, out: torch.Tensor | None = None, accumulate: bool = Fa
         tail = torch.mul(levels, scales[full:]).add_(mins[full:])
         out[first: p.numel].add_(tail) if accumulate else out[first: p.numel].copy_(tail)
     return out.view(p.shape) if out.numel() == math.prod(p.shape) else out
+
+
+NAMED = ("none", "fp32", "fp16", "bf16", "Nbit (N in 1..8)", "adaptive")
+
+
+# -- the user's compression argument --------------------------------------------------------------
+def parse_compression(compression) -> tuple[CompressionSpec, bool]:
+    """``compression=`` of ``harmony.compile`` -> (spec, adaptive).
+
+    ``None``/"none"/"fp32": plain fp32; "fp16"/"bf16"; "4bit" (any of 1..8): quantized, stochastic
+    rounding, buckets of 512; "adaptive": per-layer bits chosen after a warm-up so that the total
+    error is at most uniform 4-bit's; or a ``CompressionSpec``.
+    """
+    if compression is None:
+        return NO_COMPRESSION, False
+    if isinstance(compression, CompressionSpec):
+        return compression, False
+    if isinstance(compression, str):
+        c = compression.strip().lower()
+        if c in ("none", "fp32"):
+            return NO_COMPRESSION, False
+        if c in ("fp16", "bf16"):
+            return CompressionSpec(c), False
+        if c == "adaptive":
+            return CompressionSpec("quantized", bits=4), True
+        m = re.fullmatch(r"(\d+)[- ]?bits?", c)
+        if m:
+            return CompressionSpec("quantized", bits=int(m[1])), False   # bits out of 1..8: ConfigError there
+    raise ConfigError(f"compression={compression!r}: use None, one of {', '.join(NAMED)}, "
+                      f"or a harmony.runtime.compression.CompressionSpec")

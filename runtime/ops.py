@@ -140,14 +140,14 @@ def _needs_nothing(kwargs) -> tuple:
 
 
 def label_args(args, kwargs) -> str:
-    return ", ".join(_short(a) for a in args)
+    return ", ".join(short_label(a) for a in args)
 
 
-def _short(a) -> str:
+def short_label(a) -> str:
     if hasattr(a, "name") and not isinstance(a, str):   # a value another op made
         return a.name
     if isinstance(a, (tuple, list)):
-        return ",".join(_short(x) for x in a) or "()"
+        return ",".join(short_label(x) for x in a) or "()"
     return str(a)
 
 

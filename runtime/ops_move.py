@@ -11,7 +11,6 @@ from harmony.base.units import nbytes
 from harmony.runtime.ops import (
     Acts,
     Predicted,
-    _short,
     arrived,
     carried_names,
     label_args,
@@ -20,6 +19,7 @@ from harmony.runtime.ops import (
     op_of,
     register,
     release,
+    short_label,
     stash,
     swap_in,
     unstash,
@@ -278,7 +278,7 @@ def pack_what(args, kwargs) -> str:
 
 
 def _batch_label(args, kwargs) -> str:
-    return f"mb {args[0]} {_short(args[1])}" if len(args) >= 2 else label_args(args, kwargs)
+    return f"mb {args[0]} {short_label(args[1])}" if len(args) >= 2 else label_args(args, kwargs)
 
 
 # colours: compute blues, state copies orange, activation copies purple, sync grey, optimizer green, network reds

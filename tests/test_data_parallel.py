@@ -16,7 +16,7 @@ import harmony.data
 import harmony.runtime.world
 from harmony.errors import ConfigError, InputError
 from harmony.passes import compress
-from harmony.runtime import ops
+from harmony.runtime import compression, ops
 from models import CASES, eager_full, training_state_bytes
 from test_collectives import _digest, _spawn
 
@@ -402,9 +402,9 @@ def test_bad_data_parallel_arguments_are_config_errors():
         harmony.compile(model, example_batch=data[0], compression="zip")
     with pytest.raises(ConfigError, match="min_size"):
         harmony.compile(model, example_batch=data[0], min_size=-1)
-    assert compress.parse_compression("fp16")[0].kind == "fp16"
-    assert compress.parse_compression("adaptive") == (compress.CompressionSpec(bits=4), True)
-    assert compress.parse_compression("2bit")[0].bits == 2
+    assert compression.parse_compression("fp16")[0].kind == "fp16"
+    assert compression.parse_compression("adaptive") == (compression.CompressionSpec(bits=4), True)
+    assert compression.parse_compression("2bit")[0].bits == 2
 
 
 def test_shard_gives_each_rank_its_rows():
