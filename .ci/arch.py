@@ -77,7 +77,7 @@ MODES = {   # mode -> regexes of the identifiers only its code uses (see the doc
 @dataclass
 class Module:
     name: str          # harmony.runtime.ops
-    rel: str           # runtime/ops.py
+    rel: str           # runtime/ops/
     group: str         # the package-dir entry it comes from, less the root: "runtime", "" for the face
     package: bool      # an __init__.py
     text: str

@@ -29,10 +29,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from harmony.runtime.adaptive_bits import ErrorMeter, choose_bits_across_ranks, specs_for_bits
-from harmony.runtime.collectives import DEFAULT_FUSION_BYTES, Workspace, allreduce, ring_bytes
-from harmony.runtime.process_group import init_process_group
-from harmony.runtime.compression import DEFAULT_MIN_SIZE, CompressionSpec, spec_for
+from harmony.runtime.comm.adaptive_bits import ErrorMeter, choose_bits_across_ranks, specs_for_bits
+from harmony.runtime.comm.collectives import DEFAULT_FUSION_BYTES, Workspace, allreduce, ring_bytes
+from harmony.runtime.comm.process_group import init_process_group
+from harmony.runtime.comm.compression import DEFAULT_MIN_SIZE, CompressionSpec, spec_for
 
 MB = 1e6
 

@@ -257,9 +257,9 @@ def worker(args):
     out = Path(args.worker)
     given = json.loads((out / "budgets.json").read_text())
     if not dist.is_initialized():
-        from harmony.runtime.process_group import init_process_group
+        from harmony.runtime.comm.process_group import init_process_group
         init_process_group(timeout=120.0)
-    from harmony.runtime.process_group import measure_network
+    from harmony.runtime.comm.process_group import measure_network
     c = gpt_config(args)
     hw = profile_under_load(args, given["speed_factors"])
     bandwidth, latency = measure_network()      # gloo on this machine, not the nominal 10 Gb/s Ethernet

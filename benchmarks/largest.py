@@ -84,7 +84,7 @@ def plan(a, hw, layers: int) -> dict:
     import harmony
     from harmony.errors import BudgetError
     from harmony.models import GPT
-    from harmony.runtime.offload_dirs import room_needed
+    from harmony.runtime.tiers.dirs import room_needed
     from harmony.viz.report import tiers_of
     c = gpt_config(a, layers)
     with torch.device("meta"):

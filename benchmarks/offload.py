@@ -67,7 +67,7 @@ disk GB/s these imply over the step; and the bound max(compute, read/raw_read + 
 where compute is the eager run's fastest step after the first (else FSDP2's, noted; the load
 of a shared machine only slows a step, so the fastest is the truest) and the raw bandwidths are
 measured in this run by an O_DIRECT sequential write, overwrite and read of --raw-bytes in --dir
-(compiler/machine.py's disk_bandwidth, the helper Hardware.profile uses; the write rate is the
+(compiler/hardware/machine.py's disk_bandwidth, the helper Hardware.profile uses; the write rate is the
 overwrite's, into allocated blocks, as the disk tier writes: the first, allocating write is in
 the notes), just before and just after each system that uses the disk: a shared cloud disk's
 rates move several-fold from one minute to the next (this machine's read 0.72 to 3.6 GB/s,
@@ -472,7 +472,7 @@ def child(a) -> None:
 
 def raw_disk(path: str, nbytes: int) -> tuple[float, float, str]:
     """(read, write) bytes/s of a sequential O_DIRECT write then read of ``nbytes`` under ``path``."""
-    from harmony.compiler.machine import disk_bandwidth
+    from harmony.compiler.hardware.machine import disk_bandwidth
     # the helper writes until its cap or half its time budget: give it time enough to reach the cap
     return disk_bandwidth(max(60.0, nbytes / 2e7), path=path, cap=nbytes)
 
@@ -480,7 +480,7 @@ def raw_disk(path: str, nbytes: int) -> tuple[float, float, str]:
 def io_interference(root: str, seconds: float, nbytes: int) -> dict:
     """Compute lost to disk traffic beside it: seconds of a whole-machine sgemm lost per byte read and written.
 
-    A square sgemm on every core (compiler/machine.py's matmul_flops: the median run) runs alone, beside
+    A square sgemm on every core (compiler/hardware/machine.py's matmul_flops: the median run) runs alone, beside
     a loop of sequential 16 MiB reads of a file under ``root`` (O_DIRECT where the filesystem takes it),
     beside a loop of writes, and alone again, each for ``seconds``; lost = (1 - rate beside / rate alone)
     x seconds, per byte the loop moved. On this
@@ -491,7 +491,7 @@ def io_interference(root: str, seconds: float, nbytes: int) -> dict:
     import threading
 
     import torch
-    from harmony.compiler.machine import matmul_flops, takes_direct_io
+    from harmony.compiler.hardware.machine import matmul_flops, takes_direct_io
     path, chunk = os.path.join(root, "interference.bin"), 16 << 20
     size = max(chunk, nbytes // chunk * chunk)
     buf = mmap.mmap(-1, chunk)                 # page aligned, as O_DIRECT wants

@@ -14,7 +14,7 @@ on the same ranks, GPT and per-rank batch, with parameters and optimizer state o
 where ``pip install -e ".[bench]"`` and libaio are there, else its row says what is missing); its state is on disk,
 so its host column is empty and its disk columns (bytes each rank's process read from and wrote to the block
 device per step, /proc/self/io) are where its state moves. Harmony's ``full`` keeps its share in host memory;
-``full+disk`` keeps it on disk as DeepSpeed does (runtime/partitioned_disk.py), beside ``replicated+disk``, whose
+``full+disk`` keeps it on disk as DeepSpeed does (runtime/partitioned/disk.py), beside ``replicated+disk``, whose
 ranks each keep and read whole files.
 
     python benchmarks/partition.py                      # 2 and 3 ranks, every mode

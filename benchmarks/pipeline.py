@@ -19,14 +19,14 @@ every rank: its figure is the one-rank state times the ranks (not run).
 
 Part 2, SIMULATED (``--simulated`` runs it alone; by default it follows part 1): the Harmony paper's server (4 and
 8 GTX 1080 Ti, 11 GB each, PCIe 3.0 behind one switch) and one of today (8 x A100 40 GB SXM4 on NVSwitch, two GPUs
-per PCIe 4 switch), ``Hardware.node`` presets (compiler/nodes.py says where each figure comes from). GPT-2 1.5B
+per PCIe 4 switch), ``Hardware.node`` presets (compiler/hardware/nodes.py says where each figure comes from). GPT-2 1.5B
 (48 x 1600) and a GPT of 6.7B (32 x 4096), both untied, sequences of 1024, built on the meta device (nothing is
 allocated) and planned without ranks (driver/node.py), each device's budget its memory. A global batch
 of ``--sim-batch`` samples in microbatches of ``--sim-microbatch``; three systems side by side:
 
 - vPP: ``parallel="pipeline"``, contiguous placement (vPP; vPP-g1: ``placement="layers", pipeline_group=1``,
   one microbatch at a time through a rank's packs) and round-robin (vPP-rr, the paper's vPP), every rank's
-  schedule simulated together (runtime/simulate_node.py: messages over P2P, swaps sharing the switch's uplink);
+  schedule simulated together (runtime/simulate/node.py: messages over P2P, swaps sharing the switch's uplink);
 - vDP: data-parallel Harmony, each device one plan at its share of the batch, the N copies simulated together (so
   their swaps share the switch too), plus a ring all-reduce of the fp32 gradients over P2P not overlapped;
 - ondemand: the same data-parallel replicas with ``policy="ondemand"`` (virtualized memory's fetch on touch).

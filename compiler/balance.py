@@ -124,7 +124,7 @@ SWAP_PASSES = 2.0     # bytes a step moves per byte of replicated state that doe
 
 def step_seconds(cost: ModelCost, device, share: float) -> float:
     """Seconds of the optimizer step over a rank's share of the state: memory-bound, as the op table costs it
-    (runtime/ops.py), stretched by an emulation speed factor like the compute it follows."""
+    (runtime/ops/), stretched by an emulation speed factor like the compute it follows."""
     bandwidth = getattr(device, "memory_bandwidth", None)
     if not bandwidth or not cost.step_bytes:
         return 0.0

@@ -34,7 +34,7 @@ from harmony.base.tiers import Tier
 from harmony.base.units import parse_bytes
 from harmony.compiler.config_checks import Group, choice, count, env_field, positive, tier
 from harmony.compiler.hardware import NOMINAL, Device, Hardware
-from harmony.runtime.compression import DEFAULT_MIN_SIZE, parse_compression
+from harmony.runtime.comm.compression import DEFAULT_MIN_SIZE, parse_compression
 from harmony.runtime.precision import PRECISIONS, SCALING_DEFAULTS, compute_dtype
 
 # the values the options take, which the passes that act on them read from here

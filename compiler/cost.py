@@ -33,9 +33,9 @@ from harmony.compiler import measured
 from harmony.compiler.fake import FakeRun, device_of_batch, fake_twin
 from harmony.compiler.meta import COST, STATE
 from harmony.compiler.signature import Unknown, describe, getattr_path, graph_signature, module_signature
-from harmony.compiler.trace_inplace import inplace_error
-from harmony.runtime.memory import CountAllocations, MemoryMeter
+from harmony.compiler.trace.inplace import inplace_error
 from harmony.runtime.precision import device_dtype
+from harmony.runtime.tiers.memory import CountAllocations, MemoryMeter
 
 B = sympy.Symbol("B", positive=True, integer=True)
 

@@ -23,8 +23,8 @@ from harmony.compiler import measured
 from harmony.compiler.cost import leaf, tensors_of
 from harmony.compiler.fake import FakeRun
 from harmony.compiler.signature import pack_signature
-from harmony.runtime.memory import CountAllocations, MemoryMeter
 from harmony.runtime.precision import device_dtype
+from harmony.runtime.tiers.memory import CountAllocations, MemoryMeter
 
 
 def _fake_state_of(module, run):

@@ -91,8 +91,8 @@ def fill_host(sm, tensors: dict):
     """An empty model's parameters that stay in host memory, filled now; those of packs wholly on disk are
     filled group by group as their files are written, and those partitioned over the ranks a pack at a time
     as this rank cuts its chunks of them (driver/materialize.py)."""
-    from harmony.runtime.diskparams import written_names
     from harmony.runtime.ops import resident_state
+    from harmony.runtime.tiers.params_disk import written_names
     plan = sm.program.plan
     filler = Filler(sm.model, sm.program.config.init)
     partitioned = {n for r in plan.residency.values() if r.shares is not None for n in r.shares.names()}
@@ -105,9 +105,9 @@ def fill_host(sm, tensors: dict):
 def disk_tiers(sm, tensors: dict, optimizers: dict, shares, device, filler=None) -> None:
     """The disk tiers' stores, their directories made now (after checking the disk has room for the plan)."""
     from harmony.driver.usermodel import guard
-    from harmony.runtime.diskparams import DiskParams
-    from harmony.runtime.disktier import DiskTier
-    from harmony.runtime.offload_dirs import check_room
+    from harmony.runtime.tiers.dirs import check_room
+    from harmony.runtime.tiers.optim_disk import DiskTier
+    from harmony.runtime.tiers.params_disk import DiskParams
     from harmony.viz.report import tiers_of
     program, plan, cfg = sm.program, sm.program.plan, sm.program.config
     state = sm.runtime.state
@@ -116,7 +116,7 @@ def disk_tiers(sm, tensors: dict, optimizers: dict, shares, device, filler=None)
         state.disk = DiskTier.create(plan, program.schedule, tensors, optimizers, cfg.offload_dir,
                                      **cfg.disk_io())
         if shares is not None:    # this rank's shares of the partitioned packs on disk
-            from harmony.runtime.partitioned_disk import ShareTier
+            from harmony.runtime.partitioned.disk import ShareTier
             state.disk = ShareTier.create(plan, program.schedule, tensors, optimizers, shares,
                                           cfg.offload_dir, **cfg.disk_io())
             for n in getattr(state.disk, "piece_pack", ()):   # the chunks are in their files

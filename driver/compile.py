@@ -21,10 +21,10 @@ from harmony.compiler.config import DEFAULT_MEMORY_BUDGET, CompileConfig, Config
 from harmony.compiler.ir import Program
 from harmony.compiler.trace import trace
 from harmony.driver import modes
-from harmony.runtime.compression import parse_compression
+from harmony.runtime.comm.compression import parse_compression
+from harmony.runtime.comm.world import resolve as resolve_world
 from harmony.runtime.optim import from_instance
 from harmony.runtime.optim import optimizer_kwargs as optimizer_kwargs_for
-from harmony.runtime.world import resolve as resolve_world
 
 log = logging.getLogger("harmony")
 
@@ -166,7 +166,7 @@ def check_masters(gm, precision) -> None:
 def reserve_for_cuda(config: CompileConfig, device) -> None:
     """The CUDA libraries' own device memory comes out of the budget first (config.device_reserved)."""
     from harmony.base.process import cuda_expandable_segments
-    from harmony.compiler.machine import cuda_library_bytes
+    from harmony.compiler.hardware.machine import cuda_library_bytes
     config.expandable_segments = cuda_expandable_segments()
     config.device_reserved = cuda_library_bytes(device, config.compute_dtype)
     if config.device_reserved >= config.memory_budget:

@@ -23,7 +23,7 @@ import torch
 from harmony.base.errors import ConfigError, TornStepError
 from harmony.base.process import peak_rss_bytes
 from harmony.driver.step import batch_of, leaf_modules
-from harmony.runtime.world import check_world
+from harmony.runtime.comm.world import check_world
 
 
 @dataclasses.dataclass
@@ -41,9 +41,9 @@ class Evaluation:
 
 
 def eval_plan(plan):
-    """``plan`` with each pack's forward in eval mode (compiler/trace_eval.py): no random numbers to replay, no
+    """``plan`` with each pack's forward in eval mode (compiler/trace/eval.py): no random numbers to replay, no
     buffer it writes. Returns the plan, the modules to run in eval mode, and how many ops changed."""
-    from harmony.compiler.trace_eval import eval_module
+    from harmony.compiler.trace.eval import eval_module
     packs, changed = [], 0
     for spec in plan.packs:
         module, n = eval_module(spec.module)

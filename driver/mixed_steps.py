@@ -3,7 +3,7 @@
 Mixed precision steps every pack on the host by default (ZeRO-Offload): its fp32 masters and optimizer state never
 come to the device. Where the device computes much faster than the host updates (bf16 on a recent GPU) the host's
 steps outlast the backward they overlap, and the next step waits for them. A pack can step on the device instead
-(passes/offload.py ``_device_steps``, runtime/ops_step.py): its masters and optimizer state come in one parameter at
+(passes/offload.py ``_device_steps``, runtime/ops/update.py): its masters and optimizer state come in one parameter at
 a time, which costs the compute stream the copies' time but takes the pack's update off the host. The packs that
 step last go first: their host steps are the ones left when the backward ends. compile plans the step with 0, 1, 2,
 ... such packs, simulates each on the plan's hardware and keeps the fastest, stopping at the first count that is

@@ -3,7 +3,7 @@
 Between steps every parameter of the model passed to ``harmony.compile`` points at its trained
 weights (the host master, or the device copy of a pack that stays resident), except those of
 packs wholly on disk (``weights_on="disk"``, or a host budget that sends packs there): their
-weights are in files and the parameter holds a placeholder of the right shape (runtime/diskparams.py); likewise
+weights are in files and the parameter holds a placeholder of the right shape (runtime/tiers/params_disk.py); likewise
 under ``shard_state="full"`` (other ranks' shares) and on pipeline ranks (other ranks' packs).
 Reading such a model would give NaN without a word, so ``guard`` makes the model's ``forward`` and
 ``state_dict`` raise ``OffloadError`` while any placeholder is in it, and each such parameter refuses any read of
@@ -75,8 +75,8 @@ def sync_model(sm) -> list[str]:
     pd = getattr(sm.runtime, "state", None) and sm.runtime.state.params_disk
     if pd is None:
         return []
-    from harmony.runtime.diskparams import PARAM
     from harmony.runtime.placeholders import is_placeholder
+    from harmony.runtime.tiers.params_disk import PARAM
     brought = []
     for gid, names in enumerate(pd.groups):
         todo = [n for n in names if is_placeholder(pd.tensors[n].data)]

@@ -18,7 +18,7 @@ from harmony.driver import compile as driver
 from harmony.driver.assemble import assemble
 from harmony.driver.handshake import CALLS, agree
 from harmony.driver.step import accept_partial_step, batch_of, run_step, step_stats
-from harmony.runtime.world import check_world
+from harmony.runtime.comm.world import check_world
 
 
 def compile(model: torch.nn.Module, example_batch, *, memory_budget=None, microbatches: int | None = None,

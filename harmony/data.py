@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from harmony.base.errors import ConfigError, InputError
-from harmony.runtime.world import rank_and_world
+from harmony.runtime.comm.world import rank_and_world
 
 __all__ = ["shard", "rank_and_world"]
 

@@ -46,9 +46,9 @@ from harmony.base.units import nbytes
 from harmony.compiler.ir import PassReport, PassResult, Program, add_call, calls, copy_graph
 from harmony.compiler.meta import SCHEDULE
 from harmony.runtime import ops
-from harmony.runtime.collectives import DEFAULT_FUSION_BYTES, ring_bytes
-from harmony.runtime.communicator import comm_stats
-from harmony.runtime.compression import (
+from harmony.runtime.comm.collectives import DEFAULT_FUSION_BYTES, ring_bytes
+from harmony.runtime.comm.communicator import comm_stats
+from harmony.runtime.comm.compression import (
     DEFAULT_MIN_SIZE,
     NO_COMPRESSION,
     CompressionSpec,

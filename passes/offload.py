@@ -15,7 +15,7 @@ to a device step with all their state resident (``swap.may_step_on_device``): mi
 
 Where a host-stepped pack's optimizer state lives between steps (``Residency.optim_on``):
 ``host`` while ``host_memory_budget`` allows, else ``disk`` (a file per pack under
-``offload_dir``, read back for the pack's step: runtime/disk.py). The host holds, and the
+``offload_dir``, read back for the pack's step: runtime/tiers/disk.py). The host holds, and the
 budget counts: the fp32 master copy of every parameter and buffer; the gradients of the two
 packs between their release and their step (the one stepping, the one released behind
 it); the optimizer state of the host-placed packs; and, once any pack is on disk, two
@@ -38,7 +38,7 @@ step.
 If the host cannot hold the fp32 weights either (a model bigger than host memory), packs
 go to disk *wholly* (``Residency.master_on``), again first-stepped first: their weights and
 optimizer state live in files of at most ``disk_group_bytes`` of weights
-(runtime/diskparams.py), the weights are read from disk for each phase that needs them,
+(runtime/tiers/params_disk.py), the weights are read from disk for each phase that needs them,
 and the pack steps after its backward a file at a time, so the host holds three files and
 one file's gradients, never a whole pack. The room the host budget leaves after that keeps
 whole files in host memory (``Residency.in_memory``), those of the last-stepped packs first:
@@ -49,7 +49,7 @@ makes it inline where the device cannot hold them that long). ``weights_on`` ove
 Under data parallelism replicated ranks each keep their own files; ``shard_state=True`` (ZeRO-1) refuses wholly-disk
 packs (its owners broadcast stepped weights). Under ``shard_state="full"`` the pass plans this rank's share (1/N of
 each pack's weights and optimizer state, and the whole gradients and gathered weights its host holds for a moment),
-and a pack on disk is one file of that share, stepped on the host (runtime/partitioned_disk.py), not groups.
+and a pack on disk is one file of that share, stepped on the host (runtime/partitioned/disk.py), not groups.
 """
 from __future__ import annotations
 
@@ -175,7 +175,7 @@ def _rows(program: Program, place: Tier, whole: set, need: dict, in_memory: list
     """The report's row per pack: where it steps, where its weights and optimizer state live, its disk bytes."""
     cfg, plan = program.config, program.plan
     # weights are read for the forward and the backward; under harmony the step takes the backward's
-    # (runtime/diskparams.py)
+    # (runtime/tiers/params_disk.py)
     weight_reads = 2 if cfg.policy == "harmony" else 3
     world = cfg.world_size if full_sharding(cfg) else 1
     gathers = [n.args[0] for n, op in ops.ops_of(program.schedule.nodes) if op.fetches and op.state_copy
@@ -294,14 +294,14 @@ def place_state(program: Program) -> tuple[set[int], set[int], dict]:
 
     Walks the packs in step order (the schedule's order of ``step`` ops), moving each one's
     optimizer state to disk until the host holds what the budget allows; if that is not
-    enough, moves packs wholly (weights too, runtime/diskparams.py) to disk in the same order.
+    enough, moves packs wholly (weights too, runtime/tiers/params_disk.py) to disk in the same order.
     Raises ``BudgetError`` naming the smallest host budget if even every pack on disk does not fit.
     """
     cfg, plan, gm = program.config, program.plan, program.gm
     budget = getattr(cfg, "host_memory_budget", None)
     sizes = {n: nbytes(t) for n, t in gm.named_parameters()}
     buffers = sum(nbytes(t) for t in gm.buffers())
-    # shard_state="full": this rank keeps its share of each pack's weights and optimizer state (runtime/partitioned.py)
+    # shard_state="full": this rank keeps its share of each pack's weights and optimizer state (runtime/partitioned/)
     world = cfg.world_size if full_sharding(cfg) else 1
     owned = {s.index: sum(sizes.get(n, 0) for n in s.owned) // world for s in plan.packs}
     # a pack's gradients on the host between its release and its step; under mixed precision they arrive in
@@ -309,7 +309,7 @@ def place_state(program: Program) -> tuple[set[int], set[int], dict]:
     held = {s.index: s.param_bytes + (s.master_bytes if cfg.precision != "fp32" else 0) for s in plan.packs}
     optim = {s.index: s.optim_bytes // world for s in plan.packs}
     chunk_grads = {s.index: (s.master_bytes or s.param_bytes) // world for s in plan.packs}   # partitioned: fp32
-    # a partitioned pack wholly on disk is one file of its share (runtime/partitioned_disk.py), not groups
+    # a partitioned pack wholly on disk is one file of its share (runtime/partitioned/disk.py), not groups
     groups = groups_of(plan, set(optim), cfg.disk_group_bytes, sizes) if world == 1 else {p: [] for p in optim}
     # a wholly-disk pack's largest file: its largest group's weights and their share of the optimizer state
     file_bytes = {p: max((sum(sizes[n] for n in g) * (1 + optim[p] / max(owned[p], 1)) for g in gs), default=0)

@@ -2,7 +2,7 @@
 
 ZeRO stage 3 with ZeRO-Infinity's bandwidth-centric reads: each rank keeps on its host, and steps, one
 contiguous chunk of every pack's parameters (equal elements per rank, or under ``balance`` the plan's state
-shares, ``CompileConfig.state_shares``: Cephalo's uneven shards; runtime/partitioned.py has the layout and the
+shares, ``CompileConfig.state_shares``: Cephalo's uneven shards; runtime/partitioned/ has the layout and the
 ops). The plan: every pack that owns parameters steps on the host, with its fp32 weights and
 optimizer state there (``optimizer_on="host"``, which ``shard_state="full"`` makes the default); its
 ``Residency.shares`` says which chunk is this rank's. The rewrite: each ``swap_in`` of such a pack's weights
@@ -14,18 +14,18 @@ carries the gathers and reduce-scatters) and the report see this rank's share.
 
 The disk tiers work on the share: under ``host_memory_budget`` (or ``weights_on="disk"``) the offload pass plans this
 rank's bytes, and a pack it places on disk keeps this rank's chunks and their optimizer state in one file of the rank's
-own ``offload_dir`` (runtime/partitioned_disk.py): each gather reads the chunks from it, each step the whole file, so
+own ``offload_dir`` (runtime/partitioned/disk.py): each gather reads the chunks from it, each step the whole file, so
 N ranks read a pack from N disks, each 1/N of it (ZeRO-Infinity's bandwidth-centric partitioning). A pack the swap pass
 carries across its step (``Residency.carried``) keeps its device copy from the backward, its step all-gathers the
 updated chunks into it, and the next forward's ``gather(..., carried=True)`` takes it, reading nothing
-(runtime/partitioned_carry.py); where such a gather is the pack's last before the step, the step's read starts there
+(runtime/partitioned/carry.py); where such a gather is the pack's last before the step, the step's read starts there
 (``reads``: its optimizer state alone, its chunks coming from the carried copy; in mixed precision, whose device
 copy is not the fp32 weights, its whole file). The ranks compare a digest of their gathers and reduce-scatters, so ranks
 that planned different swaps fail at compile time, not in a collective that never matches. ``rewrite`` serves the
 evaluation schedule too (passes/eval_schedule.py).
 
 Clipping by the global norm (``clip_grad_norm``) works: each rank has the whole averaged buffer for a moment in the
-reduce-scatter (runtime/partitioned.py), takes every gradient's norm there, and the norm of those norms is the
+reduce-scatter (runtime/partitioned/), takes every gradient's norm there, and the norm of those norms is the
 replicated run's, bitwise, on every rank, with no collective of its own.
 
 Quantized gradients (``compression="4bit"``, any of 1..8 bits, either rounding) work too: a buffer with quantized
@@ -126,7 +126,7 @@ def run(program: Program, ctx) -> PassResult:
     from harmony.passes.compress import owned_grads
     from harmony.runtime.optim import group_of
     world, rank = cfg.world_size, cfg.rank
-    from harmony.runtime.compression import NO_COMPRESSION, spec_for
+    from harmony.runtime.comm.compression import NO_COMPRESSION, spec_for
     owned = owned_grads(program)
     base = cfg.compression or NO_COMPRESSION
     specs = {n: spec_for(t, base, cfg.min_size) for named in owned.values() for n, t in named}
@@ -240,7 +240,7 @@ def _gathers(node) -> bool:
 
 def _check_same_collectives(graph) -> None:
     """Every rank must gather and reduce-scatter the same packs in the same order, with the same carried copies
-    (runtime/partitioned_carry.py): a digest compared over the ranks, so a difference is named at compile time."""
+    (runtime/partitioned/carry.py): a digest compared over the ranks, so a difference is named at compile time."""
     import torch.distributed as dist
     if not (dist.is_available() and dist.is_initialized()):
         return
@@ -295,11 +295,11 @@ def _totals(program, owned) -> dict:
 
 
 def _disk_bytes(program, owned) -> tuple[int, int]:
-    """This rank's disk bytes read and written per step for its shares on disk (runtime/partitioned_disk.py): each
+    """This rank's disk bytes read and written per step for its shares on disk (runtime/partitioned/disk.py): each
     pack's file (its chunks where its weights are on disk, and their optimizer state) is written once and read
     once, by the last gather before the step where the weights are there, and each earlier gather reads the chunks,
     but for one that takes the copy the pack's last step carried (``carried``, not the last one:
-    runtime/partitioned_carry.py)."""
+    runtime/partitioned/carry.py)."""
     plan = program.plan
     gathers = [n.args[0] for n in calls(program.schedule) if _gathers(n)
                and (not n.kwargs.get("carried") or n.kwargs.get("reads") == "file")]

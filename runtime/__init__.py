@@ -1,8 +1,12 @@
 """The runtime: the op table, executor, memory tiers, collectives and simulator.
 
-Importing it registers every schedule op in the table (``runtime.ops.OPS``): those that move values
-(``ops_move``), those that compute (``ops_compute``, and the optimizer's ``ops_step``), the gradient all-reduce
-(``ops_comm``) and the data-parallel state synchronisation (``shard``), the partitioned state's gather and
-reduce-scatter (``partitioned``), the pipeline's send and recv (``pipeline``).
+Sub-packages by concept: ``ops`` (the op table and the ops' implementations: ``ops.move``, ``ops.compute``,
+``ops.update`` (the optimizer step), ``ops.comm``), ``tiers`` (the state's tiers: ``TieredState``, the device's
+meter, the disk stores), ``comm`` (collectives, compression, the process group and the world), ``partitioned``
+(ZeRO-3's shares) and ``simulate`` (the simulator, one device and a node). Importing it registers every schedule op
+in the table (``runtime.ops.OPS``): those that move values, compute, step and all-reduce, the data-parallel state
+synchronisation (``shard``), the partitioned state's gather and reduce-scatter (``partitioned``), the pipeline's
+send and recv (``pipeline``).
 """
-from harmony.runtime import ops, ops_comm, ops_compute, ops_move, ops_step, partitioned, pipeline, shard  # noqa: F401
+from harmony.runtime import partitioned, pipeline, shard  # noqa: F401
+from harmony.runtime.ops import comm, compute, move, update  # noqa: F401

@@ -9,12 +9,12 @@ import torch
 import torch.fx
 
 from harmony.base.tiers import Tier
-from harmony.runtime.memory import AllocatorMeter, CountAllocations, MemoryMeter
 from harmony.runtime.ops import op_of, ops_of, resident_state
 from harmony.runtime.pipeline import norm_exchange
 from harmony.runtime.plan import Plan
 from harmony.runtime.precision import GradClip, LossScaler, StepGate, compute_dtype
-from harmony.runtime.state import TieredState
+from harmony.runtime.tiers.memory import AllocatorMeter, CountAllocations, MemoryMeter
+from harmony.runtime.tiers.state import TieredState
 from harmony.runtime.transaction import Transaction
 
 
@@ -97,7 +97,7 @@ def module_modes(modules, training: bool):
 
     The fx front end keeps the model's own leaf modules (``nn.Dropout``, ``nn.BatchNorm2d``) whole in the
     packs' graphs, and they read their ``training`` flag as they run: a step runs them in training mode and
-    an evaluation in eval mode, whatever mode the user's model is in (compiler/trace_eval.py)."""
+    an evaluation in eval mode, whatever mode the user's model is in (compiler/trace/eval.py)."""
     saved = [(m, m.training) for m in modules]
     for m, _ in saved:
         m.training = training

@@ -134,7 +134,7 @@ def build_optimizers(cfg, plan, tensors: dict) -> tuple[dict, PackedOptimizer]:
     by_name, links = {}, []
     for spec in plan.packs:
         shares = plan.at(spec.index).shares
-        # partitioned (runtime/partitioned.py): one optimizer over this rank's pieces (on the meta device, where the
+        # partitioned (runtime/partitioned/): one optimizer over this rank's pieces (on the meta device, where the
         # plan is only simulated, there are no pieces: the whole parameters stand in)
         if shares is not None and all(p.name in tensors for p in shares.pieces):
             parts = [(i, [tensors[p.name] for p in shares.pieces if p.group == i]) for i in range(len(hyper))]
@@ -162,7 +162,7 @@ def build_optimizers(cfg, plan, tensors: dict) -> tuple[dict, PackedOptimizer]:
 def elementwise(optimizer: type, kwargs: dict) -> bool:
     """Whether ``optimizer(**kwargs)`` updates a tensor cut in pieces at multiples of 64 elements bitwise as it updates
     the whole: what stepping a rank's pieces of a pack's parameters (``shard_state="full"``,
-    runtime/partitioned.py) needs. Probed on 20000 values in pieces of 192 over three steps (an update that reads
+    runtime/partitioned/) needs. Probed on 20000 values in pieces of 192 over three steps (an update that reads
     the whole tensor, such as a norm or a factored second moment, fails)."""
     g = torch.Generator().manual_seed(0)
     n, cut = 20000, 192

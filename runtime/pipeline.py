@@ -1,5 +1,5 @@
 """Pipeline across the devices of one node (``parallel="pipeline"``): what a rank knows of the other ranks' packs,
-and the ops that pass a microbatch's values between ranks, registered in the op table (runtime/ops.py).
+and the ops that pass a microbatch's values between ranks, registered in the op table (runtime/ops/).
 
 ``recv`` brings one message from another rank: a microbatch's outputs of one of its packs that this rank's packs
 read, or the gradients of those outputs that one of its packs computed; ``send`` is the other end. A message is a
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from harmony.base.units import nbytes
-from harmony.runtime.collectives import comm_error, wait_work
+from harmony.runtime.comm.collectives import comm_error, wait_work
 from harmony.runtime.ops import Acts, Predicted, arrived, register
 from harmony.runtime.plan import NOMINAL_NETWORK_BANDWIDTH, NOMINAL_NETWORK_LATENCY
 

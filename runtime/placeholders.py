@@ -1,5 +1,6 @@
-"""Placeholders: what a parameter's ``.data`` holds while its weights live elsewhere (in files, runtime/diskparams.py;
-in other ranks' shares, runtime/partitioned.py; on other pipeline ranks, driver/modes/pipeline.py).
+"""Placeholders: what a parameter's ``.data`` holds while its weights live elsewhere (in files,
+runtime/tiers/params_disk.py; in other ranks' shares, runtime/partitioned/; on other pipeline ranks,
+driver/modes/pipeline.py).
 
 One NaN broadcast to the parameter's shape and dtype: no memory. Inside the runtime a placeholder is never read
 (a ``swap_in`` or gather replaces it first). In the user's model it would read as NaN without a word, so a parameter

@@ -24,7 +24,7 @@ _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _workers > 1:
     import torch
 
-    from harmony.compiler.machine import cores
+    from harmony.compiler.hardware.machine import cores
     _share = max(1, cores() // _workers)
     torch.set_num_threads(_share)
     os.environ["OMP_NUM_THREADS"] = str(_share)      # and the processes a test starts (ranks, scripts, probes)

@@ -19,10 +19,10 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from harmony.errors import CommunicationError, ConfigError
-from harmony.runtime.adaptive_bits import (ErrorMeter, choose_bits, choose_bits_across_ranks, measure_errors,
+from harmony.runtime.comm.adaptive_bits import (ErrorMeter, choose_bits, choose_bits_across_ranks, measure_errors,
                                           quantization_error, specs_for_bits)
-from harmony.runtime.collectives import Workspace, allreduce
-from harmony.runtime.compression import (CompressionSpec, Packed, dequantize, pack_bits, quantize, spec_for,
+from harmony.runtime.comm.collectives import Workspace, allreduce
+from harmony.runtime.comm.compression import (CompressionSpec, Packed, dequantize, pack_bits, quantize, spec_for,
                                          unpack_bits,
                                          wire_bytes)
 
@@ -405,7 +405,7 @@ def _allreduce_checks(rank, world):
 
     # a budgeted device's meter stops counting each internal buffer once its collective is done, even while
     # something else still holds it (as gloo's worker thread does for a moment): no wait for the backend
-    from harmony.runtime.memory import CountAllocations, MemoryMeter
+    from harmony.runtime.tiers.memory import CountAllocations, MemoryMeter
     for kind in ("none", "fp16", "quantized"):
         meter, kept = MemoryMeter("device"), []
         ts = [t.clone() for t in every[rank]]
@@ -505,7 +505,7 @@ def _group_of_our_own(rank, world):
 
     import torch.distributed as dist
 
-    from harmony.runtime.process_group import init_process_group
+    from harmony.runtime.comm.process_group import init_process_group
     store = dist.distributed_c10d._get_default_store()
     dist.destroy_process_group()
     init_process_group(30, "gloo", store=dist.PrefixStore("ours", store), rank=rank, world_size=world)

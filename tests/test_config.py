@@ -136,7 +136,7 @@ def test_bad_environment_variables_are_named(monkeypatch, variable, raw):
 
 
 def test_disk_store_takes_its_settings_from_the_config_or_the_environment(monkeypatch, tmp_path):
-    from harmony.runtime.disk import DiskStore
+    from harmony.runtime.tiers.disk import DiskStore
     monkeypatch.setenv("HARMONY_READ_DEPTH", "3")
     with DiskStore(tmp_path) as store:
         assert store.read_depth == 3

@@ -10,8 +10,8 @@ import threading
 import pytest
 import torch
 
-from harmony.runtime.memory import MemoryMeter
-from harmony.runtime.state import CopyEngine, TieredState
+from harmony.runtime.tiers.memory import MemoryMeter
+from harmony.runtime.tiers.state import CopyEngine, TieredState
 from models import CASES, eager_accumulate, run_compiled, training_state_bytes
 from test_precision import train_bf16_as_eager
 
@@ -155,7 +155,7 @@ def test_the_allocator_meter_counts_from_where_the_runtime_started():
     """live and peak leave out what was allocated before (the user's tensors, the libraries' workspaces); an op
     over the budget is found after it; past the plan's peak the copies in flight land first."""
     from harmony.errors import DeviceOutOfMemory
-    from harmony.runtime.memory import AllocatorMeter
+    from harmony.runtime.tiers.memory import AllocatorMeter
     fake = FakeAllocator(allocated=700)
     fake.max = 5000                     # a peak from before the runtime started is not its own
     meter = AllocatorMeter("cuda:0", 1000, torch.device("cpu"), stats=fake.stats())

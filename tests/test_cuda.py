@@ -84,7 +84,7 @@ def eager_reference(model, data, microbatches, where: list[str], optimizer_kwarg
 
 def gpu_budget(model, frac, precision="fp32") -> int:
     """``frac`` of the training state plus what the CUDA libraries take (a budget covers their workspaces too)."""
-    from harmony.compiler.machine import cuda_library_bytes
+    from harmony.compiler.hardware.machine import cuda_library_bytes
     from harmony.runtime.precision import compute_dtype
     return int(training_state_bytes(model) * frac) + cuda_library_bytes(DEV, compute_dtype(precision))
 
@@ -283,7 +283,7 @@ def test_a_copy_never_overwrites_memory_queued_compute_still_reads():
     the new weights. Here a long chain of matrix products reads ``a`` and its own temporaries, all freed at once in
     Python while the kernels are queued; a fresh block of that size (one of them: the allocator reuses freed blocks
     before it maps new ones) is filled from pinned memory; the products must equal a synchronous run's."""
-    from harmony.runtime.state import CopyEngine
+    from harmony.runtime.tiers.state import CopyEngine
     n = 4096
     torch.manual_seed(0)
     a, b = torch.randn(n, n, device=DEV), torch.randn(n, n, device=DEV)

@@ -13,10 +13,11 @@ import torch
 
 import harmony
 import harmony.data
-import harmony.runtime.world
+import harmony.runtime.comm.world
 from harmony.errors import ConfigError, InputError
 from harmony.passes import compress
-from harmony.runtime import compression, ops
+from harmony.runtime import ops
+from harmony.runtime.comm import compression
 from models import CASES, eager_full, training_state_bytes
 from test_collectives import _digest, _spawn
 
@@ -381,7 +382,7 @@ def test_one_process_inserts_nothing_and_checks_its_world(monkeypatch):
     assert sm.program.config.world_size == 1 and not sm.program.config.data_parallel
     sm(*data[0])
     assert not any(k.startswith("comm_") for k in sm.stats)
-    monkeypatch.setattr(harmony.runtime.world, "current_world", lambda: 4)   # as if run under torchrun with 4 ranks
+    monkeypatch.setattr(harmony.runtime.comm.world, "current_world", lambda: 4)   # as under torchrun with 4 ranks
     with pytest.raises(ConfigError, match="compiled for 1 rank but runs in a group of 4 ranks"):
         sm(*data[0])
     sm.close()
@@ -424,7 +425,7 @@ def test_shard_gives_each_rank_its_rows():
 
 
 def test_predicted_wire_bytes_match_the_collective():
-    from harmony.runtime.compression import CompressionSpec, spec_for
+    from harmony.runtime.comm.compression import CompressionSpec, spec_for
     ts = [torch.zeros(64, 96), torch.zeros(300), torch.zeros(3, 5), torch.zeros(40, 128), torch.zeros(7, 11, 13)]
     for spec in (CompressionSpec("none"), CompressionSpec("fp16"), CompressionSpec(bits=4),
                  CompressionSpec(bits=3, bucket_size=100)):
@@ -461,8 +462,8 @@ def _hetero_train(rank, model, data, hw, steps=STEPS, **kw):
 def _hetero_ranks(rank, world):
     from harmony.compiler.hardware import Hardware
     from harmony.errors import BudgetError
-    from harmony.runtime.collectives import allreduce
-    from harmony.runtime.compression import CompressionSpec
+    from harmony.runtime.comm.collectives import allreduce
+    from harmony.runtime.comm.compression import CompressionSpec
 
     out = {}
     model, data = _case(HETERO_BATCH)
@@ -493,7 +494,7 @@ def _hetero_ranks(rank, world):
         allreduce([x], spec, weight=w, min_size=0)
         out["weighted"][spec.kind] = x.numpy().copy()
     out["inputs"] = t.numpy().copy()
-    from harmony.runtime.process_group import measure_network
+    from harmony.runtime.comm.process_group import measure_network
     out["network"] = measure_network(1 << 20, repeats=3)
     for key, kw in (("wrong_count", dict(hardware=cpu.logical(budgets[:2]), balance="auto")),
                     ("too_small", dict(hardware=cpu.logical([1 << 16] * 3), balance="auto")),

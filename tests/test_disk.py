@@ -15,13 +15,13 @@ import pytest
 import torch
 
 import harmony
-import harmony.runtime.disk as disk
-import harmony.runtime.iobuffers as iobuffers
-import harmony.runtime.offload_dirs as od
+import harmony.runtime.tiers.disk as disk
+import harmony.runtime.tiers.iobuffers as iobuffers
+import harmony.runtime.tiers.dirs as od
 from harmony.errors import BudgetError, OffloadError
 from harmony.models import GPT, GPTConfig, copy_task
-from harmony.runtime.disk import DiskStore
-from harmony.runtime.memory import MemoryMeter
+from harmony.runtime.tiers.disk import DiskStore
+from harmony.runtime.tiers.memory import MemoryMeter
 from models import assert_bitwise, params
 
 CFG = GPTConfig(layers=4, width=64, vocab=64, seq=16, tie=False)
@@ -257,7 +257,7 @@ def test_the_directory_is_private_and_removed_on_close_and_on_an_exception(tmp_p
     # a directory of a process killed with SIGKILL (no exit handlers) goes when the next store starts
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    from harmony.runtime.offload_dirs import machine_tag     # named for this host and boot, a pid that is gone
+    from harmony.runtime.tiers.dirs import machine_tag     # named for this host and boot, a pid that is gone
     stale = tmp_path / f"{disk.PREFIX}{dead.pid}-{machine_tag()}-abc"
     stale.mkdir()
     with DiskStore(tmp_path) as store:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import harmony
-import harmony.runtime.disk as disk
+import harmony.runtime.tiers.disk as disk
 from harmony.errors import BudgetError, ConfigError, OffloadError
 from harmony.runtime import ops
 from harmony.models import GPT, GPTConfig, copy_task

@@ -323,8 +323,8 @@ def _dead_pid() -> int:
 
 
 def _fake_dir(parent, pid, tag=None):
-    from harmony.runtime.disk import PREFIX
-    from harmony.runtime.offload_dirs import machine_tag
+    from harmony.runtime.tiers.disk import PREFIX
+    from harmony.runtime.tiers.dirs import machine_tag
     d = parent / (f"{PREFIX}{pid}-{machine_tag() if tag is None else tag}-x" if tag != "" else f"{PREFIX}{pid}-x")
     d.mkdir(mode=0o700)
     (d / "pack-000.bin").write_bytes(b"state")
@@ -337,8 +337,8 @@ def test_the_sweep_removes_only_directories_it_can_prove_dead(tmp_path):
     only this host's, this boot's, dead and unlocked one goes."""
     import fcntl
 
-    from harmony.runtime.disk import DiskStore
-    from harmony.runtime.offload_dirs import machine_tag
+    from harmony.runtime.tiers.disk import DiskStore
+    from harmony.runtime.tiers.dirs import machine_tag
     dead = _dead_pid()
     other_machine = _fake_dir(tmp_path, dead, tag="0123456789")
     no_record = _fake_dir(tmp_path, dead, tag="")
@@ -362,7 +362,7 @@ def test_the_sweep_removes_only_directories_it_can_prove_dead(tmp_path):
 def test_the_disk_tier_writes_nothing_through_a_link_planted_in_its_directory(tmp_path):
     """Finding 7: a symbolic link planted where a pack's file goes is refused (O_NOFOLLOW), its target untouched."""
     from harmony.errors import OffloadError
-    from harmony.runtime.disk import DiskStore
+    from harmony.runtime.tiers.disk import DiskStore
     victim = tmp_path / "victim"
     victim.write_bytes(b"keep me")
     with DiskStore(tmp_path / "scratch") as store:
@@ -530,7 +530,7 @@ def test_sm_steps_counts_a_step_whose_updates_were_applied_though_its_disk_write
     written by the next step."""
     import errno
 
-    import harmony.runtime.disk as disk
+    import harmony.runtime.tiers.disk as disk
     from test_disk import DATA, TINY, compile_gpt, smallest_host_budget
 
     from harmony.errors import OffloadError

@@ -12,7 +12,7 @@ import harmony
 from harmony.compiler.hardware import Hardware
 from harmony.compiler.passmanager import DEFAULT_PIPELINE
 from harmony.models import GPT, GPTConfig
-from harmony.runtime.state import CopyEngine
+from harmony.runtime.tiers.state import CopyEngine
 from models import CASES, eager_accumulate, training_state_bytes
 
 

@@ -10,11 +10,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import harmony
-import harmony.runtime.disk as disk
+import harmony.runtime.tiers.disk as disk
 from harmony.errors import ConfigError, InputError
 from harmony.driver.materialize import Filler, is_empty
 from harmony.models import GPT, GPTConfig, copy_task
-from harmony.runtime.diskparams import written_names
+from harmony.runtime.tiers.params_disk import written_names
 from harmony.runtime.placeholders import is_placeholder
 from models import ARCHITECTURES, eager_accumulate, hf_bert_case, params, training_state_bytes
 

@@ -1,4 +1,4 @@
-"""An op is one table entry (runtime/ops.py): registering one is all the verifier, simulator and drawings need."""
+"""An op is one table entry (runtime/ops/): registering one is all the verifier, simulator and drawings need."""
 from __future__ import annotations
 
 import contextlib

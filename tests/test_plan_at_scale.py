@@ -59,7 +59,7 @@ def test_a_rank_of_four_plans_and_simulates_its_share_on_disk_without_the_other_
     # this rank's share: a quarter of the partitioned fp32 weights (within a chunk's alignment per segment)
     assert abs(t["master_bytes_this_rank"] - t["master_bytes_whole"] / 4) <= 64 * 4 * 4 * t["partitioned_packs"] * 4
     # each step writes the rank's file (chunks and optimizer state) and reads the state back; it reads the chunks
-    # only for gathers that do not take the copy a carried pack's step refilled (runtime/partitioned_carry.py)
+    # only for gathers that do not take the copy a carried pack's step refilled (runtime/partitioned/carry.py)
     assert t["disk_write_bytes_per_step"] > 0
     assert t["disk_read_bytes_per_step"] >= t["disk_write_bytes_per_step"] - t["master_bytes_this_rank"]
     assert {"gather", "reduce_scatter"} <= set(out["ops"]) and "allreduce" not in out["ops"]

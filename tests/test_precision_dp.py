@@ -1,11 +1,11 @@
 """Mixed precision under data parallelism (2 gloo ranks): bf16 and fp16 device copies, fp32 masters on the host.
 
 The gradients reach the host in the compute dtype; the all-reduce averages fp32 copies of them, which become the
-masters' gradients (runtime/communicator.py; before, it looked for them on the masters, found none and sent nothing,
-so the ranks drifted apart). Checked: the ranks agree bitwise; the run is one process's on the global batch within
-bf16's rounding (SGD, so a gradient summed instead of averaged would show); ZeRO-1 and the partitioned state (in
-memory, on disk, clipped) train bitwise like the replicated run; 4-bit gradients and fp16 loss scaling work, and an
-overflow skips the step on every rank of a partitioned run.
+masters' gradients (runtime/comm/communicator.py; before, it looked for them on the masters, found none and sent
+nothing, so the ranks drifted apart). Checked: the ranks agree bitwise; the run is one process's on the global batch
+within bf16's rounding (SGD, so a gradient summed instead of averaged would show); ZeRO-1 and the partitioned state
+(in memory, on disk, clipped) train bitwise like the replicated run; 4-bit gradients and fp16 loss scaling work, and
+an overflow skips the step on every rank of a partitioned run.
 """
 from __future__ import annotations
 
@@ -74,7 +74,7 @@ def test_mixed_precision_data_parallel_averages_gradients_and_ranks_agree(two):
     assert _diff(single["params"], fp32["params"]) > 0           # bf16 is not fp32: the comparison means something
     # sharded and partitioned state train bitwise like the replicated run in the same precision
     assert two[0]["bf16_zero1"]["digest"] == two[0]["bf16_full"]["digest"] == two[0]["bf16"]["digest"]
-    # each rank's share on disk (runtime/partitioned_disk.py), and with clipping too: the same bits
+    # each rank's share on disk (runtime/partitioned/disk.py), and with clipping too: the same bits
     assert two[0]["bf16_full_disk"]["digest"] == two[0]["bf16"]["digest"]
     assert two[0]["bf16_full_disk_clip"]["digest"] == two[0]["bf16_clip"]["digest"] != two[0]["bf16"]["digest"]
     assert two[0]["fp16_zero1"]["digest"] == two[0]["fp16_full"]["digest"] == two[0]["fp16"]["digest"]

@@ -21,7 +21,8 @@ from harmony.compiler.hardware import PCIE, PRESETS, Device, Hardware
 from harmony.compiler.verify import memory_curve
 from harmony.errors import ConfigError
 from harmony.models import GPT, GPTConfig, copy_task
-from harmony.runtime import ops, ops_step
+from harmony.runtime import ops
+from harmony.runtime.ops import update as ops_step
 from harmony.runtime.plan import PackSpec, Plan
 from harmony.runtime.simulate import simulate
 from harmony.viz import timeline

@@ -1,4 +1,4 @@
-"""The node simulator (runtime/simulate_node.py) and the planning-only path of a pipeline node
+"""The node simulator (runtime/simulate/node.py) and the planning-only path of a pipeline node
 (driver/modes/pipeline_plan.py): one device is ``simulate``'s result exactly; a recv waits for its send; a shared
 host link slows concurrent swaps; the planned ranks are what the stage pass gives real ranks; a row per device.
 No processes are spawned: a real rank's compile runs here with its world given by hand.
@@ -19,7 +19,7 @@ from harmony.errors import ConfigError
 from harmony.models import GPT, GPTConfig, copy_task
 from harmony.driver.node import plan_node, simulate_programs
 from harmony.runtime.simulate import simulate
-from harmony.runtime.simulate_node import _Links, simulate_node
+from harmony.runtime.simulate.node import _Links, simulate_node
 from harmony.viz.timeline import trace_events
 
 CFG = GPTConfig(layers=4, width=128, heads=4, vocab=256, seq=64, tie=False)

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import harmony
-import harmony.runtime.disk as disk
+import harmony.runtime.tiers.disk as disk
 from faults import fail_at, schedule_ops
 from harmony.errors import CheckpointError
 from models import assert_bitwise

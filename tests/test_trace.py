@@ -381,7 +381,7 @@ def test_export_graph_carries_no_trace_time_dtype_or_device_asserts():
     """torch.export records ``_assert_tensor_metadata`` (the dtype and device a ``.to(...)`` saw: fp32 on the CPU)
     at every ``.to`` of Llama's rotary embedding; the trace drops them, or a bf16 copy or a GPU fails them; and
     ``retarget`` points the CPU device constants the graph recorded (``arange(device=cpu)``) at another device."""
-    from harmony.compiler.trace_export import graph_modules as _graph_modules, retarget
+    from harmony.compiler.trace.export import graph_modules as _graph_modules, retarget
     transformers = pytest.importorskip("transformers")
     cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
                                    num_key_value_heads=2, intermediate_size=128, max_position_embeddings=32,

@@ -1,5 +1,5 @@
 """shard_state="full" with shares on disk: weights carried on the device across their pack's step
-(runtime/partitioned_carry.py), and evaluation of a partitioned module.
+(runtime/partitioned/carry.py), and evaluation of a partitioned module.
 
 One spawn of 2 gloo ranks. A pack the swap pass carries all-gathers its stepped chunks into the device copy at the
 end of its step, and the next forward's gather takes that copy instead of reading this rank's chunks from disk. The

@@ -1,5 +1,5 @@
 """The disk tiers under data parallelism: replicated ranks with packs wholly on disk, and ``shard_state="full"``
-with each rank's share of a pack in a file of its own (runtime/partitioned_disk.py, ZeRO-Infinity's
+with each rank's share of a pack in a file of its own (runtime/partitioned/disk.py, ZeRO-Infinity's
 bandwidth-centric partitioning), on 2 and 3 gloo ranks; and ``"full"`` with a tied embedding and head.
 
 One spawn per world size: every run trains bitwise like the replicated run with everything in host memory; a
@@ -24,7 +24,7 @@ from test_zero3 import ADAMW, STEPS, _compile
 # the tiny GPT's host needs never fall below its gradients and staging: a larger one in smaller packs, whose host
 # budget (0.2 of its state on 2 ranks, 0.15 on 3) puts some packs' optimizer state on disk and others' weights too
 LARGER = dict(width=128, layers=8)
-# a tied embedding and head: the head's pack gathers the embedding pack's chunks (runtime/partitioned.py)
+# a tied embedding and head: the head's pack gathers the embedding pack's chunks (runtime/partitioned/)
 TIED = {"tied_host": dict(shard_state=False), "tied_full": dict(shard_state="full"),
         "tied_full_disk": dict(shard_state="full", weights_on="disk")}
 TIED_4BIT = {"tied_host_4bit": dict(shard_state=False), "tied_full_4bit": dict(shard_state="full")}

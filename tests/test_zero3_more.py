@@ -13,7 +13,7 @@ import torch
 import harmony
 import harmony.data
 from harmony.runtime import partitioned
-from harmony.runtime.compression import CompressionSpec
+from harmony.runtime.comm.compression import CompressionSpec
 from test_collectives import _digest, _spawn
 from test_zero3 import STEPS, _compile
 

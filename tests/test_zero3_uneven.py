@@ -174,7 +174,7 @@ def test_two_ranks_reduce_scatter_fp32_by_swapping_chunks_unless_whole_gradients
         assert not whole.pairwise and whole.sent == 4 * 4010      # the ring all-reduce's bytes
     three = partitioned.layout(groups, 3, 0, dict.fromkeys("abc", 0)).segments[0]
     assert not three.pairwise           # three ranks: gloo's all-reduce, whose sums a swap would not reproduce
-    from harmony.runtime.compression import CompressionSpec
+    from harmony.runtime.comm.compression import CompressionSpec
     q = CompressionSpec(bits=4)
     mixed = partitioned.layout(groups, 2, 0, dict.fromkeys("abc", 0), specs={"a": q, "c": q}).segments
     assert not any(s.pairwise for s in mixed)     # a call with quantized buffers goes through the codec

@@ -34,7 +34,7 @@ def pack_colour(index: int) -> str:
 
 
 def op_colour(name: str) -> str:
-    """An op's fill: its table entry's colour, else its kind's (runtime/ops.py)."""
+    """An op's fill: its table entry's colour, else its kind's (runtime/ops/)."""
     op = op_named(name)
     if op is None:
         return "white"

@@ -15,8 +15,8 @@ class LiveState:
     """Where a compiled module's training state lives right now, read and written in place.
 
     Parameters and buffers are the tensors the runtime reads (device copies or host masters);
-    optimizer state is in the optimizers, in a disk tier's files (``runtime/disk.py``), or with the
-    weights of a pack wholly on disk (``runtime/diskparams.py``), which are read a pack at a time.
+    optimizer state is in the optimizers, in a disk tier's files (``runtime/tiers/disk.py``), or with the
+    weights of a pack wholly on disk (``runtime/tiers/params_disk.py``), which are read a pack at a time.
     """
 
     def __init__(self, sm):
@@ -29,13 +29,13 @@ class LiveState:
             self.tensors = {n: t for n, t in self.tensors.items() if n in mine}
         self.tiers = sm.runtime.state if sm.runtime is not None else None
         if getattr(self.tiers, "shares", None) is not None:   # shard_state="full": this rank's chunk pieces instead
-            self.tiers.shares.substitute(self.tensors)         # of the partitioned weights (runtime/partitioned.py)
+            self.tiers.shares.substitute(self.tensors)         # of the partitioned weights (runtime/partitioned/)
         if hasattr(self.tiers, "drain"):   # no background optimizer step may still write what we read or replace
             self.tiers.drain()
-        self.disk = getattr(self.tiers, "disk", None)   # optimizer state of disk-placed packs (runtime/disk.py)
-        self.pdisk = getattr(self.tiers, "params_disk", None)   # packs wholly on disk (runtime/diskparams.py)
+        self.disk = getattr(self.tiers, "disk", None)   # optimizer state of disk-placed packs (runtime/tiers/disk.py)
+        self.pdisk = getattr(self.tiers, "params_disk", None)   # packs wholly on disk (runtime/tiers/params_disk.py)
         self._weights: dict[int, dict] = {}   # group -> weights given to write_tensor, written with its state
-        # shard_state="full" with packs on disk: this rank's chunks are in their files (runtime/partitioned_disk.py)
+        # shard_state="full" with packs on disk: this rank's chunks are in their files (runtime/partitioned/disk.py)
         self.shared = self.disk if hasattr(self.disk, "holds_weight") else None
         self._share_weights: dict[int, dict] = {}   # pack -> pieces' weights, as _weights
         name_of = {id(t): n for n, t in self.tensors.items()}
@@ -86,7 +86,7 @@ class LiveState:
         if self.shared is not None:
             out.update(self.shared.weights_of(names))
         if self.pdisk is not None:
-            from harmony.runtime.diskparams import PARAM
+            from harmony.runtime.tiers.params_disk import PARAM
             for _, files in self._groups(names):
                 out.update({n: f[PARAM] for n, f in files.items()})
         return out

@@ -59,7 +59,7 @@ def plan_this_rank(model, gm, batch, spec, config: CompileConfig, hardware, shar
     import time
 
     from harmony.compiler import balance as planner
-    from harmony.runtime.world import rank_and_world
+    from harmony.runtime.comm.world import rank_and_world
 
     rank, _ = rank_and_world()
     devices, world = list(hardware.devices), config.world_size

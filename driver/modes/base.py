@@ -16,7 +16,7 @@ class Mode:
 
     @classmethod
     def applies(cls, options, world: dict) -> bool:
-        """Whether a compile with ``options`` in ``world`` (runtime/world.py ``resolve``) is this mode's."""
+        """Whether a compile with ``options`` in ``world`` (runtime/comm/world.py ``resolve``) is this mode's."""
         return True
 
     def resolve(self, options, world: dict) -> dict:
@@ -64,7 +64,7 @@ class Mode:
         return tensors
 
     def shares(self, plan, tensors: dict, cfg, fill=None):
-        """This rank's partitioned state (runtime/partitioned.py ``Shares``), or None."""
+        """This rank's partitioned state (runtime/partitioned/ ``Shares``), or None."""
         return None
 
     def guards_model(self, plan) -> bool:

@@ -5,7 +5,7 @@ gradients right after its backward, compressed as ``compression=`` says); ``bala
 speed and memory uneven shares of the batch (driver/modes/balance.py). ``ShardedOptimizer`` (ZeRO-1,
 ``shard_state=True``) gives each parameter's optimizer state to one owning rank, which steps it and
 broadcasts the weights; ``Partitioned`` (ZeRO-3, ``shard_state="full"``) cuts every pack's weights, gradients
-and optimizer state into one chunk per rank, gathered when a pack runs (the shard pass, runtime/partitioned.py).
+and optimizer state into one chunk per rank, gathered when a pack runs (the shard pass, runtime/partitioned/).
 """
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ def rank_inputs(program) -> tuple:
 def simulate_programs(programs, hardware, replicas: int = 1):
     """The node's step with device r running ``programs[r]`` (``replicas``: each program run by that many devices
     in a row, e.g. one data-parallel plan on every device of the node)."""
-    from harmony.runtime.simulate_node import simulate_node
+    from harmony.runtime.simulate.node import simulate_node
     ranks = [rank_inputs(p) for p in programs]
     return simulate_node([r for r in ranks for _ in range(replicas)], hardware)
 
@@ -28,7 +28,7 @@ def node_hardware(cfg, hardware=None):
     ``Hardware``, one device per rank, or one device every rank is alike; a server preset of ``Hardware.node`` or a
     GPU preset), or None: this machine as one logical device per rank under the rank's budget and speed factor."""
     from harmony.compiler.hardware import Hardware
-    from harmony.compiler.nodes import NODES
+    from harmony.compiler.hardware.nodes import NODES
     world = cfg.world_size
     if hardware is None:
         return Hardware.this_machine(cache_dir=cfg.cache_dir).logical([cfg.memory_budget] * world,

@@ -33,8 +33,8 @@ from harmony.compiler.pack_cost import measure_pack
 from harmony.passes.partition.cost import PackCost, device_sizes
 from harmony.passes.partition.search import plan_packs, working_set_cap
 from harmony.passes.partition.units import Unit
-from harmony.runtime.compression import NO_COMPRESSION
-from harmony.runtime.ops_comm import comm_buffer_bytes
+from harmony.runtime.comm.compression import NO_COMPRESSION
+from harmony.runtime.ops.comm import comm_buffer_bytes
 from harmony.runtime.plan import PackSpec, Plan, optim_state_bytes, step_extra
 
 NAME = "partition"
@@ -424,7 +424,7 @@ def run(program: Program, ctx) -> PassResult:
 def _stream_step_peak(prof: dict, owned: list[int], mixed: bool, late: bool = False) -> int:
     """Peak bytes of a step that brings each parameter's optimizer state in turn (``owned``: their fp32 bytes, in
     step order). Mixed precision's brings its fp32 master too and makes its gradient fp32, while the next
-    parameter's master and state come in (runtime/ops_step.py). ``late``: copies out do not hold the compute up
+    parameter's master and state come in (runtime/ops/update.py). ``late``: copies out do not hold the compute up
     (a GPU), so the parameter before is still going out (``TieredState.send``)."""
     sent = [b + optim_state_bytes(prof, b) if mixed else optim_state_bytes(prof, b) for b in owned]
     going = [0] + sent[:-1] if late else [0] * len(owned)

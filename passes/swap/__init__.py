@@ -40,7 +40,7 @@
    activations are gone or not yet made) keeps the weights of the packs stepped last on the
    device from their step to the next iteration's forward, first packs first
    (``Residency.carried``; ``release(..., carry=True)`` and ``swap_in(..., carried=True)``): one
-   disk read less per byte held (runtime/diskparams.py).
+   disk read less per byte held (runtime/tiers/params_disk.py).
 
 Recompute is a choice made here too (``recompute="auto"``): a pack that keeps its
 forward's graph (its activations, for every microbatch until its backward) runs its

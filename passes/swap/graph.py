@@ -265,7 +265,7 @@ def carry_across_steps(graph: torch.fx.Graph, packs) -> None:
 def stepped_after_release(graph: torch.fx.Graph) -> set[int]:
     """Host-stepped packs whose step follows the last release of their weights with no compute between: where a
     partitioned pack (``shard_state="full"``) can carry its weights across the step, since its step all-gathers
-    the updated chunks into the device copy the backward leaves (runtime/partitioned_carry.py)."""
+    the updated chunks into the device copy the backward leaves (runtime/partitioned/carry.py)."""
     return set(releases_before_step(graph, Tier.HOST, ("params",)))
 
 

@@ -335,12 +335,12 @@ def carry_weights(program: Program, chosen: Choice, fits, room: int, sizes: dict
     are fewest, so they use room the choices above (all at the turn) cannot. First packs first;
     the files kept in host memory are stepped and copied there as before (``ops.carried_names``).
     Under ``shard_state="full"`` a pack whose share is on disk is carried too: its step all-gathers the updated
-    chunks into the device copy (runtime/partitioned_carry.py), saving the forward's read of this rank's chunks.
+    chunks into the device copy (runtime/partitioned/carry.py), saving the forward's read of this rank's chunks.
     """
     plan = program.plan
     swaps = param_swaps(program.schedule)
     # shard_state="full": a pack whose share is on disk all-gathers its updated chunks into the device copy at the
-    # end of its step (runtime/partitioned.py), unless another pack reads one of its weights (a tied head), whose
+    # end of its step (runtime/partitioned/), unless another pack reads one of its weights (a tied head), whose
     # gather would then find the weight it reads on the device in a copy the simulator does not know of
     full = getattr(program.config, "shard_state", None) == "full"
     stepped = stepped_after_release(program.schedule) if full else set()

@@ -1,0 +1,471 @@
+"""Parameters, gradients and optimizer state partitioned over data-parallel ranks (ZeRO stage 3, ZeRO-Infinity).
+
+``shard_state="full"``: each pack's parameters, in the order and fused buffers its replicated all-reduce
+uses (``Plan.comm_groups``, cut at ``DEFAULT_FUSION_BYTES`` as ``collectives.allreduce`` cuts them), form
+``Segment``s; each segment is cut into ``world`` contiguous chunks of about ``n / world`` elements (or, under
+``balance``, of the plan's state shares) and rank ``r`` owns chunk ``r`` of every
+segment (``PackShares``, plain data in ``Residency.shares``). A rank's host
+holds only its chunks (fp32) and their optimizer state; the model's parameters of such a pack hold
+placeholders between uses (runtime/placeholders.py). The layout is plain data (runtime/partitioned/layout.py); where
+the offload pass puts a pack's share on disk, its chunks live in a file between uses (runtime/partitioned/disk.py).
+
+* ``gather(pack, 'params', held=...)`` takes the place of the pack's ``swap_in`` of its weights: an all-gather
+  of every rank's chunk (point-to-point sends to every peer: ``Shares.gather``) into a host staging buffer on the
+  copy thread, then into fresh device copies
+  (``wait`` joins it, as a swap_in's). It runs on its own process group (``Shares.group``): the copy
+  thread's collectives never interleave with the host thread's.
+* ``reduce_scatter(pack, world=...)`` takes the place of the pack's host all-reduce: on the host thread,
+  behind the release of the pack's gradients to the host, each segment's gradients are summed over the ranks
+  and this rank keeps its chunk, divided by ``world`` as the all-reduce divides; the pack's ``step`` (queued
+  behind it on the same thread) steps the chunk; the whole gradients are dropped. Under ``clip_grad_norm`` it
+  also takes each parameter's gradient norm from the whole averaged buffer it holds for that moment
+  (``GradClip.known``): the per-tensor norms of every parameter, computed by the kernel ``get_total_norm`` uses on
+  values bitwise the replicated run's, so the global norm (the norm of those, in ``model.parameters()`` order) and
+  the clipped chunks are the replicated clipped run's bit for bit, for every norm type, on every rank, with no
+  extra collective: the cost is one pass over each buffer (the division of all of it, not only the chunk, and the
+  norms), what the replicated run spends too.
+
+With ``compression`` (the quantized codec) a pack's buffers are fused and cut as ``collectives.allreduce`` fuses
+and cuts them (``layout``: the small and 1-d tensors in an fp32 buffer, the others in quantized buffers whose
+chunks are the codec's), and the reduce-scatter of an all-reduce group with a quantized buffer is
+``collectives.reduce_scatter``: the all-reduce's scatter-reduce (each owner sums its chunk from every peer's
+quantized copy and quantizes the sum once, drawing from a generator seeded as the replicated run's
+``Communicator``'s) without the all-gather; the owner decodes its own chunk from those bytes, which is what the
+replicated run decodes there, bit for bit.
+
+Numerics: the chunk's optimizer steps flat pieces of the chunk (one per run of parameters of one param group);
+an element-wise optimizer (AdamW, Adam, SGD: ``harmony.runtime.optim.elementwise``) computes bitwise what it computes on
+the whole parameters. The sums: gloo adds a ring's partial sums in an order that depends on where an element
+sits in the buffer and on the buffer's length, so with 3 ranks or more only the replicated run's own collective
+on its own buffer gives its sums bit for bit (``reduce_scatter_tensor`` of the buffer padded to a multiple of the
+world differed in 2 of 16768 elements after two steps). And gloo's ``reduce_scatter_tensor`` took 2.2x its
+``all_reduce`` of the same 64 MiB on 2 ranks here (0.178 s vs 0.081 s). So the reduce-scatter runs as gloo's
+``all_reduce`` of the replicated run's fused buffer, this rank keeping its chunk: bitwise, faster on gloo, and
+counted as the ring all-reduce it is (twice a ring reduce-scatter's bytes; NCCL's reduce-scatter would halve it).
+"""
+from __future__ import annotations
+
+import torch
+
+from harmony.base.errors import HarmonyError
+from harmony.base.units import nbytes
+from harmony.runtime.ops import moving_names, register
+from harmony.runtime.ops.move import gather_disk_io, pack_what, swap_in_effect
+from harmony.runtime.partitioned.carry import Carry
+from harmony.runtime.partitioned.layout import ALIGN, PREFIX, PackShares, Piece, Segment, layout  # noqa: F401
+from harmony.runtime.partitioned.reduce import (
+    all_reduce_chunk,
+    reduce_scatter_quantized,
+    replicated_communicator,
+    swap_chunks,
+    through_allreduce,
+)
+from harmony.runtime.placeholders import is_placeholder, withhold
+from harmony.runtime.plan import NOMINAL_NETWORK_BANDWIDTH, NOMINAL_NETWORK_LATENCY
+
+DIRECT_BYTES = 256 << 10      # a segment whose parameters average this much is gathered into its copies directly
+
+
+# -- the live chunks -----------------------------------------------------------------------------
+class Shares:
+    """This rank's chunks (host fp32 tensors, the only copy of its share of the weights) and their pieces."""
+
+    def __init__(self, plan, tensors: dict, timeout: float | None = None, fill=None):
+        """``fill(params)``: makes the parameters of a model built without its weights (driver/materialize.py),
+        called with each pack's right before its chunks are cut, so the host holds one pack's whole weights at a
+        time beside this rank's chunks."""
+        import datetime
+
+        import torch.distributed as dist
+        self.plan = plan
+        self.chunks: dict[tuple[int, int], torch.Tensor] = {}
+        self.pieces: dict[int, list[torch.nn.Parameter]] = {}
+        self.stats = {"gather_wire_bytes": 0, "reduce_scatter_wire_bytes": 0, "carried_gathers": 0}
+        kw = {"timeout": datetime.timedelta(seconds=timeout)} if timeout else {}
+        self.group = dist.new_group(backend="gloo", **kw)   # the copy thread's all-gathers: a group of their own
+        self.timeout = timeout
+        self.tier = None            # runtime/partitioned_disk.ShareTier, where some packs' chunks live on disk
+        self.error_feedback: dict = {}   # a quantized reduce-scatter's residuals (runtime/partitioned/reduce.py)
+        # stochastic rounding draws as the replicated run's Communicator draws (runtime/comm/communicator.py)
+        self.generator = torch.Generator().manual_seed(0x5EED + dist.get_rank())
+        with torch.no_grad():
+            for p, record in sorted(plan.residency.items()):
+                if record.shares is not None:
+                    if fill is not None:
+                        fill([tensors[n] for n in record.shares.names()])
+                    self._carve(p, record.shares, tensors)
+        # weights carried on the device across their pack's step (runtime/partitioned/carry.py)
+        self.carry_packs = {p for p, r in plan.residency.items() if r.shares is not None and r.carried}
+        self.carry = Carry() if self.carry_packs else None
+
+    def _carve(self, pack: int, shares: PackShares, tensors: dict) -> None:
+        """Keep this rank's chunk of each segment, hand its pieces to ``tensors``, and drop the rest."""
+        r = shares.rank
+        for s, seg in enumerate(shares.segments):
+            flat = torch.zeros(seg.size, dtype=tensors[seg.names[0]].dtype)
+            for n, off, k in seg.items():
+                flat[off: off + k] = tensors[n].data.reshape(-1)
+            # its own size: this rank's host holds its share (a gather sends it at that length)
+            self.chunks[(pack, s)] = flat[seg.bounds[r]: seg.bounds[r + 1]].clone()
+        mine = self.pieces[pack] = []
+        for piece in shares.pieces:
+            base = shares.segments[piece.segment].bounds[r]
+            t = torch.nn.Parameter(self.chunks[(pack, piece.segment)][piece.start - base: piece.end - base])
+            tensors[piece.name] = t
+            mine.append(t)
+        for n in shares.names():
+            withhold(tensors[n])
+
+    # the chunks of a pack: in host memory, or between steps in this rank's file of it (runtime/partitioned/disk.py)
+    def in_memory(self, pack: int) -> bool:
+        return (pack, 0) in self.chunks
+
+    def loaded(self, pack: int) -> list[torch.Tensor]:
+        return [self.chunks[(pack, s)] for s in range(len(self.plan.at(pack).shares.segments))]
+
+    def load(self, pack: int, graph=None) -> list[torch.Tensor]:
+        """The pack's chunks, read from its file if they are not in memory (for a gather of ``graph``)."""
+        return self.loaded(pack) if self.in_memory(pack) else self.tier.read_chunks(pack, graph)
+
+    def install(self, pack: int, segment: int, chunk: torch.Tensor) -> None:
+        """``chunk`` becomes the segment's chunk, and the pieces in it views of it."""
+        self.chunks[(pack, segment)] = chunk
+        for piece, t in self.pieces_of(pack, {segment: chunk}, params=True).items():
+            piece.data = t
+
+    def evict(self, pack: int) -> None:
+        """Drop the pack's chunks from host memory (their file holds them); its pieces hold placeholders."""
+        for s in range(len(self.plan.at(pack).shares.segments)):
+            self.chunks.pop((pack, s), None)
+        for t in self.pieces[pack]:
+            withhold(t)
+
+    def pieces_of(self, pack: int, chunks, params: bool = False) -> dict:
+        """{piece name (or, with ``params``, its parameter): its view of ``chunks``} ({segment: chunk} or a list)."""
+        shares = self.plan.at(pack).shares
+        chunks = dict(enumerate(chunks)) if isinstance(chunks, list) else chunks
+        out = {}
+        for piece, t in zip(shares.pieces, self.pieces[pack]):
+            if piece.segment in chunks:
+                base = shares.segments[piece.segment].bounds[shares.rank]
+                out[t if params else piece.name] = chunks[piece.segment][piece.start - base: piece.end - base] \
+                    .view(t.shape)
+        return out
+
+    def gather(self, pack: int, segment: int, mine: torch.Tensor, group=None) -> torch.Tensor:
+        """One segment whole, from every rank's chunk (``mine``: this rank's, from ``load``; a collective of
+        ``group``, by default ``self.group``, the copy thread's).
+
+        Each rank sends its chunk to every other and receives theirs straight into their places in the buffer
+        (gloo's point-to-point sends, all posted at once): the same bytes as gloo's ``all_gather_into_tensor``, which
+        took more than twice as long on loopback here, and chunks of uneven shares travel at their own lengths, with
+        no padding and no copy to drop it."""
+        import torch.distributed as dist
+        shares = self.plan.at(pack).shares
+        seg, me, group = shares.segments[segment], shares.rank, self.group if group is None else group
+        out = torch.empty(seg.size, dtype=mine.dtype)
+        out[seg.bounds[me]: seg.bounds[me + 1]].copy_(mine)
+        ops = []
+        for r in range(shares.world):
+            peer = dist.get_global_rank(group, r)
+            if r != me and seg.share(r):
+                ops.append(dist.P2POp(dist.irecv, out[seg.bounds[r]: seg.bounds[r + 1]], peer, group))
+            if r != me and seg.share(me):
+                ops.append(dist.P2POp(dist.isend, mine, peer, group))
+        for req in dist.batch_isend_irecv(ops) if ops else ():
+            req.wait()
+        self.stats["gather_wire_bytes"] += mine.element_size() * (seg.size - seg.share(me))   # received
+        return out
+
+    def gather_into(self, pack: int, segment: int, mine: torch.Tensor, dests: dict, group=None) -> None:
+        """One segment's weights into ``dests`` ({name: flat tensor of the whole parameter}; the segment's other
+        weights are not kept), from every rank's chunk, as ``gather`` brings them.
+
+        Where the copies are of the chunks' dtype and the parameters are large, each peer's chunk is received piece by
+        piece straight into the copies (one message per parameter it holds, every rank cutting its chunk alike), so
+        no staging buffer is allocated and nothing is copied twice; otherwise (a copy in the compute dtype or in
+        memory gloo cannot receive into, or a buffer of many small tensors, where a message each would cost more than
+        the copy) through ``gather``."""
+        shares = self.plan.at(pack).shares
+        seg, me = shares.segments[segment], shares.rank
+        if (any(d.dtype != mine.dtype or d.device.type != "cpu" for d in dests.values())
+                or seg.total < DIRECT_BYTES // 4 * len(seg.names)):
+            flat = self.gather(pack, segment, mine, group)
+            for n, off, k in seg.items():
+                if n in dests:
+                    dests[n].copy_(flat[off: off + k])
+            return
+        import torch.distributed as dist
+        group = self.group if group is None else group
+        ops = []
+        for r in range(shares.world):
+            lo = seg.bounds[r]
+            for n, off, a, b in seg.overlaps(r):
+                if r == me:            # this rank's piece, and what it sends every peer
+                    piece = mine[a - lo: b - lo]
+                    if n in dests:
+                        dests[n][a - off: b - off].copy_(piece)
+                    ops += [dist.P2POp(dist.isend, piece, dist.get_global_rank(group, q), group)
+                            for q in range(shares.world) if q != me]
+                else:
+                    into = dests[n][a - off: b - off] if n in dests else mine.new_empty(b - a)
+                    ops.append(dist.P2POp(dist.irecv, into, dist.get_global_rank(group, r), group))
+        for req in dist.batch_isend_irecv(ops) if ops else ():
+            req.wait()
+        self.stats["gather_wire_bytes"] += mine.element_size() * received(shares, segment)
+
+    def substitute(self, tensors: dict) -> None:
+        """In a name -> tensor table of the training state: this rank's pieces in place of the partitioned weights."""
+        for p, record in self.plan.residency.items():
+            if record.shares is not None:
+                for n in record.shares.names():
+                    tensors.pop(n, None)
+                tensors.update({piece.name: t for piece, t in zip(record.shares.pieces, self.pieces[p])})
+
+    def gather_all(self, tensors: dict) -> list[str]:
+        """Every partitioned weight, whole, into its parameter (every rank must call it); returns their names."""
+        done = []
+        with torch.no_grad():
+            for p, record in sorted(self.plan.residency.items()):
+                chunks = self.load(p) if record.shares is not None else []
+                for s, seg in enumerate(record.shares.segments if record.shares is not None else ()):
+                    flat = self.gather(p, s, chunks[s])
+                    for n, off, k in seg.items():
+                        tensors[n].data = flat[off: off + k].clone().view(tensors[n].shape)
+                        done.append(n)
+        return done
+
+    def held_bytes(self) -> int:
+        """Host bytes of this rank's chunks."""
+        return sum(nbytes(c) for c in self.chunks.values())
+
+
+def share_params(rt, pack: int) -> list:
+    """The pieces a partitioned pack's step updates (empty for another pack)."""
+    shares = getattr(rt.state, "shares", None)
+    return list(shares.pieces.get(pack, ())) if shares is not None else []
+
+
+# -- the ops ---------------------------------------------------------------------------------------
+def gather(pack: int, what: str = "params", held: tuple = (), carried: bool = False, reads: str | None = None): ...
+def reduce_scatter(pack: int, *, world: int = 1, weight: float | None = None, comm: dict | None = None): ...
+
+
+def _gather_execute(rt, pack, what="params", held=(), carried=False, reads=None):
+    """Fresh device copies of the pack's moving weights, filled from the all-gather of every rank's chunks on the
+    copy thread (its buffers come in as a swap_in's do); returns the future a ``wait`` joins. A weight another pack
+    partitions (a tied embedding read by the head's pack) is gathered from that pack's chunks.
+
+    ``carried``: the copies the pack's last step refilled are taken instead, where every rank has them
+    (runtime/partitioned/carry.py). ``reads``: such a gather is the last before the pack's step, whose read of
+    its file starts here ("state": its optimizer state alone, the chunks coming from the copy; "file": all of it)."""
+    st, plan = rt.state, rt.plan
+    names = moving_names(plan.packs[pack], "params", held)
+    carry = st.shares.carry
+    if carried and carry is not None:
+        own = set(plan.at(pack).shares.names())
+        if carry.take(st, pack, [n for n in names if n in own]):
+            st.shares.stats["carried_gathers"] += 1
+            if st.shares.tier is not None and not st.shares.in_memory(pack):
+                st.shares.tier.count_gather(pack, rt.graph)
+            names = [n for n in names if n not in own]
+            if not names:
+                return None
+    home = homes(plan)
+    parts = gathered(plan, pack, held, home)
+    first = st.fetch("params", [n for n in names if n not in home])   # buffers: copied from the host
+    st.settle([n for n in names if n in home])       # this rank's host steps have updated the chunks
+    targets, jobs = {}, []
+    for n in names:
+        if n not in home:
+            continue
+        st.refs[("params", n)] += 1
+        if st.refs[("params", n)] > 1:
+            continue
+        t = st.tensors[n]   # (mixed precision: the device copy in the compute dtype, as a swap_in casts it)
+        dst = torch.empty(t.shape, dtype=st.compute_dtype or t.dtype, device=st.device)
+        st.meter.track(dst)
+        st.moved["h2d"] += nbytes(dst)
+        targets[n] = dst
+        jobs.append((lambda d, n=n: st.set_data(n, d), dst, None))
+    if not jobs:
+        return first
+
+    def copy():
+        for q in dict.fromkeys(q for q, _ in parts):
+            segments = plan.at(q).shares.segments
+            if not any(n in targets for seg in segments for n in seg.names):
+                continue
+            # the pack's own chunks count toward its step's read ahead (runtime/partitioned/disk.py); another's not
+            chunks = st.shares.load(q, rt.graph if q == pack else None)
+            for s, seg in enumerate(segments):
+                if any(n in targets for n in seg.names):
+                    st.shares.gather_into(q, s, chunks[s], {n: targets[n].view(-1) for n in seg.names if n in targets})
+    fut = st.copier.submit(copy)
+    fut.harmony_jobs = list(first.harmony_jobs if first is not None else ()) + jobs
+    return fut
+
+
+def homes(plan) -> dict[str, int]:
+    """Each partitioned weight's pack: the one whose chunks hold it."""
+    return {n: p for p, r in plan.residency.items() if r.shares is not None for n in r.shares.names()}
+
+
+def _network(hw):
+    return (getattr(hw, "network_bandwidth", NOMINAL_NETWORK_BANDWIDTH),
+            getattr(hw, "network_latency", NOMINAL_NETWORK_LATENCY))
+
+
+def gathered(plan, pack: int, held=(), home: dict | None = None) -> list[tuple[int, int]]:
+    """(pack, segment) of the segments a ``gather`` of the pack brings: those with a weight it moves, its own first,
+    then other packs' holding weights it reads (whole segments: a held weight in one comes too; a segment of held
+    weights only, the small tensors' fp32 buffer beside quantized ones, not). ``home``: ``homes(plan)``."""
+    moving = set(moving_names(plan.packs[pack], "params", held))
+    home = homes(plan) if home is None else home
+    owners = [pack] if plan.at(pack).shares is not None else []
+    owners += sorted({home[n] for n in moving if n in home} - {pack})
+    return [(q, s) for q in owners for s, seg in enumerate(plan.at(q).shares.segments)
+            if moving.intersection(seg.names)]
+
+
+def gather_bytes(plan, pack: int, held=()) -> int:
+    """Bytes a rank receives in one ``gather``: every other rank's chunks of those segments."""
+    return _received(plan, gathered(plan, pack, held))[0]
+
+
+def _received(plan, parts) -> tuple[int, int]:
+    """(bytes received, world) of a gather of ``parts``."""
+    world = plan.at(parts[0][0]).shares.world if parts else 1
+    return 4 * sum(received(plan.at(q).shares, s) for q, s in parts), world
+
+
+def received(shares: PackShares, segment: int) -> int:
+    """Elements this rank receives in a gather of one segment: the other ranks' chunks."""
+    seg = shares.segments[segment]
+    return seg.size - seg.share(shares.rank)
+
+
+def _gather_effect(m, pack, what="params", held=(), carried=False, reads=None):
+    return swap_in_effect(m, pack, what, held, carried)
+
+
+def _gather_cost(plan, hw, pack, what="params", held=(), carried=False, reads=None):
+    """Every other rank's chunks of the pack's weights arrive over the network (``carried``: at the end of the
+    pack's last step, on the host thread; counted here, where they would have come)."""
+    parts = gathered(plan, pack, held)
+    received, world = _received(plan, parts)
+    bandwidth, latency = _network(hw)
+    return "network", received / bandwidth + (world - 1) * latency * len(parts)
+
+
+def _reduce_scatter_execute(rt, pack, *, world=1, weight=None, comm=None):
+    """On the host thread, behind the release of the pack's gradients: this rank's chunk of their average (a
+    balanced rank's gradients weighted by ``weight`` first, as the replicated all-reduce weighs them), as the
+    gradients of its pieces; the whole gradients are dropped. ``comm``: the replicated run's all-reduce (its codec
+    keywords) averages them, and the chunks are cut from its result (``PackShares.allreduce``)."""
+    st, shares = rt.state, rt.plan.at(pack).shares
+    pieces = st.shares.pieces[pack]
+    clipper = rt.gate.clipper if rt.gate is not None else None
+    scale = 1.0 if weight is None else float(weight) * world
+
+    def grads(seg):
+        out = []
+        for n in seg.names:
+            g = st.grad(n)
+            if g is None:
+                raise HarmonyError(f"parameter {n} got no gradient in this step; shard_state='full' steps flat "
+                                   f"chunks of every parameter of its pack: use shard_state=True for a model with "
+                                   f"parameters that some steps leave unused")
+            out.append(g)
+        return out
+
+    def keep(s, seg, out):
+        base = seg.bounds[shares.rank]
+        for piece, t in zip(shares.pieces, pieces):
+            if piece.segment == s:
+                t.grad = out[piece.start - base: piece.end - base]
+
+    communicator = replicated_communicator(rt, reduce_scatter, world, weight, comm) if comm is not None else None
+
+    def job():
+        try:
+            if communicator is not None:
+                through_allreduce(rt, pack, communicator, grads, keep, clipper)
+                return
+            done = set()
+            for s, seg in enumerate(shares.segments):
+                if s in done:
+                    continue
+                if any(g.codec is not None for g in shares.segments if g.call == seg.call):
+                    done.update(reduce_scatter_quantized(st, shares, seg.call, grads, keep, clipper, weight))
+                    continue
+                flat = torch.empty(seg.size)
+                shapes = {}
+                for (n, off, k), g in zip(seg.items(), grads(seg)):
+                    flat[off: off + k].copy_(g.reshape(-1))
+                    shapes[n] = g.shape
+                if scale != 1.0:             # collectives.allreduce's weighting, on the same values
+                    flat.mul_(scale)
+                if seg.pairwise:             # two ranks: each sends the other its chunk, x + y is y + x bitwise
+                    out = swap_chunks(flat, seg, shares.rank).div_(world)
+                else:
+                    out = all_reduce_chunk(flat, seg, shares.rank, world, clipper, shapes)
+                st.shares.stats["reduce_scatter_wire_bytes"] += seg.sent
+                keep(s, seg, out)
+        finally:
+            for n in shares.names():
+                st.set_grad(n, None)
+    st.pending[("allreduce", pack)] = st.host_pool.submit(job)
+
+
+def _reduce_scatter_effect(m, pack, *, world=1, weight=None, comm=None):
+    return None, 0          # the host copies of the gradients: nothing on the device
+
+
+def _reduce_scatter_cost(plan, hw, pack, *, world=1, weight=None, comm=None):
+    """A ring all-reduce of the pack's gradients (what gloo's reduce-scatter costs too: see the module's note); a
+    two-rank swap of chunks, or the codec's scatter-reduce, as ``Segment.sent`` counts them."""
+    shares = plan.at(pack).shares
+    bandwidth, latency = _network(hw)
+    sent = sum(s.sent for s in shares.segments)
+    return "network", sent / bandwidth + 2 * (world - 1) * latency * len(shares.segments)
+
+
+register(gather, _gather_execute, _gather_effect, _gather_cost, "copy", colour="#fb6a4a", label=pack_what,
+         disk_io=gather_disk_io, disk_read_ahead=True, fetches=True, copy_thread=True, partitioned=True)
+register(reduce_scatter, _reduce_scatter_execute, _reduce_scatter_effect, _reduce_scatter_cost, "copy",
+         colour="#ef3b2c", reduces=True, partitioned=True)
+
+
+# -- what a step measured ----------------------------------------------------------------------------
+def step_stats(sm) -> dict:
+    """The partitioned state's traffic in the last step, and the host bytes of this rank's training state."""
+    shares = getattr(sm.runtime.state, "shares", None)
+    if shares is None:
+        return {}
+    out = dict(shares.stats)
+    shares.stats.update(dict.fromkeys(shares.stats, 0))
+    out["host_state_bytes"] = host_state_bytes(sm.runtime.state)
+    return out
+
+
+def host_state_bytes(state) -> int:
+    """Bytes of host memory the training state holds between steps: the weights' host copies (chunks, masters)
+    and the optimizers' state, each storage counted once (placeholders and device copies hold none here)."""
+    seen, total = set(), 0
+
+    def add(t):
+        nonlocal total
+        if not isinstance(t, torch.Tensor) or state.meter.holds(t) or is_placeholder(t):
+            return
+        s = t.untyped_storage()
+        if s.data_ptr() not in seen:
+            seen.add(s.data_ptr())
+            total += s.nbytes()
+    for t in state.master.values():
+        add(t)
+    for opt in dict.fromkeys(state.optimizers.values()):
+        for values in opt.state.values():
+            for v in values.values():
+                add(v)
+    return total
