@@ -24,7 +24,7 @@ two renames, under ``ckpt.old``, which ``load`` falls back to (and the next ``sa
 puts back). Loading reads files with ``torch.load(weights_only=True)`` only after the
 manifest matches the model and every file matches its checksum. (The directory's mechanics,
 the renames, fsyncs, checksums and error messages, are ``harmony.driver.checkpoint.files``; finding each
-tensor in the tier it lives in is ``harmony.driver.checkpoint.state``.)
+tensor in the tier it lives in is ``harmony.runtime.tiers.live``.)
 
 Tensors are referenced where the runtime keeps them (device copy or host master), never
 gathered first: the writer pulls one pack's state at a time, the unit the runtime moves.
@@ -57,8 +57,8 @@ from harmony.driver.checkpoint.check import (
 from harmony.driver.checkpoint.files import MANIFEST
 from harmony.driver.checkpoint.ranks import describe, saved_layout, this_layout
 from harmony.driver.checkpoint.reshard import Reshard
-from harmony.driver.checkpoint.state import LiveState
 from harmony.driver.handshake import CALLS, agree
+from harmony.runtime.tiers.live import LiveState
 
 FORMAT = 1
 KIND = "harmony-checkpoint"

@@ -1,5 +1,5 @@
 """A disk pack's group read and replaced whole, outside the step: for checkpoints and the user's model
-(driver/checkpoint/state.py, driver/usermodel.py). ``DiskParams`` (runtime/tiers/params_disk.py) uses it."""
+(runtime/tiers/live.py, driver/usermodel.py). ``DiskParams`` (runtime/tiers/params_disk.py) uses it."""
 from __future__ import annotations
 
 from concurrent.futures import wait as wait_all
