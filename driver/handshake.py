@@ -87,9 +87,9 @@ def attach(sm) -> None:
     """``sm.handshake``: a Handshake where ``sm`` runs over several ranks (data parallel, a pipeline), else None.
     Every rank compiles, so every rank makes the group here, in the same order."""
     cfg, plan = sm.program.config, sm.program.plan
-    world = getattr(cfg, "world_size", 1) or 1
+    world = cfg.world_size or 1
     sm.handshake = None
-    if world > 1 and (getattr(cfg, "data_parallel", False) or getattr(plan, "stage", None) is not None):
+    if sm.mode.ranks_meet(cfg, plan):
         import torch.distributed as dist
         if dist.is_available() and dist.is_initialized():
             sm.handshake = Handshake(dist.get_rank(), world, cfg.comm_timeout)

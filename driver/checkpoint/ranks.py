@@ -52,18 +52,10 @@ def describe(layout: Layout) -> str:
 
 def this_layout(sm) -> Layout:
     """The layout this run's ranks hold their state in."""
-    plan, cfg = getattr(sm.program, "plan", None), sm.program.config
-    staged = getattr(plan, "stage", None) is not None
-    world = (getattr(cfg, "world_size", 1) or 1) if getattr(cfg, "data_parallel", False) or staged else 1
-    if staged:
-        mode = "pipeline"
-    elif any(r.shares is not None for r in getattr(plan, "residency", {}).values()):
-        mode = "full"
-    elif getattr(plan, "state_owner", None):
-        mode = "zero1"
-    else:
-        mode = "whole"
-    return Layout(world, mode)
+    plan, cfg = sm.program.plan, sm.program.config
+    staged = plan.stage is not None
+    world = (cfg.world_size or 1) if cfg.data_parallel or staged else 1
+    return Layout(world, sm.mode.checkpoint_layout(plan))      # its parallel mode's (driver/modes/)
 
 
 def rank_dir(path, rank: int, world: int) -> Path:

@@ -80,6 +80,15 @@ class Mode:
         """``sm.simulate(hardware)`` where this mode simulates otherwise than one device; None: one device."""
         return None
 
+    def checkpoint_layout(self, plan) -> str:
+        """How this rank's checkpoint holds the state (driver/checkpoint/ranks.py ``MODES``): the whole state."""
+        return "whole"
+
+    def ranks_meet(self, cfg, plan) -> bool:
+        """Whether this module's ranks make collective calls together (a step, a save, a load), so each such call
+        starts with the ranks agreeing on it (driver/handshake.py)."""
+        return False
+
     def report(self, program):
         """A ``PassReport`` this mode puts first in the report, or None."""
         return None

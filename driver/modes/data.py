@@ -30,6 +30,9 @@ class DataParallel(Mode):
     def check(self, cfg, options) -> None:
         pass
 
+    def ranks_meet(self, cfg, plan) -> bool:
+        return (cfg.world_size or 1) > 1
+
     def plan_rank(self, model, gm, batch, cfg):
         if cfg.balance is None:
             return super().plan_rank(model, gm, batch, cfg)
@@ -64,6 +67,9 @@ class ShardedOptimizer(DataParallel):
         cfg.state_owner = owners([(n, nbytes(p)) for n, p in gm.named_parameters() if p.requires_grad], shares)
         return balanced
 
+    def checkpoint_layout(self, plan) -> str:
+        return "zero1" if plan.state_owner else "whole"    # each rank its owned parameters' optimizer state
+
 
 class Partitioned(DataParallel):
     name = "data parallel, state partitioned (ZeRO-3)"
@@ -86,6 +92,9 @@ class Partitioned(DataParallel):
         if balanced is not None:     # the partition's chunks: the plan's uneven shares
             cfg.state_shares = list(balanced.shares)
         return balanced
+
+    def checkpoint_layout(self, plan) -> str:
+        return "full" if any(r.shares is not None for r in plan.residency.values()) else "whole"   # its chunks
 
     def shares(self, plan, tensors: dict, cfg, fill=None):
         if not any(r.shares is not None for r in plan.residency.values()):

@@ -94,6 +94,12 @@ class Pipeline(Mode):
     def local_tensors(self, plan, tensors: dict) -> dict:
         return tensors if plan.stage is None else local_tensors(plan, tensors)
 
+    def checkpoint_layout(self, plan) -> str:
+        return "whole" if plan.stage is None else "pipeline"     # each rank its packs' state
+
+    def ranks_meet(self, cfg, plan) -> bool:
+        return plan.stage is not None and (cfg.world_size or 1) > 1
+
     def guards_model(self, plan) -> bool:
         return plan.stage is not None
 
