@@ -34,7 +34,7 @@ from harmony.passes.partition.cost import PackCost, device_sizes
 from harmony.passes.partition.search import plan_packs, working_set_cap
 from harmony.passes.partition.units import Unit
 from harmony.runtime.comm.compression import NO_COMPRESSION
-from harmony.runtime.ops.comm import comm_buffer_bytes
+from harmony.runtime.ops.reduce import comm_buffer_bytes
 from harmony.runtime.plan import PackSpec, Plan, optim_state_bytes, step_extra
 
 NAME = "partition"
