@@ -5,7 +5,7 @@ its optimizer state on disk the host cannot hold its fp32 weights: this is what 
 model whose weights exceed host memory train (ZeRO-Infinity's parameter offload).
 
 The pack's trainable parameters are cut into *groups* of at most ``plan.disk_group_bytes``
-of weights (``passes.offload.groups_of``; parameters read by the same packs go together, so a tied
+of weights (``passes.host_budget.groups_of``; parameters read by the same packs go together, so a tied
 parameter gets its own group). Each group is one file of the ``DiskStore``: the weights
 first, then the optimizer state once the first step made it. Between uses a parameter's
 ``.data`` is a placeholder of the right shape and dtype (one NaN broadcast to it: no
