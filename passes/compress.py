@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.fx
@@ -275,6 +276,31 @@ def comm_groups(program: Program, owned: dict[int, list], issue: list[int]) -> d
     return groups
 
 
+@dataclass(frozen=True)
+class _Comm:
+    """What this rank's all-reduces are asked to do, read once from the config."""
+    world: int
+    spec: CompressionSpec
+    adaptive: bool
+    warmup: int            # steps sending fp32 while the adaptive codec measures errors (0: not adaptive)
+    min_size: int
+    weight: float | None   # a balanced rank's share of the global batch (None: every rank's is equal)
+    batch_size: int
+    global_batch: int
+    policy: str
+
+    @classmethod
+    def of(cls, cfg, world: int) -> _Comm:
+        adaptive = bool(getattr(cfg, "adaptive", False))
+        return cls(world=world, spec=cfg.compression or NO_COMPRESSION, adaptive=adaptive,
+                   warmup=getattr(cfg, "adaptive_warmup", ADAPTIVE_WARMUP) if adaptive else 0,
+                   min_size=cfg.min_size, weight=getattr(cfg, "sample_weight", None), batch_size=cfg.batch_size,
+                   global_batch=getattr(cfg, "global_batch", None) or cfg.batch_size * world, policy=cfg.policy)
+
+    def kwargs(self) -> dict:
+        return _allreduce_kwargs(self.spec, self.world, self.min_size, self.warmup, self.weight)
+
+
 def run(program: Program, ctx) -> PassResult:
     start = time.perf_counter()
     cfg, plan = program.config, program.plan
@@ -288,50 +314,65 @@ def run(program: Program, ctx) -> PassResult:
         return PassResult(program, report)
     if step_stats not in program.step_hooks:      # sm.stats: the wire's bytes, seconds and bits of each step
         program.step_hooks.append(step_stats)
-    spec = cfg.compression or NO_COMPRESSION
-    adaptive = bool(getattr(cfg, "adaptive", False))
-    warmup = getattr(cfg, "adaptive_warmup", ADAPTIVE_WARMUP) if adaptive else 0
-    min_size, weight = cfg.min_size, getattr(cfg, "sample_weight", None)
-    kwargs = _allreduce_kwargs(spec, world, min_size, warmup, weight)
+    comm = _Comm.of(cfg, world)
     owned = owned_grads(program)
-    global_batch = getattr(cfg, "global_batch", None) or cfg.batch_size * world
+    broadcast = _agree_across_ranks(program, comm, owned)
+    mode, overlap = _insert_allreduces(program, owned, comm)
+    shard = insert_sync(program, world)
+    _report_plan(report, plan, comm, owned, mode, shard, broadcast, start)
+    report.notes.append(overlap)
+    return PassResult(program, report)
 
+
+def _agree_across_ranks(program: Program, comm: _Comm, owned: dict) -> int | None:
+    """With a live process group of ``comm.world`` ranks: check that every rank compiled the same communication plan,
+    broadcast rank 0's parameters and buffers, and cut the packs into groups every rank's packs agree on
+    (``plan.comm_groups``). Returns the bytes broadcast; None without a live group (nothing to agree with)."""
     import torch.distributed as dist
-    live = dist.is_available() and dist.is_initialized() and dist.get_world_size() == world
-    signature = repr((world, spec, adaptive, warmup, min_size, cfg.policy, global_batch, weight is None,
+    live = dist.is_available() and dist.is_initialized() and dist.get_world_size() == comm.world
+    if not live:
+        return None
+    signature = repr((comm.world, comm.spec, comm.adaptive, comm.warmup, comm.min_size, comm.policy,
+                      comm.global_batch, comm.weight is None,
                       sorted((n, tuple(t.shape)) for p in owned for n, t in owned[p])))
-    broadcast = None
-    if live:
-        check_same_plan(signature)
-        broadcast = broadcast_state(program)
-        position = {n: i for i, n in enumerate(calls(program.schedule))}
-        last_bwd = {n.args[0]: position[n] for n in position if ops.op_of(n).runs_backward}
-        plan.comm_groups = comm_groups(program, owned, sorted(owned, key=lambda p: last_bwd.get(p, -1)))
+    check_same_plan(signature)
+    broadcast = broadcast_state(program)
+    position = {n: i for i, n in enumerate(calls(program.schedule))}
+    last_bwd = {n.args[0]: position[n] for n in position if ops.op_of(n).runs_backward}
+    program.plan.comm_groups = comm_groups(program, owned, sorted(owned, key=lambda p: last_bwd.get(p, -1)))
+    return broadcast
 
-    # the plan: all-reduce after each pack's last backward; asynchronous where nothing swaps the
-    # gradients under it, else synchronous
+
+def _insert_allreduces(program: Program, owned: dict, comm: _Comm) -> tuple[dict, str]:
+    """All-reduce after each pack's last backward into ``program.schedule``: asynchronous where nothing swaps the
+    gradients under it, else synchronous. Returns pack -> overlap mode and the note saying how they overlap."""
     from harmony.passes.offload import everything_fits
+    plan, kwargs = program.plan, comm.kwargs()
     base = program.schedule
     host = any(plan.at(p).step_on == Tier.HOST for p in owned)
-    sync = cfg.policy == "ondemand"
+    sync = comm.policy == "ondemand"
     program.schedule = copy_graph(base)
-    mode = insert(program.schedule, list(owned), plan, kwargs, cfg.policy, sync)
+    mode = insert(program.schedule, list(owned), plan, kwargs, comm.policy, sync)
     why = ""
     if not sync and not host and not everything_fits(program):
         program.schedule = copy_graph(base)
-        mode = insert(program.schedule, list(owned), plan, kwargs, cfg.policy, True)
+        mode = insert(program.schedule, list(owned), plan, kwargs, comm.policy, True)
         why = ("synchronous: the optimizer steps on the device and the pack's state is swapped, so its "
                "step must follow its backward at once (deferring it would swap the state in twice)")
     elif sync:
         why = "synchronous: the ondemand runtime moves state on the main thread as ops touch it"
+    return mode, why or _overlap(host, mode)
 
-    shard = insert_sync(program, world)
 
-    report.rows = rows = _rows(plan, owned, spec, min_size, world, mode)
+def _report_plan(report: PassReport, plan, comm: _Comm, owned: dict, mode: dict, shard: dict,
+                 broadcast: int | None, start: float) -> None:
+    """The report's rows per pack, its totals (bytes on the wire per step against fp32's) and its notes."""
+    spec, warmup = comm.spec, comm.warmup
+    report.rows = rows = _rows(plan, owned, spec, comm.min_size, comm.world, mode)
     tot_wire, tot_fp32 = (round(sum(r[k] for r in rows) * 2**20) for k in ("wire_MiB", "fp32_MiB"))
-    report.totals = dict(world_size=world, compression=label(spec, adaptive), allreduces=len(mode),
+    report.totals = dict(world_size=comm.world, compression=label(spec, comm.adaptive), allreduces=len(mode),
                          wire_bytes_per_step=tot_wire, fp32_bytes_per_step=tot_fp32,
-                         ratio=tot_fp32 / tot_wire if tot_wire else 1.0, min_size=min_size,
+                         ratio=tot_fp32 / tot_wire if tot_wire else 1.0, min_size=comm.min_size,
                          seconds=time.perf_counter() - start)
     if warmup:
         report.totals["warmup_wire_bytes_per_step"] = tot_fp32
@@ -341,10 +382,10 @@ def run(program: Program, ctx) -> PassResult:
                             "does)" + ("; the buffers forward mutates (batch-norm statistics) are broadcast from "
                                        "rank 0 again after every step (sync_state), as DDP's broadcast_buffers does"
                                        if plan.sync_buffers else ""))
-    report.notes.append(_average_note(cfg.batch_size, global_batch, world, weight))
+    report.notes.append(_average_note(comm.batch_size, comm.global_batch, comm.world, comm.weight))
     report.totals.update(shard)
     if shard.get("stepped_params"):
-        report.notes.append(_shard_note(plan, world, shard))
+        report.notes.append(_shard_note(plan, comm.world, shard))
     if any(len(g) > 1 for g in plan.comm_groups.values()):
         report.notes.append("other ranks cut the model into other packs: a pack's all-reduce runs one collective per "
                             "group of parameters that every rank's packs agree on (column groups)")
@@ -353,8 +394,6 @@ def run(program: Program, ctx) -> PassResult:
                             f"error at 2, 3, 4, 6, 8 bits; then an integer program fixes bits per layer (total "
                             f"error <= uniform {spec.bits}-bit). Bytes above are uniform {spec.bits}-bit's; "
                             f"once chosen, bits per layer appear here (per pack) and in .stats['adaptive_bits']")
-    report.notes.append(why or _overlap(host, mode))
-    return PassResult(program, report)
 
 
 def _average_note(batch: int, global_batch: int, world: int, weight) -> str:

@@ -57,10 +57,11 @@ import time
 
 from harmony.base.errors import BudgetError, ConfigError
 from harmony.base.tiers import Tier
-from harmony.base.units import fmt_bytes, nbytes
+from harmony.base.units import fmt_bytes
 from harmony.compiler.config import PLACES, WEIGHTS
 from harmony.compiler.ir import PassReport, PassResult, Program
 from harmony.compiler.verify import memory_curve
+from harmony.passes.host_budget import HostBytes, files_in_memory, least_host_bytes, packs_to_disk
 from harmony.runtime import ops
 from harmony.runtime.plan import STATE_KINDS
 
@@ -110,65 +111,86 @@ def run(program: Program, ctx) -> PassResult:
         raise ConfigError(f"optimizer_on={cfg.optimizer_on!r}; choose one of {', '.join(PLACES)}")
     place, reason = step_place(cfg, lambda: everything_fits(program))
     host = place == Tier.HOST
-    budget = getattr(cfg, "host_memory_budget", None)
     disk, whole, need = place_state(program) if host else (set(), set(), {})
+    _refuse_zero1_on_disk(cfg, whole)
+    _place(program, place, disk, whole, need)
+    on_device = _device_steps(program, disk | whole) if host else []
+    in_memory = sorted(plan.packs_with("in_memory"))
+    rows = _rows(program, place, whole, need, in_memory)
+    report = PassReport("offload: where the optimizer steps and where weights and its state live", rows,
+                        totals=_totals(cfg, place, rows, disk, whole, need, start))
+    report.notes.append(f"chosen because {reason}")
+    if on_device:
+        report.notes.append(_device_steps_note(cfg, on_device))
+    report.notes += _host_notes(program, host, disk, whole, need, in_memory)
+    return PassResult(program, report)
+
+
+def _refuse_zero1_on_disk(cfg, whole: set) -> None:
+    """ZeRO stage 1's owners broadcast stepped weights, which a pack wholly on disk keeps in its files."""
     if whole and cfg.data_parallel and (cfg.world_size or 1) > 1 and cfg.shard_state is True:
         raise ConfigError(f"packs {sorted(whole)} would keep their weights on disk, which shard_state=True (ZeRO "
                           f"stage 1) does not support: its owners broadcast stepped weights that a pack on disk keeps "
                           f"in its files. Use shard_state='full' (each rank keeps and reads its share of every pack "
                           f"on its own disk), no shard_state, a larger host_memory_budget, or weights_on={Tier.HOST!r}")
-    _place(program, place, disk, whole, need)
-    on_device = _device_steps(program, disk | whole) if host else []
-    in_memory = sorted(plan.packs_with("in_memory"))
-    rows = _rows(program, place, whole, need, in_memory)
+
+
+def _totals(cfg, place: Tier, rows: list[dict], disk: set, whole: set, need: dict, start: float) -> dict:
+    """The report's totals: where the step runs, the disk's bytes per step and, under a host budget, the host's."""
+    budget = getattr(cfg, "host_memory_budget", None)
     disk_read = sum(r["disk_read_MiB"] for r in rows) * 2**20
     disk_write = sum(r["disk_write_MiB"] for r in rows) * 2**20
     totals = dict(step_on=place, disk_packs=len(disk), disk_weight_packs=len(whole),
                   step_disk_read_bytes=int(disk_read), step_disk_write_bytes=int(disk_write),
                   seconds=time.perf_counter() - start)
-    if host and budget is not None:
+    if place == Tier.HOST and budget is not None:
         totals.update(host_budget_bytes=budget, host_planned_bytes=need["planned"],
                       host_minimum_bytes=need["minimum"])
-    report = PassReport("offload: where the optimizer steps and where weights and its state live", rows,
-                        totals=totals)
-    report.notes.append(f"chosen because {reason}")
-    if on_device:
-        tried = getattr(cfg, "steps_predicted", None) or {}
-        report.notes.append(
-            f"packs {', '.join(map(str, sorted(on_device)))} (the last to step) step on the device, each fp32 master "
+    return totals
+
+
+def _device_steps_note(cfg, on_device: list[int]) -> str:
+    """Which packs step on the device beside the host's steps, and the simulated steps that chose how many."""
+    tried = getattr(cfg, "steps_predicted", None) or {}
+    return (f"packs {', '.join(map(str, sorted(on_device)))} (the last to step) step on the device, each fp32 master "
             f"and its optimizer state brought in for it, beside the host's steps of the others"
             + (": chosen by compile, the simulator's step for each count of such packs "
                + ", ".join(f"{k}: {t * 1e3:.1f} ms" if t is not None else f"{k}: does not fit"
                            for k, t in tried.items()) if tried else ""))
+
+
+def _host_notes(program: Program, host: bool, disk: set, whole: set, need: dict, in_memory: list) -> list[str]:
+    """What the host budget holds, and which packs keep their optimizer state, weights or files where."""
+    cfg, plan = program.config, program.plan
+    budget = getattr(cfg, "host_memory_budget", None)
     if host and budget is None:
-        report.notes.append("no host_memory_budget: every pack's weights and optimizer state stay in host memory")
-    elif host:
-        report.notes.append(
-            f"host_memory_budget {fmt_bytes(budget)} holds {fmt_bytes(need['planned'])}: master parameters and "
-            f"buffers {fmt_bytes(need['masters'])}, {_grads_held(cfg)} {fmt_bytes(need['grads'])}, optimizer "
-            f"state of {len(plan.packs) - len(disk) - len(whole)} host packs {fmt_bytes(need['host_optim'])}"
-            + (f", disk buffers in flight {fmt_bytes(need['staging'])}" if disk or whole else "")
-            + (f", files kept in memory {fmt_bytes(need['in_memory'])}" if need.get("in_memory") else ""))
-        if disk:
-            report.notes.append(
-                f"{len(disk)} packs keep their optimizer state on disk: the first-stepped ones, so their writes "
-                f"overlap the backward of the packs after them and each read overlaps the compute before its step")
-        if whole:
-            groups = sum(len(plan.at(p).disk_groups) for p in whole)
-            report.notes.append(
-                f"{len(whole)} packs keep their fp32 weights on disk too ({groups} files of at most "
-                f"{fmt_bytes(cfg.disk_group_bytes)} of weights): weights are read from disk for the forward and "
-                f"for the backward, and the pack steps a file at a time on the host right after its backward, so "
-                f"the host never holds a whole pack (the host could not hold these weights)")
-            if in_memory:
-                files = sum(len(plan.at(p).in_memory) for p in in_memory)
-                report.notes.append(
-                    f"{files} of those files ({fmt_bytes(need['in_memory'])}, packs "
-                    f"{', '.join(map(str, in_memory))}) stay in host memory in the room the host "
-                    f"budget leaves: never written or read, the last-stepped first (in_memory_MiB)")
-    elif budget is not None:
-        report.notes.append("host_memory_budget is not used: the optimizer steps on the device")
-    return PassResult(program, report)
+        return ["no host_memory_budget: every pack's weights and optimizer state stay in host memory"]
+    if not host:
+        return ["host_memory_budget is not used: the optimizer steps on the device"] if budget is not None else []
+    notes = [
+        f"host_memory_budget {fmt_bytes(budget)} holds {fmt_bytes(need['planned'])}: master parameters and "
+        f"buffers {fmt_bytes(need['masters'])}, {_grads_held(cfg)} {fmt_bytes(need['grads'])}, optimizer "
+        f"state of {len(plan.packs) - len(disk) - len(whole)} host packs {fmt_bytes(need['host_optim'])}"
+        + (f", disk buffers in flight {fmt_bytes(need['staging'])}" if disk or whole else "")
+        + (f", files kept in memory {fmt_bytes(need['in_memory'])}" if need.get("in_memory") else "")]
+    if disk:
+        notes.append(
+            f"{len(disk)} packs keep their optimizer state on disk: the first-stepped ones, so their writes "
+            f"overlap the backward of the packs after them and each read overlaps the compute before its step")
+    if whole:
+        groups = sum(len(plan.at(p).disk_groups) for p in whole)
+        notes.append(
+            f"{len(whole)} packs keep their fp32 weights on disk too ({groups} files of at most "
+            f"{fmt_bytes(cfg.disk_group_bytes)} of weights): weights are read from disk for the forward and "
+            f"for the backward, and the pack steps a file at a time on the host right after its backward, so "
+            f"the host never holds a whole pack (the host could not hold these weights)")
+        if in_memory:
+            files = sum(len(plan.at(p).in_memory) for p in in_memory)
+            notes.append(
+                f"{files} of those files ({fmt_bytes(need['in_memory'])}, packs "
+                f"{', '.join(map(str, in_memory))}) stay in host memory in the room the host "
+                f"budget leaves: never written or read, the last-stepped first (in_memory_MiB)")
+    return notes
 
 
 def _rows(program: Program, place: Tier, whole: set, need: dict, in_memory: list) -> list[dict]:
@@ -297,77 +319,24 @@ def place_state(program: Program) -> tuple[set[int], set[int], dict]:
     enough, moves packs wholly (weights too, runtime/tiers/params_disk.py) to disk in the same order.
     Raises ``BudgetError`` naming the smallest host budget if even every pack on disk does not fit.
     """
-    cfg, plan, gm = program.config, program.plan, program.gm
+    cfg, plan = program.config, program.plan
     budget = getattr(cfg, "host_memory_budget", None)
-    sizes = {n: nbytes(t) for n, t in gm.named_parameters()}
-    buffers = sum(nbytes(t) for t in gm.buffers())
-    # shard_state="full": this rank keeps its share of each pack's weights and optimizer state (runtime/partitioned/)
-    world = cfg.world_size if full_sharding(cfg) else 1
-    owned = {s.index: sum(sizes.get(n, 0) for n in s.owned) // world for s in plan.packs}
-    # a pack's gradients on the host between its release and its step; under mixed precision they arrive in
-    # the compute dtype and step as fp32 copies, and fp16 and clipping hold every pack's until the last is in
-    held = {s.index: s.param_bytes + (s.master_bytes if cfg.precision != "fp32" else 0) for s in plan.packs}
-    optim = {s.index: s.optim_bytes // world for s in plan.packs}
-    chunk_grads = {s.index: (s.master_bytes or s.param_bytes) // world for s in plan.packs}   # partitioned: fp32
-    # a partitioned pack wholly on disk is one file of its share (runtime/partitioned/disk.py), not groups
-    groups = groups_of(plan, set(optim), cfg.disk_group_bytes, sizes) if world == 1 else {p: [] for p in optim}
-    # a wholly-disk pack's largest file: its largest group's weights and their share of the optimizer state
-    file_bytes = {p: max((sum(sizes[n] for n in g) * (1 + optim[p] / max(owned[p], 1)) for g in gs), default=0)
-                  for p, gs in groups.items()}
-    group_grads = {p: max((sum(sizes[n] for n in g) for g in gs), default=0) for p, gs in groups.items()}
+    host = HostBytes.of(program, cfg.world_size if full_sharding(cfg) else 1, holds_every_gradient(cfg))
     order = [n.args[0] for n, op in ops.ops_of(program.schedule.nodes) if op.steps]
     order = list(dict.fromkeys(order + [s.index for s in plan.packs]))   # packs without a step op last
-
-    def need(disk: set[int], whole: set[int]) -> dict:
-        masters = buffers + sum(b for p, b in owned.items() if p not in whole)
-        # partitioned: every pack's whole gradients reach the host for its reduce-scatter, and its gathers assemble
-        # its whole weights there
-        host_held = [b for p, b in held.items() if world > 1 or p not in whole]
-        host_optim = sum(b for p, b in optim.items() if p not in disk and p not in whole)
-        if world > 1:      # two packs' whole gradients in flight; fp16 and clipping keep every pack's fp32 chunk;
-            # a file (the share's weights and state) stepping, one read ahead by a pack's last gather, one written
-            grads = 2 * max(host_held, default=0) + (sum(chunk_grads.values()) if holds_every_gradient(cfg) else 0)
-            staging = 3 * max([optim[p] for p in disk] + [owned[p] + optim[p] for p in whole], default=0) + \
-                max((s.param_bytes for s in plan.packs), default=0)
-        else:
-            grads = (sum(host_held) if holds_every_gradient(cfg) else 2 * max(host_held, default=0)) + \
-                max((group_grads[p] for p in whole), default=0)
-            staging = 2 * max((optim[p] for p in disk), default=0) + 3 * max((file_bytes[p] for p in whole), default=0)
-        return dict(masters=masters, grads=grads, host_optim=host_optim, staging=int(staging),
-                    planned=int(masters + grads + host_optim + staging))
-
     weights_on = _weights_on(cfg)
-    packs = {p for p in optim if owned[p]}
-    # the least the host can do with: usually everything on disk, but for a small model the files in
-    # flight can outweigh what they replace
-    options = [need(set(), set())["planned"], need(set(optim), set())["planned"]]
-    if weights_on == Tier.DISK:
-        options = [need(set(), packs)["planned"]]
-    elif weights_on == "auto":
-        options.append(need(set(), packs)["planned"])
-    minimum = min(options)
-    disk: set[int] = set()
-    whole: set[int] = packs if weights_on == Tier.DISK else set()
-    if budget is not None and weights_on != Tier.DISK:
-        for p in order:
-            if need(disk, whole)["planned"] <= budget:
-                break
-            if optim[p]:
-                disk.add(p)
-        for p in order if weights_on == "auto" else ():
-            if need(disk, whole)["planned"] <= budget:
-                break
-            if owned[p]:
-                disk.discard(p)
-                whole.add(p)
-    planned = need(disk, whole)
+    packs = {p for p in host.optim if host.owned[p]}
+    minimum = least_host_bytes(host, weights_on, packs)
+    disk, whole = packs_to_disk(host, budget, weights_on, packs, order)
+    planned = host.need(disk, whole)
     if budget is not None and planned["planned"] > budget:
-        _refuse(cfg, budget, minimum, weights_on, world, buffers, need(set(optim), set())["masters"])
-    memory, memory_share, kept = _in_memory(budget - planned["planned"] if budget is not None else 0,
-                                            [p for p in reversed(order) if p in whole], groups, sizes,
-                                            {p: optim[p] / max(owned[p], 1) for p in whole})
+        masters = host.need(set(host.optim), set())["masters"]
+        _refuse(cfg, budget, minimum, weights_on, host.world, host.buffers, masters)
+    memory, memory_share, kept = files_in_memory(budget - planned["planned"] if budget is not None else 0,
+                                                 [p for p in reversed(order) if p in whole], host.groups, host.sizes,
+                                                 {p: host.optim[p] / max(host.owned[p], 1) for p in whole})
     planned.update(in_memory=kept, planned=planned["planned"] + kept)
-    return disk, whole, dict(planned, minimum=minimum, groups={p: groups[p] for p in whole}, owned=owned,
+    return disk, whole, dict(planned, minimum=minimum, groups={p: host.groups[p] for p in whole}, owned=host.owned,
                              memory=memory, memory_share=memory_share)
 
 
@@ -389,56 +358,3 @@ def _refuse(cfg, budget: int, minimum: int, weights_on: Tier | str, world: int, 
         f"{fmt_bytes(minimum)}. Raise host_memory_budget to at least {fmt_bytes(minimum)} ({minimum} bytes), "
         f"or compile with {todo}{'a smaller disk_group_bytes' if world == 1 else 'more ranks or smaller packs'}.",
         min_budget=minimum)
-
-
-def _in_memory(spare: int, packs: list[int], groups: dict, sizes: dict, state_per_byte: dict):
-    """Files of wholly-disk packs that stay in host memory, in the room ``spare`` the host budget leaves.
-
-    Each such file is never written or read: per byte held that is a write and a read of the step
-    (both under the backward, where the disk is busiest) plus the weights' read for the forward
-    (and for the backward, unless handed over). Every byte saves about as much wherever it sits,
-    so the files of the last-stepped packs go first (``packs`` in that order): their writes would
-    end the step and their weights are the first the next forward reads.
-    Returns ({pack: [group index]}, {pack: share of its files' bytes kept}, bytes kept).
-    """
-    memory: dict[int, list[int]] = {}
-    weights: dict[int, int] = {}
-    kept = 0
-    for p in packs:
-        for i in reversed(range(len(groups[p]))):
-            w = sum(sizes[n] for n in groups[p][i])
-            cost = int(w * (1 + state_per_byte[p]))
-            if cost <= spare - kept:
-                memory.setdefault(p, []).insert(0, i)
-                weights[p] = weights.get(p, 0) + w
-                kept += cost
-    share = {p: w / max(sum(sizes[n] for g in groups[p] for n in g), 1) for p, w in weights.items()}
-    return memory, share, kept
-
-
-def groups_of(plan, packs, group_bytes: int, sizes: dict[str, int]) -> dict[int, list[list[str]]]:
-    """Each pack's owned parameters cut into groups of at most ``group_bytes`` (one larger parameter alone).
-
-    Parameters go together only if the same packs read them, so reading a group for one
-    pack never brings another pack's weights.
-    """
-    readers: dict[str, tuple] = {}
-    for spec in plan.packs:
-        for n in spec.params:
-            readers[n] = readers.get(n, ()) + (spec.index,)
-    out: dict[int, list[list[str]]] = {}
-    for spec in plan.packs:
-        if spec.index not in packs:
-            continue
-        groups: list[list[str]] = []
-        open_: dict[tuple, tuple[list[str], int]] = {}
-        for n in spec.owned:
-            key = readers.get(n, (spec.index,))
-            cur, used = open_.get(key, (None, 0))
-            if cur is None or (used + sizes[n] > group_bytes and cur):
-                cur, used = [], 0
-                groups.append(cur)
-            cur.append(n)
-            open_[key] = (cur, used + sizes[n])
-        out[spec.index] = groups
-    return out

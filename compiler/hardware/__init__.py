@@ -46,6 +46,7 @@ from pathlib import Path
 from harmony.base.env import env_default
 from harmony.base.errors import ConfigError
 from harmony.compiler.hardware import machine, nodes
+from harmony.compiler.hardware.cpu_profile import profile_cpu
 from harmony.compiler.hardware.nodes import PCIE
 from harmony.runtime.plan import NOMINAL_NETWORK_BANDWIDTH, NOMINAL_NETWORK_LATENCY
 
@@ -372,30 +373,8 @@ class Hardware:
         """
         if machine.wants_cuda(device):
             hw = cls._profile_cuda(seconds, path, device or "cuda", block or (2048, 4096))
-            if save:
-                _save_profile(hw)
-            return hw
-        block = block or (512, 512)
-        base = cls.detect(path, device="cpu")
-        if threads is None:
-            import torch
-            threads = torch.get_num_threads()
-        flops = machine.matmul_flops(0.25 * seconds, threads)
-        latency = machine.kernel_latency(0.05 * seconds, threads)
-        call, op = machine.ondemand_latency(0.04 * seconds, threads)
-        efficiency = machine.block_efficiency(0.2 * seconds, flops, latency, threads, *block)
-        copy = machine.memcpy_bandwidth(0.15 * seconds)
-        read, write, how = machine.disk_bandwidth(0.35 * seconds, path)
-        cpu = base.devices[0]
-        dev = cpu.replace(peak_flops={"fp32": flops}, efficiency=efficiency, kernel_latency=latency,
-                          ondemand_call_latency=call, ondemand_op_latency=op,
-                          h2d_bandwidth=copy, d2h_bandwidth=copy, memory_bandwidth=2 * copy,
-                          source=f"Hardware.profile {time.strftime('%Y-%m-%d %H:%M')}: measured")
-        hw = base.replace(devices=(dev,), host_flops=flops, host_memory_bandwidth=2 * copy,
-                          disk_read_bandwidth=read, disk_write_bandwidth=write,
-                          notes=(f"measured by Hardware.profile: fp32 matmul at {threads} threads, tensor-op "
-                                 f"latency, a transformer block of width {block[0]} on {block[1]} tokens, "
-                                 f"memcpy, disk ({how}); nominal, not measured: network",))
+        else:
+            hw = profile_cpu(cls.detect(path, device="cpu"), seconds, path, threads, block or (512, 512))
         if save:
             _save_profile(hw)
         return hw

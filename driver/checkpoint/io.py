@@ -231,56 +231,25 @@ def _replicated_ranks(sm) -> bool:
 
 
 def _save_here(sm, path, progress) -> Path:
-    """``save`` on this process alone."""
+    """``save`` on this process alone: every file written into a fresh temporary directory, which then takes the
+    place of ``path``'s (``ckfiles.commit``)."""
     target, old, tmp = ckfiles.paths(_rank_path(sm, path))
     live = LiveState(sm)
-    groups = [[{"params": list(names), **{k: _jsonable(v) for k, v in g.items() if k != "params"}}
-               for names, g in per_opt] for per_opt in live.groups]
-    try:
-        json.dumps(groups)
-    except (TypeError, ValueError) as e:
-        raise CheckpointError(f"cannot save to {target}: an optimizer hyperparameter is not a number, "
-                              f"string, bool or list ({e}); keep hyperparameters plain values") from None
+    groups = _param_groups(live, target)
     need = live.nbytes()
     previous = False
     try:
         ckfiles.recover(target, old)
         previous = ckfiles.check_replaceable(target)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        ckfiles.remove_stale_temps(target)
-        usage = shutil.disk_usage(target.parent)
-        if usage.total and usage.free < need:   # (pseudo file systems such as /proc report no size at all)
-            raise OSError(errno.ENOSPC, f"{fmt_bytes(usage.free)} free, the checkpoint needs at least "
-                          f"{fmt_bytes(need)}", str(target.parent))
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir(mode=0o700)       # private, as the offload directories are: it is the model
+        _make_temp(target, tmp, need)
         layout = live.layout()
-        total = len(layout) + 2
-        files = []
-        for i, (stem, pack, names) in enumerate(layout):
-            payload = live.payload(names)
-            name = f"{stem}.pt"
-            size, digest = ckfiles.write_file(tmp / name, payload)
-            files.append({"name": name, "pack": pack, "bytes": size, "sha256": digest,
-                          "model": {n: _spec(t) for n, t in payload["model"].items()},
-                          "optimizer": {n: {k: _spec(v) for k, v in s.items()}
-                                        for n, s in payload["optimizer"].items()}})
-            del payload
-            if progress is not None:
-                progress(i + 1, total, tmp / name)
+        total = len(layout) + 2         # the steps ``progress`` counts: each pack's file, rng.pt, the manifest
+        files = _write_packs(live, layout, tmp, progress, total)
         size, digest = ckfiles.write_file(tmp / "rng.pt", _rng_state())
         files.append({"name": "rng.pt", "pack": None, "bytes": size, "sha256": digest, "rng": True})
         if progress is not None:
             progress(total - 1, total, tmp / "rng.pt")
-        here = this_layout(sm)
-        manifest = {"format": KIND, "version": FORMAT, "step": sm.steps, "torch": torch.__version__,
-                    "world": here.world, "mode": here.mode,
-                    "param_groups": groups, "files": files,
-                    "schedulers": [_jsonable(s.state_dict()) for s in getattr(sm, "schedulers", ())]}
-        if _scaler(sm) is not None:
-            manifest["loss_scaler"] = _scaler(sm).state_dict()
-        ckfiles.write_bytes(tmp / MANIFEST, json.dumps(seal(manifest), indent=1).encode())
+        _write_manifest(sm, tmp, groups, files)
         if progress is not None:
             progress(total, total, tmp / MANIFEST)
         ckfiles.fsync_dir(tmp)
@@ -292,6 +261,61 @@ def _save_here(sm, path, progress) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return target
+
+
+def _param_groups(live: LiveState, target: Path) -> list:
+    """The optimizers' parameter groups as the manifest holds them (names, plain hyperparameters); refused, naming
+    ``target``, where a hyperparameter is not plain JSON."""
+    groups = [[{"params": list(names), **{k: _jsonable(v) for k, v in g.items() if k != "params"}}
+               for names, g in per_opt] for per_opt in live.groups]
+    try:
+        json.dumps(groups)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"cannot save to {target}: an optimizer hyperparameter is not a number, "
+                              f"string, bool or list ({e}); keep hyperparameters plain values") from None
+    return groups
+
+
+def _make_temp(target: Path, tmp: Path, need: int) -> None:
+    """An empty private ``tmp`` beside ``target``, once the file system has ``need`` bytes free (ENOSPC if not)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    ckfiles.remove_stale_temps(target)
+    usage = shutil.disk_usage(target.parent)
+    if usage.total and usage.free < need:   # (pseudo file systems such as /proc report no size at all)
+        raise OSError(errno.ENOSPC, f"{fmt_bytes(usage.free)} free, the checkpoint needs at least "
+                      f"{fmt_bytes(need)}", str(target.parent))
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(mode=0o700)       # private, as the offload directories are: it is the model
+
+
+def _write_packs(live: LiveState, layout: list, tmp: Path, progress, total: int) -> list[dict]:
+    """Write each pack's file into ``tmp``, one pack's state in memory at a time; returns their manifest entries."""
+    files = []
+    for i, (stem, pack, names) in enumerate(layout):
+        payload = live.payload(names)
+        name = f"{stem}.pt"
+        size, digest = ckfiles.write_file(tmp / name, payload)
+        files.append({"name": name, "pack": pack, "bytes": size, "sha256": digest,
+                      "model": {n: _spec(t) for n, t in payload["model"].items()},
+                      "optimizer": {n: {k: _spec(v) for k, v in s.items()}
+                                    for n, s in payload["optimizer"].items()}})
+        del payload
+        if progress is not None:
+            progress(i + 1, total, tmp / name)
+    return files
+
+
+def _write_manifest(sm, tmp: Path, groups: list, files: list[dict]) -> None:
+    """The manifest: format, step, layout, hyperparameters, schedulers, loss scaler and every file's entry."""
+    here = this_layout(sm)
+    manifest = {"format": KIND, "version": FORMAT, "step": sm.steps, "torch": torch.__version__,
+                "world": here.world, "mode": here.mode,
+                "param_groups": groups, "files": files,
+                "schedulers": [_jsonable(s.state_dict()) for s in getattr(sm, "schedulers", ())]}
+    if _scaler(sm) is not None:
+        manifest["loss_scaler"] = _scaler(sm).state_dict()
+    ckfiles.write_bytes(tmp / MANIFEST, json.dumps(seal(manifest), indent=1).encode())
 
 
 def load(sm, path) -> CheckpointInfo:

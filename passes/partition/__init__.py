@@ -147,77 +147,104 @@ def _summarise(nodes, cross_in, trainable, b) -> Unit:
 
 # -- building the packs ----------------------------------------------------------------------------
 def build_packs(program: Program, cuts: list[tuple[int, int]], units: list[Unit]) -> list[PackSpec]:
+    """The packs of ``cuts`` (runs of ``units``): each one's graph module and its inputs, outputs and state, the
+    parameters it owns and steps, its bytes and flops, and its measured peaks."""
     gm = program.gm
+    pack_of = _mark_packs(cuts, units)
+    trainable = dict.fromkeys(n for n, p in gm.named_parameters() if p.requires_grad)   # model order: not a set
+    sizes = device_sizes(program)
+    master = {n: nbytes(t) for n, t in gm.named_parameters()}
+    specs, users_of = [], {}
+    for i in range(len(cuts)):
+        spec, inputs, nodes = _pack_spec(gm, i, len(cuts), pack_of, trainable)
+        specs.append(spec)
+        users_of[i] = (inputs, nodes)
+    for p in trainable:                # a parameter's gradient is complete after the last backward using it
+        users = [s.index for s in specs if p in s.params]
+        if users:
+            specs[min(users)].owned.append(p)
+    mb = program.config.microbatch_size
+    for spec in specs:
+        inputs, nodes = users_of[spec.index]
+        _count_state(program, spec, sizes, master)
+        spec.fwd_flops = int(sum(n.meta[COST].fwd_flops.at(mb) for n in nodes))
+        spec.bwd_flops = int(sum(n.meta[COST].bwd_flops.at(mb) for n in nodes))
+        _measure_peaks(program, spec, inputs, nodes, units)
+    return specs
+
+
+def _mark_packs(cuts: list[tuple[int, int]], units: list[Unit]) -> dict:
+    """Node -> the index of its pack, also written into each node's ``meta[PACK]``."""
     pack_of = {}
     for i, (s, e) in enumerate(cuts):
         for u in units[s:e]:
             for node in u.nodes:
                 pack_of[node] = i
                 node.meta[PACK] = i
+    return pack_of
+
+
+def _pack_spec(gm, i: int, packs: int, pack_of: dict, trainable: dict) -> tuple[PackSpec, list, list]:
+    """Pack ``i``'s spec (its module cut from ``gm``, inputs, outputs, parameters and buffers; none owned yet), with
+    the nodes feeding it from outside and its own nodes."""
     output = next(n for n in gm.graph.nodes if n.op == "output")
     loss_node = output.args[0]
-    trainable = dict.fromkeys(n for n, p in gm.named_parameters() if p.requires_grad)   # model order: not a set
-    sizes = device_sizes(program)
-    master = {n: nbytes(t) for n, t in gm.named_parameters()}
-    specs = []
-    users_of = {}
-    for i in range(len(cuts)):
-        nodes = [n for n in gm.graph.nodes if pack_of.get(n) == i]
-        inputs, seen = [], set()
-        for n in nodes:
-            for a in n.all_input_nodes:
-                if a.op != "get_attr" and pack_of.get(a) != i and a not in seen:
-                    seen.add(a)
-                    inputs.append(a)
-        outputs = [n for n in nodes if n is loss_node or any(pack_of.get(u, len(cuts)) > i for u in n.users
-                                                               if u is not output)]
-        state = set().union(*(_state_of(n) for n in nodes))
-        module = _split(gm, nodes, inputs, outputs)
-        specs.append(PackSpec(
-            index=i, name=_pack_name(nodes), module=module,
-            inputs=[a.name for a in inputs],
-            outputs=["loss" if n is loss_node else n.name for n in outputs],
-            params=sorted(s for s in state if s in trainable),
-            buffers=sorted(s for s in state if s not in trainable),
-            owned=[], mutated=sorted({m for n in nodes for m in n.meta[COST].mutates}),
-            random=any(n.meta[COST].random for n in nodes)))
-        users_of[i] = (inputs, nodes)
-    for p in trainable:                # a parameter's gradient is complete after the last backward using it
-        users = [s.index for s in specs if p in s.params]
-        if users:
-            specs[min(users)].owned.append(p)
+    nodes = [n for n in gm.graph.nodes if pack_of.get(n) == i]
+    inputs, seen = [], set()
+    for n in nodes:
+        for a in n.all_input_nodes:
+            if a.op != "get_attr" and pack_of.get(a) != i and a not in seen:
+                seen.add(a)
+                inputs.append(a)
+    outputs = [n for n in nodes if n is loss_node or any(pack_of.get(u, packs) > i for u in n.users
+                                                           if u is not output)]
+    state = set().union(*(_state_of(n) for n in nodes))
+    module = _split(gm, nodes, inputs, outputs)
+    spec = PackSpec(
+        index=i, name=_pack_name(nodes), module=module,
+        inputs=[a.name for a in inputs],
+        outputs=["loss" if n is loss_node else n.name for n in outputs],
+        params=sorted(s for s in state if s in trainable),
+        buffers=sorted(s for s in state if s not in trainable),
+        owned=[], mutated=sorted({m for n in nodes for m in n.meta[COST].mutates}),
+        random=any(n.meta[COST].random for n in nodes))
+    return spec, inputs, nodes
+
+
+def _count_state(program: Program, spec: PackSpec, sizes: dict, master: dict) -> None:
+    """The parameters ``spec`` steps and the bytes of its weights, buffers, fp32 masters and optimizer state."""
     prof = program.optim_profile
     owner, rank = program.config.state_owner, program.config.rank
-    for spec in specs:
-        inputs, nodes = users_of[spec.index]
-        # sharded optimizer state: this rank steps (and keeps state for) only the params it owns
-        spec.stepped = [n for n in spec.owned if owner is None or owner.get(n, rank) == rank]
-        spec.param_bytes = sum(sizes[n] for n in spec.params)
-        spec.buffer_bytes = sum(sizes[n] for n in spec.buffers)
-        spec.master_bytes = sum(master[n] for n in spec.params)
-        owned = [master[n] for n in spec.stepped]   # optimizer state is per fp32 master byte
-        spec.optim_bytes = sum(optim_state_bytes(prof, b) for b in owned)
-        spec.stepped_master_bytes = sum(owned)
-        spec.step_extra = step_extra(prof, owned)
-        spec.stream_step_peak = _stream_step_peak(prof, owned, program.config.precision != "fp32",
-                                                  late=not program.config.copies_block)
-        spec.fwd_flops = int(sum(n.meta[COST].fwd_flops.at(program.config.microbatch_size) for n in nodes))
-        spec.bwd_flops = int(sum(n.meta[COST].bwd_flops.at(program.config.microbatch_size) for n in nodes))
-        key = (tuple(nodes), "loss" in spec.outputs)
-        if key not in program.pack_measurements:   # the DP's corrections revisit the same packs
-            vals = [program.fake.vals[a] for a in inputs]
-            grad_inputs = [a.op != "placeholder" for a in inputs]
-            program.pack_measurements[key] = measure_pack(spec.module, vals, grad_inputs, program.fake,
-                                                          loss_output="loss" in spec.outputs)
-        m = program.pack_measurements[key]
-        spec.fwd_peak, spec.fwd_keep_peak = m["fwd_peak"], m["fwd_keep_peak"]
-        spec.saved_bytes, spec.out_bytes = m["saved_bytes"], m["out_bytes"]
-        if not spec.saved_bytes:   # until measure_kept measures it: the estimate
-            spec.saved_bytes = int(sum(u.kept for u in units if u.nodes[0] in nodes))
-        spec.bwd_peak, spec.bwd_recompute_peak = m["bwd_peak"], m["bwd_recompute_peak"]
-        spec.bwd_peak_accum, spec.bwd_recompute_peak_accum = m["bwd_peak_accum"], m["bwd_recompute_peak_accum"]
-        spec.in_bytes = sum(tensor_bytes(program.fake.vals[a]) for a in inputs if a.op != "placeholder")
-    return specs
+    # sharded optimizer state: this rank steps (and keeps state for) only the params it owns
+    spec.stepped = [n for n in spec.owned if owner is None or owner.get(n, rank) == rank]
+    spec.param_bytes = sum(sizes[n] for n in spec.params)
+    spec.buffer_bytes = sum(sizes[n] for n in spec.buffers)
+    spec.master_bytes = sum(master[n] for n in spec.params)
+    owned = [master[n] for n in spec.stepped]   # optimizer state is per fp32 master byte
+    spec.optim_bytes = sum(optim_state_bytes(prof, b) for b in owned)
+    spec.stepped_master_bytes = sum(owned)
+    spec.step_extra = step_extra(prof, owned)
+    spec.stream_step_peak = _stream_step_peak(prof, owned, program.config.precision != "fp32",
+                                              late=not program.config.copies_block)
+
+
+def _measure_peaks(program: Program, spec: PackSpec, inputs: list, nodes: list, units: list[Unit]) -> None:
+    """``spec``'s forward and backward peaks, measured on fake tensors once per pack (the DP's corrections revisit
+    the same packs), and the bytes it saves, takes in and gives out."""
+    key = (tuple(nodes), "loss" in spec.outputs)
+    if key not in program.pack_measurements:
+        vals = [program.fake.vals[a] for a in inputs]
+        grad_inputs = [a.op != "placeholder" for a in inputs]
+        program.pack_measurements[key] = measure_pack(spec.module, vals, grad_inputs, program.fake,
+                                                      loss_output="loss" in spec.outputs)
+    m = program.pack_measurements[key]
+    spec.fwd_peak, spec.fwd_keep_peak = m["fwd_peak"], m["fwd_keep_peak"]
+    spec.saved_bytes, spec.out_bytes = m["saved_bytes"], m["out_bytes"]
+    if not spec.saved_bytes:   # until measure_kept measures it: the estimate
+        spec.saved_bytes = int(sum(u.kept for u in units if u.nodes[0] in nodes))
+    spec.bwd_peak, spec.bwd_recompute_peak = m["bwd_peak"], m["bwd_recompute_peak"]
+    spec.bwd_peak_accum, spec.bwd_recompute_peak_accum = m["bwd_peak_accum"], m["bwd_recompute_peak_accum"]
+    spec.in_bytes = sum(tensor_bytes(program.fake.vals[a]) for a in inputs if a.op != "placeholder")
 
 
 def measure_kept(program: Program, specs: list[PackSpec]) -> None:

@@ -144,64 +144,78 @@ class PackCost:
         """
         last = len(cuts) - 1
         own = [self.param_sum(s, e) for s, e in cuts]
-        total = sum(own)
-        shares = [0.0] * len(cuts)    # of each pack's parameters' bytes, what steps on the host (``host_tail``)
         model = self.traffic_model(budget)
         host = model != Tier.DEVICE
         moved = sum(self.traffic(s, e, i == last, host) for i, (s, e) in enumerate(cuts))
         needs = [self(s, e, i == last)[0] for i, (s, e) in enumerate(cuts)]
-        optim = self.master_sum(0, len(self.units)) * self.state_per_byte
-        all_params = total + max(n - p for n, p in zip(needs, own))
-        if self.p.config.optimizer_on != Tier.DEVICE:
-            optim = 0.0
-        cross = [self.stash(s) / 4 for s, _ in cuts]     # activation bytes crossing into each pack, all microbatches
-        crossing = sum(cross)
-        if model == "harmony host" and exact:
-            # what stays, and where the budget binds, is the linear program the swap pass solves exactly
-            saved, on_device = self.residency(cuts, budget)
-            shares = [1.0 - d / o if o else 0.0 for d, o in zip(on_device, own)]
-        elif model == "harmony host":
-            # the host updates the weights, so none stay for good; but a pack's can stay from its forward to its
-            # backward (1 byte saved per byte), all of them beside the last pack's working set at the turn; room
-            # left then lets packs step on the device with all their state resident (2 more saved per byte of
-            # parameters, for its optimizer state held), where the swap pass may do that (swap.mixed_placement)
-            # the cuts' stashes go first: a byte crossing a cut held saves 2, and its gradient as much again
-            room = max(0.0, budget - needs[-1])
-            held = min(crossing, room)
-            room -= held
-            weights = min(total - own[-1], room)
-            saved = 4 * held + weights
-            shares = [1.0] * len(cuts)
-            if mixed_placement(self.p.config) and self.state_per_byte:
-                on_device = self.device_stepped(own, needs, cross, budget, room - weights, weights,
-                                                held / crossing if crossing else 0.0)
-                saved += 2 * on_device
-                shares = [1.0 - on_device / total if total else 0.0] * len(cuts)
-        elif model == "sequential host":
-            # every microbatch visits every pack: weights held from a pack's first visit to its last save all but
-            # one of its swap_ins (the swap pass's "held"), beside whichever pack is computing
-            shares = [1.0] * len(cuts)
-            saved = self.fill([(self.visits(s, i == last) - 1, o) for i, ((s, _), o) in enumerate(zip(cuts, own))],
-                              budget - max(needs))
-        elif host:      # a host budget (or the ondemand policy)
-            shares = [1.0] * len(cuts)
-            # with a host budget, packs may live on disk, whose reads and writes this model does not price (the
-            # credit above picked 48 packs for the offload benchmark's 600M GPT where 12 had been chosen, 2.5 s
-            # a step slower on this machine); the swap pass still holds weights where its curve finds room
-            saved = 0.0
-        else:   # parameters kept for good save every trip they make, all but the optimizer state's
-            rates = [(self.visits(s, i == last) + self.grad_moves() + 1, o)
-                     for i, ((s, _), o) in enumerate(zip(cuts, own))]
-            if all_params <= budget:
-                optim_held = min(optim, budget - all_params)
-                saved = self.fill(rates, total) + 2 * optim_held + 4 * min(crossing, budget - all_params - optim_held)
-            else:
-                saved = self.fill(rates, budget - max(needs))
+        saved, shares = self.resident_saved(cuts, own, needs, model, budget, exact)
         left = max(0.0, moved - saved)
         share = left / moved if moved else 0.0     # the traffic residency does not save
         kept = self.kept_graphs(cuts, budget, max(own), needs[-1], saved)
         seconds, backward = self.pack_seconds(cuts, share, kept, host)
         return seconds + self.host_tail(cuts, backward, shares), left
+
+    def resident_saved(self, cuts, own: list[float], needs: list[float], model: Tier | str, budget: float,
+                       exact: bool) -> tuple[float, list[float]]:
+        """(bytes moved that what stays resident saves, each pack's share of its parameters' bytes that steps on the
+        host, for ``host_tail``) under ``model``, the ``traffic_model``: ``own`` are the packs' parameter bytes,
+        ``needs`` their working sets."""
+        last, host_steps = len(cuts) - 1, [1.0] * len(cuts)
+        if model == "harmony host" and exact:
+            # what stays, and where the budget binds, is the linear program the swap pass solves exactly
+            saved, on_device = self.residency(cuts, budget)
+            return saved, [1.0 - d / o if o else 0.0 for d, o in zip(on_device, own)]
+        if model == "harmony host":
+            return self.turn_saved(cuts, own, needs, budget)
+        if model == "sequential host":
+            # every microbatch visits every pack: weights held from a pack's first visit to its last save all but
+            # one of its swap_ins (the swap pass's "held"), beside whichever pack is computing
+            return self.fill([(self.visits(s, i == last) - 1, o) for i, ((s, _), o) in enumerate(zip(cuts, own))],
+                             budget - max(needs)), host_steps
+        if model != Tier.DEVICE:      # a host budget (or the ondemand policy)
+            # with a host budget, packs may live on disk, whose reads and writes this model does not price
+            # (``turn_saved``'s credit picked 48 packs for the offload benchmark's 600M GPT where 12 had been
+            # chosen, 2.5 s a step slower on this machine); the swap pass still holds weights where its curve finds room
+            return 0.0, host_steps
+        return self.kept_for_good_saved(cuts, own, needs, budget), [0.0] * len(cuts)
+
+    def kept_for_good_saved(self, cuts, own: list[float], needs: list[float], budget: float) -> float:
+        """``resident_saved`` where the optimizer steps on the device: parameters kept for good save every trip they
+        make, then optimizer state held saves its trips in and out, then the cuts' stashes theirs."""
+        last, total = len(cuts) - 1, sum(own)
+        all_params = total + max(n - p for n, p in zip(needs, own))
+        optim = self.master_sum(0, len(self.units)) * self.state_per_byte
+        if self.p.config.optimizer_on != Tier.DEVICE:
+            optim = 0.0
+        crossing = sum(self.stash(s) / 4 for s, _ in cuts)
+        rates = [(self.visits(s, i == last) + self.grad_moves() + 1, o) for i, ((s, _), o) in enumerate(zip(cuts, own))]
+        if all_params > budget:
+            return self.fill(rates, budget - max(needs))
+        optim_held = min(optim, budget - all_params)
+        return self.fill(rates, total) + 2 * optim_held + 4 * min(crossing, budget - all_params - optim_held)
+
+    def turn_saved(self, cuts, own: list[float], needs: list[float], budget: float) -> tuple[float, list[float]]:
+        """``resident_saved`` under the harmony policy with host steps, by the rule (not the linear program).
+
+        The host updates the weights, so none stay for good; but a pack's can stay from its forward to its
+        backward (1 byte saved per byte), all of them beside the last pack's working set at the turn; room
+        left then lets packs step on the device with all their state resident (2 more saved per byte of
+        parameters, for its optimizer state held), where the swap pass may do that (swap.mixed_placement).
+        The cuts' stashes go first: a byte crossing a cut held saves 2, and its gradient as much again.
+        """
+        total = sum(own)
+        cross = [self.stash(s) / 4 for s, _ in cuts]     # activation bytes crossing into each pack, all microbatches
+        crossing = sum(cross)
+        room = max(0.0, budget - needs[-1])
+        held = min(crossing, room)
+        room -= held
+        weights = min(total - own[-1], room)
+        saved = 4 * held + weights
+        if not (mixed_placement(self.p.config) and self.state_per_byte):
+            return saved, [1.0] * len(cuts)
+        on_device = self.device_stepped(own, needs, cross, budget, room - weights, weights,
+                                        held / crossing if crossing else 0.0)
+        return saved + 2 * on_device, [1.0 - on_device / total if total else 0.0] * len(cuts)
 
     def pack_seconds(self, cuts, share: float, kept: set, host: bool) -> tuple[float, list[float]]:
         """(seconds of all packs, each pack's backward seconds): a pack takes the longer of its compute (with the

@@ -63,51 +63,64 @@ def least_traffic(units: list[Unit], sizes: dict, microbatches: int, work, cap: 
     (Adam's): a byte stepped on the device then holds at least as much as it saves (tests/test_traffic_bound.py checks
     it against the linear program).
     """
-    n = len(units)
-    known: dict = {}
-
-    def ws(s: int, e: int) -> float:      # each pack's working set once: the bisection asks for it a dozen times
-        if (s, e) not in known:
-            known[s, e] = work(s, e)
-        return known[s, e]
-    seen, pre = set(), [0.0]
-    for u in units:       # a parameter two units share counts once, where it is first used
-        pre.append(pre[-1] + sum(sizes[q] for q in u.params - seen))
-        seen |= u.params
-    total = pre[-1]
-    cross = [u.cross_in * microbatches for u in units] + [0.0]
-
-    def term(s: int, e: int, before: float) -> float:
-        w = ws(s, e)
-        crossing = before + (cross[s] if s else 0.0) + cross[e]
-        return w - (pre[e] - pre[s]) - (total - pre[e]) + 2 * crossing - min(crossing, max(0.0, budget - w))
-
-    def within(bound: float):
-        best = [math.inf] * (n + 1)       # least crossing bytes of a prefix cut into packs whose terms are <= bound
-        choice = [0] * (n + 1)
-        best[0] = 0.0
-        for e in range(1, n + 1):
-            for s in range(e - 1, -1, -1):
-                if ws(s, e) > cap:
-                    break
-                if best[s] < math.inf and term(s, e, best[s]) <= bound:
-                    crossed = best[s] + (cross[s] if s else 0.0)
-                    if crossed < best[e]:
-                        best[e], choice[e] = crossed, s
-        return None if best[n] == math.inf else _cuts(choice, n)
-
-    low, high = -total, 4 * total + 2 * sum(cross)
-    found = within(high)
+    bounds = _PackTerms(units, sizes, microbatches, work, cap, budget)
+    total = bounds.total
+    low, high = -total, 4 * total + 2 * sum(bounds.cross)
+    found = bounds.within(high)
     if found is None:
         return None
     while high - low > tolerance * total:
         mid = (low + high) / 2
-        cuts = within(mid)
+        cuts = bounds.within(mid)
         if cuts is None:
             low = mid
         else:
             high, found = mid, cuts
     return max(0.0, 3 * total - budget + low), found
+
+
+class _PackTerms:
+    """``least_traffic``'s terms of the bound, one per pack, and the DP that cuts the units into packs whose terms all
+    stay within a given bound."""
+
+    def __init__(self, units: list[Unit], sizes: dict, microbatches: int, work, cap: float, budget: float):
+        self.n, self.work, self.cap, self.budget = len(units), work, cap, budget
+        self.known: dict = {}
+        seen, pre = set(), [0.0]
+        for u in units:       # a parameter two units share counts once, where it is first used
+            pre.append(pre[-1] + sum(sizes[q] for q in u.params - seen))
+            seen |= u.params
+        self.pre, self.total = pre, pre[-1]      # parameters' bytes of each prefix of units, and of all
+        self.cross = [u.cross_in * microbatches for u in units] + [0.0]
+
+    def ws(self, s: int, e: int) -> float:      # each pack's working set once: the bisection asks for it a dozen times
+        if (s, e) not in self.known:
+            self.known[s, e] = self.work(s, e)
+        return self.known[s, e]
+
+    def term(self, s: int, e: int, before: float) -> float:
+        """The traffic left that the constraint at pack ``s..e``'s backward implies, ``before`` bytes crossing the
+        cuts before it."""
+        pre, cross = self.pre, self.cross
+        w = self.ws(s, e)
+        crossing = before + (cross[s] if s else 0.0) + cross[e]
+        return w - (pre[e] - pre[s]) - (self.total - pre[e]) + 2 * crossing - min(crossing, max(0.0, self.budget - w))
+
+    def within(self, bound: float) -> list[tuple[int, int]] | None:
+        """Cuts whose packs' terms are all <= ``bound`` and working sets within the cap; None if there are none."""
+        n, cross = self.n, self.cross
+        best = [math.inf] * (n + 1)       # least crossing bytes of a prefix cut into packs whose terms are <= bound
+        choice = [0] * (n + 1)
+        best[0] = 0.0
+        for e in range(1, n + 1):
+            for s in range(e - 1, -1, -1):
+                if self.ws(s, e) > self.cap:
+                    break
+                if best[s] < math.inf and self.term(s, e, best[s]) <= bound:
+                    crossed = best[s] + (cross[s] if s else 0.0)
+                    if crossed < best[e]:
+                        best[e], choice[e] = crossed, s
+        return None if best[n] == math.inf else _cuts(choice, n)
 
 
 def least_traffic_packs(need: PackCost, cap: float, budget: float) -> list[tuple[int, int]] | None:

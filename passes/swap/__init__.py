@@ -180,17 +180,35 @@ def run(program: Program, ctx) -> PassResult:
     insert_swaps(program.schedule, set())
     base = program.schedule
     groups = stash_groups(base)
-    chosen = Choice(set(), set(groups))
-
+    least = Choice(set(), set(groups))
     fits = _Fits(program, base, groups, sizes)
+    curve = _least_memory(program, fits, least, report)
+    if ctx is not None:      # handed its choice: applied as given, no search
+        chosen, rows, how, curve = _given(program, ctx, groups, fits)
+    else:
+        made = choose(program, least, curve, base, groups, sizes, graphs, fits, report)
+        chosen, rows, how, curve = _graphs_first(program, made, least, base, groups, sizes, graphs, fits, report)
+    program.swap_choice = chosen
+    for p in chosen.device:
+        plan.at(p).step_on = plan.at(p).optim_on = Tier.DEVICE
+    report.rows = rows
+    report.totals = _totals(program, chosen, rows, curve, how, start)
+    _notes(report, program, chosen, graphs)
+    return PassResult(program, report)
 
-    curve = fits(chosen)
-    inline = [n for n in calls(base) if ops.op_of(n).steps and n.kwargs.get("overlap")]
+
+def _least_memory(program: Program, fits: _Fits, least: Choice, report: PassReport):
+    """The memory curve of the least-memory plan (``least``: nothing kept). Disk steps that overlap the next
+    backward run inline where it does not fit (such a step holds its gradients that long); raises
+    ``BudgetError`` naming the budget needed where even then it does not."""
+    budget = program.config.usable_budget
+    curve = fits(least)
+    inline = [n for n in calls(fits.base) if ops.op_of(n).steps and n.kwargs.get("overlap")]
     if curve.peak > budget and inline:   # a disk step overlapping the next backward holds its gradients that long
         for n in inline:
             n.kwargs = {**n.kwargs, "overlap": False}
         fits.forget()                    # the schedules built from the base before it changed
-        curve = fits(chosen)
+        curve = fits(least)
         report.notes.append(f"{len(inline)} disk steps run inline: the device cannot also hold a pack's gradients "
                             f"through the next pack's backward")
     if curve.peak > budget:
@@ -201,39 +219,41 @@ def run(program: Program, ctx) -> PassResult:
             f"and every activation stashed, the predicted peak is {fmt_bytes(curve.peak)} at {at.name}, over "
             f"the {fmt_bytes(budget)} the planner may fill. Raise memory_budget to about {fmt_bytes(need)} "
             f"({need} bytes) or use more microbatches.", min_budget=need)
-    if ctx is not None:      # handed its choice: applied as given, no search
-        if not isinstance(ctx, Choice):
-            raise ConfigError(f"the swap pass's choice is a harmony.passes.swap.graph.Choice (a compiled module's "
-                              f"program.swap_choice is one), got {type(ctx).__name__}")
-        # a choice made at another batch shape (driver/shapes.py) may name activation groups this schedule lacks
-        chosen, rows, how = ctx._replace(stashed=set(ctx.stashed) & set(groups)), [], "given"
-        curve = fits(chosen)
-        if curve.peak > budget:
-            raise BudgetError(f"the swap choice given peaks at {fmt_bytes(curve.peak)}, over the {fmt_bytes(budget)} "
-                              f"the planner may fill: keep less on the device, or raise memory_budget to about "
-                              f"{fmt_bytes(program.config.budget_for(curve.peak))}",
-                              min_budget=program.config.budget_for(curve.peak))
-    else:
-        made = choose(program, chosen, curve, base, groups, sizes, graphs, fits, report)
-        chosen, rows, how, curve = _graphs_first(program, made, chosen, base, groups, sizes, graphs, fits, report)
-    program.swap_choice = chosen
-    for p in chosen.device:
-        plan.at(p).step_on = plan.at(p).optim_on = Tier.DEVICE
+    return curve
+
+
+def _given(program: Program, ctx, groups: dict, fits: _Fits) -> tuple:
+    """The choice handed in ``ctx`` applied as given (chosen, rows, how, curve); refused where it is not a
+    ``Choice`` or does not fit."""
+    budget = program.config.usable_budget
+    if not isinstance(ctx, Choice):
+        raise ConfigError(f"the swap pass's choice is a harmony.passes.swap.graph.Choice (a compiled module's "
+                          f"program.swap_choice is one), got {type(ctx).__name__}")
+    # a choice made at another batch shape (driver/shapes.py) may name activation groups this schedule lacks
+    chosen = ctx._replace(stashed=set(ctx.stashed) & set(groups))
+    curve = fits(chosen)
+    if curve.peak > budget:
+        raise BudgetError(f"the swap choice given peaks at {fmt_bytes(curve.peak)}, over the {fmt_bytes(budget)} "
+                          f"the planner may fill: keep less on the device, or raise memory_budget to about "
+                          f"{fmt_bytes(program.config.budget_for(curve.peak))}",
+                          min_budget=program.config.budget_for(curve.peak))
+    return chosen, [], "given", curve
+
+
+def _totals(program: Program, chosen: Choice, rows: list, curve, how: str, start: float) -> dict:
+    """The report's totals: the movement ops inserted, what of each kind stays, the predicted peak and traffic."""
     counts = {}
     for n in calls(program.schedule):
         counts[n.target.__name__] = counts.get(n.target.__name__, 0) + 1
-    report.rows = rows
-    report.totals = dict(swap_ins=counts.get("swap_in", 0), releases=counts.get("release", 0),
-                         stashes=counts.get("stash", 0), unstashes=counts.get("unstash", 0),
-                         kept_on_device=len(rows), held_between_visits=len(chosen.held),
-                         params_held_between_visits=len(chosen.parts), params_stepped_on_device=len(chosen.steps),
-                         device_stepped=len(chosen.device), carried_across_steps=len(chosen.carried),
-                         recomputing_packs=len(plan.packs) - 1 - len(chosen.kept),
-                         graphs_on_host=len(chosen.offloaded), predicted_peak_MiB=curve.peak / 2**20,
-                         h2d_MiB=curve.moved["h2d"] / 2**20, d2h_MiB=curve.moved["d2h"] / 2**20,
-                         seconds=time.perf_counter() - start, chosen_by=how)
-    _notes(report, program, chosen, graphs)
-    return PassResult(program, report)
+    return dict(swap_ins=counts.get("swap_in", 0), releases=counts.get("release", 0),
+                stashes=counts.get("stash", 0), unstashes=counts.get("unstash", 0),
+                kept_on_device=len(rows), held_between_visits=len(chosen.held),
+                params_held_between_visits=len(chosen.parts), params_stepped_on_device=len(chosen.steps),
+                device_stepped=len(chosen.device), carried_across_steps=len(chosen.carried),
+                recomputing_packs=len(program.plan.packs) - 1 - len(chosen.kept),
+                graphs_on_host=len(chosen.offloaded), predicted_peak_MiB=curve.peak / 2**20,
+                h2d_MiB=curve.moved["h2d"] / 2**20, d2h_MiB=curve.moved["d2h"] / 2**20,
+                seconds=time.perf_counter() - start, chosen_by=how)
 
 
 def _graphs_first(program: Program, made: tuple, start: Choice, base, groups: dict, sizes: dict, graphs: list, fits,

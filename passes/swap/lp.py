@@ -27,6 +27,8 @@ whichever of the two plans is worth more.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import pulp
 
 from harmony.base import ilp
@@ -202,6 +204,16 @@ def fitted(chosen: Choice, curve, groups: dict, fits, room: int) -> tuple[Choice
     return chosen, curve
 
 
+@dataclass
+class _Ilp:
+    """``solve``'s integer program as it is built."""
+    prob: pulp.LpProblem
+    value: list = field(default_factory=list)     # the objective's terms: bytes moved saved
+    picks: dict = field(default_factory=dict)     # what may be kept -> its binary variable
+    # a pack's bytes held or stepped, an activation group, a graph -> (its variable, its rise)
+    rise_of: dict = field(default_factory=dict)
+
+
 def solve(program: Program, curve, groups: dict, sizes: dict, swaps: dict, candidates: list, room: int, may_step):
     """The choice worth the most whose linear peak fits ``room`` at every compute op of ``curve`` (``select``'s
     arguments): a set of ``("held", pack, name)``, ``("stepped", pack, name)``, ``("keep", op, pack)`` and
@@ -211,59 +223,75 @@ def solve(program: Program, curve, groups: dict, sizes: dict, swaps: dict, candi
     if not base:
         return None
     r = rises(curve, plan, groups, swaps, program.optim_profile["state_per_byte"])
-    worth = {what: per_byte * size for per_byte, size, what in candidates if what[0] in ("keep", "graph")}
-    prob = pulp.LpProblem("swap", pulp.LpMaximize)
-    value, picks = [], {}
-    rise_of = {}       # a pack's bytes held or stepped, an activation group, a graph -> (its variable, its rise)
+    lp = _Ilp(pulp.LpProblem("swap", pulp.LpMaximize))
     for spec in plan.packs:
-        p = spec.index
-        ins = swaps.get(p, ([], []))[0]
-        if not ins:
+        _add_weights(lp, spec, sizes, swaps, r, may_step)
+    _add_kept(lp, curve, plan, candidates, r)
+    if not lp.picks:
+        return None
+    lp.prob += pulp.lpSum(lp.value)
+    _add_peaks(lp, base, room)
+    if not ilp.solve(lp.prob, time_limit=TIME_LIMIT):
+        return None
+    return {k for k, v in lp.picks.items() if (v.value() or 0) > 0.5}
+
+
+def _add_weights(lp: _Ilp, spec, sizes: dict, swaps: dict, r: dict, may_step) -> None:
+    """A swapped pack's variables: per parameter, ``held`` (where the pack has more than one visit) and ``stepped``
+    (where ``may_step``), at most one of them; and per kind, the pack's bytes of it, which the curve's constraints
+    share."""
+    p, prob = spec.index, lp.prob
+    ins = swaps.get(p, ([], []))[0]
+    if not ins:
+        return
+    visits = len(ins)
+    stepped = set(spec.stepped) if may_step(p) else set()
+    held_bytes, stepped_bytes = [], []
+    for k, n in enumerate(spec.params + spec.buffers):
+        w = sizes.get(("params", n), 0)
+        if not w:
             continue
-        visits = len(ins)
-        stepped = set(spec.stepped) if may_step(p) else set()
-        held_bytes, stepped_bytes = [], []
-        for k, n in enumerate(spec.params + spec.buffers):
-            w = sizes.get(("params", n), 0)
-            if not w:
-                continue
-            h = prob.add_variable(f"h_{p}_{k}", cat=pulp.LpBinary) if visits > 1 else None
-            s = prob.add_variable(f"s_{p}_{k}", cat=pulp.LpBinary) if n in stepped else None
-            if h is not None and s is not None:
-                prob += h + s <= 1
-            if h is not None:
-                picks[("held", p, n)] = h
-                held_bytes.append(w * h)
-                value.append((visits - 1) * w * h)
-            if s is not None:   # its weight in for each visit, its gradient out
-                picks[("stepped", p, n)] = s
-                stepped_bytes.append(w * s)
-                value.append((visits * w + sizes.get(("grads", n), 0)) * s)
-        for kind, terms in (("held", held_bytes), ("stepped", stepped_bytes)):
-            if terms:       # the pack's bytes of that kind, one variable the curve's constraints share
-                total = prob.add_variable(f"{kind}_{p}", 0)
-                prob += total == pulp.lpSum(terms)
-                rise_of[(kind, p)] = (total, r[(kind, p)])
-    for what, bytes_saved in worth.items():    # out and back in, or the recompute saved (as bytes the link moves)
+        h = prob.add_variable(f"h_{p}_{k}", cat=pulp.LpBinary) if visits > 1 else None
+        s = prob.add_variable(f"s_{p}_{k}", cat=pulp.LpBinary) if n in stepped else None
+        if h is not None and s is not None:
+            prob += h + s <= 1
+        if h is not None:
+            lp.picks[("held", p, n)] = h
+            held_bytes.append(w * h)
+            lp.value.append((visits - 1) * w * h)
+        if s is not None:   # its weight in for each visit, its gradient out
+            lp.picks[("stepped", p, n)] = s
+            stepped_bytes.append(w * s)
+            lp.value.append((visits * w + sizes.get(("grads", n), 0)) * s)
+    for kind, terms in (("held", held_bytes), ("stepped", stepped_bytes)):
+        if terms:       # the pack's bytes of that kind, one variable the curve's constraints share
+            total = prob.add_variable(f"{kind}_{p}", 0)
+            prob += total == pulp.lpSum(terms)
+            lp.rise_of[(kind, p)] = (total, r[(kind, p)])
+
+
+def _add_kept(lp: _Ilp, curve, plan, candidates: list, r: dict) -> None:
+    """A variable per activation group kept and per graph kept, worth the bytes it saves moving out and back in,
+    or the recompute saved (as bytes the link moves)."""
+    worth = {what: per_byte * size for per_byte, size, what in candidates if what[0] in ("keep", "graph")}
+    for what, bytes_saved in worth.items():
         rise = r[what] if what[0] == "keep" else graph_rise(curve, plan, what[1])
         if what[0] == "keep" and not max(rise, default=0):     # nothing stashed: nothing to keep
             continue
-        x = prob.add_variable("_".join(map(str, what)), cat=pulp.LpBinary)
-        picks[what] = x
-        value.append(bytes_saved * x)
-        rise_of[what] = (x, rise)
-    if not picks:
-        return None
-    prob += pulp.lpSum(value)
-    # one constraint per distinct rise, at the highest peak among the ops that share it (spans are long: a
-    # schedule of a thousand compute ops has a few dozen)
+        x = lp.prob.add_variable("_".join(map(str, what)), cat=pulp.LpBinary)
+        lp.picks[what] = x
+        lp.value.append(bytes_saved * x)
+        lp.rise_of[what] = (x, rise)
+
+
+def _add_peaks(lp: _Ilp, base: list, room: int) -> None:
+    """The memory curve's constraints: what the choice adds at a compute op fits ``room`` less the op's peak in the
+    least-memory plan (``base``: (op index, peak)). One constraint per distinct rise, at the highest peak among the
+    ops that share it (spans are long: a schedule of a thousand compute ops has a few dozen)."""
     highest: dict = {}
     for i, peak in base:
-        key = tuple((k, c) for k, (_, rise) in rise_of.items() for c in [rise[i]] if c)
+        key = tuple((k, c) for k, (_, rise) in lp.rise_of.items() for c in [rise[i]] if c)
         if key and peak > highest.get(key, -1):
             highest[key] = peak
     for key, peak in highest.items():
-        prob += pulp.lpSum(c * rise_of[k][0] for k, c in key) <= room - peak
-    if not ilp.solve(prob, time_limit=TIME_LIMIT):
-        return None
-    return {k for k, v in picks.items() if (v.value() or 0) > 0.5}
+        lp.prob += pulp.lpSum(c * lp.rise_of[k][0] for k, c in key) <= room - peak

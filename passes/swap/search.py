@@ -9,6 +9,9 @@ integer program applies (``lp``), its plan is checked against the greedy's. The 
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
 from harmony.base.tiers import Tier
 from harmony.base.units import fmt_bytes
 from harmony.compiler.ir import Program
@@ -59,56 +62,66 @@ def peak_bound(program: Program, curve, what, groups: dict, sizes: dict, shared:
     removes: its own pack's, the stashes and swaps.
     """
     plan, nodes = program.plan, curve.nodes
-    rise = [0] * (len(nodes) + 1)
-
-    def hold(a: int, b: int, size: int) -> None:      # ``size`` more at the nodes strictly between a and b
-        if size > 0 and b - a > 1:
-            rise[a + 1] += size
-            rise[b] -= size
-
     kind, pack = what[0], what[-1]
     if kind == "offload":      # its inputs and outputs over its pack's span, but other ops' peaks may fall: no bound
         return 0
     if kind == "keep":
-        pack = None                                    # no compute op changes
-        at = {n.name: i for i, n in enumerate(nodes)}
-        for name in groups[what[1:]]:
-            i = at.get(name)
-            if i is not None and nodes[i].kwargs.get("keep"):
-                continue                               # its stash sends the graph: the group is not stashed
-            s = next((u for u, op in ops.ops_of(nodes[i].users) if op.stashes), None) if i is not None else None
-            back = [at[u.name] for u, op in ops.ops_of(s.users) if op.unstashes] if s is not None else []
-            if back:
-                hold(at[s.name], min(back), curve.out[i])
+        spans, pack = _stash_spans(curve, groups[what[1:]]), None     # no compute op changes
     elif kind == "graph":
-        for a, b, size in swap_lp.graph_spans(curve, plan, pack):
-            hold(a, b, size)
+        spans = swap_lp.graph_spans(curve, plan, pack)
     elif kind in ("held", "params"):
-        spec, since = plan.packs[pack], (-1 if kind == "params" else None)
-
-        def weights(held=()) -> int:   # a weight tied to another pack's may be on the device for that one
-            return sum(sizes.get(("params", x), 0) for x in ops.moving_names(spec, "params", held) if x not in shared)
-        size = weights()
-        for i, n in enumerate(nodes):
-            op = ops.op_of(n)
-            if op.state_copy and n.args[0] == pack and n.args[1] == "params":     # a swap_in or a release
-                if op.releases:
-                    since, size = i, weights(n.kwargs.get("held", ()))
-                else:
-                    if since is not None:
-                        hold(since, i, size)
-                    since = None
-        if kind == "params" and since is not None:
-            hold(since, len(nodes), size)
+        spans = _weight_spans(curve, plan, pack, kind == "params", sizes, shared)
     else:                                              # "optim", "device": optimizer state resident for good
         resident = plan.at(pack).optim_kept
-        hold(-1, len(nodes), sum(sizes.get(("optim", n), 0) for n in plan.packs[pack].stepped if n not in resident))
+        spans = [(-1, len(nodes),
+                  sum(sizes.get(("optim", n), 0) for n in plan.packs[pack].stepped if n not in resident))]
+    rise = [0] * (len(nodes) + 1)
+    for a, b, size in spans:      # ``size`` more at the nodes strictly between a and b
+        if size > 0 and b - a > 1:
+            rise[a + 1] += size
+            rise[b] -= size
     best = acc = 0
     for i, n in enumerate(nodes):
         acc += rise[i]
         if acc and computes(n) and (pack is None or n.args[0] != pack):
             best = max(best, curve.peak_at[i] + acc)
     return best
+
+
+def _stash_spans(curve, names):
+    """(start, end, bytes) over which an activation group kept stays where it is now stashed: each of its values
+    from its stash to its first unstash."""
+    nodes = curve.nodes
+    at = {n.name: i for i, n in enumerate(nodes)}
+    for name in names:
+        i = at.get(name)
+        if i is not None and nodes[i].kwargs.get("keep"):
+            continue                               # its stash sends the graph: the group is not stashed
+        s = next((u for u, op in ops.ops_of(nodes[i].users) if op.stashes), None) if i is not None else None
+        back = [at[u.name] for u, op in ops.ops_of(s.users) if op.unstashes] if s is not None else []
+        if back:
+            yield at[s.name], min(back), curve.out[i]
+
+
+def _weight_spans(curve, plan, pack: int, resident: bool, sizes: dict, shared: set[str]):
+    """(start, end, bytes) over which pack ``pack``'s weights kept stay where they are now swapped out: held, from
+    each release to the next swap_in; ``resident``, also from the start and to the end of the schedule."""
+    spec, since = plan.packs[pack], (-1 if resident else None)
+
+    def weights(held=()) -> int:   # a weight tied to another pack's may be on the device for that one
+        return sum(sizes.get(("params", x), 0) for x in ops.moving_names(spec, "params", held) if x not in shared)
+    size = weights()
+    for i, n in enumerate(curve.nodes):
+        op = ops.op_of(n)
+        if op.state_copy and n.args[0] == pack and n.args[1] == "params":     # a swap_in or a release
+            if op.releases:
+                since, size = i, weights(n.kwargs.get("held", ()))
+            else:
+                if since is not None:
+                    yield since, i, size
+                since = None
+    if resident and since is not None:
+        yield since, len(curve.nodes), size
 
 
 def with_kept(chosen: Choice, what) -> Choice:
@@ -227,61 +240,88 @@ def choose(program: Program, chosen: Choice, curve, base, groups: dict, sizes: d
     # wherever the curve is below its peak. (Leaving the largest pack's weights free for prefetching where
     # compute outweighs copies simulated slower in every case tried: the demo and benchmarks/swap_volume.py.)
     room = budget
-    # a graph worth less than a single parameter's optimizer state (2 bytes per byte) takes what that leaves, and one
-    # worth less than a single held weight or device-stepped parameter (1 byte per byte) what those leave: the
-    # bytes a graph saves are its recompute time at the link's rate, below a byte per byte behind a fast link
-    # (tests/test_passes.py: test_graphs_worth_less_than_traffic_take_only_the_room_residency_leaves)
-    low = [c for c in candidates if c[2][0] in ("graph", "offload") and 1 <= c[0] < 2]
-    lowest = [c for c in candidates if c[2][0] in ("graph", "offload") and c[0] < 1]
-
     shared = tied_weights(plan)
-
-    def bound(c, what):
-        return peak_bound(program, c, what, groups, sizes, shared)
-
-    def fill(chosen: Choice, curve=None) -> tuple[Choice, list[dict]]:
-        """The greedy from ``chosen`` on: what saves the most per byte held first, then the parts of packs."""
-        free = [c for c in candidates if not _taken(chosen, c[2])]
-        chosen, rows = greedy([c for c in free if c not in low + lowest], chosen, fits, room, bound, curve)
-        chosen, more = keep_optimizer_parts(program, chosen, fits, room, sizes)
-        rows += more
-        chosen, more = greedy([c for c in low if c in free], chosen, fits, room, bound)
-        rows += more
-        chosen, more = keep_weight_parts(program, chosen, fits, room, sizes)
-        rows += more
-        chosen, more = keep_step_parts(program, chosen, fits, room, sizes)
-        rows += more
-        chosen, more = greedy([c for c in lowest if c in free], chosen, fits, room, bound)
-        rows += more
-        chosen, more = carry_weights(program, chosen, fits, room, sizes)
-        return chosen, rows + more
-
+    fill = _Fill(program, candidates, fits, room, sizes,
+                 lambda c, what: peak_bound(program, c, what, groups, sizes, shared))
     exact = swap_lp.applies(program, shared)
     least = param_swaps(program.schedule) if exact else None      # the least-memory schedule's, which ``curve`` is of
     chosen, rows = fill(chosen, curve)
     how = "greedy"
     if exact:
-        by_greedy = fits(chosen)
-        found = swap_lp.select(program, curve, groups, sizes, least, candidates, room, fits,
-                               lambda p: may_step_on_device(program, p))
-        if found is not None:
-            picked, picked_rows = fill(*found)
-            curve = fits(picked)
-            # near ties go to the greedy's plan. Where they move the same, what decides the step's time is which
-            # parameters step on the device (on the compute stream) and which on the host (beside it, but the next
-            # forward waits for the first pack's), and neither objective sees it: on the GTX 1080 Ti preset's 18
-            # configurations of the partition's sweep, taking the integer program's with the most stepped on the
-            # device simulated 0.68x to 1.19x the greedy's (geomean 0.91), slower at 80% of the state and 64
-            # microbatches
-            if _worth(picked, curve, graphs) > _worth(chosen, by_greedy, graphs) + TIE * by_greedy.moved["h2d"]:
-                chosen, rows, how = picked, _pick_rows(plan, picked, candidates) + picked_rows, "integer program"
-            report.notes.append(
-                f"integer program over the memory curve (swap.lp): its plan moves "
-                f"{fmt_bytes(curve.moved['h2d'] + curve.moved['d2h'])}, the greedy's "
-                f"{fmt_bytes(by_greedy.moved['h2d'] + by_greedy.moved['d2h'])}; "
-                f"{'kept' if how != 'greedy' else 'the greedy kept (within 1%, or ahead)'}")
+        chosen, rows, how, curve = _against_program(fill, chosen, rows, curve, groups, least, graphs, report)
     if how == "greedy":        # the schedule the greedy chose, built again where the program's was built last
         curve = fits(chosen)
+    return chosen, rows, how, curve
+
+
+@dataclass
+class _Fill:
+    """``choose``'s greedy from a choice on: what saves the most per byte held first, then the parts of packs.
+
+    A graph worth less than a single parameter's optimizer state (2 bytes per byte) takes what that leaves
+    (``low``), and one worth less than a single held weight or device-stepped parameter (1 byte per byte) what
+    those leave (``lowest``): the bytes a graph saves are its recompute time at the link's rate, below a byte per
+    byte behind a fast link (tests/test_passes.py:
+    test_graphs_worth_less_than_traffic_take_only_the_room_residency_leaves).
+    """
+    program: Program
+    candidates: list
+    fits: Callable
+    room: int
+    sizes: dict
+    bound: Callable          # ``peak_bound`` of a choice and a candidate
+    low: list = field(init=False)
+    lowest: list = field(init=False)
+
+    def __post_init__(self):
+        self.low = [c for c in self.candidates if c[2][0] in ("graph", "offload") and 1 <= c[0] < 2]
+        self.lowest = [c for c in self.candidates if c[2][0] in ("graph", "offload") and c[0] < 1]
+
+    def __call__(self, chosen: Choice, curve=None) -> tuple[Choice, list[dict]]:
+        program, fits, room, sizes, bound = self.program, self.fits, self.room, self.sizes, self.bound
+        free = [c for c in self.candidates if not _taken(chosen, c[2])]
+        chosen, rows = greedy([c for c in free if c not in self.low + self.lowest], chosen, fits, room, bound, curve)
+        chosen, more = keep_optimizer_parts(program, chosen, fits, room, sizes)
+        rows += more
+        chosen, more = greedy([c for c in self.low if c in free], chosen, fits, room, bound)
+        rows += more
+        chosen, more = keep_weight_parts(program, chosen, fits, room, sizes)
+        rows += more
+        chosen, more = keep_step_parts(program, chosen, fits, room, sizes)
+        rows += more
+        chosen, more = greedy([c for c in self.lowest if c in free], chosen, fits, room, bound)
+        rows += more
+        chosen, more = carry_weights(program, chosen, fits, room, sizes)
+        return chosen, rows + more
+
+
+def _against_program(fill: _Fill, chosen: Choice, rows: list, curve, groups: dict, least, graphs: list,
+                     report) -> tuple:
+    """The greedy's plan (``chosen``, ``rows``) or the integer program's over the least-memory ``curve``, filled as
+    the greedy fills, where that is worth more by over ``TIE`` of the bytes in: (chosen, rows, how, curve), the
+    curve the program's plan's where the program found one."""
+    program, fits = fill.program, fill.fits
+    by_greedy = fits(chosen)
+    found = swap_lp.select(program, curve, groups, fill.sizes, least, fill.candidates, fill.room, fits,
+                           lambda p: may_step_on_device(program, p))
+    if found is None:
+        return chosen, rows, "greedy", curve
+    picked, picked_rows = fill(*found)
+    curve = fits(picked)
+    how = "greedy"
+    # near ties go to the greedy's plan. Where they move the same, what decides the step's time is which
+    # parameters step on the device (on the compute stream) and which on the host (beside it, but the next
+    # forward waits for the first pack's), and neither objective sees it: on the GTX 1080 Ti preset's 18
+    # configurations of the partition's sweep, taking the integer program's with the most stepped on the
+    # device simulated 0.68x to 1.19x the greedy's (geomean 0.91), slower at 80% of the state and 64
+    # microbatches
+    if _worth(picked, curve, graphs) > _worth(chosen, by_greedy, graphs) + TIE * by_greedy.moved["h2d"]:
+        chosen, rows, how = picked, _pick_rows(program.plan, picked, fill.candidates) + picked_rows, "integer program"
+    report.notes.append(
+        f"integer program over the memory curve (swap.lp): its plan moves "
+        f"{fmt_bytes(curve.moved['h2d'] + curve.moved['d2h'])}, the greedy's "
+        f"{fmt_bytes(by_greedy.moved['h2d'] + by_greedy.moved['d2h'])}; "
+        f"{'kept' if how != 'greedy' else 'the greedy kept (within 1%, or ahead)'}")
     return chosen, rows, how, curve
 
 

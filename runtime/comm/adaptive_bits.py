@@ -14,6 +14,7 @@ bytes on the wire subject to the total error staying at most that of uniform ``N
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
 
 import pulp
@@ -103,57 +104,80 @@ def choose_bits(errors: Mapping[str, Mapping[int, float]], sizes: Mapping[str, i
     ``rows`` (name, elements, bits, bytes, error) for printing.
     """
     names = list(errors)
-    for n in names:
+    _check_layers(errors, sizes, uniform_bits)
+    cost = {(n, b): wire_bytes(int(sizes[n]), b, bucket_size, meta_dtype) for n in names for b in errors[n]}
+    budget = sum(errors[n][uniform_bits] for n in names)
+    uniform_bytes = sum(cost[n, uniform_bits] for n in names)
+    program = _BitsProgram(names, errors, cost, budget, time_limit)
+    start = time.perf_counter()
+    bits, status, lower = program.best({n: uniform_bits for n in names}, uniform_bytes)
+    seconds = time.perf_counter() - start
+    objective = sum(cost[n, bits[n]] for n in names)
+    report = dict(bits=bits, objective_bytes=objective, uniform_bytes=uniform_bytes,
+                  lower_bound_bytes=lower, error=program.total_error(bits), error_budget=budget,
+                  uniform_bits=uniform_bits, status=status, solve_seconds=seconds,
+                  rows=[(n, int(sizes[n]), bits[n], cost[n, bits[n]], errors[n][bits[n]]) for n in names])
+    return bits, report
+
+
+def _check_layers(errors: Mapping[str, Mapping[int, float]], sizes: Mapping[str, int], uniform_bits: int) -> None:
+    """Every layer needs its error at ``uniform_bits`` (the budget) and its size."""
+    for n in errors:
         if uniform_bits not in errors[n]:
             raise ConfigError(f"choose_bits: layer {n!r} has no error measured at uniform_bits={uniform_bits}; "
                               f"measured {sorted(errors[n])} -- include it in the candidates")
         if n not in sizes:
             raise ConfigError(f"choose_bits: no size given for layer {n!r}")
-    cost = {(n, b): wire_bytes(int(sizes[n]), b, bucket_size, meta_dtype) for n in names for b in errors[n]}
-    budget = sum(errors[n][uniform_bits] for n in names)
-    uniform_bytes = sum(cost[n, uniform_bits] for n in names)
-    norm = budget if budget > 0 else 1.0      # keep the constraint's coefficients near 1 for the solver
 
-    def solve(relax: bool, rhs: float):
+
+@dataclass
+class _BitsProgram:
+    """``choose_bits``'s integer program: one width per layer, total error within ``budget``, least bytes."""
+    names: list
+    errors: Mapping[str, Mapping[int, float]]
+    cost: dict             # (layer, bits) -> bytes on the wire
+    budget: float          # the total error of uniform bits
+    time_limit: float
+
+    def solve(self, relax: bool, rhs: float):
+        """(found, problem, variables): the program, or its LP relaxation, with the error bound ``rhs`` x budget."""
+        cost, errors = self.cost, self.errors
+        norm = self.budget if self.budget > 0 else 1.0      # keep the constraint's coefficients near 1 for the solver
         prob = pulp.LpProblem("adaptive_bits", pulp.LpMinimize)
         cat = pulp.LpContinuous if relax else pulp.LpBinary
         x = {k: prob.add_variable(f"x{i}", 0, 1, cat) for i, k in enumerate(cost)}
         prob += pulp.lpSum(cost[k] * v for k, v in x.items())
-        for n in names:
+        for n in self.names:
             prob += pulp.lpSum(x[n, b] for b in errors[n]) == 1
-        prob += pulp.lpSum(errors[k[0]][k[1]] / norm * v for k, v in x.items()) <= budget / norm * rhs
-        return ilp.solve(prob, time_limit), prob, x
+        prob += pulp.lpSum(errors[k[0]][k[1]] / norm * v for k, v in x.items()) <= self.budget / norm * rhs
+        return ilp.solve(prob, self.time_limit), prob, x
 
-    def total_error(bits):
-        return sum(errors[n][bits[n]] for n in names)
+    def total_error(self, bits: Mapping[str, int]) -> float:
+        return sum(self.errors[n][bits[n]] for n in self.names)
 
-    start = time.perf_counter()
-    bits = {n: uniform_bits for n in names}          # always feasible: the fallback
-    status, lower = "empty", 0.0
-    if names:
-        found, lp, _ = solve(relax=True, rhs=1.0)
+    def best(self, uniform: dict[str, int], uniform_bytes: int) -> tuple[dict[str, int], str, float]:
+        """(bits, the solver's status, the LP relaxation's bytes): the program's bits where they keep the budget in
+        exact arithmetic and cost no more than ``uniform`` (always feasible: the fallback)."""
+        bits, status, lower, names = uniform, "empty", 0.0, self.names
+        if not names:
+            return bits, status, lower
+        found, lp, _ = self.solve(relax=True, rhs=1.0)
         lower = pulp.value(lp.objective) if found else float(uniform_bytes)
         # the solver accepts solutions within its feasibility tolerance (~1e-7 of the budget); if the
         # answer breaks the budget in exact arithmetic, solve again with that much margin.
         for rhs in (1.0, 1.0 - 1e-6):
-            found, prob, x = solve(relax=False, rhs=rhs)
+            found, prob, x = self.solve(relax=False, rhs=rhs)
             status = ilp.status(prob)
             if not found:
                 continue
-            chosen = {n: max(errors[n], key=lambda b: x[n, b].value() or 0.0) for n in names}
-            if total_error(chosen) <= budget * (1 + 1e-12):
-                if sum(cost[n, chosen[n]] for n in names) <= sum(cost[n, bits[n]] for n in names):
+            chosen = {n: max(self.errors[n], key=lambda b: x[n, b].value() or 0.0) for n in names}
+            if self.total_error(chosen) <= self.budget * (1 + 1e-12):
+                if sum(self.cost[n, chosen[n]] for n in names) <= sum(self.cost[n, bits[n]] for n in names):
                     bits = chosen
                 break
         else:
             status = f"{status}; no solution within the budget in exact arithmetic, kept uniform bits"
-    seconds = time.perf_counter() - start
-    objective = sum(cost[n, bits[n]] for n in names)
-    report = dict(bits=bits, objective_bytes=objective, uniform_bytes=uniform_bytes,
-                  lower_bound_bytes=lower, error=total_error(bits), error_budget=budget,
-                  uniform_bits=uniform_bits, status=status, solve_seconds=seconds,
-                  rows=[(n, int(sizes[n]), bits[n], cost[n, bits[n]], errors[n][bits[n]]) for n in names])
-    return bits, report
+        return bits, status, lower
 
 
 def choose_bits_across_ranks(errors: Mapping[str, Mapping[int, float]], sizes: Mapping[str, int],

@@ -184,6 +184,25 @@ def allreduce(tensors: Sequence[torch.Tensor], spec: CompressionSpec | Sequence[
     """
     start = time.perf_counter()
     tensors = list(tensors)
+    specs = _settle_specs(tensors, spec, min_size, error_feedback_state)
+    world = dist.get_world_size(group)
+    stats = CommStats(tensors=len(tensors), compressed=sum(s.lossy for s in specs), calls=1)
+    if world == 1:
+        stats.compressed = 0
+        stats.seconds = time.perf_counter() - start
+        return stats
+    scale = _weight_scale(weight, world)
+    jobs = [_Job(idx, tensors, s, group, world, error_feedback_state, timeout, generator, scale, release,
+                 workspace=workspace) for s, idx in fuse(tensors, specs, fusion_bytes)]
+    _sweep(jobs, stats, world)
+    stats.seconds = time.perf_counter() - start
+    return stats
+
+
+def _settle_specs(tensors: list, spec: CompressionSpec | Sequence[CompressionSpec], min_size: int,
+                  error_feedback_state: dict | None) -> list[CompressionSpec]:
+    """The spec each tensor travels with (``spec``: one for all or one each, through ``spec_for``); refuses a count
+    that does not match and error feedback without a state to keep residuals in."""
     specs = list(spec) if isinstance(spec, (list, tuple)) else [spec] * len(tensors)
     if len(specs) != len(tensors):
         raise ConfigError(f"allreduce got {len(specs)} specs for {len(tensors)} tensors; pass one spec or one per "
@@ -192,18 +211,20 @@ def allreduce(tensors: Sequence[torch.Tensor], spec: CompressionSpec | Sequence[
     if any(s.error_feedback for s in specs) and error_feedback_state is None:
         raise ConfigError("a spec has error_feedback=True but allreduce got no error_feedback_state; "
                           "pass the same dict (e.g. {}) on every call")
-    world = dist.get_world_size(group)
-    stats = CommStats(tensors=len(tensors), compressed=sum(s.lossy for s in specs), calls=1)
-    if world == 1:
-        stats.compressed = 0
-        stats.seconds = time.perf_counter() - start
-        return stats
+    return specs
+
+
+def _weight_scale(weight: float | None, world: int) -> float:
+    """What this rank's tensors are scaled by so that the plain average is the ``weight``ed one (1: no weight)."""
     scale = 1.0 if weight is None else float(weight) * world
     if not math.isfinite(scale) or scale < 0:
         raise ConfigError(f"allreduce weight={weight!r}: give this rank's share of the average, a number >= 0")
-    jobs = [_Job(idx, tensors, s, group, world, error_feedback_state, timeout, generator, scale, release,
-                 workspace=workspace) for s, idx in fuse(tensors, specs, fusion_bytes)]
-    # Three sweeps so each buffer's compression overlaps the previous buffer's transfer.
+    return scale
+
+
+def _sweep(jobs: list[_Job], stats: CommStats, world: int) -> None:
+    """Run every fused buffer's all-reduce, adding its bytes to ``stats``: three sweeps, so each buffer's
+    compression overlaps the previous buffer's transfer."""
     for job in jobs:
         job.launch()
     for job in jobs:
@@ -212,8 +233,6 @@ def allreduce(tensors: Sequence[torch.Tensor], spec: CompressionSpec | Sequence[
         job.finish()
         stats.wire_bytes += job.wire_bytes
         stats.fp32_bytes += ring_bytes(4 * job.numel, world)
-    stats.seconds = time.perf_counter() - start
-    return stats
 
 
 def reduce_scatter(tensors: Sequence[torch.Tensor], specs: Sequence[CompressionSpec], group=None, *,

@@ -236,12 +236,20 @@ def quantize(t: torch.Tensor, bits: int, bucket_size: int = 512, rounding: str =
         raise ConfigError(f"rounding={rounding!r} is not one of {ROUNDINGS}")
     x = t.detach().reshape(-1).float()
     n = x.numel()
-    top = (1 << bits) - 1
-    buckets = -(-n // bucket_size)
     if n == 0:
         empty = x.new_zeros(0).to(meta_dtype)
         return Packed(x.new_zeros(0, dtype=torch.uint8), empty, empty.clone(), 0, bits, bucket_size, t.shape)
-    full = n // bucket_size
+    lo, scale = _bucket_ranges(x, bits, bucket_size, meta_dtype)
+    data = _pack_levels(x, lo, scale, out, bits, bucket_size, rounding, generator)
+    return Packed(data, lo.to(meta_dtype), scale.to(meta_dtype), n, bits, bucket_size, t.shape)
+
+
+def _bucket_ranges(x: torch.Tensor, bits: int, bucket_size: int,
+                   meta_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each bucket's min and scale (``(max - min) / (2**bits - 1)``) of flat, non-empty ``x``, a partial last
+    bucket with its own range; rounded to ``meta_dtype`` where that is not fp32 (``_round_meta``)."""
+    n, top = x.numel(), (1 << bits) - 1
+    buckets, full = -(-n // bucket_size), n // bucket_size
     head = x[: full * bucket_size].view(full, bucket_size)
     lo, hi = head.amin(dim=1), head.amax(dim=1)  # (torch's CPU aminmax over rows is not vectorised; these two are)
     if full < buckets:                            # a partial last bucket: its own range
@@ -250,6 +258,30 @@ def quantize(t: torch.Tensor, bits: int, bucket_size: int = 512, rounding: str =
     scale = (hi - lo) / top
     if meta_dtype != torch.float32:
         lo, scale = _round_meta(lo, hi, scale, top, meta_dtype)
+    return lo, scale
+
+
+def _levels_buffer(out: torch.Tensor | None, n: int, bits: int, device: torch.device) -> torch.Tensor:
+    """Where the packed levels of ``n`` elements go: ``out`` (checked to be exactly their uint8 bytes), else a new
+    tensor."""
+    size = -(-n * bits // 8)
+    if out is not None and (out.dtype != torch.uint8 or out.numel() != size):
+        raise ConfigError(f"quantize(out=...) needs {size} uint8 bytes for {n} elements at {bits} bits; "
+                          f"got {out.numel()} of {out.dtype}")
+    return torch.empty(size, dtype=torch.uint8, device=device) if out is None else out
+
+
+def _pack_levels(x: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None, bits: int,
+                 bucket_size: int, rounding: str, generator: torch.Generator | None) -> torch.Tensor:
+    """The level of every element of flat ``x`` in its bucket's range (``lo``, ``scale``), packed into ``out`` (or
+    a new tensor, ``_levels_buffer``), which it returns.
+
+    A block of buckets at a time, through scratch buffers that stay in a core's cache: the eight passes
+    below then cost about what one pass over memory does. Blocks hold a multiple of 8 elements, so each
+    packs into whole bytes and draws whole random words: the result is bitwise the whole-tensor one.
+    """
+    n, top = x.numel(), (1 << bits) - 1
+    buckets = -(-n // bucket_size)
     lo32, scale32 = lo.float(), scale.float()
     inv = torch.where(scale32 > 0, 1.0 / scale32, torch.zeros_like(scale32))
     # y = (x - min) / scale + u and the level is floor(y); u = 1/2 (nearest) or uniform in (0, 1)
@@ -257,14 +289,7 @@ def quantize(t: torch.Tensor, bits: int, bucket_size: int = 512, rounding: str =
     # random int64). u's constant part is folded into the subtraction to save a pass.
     offset = 0.5 if rounding == "nearest" else 0.5 + 0.5 / 65536
     shift = lo32 - offset * scale32
-    size = -(-n * bits // 8)
-    if out is not None and (out.dtype != torch.uint8 or out.numel() != size):
-        raise ConfigError(f"quantize(out=...) needs {size} uint8 bytes for {n} elements at {bits} bits; "
-                          f"got {out.numel()} of {out.dtype}")
-    data = torch.empty(size, dtype=torch.uint8, device=x.device) if out is None else out
-    # A block of buckets at a time, through scratch buffers that stay in a core's cache: the eight passes
-    # below then cost about what one pass over memory does. Blocks hold a multiple of 8 elements, so each
-    # packs into whole bytes and draws whole random words: the result is bitwise the whole-tensor one.
+    data = _levels_buffer(out, n, bits, x.device)
     rows = min(_block_rows(bucket_size), buckets)   # scratch no larger than the tensor (one block: no alignment)
     y_buf = torch.empty(rows, bucket_size, device=x.device)
     levels_buf = torch.empty(rows * bucket_size, dtype=torch.uint8, device=x.device)
@@ -287,7 +312,7 @@ def quantize(t: torch.Tensor, bits: int, bucket_size: int = 512, rounding: str =
         levels = levels_buf[: last - first]
         levels.copy_(flat[: last - first].clamp_(0, top))     # truncation == floor for y >= 0
         data[first * bits // 8: -(-last * bits // 8)] = pack_bits(levels, bits)
-    return Packed(data, lo.to(meta_dtype), scale.to(meta_dtype), n, bits, bucket_size, t.shape)
+    return data
 
 
 def _buckets(x: torch.Tensor, r0: int, r1: int, bucket_size: int) -> torch.Tensor:

@@ -5,7 +5,7 @@ its optimizer state on disk the host cannot hold its fp32 weights: this is what 
 model whose weights exceed host memory train (ZeRO-Infinity's parameter offload).
 
 The pack's trainable parameters are cut into *groups* of at most ``plan.disk_group_bytes``
-of weights (``passes.offload.groups_of``; parameters read by the same packs go together, so a tied
+of weights (``passes.host_budget.groups_of``; parameters read by the same packs go together, so a tied
 parameter gets its own group). Each group is one file of the ``DiskStore``: the weights
 first, then the optimizer state once the first step made it. Between uses a parameter's
 ``.data`` is a placeholder of the right shape and dtype (one NaN broadcast to it: no
@@ -236,8 +236,33 @@ class DiskParams(WholeGroups):
         self._stepped_in_place = []
 
     def _step_group(self, gid: int, views: list[torch.Tensor], to_host) -> None:
+        """Step group ``gid`` on the host: its weights (handed over by the backward, or the file's), gradients and
+        optimizer state installed where its optimizer steps them, stepped, then kept in memory or written back.
+        ``views``: the file's buffer, read ahead."""
         names = self.groups[gid]
         lay = self.layouts[gid]
+        views, handed, tail, weights, in_place = self._step_inputs(gid, names, lay, views)
+        # ``carry``: the device's copies of the weights stay there, updated, for the next iteration's forward
+        carry = [self.tensors[n].data for n in names] if handed and self.group_pack[gid] in self.carry else None
+        held = {(n, k): v for (n, k, _, _), v in zip(lay, views)}
+        keep = self._device_refs          # a background step: device copies live until ``join``
+        self._install(names, held, weights, handed, keep, to_host)
+        if weights is not None:
+            views = list(weights) + list(views[len(names):])
+        self._run_optimizers(gid, names, views)
+        entries = self._stepped_entries(gid, names, carry, in_place)
+        new_lay = [(n, k, tuple(v.shape), v.dtype) for n, k, v in entries]
+        out, parts = self._write_buffer(lay, new_lay, views, entries, weights, tail)
+        self.layouts[gid] = new_lay
+        self._leave(gid)
+        self._put_back(gid, out, parts, in_place, carry, keep, weights)
+
+    def _step_inputs(self, gid: int, names, lay, views: list[torch.Tensor]) -> tuple:
+        """(views, handed, tail, weights, in_place) of group ``gid``'s step: ``handed``, whether the backward left
+        the weights on the device for it (a file kept in memory has them there already; where the device no longer
+        holds them the whole file is read after all, into new ``views``); ``weights``, the handed weights as host
+        tensors in the file's layout (None: the file's buffer has them), ``in_place`` whether they are the device's
+        own copies."""
         tail = self._tails.pop(gid, None)
         handed = self.group_pack.get(gid) in self.handed and gid not in self.in_memory  # in memory: there already
         if handed and not all(self.meter.holds(self.tensors[n].data) for n in names):
@@ -247,13 +272,11 @@ class DiskParams(WholeGroups):
         weights, in_place = None, False
         if handed and tail is not None:
             weights, in_place = self._weights_for_step(names, lay)
-        # ``carry``: the device's copies of the weights stay there, updated, for the next iteration's forward
-        carry = [self.tensors[n].data for n in names] if handed and self.group_pack[gid] in self.carry else None
-        held = {(n, k): v for (n, k, _, _), v in zip(lay, views)}
-        keep = self._device_refs          # a background step: device copies live until ``join``
-        self._install(names, held, weights, handed, keep, to_host)
-        if weights is not None:
-            views = list(weights) + list(views[len(names):])
+        return views, handed, tail, weights, in_place
+
+    def _run_optimizers(self, gid: int, names, views: list[torch.Tensor]) -> None:
+        """Run the optimizers of the group's parameters; where one fails, placeholders go back in, and a file kept
+        in memory keeps its buffer as the step left it (it has no file to fall back on)."""
         opts = list(dict.fromkeys(self.optimizers[n] for n in names if n in self.optimizers))
         try:
             for opt in opts:
@@ -263,6 +286,10 @@ class DiskParams(WholeGroups):
             if gid in self.in_memory:     # no file to fall back on: the buffer stays, as the step left it
                 self._kept[gid] = views
             raise
+
+    def _stepped_entries(self, gid: int, names, carry: list | None, in_place: bool) -> list[tuple]:
+        """What the group's file holds after its step, as (name, kind, tensor): the weights, then each parameter's
+        optimizer state. A carried group's device copies take the update here (unless stepped in place)."""
         entries = [(n, PARAM, self.tensors[n].data) for n in names]
         if carry is not None:
             if not in_place:      # stepped in a host copy: the device's copy takes the update
@@ -275,35 +302,39 @@ class DiskParams(WholeGroups):
             for k, v in (opt.state.get(self.tensors[n], {}) if opt is not None else {}).items():
                 if isinstance(v, torch.Tensor) and v.dim() > 0:
                     entries.append((n, k, v))
-        new_lay = [(n, k, tuple(v.shape), v.dtype) for n, k, v in entries]
+        return entries
+
+    def _write_buffer(self, lay, new_lay, views: list[torch.Tensor], entries: list[tuple], weights,
+                      tail) -> tuple[list[torch.Tensor], tuple | None]:
+        """The buffer the stepped group is written from (or kept in memory as), and the parts of a write from two
+        buffers (None: from the one buffer)."""
         # ``.data`` is a new tensor object at each access: the same memory is what makes it the same buffer
         same = new_lay == lay and all(a.data_ptr() == b.data_ptr() for a, (_, _, b) in zip(views, entries))
-        parts = None
         if same and weights is not None:      # weights and state where they were: written from both buffers
-            parts = self._parts(weights, tail)
-            out = views
-        elif same:
-            out = views
-        else:            # the first step made the optimizer state: a buffer in file layout for all of it
-            out = self.store.empty([(s, d) for _, _, s, d in new_lay])
-            with torch.no_grad():
-                for dst, (_, _, src) in zip(out, entries):
-                    dst.copy_(src)
-        self.layouts[gid] = new_lay
-        self._leave(gid)
+            return views, self._parts(weights, tail)
+        if same:
+            return views, None
+        # the first step made the optimizer state: a buffer in file layout for all of it
+        out = self.store.empty([(s, d) for _, _, s, d in new_lay])
+        with torch.no_grad():
+            for dst, (_, _, src) in zip(out, entries):
+                dst.copy_(src)
+        return out, None
+
+    def _put_back(self, gid: int, out: list[torch.Tensor], parts, in_place: bool, carry, keep, weights) -> None:
+        """The stepped group's buffer ``out``: kept in memory if it is a file the offload pass keeps there, else
+        written to its file in the background. The step's last group then reads the next step's first ahead."""
         if gid in self.in_memory:
             self._kept[gid] = out
-            if nxt_wrap := self._wrap(gid):
-                self.prefetch(nxt_wrap)
-            return
-        if in_place:        # the device's copy is the write's buffer now: off the device when the step is
-            self.in_place += 1     # (unless carried: it stays there for the next forward; the write only reads it)
-            if carry is None and keep is None:
-                self.meter.forget(weights[0])
-            elif carry is None:
-                self._stepped_in_place.append(weights[0])
-        fut = self.store.write_parts(gid, *parts) if parts is not None else self.store.write(gid, out)
-        self._writing.append((gid, fut, out))
+        else:
+            if in_place:        # the device's copy is the write's buffer now: off the device when the step is
+                self.in_place += 1     # (unless carried: it stays there for the next forward; the write only reads it)
+                if carry is None and keep is None:
+                    self.meter.forget(weights[0])
+                elif carry is None:
+                    self._stepped_in_place.append(weights[0])
+            fut = self.store.write_parts(gid, *parts) if parts is not None else self.store.write(gid, out)
+            self._writing.append((gid, fut, out))
         if nxt_wrap := self._wrap(gid):
             self.prefetch(nxt_wrap)
 
