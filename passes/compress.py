@@ -45,7 +45,7 @@ from harmony.base.tiers import Tier
 from harmony.base.units import nbytes
 from harmony.compiler.ir import PassReport, PassResult, Program, add_call, calls, copy_graph
 from harmony.compiler.meta import SCHEDULE
-from harmony.runtime import ops
+from harmony.runtime import ops, shard  # shard registers sync_state
 from harmony.runtime.comm.collectives import DEFAULT_FUSION_BYTES, ring_bytes
 from harmony.runtime.comm.communicator import comm_stats
 from harmony.runtime.comm.compression import (
@@ -164,7 +164,6 @@ def insert_sync(program: Program, world: int) -> dict:
                          for n in sorted({b for s in plan.packs for b in s.mutated}) if n in sizes}
     if not plan.state_owner and not plan.sync_buffers:
         return {}
-    from harmony.runtime import shard  # registers sync_state
     node = _emit(program.schedule, calls(program.schedule)[-1], shard.sync_state, (world,), {}, "sync_state")
     node.meta[SCHEDULE] = {"pack": None}
     out = dict(sync_buffer_bytes=sum(plan.sync_buffers.values()))
