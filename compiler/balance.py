@@ -45,8 +45,9 @@ from dataclasses import dataclass, field
 import pulp
 
 from harmony.base import ilp
-from harmony.base.errors import BudgetError
+from harmony.base.errors import BudgetError, ConfigError
 from harmony.base.units import fmt_bytes
+from harmony.compiler.ir import PassReport
 
 GB = 1e9     # the unit of the integer program's memory rows
 
@@ -241,8 +242,6 @@ def plan_ranks(spec, cost: ModelCost, devices, global_batch: int, microbatches: 
     or sample counts, each run in ``microbatches`` microbatches. ``same_shape``: every rank gets the
     same microbatch size and count (``balance``'s), and a list that differs is refused.
     """
-    from harmony.base.errors import ConfigError
-
     n = len(devices)
     if spec == "auto":
         return balance(cost, devices, global_batch, max_microbatches=max_microbatches, same_shape=same_shape)
@@ -278,8 +277,6 @@ def plan_ranks(spec, cost: ModelCost, devices, global_batch: int, microbatches: 
 
 def report(plan: BalancePlan, devices, rank: int, how: str, sharded: bool | str = True):
     """The balance step's ``PassReport``: every rank's choice, this rank's marked, emulation said aloud."""
-    from harmony.compiler.ir import PassReport
-
     rep = PassReport(f"balance: each rank's share of the global batch ({how})")
     common = min(d.memory for d in devices) if sharded == "full" else None
     for s, d in zip(plan.shares, devices):

@@ -17,6 +17,7 @@ import re
 import torch.fx
 
 from harmony.base.units import fmt_bytes
+from harmony.compiler.verify import memory_curve
 
 # fx's qualified names of the runtime's op stubs
 _OP_PREFIX = re.compile(r"\bharmony_runtime_(?:ops|shard|partitioned|pipeline)_")
@@ -36,7 +37,6 @@ def schedule_code(program, graph: torch.fx.Graph | None = None, memory: bool = T
     src = plain(graph)
     if not memory or "residency" not in program.capabilities:
         return src
-    from harmony.compiler.verify import memory_curve
     curve = memory_curve(program, graph, check_residency=False)
     notes = {}
     for node, (h2d, d2h), live, peak in zip(curve.nodes, curve.moves, curve.after, curve.peak_at):

@@ -17,6 +17,7 @@ from harmony.runtime.executor import last_uses
 from harmony.runtime.ops import MemoryModel, Predicted, op_of, resident_state, state_names
 from harmony.runtime.plan import optim_state_bytes
 from harmony.runtime.precision import device_bytes
+from harmony.runtime.tiers.disk import ALIGN, layout
 
 
 @dataclass
@@ -50,7 +51,6 @@ def state_sizes(program) -> dict:
             sizes[("grads", n)] = b
             mine = owner is None or owner.get(n, rank) == rank   # sharded: other ranks keep the rest
             sizes[("optim", n)] = optim_state_bytes(prof, nbytes(t)) if mine else 0
-    from harmony.runtime.tiers.disk import ALIGN, layout
     tensors = dict(gm.named_parameters())
     for record in (program.plan.residency.values() if program.plan is not None else ()):
         for names in record.disk_groups:    # a wholly-disk pack's weights come in as one aligned buffer per file

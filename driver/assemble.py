@@ -10,17 +10,24 @@ from __future__ import annotations
 
 import torch
 
-from harmony.base.process import huge_pages, idle_threads_sleep
+from harmony.base.process import huge_pages, idle_threads_sleep, return_freed_memory
 from harmony.base.tiers import Tier
+from harmony.compiler.trace import retarget
 from harmony.compiler.verify import memory_curve
 from harmony.driver import modes
 from harmony.driver.handshake import attach
 from harmony.driver.materialize import Filler, is_empty
 from harmony.driver.shapes import ShapeCache
+from harmony.driver.usermodel import guard
 from harmony.runtime.executor import Runtime
 from harmony.runtime.ondemand import OnDemand
+from harmony.runtime.ops import resident_state
 from harmony.runtime.optim import build_optimizers
+from harmony.runtime.partitioned.disk import ShareTier
 from harmony.runtime.precision import max_over_ranks
+from harmony.runtime.tiers.dirs import check_room
+from harmony.runtime.tiers.optim_disk import DiskTier
+from harmony.runtime.tiers.params_disk import DiskParams, written_names
 
 
 def assemble(sm, program, device) -> None:
@@ -50,7 +57,6 @@ def assemble(sm, program, device) -> None:
     sm.runtime = sm.predicted = sm.shapes = None
     sm.filled = None     # {"bytes", "seconds"}: the weights compile made for a model built without them
     if torch.device(device).type != "cpu":   # the trace ran on the CPU: its device constants name it
-        from harmony.compiler.trace import retarget
         managed = {id(t) for t in [*gm.parameters(), *gm.buffers()]}
         for spec in plan.packs:
             retarget(spec.module, torch.device(device), managed)
@@ -66,7 +72,6 @@ def assemble(sm, program, device) -> None:
 
 
 def _runtime(sm, tensors, optimizers, shares, device, simulated, filler) -> None:
-    from harmony.driver.usermodel import guard
     program, plan, cfg = sm.program, sm.program.plan, sm.program.config
     sm.runtime = Runtime(plan, program.schedule, tensors, optimizers, cfg.state_budget, device,
                          on_demand=OnDemand if cfg.policy == "ondemand" else None,
@@ -81,7 +86,6 @@ def _runtime(sm, tensors, optimizers, shares, device, simulated, filler) -> None
         attach(sm)      # the ranks' calls that use collectives are checked alike (driver/handshake.py)
     sm.shapes = ShapeCache(sm)     # a plan per batch shape, this one the example's (driver/shapes.py)
     if cfg.host_memory_budget is not None:   # the host's memory is budgeted: freed buffers must go back
-        from harmony.base.process import return_freed_memory
         return_freed_memory()
     if Tier.DISK in plan.by_pack("optim_on").values() and not simulated:   # the disk tiers: made now
         disk_tiers(sm, tensors, optimizers, shares, device, filler)
@@ -91,8 +95,6 @@ def fill_host(sm, tensors: dict):
     """An empty model's parameters that stay in host memory, filled now; those of packs wholly on disk are
     filled group by group as their files are written, and those partitioned over the ranks a pack at a time
     as this rank cuts its chunks of them (driver/materialize.py)."""
-    from harmony.runtime.ops import resident_state
-    from harmony.runtime.tiers.params_disk import written_names
     plan = sm.program.plan
     filler = Filler(sm.model, sm.program.config.init)
     partitioned = {n for r in plan.residency.values() if r.shares is not None for n in r.shares.names()}
@@ -104,11 +106,7 @@ def fill_host(sm, tensors: dict):
 
 def disk_tiers(sm, tensors: dict, optimizers: dict, shares, device, filler=None) -> None:
     """The disk tiers' stores, their directories made now (after checking the disk has room for the plan)."""
-    from harmony.driver.usermodel import guard
-    from harmony.runtime.tiers.dirs import check_room
-    from harmony.runtime.tiers.optim_disk import DiskTier
-    from harmony.runtime.tiers.params_disk import DiskParams
-    from harmony.viz.report import tiers_of
+    from harmony.viz.report import tiers_of  # deferred: harmony.viz loads on first use (harmony/__init__.py)
     program, plan, cfg = sm.program, sm.program.plan, sm.program.config
     state = sm.runtime.state
     try:
@@ -116,7 +114,6 @@ def disk_tiers(sm, tensors: dict, optimizers: dict, shares, device, filler=None)
         state.disk = DiskTier.create(plan, program.schedule, tensors, optimizers, cfg.offload_dir,
                                      **cfg.disk_io())
         if shares is not None:    # this rank's shares of the partitioned packs on disk
-            from harmony.runtime.partitioned.disk import ShareTier
             state.disk = ShareTier.create(plan, program.schedule, tensors, optimizers, shares,
                                           cfg.offload_dir, **cfg.disk_io())
             for n in getattr(state.disk, "piece_pack", ()):   # the chunks are in their files

@@ -14,10 +14,13 @@ import time
 import torch
 
 from harmony.base.errors import BudgetError, ConfigError, InputError
+from harmony.base.process import cuda_expandable_segments
 from harmony.base.tiers import Tier
 from harmony.base.units import fmt_bytes
 from harmony.compiler import cost
 from harmony.compiler.config import DEFAULT_MEMORY_BUDGET, CompileConfig, Config
+from harmony.compiler.hardware import Hardware
+from harmony.compiler.hardware.machine import cuda_library_bytes
 from harmony.compiler.ir import Program
 from harmony.compiler.trace import trace
 from harmony.driver import modes
@@ -102,7 +105,6 @@ def resolve(options: Config, batch_size: int) -> tuple[CompileConfig, modes.Mode
         **mode.resolve(options, world)))
     mode.check(cfg, options)
     if cfg.hardware is None and device_type == "cuda":   # plan for the GPU: its cached profile, else its datasheet
-        from harmony.compiler.hardware import Hardware
         cfg.hardware = Hardware.this_machine(cache_dir=cfg.cache_dir)
     return cfg, mode
 
@@ -165,8 +167,6 @@ def check_masters(gm, precision) -> None:
 
 def reserve_for_cuda(config: CompileConfig, device) -> None:
     """The CUDA libraries' own device memory comes out of the budget first (config.device_reserved)."""
-    from harmony.base.process import cuda_expandable_segments
-    from harmony.compiler.hardware.machine import cuda_library_bytes
     config.expandable_segments = cuda_expandable_segments()
     config.device_reserved = cuda_library_bytes(device, config.compute_dtype)
     if config.device_reserved >= config.memory_budget:

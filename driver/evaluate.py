@@ -22,8 +22,11 @@ import torch
 
 from harmony.base.errors import ConfigError, TornStepError
 from harmony.base.process import peak_rss_bytes
+from harmony.compiler.trace.eval import eval_module
 from harmony.driver.step import batch_of, leaf_modules
+from harmony.passes.eval_schedule import build
 from harmony.runtime.comm.world import check_world
+from harmony.runtime.transaction import describe_torn
 
 
 @dataclasses.dataclass
@@ -43,7 +46,6 @@ class Evaluation:
 def eval_plan(plan):
     """``plan`` with each pack's forward in eval mode (compiler/trace/eval.py): no random numbers to replay, no
     buffer it writes. Returns the plan, the modules to run in eval mode, and how many ops changed."""
-    from harmony.compiler.trace.eval import eval_module
     packs, changed = [], 0
     for spec in plan.packs:
         module, n = eval_module(spec.module)
@@ -64,7 +66,6 @@ def compile_evaluation(sm) -> Evaluation:
     """The module's evaluation schedule, built on the first call and kept."""
     if sm._evaluation is not None:
         return sm._evaluation
-    from harmony.passes.eval_schedule import build
     t0 = time.perf_counter()
     plan, modules, changed = eval_plan(sm.program.plan)
     graph, predicted, report = build(sm.program, plan)
@@ -89,7 +90,6 @@ def _check(sm) -> None:
                           "as a training step touches it; compile with policy='harmony' or 'sequential' to evaluate")
     check_world(cfg, sm.program.capabilities)
     if sm.runtime.torn is not None:
-        from harmony.runtime.transaction import describe_torn
         raise TornStepError(f"evaluation refused: {describe_torn(sm.runtime.torn)}")
 
 

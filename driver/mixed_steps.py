@@ -14,13 +14,18 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
+from harmony.base.errors import HarmonyError
 from harmony.base.tiers import Tier
+from harmony.compiler.passmanager import run_passes
+from harmony.compiler.verify import memory_curve, state_sizes
+from harmony.driver.replan import another_rank
+from harmony.passes.swap import compare
+from harmony.runtime.simulate import simulate
 
 
 def wanted(cfg) -> bool:
     """Whether compile weighs device steps: bf16 left to the compiler, one rank, no clipping, a planned policy, and
     hardware whose copies run beside its compute (not the CPU device, whose host and device share the cores)."""
-    from harmony.passes.swap import compare
     return (cfg.weigh_device_steps and (cfg.world_size or 1) <= 1
             and cfg.clip_grad_norm is None and cfg.policy != "ondemand" and not cfg.copies_block
             and cfg.parallel != "pipeline" and not cfg.shard_state and compare.hardware(cfg) is not None)
@@ -30,12 +35,6 @@ def choose(program, passes) -> tuple[int, dict]:
     """(how many of the last-stepped packs step on the device, {count: predicted step in seconds, None: does not
     fit}) for ``program``, each count planned from its trace as another rank's plan is
     (driver/replan.py)."""
-    from harmony.base.errors import HarmonyError
-    from harmony.compiler.passmanager import run_passes
-    from harmony.compiler.verify import memory_curve, state_sizes
-    from harmony.driver.replan import another_rank
-    from harmony.passes.swap import compare
-    from harmony.runtime.simulate import simulate
     cfg = program.config
     hw = compare.hardware(cfg)
     predicted: dict = {}

@@ -20,8 +20,15 @@ import dataclasses
 import torch
 
 from harmony.base.errors import ConfigError
+from harmony.compiler import cost
 from harmony.compiler.config import Config
+from harmony.compiler.ir import Program
+from harmony.compiler.passmanager import run_passes
+from harmony.compiler.trace import trace
+from harmony.driver.compile import batch_items, batch_size, resolve
+from harmony.driver.modes.pipeline import Pipeline
 from harmony.driver.modes.pipeline_plan import simulate_programs
+from harmony.passes.stage import check_config
 
 __all__ = ["plan_node", "simulate_programs"]
 
@@ -34,13 +41,6 @@ def plan_node(model: torch.nn.Module, example_batch, hardware, *, world: int | N
     ``harmony.compile``'s (``microbatches``, ``placement``, ``policy``, ...). ``device="meta"`` is the default:
     build the model under ``torch.device("meta")`` and nothing is allocated.
     """
-    from harmony.compiler import cost
-    from harmony.compiler.ir import Program
-    from harmony.compiler.passmanager import run_passes
-    from harmony.compiler.trace import trace
-    from harmony.driver.compile import batch_items, batch_size, resolve
-    from harmony.driver.modes.pipeline import Pipeline
-    from harmony.passes.stage import check_config
     world = world or len(hardware.devices)
     if world > len(hardware.devices):
         raise ConfigError(f"world={world} but the hardware has {len(hardware.devices)} devices")

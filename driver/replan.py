@@ -5,11 +5,12 @@ and candidate, so a program planned under another ``CompileConfig`` reuses them 
 """
 from __future__ import annotations
 
+from harmony.compiler.ir import Program
+
 
 def another_rank(program, config):
     """A program to plan under ``config`` (another rank's) from ``program``'s trace, its fake run, its optimizer's
     profile and its table of measured packs (a pack measures the same on every rank: measured once)."""
-    from harmony.compiler.ir import Program
     other = Program(model=program.model, gm=program.gm, example_batch=program.example_batch, config=config,
                     batch_keys=program.batch_keys)
     other.fake, other.optim_profile = program.fake, program.optim_profile

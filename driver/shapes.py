@@ -47,7 +47,7 @@ from harmony.base.units import fmt_bytes
 from harmony.compiler import cost
 from harmony.compiler.ir import Program
 from harmony.compiler.passmanager import run_passes, split_choices
-from harmony.compiler.trace import trace
+from harmony.compiler.trace import retarget, trace
 from harmony.compiler.verify import MemoryCurve, memory_curve
 from harmony.runtime.ops import ops_of
 from harmony.runtime.placeholders import point
@@ -170,7 +170,6 @@ def plan_shape(sm, batch: tuple, names: list[str]) -> Program:
         raise InputError(f"{what}: its plan would keep training state elsewhere than the compiled plan ({differs}); "
                          f"compile with this shape as example_batch")
     if torch.device(cfg.device).type != "cpu":      # as ScheduledModule does for the compiled packs
-        from harmony.compiler.trace import retarget
         managed = {id(t) for t in tensors.values()}
         for spec in program.plan.packs:
             retarget(spec.module, torch.device(cfg.device), managed)

@@ -10,7 +10,9 @@ import torch
 
 from harmony.base.errors import InputError, TornStepError
 from harmony.base.process import peak_rss_bytes
+from harmony.driver.shapes import describe
 from harmony.runtime.executor import module_modes
+from harmony.runtime.transaction import describe_torn
 
 
 def batch_of(sm, batch: tuple, named: dict, same_shape: bool = True) -> tuple:
@@ -58,7 +60,6 @@ def run_step(sm, batch: tuple) -> torch.Tensor:
     """One training step: refused after a torn one; counted when every update was applied, even if it raised."""
     rt = sm.runtime
     if rt.torn is not None:
-        from harmony.runtime.transaction import describe_torn
         raise TornStepError(f"step {sm.steps + 1} refused: {describe_torn(rt.torn)}")
     # sm(...) under torch.no_grad() evaluates (ScheduledModule.forward); whoever calls a step otherwise, its
     # backward needs a graph. The model's leaf modules run in training mode whatever mode the user left them in.
@@ -121,7 +122,6 @@ def step_stats(sm, shape, seconds: float) -> dict:
                  peak_rss_bytes=peak_rss_bytes(), huge_pages=sm.huge_pages,
                  idle_threads_sleep=sm.idle_threads_sleep)
     if shape is not sm.shapes.example:    # the plan of another shape than the example batch's ran
-        from harmony.driver.shapes import describe
         plan = shape.program.plan
         stats.update(batch_shape=describe(shape.key, sm.shapes.names),
                      microbatch_rows=list(plan.rows or (plan.microbatch_size,) * plan.microbatches))

@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import torch
 
-from harmony.base.errors import OffloadError
+from harmony.base.errors import ConfigError, OffloadError
 from harmony.base.tiers import Tier
+from harmony.runtime.placeholders import is_placeholder, mark
+from harmony.runtime.tiers.params_disk import PARAM
 
 
 def _placeholders(model: torch.nn.Module) -> list[str]:
-    from harmony.runtime.placeholders import is_placeholder
     return [n for n, p in model.named_parameters() if is_placeholder(p.data)]
 
 
@@ -49,7 +50,6 @@ def guard(sm) -> None:
     where = ("on other pipeline ranks (parallel='pipeline')" if staged else
              "in shares over the ranks (shard_state='full')" if state.shares is not None else
              f"on disk (weights_on={Tier.DISK!r}, or a host_memory_budget that sends packs there)")
-    from harmony.runtime.placeholders import mark
     for name, p in model.named_parameters():
         mark(name, p, where)
     if getattr(model, "_harmony_guarded", False):    # compile guards once per tier it sets up
@@ -66,7 +66,6 @@ def sync_model(sm) -> list[str]:
     Needs host memory for those weights (they are new tensors the model then owns). Nothing to do for any other
     tier: those parameters hold their trained weights between steps."""
     if getattr(getattr(sm, "plan", None), "stage", None) is not None:
-        from harmony.base.errors import ConfigError
         raise ConfigError("parallel='pipeline': each rank holds its packs' weights only; read them with "
                           "sm.state_dict() on every rank, or harmony.save, which writes each rank's")
     shares = getattr(getattr(sm.runtime, "state", None), "shares", None)
@@ -75,8 +74,6 @@ def sync_model(sm) -> list[str]:
     pd = getattr(sm.runtime, "state", None) and sm.runtime.state.params_disk
     if pd is None:
         return []
-    from harmony.runtime.placeholders import is_placeholder
-    from harmony.runtime.tiers.params_disk import PARAM
     brought = []
     for gid, names in enumerate(pd.groups):
         todo = [n for n in names if is_placeholder(pd.tensors[n].data)]

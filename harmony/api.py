@@ -12,13 +12,19 @@ import torch
 
 from harmony.base.errors import ConfigError
 from harmony.compiler.config import Config
+from harmony.compiler.hardware import Hardware
 from harmony.compiler.ir import Program
 from harmony.compiler.printer import schedule_code
+from harmony.compiler.verify import state_sizes
 from harmony.driver import compile as driver
 from harmony.driver.assemble import assemble
+from harmony.driver.checkpoint.io import load_state_dict, state_dict
+from harmony.driver.evaluate import evaluate
 from harmony.driver.handshake import CALLS, agree
 from harmony.driver.step import accept_partial_step, batch_of, run_step, step_stats
+from harmony.driver.usermodel import sync_model
 from harmony.runtime.comm.world import check_world
+from harmony.runtime.simulate import simulate
 
 
 def compile(model: torch.nn.Module, example_batch, *, memory_budget=None, microbatches: int | None = None,
@@ -89,7 +95,6 @@ class ScheduledModule(torch.nn.Module):
         memory budget, on the weights as training left them; the mean over microbatches, in fp32. Takes the batch
         as ``sm(...)`` does. No gradient, step, buffer update or RNG draw that training would see; an error is
         rolled back. The evaluation schedule is built on the first call and kept (driver/evaluate.py)."""
-        from harmony.driver.evaluate import evaluate
         return evaluate(self, batch, named)
 
     def forward(self, *batch, **named):
@@ -127,9 +132,6 @@ class ScheduledModule(torch.nn.Module):
         """One step simulated on ``hardware``: a ``Hardware``, a preset name, or None (this machine under the
         budget, at the speed factor the module was compiled for). A pipeline rank simulates its whole node
         (its mode's ``simulate``): a ``NodeSimulation`` with a row per device."""
-        from harmony.compiler.hardware import Hardware
-        from harmony.compiler.verify import state_sizes
-        from harmony.runtime.simulate import simulate
         if self.predicted is None:
             raise ConfigError("this module has no schedule to simulate; compile with the default passes")
         node = self.mode.simulate(self, hardware)     # a pipeline rank: its whole node, a row per device
@@ -144,16 +146,14 @@ class ScheduledModule(torch.nn.Module):
 
     def state_dict(self) -> dict:
         """The training state (parameters, optimizer state, hyperparameters, step, RNG), referencing live tensors."""
-        from harmony.driver.checkpoint.io import state_dict
         return state_dict(self)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Restore the training state from ``state_dict()`` in place; a mismatch raises ``CheckpointError``."""
-        from harmony.driver.checkpoint.io import load_state_dict
         load_state_dict(self, state_dict)
 
     def report(self, fmt: str = "text") -> str:
-        from harmony.viz.report import render
+        from harmony.viz.report import render  # deferred: harmony.viz loads on first use (harmony/__init__.py)
         return render(self, fmt)
 
     def add_scheduler(self, scheduler):
@@ -168,7 +168,6 @@ class ScheduledModule(torch.nn.Module):
     def sync_model(self) -> list[str]:
         """Read weights that live on disk between steps (``weights_on="disk"``) into the model passed to compile,
         whose forward and state_dict refuse until then (driver/usermodel.py); returns their names."""
-        from harmony.driver.usermodel import sync_model
         if getattr(getattr(self.runtime, "state", None), "shares", None) is not None:   # it gathers the shares
             agree(self, CALLS[3])
         return sync_model(self)

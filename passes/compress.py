@@ -46,7 +46,8 @@ from harmony.base.tiers import Tier
 from harmony.base.units import nbytes
 from harmony.compiler.ir import PassReport, PassResult, Program, add_call, calls, copy_graph
 from harmony.compiler.meta import SCHEDULE
-from harmony.runtime import ops
+from harmony.passes.offload import everything_fits
+from harmony.runtime import ops, shard  # shard registers sync_state
 from harmony.runtime.comm.collectives import DEFAULT_FUSION_BYTES, ring_bytes
 from harmony.runtime.comm.communicator import comm_stats
 from harmony.runtime.comm.compression import (
@@ -165,7 +166,6 @@ def insert_sync(program: Program, world: int) -> dict:
                          for n in sorted({b for s in plan.packs for b in s.mutated}) if n in sizes}
     if not plan.state_owner and not plan.sync_buffers:
         return {}
-    from harmony.runtime import shard  # registers sync_state
     node = _emit(program.schedule, calls(program.schedule)[-1], shard.sync_state, (world,), {}, "sync_state")
     node.meta[SCHEDULE] = {"pack": None}
     out = dict(sync_buffer_bytes=sum(plan.sync_buffers.values()))
@@ -346,7 +346,6 @@ def _agree_across_ranks(program: Program, comm: _Comm, owned: dict) -> int | Non
 def _insert_allreduces(program: Program, owned: dict, comm: _Comm) -> tuple[dict, str]:
     """All-reduce after each pack's last backward into ``program.schedule``: asynchronous where nothing swaps the
     gradients under it, else synchronous. Returns pack -> overlap mode and the note saying how they overlap."""
-    from harmony.passes.offload import everything_fits
     plan, kwargs = program.plan, comm.kwargs()
     base = program.schedule
     host = any(plan.at(p).step_on == Tier.HOST for p in owned)

@@ -29,6 +29,7 @@ from harmony.compiler.ir import PassReport, Program, calls
 from harmony.compiler.verify import MemoryCurve, memory_curve
 from harmony.passes import prefetch
 from harmony.passes.schedule import Builder
+from harmony.passes.shard import rewrite
 from harmony.runtime import ops
 
 ORDERS = ("pack major", "microbatch major")
@@ -75,7 +76,6 @@ def build(program: Program, plan) -> tuple[torch.fx.Graph, MemoryCurve, PassRepo
                           f"{fmt_bytes(need)}", min_budget=need)
     hoisted = prefetch.run(view, None).report.totals
     if any(r.shares is not None for r in plan.residency.values()):   # shard_state="full": gathers, as in training
-        from harmony.passes.shard import rewrite
         view.schedule = rewrite(view.schedule, plan, program.config.world_size)
     curve = memory_curve(view, check_residency=True)
     if curve.missing:     # a planner bug, not the user's: say where

@@ -22,6 +22,7 @@ import torch.fx
 from harmony.base.errors import ConfigError
 from harmony.compiler.config import POLICIES
 from harmony.compiler.ir import PassReport, PassResult, Program, emit
+from harmony.passes.stage_schedule import lower_stages
 from harmony.runtime import ops
 
 NAME = "schedule"
@@ -73,7 +74,6 @@ class Builder:
 
 def lower(program: Program) -> torch.fx.Graph:
     if program.plan.stage is not None:     # one rank of a pipeline: its packs, and messages to the others
-        from harmony.passes.stage_schedule import lower_stages
         return lower_stages(program)
     b = Builder(program)
     n_packs, m = len(program.plan.packs), program.plan.microbatches

@@ -64,7 +64,10 @@ import time
 from harmony.base.errors import ConfigError
 from harmony.base.tiers import Tier
 from harmony.compiler.ir import PassReport, PassResult, Program, calls, copy_graph
+from harmony.passes import compress
 from harmony.runtime import ops, partitioned
+from harmony.runtime.comm.compression import NO_COMPRESSION, spec_for
+from harmony.runtime.optim import elementwise, group_of
 from harmony.runtime.plan import optim_state_bytes
 
 NAME = "shard"
@@ -78,7 +81,6 @@ def check_config(cfg, given_kwargs: dict) -> None:
     """Refuse what ``shard_state="full"`` does not do yet, naming what to use instead; settle the optimizer's
     implementation (an element-wise one) and the default ``optimizer_on`` (``Tier.HOST``) on ``cfg`` (a
     CompileConfig)."""
-    from harmony.runtime.optim import elementwise
     instead = "use shard_state=True (ZeRO stage 1: optimizer state sharded, weights replicated), which supports it"
     refused = [
         (cfg.optimizer_on == Tier.DEVICE, f"optimizer_on={Tier.DEVICE!r} (partitioned packs step on the host): use "
@@ -123,11 +125,8 @@ def run(program: Program, ctx) -> PassResult:
     if getattr(cfg, "shard_state", None) != FULL:
         report.notes.append("shard_state is not 'full': every rank keeps its whole copy of the weights")
         return PassResult(program, report)
-    from harmony.passes.compress import owned_grads
-    from harmony.runtime.optim import group_of
     world, rank = cfg.world_size, cfg.rank
-    from harmony.runtime.comm.compression import NO_COMPRESSION, spec_for
-    owned = owned_grads(program)
+    owned = compress.owned_grads(program)
     base = cfg.compression or NO_COMPRESSION
     specs = {n: spec_for(t, base, cfg.min_size) for named in owned.values() for n, t in named}
     _, which = group_of([n for s in plan.packs for n in s.stepped], cfg.param_groups)
@@ -178,11 +177,10 @@ def _check_pack(plan, p: int) -> None:
 def _replicated_bytes(shares, groups: list[list[str]], tensors: dict, specs: dict, world: int) -> None:
     """``allreduce`` shares: each segment sends its part (by elements) of what the replicated run's all-reduce of its
     group sends (adaptive: uniform bits, which the chosen bits may only undercut, as the compress pass counts)."""
-    from harmony.passes.compress import predict_wire
     shares.allreduce = True
     for call, names in enumerate(groups):
         segs = [seg for seg in shares.segments if seg.call == call]
-        whole = predict_wire([tensors[n] for n in names], [specs[n] for n in names], world)
+        whole = compress.predict_wire([tensors[n] for n in names], [specs[n] for n in names], world)
         total = sum(seg.total for seg in segs)
         for seg in segs:
             seg.sent = whole * seg.total // total
@@ -244,12 +242,11 @@ def _check_same_collectives(graph) -> None:
     import torch.distributed as dist
     if not (dist.is_available() and dist.is_initialized()):
         return
-    from harmony.passes.compress import check_same_plan
-    check_same_plan(repr([(n.target.__name__, n.args[0], bool(n.kwargs.get("carried"))) for n in calls(graph)
-                          if ops.op_of(n).partitioned]),
-                    what="order of gathers and reduce-scatters (shard_state='full')",
-                    advice="every rank must plan the same packs and swaps, since each gather is a collective: give "
-                           "every rank the same memory_budget and host_memory_budget")
+    compress.check_same_plan(repr([(n.target.__name__, n.args[0], bool(n.kwargs.get("carried")))
+                                   for n in calls(graph) if ops.op_of(n).partitioned]),
+                             what="order of gathers and reduce-scatters (shard_state='full')",
+                             advice="every rank must plan the same packs and swaps, since each gather is a collective: "
+                                    "give every rank the same memory_budget and host_memory_budget")
 
 
 def _rows(program, owned) -> list[dict]:

@@ -26,6 +26,8 @@ import torch
 from harmony.base.errors import ConfigError
 from harmony.compiler.ir import PassReport, PassResult, Program
 from harmony.compiler.meta import PACK
+from harmony.passes import compress
+from harmony.passes.partition import build_packs, find_units, measure_kept
 from harmony.runtime.pipeline import Stages
 
 NAME = "stage"
@@ -66,7 +68,6 @@ def _cuts(program: Program, units) -> list[tuple[int, int]]:
 
 def enough_packs(program: Program, world: int) -> list[str]:
     """Cut the largest packs until there are ``world``; returns notes of the cuts made."""
-    from harmony.passes.partition import find_units
     plan = program.plan
     if len(plan.packs) >= world:
         return []
@@ -97,7 +98,6 @@ def balanced_stages(program: Program, world: int) -> list[str]:
     the packs then finds those stages again. More packs per rank cost pipelining under Harmony's grouping (a rank
     hands a microbatch on after its first packs ran every microbatch): it pays with a small ``pipeline_group``.
     Returns notes of the cuts made."""
-    from harmony.passes.partition import find_units
     units = find_units(program)
     cuts = _cuts(program, units)
     last = cuts[-1][0]
@@ -119,7 +119,6 @@ def balanced_stages(program: Program, world: int) -> list[str]:
 
 def _rebuild(program: Program, cuts, units) -> None:
     """``program.plan``'s packs become ``cuts`` (runs of ``units``)."""
-    from harmony.passes.partition import build_packs, measure_kept
     specs = build_packs(program, cuts, units)
     if program.config.recompute != "always":
         measure_kept(program, specs)
@@ -215,7 +214,6 @@ def restrict(program: Program, rank_of: list[int]) -> None:
 
 def run(program: Program, ctx) -> PassResult:
     """Place the packs; ``ctx``, where given, is the rank of every pack (a list as long as the packs)."""
-    from harmony.passes.compress import check_same_plan
     start = time.perf_counter()
     cfg = program.config
     world = cfg.world_size
@@ -233,8 +231,8 @@ def run(program: Program, ctx) -> PassResult:
         rank_of = place(costs, world, cfg.placement)
     notes += _check_shared(plan, rank_of)
     if _live(cfg):     # the ranks of a running node agree; a node planned in one process (pipeline_plan) has none
-        check_same_plan(repr((world, cfg.policy, cfg.microbatches, cfg.pipeline_group, rank_of,
-                              [(s.name, s.inputs, s.outputs, s.params) for s in plan.packs])))
+        compress.check_same_plan(repr((world, cfg.policy, cfg.microbatches, cfg.pipeline_group, rank_of,
+                                       [(s.name, s.inputs, s.outputs, s.params) for s in plan.packs])))
     rows = _rows(plan, rank_of, costs, world)
     restrict(program, rank_of)
     crossing = sum(_bytes(v) for v in program.plan.stage.values.values())

@@ -25,6 +25,8 @@ import inspect
 
 import torch
 
+from harmony.base.errors import ConfigError
+
 
 def optimizer_kwargs(optimizer: type, kwargs: dict | None = None, device_types=("cpu",)) -> dict:
     """``kwargs`` with ``fused=True`` added where ``optimizer`` has a fused kernel for each of
@@ -60,7 +62,6 @@ def from_instance(model: torch.nn.Module, optimizer: torch.optim.Optimizer, kwar
     defaults under ``kwargs`` (those win), each group's hyperparameters that differ from its defaults. Every
     trainable parameter must be in a group: Harmony steps each one, so one left out would train where eager
     would not."""
-    from harmony.base.errors import ConfigError
     names = {id(p): n for n, p in model.named_parameters()}
     takes = inspect.signature(type(optimizer).__init__).parameters    # defaults may hold more (AdamW's decoupling)
     defaults = {k: v for k, v in optimizer.defaults.items()

@@ -29,7 +29,7 @@ def draw(sm, what: str = "plan", out_dir=".", name: str | None = None) -> list[P
     """
     if what not in WHAT:
         raise ConfigError(f"unknown drawing what={what!r}; choose one of {', '.join(WHAT)}")
-    from harmony.viz import dot, timeline
+    from harmony.viz import dot, timeline  # deferred: submodules load on first use (dot imports graphviz)
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

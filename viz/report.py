@@ -23,9 +23,11 @@ import math
 import textwrap
 
 from harmony.base.errors import ConfigError
+from harmony.base.process import huge_pages_note, idle_priority_note, idle_threads_note
 from harmony.base.tiers import Tier
 from harmony.base.units import fmt_bytes, nbytes
-from harmony.runtime.ops import ops_of
+from harmony.compiler.verify import state_sizes
+from harmony.runtime.ops import carried_names, ops_of, state_names
 from harmony.runtime.plan import STATE_KINDS
 from harmony.runtime.precision import device_bytes
 
@@ -141,8 +143,6 @@ def tiers_of(program) -> dict:
     plan = program.plan
     if plan is None:
         return {}
-    from harmony.compiler.verify import state_sizes
-    from harmony.runtime.ops import carried_names, state_names
     gm, cfg = program.gm, program.config
     dtype = cfg.compute_dtype
     state = list(gm.parameters()) + list(gm.buffers())
@@ -484,13 +484,10 @@ class _Writer:
             items.append(("process RSS", f"{fmt_bytes(s['peak_rss_bytes'])} peak resident memory of this process "
                                          f"(getrusage; host and the CPU's logical device together)"))
         if "huge_pages" in s:
-            from harmony.base.process import huge_pages_note
             items.append(("huge pages", huge_pages_note(s["huge_pages"])))
         if "idle_threads_sleep" in s:
-            from harmony.base.process import idle_threads_note
             items.append(("OpenMP waits", idle_threads_note(s["idle_threads_sleep"])))
         if "background_idle_priority" in s:
-            from harmony.base.process import idle_priority_note
             items.append(("host thread", idle_priority_note(s["background_idle_priority"])))
         known = {"measured_peak", "predicted_peak", "budget", "h2d_bytes", "d2h_bytes", "predicted_h2d",
                  "predicted_d2h", "step_seconds", "peak_rss_bytes", "huge_pages", "idle_threads_sleep",

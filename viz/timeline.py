@@ -14,6 +14,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from harmony.base.errors import ConfigError
+from harmony.base.units import fmt_bytes
+
 STREAM_ORDER = ("compute", "h2d", "copy", "d2h", "sync")   # top to bottom; other streams follow
 
 
@@ -83,9 +86,6 @@ def memory_plot(sim_or_events, path, budget: int | None = None, title: str = "de
     PosixPath('memory.svg')
     """
     from xml.sax.saxutils import escape
-
-    from harmony.base.errors import ConfigError
-    from harmony.base.units import fmt_bytes
 
     points = memory_points(sim_or_events)
     if not any(b for _, b in points):

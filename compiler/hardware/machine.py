@@ -16,6 +16,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from harmony.base.errors import ConfigError
+from harmony.runtime.ondemand import OnDemand
+from harmony.runtime.tiers.memory import CountAllocations, MemoryMeter
+
 GiB = 2**30
 
 
@@ -58,7 +62,6 @@ def wants_cuda(device) -> bool:
     except ImportError:
         return False
     if device is not None and not torch.cuda.is_available():
-        from harmony.base.errors import ConfigError
         raise ConfigError(f"device={device!r} but torch sees no CUDA GPU here; use device='cpu'")
     return torch.cuda.is_available()
 
@@ -121,9 +124,6 @@ def ondemand_latency(budget: float, threads: int, device: str = "cpu") -> tuple[
     from collections import Counter
 
     import torch
-
-    from harmony.runtime.ondemand import OnDemand
-    from harmony.runtime.tiers.memory import CountAllocations, MemoryMeter
     block = _Block(16, 8, 8, threads, layers=1, device=device)
     meter = MemoryMeter("profile")
     state = types.SimpleNamespace(tensors=dict(block.layer.named_parameters()), optimizers={}, moved=Counter())
@@ -237,7 +237,6 @@ class _Block:
         torch.autograd.backward(self.layer(leaf), self.seed)
 
     def run(self):
-        from harmony.runtime.tiers.memory import CountAllocations, MemoryMeter
         with CountAllocations(MemoryMeter("profile")):
             self.pack()
         _sync(self.device)

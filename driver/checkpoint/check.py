@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from harmony.base.errors import CheckpointError
+from harmony.driver.checkpoint.files import read_file
 
 SEAL = "manifest_sha256"
 NON_NEGATIVE = ("lr", "eps", "weight_decay", "momentum", "dampening", "lr_decay", "initial_accumulator_value",
@@ -157,7 +158,6 @@ def _show_kind(v) -> str:
 
 def read_mapped(path: Path) -> dict:
     """A data file's tensors, mapped rather than read (checking them costs no copy), as plain tensors only."""
-    from harmony.driver.checkpoint.files import read_file
     return read_file(path, mmap=True)
 
 

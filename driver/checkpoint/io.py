@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from harmony.base.errors import CheckpointError
+from harmony.base.errors import CheckpointError, TornStepError
 from harmony.base.units import fmt_bytes
 from harmony.driver.checkpoint import files as ckfiles
 from harmony.driver.checkpoint.check import (
@@ -59,6 +59,7 @@ from harmony.driver.checkpoint.ranks import describe, saved_layout, this_layout
 from harmony.driver.checkpoint.reshard import Reshard
 from harmony.driver.handshake import CALLS, agree
 from harmony.runtime.tiers.live import LiveState
+from harmony.runtime.transaction import describe_torn
 
 FORMAT = 1
 KIND = "harmony-checkpoint"
@@ -450,8 +451,6 @@ def refuse_torn(sm) -> None:
     """A failed step updated some packs only (runtime/transaction.py): saving would store that mix as if whole."""
     torn = getattr(sm.runtime, "torn", None)
     if torn is not None:
-        from harmony.base.errors import TornStepError
-        from harmony.runtime.transaction import describe_torn
         raise TornStepError(f"harmony.save refused: {describe_torn(torn)}")
 
 

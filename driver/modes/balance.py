@@ -15,12 +15,14 @@ import torch
 
 from harmony.base.errors import ConfigError, HarmonyError
 from harmony.base.units import nbytes
+from harmony.compiler import balance as planner
 from harmony.compiler import cost
 from harmony.compiler.balance import ModelCost
 from harmony.compiler.cost import Affine
 from harmony.compiler.ir import CompileConfig, PassReport, Program
 from harmony.compiler.meta import COST
 from harmony.passes.partition import find_units, smallest_budget, tensor_bytes
+from harmony.runtime.comm.world import rank_and_world
 from harmony.runtime.plan import optim_state_bytes, step_traffic
 
 
@@ -57,9 +59,6 @@ def plan_this_rank(model, gm, batch, spec, config: CompileConfig, hardware, shar
        the plan's state shares are applied to the optimizer state (``compile`` does it; the report says so).
     """
     import time
-
-    from harmony.compiler import balance as planner
-    from harmony.runtime.comm.world import rank_and_world
 
     rank, _ = rank_and_world()
     devices, world = list(hardware.devices), config.world_size

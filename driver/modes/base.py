@@ -2,7 +2,10 @@
 modes)."""
 from __future__ import annotations
 
-from harmony.compiler.passmanager import split_choices
+from harmony.base.errors import ConfigError
+from harmony.compiler.hardware import Hardware
+from harmony.compiler.passmanager import run_passes, split_choices
+from harmony.driver import mixed_steps
 
 
 class Mode:
@@ -36,7 +39,6 @@ class Mode:
 
     def check(self, cfg, options) -> None:
         """Refuse, by name and with what to use instead, what this mode does not do."""
-        from harmony.base.errors import ConfigError
         if cfg.shard_state:
             raise ConfigError(f"shard_state={cfg.shard_state!r} splits training state over data-parallel ranks, "
                               f"but this process trains alone: run it under torchrun with data_parallel=None or "
@@ -46,15 +48,12 @@ class Mode:
         """Set ``cfg`` to what this rank plans for (its device, its share); a ``Balanced`` where the batch is split
         unevenly (its rows and report), else None."""
         if cfg.hardware is not None:
-            from harmony.compiler.hardware import Hardware
             cfg.hardware = Hardware.of(cfg.hardware).computing_in(cfg.precision, cfg.accounting)
             cfg.plan_for_device(Hardware.of(cfg.hardware).devices[0], cfg.hardware)
         return None
 
     def run_passes(self, program, passes):
         """The pass pipeline for this rank (bf16's device steps weighed first where compile chooses them)."""
-        from harmony.compiler.passmanager import run_passes
-        from harmony.driver import mixed_steps
         if mixed_steps.wanted(program.config):
             program.config.device_steps, program.config.steps_predicted = mixed_steps.choose(program, passes)
         return run_passes(program, passes)

@@ -12,7 +12,11 @@ from __future__ import annotations
 from harmony.base.errors import HarmonyError
 from harmony.base.units import nbytes
 from harmony.compiler.passmanager import split_choices
+from harmony.driver.modes.balance import plan_this_rank
 from harmony.driver.modes.base import Mode
+from harmony.passes import compress, shard
+from harmony.runtime.partitioned import Shares
+from harmony.runtime.shard import owners
 
 
 def shard_state(options):
@@ -36,7 +40,7 @@ class DataParallel(Mode):
     def plan_rank(self, model, gm, batch, cfg):
         if cfg.balance is None:
             return super().plan_rank(model, gm, batch, cfg)
-        from harmony.driver.modes.balance import plan_this_rank  # this rank's share of the global batch
+        # this rank's share of the global batch
         return plan_this_rank(model, gm, batch, cfg.balance, cfg, cfg.hardware, sharded=cfg.shard_state)
 
     def run_passes(self, program, passes):
@@ -48,8 +52,7 @@ class DataParallel(Mode):
             # the pass that failed is the first one not in the history; compress itself has met the others already
             if (program.config.world_size or 1) > 1 and "compress" in names \
                     and names.index("compress") > len(program.history):
-                from harmony.passes.compress import report_failure
-                report_failure(f"{type(e).__name__}: {str(e).splitlines()[0]}")
+                compress.report_failure(f"{type(e).__name__}: {str(e).splitlines()[0]}")
             raise
 
 
@@ -62,8 +65,8 @@ class ShardedOptimizer(DataParallel):
 
     def plan_rank(self, model, gm, batch, cfg):
         balanced = super().plan_rank(model, gm, batch, cfg)
-        from harmony.runtime.shard import owners  # each parameter's owning rank, from byte shares
         shares = balanced.shares if balanced else [1.0] * cfg.world_size
+        # each parameter's owning rank, from byte shares
         cfg.state_owner = owners([(n, nbytes(p)) for n, p in gm.named_parameters() if p.requires_grad], shares)
         return balanced
 
@@ -84,8 +87,7 @@ class Partitioned(DataParallel):
         return entries + ("shard",) if "compress" in names and "shard" not in names else entries
 
     def check(self, cfg, options) -> None:
-        from harmony.passes import shard  # what it does not do yet is refused there
-        shard.check_config(cfg, options.optimizer_kwargs or {})
+        shard.check_config(cfg, options.optimizer_kwargs or {})  # what it does not do yet is refused there
 
     def plan_rank(self, model, gm, batch, cfg):
         balanced = super().plan_rank(model, gm, batch, cfg)
@@ -99,5 +101,4 @@ class Partitioned(DataParallel):
     def shares(self, plan, tensors: dict, cfg, fill=None):
         if not any(r.shares is not None for r in plan.residency.values()):
             return None
-        from harmony.runtime.partitioned import Shares
         return Shares(plan, tensors, cfg.comm_timeout, fill=fill)

@@ -10,13 +10,17 @@ from __future__ import annotations
 
 import torch
 
-from harmony.base.errors import ConfigError
+from harmony.base.errors import ConfigError, HarmonyError
+from harmony.compiler.passmanager import run_passes, split_choices
 from harmony.driver.modes.base import Mode
+from harmony.driver.modes.pipeline_plan import choose_group, simulate_rank_node
+from harmony.passes import compress
+from harmony.passes.stage import check_config
+from harmony.runtime.placeholders import is_placeholder, withhold
 
 
 def local_tensors(plan, tensors: dict) -> dict:
     """This rank's packs' parameters and buffers; every other one of the model holds a placeholder here."""
-    from harmony.runtime.placeholders import withhold
     mine = {n for s in plan.packs for n in s.params + s.buffers}
     with torch.no_grad():
         for n, t in tensors.items():
@@ -28,7 +32,6 @@ def local_tensors(plan, tensors: dict) -> dict:
 def state_bytes(sm) -> dict:
     """Bytes of training state this rank holds between steps: its weights and buffers (host masters or device
     copies, each storage once) and its optimizers' state. Summed over the ranks: one copy of the model's."""
-    from harmony.runtime.placeholders import is_placeholder
     seen: set = set()
 
     def size(t) -> int:
@@ -49,18 +52,14 @@ def run_pipeline_passes(program, passes):
     """``run_passes`` for a pipeline rank: ``pipeline_group="auto"`` chosen first (driver/modes/pipeline_plan.py); a
     rank that fails tells the others where they wait for it (the stage pass's agreement on the plan, or the meeting once
     every rank has compiled), so none waits for its timeout."""
-    from harmony.base.errors import HarmonyError
-    from harmony.compiler.passmanager import run_passes
-    from harmony.passes.compress import check_same_plan, report_failure
     try:
         if program.config.pipeline_group == "auto":
-            from harmony.driver.modes.pipeline_plan import choose_group
             program.config.pipeline_group, program.config.group_predicted = choose_group(program, passes)
         program = run_passes(program, passes)
     except HarmonyError as e:
-        report_failure(f"{type(e).__name__}: {str(e).splitlines()[0]}")
+        compress.report_failure(f"{type(e).__name__}: {str(e).splitlines()[0]}")
         raise
-    check_same_plan("compiled")
+    compress.check_same_plan("compiled")
     return program
 
 
@@ -82,11 +81,9 @@ class Pipeline(Mode):
         return dict(super().resolve(options, world), data_parallel=False)
 
     def check(self, cfg, options) -> None:
-        from harmony.passes.stage import check_config
         check_config(cfg)
 
     def run_passes(self, program, passes):
-        from harmony.compiler.passmanager import split_choices
         if "stage" not in split_choices(passes)[0]:     # cut short before the stage pass: nothing to meet for
             return super().run_passes(program, passes)
         return run_pipeline_passes(program, passes)
@@ -109,5 +106,4 @@ class Pipeline(Mode):
     def simulate(self, sm, hardware):
         if sm.plan.stage is None:
             return None
-        from harmony.driver.modes.pipeline_plan import simulate_rank_node  # the whole node, a row per device
-        return simulate_rank_node(sm, hardware)
+        return simulate_rank_node(sm, hardware)  # the whole node, a row per device

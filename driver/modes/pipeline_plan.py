@@ -6,19 +6,23 @@ from __future__ import annotations
 
 import dataclasses
 
+from harmony.base.errors import HarmonyError
+from harmony.compiler.hardware import Hardware
+from harmony.compiler.hardware.nodes import NODES
+from harmony.compiler.passmanager import run_passes
+from harmony.compiler.verify import memory_curve, state_sizes
 from harmony.driver.replan import another_rank
+from harmony.runtime.simulate.node import simulate_node
 
 
 def rank_inputs(program) -> tuple:
     """``(graph, plan, memory curve, state sizes)`` of a planned program: what ``simulate_node`` takes per device."""
-    from harmony.compiler.verify import memory_curve, state_sizes
     return (program.schedule, program.plan, memory_curve(program, check_residency=False), state_sizes(program))
 
 
 def simulate_programs(programs, hardware, replicas: int = 1):
     """The node's step with device r running ``programs[r]`` (``replicas``: each program run by that many devices
     in a row, e.g. one data-parallel plan on every device of the node)."""
-    from harmony.runtime.simulate.node import simulate_node
     ranks = [rank_inputs(p) for p in programs]
     return simulate_node([r for r in ranks for _ in range(replicas)], hardware)
 
@@ -27,8 +31,6 @@ def node_hardware(cfg, hardware=None):
     """The node a pipeline rank simulates (``sm.simulate``, ``pipeline_group="auto"``): ``hardware`` (a
     ``Hardware``, one device per rank, or one device every rank is alike; a server preset of ``Hardware.node`` or a
     GPU preset), or None: this machine as one logical device per rank under the rank's budget and speed factor."""
-    from harmony.compiler.hardware import Hardware
-    from harmony.compiler.hardware.nodes import NODES
     world = cfg.world_size
     if hardware is None:
         return Hardware.this_machine(cache_dir=cfg.cache_dir).logical([cfg.memory_budget] * world,
@@ -57,8 +59,6 @@ def choose_group(program, passes) -> tuple[int, dict]:
     rank's device and budget to be its own (as ``sm.simulate`` does): ranks with different budgets may choose
     differently, and the stage pass then refuses the plan on every rank. Its cost is the planning of every rank
     once per candidate."""
-    from harmony.base.errors import HarmonyError
-    from harmony.compiler.passmanager import run_passes
     cfg = program.config
     hw = node_hardware(cfg, cfg.hardware)
     predicted: dict = {}
@@ -82,7 +82,6 @@ def simulate_rank_node(sm, hardware=None):
     """A pipeline rank's whole node simulated (``sm.simulate()`` of a rank): this rank's program as compiled, every
     other rank's planned here from the same trace (its passes with its rank number; nothing is sent), all simulated
     together. The result is kept as ``sm.node_simulation``, which ``sm.report()`` shows, a row per device."""
-    from harmony.compiler.passmanager import run_passes
     mine, cfg = sm.program, sm.program.config
     hw = node_hardware(cfg, hardware)
     programs = [mine if rank == cfg.rank else run_passes(another_rank(mine, dataclasses.replace(cfg, rank=rank)),

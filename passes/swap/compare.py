@@ -13,8 +13,12 @@ choice that ranks graphs before any traffic, and keeps whichever the simulator f
 from __future__ import annotations
 
 from harmony.base.tiers import Tier
+from harmony.compiler.hardware import Hardware
 from harmony.compiler.ir import copy_graph
+from harmony.compiler.verify import memory_curve
+from harmony.passes import prefetch
 from harmony.passes.swap.graph import Choice
+from harmony.runtime.simulate import simulate
 
 GRAPHS_FIRST = 1e3    # times a graph's value per byte: before any traffic (a byte held saves at most a few moved)
 
@@ -34,7 +38,6 @@ def hardware(cfg):
     devices share a host link through a switch: the swap pass simulates one device, which would miss the contention
     the graphs-first choice's added traffic meets there (benchmarks/pipeline.py's switched 4 x GTX 1080 Ti vDP
     simulated slower with it)."""
-    from harmony.compiler.hardware import Hardware
     if cfg.hardware is None or cfg.balance is not None:
         return None
     hw = Hardware.of(cfg.hardware)
@@ -44,9 +47,6 @@ def hardware(cfg):
 def simulated(program, fits, choices: list[Choice], sizes: dict) -> list[float]:
     """Each choice's step as the simulator predicts it on the plan's hardware, its swap_ins hoisted as the prefetch
     pass will; ``fits`` builds a choice's schedule (the caller builds the one it takes again afterwards)."""
-    from harmony.compiler.verify import memory_curve
-    from harmony.passes import prefetch
-    from harmony.runtime.simulate import simulate
     plan, hw = program.plan, hardware(program.config)
     before = {p.index: (plan.at(p.index).step_on, plan.at(p.index).optim_on) for p in plan.packs}
     seconds = []

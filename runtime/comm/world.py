@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 
 from harmony.base.errors import ConfigError
+from harmony.runtime.comm.process_group import init_process_group
 
 
 def _dist():
@@ -42,7 +43,6 @@ def resolve(data_parallel=None, comm_timeout: float = 300.0) -> dict:
     if data_parallel is False:
         return dict(data_parallel=False, world_size=None)
     if not initialized() and int(os.environ.get("WORLD_SIZE", 1)) > 1:
-        from harmony.runtime.comm.process_group import init_process_group
         missing = [v for v in ("MASTER_ADDR", "MASTER_PORT", "RANK") if v not in os.environ]
         if missing:
             raise ConfigError(f"WORLD_SIZE={os.environ['WORLD_SIZE']} but {', '.join(missing)} not set: launch "

@@ -4,9 +4,11 @@ registered in the op table (runtime/ops/) with all it needs.
 from __future__ import annotations
 
 from harmony.base.tiers import Tier
+from harmony.runtime.comm.communicator import communicator
 from harmony.runtime.comm.compression import DEFAULT_MIN_SIZE
 from harmony.runtime.ops import Predicted, allreduce, register
 from harmony.runtime.plan import NOMINAL_NETWORK_BANDWIDTH, NOMINAL_NETWORK_LATENCY
+from harmony.runtime.tiers.memory import CountAllocations
 
 
 def _allreduce_execute(rt, pack, kind="none", *, world=1, where=Tier.DEVICE, sync=False, min_size=DEFAULT_MIN_SIZE,
@@ -22,8 +24,6 @@ def _allreduce_execute(rt, pack, kind="none", *, world=1, where=Tier.DEVICE, syn
     """
     from concurrent.futures import Future
 
-    from harmony.runtime.comm.communicator import communicator
-    from harmony.runtime.tiers.memory import CountAllocations
     comm = communicator(rt, allreduce, kind, world, min_size, warmup, spec, weight)
     if rt.on_demand is not None:
         with rt.counting():

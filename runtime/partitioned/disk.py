@@ -29,6 +29,7 @@ from concurrent.futures import wait as wait_all
 import torch
 
 from harmony.base.tiers import Tier
+from harmony.runtime.ops import ops_of
 from harmony.runtime.tiers.disk import ALIGN, DiskStore, layout, step_order, views_of
 from harmony.runtime.tiers.optim_disk import DiskTier
 
@@ -43,7 +44,6 @@ def state_only(graph) -> set[int]:
     """Packs whose last gather before their step takes the copy the last step carried and reads the optimizer state
     alone (``gather(..., carried=True, reads="state")``, passes/shard.py): every read ahead of their step's file
     leaves the chunks out."""
-    from harmony.runtime.ops import ops_of
     last, out = {}, set()
     for n, op in ops_of(graph.nodes):
         if op.fetches and op.partitioned and n.args[1:2] == ("params",):     # a gather
@@ -120,7 +120,6 @@ class ShareTier(DiskTier):
         """Whether this gather of ``pack`` is the last before its step in ``graph`` (counted since that step)."""
         with self._lock:
             if graph is not self._graph:      # another schedule (an evaluation, another batch shape): count anew
-                from harmony.runtime.ops import ops_of
                 nodes = list(ops_of(graph.nodes))
                 steps = {n.args[0]: i for i, (n, op) in enumerate(nodes) if op.steps}
                 self._graph, self._gathers = graph, {}

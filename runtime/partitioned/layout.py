@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from harmony.runtime.comm.collectives import DEFAULT_FUSION_BYTES, ring_bytes
+from harmony.runtime.comm.collectives import DEFAULT_FUSION_BYTES, fuse, ring_bytes
+from harmony.runtime.comm.compression import NO_COMPRESSION, wire_bytes
 
 PREFIX = "share:"      # the names of a rank's chunk pieces (optimizer state and checkpoints are keyed by them)
 
@@ -116,8 +117,6 @@ def layout(groups: list[list[tuple[str, int]]], world: int, rank: int, group_of:
     all-reduce group without quantized ones are reduce-scattered by a swap of chunks, half the ring all-reduce's
     bytes; a sum of two is the same either way round, so bitwise the all-reduce's.
     """
-    from harmony.runtime.comm.collectives import fuse
-    from harmony.runtime.comm.compression import NO_COMPRESSION
     segments = []
     for call, group in enumerate(groups):
         sizes = [_Numel(k) for _, k in group]
@@ -187,7 +186,6 @@ def _quantized(names: list[str], numels: list[int], world: int, spec, fractions:
     """The codec's buffer (``collectives._Job.launch``): each parameter from a bucket boundary, ``world`` chunks
     of whole buckets, what the reduce-scatter sends every other rank quantized; uneven ``fractions``: chunks cut
     as an fp32 buffer's, taken from the whole all-reduce (twice those bytes)."""
-    from harmony.runtime.comm.compression import wire_bytes
     align, offsets, off = spec.bucket_size, [], 0
     for k in numels:
         offsets.append(off)

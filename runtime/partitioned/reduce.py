@@ -9,6 +9,9 @@ from __future__ import annotations
 import torch
 
 from harmony.base.errors import HarmonyError
+from harmony.runtime.comm.collectives import allreduce, reduce_scatter
+from harmony.runtime.comm.communicator import communicator
+from harmony.runtime.comm.compression import DEFAULT_MIN_SIZE, NO_COMPRESSION, CompressionSpec
 
 
 def reduce_scatter_quantized(st, shares, call: int, grads, keep, clipper=None, weight=None) -> list[int]:
@@ -19,8 +22,6 @@ def reduce_scatter_quantized(st, shares, call: int, grads, keep, clipper=None, w
     replicated run sends), so every rank holds each whole decoded gradient, bitwise the replicated run's, and takes
     its norm there as the fp32 path does; the chunks are then cut from those gradients. So it does where the shares
     are uneven (a balanced plan's): the chunks are not the codec's, and are cut from the whole result alike."""
-    from harmony.runtime.comm.collectives import allreduce, reduce_scatter
-    from harmony.runtime.comm.compression import NO_COMPRESSION, CompressionSpec
     mine = [s for s, seg in enumerate(shares.segments) if seg.call == call]
     tensors, specs, where = [], [], []
     for s in mine:      # the group's tensors in its order; each with its buffer's codec
@@ -61,8 +62,6 @@ def reduce_scatter_quantized(st, shares, call: int, grads, keep, clipper=None, w
 def replicated_communicator(rt, op, world: int, weight, comm: dict):
     """The runtime's ``Communicator`` as the replicated run's ``allreduce`` ops make it (``comm``: their codec
     keywords; its step begins at the schedule's first ``op``, the reduce-scatter)."""
-    from harmony.runtime.comm.communicator import communicator
-    from harmony.runtime.comm.compression import DEFAULT_MIN_SIZE
     spec = dict(comm)
     kind, min_size, warmup = spec.pop("kind"), spec.pop("min_size", DEFAULT_MIN_SIZE), spec.pop("warmup", 0)
     return communicator(rt, op, kind, world, min_size, warmup, spec, weight)

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 from harmony.base.errors import ConfigError
 from harmony.runtime.ops import op_of
+from harmony.runtime.pipeline import message_bytes
 from harmony.runtime.simulate import OnHost, Replay, SimEvent, Simulation, fmt_seconds
 
 MiB = 2**20
@@ -155,7 +156,6 @@ class _Port:
         return self.links.arrivals[self.key_of_recv(node)]
 
     def sent(self, node, end: float) -> None:
-        from harmony.runtime.pipeline import message_bytes
         self.links.arrivals[(self.rank, node.kwargs["dst"], node.kwargs["tag"])] = end
         self.links.sent[self.rank] += message_bytes(self.links.plans[self.rank], node.kwargs["names"])
         self.links.messages[self.rank] += 1

@@ -63,6 +63,7 @@ from harmony.base.env import env_default
 from harmony.base.errors import OffloadError
 from harmony.base.process import started_pool
 from harmony.base.units import fmt_bytes
+from harmony.runtime.ops import ops_of
 from harmony.runtime.tiers.dirs import make_private_dir, remove_dir, remove_stale
 from harmony.runtime.tiers.iobuffers import ALIGN, Buffers, align_up
 
@@ -492,5 +493,4 @@ def _explain(e: OSError, what: str, where, nbytes: int) -> str:
 
 def step_order(graph) -> list[int]:
     """Packs in the order the schedule steps them (the ``step`` ops' order)."""
-    from harmony.runtime.ops import ops_of
     return [n.args[0] for n, op in ops_of(graph.nodes) if op.steps]

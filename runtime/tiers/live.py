@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from harmony.base.units import nbytes
+from harmony.runtime.tiers.params_disk import PARAM
 
 
 class LiveState:
@@ -86,7 +87,6 @@ class LiveState:
         if self.shared is not None:
             out.update(self.shared.weights_of(names))
         if self.pdisk is not None:
-            from harmony.runtime.tiers.params_disk import PARAM
             for _, files in self._groups(names):
                 out.update({n: f[PARAM] for n, f in files.items()})
         return out

@@ -66,7 +66,10 @@ import torch
 
 from harmony.base.errors import OffloadError
 from harmony.base.tiers import Tier
+from harmony.runtime.ops import ops_of
 from harmony.runtime.placeholders import placeholder, withhold
+from harmony.runtime.tiers.disk import DiskStore, step_order
+from harmony.runtime.tiers.optim_disk import step_stats, take
 from harmony.runtime.tiers.params_groups import PARAM, WholeGroups
 
 
@@ -129,8 +132,6 @@ class DiskParams(WholeGroups):
 
         ``fill(params)``: makes the weights of a model built without them (driver/materialize.py), called for each
         group before it is written, so that the host holds one group of them at a time."""
-        from harmony.runtime.ops import ops_of
-        from harmony.runtime.tiers.disk import DiskStore, step_order
         records = _records(plan)
         if not records:
             return None
@@ -433,7 +434,6 @@ class DiskParams(WholeGroups):
         self._reads[gid] = (fut, views)
 
     def _take(self, gid: int) -> list[torch.Tensor]:
-        from harmony.runtime.tiers.optim_disk import take
         return take(self, gid)
 
     def _settle_writes(self, keep: int = 0) -> None:
@@ -476,7 +476,6 @@ class DiskParams(WholeGroups):
 
     # -- reports and lifetime -------------------------------------------------------------------------
     def step_stats(self) -> dict:
-        from harmony.runtime.tiers.optim_disk import step_stats
         return step_stats(self, disk_weight_step_seconds="step_seconds", disk_step_join_seconds="join_seconds",
                           disk_steps_in_place="in_place")
 
