@@ -6,11 +6,16 @@ user loads a checkpoint or accepts the mix (``ScheduledModule.accept_partial_ste
 """
 from __future__ import annotations
 
+import contextlib
+import time
+
 import torch
 
-from harmony.base.errors import InputError, TornStepError
+from harmony.base.errors import ConfigError, InputError, TornStepError
 from harmony.base.process import peak_rss_bytes
+from harmony.driver.handshake import CALLS, agree
 from harmony.driver.shapes import describe
+from harmony.runtime.comm.world import check_world
 from harmony.runtime.executor import module_modes
 from harmony.runtime.transaction import describe_torn
 
@@ -54,6 +59,30 @@ def batch_of(sm, batch: tuple, named: dict, same_shape: bool = True) -> tuple:
         if x.is_meta:
             raise InputError(f"batch tensor {name!r} is on the meta device: it has no values to train on")
     return batch
+
+
+def train_step(sm, batch: tuple, named: dict) -> torch.Tensor:
+    """``sm(*batch, **named)`` in training mode: the call's batch checked, its shape's plan found (made once for a
+    new shape), the step run as a transaction and ``sm.stats`` set from what it measured."""
+    if sm.runtime is None:
+        raise ConfigError(f"this module was compiled with passes={[h[0] for h in sm.history]}, which "
+                          f"make no schedule; compile with the default passes to train")
+    check_world(sm.program.config, sm.program.capabilities)   # a plan is for one world size
+    agree(sm, CALLS[0])      # every rank steps now (not one saving): else an error on every rank at once
+    batch = batch_of(sm, batch, named, same_shape=False)
+    shape = sm.shapes.plan_for(batch)     # another shape: its plan, made once (driver/shapes.py)
+    cuda = sm.runtime.device.type == "cuda"
+    if cuda:     # the allocator's peaks over this step (the report shows them beside the meter's)
+        torch.cuda.reset_peak_memory_stats(sm.runtime.device)
+    t0 = time.perf_counter()
+    sm.optimizer.step()      # the param groups' settings (a scheduler's lr) into every pack's optimizer
+    sm.runtime.meter.settle_above = shape.predicted.peak    # copies in flight use no more than the plan's
+    with sm.runtime.running(shape.program.plan, shape.program.schedule) \
+            if shape is not sm.shapes.example else contextlib.nullcontext():
+        loss = run_step(sm, batch)     # a transaction: rolled back if it raises (driver/step.py)
+    shape.steps += 1
+    sm.stats = step_stats(sm, shape, time.perf_counter() - t0)
+    return loss
 
 
 def run_step(sm, batch: tuple) -> torch.Tensor:

@@ -5,9 +5,6 @@ method of ``ScheduledModule`` delegates to the driver in a few lines.
 """
 from __future__ import annotations
 
-import contextlib
-import time
-
 import torch
 
 from harmony.base.errors import ConfigError
@@ -21,9 +18,8 @@ from harmony.driver.assemble import assemble
 from harmony.driver.checkpoint.io import load_state_dict, state_dict
 from harmony.driver.evaluate import evaluate
 from harmony.driver.handshake import CALLS, agree
-from harmony.driver.step import accept_partial_step, batch_of, run_step, step_stats
+from harmony.driver.step import accept_partial_step, train_step
 from harmony.driver.usermodel import sync_model
-from harmony.runtime.comm.world import check_world
 from harmony.runtime.simulate import simulate
 
 
@@ -102,25 +98,7 @@ class ScheduledModule(torch.nn.Module):
         gradients are off (``torch.no_grad()``, ``torch.inference_mode()``)."""
         if not self.training or not torch.is_grad_enabled():
             return self.evaluate(*batch, **named)
-        if self.runtime is None:
-            raise ConfigError(f"this module was compiled with passes={[h[0] for h in self.history]}, which "
-                              f"make no schedule; compile with the default passes to train")
-        check_world(self.program.config, self.program.capabilities)   # a plan is for one world size
-        agree(self, CALLS[0])      # every rank steps now (not one saving): else an error on every rank at once
-        batch = batch_of(self, batch, named, same_shape=False)
-        shape = self.shapes.plan_for(batch)     # another shape: its plan, made once (driver/shapes.py)
-        cuda = self.runtime.device.type == "cuda"
-        if cuda:     # the allocator's peaks over this step (the report shows them beside the meter's)
-            torch.cuda.reset_peak_memory_stats(self.runtime.device)
-        t0 = time.perf_counter()
-        self.optimizer.step()      # the param groups' settings (a scheduler's lr) into every pack's optimizer
-        self.runtime.meter.settle_above = shape.predicted.peak    # copies in flight use no more than the plan's
-        with self.runtime.running(shape.program.plan, shape.program.schedule) \
-                if shape is not self.shapes.example else contextlib.nullcontext():
-            loss = run_step(self, batch)     # a transaction: rolled back if it raises (driver/step.py)
-        shape.steps += 1
-        self.stats = step_stats(self, shape, time.perf_counter() - t0)
-        return loss
+        return train_step(self, batch, named)     # one step as a transaction (driver/step.py)
 
     @property
     def loss_scale(self) -> float | None:
