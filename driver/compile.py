@@ -24,6 +24,7 @@ from harmony.compiler.hardware.machine import cuda_library_bytes
 from harmony.compiler.ir import Program
 from harmony.compiler.trace import trace
 from harmony.driver import modes
+from harmony.driver.modes.data import shard_state
 from harmony.runtime.comm.compression import parse_compression
 from harmony.runtime.comm.world import resolve as resolve_world
 from harmony.runtime.optim import from_instance
@@ -101,7 +102,7 @@ def resolve(options: Config, batch_size: int) -> tuple[CompileConfig, modes.Mode
         optimizer_on=Tier.HOST if mixed and options.optimizer_on == "auto" else options.optimizer_on,
         weigh_device_steps=options.precision == "bf16" and options.optimizer_on == "auto",
         loss_scaling=options.scaling(), compression=spec, adaptive=adaptive,
-        shard_state=balance if options.shard_state is None else options.shard_state,
+        shard_state=shard_state(options),
         **mode.resolve(options, world)))
     mode.check(cfg, options)
     if cfg.hardware is None and device_type == "cuda":   # plan for the GPU: its cached profile, else its datasheet

@@ -202,3 +202,16 @@ def test_what_each_op_does_is_declared_in_its_entry():
     assert named("sends") == {"send"} and named("receives") == {"recv"}
     assert named("stashes") == {"stash"} and named("unstashes") == {"unstash"} and named("joins") == {"wait"}
     assert named("disk_read_ahead") == {"step", "gather"} and named("loads_batch") == {"load_batch"}
+
+
+def test_op_named_finds_each_registered_op_and_none_taken_out():
+    assert ops.op_named("forward") is ops.OPS[ops.forward] and ops.op_named("no_such_op") is None
+
+    def toy_named(pack: int): ...
+    op = ops.register(toy_named, execute=lambda rt, pack: None, effect=lambda memory, pack: (None, 0),
+                      cost=lambda plan, hw, pack: ("compute", 0.0), kind="compute")
+    try:
+        assert ops.op_named("toy_named") is op
+    finally:
+        ops.OPS.pop(toy_named)
+    assert ops.op_named("toy_named") is None

@@ -49,7 +49,7 @@ class Mode:
         unevenly (its rows and report), else None."""
         if cfg.hardware is not None:
             cfg.hardware = Hardware.of(cfg.hardware).computing_in(cfg.precision, cfg.accounting)
-            cfg.plan_for_device(Hardware.of(cfg.hardware).devices[0], cfg.hardware)
+            cfg.plan_for_device(cfg.hardware.devices[0], cfg.hardware)
         return None
 
     def run_passes(self, program, passes):

@@ -212,11 +212,13 @@ def allreduce(pack: int, kind: str = "none", *, world: int = 1, where: Tier = Ti
 
 
 OPS: dict[Callable, OpDef] = {}   # stub -> its definition; filled as harmony.runtime is imported
+_NAMED: dict[str, OpDef] = {}     # the same definitions by name (op_named), written beside OPS
 
 
 def register(stub, execute, effect, cost, kind, **more) -> OpDef:
     """Add an op: ``stub`` is what schedule graphs call; ``more`` any other ``OpDef`` field."""
     OPS[stub] = op = OpDef(stub, execute, effect, cost, kind, **more)
+    _NAMED[op.name] = op
     return op
 
 
@@ -234,7 +236,10 @@ def ops_of(nodes) -> Iterator[tuple[torch.fx.Node, OpDef]]:
 
 
 def op_named(name: str) -> OpDef | None:
-    return next((op for op in OPS.values() if op.name == name), None)
+    """The registered op called ``name`` (a schedule's group keys and drawings name ops): a lookup, as the swap
+    pass asks it for every stash group of every schedule it builds; an op taken out of ``OPS`` is not found."""
+    op = _NAMED.get(name)
+    return op if op is not None and OPS.get(op.stub) is op else None
 
 
 def state_names(spec, what: str) -> list[str]:
