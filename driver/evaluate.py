@@ -20,9 +20,10 @@ import time
 
 import torch
 
-from harmony.base.errors import ConfigError, TornStepError
+from harmony.base.errors import ConfigError, InputError, TornStepError
 from harmony.base.process import peak_rss_bytes
 from harmony.compiler.trace.eval import eval_module
+from harmony.driver.shapes import describe, shape_key
 from harmony.driver.step import batch_of, leaf_modules
 from harmony.passes.eval_schedule import build
 from harmony.runtime.comm.world import check_world
@@ -41,6 +42,7 @@ class Evaluation:
     report: object
     rewritten: int            # ops of the traced graph turned to eval mode (dropout, batch norm)
     seconds: float
+    fewer: dict = dataclasses.field(default_factory=dict)   # microbatches -> the schedule of a batch of fewer rows
 
 
 def eval_plan(plan):
@@ -62,12 +64,18 @@ def _reads_mode(module) -> bool:
     return isinstance(module, (_DropoutNd, _NormBase))
 
 
-def compile_evaluation(sm) -> Evaluation:
-    """The module's evaluation schedule, built on the first call and kept."""
-    if sm._evaluation is not None:
+def compile_evaluation(sm, microbatches: int | None = None) -> Evaluation:
+    """The module's evaluation schedule, built on the first call and kept; ``microbatches``: one for a batch of
+    fewer rows than the plan's microbatches (built on first use too, and kept beside it)."""
+    own = sm.program.plan.microbatches
+    if sm._evaluation is not None and microbatches in (None, own):
         return sm._evaluation
+    if sm._evaluation is not None and microbatches in sm._evaluation.fewer:
+        return sm._evaluation.fewer[microbatches]
     t0 = time.perf_counter()
     plan, modules, changed = eval_plan(sm.program.plan)
+    if microbatches not in (None, own):
+        plan = dataclasses.replace(plan, microbatches=microbatches, rows=())
     graph, predicted, report = build(sm.program, plan)
     if changed:
         report.notes.append(f"{changed} ops of the traced graph run as in eval mode (dropout off, batch norm on "
@@ -76,8 +84,12 @@ def compile_evaluation(sm) -> Evaluation:
     if kinds:
         report.notes.append(f"the model's own {', '.join(kinds)} modules run in eval mode during it (and in "
                             f"training mode during a step)")
-    sm._evaluation = Evaluation(graph, plan, modules, predicted, report, changed, time.perf_counter() - t0)
-    return sm._evaluation
+    made = Evaluation(graph, plan, modules, predicted, report, changed, time.perf_counter() - t0)
+    if microbatches in (None, own):
+        sm._evaluation = made
+    else:
+        compile_evaluation(sm).fewer[microbatches] = made
+    return made
 
 
 def _check(sm) -> None:
@@ -93,18 +105,36 @@ def _check(sm) -> None:
         raise TornStepError(f"evaluation refused: {describe_torn(sm.runtime.torn)}")
 
 
+def eval_rows(sm, batch: tuple) -> tuple[int, ...]:
+    """The rows of each microbatch the evaluation runs ``batch`` in: the training plan's microbatches, or one a row
+    where the batch has fewer rows; ``InputError`` for a batch the compiled plan does not run (driver/shapes.py)."""
+    shapes = sm.shapes
+    rows = batch[0].shape[0] if batch and batch[0].dim() > 0 else 0
+    if rows < 1:
+        raise InputError(f"sm.evaluate got a batch of {describe(shape_key(batch), shapes.names)}: 0 rows; give at "
+                         f"least one sample")
+    split, why = shapes.runs(batch, min(rows, sm.program.plan.microbatches))
+    if split is None:
+        raise InputError(f"sm.evaluate cannot run a batch of {describe(shape_key(batch), shapes.names)} with the "
+                         f"compiled plan (example batch {describe(shapes.example.key, shapes.names)}): {why}. "
+                         f"Evaluation runs every batch up to the example's shapes in its free dimensions; compile "
+                         f"with a batch of this shape's fixed sizes as example_batch")
+    return split
+
+
 def evaluate(sm, batch: tuple, named: dict) -> torch.Tensor:
     """The mean loss over the batch's microbatches, forward only, in eval mode (see the module docstring)."""
     _check(sm)
     batch = batch_of(sm, batch, named)
+    rows = eval_rows(sm, batch)
     rt = sm.runtime
     compiled = sm._evaluation is None
-    ev = compile_evaluation(sm)
+    ev = compile_evaluation(sm, len(rows))
     cuda = rt.device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats(rt.device)
     t0 = time.perf_counter()
-    loss = rt.evaluate(ev.graph, ev.plan, dict(zip(sm.program.plan.input_names, batch)), ev.modules)
+    loss = rt.evaluate(ev.graph, ev.plan, dict(zip(sm.program.plan.input_names, batch)), ev.modules, rows)
     seconds = time.perf_counter() - t0
     stats = sm.eval_stats
     stats.update(eval_seconds=seconds, evaluations=stats.get("evaluations", 0) + 1,

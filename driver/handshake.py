@@ -19,7 +19,7 @@ import datetime
 
 import torch
 
-from harmony.base.errors import CheckpointError, CommunicationError
+from harmony.base.errors import CheckpointError, CommunicationError, InputError
 
 CALLS = ("sm(...) (a training step)", "harmony.save", "harmony.load", "sm.sync_model()")
 
@@ -32,10 +32,13 @@ class Handshake:
         self.rank, self.world, self.timeout = rank, world, timeout
         self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout))
 
-    def agree(self, call: str, steps: int) -> None:
-        """Every rank is making ``call`` (one of ``CALLS``), or CommunicationError on every rank."""
+    def agree(self, call: str, steps: int, refused: Exception | None = None, plans: bool = False) -> None:
+        """Every rank is making ``call`` (one of ``CALLS``), or CommunicationError on every rank; a step's batch is
+        refused on every rank where one rank refused its own (``refused``: that rank raises it), and the ranks'
+        batches are all run by the compiled plan or all by plans of their shapes (``plans``), else InputError on
+        every rank."""
         import torch.distributed as dist
-        mine = torch.tensor([CALLS.index(call), steps], dtype=torch.int64)
+        mine = torch.tensor([CALLS.index(call), steps, 2 if refused is not None else int(plans)], dtype=torch.int64)
         got = [torch.empty_like(mine) for _ in range(self.world)]
         try:
             dist.all_gather(got, mine, group=self.group)
@@ -56,6 +59,19 @@ class Handshake:
                 f"read or update it" + (" (calling harmony.save on rank 0 alone, as with DDP, is not supported: call "
                                         "it on every rank; rank 0 writes what the ranks share)" if CALLS[1] in calls
                                         else "") + ".")
+        routes = [int(t[2]) for t in got]
+        if refused is None and 2 in routes:
+            bad = [str(r) for r, c in enumerate(routes) if c == 2]
+            raise InputError(f"{call} on rank {self.rank} of {self.world}: rank{'s' if len(bad) > 1 else ''} "
+                             f"{', '.join(bad)} refused its batch at this step (its error says why); nothing was run "
+                             f"on any rank. Fix that rank's batch and call again on every rank.")
+        if refused is None and len(set(routes)) > 1:
+            each = ", ".join(f"rank {r}: {'a plan of its own shape' if c else 'the compiled plan'}"
+                             for r, c in enumerate(routes))
+            raise InputError(f"{call} on rank {self.rank} of {self.world}: the ranks' batches need different plans "
+                             f"({each}); nothing was run. Every rank must pass batches the same plan runs: shapes "
+                             f"up to the compiled example's with at least one row a microbatch (drop_last=True, a "
+                             f"DistributedSampler).")
 
     def outcome(self, call: str, error: Exception | None) -> None:
         """Every rank's part of ``call`` is ready; else each rank raises (its own error, or its peers')."""
@@ -95,8 +111,8 @@ def attach(sm) -> None:
             sm.handshake = Handshake(dist.get_rank(), world, cfg.comm_timeout)
 
 
-def agree(sm, call: str) -> None:
+def agree(sm, call: str, refused: Exception | None = None, plans: bool = False) -> None:
     """``sm.handshake.agree`` where there is one (several ranks), else nothing."""
     handshake = getattr(sm, "handshake", None)
     if handshake is not None:
-        handshake.agree(call, sm.steps)
+        handshake.agree(call, sm.steps, refused, plans)

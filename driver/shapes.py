@@ -47,10 +47,11 @@ from harmony.base.units import fmt_bytes
 from harmony.compiler import cost
 from harmony.compiler.ir import Program
 from harmony.compiler.passmanager import run_passes, split_choices
-from harmony.compiler.trace import retarget, trace
+from harmony.compiler.trace import TRACE_INFO, retarget, trace
 from harmony.compiler.verify import MemoryCurve, memory_curve
 from harmony.runtime.ops import ops_of
 from harmony.runtime.placeholders import point
+from harmony.runtime.plan import even_rows
 
 MAX_SHAPES = 8      # plans kept, the example batch's included
 log = logging.getLogger("harmony")
@@ -74,6 +75,17 @@ def split_rows(rows: int, microbatch: int) -> tuple[int, ...]:
     return tuple(min(size, rows - i * size) for i in range(count))
 
 
+@dataclasses.dataclass(frozen=True)
+class Route:
+    """How a batch is trained (``ShapeCache.route``): by ``plan`` (the compiled one with ``rows``, or one made for
+    its shape), or by a plan to make (``plan`` None; ``why``: why the compiled plan does not run it)."""
+
+    key: tuple
+    plan: ShapePlan | None
+    rows: tuple[int, ...] | None = None
+    why: str = ""
+
+
 @dataclasses.dataclass
 class ShapePlan:
     """One cached plan: the program for one key, its predicted memory curve, and what the report lists of it."""
@@ -83,6 +95,7 @@ class ShapePlan:
     predicted: MemoryCurve
     seconds: float = 0.0      # compile seconds (the example batch's: compile's total)
     steps: int = 0            # steps run with it
+    why: str = ""             # why the compiled plan does not run this shape (the plans made after compile)
 
 
 class ShapeCache:
@@ -94,19 +107,72 @@ class ShapeCache:
         self.names = list(program.plan.input_names) if program.plan is not None else []
         self.example = ShapePlan(shape_key(program.example_batch), program, sm.predicted)
         self.plans: OrderedDict = OrderedDict({self.example.key: self.example})
+        self.served: dict = {}    # key -> steps the compiled plan ran at that shape (not the example's)
         self.compiles = 0         # shapes planned after compile
         self.dropped = 0          # plans dropped to keep at most ``limit``
 
-    def plan_for(self, batch: tuple) -> ShapePlan:
-        """The plan for ``batch``'s shapes: cached, or made now (``InputError`` where none can be, nothing changed)."""
+    def route(self, batch: tuple) -> Route:
+        """Which plan trains ``batch``, without planning or any collective: the compiled plan wherever it runs the
+        batch (with its microbatches' rows), a cached plan made for this shape, or none yet (``Route.why``). A
+        batch larger than the compiled one in any dimension is an ``InputError``."""
         key = shape_key(batch)
         found = self.plans.get(key)
         if found is not None:
-            self.plans.move_to_end(key)
-            return found
+            return Route(key, found)
+        rows, why = self.runs(batch, self.example.program.plan.microbatches)
+        return Route(key, self.example, rows) if rows is not None else Route(key, None, why=why)
+
+    def plan_for(self, batch: tuple, route: Route | None = None) -> tuple[ShapePlan, tuple[int, ...] | None]:
+        """The plan that trains ``batch`` and the rows of each of its microbatches (None: the plan's own): as
+        ``route`` says, a plan made now for its shapes and cached where none runs it yet (``InputError`` where none
+        can be, with nothing changed)."""
+        route = route or self.route(batch)
+        if route.plan is None:
+            return self._planned(batch, route.key, route.why), None
+        if route.key in self.plans:
+            self.plans.move_to_end(route.key)
+        return route.plan, route.rows
+
+    def ran(self, key: tuple, shape: ShapePlan) -> None:
+        """Count a step of ``shape``'s plan at ``key`` (the report's figures)."""
+        shape.steps += 1
+        if shape is self.example and key != self.example.key:
+            self.served[key] = self.served.get(key, 0) + 1
+
+    def runs(self, batch: tuple, microbatches: int) -> tuple[tuple[int, ...] | None, str]:
+        """The rows of each of ``microbatches`` microbatches where the compiled plan runs ``batch`` as it is (every
+        dimension no larger than the example batch's, any that differs free to in the trace, at least one row a
+        microbatch), else (None, why not). A dimension larger than the example's is an ``InputError``."""
+        base = self.example.program
+        if len({t.shape[0] if t.dim() else 1 for t in batch}) > 1:
+            raise InputError(f"a batch of {describe(shape_key(batch), self.names)}: every batch tensor needs the same "
+                             f"number of rows in dimension 0")
+        larger = [(n, tuple(t.shape), tuple(e.shape)) for n, t, e in zip(self.names, batch, base.example_batch)
+                  if t.dim() == e.dim() and any(a > b for a, b in zip(t.shape, e.shape))]
+        if larger:
+            raise InputError(larger_text(self.sm, batch, self.names, larger))
+        if any(t.dtype != e.dtype or t.dim() != e.dim() for t, e in zip(batch, base.example_batch)):
+            return None, "its dtypes or dimensions differ from the example batch's"
+        refused = refuses_other_shapes(base)
+        if refused:
+            return None, refused
+        info = base.gm.meta.get(TRACE_INFO)
+        why = info.runs_at([tuple(t.shape) for t in batch]) if info is not None and info.sizes else "no trace info"
+        if why is not None:
+            return None, why
+        rows = batch[0].shape[0] if batch and batch[0].dim() > 0 else 0
+        if rows == sum(base.plan.microbatch_rows()) and microbatches == base.plan.microbatches:
+            return base.plan.microbatch_rows(), ""
+        if rows < microbatches:
+            return None, f"{rows} rows are fewer than the plan's {microbatches} microbatches"
+        return even_rows(rows, microbatches), ""
+
+    def _planned(self, batch: tuple, key: tuple, why: str) -> ShapePlan:
+        """A plan made now for ``batch``'s shapes (``why``: why the compiled one does not run it), cached."""
         start = time.perf_counter()
         program = plan_shape(self.sm, batch, self.names)
-        made = ShapePlan(key, program, memory_curve(program, check_residency=False), time.perf_counter() - start)
+        made = ShapePlan(key, program, memory_curve(program, check_residency=False), time.perf_counter() - start,
+                         why=why)
         self.plans[key] = made
         self.compiles += 1
         while len(self.plans) > self.limit:
@@ -116,8 +182,8 @@ class ShapeCache:
             log.warning("harmony: dropped the plan for batch %s: at most %d shapes are cached (harmony.driver.shapes."
                         "MAX_SHAPES); a shape that comes back compiles again", describe(old, self.names), self.limit)
         log.info("harmony: new batch shape %s: compiled a plan in %.2f s (%d microbatches; predicted peak %s; "
-                 "%d shapes cached)", describe(key, self.names), made.seconds, program.plan.microbatches,
-                 fmt_bytes(made.predicted.peak), len(self.plans))
+                 "%d shapes cached): the compiled plan does not run it (%s)", describe(key, self.names), made.seconds,
+                 program.plan.microbatches, fmt_bytes(made.predicted.peak), len(self.plans), why)
         return made
 
     def summary(self) -> list[dict]:
@@ -125,15 +191,51 @@ class ShapeCache:
         rows = []
         for key, p in self.plans.items():
             plan = p.program.plan
-            split = plan.rows or (plan.microbatch_size,) * plan.microbatches
-            rows.append(dict(shape=describe(key, self.names), example=key == self.example.key,
-                             microbatches="+".join(map(str, split)), predicted_peak_bytes=p.predicted.peak,
-                             compile_s=p.seconds, steps=p.steps))
+            example = key == self.example.key
+            served = (f"the compiled plan: this shape and {len(self.served)} smaller ones seen "
+                      f"({sum(self.served.values())} steps at them)") if example else f"planned: {p.why}"
+            rows.append(dict(shape=describe(key, self.names), example=example,
+                             microbatches="+".join(map(str, plan.microbatch_rows())),
+                             predicted_peak_bytes=p.predicted.peak, compile_s=p.seconds, steps=p.steps, serves=served))
         return rows
 
 
-def plan_shape(sm, batch: tuple, names: list[str]) -> Program:
-    """A program for ``batch``'s shapes with the compiled program's packs and residency; ``InputError`` if none."""
+def refuses_other_shapes(base: Program) -> str:
+    """Why the modes and policies that train the example batch's shapes only refuse another ("" where none does)."""
+    if any(getattr(r, "shares", None) is not None for r in base.plan.residency.values()):
+        return ("shard_state='full' trains the example batch's shapes only (each rank's shares of the packs are "
+                "laid out for its plan); compile again for this shape")
+    if base.plan.stage is not None:
+        return ("parallel='pipeline' trains the example batch's shapes only (the ranks' boundary sends and receives "
+                "are sized for its microbatches); compile again for this shape, or drop the last short batch "
+                "(DataLoader(drop_last=True))")
+    if base.config.policy == "ondemand":
+        return ("the 'ondemand' baseline trains the example batch's shapes only (its runtime fetches and evicts "
+                "without a plan to reuse); compile again for this shape")
+    return ""
+
+
+def larger_text(sm, batch: tuple, names: list[str], larger: list) -> str:
+    """The refusal of a batch larger than the example in some dimension, with what a plan for it would need."""
+    base = sm.program
+    name, shape, compiled = larger[0]
+    text = (f"a batch of {describe(shape_key(batch), names)} is larger than the compiled example batch "
+            f"({describe(shape_key(base.example_batch), names)}): {name} is {list(shape)}, compiled for "
+            f"{list(compiled)}. The compiled plan is made for the largest batch it trains, and every batch up to "
+            f"it runs that plan; compile with your largest batch (the longest sequence the loader pads to, the most "
+            f"rows) as example_batch")
+    try:      # what that shape would need: a plan of it (this rank's only: no collective), nothing kept
+        program = plan_shape(sm, batch, names, agree=False)
+        need = memory_curve(program, check_residency=False).peak
+        return (f"{text}. At memory_budget={fmt_bytes(base.config.memory_budget)} a plan of this shape with the "
+                f"compiled packs predicts a peak of {fmt_bytes(need)} in {program.plan.microbatches} microbatches")
+    except HarmonyError as e:
+        return f"{text}. With the compiled packs and budget, this shape: {str(e).splitlines()[0]}"
+
+
+def plan_shape(sm, batch: tuple, names: list[str], agree: bool = True) -> Program:
+    """A program for ``batch``'s shapes with the compiled program's packs and residency; ``InputError`` if none.
+    ``agree``: data-parallel ranks check they plan the same shape (a collective)."""
     base = sm.program
     cfg = base.config
     key = shape_key(batch)
@@ -143,17 +245,11 @@ def plan_shape(sm, batch: tuple, names: list[str]) -> Program:
         raise InputError(f"{what}: every batch tensor needs the same number of rows in dimension 0")
     if 0 in rows:
         raise InputError(f"{what} has 0 rows: give at least one sample")
-    if any(getattr(r, "shares", None) is not None for r in base.plan.residency.values()):
-        raise InputError(f"{what}: shard_state='full' trains the example batch's shapes only (each rank's shares of "
-                         f"the packs are laid out for its plan); compile again for this shape")
-    if base.plan.stage is not None:
-        raise InputError(f"{what}: parallel='pipeline' trains the example batch's shapes only (the ranks' boundary "
-                         f"sends and receives are sized for its microbatches); compile again for this shape, or "
-                         f"drop the last short batch (DataLoader(drop_last=True))")
-    if cfg.policy == "ondemand":
-        raise InputError(f"{what}: the 'ondemand' baseline trains the example batch's shapes only (its runtime "
-                         f"fetches and evicts without a plan to reuse); compile again for this shape")
-    _agree_across_ranks(cfg, key, what)
+    refused = refuses_other_shapes(base)
+    if refused:
+        raise InputError(f"{what}: {refused}")
+    if agree:
+        _agree_across_ranks(cfg, key, what)
     tensors = dict(base.gm.named_parameters()) | dict(base.gm.named_buffers())
     try:
         with _state_as_planned(sm.runtime.state, tensors):

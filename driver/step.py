@@ -14,15 +14,15 @@ import torch
 from harmony.base.errors import ConfigError, InputError, TornStepError
 from harmony.base.process import peak_rss_bytes
 from harmony.driver.handshake import CALLS, agree
-from harmony.driver.shapes import describe
+from harmony.driver.shapes import describe, shape_key
 from harmony.runtime.comm.world import check_world
 from harmony.runtime.executor import module_modes
 from harmony.runtime.transaction import describe_torn
 
 
-def batch_of(sm, batch: tuple, named: dict, same_shape: bool = True) -> tuple:
-    """The call's batch tensors in the plan's order; every argument is checked against the compiled example (its
-    shape and dtype too unless ``same_shape`` is False: ``sm(...)`` plans other shapes, driver/shapes.py)."""
+def batch_of(sm, batch: tuple, named: dict) -> tuple:
+    """The call's batch tensors in the plan's order, each a tensor with values; shapes are the shape cache's to
+    check (driver/shapes.py), except under ``balance=``, whose ranks' shares of one global batch cannot change."""
     plan, cfg = sm.program.plan, sm.program.config
     names = list(plan.input_names)
     if named:
@@ -46,14 +46,10 @@ def batch_of(sm, batch: tuple, named: dict, same_shape: bool = True) -> tuple:
     if len(batch) != len(names):
         raise InputError(f"expected {len(names)} batch tensors ({', '.join(names)}), got {len(batch)}")
     for name, x, ex in zip(names, batch, sm.program.example_batch):
-        if not isinstance(x, torch.Tensor) or ((same_shape or rows is not None)
-                                               and (x.shape != ex.shape or x.dtype != ex.dtype)):
+        if not isinstance(x, torch.Tensor) or (rows is not None and (x.shape != ex.shape or x.dtype != ex.dtype)):
             got = f"{tuple(x.shape)} {x.dtype}" if isinstance(x, torch.Tensor) else type(x).__name__
             why = ("balance= plans each rank's share of one global batch, which cannot change shape"
-                   if rows is not None else
-                   "sm.evaluate runs the example batch's shapes only (sm(...) trains other shapes; evaluation "
-                   "plans for them are not built yet): drop or pad a smaller last validation batch "
-                   "(DataLoader(..., drop_last=True))" if same_shape else "compile again for other shapes")
+                   if rows is not None else "give a tensor")
             raise InputError(f"batch tensor {name!r}: expected shape {tuple(ex.shape)} {ex.dtype} as in "
                              f"example_batch, got {got}; {why}")
         if x.is_meta:
@@ -68,9 +64,18 @@ def train_step(sm, batch: tuple, named: dict) -> torch.Tensor:
         raise ConfigError(f"this module was compiled with passes={[h[0] for h in sm.history]}, which "
                           f"make no schedule; compile with the default passes to train")
     check_world(sm.program.config, sm.program.capabilities)   # a plan is for one world size
-    agree(sm, CALLS[0])      # every rank steps now (not one saving): else an error on every rank at once
-    batch = batch_of(sm, batch, named, same_shape=False)
-    shape = sm.shapes.plan_for(batch)     # another shape: its plan, made once (driver/shapes.py)
+    error = route = None
+    try:
+        batch = batch_of(sm, batch, named)
+        route = sm.shapes.route(batch)     # the compiled plan, or one for this shape (driver/shapes.py)
+    except InputError as e:
+        error = e
+    # every rank steps now (not one saving), each with a batch it can train and all by the same kind of plan:
+    # else an error on every rank at once, before any collective of the step
+    agree(sm, CALLS[0], error, route is not None and route.plan is None)
+    if error is not None:
+        raise error
+    shape, rows = sm.shapes.plan_for(batch, route)
     cuda = sm.runtime.device.type == "cuda"
     if cuda:     # the allocator's peaks over this step (the report shows them beside the meter's)
         torch.cuda.reset_peak_memory_stats(sm.runtime.device)
@@ -79,13 +84,13 @@ def train_step(sm, batch: tuple, named: dict) -> torch.Tensor:
     sm.runtime.meter.settle_above = shape.predicted.peak    # copies in flight use no more than the plan's
     with sm.runtime.running(shape.program.plan, shape.program.schedule) \
             if shape is not sm.shapes.example else contextlib.nullcontext():
-        loss = run_step(sm, batch)     # a transaction: rolled back if it raises (driver/step.py)
-    shape.steps += 1
-    sm.stats = step_stats(sm, shape, time.perf_counter() - t0)
+        loss = run_step(sm, batch, rows)     # a transaction: rolled back if it raises
+    sm.shapes.ran(route.key, shape)
+    sm.stats = step_stats(sm, shape, time.perf_counter() - t0, batch)
     return loss
 
 
-def run_step(sm, batch: tuple) -> torch.Tensor:
+def run_step(sm, batch: tuple, rows: tuple[int, ...] | None = None) -> torch.Tensor:
     """One training step: refused after a torn one; counted when every update was applied, even if it raised."""
     rt = sm.runtime
     if rt.torn is not None:
@@ -94,7 +99,7 @@ def run_step(sm, batch: tuple) -> torch.Tensor:
     # backward needs a graph. The model's leaf modules run in training mode whatever mode the user left them in.
     try:
         with torch.inference_mode(False), torch.enable_grad(), module_modes(train_modules(sm), True):
-            loss = rt.run(dict(zip(sm.program.plan.input_names, batch)))
+            loss = rt.run(dict(zip(sm.program.plan.input_names, batch)), rows)
     except BaseException:
         if rt.transaction is not None and rt.transaction.outcome == "committed":
             sm.steps += 1
@@ -140,7 +145,7 @@ def disk_stats(state) -> dict:
     return out
 
 
-def step_stats(sm, shape, seconds: float) -> dict:
+def step_stats(sm, shape, seconds: float, batch: tuple = ()) -> dict:
     """``sm.stats``: the step's measured memory, traffic and time beside what the plan that ran predicted."""
     rt, predicted = sm.runtime, shape.predicted
     stats = dict(step_seconds=seconds, measured_peak=rt.meter.peak,
@@ -150,10 +155,10 @@ def step_stats(sm, shape, seconds: float) -> dict:
                  predicted_h2d=predicted.moved["h2d"], predicted_d2h=predicted.moved["d2h"],
                  peak_rss_bytes=peak_rss_bytes(), huge_pages=sm.huge_pages,
                  idle_threads_sleep=sm.idle_threads_sleep)
-    if shape is not sm.shapes.example:    # the plan of another shape than the example batch's ran
-        plan = shape.program.plan
-        stats.update(batch_shape=describe(shape.key, sm.shapes.names),
-                     microbatch_rows=list(plan.rows or (plan.microbatch_size,) * plan.microbatches))
+    key = shape_key(batch) if batch else shape.key
+    if key != sm.shapes.example.key:     # another shape than the example batch's: the plan that ran, its rows
+        stats.update(batch_shape=describe(key, sm.shapes.names), microbatch_rows=list(rt.rows),
+                     plan="compiled" if shape is sm.shapes.example else "made for this shape")
     if rt.device.type == "cuda":
         stats.update(expandable_segments=sm.program.config.expandable_segments,
                      cuda_allocated_peak=torch.cuda.max_memory_allocated(rt.device),

@@ -11,7 +11,7 @@ import torch.fx
 from harmony.base.tiers import Tier
 from harmony.runtime.ops import op_of, ops_of, resident_state
 from harmony.runtime.pipeline import norm_exchange
-from harmony.runtime.plan import Plan
+from harmony.runtime.plan import Plan, mean_loss
 from harmony.runtime.precision import GradClip, LossScaler, StepGate, compute_dtype
 from harmony.runtime.tiers.memory import AllocatorMeter, CountAllocations, MemoryMeter
 from harmony.runtime.tiers.state import TieredState
@@ -117,6 +117,7 @@ class EvalRun:
         self.free_after = last_uses(graph)
         self.losses: list[torch.Tensor] = []
         self.batch: dict[str, torch.Tensor] = {}
+        self.rows: tuple[int, ...] = plan.microbatch_rows()
         self.rng: dict = {}
         self.events: list[TraceEvent] = []
 
@@ -164,6 +165,7 @@ class Runtime:
         self.rng: dict = {}
         self.losses: list[torch.Tensor] = []
         self.batch: dict[str, torch.Tensor] = {}
+        self.rows: tuple[int, ...] = plan.microbatch_rows()    # the running step's rows of each microbatch
         self.events: list[TraceEvent] = []
         self.step_packs = [n.args[0] for n, op in ops_of(graph.nodes) if op.steps]
         self.transaction: Transaction | None = None    # the last step's (runtime/transaction.py)
@@ -190,9 +192,11 @@ class Runtime:
             with self.on_demand.calls(), CountAllocations(self.meter, self.on_demand):
                 yield
 
-    def run(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    def run(self, batch: dict[str, torch.Tensor], rows: tuple[int, ...] | None = None) -> torch.Tensor:
         """One training iteration; returns the mean loss over microbatches. A step that raises is rolled back
-        (runtime/transaction.py) and its error raised with a note saying so."""
+        (runtime/transaction.py) and its error raised with a note saying so. ``rows``: the rows of each microbatch
+        where the batch is smaller than the plan's (as many microbatches, each no larger: driver/shapes.py)."""
+        self.rows = rows or self.plan.microbatch_rows()
         txn = self.transaction = Transaction(self, self.step_packs)
         try:
             loss = self._run(batch, txn)
@@ -214,10 +218,7 @@ class Runtime:
         run_graph(self, self.graph, self.free_after, txn)
         self.finish_updates()
         self.batch = {}
-        losses = torch.stack([loss.float() for loss in self.losses])   # fp32 whatever the compute dtype
-        if self.plan.rows:     # uneven microbatches: the mean over the batch's rows
-            return (losses * losses.new_tensor(self.plan.rows)).sum() / sum(self.plan.rows)
-        return losses.mean()
+        return mean_loss(self.losses, self.rows)
 
     @contextlib.contextmanager
     def running(self, plan: Plan, graph: torch.fx.Graph):
@@ -240,7 +241,8 @@ class Runtime:
             self.gate.finish(self.transaction.stepping)
             self.state.drain()
 
-    def evaluate(self, graph: torch.fx.Graph, plan: Plan, batch: dict[str, torch.Tensor], modules=()) -> torch.Tensor:
+    def evaluate(self, graph: torch.fx.Graph, plan: Plan, batch: dict[str, torch.Tensor], modules=(),
+                 rows: tuple[int, ...] | None = None) -> torch.Tensor:
         """Run a forward-only ``graph`` (passes/eval_schedule.py) whose packs are ``plan``'s on this runtime's state
         between two steps; returns the mean loss over microbatches, in fp32. ``modules``: those it runs in eval mode.
 
@@ -249,7 +251,7 @@ class Runtime:
         live bytes and every hold as before it. An error rolls it back as a failed step is
         (runtime/transaction.py); ``run.events`` and the meter's peak are the evaluation's until the next step."""
         run = EvalRun(self, plan, graph)
-        run.batch = batch
+        run.batch, run.rows = batch, rows or plan.microbatch_rows()
         state, pd = self.state, self.state.params_disk
         carried = pd.carried() if pd is not None else None
         shares = state.shares
@@ -263,7 +265,7 @@ class Runtime:
             # not in inference mode (a caller's): its tensors could not be written by the copy thread, nor trained
             with torch.inference_mode(False), torch.no_grad(), module_modes(modules, False):
                 run_graph(run, graph, run.free_after, txn)
-            loss = torch.stack([loss.float() for loss in run.losses]).mean()
+            loss = mean_loss(run.losses, run.rows)
         except BaseException as e:
             txn.roll_back(e)
             raise

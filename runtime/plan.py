@@ -146,10 +146,9 @@ class Plan:
     rows: tuple = ()      # rows of each microbatch where they differ (the last one smaller: driver/shapes.py);
                           # () where every microbatch has ``microbatch_size`` rows
 
-    def loss_weight(self, mb: int) -> float | None:
-        """What microbatch ``mb``'s mean loss counts for in the batch's mean: its rows over the batch's; None where
-        the microbatches are alike (each counts ``1 / microbatches``)."""
-        return self.rows[mb] / sum(self.rows) if self.rows else None
+    def microbatch_rows(self) -> tuple[int, ...]:
+        """The rows of each microbatch of the batch this plan was made for."""
+        return self.rows or (self.microbatch_size,) * self.microbatches
 
     def __post_init__(self):
         for spec in self.packs:
@@ -182,3 +181,25 @@ class Plan:
         """One of the records' per-parameter tables (``params_held``, ``optim_kept``, ``device_parts``,
         ``device_part_bytes``) over all packs: param name -> bytes."""
         return {n: b for _, r in sorted(self.residency.items()) for n, b in getattr(r, what).items()}
+
+
+def even_rows(rows: int, parts: int) -> tuple[int, ...]:
+    """``rows`` cut into ``parts`` microbatches as equal as possible, the larger ones first (30 into 4: 8, 8, 7, 7):
+    a smaller batch run by a plan made for a larger one keeps its microbatch count (driver/shapes.py)."""
+    whole, extra = divmod(rows, parts)
+    return tuple(whole + (i < extra) for i in range(parts))
+
+
+def loss_weight(rows: tuple[int, ...], mb: int) -> float | None:
+    """What microbatch ``mb``'s mean loss counts for in the batch's mean: its rows over the batch's; None where the
+    microbatches are alike (each counts ``1 / microbatches``)."""
+    return rows[mb] / sum(rows) if len(set(rows)) > 1 else None
+
+
+def mean_loss(losses: list, rows: tuple[int, ...]):
+    """The batch's mean loss from its microbatches' mean losses (fp32 whatever the compute dtype), weighted by rows
+    where they differ."""
+    stacked = torch.stack([loss.float() for loss in losses])
+    if len(set(rows)) > 1:
+        return (stacked * stacked.new_tensor(rows)).sum() / sum(rows)
+    return stacked.mean()

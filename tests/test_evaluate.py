@@ -202,8 +202,8 @@ def test_an_error_inside_an_evaluation_is_rolled_back():
     with fail_at(3, RuntimeError("injected"), kinds=("forward",)), pytest.raises(RuntimeError, match="injected"):
         a.evaluate(*data[1])
     assert holds(a) == before
-    with pytest.raises(InputError, match="expected shape"):
-        a.evaluate(x[:1], y[:1])
+    with pytest.raises(InputError, match="larger than the compiled example batch"):
+        a.evaluate(torch.cat([x, x]), torch.cat([y, y]))
     assert torch.equal(step(a, data[1], 1), step(b, data[1], 1))
     pa, pb = params(a), params(b)
     assert all(torch.equal(pa[n], pb[n]) for n in pb)

@@ -1,7 +1,9 @@
 """Batches of other shapes than the example's (driver/shapes.py): a smaller last batch, another sequence length.
 
-Each trains the same state as eager PyTorch does: gradient accumulation over the same microbatches, each
-microbatch's mean loss weighted by its rows (``loss_i / m`` where the microbatches are alike), bitwise in fp32.
+Every batch up to the example's shapes runs the compiled plan (its microbatches cut evenly: 7 rows in 2 are 4 and 3);
+a batch with fewer rows than the plan has microbatches gets a plan of its own; a larger one is refused. Each trains
+the same state as eager PyTorch does: gradient accumulation over the same microbatches, each microbatch's mean loss
+weighted by its rows (``loss_i / m`` where the microbatches are alike), bitwise in fp32.
 """
 import copy
 import logging
@@ -12,21 +14,30 @@ import torch
 import harmony
 from harmony.runtime.optim import optimizer_kwargs
 from harmony.driver.shapes import split_rows
+from harmony.runtime.plan import even_rows
 from models import call, eager_full, gpt_case, hf_gpt2_case, training_state_bytes
 
 
-def eager_steps(model, batches, microbatch, clip=None):
-    """Eager AdamW over ``batches``, each cut as ``split_rows`` cuts it at ``microbatch`` rows (one size, or one per
-    batch), the microbatches' losses weighted by rows (``clip``: ``clip_grad_norm_`` before each step)."""
+def plan_rows(n: int, microbatches: int, size: int) -> tuple:
+    """How a plan of ``microbatches`` microbatches of ``size`` rows cuts a batch of ``n`` rows: the compiled plan
+    evenly where each microbatch gets a row, else a plan of its own (``split_rows``)."""
+    return even_rows(n, microbatches) if n >= microbatches else split_rows(n, size)
+
+
+def eager_steps(model, batches, microbatches, clip=None):
+    """Eager AdamW over ``batches``, each cut as a plan of ``microbatches`` microbatches compiled for the first
+    batch's rows cuts it (``plan_rows``), the microbatches' losses weighted by rows (``clip``: ``clip_grad_norm_``
+    before each step)."""
     model = copy.deepcopy(model)
     model.norms = []
     opt = torch.optim.AdamW(model.parameters(), **optimizer_kwargs(torch.optim.AdamW, {}))
     losses = []
-    sizes = microbatch if isinstance(microbatch, list) else [microbatch] * len(batches)
-    for batch, size in zip(batches, sizes):
+    first = batches[0] if isinstance(batches[0], dict) else dict(enumerate(batches[0]))
+    size = -(-next(iter(first.values())).shape[0] // microbatches)
+    for batch in batches:
         items = batch if isinstance(batch, dict) else dict(enumerate(batch))
         n = next(iter(items.values())).shape[0]
-        rows = split_rows(n, size)
+        rows = plan_rows(n, microbatches, size)
         start, total = 0, 0.0
         for r in rows:
             part = {k: v[start:start + r] for k, v in items.items()}
@@ -73,7 +84,7 @@ def test_a_dataloader_epoch_with_a_smaller_last_batch_trains_as_eager(microbatch
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8)
     batches = [tuple(b) for b in loader] * 2       # two epochs: the cached plan serves the second
     assert [b[0].shape[0] for b in batches[:3]] == [8, 8, 7]
-    ref, ref_losses = eager_steps(model, batches, 8 // microbatches)
+    ref, ref_losses = eager_steps(model, batches, microbatches)
     ours = copy.deepcopy(model)
     sm = harmony.compile(ours, batches[0], memory_budget=int(training_state_bytes(model) * 0.5),
                          microbatches=microbatches)
@@ -81,36 +92,37 @@ def test_a_dataloader_epoch_with_a_smaller_last_batch_trains_as_eager(microbatch
     losses = run(sm, batches)
     assert_same_params(ours, ref)
     assert losses == pytest.approx(ref_losses, rel=1e-6)
-    assert sm.shapes.compiles == 1 and sm.steps == 6
-    last = sm.shapes.plans[(((7, 16), torch.int64),) * 2]
-    assert last.steps == 2 and last.program.plan.microbatches == microbatches
-    assert sm.stats["microbatch_rows"] == list(split_rows(7, 8 // microbatches))
+    assert sm.shapes.compiles == 0 and sm.steps == 6 and len(sm.shapes.plans) == 1    # the compiled plan ran all
+    assert sm.shapes.served == {(((7, 16), torch.int64),) * 2: 2}
+    assert sm.stats["microbatch_rows"] == list(even_rows(7, microbatches)) and sm.stats["plan"] == "compiled"
     assert sm.stats["measured_peak"] <= sm.stats["budget"]
-    assert sm.stats["predicted_peak"] == last.predicted.peak     # at its largest microbatch
-    assert "batch shapes" in sm.report() and "idx int64[7, 16]" in sm.report()
+    assert sm.stats["predicted_peak"] == sm.shapes.example.predicted.peak     # the largest batch's
+    assert "batch shapes" in sm.report() and "1 smaller ones seen (2 steps at them)" in sm.report()
 
 
 @pytest.mark.parametrize("policy", ["harmony", "sequential"])
-def test_a_shorter_sequence_trains_as_eager_and_compiles_once(caplog, policy):
+def test_a_shorter_sequence_runs_the_compiled_plan_as_eager(caplog, policy):
     model, data = gpt_case(batch=8)
     short = [(x[:, :12], y[:, :12]) for x, y in data]
-    batches = [data[0], short[0], short[1], data[1], short[2]]
-    ref, _ = eager_steps(model, batches, 2)
+    batches = [data[0], short[0], short[1], data[1], short[2], (data[2][0][:5, :7], data[2][1][:5, :7])]
+    ref, _ = eager_steps(model, batches, 4)
     ours = copy.deepcopy(model)
     sm = harmony.compile(ours, data[0], memory_budget=int(training_state_bytes(model) * 0.5), microbatches=4,
                          policy=policy)
     with caplog.at_level(logging.INFO, logger="harmony"):
         run(sm, batches)
     assert_same_params(ours, ref)
-    compiled = [r.getMessage() for r in caplog.records if "new batch shape" in r.getMessage()]
-    assert len(compiled) == 1 and "idx int64[8, 12]" in compiled[0], compiled
-    assert sm.shapes.compiles == 1 and len(sm.shapes.plans) == 2
+    assert not [r for r in caplog.records if "new batch shape" in r.getMessage()]
+    assert sm.shapes.compiles == 0 and len(sm.shapes.plans) == 1 and len(sm.shapes.served) == 2
+    assert sm.stats["microbatch_rows"] == [2, 1, 1, 1] and sm.stats["measured_peak"] <= sm.stats["budget"]
     assert sm.plan is sm.shapes.example.program.plan and sm.graph is sm.program.schedule   # the example's plan
 
 
-def test_a_longer_sequence_that_does_not_fit_is_refused_before_any_state_changes():
+@pytest.mark.parametrize("seq", [64, 32])
+def test_a_longer_sequence_is_refused_before_any_state_changes(seq):
     """Compiled at 16 tokens under a tight budget: 64 tokens do not fit the compiled packs even one row per
-    microbatch, and nothing changes; 32 tokens fit with fewer rows per microbatch and train as eager."""
+    microbatch, 32 would with fewer rows per microbatch; both are refused, saying to compile with the largest batch
+    and what this one would need, and nothing changes."""
     model, data = gpt_case(batch=8, seq=64)
     x, y = data[0]
     ours = copy.deepcopy(model)
@@ -118,17 +130,16 @@ def test_a_longer_sequence_that_does_not_fit_is_refused_before_any_state_changes
                          microbatches=4)
     sm(x[:, :16], y[:, :16])
     before = copy.deepcopy(sm.state_dict())
-    with pytest.raises(harmony.errors.InputError, match=r"idx int64\[8, 64\].*largest batch"):
-        sm(x, y)
+    need = "predicts a peak of" if seq == 32 else "cannot be trained"
+    with pytest.raises(harmony.errors.InputError, match=rf"idx int64\[8, {seq}\].*largest batch.*{need}"):
+        sm(x[:, :seq], y[:, :seq])
     after = sm.state_dict()
-    assert sm.steps == 1 and len(sm.shapes.plans) == 1
+    assert sm.steps == 1 and len(sm.shapes.plans) == 1 and not sm.shapes.served
     for name, a in before["model"].items():
         assert torch.equal(a, after["model"][name]), name
     assert _flat(before["optimizer"]) == _flat(after["optimizer"])
-    sm(x[:, :32], y[:, :32])      # fits the compiled packs with fewer rows per microbatch, every pack recomputing
-    rows = sm.stats["microbatch_rows"]
-    assert max(rows) < 2 and sm.stats["measured_peak"] <= sm.stats["budget"]
-    ref, _ = eager_steps(model, [(x[:, :16], y[:, :16]), (x[:, :32], y[:, :32])], [2, max(rows)])
+    sm(x[:, :16], y[:, :16])
+    ref, _ = eager_steps(model, [(x[:, :16], y[:, :16])] * 2, 4)
     assert_same_params(ours, ref)
 
 
@@ -148,7 +159,7 @@ def _flat(state) -> list:
 
 
 def test_hugging_face_gpt2_trains_a_new_sequence_length_as_eager():
-    """torch.export bakes the sequence length into the graph's views: a new one is traced again."""
+    """torch.export keeps the sequence length symbolic (``Dim.AUTO`` on every dimension): the compiled plan runs it."""
     model, data = hf_gpt2_case(batch=4)
     short = [{k: v[:, :10] for k, v in b.items()} for b in data]
     batches = [data[0], short[0], data[1], short[1]]
@@ -159,19 +170,21 @@ def test_hugging_face_gpt2_trains_a_new_sequence_length_as_eager():
     losses = run(sm, batches)
     assert_same_params(ours, ref)
     assert losses == pytest.approx(ref_losses, rel=1e-6)
-    assert sm.shapes.compiles == 1
+    assert sm.shapes.compiles == 0 and sm.program.gm.meta[harmony.compiler.trace.TRACE_INFO].frontend == "export"
 
 
 def test_the_cache_keeps_at_most_its_limit_and_always_the_example(caplog):
+    """Batches of fewer rows than the plan's 4 microbatches get plans of their own, cached."""
     model, data = gpt_case(batch=8)
-    sm = harmony.compile(model, data[0], memory_budget=int(training_state_bytes(model) * 0.5), microbatches=2)
+    sm = harmony.compile(model, data[0], memory_budget=int(training_state_bytes(model) * 0.5), microbatches=4)
     sm.shapes.limit = 2
     x, y = data[0]
-    with caplog.at_level(logging.WARNING, logger="harmony"):
-        for n in (6, 4, 6):
+    with caplog.at_level(logging.INFO, logger="harmony"):
+        for n in (3, 2, 3):
             sm(x[:n], y[:n])
     assert sm.shapes.compiles == 3 and sm.shapes.dropped == 2
-    assert list(sm.shapes.plans) == [sm.shapes.example.key, (((6, 16), torch.int64),) * 2]
+    assert list(sm.shapes.plans) == [sm.shapes.example.key, (((3, 16), torch.int64),) * 2]
+    assert any("fewer than the plan's 4 microbatches" in r.getMessage() for r in caplog.records)
     assert any("dropped the plan" in r.getMessage() for r in caplog.records)
     sm(x, y)
     assert sm.shapes.compiles == 3
@@ -188,11 +201,11 @@ def test_weights_on_disk_train_other_shapes_as_on_the_host(tmp_path):
                              optimizer_on="host", disk_group_bytes="24KiB", weights_on=weights_on,
                              offload_dir=tmp_path)
         assert set(sm.plan.by_pack("master_on").values()) == {weights_on}
-        losses = run(sm, [data[0], (x[:7], y[:7]), (x[:, :12], y[:, :12]), data[2], (x[:7], y[:7])])
+        losses = run(sm, [data[0], (x[:7], y[:7]), (x[:, :12], y[:, :12]), data[2], (x[:3], y[:3]), (x[:7], y[:7])])
         sm.sync_model()
         results.append((losses, [p.detach().clone() for p in model.parameters()], sm.shapes.compiles))
         sm.close()
-    assert results[0][0] == results[1][0] and results[1][2] == 2
+    assert results[0][0] == results[1][0] and results[1][2] == 1     # 3 rows in 4 microbatches: a plan of its own
     assert all(torch.equal(a, b) for a, b in zip(results[0][1], results[1][1]))
 
 
@@ -208,9 +221,11 @@ def test_a_step_that_fails_at_a_new_shape_is_rolled_back():
     sm(*data[0])
     with pytest.raises(IndexError):
         sm(bad, y[:6])
-    assert sm.steps == 1 and sm.shapes.compiles == 1
-    run(sm, [(x[:6], y[:6]), data[2]])
-    ref, _ = eager_steps(model, [data[0], (x[:6], y[:6]), data[2]], 2)
+    with pytest.raises(IndexError):
+        sm(bad[:3], y[:3])       # a shape planned for first
+    assert sm.steps == 1 and sm.shapes.compiles == 1 and not sm.shapes.served
+    run(sm, [(x[:6], y[:6]), (x[:3], y[:3]), data[2]])
+    ref, _ = eager_steps(model, [data[0], (x[:6], y[:6]), (x[:3], y[:3]), data[2]], 4)
     assert_same_params(ours, ref)
 
 
@@ -234,7 +249,7 @@ def _dp_rank(rank, world):
     refused = None
     for i, batch in enumerate(_dp_batches(data)):
         sm(*harmony.data.shard(batch))
-        if i == 1:       # rank 0 passes 1 row, rank 1 passes 2, both new shapes: both refuse, neither steps
+        if i == 1:       # rank 0's 1 row needs a plan of its own, rank 1's 2 run the compiled: both refuse
             x, y = harmony.data.shard(batch)
             try:
                 sm(x[:1 + rank], y[:1 + rank])
@@ -258,8 +273,8 @@ def test_data_parallel_ranks_train_a_smaller_last_batch_and_a_shorter_sequence_a
     model, data = gpt_case(batch=8)
     ref, _ = eager_full(model, _dp_batches(data), torch.optim.SGD, lr=0.1, momentum=0.9)
     for r in (0, 1):
-        assert res[r]["steps"] == 4 and res[r]["compiles"] == 2, res[r]    # 3 rows a rank, 12 tokens
-        assert "different shapes" in res[r]["refused"]
+        assert res[r]["steps"] == 4 and res[r]["compiles"] == 0, res[r]    # 3 rows a rank, 12 tokens
+        assert "different plans" in res[r]["refused"]
         for a, b in zip(res[r]["params"], ref.parameters()):
             assert torch.allclose(torch.from_numpy(a), b.detach(), rtol=1e-5, atol=1e-6)
     assert all((a == b).all() for a, b in zip(res[0]["params"], res[1]["params"]))
@@ -289,7 +304,7 @@ def test_gradient_clipping_at_a_smaller_last_batch_is_eager_clip_grad_norm():
     model, data = gpt_case(batch=8)
     x, y = data[1]
     batches = [data[0], (x[:7], y[:7]), (x[:, :12], y[:, :12])]
-    ref, _ = eager_steps(model, batches, 4, clip=0.05)
+    ref, _ = eager_steps(model, batches, 2, clip=0.05)
     ours = copy.deepcopy(model)
     sm = harmony.compile(ours, data[0], memory_budget=int(training_state_bytes(model) * 0.5), microbatches=2,
                          clip_grad_norm=0.05)

@@ -91,6 +91,7 @@ def summary(sm) -> dict:
         last_step=dict(sm.stats) if getattr(sm, "stats", None) else None,
         evaluation=_evaluation(sm),
         shapes=sm.shapes.summary() if getattr(sm, "shapes", None) is not None else [],
+        shapes_served=len(sm.shapes.served) if getattr(sm, "shapes", None) is not None else 0,
         node=_node(getattr(sm, "node_simulation", None)),
     )
 
@@ -327,11 +328,13 @@ class _Writer:
                 self.lines.append("(nothing reported)")
         self.heading("packs")
         self.table(d["packs"])
-        if len(d["shapes"]) > 1:     # batches of other shapes were planned (driver/shapes.py)
+        if len(d["shapes"]) > 1 or d.get("shapes_served"):     # batches of other shapes (driver/shapes.py)
             self.heading("batch shapes")
             self.table(d["shapes"])
-            self.notes(["a plan per batch shape is made on its first step with the packs and residency above; "
-                        "sm.code and sm.plan are the example batch's"])
+            self.notes(["every batch up to the example's shapes runs the compiled plan (its microbatches cut evenly); "
+                        "a batch it cannot run (fewer rows than microbatches, a dimension the trace fixed) gets a plan "
+                        "of its own on its first step, with the packs and residency above; sm.code and sm.plan are "
+                        "the compiled plan's"])
         if d.get("node"):
             self.heading(d["node"]["title"])
             self.table(d["node"]["rows"])

@@ -33,7 +33,7 @@ def export_graph(step: torch.nn.Module, tensors: tuple[torch.Tensor, ...],
     """``step`` exported (non-strict, the batch dimension dynamic) over ``tensors``, in ``dtype`` if given."""
     # Dim.AUTO keeps dim 0 symbolic unless the model specialises it, so one
     # graph serves every microbatch size.
-    dynamic = tuple({0: torch.export.Dim.AUTO} if t.dim() > 0 else None for t in tensors)
+    dynamic = tuple({d: torch.export.Dim.AUTO for d in range(t.dim())} if t.dim() > 0 else None for t in tensors)
     if dtype is not None:
         tensors = tuple(t.to(dtype) if t.is_floating_point() else t for t in tensors)
     # a model built without its weights is exported on fake twins of its state (compiler/fake.py)

@@ -8,6 +8,7 @@ import contextlib
 import torch
 
 from harmony.runtime.ops import Acts, Predicted, Saved, arrived, backward, forward, label_args, register
+from harmony.runtime.plan import loss_weight
 
 
 # -- forward / backward -----------------------------------------------------------------------
@@ -183,8 +184,8 @@ def _backward_execute(rt, pack, mb, *inputs, saved=None, grads=()):
         else:
             leaves, outs, restore = arrived(rt, saved).leaves, saved.outs, []   # (a stashed graph: its copies)
         if "loss" in outs:   # the seed is fp32 (a no-op in fp32); fp16 scales it (GradScaler.scale)
-            weight = rt.plan.loss_weight(mb)     # uneven microbatches: by rows, so the seeds sum to the batch mean
-            seed = outs["loss"].float() / rt.plan.microbatches if weight is None else outs["loss"].float() * weight
+            weight = loss_weight(rt.rows, mb)     # uneven microbatches: by rows, so the seeds sum to the batch mean
+            seed = outs["loss"].float() / len(rt.rows) if weight is None else outs["loss"].float() * weight
             tensors, seeds = [seed if rt.scaler is None else rt.scaler.scale_loss(seed)], [None]
         else:
             upstream: dict[str, torch.Tensor] = {}

@@ -113,10 +113,10 @@ def _free(plan, hw, *args, **kwargs):
 
 # -- load_batch / stash / unstash ------------------------------------------------------------
 def _load_batch_execute(rt, mb, names):
-    b = rt.plan.microbatch_size
+    start, size = sum(rt.rows[:mb]), rt.rows[mb]      # this step's rows (Runtime.run)
     out = {}
     for n in names:
-        src = rt.batch[n][mb * b:(mb + 1) * b]
+        src = rt.batch[n][start:start + size]
         dst = torch.empty(src.shape, dtype=device_dtype(src, rt.compute_dtype), device=rt.device)
         rt.meter.track(dst)
         dst.copy_(src)
