@@ -49,21 +49,28 @@ from harmony.compiler.ir import Program
 from harmony.compiler.passmanager import run_passes, split_choices
 from harmony.compiler.trace import retarget, trace
 from harmony.compiler.verify import MemoryCurve, memory_curve
+from harmony.driver.constants import batch_example, changed, constants_key, key_text
 from harmony.runtime.ops import ops_of
 from harmony.runtime.placeholders import point
 
 MAX_SHAPES = 8      # plans kept, the example batch's included
+CONSTANTS = "constants"     # the tag of a key's constants
 log = logging.getLogger("harmony")
 
 
-def shape_key(batch) -> tuple:
-    """What a plan is cached by: each batch tensor's shape and dtype, in the plan's order."""
-    return tuple((tuple(t.shape), t.dtype) for t in batch)
+def shape_key(batch, constants: dict | None = None) -> tuple:
+    """What a plan is cached by: each batch tensor's shape and dtype, in the plan's order, then the batch's
+    constants where it has any (driver/constants.py: another value is another trace)."""
+    key = tuple((tuple(t.shape), t.dtype) for t in batch)
+    return key + ((CONSTANTS, constants_key(constants)),) if constants else key
 
 
 def describe(key: tuple, names) -> str:
-    """``input_ids int64[4, 24], labels int64[4, 24]``."""
-    return ", ".join(f"{n} {str(dtype).removeprefix('torch.')}{list(shape)}" for n, (shape, dtype) in zip(names, key))
+    """``input_ids int64[4, 24], labels int64[4, 24]`` (and ``; use_cache=False`` where the key has constants)."""
+    fixed = [key_text(k[1]) for k in key if k[0] == CONSTANTS]
+    text = ", ".join(f"{n} {str(dtype).removeprefix('torch.')}{list(shape)}"
+                     for n, (shape, dtype) in zip(names, key[:-1] if fixed else key))
+    return text + (f"; {fixed[0]}" if fixed else "")
 
 
 def split_rows(rows: int, microbatch: int) -> tuple[int, ...]:
@@ -92,20 +99,24 @@ class ShapeCache:
         self.sm, self.limit = sm, limit
         program = sm.program
         self.names = list(program.plan.input_names) if program.plan is not None else []
-        self.example = ShapePlan(shape_key(program.example_batch), program, sm.predicted)
+        self.example = ShapePlan(shape_key(program.example_batch, program.constants), program, sm.predicted)
         self.plans: OrderedDict = OrderedDict({self.example.key: self.example})
         self.compiles = 0         # shapes planned after compile
         self.dropped = 0          # plans dropped to keep at most ``limit``
 
-    def plan_for(self, batch: tuple) -> ShapePlan:
-        """The plan for ``batch``'s shapes: cached, or made now (``InputError`` where none can be, nothing changed)."""
-        key = shape_key(batch)
+    def plan_for(self, batch: tuple, constants: dict | None = None) -> ShapePlan:
+        """The plan for ``batch``'s shapes and ``constants``: cached, or made now (``InputError`` where none can be,
+        nothing changed)."""
+        key = shape_key(batch, constants)
         found = self.plans.get(key)
         if found is not None:
             self.plans.move_to_end(key)
             return found
         start = time.perf_counter()
-        program = plan_shape(self.sm, batch, self.names)
+        differs = changed(self.sm.program.constants, constants or {})
+        if differs:
+            log.info("harmony: %s: tracing and planning the step again with these constants", differs)
+        program = plan_shape(self.sm, batch, self.names, constants)
         made = ShapePlan(key, program, memory_curve(program, check_residency=False), time.perf_counter() - start)
         self.plans[key] = made
         self.compiles += 1
@@ -132,12 +143,14 @@ class ShapeCache:
         return rows
 
 
-def plan_shape(sm, batch: tuple, names: list[str]) -> Program:
-    """A program for ``batch``'s shapes with the compiled program's packs and residency; ``InputError`` if none."""
+def plan_shape(sm, batch: tuple, names: list[str], constants: dict | None = None) -> Program:
+    """A program for ``batch``'s shapes (traced with ``constants``) with the compiled program's packs and residency;
+    ``InputError`` if none."""
     base = sm.program
     cfg = base.config
-    key = shape_key(batch)
-    what = f"a batch of {describe(key, names)} (compiled for {describe(shape_key(base.example_batch), names)})"
+    key = shape_key(batch, constants)
+    compiled = describe(shape_key(base.example_batch, base.constants), names)
+    what = f"a batch of {describe(key, names)} (compiled for {compiled})"
     rows = {t.shape[0] for t in batch if t.dim() > 0}
     if len(rows) != 1:
         raise InputError(f"{what}: every batch tensor needs the same number of rows in dimension 0")
@@ -157,7 +170,7 @@ def plan_shape(sm, batch: tuple, names: list[str]) -> Program:
     tensors = dict(base.gm.named_parameters()) | dict(base.gm.named_buffers())
     try:
         with _state_as_planned(sm.runtime.state, tensors):
-            program = _plan(base, batch, rows.pop())
+            program = _plan(base, batch, rows.pop(), constants)
     except BudgetError as e:
         raise InputError(f"{what} cannot be trained with the compiled plan's packs under memory_budget="
                          f"{fmt_bytes(cfg.memory_budget)}, even one row per microbatch: "
@@ -177,13 +190,13 @@ def plan_shape(sm, batch: tuple, names: list[str]) -> Program:
     return program
 
 
-def _plan(base: Program, batch: tuple, rows: int) -> Program:
+def _plan(base: Program, batch: tuple, rows: int, constants: dict | None = None) -> Program:
     """Trace and cost ``batch`` and run the passes with the compiled plan's choices at the compiled microbatch size;
     where that does not fit the budget (a longer sequence), with the least activation memory the same state layout
     allows (every pack recomputes, every activation goes to the host), at that size, then half of it, and so on
     down to one row per microbatch."""
     cfg = base.config
-    example = dict(zip(base.batch_keys, batch)) if base.batch_keys else tuple(batch)
+    example = batch_example(base, batch, constants)
     gm = trace(base.model, example, loss_fn=cfg.loss_fn, leaf_modules=cfg.leaf_modules, dtype=cfg.compute_dtype)
     order, given = split_choices(cfg.passes)
     given["partition"] = base.partition_choice

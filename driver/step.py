@@ -13,6 +13,7 @@ import torch
 
 from harmony.base.errors import ConfigError, InputError, TornStepError
 from harmony.base.process import peak_rss_bytes
+from harmony.driver.constants import split_call
 from harmony.driver.handshake import CALLS, agree
 from harmony.driver.shapes import describe
 from harmony.runtime.comm.world import check_world
@@ -69,8 +70,9 @@ def train_step(sm, batch: tuple, named: dict) -> torch.Tensor:
                           f"make no schedule; compile with the default passes to train")
     check_world(sm.program.config, sm.program.capabilities)   # a plan is for one world size
     agree(sm, CALLS[0])      # every rank steps now (not one saving): else an error on every rank at once
+    batch, named, constants = split_call(sm.program, batch, named)     # its constants apart (driver/constants.py)
     batch = batch_of(sm, batch, named, same_shape=False)
-    shape = sm.shapes.plan_for(batch)     # another shape: its plan, made once (driver/shapes.py)
+    shape = sm.shapes.plan_for(batch, constants)    # another shape or constants: its plan, made once (driver/shapes.py)
     cuda = sm.runtime.device.type == "cuda"
     if cuda:     # the allocator's peaks over this step (the report shows them beside the meter's)
         torch.cuda.reset_peak_memory_stats(sm.runtime.device)
