@@ -107,7 +107,7 @@ def same_as_compiled(program, constants: Mapping, what: str) -> None:
     differs = changed(program.constants, constants)
     if differs:
         raise InputError(f"{what}(...) got {differs}: it runs the step as example_batch traced it "
-                         f"({describe_constants(program.constants)}), and these constants change the traced graph. "
+                         f"({describe_constants(program.constants)}), and other constants may change the traced graph. "
                          f"Pass the compiled values, or compile with an example_batch that has these ones "
                          f"(sm(...) trains with other constants by tracing again)")
 
