@@ -170,9 +170,11 @@ def test_a_tuple_batch_takes_its_constants_in_their_places():
 
 
 def test_hugging_face_flags_in_a_batch_encoding_train_as_eager():
-    """``use_cache=False``, ``output_hidden_states=False``, ``return_dict=True``, as a collator or a user adds them."""
+    """``use_cache=False``, ``output_hidden_states=False``, ``return_dict=True``, as a collator or a user adds them;
+    the last step asks for the hidden states: traced and planned again, and still eager's step."""
     model = tiny_llama()
     batches = encodings(use_cache=False, output_hidden_states=False, return_dict=True)
+    batches[-1]["output_hidden_states"] = True
     ref, ref_losses = eager(model, batches, 2)
     sm = harmony.compile(copy.deepcopy(model), example_batch=batches[0], microbatches=2)
     assert sm.plan.input_names == ["input_ids", "attention_mask", "labels"]
@@ -180,6 +182,7 @@ def test_hugging_face_flags_in_a_batch_encoding_train_as_eager():
     losses = [sm(b).item() for b in batches]
     assert losses == pytest.approx(ref_losses, rel=1e-6)
     assert_params_equal(sm, ref)
+    assert sm.shapes.compiles == 1
     sm.close()
 
 
