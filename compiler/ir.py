@@ -9,6 +9,8 @@ import torch.fx
 
 from harmony.compiler.config import CompileConfig
 from harmony.compiler.meta import SCHEDULE
+from harmony.compiler.trace import TRACE_INFO
+from harmony.compiler.trace.batch import BatchForm
 from harmony.runtime.plan import Plan
 
 
@@ -53,9 +55,24 @@ class Program:
                                        # (PackCost.compute_and_copies); the swap pass weighs recompute by it
     swap_choice: Any = None            # what the swap pass kept on the device (passes.swap.graph.Choice): plain data,
                                        # which passes=(..., ("swap", choice), ...) applies again without searching
-    batch_keys: tuple | None = None    # a dict batch's keys (the model takes its inputs by name); None: a tuple
+    batch_keys: tuple | None = None    # a Mapping batch's keys, its constants' too (the model takes its inputs by
+                                       # name); None: a tuple
     step_hooks: list = field(default_factory=list)   # fn(sm) -> stats a pass adds to ``sm.stats`` after each step
                                                      # (module-level functions: a checkpoint pickles them by name)
+
+    @property
+    def batch_form(self) -> BatchForm | None:
+        """How the traced batch is laid out (compiler/trace/batch.py): every item's name, by name or position, and
+        its constants; None for a graph ``trace`` did not make."""
+        info = self.gm.meta.get(TRACE_INFO) if self.gm is not None else None
+        return getattr(info, "form", None)
+
+    @property
+    def constants(self) -> dict:
+        """The batch's items that are not tensors (``use_cache=False``, ...), by name: the model was traced with
+        them fixed; they are not inputs of the plan (``plan.input_names``)."""
+        form = self.batch_form
+        return dict(form.constants) if form is not None else {}
 
 
 def calls(graph: torch.fx.Graph) -> list:

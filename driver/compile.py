@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Mapping
 
 import torch
 
@@ -46,6 +47,7 @@ def compile(model: torch.nn.Module, example_batch, options: Config, module: type
     gm = trace(model, dict(zip(names, batch)) if names else tuple(batch), loss_fn=cfg.loss_fn,
                leaf_modules=cfg.leaf_modules, dtype=cfg.compute_dtype)
     check_groups(cfg.param_groups, gm)
+    batch = tensors_of(batch)       # the graph's inputs; the other items are constants of the trace
     t_trace = time.perf_counter()
     log.info("harmony: traced %d nodes in %.2f s", len(gm.graph.nodes), t_trace - t0)
     balanced = plan_rank(mode, model, gm, batch, cfg)
@@ -134,14 +136,21 @@ def check_groups(groups, gm) -> None:
 
 
 def batch_items(batch) -> tuple[list | None, list]:
-    """(names or None, tensors) of an example batch: a dict's keys and values, a tuple's items, one tensor."""
-    if isinstance(batch, dict):
+    """(names or None, items) of an example batch: a Mapping's keys and values (a dict, a Hugging Face
+    ``BatchEncoding``), a tuple's items, one tensor. Items that are not tensors are the trace's constants."""
+    if isinstance(batch, Mapping):
         return list(batch), list(batch.values())
     if isinstance(batch, torch.Tensor):
         return None, [batch]
     if isinstance(batch, (tuple, list)):
         return None, list(batch)
-    raise InputError(f"example_batch must be a tuple of tensors or a dict of them, got {type(batch).__name__}")
+    raise InputError(f"example_batch must be a tuple of tensors or a dict (any Mapping, such as a Hugging Face "
+                     f"BatchEncoding) of argument name -> tensor, got {type(batch).__name__}")
+
+
+def tensors_of(items: list) -> list:
+    """The tensors of a batch's items, in order: the graph's inputs."""
+    return [x for x in items if isinstance(x, torch.Tensor)]
 
 
 def batch_size(batch) -> int:

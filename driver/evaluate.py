@@ -23,6 +23,7 @@ import torch
 from harmony.base.errors import ConfigError, InputError, TornStepError
 from harmony.base.process import peak_rss_bytes
 from harmony.compiler.trace.eval import eval_module
+from harmony.driver.constants import same_as_compiled, split_call
 from harmony.driver.shapes import describe, shape_key
 from harmony.driver.step import batch_of, leaf_modules
 from harmony.passes.eval_schedule import build
@@ -125,6 +126,8 @@ def eval_rows(sm, batch: tuple) -> tuple[int, ...]:
 def evaluate(sm, batch: tuple, named: dict) -> torch.Tensor:
     """The mean loss over the batch's microbatches, forward only, in eval mode (see the module docstring)."""
     _check(sm)
+    batch, named, constants = split_call(sm.program, batch, named)     # its constants apart (driver/constants.py)
+    same_as_compiled(sm.program, constants, "sm.evaluate")
     batch = batch_of(sm, batch, named)
     rows = eval_rows(sm, batch)
     rt = sm.runtime

@@ -25,7 +25,7 @@ from harmony.compiler.config import Config
 from harmony.compiler.ir import Program
 from harmony.compiler.passmanager import run_passes
 from harmony.compiler.trace import trace
-from harmony.driver.compile import batch_items, batch_size, resolve
+from harmony.driver.compile import batch_items, batch_size, resolve, tensors_of
 from harmony.driver.modes.pipeline import Pipeline
 from harmony.driver.modes.pipeline_plan import simulate_programs
 from harmony.passes.stage import check_config
@@ -60,6 +60,7 @@ def plan_node(model: torch.nn.Module, example_batch, hardware, *, world: int | N
     check_config(cfg)
     gm = trace(model, dict(zip(names, batch)) if names else tuple(batch), loss_fn=cfg.loss_fn,
                leaf_modules=cfg.leaf_modules, dtype=cfg.compute_dtype)
+    batch = tensors_of(batch)
     fake = cost.annotate(gm, tuple(batch), cfg.microbatch_size, dtype=cfg.compute_dtype)
     profile = cost.optimizer_profile(cfg.optimizer, cfg.optimizer_kwargs)
     programs, measured = [], {}     # a pack's measured peaks are the same on every rank: measured once

@@ -49,22 +49,29 @@ from harmony.compiler.ir import Program
 from harmony.compiler.passmanager import run_passes, split_choices
 from harmony.compiler.trace import TRACE_INFO, retarget, trace
 from harmony.compiler.verify import MemoryCurve, memory_curve
+from harmony.driver.constants import batch_example, changed, constants_key, key_text
 from harmony.runtime.ops import ops_of
 from harmony.runtime.placeholders import point
 from harmony.runtime.plan import even_rows
 
 MAX_SHAPES = 8      # plans kept, the example batch's included
+CONSTANTS = "constants"     # the tag of a key's constants
 log = logging.getLogger("harmony")
 
 
-def shape_key(batch) -> tuple:
-    """What a plan is cached by: each batch tensor's shape and dtype, in the plan's order."""
-    return tuple((tuple(t.shape), t.dtype) for t in batch)
+def shape_key(batch, constants: dict | None = None) -> tuple:
+    """What a plan is cached by: each batch tensor's shape and dtype, in the plan's order, then the batch's
+    constants where it has any (driver/constants.py: another value is another trace)."""
+    key = tuple((tuple(t.shape), t.dtype) for t in batch)
+    return key + ((CONSTANTS, constants_key(constants)),) if constants else key
 
 
 def describe(key: tuple, names) -> str:
-    """``input_ids int64[4, 24], labels int64[4, 24]``."""
-    return ", ".join(f"{n} {str(dtype).removeprefix('torch.')}{list(shape)}" for n, (shape, dtype) in zip(names, key))
+    """``input_ids int64[4, 24], labels int64[4, 24]`` (and ``; use_cache=False`` where the key has constants)."""
+    fixed = [key_text(k[1]) for k in key if k[0] == CONSTANTS]
+    text = ", ".join(f"{n} {str(dtype).removeprefix('torch.')}{list(shape)}"
+                     for n, (shape, dtype) in zip(names, key[:-1] if fixed else key))
+    return text + (f"; {fixed[0]}" if fixed else "")
 
 
 def split_rows(rows: int, microbatch: int) -> tuple[int, ...]:
@@ -84,6 +91,7 @@ class Route:
     plan: ShapePlan | None
     rows: tuple[int, ...] | None = None
     why: str = ""
+    constants: dict | None = None     # the call's, where they differ from the compiled ones
 
 
 @dataclasses.dataclass
@@ -105,22 +113,26 @@ class ShapeCache:
         self.sm, self.limit = sm, limit
         program = sm.program
         self.names = list(program.plan.input_names) if program.plan is not None else []
-        self.example = ShapePlan(shape_key(program.example_batch), program, sm.predicted)
+        self.example = ShapePlan(shape_key(program.example_batch, program.constants), program, sm.predicted)
         self.plans: OrderedDict = OrderedDict({self.example.key: self.example})
         self.served: dict = {}    # key -> steps the compiled plan ran at that shape (not the example's)
         self.compiles = 0         # shapes planned after compile
         self.dropped = 0          # plans dropped to keep at most ``limit``
 
-    def route(self, batch: tuple) -> Route:
-        """Which plan trains ``batch``, without planning or any collective: the compiled plan wherever it runs the
-        batch (with its microbatches' rows), a cached plan made for this shape, or none yet (``Route.why``). A
-        batch larger than the compiled one in any dimension is an ``InputError``."""
-        key = shape_key(batch)
+    def route(self, batch: tuple, constants: dict | None = None) -> Route:
+        """Which plan trains ``batch`` (called with ``constants``), without planning or any collective: the compiled
+        plan wherever it runs the batch (with its microbatches' rows), a cached plan made for this shape and these
+        constants, or none yet (``Route.why``). A batch larger than the compiled one in any dimension is an
+        ``InputError``."""
+        key = shape_key(batch, constants)
         found = self.plans.get(key)
         if found is not None:
             return Route(key, found)
+        differs = changed(self.sm.program.constants, constants or {})
+        if differs:
+            return Route(key, None, why=f"the batch's constants differ: {differs}", constants=constants)
         rows, why = self.runs(batch, self.example.program.plan.microbatches)
-        return Route(key, self.example, rows) if rows is not None else Route(key, None, why=why)
+        return Route(key, self.example, rows) if rows is not None else Route(key, None, why=why, constants=constants)
 
     def plan_for(self, batch: tuple, route: Route | None = None) -> tuple[ShapePlan, tuple[int, ...] | None]:
         """The plan that trains ``batch`` and the rows of each of its microbatches (None: the plan's own): as
@@ -128,7 +140,7 @@ class ShapeCache:
         can be, with nothing changed)."""
         route = route or self.route(batch)
         if route.plan is None:
-            return self._planned(batch, route.key, route.why), None
+            return self._planned(batch, route.key, route.why, route.constants), None
         if route.key in self.plans:
             self.plans.move_to_end(route.key)
         return route.plan, route.rows
@@ -167,10 +179,14 @@ class ShapeCache:
             return None, f"{rows} rows are fewer than the plan's {microbatches} microbatches"
         return even_rows(rows, microbatches), ""
 
-    def _planned(self, batch: tuple, key: tuple, why: str) -> ShapePlan:
-        """A plan made now for ``batch``'s shapes (``why``: why the compiled one does not run it), cached."""
+    def _planned(self, batch: tuple, key: tuple, why: str, constants: dict | None = None) -> ShapePlan:
+        """A plan made now for ``batch``'s shapes and ``constants`` (``why``: why the compiled one does not run it),
+        cached."""
         start = time.perf_counter()
-        program = plan_shape(self.sm, batch, self.names)
+        differs = changed(self.sm.program.constants, constants or {})
+        if differs:
+            log.info("harmony: %s: tracing and planning the step again with these constants", differs)
+        program = plan_shape(self.sm, batch, self.names, constants)
         made = ShapePlan(key, program, memory_curve(program, check_residency=False), time.perf_counter() - start,
                          why=why)
         self.plans[key] = made
@@ -225,7 +241,7 @@ def larger_text(sm, batch: tuple, names: list[str], larger: list) -> str:
             f"it runs that plan; compile with your largest batch (the longest sequence the loader pads to, the most "
             f"rows) as example_batch")
     try:      # what that shape would need: a plan of it (this rank's only: no collective), nothing kept
-        program = plan_shape(sm, batch, names, agree=False)
+        program = plan_shape(sm, batch, names, sm.program.constants, agree=False)
         need = memory_curve(program, check_residency=False).peak
         return (f"{text}. At memory_budget={fmt_bytes(base.config.memory_budget)} a plan of this shape with the "
                 f"compiled packs predicts a peak of {fmt_bytes(need)} in {program.plan.microbatches} microbatches")
@@ -233,13 +249,14 @@ def larger_text(sm, batch: tuple, names: list[str], larger: list) -> str:
         return f"{text}. With the compiled packs and budget, this shape: {str(e).splitlines()[0]}"
 
 
-def plan_shape(sm, batch: tuple, names: list[str], agree: bool = True) -> Program:
-    """A program for ``batch``'s shapes with the compiled program's packs and residency; ``InputError`` if none.
-    ``agree``: data-parallel ranks check they plan the same shape (a collective)."""
+def plan_shape(sm, batch: tuple, names: list[str], constants: dict | None = None, agree: bool = True) -> Program:
+    """A program for ``batch``'s shapes (traced with ``constants``) with the compiled program's packs and residency;
+    ``InputError`` if none. ``agree``: data-parallel ranks check they plan the same shape (a collective)."""
     base = sm.program
     cfg = base.config
-    key = shape_key(batch)
-    what = f"a batch of {describe(key, names)} (compiled for {describe(shape_key(base.example_batch), names)})"
+    key = shape_key(batch, constants)
+    compiled = describe(shape_key(base.example_batch, base.constants), names)
+    what = f"a batch of {describe(key, names)} (compiled for {compiled})"
     rows = {t.shape[0] for t in batch if t.dim() > 0}
     if len(rows) != 1:
         raise InputError(f"{what}: every batch tensor needs the same number of rows in dimension 0")
@@ -253,7 +270,7 @@ def plan_shape(sm, batch: tuple, names: list[str], agree: bool = True) -> Progra
     tensors = dict(base.gm.named_parameters()) | dict(base.gm.named_buffers())
     try:
         with _state_as_planned(sm.runtime.state, tensors):
-            program = _plan(base, batch, rows.pop())
+            program = _plan(base, batch, rows.pop(), constants)
     except BudgetError as e:
         raise InputError(f"{what} cannot be trained with the compiled plan's packs under memory_budget="
                          f"{fmt_bytes(cfg.memory_budget)}, even one row per microbatch: "
@@ -273,13 +290,13 @@ def plan_shape(sm, batch: tuple, names: list[str], agree: bool = True) -> Progra
     return program
 
 
-def _plan(base: Program, batch: tuple, rows: int) -> Program:
+def _plan(base: Program, batch: tuple, rows: int, constants: dict | None = None) -> Program:
     """Trace and cost ``batch`` and run the passes with the compiled plan's choices at the compiled microbatch size;
     where that does not fit the budget (a longer sequence), with the least activation memory the same state layout
     allows (every pack recomputes, every activation goes to the host), at that size, then half of it, and so on
     down to one row per microbatch."""
     cfg = base.config
-    example = dict(zip(base.batch_keys, batch)) if base.batch_keys else tuple(batch)
+    example = batch_example(base, batch, constants)
     gm = trace(base.model, example, loss_fn=cfg.loss_fn, leaf_modules=cfg.leaf_modules, dtype=cfg.compute_dtype)
     order, given = split_choices(cfg.passes)
     given["partition"] = base.partition_choice

@@ -13,6 +13,7 @@ import torch
 
 from harmony.base.errors import ConfigError, InputError, TornStepError
 from harmony.base.process import peak_rss_bytes
+from harmony.driver.constants import split_call
 from harmony.driver.handshake import CALLS, agree
 from harmony.driver.shapes import describe, shape_key
 from harmony.runtime.comm.world import check_world
@@ -66,8 +67,9 @@ def train_step(sm, batch: tuple, named: dict) -> torch.Tensor:
     check_world(sm.program.config, sm.program.capabilities)   # a plan is for one world size
     error = route = None
     try:
+        batch, named, constants = split_call(sm.program, batch, named)    # its constants apart (driver/constants.py)
         batch = batch_of(sm, batch, named)
-        route = sm.shapes.route(batch)     # the compiled plan, or one for this shape (driver/shapes.py)
+        route = sm.shapes.route(batch, constants)     # the compiled plan, or one for this shape (driver/shapes.py)
     except InputError as e:
         error = e
     # every rank steps now (not one saving), each with a batch it can train and all by the same kind of plan:

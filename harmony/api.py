@@ -30,8 +30,10 @@ def compile(model: torch.nn.Module, example_batch, *, memory_budget=None, microb
     >>> sm = harmony.compile(model, example_batch=(x, y), memory_budget="512MiB", microbatches=8)
     >>> loss = sm(x, y)          # forward, backward and optimizer update of one whole batch
 
-    ``example_batch``: one batch as the model's forward takes it (a tensor, a tuple or a dict of tensors whose
-    dimension 0 is the batch); ``sm`` then trains on batches of the same shapes. ``memory_budget``: bytes per
+    ``example_batch``: one batch as the model's forward takes it (a tensor, a tuple, or a dict or any Mapping such
+    as a Hugging Face ``BatchEncoding``, of tensors whose dimension 0 is the batch); ``sm`` then trains on batches of
+    the same shapes. Its items that are not tensors (``use_cache=False``, an int, None) are constants of the trace
+    (driver/constants.py). ``memory_budget``: bytes per
     device, an int or a string such as ``"512MiB"`` (default 1 GiB). ``microbatches``: how many the batch is cut
     into, a divisor of its size (default 1). ``optimizer``: a ``torch.optim.Optimizer`` class (default AdamW).
 
@@ -94,8 +96,9 @@ class ScheduledModule(torch.nn.Module):
         return evaluate(self, batch, named)
 
     def forward(self, *batch, **named):
-        """One training step on the batch; it evaluates instead (``evaluate``) in eval mode (``sm.eval()``) or where
-        gradients are off (``torch.no_grad()``, ``torch.inference_mode()``)."""
+        """One training step on the batch (``sm(x, y)``, ``sm(**batch)``, or ``sm(batch)`` for a dict or Mapping);
+        it evaluates instead (``evaluate``) in eval mode (``sm.eval()``) or where gradients are off
+        (``torch.no_grad()``, ``torch.inference_mode()``)."""
         if not self.training or not torch.is_grad_enabled():
             return self.evaluate(*batch, **named)
         return train_step(self, batch, named)     # one step as a transaction (driver/step.py)

@@ -92,6 +92,7 @@ def summary(sm) -> dict:
         evaluation=_evaluation(sm),
         shapes=sm.shapes.summary() if getattr(sm, "shapes", None) is not None else [],
         shapes_served=len(sm.shapes.served) if getattr(sm, "shapes", None) is not None else 0,
+        constants=dict(getattr(program, "constants", {}) or {}),
         node=_node(getattr(sm, "node_simulation", None)),
     )
 
@@ -390,6 +391,8 @@ class _Writer:
                                               f"trains allclose to eager PyTorch and not bitwise as the others do"))
             else:
                 items.append(("tied weights", f"{same} (one pack reads it)"))
+        if d.get("constants"):     # the batch's non-tensor items, fixed in the trace (driver/constants.py)
+            items.append(("batch constants", ", ".join(f"{k}={v!r}" for k, v in d["constants"].items())))
         if d.get("filled"):
             items.append(("weights", f"{fmt_bytes(d['filled']['bytes'])} made by compile as it placed them, a disk "
                                      f"group at a time (the model was built under harmony.empty_weights)"))

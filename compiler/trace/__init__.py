@@ -49,7 +49,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 from harmony.base.errors import ConfigError, HarmonyError, TraceError
 from harmony.compiler.fake import device_of_batch, fake_twins
 from harmony.compiler.meta import MODULE_PATH
-from harmony.compiler.trace.batch import Batch
+from harmony.compiler.trace.batch import Batch, BatchForm
 from harmony.compiler.trace.errors import (
     eager_error,
     first_line,
@@ -97,6 +97,7 @@ class TraceInfo:
                 if fixed is None and d > 0 and n < self.least:     # rows: microbatches of any size, as always
                     return f"{name}'s dimension {d} is {n}; the trace holds from {self.least} up"
         return None
+    form: BatchForm | None = None  # the batch's items by name, and the constants the model was called with
 
 
 def module_path_of(node: torch.fx.Node) -> str:
@@ -115,8 +116,11 @@ def trace(
 ) -> torch.fx.GraphModule:
     """Trace one training step's forward, ``batch -> scalar loss``, into a GraphModule.
 
-    ``example_batch`` is a tuple of tensors passed positionally, or a dict passed
-    as keywords (placeholders follow its key order; call the graph positionally).
+    ``example_batch`` is a tuple of tensors passed positionally, or a dict (any
+    ``Mapping``) passed as keywords (placeholders follow its key order; call the
+    graph positionally). Items that are not tensors (``use_cache=False``, an int,
+    None, ...) are constants of the trace: the model is called with them fixed and
+    they are no placeholders (``gm.meta[TRACE_INFO].form``).
     With ``loss_fn`` the last element is the target:
     ``loss = loss_fn(model(*batch[:-1]), batch[-1])``. Without it the model
     returns the loss, or an object with a ``.loss`` (a Hugging Face ``ModelOutput``).
@@ -161,7 +165,7 @@ def trace(
         if functionalize_inplace(gm):
             notes.append("in-place writes to activations run out of place (compiler/trace/inplace.py)")
     gm.meta[TRACE_INFO] = TraceInfo(used, time.perf_counter() - start, batch.names, constants, tuple(notes),
-                                    _sizes(gm, used, batch), 1 if used == "fx" else 2)
+                                    _sizes(gm, used, batch), 1 if used == "fx" else 2, batch.form)
     return gm
 
 
@@ -182,21 +186,22 @@ def _sizes(gm: torch.fx.GraphModule, used: str, batch: Batch) -> tuple[tuple[int
 class _TrainStep(torch.nn.Module):
     """``model`` followed by its loss; subclassed per batch with a named ``forward``."""
 
-    def __init__(self, model: torch.nn.Module, loss_fn: Callable | None, keys: tuple[str, ...] | None):
+    def __init__(self, model: torch.nn.Module, loss_fn: Callable | None, form: BatchForm):
         super().__init__()
         setattr(self, _MODEL, model)
         setattr(self, _LOSS, loss_fn)
-        self.keys = keys
+        self.form = form
 
-    def compute_loss(self, *batch):
+    def compute_loss(self, *tensors):
         model, loss_fn = getattr(self, _MODEL), getattr(self, _LOSS)
-        inputs = batch[:-1] if loss_fn is not None else batch
-        if self.keys is None:
-            out = model(*inputs)
+        items = self.form.items(tensors)     # the batch's constants in their places, fixed in the trace
+        inputs = items[:-1] if loss_fn is not None else items
+        if self.form.keyed:
+            out = model(**dict(zip(self.form.names, inputs)))
         else:
-            out = model(**dict(zip(self.keys, inputs)))
+            out = model(*inputs)
         if loss_fn is not None:
-            return _checked_loss(loss_fn(out, batch[-1]), "loss_fn returned")
+            return _checked_loss(loss_fn(out, items[-1]), "loss_fn returned")
         return _checked_loss(_select_loss(out, model), f"{type(model).__name__}.forward returned")
 
 
@@ -208,8 +213,7 @@ def _train_step(model: torch.nn.Module, loss_fn: Callable | None, batch: Batch) 
     namespace: dict[str, Any] = {}
     exec(compile(source, "<harmony train step>", "exec"), namespace)
     cls = type("TrainStep", (_TrainStep,), {"forward": namespace["forward"]})
-    keys = batch.keys[: len(batch.model_inputs)] if batch.keys is not None else None
-    return cls(model, loss_fn, keys)
+    return cls(model, loss_fn, batch.form)
 
 
 def _select_loss(out: Any, model: torch.nn.Module) -> Any:

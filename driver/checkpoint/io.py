@@ -313,6 +313,7 @@ def _write_manifest(sm, tmp: Path, groups: list, files: list[dict]) -> None:
     manifest = {"format": KIND, "version": FORMAT, "step": sm.steps, "torch": torch.__version__,
                 "world": here.world, "mode": here.mode,
                 "param_groups": groups, "files": files,
+                "constants": {k: _jsonable(v) for k, v in sm.program.constants.items()},   # the batch traced with
                 "schedulers": [_jsonable(s.state_dict()) for s in getattr(sm, "schedulers", ())]}
     if _scaler(sm) is not None:
         manifest["loss_scaler"] = _scaler(sm).state_dict()
