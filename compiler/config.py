@@ -42,6 +42,7 @@ PLACES = ("auto", Tier.DEVICE, Tier.HOST)    # optimizer_on
 WEIGHTS = ("auto", Tier.HOST, Tier.DISK)     # weights_on: where a host-stepped pack's fp32 weights live between uses
 RECOMPUTE = ("auto", Tier.DEVICE, "always")
 POLICIES = ("harmony", "sequential", "ondemand")
+SHAPE_PLANS = ("compiled", "each")
 DEFAULT_PIPELINE = ("partition", "schedule", "offload", "compress", "swap", "prefetch")
 DEFAULT_MEMORY_BUDGET = 1 << 30        # bytes per device when memory_budget is not given (and balance= is not)
 
@@ -311,6 +312,11 @@ class PlanConfig(Group):
     can be inspected, not run."""
     leaf_modules: Any = ()
     """Module classes, class names or module paths the trace keeps as single opaque calls."""
+    shape_plans: str = "compiled"
+    """Batches of other shapes than the example's. ``"compiled"``: every batch up to the example's shapes (fewer
+    rows, shorter sequences: dynamic padding) runs the compiled plan, planned for the largest; ``"each"``: each new
+    shape gets a plan of its own on its first step (traced and planned, seconds; kept in ``sm.shapes``), which may
+    step faster where sequences are much shorter than the example's. Either way a larger batch is refused."""
     device: Any = "cpu"
     """Where the step runs: ``"cpu"`` (a logical device whose memory the runtime accounts and enforces), or
     ``"cuda"`` / ``"cuda:N"``."""
@@ -330,6 +336,7 @@ class PlanConfig(Group):
     def __post_init__(self):
         super().__post_init__()
         choice("policy", self.policy, POLICIES)
+        choice("shape_plans", self.shape_plans, SHAPE_PLANS)
         try:
             torch.device(self.device)
         except (RuntimeError, TypeError) as e:

@@ -132,6 +132,8 @@ class ShapeCache:
         if differs:
             return Route(key, None, why=f"the batch's constants differ: {differs}", constants=constants)
         rows, why = self.runs(batch, self.example.program.plan.microbatches)
+        if rows is not None and self.example.program.config.shape_plans == "each":
+            rows, why = None, "shape_plans='each' plans every new shape"
         return Route(key, self.example, rows) if rows is not None else Route(key, None, why=why, constants=constants)
 
     def plan_for(self, batch: tuple, route: Route | None = None) -> tuple[ShapePlan, tuple[int, ...] | None]:

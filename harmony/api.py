@@ -31,10 +31,11 @@ def compile(model: torch.nn.Module, example_batch, *, memory_budget=None, microb
     >>> loss = sm(x, y)          # forward, backward and optimizer update of one whole batch
 
     ``example_batch``: one batch as the model's forward takes it (a tensor, a tuple, or a dict or any Mapping such
-    as a Hugging Face ``BatchEncoding``, of tensors whose dimension 0 is the batch); ``sm`` then trains on batches of
-    the same shapes. Its items that are not tensors (``use_cache=False``, an int, None) are constants of the trace
-    (driver/constants.py). ``memory_budget``: bytes per
-    device, an int or a string such as ``"512MiB"`` (default 1 GiB). ``microbatches``: how many the batch is cut
+    as a Hugging Face ``BatchEncoding``, of tensors whose dimension 0 is the batch): the largest batch it will take,
+    since ``sm`` trains and evaluates every batch up to its shapes (fewer rows, shorter sequences) with the plan made
+    for it, and refuses a larger one. Its items that are not tensors (``use_cache=False``, an int, None) are
+    constants of the trace (driver/constants.py). ``memory_budget``: bytes per device, an int or a string such as
+    ``"512MiB"`` (default 1 GiB). ``microbatches``: how many the batch is cut
     into, a divisor of its size (default 1). ``optimizer``: a ``torch.optim.Optimizer`` class (default AdamW).
 
     Every other option is a field of ``harmony.Config``, documented in its groups (harmony/compiler/config.py):

@@ -45,6 +45,8 @@ def test_hf_finetune_trains_validates_checkpoints_and_resumes(tmp_path):
     losses = _losses(out)
     assert len(losses) >= 4 and losses[-1] < losses[0], out
     assert "validation loss" in out and (tmp_path / "checkpoint" / "manifest.json").exists()
+    shapes, planned = map(int, re.search(r"(\d+) batch shapes trained, (\d+) planned after compile", out).groups())
+    assert shapes > 2 and planned == 0, out       # dynamic padding on the compiled plan
     steps = int(re.findall(r"checkpoint .* at step (\d+)", out)[-1])
     again = _run([EXAMPLES / "hf_finetune.py", "--tiny", "--epochs", "3", "--out", tmp_path, "--resume"], tmp_path)
     assert f"resumed from {tmp_path / 'checkpoint'} at step {steps} (epoch 2)" in again
