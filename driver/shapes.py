@@ -1,36 +1,40 @@
-"""Batches of other shapes than the example's: a plan per input shape, made on first sight, over the same state.
+"""Batches of other shapes than the example's: one plan for every batch up to the compiled shape.
 
-``sm(*batch)`` looks the batch's shapes and dtypes up, as ``torch.compile``'s guards do: the example batch's key
-runs the compiled plan; a key seen before runs the plan made for it; a new key is planned once (logged on the
-``"harmony"`` logger at INFO with the seconds it took, and listed by ``sm.report()``), then cached. At most
-``MAX_SHAPES`` keys are kept, the example's always, the others least recently used first out (a warning says
-when one is dropped: a loop whose shapes change every step pays a compile each time).
+The example batch is the largest batch the module trains, and its plan serves every batch up to it: fewer rows,
+shorter sequences, each batch padded to its own length (dynamic padding). The traced graph computes its sizes
+from its inputs (fx) or keeps them symbolic (export, ``Dim.AUTO`` on every batch dimension), and
+``TraceInfo.sizes`` says which dimensions it fixes; a batch whose every dimension is at most the example's, and
+equal where the trace fixed it, runs the compiled schedule as it is, its rows cut evenly into the plan's
+microbatches (``Runtime.run(rows=...)``). Smaller activations fit the budget the plan was made for, so nothing is
+planned: the first step at a new shape costs what any step costs.
 
-A plan for another shape trains the same state: it is traced and costed at that shape, then planned with the
-compiled plan's choices handed to its passes (the same packs, ``Program.partition_choice``; the same
-placement of the optimizer step; the same ``Program.swap_choice``) so that every pack keeps its parameters,
-its residency (what stays on the device between steps, where optimizer state and masters live) and its step
-order, and only the schedule and the memory of each op differ. The runtime then runs that schedule over its
-state as it is (``Runtime.running``). A batch that plan cannot hold (a longer sequence than the example's,
-more rows than its batch under kept activations) or whose plan would keep state elsewhere is refused with an
-``InputError`` before anything changes: compile with the largest shape as ``example_batch``, and smaller
-batches and shorter sequences reuse its layout.
+``ShapeCache.route`` decides, without planning or any collective:
 
-Rows: a batch of N rows is cut into ``ceil(N / b)`` microbatches for the compiled microbatch size b, each of
-``ceil(N / that)`` rows but the last (30 rows at b = 8: 8, 8, 8, 6; 17 rows: 6, 6, 5). Each microbatch's loss
-counts for its share of the rows (its gradient seed is ``loss_i * rows_i / N``, the returned loss the
-row-weighted mean): the gradient of the batch's mean loss for a loss that is a mean over its rows (or over
-tokens, the same number in each row), what eager gradient accumulation over the same microbatches weighted
-by their rows computes. Where the microbatches are alike it is the usual ``loss_i / microbatches``.
+- the compiled plan, for every batch it runs (``served`` counts them for the report);
+- a plan of the batch's own, where the compiled one cannot run it: fewer rows than it has microbatches, a
+  dimension the trace fixed, other constants (driver/constants.py), or ``shape_plans="each"``. It is traced and
+  planned on the batch's first step (logged on the ``"harmony"`` logger at INFO with the seconds it took and why)
+  with the compiled plan's choices handed to its passes (the same packs, ``Program.partition_choice``; the same
+  placement of the optimizer step; the same ``Program.swap_choice``), so that every pack keeps its parameters,
+  its residency and its step order, and only the schedule and the memory of each op differ. The runtime runs that
+  schedule over its state as it is (``Runtime.running``). At most ``MAX_SHAPES`` such plans are kept, the example's
+  always, the least recently used dropped first (with a warning); a plan that would keep state elsewhere is refused;
+- a refusal (``InputError``, before anything changes) for a batch larger than the example in any dimension: the
+  message says to compile with the largest batch and what a plan of this one would need under the budget.
 
-Data parallel: every rank must pass batches of the same shapes at the same step (a ``DistributedSampler``
-gives every rank as many samples, so its last batches agree); a new shape is checked across ranks when it is
-planned (a collective: ranks that pass different new shapes all refuse), a cached one is not (ranks that
-disagree there fail at the step's first all-reduce after the communication timeout). ``balance=`` plans each
-rank's share of one global batch and refuses other shapes, as do ``shard_state="full"`` and the ``ondemand`` baseline.
+Rows: each microbatch's loss counts for its share of the rows (its gradient seed is ``loss_i * rows_i / N``, the
+returned loss the row-weighted mean): the gradient of the batch's mean loss for a loss that is a mean over its
+rows, what eager gradient accumulation over the same microbatches weighted by their rows computes. Where the
+microbatches are alike it is the usual ``loss_i / microbatches``.
+
+Data parallel: each rank may pass its own shapes; the step's handshake (driver/handshake.py) checks that every
+rank accepted its batch and that all are run by the compiled plan or all by plans of their own (else every rank
+refuses at once); a plan of its own is checked across ranks when it is made (a collective: ranks that pass
+different new shapes all refuse). ``balance=`` plans each rank's share of one global batch and refuses other
+shapes, as do ``shard_state="full"``, ``parallel="pipeline"`` and the ``ondemand`` baseline.
 
 ``sm.code``, ``sm.plan``, ``sm.graph`` and ``sm.history`` stay the compiled plan's; ``sm.shapes.plans`` holds
-every cached plan's program, and ``sm.stats`` after a step describes the plan that ran.
+every cached plan's program, and ``sm.stats`` after a step describes the plan that ran and its rows.
 """
 from __future__ import annotations
 
