@@ -41,8 +41,7 @@ from harmony.runtime.precision import PRECISIONS, SCALING_DEFAULTS, compute_dtyp
 PLACES = ("auto", Tier.DEVICE, Tier.HOST)    # optimizer_on
 WEIGHTS = ("auto", Tier.HOST, Tier.DISK)     # weights_on: where a host-stepped pack's fp32 weights live between uses
 RECOMPUTE = ("auto", Tier.DEVICE, "always")
-POLICIES = ("harmony", "sequential", "ondemand")
-SHAPE_PLANS = ("compiled", "each")
+POLICIES, SHAPE_PLANS = ("harmony", "sequential", "ondemand"), ("compiled", "each")   # policy, shape_plans
 DEFAULT_PIPELINE = ("partition", "schedule", "offload", "compress", "swap", "prefetch")
 DEFAULT_MEMORY_BUDGET = 1 << 30        # bytes per device when memory_budget is not given (and balance= is not)
 
@@ -313,10 +312,7 @@ class PlanConfig(Group):
     leaf_modules: Any = ()
     """Module classes, class names or module paths the trace keeps as single opaque calls."""
     shape_plans: str = "compiled"
-    """Batches of other shapes than the example's. ``"compiled"``: every batch up to the example's shapes (fewer
-    rows, shorter sequences: dynamic padding) runs the compiled plan, planned for the largest; ``"each"``: each new
-    shape gets a plan of its own on its first step (traced and planned, seconds; kept in ``sm.shapes``), which may
-    step faster where sequences are much shorter than the example's. Either way a larger batch is refused."""
+    """``"compiled"``: batches up to the example's shapes run its plan; ``"each"``: a plan per shape (docs/shapes)."""
     device: Any = "cpu"
     """Where the step runs: ``"cpu"`` (a logical device whose memory the runtime accounts and enforces), or
     ``"cuda"`` / ``"cuda:N"``."""
@@ -330,8 +326,7 @@ class PlanConfig(Group):
     ops, which spares the host that hook's cost per op and finds an op over the budget after it, not at the
     allocation. Not yet measured on a card."""
     cache_dir: str | None = env_field("cache_dir")
-    """*env* ``HARMONY_CACHE_DIR``. Where the hardware profile is cached; None: ``$XDG_CACHE_HOME/harmony``
-    (``~/.cache/harmony``)."""
+    """*env* ``HARMONY_CACHE_DIR``. Where the hardware profile is cached; None: ``~/.cache/harmony``."""
 
     def __post_init__(self):
         super().__post_init__()

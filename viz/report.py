@@ -332,10 +332,7 @@ class _Writer:
         if len(d["shapes"]) > 1 or d.get("shapes_served"):     # batches of other shapes (driver/shapes.py)
             self.heading("batch shapes")
             self.table(d["shapes"])
-            self.notes(["every batch up to the example's shapes runs the compiled plan (its microbatches cut evenly); "
-                        "a batch it cannot run (fewer rows than microbatches, a dimension the trace fixed) gets a plan "
-                        "of its own on its first step, with the packs and residency above; sm.code and sm.plan are "
-                        "the compiled plan's"])
+            self.notes(["every batch up to the example's shapes runs the compiled plan (sm.code), others their own"])
         if d.get("node"):
             self.heading(d["node"]["title"])
             self.table(d["node"]["rows"])

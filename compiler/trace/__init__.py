@@ -32,7 +32,6 @@ place (BatchNorm statistics) are updated in the user's module when gm runs.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import linecache
 import sys
 import time
@@ -57,6 +56,7 @@ from harmony.compiler.trace.errors import (
     untraceable,
 )
 from harmony.compiler.trace.export import export_graph, retarget, torch_output_held
+from harmony.compiler.trace.info import TraceInfo, sizes_of
 from harmony.compiler.trace.inplace import functionalize_inplace
 
 __all__ = ["FRONTENDS", "MODULE_PATH", "TRACE_INFO", "TraceInfo", "module_path_of", "retarget", "trace"]
@@ -68,36 +68,6 @@ FRONTENDS = ("auto", "fx", "export")
 # paths are stripped of the prefix so that graph names match the user's names.
 _MODEL = "model"
 _LOSS = "loss_fn"
-
-
-@dataclasses.dataclass(frozen=True)
-class TraceInfo:
-    """How a graph was traced; stored in ``gm.meta[TRACE_INFO]``."""
-
-    frontend: str  # "fx" or "export": the front end that produced the graph
-    seconds: float
-    inputs: tuple[str, ...]  # placeholder names, in call order
-    constants: tuple[str, ...]  # tensor attributes of gm that are not the model's state
-    notes: tuple[str, ...] = ()  # e.g. why fx was not used
-    # Per input, per dimension: None where the graph runs any size there (up to the traced one: the plan is made
-    # for it), or the size it is fixed to. fx graphs compute every size from their inputs as eager code does;
-    # export's keeps symbolic the dimensions the model lets vary (``Dim.AUTO``), from 2 up.
-    sizes: tuple[tuple[int | None, ...], ...] = ()
-    least: int = 1     # the smallest size a dimension but the rows marked None takes
-
-    def runs_at(self, shapes) -> str | None:
-        """Why the graph cannot run a batch of ``shapes`` (one per input) as traced, or None where it can: every
-        dimension no larger than the traced one, and any that differs free to."""
-        for name, shape, sizes in zip(self.inputs, shapes, self.sizes):
-            if len(shape) != len(sizes):
-                return f"{name} has {len(shape)} dimensions, not {len(sizes)}"
-            for d, (n, fixed) in enumerate(zip(shape, sizes)):
-                if fixed is not None and n != fixed:
-                    return f"{name}'s dimension {d} is fixed to {fixed} by the model's trace"
-                if fixed is None and d > 0 and n < self.least:     # rows: microbatches of any size, as always
-                    return f"{name}'s dimension {d} is {n}; the trace holds from {self.least} up"
-        return None
-    form: BatchForm | None = None  # the batch's items by name, and the constants the model was called with
 
 
 def module_path_of(node: torch.fx.Node) -> str:
@@ -165,19 +135,8 @@ def trace(
         if functionalize_inplace(gm):
             notes.append("in-place writes to activations run out of place (compiler/trace/inplace.py)")
     gm.meta[TRACE_INFO] = TraceInfo(used, time.perf_counter() - start, batch.names, constants, tuple(notes),
-                                    _sizes(gm, used, batch), 1 if used == "fx" else 2, batch.form)
+                                    sizes_of(gm, used, batch.tensors), 1 if used == "fx" else 2, batch.form)
     return gm
-
-
-def _sizes(gm: torch.fx.GraphModule, used: str, batch: Batch) -> tuple[tuple[int | None, ...], ...]:
-    """``TraceInfo.sizes``: fx graphs read every size off their inputs; export's placeholders say which it kept
-    symbolic (an int where the model fixed it: a weight's width, a table's length)."""
-    if used == "fx":
-        return tuple((None,) * t.dim() for t in batch.tensors)
-    vals = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
-    if len(vals) != len(batch.tensors) or not all(isinstance(v, torch.Tensor) for v in vals):
-        return tuple(tuple(t.shape) for t in batch.tensors)     # not known: each size as traced
-    return tuple(tuple(None if isinstance(n, torch.SymInt) else int(n) for n in v.shape) for v in vals)
 
 
 # ------------------------------------------------------- the traced function
