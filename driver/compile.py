@@ -23,7 +23,7 @@ from harmony.compiler.hardware import Hardware
 from harmony.compiler.hardware.machine import cuda_library_bytes
 from harmony.compiler.ir import Program
 from harmony.compiler.trace import trace
-from harmony.driver import modes
+from harmony.driver import modes, tokens
 from harmony.driver.modes.data import shard_state
 from harmony.runtime.comm.compression import parse_compression
 from harmony.runtime.comm.world import resolve as resolve_world
@@ -43,8 +43,11 @@ def compile(model: torch.nn.Module, example_batch, options: Config, module: type
     cfg, mode = resolve(options, batch_size(batch))
     log.info("harmony: compiling %s as %s: %d microbatches of %d rows, memory budget %s", type(model).__name__,
              mode.name, cfg.microbatches, cfg.microbatch_size, fmt_bytes(cfg.memory_budget))
-    gm = trace(model, dict(zip(names, batch)) if names else tuple(batch), loss_fn=cfg.loss_fn,
-               leaf_modules=cfg.leaf_modules, dtype=cfg.compute_dtype)
+    example = dict(zip(names, batch)) if names else tuple(batch)
+    weighting, items = tokens.prepare(cfg, model, example)     # the batch's token count: the step's last input
+    gm = trace(model, example, loss_fn=cfg.loss_fn, leaf_modules=cfg.leaf_modules, dtype=cfg.compute_dtype,
+               items=items)
+    batch = batch if items is None else [*batch, items]
     check_groups(cfg.param_groups, gm)
     t_trace = time.perf_counter()
     log.info("harmony: traced %d nodes in %.2f s", len(gm.graph.nodes), t_trace - t0)
@@ -58,6 +61,7 @@ def compile(model: torch.nn.Module, example_batch, options: Config, module: type
     t_cost = time.perf_counter()
     log.info("harmony: costed the graph in %.2f s", t_cost - t_plan)
     program = mode.run_passes(program, cfg.passes)
+    tokens.settle(program, weighting, items)
     report = balanced.report if balanced is not None else mode.report(program)
     if report is not None:
         program.reports.insert(0, report)

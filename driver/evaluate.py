@@ -25,6 +25,7 @@ from harmony.base.process import peak_rss_bytes
 from harmony.compiler.trace.eval import eval_module
 from harmony.driver.shapes import describe, shape_key
 from harmony.driver.step import batch_of, leaf_modules
+from harmony.driver.tokens import with_count
 from harmony.passes.eval_schedule import build
 from harmony.runtime.comm.world import check_world
 from harmony.runtime.transaction import describe_torn
@@ -125,7 +126,7 @@ def eval_rows(sm, batch: tuple) -> tuple[int, ...]:
 def evaluate(sm, batch: tuple, named: dict) -> torch.Tensor:
     """The mean loss over the batch's microbatches, forward only, in eval mode (see the module docstring)."""
     _check(sm)
-    batch = batch_of(sm, batch, named)
+    batch = with_count(sm, batch_of(sm, batch, named))     # this rank's token count (driver/tokens.py)
     rows = eval_rows(sm, batch)
     rt = sm.runtime
     compiled = sm._evaluation is None

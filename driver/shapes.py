@@ -49,6 +49,7 @@ from harmony.compiler.ir import Program
 from harmony.compiler.passmanager import run_passes, split_choices
 from harmony.compiler.trace import TRACE_INFO, retarget, trace
 from harmony.compiler.verify import MemoryCurve, memory_curve
+from harmony.driver.tokens import split_count
 from harmony.runtime.ops import ops_of
 from harmony.runtime.placeholders import point
 from harmony.runtime.plan import even_rows
@@ -144,7 +145,7 @@ class ShapeCache:
         dimension no larger than the example batch's, any that differs free to in the trace, at least one row a
         microbatch), else (None, why not). A dimension larger than the example's is an ``InputError``."""
         base = self.example.program
-        if len({t.shape[0] if t.dim() else 1 for t in batch}) > 1:
+        if len({t.shape[0] for t in batch if t.dim()}) > 1:      # (a 0-dim token count has no rows)
             raise InputError(f"a batch of {describe(shape_key(batch), self.names)}: every batch tensor needs the same "
                              f"number of rows in dimension 0")
         larger = [(n, tuple(t.shape), tuple(e.shape)) for n, t, e in zip(self.names, batch, base.example_batch)
@@ -279,8 +280,10 @@ def _plan(base: Program, batch: tuple, rows: int) -> Program:
     allows (every pack recomputes, every activation goes to the host), at that size, then half of it, and so on
     down to one row per microbatch."""
     cfg = base.config
-    example = dict(zip(base.batch_keys, batch)) if base.batch_keys else tuple(batch)
-    gm = trace(base.model, example, loss_fn=cfg.loss_fn, leaf_modules=cfg.leaf_modules, dtype=cfg.compute_dtype)
+    user, items = split_count(base, batch)       # the token count, traced as the step's last input
+    example = dict(zip(base.batch_keys, user)) if base.batch_keys else user
+    gm = trace(base.model, example, loss_fn=cfg.loss_fn, leaf_modules=cfg.leaf_modules, dtype=cfg.compute_dtype,
+               items=items)
     order, given = split_choices(cfg.passes)
     given["partition"] = base.partition_choice
     size, choices = min(cfg.microbatch_size, rows), [base.swap_choice]

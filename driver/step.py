@@ -15,6 +15,7 @@ from harmony.base.errors import ConfigError, InputError, TornStepError
 from harmony.base.process import peak_rss_bytes
 from harmony.driver.handshake import CALLS, agree
 from harmony.driver.shapes import describe, shape_key
+from harmony.driver.tokens import across_ranks, user_names, with_count
 from harmony.runtime.comm.world import check_world
 from harmony.runtime.executor import module_modes
 from harmony.runtime.transaction import describe_torn
@@ -23,8 +24,8 @@ from harmony.runtime.transaction import describe_torn
 def batch_of(sm, batch: tuple, named: dict) -> tuple:
     """The call's batch tensors in the plan's order, each a tensor with values; shapes are the shape cache's to
     check (driver/shapes.py), except under ``balance=``, whose ranks' shares of one global batch cannot change."""
-    plan, cfg = sm.program.plan, sm.program.config
-    names = list(plan.input_names)
+    cfg = sm.program.config
+    names = user_names(sm.program)      # (not the token count, driver/tokens.py)
     if named:
         unknown = [k for k in named if k not in names]
         if unknown:
@@ -66,7 +67,7 @@ def train_step(sm, batch: tuple, named: dict) -> torch.Tensor:
     check_world(sm.program.config, sm.program.capabilities)   # a plan is for one world size
     error = route = None
     try:
-        batch = batch_of(sm, batch, named)
+        batch = with_count(sm, batch_of(sm, batch, named))     # the token count last, where the step takes it
         route = sm.shapes.route(batch)     # the compiled plan, or one for this shape (driver/shapes.py)
     except InputError as e:
         error = e
@@ -75,6 +76,7 @@ def train_step(sm, batch: tuple, named: dict) -> torch.Tensor:
     agree(sm, CALLS[0], error, route is not None and route.plan is None)
     if error is not None:
         raise error
+    batch = across_ranks(sm, batch)      # the count of every rank's batch (a collective)
     shape, rows = sm.shapes.plan_for(batch, route)
     cuda = sm.runtime.device.type == "cuda"
     if cuda:     # the allocator's peaks over this step (the report shows them beside the meter's)

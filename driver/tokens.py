@@ -1,0 +1,95 @@
+"""Whole-batch token losses at compile and at every call: the weighting chosen, the batch's token count handed in.
+
+Compile (``prepare``) chooses the weighting (compiler/loss_weighting.py) and, for tokens, traces the step with the
+example batch's count as its last input; ``settle`` keeps the choice on the graph (``gm.meta[WEIGHTING]``) once
+the trace shows whether the loss reads the count, and puts a section in the report saying which weighting and
+why. Each ``sm(...)`` and ``sm.evaluate(...)`` appends the batch's count to the batch (``with_count``), after
+the checks of its tensors and before its shape is looked up (a 0-dim tensor: every step has the same key, and
+the runtime never cuts it by rows).
+
+Data parallel: a step divides by the count of the global batch, every rank's summed (``across_ranks``, an
+all-reduce on the ranks' handshake group after they agreed to step), and seeds each microbatch's loss times the
+world size, since the all-reduce averages the ranks' gradients: the step is the gradient of the global batch's
+token mean, what Hugging Face's Trainer computes with ``average_tokens_across_devices``. Each rank returns its
+term times the world size, so the mean of the ranks' losses is the global token mean. An evaluation counts its
+own rank's batch only (it runs no collective) and returns that batch's token mean.
+"""
+from __future__ import annotations
+
+import torch
+
+from harmony.base.errors import InputError
+from harmony.compiler.ir import PassReport
+from harmony.compiler.loss_weighting import ITEMS, Weighting, choose, count, read_by
+from harmony.compiler.trace.batch import Batch
+
+WEIGHTING = "harmony.loss_weighting"     # gm.meta key (the graph module's): the step's Weighting
+ROWS = Weighting("rows", "each microbatch's mean loss counts for its rows")
+
+
+def prepare(cfg, model, example) -> tuple[Weighting, torch.Tensor | None]:
+    """The weighting for compiling ``model`` on ``example`` (a dict or a tuple of tensors), and the example batch's
+    token count to trace the step with (None: the step takes no count)."""
+    names = list(Batch.of(model, example, cfg.loss_fn).names)
+    weighting = choose(cfg, model, names)
+    if not weighting.fed:
+        return weighting, None
+    tensors = example.values() if isinstance(example, dict) else example
+    return weighting, count(weighting, dict(zip(names, tensors)))
+
+
+def settle(program, weighting: Weighting, items) -> None:
+    """Keep ``weighting`` on the traced graph as the trace bears it out, and report it."""
+    weighting = read_by(weighting, program.gm, program.config.loss_weighting)
+    program.gm.meta[WEIGHTING] = weighting
+    report = PassReport(f"loss weighting: {weighting.kind}", notes=[weighting.why])
+    if weighting.tokens:
+        report.totals = dict(example_tokens=int(items))
+        program.step_hooks.append(token_stats)
+    program.reports.insert(0, report)
+
+
+def weighting_of(program) -> Weighting:
+    return program.gm.meta.get(WEIGHTING, ROWS)
+
+
+def user_names(program) -> list[str]:
+    """The batch tensors a call gives (the plan's inputs but the count)."""
+    names = list(program.plan.input_names)
+    return [n for n in names if n != ITEMS] if weighting_of(program).fed else names
+
+
+def split_count(program, batch: tuple) -> tuple[tuple, torch.Tensor | None]:
+    """``batch`` with its count (the user's tensors, the count or None where the step takes none)."""
+    return (tuple(batch[:-1]), batch[-1]) if weighting_of(program).fed else (tuple(batch), None)
+
+
+def with_count(sm, batch: tuple) -> tuple:
+    """``batch`` (the call's tensors in the plan's order) with its token count appended where the step takes one."""
+    weighting = weighting_of(sm.program)
+    if not weighting.fed:
+        return batch
+    return (*batch, count(weighting, dict(zip(user_names(sm.program), batch))))
+
+
+def across_ranks(sm, batch: tuple) -> tuple:
+    """A step's ``batch`` with the count summed over the data-parallel ranks (a collective: every rank calls it at
+    the same point of the step); ``InputError`` where no token is counted (the loss would be 0 / 0)."""
+    weighting = weighting_of(sm.program)
+    if not weighting.tokens:
+        return batch
+    n = batch[-1].clone()
+    handshake = getattr(sm, "handshake", None)
+    if handshake is not None and weighting.scale > 1:
+        import torch.distributed as dist
+        dist.all_reduce(n, op=dist.ReduceOp.SUM, group=handshake.group)
+    if int(n) == 0:
+        raise InputError(f"the batch has no label token to count (every {weighting.labels} is -100"
+                         f"{' on every rank' if weighting.scale > 1 else ''}): its token mean would be 0 / 0")
+    sm.runtime.tokens = int(n)
+    return (*batch[:-1], n)
+
+
+def token_stats(sm) -> dict:
+    """``sm.stats["loss_tokens"]``: the label tokens the step's loss is the mean over (all ranks')."""
+    return {"loss_tokens": getattr(sm.runtime, "tokens", None)}
