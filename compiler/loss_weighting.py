@@ -175,7 +175,9 @@ def _hf_loss(model) -> bool | None:
     if accepts is False or accepts is None and not _has_parameter(model.forward, "kwargs", var_keyword=True):
         return None
     from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
-    loss = getattr(model, "_loss_function", None) or LOSS_MAPPING.get(getattr(model, "loss_type", None))
+    # as the model's ``loss_function`` property picks it: an unknown loss_type (GPT-2's is None) is a causal LM's
+    loss = getattr(model, "_loss_function", None) or LOSS_MAPPING.get(getattr(model, "loss_type", None),
+                                                                       ForCausalLMLoss)
     encoder_decoder = getattr(getattr(model, "config", None), "is_encoder_decoder", False)
     return loss is ForCausalLMLoss and not encoder_decoder
 
