@@ -47,7 +47,6 @@ def compile(model: torch.nn.Module, example_batch, options: Config, module: type
     weighting, items = tokens.prepare(cfg, model, example)     # the batch's token count: the step's last input
     gm = trace(model, example, loss_fn=cfg.loss_fn, leaf_modules=cfg.leaf_modules, dtype=cfg.compute_dtype,
                items=items)
-    batch = batch if items is None else [*batch, items]
     check_groups(cfg.param_groups, gm)
     t_trace = time.perf_counter()
     log.info("harmony: traced %d nodes in %.2f s", len(gm.graph.nodes), t_trace - t0)
@@ -56,7 +55,7 @@ def compile(model: torch.nn.Module, example_batch, options: Config, module: type
     t_plan = time.perf_counter()
     program = Program(model=model, gm=gm, example_batch=tuple(batch), config=cfg,
                       batch_keys=tuple(names) if names else None)
-    program.fake = cost.annotate(gm, tuple(batch), cfg.microbatch_size, dtype=cfg.compute_dtype)
+    program.fake = cost.annotate(gm, tokens.traced(batch, items), cfg.microbatch_size, dtype=cfg.compute_dtype)
     program.optim_profile = cost.optimizer_profile(cfg.optimizer, cfg.optimizer_kwargs)
     t_cost = time.perf_counter()
     log.info("harmony: costed the graph in %.2f s", t_cost - t_plan)

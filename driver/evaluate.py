@@ -126,7 +126,7 @@ def eval_rows(sm, batch: tuple) -> tuple[int, ...]:
 def evaluate(sm, batch: tuple, named: dict) -> torch.Tensor:
     """The mean loss over the batch's microbatches, forward only, in eval mode (see the module docstring)."""
     _check(sm)
-    batch = with_count(sm, batch_of(sm, batch, named))     # this rank's token count (driver/tokens.py)
+    batch = batch_of(sm, batch, named)
     rows = eval_rows(sm, batch)
     rt = sm.runtime
     compiled = sm._evaluation is None
@@ -135,7 +135,8 @@ def evaluate(sm, batch: tuple, named: dict) -> torch.Tensor:
     if cuda:
         torch.cuda.reset_peak_memory_stats(rt.device)
     t0 = time.perf_counter()
-    loss = rt.evaluate(ev.graph, ev.plan, dict(zip(sm.program.plan.input_names, batch)), ev.modules, rows)
+    counted = with_count(sm, batch)      # this rank's token count, last, where the step takes it (driver/tokens.py)
+    loss = rt.evaluate(ev.graph, ev.plan, dict(zip(sm.program.plan.input_names, counted)), ev.modules, rows)
     seconds = time.perf_counter() - t0
     stats = sm.eval_stats
     stats.update(eval_seconds=seconds, evaluations=stats.get("evaluations", 0) + 1,

@@ -49,7 +49,7 @@ from harmony.compiler.ir import Program
 from harmony.compiler.passmanager import run_passes, split_choices
 from harmony.compiler.trace import TRACE_INFO, retarget, trace
 from harmony.compiler.verify import MemoryCurve, memory_curve
-from harmony.driver.tokens import split_count
+from harmony.driver.tokens import any_count, traced
 from harmony.runtime.ops import ops_of
 from harmony.runtime.placeholders import point
 from harmony.runtime.plan import even_rows
@@ -145,7 +145,7 @@ class ShapeCache:
         dimension no larger than the example batch's, any that differs free to in the trace, at least one row a
         microbatch), else (None, why not). A dimension larger than the example's is an ``InputError``."""
         base = self.example.program
-        if len({t.shape[0] for t in batch if t.dim()}) > 1:      # (a 0-dim token count has no rows)
+        if len({t.shape[0] if t.dim() else 1 for t in batch}) > 1:
             raise InputError(f"a batch of {describe(shape_key(batch), self.names)}: every batch tensor needs the same "
                              f"number of rows in dimension 0")
         larger = [(n, tuple(t.shape), tuple(e.shape)) for n, t, e in zip(self.names, batch, base.example_batch)
@@ -280,8 +280,8 @@ def _plan(base: Program, batch: tuple, rows: int) -> Program:
     allows (every pack recomputes, every activation goes to the host), at that size, then half of it, and so on
     down to one row per microbatch."""
     cfg = base.config
-    user, items = split_count(base, batch)       # the token count, traced as the step's last input
-    example = dict(zip(base.batch_keys, user)) if base.batch_keys else user
+    example = dict(zip(base.batch_keys, batch)) if base.batch_keys else tuple(batch)
+    items = any_count(base)       # where the step takes the batch's token count: its last input (driver/tokens.py)
     gm = trace(base.model, example, loss_fn=cfg.loss_fn, leaf_modules=cfg.leaf_modules, dtype=cfg.compute_dtype,
                items=items)
     order, given = split_choices(cfg.passes)
@@ -296,7 +296,7 @@ def _plan(base: Program, batch: tuple, rows: int) -> Program:
         split = split_rows(rows, size)
         config = dataclasses.replace(cfg, batch_size=rows, microbatches=len(split), optimizer_on=_step_place(base))
         if fake is None or fake[0] != split[0]:
-            fake = split[0], cost.annotate(gm, tuple(batch), split[0], dtype=config.compute_dtype)
+            fake = split[0], cost.annotate(gm, traced(batch, items), split[0], dtype=config.compute_dtype)
         program = Program(model=base.model, gm=gm, example_batch=tuple(batch), config=config, fake=fake[1],
                           batch_keys=base.batch_keys, optim_profile=base.optim_profile)
         try:

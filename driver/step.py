@@ -15,7 +15,7 @@ from harmony.base.errors import ConfigError, InputError, TornStepError
 from harmony.base.process import peak_rss_bytes
 from harmony.driver.handshake import CALLS, agree
 from harmony.driver.shapes import describe, shape_key
-from harmony.driver.tokens import across_ranks, user_names, with_count
+from harmony.driver.tokens import user_names, with_count
 from harmony.runtime.comm.world import check_world
 from harmony.runtime.executor import module_modes
 from harmony.runtime.transaction import describe_torn
@@ -67,7 +67,7 @@ def train_step(sm, batch: tuple, named: dict) -> torch.Tensor:
     check_world(sm.program.config, sm.program.capabilities)   # a plan is for one world size
     error = route = None
     try:
-        batch = with_count(sm, batch_of(sm, batch, named))     # the token count last, where the step takes it
+        batch = batch_of(sm, batch, named)
         route = sm.shapes.route(batch)     # the compiled plan, or one for this shape (driver/shapes.py)
     except InputError as e:
         error = e
@@ -76,8 +76,8 @@ def train_step(sm, batch: tuple, named: dict) -> torch.Tensor:
     agree(sm, CALLS[0], error, route is not None and route.plan is None)
     if error is not None:
         raise error
-    batch = across_ranks(sm, batch)      # the count of every rank's batch (a collective)
     shape, rows = sm.shapes.plan_for(batch, route)
+    counted = with_count(sm, batch, across_ranks=True)     # the token count last, where the step takes it
     cuda = sm.runtime.device.type == "cuda"
     if cuda:     # the allocator's peaks over this step (the report shows them beside the meter's)
         torch.cuda.reset_peak_memory_stats(sm.runtime.device)
@@ -86,7 +86,7 @@ def train_step(sm, batch: tuple, named: dict) -> torch.Tensor:
     sm.runtime.meter.settle_above = shape.predicted.peak    # copies in flight use no more than the plan's
     with sm.runtime.running(shape.program.plan, shape.program.schedule) \
             if shape is not sm.shapes.example else contextlib.nullcontext():
-        loss = run_step(sm, batch, rows)     # a transaction: rolled back if it raises
+        loss = run_step(sm, counted, rows)     # a transaction: rolled back if it raises
     sm.shapes.ran(route.key, shape)
     sm.stats = step_stats(sm, shape, time.perf_counter() - t0, batch)
     return loss

@@ -7,8 +7,8 @@ why. Each ``sm(...)`` and ``sm.evaluate(...)`` appends the batch's count to the 
 the checks of its tensors and before its shape is looked up (a 0-dim tensor: every step has the same key, and
 the runtime never cuts it by rows).
 
-Data parallel: a step divides by the count of the global batch, every rank's summed (``across_ranks``, an
-all-reduce on the ranks' handshake group after they agreed to step), and seeds each microbatch's loss times the
+Data parallel: a step divides by the count of the global batch, every rank's summed (an
+all-reduce on the ranks' handshake group after they agreed to step: ``with_count``), and seeds each microbatch's loss times the
 world size, since the all-reduce averages the ranks' gradients: the step is the gradient of the global batch's
 token mean, what Hugging Face's Trainer computes with ``average_tokens_across_devices``. Each rank returns its
 term times the world size, so the mean of the ranks' losses is the global token mean. An evaluation counts its
@@ -59,35 +59,35 @@ def user_names(program) -> list[str]:
     return [n for n in names if n != ITEMS] if weighting_of(program).fed else names
 
 
-def split_count(program, batch: tuple) -> tuple[tuple, torch.Tensor | None]:
-    """``batch`` with its count (the user's tensors, the count or None where the step takes none)."""
-    return (tuple(batch[:-1]), batch[-1]) if weighting_of(program).fed else (tuple(batch), None)
+def traced(batch, items) -> tuple:
+    """The tensors the traced step takes: ``batch``'s, then the count where it takes one."""
+    return tuple(batch) if items is None else (*batch, items)
 
 
-def with_count(sm, batch: tuple) -> tuple:
-    """``batch`` (the call's tensors in the plan's order) with its token count appended where the step takes one."""
+def any_count(program) -> torch.Tensor | None:
+    """A count to trace ``program``'s step again with (a batch of another shape: the trace reads its shape only)."""
+    return torch.ones((), dtype=torch.int64) if weighting_of(program).fed else None
+
+
+def with_count(sm, batch: tuple, across_ranks: bool = False) -> tuple:
+    """``batch`` (the call's tensors in the plan's order) with its token count appended where the step takes one.
+    ``across_ranks`` (a step): summed over the data-parallel ranks, a collective every rank calls at the same
+    point of the step; an ``InputError`` where no token is counted (the loss would be 0 / 0)."""
     weighting = weighting_of(sm.program)
     if not weighting.fed:
         return batch
-    return (*batch, count(weighting, dict(zip(user_names(sm.program), batch))))
-
-
-def across_ranks(sm, batch: tuple) -> tuple:
-    """A step's ``batch`` with the count summed over the data-parallel ranks (a collective: every rank calls it at
-    the same point of the step); ``InputError`` where no token is counted (the loss would be 0 / 0)."""
-    weighting = weighting_of(sm.program)
-    if not weighting.tokens:
-        return batch
-    n = batch[-1].clone()
+    n = count(weighting, dict(zip(user_names(sm.program), batch)))
     handshake = getattr(sm, "handshake", None)
-    if handshake is not None and weighting.scale > 1:
+    if across_ranks and weighting.tokens and weighting.scale > 1 and handshake is not None:
         import torch.distributed as dist
         dist.all_reduce(n, op=dist.ReduceOp.SUM, group=handshake.group)
-    if int(n) == 0:
+    if weighting.tokens and int(n) == 0:
         raise InputError(f"the batch has no label token to count (every {weighting.labels} is -100"
-                         f"{' on every rank' if weighting.scale > 1 else ''}): its token mean would be 0 / 0")
-    sm.runtime.tokens = int(n)
-    return (*batch[:-1], n)
+                         f"{' on every rank' if across_ranks and weighting.scale > 1 else ''}): its token mean "
+                         f"would be 0 / 0")
+    if across_ranks:
+        sm.runtime.tokens = int(n)
+    return (*batch, n)
 
 
 def token_stats(sm) -> dict:
