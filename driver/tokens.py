@@ -3,16 +3,16 @@
 Compile (``prepare``) chooses the weighting (compiler/loss_weighting.py) and, for tokens, traces the step with the
 example batch's count as its last input; ``settle`` keeps the choice on the graph (``gm.meta[WEIGHTING]``) once
 the trace shows whether the loss reads the count, and puts a section in the report saying which weighting and
-why. Each ``sm(...)`` and ``sm.evaluate(...)`` appends the batch's count to the batch (``with_count``), after
-the checks of its tensors and before its shape is looked up (a 0-dim tensor: every step has the same key, and
-the runtime never cuts it by rows).
+why. Each ``sm(...)`` and ``sm.evaluate(...)`` counts its batch (``with_count``) once its tensors are checked and
+its plan found: the count travels beside the batch, not in it (shape keys and ``example_batch`` are the user's
+tensors), and is appended to the runtime's inputs last; a 0-dim tensor, which the runtime never cuts by rows.
 
-Data parallel: a step divides by the count of the global batch, every rank's summed (an
-all-reduce on the ranks' handshake group after they agreed to step: ``with_count``), and seeds each microbatch's loss times the
-world size, since the all-reduce averages the ranks' gradients: the step is the gradient of the global batch's
-token mean, what Hugging Face's Trainer computes with ``average_tokens_across_devices``. Each rank returns its
-term times the world size, so the mean of the ranks' losses is the global token mean. An evaluation counts its
-own rank's batch only (it runs no collective) and returns that batch's token mean.
+Data parallel: a step divides by the count of the global batch, every rank's summed (an all-reduce on the ranks'
+handshake group, after they agreed to step), and seeds each microbatch's loss times the world size, since the
+all-reduce averages the ranks' gradients: the step is the gradient of the global batch's token mean, what Hugging
+Face's Trainer computes with ``average_tokens_across_devices``. Each rank returns its term times the world size,
+so the mean of the ranks' losses is the global token mean. An evaluation counts its own rank's batch only (it
+runs no collective) and returns that batch's token mean.
 """
 from __future__ import annotations
 
