@@ -128,8 +128,7 @@ def trace(
     modules' modes are restored afterwards. ``dtype`` is the compute dtype the
     graph will run in (mixed precision): export records dtypes as constants, so it
     exports as if the float state and inputs were in it (``trace_export``); fx
-    graphs read dtypes from their tensors and need nothing. ``items``: the batch's token
-    count, the step's last input, handed to the loss as ``num_items_in_batch=`` (compiler/loss_weighting.py).
+    graphs read dtypes from their tensors and need nothing. ``items``: a last input, the loss's num_items_in_batch.
 
     Raises ``InputError`` when the batch does not fit the model and
     ``TraceError`` when the model cannot be captured (naming the source line).
