@@ -3,19 +3,18 @@
 >>> cfg = harmony.Config(memory_budget="2GiB", microbatches=8, optimizer_on="host", precision="bf16")
 >>> sm = harmony.compile(model, (x, y), config=cfg)          # the same as passing those fields as keywords
 
-``Config`` is every option: the fields of ``TrainConfig``, ``MemoryConfig``, ``DiskConfig``,
-``ParallelConfig``, ``NumericsConfig`` and ``PlanConfig`` together. Each group checks its own fields
-in its ``__post_init__`` (a ``ConfigError`` naming the field and the values it takes) and turns sizes
-such as ``"512MiB"`` into bytes; ``Config`` then checks the options that constrain each other. A group
-can be made on its own to check its fields; ``compile`` takes a whole ``Config`` or its fields by keyword.
+``Config`` is every option: the fields of ``TrainConfig``, ``LossConfig``, ``MemoryConfig``, ``DiskConfig``,
+``ParallelConfig``, ``NumericsConfig`` and ``PlanConfig`` together. Each group checks its own fields in its
+``__post_init__`` (a ``ConfigError`` naming the field and the values it takes) and turns sizes such as ``"512MiB"``
+into bytes; ``Config`` then checks the options that constrain each other. A group can be made on its own to check
+its fields; ``compile`` takes a whole ``Config`` or its fields by keyword.
 
 Fields marked *env* take their default from a ``HARMONY_*`` environment variable when it is set
 (base/env.py): the field given explicitly wins, and a bad value is a ``ConfigError`` naming the variable.
 
-``CompileConfig`` is what the passes and the runtime read (``program.config``): the same fields as
-compile resolved them for this process (the budget in bytes, ``data_parallel`` a bool, ``compression`` a
-``CompressionSpec``, ``shard_state`` a bool), and what the planner knows of the batch, the ranks and the
-device.
+``CompileConfig`` is what the passes and the runtime read (``program.config``): the same fields as compile resolved
+them for this process (the budget in bytes, ``data_parallel`` a bool, ``compression`` a ``CompressionSpec``,
+``shard_state`` a bool), and what the planner knows of the batch, the ranks and the device.
 """
 from __future__ import annotations
 
@@ -34,6 +33,7 @@ from harmony.base.tiers import Tier
 from harmony.base.units import parse_bytes
 from harmony.compiler.config_checks import Group, choice, count, env_field, positive, tier
 from harmony.compiler.hardware import NOMINAL, Device, Hardware
+from harmony.compiler.loss_weighting import LossConfig
 from harmony.runtime.comm.compression import DEFAULT_MIN_SIZE, parse_compression
 from harmony.runtime.precision import PRECISIONS, SCALING_DEFAULTS, compute_dtype
 
@@ -364,7 +364,7 @@ def _passes(passes) -> tuple:
 
 
 @dataclass(kw_only=True)
-class Config(TrainConfig, MemoryConfig, DiskConfig, ParallelConfig, NumericsConfig, PlanConfig):
+class Config(TrainConfig, LossConfig, MemoryConfig, DiskConfig, ParallelConfig, NumericsConfig, PlanConfig):
     """Every option of ``harmony.compile``; the fields are documented on the groups it is made of."""
 
     def __post_init__(self):

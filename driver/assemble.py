@@ -18,6 +18,7 @@ from harmony.driver import modes
 from harmony.driver.handshake import attach
 from harmony.driver.materialize import Filler, is_empty
 from harmony.driver.shapes import ShapeCache
+from harmony.driver.tokens import weighting_of
 from harmony.driver.usermodel import guard
 from harmony.runtime.executor import Runtime
 from harmony.runtime.ondemand import OnDemand
@@ -77,6 +78,8 @@ def _runtime(sm, tensors, optimizers, shares, device, simulated, filler) -> None
                          on_demand=OnDemand if cfg.policy == "ondemand" else None,
                          speed_factor=getattr(cfg, "speed_factor", 1.0), accounting=cfg.accounting)
     sm.runtime.state.shares = shares
+    weighting = weighting_of(program)      # tokens: each seed is its loss times the scale (driver/tokens.py)
+    sm.runtime.token_scale = weighting.scale if weighting.tokens else None
     if shares is not None and sm.runtime.scaler is not None:   # fp16: one overflow skips every rank's step
         sm.runtime.scaler.agree = max_over_ranks
     if shares is not None or sm.mode.guards_model(plan):

@@ -24,7 +24,7 @@ from harmony.compiler.hardware import Hardware
 from harmony.compiler.hardware.machine import cuda_library_bytes
 from harmony.compiler.ir import Program
 from harmony.compiler.trace import trace
-from harmony.driver import modes
+from harmony.driver import modes, tokens
 from harmony.driver.modes.data import shard_state
 from harmony.runtime.comm.compression import parse_compression
 from harmony.runtime.comm.world import resolve as resolve_world
@@ -44,8 +44,10 @@ def compile(model: torch.nn.Module, example_batch, options: Config, module: type
     cfg, mode = resolve(options, batch_size(batch))
     log.info("harmony: compiling %s as %s: %d microbatches of %d rows, memory budget %s", type(model).__name__,
              mode.name, cfg.microbatches, cfg.microbatch_size, fmt_bytes(cfg.memory_budget))
-    gm = trace(model, dict(zip(names, batch)) if names else tuple(batch), loss_fn=cfg.loss_fn,
-               leaf_modules=cfg.leaf_modules, dtype=cfg.compute_dtype)
+    example = dict(zip(names, batch)) if names else tuple(batch)
+    weighting, items = tokens.prepare(cfg, model, example)     # the batch's token count: the step's last input
+    gm = trace(model, example, loss_fn=cfg.loss_fn, leaf_modules=cfg.leaf_modules, dtype=cfg.compute_dtype,
+               items=items)
     check_groups(cfg.param_groups, gm)
     batch = tensors_of(batch)       # the graph's inputs; the other items are constants of the trace
     t_trace = time.perf_counter()
@@ -55,11 +57,12 @@ def compile(model: torch.nn.Module, example_batch, options: Config, module: type
     t_plan = time.perf_counter()
     program = Program(model=model, gm=gm, example_batch=tuple(batch), config=cfg,
                       batch_keys=tuple(names) if names else None)
-    program.fake = cost.annotate(gm, tuple(batch), cfg.microbatch_size, dtype=cfg.compute_dtype)
+    program.fake = cost.annotate(gm, tokens.traced(batch, items), cfg.microbatch_size, dtype=cfg.compute_dtype)
     program.optim_profile = cost.optimizer_profile(cfg.optimizer, cfg.optimizer_kwargs)
     t_cost = time.perf_counter()
     log.info("harmony: costed the graph in %.2f s", t_cost - t_plan)
     program = mode.run_passes(program, cfg.passes)
+    tokens.settle(program, weighting, items)
     report = balanced.report if balanced is not None else mode.report(program)
     if report is not None:
         program.reports.insert(0, report)

@@ -26,6 +26,7 @@ from harmony.compiler.trace.eval import eval_module
 from harmony.driver.constants import same_as_compiled, split_call
 from harmony.driver.shapes import describe, shape_key
 from harmony.driver.step import batch_of, leaf_modules
+from harmony.driver.tokens import with_count
 from harmony.passes.eval_schedule import build
 from harmony.runtime.comm.world import check_world
 from harmony.runtime.transaction import describe_torn
@@ -137,7 +138,8 @@ def evaluate(sm, batch: tuple, named: dict) -> torch.Tensor:
     if cuda:
         torch.cuda.reset_peak_memory_stats(rt.device)
     t0 = time.perf_counter()
-    loss = rt.evaluate(ev.graph, ev.plan, dict(zip(sm.program.plan.input_names, batch)), ev.modules, rows)
+    counted = with_count(sm, batch)      # this rank's token count, last, where the step takes it (driver/tokens.py)
+    loss = rt.evaluate(ev.graph, ev.plan, dict(zip(sm.program.plan.input_names, counted)), ev.modules, rows)
     seconds = time.perf_counter() - t0
     stats = sm.eval_stats
     stats.update(eval_seconds=seconds, evaluations=stats.get("evaluations", 0) + 1,

@@ -54,6 +54,7 @@ from harmony.compiler.passmanager import run_passes, split_choices
 from harmony.compiler.trace import TRACE_INFO, retarget, trace
 from harmony.compiler.verify import MemoryCurve, memory_curve
 from harmony.driver.constants import batch_example, changed, constants_key, key_text
+from harmony.driver.tokens import any_count, traced
 from harmony.runtime.ops import ops_of
 from harmony.runtime.placeholders import point
 from harmony.runtime.plan import even_rows
@@ -303,7 +304,9 @@ def _plan(base: Program, batch: tuple, rows: int, constants: dict | None = None)
     down to one row per microbatch."""
     cfg = base.config
     example = batch_example(base, batch, constants)
-    gm = trace(base.model, example, loss_fn=cfg.loss_fn, leaf_modules=cfg.leaf_modules, dtype=cfg.compute_dtype)
+    items = any_count(base)       # where the step takes the batch's token count: its last input (driver/tokens.py)
+    gm = trace(base.model, example, loss_fn=cfg.loss_fn, leaf_modules=cfg.leaf_modules, dtype=cfg.compute_dtype,
+               items=items)
     order, given = split_choices(cfg.passes)
     given["partition"] = base.partition_choice
     size, choices = min(cfg.microbatch_size, rows), [base.swap_choice]
@@ -316,7 +319,7 @@ def _plan(base: Program, batch: tuple, rows: int, constants: dict | None = None)
         split = split_rows(rows, size)
         config = dataclasses.replace(cfg, batch_size=rows, microbatches=len(split), optimizer_on=_step_place(base))
         if fake is None or fake[0] != split[0]:
-            fake = split[0], cost.annotate(gm, tuple(batch), split[0], dtype=config.compute_dtype)
+            fake = split[0], cost.annotate(gm, traced(batch, items), split[0], dtype=config.compute_dtype)
         program = Program(model=base.model, gm=gm, example_batch=tuple(batch), config=config, fake=fake[1],
                           batch_keys=base.batch_keys, optim_profile=base.optim_profile)
         try:

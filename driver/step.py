@@ -16,6 +16,7 @@ from harmony.base.process import peak_rss_bytes
 from harmony.driver.constants import split_call
 from harmony.driver.handshake import CALLS, agree
 from harmony.driver.shapes import describe, shape_key
+from harmony.driver.tokens import user_names, with_count
 from harmony.runtime.comm.world import check_world
 from harmony.runtime.executor import module_modes
 from harmony.runtime.transaction import describe_torn
@@ -24,8 +25,8 @@ from harmony.runtime.transaction import describe_torn
 def batch_of(sm, batch: tuple, named: dict) -> tuple:
     """The call's batch tensors in the plan's order, each a tensor with values; shapes are the shape cache's to
     check (driver/shapes.py), except under ``balance=``, whose ranks' shares of one global batch cannot change."""
-    plan, cfg = sm.program.plan, sm.program.config
-    names = list(plan.input_names)
+    cfg = sm.program.config
+    names = user_names(sm.program)      # (not the token count, driver/tokens.py)
     if named:
         unknown = [k for k in named if k not in names]
         if unknown:
@@ -78,6 +79,7 @@ def train_step(sm, batch: tuple, named: dict) -> torch.Tensor:
     if error is not None:
         raise error
     shape, rows = sm.shapes.plan_for(batch, route)
+    counted = with_count(sm, batch, across_ranks=True)     # the token count last, where the step takes it
     cuda = sm.runtime.device.type == "cuda"
     if cuda:     # the allocator's peaks over this step (the report shows them beside the meter's)
         torch.cuda.reset_peak_memory_stats(sm.runtime.device)
@@ -86,7 +88,7 @@ def train_step(sm, batch: tuple, named: dict) -> torch.Tensor:
     sm.runtime.meter.settle_above = shape.predicted.peak    # copies in flight use no more than the plan's
     with sm.runtime.running(shape.program.plan, shape.program.schedule) \
             if shape is not sm.shapes.example else contextlib.nullcontext():
-        loss = run_step(sm, batch, rows)     # a transaction: rolled back if it raises
+        loss = run_step(sm, counted, rows)     # a transaction: rolled back if it raises
     sm.shapes.ran(route.key, shape)
     sm.stats = step_stats(sm, shape, time.perf_counter() - t0, batch)
     return loss

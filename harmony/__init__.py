@@ -21,11 +21,12 @@ from harmony.compiler.config import (
     TrainConfig,
 )
 from harmony.compiler.hardware import Device, Hardware
+from harmony.compiler.loss_weighting import LossConfig
 from harmony.driver.checkpoint import load, save
 from harmony.driver.materialize import empty_weights, from_state_dict, materialize
 
-__all__ = ["compile", "ScheduledModule", "Config", "TrainConfig", "MemoryConfig", "DiskConfig", "ParallelConfig",
-           "NumericsConfig", "PlanConfig", "Hardware", "Device", "errors", "save", "load",
+__all__ = ["compile", "ScheduledModule", "Config", "TrainConfig", "LossConfig", "MemoryConfig", "DiskConfig",
+           "ParallelConfig", "NumericsConfig", "PlanConfig", "Hardware", "Device", "errors", "save", "load",
            "empty_weights", "from_state_dict", "materialize"]
 __version__ = "0.1.0"
 

@@ -39,9 +39,10 @@ def compile(model: torch.nn.Module, example_batch, *, memory_budget=None, microb
     into, a divisor of its size (default 1). ``optimizer``: a ``torch.optim.Optimizer`` class (default AdamW).
 
     Every other option is a field of ``harmony.Config``, documented in its groups (harmony/compiler/config.py):
-    ``TrainConfig`` (optimizer_kwargs, loss_fn), ``MemoryConfig`` (host_memory_budget, optimizer_on, weights_on,
-    recompute), ``DiskConfig`` (offload_dir, ...), ``ParallelConfig`` (data_parallel, compression, balance,
-    shard_state, ...), ``NumericsConfig`` (precision, loss_scaling) and ``PlanConfig`` (policy, passes, device,
+    ``TrainConfig`` (optimizer_kwargs, loss_fn), ``LossConfig`` (loss_weighting), ``MemoryConfig``
+    (host_memory_budget, optimizer_on, weights_on, recompute), ``DiskConfig`` (offload_dir, ...), ``ParallelConfig``
+    (data_parallel, compression, balance, shard_state, ...), ``NumericsConfig`` (precision, loss_scaling) and
+    ``PlanConfig`` (policy, passes, device,
     hardware, ...). Give them as keywords, ``harmony.compile(model, batch, precision="bf16")``, or as one object,
     ``config=harmony.Config(precision="bf16")``; keywords given beside ``config`` replace its fields. A bad value
     is a ``ConfigError`` naming it.

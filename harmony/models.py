@@ -46,7 +46,8 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """A GPT-2-style decoder; ``forward(idx, targets)`` returns the mean cross-entropy loss."""
+    """A GPT-2-style decoder; ``forward(idx, targets)`` returns the mean cross-entropy loss (targets of -100 left
+    out); ``forward(idx, targets, num_items_in_batch=n)`` their sum over ``n``."""
 
     def __init__(self, c: GPTConfig):
         super().__init__()
@@ -72,13 +73,19 @@ class GPT(nn.Module):
         elif isinstance(module, nn.LayerNorm):
             module.reset_parameters()
 
-    def forward(self, idx, targets):
+    def forward(self, idx, targets, num_items_in_batch=None):
+        """The mean cross-entropy over the targets that are not -100; with ``num_items_in_batch`` (a count of such
+        targets over a whole batch this one is part of), their summed loss divided by it, as Hugging Face's LM
+        losses do: gradient accumulation over the parts then gives the whole batch's token mean."""
         t = idx.shape[1]
         x = self.drop(self.tok(idx) + self.pos(torch.arange(t, device=idx.device)))
         for block in self.blocks:
             x = block(x)
         logits = self.head(self.ln(x))
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        if num_items_in_batch is None:
+            return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                               reduction="sum") / num_items_in_batch
 
 
 def copy_task(c: GPTConfig, batch: int, steps: int, seed: int = 0):

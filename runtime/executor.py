@@ -166,6 +166,8 @@ class Runtime:
         self.losses: list[torch.Tensor] = []
         self.batch: dict[str, torch.Tensor] = {}
         self.rows: tuple[int, ...] = plan.microbatch_rows()    # the running step's rows of each microbatch
+        self.token_scale: float | None = None    # tokens: the seeds' factor (runtime/plan.py loss_seed); None: rows
+        self.tokens: int | None = None           # the running step's token count (driver/tokens.py)
         self.events: list[TraceEvent] = []
         self.step_packs = [n.args[0] for n, op in ops_of(graph.nodes) if op.steps]
         self.transaction: Transaction | None = None    # the last step's (runtime/transaction.py)
@@ -218,7 +220,7 @@ class Runtime:
         run_graph(self, self.graph, self.free_after, txn)
         self.finish_updates()
         self.batch = {}
-        return mean_loss(self.losses, self.rows)
+        return mean_loss(self.losses, self.rows, self.token_scale)
 
     @contextlib.contextmanager
     def running(self, plan: Plan, graph: torch.fx.Graph):
@@ -265,7 +267,7 @@ class Runtime:
             # not in inference mode (a caller's): its tensors could not be written by the copy thread, nor trained
             with torch.inference_mode(False), torch.no_grad(), module_modes(modules, False):
                 run_graph(run, graph, run.free_after, txn)
-            loss = mean_loss(run.losses, run.rows)
+            loss = mean_loss(run.losses, run.rows, None if self.token_scale is None else 1.0)   # this rank's only
         except BaseException as e:
             txn.roll_back(e)
             raise

@@ -196,10 +196,23 @@ def loss_weight(rows: tuple[int, ...], mb: int) -> float | None:
     return rows[mb] / sum(rows) if len(set(rows)) > 1 else None
 
 
-def mean_loss(losses: list, rows: tuple[int, ...]):
+def loss_seed(loss: torch.Tensor, rows: tuple[int, ...], mb: int, token_scale: float | None = None):
+    """Microbatch ``mb``'s gradient seed (fp32): its mean loss weighted by rows (``loss_weight``); or, where the loss
+    is its sum over the whole batch's token count (``token_scale`` given: compiler/loss_weighting.py), the loss
+    itself times ``token_scale`` (the data-parallel ranks, whose gradients the all-reduce averages)."""
+    loss = loss.float()
+    if token_scale is not None:
+        return loss if token_scale == 1 else loss * token_scale
+    weight = loss_weight(rows, mb)
+    return loss / len(rows) if weight is None else loss * weight
+
+
+def mean_loss(losses: list, rows: tuple[int, ...], token_scale: float | None = None):
     """The batch's mean loss from its microbatches' mean losses (fp32 whatever the compute dtype), weighted by rows
-    where they differ."""
+    where they differ; with ``token_scale``, from their terms of the batch's token mean: their sum, times it."""
     stacked = torch.stack([loss.float() for loss in losses])
+    if token_scale is not None:
+        return stacked.sum() if token_scale == 1 else stacked.sum() * token_scale
     if len(set(rows)) > 1:
         return (stacked * stacked.new_tensor(rows)).sum() / sum(rows)
     return stacked.mean()

@@ -154,11 +154,12 @@ def test_no_variable_is_read_at_import():
 
 
 def test_every_field_has_a_docstring():
-    source = inspect.getsource(config_module)
+    from harmony.compiler import loss_weighting      # LossConfig lives with its feature
+    source = inspect.getsource(config_module) + inspect.getsource(loss_weighting)
     groups = {c.name: c for c in ast.parse(source).body if isinstance(c, ast.ClassDef) and c.name.endswith("Config")
               and c.name not in ("Config", "CompileConfig")}
     assert set(groups) == {"TrainConfig", "MemoryConfig", "DiskConfig", "ParallelConfig", "NumericsConfig",
-                           "PlanConfig"}
+                           "PlanConfig", "LossConfig"}
     for name, cls in groups.items():
         body = cls.body
         for i, node in enumerate(body):
@@ -175,5 +176,6 @@ def test_every_field_has_a_docstring():
     added = {"param_groups",       # fields that came after the groups: sm.optimizer's param groups, clipping
              "clip_grad_norm", "clip_norm_type", "parallel", "placement", "pipeline_group",   # and the pipeline's
              "init",     # how a model built under empty_weights is filled
-             "accounting"}     # the runtime's meter: each op's allocations, or (CUDA) the caching allocator's
+             "accounting",     # the runtime's meter: each op's allocations, or (CUDA) the caching allocator's
+             "loss_weighting"}     # the microbatches' losses: the whole batch's token mean, or by rows
     assert fields == keywords | variables | added

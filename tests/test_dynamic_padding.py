@@ -2,8 +2,8 @@
 
 The module is compiled with the longest batch the loader gives; every batch after it, whatever its length and rows,
 runs that plan (no batch is planned again) and trains bitwise as eager gradient accumulation over the same
-microbatches; evaluation over a padded validation set gives eager ``model.eval()`` + ``no_grad`` on the same
-microbatches.
+microbatches, each weighted by the whole batch's label tokens; evaluation over a padded validation set gives eager
+``model.eval()`` + ``no_grad`` on the same microbatches, and the whole batch's loss at once within rounding.
 """
 import copy
 
@@ -38,8 +38,9 @@ def padded_batches(count, rows=4, longest=24, seed=1, last_rows=None):
 
 def eager_accumulation(model, batches, microbatches, steps=True):
     """Eager AdamW over ``batches``, each cut into ``microbatches`` microbatches as the compiled plan cuts a smaller
-    batch (``even_rows``), each microbatch's mean loss weighted by its rows; the losses (``steps=False``: eval mode,
-    no_grad, no step)."""
+    batch (``even_rows``), each microbatch's loss its summed loss over the batch's label tokens (Hugging Face's
+    ``num_items_in_batch``: the whole batch's token mean, what ``loss_weighting="auto"`` trains); the losses
+    (``steps=False``: eval mode, no_grad, no step)."""
     model = copy.deepcopy(model)
     opt = torch.optim.AdamW(model.parameters(), **optimizer_kwargs(torch.optim.AdamW, {}))
     model.train(steps)
@@ -47,18 +48,19 @@ def eager_accumulation(model, batches, microbatches, steps=True):
     for batch in batches:
         n = batch["input_ids"].shape[0]
         rows = even_rows(n, min(n, microbatches))
+        tokens = (batch["labels"][..., 1:] != -100).sum()     # a causal LM's counted tokens (shifted labels)
         start, total = 0, 0.0
         with torch.set_grad_enabled(steps):
             for r in rows:
-                loss = model(**{k: v[start:start + r] for k, v in batch.items()}).loss
+                loss = model(**{k: v[start:start + r] for k, v in batch.items()}, num_items_in_batch=tokens).loss
                 if steps:
-                    (loss / len(rows) if len(set(rows)) == 1 else loss * (r / n)).backward()
-                total += loss.item() * r
+                    loss.backward()
+                total += loss.item()
                 start += r
         if steps:
             opt.step()
             opt.zero_grad()
-        losses.append(total / n)
+        losses.append(total)
     return model, losses
 
 
@@ -98,6 +100,10 @@ def test_evaluation_over_a_padded_validation_set_is_eager_eval():
     before = [p.detach().clone() for p in ours.parameters()]
     got = [sm.evaluate(**b).item() for b in valid]
     assert got == pytest.approx(expected, rel=1e-6, abs=1e-6)
+    trained.eval()
+    with torch.no_grad():          # the whole padded batch at once: its mean over every label token
+        whole = [trained(**b).loss.item() for b in valid]
+    assert got == pytest.approx(whole, rel=1e-5)
     assert sm.shapes.compiles == 0 and sm.steps == 1
     sm.sync_model()
     assert all(torch.equal(a, b) for a, b in zip(before, ours.parameters()))

@@ -47,6 +47,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 
 from harmony.base.errors import ConfigError, HarmonyError, TraceError
 from harmony.compiler.fake import device_of_batch, fake_twins
+from harmony.compiler.loss_weighting import counted
 from harmony.compiler.meta import MODULE_PATH
 from harmony.compiler.trace.batch import Batch, BatchForm
 from harmony.compiler.trace.errors import (
@@ -83,6 +84,7 @@ def trace(
     leaf_modules: Sequence[type | str] = (),
     frontend: str = "auto",
     dtype: torch.dtype | None = None,
+    items: torch.Tensor | None = None,
 ) -> torch.fx.GraphModule:
     """Trace one training step's forward, ``batch -> scalar loss``, into a GraphModule.
 
@@ -100,7 +102,7 @@ def trace(
     modules' modes are restored afterwards. ``dtype`` is the compute dtype the
     graph will run in (mixed precision): export records dtypes as constants, so it
     exports as if the float state and inputs were in it (``trace_export``); fx
-    graphs read dtypes from their tensors and need nothing.
+    graphs read dtypes from their tensors and need nothing. ``items``: a last input, the loss's num_items_in_batch.
 
     Raises ``InputError`` when the batch does not fit the model and
     ``TraceError`` when the model cannot be captured (naming the source line).
@@ -109,7 +111,7 @@ def trace(
         raise ConfigError(f"frontend={frontend!r} is not one of {FRONTENDS}")
     _check_leaf_modules(model, leaf_modules, frontend)
     batch = Batch.of(model, example_batch, loss_fn)
-    step = _train_step(model, loss_fn, batch)
+    step, batch = counted(_train_step(model, loss_fn, batch), batch, items)
     start = time.perf_counter()
     notes: list[str] = []
     failures: dict[str, Exception] = {}
@@ -151,16 +153,17 @@ class _TrainStep(torch.nn.Module):
         setattr(self, _LOSS, loss_fn)
         self.form = form
 
-    def compute_loss(self, *tensors):
+    def compute_loss(self, *tensors, **count):     # count: num_items_in_batch=, to the loss (loss_weighting.py)
         model, loss_fn = getattr(self, _MODEL), getattr(self, _LOSS)
         items = self.form.items(tensors)     # the batch's constants in their places, fixed in the trace
         inputs = items[:-1] if loss_fn is not None else items
+        given = {} if loss_fn is not None else count
         if self.form.keyed:
-            out = model(**dict(zip(self.form.names, inputs)))
+            out = model(**dict(zip(self.form.names, inputs)), **given)
         else:
-            out = model(*inputs)
+            out = model(*inputs, **given)
         if loss_fn is not None:
-            return _checked_loss(loss_fn(out, items[-1]), "loss_fn returned")
+            return _checked_loss(loss_fn(out, items[-1], **count), "loss_fn returned")
         return _checked_loss(_select_loss(out, model), f"{type(model).__name__}.forward returned")
 
 

@@ -8,7 +8,7 @@ import contextlib
 import torch
 
 from harmony.runtime.ops import Acts, Predicted, Saved, arrived, backward, forward, label_args, register
-from harmony.runtime.plan import loss_weight
+from harmony.runtime.plan import loss_seed
 
 
 # -- forward / backward -----------------------------------------------------------------------
@@ -184,8 +184,7 @@ def _backward_execute(rt, pack, mb, *inputs, saved=None, grads=()):
         else:
             leaves, outs, restore = arrived(rt, saved).leaves, saved.outs, []   # (a stashed graph: its copies)
         if "loss" in outs:   # the seed is fp32 (a no-op in fp32); fp16 scales it (GradScaler.scale)
-            weight = loss_weight(rt.rows, mb)     # uneven microbatches: by rows, so the seeds sum to the batch mean
-            seed = outs["loss"].float() / len(rt.rows) if weight is None else outs["loss"].float() * weight
+            seed = loss_seed(outs["loss"], rt.rows, mb, rt.token_scale)   # the seeds sum to the batch's mean
             tensors, seeds = [seed if rt.scaler is None else rt.scaler.scale_loss(seed)], [None]
         else:
             upstream: dict[str, torch.Tensor] = {}

@@ -116,7 +116,7 @@ def _load_batch_execute(rt, mb, names):
     start, size = sum(rt.rows[:mb]), rt.rows[mb]      # this step's rows (Runtime.run)
     out = {}
     for n in names:
-        src = rt.batch[n][start:start + size]
+        src = rt.batch[n][start:start + size] if rt.batch[n].dim() else rt.batch[n]   # (a 0-dim count: whole)
         dst = torch.empty(src.shape, dtype=device_dtype(src, rt.compute_dtype), device=rt.device)
         rt.meter.track(dst)
         dst.copy_(src)
