@@ -83,3 +83,18 @@ def test_the_budget_an_error_names_plans_and_three_percent_less_does_not(case):
     with pytest.raises(BudgetError) as again:
         _compile(model, batch, int(0.97 * smallest))
     assert again.value.min_budget == pytest.approx(smallest, rel=0.011)   # found again, to its 1%
+
+
+def test_the_host_budget_an_error_names_plans_and_three_percent_less_does_not(tmp_path):
+    model, data = gpt_case()
+    options = dict(memory_budget="1MiB", microbatches=4, offload_dir=str(tmp_path), disk_group_bytes="64KiB")
+    with pytest.raises(BudgetError) as refused:
+        harmony.compile(copy.deepcopy(model), example_batch=data[0], host_memory_budget=1000, **options)
+    smallest = refused.value.min_budget
+    assert refused.value.option == "host_memory_budget" and "host_memory_budget=" in str(refused.value)
+    sm = harmony.compile(copy.deepcopy(model), example_batch=data[0], host_memory_budget=smallest, **options)
+    sm(*data[0])
+    sm.close()
+    with pytest.raises(BudgetError, match="host_memory_budget"):
+        harmony.compile(copy.deepcopy(model), example_batch=data[0], host_memory_budget=int(0.97 * smallest),
+                        **options)
