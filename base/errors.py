@@ -10,14 +10,16 @@ class TraceError(HarmonyError):
 
 
 class BudgetError(HarmonyError):
-    """No plan fits the memory budget. ``min_budget`` is the smallest budget (bytes) that works, if known."""
+    """No plan fits the memory budget. ``min_budget`` is the smallest budget (bytes) that works, if known, for the
+    option ``option`` names (``"memory_budget"``, or ``"host_memory_budget"`` where the host's is too small)."""
 
-    def __init__(self, message: str, min_budget: int | None = None):
+    def __init__(self, message: str, min_budget: int | None = None, option: str = "memory_budget"):
         super().__init__(message)
         self.min_budget = min_budget
+        self.option = option
 
     def __reduce__(self):          # pickled whole: a balance plan's error travels from rank 0 to every rank
-        return type(self), (self.args[0], self.min_budget)
+        return type(self), (self.args[0], self.min_budget, self.option)
 
 
 class ConfigError(HarmonyError):

@@ -24,7 +24,7 @@ from harmony.compiler.hardware import Hardware
 from harmony.compiler.hardware.machine import cuda_library_bytes
 from harmony.compiler.ir import Program
 from harmony.compiler.trace import trace
-from harmony.driver import modes, tokens
+from harmony.driver import min_budget, modes, tokens
 from harmony.driver.modes.data import shard_state
 from harmony.runtime.comm.compression import parse_compression
 from harmony.runtime.comm.world import resolve as resolve_world
@@ -61,7 +61,7 @@ def compile(model: torch.nn.Module, example_batch, options: Config, module: type
     program.optim_profile = cost.optimizer_profile(cfg.optimizer, cfg.optimizer_kwargs)
     t_cost = time.perf_counter()
     log.info("harmony: costed the graph in %.2f s", t_cost - t_plan)
-    program = mode.run_passes(program, cfg.passes)
+    program = run_passes(mode, program, cfg.passes)
     tokens.settle(program, weighting, items)
     report = balanced.report if balanced is not None else mode.report(program)
     if report is not None:
@@ -81,6 +81,22 @@ def compile(model: torch.nn.Module, example_batch, options: Config, module: type
     if sm.shapes is not None:
         sm.shapes.example.seconds = sm.compile_seconds["total"]
     return sm
+
+
+def run_passes(mode: modes.Mode, program: Program, passes) -> Program:
+    """``mode.run_passes``; the budget a ``BudgetError`` of theirs names is the smallest that plans, found by planning
+    again from the same trace (driver/min_budget.py), with the pass's explanation."""
+    try:
+        return mode.run_passes(program, passes)
+    except BudgetError as e:
+        if not min_budget.searchable(program, e):
+            raise
+        search = min_budget.smallest_budget(program, mode, passes, e)
+        log.info("harmony: the smallest %s that plans: %s, in %d tries (%.2f s)", e.option,
+                 fmt_bytes(search.smallest) if search.smallest else "none found", search.tries, search.seconds)
+        if search.smallest is None:
+            raise
+        raise min_budget.named(e, search) from None
 
 
 def resolve(options: Config, batch_size: int) -> tuple[CompileConfig, modes.Mode]:

@@ -357,4 +357,4 @@ def _refuse(cfg, budget: int, minimum: int, weights_on: Tier | str, world: int, 
         f"host_memory_budget={fmt_bytes(budget)} cannot hold the host's share of training state: {what}, "
         f"{fmt_bytes(minimum)}. Raise host_memory_budget to at least {fmt_bytes(minimum)} ({minimum} bytes), "
         f"or compile with {todo}{'a smaller disk_group_bytes' if world == 1 else 'more ranks or smaller packs'}.",
-        min_budget=minimum)
+        min_budget=minimum, option="host_memory_budget")

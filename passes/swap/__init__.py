@@ -82,13 +82,17 @@ from harmony.passes.swap.search import choose, greedy, peak_bound
 from harmony.runtime import ops
 from harmony.runtime.plan import STATE_KINDS
 
-__all__ = ["NAME", "REQUIRES", "PROVIDES", "run", "graph_candidates", "may_step_on_device",
+__all__ = ["NAME", "REQUIRES", "PROVIDES", "LEAST", "run", "graph_candidates", "may_step_on_device",
            "mixed_placement"]
 
 NAME = "swap"
 REQUIRES = {"schedule", "placement"}
 PROVIDES = {"residency"}
 AFTER = {"communication"}    # the memory curve it fits counts the all-reduces' buffers where compress placed them
+
+# ``passes=(..., ("swap", LEAST))``: the least-memory plan, no search. It fits wherever the pass fits anything, so a
+# search for the smallest budget that plans (driver/min_budget.py) asks for it and spares each try the search.
+LEAST = "least"
 
 
 def graph_candidates(program: Program, copies_free: bool = False) -> list[tuple]:
@@ -173,7 +177,7 @@ def run(program: Program, ctx) -> PassResult:
     place(plan, everything, sizes, program.optim_profile)
     mixed = program.config.precision != "fp32"   # host steps update fp32 masters: compute copies come in afresh
     graphs = graph_candidates(program)
-    if not mixed and ctx is None and memory_curve(program, check_residency=False).peak <= budget:
+    if not mixed and ctx in (None, LEAST) and memory_curve(program, check_residency=False).peak <= budget:
         return _all_resident(program, everything, graphs, sizes, report)
 
     # start from the least memory: every pack swapped, every activation handle stashed, every pack recomputed ...
@@ -183,7 +187,9 @@ def run(program: Program, ctx) -> PassResult:
     least = Choice(set(), set(groups))
     fits = _Fits(program, base, groups, sizes)
     curve = _least_memory(program, fits, least, report)
-    if ctx is not None:      # handed its choice: applied as given, no search
+    if ctx == LEAST:
+        chosen, rows, how = least, [], "least memory"
+    elif ctx is not None:    # handed its choice: applied as given, no search
         chosen, rows, how, curve = _given(program, ctx, groups, fits)
     else:
         made = choose(program, least, curve, base, groups, sizes, graphs, fits, report)
