@@ -30,6 +30,7 @@ from harmony.runtime.comm.compression import parse_compression
 from harmony.runtime.comm.world import resolve as resolve_world
 from harmony.runtime.optim import from_instance
 from harmony.runtime.optim import optimizer_kwargs as optimizer_kwargs_for
+from harmony.runtime.precision import frozen_to
 
 log = logging.getLogger("harmony")
 
@@ -42,6 +43,8 @@ def compile(model: torch.nn.Module, example_batch, options: Config, module: type
         options = dataclasses.replace(options, optimizer=cls, optimizer_kwargs=kwargs, param_groups=groups)
     names, batch = batch_items(example_batch)
     cfg, mode = resolve(options, batch_size(batch))
+    if cfg.compute_dtype is not None:     # frozen weights: in the compute dtype on the host, no fp32 master
+        frozen_to(model, cfg.compute_dtype)
     log.info("harmony: compiling %s as %s: %d microbatches of %d rows, memory budget %s", type(model).__name__,
              mode.name, cfg.microbatches, cfg.microbatch_size, fmt_bytes(cfg.memory_budget))
     gm = trace(model, dict(zip(names, batch)) if names else tuple(batch), loss_fn=cfg.loss_fn,
@@ -167,8 +170,9 @@ def batch_size(batch) -> int:
 def check_masters(gm, precision) -> None:
     if precision == "fp32":
         return
-    # the host's masters are the model's own tensors: they must be the fp32 ones
-    low = [(n, p.dtype) for n, p in gm.named_parameters() if p.is_floating_point() and p.dtype != torch.float32]
+    # the host's masters are the model's own trainable tensors: they must be the fp32 ones (frozen ones have none)
+    low = [(n, p.dtype) for n, p in gm.named_parameters()
+           if p.requires_grad and p.is_floating_point() and p.dtype != torch.float32]
     if low:
         raise ConfigError(f"precision={precision!r} keeps the model's parameters as fp32 master weights, but "
                           f"{len(low)} are not fp32 (first: {low[0][0]} is {low[0][1]}); pass the model in fp32 "

@@ -138,9 +138,10 @@ def _model(program) -> dict:
 def tiers_of(program) -> dict:
     """Bytes of training state per tier between steps, and the device copies' dtype and bytes.
 
-    The host always holds the master of every parameter and buffer (fp32, or the model's own
-    dtype); the device holds what the plan keeps resident, and within a step the compute
-    copies (in the compute dtype under mixed precision) of the packs it swaps in.
+    The host always holds the master of every trainable parameter and buffer (fp32, or the model's own
+    dtype) and the frozen parameters (in the compute dtype: they have no master); the device holds what the
+    plan keeps resident, and within a step the compute copies (in the compute dtype under mixed precision) of
+    the packs it swaps in.
     """
     plan = program.plan
     if plan is None:
@@ -148,7 +149,8 @@ def tiers_of(program) -> dict:
     gm, cfg = program.gm, program.config
     dtype = cfg.compute_dtype
     state = list(gm.parameters()) + list(gm.buffers())
-    masters = sum(nbytes(t) for t in state)
+    frozen = {n: p for n, p in gm.named_parameters() if not p.requires_grad}   # no gradient, optimizer state, master
+    masters = sum(nbytes(t) for t in state) - sum(nbytes(p) for p in frozen.values())
     sizes = state_sizes(program)
     resident = {(kind, n) for pack, kind in plan.kept() for n in state_names(plan.packs[pack], kind)}
     optim = dict.fromkeys(Tier, 0)    # optimizer state bytes per tier
@@ -174,12 +176,15 @@ def tiers_of(program) -> dict:
     # weights the last step left on the device for the next forward (``Residency.carried``): a copy, also on disk
     carried = sum(sizes.get(("params", n), 0)
                   for p, record in plan.residency.items() if record.carried for n in carried_names(plan, p))
+    frozen_bytes = sum(nbytes(p) for p in frozen.values())
     return dict(precision=getattr(cfg, "precision", "fp32"),
                 compute_dtype=str(dtype).replace("torch.", "") if dtype else "the model's dtype",
                 device_copy_bytes=sum(device_bytes(t, dtype) for t in state), master_bytes=masters,
                 disk_master_bytes=disk_masters,
                 device_bytes=sum(sizes.get(k, 0) for k in resident if k[0] != "optim") + optim[Tier.DEVICE],
-                carried_bytes=carried, host_bytes=masters + int(optim[Tier.HOST]),
+                carried_bytes=carried, host_bytes=masters + frozen_bytes + int(optim[Tier.HOST]),
+                frozen_bytes=frozen_bytes, frozen_dtypes=sorted({str(p.dtype)[6:] for p in frozen.values()}),
+                frozen_resident_bytes=sum(sizes.get(k, 0) for k in resident if k[0] == "params" and k[1] in frozen),
                 disk_bytes=optim[Tier.DISK] + int(on_disk))
 
 
@@ -382,6 +387,11 @@ class _Writer:
                        if tiers.get("carried_bytes") else "")
                     + f", host {fmt_bytes(tiers['host_bytes'])}, disk {fmt_bytes(tiers['disk_bytes'])}")
             items += [("precision", copies), ("between steps", rest)]
+            if tiers["frozen_bytes"]:     # requires_grad=False (LoRA's base): read, never stepped or written back
+                items.append(("frozen", f"{fmt_bytes(tiers['frozen_bytes'])} of weights in "
+                                        f"{', '.join(tiers['frozen_dtypes'])} on the host "
+                                        f"({fmt_bytes(tiers['frozen_resident_bytes'])} of them also resident on the "
+                                        f"device): no gradient, optimizer state or master; never written back"))
         for t in d.get("tied", ()):
             same = " = ".join(t["names"])
             if len(t["packs"]) > 1:
