@@ -13,6 +13,7 @@ import time
 from collections.abc import Mapping
 
 import torch
+from torch._C._dynamo.eval_frame import get_eval_frame_callback as eval_frame_callback
 
 from harmony.base.errors import BudgetError, ConfigError, InputError
 from harmony.base.process import cuda_expandable_segments
@@ -81,6 +82,21 @@ def compile(model: torch.nn.Module, example_batch, options: Config, module: type
     if sm.shapes is not None:
         sm.shapes.example.seconds = sm.compile_seconds["total"]
     return sm
+
+
+def refuse_torch_compile(how: str = "torch.compile(sm)") -> None:
+    """``torch.compile`` of a ``ScheduledModule`` is refused: a step is a schedule of packs the runtime runs op by
+    op (swaps, host steps, copies between tiers), not one graph dynamo could capture. The model goes in compiled."""
+    raise ConfigError(f"{how}: a ScheduledModule runs a planned schedule of swaps and optimizer steps that "
+                      f"torch.compile cannot capture; compile the model instead and hand it to Harmony: "
+                      f"harmony.compile(torch.compile(model), example_batch, ...)")
+
+
+def refuse_under_torch_compile() -> None:
+    """Raise ``refuse_torch_compile``'s error where a step is called inside ``torch.compile``: while dynamo traces
+    it, and in the frame it then runs eagerly (its eval-frame callback is still set)."""
+    if torch.compiler.is_compiling() or eval_frame_callback() not in (None, False):
+        refuse_torch_compile()
 
 
 def resolve(options: Config, batch_size: int) -> tuple[CompileConfig, modes.Mode]:
