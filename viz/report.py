@@ -388,10 +388,11 @@ class _Writer:
                     + f", host {fmt_bytes(tiers['host_bytes'])}, disk {fmt_bytes(tiers['disk_bytes'])}")
             items += [("precision", copies), ("between steps", rest)]
             if tiers["frozen_bytes"]:     # requires_grad=False (LoRA's base): read, never stepped or written back
+                resident = tiers["frozen_resident_bytes"]
                 items.append(("frozen", f"{fmt_bytes(tiers['frozen_bytes'])} of weights in "
-                                        f"{', '.join(tiers['frozen_dtypes'])} on the host "
-                                        f"({fmt_bytes(tiers['frozen_resident_bytes'])} of them also resident on the "
-                                        f"device): no gradient, optimizer state or master; never written back"))
+                                        f"{', '.join(tiers['frozen_dtypes'])} on the host"
+                                        + (f" ({fmt_bytes(resident)} also resident on the device)" if resident else "")
+                                        + ": no gradient, optimizer state or master; never written back"))
         for t in d.get("tied", ()):
             same = " = ".join(t["names"])
             if len(t["packs"]) > 1:
