@@ -89,7 +89,7 @@ def bf16_run():
     sm = harmony.compile(copy.deepcopy(model), data[0], memory_budget=weights // 4, microbatches=2,
                          precision="bf16")
     losses = [sm(**b).item() for b in data]
-    yield dict(sm=sm, ref=ref, losses=losses, ref_losses=[loss.item() for loss in ref_losses])
+    yield dict(sm=sm, ref=ref, data=data, losses=losses, ref_losses=[loss.item() for loss in ref_losses])
     sm.close()
 
 
@@ -103,3 +103,16 @@ def test_lora_in_bf16_keeps_frozen_weights_in_bf16_and_trains_as_eager_mixed_pre
     assert bf16_run["losses"] == bf16_run["ref_losses"]
     assert bf16_run["losses"][-1] < bf16_run["losses"][0]
     assert re.search(r"frozen [\d.]+ MiB of weights in bfloat16 on the host", " ".join(sm.report().split()))
+
+
+def test_a_lora_checkpoint_and_state_dict_keep_the_frozen_weights_in_their_dtype(bf16_run, tmp_path):
+    sm = bf16_run["sm"]
+    sd = sm.state_dict()
+    assert list(sd) == list(sm.model.state_dict())          # PEFT's names
+    assert sd["base_model.model.lm_head.weight"].dtype == torch.bfloat16
+    saved = {n: t.clone() for n, t in sd.items()}
+    harmony.save(sm, tmp_path / "ckpt")
+    sm(**bf16_run["data"][0])
+    harmony.load(sm, tmp_path / "ckpt")
+    for n, t in sm.state_dict().items():
+        assert torch.equal(t, saved[n]), n
