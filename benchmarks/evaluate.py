@@ -51,7 +51,7 @@ def main(argv=None) -> None:
     for x, y in data[2:]:
         steps.append(_timed(lambda: sm(x, y)))
         evals.append(_timed(lambda: sm.evaluate(x, y)))
-        eager.load_state_dict(sm.state_dict()["model"], strict=False)    # the trained weights (not timed)
+        eager.load_state_dict(sm.training_state_dict()["model"], strict=False)    # the trained weights (not timed)
         eagers.append(_timed(lambda: _eager(eager, x, y, args.microbatches)))
     step, ev, eg = (statistics.median(v) for v in (steps, evals, eagers))
     s = sm.eval_stats

@@ -332,7 +332,7 @@ def worker(args) -> None:
             within = within and sm.stats["measured_peak"] <= sm.stats["budget"]
             if i >= args.warmup:
                 times.append(sm.stats["step_seconds"])
-    mine = sm.state_dict()["model"]
+    mine = sm.training_state_dict()["model"]
     held = sm.stats.get("state_weight_bytes", 0) + sm.stats.get("state_optim_bytes", 0)
     if not kw:       # one rank: every weight and all optimizer state
         held = sum(t.nbytes for t in mine.values()) + sum(v.nbytes for o in sm.optimizers for s in o.state.values()

@@ -13,6 +13,7 @@ import time
 from collections.abc import Mapping
 
 import torch
+from torch._C._dynamo.eval_frame import get_eval_frame_callback as eval_frame_callback
 
 from harmony.base.errors import BudgetError, ConfigError, InputError
 from harmony.base.process import cuda_expandable_segments
@@ -30,6 +31,7 @@ from harmony.runtime.comm.compression import parse_compression
 from harmony.runtime.comm.world import resolve as resolve_world
 from harmony.runtime.optim import from_instance
 from harmony.runtime.optim import optimizer_kwargs as optimizer_kwargs_for
+from harmony.runtime.precision import frozen_to
 
 log = logging.getLogger("harmony")
 
@@ -42,6 +44,8 @@ def compile(model: torch.nn.Module, example_batch, options: Config, module: type
         options = dataclasses.replace(options, optimizer=cls, optimizer_kwargs=kwargs, param_groups=groups)
     names, batch = batch_items(example_batch)
     cfg, mode = resolve(options, batch_size(batch))
+    if cfg.compute_dtype is not None:     # frozen weights: in the compute dtype on the host, no fp32 master
+        frozen_to(model, cfg.compute_dtype)
     log.info("harmony: compiling %s as %s: %d microbatches of %d rows, memory budget %s", type(model).__name__,
              mode.name, cfg.microbatches, cfg.microbatch_size, fmt_bytes(cfg.memory_budget))
     example = dict(zip(names, batch)) if names else tuple(batch)
@@ -97,6 +101,21 @@ def run_passes(mode: modes.Mode, program: Program, passes) -> Program:
         if search.smallest is None:
             raise
         raise min_budget.named(e, search) from None
+
+
+def refuse_torch_compile(how: str = "torch.compile(sm)") -> None:
+    """``torch.compile`` of a ``ScheduledModule`` is refused: a step is a schedule of packs the runtime runs op by
+    op (swaps, host steps, copies between tiers), not one graph dynamo could capture. The model goes in compiled."""
+    raise ConfigError(f"{how}: a ScheduledModule runs a planned schedule of swaps and optimizer steps that "
+                      f"torch.compile cannot capture; compile the model instead and hand it to Harmony: "
+                      f"harmony.compile(torch.compile(model), example_batch, ...)")
+
+
+def refuse_under_torch_compile() -> None:
+    """Raise ``refuse_torch_compile``'s error where a step is called inside ``torch.compile``: while dynamo traces
+    it, and in the frame it then runs eagerly (its eval-frame callback is still set)."""
+    if torch.compiler.is_compiling() or eval_frame_callback() not in (None, False):
+        refuse_torch_compile()
 
 
 def resolve(options: Config, batch_size: int) -> tuple[CompileConfig, modes.Mode]:
@@ -186,8 +205,9 @@ def batch_size(batch) -> int:
 def check_masters(gm, precision) -> None:
     if precision == "fp32":
         return
-    # the host's masters are the model's own tensors: they must be the fp32 ones
-    low = [(n, p.dtype) for n, p in gm.named_parameters() if p.is_floating_point() and p.dtype != torch.float32]
+    # the host's masters are the model's own trainable tensors: they must be the fp32 ones (frozen ones have none)
+    low = [(n, p.dtype) for n, p in gm.named_parameters()
+           if p.requires_grad and p.is_floating_point() and p.dtype != torch.float32]
     if low:
         raise ConfigError(f"precision={precision!r} keeps the model's parameters as fp32 master weights, but "
                           f"{len(low)} are not fp32 (first: {low[0][0]} is {low[0][1]}); pass the model in fp32 "

@@ -67,7 +67,7 @@ def sync_model(sm) -> list[str]:
     tier: those parameters hold their trained weights between steps."""
     if getattr(getattr(sm, "plan", None), "stage", None) is not None:
         raise ConfigError("parallel='pipeline': each rank holds its packs' weights only; read them with "
-                          "sm.state_dict() on every rank, or harmony.save, which writes each rank's")
+                          "sm.training_state_dict() on every rank, or harmony.save, which writes each rank's")
     shares = getattr(getattr(sm.runtime, "state", None), "shares", None)
     if shares is not None:       # shard_state="full": all-gathered from the ranks (every rank must call it)
         return shares.gather_all(sm.runtime.state.tensors)

@@ -13,9 +13,9 @@ from harmony.compiler.hardware import Hardware
 from harmony.compiler.ir import Program
 from harmony.compiler.printer import schedule_code
 from harmony.compiler.verify import state_sizes
+from harmony.driver import checkpoint
 from harmony.driver import compile as driver
 from harmony.driver.assemble import assemble
-from harmony.driver.checkpoint.io import load_state_dict, state_dict
 from harmony.driver.evaluate import evaluate
 from harmony.driver.handshake import CALLS, agree
 from harmony.driver.step import accept_partial_step, train_step
@@ -101,9 +101,14 @@ class ScheduledModule(torch.nn.Module):
         """One training step on the batch (``sm(x, y)``, ``sm(**batch)``, or ``sm(batch)`` for a dict or Mapping);
         it evaluates instead (``evaluate``) in eval mode (``sm.eval()``) or where gradients are off
         (``torch.no_grad()``, ``torch.inference_mode()``)."""
+        driver.refuse_under_torch_compile()        # torch.compile(sm): the model goes in compiled instead
         if not self.training or not torch.is_grad_enabled():
             return self.evaluate(*batch, **named)
         return train_step(self, batch, named)     # one step as a transaction (driver/step.py)
+
+    def compile(self, *args, **kwargs):
+        """Refused (``ConfigError``): compile the model instead, ``harmony.compile(torch.compile(model), ...)``."""
+        driver.refuse_torch_compile("sm.compile()")
 
     @property
     def loss_scale(self) -> float | None:
@@ -127,13 +132,21 @@ class ScheduledModule(torch.nn.Module):
         return simulate(self.graph, self.plan, hardware, device, memory=self.predicted,
                         sizes=state_sizes(self.program))
 
-    def state_dict(self) -> dict:
-        """The training state (parameters, optimizer state, hyperparameters, step, RNG), referencing live tensors."""
-        return state_dict(self)
+    def state_dict(self, *, destination=None, prefix: str = "", keep_vars: bool = False) -> dict:
+        """The model's parameters and buffers by its names, as ``model.state_dict()``, read wherever they live."""
+        return checkpoint.module_state_dict(self, destination, prefix, keep_vars)
 
-    def load_state_dict(self, state_dict: dict) -> None:
-        """Restore the training state from ``state_dict()`` in place; a mismatch raises ``CheckpointError``."""
-        load_state_dict(self, state_dict)
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """Set the model's weights from ``state_dict`` (the model's names) wherever they live; optimizer state stays."""
+        return checkpoint.load_module_state_dict(self, state_dict, strict, assign)
+
+    def training_state_dict(self) -> dict:
+        """The training state (weights, optimizer state, hyperparameters, step, RNG), referencing live tensors."""
+        return checkpoint.training_state_dict(self)
+
+    def load_training_state_dict(self, state: dict) -> None:
+        """Restore ``training_state_dict()``'s state in place; a mismatch raises ``CheckpointError``."""
+        checkpoint.load_training_state_dict(self, state)
 
     def report(self, fmt: str = "text") -> str:
         from harmony.viz.report import render  # deferred: harmony.viz loads on first use (harmony/__init__.py)

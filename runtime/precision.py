@@ -3,8 +3,9 @@
 With ``precision="bf16"`` or ``"fp16"`` the device holds compute copies of the float
 parameters and buffers in that dtype (2 bytes each), the activations and gradients the
 packs make on it are in that dtype too, and the host keeps the fp32 master weights the
-optimizer steps, with fp32 gradients and fp32 optimizer state (ZeRO-Offload). Where the
-bytes are made:
+optimizer steps, with fp32 gradients and fp32 optimizer state (ZeRO-Offload). Frozen parameters
+(``requires_grad=False``) have no master: compile casts them to the compute dtype on the host (``frozen_to``).
+Where the bytes are made:
 
 - ``swap_in`` of parameters casts the fp32 master into a new device copy (``TieredState.fetch``);
   the master is never on the device, and the copy is dropped, not written back, on release;
@@ -45,6 +46,17 @@ def device_dtype(t: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
 def device_bytes(t: torch.Tensor, dtype: torch.dtype | None) -> int:
     """Bytes of ``t``'s copy on the device (``t`` may be real or fake)."""
     return t.numel() * torch.empty((), dtype=device_dtype(t, dtype)).element_size()
+
+
+def frozen_to(model: torch.nn.Module, dtype: torch.dtype) -> int:
+    """Frozen float parameters (``requires_grad=False``: a LoRA model's base weights) take the compute dtype, in
+    place, where they are (the host): no optimizer steps them, so they need no fp32 master, and the device's copy
+    of them is the host's as it is, never written back. Returns their bytes in ``dtype``."""
+    frozen = [p for p in model.parameters() if not p.requires_grad and p.is_floating_point()]
+    for p in frozen:
+        if p.dtype != dtype:
+            p.data = p.data.to(dtype)
+    return sum(p.numel() * p.element_size() for p in frozen)
 
 
 def master_grads(pairs, buffer: "GradBuffer | None" = None) -> None:

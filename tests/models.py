@@ -163,7 +163,7 @@ def run_compiled(model, data, microbatches, budget, policy="harmony", **kw):
 
 def params(sm):
     """The compiled module's parameters, copied (by the names of its traced graph), read from disk where they are."""
-    model = sm.state_dict()["model"]
+    model = sm.training_state_dict()["model"]
     return {n: model[n].detach().clone() for n, _ in sm.program.gm.named_parameters()}
 
 

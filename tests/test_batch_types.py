@@ -236,7 +236,7 @@ def test_evaluation_with_other_constants_is_refused_and_changes_nothing():
     assert sm.steps == 1 and sm.shapes.compiles == 0 and sm._evaluation is None
     loss = sm.evaluate({"x": x2, "y": y2, "scale": 2.0})
     reference = copy.deepcopy(model)
-    reference.load_state_dict(sm.state_dict()["model"])
+    reference.load_state_dict(sm.training_state_dict()["model"])
     with torch.no_grad():
         expected = torch.stack([reference(a, b, scale=2.0) for a, b in zip(x2.chunk(2), y2.chunk(2))]).mean()
     assert torch.equal(loss, expected)

@@ -112,7 +112,7 @@ def test_resume_into_a_mixed_plan_is_bitwise(run_a, chosen_by, monkeypatch):
 
 def test_state_dict_references_live_tensors_and_round_trips_in_memory(run_a):
     a = run_a["sm"]
-    sd = a.state_dict()
+    sd = a.training_state_dict()
     assert sorted(sd) == ["format", "model", "optimizer", "param_groups", "rng", "schedulers", "step"]
     live = dict(a.program.gm.named_parameters())
     for n, t in sd["model"].items():   # references, not copies
@@ -126,7 +126,7 @@ def test_state_dict_references_live_tensors_and_round_trips_in_memory(run_a):
     before, steps = params(a), a.steps
     train(a, DATA[:1])
     expected = params(a)
-    a.load_state_dict(saved)       # back one step, in place, through the host masters
+    a.load_training_state_dict(saved)       # back one step, in place, through the host masters
     assert a.steps == steps
     assert_bitwise(a, before)
     train(a, DATA[:1])
@@ -145,7 +145,7 @@ def tiny():
 def test_a_mismatched_state_dict_is_refused_before_anything_changes(run_a, tiny):
     a = run_a["sm"]
     before = params(a)
-    good = a.state_dict()
+    good = a.training_state_dict()
 
     def broken(**edit):
         sd = dict(good, model=dict(good["model"]))
@@ -156,28 +156,28 @@ def test_a_mismatched_state_dict_is_refused_before_anything_changes(run_a, tiny)
                 sd["model"][k] = v
         return sd
     with pytest.raises(CheckpointError, match=r"missing \(head.weight\).*Nothing was changed"):
-        a.load_state_dict(broken(**{"head.weight": None}))
+        a.load_training_state_dict(broken(**{"head.weight": None}))
     with pytest.raises(CheckpointError, match=r"blocks.0.fc.weight: checkpoint \(3, 3\) float32, model \(256, 64\)"):
-        a.load_state_dict(broken(**{"blocks.0.fc.weight": torch.zeros(3, 3)}))
+        a.load_training_state_dict(broken(**{"blocks.0.fc.weight": torch.zeros(3, 3)}))
     with pytest.raises(CheckpointError, match=r"not in the model \(extra.weight\)"):
-        a.load_state_dict(broken(**{"extra.weight": torch.zeros(1)}))
+        a.load_training_state_dict(broken(**{"extra.weight": torch.zeros(1)}))
     with pytest.raises(CheckpointError, match="format"):
-        a.load_state_dict(dict(good, format=99))
+        a.load_training_state_dict(dict(good, format=99))
     with pytest.raises(CheckpointError, match="does not match the compiled model"):
-        a.load_state_dict(tiny.state_dict())
+        a.load_training_state_dict(tiny.training_state_dict())
     assert_bitwise(a, before)
 
 
 def test_hyperparameters_are_restored_and_another_optimizer_class_is_refused(tiny):
-    sd = tiny.state_dict()
+    sd = tiny.training_state_dict()
     group = tiny.optimizers[0].param_groups[0]
     lr = group["lr"]
     group["lr"], group["betas"] = 1.0, (0.5, 0.5)
-    tiny.load_state_dict(sd)
+    tiny.load_training_state_dict(sd)
     assert (group["lr"], group["betas"]) == (lr, (0.9, 0.999))
     sgd = dict(sd, param_groups=[[dict(g, momentum=0.9) for g in per] for per in sd["param_groups"]])
     with pytest.raises(CheckpointError, match=r"\['momentum'\] are unknown to this model's AdamW"):
-        tiny.load_state_dict(sgd)
+        tiny.load_training_state_dict(sgd)
 
 
 def test_directory_layout_manifest_and_damaged_files(run_a, tmp_path):

@@ -97,7 +97,7 @@ def disk_run(min_host_budget, tmp_path_factory):
     sm = compile_gpt(host_memory_budget=min_host_budget, offload_dir=root)
     losses = train(sm, DATA[:1])
     harmony.save(sm, root / "ckpt")
-    sd = sm.state_dict()            # in memory: the disk state read back into real tensors
+    sd = sm.training_state_dict()            # in memory: the disk state read back into real tensors
     sd["model"] = {n: t.clone() for n, t in sd["model"].items()}      # (it references the live parameters)
     sd["optimizer"] = {n: {k: v.clone() for k, v in st.items()} for n, st in sd["optimizer"].items()}
     losses += train(sm, DATA[1:])
@@ -231,7 +231,7 @@ def test_checkpoints_read_and_write_disk_state_pack_by_pack(host_run, disk_run, 
         assert all(st["exp_avg"].device.type == "meta" for st in opt.state.values())
     assert train(b, DATA[1:]) == host_run[0][1:]
     assert_bitwise(b, host_run[1])
-    b.load_state_dict(disk_run["sd"])           # the in-memory state dict: back to after step 1
+    b.load_training_state_dict(disk_run["sd"])           # the in-memory state dict: back to after step 1
     train(b, DATA[1:])
     assert_bitwise(b, host_run[1])
     b.close()

@@ -66,7 +66,7 @@ def runs(request, tmp_path_factory):
 
 def disk_params(sm) -> dict:
     """Every parameter's current value, reading wholly-disk packs' weights from their files."""
-    return {n: t.clone() for n, t in sm.state_dict()["model"].items()}
+    return {n: t.clone() for n, t in sm.training_state_dict()["model"].items()}
 
 
 def test_weights_on_disk_are_bitwise_the_all_on_host_run(runs):
@@ -137,7 +137,7 @@ def test_checkpoints_resume_bitwise_and_load_across_placements(tmp_path):
     a = compile_gpt(offload_dir=tmp_path)
     train(a, DATA[:2])
     harmony.save(a, tmp_path / "ckpt")
-    sd = a.state_dict()
+    sd = a.training_state_dict()
     sd = dict(sd, model={n: t.clone() for n, t in sd["model"].items()},
               optimizer={n: {k: v.clone() for k, v in s.items()} for n, s in sd["optimizer"].items()})
     a.close()
@@ -147,7 +147,7 @@ def test_checkpoints_resume_bitwise_and_load_across_placements(tmp_path):
     assert_bitwise(b, ref_params)
     b.close()
     c = compile_gpt(seed=1, weights_on="host")                 # the same state, weights kept on the host
-    c.load_state_dict(sd)
+    c.load_training_state_dict(sd)
     assert train(c, DATA[2:]) == ref_losses[2:]
     assert_bitwise(c, ref_params)
     c.close()
@@ -184,12 +184,12 @@ def test_weights_carried_across_steps_skip_their_read_and_a_load_replaces_them(t
     on_device = {n: v.clone() for g in carried for (n, _, _, _), v in zip(pd.layouts[g], pd._carried[g])}
     saved = disk_params(sm)
     assert all(torch.equal(on_device[n], saved[n]) for n in on_device)
-    sd = sm.state_dict()
+    sd = sm.training_state_dict()
     sd = dict(sd, model={n: t.clone() for n, t in sd["model"].items()},
               optimizer={n: {k: v.clone() for k, v in s.items()} for n, s in sd["optimizer"].items()})
     train(sm, DATA[1:2])
     assert set(pd._carried) == carried
-    sm.load_state_dict(sd)                 # back to the first step's state: the carried weights are stale now
+    sm.load_training_state_dict(sd)                 # back to the first step's state: the carried weights are stale now
     assert pd._carried == {}
     assert train(sm, DATA[1:]) == ref_losses[1:]
     assert_bitwise(sm, ref_params)

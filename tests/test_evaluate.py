@@ -93,7 +93,7 @@ def eager_eval(model, sm, batch, microbatches):
     """Eager ``model.eval()`` + ``no_grad`` on the module's current weights and buffers, the mean over microbatches as
     a step takes it."""
     eager = copy.deepcopy(model)
-    eager.load_state_dict(sm.state_dict()["model"], strict=False)     # (a tied weight under one name)
+    eager.load_state_dict(sm.training_state_dict()["model"], strict=False)     # (a tied weight under one name)
     eager.eval()
     with torch.no_grad():
         return torch.stack([call(eager, mb).float() for mb in split(batch, microbatches)]).mean()
@@ -106,7 +106,7 @@ def holds(sm) -> tuple:
 
 def buffers(sm) -> dict:
     names = dict(sm.program.gm.named_parameters())
-    return {n: b.clone() for n, b in sm.state_dict()["model"].items() if n not in names}
+    return {n: b.clone() for n, b in sm.training_state_dict()["model"].items() if n not in names}
 
 
 @pytest.mark.parametrize("case", sorted(EVAL_CASES))

@@ -63,6 +63,20 @@ def test_bf16_trains_in_bf16_and_resumes(tmp_path):
 
 
 @pytest.mark.slow
+def test_lora_trains_the_adapters_under_a_budget_below_the_weights_and_saves_them(tmp_path):
+    pytest.importorskip("peft")
+    out = _run([EXAMPLES / "lora.py", "--tiny", "--out", tmp_path / "adapters"], tmp_path)
+    share = float(re.search(r"\((\d+)% of the weights\)", out).group(1))
+    assert share < 100, out
+    assert re.search(r"frozen +[\d.]+ \w+ of weights in bfloat16 on the host", out), out
+    head, tail = re.search(r"loss (\d+\.\d+) -> (\d+\.\d+)", out).groups()
+    assert float(tail) < float(head), out
+    back, full = map(float, re.search(r"([\d.]+) MiB back .* gradient, ([\d.]+) MiB in fp32", out).groups())
+    assert back < full / 2, out
+    assert (tmp_path / "adapters" / "adapter_config.json").exists()
+
+
+@pytest.mark.slow
 def test_disk_offload_puts_state_on_disk_and_reports_it(tmp_path):
     out = _run([EXAMPLES / "disk_offload.py", "--tiny", "--offload-dir", tmp_path], tmp_path)
     tiers = re.search(r"between steps .*?disk ([\d.]+) (\w+)", out, flags=re.S)
@@ -120,8 +134,8 @@ def test_inspect_plan_prints_report_code_drawings_and_a_simulated_gpu_step(tmp_p
 
 def test_every_example_has_a_test_and_a_tiny_flag():
     scripts = sorted(p.stem for p in EXAMPLES.glob("*.py"))
-    assert scripts == ["bf16", "data_parallel", "disk_offload", "hf_finetune", "inspect_plan", "mismatched_devices",
-                       "zero3"]
+    assert scripts == ["bf16", "data_parallel", "disk_offload", "hf_finetune", "inspect_plan", "lora",
+                       "mismatched_devices", "zero3"]
     here = Path(__file__).read_text()
     for name in scripts:
         assert f'"{name}.py"' in here and "--tiny" in (EXAMPLES / f"{name}.py").read_text()

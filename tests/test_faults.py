@@ -420,7 +420,7 @@ def test_sigterm_and_sighup_remove_the_offload_directory(tmp_path, sig, handler)
 def test_the_users_model_refuses_to_be_read_while_its_weights_are_on_disk_until_synced(tmp_path):
     """Finding 8: with weights on disk the model passed to compile holds placeholders between steps: its forward
     and state_dict raise OffloadError saying to call sm.sync_model(), which brings the trained weights (bitwise
-    those of sm.state_dict()) into it; the next step puts placeholders back, and refuses again."""
+    those of sm.training_state_dict()) into it; the next step puts placeholders back, and refuses again."""
     from test_disk_params import DATA, compile_gpt
 
     from harmony.errors import OffloadError
@@ -440,7 +440,7 @@ def test_the_users_model_refuses_to_be_read_while_its_weights_are_on_disk_until_
     assert "sync_model" in repr(p) and p.requires_grad and p.grad is None
     assert sm.sync_model()
     assert withheld(model) == [] and type(p) is torch.nn.Parameter      # its own class again
-    trained = sm.state_dict()["model"]
+    trained = sm.training_state_dict()["model"]
     name_of = {id(p): n for n, p in sm.program.gm.named_parameters()}   # the traced graph's names
     for p in model.parameters():
         assert torch.equal(p.detach(), trained[name_of[id(p)]])

@@ -286,7 +286,7 @@ def _rank(rank, world, offload_dir, how):
             sm.sync_model()
             mine = dict(m.named_parameters())
         else:
-            mine = sm.state_dict()["model"]
+            mine = sm.training_state_dict()["model"]
         params = dict(m.named_parameters())
         out[built] = dict(params={n: t.detach().numpy().copy() for n, t in mine.items()},
                           filled=sm.filled and sm.filled["bytes"], held=max(held, default=0), bound=bound,

@@ -57,7 +57,7 @@ def test_a_scheduler_on_sm_optimizer_drives_every_pack_as_eager(schedule, optimi
         sched.step()
         lrs.append([g["lr"] for g in sm.optimizer.param_groups])
     assert lrs == eager_steps(reference, data, 2, SCHEDULERS[schedule], 4)
-    weights = sm.state_dict()["model"]
+    weights = sm.training_state_dict()["model"]
     for name, p in reference.named_parameters():
         assert torch.equal(p, weights[name]), name
     sm.close()
@@ -124,7 +124,7 @@ def test_harmony_save_and_load_keep_the_schedulers_and_the_groups_settings(tmp_p
         sched2.step()
     assert [g["lr"] for g in resumed.optimizer.param_groups] == [g["lr"] for g in straight.optimizer.param_groups]
     assert sched2.state_dict()["last_epoch"] == sched.state_dict()["last_epoch"] == len(data) > 2
-    a, b = straight.state_dict()["model"], resumed.state_dict()["model"]
+    a, b = straight.training_state_dict()["model"], resumed.training_state_dict()["model"]
     assert all(torch.equal(a[n], b[n]) for n in a)
     for sm in (straight, resumed, bare):
         sm.close()

@@ -57,7 +57,7 @@ def _train(case, frac, placement, extra=None, steps=3, keep=False):
     for i in range(steps):
         losses.append(_call(sm, data[i % len(data)]).item())
         stats.append(dict(sm.stats))
-    mine = sm.state_dict()["model"]
+    mine = sm.training_state_dict()["model"]
     unread = withheld(model)       # the other ranks' packs' parameters: reading one raises OffloadError
     out = dict(params={n: t.detach().numpy().copy() for n, t in mine.items()}, losses=losses, stats=stats,
                packs=list(sm.plan.stage.local), rank_of=list(sm.plan.stage.rank_of), text=sm.report(),
@@ -85,7 +85,7 @@ def _resume(rank, path, world):
     for _ in range(2):
         for b in data[1:3]:
             _call(sm, b)
-        after.append({n: t.detach().clone() for n, t in sm.state_dict()["model"].items()})
+        after.append({n: t.detach().clone() for n, t in sm.training_state_dict()["model"].items()})
         harmony.load(sm, path)
     sm.close()
     return dict(same=all(torch.equal(after[0][n], after[1][n]) for n in after[0]), files=sorted(os.listdir(path)),
@@ -155,7 +155,7 @@ def _eager():
             sm = harmony.compile(model, data[0], memory_budget=int(training_state_bytes(model) * frac),
                                  microbatches=MICROBATCHES, precision=extra["precision"])
             losses = [_call(sm, data[i % len(data)]).item() for i in range(3)]
-            params = {n: t.detach().clone() for n, t in sm.state_dict()["model"].items()}
+            params = {n: t.detach().clone() for n, t in sm.training_state_dict()["model"].items()}
             sm.close()
             out[key] = dict(params=params, losses=losses, bytes=nbytes, norms=[], clip=None)
             continue

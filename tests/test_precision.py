@@ -256,7 +256,7 @@ def test_checkpoint_saves_fp32_masters_and_resumes_bitwise(tmp_path):
     first = copy.deepcopy(model)
     sm = harmony.compile(first, example_batch=data[0], memory_budget=budget, microbatches=4, precision="bf16")
     sm(*data[0])
-    sd = sm.state_dict()
+    sd = sm.training_state_dict()
     assert all(t.dtype == torch.float32 for t in sd["model"].values())
     masters = sm.runtime.state.master          # the host's fp32 masters themselves, not copies of device values
     assert all(t.data_ptr() == masters[n].data_ptr() for n, t in sd["model"].items())
@@ -286,7 +286,7 @@ def test_fp16_resume_continues_the_loss_scale_bitwise(tmp_path):
     sm1 = harmony.compile(first, example_batch=data[0], memory_budget=budget, microbatches=4, precision="fp16",
                           loss_scaling=scaling)
     sm1(*data[0])
-    assert sm1.state_dict()["loss_scaler"]["scale"] == 2.0 ** 11
+    assert sm1.training_state_dict()["loss_scaler"]["scale"] == 2.0 ** 11
     harmony.save(sm1, tmp_path / "ckpt")
     sm1.close()
     second = copy.deepcopy(model)

@@ -79,7 +79,7 @@ def _resume(world, root, sources):
             sds = {}
             for src in sources:
                 harmony.load(sm, Path(root) / src)
-                sds[src] = copy.deepcopy(sm.state_dict())     # it references the live tensors
+                sds[src] = copy.deepcopy(sm.training_state_dict())     # it references the live tensors
             out["same_state"] = all(_same_state(sd, sds[src.split("-")[0] + "-rep"]) for src, sd in sds.items())
         sm.close()
     return out
@@ -286,7 +286,7 @@ def _pipe_compile(world, placement="contiguous", frac=0.5):
 
 def _mine(sm) -> str:
     """A digest of the state this rank holds (its packs' weights under a pipeline), in name order."""
-    sd = sm.state_dict()["model"]
+    sd = sm.training_state_dict()["model"]
     return _digest([sd[n] for n in sorted(sd)])
 
 
@@ -304,7 +304,7 @@ def _pipe(rank, world, root, loads):
             harmony.load(sm, Path(root) / "p2")
             for i in range(PIPE_STEPS, PIPE_STEPS + 2):
                 sm(*data[i])
-            out[placement] = {n: t.numpy().copy() for n, t in sm.state_dict()["model"].items()}
+            out[placement] = {n: t.numpy().copy() for n, t in sm.training_state_dict()["model"].items()}
             out[placement + "_names"] = sorted(out[placement])
             sm.close()
         return out
@@ -313,7 +313,7 @@ def _pipe(rank, world, root, loads):
             harmony.load(sm, Path(root) / src)
             for i in range(PIPE_STEPS, PIPE_STEPS + 2):
                 sm(*data[i])
-            out[src] = _mine(sm) if world > 1 else {n: t.clone() for n, t in sm.state_dict()["model"].items()}
+            out[src] = _mine(sm) if world > 1 else {n: t.clone() for n, t in sm.training_state_dict()["model"].items()}
         except Exception as e:  # noqa: BLE001 (reported to the parent)
             out[src] = f"{type(e).__name__}: {e}"
     sm.close()

@@ -129,11 +129,11 @@ def test_a_longer_sequence_is_refused_before_any_state_changes(seq):
     sm = harmony.compile(ours, (x[:, :16], y[:, :16]), memory_budget=int(training_state_bytes(model) * 0.5),
                          microbatches=4)
     sm(x[:, :16], y[:, :16])
-    before = copy.deepcopy(sm.state_dict())
+    before = copy.deepcopy(sm.training_state_dict())
     need = "predicts a peak of" if seq == 32 else "cannot be trained"
     with pytest.raises(harmony.errors.InputError, match=rf"idx int64\[8, {seq}\].*largest batch.*{need}"):
         sm(x[:, :seq], y[:, :seq])
-    after = sm.state_dict()
+    after = sm.training_state_dict()
     assert sm.steps == 1 and len(sm.shapes.plans) == 1 and not sm.shapes.served
     for name, a in before["model"].items():
         assert torch.equal(a, after["model"][name]), name

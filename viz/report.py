@@ -19,7 +19,6 @@ exactly what the text shows, unformatted.
 from __future__ import annotations
 
 import json
-import math
 import textwrap
 
 from harmony.base.errors import ConfigError
@@ -30,6 +29,7 @@ from harmony.compiler.verify import state_sizes
 from harmony.runtime.ops import carried_names, ops_of, state_names
 from harmony.runtime.plan import STATE_KINDS
 from harmony.runtime.precision import device_bytes
+from harmony.viz.formats import _plain, _wrap, fmt_seconds, fmt_value, is_number
 
 FORMATS = ("text", "markdown", "json")
 
@@ -138,9 +138,10 @@ def _model(program) -> dict:
 def tiers_of(program) -> dict:
     """Bytes of training state per tier between steps, and the device copies' dtype and bytes.
 
-    The host always holds the master of every parameter and buffer (fp32, or the model's own
-    dtype); the device holds what the plan keeps resident, and within a step the compute
-    copies (in the compute dtype under mixed precision) of the packs it swaps in.
+    The host always holds the master of every trainable parameter and buffer (fp32, or the model's own
+    dtype) and the frozen parameters (in the compute dtype: they have no master); the device holds what the
+    plan keeps resident, and within a step the compute copies (in the compute dtype under mixed precision) of
+    the packs it swaps in.
     """
     plan = program.plan
     if plan is None:
@@ -148,7 +149,8 @@ def tiers_of(program) -> dict:
     gm, cfg = program.gm, program.config
     dtype = cfg.compute_dtype
     state = list(gm.parameters()) + list(gm.buffers())
-    masters = sum(nbytes(t) for t in state)
+    frozen = {n: p for n, p in gm.named_parameters() if not p.requires_grad}   # no gradient, optimizer state, master
+    masters = sum(nbytes(t) for t in state) - sum(nbytes(p) for p in frozen.values())
     sizes = state_sizes(program)
     resident = {(kind, n) for pack, kind in plan.kept() for n in state_names(plan.packs[pack], kind)}
     optim = dict.fromkeys(Tier, 0)    # optimizer state bytes per tier
@@ -174,12 +176,15 @@ def tiers_of(program) -> dict:
     # weights the last step left on the device for the next forward (``Residency.carried``): a copy, also on disk
     carried = sum(sizes.get(("params", n), 0)
                   for p, record in plan.residency.items() if record.carried for n in carried_names(plan, p))
+    frozen_bytes = sum(nbytes(p) for p in frozen.values())
     return dict(precision=getattr(cfg, "precision", "fp32"),
                 compute_dtype=str(dtype).replace("torch.", "") if dtype else "the model's dtype",
                 device_copy_bytes=sum(device_bytes(t, dtype) for t in state), master_bytes=masters,
                 disk_master_bytes=disk_masters,
                 device_bytes=sum(sizes.get(k, 0) for k in resident if k[0] != "optim") + optim[Tier.DEVICE],
-                carried_bytes=carried, host_bytes=masters + int(optim[Tier.HOST]),
+                carried_bytes=carried, host_bytes=masters + frozen_bytes + int(optim[Tier.HOST]),
+                frozen_bytes=frozen_bytes, frozen_dtypes=sorted({str(p.dtype)[6:] for p in frozen.values()}),
+                frozen_resident_bytes=sum(sizes.get(k, 0) for k in resident if k[0] == "params" and k[1] in frozen),
                 disk_bytes=optim[Tier.DISK] + int(on_disk))
 
 
@@ -230,83 +235,6 @@ def _packs(program) -> list[dict]:
                  fwd_GFLOP=s.fwd_flops / 1e9, bwd_GFLOP=s.bwd_flops / 1e9, recompute=s.index in recomputes,
                  resident="+".join(resident.get(s.index, [])) or "-")
             for s in program.plan.packs]
-
-
-def _plain(x):
-    """``x`` with only JSON types: tuples/sets become lists, non-finite floats null, the rest str."""
-    if isinstance(x, dict):
-        return {str(k): _plain(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_plain(v) for v in x]
-    if isinstance(x, (set, frozenset)):
-        return sorted((_plain(v) for v in x), key=str)
-    if isinstance(x, bool) or x is None or isinstance(x, (int, str)):
-        return x
-    if isinstance(x, float):
-        return x if math.isfinite(x) else None
-    if hasattr(x, "item") and getattr(x, "ndim", 1) == 0:   # numpy / torch scalars
-        return _plain(x.item())
-    return str(x)
-
-
-# -- formatting one value -------------------------------------------------------------------------
-def fmt_seconds(s: float) -> str:
-    if s >= 1:
-        return f"{s:.2f} s"
-    if s >= 1e-3:
-        return f"{_sig(s * 1e3)} ms"
-    return f"{_sig(s * 1e6)} µs"
-
-
-def _sig(v: float, digits: int = 3) -> str:
-    """``v`` with ``digits`` significant digits, without exponent notation for everyday sizes."""
-    if v == 0 or not math.isfinite(v):
-        return "0" if v == 0 else str(v)
-    if abs(v) >= 10 ** (digits - 1):
-        return f"{v:,.0f}"
-    if abs(v) < 1e-4:
-        return f"{v:.{digits - 1}e}"
-    decimals = digits - 1 - math.floor(math.log10(abs(v)))
-    return f"{v:.{decimals}f}"
-
-
-def fmt_value(key: str, value) -> str:
-    """One cell: bytes as KiB/MiB, seconds as s/ms, floats to 3 significant digits, ints with commas."""
-    k = str(key).lower()
-    if value is None:
-        return "-"
-    if isinstance(value, bool):
-        return "yes" if value else "no"
-    if isinstance(value, (int, float)) and (k.endswith("bytes") or k in ("budget", "peak")):
-        return fmt_bytes(value)
-    if isinstance(value, (int, float)) and (k.endswith("_s") or k.endswith("seconds") or k == "s"):
-        return fmt_seconds(float(value))
-    if isinstance(value, int):
-        return f"{value:,}" if abs(value) >= 10_000 else str(value)
-    if isinstance(value, float):
-        return _sig(value)
-    if isinstance(value, (list, tuple, set)):
-        return ", ".join(str(v) for v in value)
-    return str(value)
-
-
-def _wrap(line: str, indent: int = 4) -> str:
-    """``line`` folded at 100 columns; a break falls after a comma when one is near, never inside a pair."""
-    chunks = line.replace(", ", ",\0").split("\0")
-    out, current = [], ""
-    for chunk in chunks:
-        if current and len(current) + 1 + len(chunk) > 100:
-            out.append(current)
-            current = " " * indent + chunk
-        else:
-            current = f"{current} {chunk}" if current else chunk
-    out.append(current)
-    return "\n".join(textwrap.fill(o, width=100, subsequent_indent=" " * indent, break_on_hyphens=False)
-                     for o in out)
-
-
-def _is_number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 # -- writing -----------------------------------------------------------------------------------
@@ -379,6 +307,12 @@ class _Writer:
                        if tiers.get("carried_bytes") else "")
                     + f", host {fmt_bytes(tiers['host_bytes'])}, disk {fmt_bytes(tiers['disk_bytes'])}")
             items += [("precision", copies), ("between steps", rest)]
+            if tiers["frozen_bytes"]:     # requires_grad=False (LoRA's base): read, never stepped or written back
+                resident = tiers["frozen_resident_bytes"]
+                items.append(("frozen", f"{fmt_bytes(tiers['frozen_bytes'])} of weights in "
+                                        f"{', '.join(tiers['frozen_dtypes'])} on the host"
+                                        + (f" ({fmt_bytes(resident)} also resident on the device)" if resident else "")
+                                        + ": no gradient, optimizer state or master; never written back"))
         for t in d.get("tied", ()):
             same = " = ".join(t["names"])
             if len(t["packs"]) > 1:
@@ -425,7 +359,7 @@ class _Writer:
             return
         cols = list(dict.fromkeys(k for r in rows for k in r))
         cells = [[fmt_value(c, r.get(c)) for c in cols] for r in rows]
-        numeric = [all(_is_number(r.get(c)) or r.get(c) is None for r in rows) for c in cols]
+        numeric = [all(is_number(r.get(c)) or r.get(c) is None for r in rows) for c in cols]
         if self.md:
             self.lines.append("| " + " | ".join(cols) + " |")
             self.lines.append("|" + "|".join("---:" if n else "---" for n in numeric) + "|")

@@ -1,4 +1,4 @@
-"""Checkpoints of a compiled training run: a state dict in memory, and a crash-safe directory on disk.
+"""Checkpoints of a compiled training run: a training state dict in memory, and a crash-safe directory on disk.
 
 A checkpoint holds what a resumed run needs to continue bitwise as if it had never
 stopped: every parameter and buffer, each parameter's optimizer state, the optimizer
@@ -83,10 +83,10 @@ def _spec(t) -> dict | None:
 
 
 # -- state dicts -------------------------------------------------------------------------------
-def state_dict(sm) -> dict:
+def training_state_dict(sm) -> dict:
     """The training state of ``sm``, referencing its live tensors (no copies).
 
-    >>> sd = sm.state_dict()
+    >>> sd = sm.training_state_dict()
     >>> sorted(sd)
     ['format', 'model', 'optimizer', 'param_groups', 'rng', 'schedulers', 'step']
 
@@ -119,21 +119,21 @@ def _load_scaler(sm, state: dict | None) -> None:
         _scaler(sm).load_state_dict(state)
 
 
-def load_state_dict(sm, sd: dict) -> None:
-    """Restore ``sm`` from ``sd`` (from ``state_dict``) in place, after checking it matches the model.
+def load_training_state_dict(sm, sd: dict) -> None:
+    """Restore ``sm`` from ``sd`` (from ``training_state_dict``) in place, after checking it matches the model.
 
-    >>> sm2.load_state_dict(sm.state_dict())
+    >>> sm2.load_training_state_dict(sm.training_state_dict())
 
     A mismatch raises ``CheckpointError`` before anything is changed.
     """
     if not isinstance(sd, dict) or sd.get("format") != FORMAT:
         got = sd.get("format") if isinstance(sd, dict) else type(sd).__name__
         raise CheckpointError(f"state dict has format {got!r}, this Harmony reads format {FORMAT}; "
-                              f"pass the dict that ScheduledModule.state_dict() returns")
+                              f"pass the dict that sm.training_state_dict() returns")
     for key in ("model", "optimizer", "param_groups", "step", "rng"):
         if key not in sd:
             raise CheckpointError(f"state dict has no {key!r} entry; pass the dict that "
-                                  f"ScheduledModule.state_dict() returns")
+                                  f"sm.training_state_dict() returns")
     check_step(sd["step"], "the state dict")
     live, sd, groups = _checked_state(sm, sd, "the state dict")
     _write_state(sm, live, sd, groups)

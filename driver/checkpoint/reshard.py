@@ -192,7 +192,7 @@ class Reshard:
         return rng
 
     def state_dict(self, live, fmt: int) -> dict:
-        """This rank's state in ``harmony.driver.checkpoint.io.state_dict``'s form, every piece read and checked."""
+        """This rank's state in ``checkpoint.io.training_state_dict``'s form, every piece read and checked."""
         model = {n: self.weight(n, t) for n, t in live.tensors.items()}
         optim = {}
         for n in live.optimizers:

@@ -34,7 +34,7 @@ of the next step, so that read overlaps the next forward pass. Between steps
 ``optimizer.state[param]`` holds the real scalar entries (Adam's ``step``) and, for every
 other tensor, a ``meta`` tensor of the same shape and dtype: no memory, and any use of it
 outside a step fails loudly (``optimizer.state_dict()`` shows them too: use
-``sm.state_dict()`` or ``harmony.save``, which read the files). At most two packs' state
+``sm.training_state_dict()`` or ``harmony.save``, which read the files). At most two packs' state
 is in host memory at once: a step first waits for the write of the pack stepped before it
 (which had this pack's backward to finish), then starts reading the next pack's, so one
 pack's buffer is stepping while one is read or written; the offload pass reserves that
