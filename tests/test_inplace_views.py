@@ -229,10 +229,28 @@ def _deepseek(version: int):
 
 
 @pytest.mark.parametrize("version", [2, 3])
-def test_deepseek_multi_head_latent_attention_trains_bitwise_as_eager(version):
+def test_deepseek_multi_head_latent_attention_traces_to_eager_bits(version):
+    """``expand_kv`` copies the keys' two parts into a ``new_empty`` buffer: in each of the two layers, two writes of
+    the buffer (the MoE router's ``index_put_`` into a fresh index tensor carries no gradient and stays)."""
     model, data = _deepseek(version)
     gm = trace(model, data[0])
-    assert _writes(gm) == []
+    assert gm.meta["harmony.trace"].frontend == "export"
+    writes = [n for n in gm.graph.nodes if n.target is write_through_view]
+    assert len(writes) == 4 and {n.args[2] for n in writes} == {"aten.copy_.default"}
+    eager = copy.deepcopy(model)
+    ref = call(eager, data[0])
+    ref.backward()
+    loss = gm(*data[0].values())
+    loss.backward()
+    assert torch.equal(loss, ref)
+    grads = dict(gm.named_parameters())
+    for name, p in eager.named_parameters():
+        assert (p.grad is None and grads[name].grad is None) or torch.equal(grads[name].grad, p.grad), name
+
+
+@pytest.mark.slow
+def test_deepseek_v3_trains_bitwise_as_eager():
+    model, data = _deepseek(3)
     ref, _ = eager_accumulate(model, data, MICROBATCHES)
     ours = copy.deepcopy(model)
     sm, _, _ = run_compiled(ours, data, MICROBATCHES, _budget(model) + 2 ** 18)
@@ -292,4 +310,3 @@ def test_write_through_view_leaves_its_input_alone_and_replays_the_view():
     out = write_through_view(base, (("select", (1, 2), {}),), "fill_", -1.0)
     assert torch.equal(base, torch.arange(6.0).reshape(2, 3))
     assert out.tolist() == [[0.0, 1.0, -1.0], [3.0, 4.0, -1.0]]
-    assert call is not None
