@@ -71,10 +71,14 @@ class IndexPutSlice(_Two):
 
 
 class MaskedFillView(_Two):
+    """``masked_fill_`` into a view, and ``*=`` (``operator.imul`` under fx) into another."""
+
     def forward(self, x, y):
         h = self.a(x)
         v = h[:, 1:5]
         v.masked_fill_(v > 0.1, 0.5)
+        w = h[:, 5:]
+        w *= 2.0
         return self.loss(h * self.b(x), y)
 
 
@@ -279,6 +283,14 @@ class WriteThroughLeaf(_Two):
         return self.loss(h, y)
 
 
+class AddThroughLeaf(WriteThroughLeaf):
+    def forward(self, x, y):
+        h = self.a(x)
+        v = self.part(h)
+        v += 1.0
+        return self.loss(h, y)
+
+
 class ReshapeAView(_Two):
     def forward(self, x, y):
         h = self.a(x)
@@ -294,8 +306,10 @@ def _line(fn, text):
 
 @pytest.mark.parametrize("model_class,kwargs,op,code", [
     (WriteThroughLeaf, {"leaf_modules": [Half], "frontend": "fx"}, "mul_", "self.part(h).mul_(2)"),
+    (AddThroughLeaf, {"leaf_modules": [Half], "frontend": "fx"}, "iadd", "v += 1.0"),
     (ReshapeAView, {"frontend": "fx"}, "unsqueeze_", "h[:, :4].unsqueeze_(0)"),
-], ids=["leaf-module-view", "reshape-in-place"])
+    (ReshapeAView, {"frontend": "export"}, "unsqueeze_", "h[:, :4].unsqueeze_(0)"),
+], ids=["leaf-module-view", "augmented-through-leaf", "reshape-in-place-fx", "reshape-in-place-export"])
 def test_a_write_that_cannot_be_planned_names_the_op_and_line(model_class, kwargs, op, code):
     with pytest.raises(TraceError) as info:
         trace(model_class(), _data()[0], **kwargs)
@@ -310,3 +324,10 @@ def test_write_through_view_leaves_its_input_alone_and_replays_the_view():
     out = write_through_view(base, (("select", (1, 2), {}),), "fill_", -1.0)
     assert torch.equal(base, torch.arange(6.0).reshape(2, 3))
     assert out.tolist() == [[0.0, 1.0, -1.0], [3.0, 4.0, -1.0]]
+
+
+def test_the_views_module_example_runs():
+    import doctest
+
+    from harmony.compiler.trace import views
+    assert doctest.testmod(views).failed == 0

@@ -43,7 +43,7 @@ from harmony.compiler.meta import MODULE_PATH
 from harmony.compiler.trace.errors import is_library
 from harmony.compiler.trace.views import Alias, alias_map, op_name, write_through_view
 
-__all__ = ["functionalize_inplace", "inplace_error", "source_of"]
+__all__ = ["InPlaceProxy", "functionalize_inplace", "inplace_error", "source_of"]
 
 _OPERATORS = {getattr(operator, f"i{name.rstrip('_')}"): getattr(operator, name) for name in (
     "add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "and_", "or_", "xor", "lshift", "rshift", "matmul")}
@@ -53,15 +53,33 @@ _RESHAPES = {"resize_", "resize_as_", "set_", "as_strided_", "squeeze_", "unsque
              "swapdims_", "swapaxes_", "detach_"}
 
 
+class InPlaceProxy(torch.fx.Proxy):
+    """The fx front end's ``Proxy``: it records ``x += y`` as ``operator.iadd(x, y)`` (and ``-=``, ``*=``, ...).
+    ``torch.fx.Proxy`` has no in-place operators, so Python runs ``x = x + y`` instead and the trace loses the
+    write into ``x``'s memory, which a view shares with another tensor (``w = h[:, 4:]; w *= 2`` scales ``h``);
+    recorded, ``functionalize_inplace`` plans it as eager runs it."""
+
+
+def _augmented(op):
+    def method(self, other):
+        return self.tracer.create_proxy("call_function", op, (self, other), {})
+    method.__name__ = f"__{op.__name__}__"
+    return method
+
+
+for _op in _OPERATORS:
+    setattr(InPlaceProxy, f"__{_op.__name__}__", _augmented(_op))
+
+
 def functionalize_inplace(gm: torch.fx.GraphModule) -> int:
     """Rewrite in place the in-place writes to activations in ``gm``'s graph; returns how many were rewritten."""
     grad = _carries_gradient(gm)
     aliases = alias_map(gm.graph, lambda n: _written(gm, n))
     state = _state_storages(gm.graph)
-    planned = set()                      # roots whose writes are rewritten: some write into them carries a gradient
+    planned = set()     # roots whose writes are rewritten: one carries a gradient, or is an augmented assignment
     for node in gm.graph.nodes:
         written = _written(gm, node)
-        if written in aliases and grad[node]:
+        if written in aliases and (grad[node] or node.target in _OPERATORS):
             root = aliases[written].root
             if root.op != "get_attr" and _storage(root) not in state:
                 planned.add(root)
@@ -114,6 +132,7 @@ class _Functionalizer:
         return rewritten
 
     def _write(self, node: torch.fx.Node, written: torch.fx.Node, alias: Alias) -> None:
+        self.last_write[alias.root] = node
         if alias.steps is None:
             raise _unplannable(node, f"it writes through {written.name}, a view of another tensor that "
                                      f"{_op_name(_unreplayable(self.aliases, written))} makes and Harmony cannot "
@@ -139,12 +158,11 @@ class _Functionalizer:
             self.made_at[node] = 0
         else:
             self._through(node, alias)
-        self.last_write[alias.root] = node
 
     def _through(self, node: torch.fx.Node, alias: Alias) -> None:
         """Replace the write ``node`` with ``write_through_view`` of its root's current value."""
         root, name = alias.root, op_name(node)
-        if name in _RESHAPES:
+        if name is not None and name.split(".")[-2 if "." in name else -1] in _RESHAPES:   # aten.t_.default: t_
             raise _unplannable(node, "it changes the shape of a view of another tensor")
 
         def now(n):
@@ -248,7 +266,7 @@ def _unreplayable(aliases: dict, node: torch.fx.Node) -> torch.fx.Node:
 
 def _inherit(new: torch.fx.Node, old: torch.fx.Node, fallback) -> None:
     """``new`` takes ``old``'s metadata (source line, module path) and a fake value of its own."""
-    new.meta.update({k: v for k, v in old.meta.items() if k != "val"})
+    new.meta.update({k: v for k, v in old.meta.items() if k not in ("val", "tensor_meta")})
     value = _fake_value(new)
     new.meta["val"] = value if value is not None else fallback
 
