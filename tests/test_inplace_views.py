@@ -122,14 +122,31 @@ class WriteBaseReadView(_Two):
         return self.loss(h, y) + v.sum()
 
 
+class ChainedWrites(_Two):
+    """Writes one after another into one tensor: through a select, a transposed row, a view of a view, the base
+    itself, a clamp, and a flat view, with a view made before all of them read at the end."""
+
+    def forward(self, x, y):
+        h = self.a(x) * self.b(x)
+        v = h[:, :3]
+        h[:, 0].zero_()
+        h[:, 1:].t()[2].fill_(1.0)
+        h[:, :4][:, 1:3].mul_(2)
+        h.mul_(self.b(x))
+        h[:, 5:].clamp_(-0.5, 0.5)
+        u = h.view(-1, 2)
+        u[:18, 0].add_(v.reshape(-1))
+        return self.loss(h, y) + v.sum() + u.sum()
+
+
 def _deep(inputs, outputs, hidden=64):
     return nn.Sequential(nn.Linear(inputs, hidden), nn.Tanh(), nn.Linear(hidden, outputs))
 
 
 MODELS = [SliceAssign, SliceAssignZeros, CopyNarrowSelect, IndexPutSlice, MaskedFillView, AddThroughView,
-          OverlappingViews, FillZeroScatter, WriteBaseReadView]
+          OverlappingViews, FillZeroScatter, WriteBaseReadView, ChainedWrites]
 FX = {CopyNarrowSelect, IndexPutSlice, MaskedFillView, AddThroughView, OverlappingViews, FillZeroScatter,
-      WriteBaseReadView}   # the others assign to slices (x[a:b] = y), which torch.fx cannot trace
+      WriteBaseReadView, ChainedWrites}   # the others assign to slices (x[a:b] = y), which torch.fx cannot trace
 CASES = [(m, f) for m in MODELS for f in ("fx", "export") if f == "export" or m in FX]
 
 
