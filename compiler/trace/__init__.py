@@ -58,7 +58,7 @@ from harmony.compiler.trace.errors import (
 )
 from harmony.compiler.trace.export import export_graph, retarget, torch_output_held
 from harmony.compiler.trace.info import TraceInfo, sizes_of
-from harmony.compiler.trace.inplace import functionalize_inplace
+from harmony.compiler.trace.inplace import InPlaceProxy, functionalize_inplace
 
 __all__ = ["FRONTENDS", "MODULE_PATH", "TRACE_INFO", "TraceInfo", "module_path_of", "retarget", "trace"]
 
@@ -257,6 +257,9 @@ class _LeafTracer(torch.fx.Tracer):
             if isinstance(module, self.leaf_classes) or names & self.leaf_names:
                 return True
         return super().is_leaf_module(module, module_qualified_name)
+
+    def proxy(self, node: torch.fx.Node) -> torch.fx.Proxy:
+        return InPlaceProxy(node, self)          # records x += y as a write (fx's own Proxy runs x = x + y)
 
     def create_node(self, *args, **kwargs) -> torch.fx.Node:
         node = super().create_node(*args, **kwargs)

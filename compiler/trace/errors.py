@@ -134,7 +134,7 @@ class _Frame:
 
 
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
-_OURS = {os.path.abspath(__file__), os.path.join(os.path.dirname(os.path.abspath(__file__)), "trace.py")}
+_OURS = os.path.dirname(os.path.abspath(__file__))   # the tracer's own frames (the train step, in-place proxies)
 _STDLIB = sysconfig.get_paths()["stdlib"] + os.sep
 _SITE = tuple({sysconfig.get_paths()["purelib"] + os.sep, sysconfig.get_paths()["platlib"] + os.sep})
 
@@ -143,7 +143,8 @@ def is_library(filename: str) -> bool:
     if filename.startswith("<"):
         return True
     path = os.path.abspath(filename)
-    return path in _OURS or path.startswith(_TORCH_DIR) or (path.startswith(_STDLIB) and not path.startswith(_SITE))
+    return (os.path.dirname(path) == _OURS or path.startswith(_TORCH_DIR)
+            or (path.startswith(_STDLIB) and not path.startswith(_SITE)))
 
 
 def user_frame(error: BaseException, model: torch.nn.Module) -> _Frame | None:

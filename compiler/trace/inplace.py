@@ -11,15 +11,23 @@ written tensor at the result. The values are the same bits, forward and backward
 saves the same tensors for both forms); the cost is one more activation where eager reused
 the memory, which the cost model then counts.
 
+A write through a view (``q[..., :4] = q_nope`` into a ``new_empty`` buffer, as multi-head latent
+attention builds its queries; ``h.narrow(1, 0, 2).copy_(y)``, ``h[:, 0].masked_fill_(m, 0)``, ``v.add_(y)``
+for ``v = h[:, :2]``) writes the memory of the tensor it views, and every later reader of that memory, through
+whichever view, reads the write. It is functionalized as torch.export and AOTAutograd do: the write becomes a new
+value of the viewed tensor, its *root* (``views.write_through_view``: the user's views and op replayed on a
+clone of the root), and each later reader of the memory reads the new root, or the same view ops replayed on
+it. Where nothing but the written view is read afterwards, the write is its twin on the view, as above.
+
 Writes into the training state (BatchNorm's running statistics, ``num_batches_tracked``) are
-left alone: the runtime applies them to the state; so are writes no gradient flows through (T5's
-``_shift_right`` builds the decoder's token ids by writing into slices of a zero tensor): autograd
-never sees them. A write whose tensor is also read through
-another view later (``y = x.view(...); x.relu_(); use(y)``) cannot be rewritten this way; it
-raises a ``TraceError`` naming the op and its source line.
+left alone: the runtime applies them to the state; so are writes into memory no write that carries a gradient
+reaches (T5's ``_shift_right`` builds the decoder's token ids by writing into slices of a zero tensor): autograd
+never sees them. A write that cannot be planned (through a view only a module's own code makes; an in-place op
+that changes a view's shape) raises a ``TraceError`` naming the op and its source line.
 """
 from __future__ import annotations
 
+import collections
 import copy
 import inspect
 import operator
@@ -28,52 +36,261 @@ import re
 import torch
 import torch.fx
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils import _pytree as pytree
 
 from harmony.base.errors import TraceError
 from harmony.compiler.meta import MODULE_PATH
 from harmony.compiler.trace.errors import is_library
+from harmony.compiler.trace.views import Alias, alias_map, op_name, write_through_view
 
-__all__ = ["functionalize_inplace", "inplace_error", "source_of"]
+__all__ = ["InPlaceProxy", "functionalize_inplace", "inplace_error", "source_of"]
 
 _OPERATORS = {getattr(operator, f"i{name.rstrip('_')}"): getattr(operator, name) for name in (
     "add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "and_", "or_", "xor", "lshift", "rshift", "matmul")}
+# Methods named as writes that write no values, and writes that change a view's shape rather than its values.
+_NOT_WRITES = {"requires_grad_", "share_memory_", "retain_grad_"}
+_RESHAPES = {"resize_", "resize_as_", "set_", "as_strided_", "squeeze_", "unsqueeze_", "transpose_", "t_",
+             "swapdims_", "swapaxes_", "detach_"}
+
+
+class InPlaceProxy(torch.fx.Proxy):
+    """The fx front end's ``Proxy``: it records ``x += y`` as ``operator.iadd(x, y)`` (and ``-=``, ``*=``, ...).
+    ``torch.fx.Proxy`` has no in-place operators, so Python runs ``x = x + y`` instead and the trace loses the
+    write into ``x``'s memory, which a view shares with another tensor (``w = h[:, 4:]; w *= 2`` scales ``h``);
+    recorded, ``functionalize_inplace`` plans it as eager runs it."""
+
+
+def _augmented(op):
+    def method(self, other):
+        return self.tracer.create_proxy("call_function", op, (self, other), {})
+    method.__name__ = f"__{op.__name__}__"
+    return method
+
+
+for _op in _OPERATORS:
+    setattr(InPlaceProxy, f"__{_op.__name__}__", _augmented(_op))
 
 
 def functionalize_inplace(gm: torch.fx.GraphModule) -> int:
     """Rewrite in place the in-place writes to activations in ``gm``'s graph; returns how many were rewritten."""
-    order = {node: i for i, node in enumerate(gm.graph.nodes)}
-    state = _state_storages(gm.graph)
     grad = _carries_gradient(gm)
-    rewritten = 0
-    twins: dict[str, str] = {}           # target of an in-place module -> its out-of-place copy
-    for node in list(gm.graph.nodes):
-        rewrite = _out_of_place(gm, node)
-        if rewrite is None or not node.args or not isinstance(node.args[0], torch.fx.Node):
-            continue
-        written = node.args[0]
-        if written.op == "get_attr" or _storage(written) in state:
-            continue                     # the training state: the runtime applies the write
-        if not grad[node]:
-            continue                     # no gradient flows through it (token ids, masks): nothing to plan
-        aliases = _later_readers_of_aliases(written, node, order)
-        if aliases is None:              # no fake values to tell aliases by: leave it to the cost model
-            continue
-        if aliases:
-            raise TraceError(
-                f"in-place {_op_name(node)} at {source_of(node)} writes a tensor that {aliases[0].name} reads "
-                f"afterwards through another view of the same memory; Harmony trains graphs without in-place "
-                f"writes to activations and cannot rewrite this one. Write it out of place (y = x.relu(), "
-                f"x = x + y) or put the module that does it in leaf_modules")
-        rewrite(twins)
-        for user in list(written.users):
-            if user is not node and order[user] > order[node]:
-                user.replace_input_with(written, node)
-        node.meta["val"] = _fresh(node.meta.get("val"))
-        rewritten += 1
-    if rewritten:
-        gm.graph.lint()
-        gm.recompile()
+    aliases = alias_map(gm.graph, lambda n: _written(gm, n))
+    state = _state_storages(gm.graph)
+    planned = set()     # roots whose writes are rewritten: one carries a gradient, or is an augmented assignment
+    for node in gm.graph.nodes:
+        written = _written(gm, node)
+        if written in aliases and (grad[node] or node.target in _OPERATORS):
+            root = aliases[written].root
+            if root.op != "get_attr" and _storage(root) not in state:
+                planned.add(root)
+    if not planned:
+        return 0
+    rewritten = _Functionalizer(gm, aliases, planned).run()
+    gm.graph.lint()
+    gm.recompile()
     return rewritten
+
+
+class _Functionalizer:
+    """One walk over the graph in order. Each root (``views.Alias``) has a current value, the node that holds its
+    memory as written so far, and a version, how many writes it has taken; a node that reads an alias made at an
+    older version reads it replayed on the current value instead (the view nodes copied, once per version)."""
+
+    def __init__(self, gm: torch.fx.GraphModule, aliases: dict, planned: set):
+        self.gm, self.graph, self.aliases, self.planned = gm, gm.graph, aliases, planned
+        self.order = {node: i for i, node in enumerate(gm.graph.nodes)}
+        self.last_read = {node: max((self.order[u] for u in node.users), default=-1) for node in gm.graph.nodes}
+        self.members = collections.defaultdict(list)     # root -> the original nodes in its memory
+        for node, alias in aliases.items():
+            self.members[alias.root].append(node)
+        self.current: dict = {}
+        self.version: collections.Counter = collections.Counter()
+        self.made_at: dict = {}          # alias node -> its root's version when it was made
+        self.replayed: dict = {}         # (view node, version) -> that view replayed on the root at that version
+        self.last_write: dict = {}       # root -> the write that made its current value
+        self.twins: dict[str, str] = {}  # target of an in-place module -> its out-of-place copy
+        self.replaced: list = []
+
+    def run(self) -> int:
+        rewritten = 0
+        for node in list(self.graph.nodes):
+            written = _written(self.gm, node)
+            alias = self.aliases.get(written)
+            if alias is not None and alias.root in self.planned:
+                self._write(node, written, alias)
+                rewritten += 1
+                continue
+            self._refresh(node)
+            if (alias := self.aliases.get(node)) is not None:
+                self.made_at[node] = self.version[alias.root]
+        for node in reversed(self.replaced):
+            self.graph.erase_node(node)
+        for node in reversed(list(self.graph.nodes)):     # views no one reads any more (pure: nothing else runs)
+            alias = self.aliases.get(node)
+            if not node.users and alias is not None and alias.steps and alias.root in self.planned:
+                self.graph.erase_node(node)
+        return rewritten
+
+    def _write(self, node: torch.fx.Node, written: torch.fx.Node, alias: Alias) -> None:
+        self.last_write[alias.root] = node
+        if alias.steps is None:
+            raise _unplannable(node, f"it writes through {written.name}, a view of another tensor that "
+                                     f"{_op_name(_unreplayable(self.aliases, written))} makes and Harmony cannot "
+                                     f"replay")
+        if not alias.steps:
+            self._refresh(node)
+            rewrite = _out_of_place(self.gm, node)
+            if rewrite is None:
+                self._through(node, alias)
+                return
+            rewrite(self.twins)
+            node.meta["val"] = _fresh(node.meta.get("val"))
+            self._advance(alias.root, node)
+        elif not self._others_read_after(node, written, alias.root) and _out_of_place(self.gm, node) is not None:
+            self._refresh(node)          # nothing reads the memory afterwards but through this view: a twin
+            _out_of_place(self.gm, node)(self.twins)
+            node.meta["val"] = _fresh(node.meta.get("val"))
+            for user in list(written.users):
+                if user is not node and self.order.get(user, -1) > self.order[node]:
+                    user.replace_input_with(written, node)
+            self.aliases[node] = Alias(node)
+            self.planned.add(node)
+            self.made_at[node] = 0
+        else:
+            self._through(node, alias)
+
+    def _through(self, node: torch.fx.Node, alias: Alias) -> None:
+        """Replace the write ``node`` with ``write_through_view`` of its root's current value."""
+        root, name = alias.root, op_name(node)
+        if name is not None and name.split(".")[-2 if "." in name else -1] in _RESHAPES:   # aten.t_.default: t_
+            raise _unplannable(node, "it changes the shape of a view of another tensor")
+
+        def now(n):
+            return self._now(n, node)
+        with self.graph.inserting_before(node):
+            args, kwargs = torch.fx.map_arg((node.args[1:], node.kwargs), now)
+            if name is None:             # a module or an inplace=True function: its twin on the view, copied in
+                view = self._replay(alias, node, node.args[0])
+                twin = self.graph.node_copy(node, lambda n: view if n is node.args[0] else now(n))
+                rewrite = _out_of_place(self.gm, twin)
+                if rewrite is None:
+                    raise _unplannable(node, "it has no out-of-place form")
+                rewrite(self.twins)
+                twin.meta["val"] = _fresh(node.meta.get("val"))
+                name, args, kwargs = "copy_", (twin,), {}
+            steps = torch.fx.map_arg(tuple((op_name(s), s.args[1:], dict(s.kwargs)) for s in alias.steps), now)
+            new = self.graph.call_function(write_through_view, (self.current.get(root, root), steps, name, *args),
+                                           kwargs)
+        _inherit(new, node, _fresh(root.meta.get("val")))
+        self.made_at[node] = self.version[root]          # its readers read the view replayed on the new value
+        self._advance(root, new)
+        self.replaced.append(node)
+
+    def _advance(self, root: torch.fx.Node, value: torch.fx.Node) -> None:
+        self.current[root] = value
+        self.version[root] += 1
+        self.made_at[value] = self.version[root]
+        self.aliases[value] = Alias(root)
+
+    def _others_read_after(self, node: torch.fx.Node, written: torch.fx.Node, root: torch.fx.Node) -> bool:
+        """Whether a node after the write ``node`` reads the memory it writes other than through ``written``."""
+        at = self.order[node]
+        return any(self.last_read[m] > at for m in self.members[root] if m is not written and m is not node)
+
+    def _refresh(self, node: torch.fx.Node) -> None:
+        for source in list(node.all_input_nodes):
+            now = self._now(source, node)
+            if now is not source:
+                node.replace_input_with(source, now)
+
+    def _now(self, node: torch.fx.Node, reader: torch.fx.Node) -> torch.fx.Node:
+        """``node`` as ``reader`` must read it: replayed on its root's current value if a write came after it."""
+        alias = self.aliases.get(node)
+        if alias is None or alias.root not in self.planned:
+            return node
+        version = self.version[alias.root]
+        if self.made_at.get(node, version) >= version:
+            return node
+        return self._replay(alias, reader, node)
+
+    def _replay(self, alias: Alias, reader: torch.fx.Node, stale: torch.fx.Node) -> torch.fx.Node:
+        """The view ``alias`` of its root's current value, its view nodes copied just before ``reader``."""
+        root = alias.root
+        if alias.steps is None:
+            maker = _op_name(_unreplayable(self.aliases, stale))
+            raise _unplannable(self.last_write[root], f"{reader.name} at {source_of(reader)} reads the written memory "
+                                                      f"afterwards through {stale.name}, a view of it that {maker} "
+                                                      f"makes and Harmony cannot replay")
+        value, version = self.current.get(root, root), self.version[root]
+        for i, step in enumerate(alias.steps):
+            if (step, version) not in self.replayed:
+                with self.graph.inserting_before(reader):
+                    args, kwargs = torch.fx.map_arg((step.args[1:], step.kwargs), lambda n: self._now(n, reader))
+                    new = self.graph.create_node(step.op, step.target, (value, *args), kwargs, name=step.name)
+                _inherit(new, step, step.meta.get("val"))
+                self.aliases[new] = Alias(root, alias.steps[: i + 1])
+                self.made_at[new] = version
+                self.replayed[step, version] = new
+            value = self.replayed[step, version]
+        return value
+
+
+def _written(gm: torch.fx.GraphModule, node: torch.fx.Node) -> torch.fx.Node | None:
+    """The node whose value ``node`` writes in place (its first argument), or None."""
+    if not node.args or not isinstance(node.args[0], torch.fx.Node):
+        return None
+    target = node.target
+    if node.op == "call_function" and isinstance(target, torch._ops.OpOverload):
+        first = target._schema.arguments[:1]
+        writes = bool(first) and first[0].alias_info is not None and first[0].alias_info.is_write
+    elif node.op == "call_method":
+        writes = target.endswith("_") and not target.startswith("_") and target not in _NOT_WRITES
+    elif node.op == "call_function":
+        name = getattr(target, "__name__", "")
+        writes = (target in _OPERATORS or _inplace_argument(node)
+                  or name.endswith("_") and not name.startswith("_") and getattr(torch, name, None) is target)
+    else:
+        writes = node.op == "call_module" and _out_of_place(gm, node) is not None
+    return node.args[0] if writes else None
+
+
+def _unreplayable(aliases: dict, node: torch.fx.Node) -> torch.fx.Node:
+    """The node nearest the root on ``node``'s chain of views that no replay can follow (a module's output)."""
+    while True:
+        root = aliases[node].root
+        source = next((s for s in node.all_input_nodes if s in aliases and aliases[s].root is root), None)
+        if source is None or aliases[source].steps is not None:
+            return node
+        node = source
+
+
+def _inherit(new: torch.fx.Node, old: torch.fx.Node, fallback) -> None:
+    """``new`` takes ``old``'s metadata (source line, module path) and a fake value of its own."""
+    new.meta.update({k: v for k, v in old.meta.items() if k not in ("val", "tensor_meta")})
+    value = _fake_value(new)
+    new.meta["val"] = value if value is not None else fallback
+
+
+def _fake_value(node: torch.fx.Node):
+    """``node`` run on its inputs' fake values, or None where that cannot be done."""
+    args, kwargs = torch.fx.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
+    mode = next((v.fake_mode for v in pytree.tree_leaves((args, kwargs)) if hasattr(v, "fake_mode")), None)
+    if mode is None or node.op not in ("call_function", "call_method"):
+        return None
+    try:
+        with mode:
+            if node.op == "call_method":
+                return getattr(args[0], node.target)(*args[1:], **kwargs)
+            return node.target(*args, **kwargs)
+    except Exception:  # noqa: BLE001 - the value is a hint; the cost model runs every node again
+        return None
+
+
+def _unplannable(node: torch.fx.Node, why: str) -> TraceError:
+    return TraceError(
+        f"in-place {_op_name(node)} at {source_of(node)} cannot be planned: {why}. Harmony trains graphs without "
+        f"in-place writes to activations; write it out of place (y = torch.cat([a, b], -1), x = x + y) or put the "
+        f"module that does it in leaf_modules")
 
 
 def _out_of_place(gm: torch.fx.GraphModule, node: torch.fx.Node):
@@ -166,20 +383,6 @@ def _storage(node: torch.fx.Node) -> int | None:
 
 def _state_storages(graph: torch.fx.Graph) -> set:
     return {s for n in graph.nodes if n.op == "get_attr" and (s := _storage(n)) is not None}
-
-
-def _later_readers_of_aliases(written: torch.fx.Node, node: torch.fx.Node, order: dict) -> list | None:
-    """Nodes after ``node`` that read ``written``'s memory through another node (a view, or a base it views);
-    None where the graph carries no fake values to tell."""
-    storage = _storage(written)
-    if storage is None:
-        return None
-    readers = []
-    for other in node.graph.nodes:
-        if other is written or other is node or order[other] >= order[node] or _storage(other) != storage:
-            continue
-        readers += [u for u in other.users if order[u] > order[node]]
-    return readers
 
 
 def _fresh(val):
