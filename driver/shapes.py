@@ -172,6 +172,10 @@ class ShapeCache:
             raise InputError(larger_text(self.sm, batch, self.names, larger))
         if any(t.dtype != e.dtype or t.dim() != e.dim() for t, e in zip(batch, base.example_batch)):
             return None, "its dtypes or dimensions differ from the example batch's"
+        rows = batch[0].shape[0] if batch and batch[0].dim() > 0 else 0
+        same = all(t.shape == e.shape for t, e in zip(batch, base.example_batch))
+        if same and microbatches == base.plan.microbatches:      # the example's shapes: every mode runs them
+            return base.plan.microbatch_rows(), ""
         refused = refuses_other_shapes(base)
         if refused:
             return None, refused
@@ -179,7 +183,6 @@ class ShapeCache:
         why = info.runs_at([tuple(t.shape) for t in batch]) if info is not None and info.sizes else "no trace info"
         if why is not None:
             return None, why
-        rows = batch[0].shape[0] if batch and batch[0].dim() > 0 else 0
         if rows == sum(base.plan.microbatch_rows()) and microbatches == base.plan.microbatches:
             return base.plan.microbatch_rows(), ""
         if rows < microbatches:

@@ -31,22 +31,22 @@ from torch.utils.data import DataLoader, Dataset
 
 
 class CountingDataset(Dataset):
-    """``size`` sequences of ``seq // 4`` to ``seq`` tokens, each ``start, start + stride, ...`` mod ``vocab``
-    (token 0 is the padding: the counts run over 1 .. vocab - 1)."""
+    """``size`` sequences of ``seq // 4`` to ``seq`` tokens (all ``seq`` where not ``varied``), each ``start, start +
+    stride, ...`` mod ``vocab`` (token 0 is the padding: the counts run over 1 .. vocab - 1)."""
 
-    def __init__(self, size: int, seq: int, vocab: int, seed: int):
+    def __init__(self, size: int, seq: int, vocab: int, seed: int, varied: bool = True):
         g = torch.Generator().manual_seed(seed)
         start = torch.randint(0, vocab - 1, (size, 1), generator=g)
         stride = torch.randint(1, 4, (size, 1), generator=g)
         ids = (start + stride * torch.arange(seq)) % (vocab - 1) + 1
-        lengths = torch.randint(max(2, seq // 4), seq + 1, (size,), generator=g)
+        lengths = torch.randint(max(2, seq // 4), seq + 1, (size,), generator=g) if varied else torch.full((size,), seq)
         self.seqs = [row[:n] for row, n in zip(ids, lengths.tolist())]
 
     def __len__(self):
         return len(self.seqs)
 
     def __getitem__(self, i):
-        return {"input_ids": self.seqs[i]}
+        return {"input_ids": self.seqs[i], "labels": self.seqs[i].clone()}   # the model shifts labels itself
 
 
 def pad_batch(samples: list[dict], to: int | None = None) -> dict:

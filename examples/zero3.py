@@ -46,9 +46,9 @@ def main(argv=None) -> dict:
     torch.manual_seed(args.seed)              # the same initial weights on every rank (compile broadcasts rank 0's)
     model = build_model(args)
     n = sum(p.numel() for p in model.parameters())
-    train = DataLoader(CountingDataset(args.batch * args.steps, args.seq, args.vocab, args.seed),
+    train = DataLoader(CountingDataset(args.batch * args.steps, args.seq, args.vocab, args.seed, varied=False),
                        batch_size=args.batch, drop_last=True)            # global batches, the same on every rank
-    val = next(iter(DataLoader(CountingDataset(args.batch, args.seq, args.vocab, args.seed + 1),
+    val = next(iter(DataLoader(CountingDataset(args.batch, args.seq, args.vocab, args.seed + 1, varied=False),
                                batch_size=args.batch)))
     rank, world = harmony.data.rank_and_world()
     out = Path(args.out or tempfile.mkdtemp(prefix="harmony-zero3-"))
@@ -56,7 +56,9 @@ def main(argv=None) -> dict:
     sm = harmony.compile(model, example_batch=harmony.data.shard(next(iter(train))), optimizer=torch.optim.AdamW,
                          optimizer_kwargs=dict(lr=args.lr), memory_budget=int(16 * n * args.budget),
                          microbatches=args.microbatches, data_parallel=True, shard_state=mode,
-                         weights_on="disk", offload_dir=out / f"offload-rank{rank}")
+                         weights_on="disk", offload_dir=out / f"offload-rank{rank}",
+                         loss_weighting="rows")     # as shard_state="full" weighs: --replicated compares bitwise
+
     say = print if rank == 0 else (lambda *a, **k: None)
     say(f"{world} ranks, Llama {n / 1e6:.2f}M parameters ({16 * n / MiB:.1f} MiB of fp32 weights, gradients and "
         f"AdamW state), shard_state={mode!r}, {args.batch // world} of each batch of {args.batch} per rank")

@@ -103,7 +103,8 @@ def test_a_batch_encoding_trains_bitwise_as_the_same_dict_and_as_eager():
     ref, ref_losses = eager(model, data, 2)
     by_dict = harmony.compile(copy.deepcopy(model), example_batch=data[0], microbatches=2)
     by_encoding = harmony.compile(copy.deepcopy(model), example_batch=batches[0], microbatches=2)
-    assert by_encoding.plan.input_names == ["input_ids", "labels"] and by_encoding.program.constants == {}
+    assert by_encoding.plan.input_names == ["input_ids", "labels", "num_items_in_batch"]
+    assert by_encoding.program.constants == {}
     dict_losses = [by_dict(**b).item() for b in data]
     # the three ways to hand a BatchEncoding over: as keywords, alone by position, and split
     encoding_losses = [by_encoding(**batches[0]).item(), by_encoding(batches[1]).item(),
@@ -177,7 +178,7 @@ def test_hugging_face_flags_in_a_batch_encoding_train_as_eager():
     batches[-1]["output_hidden_states"] = True
     ref, ref_losses = eager(model, batches, 2)
     sm = harmony.compile(copy.deepcopy(model), example_batch=batches[0], microbatches=2)
-    assert sm.plan.input_names == ["input_ids", "attention_mask", "labels"]
+    assert sm.plan.input_names == ["input_ids", "attention_mask", "labels", "num_items_in_batch"]
     assert sm.program.constants == dict(use_cache=False, output_hidden_states=False, return_dict=True)
     losses = [sm(b).item() for b in batches]
     assert losses == pytest.approx(ref_losses, rel=1e-6)

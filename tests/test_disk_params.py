@@ -239,7 +239,8 @@ def test_auto_places_weights_on_disk_only_when_the_host_cannot_hold_them():
         compile_gpt(share=4, weights_on="auto", host_memory_budget=4096, passes=("partition", "schedule", "offload"))
     tight = compile_gpt(share=4, weights_on="auto", host_memory_budget=e.value.min_budget)
     assert set(tight.plan.by_pack("master_on").values()) == {"disk"}
-    assert tight.program.reports[2].totals["host_planned_bytes"] <= e.value.min_budget
+    offload = next(r for r in tight.program.reports if "host_planned_bytes" in r.totals)
+    assert offload.totals["host_planned_bytes"] <= e.value.min_budget
     train(tight, DATA[:1])
     tight.close()
     # a budget between: the first-stepped packs go wholly to disk, the last-stepped one keeps its weights on

@@ -212,8 +212,9 @@ def test_fp16_with_loss_scaling_converges_on_the_copy_task():
     so the run is short), with the default scale 2**16 never overflowing."""
     model, c = _gpt()
     data = list(copy_task(c, 8, 2)) * 10
+    # rows: under token weighting this run's first step overflows at 2**16 and is skipped (issue 59's note)
     sm = harmony.compile(model, example_batch=data[0], memory_budget=int(training_state_bytes(model) * 0.5),
-                         microbatches=2, precision="fp16", optimizer_kwargs={"lr": 1e-2})
+                         microbatches=2, precision="fp16", optimizer_kwargs={"lr": 1e-2}, loss_weighting="rows")
     losses = [sm(*b).item() for b in data]
     sm.close()
     assert len(sm.plan.packs) > 1

@@ -24,8 +24,10 @@ ADAMW = dict(optimizer=torch.optim.AdamW, optimizer_kwargs=dict(lr=1e-3), optimi
 
 def _compile(world, **kw):
     model, data = CASES["gpt"](batch=4 * world)
+    # rows: the replicated and the partitioned runs weigh alike (shard_state="full" weighs by rows)
     sm = harmony.compile(model, example_batch=harmony.data.shard(data[0]), microbatches=2,
-                         memory_budget=int(training_state_bytes(model) * 0.5), **{**ADAMW, **kw})
+                         memory_budget=int(training_state_bytes(model) * 0.5),
+                         **{**ADAMW, "loss_weighting": "rows", **kw})
     return model, data, sm
 
 

@@ -43,6 +43,7 @@ def _compile_larger(world, host_memory_budget=None, **kw):
 
 
 def _train(world, path=None, larger=False, **kw):
+    kw = {"loss_weighting": "rows", **kw}   # replicated and partitioned runs weigh alike (shard_state="full": rows)
     model, data, sm = (_compile_larger(world, optimizer_on="host", **kw) if larger else
                        _compile(4 * world, optimizer_on="host", **kw))
     losses = [float(sm(*harmony.data.shard(data[i % len(data)]))) for i in range(STEPS)]
