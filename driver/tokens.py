@@ -44,7 +44,8 @@ def settle(program, weighting: Weighting, items) -> None:
     program.gm.meta[WEIGHTING] = weighting
     report = PassReport(f"loss weighting: {weighting.kind}", notes=[weighting.why])
     if weighting.tokens:
-        report.totals = dict(example_tokens=int(items))
+        # a simulated compile's batch is on the meta device: no count to read
+        report.totals = dict(example_tokens=int(items) if items.device.type != "meta" else None)
         program.step_hooks.append(token_stats)
     program.reports.insert(0, report)
 
