@@ -288,3 +288,17 @@ def hf_small_gpt2_case(batch=4, seed=0):
 ARCHITECTURES = {"llama": hf_small_llama_case, "mistral": hf_mistral_case, "qwen2": hf_qwen2_case,
                  "mixtral": hf_mixtral_case, "qwen2-moe": hf_qwen2_moe_case, "gpt-neox": hf_neox_case,
                  "t5": hf_t5_case, "gpt2": hf_small_gpt2_case, "resnet18": resnet18_case}
+
+
+def assert_graph_is_eager(gm, model, batch) -> None:
+    """The traced ``gm`` computes ``model``'s loss on ``batch`` and every parameter's gradient bitwise as eager does
+    (on a copy of the model: ``model`` is left as it was)."""
+    eager = copy.deepcopy(model)
+    ref = eager(*batch)
+    ref.backward()
+    loss = gm(*batch)
+    loss.backward()
+    assert torch.equal(loss, ref)
+    grads = dict(gm.named_parameters())
+    for name, p in eager.named_parameters():
+        assert torch.equal(grads[name].grad, p.grad), name

@@ -1,5 +1,5 @@
-"""How the report writes one value: JSON-safe data (``_plain``), bytes, seconds and significant digits
-(``fmt_value``), and long lines folded (``_wrap``)."""
+"""How the report writes one value: JSON-safe data (``plain``), bytes, seconds and significant digits
+(``fmt_value``), and long lines folded (``wrap``)."""
 from __future__ import annotations
 
 import math
@@ -8,20 +8,20 @@ import textwrap
 from harmony.base.units import fmt_bytes
 
 
-def _plain(x):
+def plain(x):
     """``x`` with only JSON types: tuples/sets become lists, non-finite floats null, the rest str."""
     if isinstance(x, dict):
-        return {str(k): _plain(v) for k, v in x.items()}
+        return {str(k): plain(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
-        return [_plain(v) for v in x]
+        return [plain(v) for v in x]
     if isinstance(x, (set, frozenset)):
-        return sorted((_plain(v) for v in x), key=str)
+        return sorted((plain(v) for v in x), key=str)
     if isinstance(x, bool) or x is None or isinstance(x, (int, str)):
         return x
     if isinstance(x, float):
         return x if math.isfinite(x) else None
     if hasattr(x, "item") and getattr(x, "ndim", 1) == 0:   # numpy / torch scalars
-        return _plain(x.item())
+        return plain(x.item())
     return str(x)
 
 
@@ -65,7 +65,7 @@ def fmt_value(key: str, value) -> str:
     return str(value)
 
 
-def _wrap(line: str, indent: int = 4) -> str:
+def wrap(line: str, indent: int = 4) -> str:
     """``line`` folded at 100 columns; a break falls after a comma when one is near, never inside a pair."""
     chunks = line.replace(", ", ",\0").split("\0")
     out, current = [], ""

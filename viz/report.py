@@ -29,7 +29,7 @@ from harmony.compiler.verify import state_sizes
 from harmony.runtime.ops import carried_names, ops_of, state_names
 from harmony.runtime.plan import STATE_KINDS
 from harmony.runtime.precision import device_bytes
-from harmony.viz.formats import _plain, _wrap, fmt_seconds, fmt_value, is_number
+from harmony.viz.formats import fmt_seconds, fmt_value, is_number, plain, wrap
 
 FORMATS = ("text", "markdown", "json")
 
@@ -66,7 +66,7 @@ def render(sm, fmt: str = "text") -> str:
         raise ConfigError(f"unknown report format {fmt!r}; choose one of {', '.join(FORMATS)}")
     data = summary(sm)
     if fmt == "json":
-        return json.dumps(_plain(data), indent=2)
+        return json.dumps(plain(data), indent=2)
     return _Writer(markdown=fmt == "markdown").document(data)
 
 
@@ -336,7 +336,7 @@ class _Writer:
         if self.md and notes:
             self.lines.append("")
         for note in notes:
-            self.lines.append(f"- *{note}*" if self.md else _wrap(f"note: {note}"))
+            self.lines.append(f"- *{note}*" if self.md else wrap(f"note: {note}"))
 
     def pairs(self, items, inline: bool = False):
         if not items:
@@ -349,10 +349,10 @@ class _Writer:
                 self.lines += [f"- **{k}**: {v}" for k, v in items]
             return
         if inline:
-            self.lines.append(_wrap("totals: " + ", ".join(f"{k} {v}" for k, v in items)))
+            self.lines.append(wrap("totals: " + ", ".join(f"{k} {v}" for k, v in items)))
             return
         width = max(len(k) for k, _ in items)
-        self.lines += [_wrap(f"{k:<{width}}  {v}", indent=width + 2) for k, v in items]
+        self.lines += [wrap(f"{k:<{width}}  {v}", indent=width + 2) for k, v in items]
 
     def table(self, rows: list[dict]):
         if not rows:
