@@ -15,7 +15,7 @@ from harmony.base.errors import ConfigError, InputError, TornStepError
 from harmony.base.process import peak_rss_bytes
 from harmony.driver.constants import split_call
 from harmony.driver.handshake import CALLS, agree
-from harmony.driver.shapes import describe, shape_key
+from harmony.driver.shapes import describe
 from harmony.driver.tokens import user_names, with_count
 from harmony.runtime.comm.world import check_world
 from harmony.runtime.executor import module_modes
@@ -90,7 +90,7 @@ def train_step(sm, batch: tuple, named: dict) -> torch.Tensor:
             if shape is not sm.shapes.example else contextlib.nullcontext():
         loss = run_step(sm, counted, rows)     # a transaction: rolled back if it raises
     sm.shapes.ran(route.key, shape)
-    sm.stats = step_stats(sm, shape, time.perf_counter() - t0, batch)
+    sm.stats = step_stats(sm, shape, time.perf_counter() - t0, route.key)
     return loss
 
 
@@ -149,7 +149,7 @@ def disk_stats(state) -> dict:
     return out
 
 
-def step_stats(sm, shape, seconds: float, batch: tuple = ()) -> dict:
+def step_stats(sm, shape, seconds: float, key: tuple | None = None) -> dict:
     """``sm.stats``: the step's measured memory, traffic and time beside what the plan that ran predicted."""
     rt, predicted = sm.runtime, shape.predicted
     stats = dict(step_seconds=seconds, measured_peak=rt.meter.peak,
@@ -159,7 +159,7 @@ def step_stats(sm, shape, seconds: float, batch: tuple = ()) -> dict:
                  predicted_h2d=predicted.moved["h2d"], predicted_d2h=predicted.moved["d2h"],
                  peak_rss_bytes=peak_rss_bytes(), huge_pages=sm.huge_pages,
                  idle_threads_sleep=sm.idle_threads_sleep)
-    key = shape_key(batch) if batch else shape.key
+    key = key or shape.key       # the batch's (the route's: the compiled plan runs smaller shapes too)
     if key != sm.shapes.example.key:     # another shape than the example batch's: the plan that ran, its rows
         stats.update(batch_shape=describe(key, sm.shapes.names), microbatch_rows=list(rt.rows),
                      plan="compiled" if shape is sm.shapes.example else "made for this shape")
