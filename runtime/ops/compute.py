@@ -9,6 +9,7 @@ import torch
 
 from harmony.runtime.ops import Acts, Predicted, Saved, arrived, backward, forward, label_args, register
 from harmony.runtime.plan import loss_seed
+from harmony.runtime.rng import rng_state, set_rng_state
 
 
 # -- forward / backward -----------------------------------------------------------------------
@@ -22,8 +23,11 @@ def _gather(rt, spec, handles):
 def _forward_execute(rt, pack, mb, *inputs, keep=False):
     spec = rt.plan.packs[pack]
     xs = _gather(rt, spec, inputs)
+    streams = rt.streams if spec.random else None     # None: between steps (an evaluation draws as it finds)
+    if streams is not None:      # microbatch mb's own stream, whatever ran before (runtime/rng.py)
+        streams.enter(mb)
     if spec.random and not keep:     # a recompute replays the forward's random numbers
-        rt.rng[(pack, mb)] = _rng_state(rt.device)
+        rt.rng[(pack, mb)] = rng_state(rt.device)
     with rt.counting():
         if keep:
             leaves = {n: _leaf(x, n not in rt.plan.input_names) for n, x in zip(spec.inputs, xs)}
@@ -37,21 +41,12 @@ def _forward_execute(rt, pack, mb, *inputs, keep=False):
             with torch.no_grad():
                 outs = spec.module(*xs)
             result = Acts(dict(zip(spec.outputs, outs)))
+    if streams is not None:
+        streams.leave(mb)
     rt.state.dirty.update(spec.mutated)
     if "loss" in result.values:
         rt.losses.append(result.values["loss"].detach().clone())
     return result
-
-
-def _rng_state(device: torch.device):
-    """The generator a pack's random ops draw from: the CPU's, and on a GPU the GPU's (dropout there uses it)."""
-    return (torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
-
-
-def _set_rng_state(device: torch.device, state) -> None:
-    torch.set_rng_state(state[0])
-    if state[1] is not None:
-        torch.cuda.set_rng_state(state[1], device)
 
 
 def _state_by_name(rt, spec, graph: list):
@@ -174,13 +169,13 @@ def _backward_execute(rt, pack, mb, *inputs, saved=None, grads=()):
             leaves = {n: _leaf(x, n not in rt.plan.input_names)
                       for n, x in zip(spec.inputs, _gather(rt, spec, inputs))}
             restore = [(t, t.clone()) for t in (rt.state.tensors[n] for n in spec.mutated)]
-            rng = _rng_state(rt.device) if spec.random else None
+            rng = rng_state(rt.device) if spec.random else None
             if spec.random:
-                _set_rng_state(rt.device, rt.rng.pop((pack, mb)))
+                set_rng_state(rt.device, rt.rng.pop((pack, mb)))
             with torch.enable_grad():
                 outs = dict(zip(spec.outputs, spec.module(*leaves.values())))
             if rng is not None:
-                _set_rng_state(rt.device, rng)
+                set_rng_state(rt.device, rng)
         else:
             leaves, outs, restore = arrived(rt, saved).leaves, saved.outs, []   # (a stashed graph: its copies)
         if "loss" in outs:   # the seed is fp32 (a no-op in fp32); fp16 scales it (GradScaler.scale)
