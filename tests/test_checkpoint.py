@@ -13,7 +13,6 @@ import pytest
 import torch
 
 import harmony
-import harmony.driver.checkpoint.io as ckpt
 import harmony.driver.checkpoint.files as ckfiles
 from harmony.errors import CheckpointError
 from harmony.models import GPT, GPTConfig, copy_task

@@ -160,8 +160,12 @@ class Staged:
     def discard(self) -> None:
         shutil.rmtree(self.tmp, ignore_errors=True)
 
-    def swap(self) -> None:
-        """``target`` becomes ``.old`` and ``tmp`` takes its place; the previous save stays as ``.old``."""
+    def swap(self, keep: Path | None = None) -> None:
+        """``tmp`` takes ``target``'s place, and the previous save stays as ``.old``: ``target``, or where ``keep``
+        names ``.old`` (``target`` is of a save that never committed on every rank), ``.old`` itself."""
+        if self.target.exists() and keep == self.old:
+            shutil.rmtree(self.target)
+            ckfiles.fsync_dir(self.target.parent)
         if self.target.exists():
             if self.old.exists():
                 shutil.rmtree(self.old)
@@ -193,8 +197,9 @@ class Staged:
 
 def commit_together(sm, stage, call: str) -> Path:
     """``stage()`` (this rank's checkpoint written under a temporary name: a ``Staged``) on every rank, then every
-    rank's renamed into place once every rank's is complete; a rank that fails in either phase makes every rank
-    raise, each with its previous checkpoint in place."""
+    rank's renamed into place once every rank's is complete, each keeping the last save complete on every rank as
+    ``.old`` until all have renamed; a rank that fails in either phase makes every rank raise, each with its
+    previous checkpoint in place."""
     handshake = sm.handshake
     staged, error = None, None
     try:
@@ -207,9 +212,19 @@ def commit_together(sm, stage, call: str) -> Path:
         if staged is not None:
             staged.discard()
         raise
+    # the last save complete on every rank is what each rank keeps as .old until this one has committed on all
+    try:
+        every = exchange(sm, held(staged.target), call)
+    except BaseException:
+        staged.discard()
+        raise
+    try:
+        chosen = choose(every, staged.target.parent)
+    except CheckpointError:         # the ranks' directories share no save: none to keep
+        chosen = None
     error = None
     try:
-        staged.swap()
+        staged.swap(Path(chosen[0][handshake.rank].path) if chosen else None)
     except OSError as e:
         error = CheckpointError(f"could not rename {staged.tmp} to {staged.target}: {e.strerror or e}; every rank "
                                 f"keeps its previous checkpoint. Check the file system and save again.")
