@@ -285,9 +285,10 @@ def _prepare_own(sm, path, held: list):
     """``_prepare`` of a checkpoint in this run's own layout: this rank's directory, of the save every rank holds
     (``saves.choose``)."""
     target, old, _ = ckfiles.paths(rank_path(sm, path))
-    chosen = saves.choose(held, os.path.realpath(os.fspath(path)))
+    own = getattr(sm.program.plan, "sharded", False)     # each rank its own directory; else all read ``path``
+    chosen = saves.choose(held, os.path.realpath(os.fspath(path))) if own else None
     if chosen is None:
-        src, recovered = ckfiles.find(target, old)      # raises: this rank, or another, has no checkpoint there
+        src, recovered = ckfiles.find(target, old)      # raises where there is none
         note = None
     else:
         src, note = Path(chosen[0][getattr(getattr(sm, "handshake", None), "rank", 0)].path), chosen[1]
