@@ -90,9 +90,9 @@ class Reshard:
     def __init__(self, path: Path, saved: Layout, here: Layout, rank: int, read_manifest):
         self.path, self.saved, self.here, self.rank = path, saved, here, rank
         chosen = choose([held(d) for d in saved.dirs], path)    # one save's directories, or refused naming ranks
-        if chosen is None:           # a rank's directory holds no checkpoint: find names it
-            for d in saved.dirs:
-                ckfiles.find(*ckfiles.paths(d)[:2])
+        if chosen is None:           # a rank's directory holds no checkpoint: find names it (or, first, what is
+            for d in saved.dirs:     # wrong with an earlier rank's)
+                read_manifest(ckfiles.find(*ckfiles.paths(d)[:2])[0])
             raise CheckpointError(f"a rank's directory under {path} holds no checkpoint")
         self.srcs = [Path(h.path) for h in chosen[0]]
         self.note = chosen[1]

@@ -39,10 +39,6 @@ class Held:
     rank: int | None
     readable: bool = True
 
-    @property
-    def old(self) -> bool:
-        return self.path.endswith(".old")
-
 
 def exchange(sm, mine, call: str) -> list:
     """Every rank's ``mine``, in rank order, over the module's handshake group; ``[mine]`` on one process."""
