@@ -82,6 +82,9 @@ class HarmonyTrainer(Trainer):
                               f"training step's {rows}: Harmony evaluates batches up to the compiled one; set "
                               f"per_device_eval_batch_size<={rows}")
         self.precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
+        if self.harmony_config.precision not in ("fp32", self.precision):
+            raise ConfigError(f"harmony_config precision={self.harmony_config.precision!r} but TrainingArguments ask "
+                              f"for {self.precision}: set bf16=True or fp16=True in TrainingArguments instead")
         self.sm = None
         self.example_batch = example_batch
         self._first_batch = example_batch is None      # the example is the loader's first batch
@@ -103,9 +106,6 @@ class HarmonyTrainer(Trainer):
 
     def _options(self) -> Config:
         cfg, args, given = self.harmony_config, self.args, self.precision
-        if cfg.precision != "fp32" and cfg.precision != given:
-            raise ConfigError(f"harmony_config precision={cfg.precision!r} but TrainingArguments ask for {given}: "
-                              f"set bf16=True or fp16=True in TrainingArguments and leave precision out")
         fields = dict(precision=given, clip_grad_norm=args.max_grad_norm if args.max_grad_norm > 0 else None,
                       microbatches=cfg.microbatches if cfg.microbatches > 1 else self.accumulation)
         if cfg.device == "cpu" and args.device.type != "cpu":
@@ -126,14 +126,11 @@ class HarmonyTrainer(Trainer):
         return self.harmony_module()       # no DDP wrapper: Harmony all-reduces the gradients itself
 
     def create_optimizer(self, model=None):
-        return self.harmony_module().optimizer
+        self.optimizer = self.harmony_module().optimizer     # Trainer wraps this one (Accelerate) on each train()
+        return self.optimizer
 
     def create_scheduler(self, num_training_steps: int, optimizer=None):
         sm = self.harmony_module()
-        if self.lr_scheduler is not None and self.lr_scheduler.optimizer is not sm.optimizer:
-            raise ConfigError("optimizers=(optimizer, scheduler): a scheduler built on your optimizer cannot drive "
-                              "Harmony's; pass optimizers=(optimizer, None) and lr_scheduler_type=, or build it "
-                              "in create_scheduler on trainer.sm.optimizer")
         stale = self.lr_scheduler is None and [s for s in sm.schedulers if getattr(s, "_harmony_trainer", False)]
         for s in stale or ():       # a second train(): Trainer builds its scheduler again
             sm.schedulers.remove(s)
@@ -173,6 +170,12 @@ class HarmonyTrainer(Trainer):
             raise ConfigError("HarmonyTrainer evaluates the loss only (sm.evaluate): compute_metrics and predict() "
                               "need the model's outputs; after train(), trainer.model holds the trained weights")
         return self.harmony_module().evaluate(inputs).detach().to(self.args.device), None, None
+
+    def predict(self, *args, **kwargs):
+        """Refused (``ConfigError``): Harmony's evaluation returns the loss, not the model's outputs."""
+        raise ConfigError("HarmonyTrainer.predict: Harmony evaluates the loss only (sm.evaluate), not the model's "
+                          "outputs; after train(), trainer.model holds the trained weights: run it, or "
+                          "trainer.evaluate() for the loss")
 
     def log(self, logs: dict, *args, **kwargs) -> None:
         """Trainer's logs, and with each training loss Harmony's figures since the last one: the peak bytes it
@@ -261,3 +264,6 @@ def _refuse(args, kwargs: dict, rest: tuple) -> None:
                       ("compute_metrics", "Harmony evaluates the loss only (sm.evaluate)")):
         if kwargs.get(name) is not None:
             raise ConfigError(f"HarmonyTrainer({name}=...): {why}")
+    if (kwargs.get("optimizers") or (None, None))[1] is not None:
+        raise ConfigError("HarmonyTrainer(optimizers=(optimizer, scheduler)): a scheduler built on your optimizer "
+                          "cannot drive Harmony's; pass optimizers=(optimizer, None) and lr_scheduler_type=")
