@@ -121,7 +121,7 @@ def main(argv=None) -> dict:
         again = transformers.LlamaForCausalLM.from_pretrained(f"{args.out}/final")
         same = all(torch.equal(v, again.state_dict()[k]) for k, v in sm.state_dict().items())
         print(f"from_pretrained gives the trained weights: {same}")
-    sm.close()
+    trainer.end()         # closes trainer.sm, then Trainer's end (trackers, the process group under torchrun)
     return metrics
 
 

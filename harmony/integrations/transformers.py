@@ -192,6 +192,13 @@ class HarmonyTrainer(Trainer):
         self.sm.sync_model()      # weights kept on disk between steps back into trainer.model (every rank calls)
         return out
 
+    def end(self):
+        """At the very end of a script: close ``trainer.sm`` (its threads, its offload files), then Trainer's end
+        (trackers, the process group)."""
+        if self.sm is not None:
+            self.sm.close()
+        super().end()
+
     # -- checkpoints ---------------------------------------------------------------------------------------------
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """The trained weights in ``save_pretrained``'s layout, read where Harmony keeps them."""
