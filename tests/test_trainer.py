@@ -42,8 +42,8 @@ def arguments(out, **changes) -> TrainingArguments:
     return TrainingArguments(str(out), **{**kw, **changes})
 
 
-def make(cls, out, dropout=0.1, train_rows=32, **changes):
-    extra = {"harmony_config": {"memory_budget": BUDGET}} if cls is HarmonyTrainer else {}
+def make(cls, out, dropout=0.1, train_rows=32, harmony_config=None, **changes):
+    extra = {"harmony_config": {"memory_budget": BUDGET, **(harmony_config or {})}} if cls is HarmonyTrainer else {}
     return cls(model=gpt2(dropout), args=arguments(out, **changes), train_dataset=dataset(train_rows, 1),
                eval_dataset=dataset(8, 2), **extra)
 
@@ -160,6 +160,39 @@ def test_what_harmony_cannot_honour_is_refused_before_anything_runs(tmp_path, ha
     with pytest.raises(ConfigError, match=match):
         HarmonyTrainer(model=gpt2(0.0), args=arguments(tmp_path, **changes), train_dataset=dataset(8, 1),
                        harmony_config=harmony_config, **kwargs)
+
+
+@pytest.mark.parametrize("changes, harmony_config, expected", [
+    ({"bf16": True, "gradient_accumulation_steps": 4, "max_grad_norm": 0.3}, None,
+     {"precision": "bf16", "microbatches": 4, "clip_grad_norm": 0.3}),
+    ({"max_grad_norm": 0.0, "gradient_accumulation_steps": 1}, {"microbatches": 2, "memory_budget": "2MiB"},
+     {"precision": "fp32", "microbatches": 2, "clip_grad_norm": None, "memory_budget": 2 * 2**20}),
+    ({"fp16": True}, {"loss_scaling": {"init_scale": 2.0**10}},
+     {"precision": "fp16", "microbatches": 2, "loss_scaling": {"init_scale": 2.0**10}}),
+])
+def test_trainers_arguments_become_harmonys_options(tmp_path, changes, harmony_config, expected):
+    trainer = HarmonyTrainer(model=gpt2(0.0), args=arguments(tmp_path, **changes), train_dataset=dataset(8, 1),
+                             harmony_config=harmony_config)
+    options = trainer._options()
+    assert {k: getattr(options, k) for k in expected} == expected
+    rows = 4 * (changes.get("gradient_accumulation_steps") or 2)
+    assert (trainer.args.per_device_train_batch_size, trainer.args.gradient_accumulation_steps) == (rows, 1)
+    assert not trainer.args.fp16 and trainer.accelerator.scaler is None     # Harmony scales fp16's loss itself
+
+
+@pytest.mark.slow
+def test_an_fp16_step_skipped_for_overflow_leaves_the_learning_rate(tmp_path):
+    """Harmony skips the steps whose gradients overflow at a loss scale of 2**20 and lowers the scale; Trainer's
+    scheduler steps only after the step that was taken, as it does after GradScaler."""
+    trainer = make(HarmonyTrainer, tmp_path, dropout=0.0, max_steps=4, fp16=True, warmup_steps=0,
+                   harmony_config={"loss_scaling": {"init_scale": 2.0**20}})
+    trainer.train()
+    logs = logged(trainer)
+    skipped = trainer.sm.stats["skipped_steps"]
+    assert 0 < skipped < 3 and trainer.sm.program.config.precision == "fp16"
+    lrs = [logs[s]["learning_rate"] for s in sorted(logs)]
+    assert lrs[:skipped + 1] == [1e-3] * (skipped + 1) and lrs[skipped + 1] < 1e-3, lrs
+    trainer.end()
 
 
 def test_a_checkpoint_without_harmonys_state_and_predict_are_refused(tmp_path):

@@ -69,7 +69,8 @@ class HarmonyTrainer(Trainer):
     def __init__(self, model=None, args: TrainingArguments | None = None, *rest, harmony_config=None,
                  example_batch=None, **kwargs):
         args = args if args is not None else TrainingArguments(output_dir="tmp_trainer")
-        self.harmony_config = _config_of(harmony_config)
+        self.precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
+        self.harmony_config = _config_of(harmony_config, self.precision)
         _refuse(args, kwargs, rest)
         own = copy.copy(args)     # the user's arguments stay as given; Trainer's loop runs on these
         self.accumulation = args.gradient_accumulation_steps
@@ -81,7 +82,6 @@ class HarmonyTrainer(Trainer):
             raise ConfigError(f"per_device_eval_batch_size={args.per_device_eval_batch_size} is more rows than a "
                               f"training step's {rows}: Harmony evaluates batches up to the compiled one; set "
                               f"per_device_eval_batch_size<={rows}")
-        self.precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
         if self.harmony_config.precision not in ("fp32", self.precision):
             raise ConfigError(f"harmony_config precision={self.harmony_config.precision!r} but TrainingArguments ask "
                               f"for {self.precision}: set bf16=True or fp16=True in TrainingArguments instead")
@@ -145,6 +145,7 @@ class HarmonyTrainer(Trainer):
         Trainer's ``num_items_in_batch`` is not needed: Harmony counts the batch's label tokens itself)."""
         sm = self.harmony_module()
         sm.train()
+        scale = sm.loss_scale
         try:
             loss = sm(inputs)
         except InputError as e:
@@ -153,6 +154,9 @@ class HarmonyTrainer(Trainer):
                            "later batch is longer, pass example_batch= one padded to the longest (docs/trainer.md)")
             raise
         stats, w = sm.stats, self._window
+        if scale is not None:     # fp16: a step skipped for inf/nan gradients (its scale lowered) leaves the lr
+            # where it was, as Trainer does when GradScaler skips one (Trainer reads Accelerate's flag, as Accelerate)
+            self.optimizer._is_overflow = sm.loss_scale < scale
         w["steps"] = w.get("steps", 0) + 1
         w["peak"] = max(w.get("peak", 0), stats["measured_peak"])
         w["h2d"] = w.get("h2d", 0) + stats["h2d_bytes"]
@@ -239,11 +243,11 @@ def _harmony_state(checkpoint: str) -> str:
     return path
 
 
-def _config_of(given) -> Config:
+def _config_of(given, precision: str) -> Config:
     if given is None or isinstance(given, Config):
         cfg = given or Config()
-    elif isinstance(given, dict):
-        cfg = Config.of(None, **given)
+    elif isinstance(given, dict):      # TrainingArguments' precision first: loss_scaling= is checked against it
+        cfg = Config.of(None, **{"precision": precision, **given})
     else:
         raise ConfigError(f"harmony_config={given!r}: give a harmony.Config or a dict of its fields")
     default = Config()
