@@ -15,7 +15,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
-from harmony.errors import CheckpointError, ConfigError  # noqa: E402
+from harmony.errors import CheckpointError, ConfigError, InputError  # noqa: E402
 from harmony.integrations.transformers import HarmonyTrainer  # noqa: E402
 from transformers import Trainer, TrainingArguments  # noqa: E402
 
@@ -192,6 +192,26 @@ def test_an_fp16_step_skipped_for_overflow_leaves_the_learning_rate(tmp_path):
     assert 0 < skipped < 3 and trainer.sm.program.config.precision == "fp16"
     lrs = [logs[s]["learning_rate"] for s in sorted(logs)]
     assert lrs[:skipped + 1] == [1e-3] * (skipped + 1) and lrs[skipped + 1] < 1e-3, lrs
+    trainer.end()
+
+
+@pytest.mark.slow
+def test_a_batch_longer_than_the_loaders_first_is_refused_saying_to_give_example_batch(tmp_path):
+    """Dynamic padding: compiled with the first batch (8 rows of 8 tokens), the next (16 tokens) is an InputError
+    before anything changes, whose note names example_batch=."""
+    rows = [{"input_ids": r[:8] if i < 8 else r} for i, r in enumerate(torch.randint(0, VOCAB, (16, SEQ)))]
+
+    def pad(samples):
+        ids = torch.nn.utils.rnn.pad_sequence([s["input_ids"] for s in samples], batch_first=True)
+        return {"input_ids": ids, "labels": ids}
+
+    args = arguments(tmp_path, max_steps=2, train_sampling_strategy="sequential")
+    trainer = HarmonyTrainer(model=gpt2(0.0), args=args, train_dataset=rows, data_collator=pad,
+                             harmony_config={"memory_budget": BUDGET})
+    with pytest.raises(InputError, match="larger than the compiled example batch") as e:
+        trainer.train()
+    assert any("example_batch=" in note for note in e.value.__notes__)
+    assert trainer.sm.steps == 1 and trainer.state.global_step == 1
     trainer.end()
 
 
