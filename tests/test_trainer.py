@@ -150,7 +150,7 @@ def test_resume_from_checkpoint_is_bitwise_the_uninterrupted_run(full_run, tmp_p
     ({"precision": "fp16"}, {"bf16": True}, {}, "precision"),
     ("512KiB", {}, {}, "harmony.Config"),
     (None, {"per_device_eval_batch_size": 16}, {}, "per_device_eval_batch_size"),
-    (None, {"torch_compile": True}, {}, "torch.compile"),
+    (None, {"torch_compile": True}, {}, "torch_compile"),
     (None, {"gradient_checkpointing": True}, {}, "recompute"),
     (None, {}, {"compute_metrics": lambda p: {}}, "loss only"),
     (None, {}, {"model_init": lambda: None}, "compiled once"),

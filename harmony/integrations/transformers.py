@@ -27,8 +27,7 @@ STATE_DIR = "harmony"       # Harmony's training state, inside each of Trainer's
 
 # TrainingArguments Harmony cannot honour: (field, is it set, why, what to do instead)
 _REFUSED = [
-    ("torch_compile", bool, "Harmony runs the step itself", "compile a torch.compile'd model: give "
-     "HarmonyTrainer(model=torch.compile(model)) instead"),
+    ("torch_compile", bool, "Harmony runs the step itself (a schedule dynamo cannot capture)", "leave it off"),
     ("gradient_checkpointing", bool, "Harmony plans recompute itself", "leave it off; harmony_config's "
      "recompute= chooses (docs/memory.md)"),
     ("activation_checkpointing", bool, "Harmony plans recompute itself", "leave it off; harmony_config's "
@@ -56,7 +55,7 @@ class HarmonyTrainer(Trainer):
       (``host_memory_budget``, ``optimizer_on``, ``weights_on``, ...), ``compression``, ``shard_state``, ...
     - ``example_batch``: the largest batch a step takes (one collated batch of
       ``per_device_train_batch_size x gradient_accumulation_steps`` rows). Default: the training loader's first
-      batch, right where every batch has its length; with dynamic padding give one padded to the longest length.
+      batch, which is right where all batches have one length; with dynamic padding give one padded to the longest.
 
     From ``TrainingArguments``: the optimizer Trainer builds (``optim``, ``learning_rate``, ``weight_decay``, its
     decay groups) or the one given as ``optimizers=(optimizer, None)``; the scheduler ``lr_scheduler_type`` makes,
@@ -229,9 +228,12 @@ class HarmonyTrainer(Trainer):
 
 
 def _rows(batch) -> int:
-    first = next(iter(batch.values())) if hasattr(batch, "values") else batch[0] if isinstance(batch, (tuple, list)) \
-        else batch
-    return first.shape[0]
+    """Rows of a batch as compile takes it: a Mapping of tensors, a tuple of them, or one tensor."""
+    if hasattr(batch, "values"):
+        batch = next(iter(batch.values()))
+    elif isinstance(batch, (tuple, list)):
+        batch = batch[0]
+    return batch.shape[0]
 
 
 def _harmony_state(checkpoint: str) -> str:
