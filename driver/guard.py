@@ -33,9 +33,11 @@ class Guard:
                               f"restores a checkpoint into the new module).")
 
 
-def guarded(call: str):
+def guarded(call: str, reads: bool = False):
     """Run the decorated function, whose first argument is the module, holding the module's lock; refused once
-    the module is closed. ``call`` names it in the error (``"sm(...)"``, ``"harmony.save"``)."""
+    the module is closed. ``call`` names it in the error (``"sm(...)"``, ``"harmony.save"``). ``reads``: it only
+    reads the training state, which a closed module still holds in memory (its weights, after training): refused
+    only where some of that state lived in offload files, which ``close`` removed."""
     def wrap(fn):
         @functools.wraps(fn)
         def run(sm, *args, **kwargs):
@@ -43,10 +45,18 @@ def guarded(call: str):
             if guard is None:       # a module assembled without one (never by harmony.compile)
                 return fn(sm, *args, **kwargs)
             with guard.lock:
-                guard.refuse_closed(call)
+                if not (reads and not on_disk(sm)):
+                    guard.refuse_closed(call)
                 return fn(sm, *args, **kwargs)
         return run
     return wrap
+
+
+def on_disk(sm) -> bool:
+    """Whether some of the module's training state lives in files (weights or optimizer state on the disk tier)."""
+    state = getattr(sm.runtime, "state", None)
+    return state is not None and (getattr(state, "disk", None) is not None
+                                  or getattr(state, "params_disk", None) is not None)
 
 
 def close(sm) -> None:

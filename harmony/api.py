@@ -140,7 +140,7 @@ class ScheduledModule(torch.nn.Module):
         return simulate(self.graph, self.plan, hardware, device, memory=self.predicted,
                         sizes=state_sizes(self.program))
 
-    @guarded("sm.state_dict()")
+    @guarded("sm.state_dict()", reads=True)
     def state_dict(self, *, destination=None, prefix: str = "", keep_vars: bool = False) -> dict:
         """The model's parameters and buffers by its names, as ``model.state_dict()``, read wherever they live."""
         return checkpoint.module_state_dict(self, destination, prefix, keep_vars)
@@ -150,7 +150,7 @@ class ScheduledModule(torch.nn.Module):
         """Set the model's weights from ``state_dict`` (the model's names) wherever they live; optimizer state stays."""
         return checkpoint.load_module_state_dict(self, state_dict, strict, assign)
 
-    @guarded("sm.training_state_dict()")
+    @guarded("sm.training_state_dict()", reads=True)
     def training_state_dict(self) -> dict:
         """The training state (weights, optimizer state, hyperparameters, step, RNG), referencing live tensors."""
         return checkpoint.training_state_dict(self)

@@ -115,7 +115,9 @@ def test_a_closed_module_refuses_every_call_saying_it_is_closed(reference, tmp_p
     calls = {"sm(...)": lambda: sm(X, Y), "sm.evaluate(...)": lambda: sm.evaluate(X, Y),
              "harmony.save": lambda: harmony.save(sm, tmp_path / "after"),
              "harmony.load": lambda: harmony.load(sm, tmp_path / "ck"),
-             "sm.training_state_dict()": sm.training_state_dict, "sm.state_dict()": sm.state_dict}
+             "sm.load_state_dict()": lambda: sm.load_state_dict(weights)}
+    weights = sm.state_dict()     # what training left in memory stays readable after close
+    assert torch.equal(weights[next(iter(weights))], sm.training_state_dict()["model"][next(iter(weights))])
     for call, run in calls.items():
         with pytest.raises(ClosedError, match=rf"^{call.replace('(', '[(]').replace(')', '[)]')}: this module was "
                                               r"closed .*compile the model again"):
