@@ -18,36 +18,21 @@ import warnings
 from pathlib import Path
 
 import pytest
-import torch
 
 import harmony
 import harmony.data
 import harmony.driver.checkpoint.files as ckfiles
 from harmony.errors import CheckpointError
-from models import mlp_case, training_state_bytes
-from test_collectives import _digest, _spawn
+from test_collectives import _spawn
+from test_reshard import _compile as compile_mlp
+from test_reshard import _digest_of, _step
 
-MODES = {"full": "full", "z1": True}
+
+MODES = ("full", "z1")      # shard_state="full" and True, as test_reshard names them
 
 
 def _compile(mode, world, seed=0):
-    model, _ = mlp_case(batch=12, seed=seed)
-    data = mlp_case(batch=12)[1]
-    kw = dict(shard_state=MODES[mode]) if world > 1 else {}
-    sm = harmony.compile(model, example_batch=harmony.data.shard(data[0]) if world > 1 else data[0],
-                         microbatches=2, memory_budget=int(training_state_bytes(model) * 0.5),
-                         optimizer=torch.optim.AdamW, optimizer_kwargs=dict(lr=1e-3), optimizer_on="host", **kw)
-    return model, data, sm
-
-
-def _step(sm, data, i, world):
-    sm(*(harmony.data.shard(data[i]) if world > 1 else data[i]))
-
-
-def _digest_of(model, sm):
-    if getattr(sm.runtime.state, "shares", None) is not None:
-        sm.sync_model()
-    return _digest([p.detach() for p in model.parameters()])
+    return compile_mlp(mode, world, seed, data_seeds=(0,))
 
 
 def _barrier():
