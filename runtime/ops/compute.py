@@ -162,7 +162,7 @@ def _forward_cost(plan, hw, pack, mb, *inputs, keep=False):
     return "compute", pack_compute_cost(hw, spec.fwd_flops, ops, ondemand_seconds(plan, hw, ops))
 
 
-def _backward_execute(rt, pack, mb, *inputs, saved=None, grads=()):
+def _backward_execute(rt, pack, mb, *inputs, saved=None, grads=(), chain=(), totals=()):
     spec = rt.plan.packs[pack]
     with rt.counting():
         if saved is None:  # recompute the pack's forward from its stashed inputs
@@ -185,10 +185,18 @@ def _backward_execute(rt, pack, mb, *inputs, saved=None, grads=()):
             upstream: dict[str, torch.Tensor] = {}
             for g in grads:
                 for k, v in arrived(rt, g).values.items():
+                    if k in totals and k in upstream:     # the first reader's sum already holds this one's
+                        continue
                     upstream[k] = upstream[k] + v if k in upstream else v
             pairs = [(outs[k], upstream[k]) for k in spec.outputs
                      if k in upstream and isinstance(outs[k], torch.Tensor) and outs[k].requires_grad]
             tensors, seeds = [p[0] for p in pairs], [p[1] for p in pairs]
+        for n, h in chain:    # a value several packs read: its gradient goes on from the later readers' sum
+            x, before = leaves.get(n), arrived(rt, h).values.get(n) if h is not None else None
+            if before is not None and isinstance(x, torch.Tensor) and x.requires_grad:
+                # made after the pack's ops, this view's backward runs before theirs (autograd runs the
+                # latest-made node first): the sum so far is the first term of the leaf's, as in eager's fold
+                tensors, seeds = [*tensors, x.view_as(x)], [*seeds, before]
         if tensors:
             torch.autograd.backward(tensors, seeds)
         for t, old in restore:  # running statistics advance once per microbatch, not again on recompute
@@ -200,7 +208,7 @@ def _backward_execute(rt, pack, mb, *inputs, saved=None, grads=()):
     return result
 
 
-def _backward_effect(m, pack, mb, *inputs, saved=None, grads=()):
+def _backward_effect(m, pack, mb, *inputs, saved=None, grads=(), chain=(), totals=()):
     spec = m.plan.packs[pack]
     accumulate = bool(spec.params) and all(n in m.grads_exist for n in spec.params)
     if saved is None:
@@ -217,7 +225,7 @@ def _backward_effect(m, pack, mb, *inputs, saved=None, grads=()):
     return Predicted(spec.in_bytes), transient
 
 
-def _backward_cost(plan, hw, pack, mb, *inputs, saved=None, grads=()):
+def _backward_cost(plan, hw, pack, mb, *inputs, saved=None, grads=(), chain=(), totals=()):
     spec = plan.packs[pack]
     recompute = saved is None
     flops = spec.bwd_flops + (spec.fwd_flops if recompute else 0)
