@@ -175,9 +175,11 @@ class ScheduledModule(torch.nn.Module):
 
     @guarded("sm.sync_model()")
     def sync_model(self) -> list[str]:
-        """Read weights that live on disk between steps (``weights_on="disk"``) into the model passed to compile,
-        whose forward and state_dict refuse until then (driver/usermodel.py); returns their names."""
-        if getattr(getattr(self.runtime, "state", None), "shares", None) is not None:   # it gathers the shares
+        """Read the weights that live elsewhere between steps (on disk, in other ranks' shares under
+        ``shard_state="full"``, on other pipeline ranks) into the model passed to compile, whose forward and
+        state_dict refuse until then (driver/usermodel.py); returns their names. Every rank calls it."""
+        if getattr(getattr(self.runtime, "state", None), "shares", None) is not None \
+                or getattr(self.plan, "stage", None) is not None:     # it gathers from every rank
             agree(self, CALLS[3])
         return sync_model(self)
 
