@@ -13,6 +13,8 @@ from models import hf_small_llama_case, training_state_bytes
 from test_collectives import _spawn
 
 import harmony
+import harmony.data
+from harmony.integrations.pretrained import save_pretrained
 from harmony.errors import OffloadError
 
 
@@ -32,6 +34,7 @@ def _run(rank, world, root):
         return state
     sm(**data[0])
     harmony.save(sm, Path(root) / "p2")
+    save_pretrained(sm, Path(root) / "hf")      # each rank its packs' weights, one file a rank
     state = {n: t.numpy().copy() for n, t in sm.training_state_dict()["model"].items()}
     brought = sm.sync_model()        # every rank's model: the whole trained model
     whole = {n: t.detach().numpy().copy() for n, t in sm.model.state_dict().items()}
@@ -65,3 +68,38 @@ def test_a_pipelines_checkpoint_of_a_hf_llama_loads_into_one_process_bitwise():
         for n, t in synced[r]["whole"].items():
             assert t.tobytes() == one[n].tobytes(), (r, n)
         assert "other pipeline ranks" in synced[r]["after"]
+    _same_model(Path(root) / "hf", one)
+
+
+def _zero3(rank, world, root):
+    model, data = hf_small_llama_case(batch=8)
+    sm = harmony.compile(model, harmony.data.shard(data[0]), memory_budget=int(training_state_bytes(model) * 0.8),
+                         microbatches=2, shard_state="full", comm_timeout=30)
+    sm(**harmony.data.shard(data[0]))
+    save_pretrained(sm, Path(root) / "hf3")     # gathered into every rank's model, rank 0 writes
+    state = {n: t.detach().numpy().copy() for n, t in sm.model.state_dict().items()}
+    sm.close()
+    return state
+
+
+@pytest.mark.slow
+def test_save_pretrained_from_zero3_loads_with_from_pretrained():
+    root = tempfile.mkdtemp()
+    ranks = _spawn(2, _zero3, root, timeout=600, pg_timeout=60)
+    assert all(isinstance(v, dict) for v in ranks.values()), ranks
+    _same_model(Path(root) / "hf3", ranks[0])
+
+
+def _same_model(path: Path, weights: dict) -> None:
+    """``path`` loads with from_pretrained into ``weights`` bit for bit, and generates what they generate."""
+    import torch
+    import transformers
+    back = transformers.AutoModelForCausalLM.from_pretrained(path)
+    for n, t in back.state_dict().items():
+        assert t.numpy().tobytes() == weights[n].tobytes(), n
+    fresh, data = hf_small_llama_case(batch=8)
+    fresh.load_state_dict({n: torch.from_numpy(t) for n, t in weights.items()}, strict=False)
+    prompt = data[0]["input_ids"][:2, :4]
+    a = back.generate(prompt, max_new_tokens=5, do_sample=False)
+    b = fresh.generate(prompt, max_new_tokens=5, do_sample=False)
+    assert torch.equal(a, b)
