@@ -20,6 +20,7 @@ import datetime
 import torch
 
 from harmony.base.errors import CheckpointError, CommunicationError, InputError
+from harmony.runtime.comm.jobwide import StepStatus
 
 CALLS = ("sm(...) (a training step)", "harmony.save", "harmony.load", "sm.sync_model()")
 
@@ -109,6 +110,8 @@ def attach(sm) -> None:
         import torch.distributed as dist
         if dist.is_available() and dist.is_initialized():
             sm.handshake = Handshake(dist.get_rank(), world, cfg.comm_timeout)
+            # each step's outcome is the job's: a failure is told at the next collective (runtime/comm/jobwide.py)
+            sm.runtime.status = StepStatus(sm.handshake.rank, world, sm.handshake.group, cfg.comm_timeout)
 
 
 def agree(sm, call: str, refused: Exception | None = None, plans: bool = False) -> None:

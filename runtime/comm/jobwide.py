@@ -1,0 +1,154 @@
+"""A training step's outcome is the job's: a rank whose step fails tells the others at the next collective they
+meet, and every rank rolls the same step back.
+
+Every collective of a step (a gradient all-reduce, a reduce-scatter or gather of ``shard_state="full"``, the ZeRO-1
+broadcasts, a pipeline's sends and receives and its loss broadcast) starts with a ``meet``: one all-reduce of one
+integer per rank on the collective's own group and thread, saying whether this rank's step has failed. While none
+has, the collective runs as it always did (its bytes unchanged: bitwise what it was). A rank whose step fails
+(a bad batch, an exception in the model, Ctrl-C, a failed disk read) rolls back as one process does
+(runtime/transaction.py) and, on its way out, ``replay``\\ s the rest of its schedule's collectives as meets only,
+saying it failed: its peers, waiting in the next collective, learn it there, skip that collective and every later
+one the same way (their replays), and raise ``StepAbortedError``. So every rank makes every meet of the step, in
+the schedule's order, on every group, and no rank waits for a collective that a peer will never make. A pipeline's
+point-to-point messages carry the same word in the mask that precedes each message (``ABORT``).
+
+Once every rank has replayed, the ranks that met a failure (all of them, or none: a meet is a collective) exchange
+what happened on the handshake's group (``settle``): the failing ranks' errors, and each rank's outcome. A step
+that updated no pack anywhere is rolled back everywhere and the job trains on as if it had not happened; one
+that updated some packs somewhere (a torn step) leaves every rank refusing alike until a checkpoint is loaded.
+A failure after a rank's last collective (nothing left to tell) is told at the next call's handshake instead
+(driver/handshake.py carries each rank's torn state).
+"""
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+
+from harmony.base.errors import StepAbortedError
+
+OK, SEEN, FAILED = 0, 1, 2      # what a rank says at a meet: its step runs; it knows of a failure; its own failed
+ABORT = 255                     # a pipeline message's mask that says the sender's step failed (runtime/pipeline.py)
+STEP_KEY = "default group"      # the meets of the collectives on the default group (the host thread's)
+GHOSTS: dict = {}               # op name -> what it does in a replay: its meets only (``ghost``)
+
+
+def ghost(op):
+    """Register ``fn(rt, node)`` as what op ``op`` (its stub) does in a replay: the meets its collectives make, in
+    their order (each module of a collective registers its own)."""
+    def register(fn):
+        GHOSTS[op.__name__] = fn
+        return fn
+    return register
+
+
+class Aborted(StepAbortedError):
+    """A meet found another rank's step failed (the ranks' errors are exchanged later, in ``settle``)."""
+
+
+class StepStatus:
+    """One runtime's view of the step under way across the job (``Runtime.status``; None in one process)."""
+
+    def __init__(self, rank: int, world: int, group, timeout: float):
+        self.rank, self.world, self.group, self.timeout = rank, world, group, timeout
+        self.active = False            # a step is under way (an evaluation's gathers meet nobody)
+        self.begin(active=False)
+
+    def begin(self, active: bool = True) -> None:
+        self.active = active
+        self.failed = False            # this rank's step failed: its later meets say so
+        self.seen = False              # a meet said a rank's step failed: this step is aborted on every rank
+        self.failed_ranks: set[int] = set()
+        self.seen_on: set = set()      # the keys whose meets found it
+        self.done: Counter = Counter()        # meets made, per key
+        self.replayed: Counter | None = None  # during ``replay``: meets the replay has passed, per key
+
+    # -- the meets -------------------------------------------------------------------------------
+    def skip(self, key) -> bool:
+        """During a replay, whether the meet ``key`` is one this rank made already."""
+        if self.replayed is None:
+            return False
+        self.replayed[key] += 1
+        return self.replayed[key] <= self.done[key]
+
+    def word(self) -> int:
+        return FAILED if self.failed else SEEN if self.seen else OK
+
+    def meet(self, key, group=None, what: str = "a collective") -> bool:
+        """Before a collective of the step on ``group``: every rank says how its step stands. True: run it; False: a
+        rank's step failed (this one's included), skip it. Outside a step, True without a word."""
+        if not self.active or self.skip(key):
+            return not (self.active and (self.seen or self.failed))
+        import torch.distributed as dist
+
+        from harmony.runtime.comm.collectives import comm_error
+        self.done[key] += 1
+        words = torch.zeros(self.world, dtype=torch.int32)
+        words[self.rank] = self.word()
+        try:
+            dist.all_reduce(words, group=group)
+        except (RuntimeError, dist.DistError) as e:
+            raise comm_error(f"{what} (its step's status exchange)", e, self.timeout, group) from e
+        self.heard(key, [r for r, w in enumerate(words.tolist()) if w == FAILED], bool(words.any()))
+        return not self.seen
+
+    def heard(self, key, failed: list[int], any_word: bool) -> None:
+        self.failed_ranks.update(failed)
+        if any_word:
+            self.seen = True
+            self.seen_on.add(key)
+
+    def aborted_on(self, key) -> bool:
+        """Whether a meet of ``key`` found a failure: what a host update asks before it steps. (Not whether any
+        meet did: the meets of another thread are not in step with this thread's work on every rank alike.)"""
+        return self.active and key in self.seen_on
+
+    def check(self) -> None:
+        """Raise ``Aborted`` where a meet found a failure (the executor asks before each op)."""
+        if self.seen and not self.failed:
+            raise Aborted(f"rank {self.rank}: another rank's step failed")
+
+    # -- after a failure -------------------------------------------------------------------------
+    def go(self, key, group=None, what: str = "a collective") -> None:
+        """``meet``, raising ``Aborted`` where the collective is to be skipped."""
+        if not self.meet(key, group, what):
+            raise Aborted(f"rank {self.rank}: a rank's step failed before {what}")
+
+    def replay(self, rt) -> None:
+        """The schedule's collectives this rank has not made yet, as meets only (each op's ``ghost``)."""
+        self.replayed = Counter()
+        try:
+            for node in rt.graph.nodes:
+                if node.op != "call_function":
+                    continue
+                fn = GHOSTS.get(getattr(node.target, "__name__", None))
+                if fn is not None:
+                    fn(rt, node)
+        finally:
+            self.replayed = None
+
+    def settle(self, error: BaseException, outcome: str) -> list:
+        """Every rank's (error text or None, outcome) once all have replayed; only where a meet saw a failure."""
+        import torch.distributed as dist
+
+        from harmony.runtime.comm.collectives import comm_error
+        mine = None if isinstance(error, Aborted) else f"{type(error).__name__}: {_first_line(error)}"
+        got: list = [None] * self.world
+        try:
+            dist.all_gather_object(got, (mine, outcome), group=self.group)
+        except (RuntimeError, dist.DistError) as e:
+            raise comm_error("the exchange of the ranks' step outcomes", e, self.timeout, self.group) from e
+        return got
+
+
+def aborted_error(status: StepStatus, got: list) -> StepAbortedError:
+    """The error a rank whose own step did not fail raises: which ranks failed and how."""
+    errors = {r: msg for r, (msg, _) in enumerate(got) if msg is not None}
+    each = "; ".join(f"rank {r} failed: {msg}" for r, msg in errors.items())
+    return StepAbortedError(f"the training step was aborted on every rank of {status.world} because {each}. This "
+                            f"rank (rank {status.rank}) stopped at the collective where it learned it", errors)
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error)
+    return text.splitlines()[0] if text else "(no message)"

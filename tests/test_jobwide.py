@@ -1,0 +1,102 @@
+"""Issue 61: a rank's failed step is the job's, handled together on every rank.
+
+Each rank function trains one compiled module with a fault on one rank at one step, and a second module, compiled
+alike, that skips that step: every rank raises (the failing rank its own error, the others ``StepAbortedError``
+naming it), nothing hangs, and afterwards both modules hold the same parameters, bit for bit.
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+
+import harmony
+import harmony.data
+from models import CASES, training_state_bytes
+from test_collectives import _spawn
+
+SGD = dict(optimizer=torch.optim.SGD, optimizer_kwargs=dict(lr=0.1, momentum=0.9))
+TIMEOUT = 20
+
+
+def _gpt(batch=8):
+    return CASES["gpt"](batch=batch)     # 3 blocks, width 64, vocab 64
+
+
+def _bad(batch):
+    x, y = batch[0].clone(), batch[1]
+    x[-1, -1] = 10_000                   # an out-of-range token id: IndexError in the embedding
+    return x, y
+
+
+def _state(sm) -> dict:
+    return {k: v.detach().clone() for k, v in sm.training_state_dict()["model"].items()}
+
+
+def _run(rank, world, fail_rank, fail_step, steps=4, inject=None, frac=0.5, shard=True, **kw):
+    """Train ``steps`` batches with a fault on ``fail_rank`` at ``fail_step`` (a bad batch, or ``inject``: a
+    context manager factory wrapping that rank's call); then a reference that skips the step. What each raised, and
+    whether the two ended bitwise equal."""
+    model, data = _gpt()
+    ref_model = copy.deepcopy(model)
+    data = [data[i % len(data)] for i in range(steps)]
+    shard_ = harmony.data.shard if shard else (lambda b: b)
+
+    def compiled(m):
+        return harmony.compile(m, example_batch=shard_(data[0]), memory_budget=int(training_state_bytes(m) * frac),
+                               microbatches=2, comm_timeout=TIMEOUT, **SGD, **kw)
+    sm = compiled(model)
+    raised = None
+    for i, batch in enumerate(data):
+        mine = shard_(batch)
+        if i == fail_step and rank == fail_rank and inject is None:
+            mine = _bad(mine)
+        try:
+            if i == fail_step and rank == fail_rank and inject is not None:
+                with inject():
+                    sm(*mine)
+            else:
+                sm(*mine)
+        except Exception as e:        # noqa: BLE001
+            if i != fail_step:
+                raise
+            raised = f"{type(e).__name__}: {e}"
+    steps_done = sm.steps
+    got = _state(sm)
+    sm.close()
+    ref = compiled(ref_model)
+    for i, batch in enumerate(data):
+        if i != fail_step:
+            ref(*shard_(batch))
+    want = _state(ref)
+    ref.close()
+    same = [k for k in want if not torch.equal(got[k], want[k])]
+    return dict(raised=raised, steps=steps_done, differ=same)
+
+
+def _check(res, world, fail_rank, own="IndexError"):
+    assert sorted(res) == list(range(world)), res
+    for r, v in res.items():
+        assert isinstance(v, dict), f"rank {r}: {v}"
+        if r == fail_rank:
+            assert v["raised"].startswith(own), v["raised"]
+        else:
+            assert v["raised"].startswith("StepAbortedError"), v["raised"]
+            assert f"rank {fail_rank}" in v["raised"] and own in v["raised"], v["raised"]
+        assert v["differ"] == [], (r, v["differ"])
+
+
+def _dp_cases(rank, world):
+    out = {}
+    for name, kw in [("dp", {}), ("zero1", dict(shard_state=True))]:
+        try:
+            out[name] = _run(rank, world, 1, 1, **kw)
+        except Exception as e:         # noqa: BLE001
+            out[name] = f"{type(e).__name__}: {e}"
+    return out
+
+
+def test_a_bad_batch_on_one_rank_aborts_the_step_on_every_rank_data_parallel():
+    res = _spawn(2, _dp_cases, timeout=240)
+    for name in ("dp", "zero1"):
+        _check({r: v[name] if isinstance(v, dict) else v for r, v in res.items()}, 2, 1)
