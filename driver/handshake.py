@@ -112,6 +112,7 @@ def attach(sm) -> None:
             sm.handshake = Handshake(dist.get_rank(), world, cfg.comm_timeout)
             # each step's outcome is the job's: a failure is told at the next collective (runtime/comm/jobwide.py)
             sm.runtime.status = StepStatus(sm.handshake.rank, world, sm.handshake.group, cfg.comm_timeout)
+            sm.runtime.status.any_key = plan.stage is not None
 
 
 def agree(sm, call: str, refused: Exception | None = None, plans: bool = False) -> None:

@@ -159,9 +159,9 @@ class Runtime:
         clip = getattr(plan, "clip_grad_norm", None)
         stage = getattr(plan, "stage", None)
         grad_of = self.state.grad if stage is None else self._local_grad    # a pipeline rank has its packs' only
+        exchange = None if stage is None else norm_exchange(stage, lambda: self.status)
         clipper = None if clip is None else GradClip(clip, plan.clip_norm_type, plan.param_order, grad_of,
-                                                settle=self.state.drain,
-                                                exchange=None if stage is None else norm_exchange(stage))
+                                                settle=self.state.drain, exchange=exchange)
         # fp16 and clipping: the updates wait for the last gradient (runtime/precision.py StepGate)
         self.gate = StepGate(self.scaler, clipper) if self.scaler is not None or clipper is not None else None
         self.on_demand = on_demand(self) if on_demand is not None else None

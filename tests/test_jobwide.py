@@ -16,6 +16,7 @@ from models import CASES, training_state_bytes
 from test_collectives import _spawn
 
 SGD = dict(optimizer=torch.optim.SGD, optimizer_kwargs=dict(lr=0.1, momentum=0.9))
+ADAMW = dict(optimizer=torch.optim.AdamW, optimizer_kwargs=dict(lr=1e-3))
 TIMEOUT = 20
 
 
@@ -23,9 +24,10 @@ def _gpt(batch=8):
     return CASES["gpt"](batch=batch)     # 3 blocks, width 64, vocab 64
 
 
-def _bad(batch):
-    x, y = batch[0].clone(), batch[1]
-    x[-1, -1] = 10_000                   # an out-of-range token id: IndexError in the embedding
+def _bad(batch, where="x"):
+    """An out-of-range token id (IndexError in the embedding) or target (in the loss)."""
+    x, y = batch[0].clone(), batch[1].clone()
+    (x if where == "x" else y)[-1, -1] = 10_000
     return x, y
 
 
@@ -33,7 +35,7 @@ def _state(sm) -> dict:
     return {k: v.detach().clone() for k, v in sm.training_state_dict()["model"].items()}
 
 
-def _run(rank, world, fail_rank, fail_step, steps=4, inject=None, frac=0.5, shard=True, **kw):
+def _run(rank, world, fail_rank, fail_step, steps=4, inject=None, frac=0.5, shard=True, bad="x", **kw):
     """Train ``steps`` batches with a fault on ``fail_rank`` at ``fail_step`` (a bad batch, or ``inject``: a
     context manager factory wrapping that rank's call); then a reference that skips the step. What each raised, and
     whether the two ended bitwise equal."""
@@ -44,13 +46,13 @@ def _run(rank, world, fail_rank, fail_step, steps=4, inject=None, frac=0.5, shar
 
     def compiled(m):
         return harmony.compile(m, example_batch=shard_(data[0]), memory_budget=int(training_state_bytes(m) * frac),
-                               microbatches=2, comm_timeout=TIMEOUT, **SGD, **kw)
+                               microbatches=2, comm_timeout=TIMEOUT, **{**SGD, **kw})
     sm = compiled(model)
     raised = None
     for i, batch in enumerate(data):
         mine = shard_(batch)
         if i == fail_step and rank == fail_rank and inject is None:
-            mine = _bad(mine)
+            mine = _bad(mine, bad)
         try:
             if i == fail_step and rank == fail_rank and inject is not None:
                 with inject():
@@ -88,7 +90,7 @@ def _check(res, world, fail_rank, own="IndexError"):
 
 def _dp_cases(rank, world):
     out = {}
-    for name, kw in [("dp", {}), ("zero1", dict(shard_state=True))]:
+    for name, kw in [("dp", {}), ("zero1", dict(shard_state=True)), ("zero3", dict(shard_state="full", **ADAMW))]:
         try:
             out[name] = _run(rank, world, 1, 1, **kw)
         except Exception as e:         # noqa: BLE001
@@ -98,5 +100,21 @@ def _dp_cases(rank, world):
 
 def test_a_bad_batch_on_one_rank_aborts_the_step_on_every_rank_data_parallel():
     res = _spawn(2, _dp_cases, timeout=240)
-    for name in ("dp", "zero1"):
+    for name in ("dp", "zero1", "zero3"):
         _check({r: v[name] if isinstance(v, dict) else v for r, v in res.items()}, 2, 1)
+
+
+def _pipeline_cases(rank, world):
+    out = {}
+    for name, fail_rank, bad in [("first", 0, "x"), ("last", world - 1, "y")]:
+        try:
+            out[name] = _run(rank, world, fail_rank, 1, shard=False, bad=bad, parallel="pipeline")
+        except Exception as e:         # noqa: BLE001
+            out[name] = f"{type(e).__name__}: {e}"
+    return out
+
+
+def test_a_bad_batch_on_one_stage_aborts_the_step_on_every_rank_pipeline():
+    res = _spawn(2, _pipeline_cases, timeout=240)
+    for name, fail_rank in (("first", 0), ("last", 1)):
+        _check({r: v[name] if isinstance(v, dict) else v for r, v in res.items()}, 2, fail_rank)

@@ -84,27 +84,32 @@ def ring_bytes(nbytes: int, world: int) -> int:
 
 
 # -- process group helpers ------------------------------------------------------------------------
-def wait_work(work, what: str, timeout: float | None, group=None) -> None:
+def wait_work(work, what: str, timeout: float | None, group=None, peer: int | None = None) -> None:
     """Join an async ``work`` within ``timeout`` seconds; a failure or a timeout is a ``CommunicationError``
-    naming ``what`` and this rank."""
+    naming ``what``, this rank and ``peer`` (the rank it exchanges with, where there is one)."""
     try:
         if timeout is None:
             work.wait()
         else:
             work.wait(timedelta(seconds=timeout))
     except (RuntimeError, dist.DistError) as e:
-        raise comm_error(what, e, timeout, group) from e
+        raise comm_error(what, e, timeout, group, peer) from e
 
 
-def comm_error(what: str, e: BaseException, timeout, group=None) -> CommunicationError:
-    """The ``CommunicationError`` a failed ``what`` raises: this rank, the limit, the backend's first line."""
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
+def comm_error(what: str, e: BaseException, timeout, group=None, peer: int | None = None) -> CommunicationError:
+    """The ``CommunicationError`` a failed ``what`` raises: this rank, the peer (or every other rank), the limit,
+    the backend's first line, and what to do."""
+    try:
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+    except (RuntimeError, ValueError):        # the group is gone already
+        rank, world = "?", "?"
     limit = f" within {timeout:g} s" if timeout is not None else ""
     detail = str(e).splitlines()[0] if str(e) else type(e).__name__
+    who = f"peer rank {peer}" if peer is not None else "a peer rank (every rank of the group takes part)"
     return CommunicationError(
-        f"{what} failed on rank {rank} of {world}{limit} ({detail}). A peer rank probably died or "
-        f"stalled; check its log. The process group is no longer usable: destroy it and restart "
-        f"all ranks (torchrun --max-restarts does this).")
+        f"{what} failed on rank {rank} of {world}{limit} ({detail}). The op waited for {who}, which probably "
+        f"died or stalled; check its log. The process group is no longer usable: destroy it and restart "
+        f"all ranks (torchrun --max-restarts does this), then harmony.load the last checkpoint.")
 
 
 def _run(what: str, timeout, group, fn, *args, **kwargs):

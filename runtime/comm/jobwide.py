@@ -34,10 +34,10 @@ GHOSTS: dict = {}               # op name -> what it does in a replay: its meets
 
 
 def ghost(op):
-    """Register ``fn(rt, node)`` as what op ``op`` (its stub) does in a replay: the meets its collectives make, in
-    their order (each module of a collective registers its own)."""
+    """Register ``fn(rt, node)`` as what op ``op`` (its stub, or its name) does in a replay: the meets its
+    collectives make, in their order (each module of a collective registers its own)."""
     def register(fn):
-        GHOSTS[op.__name__] = fn
+        GHOSTS[op if isinstance(op, str) else op.__name__] = fn
         return fn
     return register
 
@@ -52,6 +52,7 @@ class StepStatus:
     def __init__(self, rank: int, world: int, group, timeout: float):
         self.rank, self.world, self.group, self.timeout = rank, world, group, timeout
         self.active = False            # a step is under way (an evaluation's gathers meet nobody)
+        self.any_key = False           # a pipeline's ranks each step their own packs: any meet stops its updates
         self.begin(active=False)
 
     def begin(self, active: bool = True) -> None:
@@ -101,7 +102,7 @@ class StepStatus:
     def aborted_on(self, key) -> bool:
         """Whether a meet of ``key`` found a failure: what a host update asks before it steps. (Not whether any
         meet did: the meets of another thread are not in step with this thread's work on every rank alike.)"""
-        return self.active and key in self.seen_on
+        return self.active and (key in self.seen_on or (self.any_key and self.seen))
 
     def check(self) -> None:
         """Raise ``Aborted`` where a meet found a failure (the executor asks before each op)."""

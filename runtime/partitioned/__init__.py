@@ -49,10 +49,12 @@ import torch
 
 from harmony.base.errors import HarmonyError
 from harmony.base.units import nbytes
+from harmony.runtime.comm.jobwide import STEP_KEY
 from harmony.runtime.ops import moving_names, register
 from harmony.runtime.ops.move import gather_disk_io, pack_what, swap_in_effect
 from harmony.runtime.partitioned.carry import Carry
 from harmony.runtime.partitioned.layout import ALIGN, PREFIX, PackShares, Piece, Segment, layout  # noqa: F401
+from harmony.runtime.partitioned.meet import gather_meet, meet_alone
 from harmony.runtime.partitioned.reduce import (
     all_reduce_chunk,
     reduce_scatter_quantized,
@@ -260,6 +262,7 @@ def _gather_execute(rt, pack, what="params", held=(), carried=False, reads=None)
     (runtime/partitioned/carry.py). ``reads``: such a gather is the last before the pack's step, whose read of
     its file starts here ("state": its optimizer state alone, the chunks coming from the copy; "file": all of it)."""
     st, plan = rt.state, rt.plan
+    meet = gather_meet(rt, pack)      # every gather of a step meets, whatever it moves (runtime/comm/jobwide.py)
     names = moving_names(plan.packs[pack], "params", held)
     carry = st.shares.carry
     if carried and carry is not None:
@@ -270,7 +273,7 @@ def _gather_execute(rt, pack, what="params", held=(), carried=False, reads=None)
                 st.shares.tier.count_gather(pack, rt.graph)
             names = [n for n in names if n not in own]
             if not names:
-                return None
+                return meet_alone(st, meet)
     home = homes(plan)
     parts = gathered(plan, pack, held, home)
     first = st.fetch("params", [n for n in names if n not in home])   # buffers: copied from the host
@@ -289,9 +292,12 @@ def _gather_execute(rt, pack, what="params", held=(), carried=False, reads=None)
         targets[n] = dst
         jobs.append((lambda d, n=n: st.set_data(n, d), dst, None))
     if not jobs:
+        meet_alone(st, meet)
         return first
 
     def copy():
+        if meet is not None:
+            meet(True)
         for q in dict.fromkeys(q for q, _ in parts):
             segments = plan.at(q).shares.segments
             if not any(n in targets for seg in segments for n in seg.names):
@@ -386,9 +392,12 @@ def _reduce_scatter_execute(rt, pack, *, world=1, weight=None, comm=None):
                 t.grad = out[piece.start - base: piece.end - base]
 
     communicator = replicated_communicator(rt, reduce_scatter, world, weight, comm) if comm is not None else None
+    status = rt.status
 
     def job():
         try:
+            if status is not None:    # every rank's step got here (runtime/comm/jobwide.py)
+                status.go(STEP_KEY, None, f"the reduce-scatter of pack {pack}'s gradients")
             if communicator is not None:
                 through_allreduce(rt, pack, communicator, grads, keep, clipper)
                 return

@@ -73,7 +73,7 @@ def through_allreduce(rt, pack: int, communicator, grads, keep, clipper) -> None
     under clipping each gradient's norm (``GradClip.known``)."""
     st, shares = rt.state, rt.plan.at(pack).shares
     before = communicator.totals.get("wire_bytes", 0)     # the host thread's: nothing else adds to it meanwhile
-    communicator.reduce(rt, pack)
+    communicator.reduce(rt, pack, meet=False)     # (the reduce-scatter met already)
     st.shares.stats["reduce_scatter_wire_bytes"] += communicator.totals.get("wire_bytes", 0) - before
     for s, seg in enumerate(shares.segments):
         keep(s, seg, chunk_of_whole(seg, shares.rank, grads(seg), clipper))
