@@ -67,15 +67,20 @@ def train_step(sm, batch: tuple, named: dict) -> torch.Tensor:
                           f"make no schedule; compile with the default passes to train")
     check_world(sm.program.config, sm.program.capabilities)   # a plan is for one world size
     error = route = None
+    plans = False
     try:
         batch, named, constants = split_call(sm.program, batch, named)    # its constants apart (driver/constants.py)
         batch = batch_of(sm, batch, named)
         route = sm.shapes.route(batch, constants)     # the compiled plan, or one for this shape (driver/shapes.py)
+        plans = route.plan is None
+        if plans:     # a new shape's plan made (and cached) before the ranks meet: a rank that cannot is refused
+            sm.shapes.plan_for(batch, route, agree=False)
+            route = sm.shapes.route(batch, constants)
     except InputError as e:
         error = e
-    # every rank steps now (not one saving), each with a batch it can train and all by the same kind of plan:
-    # else an error on every rank at once, before any collective of the step
-    agree(sm, CALLS[0], error, route is not None and route.plan is None)
+    # every rank steps now (not one saving), each with a batch it can train and all by the same kind of plan (new
+    # plans of one shape): else an error on every rank at once, before any collective of the step
+    agree(sm, CALLS[0], error, plans, shape_digest(route.key) if plans and route is not None else 0)
     if error is not None:
         raise error
     shape, rows = sm.shapes.plan_for(batch, route)
@@ -92,6 +97,12 @@ def train_step(sm, batch: tuple, named: dict) -> torch.Tensor:
     sm.shapes.ran(route.key, shape)
     sm.stats = step_stats(sm, shape, time.perf_counter() - t0, route.key)
     return loss
+
+
+def shape_digest(key: tuple) -> int:
+    """A number for a batch's shapes and constants, the same in every process (the ranks compare them)."""
+    import zlib
+    return zlib.crc32(repr(key).encode())
 
 
 def run_step(sm, batch: tuple, rows: tuple[int, ...] | None = None) -> torch.Tensor:

@@ -118,3 +118,51 @@ def test_a_bad_batch_on_one_stage_aborts_the_step_on_every_rank_pipeline():
     res = _spawn(2, _pipeline_cases, timeout=240)
     for name, fail_rank in (("first", 0), ("last", 1)):
         _check({r: v[name] if isinstance(v, dict) else v for r, v in res.items()}, 2, fail_rank)
+
+
+# -- 2. shapes agreed before any collective ----------------------------------------------------------
+def _shape_cases(rank, world):
+    """Per mode, batches of other shapes on rank 1 (fewer rows, a longer sequence than compiled; under data
+    parallelism, shapes each needing a plan of its own, one per rank): every rank must raise InputError, then all
+    train on together."""
+    from harmony.compiler.hardware import Hardware
+    out = {}
+    modes = [("pipeline", dict(parallel="pipeline"), False), ("zero3", dict(shard_state="full", **ADAMW), True),
+             ("balance", dict(balance="uniform"), False), ("dp", dict(shape_plans="each"), True)]
+    for name, kw, shard in modes:
+        model, data = _gpt()
+        shard_ = harmony.data.shard if shard else (lambda b: b)
+        budget = int(training_state_bytes(model) * 0.5)
+        where = dict(hardware=Hardware.this_machine().logical([budget] * world), data_parallel=True) \
+            if name == "balance" else dict(memory_budget=budget)
+        sm = harmony.compile(model, example_batch=shard_(data[0]), microbatches=2, comm_timeout=60,
+                             **where, **{**SGD, **kw})
+        x, y = shard_(data[1])
+        if name == "dp":
+            cases = [((x[:, :8], y[:, :8]), (x[:, :12], y[:, :12]))]
+        else:
+            cases = [((x, y), (x[:-2], y[:-2])), ((x, y), (torch.cat([x, x], 1), torch.cat([y, y], 1)))]
+        got = []
+        for case in cases:
+            try:
+                sm(*case[rank])
+                got.append("no error")
+            except Exception as e:      # noqa: BLE001
+                got.append(f"{type(e).__name__}: {e}")
+        try:
+            sm(*shard_(data[2]))
+            got.append("ok")
+        except Exception as e:      # noqa: BLE001
+            got.append(f"{type(e).__name__}: {e}")
+        sm.close()
+        out[name] = got
+    return out
+
+
+def test_ranks_passing_different_shapes_are_refused_alike_in_every_mode():
+    res = _spawn(2, _shape_cases, timeout=300)
+    assert sorted(res) == [0, 1], res
+    for r, v in res.items():
+        assert isinstance(v, dict), f"rank {r}: {v}"
+        for name, got in v.items():
+            assert all(g.startswith("InputError") for g in got[:-1]) and got[-1] == "ok", (r, name, got)
