@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from harmony.base.units import nbytes
+from harmony.runtime.comm.collectives import guarded
 from harmony.runtime.comm.jobwide import STEP_KEY, ghost
 from harmony.runtime.ops import register
 from harmony.runtime.plan import NOMINAL_NETWORK_BANDWIDTH, NOMINAL_NETWORK_LATENCY
@@ -84,7 +85,7 @@ def _broadcast(st, names: list[str], src: int, mine: int) -> None:
             st.moved["d2h"] += sum(nbytes(t) for t in ts if st._on_device(t.data))
         else:
             flat = torch.empty(sum(t.numel() for t in ts), dtype=ts[0].dtype)
-        dist.broadcast(flat, src=src)
+        guarded(f"the broadcast of rank {src}'s updated weights", dist.broadcast, flat, src=src, peer=src)
         if src == mine:
             return
         off = 0

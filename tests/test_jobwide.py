@@ -166,3 +166,85 @@ def test_ranks_passing_different_shapes_are_refused_alike_in_every_mode():
         assert isinstance(v, dict), f"rank {r}: {v}"
         for name, got in v.items():
             assert all(g.startswith("InputError") for g in got[:-1]) and got[-1] == "ok", (r, name, got)
+
+
+# -- 1. a torn step is every rank's -------------------------------------------------------------------
+def _torn(rank, world, tmp):
+    """A failure in the last backward on rank 1, after the optimizer updated the last pack on every rank: every
+    rank raises, then refuses to train on or save (TornStepError) until each accepts the mix. Then a torn record
+    on rank 1 alone (a failure after its step's last collective, which its peer could not hear of): every rank
+    refuses the next step alike."""
+    from faults import fail_at, schedule_ops
+    from harmony.runtime.transaction import torn_record
+    model, data = _gpt()
+    sm = harmony.compile(model, example_batch=harmony.data.shard(data[0]), microbatches=2, comm_timeout=TIMEOUT,
+                         memory_budget=int(training_state_bytes(model) * 0.5), **SGD)
+    sm(*harmony.data.shard(data[0]))
+    out = {}
+    last = schedule_ops(sm).count("backward") - 1
+    try:
+        if rank == 1:
+            with fail_at(last, RuntimeError("boom"), kinds=("backward",)):
+                sm(*harmony.data.shard(data[1]))
+        else:
+            sm(*harmony.data.shard(data[1]))
+    except Exception as e:        # noqa: BLE001
+        out["raised"] = f"{type(e).__name__}: {e}"
+    for what, call in (("next", lambda: sm(*harmony.data.shard(data[2]))), ("save", lambda: harmony.save(sm, tmp))):
+        try:
+            call()
+            out[what] = "no error"
+        except Exception as e:    # noqa: BLE001
+            out[what] = f"{type(e).__name__}: {e}"
+    sm.accept_partial_step()
+    sm(*harmony.data.shard(data[2]))
+    if rank == 1:
+        sm.runtime.torn = torn_record(sm.runtime, [1], [1, 0])
+    try:
+        sm(*harmony.data.shard(data[0]))
+        out["alone"] = "no error"
+    except Exception as e:        # noqa: BLE001
+        out["alone"] = f"{type(e).__name__}: {e}"
+    if rank == 1:
+        sm.accept_partial_step()
+    sm(*harmony.data.shard(data[0]))
+    out["steps"] = sm.steps
+    sm.close()
+    return out
+
+
+def test_a_torn_step_on_any_rank_is_refused_on_every_rank(tmp_path):
+    res = _spawn(2, _torn, str(tmp_path / "ckpt"), timeout=240)
+    assert sorted(res) == [0, 1], res
+    for r, v in res.items():
+        assert isinstance(v, dict), f"rank {r}: {v}"
+        assert v["raised"].startswith("RuntimeError" if r == 1 else "StepAbortedError"), v["raised"]
+        for what in ("next", "save", "alone"):
+            assert v[what].startswith("TornStepError"), (r, what, v[what])
+        assert "rank 1" in v["alone"], v["alone"]
+        assert v["steps"] == 3, v          # the torn step counts on no rank
+
+
+# -- 3. a rank that dies is a CommunicationError on the others ------------------------------------------
+def _dies_in_a_gather(rank, world):
+    import signal
+
+    from faults import fail_at
+    model, data = _gpt()
+    sm = harmony.compile(model, example_batch=harmony.data.shard(data[0]), microbatches=2, comm_timeout=TIMEOUT,
+                         memory_budget=int(training_state_bytes(model) * 0.5), shard_state="full", **ADAMW)
+    sm(*harmony.data.shard(data[0]))
+    try:
+        if rank == 1:    # killed right after its second gather of the step is under way
+            with fail_at(1, signum=signal.SIGKILL, kinds=("gather",)):
+                sm(*harmony.data.shard(data[1]))
+        sm(*harmony.data.shard(data[1]))
+        return "no error"
+    except Exception as e:        # noqa: BLE001
+        return f"{type(e).__name__}: {e}"
+
+
+def test_a_rank_dying_in_a_zero3_gather_is_a_communication_error_naming_the_op():
+    res = _spawn(2, _dies_in_a_gather, timeout=240, wait_for={0})
+    assert res[0].startswith("CommunicationError"), res[0]
+    assert "gather" in res[0] and "restart all ranks" in res[0], res[0]

@@ -29,13 +29,12 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
-from harmony.base.errors import CommunicationError, ConfigError
+from harmony.base.errors import ConfigError
 from harmony.runtime.comm.compression import (
     DEFAULT_MIN_SIZE,
     NO_COMPRESSION,
@@ -46,6 +45,7 @@ from harmony.runtime.comm.compression import (
     spec_for,
     wire_bytes,
 )
+from harmony.runtime.comm.failures import comm_error, exchange, guarded, launch, wait_work  # noqa: F401
 
 DEFAULT_FUSION_BYTES = 64 << 20  # fp32 bytes per fused buffer
 
@@ -81,43 +81,6 @@ class CommStats:
 def ring_bytes(nbytes: int, world: int) -> int:
     """Bytes one rank sends in a ring all-reduce of ``nbytes``."""
     return 2 * (world - 1) * nbytes // world if world > 1 else 0
-
-
-# -- process group helpers ------------------------------------------------------------------------
-def wait_work(work, what: str, timeout: float | None, group=None, peer: int | None = None) -> None:
-    """Join an async ``work`` within ``timeout`` seconds; a failure or a timeout is a ``CommunicationError``
-    naming ``what``, this rank and ``peer`` (the rank it exchanges with, where there is one)."""
-    try:
-        if timeout is None:
-            work.wait()
-        else:
-            work.wait(timedelta(seconds=timeout))
-    except (RuntimeError, dist.DistError) as e:
-        raise comm_error(what, e, timeout, group, peer) from e
-
-
-def comm_error(what: str, e: BaseException, timeout, group=None, peer: int | None = None) -> CommunicationError:
-    """The ``CommunicationError`` a failed ``what`` raises: this rank, the peer (or every other rank), the limit,
-    the backend's first line, and what to do."""
-    try:
-        rank, world = dist.get_rank(group), dist.get_world_size(group)
-    except (RuntimeError, ValueError):        # the group is gone already
-        rank, world = "?", "?"
-    limit = f" within {timeout:g} s" if timeout is not None else ""
-    detail = str(e).splitlines()[0] if str(e) else type(e).__name__
-    who = f"peer rank {peer}" if peer is not None else "a peer rank (every rank of the group takes part)"
-    return CommunicationError(
-        f"{what} failed on rank {rank} of {world}{limit} ({detail}). The op waited for {who}, which probably "
-        f"died or stalled; check its log. The process group is no longer usable: destroy it and restart "
-        f"all ranks (torchrun --max-restarts does this), then harmony.load the last checkpoint.")
-
-
-def _run(what: str, timeout, group, fn, *args, **kwargs):
-    """Launch an async collective, turning launch-time failures into CommunicationError."""
-    try:
-        return fn(*args, group=group, async_op=True, **kwargs)
-    except (RuntimeError, dist.DistError) as e:
-        raise comm_error(what, e, timeout, group) from e
 
 
 # -- buffers kept between calls -------------------------------------------------------------------
@@ -350,7 +313,7 @@ class _Job:
                 self.buf[start + t.numel(): end] = self.buf[start + t.numel() - 1]
         if s.kind == "none":
             self.wire_bytes = ring_bytes(4 * n, w)
-            self.work = _run("all_reduce(fp32)", self.timeout, self.group, dist.all_reduce, self.buf)
+            self.work = launch("all_reduce(fp32)", self.timeout, self.group, dist.all_reduce, self.buf)
         elif s.kind in ("fp16", "bf16"):
             dt = torch.float16 if s.kind == "fp16" else torch.bfloat16
             half = (self.buf / w).to(dt)
@@ -358,7 +321,7 @@ class _Job:
                 self._keep_residual(self.buf - half.float() * w)
             self.state["half"] = half
             self.wire_bytes = ring_bytes(2 * n, w)
-            self.work = _run(f"all_reduce({s.kind})", self.timeout, self.group, dist.all_reduce, half)
+            self.work = launch(f"all_reduce({s.kind})", self.timeout, self.group, dist.all_reduce, half)
         else:
             self._launch_quantized()
 
@@ -378,7 +341,7 @@ class _Job:
         recv = self._empty(w * wb, torch.uint8, self.buf.device)
         self.state.update(wb=wb, recv=recv, send=send, residual=residual, rank=rank)   # keep buffers alive in flight
         self.wire_bytes = 2 * (w - 1) * wb
-        self.work = _run("all_to_all_single(quantized)", self.timeout, self.group,
+        self.work = launch("all_to_all_single(quantized)", self.timeout, self.group,
                          dist.all_to_all_single, recv, send)
 
     def reduce(self):
@@ -408,7 +371,7 @@ class _Job:
         st["gathered"] = self._empty(w * wb, torch.uint8, acc.device)
         st["sent"] = sent
         all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        self.work = _run("all_gather(quantized)", self.timeout, self.group, all_gather, st["gathered"], st["sent"])
+        self.work = launch("all_gather(quantized)", self.timeout, self.group, all_gather, st["gathered"], st["sent"])
 
     def finish(self):
         kind, st = self.spec.kind, self.state

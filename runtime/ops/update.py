@@ -142,6 +142,8 @@ def _step_host(rt, pack, spec) -> None:
     def update(skip=False):
         if status is not None and status.aborted_on(STEP_KEY):   # a rank's step failed: every rank skips it alike
             rt.transaction.unstep(pack)
+            if carry is not None:       # (its refill's meet, made by every rank: runtime/partitioned/meet.py)
+                status.meet(STEP_KEY, None, "the refill of carried weights")
             return
         start = time.perf_counter()
         rt.state.unpark(spec.owned)   # gradients that reached the host before their weights (TieredState.parked)
@@ -154,7 +156,10 @@ def _step_host(rt, pack, spec) -> None:
                 if not skip:
                     opt.step()
             if carry is not None:    # partitioned: the updated chunks into the device copy carried to the forward
-                carry.refill(rt.state.shares, pack)
+                if status is None or status.meet(STEP_KEY, None, "the refill of carried weights"):
+                    carry.refill(rt.state.shares, pack)
+                else:
+                    carry.stepping.pop(pack, None)
         except BaseException:
             if disk is not None:
                 disk.abort(pack)

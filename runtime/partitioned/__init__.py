@@ -49,6 +49,7 @@ import torch
 
 from harmony.base.errors import HarmonyError
 from harmony.base.units import nbytes
+from harmony.runtime.comm.collectives import exchange
 from harmony.runtime.comm.jobwide import STEP_KEY
 from harmony.runtime.ops import moving_names, register
 from harmony.runtime.ops.move import gather_disk_io, pack_what, swap_in_effect
@@ -174,8 +175,7 @@ class Shares:
                 ops.append(dist.P2POp(dist.irecv, out[seg.bounds[r]: seg.bounds[r + 1]], peer, group))
             if r != me and seg.share(me):
                 ops.append(dist.P2POp(dist.isend, mine, peer, group))
-        for req in dist.batch_isend_irecv(ops) if ops else ():
-            req.wait()
+        exchange(f"the gather of pack {pack}'s weights (segment {segment})", ops, self.timeout, group)
         self.stats["gather_wire_bytes"] += mine.element_size() * (seg.size - seg.share(me))   # received
         return out
 
@@ -212,8 +212,7 @@ class Shares:
                 else:
                     into = dests[n][a - off: b - off] if n in dests else mine.new_empty(b - a)
                     ops.append(dist.P2POp(dist.irecv, into, dist.get_global_rank(group, r), group))
-        for req in dist.batch_isend_irecv(ops) if ops else ():
-            req.wait()
+        exchange(f"the gather of pack {pack}'s weights (segment {segment})", ops, self.timeout, group)
         self.stats["gather_wire_bytes"] += mine.element_size() * received(shares, segment)
 
     def substitute(self, tensors: dict) -> None:
@@ -267,7 +266,7 @@ def _gather_execute(rt, pack, what="params", held=(), carried=False, reads=None)
     carry = st.shares.carry
     if carried and carry is not None:
         own = set(plan.at(pack).shares.names())
-        if carry.take(st, pack, [n for n in names if n in own]):
+        if carry.take(st, pack, [n for n in names if n in own], rt.status):
             st.shares.stats["carried_gathers"] += 1
             if st.shares.tier is not None and not st.shares.in_memory(pack):
                 st.shares.tier.count_gather(pack, rt.graph)

@@ -3,7 +3,9 @@
 whose step failed can tell the others at whichever they wait in."""
 from __future__ import annotations
 
+from harmony.base.tiers import Tier
 from harmony.runtime.comm.jobwide import STEP_KEY, ghost
+from harmony.runtime.partitioned.carry import CARRY
 
 GATHERS = "gathers"       # the key of the gathers' meets (their own group, the copy thread's)
 
@@ -28,7 +30,25 @@ def meet_alone(st, meet) -> None:
 
 @ghost("gather")
 def _gather_ghost(rt, node) -> None:
+    """In a replay: the agreement on carried copies (none here), then the gather's meet."""
+    carry = rt.state.shares.carry
+    if node.kwargs.get("carried") and carry is not None and not rt.status.skip(CARRY):
+        carry.agree(False, rt.status)
     rt.status.meet(GATHERS, rt.state.shares.group, "a gather of weights")
+
+
+@ghost("step")
+def _step_ghost(rt, node) -> None:
+    """In a replay: the meet before a carried pack's refill (``refill_meet``)."""
+    if refills(rt, node.args[0], node.kwargs.get("where")):
+        rt.status.meet(STEP_KEY, None, "the refill of carried weights")
+
+
+def refills(rt, pack: int, where) -> bool:
+    """Whether ``pack``'s host step refills carried copies (a collective of the default group)."""
+    shares = getattr(rt.state, "shares", None)
+    return (shares is not None and shares.carry is not None and pack in shares.carry_packs
+            and where == Tier.HOST and rt.status is not None)
 
 
 @ghost("reduce_scatter")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from harmony.base.errors import HarmonyError
-from harmony.runtime.comm.collectives import allreduce, reduce_scatter
+from harmony.runtime.comm.collectives import allreduce, exchange, guarded, reduce_scatter
 from harmony.runtime.comm.communicator import communicator
 from harmony.runtime.comm.compression import DEFAULT_MIN_SIZE, NO_COMPRESSION, CompressionSpec
 
@@ -98,7 +98,7 @@ def all_reduce_chunk(flat: torch.Tensor, seg, rank: int, world: int, clipper, sh
     its buffer, so the same sums. Under clipping every rank has the whole average here, and takes each gradient's
     own norm from it (``clipper.known``)."""
     import torch.distributed as dist
-    dist.all_reduce(flat)
+    guarded("the reduce-scatter of gradients (shard_state='full')", dist.all_reduce, flat)
     base, end = seg.bounds[rank], seg.bounds[rank + 1]
     if clipper is None:
         return flat[base: end].div_(world).clone()       # averaged as the all-reduce averages
@@ -115,8 +115,7 @@ def swap_chunks(flat: torch.Tensor, seg, rank: int) -> torch.Tensor:
     peer = 1 - rank
     mine = flat[seg.bounds[rank]: seg.bounds[rank + 1]].clone()
     got = torch.empty_like(mine)
-    reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, flat[seg.bounds[peer]: seg.bounds[peer + 1]], peer),
-                                   dist.P2POp(dist.irecv, got, peer)])
-    for r in reqs:
-        r.wait()
+    exchange("the reduce-scatter of gradients (shard_state='full')",
+             [dist.P2POp(dist.isend, flat[seg.bounds[peer]: seg.bounds[peer + 1]], peer),
+              dist.P2POp(dist.irecv, got, peer)], peer=peer)
     return mine.add_(got)
