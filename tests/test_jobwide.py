@@ -35,7 +35,7 @@ def _state(sm) -> dict:
     return {k: v.detach().clone() for k, v in sm.training_state_dict()["model"].items()}
 
 
-def _run(rank, world, fail_rank, fail_step, steps=4, inject=None, frac=0.5, shard=True, bad="x", **kw):
+def _run(rank, world, fail_rank, fail_step, steps=3, inject=None, frac=0.5, shard=True, bad="x", **kw):
     """Train ``steps`` batches with a fault on ``fail_rank`` at ``fail_step`` (a bad batch, or ``inject``: a
     context manager factory wrapping that rank's call); then a reference that skips the step. What each raised, and
     whether the two ended bitwise equal."""
@@ -90,7 +90,7 @@ def _check(res, world, fail_rank, own="IndexError"):
 
 def _dp_cases(rank, world):
     out = {}
-    for name, kw in [("dp", {}), ("zero1", dict(shard_state=True)), ("zero3", dict(shard_state="full", **ADAMW))]:
+    for name, kw in [("dp", {}), ("zero3", dict(shard_state="full", **ADAMW))]:     # ZeRO-1: the soak's
         try:
             out[name] = _run(rank, world, 1, 1, **kw)
         except Exception as e:         # noqa: BLE001
@@ -100,13 +100,13 @@ def _dp_cases(rank, world):
 
 def test_a_bad_batch_on_one_rank_aborts_the_step_on_every_rank_data_parallel():
     res = _spawn(2, _dp_cases, timeout=240)
-    for name in ("dp", "zero1", "zero3"):
+    for name in ("dp", "zero3"):
         _check({r: v[name] if isinstance(v, dict) else v for r, v in res.items()}, 2, 1)
 
 
 def _pipeline_cases(rank, world):
     out = {}
-    for name, fail_rank, bad in [("first", 0, "x"), ("last", world - 1, "y")]:
+    for name, fail_rank, bad in [("last", world - 1, "y")]:       # a bad id on the first stage: the soak's
         try:
             out[name] = _run(rank, world, fail_rank, 1, shard=False, bad=bad, parallel="pipeline")
         except Exception as e:         # noqa: BLE001
@@ -116,7 +116,7 @@ def _pipeline_cases(rank, world):
 
 def test_a_bad_batch_on_one_stage_aborts_the_step_on_every_rank_pipeline():
     res = _spawn(2, _pipeline_cases, timeout=240)
-    for name, fail_rank in (("first", 0), ("last", 1)):
+    for name, fail_rank in (("last", 1),):
         _check({r: v[name] if isinstance(v, dict) else v for r, v in res.items()}, 2, fail_rank)
 
 
