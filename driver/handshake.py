@@ -117,6 +117,27 @@ def refuse_torn(call: str, rank: int, world: int, ranks: list[int], torn: dict |
         f"sm.accept_partial_step() on the rank{'s' if len(ranks) > 1 else ''} named to keep the mix.")
 
 
+def planned(sm, error: Exception | None) -> None:
+    """After a new shape's planning on every rank (``sm(...)``): a rank that could not plan it makes every rank
+    raise InputError (that rank its own), before any collective of the step."""
+    handshake = getattr(sm, "handshake", None)
+    if handshake is None:
+        return
+    import torch.distributed as dist
+    got: list = [None] * handshake.world
+    try:
+        dist.all_gather_object(got, None if error is None else str(error).splitlines()[0], group=handshake.group)
+    except (RuntimeError, dist.DistError) as e:
+        raise CommunicationError(f"sm(...) on rank {handshake.rank} of {handshake.world}: the ranks could not tell "
+                                 f"each other whether they planned the batch's shape within {handshake.timeout:g} s "
+                                 f"({e}). A peer probably died; restart all ranks and load the last checkpoint.") from e
+    failed = [(r, msg) for r, msg in enumerate(got) if msg is not None]
+    if failed and error is None:
+        raise InputError(f"sm(...) on rank {handshake.rank} of {handshake.world}: "
+                         + "; ".join(f"rank {r} could not plan its batch's shape ({msg})" for r, msg in failed)
+                         + ". Nothing was run on any rank; every rank must pass batches each can train.")
+
+
 def _who(calls: list[str]) -> str:
     """The call to name: the one other than a step (a save or load the others did not make)."""
     rest = [c for c in dict.fromkeys(calls) if c != CALLS[0]]

@@ -141,15 +141,13 @@ class ShapeCache:
             rows, why = None, "shape_plans='each' plans every new shape"
         return Route(key, self.example, rows) if rows is not None else Route(key, None, why=why, constants=constants)
 
-    def plan_for(self, batch: tuple, route: Route | None = None,
-                 agree: bool = True) -> tuple[ShapePlan, tuple[int, ...] | None]:
+    def plan_for(self, batch: tuple, route: Route | None = None) -> tuple[ShapePlan, tuple[int, ...] | None]:
         """The plan that trains ``batch`` and the rows of each of its microbatches (None: the plan's own): as
         ``route`` says, a plan made now for its shapes and cached where none runs it yet (``InputError`` where none
-        can be, with nothing changed). ``agree=False``: the ranks' shapes are compared elsewhere (the step's
-        handshake), so planning makes no collective."""
+        can be, with nothing changed)."""
         route = route or self.route(batch)
         if route.plan is None:
-            return self._planned(batch, route.key, route.why, route.constants, agree), None
+            return self._planned(batch, route.key, route.why, route.constants), None
         if route.key in self.plans:
             self.plans.move_to_end(route.key)
         return route.plan, route.rows
@@ -191,15 +189,14 @@ class ShapeCache:
             return None, f"{rows} rows are fewer than the plan's {microbatches} microbatches"
         return even_rows(rows, microbatches), ""
 
-    def _planned(self, batch: tuple, key: tuple, why: str, constants: dict | None = None,
-                 agree: bool = True) -> ShapePlan:
+    def _planned(self, batch: tuple, key: tuple, why: str, constants: dict | None = None) -> ShapePlan:
         """A plan made now for ``batch``'s shapes and ``constants`` (``why``: why the compiled one does not run it),
         cached."""
         start = time.perf_counter()
         differs = changed(self.sm.program.constants, constants or {})
         if differs:
             log.info("harmony: %s: tracing and planning the step again with these constants", differs)
-        program = plan_shape(self.sm, batch, self.names, constants, agree)
+        program = plan_shape(self.sm, batch, self.names, constants)
         made = ShapePlan(key, program, memory_curve(program, check_residency=False), time.perf_counter() - start,
                          why=why)
         self.plans[key] = made

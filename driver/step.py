@@ -14,7 +14,7 @@ import torch
 from harmony.base.errors import ConfigError, InputError, TornStepError
 from harmony.base.process import peak_rss_bytes
 from harmony.driver.constants import split_call
-from harmony.driver.handshake import CALLS, agree
+from harmony.driver.handshake import CALLS, agree, planned
 from harmony.driver.shapes import describe
 from harmony.driver.tokens import user_names, with_count
 from harmony.runtime.comm.world import check_world
@@ -73,17 +73,20 @@ def train_step(sm, batch: tuple, named: dict) -> torch.Tensor:
         batch = batch_of(sm, batch, named)
         route = sm.shapes.route(batch, constants)     # the compiled plan, or one for this shape (driver/shapes.py)
         plans = route.plan is None
-        if plans:     # a new shape's plan made (and cached) before the ranks meet: a rank that cannot is refused
-            sm.shapes.plan_for(batch, route, agree=False)
-            route = sm.shapes.route(batch, constants)
     except InputError as e:
         error = e
     # every rank steps now (not one saving), each with a batch it can train and all by the same kind of plan (new
     # plans of one shape): else an error on every rank at once, before any collective of the step
-    agree(sm, CALLS[0], error, plans, shape_digest(route.key) if plans and route is not None else 0)
+    agree(sm, CALLS[0], error, plans, shape_digest(route.key) if plans else 0)
     if error is not None:
         raise error
-    shape, rows = sm.shapes.plan_for(batch, route)
+    try:
+        shape, rows = sm.shapes.plan_for(batch, route)   # (a new shape's planning makes collectives of its own)
+    except InputError as e:
+        planned(sm, e)      # a rank that could not plan it: every rank refuses, before any collective of the step
+        raise
+    if plans:
+        planned(sm, None)
     counted = with_count(sm, batch, across_ranks=True)     # the token count last, where the step takes it
     cuda = sm.runtime.device.type == "cuda"
     if cuda:     # the allocator's peaks over this step (the report shows them beside the meter's)
