@@ -62,6 +62,7 @@ class StepStatus:
         self.failed_ranks: set[int] = set()
         self.seen_on: set = set()      # the keys whose meets found it
         self.done: Counter = Counter()        # meets made, per key
+        self.took: dict = {}                  # ZeRO-3's agreements on carried weights: what each said
         self.replayed: Counter | None = None  # during ``replay``: meets the replay has passed, per key
 
     # -- the meets -------------------------------------------------------------------------------

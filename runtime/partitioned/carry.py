@@ -74,14 +74,15 @@ class Carry:
         import torch.distributed as dist
 
         from harmony.runtime.comm.collectives import comm_error
-        if status is not None and status.active:
-            status.done[CARRY] += 1
         flag = torch.tensor([int(have)], dtype=torch.int32)
         try:
             dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
         except (RuntimeError, dist.DistError) as e:
             raise comm_error("the ranks' agreement on carried weights (shard_state='full')", e, None,
                              self.group) from e
+        if status is not None and status.active:     # counted, with what it said (a replay's gathers follow it)
+            status.done[CARRY] += 1
+            status.took[status.done[CARRY]] = bool(flag.item())
         return bool(flag.item())
 
     def carry_on(self) -> None:

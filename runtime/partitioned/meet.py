@@ -1,45 +1,82 @@
-"""The meets of ``shard_state="full"``'s collectives (runtime/comm/jobwide.py): a gather meets on the gathers' group
-(the copy thread's) whatever it moves, a reduce-scatter on the default group (the host thread's), so that a rank
-whose step failed can tell the others at whichever they wait in."""
+"""The meets of ``shard_state="full"``'s collectives (runtime/comm/jobwide.py). A gather's first exchange carries
+each rank's word on the step (``Words``: one more small message to every peer, in the same batch), and what a
+gather exchanges is the same on every rank whatever this rank holds (runtime/partitioned/ ``exchange_parts``), so
+a rank whose step failed replays its remaining gathers whole (its chunks sent, the peers' received into scratch):
+its peers, waiting in one, learn of it there. A reduce-scatter meets on the default group (the host thread's)."""
 from __future__ import annotations
 
+import inspect
+
+import torch
+
 from harmony.base.tiers import Tier
-from harmony.runtime.comm.jobwide import STEP_KEY, ghost
+from harmony.runtime.comm.jobwide import FAILED, STEP_KEY, Aborted, ghost
 from harmony.runtime.partitioned.carry import CARRY
 
-GATHERS = "gathers"       # the key of the gathers' meets (their own group, the copy thread's)
+GATHERS = "gathers"       # the key of the gathers' words (their own group, the copy thread's)
 
 
-def gather_meet(rt, pack: int):
-    """What a gather of ``pack`` in a step of several ranks runs first on the copy thread: the ranks' word on the
-    step, on the gathers' group (``fn(raises)``); None outside a step or in one process."""
-    status = rt.status
-    if status is None or not status.active:
-        return None
-    what = f"the gather of pack {pack}'s weights"
-    group = rt.state.shares.group
-    return lambda raises: status.go(GATHERS, group, what) if raises else status.meet(GATHERS, group, what)
+class Words:
+    """Each rank's word on the step, carried by the first exchange of a gather (``ops``), heard after it
+    (``settle``). Made on the thread that runs the schedule, in its order: it counts among the step's meets."""
 
+    def __init__(self, status, key, group):
+        status.done[key] += 1
+        self.status, self.key, self.group = status, key, group
+        self.got: list | None = None
 
-def meet_alone(st, meet) -> None:
-    """A gather that moves nothing still meets (every rank's gathers meet alike); a failure it finds stops the step
-    at the executor's next op."""
-    if meet is not None:
-        st.copier.submit(lambda: meet(False))
+    def ops(self, world: int, me: int) -> list:
+        """The messages that carry this rank's word to every peer and theirs here (the first call only)."""
+        import torch.distributed as dist
+        if self.got is not None:
+            return []
+        mine = torch.tensor([self.status.word()], dtype=torch.int32)
+        self.got = [mine if r == me else torch.zeros(1, dtype=torch.int32) for r in range(world)]
+        out = []
+        for r in range(world):
+            if r != me:
+                peer = r if self.group is None else dist.get_global_rank(self.group, r)
+                out += [dist.P2POp(dist.isend, mine, peer, self.group), dist.P2POp(dist.irecv, self.got[r], peer,
+                                                                                     self.group)]
+        return out
+
+    def settle(self, raises: bool) -> None:
+        """What the words said: a rank's step failed (``Aborted`` where ``raises``), or not."""
+        words = [int(t) for t in self.got] if self.got is not None else []
+        self.status.heard(self.key, [r for r, w in enumerate(words) if w == FAILED], any(words))
+        if raises and self.status.seen:
+            raise Aborted(f"rank {self.status.rank}: a rank's step failed before a gather")
 
 
 @ghost("gather")
 def _gather_ghost(rt, node) -> None:
-    """In a replay: the agreement on carried copies (none here), then the gather's meet."""
-    carry = rt.state.shares.carry
-    if node.kwargs.get("carried") and carry is not None and not rt.status.skip(CARRY):
-        carry.agree(False, rt.status)
-    rt.status.meet(GATHERS, rt.state.shares.group, "a gather of weights")
+    """In a replay: the agreement on carried copies (none here, or what this rank said before it failed), then the
+    gather's exchanges whole, into scratch, carrying this rank's word."""
+    from harmony.runtime.ops import moving_names
+    from harmony.runtime.partitioned import exchange_parts, gather, gathered, homes
+    args = inspect.signature(gather).bind(*node.args, **node.kwargs).arguments
+    pack, held = args["pack"], args.get("held", ())
+    st, plan, status = rt.state, rt.plan, rt.status
+    names = moving_names(plan.packs[pack], "params", held)
+    carry = st.shares.carry
+    if args.get("carried") and carry is not None:
+        took = status.took.get(status.replayed[CARRY]) if status.skip(CARRY) else carry.agree(False, status)
+        if took:
+            own = set(plan.at(pack).shares.names())
+            names = [n for n in names if n not in own]
+    home = homes(plan)
+    wanted = {n: torch.empty(st.tensors[n].shape, dtype=st.compute_dtype or st.tensors[n].dtype, device=st.device)
+              for n in names if n in home}
+    if not wanted or status.skip(GATHERS):
+        return
+    words = Words(status, GATHERS, st.shares.group)
+    exchange_parts(rt, pack, gathered(plan, pack, held, home), wanted, words)
+    words.settle(raises=False)
 
 
 @ghost("step")
 def _step_ghost(rt, node) -> None:
-    """In a replay: the meet before a carried pack's refill (``refill_meet``)."""
+    """In a replay: the meet before a carried pack's refill."""
     if refills(rt, node.args[0], node.kwargs.get("where")):
         rt.status.meet(STEP_KEY, None, "the refill of carried weights")
 
@@ -51,6 +88,26 @@ def refills(rt, pack: int, where) -> bool:
             and where == Tier.HOST and rt.status is not None)
 
 
+def rides(shares, comm) -> bool:
+    """Whether a reduce-scatter's words ride on its first swap of chunks (two ranks, fp32 buffers, no codec), else
+    it meets first; the same on every rank (the plan's)."""
+    return comm is None and bool(shares.segments) and all(seg.pairwise and seg.codec is None
+                                                          for seg in shares.segments)
+
+
 @ghost("reduce_scatter")
 def _reduce_scatter_ghost(rt, node) -> None:
-    rt.status.meet(STEP_KEY, None, "a reduce-scatter of gradients")
+    """In a replay: the reduce-scatter's meet, or its swaps of chunks (zeros sent) with this rank's word."""
+    from harmony.runtime.partitioned import reduce_scatter
+    from harmony.runtime.partitioned.reduce import swap_chunks
+    args = inspect.signature(reduce_scatter).bind(*node.args, **node.kwargs).arguments
+    shares, status = rt.plan.at(args["pack"]).shares, rt.status
+    if not rides(shares, args.get("comm")):
+        status.meet(STEP_KEY, None, "a reduce-scatter of gradients")
+        return
+    if status.skip(STEP_KEY):
+        return
+    words = Words(status, STEP_KEY, None)
+    for seg in shares.segments:
+        swap_chunks(torch.zeros(seg.size), seg, shares.rank, words)
+    words.settle(raises=False)

@@ -108,14 +108,16 @@ def all_reduce_chunk(flat: torch.Tensor, seg, rank: int, world: int, clipper, sh
     return flat[base: end].clone()
 
 
-def swap_chunks(flat: torch.Tensor, seg, rank: int) -> torch.Tensor:
+def swap_chunks(flat: torch.Tensor, seg, rank: int, words=None) -> torch.Tensor:
     """Two ranks' reduce-scatter of an fp32 buffer: this rank's chunk of the sum, the peer's part sent to it and its
-    part of this one received (``Segment.pairwise``)."""
+    part of this one received (``Segment.pairwise``); ``words``: the ranks' words on the step go with it
+    (runtime/partitioned/meet.py)."""
     import torch.distributed as dist
     peer = 1 - rank
     mine = flat[seg.bounds[rank]: seg.bounds[rank + 1]].clone()
     got = torch.empty_like(mine)
     exchange("the reduce-scatter of gradients (shard_state='full')",
-             [dist.P2POp(dist.isend, flat[seg.bounds[peer]: seg.bounds[peer + 1]], peer),
-              dist.P2POp(dist.irecv, got, peer)], peer=peer)
+             (words.ops(2, rank) if words is not None else [])
+             + [dist.P2POp(dist.isend, flat[seg.bounds[peer]: seg.bounds[peer + 1]], peer),
+                dist.P2POp(dist.irecv, got, peer)], peer=peer)
     return mine.add_(got)
