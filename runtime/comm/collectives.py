@@ -48,6 +48,7 @@ from harmony.runtime.comm.compression import (
 from harmony.runtime.comm.failures import comm_error, exchange, guarded, launch, wait_work  # noqa: F401
 
 DEFAULT_FUSION_BYTES = 64 << 20  # fp32 bytes per fused buffer
+WORDS_PAD = 32                   # elements a step's words take at the end of a buffer (``allreduce``'s ``words``)
 
 
 # -- byte and time accounting ---------------------------------------------------------------------
@@ -120,7 +121,7 @@ def allreduce(tensors: Sequence[torch.Tensor], spec: CompressionSpec | Sequence[
               timeout: float | None = None, generator: torch.Generator | None = None,
               fusion_bytes: int = DEFAULT_FUSION_BYTES, weight: float | None = None,
               release: Callable[[torch.Tensor], None] | None = None,
-              workspace: Workspace | None = None) -> CommStats:
+              workspace: Workspace | None = None, words=None) -> CommStats:
     """Average ``tensors`` over the ranks of ``group``, in place; returns what it cost.
 
     ``weight``: this rank's weight in a weighted average, ``sum_r weight_r * t_r`` (the weights of
@@ -143,6 +144,8 @@ def allreduce(tensors: Sequence[torch.Tensor], spec: CompressionSpec | Sequence[
     there instead of waiting for the backend.
     ``workspace``: a ``Workspace`` to take the fused buffers and messages from and give them back to, so that
     repeated calls over the same tensors allocate nothing (``None``: fresh buffers, freed on return).
+    ``words``: the ranks' words on a training step (runtime/comm/jobwide.py ``Words``), carried at the end of the
+    first fp32 buffer (two ranks: the sums are the same bits wherever an element sits).
     With one rank there is nothing to average: tensors are left as they are.
 
     Typical use, after ``loss.backward()`` on every rank (under torchrun):
@@ -162,6 +165,8 @@ def allreduce(tensors: Sequence[torch.Tensor], spec: CompressionSpec | Sequence[
     scale = _weight_scale(weight, world)
     jobs = [_Job(idx, tensors, s, group, world, error_feedback_state, timeout, generator, scale, release,
                  workspace=workspace) for s, idx in fuse(tensors, specs, fusion_bytes)]
+    if words is not None:
+        next(j for j in jobs if j.spec.kind == "none").words = words
     _sweep(jobs, stats, world)
     stats.seconds = time.perf_counter() - start
     return stats
@@ -273,6 +278,7 @@ class _Job:
     release: Callable | None = None   # called with each buffer once done (allreduce's ``release``)
     scatter: bool = False             # the reduce-scatter half only (``reduce_scatter``): no all-gather
     workspace: Workspace | None = None  # where buffers come from and go back to (allreduce's ``workspace``)
+    words: object = None              # the ranks' words on a step, after the tensors (an fp32 buffer's only)
     wire_bytes: int = 0
     numel: int = 0
     offsets: list = field(default_factory=list)   # where each tensor starts in the fused buffer
@@ -292,12 +298,19 @@ class _Job:
             self.offsets.append(off)
             off += -(-t.numel() // align) * align
         size = off
+        extra = self.words.vector(w, dist.get_rank(self.group)) if self.words is not None else None
+        if extra is not None:   # (padded: the ranks' halves of the buffer stay as aligned as without it)
+            size += WORDS_PAD * -(-w // WORDS_PAD)
         if s.kind == "quantized":
             chunk = -(-off // (w * align)) * align if off >= w * align else -(-off // w)
             self.state["chunk"] = chunk
             size = chunk * w
         self.buf = self._empty(size, torch.float32, ts[0].device)
-        ends = self.offsets[1:] + [size]
+        ends = self.offsets[1:] + [off]
+        if extra is not None:
+            self.buf[off:].zero_()
+            self.buf[off: off + w].copy_(extra)
+            self.state["words_at"] = off
         for i, t, start, end in zip(self.idx, ts, self.offsets, ends):
             piece = self.buf[start: start + t.numel()]
             piece.copy_(t.detach().reshape(-1))
@@ -379,6 +392,9 @@ class _Job:
             return self._finish_scatter()
         wait_work(self.work, f"collective({kind})", self.timeout, self.group)
         if kind == "none":
+            if self.words is not None:
+                at = self.state["words_at"]
+                self.words.read(self.buf[at: at + self.world])
             out = self.buf.div_(self.world)
         elif kind in ("fp16", "bf16"):
             out = st["half"].float()

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from harmony.runtime.comm.adaptive_bits import ErrorMeter, choose_bits_across_ranks, specs_for_bits
 from harmony.runtime.comm.collectives import allreduce as reduce_all
 from harmony.runtime.comm.compression import NO_COMPRESSION, CompressionSpec, spec_for
-from harmony.runtime.comm.jobwide import STEP_KEY
+from harmony.runtime.comm.jobwide import STEP_KEY, Words
 
 
 class Communicator:
@@ -54,9 +54,19 @@ class Communicator:
             self.began = self.step, self.generator.get_state(), dict(self.ef)    # what an aborted step undoes
         status = rt.status if meet else None
         for names in groups:
-            if status is not None:
+            words = None
+            if status is not None and self.rides():     # the words ride at the end of the buffer
+                words = Words(status, STEP_KEY, None)
+            elif status is not None:
                 status.go(STEP_KEY, None, f"the all-reduce of pack {pack}'s gradients")
-            self._reduce(rt, names)
+            self._reduce(rt, names, words)
+            if words is not None:
+                words.settle(raises=True)
+
+    def rides(self) -> bool:
+        """Whether the ranks' words on a step ride on each all-reduce (two ranks, fp32, no adaptive bits), else a
+        meet comes first; the same on every rank."""
+        return self.world == 2 and self.meter is None and self.base.kind == "none"
 
     def undo_step(self) -> None:
         """A step every rank rolled back: its count, stochastic rounding's draws and error feedback as before it."""
@@ -67,7 +77,7 @@ class Communicator:
             self.ef.update(ef)
             self.began = None
 
-    def _reduce(self, rt, owned: list[str]) -> None:
+    def _reduce(self, rt, owned: list[str], words=None) -> None:
         st = rt.state
         found = [(n, st.grad(n)) for n in owned]
         names, grads = [n for n, g in found if g is not None], [g for _, g in found if g is not None]
@@ -90,7 +100,7 @@ class Communicator:
                 specs = specs_for_bits(names, self.bits, self.base)
         ef = self.ef.setdefault(tuple(owned), {}) if self.base.error_feedback else None
         stats = reduce_all(grads, specs, error_feedback_state=ef, min_size=self.min_size, generator=self.generator,
-                           weight=self.weight, release=rt.meter.forget)
+                           weight=self.weight, release=rt.meter.forget, words=words)
         for i in mixed:
             st.set_grad(names[i], grads[i])
         with self.lock:

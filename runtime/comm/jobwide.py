@@ -46,6 +46,48 @@ class Aborted(StepAbortedError):
     """A meet found another rank's step failed (the ranks' errors are exchanged later, in ``settle``)."""
 
 
+class Words:
+    """Each rank's word on the step, carried by the first exchange of a gather (``ops``), heard after it
+    (``settle``). Made on the thread that runs the schedule, in its order: it counts among the step's meets."""
+
+    def __init__(self, status, key, group):
+        status.done[key] += 1
+        self.status, self.key, self.group = status, key, group
+        self.got: list | None = None
+
+    def ops(self, world: int, me: int) -> list:
+        """The messages that carry this rank's word to every peer and theirs here (the first call only)."""
+        import torch.distributed as dist
+        if self.got is not None:
+            return []
+        mine = torch.tensor([self.status.word()], dtype=torch.int32)
+        self.got = [mine if r == me else torch.zeros(1, dtype=torch.int32) for r in range(world)]
+        out = []
+        for r in range(world):
+            if r != me:
+                peer = r if self.group is None else dist.get_global_rank(self.group, r)
+                out += [dist.P2POp(dist.isend, mine, peer, self.group), dist.P2POp(dist.irecv, self.got[r], peer,
+                                                                                     self.group)]
+        return out
+
+    def vector(self, world: int, me: int) -> torch.Tensor:
+        """This rank's word in its slot of ``world`` floats, for an all-reduce to sum (``read`` takes the sum)."""
+        out = torch.zeros(world)
+        out[me] = self.status.word()
+        return out
+
+    def read(self, summed: torch.Tensor, scale: float = 1.0) -> None:
+        """The words from the sum of every rank's ``vector`` (times ``scale``: an average's world size)."""
+        self.got = [round(float(v) * scale) for v in summed]
+
+    def settle(self, raises: bool) -> None:
+        """What the words said: a rank's step failed (``Aborted`` where ``raises``), or not."""
+        words = [int(t) for t in self.got] if self.got is not None else []
+        self.status.heard(self.key, [r for r, w in enumerate(words) if w == FAILED], any(words))
+        if raises and self.status.seen:
+            raise Aborted(f"rank {self.status.rank}: a rank's step failed before a gather")
+
+
 class StepStatus:
     """One runtime's view of the step under way across the job (``Runtime.status``; None in one process)."""
 

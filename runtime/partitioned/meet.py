@@ -10,42 +10,11 @@ import inspect
 import torch
 
 from harmony.base.tiers import Tier
-from harmony.runtime.comm.jobwide import FAILED, STEP_KEY, Aborted, ghost
+from harmony.runtime.comm.jobwide import STEP_KEY, Words, ghost
 from harmony.runtime.partitioned.carry import CARRY
 
 GATHERS = "gathers"       # the key of the gathers' words (their own group, the copy thread's)
-
-
-class Words:
-    """Each rank's word on the step, carried by the first exchange of a gather (``ops``), heard after it
-    (``settle``). Made on the thread that runs the schedule, in its order: it counts among the step's meets."""
-
-    def __init__(self, status, key, group):
-        status.done[key] += 1
-        self.status, self.key, self.group = status, key, group
-        self.got: list | None = None
-
-    def ops(self, world: int, me: int) -> list:
-        """The messages that carry this rank's word to every peer and theirs here (the first call only)."""
-        import torch.distributed as dist
-        if self.got is not None:
-            return []
-        mine = torch.tensor([self.status.word()], dtype=torch.int32)
-        self.got = [mine if r == me else torch.zeros(1, dtype=torch.int32) for r in range(world)]
-        out = []
-        for r in range(world):
-            if r != me:
-                peer = r if self.group is None else dist.get_global_rank(self.group, r)
-                out += [dist.P2POp(dist.isend, mine, peer, self.group), dist.P2POp(dist.irecv, self.got[r], peer,
-                                                                                     self.group)]
-        return out
-
-    def settle(self, raises: bool) -> None:
-        """What the words said: a rank's step failed (``Aborted`` where ``raises``), or not."""
-        words = [int(t) for t in self.got] if self.got is not None else []
-        self.status.heard(self.key, [r for r, w in enumerate(words) if w == FAILED], any(words))
-        if raises and self.status.seen:
-            raise Aborted(f"rank {self.status.rank}: a rank's step failed before a gather")
+__all__ = ["GATHERS", "Words", "rides"]
 
 
 @ghost("gather")
