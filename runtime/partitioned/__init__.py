@@ -292,13 +292,11 @@ def _gather_execute(rt, pack, what="params", held=(), carried=False, reads=None)
         jobs.append((lambda d, n=n: st.set_data(n, d), dst, None))
     if not wanted:
         return first
-    # several ranks: the first exchange carries each rank's word on the step too (runtime/partitioned/meet.py)
-    words = Words(status, GATHERS, st.shares.group) if status is not None else None
+    if status is not None:     # counted: a rank whose step fails replays the gathers it has not made (meet.py)
+        status.done[GATHERS] += 1
 
     def copy():
-        exchange_parts(rt, pack, parts, wanted, words)
-        if words is not None:
-            words.settle(raises=True)
+        exchange_parts(rt, pack, parts, wanted)
     fut = st.copier.submit(copy)
     fut.harmony_jobs = list(first.harmony_jobs if first is not None else ()) + jobs
     return fut

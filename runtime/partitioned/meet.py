@@ -1,8 +1,11 @@
-"""The meets of ``shard_state="full"``'s collectives (runtime/comm/jobwide.py). A gather's first exchange carries
-each rank's word on the step (``Words``: one more small message to every peer, in the same batch), and what a
-gather exchanges is the same on every rank whatever this rank holds (runtime/partitioned/ ``exchange_parts``), so
-a rank whose step failed replays its remaining gathers whole (its chunks sent, the peers' received into scratch):
-its peers, waiting in one, learn of it there. A reduce-scatter meets on the default group (the host thread's)."""
+"""How ``shard_state="full"``'s collectives take part in the job-wide step (runtime/comm/jobwide.py).
+
+What a gather exchanges is the same on every rank whatever this rank holds (runtime/partitioned/
+``exchange_parts``), so a rank whose step failed replays its remaining gathers whole (its chunks sent, the peers'
+received into scratch): a peer waiting in one is served, goes on, and learns of the failure at the next
+reduce-scatter, before the update behind it. A gather carries no word of its own (its own message to every peer
+cost the step several per cent). A reduce-scatter's words ride on its first swap of chunks (two ranks, fp32
+buffers: ``rides``), else it meets on the default group first; a rank that failed replays its swaps on zeros."""
 from __future__ import annotations
 
 import inspect
@@ -38,9 +41,8 @@ def _gather_ghost(rt, node) -> None:
               for n in names if n in home}
     if not wanted or status.skip(GATHERS):
         return
-    words = Words(status, GATHERS, st.shares.group)
-    exchange_parts(rt, pack, gathered(plan, pack, held, home), wanted, words)
-    words.settle(raises=False)
+    status.done[GATHERS] += 1
+    exchange_parts(rt, pack, gathered(plan, pack, held, home), wanted)
 
 
 @ghost("step")
