@@ -45,8 +45,13 @@ def _run(rank, world, fail_rank, fail_step, steps=3, inject=None, frac=0.5, shar
     shard_ = harmony.data.shard if shard else (lambda b: b)
 
     def compiled(m):
-        return harmony.compile(m, example_batch=shard_(data[0]), memory_budget=int(training_state_bytes(m) * frac),
-                               microbatches=2, comm_timeout=TIMEOUT, **{**SGD, **kw})
+        budget = int(training_state_bytes(m) * frac)
+        where = dict(memory_budget=budget)
+        if kw.get("balance") is not None:      # each rank's budget is its device's (here: logical devices)
+            from harmony.compiler.hardware import Hardware
+            where = dict(hardware=Hardware.this_machine().logical([budget] * world), data_parallel=True)
+        return harmony.compile(m, example_batch=shard_(data[0]), microbatches=2, comm_timeout=TIMEOUT, **where,
+                               **{**SGD, **kw})
     sm = compiled(model)
     raised = None
     for i, batch in enumerate(data):
@@ -90,9 +95,10 @@ def _check(res, world, fail_rank, own="IndexError"):
 
 def _dp_cases(rank, world):
     out = {}
-    for name, kw in [("dp", {}), ("zero3", dict(shard_state="full", **ADAMW))]:     # ZeRO-1: the soak's
+    for name, kw in [("dp", {}), ("zero3", dict(shard_state="full", **ADAMW)),      # ZeRO-1: the soak's
+                     ("balance", dict(balance="uniform"))]:
         try:
-            out[name] = _run(rank, world, 1, 1, **kw)
+            out[name] = _run(rank, world, 1, 1, shard=name != "balance", **kw)    # balance=: the global batch
         except Exception as e:         # noqa: BLE001
             out[name] = f"{type(e).__name__}: {e}"
     return out
@@ -100,7 +106,7 @@ def _dp_cases(rank, world):
 
 def test_a_bad_batch_on_one_rank_aborts_the_step_on_every_rank_data_parallel():
     res = _spawn(2, _dp_cases, timeout=240)
-    for name in ("dp", "zero3"):
+    for name in ("dp", "zero3", "balance"):
         _check({r: v[name] if isinstance(v, dict) else v for r, v in res.items()}, 2, 1)
 
 

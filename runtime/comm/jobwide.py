@@ -1,23 +1,28 @@
 """A training step's outcome is the job's: a rank whose step fails tells the others at the next collective they
 meet, and every rank rolls the same step back.
 
-Every collective of a step (a gradient all-reduce, a reduce-scatter or gather of ``shard_state="full"``, the ZeRO-1
-broadcasts, a pipeline's sends and receives and its loss broadcast) starts with a ``meet``: one all-reduce of one
-integer per rank on the collective's own group and thread, saying whether this rank's step has failed. While none
-has, the collective runs as it always did (its bytes unchanged: bitwise what it was). A rank whose step fails
-(a bad batch, an exception in the model, Ctrl-C, a failed disk read) rolls back as one process does
-(runtime/transaction.py) and, on its way out, ``replay``\\ s the rest of its schedule's collectives as meets only,
-saying it failed: its peers, waiting in the next collective, learn it there, skip that collective and every later
-one the same way (their replays), and raise ``StepAbortedError``. So every rank makes every meet of the step, in
-the schedule's order, on every group, and no rank waits for a collective that a peer will never make. A pipeline's
-point-to-point messages carry the same word in the mask that precedes each message (``ABORT``).
+Each rank says how its step stands (a word: it runs; its own step failed; it knows another's did) at the
+collectives that come before an optimizer update, each on its own group and thread, in the schedule's order:
 
-Once every rank has replayed, the ranks that met a failure (all of them, or none: a meet is a collective) exchange
-what happened on the handshake's group (``settle``): the failing ranks' errors, and each rank's outcome. A step
-that updated no pack anywhere is rolled back everywhere and the job trains on as if it had not happened; one
-that updated some packs somewhere (a torn step) leaves every rank refusing alike until a checkpoint is loaded.
-A failure after a rank's last collective (nothing left to tell) is told at the next call's handshake instead
-(driver/handshake.py carries each rank's torn state).
+* two data-parallel ranks (fp32): the words ride at the end of each gradient all-reduce's buffer
+  (runtime/comm/collectives.py ``allreduce(words=)``); ``shard_state="full"``: on the first swap of each
+  reduce-scatter (runtime/partitioned/meet.py); a pipeline: in the mask before each message (``ABORT``);
+* elsewhere (three ranks or more, compression, adaptive bits), and before ZeRO-1's broadcasts and a pipeline's
+  loss broadcast and norms' all-gather: a ``meet`` of its own, one small all-reduce.
+
+Where none failed, every collective moves the bytes it always did. A rank whose step fails (a bad batch, an
+exception in the model, Ctrl-C, a failed disk read) rolls back as one process does (runtime/transaction.py) and,
+on its way out, replays the rest of its schedule's collectives saying so (``replay``; each op's ``ghost``: a meet, or
+the exchange itself on zeros or on its own chunks: ZeRO-3's gathers carry no word and are replayed whole). Its peers,
+waiting in the next of them, learn it there, stop (``Aborted``) and replay theirs alike, so every rank makes every
+collective of the step exactly once (counted per group, ``done``) and none waits for one a peer will never make.
+
+Once every rank has replayed, the ranks that heard of a failure (all of them, or none: a word is exchanged by all)
+tell each other what happened on the handshake's group (``settle``): the failing ranks' errors, and each rank's
+outcome. A step that updated no pack anywhere is rolled back everywhere and the job trains on as if it had not
+happened (the others raise ``StepAbortedError``); one that updated some packs somewhere (a torn step) leaves every
+rank refusing alike until a checkpoint is loaded. A failure after a rank's last collective (nothing left to tell)
+is told at the next call's handshake instead (driver/handshake.py carries each rank's torn state).
 """
 from __future__ import annotations
 
@@ -29,7 +34,7 @@ from harmony.base.errors import StepAbortedError
 
 OK, SEEN, FAILED = 0, 1, 2      # what a rank says at a meet: its step runs; it knows of a failure; its own failed
 ABORT = 255                     # a pipeline message's mask that says the sender's step failed (runtime/pipeline.py)
-STEP_KEY = "default group"      # the meets of the collectives on the default group (the host thread's)
+STEP_KEY = "default group"      # the words of the collectives on the default group (the host thread's)
 GHOSTS: dict = {}               # op name -> what it does in a replay: its meets only (``ghost``)
 
 
@@ -47,8 +52,9 @@ class Aborted(StepAbortedError):
 
 
 class Words:
-    """Each rank's word on the step, carried by the first exchange of a gather (``ops``), heard after it
-    (``settle``). Made on the thread that runs the schedule, in its order: it counts among the step's meets."""
+    """Each rank's word on the step, riding on a collective's own exchange: as messages added to its first batch of
+    point-to-point sends (``ops``), or summed at the end of an all-reduce's buffer (``vector``, ``read``); heard
+    after it (``settle``). Made on the thread that runs the collective, in its order: it counts as a meet."""
 
     def __init__(self, status, key, group):
         status.done[key] += 1
