@@ -129,8 +129,8 @@ def test_a_bad_batch_on_one_stage_aborts_the_step_on_every_rank_pipeline():
 # -- 2. shapes agreed before any collective ----------------------------------------------------------
 def _shape_cases(rank, world):
     """Per mode, batches of other shapes on rank 1 (fewer rows, a longer sequence than compiled; under data
-    parallelism, shapes each needing a plan of its own, one per rank): every rank must raise InputError, then all
-    train on together."""
+    parallelism, shapes each needing a plan of its own, one per rank, and one shape that rank 1 alone cannot plan):
+    every rank must raise InputError, then all train on together."""
     from harmony.compiler.hardware import Hardware
     out = {}
     modes = [("pipeline", dict(parallel="pipeline"), False), ("zero3", dict(shard_state="full", **ADAMW), True),
@@ -155,6 +155,17 @@ def _shape_cases(rank, world):
                 got.append("no error")
             except Exception as e:      # noqa: BLE001
                 got.append(f"{type(e).__name__}: {e}")
+        if name == "dp":     # one shape on both ranks, which rank 1 alone cannot plan (its plan's layout differs)
+            import harmony.driver.shapes as shapes
+            real = shapes._layout_differs
+            if rank == 1:
+                shapes._layout_differs = lambda *a: "a layout of its own (injected)"
+            try:
+                sm(x[:, :10], y[:, :10])
+                got.append("no error")
+            except Exception as e:      # noqa: BLE001
+                got.append(f"{type(e).__name__}: {e}")
+            shapes._layout_differs = real
         try:
             sm(*shard_(data[2]))
             got.append("ok")
