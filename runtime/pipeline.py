@@ -25,7 +25,7 @@ import torch
 
 from harmony.base.units import nbytes
 from harmony.runtime.comm.collectives import comm_error, wait_work
-from harmony.runtime.comm.jobwide import ABORT, STEP_KEY, Aborted, ghost
+from harmony.runtime.comm.jobwide import ABORT, STEP_KEY, Aborted, Words, ghost
 from harmony.runtime.ops import Acts, Predicted, arrived, register
 from harmony.runtime.plan import NOMINAL_NETWORK_BANDWIDTH, NOMINAL_NETWORK_LATENCY
 
@@ -149,20 +149,31 @@ def join_sends(rt) -> None:
 
 
 def _share_loss_execute(rt, src):
-    """Join this step's sends; the loss rank's mean loss to every rank (the executor's mean of one is itself)."""
-    import torch.distributed as dist
+    """Join this step's sends; the loss rank's mean loss to every rank (the executor's mean of one is itself), in one
+    all-reduce that carries each rank's word on the step too (runtime/comm/jobwide.py: the loss rank's loss plus
+    zeros is its loss, bit for bit)."""
     st = rt.plan.stage
     join_sends(rt)
-    if rt.status is not None:      # every rank's step got here (runtime/comm/jobwide.py)
-        rt.status.go(STEP_KEY, None, "the broadcast of the loss")
-    if st.rank == src:
-        loss = torch.stack([x.float() for x in rt.losses]).mean().reshape(1)
-    else:
-        loss = torch.zeros(1)
-    what = f"broadcast of the loss from rank {src}"
-    wait_work(_post(dist.broadcast, what, st.timeout, loss, src, async_op=True), what, st.timeout)
+    status = rt.status if rt.status is not None and rt.status.active else None
+    loss = torch.stack([x.float() for x in rt.losses]).mean().reshape(1) if st.rank == src else torch.zeros(1)
+    summed = _loss_exchange(rt, loss, Words(status, STEP_KEY, None) if status is not None else None, src)
+    if status is not None and status.seen:
+        raise Aborted(f"rank {st.rank}: a rank's step failed before the loss was shared")
     if st.rank != src:
-        rt.losses = [loss[0]]
+        rt.losses = [summed[0]]
+
+
+def _loss_exchange(rt, loss: torch.Tensor, words, src: int) -> torch.Tensor:
+    """The all-reduce of ``loss`` (zeros but on the loss rank) with ``words`` after it; their sum."""
+    import torch.distributed as dist
+    st = rt.plan.stage
+    buf = torch.cat([loss, words.vector(st.world, st.rank) if words is not None else torch.zeros(st.world)])
+    what = f"the broadcast of the loss from rank {src}"
+    wait_work(_post(dist.all_reduce, what, st.timeout, buf, async_op=True), what, st.timeout)
+    if words is not None:
+        words.read(buf[1:])
+        words.settle(raises=False)
+    return buf
 
 
 def norm_exchange(stage: Stages, status=lambda: None):
@@ -242,7 +253,8 @@ def _send_ghost(rt, node) -> None:
 @ghost(share_loss)
 def _share_loss_ghost(rt, node) -> None:
     join_sends(rt)
-    rt.status.meet(STEP_KEY, None, "the broadcast of the loss")
+    if not rt.status.skip(STEP_KEY):
+        _loss_exchange(rt, torch.zeros(1), Words(rt.status, STEP_KEY, None), (node.args or [node.kwargs.get("src")])[0])
 
 
 @ghost(share_norms)
