@@ -165,8 +165,9 @@ def allreduce(tensors: Sequence[torch.Tensor], spec: CompressionSpec | Sequence[
     scale = _weight_scale(weight, world)
     jobs = [_Job(idx, tensors, s, group, world, error_feedback_state, timeout, generator, scale, release,
                  workspace=workspace) for s, idx in fuse(tensors, specs, fusion_bytes)]
-    if words is not None:
-        next(j for j in jobs if j.spec.kind == "none").words = words
+    carrier = next((j for j in jobs if j.spec.kind == "none"), None) if words is not None else None
+    if carrier is not None:
+        carrier.words = words
     _sweep(jobs, stats, world)
     stats.seconds = time.perf_counter() - start
     return stats
@@ -306,7 +307,7 @@ class _Job:
             self.state["chunk"] = chunk
             size = chunk * w
         self.buf = self._empty(size, torch.float32, ts[0].device)
-        ends = self.offsets[1:] + [off]
+        ends = self.offsets[1:] + [size if extra is None else off]     # (a quantized buffer: padded to its end)
         if extra is not None:
             self.buf[off:].zero_()
             self.buf[off: off + w].copy_(extra)
