@@ -70,5 +70,10 @@ class OffloadError(HarmonyError):
     (a full disk, an unwritable path). Names the file and what to do."""
 
 
+class ClosedError(HarmonyError):
+    """A call on a module after ``sm.close()``, which released its runtime: compile the model again."""
+
+
 __all__ = ["HarmonyError", "TraceError", "BudgetError", "ConfigError", "InputError", "PassError", "DeviceOutOfMemory",
-           "CommunicationError", "CheckpointError", "OffloadError", "TornStepError", "StepAbortedError"]
+           "CommunicationError", "CheckpointError", "OffloadError", "TornStepError", "StepAbortedError",
+           "ClosedError"]

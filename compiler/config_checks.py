@@ -1,9 +1,12 @@
 """The checks every option group of ``compiler/config.py`` shares, and the base of its chain of ``__post_init__``."""
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import field
 from functools import partial
+
+import torch
 
 from harmony.base import env
 from harmony.base.errors import ConfigError
@@ -36,6 +39,25 @@ def positive(value, finite: bool) -> bool:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return False
     return value > 0 and (math.isfinite(value) or not finite and value == math.inf)
+
+
+def check_optimizer(optimizer: type, kwargs: dict, groups=None) -> None:
+    """``optimizer`` takes ``kwargs``, and ``kwargs`` under each param group's settings: each built once on a
+    stand-in parameter, so a misspelled argument or a value out of its range is a ``ConfigError`` naming it before
+    the model is traced (torch's own check says what is wrong). A group's keys the optimizer does not take are left
+    to it, as torch keeps them (a group's ``"name"``)."""
+    takes = inspect.signature(optimizer.__init__).parameters
+    tries = [("optimizer_kwargs", dict(kwargs), dict(kwargs))]
+    for i, group in enumerate(groups or ()):
+        own = {k: v for k, v in group.items() if k != "params" and k in takes}
+        if own:
+            tries.append((f"param_groups[{i}]", own, {**kwargs, **own}))
+    for where, shown, given in tries:
+        try:
+            optimizer([torch.nn.Parameter(torch.zeros(1))], **given)
+        except (TypeError, ValueError, RuntimeError) as e:
+            names = ", ".join(n for n in takes if n not in ("self", "params", "args", "kwargs"))
+            raise ConfigError(f"{where}: {optimizer.__name__} refuses {shown!r} ({e}); it takes {names}") from None
 
 
 class Group:

@@ -21,6 +21,7 @@ from harmony.base.tiers import Tier
 from harmony.base.units import fmt_bytes
 from harmony.compiler import cost
 from harmony.compiler.config import DEFAULT_MEMORY_BUDGET, CompileConfig, Config
+from harmony.compiler.config_checks import check_optimizer
 from harmony.compiler.hardware import Hardware
 from harmony.compiler.hardware.machine import cuda_library_bytes
 from harmony.compiler.ir import Program
@@ -127,6 +128,7 @@ def resolve(options: Config, batch_size: int) -> tuple[CompileConfig, modes.Mode
         raise ConfigError(f"microbatches={options.microbatches!r} must be a positive divisor of the batch size "
                           f"{batch_size}; divisors: {[d for d in range(1, batch_size + 1) if batch_size % d == 0]}")
     kwargs = options.optimizer_kwargs
+    check_optimizer(options.optimizer, kwargs, options.param_groups)     # before the model is traced
     # torch's fused update where it has one and the caller did not choose (runtime/optim.py); not under
     # ondemand, whose runtime fetches every tensor an op touches: one fused op touches a pack's whole state
     if options.policy != "ondemand":

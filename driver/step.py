@@ -17,6 +17,7 @@ from harmony.driver.constants import split_call
 from harmony.driver.handshake import CALLS, agree, planned
 from harmony.driver.shapes import describe
 from harmony.driver.tokens import user_names, with_count
+from harmony.driver.usermodel import withhold_synced
 from harmony.runtime.comm.world import check_world
 from harmony.runtime.executor import module_modes
 from harmony.runtime.transaction import describe_torn
@@ -66,6 +67,7 @@ def train_step(sm, batch: tuple, named: dict) -> torch.Tensor:
         raise ConfigError(f"this module was compiled with passes={[h[0] for h in sm.history]}, which "
                           f"make no schedule; compile with the default passes to train")
     check_world(sm.program.config, sm.program.capabilities)   # a plan is for one world size
+    withhold_synced(sm)     # a pipeline rank's copies of others' weights (sm.sync_model) are stale after this step
     error = route = None
     plans = False
     try:

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import torch
 
-from harmony.base.errors import ConfigError, OffloadError
+from harmony.base.errors import OffloadError
 from harmony.base.tiers import Tier
-from harmony.runtime.placeholders import is_placeholder, mark
+from harmony.runtime.placeholders import is_placeholder, mark, point, withhold
 from harmony.runtime.tiers.params_disk import PARAM
 
 
@@ -34,7 +34,7 @@ def _refuse(model: torch.nn.Module, use: str) -> None:
                            f"steps (weights_on={Tier.DISK!r}), in shares over the ranks (shard_state='full'), or on "
                            f"other pipeline ranks (parallel='pipeline'), and hold placeholders here. Call "
                            f"sm.sync_model() first to read the trained weights into the model (after the last step: "
-                           f"each step puts placeholders back; not under a pipeline), or use sm.state_dict() / "
+                           f"each step puts placeholders back), or use sm.state_dict() / "
                            f"harmony.save, which read them from disk")
 
 
@@ -61,13 +61,15 @@ def guard(sm) -> None:
 
 
 def sync_model(sm) -> list[str]:
-    """Read the trained weights of the parameters that live on disk into the user's model; returns their names.
+    """Read the trained weights of the parameters that live elsewhere into the user's model; returns their names.
 
-    Needs host memory for those weights (they are new tensors the model then owns). Nothing to do for any other
-    tier: those parameters hold their trained weights between steps."""
+    Needs host memory for those weights (they are new tensors the model then owns). On disk: read from their
+    files. ``shard_state="full"``: all-gathered from the ranks' shares. ``parallel="pipeline"``: every rank's
+    packs' weights and buffers all-gathered, so every rank's model is the whole trained model (every rank calls
+    it); the other ranks' weights go back to placeholders at the next step, which changes them there. Nothing to
+    do for any other tier: those parameters hold their trained weights between steps."""
     if getattr(getattr(sm, "plan", None), "stage", None) is not None:
-        raise ConfigError("parallel='pipeline': each rank holds its packs' weights only; read them with "
-                          "sm.training_state_dict() on every rank, or harmony.save, which writes each rank's")
+        return _gather_stages(sm)
     shares = getattr(getattr(sm.runtime, "state", None), "shares", None)
     if shares is not None:       # shard_state="full": all-gathered from the ranks (every rank must call it)
         return shares.gather_all(sm.runtime.state.tensors)
@@ -84,3 +86,37 @@ def sync_model(sm) -> list[str]:
             pd.tensors[n].data = values[(n, PARAM)].clone()
             brought.append(n)
     return brought
+
+
+def _gather_stages(sm) -> list[str]:
+    """A pipeline rank's model gets every rank's packs' weights and buffers (an all-gather over the handshake's
+    group); returns the names it got from the others."""
+    import torch.distributed as dist
+    mine = {n: t.detach().to("cpu", copy=True) for n, t in sm.training_state_dict()["model"].items()}
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine, group=sm.handshake.group)
+    own = dict(sm.model.named_parameters())
+    own.update(dict(sm.model.named_buffers()))
+    brought = []
+    for rank, state in enumerate(every):
+        if rank == dist.get_rank():
+            continue
+        for n, t in state.items():
+            target = own.get(n)
+            if target is None:
+                continue
+            if isinstance(target, torch.nn.Parameter):
+                point(target, t)
+            else:
+                target.data = t
+            brought.append(n)
+    sm._synced = [own[n] for n in brought if isinstance(own[n], torch.nn.Parameter)]
+    return brought
+
+
+def withhold_synced(sm) -> None:
+    """Before a step: a pipeline rank's copies of the other ranks' weights (``sync_model``) would be stale after
+    it, so they hold placeholders again (and refuse to be read, as before the sync)."""
+    for p in getattr(sm, "_synced", ()):
+        withhold(p)
+    sm._synced = []

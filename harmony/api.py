@@ -17,6 +17,8 @@ from harmony.driver import checkpoint
 from harmony.driver import compile as driver
 from harmony.driver.assemble import assemble
 from harmony.driver.evaluate import evaluate
+from harmony.driver.guard import Guard, guarded
+from harmony.driver.guard import close as close_module
 from harmony.driver.handshake import CALLS, agree
 from harmony.driver.step import accept_partial_step, train_step
 from harmony.driver.usermodel import sync_model
@@ -57,10 +59,14 @@ class ScheduledModule(torch.nn.Module):
 
     ``.code`` is the schedule as Python, ``.report()`` what every pass did, ``.history``
     the schedule after each pass, ``.stats`` the last step's measured memory and traffic.
+
+    One call at a time: a step, an evaluation, a checkpoint or a state dict called from another thread while one
+    runs waits for it to end (driver/guard.py); after ``close()`` each raises ``ClosedError``.
     """
 
     def __init__(self, program: Program, device="cpu"):
         super().__init__()
+        self.guard = Guard()
         assemble(self, program, device)    # runtime, tiers, optimizers, shapes (driver/assemble.py)
 
     @property
@@ -90,6 +96,7 @@ class ScheduledModule(torch.nn.Module):
         self.training = bool(mode)
         return self
 
+    @guarded("sm.evaluate(...)")
     def evaluate(self, *batch, **named) -> torch.Tensor:
         """The batch's loss as ``model.eval()`` under ``torch.no_grad()`` computes it, forward only, within the same
         memory budget, on the weights as training left them; the mean over microbatches, in fp32. Takes the batch
@@ -97,6 +104,7 @@ class ScheduledModule(torch.nn.Module):
         rolled back. The evaluation schedule is built on the first call and kept (driver/evaluate.py)."""
         return evaluate(self, batch, named)
 
+    @guarded("sm(...)")
     def forward(self, *batch, **named):
         """One training step on the batch (``sm(x, y)``, ``sm(**batch)``, or ``sm(batch)`` for a dict or Mapping);
         it evaluates instead (``evaluate``) in eval mode (``sm.eval()``) or where gradients are off
@@ -132,18 +140,22 @@ class ScheduledModule(torch.nn.Module):
         return simulate(self.graph, self.plan, hardware, device, memory=self.predicted,
                         sizes=state_sizes(self.program))
 
+    @guarded("sm.state_dict()", reads=True)
     def state_dict(self, *, destination=None, prefix: str = "", keep_vars: bool = False) -> dict:
         """The model's parameters and buffers by its names, as ``model.state_dict()``, read wherever they live."""
         return checkpoint.module_state_dict(self, destination, prefix, keep_vars)
 
+    @guarded("sm.load_state_dict()")
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """Set the model's weights from ``state_dict`` (the model's names) wherever they live; optimizer state stays."""
         return checkpoint.load_module_state_dict(self, state_dict, strict, assign)
 
+    @guarded("sm.training_state_dict()", reads=True)
     def training_state_dict(self) -> dict:
         """The training state (weights, optimizer state, hyperparameters, step, RNG), referencing live tensors."""
         return checkpoint.training_state_dict(self)
 
+    @guarded("sm.load_training_state_dict()")
     def load_training_state_dict(self, state: dict) -> None:
         """Restore ``training_state_dict()``'s state in place; a mismatch raises ``CheckpointError``."""
         checkpoint.load_training_state_dict(self, state)
@@ -161,18 +173,23 @@ class ScheduledModule(torch.nn.Module):
         self.schedulers.append(scheduler)
         return scheduler
 
+    @guarded("sm.sync_model()")
     def sync_model(self) -> list[str]:
-        """Read weights that live on disk between steps (``weights_on="disk"``) into the model passed to compile,
-        whose forward and state_dict refuse until then (driver/usermodel.py); returns their names."""
-        if getattr(getattr(self.runtime, "state", None), "shares", None) is not None:   # it gathers the shares
+        """Read the weights that live elsewhere between steps (on disk, in other ranks' shares under
+        ``shard_state="full"``, on other pipeline ranks) into the model passed to compile, whose forward and
+        state_dict refuse until then (driver/usermodel.py); returns their names. Every rank calls it."""
+        if getattr(getattr(self.runtime, "state", None), "shares", None) is not None \
+                or getattr(self.plan, "stage", None) is not None:     # it gathers from every rank
             agree(self, CALLS[3])
         return sync_model(self)
 
+    @guarded("sm.accept_partial_step()")
     def accept_partial_step(self) -> dict | None:
         """After a step that failed once some packs had stepped (``TornStepError``): train on with those updates
         kept. Returns {"stepped": packs, "not_stepped": packs, "params": names}, or None if there was none."""
         return accept_partial_step(self)
 
     def close(self):
-        if self.runtime is not None:
-            self.runtime.close()
+        """Release the runtime (its threads, pinned buffers, offload files) once a call running in another thread
+        has ended; every later step, evaluation, checkpoint or state dict raises ``ClosedError``."""
+        close_module(self)

@@ -40,6 +40,11 @@ class Builder:
         for spec in self.plan.packs:
             for o in spec.outputs:
                 self.producer[o] = spec.index
+        self.readers: dict = {}      # value name -> the packs that read it (a value, not a batch tensor)
+        for spec in self.plan.packs:
+            for n in spec.inputs:
+                if n in self.producer:
+                    self.readers.setdefault(n, []).append(spec.index)
         self.acts = {}               # (pack, mb) -> node holding the pack's outputs
         self.grads = {}              # (pack, mb) -> node holding grads of the pack's inputs
 
@@ -67,9 +72,25 @@ class Builder:
                      if any(self.producer.get(n) == p for n in s.inputs)]
         grads = tuple(self.grads[(c, mb)] for c in consumers if (c, mb) in self.grads)
         inputs = () if kept is not None else tuple(self.inputs_of(p, mb))
-        node = self.emit(ops.backward, p, mb, *inputs, saved=kept, grads=grads, name=f"grad{p}_{mb}")
+        node = self.emit(ops.backward, p, mb, *inputs, saved=kept, grads=grads, name=f"grad{p}_{mb}",
+                         **self.folds(p, mb))
         self.grads[(p, mb)] = node
         return node
+
+    def folds(self, p: int, mb: int) -> dict:
+        """A value that several packs read gets its gradient summed as eager's backward sums it: one contribution
+        at a time, the last reader's first. So each reader's backward starts from the sum the reader after it
+        left (``chain``: the value's name and that reader's backward, None for the last reader), and the
+        producer's backward takes the first reader's sum whole (``totals``), not the readers' sums added up."""
+        spec = self.plan.packs[p]
+        chain = []
+        for n in spec.inputs:
+            readers = self.readers.get(n, ())
+            if len(readers) > 1:
+                later = [c for c in readers if c > p and (c, mb) in self.grads]
+                chain.append((n, self.grads[(min(later), mb)] if later else None))
+        totals = tuple(o for o in spec.outputs if len(self.readers.get(o, ())) > 1)
+        return {**({"chain": tuple(chain)} if chain else {}), **({"totals": totals} if totals else {})}
 
 
 def lower(program: Program) -> torch.fx.Graph:

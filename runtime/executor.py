@@ -14,6 +14,7 @@ from harmony.runtime.ops import op_of, ops_of, resident_state
 from harmony.runtime.pipeline import norm_exchange
 from harmony.runtime.plan import Plan, mean_loss
 from harmony.runtime.precision import GradClip, LossScaler, StepGate, compute_dtype
+from harmony.runtime.rng import MicrobatchStreams
 from harmony.runtime.tiers.memory import AllocatorMeter, CountAllocations, MemoryMeter
 from harmony.runtime.tiers.state import TieredState
 from harmony.runtime.transaction import Transaction
@@ -123,6 +124,7 @@ class EvalRun:
         self.batch: dict[str, torch.Tensor] = {}
         self.rows: tuple[int, ...] = plan.microbatch_rows()
         self.rng: dict = {}
+        self.streams = None      # an evaluation's random ops draw from the generators as they find them
         self.events: list[TraceEvent] = []
 
     def __getattr__(self, name):
@@ -166,7 +168,8 @@ class Runtime:
         self.gate = StepGate(self.scaler, clipper) if self.scaler is not None or clipper is not None else None
         self.on_demand = on_demand(self) if on_demand is not None else None
         self.free_after = last_uses(graph)
-        self.rng: dict = {}
+        self.rng: dict = {}      # (pack, microbatch): the generators at its forward, which its recompute replays
+        self.streams: MicrobatchStreams | None = None    # the running step's per-microbatch generators (rng.py)
         self.losses: list[torch.Tensor] = []
         self.batch: dict[str, torch.Tensor] = {}
         self.rows: tuple[int, ...] = plan.microbatch_rows()    # the running step's rows of each microbatch
@@ -210,18 +213,26 @@ class Runtime:
             comm = existing(self)
             if comm is not None:
                 comm.began = None
+        random = any(spec.random for spec in self.plan.packs)
+        self.streams = MicrobatchStreams(self.device, len(self.rows)) if random else None
         try:
             loss = self._run(batch, txn)
             if self.status is not None:     # a failure met at the step's last collective
                 self.status.check()
         except BaseException as e:
             instead = txn.roll_back(e)
+            if self.streams is not None:     # as if the step had not run: its draws undone too
+                self.streams.restore()
+            self.streams = None
             if instead is not None:        # another rank's failure, named now that the ranks have told each other
                 raise instead from None
             raise
         finally:
             if self.status is not None:
                 self.status.active = False
+        if self.streams is not None:
+            self.streams.finish()
+        self.streams = None
         txn.commit()
         return loss
 

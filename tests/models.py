@@ -101,22 +101,33 @@ def split(batch, m):
     return list(zip(*(t.chunk(m) for t in batch)))
 
 
-def eager_accumulate(model, data, microbatches, optimizer=torch.optim.AdamW, clip=None, norm_type=2.0, **kw):
+def eager_accumulate(model, data, microbatches, optimizer=torch.optim.AdamW, clip=None, norm_type=2.0,
+                     streams=False, **kw):
     """Eager PyTorch: each batch as ``microbatches`` gradient-accumulation steps, then one update
     (``clip``: after ``clip_grad_norm_(model.parameters(), clip, norm_type)``; the norms are in ``model.norms``).
+    ``streams``: each microbatch draws its random numbers from its own stream, as a compiled step's do
+    (runtime/rng.py), so dropout's masks are the step's.
 
     The optimizer gets the arguments Harmony would give it (``fused=True`` where torch has it,
     unless ``kw`` chose): the same update, so the same bits."""
     from harmony.runtime.optim import optimizer_kwargs
+    from harmony.runtime.rng import microbatch_states, rng_state, set_rng_state
     model = copy.deepcopy(model)
     opt = optimizer(model.parameters(), **optimizer_kwargs(optimizer, kw))
     losses, model.norms = [], []
     for batch in data:
         total = 0.0
-        for mb in split(batch, microbatches):
+        states = microbatch_states(microbatches) if streams else None
+        for m, mb in enumerate(split(batch, microbatches)):
+            if states is not None:
+                set_rng_state(torch.device("cpu"), states[m])
             loss = call(model, mb)
+            if states is not None:
+                states[m] = rng_state(torch.device("cpu"))
             (loss / microbatches).backward()
             total += loss.item()
+        if states is not None:
+            set_rng_state(torch.device("cpu"), states[0])
         if clip is not None:
             model.norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip, norm_type).item())
         opt.step()

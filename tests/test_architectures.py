@@ -62,15 +62,17 @@ def test_fp32_trains_bitwise_as_eager(arch):
     """Bitwise, but for a weight two packs share (T5's ``shared`` embedding, read by encoder and decoder): its two
     gradient contributions add in another order than eager's, so it is allclose (DESIGN.md's one exception)."""
     model, data = ARCHITECTURES[arch]()
-    data = data[:STEPS]
-    ref, _ = eager_accumulate(model, data, MICROBATCHES)
-    ours = copy.deepcopy(model)
-    sm, _, _ = run_compiled(ours, data, MICROBATCHES, _budget(model))
-    assert len(sm.plan.packs) > 1
     names = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), []).append(name)
     shared = {n for group in names.values() if len(group) > 1 for n in group}
+    # a shared weight is allclose after a step, and at the next step every weight reads it: one step, where the
+    # plan puts its readers in two packs (the partition weighs measured costs, so it may)
+    data = data[:1 if shared else STEPS]
+    ref, _ = eager_accumulate(model, data, MICROBATCHES)
+    ours = copy.deepcopy(model)
+    sm, _, _ = run_compiled(ours, data, MICROBATCHES, _budget(model))
+    assert len(sm.plan.packs) > 1
     got, expected = params(sm), {n: p.detach() for n, p in ref.named_parameters()}
     assert got.keys() == expected.keys()
     for name in expected:

@@ -13,7 +13,6 @@ import pytest
 import torch
 
 import harmony
-import harmony.driver.checkpoint.io as ckpt
 import harmony.driver.checkpoint.files as ckfiles
 from harmony.errors import CheckpointError
 from harmony.models import GPT, GPTConfig, copy_task
@@ -113,7 +112,7 @@ def test_resume_into_a_mixed_plan_is_bitwise(run_a, chosen_by, monkeypatch):
 def test_state_dict_references_live_tensors_and_round_trips_in_memory(run_a):
     a = run_a["sm"]
     sd = a.training_state_dict()
-    assert sorted(sd) == ["format", "model", "optimizer", "param_groups", "rng", "schedulers", "step"]
+    assert sorted(sd) == ["format", "model", "model_groups", "optimizer", "param_groups", "rng", "schedulers", "step"]
     live = dict(a.program.gm.named_parameters())
     for n, t in sd["model"].items():   # references, not copies
         assert t.untyped_storage().data_ptr() == live[n].data.untyped_storage().data_ptr(), n
@@ -296,7 +295,7 @@ def test_a_full_filesystem_keeps_the_last_good_checkpoint(small_tmpfs, tiny, mon
         harmony.save(sm, target)
     assert no_temps(target) == []
     real = shutil.disk_usage
-    monkeypatch.setattr(ckpt.shutil, "disk_usage", lambda p: real(p)._replace(free=1 << 40))
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=1 << 40))
     with pytest.raises(CheckpointError, match=r"No space left on device.*previous checkpoint at .* intact") as e:
         harmony.save(sm, target)                         # the kernel's ENOSPC in the middle of a file
     assert isinstance(e.value.__cause__, OSError) and e.value.__cause__.errno == errno.ENOSPC

@@ -77,6 +77,20 @@ def test_lora_trains_the_adapters_under_a_budget_below_the_weights_and_saves_the
 
 
 @pytest.mark.slow
+def test_trainer_fine_tunes_with_transformers_trainer_stops_and_resumes(tmp_path):
+    pytest.importorskip("accelerate")
+    out = _run([EXAMPLES / "trainer.py", "--tiny", "--out", tmp_path / "run", "--stop-at", "4"], tmp_path)
+    assert "trained to step 4" in out and (tmp_path / "run" / "checkpoint-4" / "harmony" / "manifest.json").exists()
+    again = _run([EXAMPLES / "trainer.py", "--tiny", "--out", tmp_path / "run", "--resume"], tmp_path)
+    assert "resumed from checkpoint-4 at step 4" in again and "trained to step 8 (sm.steps 8)" in again
+    losses = _losses(out) + _losses(again)
+    assert len(losses) == 4 and losses[-1] < losses[0], out + again
+    norms = [float(v) for v in re.findall(r"grad norm (\d+\.\d+)", out + again)]
+    assert len(norms) == 4 and all(n > 0 for n in norms) and "peak " in again
+    assert "validation loss" in again and "from_pretrained gives the trained weights: True" in again
+
+
+@pytest.mark.slow
 def test_disk_offload_puts_state_on_disk_and_reports_it(tmp_path):
     out = _run([EXAMPLES / "disk_offload.py", "--tiny", "--offload-dir", tmp_path], tmp_path)
     tiers = re.search(r"between steps .*?disk ([\d.]+) (\w+)", out, flags=re.S)
@@ -135,7 +149,7 @@ def test_inspect_plan_prints_report_code_drawings_and_a_simulated_gpu_step(tmp_p
 def test_every_example_has_a_test_and_a_tiny_flag():
     scripts = sorted(p.stem for p in EXAMPLES.glob("*.py"))
     assert scripts == ["bf16", "data_parallel", "disk_offload", "hf_finetune", "inspect_plan", "lora",
-                       "mismatched_devices", "zero3"]
+                       "mismatched_devices", "trainer", "zero3"]
     here = Path(__file__).read_text()
     for name in scripts:
         assert f'"{name}.py"' in here and "--tiny" in (EXAMPLES / f"{name}.py").read_text()

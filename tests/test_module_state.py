@@ -102,7 +102,8 @@ def test_a_training_state_given_to_load_state_dict_still_loads_with_a_warning():
     sm = compile_gpt(gpt())
     train(sm, DATA[:1])
     saved = copy.deepcopy(sm.training_state_dict())
-    assert sorted(saved) == ["format", "model", "optimizer", "param_groups", "rng", "schedulers", "step"]
+    assert sorted(saved) == ["format", "model", "model_groups", "optimizer", "param_groups", "rng", "schedulers",
+                             "step"]
     at1 = params(sm)
     train(sm, DATA[1:2])
     with pytest.warns(FutureWarning, match="load_training_state_dict"):

@@ -115,7 +115,9 @@ def test_harmony_save_and_load_keep_the_schedulers_and_the_groups_settings(tmp_p
             harmony.save(straight, tmp_path / "ckpt")
     resumed, sched2 = compiled()
     with pytest.raises(harmony.errors.CheckpointError, match="1 lr schedulers, and this module has 0"):
-        bare = harmony.compile(copy.deepcopy(model), example_batch=data[0], microbatches=2)
+        m = copy.deepcopy(model)        # the same param groups, no scheduler
+        bare = harmony.compile(m, example_batch=data[0], optimizer=torch.optim.AdamW(groups_of(m), lr=1e-2),
+                               microbatches=2, optimizer_kwargs={"fused": False})
         harmony.load(bare, tmp_path / "ckpt")
     harmony.load(resumed, tmp_path / "ckpt")
     assert [g["lr"] for g in resumed.optimizer.param_groups] != [g["lr"] for g in straight.optimizer.param_groups]
@@ -144,3 +146,57 @@ def test_stats_time_the_host_threads_updates(optimizer_on, precision):
         else:
             assert sm.stats["host_step_seconds"] == 0
     sm.close()
+
+
+def test_a_checkpoint_loads_only_into_the_param_groups_it_was_saved_with(tmp_path):
+    """As torch.optim.Optimizer.load_state_dict: another number of groups, or a parameter in another group, is
+    refused with nothing changed; the same groups take the saved settings (torch copies the saved groups' values)."""
+    model, data = CASES["gpt"](layers=2)
+    biases = [n for n, p in model.named_parameters() if p.dim() < 2]
+    weights = [n for n, p in model.named_parameters() if p.dim() >= 2]
+
+    def compiled(**kw):
+        return harmony.compile(copy.deepcopy(model), example_batch=data[0], microbatches=2, **kw)
+    one = compiled(optimizer_kwargs={"weight_decay": 0.01})
+    one(*data[0])
+    harmony.save(one, tmp_path / "one")
+    two = compiled(optimizer_kwargs={"weight_decay": 0.1}, param_groups=[{"params": biases, "weight_decay": 0.0}])
+    before = two.training_state_dict()["model"]["blocks.0.fc.weight"].clone()
+    for load in (lambda: harmony.load(two, tmp_path / "one"),
+                 lambda: two.load_training_state_dict(one.training_state_dict())):
+        with pytest.raises(harmony.errors.CheckpointError, match="saved with 1 param group, and this module has 2 "
+                                                                 "param groups.*Nothing was changed"):
+            load()
+    assert [g["weight_decay"] for g in two.optimizer.param_groups] == [0.1, 0.0] and two.steps == 0
+    assert torch.equal(two.training_state_dict()["model"]["blocks.0.fc.weight"], before)
+    two(*data[0])
+    harmony.save(two, tmp_path / "two")
+    with pytest.raises(harmony.errors.CheckpointError, match="saved with 2 param groups, and this module has 1 "):
+        harmony.load(one, tmp_path / "two")
+    moved = compiled(param_groups=[{"params": weights[:1] + biases, "weight_decay": 0.0}])
+    with pytest.raises(harmony.errors.CheckpointError, match=f"in another param group than when saved \\({weights[0]} "
+                                                             f"was in group 0, is in group 1 here"):
+        harmony.load(moved, tmp_path / "two")
+    other = compiled(optimizer_kwargs={"weight_decay": 0.2}, param_groups=[{"params": biases, "weight_decay": 0.05}])
+    harmony.load(other, tmp_path / "two")
+    assert [g["weight_decay"] for g in other.optimizer.param_groups] == [0.1, 0.0]
+    assert {g["weight_decay"] for opt in other.optimizers for g in opt.param_groups} == {0.1, 0.0}
+    for sm in (one, two, moved, other):
+        sm.close()
+
+
+@pytest.mark.parametrize("kwargs,groups,said", [
+    ({"lrr": 1e-3}, None, r"optimizer_kwargs: AdamW refuses \{'lrr': 0.001\} \(.*unexpected keyword argument 'lrr'"),
+    ({"lr": -1}, None, r"optimizer_kwargs: AdamW refuses \{'lr': -1\} \(Invalid learning rate: -1\)"),
+    ({}, [{"params": ["head.weight"], "weight_decay": -0.1, "name": "head"}],
+     r"param_groups\[0\]: AdamW refuses \{'weight_decay': -0.1\} \(Invalid weight_decay value: -0.1\)"),
+])
+def test_optimizer_arguments_are_checked_before_the_model_is_traced(kwargs, groups, said, monkeypatch):
+    import harmony.driver.compile as driver
+
+    def traced(*args, **kw):
+        raise AssertionError("the model was traced before its optimizer's arguments were checked")
+    monkeypatch.setattr(driver, "trace", traced)
+    model, data = CASES["gpt"](layers=1)
+    with pytest.raises(ConfigError, match=said):
+        harmony.compile(model, example_batch=data[0], optimizer_kwargs=kwargs, param_groups=groups)

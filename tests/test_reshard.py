@@ -28,9 +28,11 @@ MODES = {"rep": False, "z1": True, "full": "full"}
 K, J = 2, 2           # steps before the save, after the load
 
 
-def _compile(mode, world):
-    model, _ = mlp_case(batch=12)
-    data = [b for s in (0, 1) for b in mlp_case(batch=12, seed=s)[1]]
+def _compile(mode, world, seed=0, data_seeds=(0, 1)):
+    """The MLP (its weights drawn from ``seed``) compiled for ``world`` ranks in ``mode``, and the batches of
+    ``data_seeds`` (tests/test_one_save.py's too)."""
+    model, _ = mlp_case(batch=12, seed=seed)
+    data = [b for s in data_seeds for b in mlp_case(batch=12, seed=s)[1]]
     kw = dict(shard_state=MODES[mode]) if world > 1 else {}
     sm = harmony.compile(model, example_batch=harmony.data.shard(data[0]) if world > 1 else data[0],
                          microbatches=2, memory_budget=int(training_state_bytes(model) * 0.5),

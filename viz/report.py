@@ -25,6 +25,7 @@ from harmony.base.errors import ConfigError
 from harmony.base.process import huge_pages_note, idle_priority_note, idle_threads_note
 from harmony.base.tiers import Tier
 from harmony.base.units import fmt_bytes, nbytes
+from harmony.compiler.trace import TRACE_INFO
 from harmony.compiler.verify import state_sizes
 from harmony.runtime.ops import carried_names, ops_of, state_names
 from harmony.runtime.plan import STATE_KINDS
@@ -93,6 +94,7 @@ def summary(sm) -> dict:
         shapes=sm.shapes.summary() if getattr(sm, "shapes", None) is not None else [],
         shapes_served=len(sm.shapes.served) if getattr(sm, "shapes", None) is not None else 0,
         constants=dict(getattr(program, "constants", {}) or {}),
+        trace_notes=list(getattr(program.gm.meta.get(TRACE_INFO), "notes", ()) if program.gm is not None else ()),
         node=_node(getattr(sm, "node_simulation", None)),
     )
 
@@ -322,6 +324,8 @@ class _Writer:
                                               f"trains allclose to eager PyTorch and not bitwise as the others do"))
             else:
                 items.append(("tied weights", f"{same} (one pack reads it)"))
+        for note in d.get("trace_notes", ()):     # what tracing saw: the front end used, a forward's side effects
+            items.append(("trace", note))
         if d.get("constants"):     # the batch's non-tensor items, fixed in the trace (driver/constants.py)
             items.append(("batch constants", ", ".join(f"{k}={v!r}" for k, v in d["constants"].items())))
         if d.get("filled"):

@@ -50,6 +50,7 @@ from harmony.compiler.fake import device_of_batch, fake_twins
 from harmony.compiler.loss_weighting import counted
 from harmony.compiler.meta import MODULE_PATH
 from harmony.compiler.trace.batch import Batch, BatchForm
+from harmony.compiler.trace.effects import watch
 from harmony.compiler.trace.errors import (
     eager_error,
     first_line,
@@ -117,14 +118,15 @@ def trace(
     failures: dict[str, Exception] = {}
     with _training_mode(model):
         raw, used = None, None
-        for name in ("fx", "export") if frontend == "auto" else (frontend,):
-            try:
-                raw, used = _FRONT_ENDS[name](step, batch, leaf_modules, dtype), name
-                break
-            except HarmonyError:
-                raise
-            except Exception as error:  # any failure of a front end: try the next one
-                failures[name] = error
+        with watch(model, notes):      # a print or a counter in forward runs once, here: said (effects.py)
+            for name in ("fx", "export") if frontend == "auto" else (frontend,):
+                try:
+                    raw, used = _FRONT_ENDS[name](step, batch, leaf_modules, dtype), name
+                    break
+                except HarmonyError:
+                    raise
+                except Exception as error:  # any failure of a front end: try the next one
+                    failures[name] = error
         if raw is None:
             raise untraceable(model, step, batch, failures)
         if "fx" in failures:

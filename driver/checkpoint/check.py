@@ -94,12 +94,27 @@ def check_manifest(manifest: dict, where) -> None:
     if not isinstance(groups, list) or not all(isinstance(per, list) and all(isinstance(g, dict) for g in per)
                                                for per in groups):
         raise _fail(where, "field 'param_groups' must be a list (one per optimizer) of lists of groups (dicts)")
+    if "model_groups" in manifest and not valid_groups(manifest["model_groups"]):
+        raise _fail(where, f"field 'model_groups' is {manifest['model_groups']!r}; it must hold the param groups' "
+                           f"'count' and each parameter's group index under 'of'")
+    save = manifest.get("save")
+    if save is not None and not (isinstance(save, dict) and isinstance(save.get("id"), str)
+                                 and isinstance(save.get("run"), str)):
+        raise _fail(where, f"field 'save' is {save!r}; it must name the save's 'id' and its 'run'")
     scaler = manifest.get("loss_scaler")
     if scaler is not None:
         ok = isinstance(scaler, dict) and _finite(scaler.get("scale")) and scaler["scale"] > 0 and all(
             isinstance(scaler.get(k, 0), int) and scaler.get(k, 0) >= 0 for k in ("growth_tracker", "skipped"))
         if not ok:
             raise _fail(where, f"field 'loss_scaler' is {scaler!r}; it needs scale > 0 and counts >= 0")
+
+
+def valid_groups(grouped) -> bool:
+    """A ``model_groups`` entry (driver/checkpoint/groups.py) has its form: the groups' count, each parameter's."""
+    return (isinstance(grouped, dict) and isinstance(grouped.get("count"), int) and grouped["count"] >= 1
+            and isinstance(grouped.get("of"), dict) and all(
+                isinstance(n, str) and isinstance(i, int) and not isinstance(i, bool) and 0 <= i < grouped["count"]
+                for n, i in grouped["of"].items()))
 
 
 def check_schedulers(states, schedulers, where) -> None:

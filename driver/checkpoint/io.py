@@ -22,19 +22,19 @@ renames ``ckpt`` to ``ckpt.old``, the new one to ``ckpt``, and removes ``ckpt.ol
 process killed at any moment leaves a complete checkpoint under ``ckpt`` or, between the
 two renames, under ``ckpt.old``, which ``load`` falls back to (and the next ``save``
 puts back). Loading reads files with ``torch.load(weights_only=True)`` only after the
-manifest matches the model and every file matches its checksum. (The directory's mechanics,
-the renames, fsyncs, checksums and error messages, are ``harmony.driver.checkpoint.files``; finding each
-tensor in the tier it lives in is ``harmony.runtime.tiers.live``.)
+manifest matches the model and every file matches its checksum. (Saving is
+``harmony.driver.checkpoint.writer``; the directory's mechanics, the renames, fsyncs, checksums and error
+messages, are ``harmony.driver.checkpoint.files``; how the ranks' directories belong to one save is
+``harmony.driver.checkpoint.saves``; finding each tensor in the tier it lives in is
+``harmony.runtime.tiers.live``.)
 
 Tensors are referenced where the runtime keeps them (device copy or host master), never
 gathered first: the writer pulls one pack's state at a time, the unit the runtime moves.
 """
 from __future__ import annotations
 
-import errno
 import json
 import os
-import shutil
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,8 +42,8 @@ from pathlib import Path
 import torch
 
 from harmony.base.errors import CheckpointError, TornStepError
-from harmony.base.units import fmt_bytes
 from harmony.driver.checkpoint import files as ckfiles
+from harmony.driver.checkpoint import saves
 from harmony.driver.checkpoint.check import (
     check_against_model,
     check_groups,
@@ -52,11 +52,13 @@ from harmony.driver.checkpoint.check import (
     check_schedulers,
     check_step,
     read_mapped,
-    seal,
+    valid_groups,
 )
 from harmony.driver.checkpoint.files import MANIFEST
+from harmony.driver.checkpoint.groups import check_model_groups, merged, model_groups
 from harmony.driver.checkpoint.ranks import describe, saved_layout, this_layout
 from harmony.driver.checkpoint.reshard import Reshard
+from harmony.driver.guard import guarded
 from harmony.driver.handshake import CALLS, agree
 from harmony.runtime.tiers.live import LiveState
 from harmony.runtime.transaction import describe_torn
@@ -78,7 +80,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _spec(t) -> dict | None:
+def spec(t) -> dict | None:
     return {"shape": list(t.shape), "dtype": _dtype_name(t.dtype)} if isinstance(t, torch.Tensor) else None
 
 
@@ -88,13 +90,14 @@ def training_state_dict(sm) -> dict:
 
     >>> sd = sm.training_state_dict()
     >>> sorted(sd)
-    ['format', 'model', 'optimizer', 'param_groups', 'rng', 'schedulers', 'step']
+    ['format', 'model', 'model_groups', 'optimizer', 'param_groups', 'rng', 'schedulers', 'step']
 
     The tensors are the ones the runtime trains: save or clone them before the next step.
     Optimizer state the runtime keeps on disk (``host_memory_budget``) is read into new
     tensors, so this dict holds all of it in memory; ``harmony.save`` reads one pack at a time.
     """
     live = LiveState(sm)
+    grouped = model_groups(sm, live)
     return {
         "format": FORMAT,
         "model": live.weights(list(live.tensors)),
@@ -102,21 +105,22 @@ def training_state_dict(sm) -> dict:
         "param_groups": [[{"params": list(names), **{k: v for k, v in g.items() if k != "params"}}
                           for names, g in groups] for groups in live.groups],
         "step": sm.steps,
-        "rng": _rng_state(),
+        "rng": rng_state(),
         "schedulers": [s.state_dict() for s in getattr(sm, "schedulers", ())],
-        **({"loss_scaler": _scaler(sm).state_dict()} if _scaler(sm) is not None else {}),
+        **({"model_groups": grouped} if grouped is not None else {}),
+        **({"loss_scaler": scaler(sm).state_dict()} if scaler(sm) is not None else {}),
     }
 
 
-def _scaler(sm):
+def scaler(sm):
     """fp16's loss scaler (runtime/precision.py), whose scale a resumed run continues from; else None."""
     return getattr(sm.runtime, "scaler", None)
 
 
 def _load_scaler(sm, state: dict | None) -> None:
     """Continue from the saved loss scale; a checkpoint without one (fp32, bf16) leaves the initial scale."""
-    if state is not None and _scaler(sm) is not None:
-        _scaler(sm).load_state_dict(state)
+    if state is not None and scaler(sm) is not None:
+        scaler(sm).load_state_dict(state)
 
 
 def load_training_state_dict(sm, sd: dict) -> None:
@@ -142,9 +146,14 @@ def load_training_state_dict(sm, sd: dict) -> None:
 def _checked_state(sm, sd: dict, where: str) -> tuple:
     """``sd`` (a state dict's entries) checked against ``sm``, nothing written: (its LiveState, sd, the flat groups)."""
     live = LiveState(sm)
-    model = {n: _spec(t) for n, t in sd["model"].items()}
-    optim = {n: {k: _spec(v) for k, v in s.items()} for n, s in sd["optimizer"].items()}
+    model = {n: spec(t) for n, t in sd["model"].items()}
+    optim = {n: {k: spec(v) for k, v in s.items()} for n, s in sd["optimizer"].items()}
     groups = [g for per_opt in sd["param_groups"] for g in per_opt]
+    grouped = sd.get("model_groups")
+    if grouped is not None and not valid_groups(grouped):
+        raise CheckpointError(f"{where}: its 'model_groups' is {grouped!r}, not the param groups' count and each "
+                              f"parameter's group; nothing was changed. Pass what sm.training_state_dict() returns")
+    check_model_groups(grouped, sm, live, where)
     check_groups(groups, live, where)
     check_against_model(live, model, optim, groups, where)
     check_schedulers(sd.get("schedulers", []), getattr(sm, "schedulers", ()), where)
@@ -174,7 +183,7 @@ def _load_schedules(sm, states: list) -> None:
         scheduler.load_state_dict(state)
 
 
-def _rng_state() -> dict:
+def rng_state() -> dict:
     rng = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         rng["cuda"] = torch.cuda.get_rng_state_all()
@@ -187,139 +196,8 @@ def _set_rng_state(rng: dict) -> None:
         torch.cuda.set_rng_state_all(rng["cuda"])
 
 
-# -- checkpoint directories --------------------------------------------------------------------
-def save(sm, path, *, progress=None) -> Path:
-    """Write ``sm``'s training state to the directory ``path``, replacing the checkpoint there atomically.
-
-    >>> harmony.save(sm, "runs/ckpt")
-    PosixPath('/.../runs/ckpt')
-
-    ``progress(done, total, file)`` is called after each file is durably written. A full
-    disk or an unwritable path raises ``CheckpointError``; the previous checkpoint stays
-    intact and no temporary files are left behind. With optimizer state sharded over
-    data-parallel ranks (``shard_state``), every rank calls it with the same ``path`` and writes
-    its own ``path/rank-R-of-W`` (``load`` reads it back on the same rank); with replicated
-    state every rank calls it too, rank 0 writes (the ranks hold the same state) and the others
-    return once it has, raising its ``CheckpointError`` if it failed. Called on some ranks only (``if rank == 0``),
-    it raises ``CommunicationError`` at once on every rank, naming each rank's call (``harmony.driver.handshake``).
-    """
-    agree(sm, CALLS[1])     # every rank saves now: one that steps instead is named at once, on every rank
-    refuse_torn(sm)
-    if not _replicated_ranks(sm):
-        return _save_here(sm, path, progress)
-    import torch.distributed as dist
-    box, error = [None], None
-    if dist.get_rank() == 0:
-        try:
-            box[0] = ("ok", str(_save_here(sm, path, progress)))
-        except CheckpointError as e:
-            box[0], error = ("error", str(e)), e
-    dist.broadcast_object_list(box, src=0)
-    if error is not None:
-        raise error
-    kind, value = box[0]
-    if kind == "error":
-        raise CheckpointError(f"rank 0 could not save the checkpoint the ranks share: {value}")
-    return Path(value)
-
-
-def _replicated_ranks(sm) -> bool:
-    """Data-parallel ranks holding the same (unsharded) state: one of them writes the checkpoint."""
-    import torch.distributed as dist
-    cfg, plan = sm.program.config, getattr(sm.program, "plan", None)
-    return (bool(getattr(cfg, "data_parallel", False)) and (getattr(cfg, "world_size", 1) or 1) > 1
-            and dist.is_available() and dist.is_initialized() and not getattr(plan, "sharded", False))
-
-
-def _save_here(sm, path, progress) -> Path:
-    """``save`` on this process alone: every file written into a fresh temporary directory, which then takes the
-    place of ``path``'s (``ckfiles.commit``)."""
-    target, old, tmp = ckfiles.paths(_rank_path(sm, path))
-    live = LiveState(sm)
-    groups = _param_groups(live, target)
-    need = live.nbytes()
-    previous = False
-    try:
-        ckfiles.recover(target, old)
-        previous = ckfiles.check_replaceable(target)
-        _make_temp(target, tmp, need)
-        layout = live.layout()
-        total = len(layout) + 2         # the steps ``progress`` counts: each pack's file, rng.pt, the manifest
-        files = _write_packs(live, layout, tmp, progress, total)
-        size, digest = ckfiles.write_file(tmp / "rng.pt", _rng_state())
-        files.append({"name": "rng.pt", "pack": None, "bytes": size, "sha256": digest, "rng": True})
-        if progress is not None:
-            progress(total - 1, total, tmp / "rng.pt")
-        _write_manifest(sm, tmp, groups, files)
-        if progress is not None:
-            progress(total, total, tmp / MANIFEST)
-        ckfiles.fsync_dir(tmp)
-        ckfiles.commit(tmp, target, old)
-    except OSError as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointError(ckfiles.explain_save(e, target, need, previous)) from e
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return target
-
-
-def _param_groups(live: LiveState, target: Path) -> list:
-    """The optimizers' parameter groups as the manifest holds them (names, plain hyperparameters); refused, naming
-    ``target``, where a hyperparameter is not plain JSON."""
-    groups = [[{"params": list(names), **{k: _jsonable(v) for k, v in g.items() if k != "params"}}
-               for names, g in per_opt] for per_opt in live.groups]
-    try:
-        json.dumps(groups)
-    except (TypeError, ValueError) as e:
-        raise CheckpointError(f"cannot save to {target}: an optimizer hyperparameter is not a number, "
-                              f"string, bool or list ({e}); keep hyperparameters plain values") from None
-    return groups
-
-
-def _make_temp(target: Path, tmp: Path, need: int) -> None:
-    """An empty private ``tmp`` beside ``target``, once the file system has ``need`` bytes free (ENOSPC if not)."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    ckfiles.remove_stale_temps(target)
-    usage = shutil.disk_usage(target.parent)
-    if usage.total and usage.free < need:   # (pseudo file systems such as /proc report no size at all)
-        raise OSError(errno.ENOSPC, f"{fmt_bytes(usage.free)} free, the checkpoint needs at least "
-                      f"{fmt_bytes(need)}", str(target.parent))
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(mode=0o700)       # private, as the offload directories are: it is the model
-
-
-def _write_packs(live: LiveState, layout: list, tmp: Path, progress, total: int) -> list[dict]:
-    """Write each pack's file into ``tmp``, one pack's state in memory at a time; returns their manifest entries."""
-    files = []
-    for i, (stem, pack, names) in enumerate(layout):
-        payload = live.payload(names)
-        name = f"{stem}.pt"
-        size, digest = ckfiles.write_file(tmp / name, payload)
-        files.append({"name": name, "pack": pack, "bytes": size, "sha256": digest,
-                      "model": {n: _spec(t) for n, t in payload["model"].items()},
-                      "optimizer": {n: {k: _spec(v) for k, v in s.items()}
-                                    for n, s in payload["optimizer"].items()}})
-        del payload
-        if progress is not None:
-            progress(i + 1, total, tmp / name)
-    return files
-
-
-def _write_manifest(sm, tmp: Path, groups: list, files: list[dict]) -> None:
-    """The manifest: format, step, layout, hyperparameters, schedulers, loss scaler and every file's entry."""
-    here = this_layout(sm)
-    manifest = {"format": KIND, "version": FORMAT, "step": sm.steps, "torch": torch.__version__,
-                "world": here.world, "mode": here.mode,
-                "param_groups": groups, "files": files,
-                "constants": {k: _jsonable(v) for k, v in sm.program.constants.items()},   # the batch traced with
-                "schedulers": [_jsonable(s.state_dict()) for s in getattr(sm, "schedulers", ())]}
-    if _scaler(sm) is not None:
-        manifest["loss_scaler"] = _scaler(sm).state_dict()
-    ckfiles.write_bytes(tmp / MANIFEST, json.dumps(seal(manifest), indent=1).encode())
-
-
+# -- checkpoint directories (harmony.save is harmony.driver.checkpoint.writer) ---------------------------
+@guarded("harmony.load")
 def load(sm, path) -> CheckpointInfo:
     """Restore ``sm`` in place from the checkpoint directory ``path`` written by ``save``.
 
@@ -335,9 +213,10 @@ def load(sm, path) -> CheckpointInfo:
     """
     agree(sm, CALLS[2])      # every rank loads now
     handshake = getattr(sm, "handshake", None)
+    held = saves.exchange(sm, _held_here(sm, path), CALLS[2])    # before anything that can fail on one rank only
     apply, error = None, None
     try:
-        apply = _prepare(sm, path)
+        apply = _prepare(sm, path, held)
     except Exception as e:    # noqa: BLE001 (told to the other ranks, then raised here)
         if handshake is None:
             raise
@@ -347,19 +226,31 @@ def load(sm, path) -> CheckpointInfo:
     return apply()
 
 
-def _prepare(sm, path):
-    """Everything ``load`` reads, read and checked; returns what writes it into ``sm``."""
+def _held_here(sm, path) -> list:
+    """The saves this rank's own directory of ``path`` holds (``saves.held``); never raises."""
+    try:
+        return saves.held(rank_path(sm, path))
+    except Exception:   # noqa: BLE001 (its load names what is wrong)
+        return []
+
+
+def _prepare(sm, path, held: list):
+    """Everything ``load`` reads, read and checked; returns what writes it into ``sm``. ``held``: what each rank's
+    own directory holds (``saves.held``), the same list on every rank."""
     here, saved = this_layout(sm), saved_layout(path)
     if saved is None:
         ckfiles.find(*ckfiles.paths(path)[:2])      # raises: no checkpoint there
     if saved.same(here) and _fits(sm, path, here):
-        return _prepare_own(sm, path)
+        return _prepare_own(sm, path, held)
     where = f"cannot load {os.path.realpath(os.fspath(path))}: it was saved by {describe(saved)}; this run has " \
             f"{describe(here)}. Resharding it"
     try:
         rank = sm.program.plan.rank if here.world > 1 else 0
         reshard = Reshard(Path(path), saved, here, rank, _read_manifest)
         sd = reshard.state_dict(LiveState(sm), FORMAT)
+        grouped = merged([m.get("model_groups") for m in reshard.manifests])
+        if grouped is not None:
+            sd["model_groups"] = grouped
         checked = _checked_state(sm, sd, f"{where}: the checkpoint")
     except CheckpointError as e:
         raise CheckpointError(f"{where} failed: {e}") from e
@@ -369,7 +260,7 @@ def _prepare(sm, path):
 
     def apply():
         _write_state(sm, *checked)
-        _warn_recovered(reshard.recovered, path, sm.steps)
+        _warn_recovered(reshard.recovered, path, sm.steps, reshard.note)
         return CheckpointInfo(Path(os.path.realpath(os.fspath(path))), reshard.step, reshard.recovered)
     return apply
 
@@ -380,7 +271,7 @@ def _fits(sm, path, here) -> bool:
     if here.mode == "whole":
         return True
     try:
-        manifest = json.loads((ckfiles.paths(_rank_path(sm, path))[0] / MANIFEST).read_text())
+        manifest = json.loads((ckfiles.paths(rank_path(sm, path))[0] / MANIFEST).read_text())
         files = [f for f in manifest["files"] if not f.get("rng")]
         model = {n for f in files for n in f.get("model", {})}
         optim = {n for f in files for n in f.get("optimizer", {})}
@@ -390,16 +281,25 @@ def _fits(sm, path, here) -> bool:
     return model == set(live.tensors) and optim <= set(live.optimizers)
 
 
-def _prepare_own(sm, path):
-    """``_prepare`` of a checkpoint in this run's own layout: this rank's directory."""
-    target, old, _ = ckfiles.paths(_rank_path(sm, path))
-    src, recovered = ckfiles.find(target, old)
+def _prepare_own(sm, path, held: list):
+    """``_prepare`` of a checkpoint in this run's own layout: this rank's directory, of the save every rank holds
+    (``saves.choose``)."""
+    target, old, _ = ckfiles.paths(rank_path(sm, path))
+    own = getattr(sm.program.plan, "sharded", False)     # each rank its own directory; else all read ``path``
+    chosen = saves.choose(held, os.path.realpath(os.fspath(path))) if own else None
+    if chosen is None:
+        src, recovered = ckfiles.find(target, old)      # raises where there is none
+        note = None
+    else:
+        src, note = Path(chosen[0][getattr(getattr(sm, "handshake", None), "rank", 0)].path), chosen[1]
+        recovered = src == old
     manifest = _read_manifest(src)
     live = LiveState(sm)
     packs = [f for f in manifest["files"] if not f.get("rng")]
     model = {n: s for f in packs for n, s in f.get("model", {}).items()}
     optim = {n: s for f in packs for n, s in f.get("optimizer", {}).items()}
     groups = [g for per_opt in manifest["param_groups"] for g in per_opt]
+    check_model_groups(manifest.get("model_groups"), sm, live, f"checkpoint {src}")
     check_groups(groups, live, src / MANIFEST)
     check_schedulers(manifest.get("schedulers", []), getattr(sm, "schedulers", ()), src / MANIFEST)
     check_against_model(live, model, optim, groups, f"checkpoint {src}")
@@ -436,13 +336,15 @@ def _prepare_own(sm, path):
         _set_rng_state(rng)
         _consistent_again(sm)
         _load_scaler(sm, manifest.get("loss_scaler"))
-        _warn_recovered(recovered, src, sm.steps)
+        _warn_recovered(recovered, src, sm.steps, note)
         return CheckpointInfo(src, int(manifest["step"]), recovered)
     return apply
 
 
-def _warn_recovered(recovered: bool, src, step: int) -> None:
-    if recovered:
+def _warn_recovered(recovered: bool, src, step: int, note: str | None = None) -> None:
+    if note is not None:       # the ranks' directories of a save that did not commit on all: the previous one
+        warnings.warn(note, stacklevel=3)
+    elif recovered:
         warnings.warn(f"a checkpoint directory was missing under {src}: a save was interrupted between its renames; "
                       f"loaded the previous checkpoint {src} (step {step}). The next harmony.save there moves it "
                       f"back.", stacklevel=3)
@@ -461,13 +363,13 @@ def _consistent_again(sm) -> None:
         sm.runtime.torn = None
 
 
-def _jsonable(v):
+def jsonable(v):
     if isinstance(v, torch.Tensor):
         return v.tolist()
     return list(v) if isinstance(v, tuple) else v
 
 
-def _rank_path(sm, path) -> Path:
+def rank_path(sm, path) -> Path:
     """Where this rank's checkpoint goes: ``path`` itself, or ``path/rank-R-of-W`` when optimizer state is
     sharded over ranks (each rank holds only its shard, so each saves and loads its own, every one atomically)."""
     plan = getattr(sm.program, "plan", None)

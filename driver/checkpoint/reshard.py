@@ -23,6 +23,7 @@ from harmony.base.errors import CheckpointError
 from harmony.driver.checkpoint import files as ckfiles
 from harmony.driver.checkpoint.check import read_mapped
 from harmony.driver.checkpoint.ranks import Layout, describe
+from harmony.driver.checkpoint.saves import choose, held
 
 _PIECE = re.compile(r"share:(.+)\[(\d+):(\d+)\]")
 
@@ -88,13 +89,15 @@ class Reshard:
 
     def __init__(self, path: Path, saved: Layout, here: Layout, rank: int, read_manifest):
         self.path, self.saved, self.here, self.rank = path, saved, here, rank
-        self.srcs, self.manifests, self.recovered = [], [], False
-        for d in saved.dirs:
-            target, old, _ = ckfiles.paths(d)
-            src, recovered = ckfiles.find(target, old)
-            self.srcs.append(src)
-            self.manifests.append(read_manifest(src))
-            self.recovered |= recovered
+        chosen = choose([held(d) for d in saved.dirs], path)    # one save's directories, or refused naming ranks
+        if chosen is None:           # a rank's directory holds no checkpoint: find names it (or, first, what is
+            for d in saved.dirs:     # wrong with an earlier rank's)
+                read_manifest(ckfiles.find(*ckfiles.paths(d)[:2])[0])
+            raise CheckpointError(f"a rank's directory under {path} holds no checkpoint")
+        self.srcs = [Path(h.path) for h in chosen[0]]
+        self.note = chosen[1]
+        self.recovered = any(src == ckfiles.paths(d)[1] for src, d in zip(self.srcs, saved.dirs))
+        self.manifests = [read_manifest(src) for src in self.srcs]
         steps = {m["step"] for m in self.manifests}
         if len(steps) > 1:
             raise CheckpointError(f"its ranks' directories were saved at different steps ({sorted(steps)}): they "

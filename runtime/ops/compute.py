@@ -9,6 +9,7 @@ import torch
 
 from harmony.runtime.ops import Acts, Predicted, Saved, arrived, backward, forward, label_args, register
 from harmony.runtime.plan import loss_seed
+from harmony.runtime.rng import rng_state, set_rng_state
 
 
 # -- forward / backward -----------------------------------------------------------------------
@@ -22,8 +23,11 @@ def _gather(rt, spec, handles):
 def _forward_execute(rt, pack, mb, *inputs, keep=False):
     spec = rt.plan.packs[pack]
     xs = _gather(rt, spec, inputs)
+    streams = rt.streams if spec.random else None     # None: between steps (an evaluation draws as it finds)
+    if streams is not None:      # microbatch mb's own stream, whatever ran before (runtime/rng.py)
+        streams.enter(mb)
     if spec.random and not keep:     # a recompute replays the forward's random numbers
-        rt.rng[(pack, mb)] = _rng_state(rt.device)
+        rt.rng[(pack, mb)] = rng_state(rt.device)
     with rt.counting():
         if keep:
             leaves = {n: _leaf(x, n not in rt.plan.input_names) for n, x in zip(spec.inputs, xs)}
@@ -37,21 +41,12 @@ def _forward_execute(rt, pack, mb, *inputs, keep=False):
             with torch.no_grad():
                 outs = spec.module(*xs)
             result = Acts(dict(zip(spec.outputs, outs)))
+    if streams is not None:
+        streams.leave(mb)
     rt.state.dirty.update(spec.mutated)
     if "loss" in result.values:
         rt.losses.append(result.values["loss"].detach().clone())
     return result
-
-
-def _rng_state(device: torch.device):
-    """The generator a pack's random ops draw from: the CPU's, and on a GPU the GPU's (dropout there uses it)."""
-    return (torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
-
-
-def _set_rng_state(device: torch.device, state) -> None:
-    torch.set_rng_state(state[0])
-    if state[1] is not None:
-        torch.cuda.set_rng_state(state[1], device)
 
 
 def _state_by_name(rt, spec, graph: list):
@@ -167,20 +162,20 @@ def _forward_cost(plan, hw, pack, mb, *inputs, keep=False):
     return "compute", pack_compute_cost(hw, spec.fwd_flops, ops, ondemand_seconds(plan, hw, ops))
 
 
-def _backward_execute(rt, pack, mb, *inputs, saved=None, grads=()):
+def _backward_execute(rt, pack, mb, *inputs, saved=None, grads=(), chain=(), totals=()):
     spec = rt.plan.packs[pack]
     with rt.counting():
         if saved is None:  # recompute the pack's forward from its stashed inputs
             leaves = {n: _leaf(x, n not in rt.plan.input_names)
                       for n, x in zip(spec.inputs, _gather(rt, spec, inputs))}
             restore = [(t, t.clone()) for t in (rt.state.tensors[n] for n in spec.mutated)]
-            rng = _rng_state(rt.device) if spec.random else None
+            rng = rng_state(rt.device) if spec.random else None
             if spec.random:
-                _set_rng_state(rt.device, rt.rng.pop((pack, mb)))
+                set_rng_state(rt.device, rt.rng.pop((pack, mb)))
             with torch.enable_grad():
                 outs = dict(zip(spec.outputs, spec.module(*leaves.values())))
             if rng is not None:
-                _set_rng_state(rt.device, rng)
+                set_rng_state(rt.device, rng)
         else:
             leaves, outs, restore = arrived(rt, saved).leaves, saved.outs, []   # (a stashed graph: its copies)
         if "loss" in outs:   # the seed is fp32 (a no-op in fp32); fp16 scales it (GradScaler.scale)
@@ -190,10 +185,18 @@ def _backward_execute(rt, pack, mb, *inputs, saved=None, grads=()):
             upstream: dict[str, torch.Tensor] = {}
             for g in grads:
                 for k, v in arrived(rt, g).values.items():
+                    if k in totals and k in upstream:     # the first reader's sum already holds this one's
+                        continue
                     upstream[k] = upstream[k] + v if k in upstream else v
             pairs = [(outs[k], upstream[k]) for k in spec.outputs
                      if k in upstream and isinstance(outs[k], torch.Tensor) and outs[k].requires_grad]
             tensors, seeds = [p[0] for p in pairs], [p[1] for p in pairs]
+        for n, h in chain:    # a value several packs read: its gradient goes on from the later readers' sum
+            x, before = leaves.get(n), arrived(rt, h).values.get(n) if h is not None else None
+            if before is not None and isinstance(x, torch.Tensor) and x.requires_grad:
+                # made after the pack's ops, this view's backward runs before theirs (autograd runs the
+                # latest-made node first): the sum so far is the first term of the leaf's, as in eager's fold
+                tensors, seeds = [*tensors, x.view_as(x)], [*seeds, before]
         if tensors:
             torch.autograd.backward(tensors, seeds)
         for t, old in restore:  # running statistics advance once per microbatch, not again on recompute
@@ -205,7 +208,7 @@ def _backward_execute(rt, pack, mb, *inputs, saved=None, grads=()):
     return result
 
 
-def _backward_effect(m, pack, mb, *inputs, saved=None, grads=()):
+def _backward_effect(m, pack, mb, *inputs, saved=None, grads=(), chain=(), totals=()):
     spec = m.plan.packs[pack]
     accumulate = bool(spec.params) and all(n in m.grads_exist for n in spec.params)
     if saved is None:
@@ -222,7 +225,7 @@ def _backward_effect(m, pack, mb, *inputs, saved=None, grads=()):
     return Predicted(spec.in_bytes), transient
 
 
-def _backward_cost(plan, hw, pack, mb, *inputs, saved=None, grads=()):
+def _backward_cost(plan, hw, pack, mb, *inputs, saved=None, grads=(), chain=(), totals=()):
     spec = plan.packs[pack]
     recompute = saved is None
     flops = spec.bwd_flops + (spec.fwd_flops if recompute else 0)

@@ -7,9 +7,22 @@ disk) and reads or replaces it in place, never gathering the whole model's state
 from __future__ import annotations
 
 import torch
+import torch.fx
 
 from harmony.base.units import nbytes
 from harmony.runtime.tiers.params_disk import PARAM
+
+
+def unread(gm: torch.fx.GraphModule) -> set[str]:
+    """The parameters and buffers of ``gm`` that no node of its graph reads (by ``get_attr`` or in a leaf module)."""
+    read = set()
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            read.add(node.target)
+        elif node.op == "call_module":
+            sub = gm.get_submodule(node.target)
+            read |= {f"{node.target}.{n}" for n, _ in [*sub.named_parameters(), *sub.named_buffers()]}
+    return {n for n, _ in [*gm.named_parameters(), *gm.named_buffers()] if n not in read}
 
 
 class LiveState:
@@ -27,6 +40,8 @@ class LiveState:
         plan = getattr(sm.program, "plan", None)
         if getattr(plan, "stage", None) is not None:      # a pipeline rank: its packs' state only
             mine = {n for s in plan.packs for n in s.params + s.buffers}
+            if plan.stage.rank == 0:     # and on the first, what no pack reads (a buffer forward never uses, as a
+                mine |= unread(gm)       # rotary embedding's original_inv_freq), so the ranks hold the whole model
             self.tensors = {n: t for n, t in self.tensors.items() if n in mine}
         self.tiers = sm.runtime.state if sm.runtime is not None else None
         if getattr(self.tiers, "shares", None) is not None:   # shard_state="full": this rank's chunk pieces instead
