@@ -3,7 +3,8 @@ before each collective of a step) cost: 2 gloo ranks, one small model.
 
     python benchmarks/handshake.py [mlp|gpt|gpt-wide] [dp|zero3|pipeline]
 
-Prints the handshake's own time per call and a step's time three ways, interleaved step by step (median of each):
+Prints the handshake's own time per call and a step's time three ways, interleaved step by step, each way taking
+each place in turn (on a shared machine the place in the rotation moved a way's median by up to 10%; median of each):
 as the module runs (handshake and meets), without the meets (the handshake only: the step before the job-wide
 outcome), and with neither. Not a test: a measurement, run by hand.
 """
@@ -38,7 +39,7 @@ def _measure(rank, world, case, calls, steps, mode="dp"):
     per_call = (time.perf_counter() - t0) / calls
     times: dict = {"both": [], "handshake": [], "neither": []}
     for i in range(3 * steps):
-        way = list(times)[i % 3]
+        way = list(times)[(i + i // 3) % 3]     # each way at each place of the triples alike: the place moves a step
         sm.handshake = handshake if way != "neither" else None
         sm.runtime.status = status if way == "both" else None
         t0 = time.perf_counter()
