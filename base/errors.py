@@ -51,6 +51,20 @@ class TornStepError(HarmonyError):
     or save that mix until a checkpoint is loaded or ``sm.accept_partial_step()`` keeps it."""
 
 
+class StepAbortedError(HarmonyError):
+    """Another rank's training step failed, so every rank rolled this step back (data parallel, ZeRO, a pipeline,
+    ``balance=``): names the ranks that failed and their errors (``errors``: rank -> its error's text). The
+    module is as before the step on every rank; call ``sm(...)`` again on every rank to train on. (Not a
+    ``CommunicationError``: the ranks met and the process group is whole.)"""
+
+    def __init__(self, message: str, errors: dict | None = None):
+        super().__init__(message)
+        self.errors = dict(errors or {})
+
+    def __reduce__(self):
+        return type(self), (self.args[0], self.errors)
+
+
 class OffloadError(HarmonyError):
     """The disk tier failed: its directory could not be made, or a pack's optimizer state not written or read
     (a full disk, an unwritable path). Names the file and what to do."""
@@ -61,5 +75,5 @@ class ClosedError(HarmonyError):
 
 
 __all__ = ["HarmonyError", "TraceError", "BudgetError", "ConfigError", "InputError", "PassError", "DeviceOutOfMemory",
-           "CommunicationError", "CheckpointError", "OffloadError", "TornStepError",
+           "CommunicationError", "CheckpointError", "OffloadError", "TornStepError", "StepAbortedError",
            "ClosedError"]

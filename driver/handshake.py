@@ -19,7 +19,9 @@ import datetime
 
 import torch
 
-from harmony.base.errors import CheckpointError, CommunicationError, InputError
+from harmony.base.errors import CheckpointError, CommunicationError, InputError, TornStepError
+from harmony.runtime.comm.jobwide import StepStatus
+from harmony.runtime.transaction import describe_torn
 
 CALLS = ("sm(...) (a training step)", "harmony.save", "harmony.load", "sm.sync_model()")
 
@@ -32,13 +34,16 @@ class Handshake:
         self.rank, self.world, self.timeout = rank, world, timeout
         self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout))
 
-    def agree(self, call: str, steps: int, refused: Exception | None = None, plans: bool = False) -> None:
+    def agree(self, call: str, steps: int, refused: Exception | None = None, plans: bool = False,
+              torn: dict | None = None, shapes: int = 0) -> None:
         """Every rank is making ``call`` (one of ``CALLS``), or CommunicationError on every rank; a step's batch is
         refused on every rank where one rank refused its own (``refused``: that rank raises it), and the ranks'
-        batches are all run by the compiled plan or all by plans of their shapes (``plans``), else InputError on
-        every rank."""
+        batches are all run by the compiled plan or all by plans of one shape (``plans``, ``shapes``: a digest of
+        it), else InputError on every rank. A rank left with a torn step (``torn``, ``Runtime.torn``) makes every
+        rank refuse a step or a save alike (TornStepError), until it loads a checkpoint or accepts the mix."""
         import torch.distributed as dist
-        mine = torch.tensor([CALLS.index(call), steps, 2 if refused is not None else int(plans)], dtype=torch.int64)
+        mine = torch.tensor([CALLS.index(call), steps, 2 if refused is not None else int(plans), torn is not None,
+                             shapes], dtype=torch.int64)
         got = [torch.empty_like(mine) for _ in range(self.world)]
         try:
             dist.all_gather(got, mine, group=self.group)
@@ -59,6 +64,7 @@ class Handshake:
                 f"read or update it" + (" (calling harmony.save on rank 0 alone, as with DDP, is not supported: call "
                                         "it on every rank; rank 0 writes what the ranks share)" if CALLS[1] in calls
                                         else "") + ".")
+        refuse_torn(call, self.rank, self.world, [r for r, t in enumerate(got) if int(t[3])], torn)
         routes = [int(t[2]) for t in got]
         if refused is None and 2 in routes:
             bad = [str(r) for r, c in enumerate(routes) if c == 2]
@@ -72,6 +78,11 @@ class Handshake:
                              f"({each}); nothing was run. Every rank must pass batches the same plan runs: shapes "
                              f"up to the compiled example's with at least one row a microbatch (drop_last=True, a "
                              f"DistributedSampler).")
+        if refused is None and routes[0] == 1 and len({int(t[4]) for t in got}) > 1:
+            raise InputError(f"{call} on rank {self.rank} of {self.world}: the ranks passed batches of different "
+                             f"shapes, each needing a plan of its own; nothing was run on any rank. Every rank must "
+                             f"pass the same shapes at a step (drop_last=True, a DistributedSampler, the same "
+                             f"padding).")
 
     def outcome(self, call: str, error: Exception | None) -> None:
         """Every rank's part of ``call`` is ready; else each rank raises (its own error, or its peers')."""
@@ -93,6 +104,40 @@ class Handshake:
                                   + ". Nothing was changed on any rank.")
 
 
+def refuse_torn(call: str, rank: int, world: int, ranks: list[int], torn: dict | None) -> None:
+    """A step or a save refused on every rank where a rank holds a torn step's mix (a failure after its last
+    collective, which its peers could not hear of then: runtime/comm/jobwide.py)."""
+    if not ranks or call not in (CALLS[0], CALLS[1]):
+        return
+    here = f": {describe_torn(torn)}" if torn is not None else ""
+    raise TornStepError(
+        f"{call} on rank {rank} of {world} refused on every rank: rank{'s' if len(ranks) > 1 else ''} "
+        f"{', '.join(map(str, ranks))} hold{'s' if len(ranks) == 1 else ''} a step that updated some packs only"
+        f"{here}. Call harmony.load(sm, checkpoint) on every rank to go back to a checkpoint, or "
+        f"sm.accept_partial_step() on the rank{'s' if len(ranks) > 1 else ''} named to keep the mix.")
+
+
+def planned(sm, error: Exception | None) -> None:
+    """After a new shape's planning on every rank (``sm(...)``): a rank that could not plan it makes every rank
+    raise InputError (that rank its own), before any collective of the step."""
+    handshake = getattr(sm, "handshake", None)
+    if handshake is None:
+        return
+    import torch.distributed as dist
+    got: list = [None] * handshake.world
+    try:
+        dist.all_gather_object(got, None if error is None else str(error).splitlines()[0], group=handshake.group)
+    except (RuntimeError, dist.DistError) as e:
+        raise CommunicationError(f"sm(...) on rank {handshake.rank} of {handshake.world}: the ranks could not tell "
+                                 f"each other whether they planned the batch's shape within {handshake.timeout:g} s "
+                                 f"({e}). A peer probably died; restart all ranks and load the last checkpoint.") from e
+    failed = [(r, msg) for r, msg in enumerate(got) if msg is not None]
+    if failed and error is None:
+        raise InputError(f"sm(...) on rank {handshake.rank} of {handshake.world}: "
+                         + "; ".join(f"rank {r} could not plan its batch's shape ({msg})" for r, msg in failed)
+                         + ". Nothing was run on any rank; every rank must pass batches each can train.")
+
+
 def _who(calls: list[str]) -> str:
     """The call to name: the one other than a step (a save or load the others did not make)."""
     rest = [c for c in dict.fromkeys(calls) if c != CALLS[0]]
@@ -109,10 +154,13 @@ def attach(sm) -> None:
         import torch.distributed as dist
         if dist.is_available() and dist.is_initialized():
             sm.handshake = Handshake(dist.get_rank(), world, cfg.comm_timeout)
+            # each step's outcome is the job's: a failure is told at the next collective (runtime/comm/jobwide.py)
+            sm.runtime.status = StepStatus(sm.handshake.rank, world, sm.handshake.group, cfg.comm_timeout)
+            sm.runtime.status.any_key = plan.stage is not None
 
 
-def agree(sm, call: str, refused: Exception | None = None, plans: bool = False) -> None:
+def agree(sm, call: str, refused: Exception | None = None, plans: bool = False, shapes: int = 0) -> None:
     """``sm.handshake.agree`` where there is one (several ranks), else nothing."""
     handshake = getattr(sm, "handshake", None)
     if handshake is not None:
-        handshake.agree(call, sm.steps, refused, plans)
+        handshake.agree(call, sm.steps, refused, plans, getattr(sm.runtime, "torn", None), shapes)

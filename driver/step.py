@@ -14,7 +14,7 @@ import torch
 from harmony.base.errors import ConfigError, InputError, TornStepError
 from harmony.base.process import peak_rss_bytes
 from harmony.driver.constants import split_call
-from harmony.driver.handshake import CALLS, agree
+from harmony.driver.handshake import CALLS, agree, planned
 from harmony.driver.shapes import describe
 from harmony.driver.tokens import user_names, with_count
 from harmony.driver.usermodel import withhold_synced
@@ -69,18 +69,26 @@ def train_step(sm, batch: tuple, named: dict) -> torch.Tensor:
     check_world(sm.program.config, sm.program.capabilities)   # a plan is for one world size
     withhold_synced(sm)     # a pipeline rank's copies of others' weights (sm.sync_model) are stale after this step
     error = route = None
+    plans = False
     try:
         batch, named, constants = split_call(sm.program, batch, named)    # its constants apart (driver/constants.py)
         batch = batch_of(sm, batch, named)
         route = sm.shapes.route(batch, constants)     # the compiled plan, or one for this shape (driver/shapes.py)
+        plans = route.plan is None
     except InputError as e:
         error = e
-    # every rank steps now (not one saving), each with a batch it can train and all by the same kind of plan:
-    # else an error on every rank at once, before any collective of the step
-    agree(sm, CALLS[0], error, route is not None and route.plan is None)
+    # every rank steps now (not one saving), each with a batch it can train and all by the same kind of plan (new
+    # plans of one shape): else an error on every rank at once, before any collective of the step
+    agree(sm, CALLS[0], error, plans, shape_digest(route.key) if plans else 0)
     if error is not None:
         raise error
-    shape, rows = sm.shapes.plan_for(batch, route)
+    try:
+        shape, rows = sm.shapes.plan_for(batch, route)   # (a new shape's planning makes collectives of its own)
+    except InputError as e:
+        planned(sm, e)      # a rank that could not plan it: every rank refuses, before any collective of the step
+        raise
+    if plans:
+        planned(sm, None)
     counted = with_count(sm, batch, across_ranks=True)     # the token count last, where the step takes it
     cuda = sm.runtime.device.type == "cuda"
     if cuda:     # the allocator's peaks over this step (the report shows them beside the meter's)
@@ -94,6 +102,12 @@ def train_step(sm, batch: tuple, named: dict) -> torch.Tensor:
     sm.shapes.ran(route.key, shape)
     sm.stats = step_stats(sm, shape, time.perf_counter() - t0, route.key)
     return loss
+
+
+def shape_digest(key: tuple) -> int:
+    """A number for a batch's shapes and constants, the same in every process (the ranks compare them)."""
+    import zlib
+    return zlib.crc32(repr(key).encode())
 
 
 def run_step(sm, batch: tuple, rows: tuple[int, ...] | None = None) -> torch.Tensor:

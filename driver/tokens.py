@@ -22,6 +22,7 @@ from harmony.base.errors import InputError
 from harmony.compiler.ir import PassReport
 from harmony.compiler.loss_weighting import ITEMS, Weighting, choose, count, read_by
 from harmony.compiler.trace.batch import Batch
+from harmony.runtime.comm.collectives import guarded
 
 WEIGHTING = "harmony.loss_weighting"     # gm.meta key (the graph module's): the step's Weighting
 ROWS = Weighting("rows", "each microbatch's mean loss counts for its rows")
@@ -81,7 +82,8 @@ def with_count(sm, batch: tuple, across_ranks: bool = False) -> tuple:
     handshake = getattr(sm, "handshake", None)
     if across_ranks and weighting.tokens and weighting.scale > 1 and handshake is not None:
         import torch.distributed as dist
-        dist.all_reduce(n, op=dist.ReduceOp.SUM, group=handshake.group)
+        guarded("the sum of the ranks' token counts", dist.all_reduce, n, op=dist.ReduceOp.SUM,
+                group=handshake.group, timeout=handshake.timeout)
     if weighting.tokens and int(n) == 0:
         raise InputError(f"the batch has no label token to count (every {weighting.labels} is -100"
                          f"{' on every rank' if across_ranks and weighting.scale > 1 else ''}): its token mean "

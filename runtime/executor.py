@@ -9,6 +9,7 @@ import torch
 import torch.fx
 
 from harmony.base.tiers import Tier
+from harmony.runtime.comm.communicator import existing
 from harmony.runtime.ops import op_of, ops_of, resident_state
 from harmony.runtime.pipeline import norm_exchange
 from harmony.runtime.plan import Plan, mean_loss
@@ -54,9 +55,12 @@ def run_graph(rt, graph: torch.fx.Graph, free_after: dict, txn: Transaction) -> 
     t0 = time.perf_counter()
     meter = rt.meter
     emulated = rt.speed_factor != 1.0
+    status = getattr(rt, "status", None) if txn.what == "step" else None    # several ranks: the job's step
     for node in graph.nodes:
         if node.op != "call_function":
             continue
+        if status is not None:       # a meet found a rank's step failed: stop here (runtime/comm/jobwide.py)
+            status.check()
         op = op_of(node)
         args = torch.fx.node.map_arg(node.args, env.__getitem__)
         kwargs = torch.fx.node.map_arg(node.kwargs, env.__getitem__)
@@ -157,9 +161,9 @@ class Runtime:
         clip = getattr(plan, "clip_grad_norm", None)
         stage = getattr(plan, "stage", None)
         grad_of = self.state.grad if stage is None else self._local_grad    # a pipeline rank has its packs' only
+        exchange = None if stage is None else norm_exchange(stage, lambda: self.status)
         clipper = None if clip is None else GradClip(clip, plan.clip_norm_type, plan.param_order, grad_of,
-                                                settle=self.state.drain,
-                                                exchange=None if stage is None else norm_exchange(stage))
+                                                settle=self.state.drain, exchange=exchange)
         # fp16 and clipping: the updates wait for the last gradient (runtime/precision.py StepGate)
         self.gate = StepGate(self.scaler, clipper) if self.scaler is not None or clipper is not None else None
         self.on_demand = on_demand(self) if on_demand is not None else None
@@ -175,6 +179,7 @@ class Runtime:
         self.step_packs = [n.args[0] for n, op in ops_of(graph.nodes) if op.steps]
         self.transaction: Transaction | None = None    # the last step's (runtime/transaction.py)
         self.torn: dict | None = None    # a failed step that updated some packs only: what it updated
+        self.status = None       # several ranks: the job's view of each step (runtime/comm/jobwide.py StepStatus)
         for what, names in resident_state(plan):
             self.state.wait(self.state.fetch(what, names))
 
@@ -203,16 +208,28 @@ class Runtime:
         where the batch is smaller than the plan's (as many microbatches, each no larger: driver/shapes.py)."""
         self.rows = rows or self.plan.microbatch_rows()
         txn = self.transaction = Transaction(self, self.step_packs)
+        if self.status is not None:
+            self.status.begin()
+            comm = existing(self)
+            if comm is not None:
+                comm.began = None
         random = any(spec.random for spec in self.plan.packs)
         self.streams = MicrobatchStreams(self.device, len(self.rows)) if random else None
         try:
             loss = self._run(batch, txn)
+            if self.status is not None:     # a failure met at the step's last collective
+                self.status.check()
         except BaseException as e:
-            txn.roll_back(e)
+            instead = txn.roll_back(e)
             if self.streams is not None:     # as if the step had not run: its draws undone too
                 self.streams.restore()
             self.streams = None
+            if instead is not None:        # another rank's failure, named now that the ranks have told each other
+                raise instead from None
             raise
+        finally:
+            if self.status is not None:
+                self.status.active = False
         if self.streams is not None:
             self.streams.finish()
         self.streams = None

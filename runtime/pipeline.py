@@ -25,6 +25,7 @@ import torch
 
 from harmony.base.units import nbytes
 from harmony.runtime.comm.collectives import comm_error, wait_work
+from harmony.runtime.comm.jobwide import ABORT, STEP_KEY, Aborted, Words, ghost
 from harmony.runtime.ops import Acts, Predicted, arrived, register
 from harmony.runtime.plan import NOMINAL_NETWORK_BANDWIDTH, NOMINAL_NETWORK_LATENCY
 
@@ -67,25 +68,40 @@ def _post(fn, what: str, timeout: float, *args, **kwargs):
         raise comm_error(what, e, timeout) from e
 
 
-def _recv_execute(rt, pack, mb, *, src, tag, names, grads=False):
+def _receive(rt, src, tag, names, what) -> dict | None:
+    """One message from ``src``: its mask (the sender's word on the step first, runtime/comm/jobwide.py), then the
+    values it says are there, on the host. None where the sender's step failed (its mask says ``ABORT``)."""
     import torch.distributed as dist
-    st = rt.plan.stage
-    what = f"recv of {'gradients' if grads else 'activations'} (microbatch {mb}) from rank {src}"
-    mask = torch.zeros(len(names), dtype=torch.uint8)
-    wait_work(_post(dist.irecv, what, st.timeout, mask, src, tag=tag * SLOTS), what, st.timeout)
+    st, status = rt.plan.stage, rt.status
+    mask = torch.zeros(len(names) + 1, dtype=torch.uint8)
+    if status is not None and status.active:
+        status.done[("recv", src)] += 1
+    wait_work(_post(dist.irecv, what, st.timeout, mask, src, tag=tag * SLOTS), what, st.timeout, peer=src)
+    if int(mask[0]) == ABORT:
+        if status is not None:
+            status.heard(("recv", src), [], True)
+        return None
     out, works = {}, []
     for i, n in enumerate(names):
         shape, dtype = st.values[n]
         if shape == "const":
             out[n] = dtype
             continue
-        if not mask[i]:
+        if not mask[1 + i]:
             continue
         host = torch.empty(shape, dtype=getattr(torch, dtype))
         works.append(_post(dist.irecv, what, st.timeout, host, src, tag=tag * SLOTS + 1 + i))
         out[n] = host
     for w in works:
-        wait_work(w, what, st.timeout)
+        wait_work(w, what, st.timeout, peer=src)
+    return out
+
+
+def _recv_execute(rt, pack, mb, *, src, tag, names, grads=False):
+    what = f"recv of {'gradients' if grads else 'activations'} (microbatch {mb}) from rank {src}"
+    out = _receive(rt, src, tag, names, what)
+    if out is None or (rt.status is not None and rt.status.seen):    # the sender's step failed, or another's
+        raise Aborted(f"rank {rt.plan.stage.rank}: a rank's step failed before its {what}")
     for n, host in out.items():      # on the device, counted by its meter (the CPU device: the buffer itself)
         if isinstance(host, torch.Tensor):
             dst = host if rt.device.type == "cpu" else host.to(rt.device)
@@ -94,44 +110,81 @@ def _recv_execute(rt, pack, mb, *, src, tag, names, grads=False):
     return Acts(out)
 
 
+def _send_mask(rt, dst, tag, present: list[bool], what: str) -> bool:
+    """Post a message's mask to ``dst``: this rank's word on the step, then which values follow. False: the step
+    failed here (or this rank knows one did): the mask says ``ABORT`` and no value follows."""
+    import torch.distributed as dist
+    st, status = rt.plan.stage, rt.status
+    aborted = status is not None and status.active and (status.failed or status.seen)
+    if status is not None and status.active:
+        status.done[("send", dst)] += 1
+    mask = torch.tensor([ABORT if aborted else 0] + [p and not aborted for p in present], dtype=torch.uint8)
+    rt.__dict__.setdefault("sends", []).append(
+        (_post(dist.isend, what, st.timeout, mask, dst, tag=tag * SLOTS), mask, what, dst))
+    return not aborted
+
+
 def _send_execute(rt, value, pack, mb, *, dst, tag, names, grads=False):
     import torch.distributed as dist
     st = rt.plan.stage
     what = f"send of {'gradients' if grads else 'activations'} (microbatch {mb}) to rank {dst}"
     vals = arrived(rt, value).values
     present = [isinstance(vals.get(n), torch.Tensor) for n in names]
-    mask = torch.tensor(present, dtype=torch.uint8)
-    pending = rt.__dict__.setdefault("sends", [])
-    pending.append((_post(dist.isend, what, st.timeout, mask, dst, tag=tag * SLOTS), mask, what))
+    if not _send_mask(rt, dst, tag, present, what):
+        return
+    pending = rt.__dict__["sends"]
     for i, n in enumerate(names):
         if present[i]:       # a host copy: the device's may be dropped as soon as the schedule is done with it
             rt.state.landed(vals[n])     # (a stashed value: its copy from the device may be in flight)
             host = vals[n].detach().to("cpu", copy=True)
-            pending.append((_post(dist.isend, what, st.timeout, host, dst, tag=tag * SLOTS + 1 + i), host, what))
+            pending.append((_post(dist.isend, what, st.timeout, host, dst, tag=tag * SLOTS + 1 + i), host, what,
+                            dst))
+
+
+def join_sends(rt) -> None:
+    """Wait for this step's sends to be taken."""
+    timeout = rt.plan.stage.timeout
+    for work, _, what, dst in rt.__dict__.pop("sends", []):
+        wait_work(work, what, timeout, peer=dst)
 
 
 def _share_loss_execute(rt, src):
-    """Join this step's sends; the loss rank's mean loss to every rank (the executor's mean of one is itself)."""
+    """Join this step's sends; the loss rank's mean loss to every rank (the executor's mean of one is itself), in one
+    all-reduce that carries each rank's word on the step too (runtime/comm/jobwide.py: the loss rank's loss plus
+    zeros is its loss, bit for bit)."""
+    st = rt.plan.stage
+    join_sends(rt)
+    status = rt.status if rt.status is not None and rt.status.active else None
+    loss = torch.stack([x.float() for x in rt.losses]).mean().reshape(1) if st.rank == src else torch.zeros(1)
+    summed = _loss_exchange(rt, loss, Words(status, STEP_KEY, None) if status is not None else None, src)
+    if status is not None and status.seen:
+        raise Aborted(f"rank {st.rank}: a rank's step failed before the loss was shared")
+    if st.rank != src:
+        rt.losses = [summed[0]]
+
+
+def _loss_exchange(rt, loss: torch.Tensor, words, src: int) -> torch.Tensor:
+    """The all-reduce of ``loss`` (zeros but on the loss rank) with ``words`` after it; their sum."""
     import torch.distributed as dist
     st = rt.plan.stage
-    for work, _, what in rt.__dict__.pop("sends", []):
-        wait_work(work, what, st.timeout)
-    if st.rank == src:
-        loss = torch.stack([x.float() for x in rt.losses]).mean().reshape(1)
-    else:
-        loss = torch.zeros(1)
-    what = f"broadcast of the loss from rank {src}"
-    wait_work(_post(dist.broadcast, what, st.timeout, loss, src, async_op=True), what, st.timeout)
-    if st.rank != src:
-        rt.losses = [loss[0]]
+    buf = torch.cat([loss, words.vector(st.world, st.rank) if words is not None else torch.zeros(st.world)])
+    what = f"the broadcast of the loss from rank {src}"
+    wait_work(_post(dist.all_reduce, what, st.timeout, buf, async_op=True), what, st.timeout)
+    if words is not None:
+        words.read(buf[1:])
+        words.settle(raises=False)
+    return buf
 
 
-def norm_exchange(stage: Stages):
+def norm_exchange(stage: Stages, status=lambda: None):
     """``GradClip``'s exchange on a pipeline rank: this rank's per-tensor gradient norms (by name) to every rank,
     every rank's back, merged (each parameter lives on one rank)."""
     def exchange(local: dict) -> dict:
         import torch.distributed as dist
         what = "all-gather of the gradient norms (clip_grad_norm)"
+        step = status()
+        if step is not None:     # every rank's step got here (runtime/comm/jobwide.py)
+            step.go(STEP_KEY, None, what)
         got: list = [None] * stage.world
         _post(dist.all_gather_object, what, stage.timeout, got, {n: t.detach().cpu() for n, t in local.items()})
         return {n: t for part in got for n, t in part.items()}
@@ -180,6 +233,33 @@ def _label(args, kwargs) -> str:
     peer = f"from {kwargs.get('src')}" if "src" in kwargs else f"to {kwargs.get('dst')}"
     mb = args[1] if len(args) == 2 else args[2] if len(args) > 2 else "?"
     return f"mb {mb} {'grads' if kwargs.get('grads') else 'acts'} {peer}"
+
+
+@ghost(recv)
+def _recv_ghost(rt, node) -> None:
+    """In a replay: the message taken (its values too, where its sender's step ran), its mask's word heard."""
+    src, tag, names = node.kwargs["src"], node.kwargs["tag"], node.kwargs["names"]
+    if not rt.status.skip(("recv", src)):
+        _receive(rt, src, tag, names, f"recv from rank {src} (the step's rollback)")
+
+
+@ghost(send)
+def _send_ghost(rt, node) -> None:
+    dst, names = node.kwargs["dst"], node.kwargs["names"]
+    if not rt.status.skip(("send", dst)):
+        _send_mask(rt, dst, node.kwargs["tag"], [False] * len(names), f"send to rank {dst} (the step's rollback)")
+
+
+@ghost(share_loss)
+def _share_loss_ghost(rt, node) -> None:
+    join_sends(rt)
+    if not rt.status.skip(STEP_KEY):
+        _loss_exchange(rt, torch.zeros(1), Words(rt.status, STEP_KEY, None), (node.args or [node.kwargs.get("src")])[0])
+
+
+@ghost(share_norms)
+def _share_norms_ghost(rt, node) -> None:
+    rt.status.meet(STEP_KEY, None, "the all-gather of the gradient norms")
 
 
 register(recv, _recv_execute, _recv_effect, _p2p_cost, "copy", colour="#ef3b2c", label=_label, receives=True)

@@ -106,7 +106,9 @@ class GradBuffer:
 def max_over_ranks(t: torch.Tensor) -> None:
     """``t`` becomes its maximum over the data-parallel ranks (a ``LossScaler.agree``)."""
     import torch.distributed as dist
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+
+    from harmony.runtime.comm.collectives import guarded
+    guarded("the ranks' agreement on an fp16 overflow", dist.all_reduce, t, op=dist.ReduceOp.MAX)
 
 
 class LossScaler:

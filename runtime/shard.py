@@ -19,6 +19,8 @@ from __future__ import annotations
 import torch
 
 from harmony.base.units import nbytes
+from harmony.runtime.comm.collectives import guarded
+from harmony.runtime.comm.jobwide import STEP_KEY, ghost
 from harmony.runtime.ops import register
 from harmony.runtime.plan import NOMINAL_NETWORK_BANDWIDTH, NOMINAL_NETWORK_LATENCY
 
@@ -61,6 +63,8 @@ def _sync_execute(rt, world):
     st = rt.state
     st.settle(list(st.pending))          # host steps (and the host all-reduces ahead of them) are done
     rt.finish_updates()                  # and those waiting in the StepGate (clipping) have run
+    if rt.status is not None:            # every rank's step got here (runtime/comm/jobwide.py)
+        rt.status.go(STEP_KEY, None, "the broadcast of the updated weights")
     mine = rt.plan.rank
     for owner, names in enumerate(by_owner(rt.plan)):
         if names:
@@ -81,7 +85,7 @@ def _broadcast(st, names: list[str], src: int, mine: int) -> None:
             st.moved["d2h"] += sum(nbytes(t) for t in ts if st._on_device(t.data))
         else:
             flat = torch.empty(sum(t.numel() for t in ts), dtype=ts[0].dtype)
-        dist.broadcast(flat, src=src)
+        guarded(f"the broadcast of rank {src}'s updated weights", dist.broadcast, flat, src=src, peer=src)
         if src == mine:
             return
         off = 0
@@ -117,6 +121,11 @@ def _sync_cost(plan, hw, world):
     received = sum(b for _, src, b in _synced(plan) if src != plan.rank)
     bandwidth = getattr(hw, "network_bandwidth", NOMINAL_NETWORK_BANDWIDTH)
     return "network", received / bandwidth + world * getattr(hw, "network_latency", NOMINAL_NETWORK_LATENCY)
+
+
+@ghost(sync_state)
+def _sync_ghost(rt, node) -> None:
+    rt.status.meet(STEP_KEY, None, "the broadcast of the updated weights")
 
 
 register(sync_state, _sync_execute, _sync_effect, _sync_cost, "copy", colour="#fcbba1")

@@ -31,6 +31,8 @@ from collections import Counter
 import torch
 
 from harmony.base.units import fmt_bytes
+from harmony.runtime.comm.communicator import existing
+from harmony.runtime.comm.jobwide import Aborted, aborted_error
 
 ROLLED_BACK, COMMITTED, TORN = "rolled back", "committed", "torn"
 
@@ -56,6 +58,13 @@ class Transaction:
         if not self.stepped:
             self._hold_interrupts()
         self.stepped.append(pack)
+
+    def unstep(self, pack: int) -> None:
+        """``pack``'s update, counted when it was queued, did not run (the job aborted the step first)."""
+        if pack in self.stepped:
+            self.stepped.reverse()
+            self.stepped.remove(pack)
+            self.stepped.reverse()
 
     def _hold_interrupts(self) -> None:
         if threading.current_thread() is not threading.main_thread():
@@ -93,12 +102,21 @@ class Transaction:
                            "finished first and counts in sm.steps, so the module holds one whole update")
                 raise
 
-    def roll_back(self, error: BaseException) -> None:
-        """Return the runtime to its state before the step; note on ``error`` what happened."""
+    def roll_back(self, error: BaseException) -> BaseException | None:
+        """Return the runtime to its state before the step; note on ``error`` what happened. Over several ranks,
+        every rank's collectives of the step are met first (runtime/comm/jobwide.py): returns the error to raise
+        instead of ``error`` where another rank's step failed (``StepAbortedError``), else None."""
         held = self._restore()
         rt, state = self.rt, self.rt.state
+        status = getattr(rt, "status", None) if self.what == "step" else None
+        if status is not None and not status.active:
+            status = None
+        if status is not None and not isinstance(error, Aborted):
+            status.failed = True        # the collectives still queued on this rank's threads say so
         _clear_frames(error)
         failed = _settle(rt)
+        if status is not None:          # the rest of the step's collectives, as meets: the peers learn it there
+            failed[1].extend(_replay(status, rt))
         stepped = list(dict.fromkeys(self.stepped))
         for t in state.tensors.values():
             if isinstance(t, torch.nn.Parameter):
@@ -122,7 +140,36 @@ class Transaction:
         self.outcome = ROLLED_BACK if not stepped else COMMITTED if whole else TORN
         if self.outcome == TORN:
             rt.torn = torn_record(rt, stepped, self.step_packs)
+        instead = None
+        if status is not None and status.seen:      # every rank met the failure: what each had done, told to all
+            instead, others = self._agree(status, error, stepped)
+            if others:
+                failed[1].append(others)
         error.add_note(self._note(rt, stepped, held, failed[1]))
+        if instead is not None:
+            instead.__notes__ = list(error.__notes__)
+        return instead
+
+    def _agree(self, status, error: BaseException, stepped: list[int]) -> tuple[BaseException | None, str]:
+        """The ranks' outcomes exchanged: a step torn anywhere (or committed on some ranks only) is torn on every
+        rank; the error this rank raises instead where its own step did not fail."""
+        rt = self.rt
+        try:
+            got = status.settle(error, self.outcome)
+        except BaseException as e:    # noqa: BLE001 (the step's own error is the one to raise)
+            return None, f"{type(e).__name__}: {e}"
+        outcomes = [o for _, o in got]
+        if len(set(outcomes)) > 1 or TORN in outcomes:
+            where = ", ".join(f"rank {r}: {o}" for r, o in enumerate(outcomes))
+            if self.outcome != TORN:
+                rt.torn = torn_record(rt, stepped, self.step_packs)
+            rt.torn["ranks"] = where
+            self.outcome = TORN
+        elif self.outcome == ROLLED_BACK:      # as if the step had not happened: the all-reduces' state too
+            comm = existing(rt)
+            if comm is not None:
+                comm.undo_step()
+        return (aborted_error(status, got) if isinstance(error, Aborted) else None), ""
 
     def _restore_holds(self) -> None:
         state = self.rt.state
@@ -154,6 +201,15 @@ class Transaction:
         return f"harmony: {describe_torn(rt.torn)}{extra}"
 
 
+def _replay(status, rt) -> list[str]:
+    """``status.replay``: the errors it met (a dead peer), for the rollback's note."""
+    try:
+        status.replay(rt)
+    except BaseException as e:    # noqa: BLE001 (the step's own error is the one to raise)
+        return [f"{type(e).__name__}: {str(e).splitlines()[0]}"]
+    return []
+
+
 def torn_record(rt, stepped: list[int], step_packs: list[int]) -> dict:
     """Which packs a failed step updated, and which it did not."""
     packs = rt.plan.packs
@@ -164,6 +220,12 @@ def torn_record(rt, stepped: list[int], step_packs: list[int]) -> dict:
 def describe_torn(torn: dict) -> str:
     names = torn["params"]
     shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
+    if "ranks" in torn:
+        return (f"the step failed on one rank of several after the optimizer had updated some packs on some ranks "
+                f"({torn['ranks']}; here packs {torn['stepped']} were updated, {torn['not_stepped']} not): the ranks "
+                f"no longer hold one model's state. Every rank refuses to train on or save this mix until you call "
+                f"harmony.load(sm, checkpoint) on every rank to go back to a checkpoint, or sm.accept_partial_step() "
+                f"on every rank to keep it")
     return (f"the step failed after the optimizer had updated packs {torn['stepped']} ({shown}) but not packs "
             f"{torn['not_stepped']}: the rest of the step was rolled back, but those updates cannot be. The module "
             f"refuses to train on or save this mix until you call harmony.load(sm, checkpoint) to go back to a "

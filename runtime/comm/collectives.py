@@ -29,13 +29,12 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
-from harmony.base.errors import CommunicationError, ConfigError
+from harmony.base.errors import ConfigError
 from harmony.runtime.comm.compression import (
     DEFAULT_MIN_SIZE,
     NO_COMPRESSION,
@@ -46,8 +45,10 @@ from harmony.runtime.comm.compression import (
     spec_for,
     wire_bytes,
 )
+from harmony.runtime.comm.failures import comm_error, exchange, guarded, launch, wait_work  # noqa: F401
 
 DEFAULT_FUSION_BYTES = 64 << 20  # fp32 bytes per fused buffer
+WORDS_PAD = 32                   # elements a step's words take at the end of a buffer (``allreduce``'s ``words``)
 
 
 # -- byte and time accounting ---------------------------------------------------------------------
@@ -81,38 +82,6 @@ class CommStats:
 def ring_bytes(nbytes: int, world: int) -> int:
     """Bytes one rank sends in a ring all-reduce of ``nbytes``."""
     return 2 * (world - 1) * nbytes // world if world > 1 else 0
-
-
-# -- process group helpers ------------------------------------------------------------------------
-def wait_work(work, what: str, timeout: float | None, group=None) -> None:
-    """Join an async ``work`` within ``timeout`` seconds; a failure or a timeout is a ``CommunicationError``
-    naming ``what`` and this rank."""
-    try:
-        if timeout is None:
-            work.wait()
-        else:
-            work.wait(timedelta(seconds=timeout))
-    except (RuntimeError, dist.DistError) as e:
-        raise comm_error(what, e, timeout, group) from e
-
-
-def comm_error(what: str, e: BaseException, timeout, group=None) -> CommunicationError:
-    """The ``CommunicationError`` a failed ``what`` raises: this rank, the limit, the backend's first line."""
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    limit = f" within {timeout:g} s" if timeout is not None else ""
-    detail = str(e).splitlines()[0] if str(e) else type(e).__name__
-    return CommunicationError(
-        f"{what} failed on rank {rank} of {world}{limit} ({detail}). A peer rank probably died or "
-        f"stalled; check its log. The process group is no longer usable: destroy it and restart "
-        f"all ranks (torchrun --max-restarts does this).")
-
-
-def _run(what: str, timeout, group, fn, *args, **kwargs):
-    """Launch an async collective, turning launch-time failures into CommunicationError."""
-    try:
-        return fn(*args, group=group, async_op=True, **kwargs)
-    except (RuntimeError, dist.DistError) as e:
-        raise comm_error(what, e, timeout, group) from e
 
 
 # -- buffers kept between calls -------------------------------------------------------------------
@@ -152,7 +121,7 @@ def allreduce(tensors: Sequence[torch.Tensor], spec: CompressionSpec | Sequence[
               timeout: float | None = None, generator: torch.Generator | None = None,
               fusion_bytes: int = DEFAULT_FUSION_BYTES, weight: float | None = None,
               release: Callable[[torch.Tensor], None] | None = None,
-              workspace: Workspace | None = None) -> CommStats:
+              workspace: Workspace | None = None, words=None) -> CommStats:
     """Average ``tensors`` over the ranks of ``group``, in place; returns what it cost.
 
     ``weight``: this rank's weight in a weighted average, ``sum_r weight_r * t_r`` (the weights of
@@ -175,6 +144,8 @@ def allreduce(tensors: Sequence[torch.Tensor], spec: CompressionSpec | Sequence[
     there instead of waiting for the backend.
     ``workspace``: a ``Workspace`` to take the fused buffers and messages from and give them back to, so that
     repeated calls over the same tensors allocate nothing (``None``: fresh buffers, freed on return).
+    ``words``: the ranks' words on a training step (runtime/comm/jobwide.py ``Words``), carried at the end of the
+    first fp32 buffer (two ranks: the sums are the same bits wherever an element sits).
     With one rank there is nothing to average: tensors are left as they are.
 
     Typical use, after ``loss.backward()`` on every rank (under torchrun):
@@ -194,6 +165,9 @@ def allreduce(tensors: Sequence[torch.Tensor], spec: CompressionSpec | Sequence[
     scale = _weight_scale(weight, world)
     jobs = [_Job(idx, tensors, s, group, world, error_feedback_state, timeout, generator, scale, release,
                  workspace=workspace) for s, idx in fuse(tensors, specs, fusion_bytes)]
+    carrier = next((j for j in jobs if j.spec.kind == "none"), None) if words is not None else None
+    if carrier is not None:
+        carrier.words = words
     _sweep(jobs, stats, world)
     stats.seconds = time.perf_counter() - start
     return stats
@@ -305,6 +279,7 @@ class _Job:
     release: Callable | None = None   # called with each buffer once done (allreduce's ``release``)
     scatter: bool = False             # the reduce-scatter half only (``reduce_scatter``): no all-gather
     workspace: Workspace | None = None  # where buffers come from and go back to (allreduce's ``workspace``)
+    words: object = None              # the ranks' words on a step, after the tensors (an fp32 buffer's only)
     wire_bytes: int = 0
     numel: int = 0
     offsets: list = field(default_factory=list)   # where each tensor starts in the fused buffer
@@ -324,12 +299,19 @@ class _Job:
             self.offsets.append(off)
             off += -(-t.numel() // align) * align
         size = off
+        extra = self.words.vector(w, dist.get_rank(self.group)) if self.words is not None else None
+        if extra is not None:   # (padded: the ranks' halves of the buffer stay as aligned as without it)
+            size += WORDS_PAD * -(-w // WORDS_PAD)
         if s.kind == "quantized":
             chunk = -(-off // (w * align)) * align if off >= w * align else -(-off // w)
             self.state["chunk"] = chunk
             size = chunk * w
         self.buf = self._empty(size, torch.float32, ts[0].device)
-        ends = self.offsets[1:] + [size]
+        ends = self.offsets[1:] + [size if extra is None else off]     # (a quantized buffer: padded to its end)
+        if extra is not None:
+            self.buf[off:].zero_()
+            self.buf[off: off + w].copy_(extra)
+            self.state["words_at"] = off
         for i, t, start, end in zip(self.idx, ts, self.offsets, ends):
             piece = self.buf[start: start + t.numel()]
             piece.copy_(t.detach().reshape(-1))
@@ -345,7 +327,7 @@ class _Job:
                 self.buf[start + t.numel(): end] = self.buf[start + t.numel() - 1]
         if s.kind == "none":
             self.wire_bytes = ring_bytes(4 * n, w)
-            self.work = _run("all_reduce(fp32)", self.timeout, self.group, dist.all_reduce, self.buf)
+            self.work = launch("all_reduce(fp32)", self.timeout, self.group, dist.all_reduce, self.buf)
         elif s.kind in ("fp16", "bf16"):
             dt = torch.float16 if s.kind == "fp16" else torch.bfloat16
             half = (self.buf / w).to(dt)
@@ -353,7 +335,7 @@ class _Job:
                 self._keep_residual(self.buf - half.float() * w)
             self.state["half"] = half
             self.wire_bytes = ring_bytes(2 * n, w)
-            self.work = _run(f"all_reduce({s.kind})", self.timeout, self.group, dist.all_reduce, half)
+            self.work = launch(f"all_reduce({s.kind})", self.timeout, self.group, dist.all_reduce, half)
         else:
             self._launch_quantized()
 
@@ -373,7 +355,7 @@ class _Job:
         recv = self._empty(w * wb, torch.uint8, self.buf.device)
         self.state.update(wb=wb, recv=recv, send=send, residual=residual, rank=rank)   # keep buffers alive in flight
         self.wire_bytes = 2 * (w - 1) * wb
-        self.work = _run("all_to_all_single(quantized)", self.timeout, self.group,
+        self.work = launch("all_to_all_single(quantized)", self.timeout, self.group,
                          dist.all_to_all_single, recv, send)
 
     def reduce(self):
@@ -403,7 +385,7 @@ class _Job:
         st["gathered"] = self._empty(w * wb, torch.uint8, acc.device)
         st["sent"] = sent
         all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        self.work = _run("all_gather(quantized)", self.timeout, self.group, all_gather, st["gathered"], st["sent"])
+        self.work = launch("all_gather(quantized)", self.timeout, self.group, all_gather, st["gathered"], st["sent"])
 
     def finish(self):
         kind, st = self.spec.kind, self.state
@@ -411,6 +393,9 @@ class _Job:
             return self._finish_scatter()
         wait_work(self.work, f"collective({kind})", self.timeout, self.group)
         if kind == "none":
+            if self.words is not None:
+                at = self.state["words_at"]
+                self.words.read(self.buf[at: at + self.world])
             out = self.buf.div_(self.world)
         elif kind in ("fp16", "bf16"):
             out = st["half"].float()

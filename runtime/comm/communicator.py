@@ -12,6 +12,7 @@ import torch.distributed as dist
 from harmony.runtime.comm.adaptive_bits import ErrorMeter, choose_bits_across_ranks, specs_for_bits
 from harmony.runtime.comm.collectives import allreduce as reduce_all
 from harmony.runtime.comm.compression import NO_COMPRESSION, CompressionSpec, spec_for
+from harmony.runtime.comm.jobwide import STEP_KEY, Words
 
 
 class Communicator:
@@ -35,27 +36,48 @@ class Communicator:
         self.generator = torch.Generator().manual_seed(0x5EED + dist.get_rank())   # never the global RNG
         self.lock = threading.Lock()
         self.totals: dict = {}
+        self.began = None                                # (step, generator state, residuals) as the step began
 
-    def reduce(self, rt, pack: int) -> None:
+    def reduce(self, rt, pack: int, meet: bool = True) -> None:
         """Average the pack's owned gradients over ranks, in place (runs on the host thread).
 
         One collective per communication group of the pack (``Plan.comm_groups``, set by the
         compress pass): groups are the same on every rank even where ranks cut the model into
-        different packs, so every rank issues the same collectives over the same tensors.
+        different packs, so every rank issues the same collectives over the same tensors. Each starts with the
+        ranks' word on the step (runtime/comm/jobwide.py; ``meet=False``: the caller's op met already).
         """
         groups = self.owned.get(pack)
         if groups is None:
-            groups = getattr(rt.plan, "comm_groups", {}).get(pack)
-            if groups is None:   # the state's order (the model's), the same on every rank; a pack's own lists
-                mine = set(rt.plan.packs[pack].owned)               # come from sets, whose order varies by process
-                groups = [[n for n in rt.state.tensors if n in mine]]
-            self.owned[pack] = groups
+            groups = self.owned[pack] = comm_groups(rt, pack)
         if pack == self.first:
             self.step += 1
+            self.began = self.step, self.generator.get_state(), dict(self.ef)    # what an aborted step undoes
+        status = rt.status if meet else None
         for names in groups:
-            self._reduce(rt, names)
+            words = None
+            if status is not None and self.rides():     # the words ride at the end of the buffer
+                words = Words(status, STEP_KEY, None)
+            elif status is not None:
+                status.go(STEP_KEY, None, f"the all-reduce of pack {pack}'s gradients")
+            self._reduce(rt, names, words)
+            if words is not None:
+                words.settle(raises=True)
 
-    def _reduce(self, rt, owned: list[str]) -> None:
+    def rides(self) -> bool:
+        """Whether the ranks' words on a step ride on each all-reduce (two ranks, fp32, no adaptive bits), else a
+        meet comes first; the same on every rank."""
+        return self.world == 2 and self.meter is None and self.base.kind == "none"
+
+    def undo_step(self) -> None:
+        """A step every rank rolled back: its count, stochastic rounding's draws and error feedback as before it."""
+        if self.began is not None:
+            self.step, state, ef = self.began
+            self.generator.set_state(state)
+            self.ef.clear()
+            self.ef.update(ef)
+            self.began = None
+
+    def _reduce(self, rt, owned: list[str], words=None) -> None:
         st = rt.state
         found = [(n, st.grad(n)) for n in owned]
         names, grads = [n for n, g in found if g is not None], [g for _, g in found if g is not None]
@@ -78,7 +100,7 @@ class Communicator:
                 specs = specs_for_bits(names, self.bits, self.base)
         ef = self.ef.setdefault(tuple(owned), {}) if self.base.error_feedback else None
         stats = reduce_all(grads, specs, error_feedback_state=ef, min_size=self.min_size, generator=self.generator,
-                           weight=self.weight, release=rt.meter.forget)
+                           weight=self.weight, release=rt.meter.forget, words=words)
         for i in mixed:
             st.set_grad(names[i], grads[i])
         with self.lock:
@@ -96,6 +118,15 @@ class Communicator:
         return out
 
 
+def comm_groups(rt, pack: int) -> list[list[str]]:
+    """The pack's communication groups: the compress pass's, else its owned gradients as one."""
+    groups = getattr(rt.plan, "comm_groups", {}).get(pack)
+    if groups is None:   # the state's order (the model's), the same on every rank; a pack's own lists
+        mine = set(rt.plan.packs[pack].owned)               # come from sets, whose order varies by process
+        groups = [[n for n in rt.state.tensors if n in mine]]
+    return groups
+
+
 _COMMS = weakref.WeakKeyDictionary()   # Runtime -> its Communicator, made by its first all-reduce
 
 
@@ -108,6 +139,11 @@ def communicator(rt, op, kind, world, min_size, warmup, spec, weight=None) -> Co
         first = next((n.args[0] for n in rt.graph.nodes if n.op == "call_function" and n.target is op), None)
         comm = _COMMS[rt] = Communicator(first, kind, world, min_size, warmup, spec, weight)
     return comm
+
+
+def existing(rt) -> Communicator | None:
+    """The runtime's ``Communicator`` if its first all-reduce has made it."""
+    return _COMMS.get(rt)
 
 
 def comm_stats(rt) -> dict | None:

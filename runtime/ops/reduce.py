@@ -3,9 +3,13 @@ registered in the op table (runtime/ops/) with all it needs.
 """
 from __future__ import annotations
 
+import torch
+
 from harmony.base.tiers import Tier
-from harmony.runtime.comm.communicator import communicator
-from harmony.runtime.comm.compression import DEFAULT_MIN_SIZE
+from harmony.runtime.comm.collectives import allreduce as reduce_all
+from harmony.runtime.comm.communicator import comm_groups, communicator, existing
+from harmony.runtime.comm.compression import DEFAULT_MIN_SIZE, NO_COMPRESSION
+from harmony.runtime.comm.jobwide import STEP_KEY, Words, ghost
 from harmony.runtime.ops import Predicted, allreduce, register
 from harmony.runtime.plan import NOMINAL_NETWORK_BANDWIDTH, NOMINAL_NETWORK_LATENCY
 from harmony.runtime.tiers.memory import CountAllocations
@@ -90,6 +94,29 @@ def _allreduce_cost(plan, hw, pack, kind="none", *, world=1, bits=4, **kw):
     sent = 2 * (world - 1) / max(world, 1) * size * per_byte
     bandwidth = getattr(hw, "network_bandwidth", NOMINAL_NETWORK_BANDWIDTH)
     return "network", sent / bandwidth + 2 * (world - 1) * getattr(hw, "network_latency", NOMINAL_NETWORK_LATENCY)
+
+
+@ghost(allreduce)
+def _allreduce_ghost(rt, node) -> None:
+    """In a replay: one meet per communication group, as ``Communicator.reduce`` meets."""
+    comm = existing(rt)
+    groups = comm.owned.get(node.args[0]) if comm is not None else None
+    status = rt.status
+    for names in groups if groups is not None else comm_groups(rt, node.args[0]):
+        if not rides(comm, node):
+            status.meet(STEP_KEY, None, "the all-reduce of the gradients")
+        elif not status.skip(STEP_KEY):     # the words ride on the all-reduce: zeros sent in its place
+            words = Words(status, STEP_KEY, None)
+            reduce_all([torch.zeros(rt.state.tensors[n].shape) for n in names], NO_COMPRESSION, words=words)
+            words.settle(raises=False)
+
+
+def rides(comm, node) -> bool:
+    """``Communicator.rides``, from the op's keywords where the runtime has made no communicator yet."""
+    if comm is not None:
+        return comm.rides()
+    return node.kwargs.get("world") == 2 and not node.kwargs.get("warmup") and node.args[1:2] in ((), ("none",)) \
+        and node.kwargs.get("kind", "none") == "none"
 
 
 register(allreduce, _allreduce_execute, _allreduce_effect, _allreduce_cost, "copy",

@@ -9,6 +9,7 @@ import torch
 
 from harmony.base.tiers import Tier
 from harmony.base.units import nbytes
+from harmony.runtime.comm.jobwide import STEP_KEY
 from harmony.runtime.ops import register, step
 from harmony.runtime.ops.compute import kernels_cost, ondemand_seconds, pack_compute_cost
 from harmony.runtime.ops.move import step_disk_io
@@ -136,7 +137,14 @@ def _step_host(rt, pack, spec) -> None:
     shares = getattr(rt.state, "shares", None)
     carry = shares.carry if shares is not None and pack in shares.carry_packs else None
 
+    status = rt.status
+
     def update(skip=False):
+        if status is not None and status.aborted_on(STEP_KEY):   # a rank's step failed: every rank skips it alike
+            rt.transaction.unstep(pack)
+            if carry is not None:       # (its refill's meet, made by every rank: runtime/partitioned/meet.py)
+                status.meet(STEP_KEY, None, "the refill of carried weights")
+            return
         start = time.perf_counter()
         rt.state.unpark(spec.owned)   # gradients that reached the host before their weights (TieredState.parked)
         if disk is not None:   # read ahead the next disk pack's state; bring in this one's if on disk
@@ -148,7 +156,10 @@ def _step_host(rt, pack, spec) -> None:
                 if not skip:
                     opt.step()
             if carry is not None:    # partitioned: the updated chunks into the device copy carried to the forward
-                carry.refill(rt.state.shares, pack)
+                if status is None or status.meet(STEP_KEY, None, "the refill of carried weights"):
+                    carry.refill(rt.state.shares, pack)
+                else:
+                    carry.stepping.pop(pack, None)
         except BaseException:
             if disk is not None:
                 disk.abort(pack)

@@ -49,10 +49,13 @@ import torch
 
 from harmony.base.errors import HarmonyError
 from harmony.base.units import nbytes
+from harmony.runtime.comm.collectives import exchange
+from harmony.runtime.comm.jobwide import STEP_KEY
 from harmony.runtime.ops import moving_names, register
 from harmony.runtime.ops.move import gather_disk_io, pack_what, swap_in_effect
 from harmony.runtime.partitioned.carry import Carry
 from harmony.runtime.partitioned.layout import ALIGN, PREFIX, PackShares, Piece, Segment, layout  # noqa: F401
+from harmony.runtime.partitioned.meet import GATHERS, Words, rides
 from harmony.runtime.partitioned.reduce import (
     all_reduce_chunk,
     reduce_scatter_quantized,
@@ -152,7 +155,7 @@ class Shares:
                     .view(t.shape)
         return out
 
-    def gather(self, pack: int, segment: int, mine: torch.Tensor, group=None) -> torch.Tensor:
+    def gather(self, pack: int, segment: int, mine: torch.Tensor, group=None, words=None) -> torch.Tensor:
         """One segment whole, from every rank's chunk (``mine``: this rank's, from ``load``; a collective of
         ``group``, by default ``self.group``, the copy thread's).
 
@@ -165,19 +168,18 @@ class Shares:
         seg, me, group = shares.segments[segment], shares.rank, self.group if group is None else group
         out = torch.empty(seg.size, dtype=mine.dtype)
         out[seg.bounds[me]: seg.bounds[me + 1]].copy_(mine)
-        ops = []
+        ops = words.ops(shares.world, me) if words is not None else []    # (``Words``: first, once)
         for r in range(shares.world):
             peer = dist.get_global_rank(group, r)
             if r != me and seg.share(r):
                 ops.append(dist.P2POp(dist.irecv, out[seg.bounds[r]: seg.bounds[r + 1]], peer, group))
             if r != me and seg.share(me):
                 ops.append(dist.P2POp(dist.isend, mine, peer, group))
-        for req in dist.batch_isend_irecv(ops) if ops else ():
-            req.wait()
+        exchange(f"the gather of pack {pack}'s weights (segment {segment})", ops, self.timeout, group)
         self.stats["gather_wire_bytes"] += mine.element_size() * (seg.size - seg.share(me))   # received
         return out
 
-    def gather_into(self, pack: int, segment: int, mine: torch.Tensor, dests: dict, group=None) -> None:
+    def gather_into(self, pack: int, segment: int, mine: torch.Tensor, dests: dict, group=None, words=None) -> None:
         """One segment's weights into ``dests`` ({name: flat tensor of the whole parameter}; the segment's other
         weights are not kept), from every rank's chunk, as ``gather`` brings them.
 
@@ -190,14 +192,14 @@ class Shares:
         seg, me = shares.segments[segment], shares.rank
         if (any(d.dtype != mine.dtype or d.device.type != "cpu" for d in dests.values())
                 or seg.total < DIRECT_BYTES // 4 * len(seg.names)):
-            flat = self.gather(pack, segment, mine, group)
+            flat = self.gather(pack, segment, mine, group, words)
             for n, off, k in seg.items():
                 if n in dests:
                     dests[n].copy_(flat[off: off + k])
             return
         import torch.distributed as dist
         group = self.group if group is None else group
-        ops = []
+        ops = words.ops(shares.world, me) if words is not None else []
         for r in range(shares.world):
             lo = seg.bounds[r]
             for n, off, a, b in seg.overlaps(r):
@@ -210,8 +212,7 @@ class Shares:
                 else:
                     into = dests[n][a - off: b - off] if n in dests else mine.new_empty(b - a)
                     ops.append(dist.P2POp(dist.irecv, into, dist.get_global_rank(group, r), group))
-        for req in dist.batch_isend_irecv(ops) if ops else ():
-            req.wait()
+        exchange(f"the gather of pack {pack}'s weights (segment {segment})", ops, self.timeout, group)
         self.stats["gather_wire_bytes"] += mine.element_size() * received(shares, segment)
 
     def substitute(self, tensors: dict) -> None:
@@ -260,11 +261,12 @@ def _gather_execute(rt, pack, what="params", held=(), carried=False, reads=None)
     (runtime/partitioned/carry.py). ``reads``: such a gather is the last before the pack's step, whose read of
     its file starts here ("state": its optimizer state alone, the chunks coming from the copy; "file": all of it)."""
     st, plan = rt.state, rt.plan
+    status = rt.status if rt.status is not None and rt.status.active else None
     names = moving_names(plan.packs[pack], "params", held)
     carry = st.shares.carry
     if carried and carry is not None:
         own = set(plan.at(pack).shares.names())
-        if carry.take(st, pack, [n for n in names if n in own]):
+        if carry.take(st, pack, [n for n in names if n in own], status):
             st.shares.stats["carried_gathers"] += 1
             if st.shares.tier is not None and not st.shares.in_memory(pack):
                 st.shares.tier.count_gather(pack, rt.graph)
@@ -275,35 +277,45 @@ def _gather_execute(rt, pack, what="params", held=(), carried=False, reads=None)
     parts = gathered(plan, pack, held, home)
     first = st.fetch("params", [n for n in names if n not in home])   # buffers: copied from the host
     st.settle([n for n in names if n in home])       # this rank's host steps have updated the chunks
-    targets, jobs = {}, []
+    targets, wanted, jobs = {}, {}, []
     for n in names:
         if n not in home:
             continue
         st.refs[("params", n)] += 1
-        if st.refs[("params", n)] > 1:
-            continue
         t = st.tensors[n]   # (mixed precision: the device copy in the compute dtype, as a swap_in casts it)
-        dst = torch.empty(t.shape, dtype=st.compute_dtype or t.dtype, device=st.device)
+        dst = wanted[n] = torch.empty(t.shape, dtype=st.compute_dtype or t.dtype, device=st.device)
+        if st.refs[("params", n)] > 1:    # held already: received all the same (every rank's gathers alike)
+            continue
         st.meter.track(dst)
         st.moved["h2d"] += nbytes(dst)
         targets[n] = dst
         jobs.append((lambda d, n=n: st.set_data(n, d), dst, None))
-    if not jobs:
+    if not wanted:
         return first
+    if status is not None:     # counted: a rank whose step fails replays the gathers it has not made (meet.py)
+        status.done[GATHERS] += 1
 
     def copy():
-        for q in dict.fromkeys(q for q, _ in parts):
-            segments = plan.at(q).shares.segments
-            if not any(n in targets for seg in segments for n in seg.names):
-                continue
-            # the pack's own chunks count toward its step's read ahead (runtime/partitioned/disk.py); another's not
-            chunks = st.shares.load(q, rt.graph if q == pack else None)
-            for s, seg in enumerate(segments):
-                if any(n in targets for n in seg.names):
-                    st.shares.gather_into(q, s, chunks[s], {n: targets[n].view(-1) for n in seg.names if n in targets})
+        exchange_parts(rt, pack, parts, wanted)
     fut = st.copier.submit(copy)
     fut.harmony_jobs = list(first.harmony_jobs if first is not None else ()) + jobs
     return fut
+
+
+def exchange_parts(rt, pack: int, parts, wanted: dict, words=None) -> None:
+    """The segments of ``parts`` that hold a weight of ``wanted`` (name -> its whole copy), gathered into it, the
+    first exchange carrying ``words``: what a gather sends and receives, the same on every rank."""
+    st, plan = rt.state, rt.plan
+    for q in dict.fromkeys(q for q, _ in parts):
+        segments = plan.at(q).shares.segments
+        if not any(n in wanted for seg in segments for n in seg.names):
+            continue
+        # the pack's own chunks count toward its step's read ahead (runtime/partitioned/disk.py); another's not
+        chunks = st.shares.load(q, rt.graph if q == pack else None)
+        for s, seg in enumerate(segments):
+            if any(n in wanted for n in seg.names):
+                st.shares.gather_into(q, s, chunks[s], {n: wanted[n].view(-1) for n in seg.names if n in wanted},
+                                      words=words)
 
 
 def homes(plan) -> dict[str, int]:
@@ -386,9 +398,15 @@ def _reduce_scatter_execute(rt, pack, *, world=1, weight=None, comm=None):
                 t.grad = out[piece.start - base: piece.end - base]
 
     communicator = replicated_communicator(rt, reduce_scatter, world, weight, comm) if comm is not None else None
+    status = rt.status
 
     def job():
+        words = None
         try:
+            if status is not None and rides(shares, comm):    # the words ride on the first swap of chunks
+                words = Words(status, STEP_KEY, None)
+            elif status is not None:    # every rank's step got here (runtime/comm/jobwide.py)
+                status.go(STEP_KEY, None, f"the reduce-scatter of pack {pack}'s gradients")
             if communicator is not None:
                 through_allreduce(rt, pack, communicator, grads, keep, clipper)
                 return
@@ -407,11 +425,13 @@ def _reduce_scatter_execute(rt, pack, *, world=1, weight=None, comm=None):
                 if scale != 1.0:             # collectives.allreduce's weighting, on the same values
                     flat.mul_(scale)
                 if seg.pairwise:             # two ranks: each sends the other its chunk, x + y is y + x bitwise
-                    out = swap_chunks(flat, seg, shares.rank).div_(world)
+                    out = swap_chunks(flat, seg, shares.rank, words).div_(world)
                 else:
                     out = all_reduce_chunk(flat, seg, shares.rank, world, clipper, shapes)
                 st.shares.stats["reduce_scatter_wire_bytes"] += seg.sent
                 keep(s, seg, out)
+            if words is not None:
+                words.settle(raises=True)
         finally:
             for n in shares.names():
                 st.set_grad(n, None)

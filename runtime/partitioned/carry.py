@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+CARRY = "carried weights"    # the key of ``take``'s agreements among a step's collectives (runtime/comm/jobwide.py)
 
 class Carry:
     """The device copies of the carried packs' weights between a pack's backward and the next forward."""
@@ -55,20 +56,34 @@ class Carry:
                                group=dist.group.WORLD)
         self.ready[pack] = copies
 
-    def take(self, st, pack: int, names) -> bool:
+    def take(self, st, pack: int, names, status=None) -> bool:
         """``gather(pack, 'params', carried=True)``: hold the carried copies of ``names`` if every rank has its
-        own (True); else drop this rank's and return False, for a gather."""
-        import torch.distributed as dist
+        own (True); else drop this rank's and return False, for a gather. ``status``: the step's (several ranks,
+        runtime/comm/jobwide.py), which counts this agreement among its collectives."""
         copies = self.ready.pop(pack, None)
         have = copies is not None and all(n in copies for n in names)
-        flag = torch.tensor([int(have)], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
-        if not flag.item():
+        if not self.agree(have, status):
             return False
         for n in names:
             st.refs[("params", n)] += 1
             st.set_data(n, copies[n])
         return True
+
+    def agree(self, have: bool, status=None) -> bool:
+        """Whether every rank has its copy (one all-reduce of ``self.group``)."""
+        import torch.distributed as dist
+
+        from harmony.runtime.comm.collectives import comm_error
+        flag = torch.tensor([int(have)], dtype=torch.int32)
+        try:
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
+        except (RuntimeError, dist.DistError) as e:
+            raise comm_error("the ranks' agreement on carried weights (shard_state='full')", e, None,
+                             self.group) from e
+        if status is not None and status.active:     # counted, with what it said (a replay's gathers follow it)
+            status.done[CARRY] += 1
+            status.took[status.done[CARRY]] = bool(flag.item())
+        return bool(flag.item())
 
     def carry_on(self) -> None:
         """After an evaluation: the copies its gathers took and its releases handed over are still the stepped

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from harmony.base.errors import HarmonyError
-from harmony.runtime.comm.collectives import allreduce, reduce_scatter
+from harmony.runtime.comm.collectives import allreduce, exchange, guarded, reduce_scatter
 from harmony.runtime.comm.communicator import communicator
 from harmony.runtime.comm.compression import DEFAULT_MIN_SIZE, NO_COMPRESSION, CompressionSpec
 
@@ -73,7 +73,7 @@ def through_allreduce(rt, pack: int, communicator, grads, keep, clipper) -> None
     under clipping each gradient's norm (``GradClip.known``)."""
     st, shares = rt.state, rt.plan.at(pack).shares
     before = communicator.totals.get("wire_bytes", 0)     # the host thread's: nothing else adds to it meanwhile
-    communicator.reduce(rt, pack)
+    communicator.reduce(rt, pack, meet=False)     # (the reduce-scatter met already)
     st.shares.stats["reduce_scatter_wire_bytes"] += communicator.totals.get("wire_bytes", 0) - before
     for s, seg in enumerate(shares.segments):
         keep(s, seg, chunk_of_whole(seg, shares.rank, grads(seg), clipper))
@@ -98,7 +98,7 @@ def all_reduce_chunk(flat: torch.Tensor, seg, rank: int, world: int, clipper, sh
     its buffer, so the same sums. Under clipping every rank has the whole average here, and takes each gradient's
     own norm from it (``clipper.known``)."""
     import torch.distributed as dist
-    dist.all_reduce(flat)
+    guarded("the reduce-scatter of gradients (shard_state='full')", dist.all_reduce, flat)
     base, end = seg.bounds[rank], seg.bounds[rank + 1]
     if clipper is None:
         return flat[base: end].div_(world).clone()       # averaged as the all-reduce averages
@@ -108,15 +108,16 @@ def all_reduce_chunk(flat: torch.Tensor, seg, rank: int, world: int, clipper, sh
     return flat[base: end].clone()
 
 
-def swap_chunks(flat: torch.Tensor, seg, rank: int) -> torch.Tensor:
+def swap_chunks(flat: torch.Tensor, seg, rank: int, words=None) -> torch.Tensor:
     """Two ranks' reduce-scatter of an fp32 buffer: this rank's chunk of the sum, the peer's part sent to it and its
-    part of this one received (``Segment.pairwise``)."""
+    part of this one received (``Segment.pairwise``); ``words``: the ranks' words on the step go with it
+    (runtime/partitioned/meet.py)."""
     import torch.distributed as dist
     peer = 1 - rank
     mine = flat[seg.bounds[rank]: seg.bounds[rank + 1]].clone()
     got = torch.empty_like(mine)
-    reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, flat[seg.bounds[peer]: seg.bounds[peer + 1]], peer),
-                                   dist.P2POp(dist.irecv, got, peer)])
-    for r in reqs:
-        r.wait()
+    exchange("the reduce-scatter of gradients (shard_state='full')",
+             (words.ops(2, rank) if words is not None else [])
+             + [dist.P2POp(dist.isend, flat[seg.bounds[peer]: seg.bounds[peer + 1]], peer),
+                dist.P2POp(dist.irecv, got, peer)], peer=peer)
     return mine.add_(got)

@@ -55,7 +55,9 @@ class MemoryMeter:
         self.peak = 0
         self._sizes: dict[int, int] = {}
         self._refs: dict[int, weakref.ref] = {}    # the weak reference to each counted storage, whose death uncounts it
-        self._lock = threading.Lock()
+        # reentrant: a storage that dies while the lock is held (the cyclic GC may run at any allocation inside it,
+        # freeing a failed step's frames) uncounts itself through ``_release`` on the same thread
+        self._lock = threading.RLock()
         self.on_pressure = None  # callable(bytes_needed) -> bytes_freed, for on-demand eviction
         self.settle = None       # callable(limit): lets go of device tensors only copies in flight still hold,
                                  # oldest first, until the live bytes are within ``limit`` or none are left

@@ -1,0 +1,84 @@
+"""How ``shard_state="full"``'s collectives take part in the job-wide step (runtime/comm/jobwide.py).
+
+What a gather exchanges is the same on every rank whatever this rank holds (runtime/partitioned/
+``exchange_parts``), so a rank whose step failed replays its remaining gathers whole (its chunks sent, the peers'
+received into scratch): a peer waiting in one is served, goes on, and learns of the failure at the next
+reduce-scatter, before the update behind it. A gather carries no word of its own (its own message to every peer
+cost the step several per cent). A reduce-scatter's words ride on its first swap of chunks (two ranks, fp32
+buffers: ``rides``), else it meets on the default group first; a rank that failed replays its swaps on zeros."""
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+from harmony.base.tiers import Tier
+from harmony.runtime.comm.jobwide import STEP_KEY, Words, ghost
+from harmony.runtime.partitioned.carry import CARRY
+
+GATHERS = "gathers"       # the key of the gathers' words (their own group, the copy thread's)
+__all__ = ["GATHERS", "Words", "rides"]
+
+
+@ghost("gather")
+def _gather_ghost(rt, node) -> None:
+    """In a replay: the agreement on carried copies (none here, or what this rank said before it failed), then the
+    gather's exchanges whole, into scratch, carrying this rank's word."""
+    from harmony.runtime.ops import moving_names
+    from harmony.runtime.partitioned import exchange_parts, gather, gathered, homes
+    args = inspect.signature(gather).bind(*node.args, **node.kwargs).arguments
+    pack, held = args["pack"], args.get("held", ())
+    st, plan, status = rt.state, rt.plan, rt.status
+    names = moving_names(plan.packs[pack], "params", held)
+    carry = st.shares.carry
+    if args.get("carried") and carry is not None:
+        took = status.took.get(status.replayed[CARRY]) if status.skip(CARRY) else carry.agree(False, status)
+        if took:
+            own = set(plan.at(pack).shares.names())
+            names = [n for n in names if n not in own]
+    home = homes(plan)
+    wanted = {n: torch.empty(st.tensors[n].shape, dtype=st.compute_dtype or st.tensors[n].dtype, device=st.device)
+              for n in names if n in home}
+    if not wanted or status.skip(GATHERS):
+        return
+    status.done[GATHERS] += 1
+    exchange_parts(rt, pack, gathered(plan, pack, held, home), wanted)
+
+
+@ghost("step")
+def _step_ghost(rt, node) -> None:
+    """In a replay: the meet before a carried pack's refill."""
+    if refills(rt, node.args[0], node.kwargs.get("where")):
+        rt.status.meet(STEP_KEY, None, "the refill of carried weights")
+
+
+def refills(rt, pack: int, where) -> bool:
+    """Whether ``pack``'s host step refills carried copies (a collective of the default group)."""
+    shares = getattr(rt.state, "shares", None)
+    return (shares is not None and shares.carry is not None and pack in shares.carry_packs
+            and where == Tier.HOST and rt.status is not None)
+
+
+def rides(shares, comm) -> bool:
+    """Whether a reduce-scatter's words ride on its first swap of chunks (two ranks, fp32 buffers, no codec), else
+    it meets first; the same on every rank (the plan's)."""
+    return comm is None and bool(shares.segments) and all(seg.pairwise and seg.codec is None
+                                                          for seg in shares.segments)
+
+
+@ghost("reduce_scatter")
+def _reduce_scatter_ghost(rt, node) -> None:
+    """In a replay: the reduce-scatter's meet, or its swaps of chunks (zeros sent) with this rank's word."""
+    from harmony.runtime.partitioned import reduce_scatter
+    from harmony.runtime.partitioned.reduce import swap_chunks
+    args = inspect.signature(reduce_scatter).bind(*node.args, **node.kwargs).arguments
+    shares, status = rt.plan.at(args["pack"]).shares, rt.status
+    if not rides(shares, args.get("comm")):
+        status.meet(STEP_KEY, None, "a reduce-scatter of gradients")
+        return
+    if status.skip(STEP_KEY):
+        return
+    words = Words(status, STEP_KEY, None)
+    for seg in shares.segments:
+        swap_chunks(torch.zeros(seg.size), seg, shares.rank, words)
+    words.settle(raises=False)
