@@ -17,7 +17,7 @@ from harmony.runtime.precision import GradClip, LossScaler, StepGate, compute_dt
 from harmony.runtime.rng import MicrobatchStreams
 from harmony.runtime.tiers.memory import AllocatorMeter, CountAllocations, MemoryMeter
 from harmony.runtime.tiers.state import TieredState
-from harmony.runtime.transaction import Transaction
+from harmony.runtime.transaction import COMMITTED, Transaction
 
 
 @dataclass
@@ -221,8 +221,8 @@ class Runtime:
                 self.status.check()
         except BaseException as e:
             instead = txn.roll_back(e)
-            if self.streams is not None:     # as if the step had not run: its draws undone too
-                self.streams.restore()
+            if self.streams is not None:     # as if the step had not run, its draws too; one that counts draws on
+                self.streams.finish() if txn.outcome == COMMITTED else self.streams.restore()
             self.streams = None
             if instead is not None:        # another rank's failure, named now that the ranks have told each other
                 raise instead from None
