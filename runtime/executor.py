@@ -14,7 +14,7 @@ from harmony.runtime.ops import op_of, ops_of, resident_state
 from harmony.runtime.pipeline import norm_exchange
 from harmony.runtime.plan import Plan, mean_loss
 from harmony.runtime.precision import GradClip, LossScaler, StepGate, compute_dtype
-from harmony.runtime.rng import MicrobatchStreams
+from harmony.runtime.rng import MicrobatchStreams, rng_state, set_rng_state
 from harmony.runtime.tiers.memory import AllocatorMeter, CountAllocations, MemoryMeter
 from harmony.runtime.tiers.state import TieredState
 from harmony.runtime.transaction import COMMITTED, Transaction
@@ -286,7 +286,7 @@ class Runtime:
         carried = pd.carried() if pd is not None else None
         shares = state.shares
         counted = dict(shares.stats) if shares is not None else None   # the next step's figures: not the evaluation's
-        rng = torch.get_rng_state(), torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
+        rng = rng_state(self.device)
         moved = dict(state.moved)
         state.moved.clear()
         self.meter.reset_peak()
@@ -307,9 +307,7 @@ class Runtime:
                 shares.stats.update(counted)
                 if shares.carry is not None:      # partitioned: the copies the evaluation took, for the next step
                     shares.carry.carry_on()
-            torch.set_rng_state(rng[0])
-            if rng[1] is not None:
-                torch.cuda.set_rng_state(rng[1], self.device)
+            set_rng_state(self.device, rng)
             self.eval_moved = dict(state.moved)
             state.moved.clear()
             state.moved.update(moved)

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from harmony.base.errors import CheckpointError, ConfigError
+from harmony.driver.checkpoint.module import entries
 
 INDEX = "model.safetensors.index.json"
 
@@ -44,7 +45,7 @@ def save_pretrained(sm, path) -> Path:
         state = {n: t.detach().cpu().contiguous() for n, t in state.items()} if rank == 0 else {}
     else:
         state = _mine(sm, staged) if staged or rank == 0 else {}
-    persistent = _persistent(sm.model)
+    persistent = {n for n, _ in entries(sm.model)}      # (reads no value: a pipeline's model holds placeholders)
     state = _untied({n: t for n, t in state.items() if n in persistent})
     files = world if staged else 1
     name = f"model-{rank + 1:05d}-of-{files:05d}.safetensors"
@@ -87,16 +88,6 @@ def _mine(sm, staged: bool) -> dict[str, torch.Tensor]:
     if staged:
         return {n: t.detach().cpu().contiguous() for n, t in sm.training_state_dict()["model"].items()}
     return {n: t.detach().cpu().contiguous() for n, t in sm.state_dict().items()}
-
-
-def _persistent(model: torch.nn.Module) -> set[str]:
-    """The names ``model.state_dict()`` would have, without reading any value (a pipeline rank's model holds
-    placeholders, which refuse to be read)."""
-    out = {n for n, _ in model.named_parameters(remove_duplicate=False)}
-    for path, m in model.named_modules(remove_duplicate=False):
-        skip = getattr(m, "_non_persistent_buffers_set", set())
-        out |= {f"{path}.{n}" if path else n for n, b in m.named_buffers(recurse=False) if n not in skip}
-    return out
 
 
 def _untied(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
