@@ -84,8 +84,10 @@ class Handshake:
                              f"pass the same shapes at a step (drop_last=True, a DistributedSampler, the same "
                              f"padding).")
 
-    def outcome(self, call: str, error: Exception | None) -> None:
-        """Every rank's part of ``call`` is ready; else each rank raises (its own error, or its peers')."""
+    def outcome(self, call: str, error: Exception | None, refusal: type = CheckpointError, failed: str = "failed",
+                then: str = "Nothing was changed on any rank.") -> None:
+        """Every rank's part of ``call`` is ready; else each rank raises: its own error, or ``refusal`` naming each
+        rank that ``failed`` and its error, then what follows (``then``)."""
         import torch.distributed as dist
         got: list = [None] * self.world
         try:
@@ -94,14 +96,14 @@ class Handshake:
         except (RuntimeError, dist.DistError) as e:
             raise CommunicationError(f"{call} on rank {self.rank} of {self.world}: the ranks could not tell each "
                                      f"other whether their parts are ready within {self.timeout:g} s ({e}); "
-                                     f"nothing was changed. Call it again on every rank.") from e
+                                     f"nothing was changed. A peer probably died: call it again on every rank, or "
+                                     f"restart all ranks and load the last checkpoint.") from e
         if error is not None:
             raise error
-        failed = [(r, msg) for r, msg in enumerate(got) if msg is not None]
-        if failed:
-            raise CheckpointError(f"{call} on rank {self.rank} of {self.world}: "
-                                  + "; ".join(f"rank {r} failed ({msg})" for r, msg in failed)
-                                  + ". Nothing was changed on any rank.")
+        ranks = [(r, msg) for r, msg in enumerate(got) if msg is not None]
+        if ranks:
+            raise refusal(f"{call} on rank {self.rank} of {self.world}: "
+                          + "; ".join(f"rank {r} {failed} ({msg})" for r, msg in ranks) + f". {then}")
 
 
 def refuse_torn(call: str, rank: int, world: int, ranks: list[int], torn: dict | None) -> None:
@@ -121,21 +123,9 @@ def planned(sm, error: Exception | None) -> None:
     """After a new shape's planning on every rank (``sm(...)``): a rank that could not plan it makes every rank
     raise InputError (that rank its own), before any collective of the step."""
     handshake = getattr(sm, "handshake", None)
-    if handshake is None:
-        return
-    import torch.distributed as dist
-    got: list = [None] * handshake.world
-    try:
-        dist.all_gather_object(got, None if error is None else str(error).splitlines()[0], group=handshake.group)
-    except (RuntimeError, dist.DistError) as e:
-        raise CommunicationError(f"sm(...) on rank {handshake.rank} of {handshake.world}: the ranks could not tell "
-                                 f"each other whether they planned the batch's shape within {handshake.timeout:g} s "
-                                 f"({e}). A peer probably died; restart all ranks and load the last checkpoint.") from e
-    failed = [(r, msg) for r, msg in enumerate(got) if msg is not None]
-    if failed and error is None:
-        raise InputError(f"sm(...) on rank {handshake.rank} of {handshake.world}: "
-                         + "; ".join(f"rank {r} could not plan its batch's shape ({msg})" for r, msg in failed)
-                         + ". Nothing was run on any rank; every rank must pass batches each can train.")
+    if handshake is not None:
+        handshake.outcome("sm(...)", error, InputError, "could not plan its batch's shape",
+                          "Nothing was run on any rank; every rank must pass batches each can train.")
 
 
 def _who(calls: list[str]) -> str:
