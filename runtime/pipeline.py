@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from harmony.base.units import nbytes
-from harmony.runtime.comm.collectives import comm_error, wait_work
+from harmony.runtime.comm.failures import guarded, wait_work
 from harmony.runtime.comm.jobwide import ABORT, STEP_KEY, Aborted, Words, ghost
 from harmony.runtime.ops import Acts, Predicted, arrived, register
 from harmony.runtime.plan import NOMINAL_NETWORK_BANDWIDTH, NOMINAL_NETWORK_LATENCY
@@ -59,15 +59,6 @@ def share_loss(src: int): ...
 def share_norms(): ...
 
 
-def _post(fn, what: str, timeout: float, *args, **kwargs):
-    """Start a point-to-point op (or a blocking collective); a failure to start it is a ``CommunicationError``."""
-    import torch.distributed as dist
-    try:
-        return fn(*args, **kwargs)
-    except (RuntimeError, dist.DistError) as e:
-        raise comm_error(what, e, timeout) from e
-
-
 def _receive(rt, src, tag, names, what) -> dict | None:
     """One message from ``src``: its mask (the sender's word on the step first, runtime/comm/jobwide.py), then the
     values it says are there, on the host. None where the sender's step failed (its mask says ``ABORT``)."""
@@ -76,7 +67,8 @@ def _receive(rt, src, tag, names, what) -> dict | None:
     mask = torch.zeros(len(names) + 1, dtype=torch.uint8)
     if status is not None and status.active:
         status.done[("recv", src)] += 1
-    wait_work(_post(dist.irecv, what, st.timeout, mask, src, tag=tag * SLOTS), what, st.timeout, peer=src)
+    work = guarded(what, dist.irecv, mask, src, tag=tag * SLOTS, timeout=st.timeout, peer=src)
+    wait_work(work, what, st.timeout, peer=src)
     if int(mask[0]) == ABORT:
         if status is not None:
             status.heard(("recv", src), [], True)
@@ -90,7 +82,8 @@ def _receive(rt, src, tag, names, what) -> dict | None:
         if not mask[1 + i]:
             continue
         host = torch.empty(shape, dtype=getattr(torch, dtype))
-        works.append(_post(dist.irecv, what, st.timeout, host, src, tag=tag * SLOTS + 1 + i))
+        works.append(guarded(what, dist.irecv, host, src, tag=tag * SLOTS + 1 + i, timeout=st.timeout,
+                             peer=src))
         out[n] = host
     for w in works:
         wait_work(w, what, st.timeout, peer=src)
@@ -120,7 +113,7 @@ def _send_mask(rt, dst, tag, present: list[bool], what: str) -> bool:
         status.done[("send", dst)] += 1
     mask = torch.tensor([ABORT if aborted else 0] + [p and not aborted for p in present], dtype=torch.uint8)
     rt.__dict__.setdefault("sends", []).append(
-        (_post(dist.isend, what, st.timeout, mask, dst, tag=tag * SLOTS), mask, what, dst))
+        (guarded(what, dist.isend, mask, dst, tag=tag * SLOTS, timeout=st.timeout, peer=dst), mask, what, dst))
     return not aborted
 
 
@@ -137,8 +130,8 @@ def _send_execute(rt, value, pack, mb, *, dst, tag, names, grads=False):
         if present[i]:       # a host copy: the device's may be dropped as soon as the schedule is done with it
             rt.state.landed(vals[n])     # (a stashed value: its copy from the device may be in flight)
             host = vals[n].detach().to("cpu", copy=True)
-            pending.append((_post(dist.isend, what, st.timeout, host, dst, tag=tag * SLOTS + 1 + i), host, what,
-                            dst))
+            work = guarded(what, dist.isend, host, dst, tag=tag * SLOTS + 1 + i, timeout=st.timeout, peer=dst)
+            pending.append((work, host, what, dst))
 
 
 def join_sends(rt) -> None:
@@ -169,7 +162,7 @@ def _loss_exchange(rt, loss: torch.Tensor, words, src: int) -> torch.Tensor:
     st = rt.plan.stage
     buf = torch.cat([loss, words.vector(st.world, st.rank) if words is not None else torch.zeros(st.world)])
     what = f"the broadcast of the loss from rank {src}"
-    wait_work(_post(dist.all_reduce, what, st.timeout, buf, async_op=True), what, st.timeout)
+    wait_work(guarded(what, dist.all_reduce, buf, async_op=True, timeout=st.timeout), what, st.timeout)
     if words is not None:
         words.read(buf[1:])
         words.settle(raises=False)
@@ -186,7 +179,8 @@ def norm_exchange(stage: Stages, status=lambda: None):
         if step is not None:     # every rank's step got here (runtime/comm/jobwide.py)
             step.go(STEP_KEY, None, what)
         got: list = [None] * stage.world
-        _post(dist.all_gather_object, what, stage.timeout, got, {n: t.detach().cpu() for n, t in local.items()})
+        guarded(what, dist.all_gather_object, got, {n: t.detach().cpu() for n, t in local.items()},
+                timeout=stage.timeout)
         return {n: t for part in got for n, t in part.items()}
     return exchange
 
