@@ -90,11 +90,14 @@ def save_pretrained(sm, path, *, max_shard_size=None) -> Path:
     counts = _everyones(world, group, (len(shards), error))
     _raise_any(target, [e for _, e in counts])
     total, first = sum(c for c, _ in counts), sum(c for c, _ in counts[:rank])
+    error = None
     if rank == 0:
-        target.mkdir(parents=True, exist_ok=True)
-        _remove_stale(target)
-    if world > 1:
-        dist.barrier(group=group)     # no rank writes before rank 0 cleared the directory
+        try:
+            target.mkdir(parents=True, exist_ok=True)
+            _remove_stale(target)
+        except OSError as e:
+            error = f"rank 0: {e}"
+    _raise_any(target, _everyones(world, group, error))     # no rank writes before rank 0 cleared the directory
     held = Held()
     written, error = _write(target, reads, out_name, shards, first, total, held)
     every = _everyones(world, group, (written, error))
