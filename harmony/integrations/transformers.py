@@ -168,17 +168,40 @@ class HarmonyTrainer(Trainer):
     def _get_grad_norm(self, model, grad_norm=None):
         return grad_norm     # None without max_grad_norm: Harmony measures the norm where it clips
 
-    def prediction_step(self, model, inputs, prediction_loss_only: bool, ignore_keys=None):
-        if not prediction_loss_only:
-            raise ConfigError("HarmonyTrainer evaluates the loss only (sm.evaluate): compute_metrics and predict() "
-                              "need the model's outputs; after train(), trainer.model holds the trained weights")
-        return self.harmony_module().evaluate(inputs).detach().to(self.args.device), None, None
+    def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
+                        metric_key_prefix: str = "eval"):
+        """Trainer's loop. The model's outputs are wanted (``predict()``, ``compute_metrics``): the trained weights
+        are read into ``trainer.model`` first (``sm.sync_model()``, on every rank), which runs them eagerly."""
+        loss_only = self.args.prediction_loss_only if prediction_loss_only is None else prediction_loss_only
+        if not loss_only:
+            self._trained_model()
+        return super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix)
 
-    def predict(self, *args, **kwargs):
-        """Refused (``ConfigError``): Harmony's evaluation returns the loss, not the model's outputs."""
-        raise ConfigError("HarmonyTrainer.predict: Harmony evaluates the loss only (sm.evaluate), not the model's "
-                          "outputs; after train(), trainer.model holds the trained weights: run it, or "
-                          "trainer.evaluate() for the loss")
+    def prediction_step(self, model, inputs, prediction_loss_only: bool, ignore_keys=None):
+        """The loss alone (``evaluate()`` without ``compute_metrics``): ``sm.evaluate``, within the memory budget.
+        With the outputs: Trainer's own step on ``trainer.model`` in eval mode, holding the trained weights."""
+        sm = self.harmony_module()
+        if prediction_loss_only:
+            return sm.evaluate(inputs).detach().to(self.args.device), None, None
+        eager = sm.model
+        training = eager.training
+        eager.eval()
+        try:
+            return super().prediction_step(eager, inputs, prediction_loss_only, ignore_keys)
+        finally:
+            eager.train(training)
+
+    def _trained_model(self):
+        """``trainer.model`` with the trained weights (until the next step), on the device Trainer's inputs go to."""
+        sm = self.harmony_module()
+        sm.sync_model()         # weights on disk, or in the ranks' shares, into the model
+        where = {p.device for p in sm.model.parameters()} | {b.device for b in sm.model.buffers()}
+        if where != {self.args.device}:
+            raise ConfigError(f"HarmonyTrainer.predict() and compute_metrics run trainer.model with the trained "
+                              f"weights, which Harmony keeps on {sorted(str(d) for d in where)}, while Trainer's "
+                              f"inputs go to {self.args.device}: evaluate the loss alone (no compute_metrics, "
+                              f"trainer.evaluate()), or run the model yourself after trainer.train()")
+        return sm.model
 
     def log(self, logs: dict, *args, **kwargs) -> None:
         """Trainer's logs, and with each training loss Harmony's figures since the last one: the peak bytes it
@@ -273,8 +296,7 @@ def _refuse(args, kwargs: dict, rest: tuple) -> None:
         raise ConfigError("HarmonyTrainer takes Trainer's arguments after model and args by keyword")
     for name, why in (("model_init", "the model is compiled once"),
                       ("compute_loss_func", "Harmony trains on the loss the model returns (or harmony_config "
-                       "loss_fn=)"),
-                      ("compute_metrics", "Harmony evaluates the loss only (sm.evaluate)")):
+                       "loss_fn=)")):
         if kwargs.get(name) is not None:
             raise ConfigError(f"HarmonyTrainer({name}=...): {why}")
     if (kwargs.get("optimizers") or (None, None))[1] is not None:
