@@ -46,7 +46,7 @@ def test_weights_on_disk_are_exported_a_file_at_a_time_and_load_bitwise(on_disk,
     buffers = pdisk.store.buffers
     buffers.reset_peak()
     before = buffers.in_use
-    out = save_pretrained(sm, tmp_path / "hf")
+    out = save_pretrained(sm, tmp_path / "hf", max_shard_size=None)      # a file a pack
     grew = buffers.peak - before        # the disk tier's own count of the buffers read into
     assert 0 < grew <= largest < weights / 4, (grew, largest, weights)
     assert sm.export_stats["peak_bytes"] <= largest
@@ -75,7 +75,7 @@ def test_max_shard_size_fills_shards_up_to_it(on_disk, tmp_path):
         held = [n for n, g in index.items() if g == f]
         assert len(held) == 1 or sum(trained[n].nbytes for n in held) <= 8000, (f, held)
     _same_model(out, trained)
-    again = save_pretrained(sm, out, max_shard_size="1GB")      # one file: model.safetensors, the old ones gone
+    again = save_pretrained(sm, out)      # save_pretrained's default: one file, model.safetensors; the old ones gone
     assert sorted(p.name for p in again.iterdir() if "safetensors" in p.name) == ["model.safetensors"]
     _same_model(again, trained)
 
@@ -93,7 +93,7 @@ def test_an_unwritable_directory_is_a_checkpoint_error(on_disk, tmp_path):
     (tmp_path / "hf").mkdir()
     (tmp_path / "hf" / "model.safetensors").mkdir()       # a directory where a shard file goes
     with pytest.raises(CheckpointError, match="save_pretrained to"):
-        save_pretrained(on_disk, tmp_path / "hf", max_shard_size="1GB")
+        save_pretrained(on_disk, tmp_path / "hf")
 
 
 def test_shard_files_are_safetensors_files(tmp_path):

@@ -18,7 +18,8 @@ only one read's weights are held at a time:
   reads), numbered after the ranks before it's;
 - one process, and replicated data parallel: rank 0 writes.
 
-A shard is a pack's weights by default; ``max_shard_size`` (bytes, or "500MB") fills shards up to it instead.
+Shards are filled up to ``max_shard_size`` (bytes, or "500MB"; ``save_pretrained``'s default, "50GB"), or with
+``max_shard_size=None`` hold a pack each; either way what is held at once is one read, never a shard.
 ``sm.export_stats`` says what the last export wrote and the most bytes it held at once beyond the runtime's own.
 
 A weight two names share (a tied embedding and head) is written once, under its first name, as ``save_pretrained``
@@ -37,6 +38,7 @@ import torch
 
 from harmony.base.errors import CheckpointError
 from harmony.driver.checkpoint.module import entries
+from harmony.driver.guard import guarded
 from harmony.integrations.shards import Entry, ShardWriter, file_name, plan, shard_bytes
 from harmony.runtime.placeholders import is_placeholder
 from harmony.runtime.tiers.live import LiveState
@@ -69,10 +71,11 @@ class Held:
         self.peak = max(self.peak, self.now + n)
 
 
-def save_pretrained(sm, path, *, max_shard_size=None) -> Path:
+@guarded("save_pretrained", reads=True)
+def save_pretrained(sm, path, *, max_shard_size="50GB") -> Path:
     """Write ``sm``'s trained model to the directory ``path`` in Hugging Face's layout; returns the path. Every rank
     calls it. ``max_shard_size``: the most bytes a shard file holds (a weight larger than it alone in its file);
-    by default a file a pack."""
+    None: a file a pack."""
     import torch.distributed as dist
     limit = shard_bytes(max_shard_size)
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1

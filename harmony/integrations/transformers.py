@@ -16,12 +16,14 @@ import copy
 import os
 
 import torch
-from transformers import Trainer, TrainingArguments
+from transformers import PreTrainedModel, Trainer, TrainingArguments
+from transformers.trainer import TRAINING_ARGS_NAME
 
 from harmony.api import compile as harmony_compile
 from harmony.base.errors import CheckpointError, ConfigError, InputError
 from harmony.compiler.config import Config
 from harmony.driver.checkpoint import load, save
+from harmony.integrations.pretrained import save_pretrained
 
 STATE_DIR = "harmony"       # Harmony's training state, inside each of Trainer's checkpoint-N folders
 
@@ -63,6 +65,10 @@ class HarmonyTrainer(Trainer):
     ``gradient_accumulation_steps`` as Harmony's microbatches (where ``harmony_config`` gives none): Trainer's loop
     then sees one batch of ``per_device_train_batch_size x gradient_accumulation_steps`` rows per step
     (``trainer.args`` says so) and Harmony cuts it. ``trainer.sm`` is the compiled module once built.
+
+    ``evaluate()`` runs ``sm.evaluate`` (the loss, within the budget); ``compute_metrics`` and ``predict()``, which
+    need the model's outputs, run ``trainer.model`` on the trained weights (``sm.sync_model()``), eagerly.
+    ``save_model`` and checkpoints write a Hugging Face model pack by pack (``integrations/pretrained.py``).
     """
 
     def __init__(self, model=None, args: TrainingArguments | None = None, *rest, harmony_config=None,
@@ -227,13 +233,32 @@ class HarmonyTrainer(Trainer):
 
     # -- checkpoints ---------------------------------------------------------------------------------------------
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """The trained weights in ``save_pretrained``'s layout, read where Harmony keeps them."""
+        """The trained weights in ``save_pretrained``'s layout. A Hugging Face model's are written pack by pack from
+        where Harmony keeps them (``harmony.integrations.pretrained.save_pretrained``: no process holds the whole
+        model), with Trainer's processing class and arguments beside them; another model (a PEFT one: its adapters)
+        is saved by Trainer from ``sm.state_dict()``."""
         if self.sm is None:
             return super().save_model(output_dir, _internal_call)
-        state = self.sm.state_dict()      # every rank: under shard_state="full" it gathers the ranks' shares
-        self._save(output_dir if output_dir is not None else self.args.output_dir, state_dict=state)
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        if isinstance(self.model, PreTrainedModel):
+            save_pretrained(self.sm, output_dir)       # every rank: under shard_state="full" each gathers with rank 0
+            if self.args.should_save:
+                self._save_beside_model(output_dir)
+        else:
+            state = self.sm.state_dict()     # every rank: under shard_state="full" it gathers the ranks' shares
+            self._save(output_dir, state_dict=state)
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def _save_beside_model(self, output_dir: str) -> None:
+        """What Trainer's ``_save`` writes beside the model: the processing class (or the collator's tokenizer)
+        and the training arguments."""
+        tokenizer = self.processing_class
+        if tokenizer is None:
+            tokenizer = getattr(self.data_collator, "tokenizer", None)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(output_dir)
+        torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         save(self.sm, os.path.join(output_dir, STATE_DIR))   # weights, optimizer, schedulers, step, RNG: every rank
