@@ -4,6 +4,7 @@ safetensors as ``safetensors`` reads them. ZeRO-3 and the pipeline: tests/test_p
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ from models import hf_small_llama_case, training_state_bytes
 from test_pipeline_to_one import _same_model
 
 import harmony
+import harmony.data
 from harmony.errors import CheckpointError, ConfigError
 from harmony.integrations.pretrained import INDEX, save_pretrained
 from harmony.integrations.shards import Entry, Shard, ShardWriter
@@ -122,3 +124,39 @@ def test_a_tensor_out_of_order_or_missing_is_a_checkpoint_error(tmp_path):
     writer.add("a", torch.zeros(2))
     with pytest.raises(CheckpointError, match="never read"):
         writer.close()
+
+
+def _tied_shares_on_disk(rank, world, root):
+    from test_zero3 import _compile
+    model, data, sm = _compile(4 * world, tie=True, shard_state="full", weights_on="disk", optimizer_on="host",
+                               offload_dir=root, loss_weighting="rows")
+    sm(*harmony.data.shard(data[0]))
+    on_disk = sm.runtime.state.disk is not None and not any(sm.runtime.state.shares.in_memory(p)
+                                                             for p in sm.runtime.state.disk.pack_of.values())
+    save_pretrained(sm, Path(root) / "out", max_shard_size=None)     # a file a pack
+    stats = dict(sm.export_stats)
+    state = {n: t.numpy().copy() for n, t in sm.state_dict().items()}
+    sm.close()
+    return dict(stats=stats, state=state, on_disk=on_disk)
+
+
+@pytest.mark.slow
+def test_zero3_with_its_shares_on_disk_and_a_tied_head_exports_each_weight_once(tmp_path):
+    """shard_state="full" with each rank's chunks in files (runtime/partitioned/disk.py): the export reads them
+    pack by pack; the embedding and the head are one weight, written once under the model's first name for it."""
+    from safetensors.torch import load_file
+    from test_collectives import _spawn
+    ranks = _spawn(2, _tied_shares_on_disk, str(tmp_path), timeout=600, pg_timeout=60)
+    assert all(isinstance(v, dict) for v in ranks.values()), ranks
+    assert ranks[0]["on_disk"] and ranks[1]["on_disk"]
+    state = ranks[0]["state"]
+    index = json.loads((tmp_path / "out" / INDEX).read_text())["weight_map"]
+    tied = [n for n in state if n not in index]
+    assert tied == ["head.weight"] and "tok.weight" in index
+    back = {}
+    for f in set(index.values()):
+        back.update(load_file(tmp_path / "out" / f))
+    assert back.keys() == index.keys()
+    for n, t in back.items():
+        assert t.numpy().tobytes() == state[n].tobytes(), n
+    assert ranks[0]["stats"]["files"] == len(set(index.values())) > 2 and ranks[1]["stats"]["files"] == 0
