@@ -2,7 +2,10 @@
 its checkpoint loads into one process, every weight and buffer bit for bit,
 buffers no pack reads (the rotary embedding's ``original_inv_freq``) included: the first rank's checkpoint holds
 them (runtime/tiers/live.py ``unread``). Before, resharding failed: "'model.rotary_emb.original_inv_freq' elements
-0:4 are in none of its files"."""
+0:4 are in none of its files". Each rank exports its packs' weights into shards of its own (save_pretrained).
+
+The same for ZeRO-3 (``shard_state="full"``, 2 ranks): its checkpoint loads into one process bit for bit, rotary
+buffers included, and save_pretrained gathers one segment of one pack at a time, rank 0 writing it."""
 from __future__ import annotations
 
 import json

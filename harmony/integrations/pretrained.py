@@ -229,8 +229,14 @@ def _reads(sm, rank: int) -> tuple[list[Read], dict[str, str], dict[str, torch.T
     for n, t in model:
         first.setdefault(id(t), n)
     named = {n for n, _ in model}
-    out_name = {n: first.get(id(t), n) for n, t in graph.items() if id(t) in first or n in named}
-    own = {n: t for n, t in _model_own(sm).items() if n not in set(out_name.values())}
+    out_name: dict[str, str] = {}
+    used: set[str] = set()
+    for n, t in graph.items():
+        out = first.get(id(t), n if n in named else None)
+        if out is not None and out not in used:     # a name written once
+            out_name[n] = out
+            used.add(out)
+    own = {n: t for n, t in _model_own(sm).items() if n not in used}
     out_name.update({n: n for n in own})
     live = LiveState(sm)      # (it waits for any optimizer step still writing the weights)
     shares = getattr(live.tiers, "shares", None)
