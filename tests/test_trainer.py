@@ -290,6 +290,14 @@ def _two_ranks(rank, world, out):
                           evals={s: e["eval_loss"] for s, e in logged(trainer, "eval_loss").items()},
                           example=trainer.example_batch["input_ids"].tolist(), world=cfg.world_size,
                           dp=cfg.data_parallel, mode=str(trainer.args.parallel_mode))
+    rows = dataset(8, 2)
+    predicted = trainer.predict(rows).predictions          # each rank its share, gathered on every rank
+    reference = gpt2(0.1)
+    reference.load_state_dict(weights(trainer))
+    reference.eval()
+    with torch.no_grad():
+        logits = reference(input_ids=torch.stack([r["input_ids"] for r in rows])).logits.numpy()
+    runs["predicted"] = sorted(row.tobytes() for row in predicted) == sorted(row.tobytes() for row in logits)
     trainer.sm.close()
     return runs
 
@@ -307,4 +315,5 @@ def test_two_ranks_train_data_parallel_and_resume_bitwise(tmp_path):
         assert full["logs"] == resumed["logs"] and sorted(full["logs"]) == [1, 2, 3, 4]
         assert full["evals"] == resumed["evals"] and sorted(full["evals"]) == [2, 4]
     assert res[0]["full"]["example"] != res[1]["full"]["example"]        # each rank its own share of the data
+    assert res[0]["predicted"] and res[1]["predicted"]       # predict(): the trained model's logits, every row
     assert (tmp_path / "checkpoint-2" / "harmony" / "manifest.json").exists()

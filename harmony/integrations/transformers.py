@@ -202,7 +202,7 @@ class HarmonyTrainer(Trainer):
         sm = self.harmony_module()
         sm.sync_model()         # weights on disk, or in the ranks' shares, into the model
         where = {p.device for p in sm.model.parameters()} | {b.device for b in sm.model.buffers()}
-        if where != {self.args.device}:
+        if any(not _same_device(d, self.args.device) for d in where):
             raise ConfigError(f"HarmonyTrainer.predict() and compute_metrics run trainer.model with the trained "
                               f"weights, which Harmony keeps on {sorted(str(d) for d in where)}, while Trainer's "
                               f"inputs go to {self.args.device}: evaluate the loss alone (no compute_metrics, "
@@ -273,6 +273,12 @@ class HarmonyTrainer(Trainer):
     def _load_best_model(self) -> None:
         super()._load_best_model()     # into trainer.model, then from it into the compiled module
         self.sm.load_state_dict(self.model.state_dict())
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    """One device: "cpu" is "cpu:0" (Trainer's device under torchrun), "cuda:0" is "cuda" where that is device 0."""
+    index = (lambda d: 0 if d.index is None else d.index) if a.type != "cpu" else (lambda d: 0)
+    return a.type == b.type and index(a) == index(b)
 
 
 def _rows(batch) -> int:
