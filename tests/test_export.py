@@ -13,7 +13,7 @@ from test_pipeline_to_one import _same_model
 
 import harmony
 import harmony.data
-from harmony.errors import CheckpointError, ConfigError
+from harmony.errors import CheckpointError, ClosedError, ConfigError
 from harmony.integrations.pretrained import INDEX, save_pretrained
 from harmony.integrations.shards import Entry, Shard, ShardWriter
 from harmony.runtime.tiers.iobuffers import align_up
@@ -160,3 +160,24 @@ def test_zero3_with_its_shares_on_disk_and_a_tied_head_exports_each_weight_once(
     for n, t in back.items():
         assert t.numpy().tobytes() == state[n].tobytes(), n
     assert ranks[0]["stats"]["files"] == len(set(index.values())) > 2 and ranks[1]["stats"]["files"] == 0
+
+
+def test_a_model_without_a_config_exports_its_weights_once_and_a_closed_one_is_refused(tmp_path):
+    """The built-in GPT (no Hugging Face config; tied embedding and head) with its weights on disk: the files hold
+    each weight once, bit for bit; after sm.close() the files are gone and the export is a ClosedError."""
+    from safetensors.torch import load_file
+    from test_disk_params import DATA, compile_gpt
+    sm = compile_gpt(offload_dir=tmp_path)
+    sm(*DATA[0])
+    trained = {n: t.clone() for n, t in sm.state_dict().items()}
+    out = save_pretrained(sm, tmp_path / "gpt", max_shard_size=None)
+    assert not (out / "config.json").exists()
+    index = json.loads((out / INDEX).read_text())["weight_map"]
+    assert [n for n in trained if n not in index] == ["head.weight"]       # tied to tok.weight: written once
+    back = {}
+    for f in set(index.values()):
+        back.update(load_file(out / f))
+    assert back.keys() == index.keys() and all(torch.equal(back[n], trained[n]) for n in back)
+    sm.close()
+    with pytest.raises(ClosedError, match="save_pretrained"):
+        save_pretrained(sm, tmp_path / "again")
