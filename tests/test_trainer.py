@@ -153,7 +153,6 @@ def test_resume_from_checkpoint_is_bitwise_the_uninterrupted_run(full_run, tmp_p
     (None, {"per_device_eval_batch_size": 16}, {}, "per_device_eval_batch_size"),
     (None, {"torch_compile": True}, {}, "torch_compile"),
     (None, {"activation_checkpointing": True}, {}, "recompute"),
-    (None, {}, {"compute_metrics": lambda p: {}}, "loss only"),
     (None, {}, {"model_init": lambda: None}, "compiled once"),
 ])
 def test_what_harmony_cannot_honour_is_refused_before_anything_runs(tmp_path, harmony_config, changes, kwargs,
@@ -216,15 +215,51 @@ def test_a_batch_longer_than_the_loaders_first_is_refused_saying_to_give_example
     trainer.end()
 
 
-def test_a_checkpoint_without_harmonys_state_and_predict_are_refused(tmp_path):
+def test_a_checkpoint_without_harmonys_state_is_refused(tmp_path):
     trainer = HarmonyTrainer(model=gpt2(0.0), args=arguments(tmp_path), train_dataset=dataset(8, 1))
     plain = tmp_path / "checkpoint-2"       # as a plain Trainer (or save_only_model=True) leaves it
     plain.mkdir()
     with pytest.raises(CheckpointError, match="not saved by HarmonyTrainer"):
         trainer.train(resume_from_checkpoint=str(plain))
-    with pytest.raises(ConfigError, match="loss only"):
-        trainer.predict(dataset(4, 2))
     assert trainer.sm is None       # nothing was compiled
+
+
+def _accuracy(p) -> dict:
+    """Next-token accuracy over the labels that count (``compute_metrics``)."""
+    guess, labels = p.predictions[:, :-1].argmax(-1), p.label_ids[:, 1:]
+    return {"accuracy": float((guess == labels)[labels != -100].mean())}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_predict_and_compute_metrics_run_the_trained_model_in_eval_mode(tmp_path, tier):
+    """The logits are the trained model's in eval mode (dropout off) to the bit, whether Harmony keeps the weights
+    on the host or in files (read back with sm.sync_model()), and training goes on after as before."""
+    kw = {"weights_on": "disk", "optimizer_on": "host", "offload_dir": str(tmp_path)} if tier == "disk" else {}
+    clip = 0.0 if tier == "disk" else 0.5       # (a pack wholly on disk steps before the global norm is known)
+    trainer = HarmonyTrainer(model=gpt2(0.1), args=arguments(tmp_path, max_steps=2, max_grad_norm=clip),
+                             train_dataset=dataset(32, 1),
+                             eval_dataset=dataset(8, 2), compute_metrics=_accuracy,
+                             harmony_config={"memory_budget": BUDGET, **kw})
+    trainer.train()
+    assert (set(trainer.sm.plan.by_pack("master_on").values()) == {"disk"}) == (tier == "disk")
+    trained = {n: t.clone() for n, t in trainer.sm.state_dict().items()}
+    reference = gpt2(0.1)
+    reference.load_state_dict(trained)
+    reference.eval()
+    rows = dataset(8, 2)
+    with torch.no_grad():
+        logits = reference(input_ids=torch.stack([r["input_ids"] for r in rows])).logits
+    out = trainer.predict(rows)
+    assert torch.equal(torch.from_numpy(out.predictions), logits)
+    assert out.metrics["test_accuracy"] == _accuracy(out)["accuracy"]
+    metrics = trainer.evaluate()
+    assert metrics["eval_accuracy"] == out.metrics["test_accuracy"] and metrics["eval_loss"] == out.metrics["test_loss"]
+    rows = dataset(8, 3)
+    trainer.sm.train()
+    loss = trainer.sm({k: torch.stack([r[k] for r in rows]) for k in rows[0]})    # and training goes on
+    assert trainer.sm.steps == 3 and torch.isfinite(loss)
+    trainer.end()
 
 
 def test_import_harmony_loads_no_transformers():
@@ -255,6 +290,14 @@ def _two_ranks(rank, world, out):
                           evals={s: e["eval_loss"] for s, e in logged(trainer, "eval_loss").items()},
                           example=trainer.example_batch["input_ids"].tolist(), world=cfg.world_size,
                           dp=cfg.data_parallel, mode=str(trainer.args.parallel_mode))
+    rows = dataset(8, 2)
+    predicted = trainer.predict(rows).predictions          # each rank its share, gathered on every rank
+    reference = gpt2(0.1)
+    reference.load_state_dict(weights(trainer))
+    reference.eval()
+    with torch.no_grad():
+        logits = reference(input_ids=torch.stack([r["input_ids"] for r in rows])).logits.numpy()
+    runs["predicted"] = sorted(row.tobytes() for row in predicted) == sorted(row.tobytes() for row in logits)
     trainer.sm.close()
     return runs
 
@@ -272,4 +315,5 @@ def test_two_ranks_train_data_parallel_and_resume_bitwise(tmp_path):
         assert full["logs"] == resumed["logs"] and sorted(full["logs"]) == [1, 2, 3, 4]
         assert full["evals"] == resumed["evals"] and sorted(full["evals"]) == [2, 4]
     assert res[0]["full"]["example"] != res[1]["full"]["example"]        # each rank its own share of the data
+    assert res[0]["predicted"] and res[1]["predicted"]       # predict(): the trained model's logits, every row
     assert (tmp_path / "checkpoint-2" / "harmony" / "manifest.json").exists()

@@ -16,12 +16,14 @@ import copy
 import os
 
 import torch
-from transformers import Trainer, TrainingArguments
+from transformers import PreTrainedModel, Trainer, TrainingArguments
+from transformers.trainer import TRAINING_ARGS_NAME
 
 from harmony.api import compile as harmony_compile
 from harmony.base.errors import CheckpointError, ConfigError, InputError
 from harmony.compiler.config import Config
 from harmony.driver.checkpoint import load, save
+from harmony.integrations.pretrained import save_pretrained
 
 STATE_DIR = "harmony"       # Harmony's training state, inside each of Trainer's checkpoint-N folders
 
@@ -63,6 +65,10 @@ class HarmonyTrainer(Trainer):
     ``gradient_accumulation_steps`` as Harmony's microbatches (where ``harmony_config`` gives none): Trainer's loop
     then sees one batch of ``per_device_train_batch_size x gradient_accumulation_steps`` rows per step
     (``trainer.args`` says so) and Harmony cuts it. ``trainer.sm`` is the compiled module once built.
+
+    ``evaluate()`` runs ``sm.evaluate`` (the loss, within the budget); ``compute_metrics`` and ``predict()``, which
+    need the model's outputs, run ``trainer.model`` on the trained weights (``sm.sync_model()``), eagerly.
+    ``save_model`` and checkpoints write a Hugging Face model pack by pack (``integrations/pretrained.py``).
     """
 
     def __init__(self, model=None, args: TrainingArguments | None = None, *rest, harmony_config=None,
@@ -168,17 +174,40 @@ class HarmonyTrainer(Trainer):
     def _get_grad_norm(self, model, grad_norm=None):
         return grad_norm     # None without max_grad_norm: Harmony measures the norm where it clips
 
-    def prediction_step(self, model, inputs, prediction_loss_only: bool, ignore_keys=None):
-        if not prediction_loss_only:
-            raise ConfigError("HarmonyTrainer evaluates the loss only (sm.evaluate): compute_metrics and predict() "
-                              "need the model's outputs; after train(), trainer.model holds the trained weights")
-        return self.harmony_module().evaluate(inputs).detach().to(self.args.device), None, None
+    def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
+                        metric_key_prefix: str = "eval"):
+        """Trainer's loop. The model's outputs are wanted (``predict()``, ``compute_metrics``): the trained weights
+        are read into ``trainer.model`` first (``sm.sync_model()``, on every rank), which runs them eagerly."""
+        loss_only = self.args.prediction_loss_only if prediction_loss_only is None else prediction_loss_only
+        if not loss_only:
+            self._trained_model()
+        return super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix)
 
-    def predict(self, *args, **kwargs):
-        """Refused (``ConfigError``): Harmony's evaluation returns the loss, not the model's outputs."""
-        raise ConfigError("HarmonyTrainer.predict: Harmony evaluates the loss only (sm.evaluate), not the model's "
-                          "outputs; after train(), trainer.model holds the trained weights: run it, or "
-                          "trainer.evaluate() for the loss")
+    def prediction_step(self, model, inputs, prediction_loss_only: bool, ignore_keys=None):
+        """The loss alone (``evaluate()`` without ``compute_metrics``): ``sm.evaluate``, within the memory budget.
+        With the outputs: Trainer's own step on ``trainer.model`` in eval mode, holding the trained weights."""
+        sm = self.harmony_module()
+        if prediction_loss_only:
+            return sm.evaluate(inputs).detach().to(self.args.device), None, None
+        eager = sm.model
+        training = eager.training
+        eager.eval()
+        try:
+            return super().prediction_step(eager, inputs, prediction_loss_only, ignore_keys)
+        finally:
+            eager.train(training)
+
+    def _trained_model(self):
+        """``trainer.model`` with the trained weights (until the next step), on the device Trainer's inputs go to."""
+        sm = self.harmony_module()
+        sm.sync_model()         # weights on disk, or in the ranks' shares, into the model
+        where = {p.device for p in sm.model.parameters()} | {b.device for b in sm.model.buffers()}
+        if any(not _same_device(d, self.args.device) for d in where):
+            raise ConfigError(f"HarmonyTrainer.predict() and compute_metrics run trainer.model with the trained "
+                              f"weights, which Harmony keeps on {sorted(str(d) for d in where)}, while Trainer's "
+                              f"inputs go to {self.args.device}: evaluate the loss alone (no compute_metrics, "
+                              f"trainer.evaluate()), or run the model yourself after trainer.train()")
+        return sm.model
 
     def log(self, logs: dict, *args, **kwargs) -> None:
         """Trainer's logs, and with each training loss Harmony's figures since the last one: the peak bytes it
@@ -204,13 +233,32 @@ class HarmonyTrainer(Trainer):
 
     # -- checkpoints ---------------------------------------------------------------------------------------------
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """The trained weights in ``save_pretrained``'s layout, read where Harmony keeps them."""
+        """The trained weights in ``save_pretrained``'s layout. A Hugging Face model's are written pack by pack from
+        where Harmony keeps them (``harmony.integrations.pretrained.save_pretrained``: no process holds the whole
+        model), with Trainer's processing class and arguments beside them; another model (a PEFT one: its adapters)
+        is saved by Trainer from ``sm.state_dict()``."""
         if self.sm is None:
             return super().save_model(output_dir, _internal_call)
-        state = self.sm.state_dict()      # every rank: under shard_state="full" it gathers the ranks' shares
-        self._save(output_dir if output_dir is not None else self.args.output_dir, state_dict=state)
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        if isinstance(self.model, PreTrainedModel):
+            save_pretrained(self.sm, output_dir)       # every rank: under shard_state="full" each gathers with rank 0
+            if self.args.should_save:
+                self._save_beside_model(output_dir)
+        else:
+            state = self.sm.state_dict()     # every rank: under shard_state="full" it gathers the ranks' shares
+            self._save(output_dir, state_dict=state)
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def _save_beside_model(self, output_dir: str) -> None:
+        """What Trainer's ``_save`` writes beside the model: the processing class (or the collator's tokenizer)
+        and the training arguments."""
+        tokenizer = self.processing_class
+        if tokenizer is None:
+            tokenizer = getattr(self.data_collator, "tokenizer", None)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(output_dir)
+        torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         save(self.sm, os.path.join(output_dir, STATE_DIR))   # weights, optimizer, schedulers, step, RNG: every rank
@@ -225,6 +273,12 @@ class HarmonyTrainer(Trainer):
     def _load_best_model(self) -> None:
         super()._load_best_model()     # into trainer.model, then from it into the compiled module
         self.sm.load_state_dict(self.model.state_dict())
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    """One device: "cpu" is "cpu:0" (Trainer's device under torchrun), "cuda:0" is "cuda" where that is device 0."""
+    index = (lambda d: 0 if d.index is None else d.index) if a.type != "cpu" else (lambda d: 0)
+    return a.type == b.type and index(a) == index(b)
 
 
 def _rows(batch) -> int:
@@ -273,8 +327,7 @@ def _refuse(args, kwargs: dict, rest: tuple) -> None:
         raise ConfigError("HarmonyTrainer takes Trainer's arguments after model and args by keyword")
     for name, why in (("model_init", "the model is compiled once"),
                       ("compute_loss_func", "Harmony trains on the loss the model returns (or harmony_config "
-                       "loss_fn=)"),
-                      ("compute_metrics", "Harmony evaluates the loss only (sm.evaluate)")):
+                       "loss_fn=)")):
         if kwargs.get(name) is not None:
             raise ConfigError(f"HarmonyTrainer({name}=...): {why}")
     if (kwargs.get("optimizers") or (None, None))[1] is not None:

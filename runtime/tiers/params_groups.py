@@ -24,6 +24,20 @@ class WholeGroups:
             self.store.read(gid, into=views).result()
         return {(n, k): v for (n, k, _, _), v in zip(lay, views)}
 
+    def read_weights(self, gid: int) -> dict[str, torch.Tensor]:
+        """A group's weights alone, {name: tensor}: the first bytes of its file (its optimizer state, which follows
+        them, is not read), or views of the group's buffer where it stays in host memory. An export's unit."""
+        self.flush()
+        lay = [e for e in self.layouts[gid] if e[1] == PARAM]     # the weights come first in a group's file
+        with self._lock:
+            kept = self._kept.get(gid)
+        if kept is not None:
+            views = kept[:len(lay)]
+        else:
+            views = self.store.empty([(s, d) for _, _, s, d in lay])
+            self.store.read(gid, into=views).result()
+        return {n: v for (n, _, _, _), v in zip(lay, views)}
+
     def write_group(self, gid: int, params: dict[str, torch.Tensor], states: dict[str, dict] | None) -> None:
         """Replace a group's weights (those given) and, if ``states`` is given, its optimizer state."""
         cur = self.read_group(gid)
