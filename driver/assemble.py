@@ -25,7 +25,7 @@ from harmony.runtime.ondemand import OnDemand
 from harmony.runtime.ops import resident_state
 from harmony.runtime.optim import build_optimizers
 from harmony.runtime.partitioned.disk import ShareTier
-from harmony.runtime.precision import max_over_ranks
+from harmony.runtime.precision import overflow_agreement
 from harmony.runtime.tiers.dirs import check_room
 from harmony.runtime.tiers.optim_disk import DiskTier
 from harmony.runtime.tiers.params_disk import DiskParams, written_names
@@ -81,7 +81,7 @@ def _runtime(sm, tensors, optimizers, shares, device, simulated, filler) -> None
     weighting = weighting_of(program)      # tokens: each seed is its loss times the scale (driver/tokens.py)
     sm.runtime.token_scale = weighting.scale if weighting.tokens else None
     if shares is not None and sm.runtime.scaler is not None:   # fp16: one overflow skips every rank's step
-        sm.runtime.scaler.agree = max_over_ranks
+        sm.runtime.scaler.agree = overflow_agreement(sm.runtime)
     if shares is not None or sm.mode.guards_model(plan):
         guard(sm)     # the model refuses to be read while weights are in other ranks' shares or stages
     sm.predicted = memory_curve(program, check_residency=False)
