@@ -14,7 +14,7 @@ from harmony.base.process import huge_pages, idle_threads_sleep, return_freed_me
 from harmony.base.tiers import Tier
 from harmony.compiler.trace import retarget
 from harmony.compiler.verify import memory_curve
-from harmony.driver import modes
+from harmony.driver import agree, modes
 from harmony.driver.handshake import attach
 from harmony.driver.materialize import Filler, is_empty
 from harmony.driver.shapes import ShapeCache
@@ -86,6 +86,11 @@ def _runtime(sm, tensors, optimizers, shares, device, simulated, filler) -> None
         guard(sm)     # the model refuses to be read while weights are in other ranks' shares or stages
     sm.predicted = memory_curve(program, check_residency=False)
     if not simulated:
+        try:     # every rank's compile got this far, or none builds a module (driver/agree.py)
+            agree.point(agree.POINTS[2])
+        except BaseException:
+            sm.close()
+            raise
         attach(sm)      # the ranks' calls that use collectives are checked alike (driver/handshake.py)
     sm.shapes = ShapeCache(sm)     # a plan per batch shape, this one the example's (driver/shapes.py)
     if cfg.host_memory_budget is not None:   # the host's memory is budgeted: freed buffers must go back

@@ -57,6 +57,7 @@ from harmony.runtime.comm.compression import (
     spec_for,
     wire_bytes,
 )
+from harmony.runtime.comm.failures import guarded
 
 NAME = "compress"
 REQUIRES = {"schedule", "placement"}
@@ -231,13 +232,16 @@ def check_same_plan(signature: str | None, failed: str | None = None, what: str 
     digest = FAILED if failed else int.from_bytes(hashlib.sha256(signature.encode()).digest()[:7], "little")
     mine = torch.tensor([digest], dtype=torch.int64)
     every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(every, mine)
+    guarded(f"the ranks' check of their {what}", dist.all_gather, every, mine)
     if failed:
         return
     dead = [r for r, d in enumerate(every) if int(d) == FAILED]
     if dead:
-        raise ConfigError(f"ranks {dead} could not compile their plans (their errors are in their logs; a BudgetError "
-                          f"there names the budget they need), so no rank trains: fix them and start again")
+        error = ConfigError(f"ranks {dead} could not compile their plans (their errors are in their logs; a "
+                            f"BudgetError there names the budget they need), so no rank trains: fix them and start "
+                            f"again")
+        error.harmony_echo = True    # another rank's failure heard: the compile's agreement names it (driver/agree.py)
+        raise error
     differ = [r for r, d in enumerate(every) if int(d) != digest]
     if differ:
         raise ConfigError(f"rank {dist.get_rank()} compiled another {what} than ranks {differ}: {advice}")
