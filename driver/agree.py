@@ -40,8 +40,12 @@ class Agreement:
         assert POINTS.index(point) == self.next, (point, self.next)
         self.next += 1
         got: list = [None] * self.world
-        guarded(f"harmony.compile's agreement {point}", dist.all_gather_object, got,
-                None if error is None else _word(error, STAGES[self.next - 1]), timeout=self.timeout)
+        try:
+            guarded(f"harmony.compile's agreement {point}", dist.all_gather_object, got,
+                    None if error is None else _word(error, STAGES[self.next - 1]), timeout=self.timeout)
+        except BaseException:
+            self.next = len(POINTS)      # the group is gone: nothing more to meet
+            raise
         failed = [(r, w) for r, w in enumerate(got) if w is not None and w[4]]     # their own, not an echo
         if not failed:
             failed = [(r, w) for r, w in enumerate(got) if w is not None]

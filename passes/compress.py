@@ -203,7 +203,7 @@ def broadcast_state(program: Program) -> int:
     with torch.no_grad():
         for ts in by_dtype.values():
             flat = torch.cat([t.detach().reshape(-1) for t in ts])
-            dist.broadcast(flat, src=0)
+            guarded("the broadcast of rank 0's weights and buffers", dist.broadcast, flat, src=0, peer=0)
             off = 0
             for t in ts:
                 t.copy_(flat[off: off + t.numel()].view_as(t))
@@ -265,7 +265,7 @@ def comm_groups(program: Program, owned: dict[int, list], issue: list[int]) -> d
     names = [n for n, t in program.gm.named_parameters() if n in pack_of]      # the model's order on every rank
     mine = [position[pack_of[n]] for n in names]
     every: list = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
+    guarded("the ranks' exchange of their packs' all-reduce order", dist.all_gather_object, every, mine)
     keys = {n: tuple(pos[i] for pos in every) for i, n in enumerate(names)}
     order = sorted(set(keys.values()))
     for a, b in zip(order, order[1:]):
