@@ -9,6 +9,7 @@ reference is computed in the parent meanwhile, on one thread too (another thread
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
@@ -41,16 +42,22 @@ def _mine(sm) -> dict:
     return {n: t.detach().clone() for n, t in sm.training_state_dict()["model"].items()}
 
 
-def _train(steps=STEPS, keep=False, **kw):
+def _optim(sm) -> dict:
+    """Each parameter's optimizer state tensors this rank holds, as numpy arrays."""
+    return {f"{n}:{k}": v.detach().numpy().copy() for n, st in sm.training_state_dict()["optimizer"].items()
+            for k, v in st.items() if isinstance(v, torch.Tensor) and v.dim() > 0}
+
+
+def _train(steps=STEPS, save=None, **kw):
     model, data = _case()
     sm = _compile(model, data, **kw)
     losses = [sm(*harmony.data.shard(data[i % len(data)], pipeline_size=2)).item() for i in range(steps)]
+    if save is not None:
+        harmony.save(sm, save)
     out = dict(params={n: t.numpy().copy() for n, t in _mine(sm).items()}, losses=losses, text=sm.report(),
+               optim=_optim(sm), files=sorted(os.listdir(save)) if save else None,
                stats=dict(sm.stats), ops=[n.target.__name__ for n in sm.graph.nodes if n.op == "call_function"])
-    if keep:
-        out["sm"] = (sm, data)
-    else:
-        sm.close()
+    sm.close()
     return out
 
 
@@ -110,8 +117,25 @@ def _refusals() -> dict:
     return out
 
 
-def _ranks(rank, world):
-    return dict(fp32=_train(), q4=_train(compression="4bit"), fault=_fault(rank), refused=_refusals())
+def _ranks(rank, world, path):
+    return dict(fp32=_train(save=path), q4=_train(compression="4bit"), fault=_fault(rank), refused=_refusals())
+
+
+def _load_into(rank, world, path):
+    """The 2 x 2 grid's checkpoint loaded into one pipeline of 4 ranks and into 4 data-parallel ranks: what each
+    rank holds then."""
+    out = {}
+    for name, kw in (("pipeline", dict(parallel="pipeline")), ("data", {})):
+        model, data = _case()
+        batch = data[0] if name == "pipeline" else harmony.data.shard(data[0])
+        sm = harmony.compile(model, batch, memory_budget=int(training_state_bytes(model) * 2),
+                             microbatches=MICROBATCHES, comm_timeout=30, **SGD, **kw)
+        info = harmony.load(sm, path)
+        out[name] = dict(params={n: t.numpy().copy() for n, t in _mine(sm).items()}, optim=_optim(sm),
+                         step=info.step, steps=sm.steps)
+        sm(*batch)        # and it trains on
+        sm.close()
+    return out
 
 
 def _eager(replicas=2):
@@ -143,15 +167,46 @@ def _eager(replicas=2):
 
 
 @pytest.fixture(scope="module")
-def grid():
+def ckpt(tmp_path_factory):
+    return tmp_path_factory.mktemp("grid") / "ckpt"
+
+
+@pytest.fixture(scope="module")
+def grid(ckpt):
     from concurrent.futures import ThreadPoolExecutor
     with ThreadPoolExecutor(1) as pool:
         ref = pool.submit(_eager)
-        res = _spawn(4, _ranks, timeout=400, pg_timeout=30)
+        res = _spawn(4, _ranks, str(ckpt), timeout=400, pg_timeout=30)
         res["ref"] = ref.result()
     for r in range(4):
         assert isinstance(res.get(r), dict), f"rank {r}: {res.get(r)}"
     return res
+
+
+@pytest.mark.slow
+def test_a_grid_checkpoint_loads_into_one_pipeline_and_into_data_parallel_ranks(grid, ckpt):
+    saved, optim = {}, {}
+    for r in range(4):
+        saved.update(grid[r]["fp32"]["params"])
+        optim.update(grid[r]["fp32"]["optim"])
+    assert grid[0]["fp32"]["files"] == [f"rank-{r}-of-4" for r in range(4)]
+    held = {r: os.listdir(ckpt / f"rank-{r}-of-4") for r in range(4)}
+    assert any(f.startswith("pack") for f in held[0]) and any(f.startswith("pack") for f in held[1])
+    assert not any(f.startswith("pack") for f in held[2] + held[3]), "each stage is written once, by pipeline 0"
+    res = _spawn(4, _load_into, str(ckpt), timeout=400, pg_timeout=30)
+    for r in range(4):
+        assert isinstance(res.get(r), dict), f"rank {r}: {res.get(r)}"
+    for name in ("pipeline", "data"):
+        seen = set()
+        for r in range(4):
+            got = res[r][name]
+            assert got["step"] == STEPS and got["steps"] == STEPS, (name, r, got["step"])
+            for n, t in got["params"].items():
+                assert (t == saved[n]).all(), f"{name} rank {r}: {n} differs from the grid's"
+                seen.add(n)
+            for n, t in got["optim"].items():
+                assert (t == optim[n]).all(), f"{name} rank {r}: optimizer state {n} differs from the grid's"
+        assert seen == set(saved), name
 
 
 @pytest.mark.slow

@@ -85,6 +85,9 @@ class Grid(Pipeline):
     def checkpoint_layout(self, plan) -> str:
         return "whole" if plan.stage is None else "grid"     # each stage once, by pipeline 0's ranks
 
+    def saves_state(self, plan) -> bool:
+        return plan.stage is None or plan.stage.grid is None or plan.stage.grid.replica == 0
+
     def report(self, program):
         return grid_report(program)
 
