@@ -105,7 +105,7 @@ def _stage(sm, path, progress, ident: dict) -> saves.Staged:
         ckfiles.recover(target, old)
         previous = ckfiles.check_replaceable(target)
         _make_temp(target, tmp, need)
-        layout = live.layout()
+        layout = live.layout() if sm.mode.saves_state(sm.program.plan) else []     # a grid: its first pipeline's
         total = len(layout) + 2         # the steps ``progress`` counts: each pack's file, rng.pt, the manifest
         files = _write_packs(live, layout, tmp, progress, total)
         size, digest = ckfiles.write_file(tmp / "rng.pt", rng_state())
