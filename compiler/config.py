@@ -31,6 +31,7 @@ from harmony.base import env
 from harmony.base.errors import ConfigError
 from harmony.base.tiers import Tier
 from harmony.base.units import parse_bytes
+from harmony.compiler import config_checks as checks
 from harmony.compiler.config_checks import Group, check_parallel, choice, count, env_field, positive, tier
 from harmony.compiler.hardware import NOMINAL, Device, Hardware
 from harmony.compiler.loss_weighting import LossConfig
@@ -130,6 +131,11 @@ class MemoryConfig(Group):
     """``"auto"``: a pack keeps its forward's activations for its backward where the budget has room, on the device or
     sent to the host and back (the swap pass weighs the compute saved against the traffic); ``"device"``: the same, on
     the device only; ``"always"``: every pack but the last recomputes its forward from its stashed inputs."""
+    plan_margin: int | str = "auto"
+    """Bytes of the budget the planner leaves unplanned, for what the cost model under-predicts: an int or a string
+    such as ``"4MiB"``. ``"auto"``: none, until a step of this model at this budget in this process goes over the
+    budget (a plan miss, which the runtime's safety net absorbs, runtime/safety.py); the next compile of it then
+    leaves the largest miss measured (``harmony.driver.misses``)."""
     init: Any = None
     """For a model built without its weights (under ``harmony.empty_weights()``: parameters on the meta device):
     ``init(module)`` fills a module's own parameters as compile places them, a pack at a time (driver/materialize.py).
@@ -148,6 +154,7 @@ class MemoryConfig(Group):
         self.optimizer_on = tier("optimizer_on", self.optimizer_on, PLACES)   # a tier named: its Tier
         self.weights_on = tier("weights_on", self.weights_on, WEIGHTS)
         self.recompute = tier("recompute", self.recompute, RECOMPUTE)
+        self.plan_margin = checks.margin_bytes(self.plan_margin)
 
 
 @dataclass(kw_only=True)
@@ -327,7 +334,7 @@ class PlanConfig(Group):
         if self.hardware is not None and not isinstance(self.hardware, (str, Device, Hardware)):
             raise ConfigError(f"hardware={self.hardware!r}: give a Hardware, a Device or a preset name such as "
                               f"'a100-40gb'")
-        self.passes = _passes(self.passes)
+        self.passes = checks.pass_list(self.passes, DEFAULT_PIPELINE)
         choice("accounting", self.accounting, ("ops", "allocator"))
         if self.accounting == "allocator" and (torch.device(self.device).type != "cuda" or self.policy == "ondemand"):
             raise ConfigError(f"accounting='allocator' reads torch's CUDA allocator, and ondemand fetches at each op: "
@@ -336,18 +343,6 @@ class PlanConfig(Group):
         if isinstance(self.leaf_modules, (str, type)):
             self.leaf_modules = (self.leaf_modules,)
         self.cache_dir = env.check("cache_dir", self.cache_dir)
-
-
-def _passes(passes) -> tuple:
-    """``passes=`` as a tuple of entries: a name, or (name, choice)."""
-    if passes is None:
-        return DEFAULT_PIPELINE
-    if isinstance(passes, str):
-        return (passes,)
-    if not isinstance(passes, (list, tuple)) or not passes:
-        raise ConfigError(f"passes={passes!r}: give a tuple of pass names, at least ('partition',); the whole "
-                          f"pipeline is {DEFAULT_PIPELINE}")
-    return tuple(passes)
 
 
 @dataclass(kw_only=True)
@@ -442,6 +437,8 @@ class CompileConfig(Config):
     weigh_device_steps: bool = False  # bf16 under optimizer_on="auto" (which mixed precision resolves to Tier.HOST):
     device_steps: int = 0             # compile weighs stepping the last packs on the device, this many chosen
     steps_predicted: dict | None = None   # (driver/mixed_steps.py); each count tried: its predicted step (s)
+    plan_key: str | None = None       # the fingerprint plan misses are learned under (driver/misses.py)
+    margin_learned: bool = False      # plan_margin is what earlier plan misses of this model taught (not the user's)
 
     def __post_init__(self):
         pass
@@ -453,9 +450,9 @@ class CompileConfig(Config):
 
     @property
     def usable_budget(self) -> int:
-        """The bytes the planner may fill: the budget less what the device's libraries hold and the headroom for
-        prediction error."""
-        return int(self.state_budget * (1 - self.headroom))
+        """The bytes the planner may fill: the budget less what the device's libraries hold, the plan margin and the
+        headroom for prediction error."""
+        return int((self.state_budget - checks.margin_of(self)) * (1 - self.headroom))
 
     def plan_for_device(self, dev, hardware=None) -> None:
         """What the planner weighs, from the device it plans for (a ``compiler.hardware.Device``): its FLOP/s (an
@@ -472,7 +469,7 @@ class CompileConfig(Config):
     def budget_for(self, peak: int) -> int:
         """The memory_budget an error suggests for a plan whose device peak is ``peak``: the planner's headroom
         added back, 5% more for the prediction's error, and what the device's libraries hold."""
-        return int(peak / (1 - self.headroom) * 1.05) + 1 + self.device_reserved
+        return int(peak / (1 - self.headroom) * 1.05) + 1 + self.device_reserved + checks.margin_of(self)
 
     @property
     def state_budget(self) -> int:

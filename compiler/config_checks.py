@@ -11,6 +11,7 @@ import torch
 from harmony.base import env
 from harmony.base.errors import ConfigError
 from harmony.base.tiers import Tier
+from harmony.base.units import parse_bytes
 
 
 def env_field(name: str):
@@ -39,6 +40,30 @@ def positive(value, finite: bool) -> bool:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return False
     return value > 0 and (math.isfinite(value) or not finite and value == math.inf)
+
+
+def pass_list(passes, default: tuple) -> tuple:
+    """``passes=`` as a tuple of entries: a name, or (name, choice); None: ``default``, the whole pipeline."""
+    if passes is None:
+        return default
+    if isinstance(passes, str):
+        return (passes,)
+    if not isinstance(passes, (list, tuple)) or not passes:
+        raise ConfigError(f"passes={passes!r}: give a tuple of pass names, at least ('partition',); the whole "
+                          f"pipeline is {default}")
+    return tuple(passes)
+
+
+def margin_bytes(value):
+    """``plan_margin=`` checked: ``"auto"``, or its bytes (an int, or a size such as ``"4MiB"``), 0 or more."""
+    if value == "auto" or (value == 0 and not isinstance(value, bool)):
+        return value
+    return parse_bytes(value, "plan_margin")
+
+
+def margin_of(config) -> int:
+    """A config's ``plan_margin`` in bytes: ``"auto"`` that compile has not resolved (driver/misses.py) is 0."""
+    return config.plan_margin if isinstance(config.plan_margin, int) else 0
 
 
 def check_optimizer(optimizer: type, kwargs: dict, groups=None) -> None:

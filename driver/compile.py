@@ -26,7 +26,7 @@ from harmony.compiler.hardware import Hardware
 from harmony.compiler.hardware.machine import cuda_library_bytes
 from harmony.compiler.ir import Program
 from harmony.compiler.trace import trace
-from harmony.driver import agree, min_budget, modes, tokens
+from harmony.driver import agree, min_budget, misses, modes, tokens
 from harmony.driver.modes.data import shard_state
 from harmony.runtime.comm.compression import parse_compression
 from harmony.runtime.comm.world import resolve as resolve_world
@@ -66,6 +66,8 @@ def _compile(model, names, batch, cfg: CompileConfig, mode: modes.Mode, module: 
     agree.point(agree.POINTS[0])        # before balance='s plan from rank 0
     balanced = plan_rank(mode, model, gm, batch, cfg)
     batch = balanced.batch if balanced is not None else batch
+    cfg.plan_key = misses.fingerprint(gm, batch, cfg)
+    misses.resolve(cfg)      # plan_margin="auto": what earlier plan misses of this model taught
     t_plan = time.perf_counter()
     program = Program(model=model, gm=gm, example_batch=tuple(batch), config=cfg,
                       batch_keys=tuple(names) if names else None)

@@ -147,6 +147,8 @@ def evaluate(sm, batch: tuple, named: dict) -> torch.Tensor:
                  budget=rt.meter.budget, h2d_bytes=rt.eval_moved.get("h2d", 0),
                  d2h_bytes=rt.eval_moved.get("d2h", 0), predicted_h2d=ev.predicted.moved["h2d"],
                  peak_rss_bytes=peak_rss_bytes())
+    if rt.safety is not None:     # the evaluation's plan misses (runtime/safety.py)
+        stats.update(rt.safety.stats())
     stats.update(getattr(rt, "eval_shares", None) or {})    # shard_state="full": its gathers' bytes, carried copies
     if compiled:
         stats["first_eval_seconds"] = seconds + ev.seconds

@@ -11,8 +11,10 @@ import time
 
 import torch
 
-from harmony.base.errors import ConfigError, InputError, TornStepError
+from harmony.base.errors import ConfigError, DeviceOutOfMemory, InputError, TornStepError
 from harmony.base.process import peak_rss_bytes
+from harmony.base.units import fmt_bytes
+from harmony.driver import misses
 from harmony.driver.constants import split_call
 from harmony.driver.handshake import CALLS, agree, planned
 from harmony.driver.shapes import describe
@@ -98,10 +100,28 @@ def train_step(sm, batch: tuple, named: dict) -> torch.Tensor:
     sm.runtime.meter.settle_above = shape.predicted.peak    # copies in flight use no more than the plan's
     with sm.runtime.running(shape.program.plan, shape.program.schedule) \
             if shape is not sm.shapes.example else contextlib.nullcontext():
-        loss = run_step(sm, counted, rows)     # a transaction: rolled back if it raises
+        try:
+            loss = run_step(sm, counted, rows)     # a transaction: rolled back if it raises
+        except DeviceOutOfMemory as e:      # more than the safety net could absorb: the next compile plans for it
+            learn_misses(sm, shape, e)
+            raise
     sm.shapes.ran(route.key, shape)
     sm.stats = step_stats(sm, shape, time.perf_counter() - t0, route.key)
+    if sm.stats.get("plan_misses"):     # the next compile of this model plans around them (driver/misses.py)
+        learn_misses(sm, shape)
     return loss
+
+
+def learn_misses(sm, shape, error: BaseException | None = None) -> None:
+    """The step's plan misses, learned for the next compile of the model (driver/misses.py); a note on ``error``
+    (a miss the net could not absorb) says how much of the budget that compile will leave unplanned."""
+    rt = sm.runtime
+    if rt.safety is None or not rt.safety.misses:
+        return
+    margin = misses.learn(shape.program.config.plan_key, rt.safety.misses, shape.predicted, rt.events)
+    if error is not None and margin:
+        error.add_note(f"harmony: the next harmony.compile of this model with plan_margin='auto' in this process "
+                       f"leaves {fmt_bytes(margin)} of the budget unplanned for what this plan under-predicted")
 
 
 def shape_digest(key: tuple) -> int:
@@ -189,6 +209,8 @@ def step_stats(sm, shape, seconds: float, key: tuple | None = None) -> dict:
     stats.update(disk_stats(rt.state))
     if rt.on_demand is not None:
         stats.update(rt.on_demand.stats())
+    if rt.safety is not None:     # the allocations that crossed the budget, and what the net moved to make room
+        stats.update(rt.safety.stats())
     kinds = {n.name: n.target.__name__ for n in shape.program.schedule.nodes if n.op == "call_function"}
     for e in rt.events:          # where the step's time went on the thread that runs the schedule, by op
         key = f"time_{kinds.get(e.name, 'other')}_s"

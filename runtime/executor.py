@@ -15,6 +15,7 @@ from harmony.runtime.pipeline import norm_exchange
 from harmony.runtime.plan import Plan, mean_loss
 from harmony.runtime.precision import GradClip, LossScaler, StepGate, compute_dtype
 from harmony.runtime.rng import MicrobatchStreams, rng_state, set_rng_state
+from harmony.runtime.safety import SafetyNet
 from harmony.runtime.tiers.memory import AllocatorMeter, CountAllocations, MemoryMeter
 from harmony.runtime.tiers.state import TieredState
 from harmony.runtime.transaction import COMMITTED, Transaction
@@ -53,15 +54,31 @@ def run_graph(rt, graph: torch.fx.Graph, free_after: dict, txn: Transaction) -> 
     freed after its last use (``free_after``)."""
     env: dict[torch.fx.Node, object] = {}
     t0 = time.perf_counter()
+    status = getattr(rt, "status", None) if txn.what == "step" else None    # several ranks: the job's step
+    net = rt.safety
+    if net is not None:       # a plan miss makes room instead of failing (runtime/safety.py)
+        net.begin(rt, graph, env)
+    try:
+        _loop(rt, graph, free_after, txn, env, t0, status, net)
+    except BaseException:
+        if net is not None:   # the rollback releases the step's holds, then brings back the weights (Runtime.run)
+            net.end(restore=False)
+        raise
+    if net is not None:       # the plan's weights back on the device, as the next step expects them
+        net.end()
+
+
+def _loop(rt, graph, free_after, txn, env, t0, status, net) -> None:
     meter = rt.meter
     emulated = rt.speed_factor != 1.0
-    status = getattr(rt, "status", None) if txn.what == "step" else None    # several ranks: the job's step
     for node in graph.nodes:
         if node.op != "call_function":
             continue
         if status is not None:       # a meet found a rank's step failed: stop here (runtime/comm/jobwide.py)
             status.check()
         op = op_of(node)
+        if net is not None:
+            net.before(node)
         args = torch.fx.node.map_arg(node.args, env.__getitem__)
         kwargs = torch.fx.node.map_arg(node.kwargs, env.__getitem__)
         start = time.perf_counter() - t0
@@ -167,6 +184,9 @@ class Runtime:
         # fp16 and clipping: the updates wait for the last gradient (runtime/precision.py StepGate)
         self.gate = StepGate(self.scaler, clipper) if self.scaler is not None or clipper is not None else None
         self.on_demand = on_demand(self) if on_demand is not None else None
+        # a plan miss makes room rather than failing; not under ondemand (its eviction is its own net), nor where
+        # the allocator counts (it reads the device after an op: too late to make room)
+        self.safety = SafetyNet(self) if on_demand is None and isinstance(self.meter, MemoryMeter) else None
         self.free_after = last_uses(graph)
         self.rng: dict = {}      # (pack, microbatch): the generators at its forward, which its recompute replays
         self.streams: MicrobatchStreams | None = None    # the running step's per-microbatch generators (rng.py)
@@ -221,6 +241,8 @@ class Runtime:
                 self.status.check()
         except BaseException as e:
             instead = txn.roll_back(e)
+            if self.safety is not None:     # the weights the plan holds across steps, back on the device
+                self.safety.restore()
             if self.streams is not None:     # as if the step had not run, its draws too; one that counts draws on
                 self.streams.finish() if txn.outcome == COMMITTED else self.streams.restore()
             self.streams = None
@@ -298,6 +320,8 @@ class Runtime:
             loss = mean_loss(run.losses, run.rows, None if self.token_scale is None else 1.0)   # this rank's only
         except BaseException as e:
             txn.roll_back(e)
+            if self.safety is not None:
+                self.safety.restore()
             raise
         finally:
             if pd is not None:        # a carried group's swap_in took it: the next step's forward takes it again

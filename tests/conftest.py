@@ -5,6 +5,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).parent))
 
 # Plans must not depend on the machine profile a user or a benchmark cached (Hardware.profile saves one for
@@ -42,3 +44,12 @@ def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     # a stable sort: each module keeps its own order
     items.sort(key=lambda item: rank.get(getattr(item.module, "__name__", ""), len(rank)))
+
+
+@pytest.fixture(autouse=True)
+def _no_learned_plan_margins():
+    """Plan misses one test's steps taught (driver/misses.py) do not change the plans of the next."""
+    from harmony.driver import misses
+    misses.forget()
+    yield
+    misses.forget()

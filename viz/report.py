@@ -78,7 +78,8 @@ def summary(sm) -> dict:
     cfg = program.config
     return dict(
         model=_model(program),
-        config=dict(memory_budget=cfg.memory_budget, policy=cfg.policy, microbatches=cfg.microbatches,
+        config=dict(memory_budget=cfg.memory_budget, plan_margin=cfg.plan_margin, policy=cfg.policy,
+                    margin_learned=getattr(cfg, "margin_learned", False), microbatches=cfg.microbatches,
                     microbatch_size=cfg.microbatch_size, batch_size=cfg.batch_size,
                     optimizer=getattr(cfg.optimizer, "__name__", str(cfg.optimizer)) + _implementation(cfg),
                     precision=getattr(cfg, "precision", "fp32")),
@@ -297,6 +298,10 @@ class _Writer:
         parts = ", ".join(f"{k} {fmt_seconds(v)}" for k, v in t.items() if k != "total")
         compile_ = f"{fmt_seconds(t['total'])} ({parts})" if "total" in t else (parts or "-")
         items = [("training state", state), ("budget", budget)]
+        margin = c.get("plan_margin")
+        if margin:     # left unplanned for what the cost model under-predicts (driver/misses.py)
+            how = "learned from an earlier plan miss of this model" if c.get("margin_learned") else "set"
+            items.append(("plan margin", f"{fmt_bytes(margin)} of the budget left unplanned ({how})"))
         tiers = d.get("tiers")
         if tiers:
             copies = (f"{tiers['precision']}: device copies in {tiers['compute_dtype']} "
@@ -419,6 +424,13 @@ class _Writer:
                     if pred:
                         line += f" (ratio {meas / pred:.2f})"
                 items.append((f"moved {way}", line))
+        if s.get("plan_misses"):      # allocations over the budget the safety net absorbed (runtime/safety.py)
+            ops = ", ".join(f"{op} +{fmt_bytes(over)}" for op, over in s["plan_miss_ops"][:4])
+            items.append(("plan misses", f"{s['plan_misses']} allocations went over the budget (at {ops}); the "
+                                         f"runtime moved {fmt_bytes(s['plan_miss_released_bytes'])} off the device "
+                                         f"to make room, and the next compile of this model plans around them"))
+        elif "plan_misses" in s:
+            items.append(("plan misses", "none: the plan held"))
         if "step_seconds" in s:
             items.append(("step time", fmt_seconds(s["step_seconds"])))
         if "peak_rss_bytes" in s:
@@ -432,6 +444,7 @@ class _Writer:
             items.append(("host thread", idle_priority_note(s["background_idle_priority"])))
         known = {"measured_peak", "predicted_peak", "budget", "h2d_bytes", "d2h_bytes", "predicted_h2d",
                  "predicted_d2h", "step_seconds", "peak_rss_bytes", "huge_pages", "idle_threads_sleep",
-                 "background_idle_priority", "cuda_allocated_peak", "cuda_reserved_peak", "device_reserved"}
+                 "background_idle_priority", "cuda_allocated_peak", "cuda_reserved_peak", "device_reserved",
+                 "plan_misses", "plan_miss_over_bytes", "plan_miss_released_bytes", "plan_miss_ops"}
         items += [(k, fmt_value(k, v)) for k, v in s.items() if k not in known]
         self.pairs(items)

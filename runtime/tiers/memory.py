@@ -18,8 +18,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from harmony.base.errors import DeviceOutOfMemory
 
-UNDER_PREDICTED = ("The plan under-predicted this device's memory; compile with a smaller memory_budget to leave "
-                   "headroom, and report the model so the cost model can be fixed.")
+UNDER_PREDICTED = ("The plan under-predicted this device's memory and the safety net (runtime/safety.py) found "
+                   "nothing more it could move off the device; compile with a smaller memory_budget or a larger "
+                   "plan_margin to leave headroom, and report the model so the cost model can be fixed.")
 
 
 def settle_limit(meter) -> int | None:
@@ -85,17 +86,19 @@ class MemoryMeter:
             self._sizes[key] = n
             self.live += n
             above = settle_limit(self)
-            if self.settle is None or above is None or self.live <= above:
-                self.peak = max(self.peak, self.live)
-                above = None
             over = self.budget is not None and self.live > self.budget
+            if self.settle is None or above is None or self.live <= above:
+                above = None
+                if not (over and enforce and self.on_pressure is not None):
+                    self.peak = max(self.peak, self.live)
         # (a weak reference's callback rather than weakref.finalize, which costs several times more, on every op)
         self._refs[key] = weakref.ref(s, lambda _, key=key: self._release(key))
         if above is not None:     # copies in flight hold device memory the plan had freed: they land first
             self.settle(above)
             with self._lock:
-                self.peak = max(self.peak, self.live)
                 over = self.budget is not None and self.live > self.budget
+                if not (over and enforce and self.on_pressure is not None):
+                    self.peak = max(self.peak, self.live)
         if over and enforce:
             self._over_budget(n)
         if self.caches and self.budget is not None:
@@ -107,8 +110,13 @@ class MemoryMeter:
                     excess -= before - c.free_bytes
 
     def _over_budget(self, n: int) -> None:
+        """Over the budget: ``on_pressure`` (the safety net, runtime/safety.py, or the ondemand policy's eviction)
+        makes room first; the peak counts the live bytes once it has, as a device that made room before the
+        allocation would hold them. Still over: ``DeviceOutOfMemory``."""
         if self.on_pressure is not None:
             self.on_pressure(self.live - self.budget)
+            with self._lock:
+                self.peak = max(self.peak, self.live)
         if self.live > self.budget:
             raise DeviceOutOfMemory(
                 f"{self.name}: {self.live / 2**20:.1f} MiB live after allocating {n / 2**20:.2f} MiB, "
