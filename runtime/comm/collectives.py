@@ -172,6 +172,8 @@ def allreduce(tensors: Sequence[torch.Tensor], spec: CompressionSpec | Sequence[
         carrier.words = words
     elif words is not None:      # three ranks or more: beside the buffers, not in one (``Words.launch``)
         words.launch(world, dist.get_rank(group), timeout)
+        if release is not None:      # a few bytes, not the gradients': never part of a device's peak
+            release(words.pending)
     _sweep(jobs, stats, world)
     if words is not None and carrier is None:
         words.join(timeout)
