@@ -1,12 +1,14 @@
-"""What the ranks' handshake (driver/handshake.py) and the job-wide step outcome (runtime/comm/jobwide.py: a meet
-before each collective of a step) cost: 2 gloo ranks, one small model.
+"""What the ranks' handshake (driver/handshake.py) and the job-wide step outcome (runtime/comm/jobwide.py: the ranks'
+words on each collective of a step) cost: gloo ranks, one small model.
 
-    python benchmarks/handshake.py [mlp|gpt|gpt-wide] [dp|zero3|pipeline]
+    python benchmarks/handshake.py [mlp|gpt|gpt-wide] [dp|zero3|pipeline] [ranks (2)]
 
-Prints the handshake's own time per call and a step's time three ways, interleaved step by step, each way taking
+Prints the handshake's own time per call and a step's time four ways, interleaved step by step, each way taking
 each place in turn (on a shared machine the place in the rotation moved a way's median by up to 10%; median of each):
-as the module runs (handshake and meets), without the meets (the handshake only: the step before the job-wide
-outcome), and with neither. Not a test: a measurement, run by hand.
+as the module runs (the handshake, and the words riding on the step's collectives: at the end of a buffer on two
+ranks, beside it on more), "before" (the words in a meet of their own before each collective wherever they do not
+ride at the end of a buffer: how three ranks or more ran before the words rode beside), without the words (the
+handshake only: the step before the job-wide outcome), and with neither. Not a test: a measurement, run by hand.
 """
 from __future__ import annotations
 
@@ -21,13 +23,28 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))   # th
 MODES = {"dp": {}, "zero3": dict(shard_state="full"), "pipeline": dict(parallel="pipeline")}
 
 
+def _before(on: bool) -> None:
+    """The words ride at the end of a two-rank buffer only, else meet first (``on``), or ride everywhere they can."""
+    import harmony.runtime.partitioned as partitioned
+    from harmony.runtime.comm.communicator import Communicator
+    from harmony.runtime.partitioned import meet
+    if not hasattr(_before, "saved"):
+        _before.saved = Communicator.rides, meet.rides
+    rides, shares_rides = _before.saved
+    if on:
+        Communicator.rides = lambda self: self.world == 2 and rides(self)
+        partitioned.rides = meet.rides = lambda shares, comm: shares_rides(shares, comm) and meet.swapped(shares)
+    else:
+        Communicator.rides, partitioned.rides, meet.rides = rides, shares_rides, shares_rides
+
+
 def _measure(rank, world, case, calls, steps, mode="dp"):
     import torch
 
     import harmony
     import harmony.data
     from models import CASES, training_state_bytes
-    model, data = CASES["gpt"](batch=16, width=256, layers=4, seq=64) if case == "gpt-wide" else CASES[case](batch=16)
+    model, data = CASES["gpt"](batch=24, width=256, layers=4, seq=64) if case == "gpt-wide" else CASES[case](batch=24)
     shard = (lambda b: b) if mode == "pipeline" else harmony.data.shard
     sm = harmony.compile(model, example_batch=shard(data[0]), microbatches=2,
                          memory_budget=int(training_state_bytes(model) * 0.5), optimizer=torch.optim.AdamW,
@@ -37,11 +54,12 @@ def _measure(rank, world, case, calls, steps, mode="dp"):
     for _ in range(calls):
         handshake.agree("sm(...) (a training step)", sm.steps)
     per_call = (time.perf_counter() - t0) / calls
-    times: dict = {"both": [], "handshake": [], "neither": []}
-    for i in range(3 * steps):
-        way = list(times)[(i + i // 3) % 3]     # each way at each place of the triples alike: the place moves a step
+    times: dict = {"both": [], "before": [], "handshake": [], "neither": []}
+    for i in range(4 * steps):
+        way = list(times)[(i + i // 4) % 4]     # each way at each place of the rounds alike: the place moves a step
         sm.handshake = handshake if way != "neither" else None
-        sm.runtime.status = status if way == "both" else None
+        sm.runtime.status = status if way in ("both", "before") else None
+        _before(way == "before")
         t0 = time.perf_counter()
         sm(*shard(data[i % len(data)]))
         times[way].append(time.perf_counter() - t0)
@@ -53,13 +71,16 @@ if __name__ == "__main__":
     from test_collectives import _spawn
     case = sys.argv[1] if len(sys.argv) > 1 else "mlp"
     mode = sys.argv[2] if len(sys.argv) > 2 else "dp"
-    res = _spawn(2, _measure, case, 500, 20 if case == "gpt-wide" else 40, mode, timeout=900)
+    world = int(sys.argv[3]) if len(sys.argv) > 3 else 2
+    res = _spawn(world, _measure, case, 500, 20 if case == "gpt-wide" else 40, mode, timeout=900)
     for r, value in sorted(res.items()):
         if isinstance(value, str):
             print(f"rank {r}: {value}")
             continue
         per_call, t = value
-        print(f"{case} {mode}, rank {r}: handshake {per_call * 1e6:.0f} us per call; step median "
-              f"{t['both'] * 1e3:.2f} ms with the handshake and the meets, {t['handshake'] * 1e3:.2f} ms with the "
-              f"handshake only ({(t['both'] - t['handshake']) / t['handshake'] * 100:+.1f}%), "
-              f"{t['neither'] * 1e3:.2f} ms with neither")
+        print(f"{case} {mode}, {world} ranks, rank {r}: handshake {per_call * 1e6:.0f} us per call; step median "
+              f"{t['both'] * 1e3:.2f} ms with the handshake and the words riding "
+              f"({(t['both'] - t['handshake']) / t['handshake'] * 100:+.1f}% on the handshake only), "
+              f"{t['before'] * 1e3:.2f} ms with meets of their own where not at the end of a buffer (before; "
+              f"{(t['before'] - t['handshake']) / t['handshake'] * 100:+.1f}%), {t['handshake'] * 1e3:.2f} ms with the "
+              f"handshake only, {t['neither'] * 1e3:.2f} ms with neither")

@@ -4,12 +4,12 @@ Over several ranks ``harmony.compile`` runs collectives (ZeRO-3's and the pipeli
 weights broadcast, ``balance=``'s plan from rank 0, the process groups the module makes). A rank whose compile fails
 (its example batch cannot be traced, its memory budget plans nothing) would leave the others waiting in the next one
 for ``comm_timeout``, then a raw backend error. So the compile meets at fixed points (``POINTS``), every rank in
-the same order whatever happened: after tracing where ``balance=`` plans on rank 0 next, after planning (before the
-passes, whose checks already hear a failed rank: passes/compress.py ``report_failure``), and once the runtime is
-built, before the module's first collective (driver/assemble.py). A rank that failed goes to the next point with
-its error; there every rank exchanges what it has and each raises: a failed rank its own error, the others the same
-class of error naming the rank, its error and the stage. No rank is left with a module: the others close what they
-built.
+the same order whatever happened: after tracing (before ``balance=``'s plan from rank 0), after planning (before the
+passes, whose plan checks hear a rank that fails in them: passes/compress.py ``report_failure``), and once the
+runtime is built, before the module's first collective (driver/assemble.py). A rank that failed goes to the next
+point with its error; there every rank exchanges what it has and each raises: a failed rank its own error, the
+others the same class of error naming the rank, its error and the stage. No rank is left with a module: the others
+close what they built.
 """
 from __future__ import annotations
 
@@ -66,8 +66,7 @@ class Agreement:
         message = (f"harmony.compile on rank {self.rank} of {self.world} stopped {point}: {each}. No rank "
                    f"built a module; fix what rank{'s' if len(failed) > 1 else ''} {ranks} named (its example batch, "
                    f"its memory budget, its options) and compile again on every rank.")
-        out = cls(message, min_budget, option) if issubclass(cls, BudgetError) else \
-            cls(message) if cls is not errors.StepAbortedError else HarmonyError(message)
+        out = cls(message, min_budget, option) if issubclass(cls, BudgetError) else cls(message)
         out.failed_ranks = [r for r, _ in failed]
         return out
 

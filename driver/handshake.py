@@ -147,6 +147,9 @@ def attach(sm) -> None:
             sm.handshake = Handshake(dist.get_rank(), world, cfg.comm_timeout)
             # each step's outcome is the job's: a failure is told at the next collective (runtime/comm/jobwide.py)
             sm.runtime.status = StepStatus(sm.handshake.rank, world, sm.handshake.group, cfg.comm_timeout)
+            if world > 2:       # the words beside each all-reduce of three ranks or more: a group of their own
+                sm.runtime.status.beside = dist.new_group(backend="gloo",
+                                                          timeout=datetime.timedelta(seconds=cfg.comm_timeout))
             sm.runtime.status.any_key = plan.stage is not None
             if sm.runtime.scaler is not None and sm.runtime.scaler.agree is not None:
                 sm.runtime.status.tails.append(overflow_ghost)    # fp16: the overflow agreement after the schedule

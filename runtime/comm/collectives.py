@@ -144,8 +144,10 @@ def allreduce(tensors: Sequence[torch.Tensor], spec: CompressionSpec | Sequence[
     there instead of waiting for the backend.
     ``workspace``: a ``Workspace`` to take the fused buffers and messages from and give them back to, so that
     repeated calls over the same tensors allocate nothing (``None``: fresh buffers, freed on return).
-    ``words``: the ranks' words on a training step (runtime/comm/jobwide.py ``Words``), carried at the end of the
-    first fp32 buffer (two ranks: the sums are the same bits wherever an element sits).
+    ``words``: the ranks' words on a training step (runtime/comm/jobwide.py ``Words``): two ranks carry them at the
+    end of the first fp32 buffer (a sum of two is the same bits wherever an element sits); more ranks send them in
+    an all-reduce of their own launched beside the buffers' (gloo's ring sums an element in an order set by its
+    place in the buffer: a longer buffer would change the gradients' bits).
     With one rank there is nothing to average: tensors are left as they are.
 
     Typical use, after ``loss.backward()`` on every rank (under torchrun):
@@ -165,10 +167,16 @@ def allreduce(tensors: Sequence[torch.Tensor], spec: CompressionSpec | Sequence[
     scale = _weight_scale(weight, world)
     jobs = [_Job(idx, tensors, s, group, world, error_feedback_state, timeout, generator, scale, release,
                  workspace=workspace) for s, idx in fuse(tensors, specs, fusion_bytes)]
-    carrier = next((j for j in jobs if j.spec.kind == "none"), None) if words is not None else None
+    carrier = next((j for j in jobs if j.spec.kind == "none"), None) if words is not None and world == 2 else None
     if carrier is not None:
         carrier.words = words
+    elif words is not None:      # three ranks or more: beside the buffers, not in one (``Words.launch``)
+        words.launch(world, dist.get_rank(group), timeout)
+        if release is not None:      # a few bytes, not the gradients': never part of a device's peak
+            release(words.pending)
     _sweep(jobs, stats, world)
+    if words is not None and carrier is None:
+        words.join(timeout)
     stats.seconds = time.perf_counter() - start
     return stats
 

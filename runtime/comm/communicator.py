@@ -66,9 +66,9 @@ class Communicator:
                 words.settle(raises=True)
 
     def rides(self) -> bool:
-        """Whether the ranks' words on a step ride on each all-reduce (two ranks, fp32, no adaptive bits), else a
-        meet comes first; the same on every rank."""
-        return self.world == 2 and self.meter is None and self.base.kind == "none" and self.group is None
+        """Whether the ranks' words on a step ride on each all-reduce (fp32, no adaptive bits: a replay sends the same
+        collectives on zeros), else a meet comes first; the same on every rank."""
+        return self.meter is None and self.base.kind == "none" and self.group is None   # a grid's replica group meets
 
     def undo_step(self) -> None:
         """A step every rank rolled back: its count, stochastic rounding's draws and error feedback as before it."""

@@ -4,11 +4,13 @@ meet, and every rank rolls the same step back.
 Each rank says how its step stands (a word: it runs; its own step failed; it knows another's did) at the
 collectives that come before an optimizer update, each on its own group and thread, in the schedule's order:
 
-* two data-parallel ranks (fp32): the words ride at the end of each gradient all-reduce's buffer
-  (runtime/comm/collectives.py ``allreduce(words=)``); ``shard_state="full"``: on the first swap of each
-  reduce-scatter (runtime/partitioned/meet.py); a pipeline: in the mask before each message (``ABORT``);
-* elsewhere (three ranks or more, compression, adaptive bits), and before ZeRO-1's broadcasts and a pipeline's
-  loss broadcast and norms' all-gather: a ``meet`` of its own, one small all-reduce.
+* data parallel (fp32 all-reduces): on each gradient all-reduce (runtime/comm/collectives.py ``allreduce(words=)``):
+  two ranks at the end of its buffer; three or more beside it (``Words.launch``: their own small all-reduce,
+  launched with it and joined after it, so it costs no wait of its own); ``shard_state="full"``: on the first swap
+  of each reduce-scatter (two ranks), else beside its all-reduces (runtime/partitioned/meet.py); a pipeline: in the
+  mask before each message (``ABORT``);
+* elsewhere (compression, adaptive bits), and before ZeRO-1's broadcasts and a pipeline's norms' all-gather: a
+  ``meet`` of its own, one small all-reduce before the collective.
 
 Where none failed, every collective moves the bytes it always did. A rank whose step fails (a bad batch, an
 exception in the model, Ctrl-C, a failed disk read) rolls back as one process does (runtime/transaction.py) and,
@@ -60,6 +62,7 @@ class Words:
         status.done[key] += 1
         self.status, self.key, self.group = status, key, group
         self.got: list | None = None
+        self.work = self.pending = None       # ``launch``'s all-reduce in flight
 
     def ops(self, world: int, me: int) -> list:
         """The messages that carry this rank's word to every peer and theirs here (the first call only)."""
@@ -82,6 +85,25 @@ class Words:
         out[me] = self.status.word()
         return out
 
+    def launch(self, world: int, me: int, timeout: float | None = None) -> None:
+        """Send the words beside a collective of ``self.group`` that cannot carry them bitwise (three ranks or more:
+        gloo's ring sums an element in an order set by where it sits, so a longer buffer would change the sums):
+        their own all-reduce, launched just before it so the two overlap on the backend's threads; ``join`` after."""
+        import torch.distributed as dist
+
+        from harmony.runtime.comm.failures import launch
+        self.pending = self.vector(world, me)
+        group = self.status.beside if self.status.beside is not None else self.group
+        self.work = launch("the ranks' words on the step", timeout, group, dist.all_reduce, self.pending)
+
+    def join(self, timeout: float | None = None) -> None:
+        """The words ``launch`` sent, once its all-reduce is done."""
+        from harmony.runtime.comm.failures import wait_work
+        wait_work(self.work, "the ranks' words on the step", timeout,
+                  self.status.beside if self.status.beside is not None else self.group)
+        self.read(self.pending)
+        self.work = self.pending = None
+
     def read(self, summed: torch.Tensor, scale: float = 1.0) -> None:
         """The words from the sum of every rank's ``vector`` (times ``scale``: an average's world size)."""
         self.got = [round(float(v) * scale) for v in summed]
@@ -102,6 +124,9 @@ class StepStatus:
         self.active = False            # a step is under way (an evaluation's gathers meet nobody)
         self.any_key = False           # a pipeline's ranks each step their own packs: any meet stops its updates
         self.tails: list = []          # what a replay makes after the schedule's ops: ``fn(rt)`` each (``replay``)
+        # the group of the words sent beside a collective (``Words.launch``; the host thread's only): its own, so the
+        # backend runs the two at once (None: the collective's)
+        self.beside = None
         self.begin(active=False)
 
     def begin(self, active: bool = True) -> None:

@@ -116,8 +116,8 @@ def rides(comm, node) -> bool:
     """``Communicator.rides``, from the op's keywords where the runtime has made no communicator yet."""
     if comm is not None:
         return comm.rides()
-    return node.kwargs.get("world") == 2 and not node.kwargs.get("warmup") and node.args[1:2] in ((), ("none",)) \
-        and node.kwargs.get("kind", "none") == "none"
+    return (node.kwargs.get("world") or 1) >= 2 and not node.kwargs.get("warmup") \
+        and node.args[1:2] in ((), ("none",)) and node.kwargs.get("kind", "none") == "none"
 
 
 register(allreduce, _allreduce_execute, _allreduce_effect, _allreduce_cost, "copy",

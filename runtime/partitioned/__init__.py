@@ -55,7 +55,7 @@ from harmony.runtime.ops import moving_names, register
 from harmony.runtime.ops.move import gather_disk_io, pack_what, swap_in_effect
 from harmony.runtime.partitioned.carry import Carry
 from harmony.runtime.partitioned.layout import ALIGN, PREFIX, PackShares, Piece, Segment, layout  # noqa: F401
-from harmony.runtime.partitioned.meet import GATHERS, Words, rides
+from harmony.runtime.partitioned.meet import GATHERS, Words, rides, swapped
 from harmony.runtime.partitioned.reduce import (
     all_reduce_chunk,
     reduce_scatter_quantized,
@@ -401,10 +401,13 @@ def _reduce_scatter_execute(rt, pack, *, world=1, weight=None, comm=None):
     status = rt.status
 
     def job():
-        words = None
+        words = beside = None
         try:
-            if status is not None and rides(shares, comm):    # the words ride on the first swap of chunks
+            if status is not None and rides(shares, comm):    # the words ride on the first swap, or beside
                 words = Words(status, STEP_KEY, None)
+                beside = not swapped(shares)
+                if beside:
+                    words.launch(world, shares.rank, status.timeout)
             elif status is not None:    # every rank's step got here (runtime/comm/jobwide.py)
                 status.go(STEP_KEY, None, f"the reduce-scatter of pack {pack}'s gradients")
             if communicator is not None:
@@ -425,12 +428,14 @@ def _reduce_scatter_execute(rt, pack, *, world=1, weight=None, comm=None):
                 if scale != 1.0:             # collectives.allreduce's weighting, on the same values
                     flat.mul_(scale)
                 if seg.pairwise:             # two ranks: each sends the other its chunk, x + y is y + x bitwise
-                    out = swap_chunks(flat, seg, shares.rank, words).div_(world)
+                    out = swap_chunks(flat, seg, shares.rank, None if beside else words).div_(world)
                 else:
                     out = all_reduce_chunk(flat, seg, shares.rank, world, clipper, shapes)
                 st.shares.stats["reduce_scatter_wire_bytes"] += seg.sent
                 keep(s, seg, out)
             if words is not None:
+                if beside:
+                    words.join(status.timeout)
                 words.settle(raises=True)
         finally:
             for n in shares.names():

@@ -5,7 +5,8 @@ What a gather exchanges is the same on every rank whatever this rank holds (runt
 received into scratch): a peer waiting in one is served, goes on, and learns of the failure at the next
 reduce-scatter, before the update behind it. A gather carries no word of its own (its own message to every peer
 cost the step several per cent). A reduce-scatter's words ride on its first swap of chunks (two ranks, fp32
-buffers: ``rides``), else it meets on the default group first; a rank that failed replays its swaps on zeros."""
+buffers: ``rides``), or beside its all-reduces (three ranks or more), else it meets on the default group first; a
+rank that failed replays its swaps or all-reduces on zeros."""
 from __future__ import annotations
 
 import inspect
@@ -17,7 +18,7 @@ from harmony.runtime.comm.jobwide import STEP_KEY, Words, ghost
 from harmony.runtime.partitioned.carry import CARRY
 
 GATHERS = "gathers"       # the key of the gathers' words (their own group, the copy thread's)
-__all__ = ["GATHERS", "Words", "rides"]
+__all__ = ["GATHERS", "Words", "rides", "swapped"]
 
 
 @ghost("gather")
@@ -60,17 +61,22 @@ def refills(rt, pack: int, where) -> bool:
 
 
 def rides(shares, comm) -> bool:
-    """Whether a reduce-scatter's words ride on its first swap of chunks (two ranks, fp32 buffers, no codec), else
-    it meets first; the same on every rank (the plan's)."""
-    return comm is None and bool(shares.segments) and all(seg.pairwise and seg.codec is None
-                                                          for seg in shares.segments)
+    """Whether a reduce-scatter's words ride on its collectives (fp32 buffers, no codec): on its first swap of chunks
+    (``swapped``: two ranks), else beside its all-reduces (``Words.launch``); else it meets first. The same on every
+    rank (the plan's)."""
+    return comm is None and bool(shares.segments) and all(seg.codec is None for seg in shares.segments)
+
+
+def swapped(shares) -> bool:
+    """Whether every segment of a riding reduce-scatter swaps chunks (two ranks), so the words go in its first swap."""
+    return all(seg.pairwise for seg in shares.segments)
 
 
 @ghost("reduce_scatter")
 def _reduce_scatter_ghost(rt, node) -> None:
     """In a replay: the reduce-scatter's meet, or its swaps of chunks (zeros sent) with this rank's word."""
     from harmony.runtime.partitioned import reduce_scatter
-    from harmony.runtime.partitioned.reduce import swap_chunks
+    from harmony.runtime.partitioned.reduce import all_reduce_chunk, swap_chunks
     args = inspect.signature(reduce_scatter).bind(*node.args, **node.kwargs).arguments
     shares, status = rt.plan.at(args["pack"]).shares, rt.status
     if not rides(shares, args.get("comm")):
@@ -79,6 +85,14 @@ def _reduce_scatter_ghost(rt, node) -> None:
     if status.skip(STEP_KEY):
         return
     words = Words(status, STEP_KEY, None)
+    beside = not swapped(shares)
+    if beside:
+        words.launch(shares.world, shares.rank, status.timeout)
     for seg in shares.segments:
-        swap_chunks(torch.zeros(seg.size), seg, shares.rank, words)
+        if seg.pairwise:
+            swap_chunks(torch.zeros(seg.size), seg, shares.rank, None if beside else words)
+        else:
+            all_reduce_chunk(torch.zeros(seg.size), seg, shares.rank, shares.world, None, {})
+    if beside:
+        words.join(status.timeout)
     words.settle(raises=False)
