@@ -235,9 +235,10 @@ def _none(m, *args, **kwargs):
 
 
 def _p2p_cost(plan, hw, *args, names=(), **kw):
-    """The message at the device-to-device link's speed (``p2p_bandwidth``; the network's where a device has none)."""
+    """The message at the device-to-device link's speed (``p2p_bandwidth``; the network's where a device has none), on
+    the ``p2p`` stream: not the link between servers, which a grid's all-reduces take."""
     bandwidth = getattr(hw, "p2p_bandwidth", None) or getattr(hw, "network_bandwidth", NOMINAL_NETWORK_BANDWIDTH)
-    return "network", message_bytes(plan, names) / bandwidth + getattr(hw, "network_latency",
+    return "p2p", message_bytes(plan, names) / bandwidth + getattr(hw, "network_latency",
                                                                          NOMINAL_NETWORK_LATENCY)
 
 
