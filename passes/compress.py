@@ -345,8 +345,7 @@ def _agree_replicas(program: Program, comm: _Comm, owned: dict, grid) -> int | N
     """``_agree_across_ranks`` in a grid (``parallel=("pipeline", "data")``) for a live rank's own plan: the job's ranks
     check their codecs agree; this stage's weights come from pipeline 0's rank; a pack's gradients are a group."""
     import torch.distributed as dist
-    cfg = program.config
-    if cfg.offline or not (dist.is_available() and dist.is_initialized()) or dist.get_rank() != cfg.rank:
+    if program.config.offline or not dist.is_initialized() or dist.get_rank() != program.config.rank:
         return None
     check_same_plan(repr((comm.world, comm.spec, comm.adaptive, comm.min_size, comm.policy, comm.global_batch)))
     sent = broadcast_state(program, {n for s in program.plan.packs for n in s.params + s.buffers},
