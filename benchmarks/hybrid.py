@@ -16,12 +16,16 @@ one sequence, AdamW. Three ways to use the servers, each planned by Harmony and 
   4-bit (CGX's bytes: 4 bits a value plus a bucket's two fp32 per 512 values).
 - **pipeline alone**: one server's pipeline of 8 on the whole batch; the other servers idle.
 
-Throughput is the global batch over the step; the ratios are hybrid's (4-bit) over the better of the others (the
-same codec for data parallelism). Host memory is each server's fp32 weights and optimizer state (data parallelism:
-8 copies). Results go to benchmarks/results/hybrid-simulated.json.
+A step is the longest of the simulated step, the all-reduce (data parallelism) and a bound the simulator does not
+apply itself: the server's host memory bandwidth carrying every rank's host optimizer steps (``host_step_bound_s``;
+data parallelism's 8 copies make it bind). Host memory is each server's fp32 weights and optimizer state (data
+parallelism: 8 copies), against the server description's ``host_memory`` (``fits_host``). Throughput is the global
+batch over the step; the ratios are hybrid's (4-bit) over the better of the others (the same codec for data
+parallelism), and over the better of those that fit the host. Results: benchmarks/results/hybrid-simulated.json.
 
     python benchmarks/hybrid.py                 # both models (about half an hour of planning on 2 cores)
     python benchmarks/hybrid.py --quick         # a 1.3B GPT only, a few minutes
+    python benchmarks/hybrid.py --emulated      # as root: two namespaces on a 1 Gbit/s link (hybrid_emulated.py)
 """
 from __future__ import annotations
 
@@ -56,6 +60,16 @@ def host_bytes(programs, copies=1) -> int:
     return copies * sum(s.master_bytes + s.optim_bytes for p in programs for s in p.plan.packs)
 
 
+def host_seconds(programs, hw, copies=1) -> float:
+    """A bound the simulator does not apply itself: the server's host memory carries every rank's host optimizer
+    steps (``step_traffic`` of each host-stepped pack), ``copies`` times, at its ``host_memory_bandwidth``."""
+    from harmony.base.tiers import Tier
+    from harmony.runtime.plan import step_traffic
+    traffic = sum(step_traffic(s.master_bytes, s.optim_bytes) for p in programs for s in p.plan.packs
+                  if p.plan.at(s.index).step_on == Tier.HOST)
+    return copies * traffic / hw.host_memory_bandwidth
+
+
 def plan_model(name: str, args) -> dict:
     """Every plan of one model: the pipeline alone, the grid's per server count and codec, the data-parallel
     replica per server count (each planned once, simulated per link)."""
@@ -66,7 +80,7 @@ def plan_model(name: str, args) -> dict:
     from harmony.driver.node import plan_node
     from harmony.models import GPT, GPTConfig
     hw = Hardware.node("8xa100-40gb")
-    opt = dict(optimizer=torch.optim.AdamW, optimizer_kwargs=dict(lr=1e-4))
+    opt = dict(optimizer=torch.optim.AdamW, optimizer_kwargs=dict(lr=1e-4), precision=args.precision)
     plans, t0 = {}, time.perf_counter()
     with torch.device("meta"):
         model = GPT(GPTConfig(vocab=50257, seq=1024, tie=False, **MODELS[name]))
@@ -104,22 +118,31 @@ def rows_of(name: str, got: dict, args) -> tuple[list[dict], list[dict]]:
             speed = {}
             head = dict(model=name, params_B=params / 1e9, servers=s, link=link_name)
 
-            def row(system, step, comm, host, node):
+            def row(system, node, comm, programs, copies=1):
+                host, host_s = host_bytes(programs, copies), host_seconds(programs, hw, copies)
+                step = max(node.step_seconds, comm, host_s)
                 speed[system] = args.batch / step
+                if host > hw.host_memory:
+                    unfit.add(system)
                 util = sum(d.busy.get("compute", 0.0) for d in node.devices) / (len(node.devices) * step)
-                rows.append(dict(head, system=system, step_s=step, allreduce_s=comm, samples_per_s=speed[system],
-                                 compute_util=util, peak_GiB=node.peak_bytes / GiB, host_GiB_per_server=host / GiB))
-            row("pipeline alone", pipe.step_seconds, 0.0, host_bytes(plans["pipeline"]), pipe)
+                rows.append(dict(head, system=system, step_s=step, simulated_s=node.step_seconds, allreduce_s=comm,
+                                 host_step_bound_s=host_s, samples_per_s=speed[system], compute_util=util,
+                                 peak_GiB=node.peak_bytes / GiB, host_GiB_per_server=host / GiB,
+                                 fits_host="yes" if host <= hw.host_memory else "no"))
+            unfit: set = set()
+            row("pipeline alone", pipe, 0.0, plans["pipeline"])
             for codec in (None, "4bit"):
                 progs = plans[("hybrid", s, codec)]
                 node = simulate_programs(progs, hw.replace(network_bandwidth=link / GPUS, network_latency=LATENCY))
                 comm = max(sum(e.end - e.start for e in d.events if e.name.startswith("ar")) for d in node.devices)
-                row(f"hybrid {codec or 'fp32'}", node.step_seconds, comm, host_bytes(progs), node)
-                comm = dp_allreduce(params, s, link, codec)
-                row(f"data parallel {codec or 'fp32'}", max(dp_node.step_seconds, comm), comm,
-                    host_bytes([plans[("data", s)]], GPUS), dp_node)
+                row(f"hybrid {codec or 'fp32'}", node, 0.0, progs)        # its all-reduces are in the simulation
+                row(f"data parallel {codec or 'fp32'}", dp_node, dp_allreduce(params, s, link, codec),
+                    [plans[("data", s)]], GPUS)
+                rows[-2]["allreduce_s"] = comm
             best = max(speed["data parallel 4bit"], speed["pipeline alone"])
+            fit = [v for k, v in speed.items() if k in ("data parallel 4bit", "pipeline alone") and k not in unfit]
             ratios.append(dict(head, **{"hybrid 4bit / best other": speed["hybrid 4bit"] / best,
+                                        "hybrid 4bit / best other fitting the host": speed["hybrid 4bit"] / max(fit),
                                         "hybrid 4bit / data parallel 4bit": speed["hybrid 4bit"]
                                         / speed["data parallel 4bit"],
                                         "hybrid 4bit / pipeline alone": speed["hybrid 4bit"] / speed["pipeline alone"],
@@ -128,17 +151,64 @@ def rows_of(name: str, got: dict, args) -> tuple[list[dict], list[dict]]:
     return rows, ratios
 
 
+def emulated(args) -> dict:
+    """The EMULATED part (benchmarks/hybrid_emulated.py): measured throughput of each system, the grid's predicted
+    step beside its measured one, ratios."""
+    import hybrid_emulated
+    if args.worker:
+        hybrid_emulated.worker(args)
+        return {}
+    if args.emulated_inner:
+        return hybrid_emulated.inner(args)
+    got = hybrid_emulated.outer(args)
+    speed = {k: v["samples_per_s"] for k, v in got.items() if v}
+    rows = [dict(system=k, **v) for k, v in got.items() if v]
+    print(common.table(rows, f"EMULATED: two servers of 2 ranks on this machine, {args.rate} between them"))
+    figures = {f"emulated {k} samples/s": v for k, v in speed.items()}
+    others = [speed[k] for k in ("data parallel 4bit", "pipeline alone (2 ranks)") if k in speed]
+    if "grid 4bit" in speed and others:
+        figures["emulated grid 4bit / best other"] = speed["grid 4bit"] / max(others)
+    for k in ("grid fp32", "grid 4bit"):
+        if got.get(k) and got[k].get("predicted_step_s"):
+            figures[f"emulated {k} predicted/measured"] = got[k]["predicted_step_s"] / got[k]["step_s"]
+    print(common.table([figures], "EMULATED: ratios (target: grid 4bit >= 1.5x the better other; the simulator "
+                                  "within 15%)"))
+    return figures
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--emulated", action="store_true", help="the EMULATED part only (as root: network namespaces)")
+    ap.add_argument("--rate", default="1gbit", help="the emulated link between the two servers (default 1gbit)")
+    ap.add_argument("--out", default="hybrid-emulated", help="the emulated part's files (default hybrid-emulated)")
+    ap.add_argument("--steps", type=int, default=6, help="emulated steps timed after 2 warm-up (default 6)")
+    ap.add_argument("--width", type=int, default=512, help="the emulated GPT's width (default 512)")
+    ap.add_argument("--layers", type=int, default=4, help="the emulated GPT's blocks (default 4)")
+    ap.add_argument("--emulated-inner", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--compression", default="none", help=argparse.SUPPRESS)
+    ap.add_argument("--result", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--rate-bytes", type=float, default=0.0, help=argparse.SUPPRESS)
     ap.add_argument("--quick", action="store_true", help="the 1.3B GPT only (a few minutes)")
     ap.add_argument("--models", nargs="+", default=None, choices=sorted(MODELS), help="default: gpt-13b gpt-30b")
     ap.add_argument("--servers", nargs="+", type=int, default=list(SERVERS), help="server counts (default 2 4)")
     ap.add_argument("--batch", type=int, default=64, help="global batch in sequences of 1024 (default 64)")
+    ap.add_argument("--precision", default="fp32", choices=("fp32", "bf16"), help="compute precision (default fp32)")
     ap.add_argument("--json", default=str(RESULTS), help=f"where the figures go (default {RESULTS})")
     args = ap.parse_args(argv)
+    if args.emulated or args.emulated_inner or args.worker:
+        if not args.rate_bytes:
+            import re
+            m = re.fullmatch(r"(\d+(?:\.\d+)?)([kmg]?)bit", args.rate.lower())
+            args.rate_bytes = float(m[1]) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[m[2]] / 8 if m else 125e6
+        figures = emulated(args)
+        if args.emulated:
+            common.save_json(str(RESULTS.with_name("hybrid-emulated.json")), figures)
+        return figures
     models = args.models or (["gpt-1.3b"] if args.quick else ["gpt-13b", "gpt-30b"])
     print(f"SIMULATED, not measured: servers of {GPUS} x A100 SXM4 40 GB, {', '.join(map(str, args.servers))} of "
-          f"them on {' or '.join(LINKS)}; global batch {args.batch} x 1024 tokens in microbatches of 1", flush=True)
+          f"them on {' or '.join(LINKS)}; global batch {args.batch} x 1024 tokens in microbatches of 1, "
+          f"{args.precision}", flush=True)
     all_rows, all_ratios, figures = [], [], {}
     for name in models:
         got = plan_model(name, args)
@@ -149,8 +219,9 @@ def main(argv=None) -> dict:
         for r in ratios:
             for k, v in r.items():
                 if "/" in k:
-                    figures[f"simulated {r['model']} {r['servers']} servers {r['link']} {k}"] = v
-        figures.update({f"simulated {r['model']} {r['servers']} servers {r['link']} {r['system']} samples/s":
+                    figures[f"simulated {args.precision} {r['model']} {r['servers']} servers {r['link']} {k}"] = v
+        figures.update({f"simulated {args.precision} {r['model']} {r['servers']} servers {r['link']} {r['system']} "
+                        f"samples/s":
                         r["samples_per_s"] for r in rows})
         common.save_json(args.json, figures)      # after each model: a long run keeps what it has
     print()
