@@ -49,8 +49,10 @@ def _launch(system: str, args, port: int) -> list[subprocess.Popen]:
     for i in range(nodes):
         ns, addr, dev = (os.environ[f"{k}_{'AB'[i]}"] for k in ("NS", "ADDR", "IF"))
         run = ["--nnodes", str(nodes), "--nproc_per_node", "2"]
+        # the store lives in namespace A: c10d cannot tell that 10.77.0.1 is A's own address, so it is told
         run += (["--rdzv-backend", "c10d", "--rdzv-endpoint", f"{os.environ['ADDR_A']}:{port}", "--rdzv-id",
-                 f"{kind}{port}", "--local-addr", addr] if nodes > 1 else
+                 f"{kind}{port}", "--rdzv-conf", f"is_host={int(i == 0)},join_timeout=120", "--local-addr", addr]
+                if nodes > 1 else
                 ["--master_addr", "127.0.0.1", "--master_port", str(port)])
         iface = f"GLOO_SOCKET_IFNAME={dev if nodes > 1 else 'lo'}"
         procs.append(subprocess.Popen(["ip", "netns", "exec", ns, "env", iface, sys.executable, "-m",
