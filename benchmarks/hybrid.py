@@ -169,7 +169,8 @@ def emulated(args) -> dict:
     got = hybrid_emulated.outer(args)
     speed = {k: v["samples_per_s"] for k, v in got.items() if v}
     rows = [dict(system=k, **v) for k, v in got.items() if v]
-    print(common.table(rows, f"EMULATED: two servers of 2 ranks on this machine, {args.rate} between them"))
+    print(common.table(rows, f"EMULATED: two servers of 2 ranks on this machine, {args.rate} between them, "
+                             f"speed factor {args.speed_factor:g}"))
     figures = {f"emulated {k} samples/s": v for k, v in speed.items()}
     others = [speed[k] for k in ("data parallel 4bit", "pipeline alone (2 ranks)") if k in speed]
     if "grid 4bit" in speed and others:
@@ -190,6 +191,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--steps", type=int, default=6, help="emulated steps timed after 2 warm-up (default 6)")
     ap.add_argument("--width", type=int, default=512, help="the emulated GPT's width (default 512)")
     ap.add_argument("--layers", type=int, default=4, help="the emulated GPT's blocks (default 4)")
+    ap.add_argument("--speed-factor", type=float, default=4.0, help="emulated devices: compute slept out to this "
+                                                                     "many times its CPU time (default 4)")
     ap.add_argument("--emulated-inner", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--compression", default="none", help=argparse.SUPPRESS)
@@ -209,7 +212,8 @@ def main(argv=None) -> dict:
             args.rate_bytes = float(m[1]) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[m[2]] / 8 if m else 125e6
         figures = emulated(args)
         if args.emulated:
-            common.save_json(str(RESULTS.with_name("hybrid-emulated.json")), figures)
+            name = "hybrid-emulated" + ("" if args.speed_factor == 4 else f"-speed{args.speed_factor:g}") + ".json"
+            common.save_json(str(RESULTS.with_name(name)), figures)
         return figures
     models = args.models or (["gpt-1.3b"] if args.quick else ["gpt-13b", "gpt-30b"])
     print(f"SIMULATED, not measured: servers of {GPUS} x A100 SXM4 40 GB, {', '.join(map(str, args.servers))} of "

@@ -5,10 +5,13 @@ joined by a tc-limited link (benchmarks/netns2.sh), measured side by side:
 - 4-rank data parallelism over both namespaces (4-bit gradients: its best);
 - a 2-rank pipeline in one namespace (the other server idle).
 
-Every run is launched as users launch: one ``torchrun`` per namespace (``--nnodes 2 --rdzv-backend c10d``), the
-pipeline alone with one. Each trains the same GPT on the same global batch; throughput is the global batch over the
-median measured step. Beside the grid's measurement, rank 0's ``sm.simulate()`` of its server (this machine's
-profile as logical devices, the link's rate as ``network_bandwidth``) gives the predicted step.
+Each rank is a logical device whose compute ops the runtime sleeps out to ``--speed-factor`` (default 4) times their
+CPU time (EMULATED slower devices, as benchmarks/pipeline.py does), so that 4 ranks on this 2-core machine do not
+spend the measurement waiting for a core (``--speed-factor 1``: CPU-bound). Every run is launched as users launch: one
+``torchrun`` per namespace (``--nnodes 2 --rdzv-backend c10d``), the pipeline alone with one. Each trains the same GPT
+on the same global batch; throughput is the global batch over the median measured step. Beside the grid's measurement,
+rank 0's ``sm.simulate()`` of its server (this machine's profile as logical devices, the link's rate as
+``network_bandwidth``) gives the predicted step.
 
     python benchmarks/hybrid.py --emulated          # as root: makes and removes the namespaces
 """
@@ -33,7 +36,7 @@ def outer(args) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     cmd = ["bash", str(HERE / "netns2.sh"), args.rate, sys.executable, str(HERE / "hybrid.py"), "--emulated-inner",
            "--rate", args.rate, "--out", str(out), "--steps", str(args.steps), "--width", str(args.width),
-           "--layers", str(args.layers)]
+           "--layers", str(args.layers), "--speed-factor", str(args.speed_factor)]
     subprocess.run(cmd, check=True, timeout=3000)
     return json.loads((out / "emulated.json").read_text())
 
@@ -44,7 +47,7 @@ def _launch(system: str, args, port: int) -> list[subprocess.Popen]:
     result = str(Path(args.out) / f"{system.replace(' ', '_')}.json")
     worker = [str(HERE / "hybrid.py"), "--worker", kind, "--compression", codec, "--result", result,
               "--steps", str(args.steps), "--width", str(args.width), "--layers", str(args.layers),
-              "--rate-bytes", str(args.rate_bytes)]
+              "--rate-bytes", str(args.rate_bytes), "--speed-factor", str(args.speed_factor)]
     procs = []
     for i in range(nodes):
         ns, addr, dev = (os.environ[f"{k}_{'AB'[i]}"] for k in ("NS", "ADDR", "IF"))
@@ -93,7 +96,9 @@ def worker(args) -> None:
     batch = 16
     data = list(copy_task(c, batch, args.steps + 2, seed=0))
     codec = None if args.compression == "none" else args.compression
-    common = dict(optimizer=torch.optim.AdamW, optimizer_kwargs=dict(lr=1e-3), memory_budget=int(32 * n),
+    budget = int(32 * n)       # every rank a logical device, its compute slept out to speed_factor x its CPU time
+    hw = Hardware.this_machine().logical([budget], [args.speed_factor])
+    common = dict(optimizer=torch.optim.AdamW, optimizer_kwargs=dict(lr=1e-3), memory_budget=budget, hardware=hw,
                   comm_timeout=300)
     if args.worker == "grid":
         def cut(b):
@@ -119,7 +124,7 @@ def worker(args) -> None:
         out = dict(params_M=n / 1e6, global_batch=batch, step_s=step, samples_per_s=batch / step,
                    steps=len(times))
         if args.worker == "grid":
-            hw = Hardware.this_machine().logical([common["memory_budget"]] * 2)
+            hw = Hardware.this_machine().logical([budget] * 2, [args.speed_factor] * 2)
             out["predicted_step_s"] = sm.simulate(hw.replace(network_bandwidth=args.rate_bytes)).step_seconds
         Path(args.result).write_text(json.dumps(out))
     sm.close()
