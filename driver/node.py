@@ -22,30 +22,38 @@ import torch
 from harmony.base.errors import ConfigError
 from harmony.compiler import cost
 from harmony.compiler.config import Config
+from harmony.compiler.config_checks import HYBRID
 from harmony.compiler.ir import Program
 from harmony.compiler.passmanager import run_passes
 from harmony.compiler.trace import trace
 from harmony.driver.compile import batch_items, batch_size, resolve, tensors_of
+from harmony.driver.modes.grid import Grid
 from harmony.driver.modes.pipeline import Pipeline
 from harmony.driver.modes.pipeline_plan import simulate_programs
 from harmony.passes.stage import check_config
+from harmony.runtime.comm.grid import grid_of
 
 __all__ = ["plan_node", "simulate_programs"]
 
 
 def plan_node(model: torch.nn.Module, example_batch, hardware, *, world: int | None = None, memory_budget=None,
-              config: Config | None = None, **options) -> list:
+              config: Config | None = None, replicas: int = 1, **options) -> list:
     """One ``Program`` per rank of a pipeline over ``world`` devices of ``hardware`` (default: all of them).
 
     ``memory_budget``: bytes per device (default: each device's memory); every other option as
-    ``harmony.compile``'s (``microbatches``, ``placement``, ``policy``, ...). ``device="meta"`` is the default:
-    build the model under ``torch.device("meta")`` and nothing is allocated.
+    ``harmony.compile``'s (``microbatches``, ``placement``, ``policy``, ``compression``, ...). ``device="meta"`` is
+    the default: build the model under ``torch.device("meta")`` and nothing is allocated. ``replicas=R`` > 1: the
+    first server's pipeline of a grid of R servers (``parallel=("pipeline", "data")``, driver/modes/grid.py), each
+    rank's packs' gradients all-reduced over R ranks after their last backward; ``example_batch`` is one pipeline's
+    rows.
     """
     world = world or len(hardware.devices)
     if world > len(hardware.devices):
         raise ConfigError(f"world={world} but the hardware has {len(hardware.devices)} devices")
-    if options.pop("parallel", "pipeline") != "pipeline":
+    if options.pop("parallel", "pipeline") not in ("pipeline", HYBRID):
         raise ConfigError("plan_node plans a pipeline: drop parallel=, or use harmony.compile for one device")
+    if replicas != 1:
+        grid_of(world * replicas, world)        # a grid that cannot be: said here
     options.setdefault("device", "meta")
     group = options.pop("pipeline_group", None)     # checked with parallel='pipeline' below
     if group == "auto":
@@ -57,7 +65,12 @@ def plan_node(model: torch.nn.Module, example_batch, hardware, *, world: int | N
     cfg, _ = resolve(options, batch_size(batch))
     passes = Pipeline().passes(cfg.passes)     # the stage pass after the partition
     cfg = dataclasses.replace(cfg, parallel="pipeline", world_size=world, passes=passes, pipeline_group=group)
-    check_config(cfg)
+    if replicas > 1:     # the grid's first pipeline: its ranks' all-reduces over R, nothing live to meet
+        cfg = dataclasses.replace(cfg, parallel=HYBRID, pipeline_size=world, world_size=world * replicas,
+                                  data_parallel=True, offline=True)
+        Grid().check(cfg, None)
+    else:
+        check_config(cfg)
     gm = trace(model, dict(zip(names, batch)) if names else tuple(batch), loss_fn=cfg.loss_fn,
                leaf_modules=cfg.leaf_modules, dtype=cfg.compute_dtype)
     batch = tensors_of(batch)

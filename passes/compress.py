@@ -324,10 +324,10 @@ def _agree_across_ranks(program: Program, comm: _Comm, owned: dict) -> int | Non
 
 
 def _agree_replicas(program: Program, comm: _Comm, owned: dict, grid) -> int | None:
-    """``_agree_across_ranks`` in a grid (``parallel=("pipeline", "data")``): the job's ranks check their codecs
-    agree; this stage's weights come from pipeline 0's rank over the replica group; a pack's gradients are a group."""
+    """``_agree_across_ranks`` in a grid (``parallel=("pipeline", "data")``) for a live rank's own plan: the job's ranks
+    check their codecs agree; this stage's weights come from pipeline 0's rank; a pack's gradients are a group."""
     import torch.distributed as dist
-    if getattr(program.config, "offline", False) or not (dist.is_available() and dist.is_initialized()):
+    if program.config.offline or not dist.is_initialized() or dist.get_rank() != program.config.rank:
         return None
     check_same_plan(repr((comm.world, comm.spec, comm.adaptive, comm.min_size, comm.policy, comm.global_batch)))
     sent = broadcast_state(program, {n for s in program.plan.packs for n in s.params + s.buffers},

@@ -27,7 +27,7 @@ from harmony.base.units import nbytes
 from harmony.runtime.comm.failures import guarded, wait_work
 from harmony.runtime.comm.jobwide import ABORT, STEP_KEY, Aborted, Words, ghost
 from harmony.runtime.ops import Acts, Predicted, arrived, register
-from harmony.runtime.plan import NOMINAL_NETWORK_BANDWIDTH, NOMINAL_NETWORK_LATENCY
+from harmony.runtime.plan import NOMINAL_NETWORK_BANDWIDTH, NOMINAL_NETWORK_LATENCY, mean_loss
 
 SLOTS = 256          # tags per message: the mask, then one per value
 
@@ -160,12 +160,18 @@ def _share_loss_execute(rt, src):
     st = rt.plan.stage
     join_sends(rt)
     status = rt.status if rt.status is not None and rt.status.active else None
-    loss = torch.stack([x.float() for x in rt.losses]).mean().reshape(1) if st.rank == src else torch.zeros(1)
+    if st.rank != src:
+        loss = torch.zeros(1)
+    elif st.grid is not None:   # this pipeline's loss as its step returns it (a token mean's term: times its scale)
+        loss = mean_loss(rt.losses, rt.rows, rt.token_scale).reshape(1)
+    else:
+        loss = torch.stack([x.float() for x in rt.losses]).mean().reshape(1)
     summed = _loss_exchange(rt, loss, Words(status, STEP_KEY, None) if status is not None else None, src)
     if status is not None and status.seen:
         raise Aborted(f"rank {st.rank}: a rank's step failed before the loss was shared")
-    if st.grid is not None:      # every pipeline's loss rank added its replica's: the job's mean
-        rt.losses = [summed[0] / st.grid.replicas]
+    if st.grid is not None:      # the pipelines' mean, what the step returns from a list of one (``mean_loss``)
+        scale = rt.token_scale if rt.token_scale not in (None, 1) else 1
+        rt.losses = [summed[0] / st.grid.replicas / scale]
     elif st.rank != src:
         rt.losses = [summed[0]]
 
@@ -229,9 +235,10 @@ def _none(m, *args, **kwargs):
 
 
 def _p2p_cost(plan, hw, *args, names=(), **kw):
-    """The message at the device-to-device link's speed (``p2p_bandwidth``; the network's where a device has none)."""
+    """The message at the device-to-device link's speed (``p2p_bandwidth``; the network's where a device has none), on
+    the ``p2p`` stream: not the link between servers, which a grid's all-reduces take."""
     bandwidth = getattr(hw, "p2p_bandwidth", None) or getattr(hw, "network_bandwidth", NOMINAL_NETWORK_BANDWIDTH)
-    return "network", message_bytes(plan, names) / bandwidth + getattr(hw, "network_latency",
+    return "p2p", message_bytes(plan, names) / bandwidth + getattr(hw, "network_latency",
                                                                          NOMINAL_NETWORK_LATENCY)
 
 

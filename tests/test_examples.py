@@ -110,6 +110,32 @@ def test_data_parallel_two_ranks_with_the_4bit_allreduce(tmp_path):
 
 
 @pytest.mark.slow
+def test_hybrid_two_nodes_of_two_ranks_train_one_grid(tmp_path):
+    """Two torchrun invocations as two servers, joined by the c10d rendezvous, as users launch on two machines."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    args = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "2", "--rdzv-backend",
+            "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "hybrid-test", str(EXAMPLES / "hybrid.py"),
+            "--tiny", "--out", str(tmp_path / "ckpt")]
+    env = dict(os.environ, OMP_NUM_THREADS="1", HARMONY_COMM_TIMEOUT="120")
+    nodes = [subprocess.Popen(args, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    outs = []
+    for node in nodes:
+        try:
+            out, err = node.communicate(timeout=400)
+        finally:
+            node.kill()
+        assert node.returncode == 0, out[-3000:] + err[-3000:]
+        outs.append(out)
+    out = "".join(outs)       # rank 0 prints, on whichever node it landed
+    assert "4 ranks as 2 x 2 (pipeline x data parallel)" in out and "== grid: 2 x 2" in out
+    assert "replicas equal (the ranks holding the same packs): True" in out and len(_losses(out)) >= 2
+    assert sorted(os.listdir(tmp_path / "ckpt")) == [f"rank-{r}-of-4" for r in range(4)]
+
+
+@pytest.mark.slow
 def test_zero3_partitions_a_llama_over_two_ranks_and_trains_like_the_replicated_run(tmp_path):
     pytest.importorskip("transformers")
     outs = {m: _torchrun("zero3.py", tmp_path, "--out", tmp_path / m, *(["--replicated"] if m == "rep" else []))
@@ -148,7 +174,7 @@ def test_inspect_plan_prints_report_code_drawings_and_a_simulated_gpu_step(tmp_p
 
 def test_every_example_has_a_test_and_a_tiny_flag():
     scripts = sorted(p.stem for p in EXAMPLES.glob("*.py"))
-    assert scripts == ["bf16", "data_parallel", "disk_offload", "hf_finetune", "inspect_plan", "lora",
+    assert scripts == ["bf16", "data_parallel", "disk_offload", "hf_finetune", "hybrid", "inspect_plan", "lora",
                        "mismatched_devices", "trainer", "zero3"]
     here = Path(__file__).read_text()
     for name in scripts:

@@ -54,8 +54,12 @@ def _train(steps=STEPS, save=None, **kw):
     losses = [sm(*harmony.data.shard(data[i % len(data)], pipeline_size=2)).item() for i in range(steps)]
     if save is not None:
         harmony.save(sm, save)
+        node = sm.simulate()        # this rank's server: its pipeline's ranks, their all-reduces on the shared link
+        simulated = dict(devices=len(node.devices), step=node.step_seconds,
+                         reduces=sum(1 for d in node.devices for e in d.events if e.name.startswith("ar")))
     out = dict(params={n: t.numpy().copy() for n, t in _mine(sm).items()}, losses=losses, text=sm.report(),
                optim=_optim(sm), files=sorted(os.listdir(save)) if save else None,
+               simulated=simulated if save is not None else None,
                stats=dict(sm.stats), ops=[n.target.__name__ for n in sm.graph.nodes if n.op == "call_function"])
     sm.close()
     return out
@@ -147,21 +151,25 @@ def _eager(replicas=2):
         model, data = _case()
         model = copy.deepcopy(model)
         opt = SGD["optimizer"](model.parameters(), **optimizer_kwargs(SGD["optimizer"], SGD["optimizer_kwargs"]))
+        losses = []
         for i in range(STEPS):
-            grads = []
+            grads, total = [], 0.0
             for r in range(replicas):
                 for mb in split(harmony.data.shard(data[i % len(data)], r, replicas), MICROBATCHES):
-                    (call(model, mb) / MICROBATCHES).backward()
+                    loss = call(model, mb)
+                    (loss / MICROBATCHES).backward()
+                    total += loss.item() / (MICROBATCHES * replicas)
                 grads.append([p.grad for p in model.parameters()])
                 model.zero_grad(set_to_none=True)
             for p, *gs in zip(model.parameters(), *grads):
-                total = gs[0].clone()
+                summed = gs[0].clone()
                 for g in gs[1:]:
-                    total.add_(g)
-                p.grad = total.div_(replicas)
+                    summed.add_(g)
+                p.grad = summed.div_(replicas)
             opt.step()
             opt.zero_grad()
-        return {n: p.detach().clone() for n, p in model.named_parameters()}
+            losses.append(total)
+        return dict({n: p.detach().clone() for n, p in model.named_parameters()}, losses=losses)
     finally:
         torch.set_num_threads(threads)
 
@@ -218,15 +226,18 @@ def test_a_two_by_two_grid_trains_bitwise_as_eager_accumulation(grid):
         for n, t in got.items():
             assert torch.equal(torch.from_numpy(t), ref[n]), f"rank {r}: {n} differs from eager accumulation"
             seen.setdefault(n, set()).add(r)
-    assert set(seen) == set(ref), "every parameter is held by some rank"
+    assert set(seen) == set(ref) - {"losses"}, "every parameter is held by some rank"
     assert all(len(rs) == 2 for rs in seen.values()), "each parameter on one rank of each pipeline"
     assert grid[0]["fp32"]["params"].keys() == grid[2]["fp32"]["params"].keys()
     ops = grid[0]["fp32"]["ops"]
     assert "allreduce" in ops and "send" in ops and "share_loss" in ops
+    sim = grid[0]["fp32"]["simulated"]
+    assert sim["devices"] == 2 and sim["step"] > 0 and sim["reduces"] >= 2, sim     # sm.simulate(): the server
     text = grid[0]["fp32"]["text"]
     assert "grid: 2 x 2" in text and "replica" in text
     losses = [grid[r]["fp32"]["losses"] for r in range(4)]
     assert all(lo == losses[0] for lo in losses), "every rank returns the job's mean loss"
+    assert losses[0] == pytest.approx(ref["losses"], rel=1e-5)
 
 
 @pytest.mark.slow
@@ -237,8 +248,7 @@ def test_four_bit_gradients_keep_every_replica_equal(grid):
         for n in pa:
             assert (pa[n] == pb[n]).all(), f"ranks {a} and {b} differ in {n} under 4-bit gradients"
     ref = grid["ref"]
-    moved = [n for n in grid[0]["q4"]["params"] if not torch.equal(torch.from_numpy(grid[0]["q4"]["params"][n]),
-                                                                    ref[n])]
+    moved = [n for n, t in grid[0]["q4"]["params"].items() if not torch.equal(torch.from_numpy(t), ref[n])]
     assert moved, "4-bit gradients change the bits (the codec ran)"
     assert grid[0]["q4"]["stats"]["comm_ratio"] > 4
 
@@ -261,6 +271,26 @@ def test_what_a_grid_does_not_do_is_refused_by_name_on_every_rank(grid):
             said = grid[r]["refused"][key]
             assert named in said, (key, r, said)
             assert "torchrun" in said or "use " in said, (key, said)      # and what to do instead
+
+
+def test_plan_node_plans_a_grids_pipeline_and_the_link_between_servers_costs_its_all_reduces():
+    from harmony import Hardware
+    from harmony.driver.node import plan_node, simulate_programs
+    from harmony.models import GPT, GPTConfig
+    hw = Hardware.node("4x1080ti")
+    with torch.device("meta"):
+        model = GPT(GPTConfig(layers=4, width=64, heads=2, vocab=128, seq=32, tie=False))
+        ids = torch.zeros(8, 32, dtype=torch.long)
+        alone = plan_node(model, (ids, ids), hw, microbatches=4)
+        grid = plan_node(model, (ids, ids), hw, microbatches=4, replicas=2, compression="4bit")
+    def reduces(p):
+        return [n.kwargs for n in p.schedule.nodes if n.op == "call_function" and n.target.__name__ == "allreduce"]
+    assert all(reduces(p) and all(kw["world"] == 2 for kw in reduces(p)) for p in grid)
+    assert not any(reduces(p) for p in alone)
+    slow, fast = (simulate_programs(grid, hw.replace(network_bandwidth=b)).step_seconds for b in (1e5, 1e12))
+    assert slow > fast >= simulate_programs(alone, hw).step_seconds
+    with pytest.raises(ConfigError, match="multiple|no replica|at least"):
+        plan_node(model, (ids, ids), hw, microbatches=4, replicas=0)
 
 
 def test_grids_that_cannot_be_formed_say_what_to_launch():

@@ -82,7 +82,7 @@ def test_swap_in_overlaps_compute_max_not_sum():
     sim = simulate(s.done(), plan(pack(0), pack(1)), UNIT)
     assert sim.step_seconds == 1.0
     assert spans(sim)[1][1:] == ("h2d", 0.0, 1.0)
-    assert sim.utilisation == {"compute": 1.0, "h2d": 1.0, "d2h": 0.0, "disk": 0.0, "network": 0.0}
+    assert sim.utilisation == {"compute": 1.0, "h2d": 1.0, "d2h": 0.0, "disk": 0.0, "network": 0.0, "p2p": 0.0}
 
 
 def test_wait_blocks_compute_until_the_copy_finishes():
@@ -96,7 +96,7 @@ def test_wait_blocks_compute_until_the_copy_finishes():
                                            ("compute", 2.0, 3.0)]
     assert sim.events[2].kind == "sync"
     assert sim.step_seconds == 3.0
-    assert sim.busy == {"compute": 2.0, "h2d": 2.0, "d2h": 0.0, "disk": 0.0, "network": 0.0}
+    assert sim.busy == {"compute": 2.0, "h2d": 2.0, "d2h": 0.0, "disk": 0.0, "network": 0.0, "p2p": 0.0}
     assert sim.utilisation["compute"] == sim.utilisation["h2d"] == pytest.approx(2 / 3)
 
 
@@ -183,7 +183,7 @@ def test_compute_waits_for_its_inputs_load_batch_and_unstash():
     sim = simulate(s.done(), plan(pack(0, out_bytes=2 * G), pack(1), batch_bytes={"x": G}), UNIT)
     assert [e[1:] for e in spans(sim)] == [("h2d", 0.0, 1.0), ("compute", 1.0, 2.0), ("d2h", 2.0, 4.0),
                                            ("h2d", 4.0, 6.0), ("compute", 6.0, 7.0)]
-    assert sim.busy == {"compute": 2.0, "h2d": 3.0, "d2h": 2.0, "disk": 0.0, "network": 0.0}
+    assert sim.busy == {"compute": 2.0, "h2d": 3.0, "d2h": 2.0, "disk": 0.0, "network": 0.0, "p2p": 0.0}
 
 
 def test_backward_recompute_and_step_costs():

@@ -21,6 +21,7 @@ from harmony.compiler.config_checks import HYBRID
 from harmony.compiler.ir import PassReport
 from harmony.driver.modes.base import Mode
 from harmony.driver.modes.pipeline import Pipeline
+from harmony.driver.modes.pipeline_plan import node_hardware, simulate_rank_node
 from harmony.passes.compress import label
 from harmony.passes.stage import grid_of as stage_grid
 from harmony.runtime.comm.grid import grid_of, groups
@@ -90,6 +91,14 @@ class Grid(Pipeline):
 
     def report(self, program):
         return grid_report(program)
+
+    def simulate(self, sm, hardware):
+        """This rank's server simulated (``Pipeline.simulate``), its ranks' replica all-reduces sharing the server's
+        link to the others (``network_bandwidth``: each rank gets 1/P of it)."""
+        if sm.plan.stage is None:
+            return None
+        hw = node_hardware(sm.program.config, hardware)
+        return simulate_rank_node(sm, hw.replace(network_bandwidth=hw.network_bandwidth / sm.plan.stage.world))
 
 
 def grid_report(program) -> PassReport | None:

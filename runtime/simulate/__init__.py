@@ -15,7 +15,8 @@ peak device bytes 6.4 MiB (predicted by verify)
 >>> chrome_trace(sim.events + sm.runtime.events, "both.json")   # prediction beside reality, one viewer
 
 One loop over the schedule in program order and one table of streams. Each device has a
-compute stream and one stream per copy engine (h2d, d2h, disk, network), and its host a
+compute stream and one stream per copy engine (h2d, d2h, disk, network: the link to other servers, p2p: to the
+server's other devices, a pipeline's messages), and its host a
 ``host`` stream (optimizer steps on host copies); an op runs on the stream its ``cost``
 names, for the seconds it returns, and every stream runs its ops in program order, one
 at a time. An op starts when its stream is free and:
@@ -48,7 +49,7 @@ at a time. An op starts when its stream is free and:
 Each rule reads what the op does from its table entry (runtime/ops/'s ``OpDef``: ``fetches``,
 ``releases``, ``steps``, ``stashes``, ``copy_thread``, ...), never its name: a ``gather`` is timed
 as a fetch because its entry says it is one, as is any new op declared one. Stream names
-(``compute``, ``h2d``, ``d2h``, ``disk``, ``network``, ``host``) are strings; where state lives
+(``compute``, ``h2d``, ``d2h``, ``disk``, ``network``, ``p2p``, ``host``) are strings; where state lives
 (a step's ``where=``) is a ``Tier``.
 
 A ``swap_in`` or ``release`` moves only the state that is not already where it goes,
@@ -81,8 +82,8 @@ from harmony.runtime.ops import MemoryModel, moving_names, op_of, ops_of, reside
 from harmony.runtime.ops.update import device_part_cost, streamed_optim_bytes
 from harmony.runtime.plan import Plan
 
-STREAMS = ("compute", "h2d", "d2h", "disk", "network")
-READS_DEVICE = {"d2h", "network"}      # copies out of device memory: after the compute issued before them
+STREAMS = ("compute", "h2d", "d2h", "disk", "network", "p2p")
+READS_DEVICE = {"d2h", "network", "p2p"}      # copies out of device memory: after the compute issued before them
 NO_DISK = {"read": 0.0, "write": 0.0}
 
 

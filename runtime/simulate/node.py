@@ -11,7 +11,8 @@ copies, its host steps); the devices are tied together in two ways:
 
 - **messages**: a pipeline rank's ``recv`` cannot finish before the matching ``send`` (same source, destination
   and tag) is done on the sender: the send takes the message's bytes over the sender's peer-to-peer link
-  (``Device.p2p_bandwidth``, on its ``network`` stream, after the compute that made the values), and the recv
+  (``Device.p2p_bandwidth``, on its ``p2p`` stream, after the compute that made the values; a grid's replica
+  all-reduces run on the ``network`` stream, the link between servers, beside them), and the recv
   ends when it ends. The values go device to device (NCCL's P2P), not through the host.
 - **a shared host link**: devices of one group of ``Hardware.switches`` copy to and from the host through one
   upstream link of ``Hardware.switch_bandwidth`` per direction. A copy runs at its device's own rate where the
