@@ -13,13 +13,14 @@ import torch
 from faults import fail_at
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from models import MLP, eager_accumulate, mlp_case, params, training_state_bytes
+from models import MLP, eager_accumulate, gpt_case, mlp_case, params, training_state_bytes
 
 import harmony
 import harmony.passes.partition as partition
 from harmony.compiler import measured
 from harmony.driver import misses
 from harmony.errors import BudgetError, ConfigError
+from harmony.runtime.safety import SafetyNet
 
 PEAKS = ("fwd_peak", "fwd_keep_peak", "fwd_keep_peak_accum", "bwd_peak", "bwd_peak_accum", "bwd_recompute_peak",
          "bwd_recompute_peak_accum")
@@ -64,9 +65,21 @@ def _assert_eager(sm, model, data):
         assert torch.equal(got[name], p.detach()), name
 
 
-def test_an_under_predicted_plan_stays_in_budget_reports_the_miss_and_trains_as_eager(under_predicting):
-    model, data = mlp_case()
-    budget = int(training_state_bytes(model) * 0.25)
+@pytest.mark.parametrize("case, fraction", [(mlp_case, 0.25), (lambda: gpt_case(layers=2), 0.3)],
+                         ids=["mlp", "gpt"])
+def test_an_under_predicted_plan_stays_in_budget_reports_the_miss_and_trains_as_eager(under_predicting, monkeypatch,
+                                                                                     case, fraction):
+    model, data = case()
+    budget = int(training_state_bytes(model) * fraction)
+    moved = {"weights": 0, "values": 0}
+
+    def counting(real, kind):     # what the net moved, counted as it moves it
+        def counted(self, *args):
+            moved[kind] += 1
+            return real(self, *args)
+        return counted
+    monkeypatch.setattr(SafetyNet, "_drop_weight", counting(SafetyNet._drop_weight, "weights"))
+    monkeypatch.setattr(SafetyNet, "_drop_group", counting(SafetyNet._drop_group, "values"))
     sm = _compile(model, data, budget)
     stats = _train(sm, data)
     ops = {n.name for n in sm.graph.nodes}
@@ -76,6 +89,7 @@ def test_an_under_predicted_plan_stays_in_budget_reports_the_miss_and_trains_as_
     assert first["plan_misses"] >= 1 and first["plan_miss_over_bytes"] > 0 and first["plan_miss_released_bytes"] > 0
     for op, over in first["plan_miss_ops"]:
         assert op in ops and over > 0
+    assert moved["weights"] and moved["values"]     # weights and the executor's values (kept graphs: GPT) both
     assert "plan misses" in sm.report()
     _assert_eager(sm, model, data)
     sm.close()
