@@ -32,10 +32,10 @@ from harmony.base.errors import ConfigError
 from harmony.base.tiers import Tier
 from harmony.base.units import parse_bytes
 from harmony.compiler import config_checks as checks
-from harmony.compiler.config_checks import Group, choice, count, env_field, positive, tier
+from harmony.compiler.config_checks import Group, check_parallel, choice, count, env_field, positive, tier
 from harmony.compiler.hardware import NOMINAL, Device, Hardware
 from harmony.compiler.loss_weighting import LossConfig
-from harmony.runtime.comm.compression import DEFAULT_MIN_SIZE, parse_compression
+from harmony.runtime.comm.compression import DEFAULT_MIN_SIZE
 from harmony.runtime.precision import PRECISIONS, SCALING_DEFAULTS, compute_dtype
 
 # the values the options take, which the passes that act on them read from here
@@ -220,12 +220,14 @@ class ParallelConfig(Group):
     comm_timeout: float = env_field("comm_timeout")
     """*env* ``HARMONY_COMM_TIMEOUT``. Seconds a collective waits for its peers, also when compile initialises the
     process group (default 300)."""
-    parallel: str | None = None
-    """None or ``"data"``: as ``data_parallel`` says. ``"pipeline"``: Harmony's vPP under torchrun, one process per
-    device of one node: the packs are placed across the ranks (``placement``); each rank holds, steps and saves only
-    its packs' state; a microbatch's activations at a pack boundary go to the next rank by send/recv and their
-    gradients come back (passes/stage.py). Every rank is given the whole batch (the first rank reads the inputs, the
-    last the labels); ``sm(*batch)`` returns the same mean loss on every rank."""
+    parallel: str | tuple | None = None
+    """None or ``"data"``: as ``data_parallel`` says. ``("pipeline", "data")`` (or ``"pipeline"`` with
+    ``data_parallel=True``): a pipeline inside each server, data parallelism across servers (``pipeline_size``).
+    ``"pipeline"``: Harmony's vPP under torchrun, one process per device of one node: the packs are placed across
+    the ranks (``placement``); each rank holds, steps and saves only its packs' state; a microbatch's activations at
+    a pack boundary go to the next rank by send/recv and their gradients come back (passes/stage.py). Every rank is
+    given the whole batch (the first rank reads the inputs, the last the labels); ``sm(*batch)`` returns the same
+    mean loss on every rank."""
     placement: str = "contiguous"
     """Under ``parallel="pipeline"``: ``"contiguous"`` stages that balance the predicted compute per rank (the fewest
     rank-to-rank transfers), or ``"round_robin"`` (pack p on rank p mod N, the Harmony paper's: every pack boundary
@@ -238,29 +240,14 @@ class ParallelConfig(Group):
     pack still accumulates the microbatches in order, so the bits do not change. ``"auto"``: the size (M, M/2,
     ..., 1) whose node step the simulator predicts shortest, every rank planning the whole node for each."""
 
+    pipeline_size: int | None = None
+    """Under ``parallel=("pipeline", "data")``: ranks per pipeline (one server's devices; default torchrun's
+    ``LOCAL_WORLD_SIZE``). The world's ranks form pipelines of ``pipeline_size`` consecutive ranks, and the pipelines
+    are data-parallel replicas of each other (driver/modes/grid.py)."""
+
     def __post_init__(self):
         super().__post_init__()
-        parse_compression(self.compression)      # a bad value fails even when there is one rank
-        if isinstance(self.min_size, bool) or not isinstance(self.min_size, int) or self.min_size < 0:
-            raise ConfigError(f"min_size={self.min_size!r}: give the number of elements below which a tensor travels "
-                              f"uncompressed (an integer >= 0; CGX uses 16)")
-        for name in ("data_parallel", "shard_state"):
-            value = getattr(self, name)
-            if value is not None and not isinstance(value, bool) and not (name == "shard_state" and value == "full"):
-                raise ConfigError(f"{name}={value!r}: use None (the default), True or False"
-                                  + (", or 'full'" if name == "shard_state" else ""))
-        spec = self.balance
-        if not (spec is None or spec in ("auto", "uniform") or (isinstance(spec, (list, tuple)) and spec)):
-            raise ConfigError(f"balance={spec!r}: use 'auto', 'uniform', or one entry per rank ((microbatch size, "
-                              f"microbatches) or a sample count)")
-        self.comm_timeout = env.check("comm_timeout", self.comm_timeout)
-        choice("parallel", self.parallel, (None, "data", "pipeline"))
-        choice("placement", self.placement, ("contiguous", "layers", "round_robin"))
-        group = self.pipeline_group
-        if group is not None and (group != "auto" and (isinstance(group, bool) or not isinstance(group, int)
-                                                       or group < 1) or self.parallel != "pipeline"):
-            raise ConfigError(f"pipeline_group={group!r}: give a number of microbatches >= 1 or 'auto', with "
-                              f"parallel='pipeline' (it orders a pipeline rank's packs), or leave it None")
+        check_parallel(self)      # compiler/config_checks.py
 
 
 @dataclass(kw_only=True)

@@ -90,3 +90,49 @@ class Group:
 
     def __post_init__(self):
         pass
+
+
+HYBRID = ("pipeline", "data")      # parallel= of a pipeline inside each server, data parallel across (grid.py)
+
+
+def check_parallel(cfg) -> None:
+    """``ParallelConfig``'s fields; ``parallel=("pipeline", "data")``, and ``"pipeline"`` with ``data_parallel=True``,
+    both become ``HYBRID``."""
+    from harmony.runtime.comm.compression import parse_compression
+    parse_compression(cfg.compression)      # a bad value fails even when there is one rank
+    if isinstance(cfg.min_size, bool) or not isinstance(cfg.min_size, int) or cfg.min_size < 0:
+        raise ConfigError(f"min_size={cfg.min_size!r}: give the number of elements below which a tensor travels "
+                          f"uncompressed (an integer >= 0; CGX uses 16)")
+    for name in ("data_parallel", "shard_state"):
+        value = getattr(cfg, name)
+        if value is not None and not isinstance(value, bool) and not (name == "shard_state" and value == "full"):
+            raise ConfigError(f"{name}={value!r}: use None (the default), True or False"
+                              + (", or 'full'" if name == "shard_state" else ""))
+    spec = cfg.balance
+    if not (spec is None or spec in ("auto", "uniform") or (isinstance(spec, (list, tuple)) and spec)):
+        raise ConfigError(f"balance={spec!r}: use 'auto', 'uniform', or one entry per rank ((microbatch size, "
+                          f"microbatches) or a sample count)")
+    cfg.comm_timeout = env.check("comm_timeout", cfg.comm_timeout)
+    if isinstance(cfg.parallel, (list, tuple)):
+        if sorted(cfg.parallel) != sorted(HYBRID) or len(cfg.parallel) != 2:
+            raise ConfigError(f"parallel={cfg.parallel!r}: the one combination is ('pipeline', 'data'): a pipeline "
+                              f"inside each server, data parallelism across servers")
+        cfg.parallel = HYBRID
+    else:
+        choice("parallel", cfg.parallel, (None, "data", "pipeline"))
+    if cfg.parallel == "pipeline" and cfg.data_parallel is True:
+        cfg.parallel = HYBRID
+    if cfg.parallel == HYBRID and cfg.data_parallel is False:
+        raise ConfigError("parallel=('pipeline', 'data') with data_parallel=False: the pipelines are data-parallel "
+                          "replicas; use data_parallel=None, or parallel='pipeline' for one pipeline")
+    size = cfg.pipeline_size
+    if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1
+                             or cfg.parallel != HYBRID):
+        raise ConfigError(f"pipeline_size={size!r}: give the ranks of one pipeline (a server's devices, >= 2) with "
+                          f"parallel=('pipeline', 'data'), or leave it None")
+    choice("placement", cfg.placement, ("contiguous", "layers", "round_robin"))
+    group = cfg.pipeline_group
+    if group is not None and (group != "auto" and (isinstance(group, bool) or not isinstance(group, int)
+                                                   or group < 1) or cfg.parallel not in ("pipeline", HYBRID)):
+        raise ConfigError(f"pipeline_group={group!r}: give a number of microbatches >= 1 or 'auto', with "
+                          f"parallel='pipeline' (it orders a pipeline rank's packs), or leave it None")

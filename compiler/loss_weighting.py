@@ -91,6 +91,8 @@ def choose(cfg, model: torch.nn.Module, names: list[str]) -> Weighting:
         return Weighting("rows", f"loss_weighting='auto' weighs by rows: {why_not or refused}")
     labels, shift, who = found
     world = (cfg.world_size or 1) if cfg.data_parallel else 1
+    if getattr(cfg, "pipeline_size", None) and cfg.data_parallel:     # a grid: its pipelines are the replicas
+        world //= cfg.pipeline_size
     across = f"; summed over the {world} data-parallel ranks" if world > 1 else ""
     return Weighting("tokens", f"{who} takes num_items_in_batch: each microbatch's loss is its sum over the "
                                f"batch's count of {'labels[..., 1:]' if shift else labels} != {IGNORE_INDEX}{across}",

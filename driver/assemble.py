@@ -14,7 +14,7 @@ from harmony.base.process import huge_pages, idle_threads_sleep, return_freed_me
 from harmony.base.tiers import Tier
 from harmony.compiler.trace import retarget
 from harmony.compiler.verify import memory_curve
-from harmony.driver import modes
+from harmony.driver import agree, modes
 from harmony.driver.handshake import attach
 from harmony.driver.materialize import Filler, is_empty
 from harmony.driver.shapes import ShapeCache
@@ -25,7 +25,7 @@ from harmony.runtime.ondemand import OnDemand
 from harmony.runtime.ops import resident_state
 from harmony.runtime.optim import build_optimizers
 from harmony.runtime.partitioned.disk import ShareTier
-from harmony.runtime.precision import max_over_ranks
+from harmony.runtime.precision import overflow_agreement
 from harmony.runtime.tiers.dirs import check_room
 from harmony.runtime.tiers.optim_disk import DiskTier
 from harmony.runtime.tiers.params_disk import DiskParams, written_names
@@ -81,11 +81,16 @@ def _runtime(sm, tensors, optimizers, shares, device, simulated, filler) -> None
     weighting = weighting_of(program)      # tokens: each seed is its loss times the scale (driver/tokens.py)
     sm.runtime.token_scale = weighting.scale if weighting.tokens else None
     if shares is not None and sm.runtime.scaler is not None:   # fp16: one overflow skips every rank's step
-        sm.runtime.scaler.agree = max_over_ranks
+        sm.runtime.scaler.agree = overflow_agreement(sm.runtime)
     if shares is not None or sm.mode.guards_model(plan):
         guard(sm)     # the model refuses to be read while weights are in other ranks' shares or stages
     sm.predicted = memory_curve(program, check_residency=False)
     if not simulated:
+        try:     # every rank's compile got this far, or none builds a module (driver/agree.py)
+            agree.point(agree.POINTS[2])
+        except BaseException:
+            sm.close()
+            raise
         attach(sm)      # the ranks' calls that use collectives are checked alike (driver/handshake.py)
     sm.shapes = ShapeCache(sm)     # a plan per batch shape, this one the example's (driver/shapes.py)
     if cfg.host_memory_budget is not None:   # the host's memory is budgeted: freed buffers must go back

@@ -26,7 +26,7 @@ from harmony.compiler.hardware import Hardware
 from harmony.compiler.hardware.machine import cuda_library_bytes
 from harmony.compiler.ir import Program
 from harmony.compiler.trace import trace
-from harmony.driver import min_budget, misses, modes, tokens
+from harmony.driver import agree, min_budget, misses, modes, tokens
 from harmony.driver.modes.data import shard_state
 from harmony.runtime.comm.compression import parse_compression
 from harmony.runtime.comm.world import resolve as resolve_world
@@ -38,13 +38,19 @@ log = logging.getLogger("harmony")
 
 
 def compile(model: torch.nn.Module, example_batch, options: Config, module: type):
-    """``module(program, device)`` (the face's ``ScheduledModule``) for ``model`` planned under ``options``."""
+    """``module(program, device)`` (the face's ``ScheduledModule``) for ``model`` planned under ``options``. Over
+    several ranks, a rank whose compile fails fails every rank's, alike (driver/agree.py)."""
     t0 = time.perf_counter()
     if isinstance(options.optimizer, torch.optim.Optimizer):   # its class, defaults and param groups by name
         cls, kwargs, groups = from_instance(model, options.optimizer, options.optimizer_kwargs)
         options = dataclasses.replace(options, optimizer=cls, optimizer_kwargs=kwargs, param_groups=groups)
     names, batch = batch_items(example_batch)
     cfg, mode = resolve(options, batch_size(batch))
+    with agree.compiling(cfg):
+        return _compile(model, names, batch, cfg, mode, module, t0)
+
+
+def _compile(model, names, batch, cfg: CompileConfig, mode: modes.Mode, module: type, t0: float):
     if cfg.compute_dtype is not None:     # frozen weights: in the compute dtype on the host, no fp32 master
         frozen_to(model, cfg.compute_dtype)
     log.info("harmony: compiling %s as %s: %d microbatches of %d rows, memory budget %s", type(model).__name__,
@@ -57,6 +63,7 @@ def compile(model: torch.nn.Module, example_batch, options: Config, module: type
     batch = tensors_of(batch)       # the graph's inputs; the other items are constants of the trace
     t_trace = time.perf_counter()
     log.info("harmony: traced %d nodes in %.2f s", len(gm.graph.nodes), t_trace - t0)
+    agree.point(agree.POINTS[0])        # before balance='s plan from rank 0
     balanced = plan_rank(mode, model, gm, batch, cfg)
     batch = balanced.batch if balanced is not None else batch
     cfg.plan_key = misses.fingerprint(gm, batch, cfg)
@@ -68,6 +75,7 @@ def compile(model: torch.nn.Module, example_batch, options: Config, module: type
     program.optim_profile = cost.optimizer_profile(cfg.optimizer, cfg.optimizer_kwargs)
     t_cost = time.perf_counter()
     log.info("harmony: costed the graph in %.2f s", t_cost - t_plan)
+    agree.point(agree.POINTS[1])        # before the passes' plan checks and broadcasts
     program = run_passes(mode, program, cfg.passes)
     tokens.settle(program, weighting, items)
     report = balanced.report if balanced is not None else mode.report(program)

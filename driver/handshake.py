@@ -21,6 +21,7 @@ import torch
 
 from harmony.base.errors import CheckpointError, CommunicationError, InputError, TornStepError
 from harmony.runtime.comm.jobwide import StepStatus
+from harmony.runtime.precision import overflow_ghost
 from harmony.runtime.transaction import describe_torn
 
 CALLS = ("sm(...) (a training step)", "harmony.save", "harmony.load", "sm.sync_model()")
@@ -147,6 +148,8 @@ def attach(sm) -> None:
             # each step's outcome is the job's: a failure is told at the next collective (runtime/comm/jobwide.py)
             sm.runtime.status = StepStatus(sm.handshake.rank, world, sm.handshake.group, cfg.comm_timeout)
             sm.runtime.status.any_key = plan.stage is not None
+            if sm.runtime.scaler is not None and sm.runtime.scaler.agree is not None:
+                sm.runtime.status.tails.append(overflow_ghost)    # fp16: the overflow agreement after the schedule
 
 
 def agree(sm, call: str, refused: Exception | None = None, plans: bool = False, shapes: int = 0) -> None:

@@ -55,6 +55,7 @@ from harmony.compiler.trace import TRACE_INFO, retarget, trace
 from harmony.compiler.verify import MemoryCurve, memory_curve
 from harmony.driver.constants import batch_example, changed, constants_key, key_text
 from harmony.driver.tokens import any_count, traced
+from harmony.runtime.comm.failures import guarded
 from harmony.runtime.ops import ops_of
 from harmony.runtime.placeholders import point
 from harmony.runtime.plan import even_rows
@@ -408,7 +409,8 @@ def _agree_across_ranks(cfg, key: tuple, what: str) -> None:
     if not (dist.is_available() and dist.is_initialized()):
         return
     every: list = [None] * dist.get_world_size()
-    dist.all_gather_object(every, [(list(s), str(d)) for s, d in key])
+    guarded(f"{what}: the ranks' exchange of their batch shapes", dist.all_gather_object, every,
+            [(list(s), str(d)) for s, d in key], timeout=cfg.comm_timeout)
     if any(k != every[0] for k in every):
         raise InputError(f"{what}: data-parallel ranks passed batches of different shapes at this step "
                          f"({every}); every rank must pass the same shapes (drop_last, or a DistributedSampler)")

@@ -84,6 +84,9 @@ def with_count(sm, batch: tuple, across_ranks: bool = False) -> tuple:
         import torch.distributed as dist
         guarded("the sum of the ranks' token counts", dist.all_reduce, n, op=dist.ReduceOp.SUM,
                 group=handshake.group, timeout=handshake.timeout)
+        grid = getattr(getattr(sm.program.plan, "stage", None), "grid", None)
+        if grid is not None:         # every rank of a pipeline counted its pipeline's batch
+            n = n // grid.pipeline
     if weighting.tokens and int(n) == 0:
         raise InputError(f"the batch has no label token to count (every {weighting.labels} is -100"
                          f"{' on every rank' if across_ranks and weighting.scale > 1 else ''}): its token mean "

@@ -18,6 +18,7 @@ import torch
 
 from harmony.base.errors import OffloadError
 from harmony.base.tiers import Tier
+from harmony.runtime.comm.failures import guarded
 from harmony.runtime.placeholders import is_placeholder, mark, point, withhold
 from harmony.runtime.tiers.params_disk import PARAM
 
@@ -94,7 +95,8 @@ def _gather_stages(sm) -> list[str]:
     import torch.distributed as dist
     mine = {n: t.detach().to("cpu", copy=True) for n, t in sm.training_state_dict()["model"].items()}
     every: list = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine, group=sm.handshake.group)
+    guarded("sm.sync_model()'s all-gather of every stage's weights", dist.all_gather_object, every, mine,
+            group=sm.handshake.group, timeout=sm.handshake.timeout)
     own = dict(sm.model.named_parameters())
     own.update(dict(sm.model.named_buffers()))
     brought = []

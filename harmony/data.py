@@ -18,7 +18,7 @@ from harmony.runtime.comm.world import rank_and_world
 __all__ = ["shard", "rank_and_world"]
 
 
-def shard(data, rank: int | None = None, world: int | None = None):
+def shard(data, rank: int | None = None, world: int | None = None, pipeline_size: int | None = None):
     """This rank's share of ``data``.
 
     * a tensor, a tuple/list of tensors or a dict of tensors (a batch): rows
@@ -29,11 +29,21 @@ def shard(data, rank: int | None = None, world: int | None = None):
       every ``world``-th item from ``rank`` (as ``DistributedSampler`` without shuffling), the
       last ``len % world`` items dropped so every rank has as many.
 
-    ``rank`` and ``world`` default to the process group's (or torchrun's environment).
+    ``rank`` and ``world`` default to the process group's (or torchrun's environment). ``pipeline_size=P``
+    (``parallel=("pipeline", "data")``): the share of this rank's pipeline, ranks ``[k P, (k + 1) P)`` being
+    pipeline ``k`` of ``world / P``; every rank of a pipeline gets the same rows.
+
+        >>> x, y = harmony.data.shard((X, Y), pipeline_size=2)     # 4 ranks: ranks 0, 1 rows 0..B/2, 2, 3 the rest
     """
     r, w = rank_and_world()
     rank = r if rank is None else rank
     world = w if world is None else world
+    if pipeline_size is not None:
+        if isinstance(pipeline_size, bool) or not isinstance(pipeline_size, int) or pipeline_size < 1 \
+                or world % pipeline_size:
+            raise ConfigError(f"shard: pipeline_size={pipeline_size!r} must divide the world of {world} ranks "
+                              f"(the ranks form pipelines of pipeline_size consecutive ranks)")
+        rank, world = rank // pipeline_size, world // pipeline_size
     if not isinstance(world, int) or world < 1 or not isinstance(rank, int) or not 0 <= rank < world:
         raise ConfigError(f"shard: rank={rank!r}, world={world!r}; need 0 <= rank < world")
     if isinstance(data, torch.Tensor):

@@ -1,36 +1,31 @@
 """compress: average each pack's gradients across data-parallel ranks, right after its last backward.
 
-With ``world_size > 1`` every pack that owns trainable parameters gets one
-``allreduce(pack, kind, ...)`` op right after the backward that completes its gradients
-(CGX / DDP): the op averages the pack's gradients over ranks in place, compressed as the
-``compression`` spec says (tensors of dimension <= 1 or fewer than ``min_size`` elements
-travel uncompressed, fused into one buffer: CGX's rule for biases and norms).
+With ``world_size > 1`` every pack that owns trainable parameters gets one ``allreduce(pack, kind, ...)`` op right
+after the backward that completes its gradients (CGX / DDP): the op averages the pack's gradients over ranks in place,
+compressed as the ``compression`` spec says (tensors of dimension <= 1 or fewer than ``min_size`` elements travel
+uncompressed, fused into one buffer: CGX's rule for biases and norms). In a grid (``parallel=("pipeline", "data")``)
+a rank's packs are averaged over the ranks holding the same packs in the other pipelines (its replica group).
 
-Every collective runs on the runtime's one host thread, in schedule order, so every rank
-issues the same collectives in the same order. How it overlaps compute depends on where
-the optimizer steps (the offload pass decided that):
+Every collective runs on the runtime's one host thread, in schedule order, so every rank issues the same collectives
+in the same order. How it overlaps compute depends on where the optimizer steps (the offload pass decided that):
 
-* **host step** (the training state does not fit the budget): the swap pass releases the
-  pack's gradients to the host after its backward; ``allreduce(..., where='host')`` then
-  averages the host copies on the host thread and the host step, queued behind it on the
-  same thread, updates the weights -- while the device runs the next pack's backward.
-* **device step, all state resident**: the all-reduce of pack ``p`` runs on the host thread
-  while the device runs the backward of the next pack; a ``wait`` joins it before the next
-  all-reduce is issued (one in flight, so one communication buffer on the device) and, in
-  the ``harmony`` policy, pack ``p``'s step moves after that wait.
-* **device step with swapped state** (``optimizer_on='device'`` under a tight budget) and the
-  ``ondemand`` policy: synchronous (``sync=True``); deferring the step would swap the pack's
-  state in twice.
+* **host step** (the training state does not fit the budget): the swap pass releases the pack's gradients to the host
+  after its backward; ``allreduce(..., where='host')`` then averages the host copies on the host thread and the host
+  step, queued behind it on the same thread, updates the weights -- while the device runs the next pack's backward.
+* **device step, all state resident**: the all-reduce of pack ``p`` runs on the host thread while the device runs the
+  backward of the next pack; a ``wait`` joins it before the next all-reduce is issued (one in flight, so one
+  communication buffer on the device) and, in the ``harmony`` policy, pack ``p``'s step moves after that wait.
+* **device step with swapped state** (``optimizer_on='device'`` under a tight budget) and the ``ondemand`` policy:
+  synchronous (``sync=True``); deferring the step would swap the pack's state in twice.
 
 The pass also makes every rank start equal (rank 0's parameters and buffers are broadcast,
 as DDP's constructor does) and checks that every rank compiled the same communication plan.
 
-Ranks may cut the model into different packs (their memory budgets differ: ``balance``, or
-simply different ``memory_budget``s): a pack's all-reduce then runs one collective per group of
-its parameters that every rank's packs agree on (``comm_groups``), so every rank still issues
-the same collectives over the same tensors in the same order. Ranks of a balanced plan train on
-different numbers of samples; each passes ``weight`` = its samples / the global batch, and the
-all-reduce sums the weighted mean gradients (``collectives.allreduce(weight=...)``).
+Ranks may cut the model into different packs (their memory budgets differ: ``balance``, or simply different
+``memory_budget``s): a pack's all-reduce then runs one collective per group of its parameters that every rank's packs
+agree on (``comm_groups``), so every rank still issues the same collectives over the same tensors in the same order.
+Ranks of a balanced plan train on different numbers of samples; each passes ``weight`` = its samples / the global
+batch, and the all-reduce sums the weighted mean gradients (``collectives.allreduce(weight=...)``).
 """
 from __future__ import annotations
 
@@ -46,6 +41,7 @@ from harmony.base.tiers import Tier
 from harmony.base.units import nbytes
 from harmony.compiler.ir import PassReport, PassResult, Program, add_call, calls, copy_graph
 from harmony.compiler.meta import SCHEDULE
+from harmony.passes.broadcast import broadcast_state
 from harmony.passes.offload import everything_fits
 from harmony.runtime import ops, shard  # shard registers sync_state
 from harmony.runtime.comm.collectives import DEFAULT_FUSION_BYTES, ring_bytes
@@ -57,6 +53,8 @@ from harmony.runtime.comm.compression import (
     spec_for,
     wire_bytes,
 )
+from harmony.runtime.comm.failures import guarded
+from harmony.runtime.comm.grid import groups as grid_groups
 
 NAME = "compress"
 REQUIRES = {"schedule", "placement"}
@@ -190,29 +188,7 @@ def owned_grads(program: Program) -> dict[int, list[tuple[str, torch.Tensor]]]:
     return out
 
 
-def broadcast_state(program: Program) -> int:
-    """Rank 0's parameters and buffers to every rank (fused per dtype); returns the bytes broadcast."""
-    import torch.distributed as dist
-
-    tensors = [t for _, t in program.gm.named_parameters()] + [t for _, t in program.gm.named_buffers()]
-    by_dtype: dict = {}
-    for t in dict((id(t), t) for t in tensors).values():
-        by_dtype.setdefault(t.dtype, []).append(t)
-    total = 0
-    with torch.no_grad():
-        for ts in by_dtype.values():
-            flat = torch.cat([t.detach().reshape(-1) for t in ts])
-            dist.broadcast(flat, src=0)
-            off = 0
-            for t in ts:
-                t.copy_(flat[off: off + t.numel()].view_as(t))
-                off += t.numel()
-            total += nbytes(flat)
-    return total
-
-
 FAILED = -1      # the digest a rank sends when it failed to compile (``report_failure``)
-
 
 def report_failure(what: str) -> None:
     """Called by a rank whose compile failed before this pass: the others, waiting in ``check_same_plan``, stop too."""
@@ -231,13 +207,16 @@ def check_same_plan(signature: str | None, failed: str | None = None, what: str 
     digest = FAILED if failed else int.from_bytes(hashlib.sha256(signature.encode()).digest()[:7], "little")
     mine = torch.tensor([digest], dtype=torch.int64)
     every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(every, mine)
+    guarded(f"the ranks' check of their {what}", dist.all_gather, every, mine)
     if failed:
         return
     dead = [r for r, d in enumerate(every) if int(d) == FAILED]
     if dead:
-        raise ConfigError(f"ranks {dead} could not compile their plans (their errors are in their logs; a BudgetError "
-                          f"there names the budget they need), so no rank trains: fix them and start again")
+        error = ConfigError(f"ranks {dead} could not compile their plans (their errors are in their logs; a "
+                            f"BudgetError there names the budget they need), so no rank trains: fix them and start "
+                            f"again")
+        error.harmony_echo = True    # another rank's failure heard: the compile's agreement names it (driver/agree.py)
+        raise error
     differ = [r for r, d in enumerate(every) if int(d) != digest]
     if differ:
         raise ConfigError(f"rank {dist.get_rank()} compiled another {what} than ranks {differ}: {advice}")
@@ -261,7 +240,7 @@ def comm_groups(program: Program, owned: dict[int, list], issue: list[int]) -> d
     names = [n for n, t in program.gm.named_parameters() if n in pack_of]      # the model's order on every rank
     mine = [position[pack_of[n]] for n in names]
     every: list = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
+    guarded("the ranks' exchange of their packs' all-reduce order", dist.all_gather_object, every, mine)
     keys = {n: tuple(pos[i] for pos in every) for i, n in enumerate(names)}
     order = sorted(set(keys.values()))
     for a, b in zip(order, order[1:]):
@@ -314,9 +293,10 @@ def run(program: Program, ctx) -> PassResult:
         return PassResult(program, report)
     if step_stats not in program.step_hooks:      # sm.stats: the wire's bytes, seconds and bits of each step
         program.step_hooks.append(step_stats)
-    comm = _Comm.of(cfg, world)
+    grid = getattr(getattr(plan, "stage", None), "grid", None)
+    comm = _Comm.of(cfg, world if grid is None else grid.replicas)     # a grid: over the stage's replicas
     owned = owned_grads(program)
-    broadcast = _agree_across_ranks(program, comm, owned)
+    broadcast = _agree_replicas(program, comm, owned, grid) if grid else _agree_across_ranks(program, comm, owned)
     mode, overlap = _insert_allreduces(program, owned, comm)
     shard = insert_sync(program, world)
     _report_plan(report, plan, comm, owned, mode, shard, broadcast, start)
@@ -341,6 +321,19 @@ def _agree_across_ranks(program: Program, comm: _Comm, owned: dict) -> int | Non
     last_bwd = {n.args[0]: position[n] for n in position if ops.op_of(n).runs_backward}
     program.plan.comm_groups = comm_groups(program, owned, sorted(owned, key=lambda p: last_bwd.get(p, -1)))
     return broadcast
+
+
+def _agree_replicas(program: Program, comm: _Comm, owned: dict, grid) -> int | None:
+    """``_agree_across_ranks`` in a grid (``parallel=("pipeline", "data")``): the job's ranks check their codecs
+    agree; this stage's weights come from pipeline 0's rank over the replica group; a pack's gradients are a group."""
+    import torch.distributed as dist
+    if getattr(program.config, "offline", False) or not (dist.is_available() and dist.is_initialized()):
+        return None
+    check_same_plan(repr((comm.world, comm.spec, comm.adaptive, comm.min_size, comm.policy, comm.global_batch)))
+    sent = broadcast_state(program, {n for s in program.plan.packs for n in s.params + s.buffers},
+                           src=grid.replica_ranks()[0], group=grid_groups(grid)[1][grid.stage])
+    program.plan.comm_groups = {p: [[n for n, _ in owned[p]]] for p in owned}
+    return sent
 
 
 def _insert_allreduces(program: Program, owned: dict, comm: _Comm) -> tuple[dict, str]:

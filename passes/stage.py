@@ -24,16 +24,32 @@ import time
 import torch
 
 from harmony.base.errors import ConfigError
+from harmony.compiler.config_checks import HYBRID
 from harmony.compiler.ir import PassReport, PassResult, Program
 from harmony.compiler.meta import PACK
 from harmony.passes import compress
 from harmony.passes.partition import build_packs, find_units, measure_kept
+from harmony.runtime.comm.grid import Grid
 from harmony.runtime.pipeline import Stages
 
 NAME = "stage"
 REQUIRES = {"packs"}
 PROVIDES = {"stages"}
 PLACEMENTS = ("contiguous", "layers", "round_robin")
+
+
+def grid_of(cfg) -> Grid | None:
+    """This rank's grid under ``parallel=("pipeline", "data")`` (driver/modes/grid.py), else None."""
+    size = getattr(cfg, "pipeline_size", None)
+    if getattr(cfg, "parallel", None) != HYBRID or not size:
+        return None
+    return Grid(size, (cfg.world_size or 1) // size, cfg.rank)
+
+
+def pipeline_ranks(cfg) -> list[int]:
+    """The job ranks of this rank's pipeline, in stage order: the node's ranks (a grid's pipeline of them)."""
+    grid = grid_of(cfg)
+    return list(range(cfg.world_size)) if grid is None else grid.pipeline_ranks()
 
 
 def check_config(cfg) -> None:
@@ -203,8 +219,10 @@ def _crossing_values(program: Program, rank_of: list[int]) -> dict:
 def restrict(program: Program, rank_of: list[int]) -> None:
     """``program.plan`` becomes this rank's packs, re-indexed from 0, with the whole model's in ``plan.stage``."""
     plan, cfg = program.plan, program.config
-    local = [s.index for s in plan.packs if rank_of[s.index] == cfg.rank]
-    stage = Stages(rank=cfg.rank, world=cfg.world_size, rank_of=list(rank_of), local=local,
+    grid = grid_of(cfg)
+    rank, world = (cfg.rank, cfg.world_size) if grid is None else (grid.stage, grid.pipeline)
+    local = [s.index for s in plan.packs if rank_of[s.index] == rank]
+    stage = Stages(rank=rank, world=world, rank_of=list(rank_of), local=local, grid=grid,
                    inputs=[list(s.inputs) for s in plan.packs], outputs=[list(s.outputs) for s in plan.packs],
                    names=[s.name for s in plan.packs], values=_crossing_values(program, rank_of),
                    placement=cfg.placement, timeout=cfg.comm_timeout)
@@ -216,7 +234,7 @@ def run(program: Program, ctx) -> PassResult:
     """Place the packs; ``ctx``, where given, is the rank of every pack (a list as long as the packs)."""
     start = time.perf_counter()
     cfg = program.config
-    world = cfg.world_size
+    world = len(pipeline_ranks(cfg))
     notes = enough_packs(program, world)
     if cfg.placement == "layers" and ctx is None:
         notes += balanced_stages(program, world)
@@ -238,7 +256,7 @@ def run(program: Program, ctx) -> PassResult:
     crossing = sum(_bytes(v) for v in program.plan.stage.values.values())
     worst, total = max(r["compute_s"] for r in rows), sum(costs)
     report = PassReport(f"stage: packs across {world} ranks ({cfg.placement})", rows, totals=dict(
-        ranks=world, packs=len(plan.packs), this_rank=cfg.rank, max_rank_compute_s=worst,
+        ranks=world, packs=len(plan.packs), this_rank=program.plan.stage.rank, max_rank_compute_s=worst,
         group=cfg.pipeline_group or plan.microbatches,
         lower_bound_s=max(total / world, max(costs)), ideal_speedup=total / worst if worst else 1.0,
         boundary_MiB_per_microbatch=crossing / 2**20, seconds=time.perf_counter() - start))

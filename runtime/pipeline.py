@@ -46,10 +46,20 @@ class Stages:
     values: dict = field(default_factory=dict)   # value crossing ranks -> (shape, dtype name) or ("const", value)
     placement: str = "contiguous"
     timeout: float = 300.0
+    grid: object = None                 # parallel=("pipeline", "data"): runtime/comm/grid.Grid; None: one pipeline
 
     @property
     def loss_rank(self) -> int:
         return self.rank_of[-1]
+
+    def peer(self, rank: int) -> int:
+        """The job rank of pipeline rank ``rank`` (itself in a pipeline alone; in a grid, of this rank's pipeline)."""
+        return rank if self.grid is None else self.grid.pipeline_ranks()[rank]
+
+    @property
+    def job(self) -> tuple[int, int]:
+        """(this process's rank, ranks) in the whole job: a grid's, else the pipeline's."""
+        return (self.rank, self.world) if self.grid is None else (self.grid.rank, self.grid.world)
 
 
 # -- stubs: the names a schedule graph calls ----------------------------------------------------
@@ -67,7 +77,7 @@ def _receive(rt, src, tag, names, what) -> dict | None:
     mask = torch.zeros(len(names) + 1, dtype=torch.uint8)
     if status is not None and status.active:
         status.done[("recv", src)] += 1
-    work = guarded(what, dist.irecv, mask, src, tag=tag * SLOTS, timeout=st.timeout, peer=src)
+    work = guarded(what, dist.irecv, mask, st.peer(src), tag=tag * SLOTS, timeout=st.timeout, peer=src)
     wait_work(work, what, st.timeout, peer=src)
     if int(mask[0]) == ABORT:
         if status is not None:
@@ -82,7 +92,7 @@ def _receive(rt, src, tag, names, what) -> dict | None:
         if not mask[1 + i]:
             continue
         host = torch.empty(shape, dtype=getattr(torch, dtype))
-        works.append(guarded(what, dist.irecv, host, src, tag=tag * SLOTS + 1 + i, timeout=st.timeout,
+        works.append(guarded(what, dist.irecv, host, st.peer(src), tag=tag * SLOTS + 1 + i, timeout=st.timeout,
                              peer=src))
         out[n] = host
     for w in works:
@@ -113,7 +123,8 @@ def _send_mask(rt, dst, tag, present: list[bool], what: str) -> bool:
         status.done[("send", dst)] += 1
     mask = torch.tensor([ABORT if aborted else 0] + [p and not aborted for p in present], dtype=torch.uint8)
     rt.__dict__.setdefault("sends", []).append(
-        (guarded(what, dist.isend, mask, dst, tag=tag * SLOTS, timeout=st.timeout, peer=dst), mask, what, dst))
+        (guarded(what, dist.isend, mask, st.peer(dst), tag=tag * SLOTS, timeout=st.timeout, peer=dst), mask,
+         what, dst))
     return not aborted
 
 
@@ -130,7 +141,8 @@ def _send_execute(rt, value, pack, mb, *, dst, tag, names, grads=False):
         if present[i]:       # a host copy: the device's may be dropped as soon as the schedule is done with it
             rt.state.landed(vals[n])     # (a stashed value: its copy from the device may be in flight)
             host = vals[n].detach().to("cpu", copy=True)
-            work = guarded(what, dist.isend, host, dst, tag=tag * SLOTS + 1 + i, timeout=st.timeout, peer=dst)
+            work = guarded(what, dist.isend, host, st.peer(dst), tag=tag * SLOTS + 1 + i, timeout=st.timeout,
+                           peer=dst)
             pending.append((work, host, what, dst))
 
 
@@ -152,15 +164,19 @@ def _share_loss_execute(rt, src):
     summed = _loss_exchange(rt, loss, Words(status, STEP_KEY, None) if status is not None else None, src)
     if status is not None and status.seen:
         raise Aborted(f"rank {st.rank}: a rank's step failed before the loss was shared")
-    if st.rank != src:
+    if st.grid is not None:      # every pipeline's loss rank added its replica's: the job's mean
+        rt.losses = [summed[0] / st.grid.replicas]
+    elif st.rank != src:
         rt.losses = [summed[0]]
 
 
 def _loss_exchange(rt, loss: torch.Tensor, words, src: int) -> torch.Tensor:
-    """The all-reduce of ``loss`` (zeros but on the loss rank) with ``words`` after it; their sum."""
+    """The all-reduce of ``loss`` (zeros but on the loss rank) with ``words`` after it; their sum. Over the whole
+    job: in a grid every rank hears every rank's word on the step, and the loss is the sum of the pipelines'."""
     import torch.distributed as dist
     st = rt.plan.stage
-    buf = torch.cat([loss, words.vector(st.world, st.rank) if words is not None else torch.zeros(st.world)])
+    me, world = st.job
+    buf = torch.cat([loss, words.vector(world, me) if words is not None else torch.zeros(world)])
     what = f"the broadcast of the loss from rank {src}"
     wait_work(guarded(what, dist.all_reduce, buf, async_op=True, timeout=st.timeout), what, st.timeout)
     if words is not None:

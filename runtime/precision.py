@@ -103,12 +103,37 @@ class GradBuffer:
         return [(p, g) for p, g in pairs if not mine(p)]
 
 
+OVERFLOW = "the ranks' agreement on an fp16 overflow"
+
+
 def max_over_ranks(t: torch.Tensor) -> None:
-    """``t`` becomes its maximum over the data-parallel ranks (a ``LossScaler.agree``)."""
+    """``t`` becomes its maximum over the data-parallel ranks (a ``LossScaler.agree`` outside a step's job-wide
+    outcome)."""
     import torch.distributed as dist
 
     from harmony.runtime.comm.collectives import guarded
-    guarded("the ranks' agreement on an fp16 overflow", dist.all_reduce, t, op=dist.ReduceOp.MAX)
+    guarded(OVERFLOW, dist.all_reduce, t, op=dist.ReduceOp.MAX)
+
+
+def overflow_agreement(rt):
+    """A ``LossScaler.agree`` for ``rt``'s ranks: within a step, the found-inf flag rides on a meet of the ranks'
+    words (runtime/comm/jobwide.py), which a rank whose step failed before it replays (``overflow_ghost``), so a
+    peer never waits in it for a rank that will not come; else a max over the ranks."""
+    from harmony.runtime.comm.jobwide import STEP_KEY
+
+    def agree(found_inf: torch.Tensor) -> None:
+        status = getattr(rt, "status", None)
+        if status is None or not status.active:
+            max_over_ranks(found_inf)
+        else:
+            status.go(STEP_KEY, None, OVERFLOW, flag=found_inf)
+    return agree
+
+
+def overflow_ghost(rt) -> None:
+    """In a replay: the overflow agreement's meet, saying nothing overflowed here."""
+    from harmony.runtime.comm.jobwide import STEP_KEY
+    rt.status.meet(STEP_KEY, None, OVERFLOW, flag=torch.zeros(1))
 
 
 class LossScaler:

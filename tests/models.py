@@ -95,8 +95,9 @@ def call(model, batch):
 
 
 def split(batch, m):
+    """``m`` microbatches of ``batch``; a dict's non-tensor values (``return_loss=True``) go to each whole."""
     if isinstance(batch, dict):
-        parts = {k: v.chunk(m) for k, v in batch.items()}
+        parts = {k: v.chunk(m) if isinstance(v, torch.Tensor) else [v] * m for k, v in batch.items()}
         return [{k: parts[k][i] for k in batch} for i in range(m)]
     return list(zip(*(t.chunk(m) for t in batch)))
 
@@ -134,6 +135,28 @@ def eager_accumulate(model, data, microbatches, optimizer=torch.optim.AdamW, cli
         opt.zero_grad()
         losses.append(total / microbatches)
     return model, losses
+
+
+def eager_autocast(model, data, microbatches, dtype):
+    """Eager PyTorch under ``torch.autocast`` (fp32 weights), gradient accumulation over ``microbatches``; fp16
+    with ``GradScaler``'s default loss scaling, as Harmony's (a step whose gradients overflow is skipped in both).
+    The losses."""
+    model = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), fused=True)
+    scaler = torch.amp.GradScaler("cpu", enabled=dtype == torch.float16)
+    losses = []
+    for batch in data:
+        total = 0.0
+        for mb in split(batch, microbatches):
+            with torch.autocast("cpu", dtype=dtype):
+                loss = call(model, mb)
+            scaler.scale(loss.float() / microbatches).backward()
+            total += loss.item()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        losses.append(total / microbatches)
+    return losses
 
 
 def eager_full(model, data, optimizer=torch.optim.AdamW, **kw):

@@ -23,8 +23,8 @@ import torch.nn.functional as F
 from harmony.compiler.trace import trace
 from test_precision import eager_mixed
 
-from models import (ARCHITECTURES, BasicBlock, assert_bitwise, assert_graph_is_eager, call, eager_accumulate, params,
-                    run_compiled, split, training_state_bytes)
+from models import (ARCHITECTURES, BasicBlock, assert_bitwise, assert_graph_is_eager, eager_accumulate, eager_autocast,
+                    params, run_compiled, training_state_bytes)
 
 TOLERANCE = {"bf16": (torch.bfloat16, 2.0 ** -6), "fp16": (torch.float16, 2.0 ** -9)}
 STEPS, MICROBATCHES = 2, 2
@@ -33,27 +33,6 @@ STEPS, MICROBATCHES = 2, 2
 def _budget(model) -> int:
     """Half the fp32 training state (so packs swap), plus room for a tiny model's activations."""
     return int(training_state_bytes(model) * 0.5) + 2 ** 17
-
-
-def _autocast_losses(model, data, dtype):
-    """Eager PyTorch under ``torch.autocast`` (fp32 weights), gradient accumulation over the same microbatches; fp16
-    with ``GradScaler``'s default loss scaling, as Harmony's (a step whose gradients overflow is skipped in both)."""
-    model = copy.deepcopy(model)
-    opt = torch.optim.AdamW(model.parameters(), fused=True)
-    scaler = torch.amp.GradScaler("cpu", enabled=dtype == torch.float16)
-    losses = []
-    for batch in data:
-        total = 0.0
-        for mb in split(batch, MICROBATCHES):
-            with torch.autocast("cpu", dtype=dtype):
-                loss = call(model, mb)
-            scaler.scale(loss.float() / MICROBATCHES).backward()
-            total += loss.item()
-        scaler.step(opt)
-        scaler.update()
-        opt.zero_grad()
-        losses.append(total / MICROBATCHES)
-    return losses
 
 
 @pytest.mark.slow
@@ -95,7 +74,7 @@ def test_mixed_precision_within_rounding_of_autocast(arch, precision):
     sm, stats, losses = run_compiled(ours, data, MICROBATCHES, _budget(model), precision=precision)
     assert all(p.dtype == torch.float32 for p in ours.parameters())
     assert sm.program.config.precision == precision
-    ref = _autocast_losses(model, data, dtype)
+    ref = eager_autocast(model, data, MICROBATCHES, dtype)
     # A step fp16 skipped for an overflowing gradient (T5 in fp16 at the default scale of 2**16: its activations
     # are fp16 here, fp32 under autocast) leaves the next losses on other weights: compare up to the first skip.
     compared = next((i + 1 for i, st in enumerate(stats) if st.get("skipped_steps")), len(losses))

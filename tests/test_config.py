@@ -179,5 +179,6 @@ def test_every_field_has_a_docstring():
              "accounting",     # the runtime's meter: each op's allocations, or (CUDA) the caching allocator's
              "loss_weighting",     # the microbatches' losses: the whole batch's token mean, or by rows
              "shape_plans",     # batches up to the example's run its plan, or a plan per shape
+             "pipeline_size",   # parallel=("pipeline", "data"): the ranks of one pipeline
              "plan_margin"}     # budget left unplanned for the cost model's misses (learned, or the user's)
     assert fields == keywords | variables | added

@@ -58,6 +58,7 @@ from harmony.compiler.trace.errors import (
     untraceable,
 )
 from harmony.compiler.trace.export import export_graph, retarget, torch_output_held
+from harmony.compiler.trace.functions import functions_kept
 from harmony.compiler.trace.info import TraceInfo, sizes_of
 from harmony.compiler.trace.inplace import InPlaceProxy, functionalize_inplace
 
@@ -118,7 +119,8 @@ def trace(
     failures: dict[str, Exception] = {}
     with _training_mode(model):
         raw, used = None, None
-        with watch(model, notes):      # a print or a counter in forward runs once, here: said (effects.py)
+        # a print or a counter in forward runs once, here: said (effects.py); a user's autograd.Function one node
+        with watch(model, notes), functions_kept():
             for name in ("fx", "export") if frontend == "auto" else (frontend,):
                 try:
                     raw, used = _FRONT_ENDS[name](step, batch, leaf_modules, dtype), name

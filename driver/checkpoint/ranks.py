@@ -1,6 +1,6 @@
 """Checkpoints over several ranks: the layout a checkpoint was saved in, and the one this run loads into.
 
-A checkpoint is saved in one of four layouts, named in its manifest (``world``, ``mode``):
+A checkpoint is saved in one of five layouts, named in its manifest (``world``, ``mode``):
 
 * ``whole``: one directory with the whole state, by one process or by replicated data-parallel ranks (rank 0
   writes it);
@@ -8,7 +8,9 @@ A checkpoint is saved in one of four layouts, named in its manifest (``world``, 
   the parameters rank R owns;
 * ``full`` (``shard_state="full"``): ``rank-R-of-W`` directories, each with rank R's pieces of the weights and
   their optimizer state (``share:<name>[a:b]``, elements ``a:b`` of the flattened parameter);
-* ``pipeline``: ``rank-R-of-W`` directories, each with the weights and optimizer state of the packs rank R runs.
+* ``pipeline``: ``rank-R-of-W`` directories, each with the weights and optimizer state of the packs rank R runs;
+* ``grid`` (``parallel=("pipeline", "data")``): ``rank-R-of-W`` directories, pipeline 0's ranks each with its packs'
+  state (each stage once), every other rank's with its RNG only (its pipeline holds the same state).
 
 ``saved_layout(path)`` reads which, ``this_layout(sm)`` says the run's own. Where the two are the same, each rank
 reads its own directory; otherwise ``harmony.driver.checkpoint.reshard`` assembles the run's layout from the pieces the
@@ -25,7 +27,7 @@ from pathlib import Path
 from harmony.base.errors import CheckpointError
 
 _RANK_DIR = re.compile(r"rank-(\d+)-of-(\d+)(\.old)?")
-MODES = ("whole", "zero1", "full", "pipeline")
+MODES = ("whole", "zero1", "full", "pipeline", "grid")
 
 
 @dataclass
@@ -47,7 +49,9 @@ def describe(layout: Layout) -> str:
     return {"whole": f"{'1 rank (one process)' if layout.world == 1 else n} with the whole state (no shard_state)",
             "zero1": f"{n} with shard_state=True (each its shard of the optimizer state)",
             "full": f"{n} with shard_state='full' (each its share of the weights and optimizer state)",
-            "pipeline": f"{n} of a pipeline (each its packs' state)"}.get(layout.mode, f"{n} in mode {layout.mode!r}")
+            "pipeline": f"{n} of a pipeline (each its packs' state)",
+            "grid": f"{n} of a pipeline x data-parallel grid (each stage's state once)"}.get(
+        layout.mode, f"{n} in mode {layout.mode!r}")
 
 
 def this_layout(sm) -> Layout:

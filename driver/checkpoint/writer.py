@@ -24,6 +24,7 @@ from harmony.driver.checkpoint.io import FORMAT, KIND, jsonable, rank_path, refu
 from harmony.driver.checkpoint.ranks import this_layout
 from harmony.driver.guard import guarded
 from harmony.driver.handshake import CALLS, agree
+from harmony.runtime.comm import failures
 from harmony.runtime.tiers.live import LiveState
 
 
@@ -59,7 +60,8 @@ def save(sm, path, *, progress=None) -> Path:
             box[0] = ("ok", str(_save_here(sm, path, progress, ident)))
         except CheckpointError as e:
             box[0], error = ("error", str(e)), e
-    dist.broadcast_object_list(box, src=0)
+    failures.guarded("harmony.save's word from rank 0 on the checkpoint the ranks share", dist.broadcast_object_list,
+                     box, src=0, timeout=sm.program.config.comm_timeout, peer=0)
     if error is not None:
         raise error
     kind, value = box[0]
@@ -103,7 +105,7 @@ def _stage(sm, path, progress, ident: dict) -> saves.Staged:
         ckfiles.recover(target, old)
         previous = ckfiles.check_replaceable(target)
         _make_temp(target, tmp, need)
-        layout = live.layout()
+        layout = live.layout() if sm.mode.saves_state(sm.program.plan) else []     # a grid: its first pipeline's
         total = len(layout) + 2         # the steps ``progress`` counts: each pack's file, rng.pt, the manifest
         files = _write_packs(live, layout, tmp, progress, total)
         size, digest = ckfiles.write_file(tmp / "rng.pt", rng_state())

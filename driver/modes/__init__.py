@@ -12,7 +12,8 @@ The modes: ``Mode`` itself (one process, driver/modes/base.py); in driver/modes/
 (every rank runs every pack on its share of the batch, gradients all-reduced; ``balance=`` gives mismatched
 ranks uneven shares, driver/modes/balance.py), ``ShardedOptimizer`` (ZeRO-1: ``shard_state=True``) and
 ``Partitioned`` (ZeRO-3: ``shard_state="full"``); ``Pipeline`` (``parallel="pipeline"``: packs placed across a
-node's ranks, driver/modes/pipeline.py). The passes and runtime pieces a mode needs (passes/compress.py,
+node's ranks, driver/modes/pipeline.py); ``Grid`` (``parallel=("pipeline", "data")``: a pipeline per server, the
+pipelines data-parallel replicas, driver/modes/grid.py). The passes and runtime pieces a mode needs (passes/compress.py,
 passes/shard.py, passes/stage.py, runtime/partitioned*.py, runtime/pipeline.py) are declared here by name and
 built where they belong.
 """
@@ -20,10 +21,11 @@ from __future__ import annotations
 
 from harmony.driver.modes.base import Mode
 from harmony.driver.modes.data import DataParallel, Partitioned, ShardedOptimizer
+from harmony.driver.modes.grid import Grid
 from harmony.driver.modes.pipeline import Pipeline
 
 # most specific first: ``of`` takes the first that applies
-MODES: list[type[Mode]] = [Pipeline, Partitioned, ShardedOptimizer, DataParallel, Mode]
+MODES: list[type[Mode]] = [Grid, Pipeline, Partitioned, ShardedOptimizer, DataParallel, Mode]
 
 
 def register(mode: type[Mode], first: bool = True) -> type[Mode]:

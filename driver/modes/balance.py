@@ -22,6 +22,7 @@ from harmony.compiler.cost import Affine
 from harmony.compiler.ir import CompileConfig, PassReport, Program
 from harmony.compiler.meta import COST
 from harmony.passes.partition import find_units, smallest_budget, tensor_bytes
+from harmony.runtime.comm.failures import guarded
 from harmony.runtime.comm.world import rank_and_world
 from harmony.runtime.plan import optim_state_bytes, step_traffic
 
@@ -108,7 +109,7 @@ def plan_on_rank0(rank: int, solve):
             box[0] = ("ok", solve())
         except HarmonyError as e:
             box[0] = ("error", e)
-    dist.broadcast_object_list(box, src=0)
+    guarded("balance='s plan from rank 0", dist.broadcast_object_list, box, src=0, peer=0)
     kind, value = box[0]
     if kind == "error":
         raise value

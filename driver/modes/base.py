@@ -83,6 +83,11 @@ class Mode:
         """How this rank's checkpoint holds the state (driver/checkpoint/ranks.py ``MODES``): the whole state."""
         return "whole"
 
+    def saves_state(self, plan) -> bool:
+        """Whether this rank writes its state into a checkpoint (not where another rank holds the same and writes
+        it: a grid's replicas); its directory holds its RNG and manifest either way."""
+        return True
+
     def ranks_meet(self, cfg, plan) -> bool:
         """Whether this module's ranks make collective calls together (a step, a save, a load), so each such call
         starts with the ranks agreeing on it (driver/handshake.py)."""

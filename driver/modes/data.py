@@ -49,9 +49,12 @@ class DataParallel(Mode):
         try:
             return super().run_passes(program, passes)
         except HarmonyError as e:
-            # the pass that failed is the first one not in the history; compress itself has met the others already
-            if (program.config.world_size or 1) > 1 and "compress" in names \
-                    and names.index("compress") > len(program.history):
+            # the pass that failed is the first one not in the history; the others wait in the next pass that
+            # checks the ranks' plans (compress, then shard): compress itself has met the others already
+            checks = [names.index(p) for p in ("compress", "shard") if p in names]
+            # (not where the failure is one a check heard from another rank: every rank met that check already)
+            if (program.config.world_size or 1) > 1 and any(i > len(program.history) for i in checks) \
+                    and not getattr(e, "harmony_echo", False):
                 compress.report_failure(f"{type(e).__name__}: {str(e).splitlines()[0]}")
             raise
 

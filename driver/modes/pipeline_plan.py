@@ -12,6 +12,7 @@ from harmony.compiler.hardware.nodes import NODES
 from harmony.compiler.passmanager import run_passes
 from harmony.compiler.verify import memory_curve, state_sizes
 from harmony.driver.replan import another_rank
+from harmony.passes.stage import pipeline_ranks
 from harmony.runtime.simulate.node import simulate_node
 
 
@@ -31,7 +32,7 @@ def node_hardware(cfg, hardware=None):
     """The node a pipeline rank simulates (``sm.simulate``, ``pipeline_group="auto"``): ``hardware`` (a
     ``Hardware``, one device per rank, or one device every rank is alike; a server preset of ``Hardware.node`` or a
     GPU preset), or None: this machine as one logical device per rank under the rank's budget and speed factor."""
-    world = cfg.world_size
+    world = len(pipeline_ranks(cfg))
     if hardware is None:
         return Hardware.this_machine(cache_dir=cfg.cache_dir).logical([cfg.memory_budget] * world,
                                                                       [cfg.speed_factor] * world)
@@ -65,7 +66,7 @@ def choose_group(program, passes) -> tuple[int, dict]:
     for group in group_candidates(cfg.microbatches):
         programs = []
         try:
-            for rank in range(cfg.world_size):
+            for rank in pipeline_ranks(cfg):
                 config = dataclasses.replace(cfg, rank=rank, pipeline_group=group, offline=True)
                 programs.append(run_passes(another_rank(program, config), passes))
         except HarmonyError:
@@ -86,6 +87,6 @@ def simulate_rank_node(sm, hardware=None):
     hw = node_hardware(cfg, hardware)
     programs = [mine if rank == cfg.rank else run_passes(another_rank(mine, dataclasses.replace(cfg, rank=rank)),
                                                          cfg.passes)
-                for rank in range(cfg.world_size)]
+                for rank in pipeline_ranks(cfg)]
     sm.node_simulation = simulate_programs(programs, hw)
     return sm.node_simulation

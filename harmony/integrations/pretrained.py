@@ -40,6 +40,7 @@ from harmony.base.errors import CheckpointError
 from harmony.driver.checkpoint.module import entries
 from harmony.driver.guard import guarded
 from harmony.integrations.shards import Entry, ShardWriter, file_name, plan, shard_bytes
+from harmony.runtime.comm import failures
 from harmony.runtime.placeholders import is_placeholder
 from harmony.runtime.tiers.live import LiveState
 
@@ -111,7 +112,7 @@ def save_pretrained(sm, path, *, max_shard_size="50GB") -> Path:
     sm.export_stats = {"files": len(shards), "bytes": sum(s.nbytes for s in shards), "peak_bytes": held.peak,
                        "reads": len(reads)}
     if world > 1:
-        dist.barrier(group=group)      # every file and the index are there when any rank returns
+        failures.guarded("save_pretrained's barrier", dist.barrier, group=group)   # every file and the index are there
     return target
 
 
@@ -190,7 +191,8 @@ def _everyones(world: int, group, mine) -> list:
         return [mine]
     import torch.distributed as dist
     every = [None] * world
-    dist.all_gather_object(every, mine, group=group)
+    failures.guarded("save_pretrained's exchange of the files each rank wrote", dist.all_gather_object, every, mine,
+                     group=group)
     return every
 
 

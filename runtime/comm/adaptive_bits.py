@@ -23,6 +23,7 @@ import torch
 from harmony.base import ilp
 from harmony.base.errors import ConfigError
 from harmony.runtime.comm.compression import CompressionSpec, wire_bytes
+from harmony.runtime.comm.failures import guarded
 
 CANDIDATES = (2, 3, 4, 6, 8)
 
@@ -192,12 +193,13 @@ def choose_bits_across_ranks(errors: Mapping[str, Mapping[int, float]], sizes: M
     names = list(errors)
     cands = sorted({b for n in names for b in errors[n]})
     table = torch.tensor([[errors[n].get(b, float("nan")) for b in cands] for n in names], dtype=torch.float64)
-    dist.all_reduce(table, group=group)
+    guarded("adaptive bits: the all-reduce of the ranks' measured errors", dist.all_reduce, table, group=group)
     table /= dist.get_world_size(group)
     mean = {n: {b: float(table[i, j]) for j, b in enumerate(cands) if b in errors[n]} for i, n in enumerate(names)}
     bits, report = choose_bits(mean, sizes, uniform_bits, **kwargs)
     agreed = torch.tensor([bits[n] for n in names], dtype=torch.int64)
-    dist.broadcast(agreed, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    guarded("adaptive bits: the broadcast of rank 0's bits", dist.broadcast, agreed, src=src, group=group, peer=src)
     if agreed.tolist() != [bits[n] for n in names]:
         bits = dict(zip(names, agreed.tolist()))
         report["status"] += "; replaced by rank 0's bits"

@@ -23,8 +23,10 @@ class Communicator:
     optimizer step queued behind a pack's all-reduce on that thread sees averaged gradients.
     """
 
-    def __init__(self, first: int | None, kind, world, min_size, warmup, spec, weight=None):
+    def __init__(self, first: int | None, kind, world, min_size, warmup, spec, weight=None, key=STEP_KEY,
+                 group=None):
         self.base = CompressionSpec(kind, **spec)
+        self.key, self.group = key, group                # the meets' key and the ranks' group (``scope``)
         self.world, self.min_size, self.warmup, self.weight = world, min_size, warmup, weight
         self.first = first                               # the pack whose all-reduce comes first in a step
         self.step = -1                                   # steps begun (the first pack's all-reduce begins one)
@@ -58,7 +60,7 @@ class Communicator:
             if status is not None and self.rides():     # the words ride at the end of the buffer
                 words = Words(status, STEP_KEY, None)
             elif status is not None:
-                status.go(STEP_KEY, None, f"the all-reduce of pack {pack}'s gradients")
+                status.go(self.key, self.group, f"the all-reduce of pack {pack}'s gradients")
             self._reduce(rt, names, words)
             if words is not None:
                 words.settle(raises=True)
@@ -66,7 +68,7 @@ class Communicator:
     def rides(self) -> bool:
         """Whether the ranks' words on a step ride on each all-reduce (two ranks, fp32, no adaptive bits), else a
         meet comes first; the same on every rank."""
-        return self.world == 2 and self.meter is None and self.base.kind == "none"
+        return self.world == 2 and self.meter is None and self.base.kind == "none" and self.group is None
 
     def undo_step(self) -> None:
         """A step every rank rolled back: its count, stochastic rounding's draws and error feedback as before it."""
@@ -100,7 +102,7 @@ class Communicator:
                 specs = specs_for_bits(names, self.bits, self.base)
         ef = self.ef.setdefault(tuple(owned), {}) if self.base.error_feedback else None
         stats = reduce_all(grads, specs, error_feedback_state=ef, min_size=self.min_size, generator=self.generator,
-                           weight=self.weight, release=rt.meter.forget, words=words)
+                           weight=self.weight, release=rt.meter.forget, words=words, group=self.group)
         for i in mixed:
             st.set_grad(names[i], grads[i])
         with self.lock:
@@ -137,8 +139,22 @@ def communicator(rt, op, kind, world, min_size, warmup, spec, weight=None) -> Co
     comm = _COMMS.get(rt)
     if comm is None:
         first = next((n.args[0] for n in rt.graph.nodes if n.op == "call_function" and n.target is op), None)
-        comm = _COMMS[rt] = Communicator(first, kind, world, min_size, warmup, spec, weight)
+        key, group = scope(rt)
+        comm = _COMMS[rt] = Communicator(first, kind, world, min_size, warmup, spec, weight, key, group)
     return comm
+
+
+REPLICA_KEY = "replica group"      # the meets of a grid's gradient all-reduces (runtime/comm/jobwide.py ``done``)
+
+
+def scope(rt) -> tuple:
+    """(meet key, process group) of the runtime's gradient all-reduces: the default group's; in a grid
+    (``parallel=("pipeline", "data")``) this rank's replica group, the ranks that hold the same packs."""
+    grid = getattr(getattr(rt.plan, "stage", None), "grid", None)
+    if grid is None:
+        return STEP_KEY, None
+    from harmony.runtime.comm.grid import replica_group
+    return REPLICA_KEY, replica_group(grid)
 
 
 def existing(rt) -> Communicator | None:

@@ -101,6 +101,7 @@ class StepStatus:
         self.rank, self.world, self.group, self.timeout = rank, world, group, timeout
         self.active = False            # a step is under way (an evaluation's gathers meet nobody)
         self.any_key = False           # a pipeline's ranks each step their own packs: any meet stops its updates
+        self.tails: list = []          # what a replay makes after the schedule's ops: ``fn(rt)`` each (``replay``)
         self.begin(active=False)
 
     def begin(self, active: bool = True) -> None:
@@ -124,21 +125,28 @@ class StepStatus:
     def word(self) -> int:
         return FAILED if self.failed else SEEN if self.seen else OK
 
-    def meet(self, key, group=None, what: str = "a collective") -> bool:
+    def meet(self, key, group=None, what: str = "a collective", flag: torch.Tensor | None = None) -> bool:
         """Before a collective of the step on ``group``: every rank says how its step stands. True: run it; False: a
-        rank's step failed (this one's included), skip it. Outside a step, True without a word."""
+        rank's step failed (this one's included), skip it. Outside a step, True without a word. ``flag``: a
+        one-element tensor that rides along and becomes 1 on every rank where it is non-zero on any (fp16's
+        overflow, runtime/precision.py); every rank passes one to the same meet, or none."""
         if not self.active or self.skip(key):
             return not (self.active and (self.seen or self.failed))
         import torch.distributed as dist
 
         from harmony.runtime.comm.collectives import comm_error
         self.done[key] += 1
-        words = torch.zeros(self.world, dtype=torch.int32)
+        words = torch.zeros(self.world + (flag is not None), dtype=torch.int32)
         words[self.rank] = self.word()
+        if flag is not None:
+            words[-1] = int(bool(flag.item()))
         try:
             dist.all_reduce(words, group=group)
         except (RuntimeError, dist.DistError) as e:
             raise comm_error(f"{what} (its step's status exchange)", e, self.timeout, group) from e
+        if flag is not None:
+            flag.fill_(float(words[-1].item() > 0))
+            words = words[:-1]
         self.heard(key, [r for r, w in enumerate(words.tolist()) if w == FAILED], bool(words.any()))
         return not self.seen
 
@@ -159,13 +167,14 @@ class StepStatus:
             raise Aborted(f"rank {self.rank}: another rank's step failed")
 
     # -- after a failure -------------------------------------------------------------------------
-    def go(self, key, group=None, what: str = "a collective") -> None:
+    def go(self, key, group=None, what: str = "a collective", flag: torch.Tensor | None = None) -> None:
         """``meet``, raising ``Aborted`` where the collective is to be skipped."""
-        if not self.meet(key, group, what):
+        if not self.meet(key, group, what, flag):
             raise Aborted(f"rank {self.rank}: a rank's step failed before {what}")
 
     def replay(self, rt) -> None:
-        """The schedule's collectives this rank has not made yet, as meets only (each op's ``ghost``)."""
+        """The schedule's collectives this rank has not made yet, as meets only (each op's ``ghost``), then those
+        that follow the schedule (``tails``: fp16's overflow agreement)."""
         self.replayed = Counter()
         try:
             for node in rt.graph.nodes:
@@ -174,6 +183,8 @@ class StepStatus:
                 fn = GHOSTS.get(getattr(node.target, "__name__", None))
                 if fn is not None:
                     fn(rt, node)
+            for fn in self.tails:
+                fn(rt)
         finally:
             self.replayed = None
 

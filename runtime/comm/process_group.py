@@ -10,6 +10,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from harmony.runtime.comm.failures import guarded
+
 
 def init_process_group(timeout: float = 60.0, backend: str | None = None, **kwargs) -> None:
     """``dist.init_process_group`` from the torchrun environment with a timeout in seconds.
@@ -51,9 +53,9 @@ def measure_network(nbytes: int = 16 << 20, repeats: int = 5, group=None) -> tup
         buf = torch.zeros(max(n // 4, 1))
         times = []
         for _ in range(repeats):
-            dist.barrier(group=group)
+            guarded("the network measurement's barrier", dist.barrier, group=group)
             t0 = time.perf_counter()
-            dist.all_reduce(buf, group=group)
+            guarded("the network measurement's all-reduce", dist.all_reduce, buf, group=group)
             times.append(time.perf_counter() - t0)
         return sorted(times)[len(times) // 2]
 
@@ -62,5 +64,5 @@ def measure_network(nbytes: int = 16 << 20, repeats: int = 5, group=None) -> tup
     latency = max(small / hops, 1e-6)
     bandwidth = hops / world * nbytes / max(big - hops * latency, 1e-9)
     figures = torch.tensor([bandwidth, latency], dtype=torch.float64)
-    dist.broadcast(figures, src=0, group=group)
+    guarded("the broadcast of rank 0's network figures", dist.broadcast, figures, src=0, group=group, peer=0)
     return float(figures[0]), float(figures[1])

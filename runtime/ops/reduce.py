@@ -7,7 +7,7 @@ import torch
 
 from harmony.base.tiers import Tier
 from harmony.runtime.comm.collectives import allreduce as reduce_all
-from harmony.runtime.comm.communicator import comm_groups, communicator, existing
+from harmony.runtime.comm.communicator import comm_groups, communicator, existing, scope
 from harmony.runtime.comm.compression import DEFAULT_MIN_SIZE, NO_COMPRESSION
 from harmony.runtime.comm.jobwide import STEP_KEY, Words, ghost
 from harmony.runtime.ops import Predicted, allreduce, register
@@ -102,9 +102,10 @@ def _allreduce_ghost(rt, node) -> None:
     comm = existing(rt)
     groups = comm.owned.get(node.args[0]) if comm is not None else None
     status = rt.status
+    key, group = scope(rt)
     for names in groups if groups is not None else comm_groups(rt, node.args[0]):
-        if not rides(comm, node):
-            status.meet(STEP_KEY, None, "the all-reduce of the gradients")
+        if group is not None or not rides(comm, node):
+            status.meet(key, group, "the all-reduce of the gradients")
         elif not status.skip(STEP_KEY):     # the words ride on the all-reduce: zeros sent in its place
             words = Words(status, STEP_KEY, None)
             reduce_all([torch.zeros(rt.state.tensors[n].shape) for n in names], NO_COMPRESSION, words=words)

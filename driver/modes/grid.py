@@ -1,0 +1,117 @@
+"""``parallel=("pipeline", "data")``: a pipeline inside each server, data parallelism across servers, as one plan.
+
+Under ``torchrun --nnodes R --nproc_per_node P`` the ``W = P x R`` ranks form R pipelines of P consecutive ranks
+(runtime/comm/grid.py); each pipeline trains on its replica's rows of the global batch (``harmony.data.shard(batch,
+pipeline_size=P)``: every rank of a pipeline gets the same rows). The stage pass places the packs within a pipeline as
+``parallel="pipeline"`` does, the same on every pipeline; the compress pass then averages each pack's gradients over
+the ranks that hold that pack (its replica group, one rank per pipeline) right after the pack's last backward, on the
+host thread, compressed as ``compression=`` says, while the pipeline's backward goes on. A step's outcome is the
+job's: a failure travels along a pipeline in the messages' masks, across pipelines in the replica all-reduces' meets,
+and every rank hears every rank's word in the loss's all-reduce that ends the step (runtime/comm/jobwide.py).
+
+A checkpoint holds each stage once, written by pipeline 0's ranks (``grid`` layout, driver/checkpoint/ranks.py); it
+loads into another grid, one pipeline or data-parallel ranks through the reshard machinery.
+"""
+from __future__ import annotations
+
+import os
+
+from harmony.base.errors import ConfigError
+from harmony.compiler.config_checks import HYBRID
+from harmony.compiler.ir import PassReport
+from harmony.driver.modes.base import Mode
+from harmony.driver.modes.pipeline import Pipeline
+from harmony.passes.compress import label
+from harmony.passes.stage import grid_of as stage_grid
+from harmony.runtime.comm.grid import grid_of, groups
+
+NOT_YET = "is not supported with parallel=('pipeline', 'data') yet"
+
+
+def refusals(cfg) -> list[tuple[bool, str, str]]:
+    """(refused, what, what to use instead) of what a grid does not do yet."""
+    return [(cfg.precision == "fp16", "precision='fp16' (the loss scaler's overflow check would span the ranks)",
+             "precision='fp32' or 'bf16'"),
+            (cfg.balance is not None, "balance=", "memory_budget= (the servers alike)"),
+            (bool(cfg.shard_state), f"shard_state={cfg.shard_state!r}", "shard_state=None (each pipeline rank "
+                                                                         "holds only its packs' state already)"),
+            (cfg.adaptive, "compression='adaptive'", "a fixed codec such as compression='4bit'"),
+            (cfg.clip_grad_norm is not None, "clip_grad_norm=", "no clipping, or parallel='pipeline'"),
+            (cfg.policy == "ondemand", "policy='ondemand'", "policy='harmony' or 'sequential'"),
+            (getattr(cfg.weights_on, "value", cfg.weights_on) == "disk", "weights_on='disk'", "weights_on='host'"),
+            (cfg.pipeline_group == "auto", "pipeline_group='auto'", "a number of microbatches"),
+            (cfg.pipeline_group is not None and cfg.policy != "harmony", f"policy={cfg.policy!r} and "
+             f"pipeline_group=", "policy='harmony' (the sequential policy runs one microbatch at a time)")]
+
+
+class Grid(Pipeline):
+    """``parallel=("pipeline", "data")``: this rank's packs of its server's pipeline, averaged over the replicas."""
+
+    name = "pipeline x data parallel (grid)"
+
+    @classmethod
+    def applies(cls, options, world: dict) -> bool:
+        return options.parallel == HYBRID
+
+    def resolve(self, options, world: dict) -> dict:
+        """The job's world, data parallel across the pipelines, ``pipeline_size`` resolved (torchrun's node size)."""
+        if not world["data_parallel"]:
+            raise ConfigError("parallel=('pipeline', 'data') needs several processes, a pipeline of each server's "
+                              "devices: launch with `torchrun --nnodes S --nproc_per_node P --rdzv-backend c10d "
+                              "--rdzv-endpoint HOST:PORT train.py` on every server")
+        size = options.pipeline_size
+        if size is None:
+            local = os.environ.get("LOCAL_WORLD_SIZE")
+            if not (local and local.isdigit()):
+                raise ConfigError("parallel=('pipeline', 'data'): give pipeline_size= (ranks per pipeline, a "
+                                  "server's devices), or launch with torchrun, whose LOCAL_WORLD_SIZE says it")
+            size = int(local)
+        grid_of(world["world_size"], size, world["rank"])      # a bad shape refused, saying what to launch
+        return dict(Mode.resolve(self, options, world), data_parallel=True, pipeline_size=size)
+
+    def check(self, cfg, options) -> None:
+        for bad, what, instead in refusals(cfg):
+            if bad:
+                raise ConfigError(f"{what} {NOT_YET}: use {instead}, or parallel='pipeline' (one server) or "
+                                  f"parallel=None (data parallelism)")
+
+    def plan_rank(self, model, gm, batch, cfg):
+        """The job's process groups (every rank makes every one, in one order), then this rank's device."""
+        import torch.distributed as dist
+        if not cfg.offline and dist.is_available() and dist.is_initialized():
+            groups(stage_grid(cfg), cfg.comm_timeout)
+        return super().plan_rank(model, gm, batch, cfg)
+
+    def checkpoint_layout(self, plan) -> str:
+        return "whole" if plan.stage is None else "grid"     # each stage once, by pipeline 0's ranks
+
+    def saves_state(self, plan) -> bool:
+        return plan.stage is None or plan.stage.grid is None or plan.stage.grid.replica == 0
+
+    def report(self, program):
+        return grid_report(program)
+
+
+def grid_report(program) -> PassReport | None:
+    """The report's "grid" section: P x R, which ranks hold which packs, the replica groups, the codec."""
+    cfg, stage = program.config, program.plan.stage
+    grid = getattr(stage, "grid", None)
+    if grid is None:
+        return None
+    rows = []
+    for s in range(grid.pipeline):
+        packs = [g for g, r in enumerate(stage.rank_of) if r == s]
+        rows.append(dict(stage=s, packs=",".join(map(str, packs)), layers=f"{stage.names[packs[0]]} .. "
+                         f"{stage.names[packs[-1]]}" if len(packs) > 1 else stage.names[packs[0]],
+                         ranks=",".join(map(str, grid.replica_ranks(s)))))
+    report = PassReport(f"grid: {grid.pipeline} x {grid.replicas} (pipeline x data parallel)", rows, totals=dict(
+        pipeline_size=grid.pipeline, replicas=grid.replicas, world=grid.world, this_rank=grid.rank,
+        stage=grid.stage, replica=grid.replica, compression=label(cfg.compression) if cfg.compression else "fp32"))
+    report.notes += [
+        "pipelines: " + "; ".join(f"ranks {','.join(map(str, grid.pipeline_ranks(r)))}"
+                                  for r in range(grid.replicas)) + " (each a server's ranks, one replica each)",
+        "each row's ranks hold that stage's packs, one per pipeline, and average the packs' gradients over "
+        "themselves (its replica group) right after each pack's last backward, overlapping the pipeline's backward",
+        f"each pipeline trains on its {cfg.batch_size} rows of the global batch of {cfg.batch_size * grid.replicas}"
+        " (harmony.data.shard(batch, pipeline_size=P)); the loss is the mean over the pipelines"]
+    return report
