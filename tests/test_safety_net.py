@@ -141,9 +141,16 @@ def test_a_margin_the_user_sets_wins_and_bad_ones_are_refused(under_predicting):
     assert e.value.min_budget > budget
 
 
-def test_a_step_rolled_back_after_a_miss_leaves_the_state_intact(under_predicting):
+def test_a_step_rolled_back_after_a_miss_leaves_the_state_intact(under_predicting, monkeypatch):
     model, data = mlp_case()
     budget = int(training_state_bytes(model) * 0.25)
+    away = []      # the weights the net had moved off the device when each restore began
+    real = SafetyNet.restore
+
+    def restore(self):
+        away.append(set(self.weights))
+        real(self)
+    monkeypatch.setattr(SafetyNet, "restore", restore)
     sm = _compile(model, data, budget)
     sm(*data[0])
     rt = sm.runtime
@@ -154,6 +161,7 @@ def test_a_step_rolled_back_after_a_miss_leaves_the_state_intact(under_predictin
             sm(*data[1])
     assert hit["hit"] and rt.safety.misses, "the failure must come after a miss in the step"
     assert rt.transaction.outcome == "rolled back"
+    assert away[-1], "the failure must come while the net holds a weight the plan keeps on the device"
     assert rt.meter.live == live
     for (kind, name), n in rt.state.refs.items():     # every weight the plan holds is on the device again
         if kind == "params" and n > 0:
