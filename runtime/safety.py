@@ -9,7 +9,9 @@ meter's ``on_pressure``) the crossing is a *plan miss*:
 2. then what the plan can fetch again leaves the device, the value used farthest ahead first: weights whose
    current value the host master holds (clean, not on disk, not partitioned: dropping them moves nothing), and
    values the executor holds for a later op (a microbatch's inputs, a pack's outputs or input gradients, a kept
-   forward's saved tensors), copied to the host;
+   forward's inputs, outputs and saved tensors), copied to the host storage by storage, each tensor object that
+   views the storage pointed at the host copy (``.data``) so autograd's graph and the plan's stash see the same
+   objects;
 3. each comes back, exactly (the same bytes), just before the next op that reads it; at the end of the step (and
    after a rollback) every weight the plan holds on the device is back, so the next step starts as planned.
 
@@ -20,8 +22,10 @@ same model learns it (driver/misses.py). Numerics do not change: nothing is reco
 What it does not cover: the ``ondemand`` policy (its own eviction is its net), ``accounting="allocator"`` (the
 allocator's counters are read after an op, too late to make room), weights on disk or partitioned
 (``shard_state="full"``: the device copy is the only current one within a step), gradients and optimizer state
-(moved only by the plan), a kept forward's inputs and outputs (its graph holds them), and allocations made on a
-thread other than the one running the schedule.
+(moved only by the plan), a storage something outside the executor's values also holds (the last pack's
+graph, which saves its tensors without holders), the running op's own inputs and working set, and allocations made
+on a thread other than the one running the schedule. CUDA has not been run yet: the moves are written for it (a
+host copy made synchronously, the copy engine bringing it back) but untested there.
 """
 from __future__ import annotations
 
