@@ -40,10 +40,12 @@ def fingerprint(gm, batch, cfg) -> str:
 
 def resolve(cfg) -> None:
     """``cfg.plan_margin`` in bytes: the user's, or under ``"auto"`` what this process learned for ``cfg.plan_key``
-    (0 if nothing); ``cfg.margin_learned`` says which."""
+    (0 if nothing); ``cfg.margin_learned`` says which. Over several ranks ``"auto"`` is 0: each process learns its
+    own misses, and ranks that learned different margins would plan different packs (set ``plan_margin`` there,
+    the same on every rank)."""
     if cfg.plan_margin != "auto":
         return
-    record = _LEARNED.get(cfg.plan_key)
+    record = _LEARNED.get(cfg.plan_key) if (cfg.world_size or 1) == 1 else None
     cfg.plan_margin = record["margin"] if record else 0
     cfg.margin_learned = record is not None
 

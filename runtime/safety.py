@@ -9,7 +9,9 @@ meter's ``on_pressure``) the crossing is a *plan miss*:
 2. then what the plan can fetch again leaves the device, the value used farthest ahead first: weights whose
    current value the host master holds (clean, not on disk, not partitioned: dropping them moves nothing), and
    values the executor holds for a later op (a microbatch's inputs, a pack's outputs or input gradients, a kept
-   forward's saved tensors), copied to the host;
+   forward's inputs, outputs and saved tensors), copied to the host storage by storage, each tensor object that
+   views the storage pointed at the host copy (``.data``) so autograd's graph and the plan's stash see the same
+   objects;
 3. each comes back, exactly (the same bytes), just before the next op that reads it; at the end of the step (and
    after a rollback) every weight the plan holds on the device is back, so the next step starts as planned.
 
@@ -20,8 +22,10 @@ same model learns it (driver/misses.py). Numerics do not change: nothing is reco
 What it does not cover: the ``ondemand`` policy (its own eviction is its net), ``accounting="allocator"`` (the
 allocator's counters are read after an op, too late to make room), weights on disk or partitioned
 (``shard_state="full"``: the device copy is the only current one within a step), gradients and optimizer state
-(moved only by the plan), a kept forward's inputs and outputs (its graph holds them), and allocations made on a
-thread other than the one running the schedule.
+(moved only by the plan), a storage something outside the executor's values also holds (the last pack's
+graph, which saves its tensors without holders), the running op's own inputs and working set, and allocations made
+on a thread other than the one running the schedule. CUDA has not been run yet: the moves are written for it (a
+host copy made synchronously, the copy engine bringing it back) but untested there.
 """
 from __future__ import annotations
 
@@ -33,7 +37,7 @@ import torch
 import torch.fx
 
 from harmony.base.units import nbytes
-from harmony.runtime.ops import Acts, op_of
+from harmony.runtime.ops import Acts, arrived, op_of
 from harmony.runtime.placeholders import is_placeholder
 
 
@@ -48,15 +52,6 @@ class Miss:
     reached: int = 0     # the most bytes live at a crossing, before the net made room
 
 
-@dataclass
-class _Away:
-    """An executor value whose device tensors went to the host: the value, and per storage its host copy and the
-    places its tensors were (``acts.values`` keys), with their views' geometry."""
-
-    acts: Acts
-    storages: list       # [(host uint8 tensor, [(key, dtype, size, stride, offset)])]
-
-
 class SafetyNet:
     """Makes room on ``rt``'s device when an allocation crosses the budget (see the module docstring)."""
 
@@ -69,6 +64,8 @@ class SafetyNet:
         self._graph = self._plan = self.plan = None
         self.thread: int | None = None
         self.weights: set[str] = set()       # released weights the plan still holds (refs > 0)
+        self.away: dict[int, tuple] = {}     # id of a value's tensor the net sent to the host -> its storage's
+                                             # (host copy, [(tensor, view geometry)])
         self.misses: dict[str, Miss] = {}    # op name -> its miss, in order, in the running graph
         self.busy = False
         rt.meter.on_pressure = self.relieve
@@ -91,23 +88,17 @@ class SafetyNet:
     def before(self, node: torch.fx.Node) -> None:
         """``node`` runs next: what it reads that the net let go comes back first."""
         self.node = node
-        if not self.weights and not any(isinstance(self.env.get(x), _Away) for x in node.all_input_nodes):
-            if not op_of(node).runs_backward:
-                return
-        for name in [n for n in _weights_read(self.plan, node) if n in self.weights]:
-            self._bring_weight(name)
-        for x in node.all_input_nodes:
-            value = self.env.get(x)
-            if isinstance(value, _Away):
-                self.env[x] = self._bring_value(value)
-        saved = node.kwargs.get("saved")
-        if isinstance(saved, torch.fx.Node) and isinstance(self.env.get(saved), Acts):
-            self._bring_graph(self.env[saved])
+        if self.weights:
+            for name in [n for n in _weights_read(self.plan, node) if n in self.weights]:
+                self._bring_weight(name)
+        if self.away:
+            self._bring_values(self.env.get(x) for x in node.all_input_nodes)
 
     def end(self, restore: bool = True) -> None:
         """The graph is done (or failed): let go of its values; ``restore``: every weight the plan still holds
         comes back to the device now (a failed step's rollback calls ``restore`` once it has released its holds)."""
         self.env, self.node = None, None
+        self.away.clear()     # the graph's values are gone with it
         if restore:
             self.restore()
 
@@ -151,7 +142,9 @@ class SafetyNet:
             self.busy = False
 
     def _candidates(self) -> list:
-        """(index of the next op that reads it, a function that lets it go) for everything the net may release."""
+        """(index of the next op that reads it, a function that lets it go) for everything the net may release: the
+        clean weights the running op does not read, and each device storage of the executor's values that no value
+        the running op reads shares."""
         now = self.order.get(self.node, -1)
         reads = set(self.node.all_input_nodes) if self.node is not None else set()
         busy = set(_weights_read(self.plan, self.node)) if self.node is not None else set()
@@ -159,19 +152,24 @@ class SafetyNet:
         for name in self._releasable_weights(busy):
             later = [i for i in self.readers.get(name, ()) if i > now]
             out.append((later[0] if later else len(self.order), lambda n=name: self._drop_weight(n)))
-        graphs = {id(self.env[x].graph) for x in reads if isinstance(self.env.get(x), Acts)
-                  and self.env[x].graph is not None}
+        meter = self.rt.meter
+        taken = {id(t.untyped_storage()) for t in _tensors(self.env.get(x) for x in reads)}
+        groups: dict[int, list] = {}     # storage -> [next use, its tensors by id, the values still arriving]
         for node, value in list(self.env.items()):
-            if node in reads or node is self.node or not isinstance(value, Acts) or value.arriving is not None:
+            if node in reads or not isinstance(value, Acts):
                 continue
             later = [self.order[u] for u in node.users if self.order.get(u, -1) > now]
-            nxt = min(later, default=len(self.order))
-            if value.graph is not None:
-                if value.graph and id(value.graph) not in graphs:
-                    graphs.add(id(value.graph))
-                    out.append((nxt, lambda v=value: self._drop_graph(v)))
-            elif value.leaves is None and value.on_device:
-                out.append((nxt, lambda n=node, v=value: self._drop_value(n, v)))
+            for t in _tensors([value]):
+                key = id(t.untyped_storage())
+                if key in taken or t.layout != torch.strided or not meter.holds(t):
+                    continue
+                group = groups.setdefault(key, [len(self.order), {}, []])
+                group[0] = min([group[0], *later])
+                group[1][id(t)] = t
+                if value.arriving is not None:
+                    group[2].append(value)
+        for nxt, members, arriving in groups.values():
+            out.append((nxt, lambda m=list(members.values()), a=arriving: self._drop_group(m, a)))
         return out
 
     def _releasable_weights(self, busy: set) -> list[str]:
@@ -221,82 +219,57 @@ class SafetyNet:
         st.moved["h2d"] += nbytes(dst)
         st.set_data(name, dst)
 
-    def _drop_value(self, node: torch.fx.Node, acts: Acts) -> None:
-        """A plain value's device tensors to the host, storage by storage; ``env`` holds an ``_Away`` instead."""
-        meter = self.rt.meter
-        by_storage: dict[int, list] = {}
-        for key, t in acts.values.items():
-            if isinstance(t, torch.Tensor) and t.layout == torch.strided and meter.holds(t):
-                by_storage.setdefault(id(t.untyped_storage()), []).append(key)
-        away = []
-        for keys in by_storage.values():
-            t = acts.values[keys[0]]
-            host = self.rt.state.to_host(_whole(t))
-            views = [(k, acts.values[k].dtype, acts.values[k].size(), acts.values[k].stride(),
-                      acts.values[k].storage_offset()) for k in keys]
-            ref = weakref.ref(t.untyped_storage())
-            del t
-            for k in keys:
-                acts.values[k] = None
-            storage = ref()
-            if storage is not None:      # another value holds it too: it stays
-                for k, *geometry in views:
-                    acts.values[k] = _view(storage, *geometry)
-                continue
-            away.append((host, views))
-        if away:
-            self.env[node] = _Away(acts, away)
-
-    def _bring_value(self, away: _Away) -> Acts:
-        for host, views in away.storages:
-            whole = self._bring(host)
-            for k, *geometry in views:
-                away.acts.values[k] = _view(whole.untyped_storage(), *geometry)
-        return away.acts
-
-    def _drop_graph(self, acts: Acts) -> None:
-        """A kept forward's saved tensors to the host, as a ``stash`` sends them (``Saved.host`` and its view), so
-        that an ``unstash`` of the plan or the net before the backward brings them back alike."""
-        meter = self.rt.meter
-        stay = {id(t.untyped_storage()) for t in (*acts.leaves.values(), *acts.outs.values())
-                if isinstance(t, torch.Tensor)}
-        by_storage: dict[int, list] = {}
-        for held in acts.graph:
-            t = held.t
-            if t is None or t.layout != torch.strided or not meter.holds(t) or id(t.untyped_storage()) in stay:
-                continue
-            by_storage.setdefault(id(t.untyped_storage()), []).append(held)
+    def _drop_group(self, members: list, arriving: list) -> None:
+        """One device storage's tensors (``members``: every executor value's tensor object on it) to the host: its
+        bytes copied once, each tensor pointed (``.data``) at the same view of the host copy, so the values, kept
+        graphs and autograd's leaves that hold those objects hold the host copy. Unless something else holds the
+        storage still (dropping it frees nothing): then each points back at it. ``arriving``: values whose copies
+        in (an ``unstash``) write it, joined first."""
+        for value in arriving:
+            arrived(self.rt, value)
+        first = members[0]
+        host = self.rt.state.to_host(_whole(first)).untyped_storage()
+        ref = weakref.ref(first.untyped_storage())
+        views = [(t, t.dtype, t.size(), t.stride(), t.storage_offset()) for t in members]
+        del first, members
+        for t, *geometry in views:
+            t.data = _view(host, *geometry)
         del t
-        for holders in by_storage.values():
-            first = holders[0].t
-            host = self.rt.state.to_host(_whole(first))
-            ref = weakref.ref(first.untyped_storage())
-            del first
-            for held in holders:
-                t = held.t
-                held.host, held.view, held.t = host, (t.dtype, t.size(), t.stride(), t.storage_offset()), None
-            del t
-            storage = ref()
-            if storage is not None:      # held elsewhere: it stays
-                for held in holders:
-                    held.t, held.host, held.view = _view(storage, *held.view), None, None
-
-    def _bring_graph(self, acts: Acts) -> None:
-        """A backward's saved graph: what the net (or a stash whose unstash the net pre-empts) sent out, back."""
-        if not acts.graph:
+        storage = ref()
+        if storage is not None:
+            for t, *geometry in views:
+                t.data = _view(storage, *geometry)
             return
-        wholes: dict[int, torch.Tensor] = {}
-        for held in acts.graph:
-            if held.host is not None and held.t is None:
-                key = id(held.host)
-                if key not in wholes:
-                    wholes[key] = self._bring(held.host)
-                held.t, held.host, held.view = _view(wholes[key].untyped_storage(), *held.view), None, None
+        group = (host, views)
+        for t, *_ in views:
+            self.away[id(t)] = group
 
-    def _bring(self, host: torch.Tensor) -> torch.Tensor:
-        (whole,), fut = self.rt.state.bring([host])
-        self.rt.state.wait(fut)
-        return whole
+    def _bring_values(self, values) -> None:
+        """The tensors of ``values`` (executor values an op reads) that the net sent to the host, back on the device,
+        storage by storage, at the views they had."""
+        for t in _tensors(values):
+            group = self.away.pop(id(t), None)
+            if group is None:
+                continue
+            host, views = group
+            (whole,), fut = self.rt.state.bring([torch.empty(0, dtype=torch.uint8).set_(host)])
+            self.rt.state.wait(fut)
+            for u, *geometry in views:
+                self.away.pop(id(u), None)
+                u.data = _view(whole.untyped_storage(), *geometry)
+
+
+def _tensors(values) -> list[torch.Tensor]:
+    """The tensor objects executor values (``Acts``) hold: their values, a kept forward's leaves, outputs and saved
+    tensors (``Saved.t``)."""
+    out = []
+    for value in values:
+        if not isinstance(value, Acts):
+            continue
+        for d in (value.values, value.leaves, value.outs):
+            out += [t for t in (d or {}).values() if isinstance(t, torch.Tensor)]
+        out += [held.t for held in value.graph or () if held.t is not None]
+    return out
 
 
 def _weights_read(plan, node) -> list[str]:
