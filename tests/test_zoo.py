@@ -109,3 +109,12 @@ class TestBf16AndMinimum:
         sm.close()
         with pytest.raises(BudgetError):
             compile_at(int(0.97 * smallest))
+
+
+def test_a_last_pack_holding_its_input_for_backward_stays_within_the_predicted_peak():
+    """ConvNeXt in one pack: its first convolution saves the microbatch of images for its weight's gradient, so the
+    kept graph holds it through the backward after the batch's value dies at the forward. verify counts it
+    (``held_in_bytes``); it did not, and the accumulating backward of microbatches 2-4 peaked above the prediction."""
+    r = train("convnext", fraction=4.0)
+    assert r.packs == 1
+    assert r.measured_peak <= r.predicted_peak, f"measured {r.measured_peak} > predicted {r.predicted_peak}"
