@@ -28,7 +28,6 @@ _SUM_ORDER = ("a value several packs read (a block's input, read by its first op
 KNOWN: dict[str, dict[str, str]] = {
     "convnext": {"bitwise": _SUM_ORDER},
     "albert": {"bitwise": _SUM_ORDER + " (and ALBERT's one layer, applied twice, is read by two packs)"},
-    "bart": {"peak": "measured 256 bytes above predicted at 3 packs: a cost-model miss not yet found"},
     "wav2vec2-ctc": {"trace": "the model checks labels.max() >= vocab_size in Python: a branch on data no trace "
                               "can take (torch.export: GuardOnDataDependentSymNode), named as a TraceError"},
     "hubert-ctc": {"trace": "as wav2vec2-ctc: labels.max() >= vocab_size checked in Python"},
