@@ -9,6 +9,8 @@ Packs of the same layers at other depths take the figures of one measured before
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.fx
 from torch._subclasses.fake_tensor import (
@@ -43,7 +45,8 @@ def measure_pack(module: torch.fx.GraphModule, inputs: list, grad_inputs: list[b
     Every figure counts the bytes newly allocated during the op, results included:
     fwd_peak (no grad) and out_bytes; for a pack that keeps its forward's graph for its
     backward (the last, ``loss_output``, always; any other with ``keep``) fwd_keep_peak,
-    saved_bytes and the backward's bwd_peak; for the others, which recompute,
+    saved_bytes, the backward's bwd_peak, and held_in_bytes (its inputs the graph saves); for the others, which
+    recompute,
     bwd_recompute_peak (recompute + backward). Each when the parameters have no gradient
     yet and, suffixed ``_accum``, when they have one to accumulate into.
 
@@ -96,9 +99,11 @@ def _profile_pack(module, inputs, grad_inputs, loss_output, keep=False) -> dict:
     del outs
     for suffix in ("", "_accum"):       # the second round finds the gradients of the first
         if loss_output or keep:         # the pack keeps its forward's graph for its backward
-            outs, meter = measured(lambda: _with_grad(module, leaves))
+            with _saved_storages() as saved:
+                outs, meter = measured(lambda: _with_grad(module, leaves))
             out["fwd_keep_peak" + suffix] = meter.peak
             out["saved_bytes" + suffix] = meter.live - out["out_bytes"]
+            out["held_in_bytes"] = _held_bytes(leaves, saved)
             seeds = _seeds(outs, loss_output)
             _, meter = measured(lambda: _run_backward(*seeds))
             out["bwd_peak" + suffix] = meter.peak
@@ -108,8 +113,30 @@ def _profile_pack(module, inputs, grad_inputs, loss_output, keep=False) -> dict:
             _, meter = measured(lambda: _run_backward(*_seeds(_with_grad(module, leaves), loss_output)))
             out["bwd_recompute_peak" + suffix] = meter.peak
             out["fwd_keep_peak" + suffix] = out["saved_bytes" + suffix] = out["bwd_peak" + suffix] = 0
+            out["held_in_bytes"] = 0
     _clear_grads(module)
     return out
+
+
+@contextlib.contextmanager
+def _saved_storages():
+    """The storages (their ``StorageImpl`` addresses) of every tensor autograd saves for backward in the block."""
+    found: set[int] = set()
+
+    def pack(t):
+        found.add(t.untyped_storage()._cdata)
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield found
+
+
+def _held_bytes(leaves, saved: set[int]) -> int:
+    """Bytes of the pack's inputs a kept graph holds until its backward: those whose storage it saved (a
+    convolution's input, for its weight's gradient; a view of an input counts its whole storage). ``saved_bytes``
+    counts only what the forward allocates, and the input's own value may die before the backward."""
+    storages = {x.untyped_storage()._cdata: x.untyped_storage().nbytes() for x in leaves
+                if isinstance(x, torch.Tensor)}
+    return sum(n for ptr, n in storages.items() if ptr in saved)
 
 
 def _no_grad(module, leaves):

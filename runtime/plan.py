@@ -104,6 +104,7 @@ class PackSpec:
     in_bytes: int = 0             # one microbatch's float inputs from other packs (their gradients)
     out_bytes: int = 0            # one microbatch's outputs
     saved_bytes: int = 0          # one microbatch's activations kept for backward
+    held_in_bytes: int = 0        # one microbatch's inputs a kept graph saves (held until its backward)
     fwd_peak: int = 0             # bytes a forward without grad allocates at its peak (outputs included)
     fwd_keep_peak: int = 0        # bytes a forward that keeps the graph allocates at its peak
     bwd_peak: int = 0             # bytes a backward of a kept forward allocates at its peak

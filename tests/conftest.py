@@ -35,9 +35,10 @@ if _workers > 1:
 # The modules that take longest here, first: under xdist (``--dist loadscope --no-loadscope-reorder``) a
 # worker takes a whole module and the next in this order when it is done, so starting the long ones
 # leaves short ones to even out the end. A stale list costs only time.
-LONGEST_FIRST = ("test_zero3_more", "test_examples", "test_data_parallel", "test_architectures", "test_pipeline",
-                 "test_numerics", "test_zero3_disk", "test_passes", "test_reshard", "test_zero3_uneven",
-                 "test_materialize", "test_shapes", "test_faults", "test_memory", "test_zero3_carry", "test_docs")
+LONGEST_FIRST = ("test_zoo", "test_zero3_more", "test_examples", "test_data_parallel", "test_architectures",
+                 "test_pipeline", "test_numerics", "test_zero3_disk", "test_passes", "test_reshard",
+                 "test_zero3_uneven", "test_materialize", "test_shapes", "test_faults", "test_memory",
+                 "test_zero3_carry", "test_docs")
 
 
 def pytest_collection_modifyitems(config, items):

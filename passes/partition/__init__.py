@@ -239,7 +239,7 @@ def _measure_peaks(program: Program, spec: PackSpec, inputs: list, nodes: list, 
                                                       loss_output="loss" in spec.outputs)
     m = program.pack_measurements[key]
     spec.fwd_peak, spec.fwd_keep_peak = m["fwd_peak"], m["fwd_keep_peak"]
-    spec.saved_bytes, spec.out_bytes = m["saved_bytes"], m["out_bytes"]
+    spec.saved_bytes, spec.out_bytes, spec.held_in_bytes = m["saved_bytes"], m["out_bytes"], m["held_in_bytes"]
     if not spec.saved_bytes:   # until measure_kept measures it: the estimate
         spec.saved_bytes = int(sum(u.kept for u in units if u.nodes[0] in nodes))
     spec.bwd_peak, spec.bwd_recompute_peak = m["bwd_peak"], m["bwd_recompute_peak"]
@@ -264,7 +264,7 @@ def measure_kept(program: Program, specs: list[PackSpec]) -> None:
                 program.fake, loss_output=False, keep=True)
         m = program.pack_measurements[key]
         spec.fwd_keep_peak, spec.saved_bytes = m["fwd_keep_peak"], m["saved_bytes"]
-        spec.bwd_peak, spec.bwd_peak_accum = m["bwd_peak"], m["bwd_peak_accum"]
+        spec.bwd_peak, spec.bwd_peak_accum, spec.held_in_bytes = m["bwd_peak"], m["bwd_peak_accum"], m["held_in_bytes"]
 
 
 def param_order(program: Program) -> list[str]:
