@@ -12,6 +12,11 @@ It returns the mean of the microbatches' losses, in fp32, as a step does: the tr
 the loss and nothing else, so a model's other outputs (logits) are not returned. Under data
 parallelism each rank evaluates its own batch (its share of a global one) and returns its own loss:
 no all-reduce runs (average the ranks' losses with ``torch.distributed`` where one figure is wanted).
+Under ``parallel="pipeline"`` every rank calls it with the whole batch, as a step: each runs its packs'
+forwards in the step's order, the last rank's loss is every rank's, and a failure on one rank (a bad
+batch, an error in the model) ends the evaluation on every rank (the others raise ``StepAbortedError``
+naming it), after which training goes on as if it had not run. In a grid each pipeline evaluates its
+own batch and every rank returns the mean of the pipelines' losses.
 """
 from __future__ import annotations
 
@@ -20,12 +25,13 @@ import time
 
 import torch
 
-from harmony.base.errors import ConfigError, InputError, TornStepError
+from harmony.base.errors import BudgetError, ConfigError, InputError, TornStepError
 from harmony.base.process import peak_rss_bytes
 from harmony.compiler.trace.eval import eval_module
 from harmony.driver.constants import same_as_compiled, split_call
+from harmony.driver.handshake import CALLS, agree
 from harmony.driver.shapes import describe, shape_key
-from harmony.driver.step import batch_of, leaf_modules
+from harmony.driver.step import batch_of, leaf_modules, shape_digest
 from harmony.driver.tokens import with_count
 from harmony.passes.eval_schedule import build
 from harmony.runtime.comm.world import check_world
@@ -127,13 +133,21 @@ def eval_rows(sm, batch: tuple) -> tuple[int, ...]:
 def evaluate(sm, batch: tuple, named: dict) -> torch.Tensor:
     """The mean loss over the batch's microbatches, forward only, in eval mode (see the module docstring)."""
     _check(sm)
-    batch, named, constants = split_call(sm.program, batch, named)     # its constants apart (driver/constants.py)
-    same_as_compiled(sm.program, constants, "sm.evaluate")
-    batch = batch_of(sm, batch, named)
-    rows = eval_rows(sm, batch)
-    rt = sm.runtime
     compiled = sm._evaluation is None
-    ev = compile_evaluation(sm, len(rows))
+    error = given = None
+    try:
+        given, named, constants = split_call(sm.program, batch, named)   # its constants apart (driver/constants.py)
+        same_as_compiled(sm.program, constants, "sm.evaluate")
+        given = batch = batch_of(sm, given, named)
+        rows = eval_rows(sm, batch)
+        ev = compile_evaluation(sm, len(rows))
+    except (InputError, BudgetError) as e:
+        error = e
+    if sm.program.plan.stage is not None:     # a pipeline's ranks run it together: each can, with one shape, or none
+        agree(sm, CALLS[4], error, plans=True, shapes=shape_digest(shape_key(given)) if given is not None else 0)
+    if error is not None:
+        raise error
+    rt = sm.runtime
     cuda = rt.device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats(rt.device)

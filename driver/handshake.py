@@ -24,7 +24,8 @@ from harmony.runtime.comm.jobwide import StepStatus
 from harmony.runtime.precision import overflow_ghost
 from harmony.runtime.transaction import describe_torn
 
-CALLS = ("sm(...) (a training step)", "harmony.save", "harmony.load", "sm.sync_model()")
+CALLS = ("sm(...) (a training step)", "harmony.save", "harmony.load", "sm.sync_model()",
+         "sm.evaluate(...) (a pipeline's)")
 
 
 class Handshake:

@@ -13,6 +13,11 @@ early as the budget allows. Where the pack-major order does not fit (every micro
 at a pack boundary at once, which a sequential plan never holds), one microbatch at a time goes
 through every pack ("microbatch major"), its weights swapped in for each.
 
+Under ``parallel="pipeline"`` (and a grid) each rank runs its own packs' forwards in the training schedule's
+order of microbatch groups across the ranks (passes/stage_schedule.py ``global_order``, forwards only), so the
+ranks' messages meet as a step's do: a ``recv`` of each value another rank's pack made, a ``send`` of each value
+another rank reads, and the loss rank's loss shared with every rank at the end (``share_loss``).
+
 This is not a pass of the pipeline (``passes=``): ``harmony.driver.evaluate`` builds it on the first
 ``sm.evaluate(...)`` from the compiled program, and the runtime runs it (``Runtime.evaluate``).
 """
@@ -30,13 +35,17 @@ from harmony.compiler.verify import MemoryCurve, memory_curve
 from harmony.passes import prefetch
 from harmony.passes.schedule import Builder
 from harmony.passes.shard import rewrite
+from harmony.passes.stage_schedule import StageBuilder, global_order
 from harmony.runtime import ops
+from harmony.runtime.pipeline import share_loss
 
 ORDERS = ("pack major", "microbatch major")
 
 
 def lower(program: Program, order: str = "pack major") -> torch.fx.Graph:
     """Forward-only ops with each pack's weights swapped in around its forwards (``order``: see the docstring)."""
+    if program.plan.stage is not None:
+        return lower_stage(program)
     b = Builder(program)
     plan = program.plan
     packs, m = range(len(plan.packs)), range(plan.microbatches)
@@ -52,6 +61,35 @@ def lower(program: Program, order: str = "pack major") -> torch.fx.Graph:
     return b.g
 
 
+def lower_stage(program: Program) -> torch.fx.Graph:
+    """A pipeline rank's forward-only ops: its packs' forwards in the step's order across the ranks (every rank
+    must run the same order, whatever its own memory, or a rank would wait for a message its sender sends later),
+    each run of one pack's forwards between a ``swap_in`` of its weights and their ``release``."""
+    b = StageBuilder(program)
+    cfg = program.config
+    current = None
+
+    def release():
+        carried = program.plan.at(b.mine[current]).carried
+        b.emit(ops.release, b.mine[current], "params", **({"carry": True} if carried else {}))
+
+    for event in global_order(b.n, b.m, cfg.policy, cfg.pipeline_group, b.st.rank_of):
+        if event[0] not in ("F", "FB") or event[1] not in b.mine:
+            continue
+        if event[1] != current:
+            if current is not None:
+                release()
+            current, p = event[1], b.mine[event[1]]
+            carried = program.plan.at(p).carried
+            b.emit(ops.wait, b.emit(ops.swap_in, p, "params", **({"carried": True} if carried else {})))
+        b.forward(current, event[2], keep=False)
+    if current is not None:
+        release()
+    b.emit(share_loss, b.st.loss_rank)
+    b.g.output(None)
+    return b.g
+
+
 def build(program: Program, plan) -> tuple[torch.fx.Graph, MemoryCurve, PassReport]:
     """The evaluation schedule of a compiled ``program`` whose packs run as in ``plan`` (its eval-mode forwards),
     its predicted memory, and what was chosen.
@@ -61,7 +99,7 @@ def build(program: Program, plan) -> tuple[torch.fx.Graph, MemoryCurve, PassRepo
     budget = program.config.usable_budget
     view = dataclasses.replace(program, plan=plan, reports=[], history=[])
     tried = []
-    for order in ORDERS:
+    for order in ORDERS if plan.stage is None else ("the step's order",):
         view.schedule = lower(view, order)
         curve = memory_curve(view, check_residency=False)
         tried.append((order, curve.peak))

@@ -18,7 +18,7 @@ from harmony.runtime.rng import MicrobatchStreams, rng_state, set_rng_state
 from harmony.runtime.safety import SafetyNet
 from harmony.runtime.tiers.memory import AllocatorMeter, CountAllocations, MemoryMeter
 from harmony.runtime.tiers.state import TieredState
-from harmony.runtime.transaction import COMMITTED, Transaction
+from harmony.runtime.transaction import COMMITTED, JOBWIDE, Transaction
 
 
 @dataclass
@@ -54,7 +54,7 @@ def run_graph(rt, graph: torch.fx.Graph, free_after: dict, txn: Transaction) -> 
     freed after its last use (``free_after``)."""
     env: dict[torch.fx.Node, object] = {}
     t0 = time.perf_counter()
-    status = getattr(rt, "status", None) if txn.what == "step" else None    # several ranks: the job's step
+    status = getattr(rt, "status", None) if txn.what in JOBWIDE else None    # several ranks: the job's step
     net = rt.safety
     if net is not None:       # a plan miss makes room instead of failing (runtime/safety.py)
         net.begin(rt, graph, env)
@@ -270,7 +270,8 @@ class Runtime:
         run_graph(self, self.graph, self.free_after, txn)
         self.finish_updates()
         self.batch = {}
-        return mean_loss(self.losses, self.rows, self.token_scale)
+        shared = self.__dict__.pop("shared_loss", None)      # a pipeline's: the job's loss (``share_loss``)
+        return mean_loss(self.losses, self.rows, self.token_scale) if shared is None else shared
 
     @contextlib.contextmanager
     def running(self, plan: Plan, graph: torch.fx.Graph):
@@ -312,18 +313,30 @@ class Runtime:
         moved = dict(state.moved)
         state.moved.clear()
         self.meter.reset_peak()
+        run.token_scale = None if self.token_scale is None else 1.0     # this rank's batch's own token mean
         txn = Transaction(run, [], what="evaluation")
+        # a pipeline's ranks pass values and the loss: its outcome is the job's, as a step's (runtime/comm/jobwide.py)
+        status = self.status if self.status is not None and plan.stage is not None else None
+        if status is not None:
+            status.begin()
         try:
             # not in inference mode (a caller's): its tensors could not be written by the copy thread, nor trained
             with torch.inference_mode(False), torch.no_grad(), module_modes(modules, False):
                 run_graph(run, graph, run.free_after, txn)
-            loss = mean_loss(run.losses, run.rows, None if self.token_scale is None else 1.0)   # this rank's only
+            if status is not None:
+                status.check()
+            shared = run.__dict__.pop("shared_loss", None)      # a pipeline's: the loss rank's (``share_loss``)
+            loss = mean_loss(run.losses, run.rows, run.token_scale) if shared is None else shared
         except BaseException as e:
-            txn.roll_back(e)
+            instead = txn.roll_back(e)
             if self.safety is not None:
                 self.safety.restore()
+            if instead is not None:        # another rank's failure, named now that the ranks have told each other
+                raise instead from None
             raise
         finally:
+            if status is not None:
+                status.active = False
             if pd is not None:        # a carried group's swap_in took it: the next step's forward takes it again
                 pd.carry_on(carried)
             if shares is not None:        # what the evaluation's gathers moved: its own figures (``eval_shares``)

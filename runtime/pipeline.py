@@ -154,26 +154,18 @@ def join_sends(rt) -> None:
 
 
 def _share_loss_execute(rt, src):
-    """Join this step's sends; the loss rank's mean loss to every rank (the executor's mean of one is itself), in one
-    all-reduce that carries each rank's word on the step too (runtime/comm/jobwide.py: the loss rank's loss plus
-    zeros is its loss, bit for bit)."""
+    """Join this step's sends; the job's loss to every rank, in one all-reduce that carries each rank's word on the
+    step too (runtime/comm/jobwide.py). The loss rank adds its step's loss as one process returns it (``mean_loss``:
+    by rows, or a token mean's term) and every other rank zeros, so each rank returns the loss rank's bits; in a grid
+    the pipelines' loss ranks all add theirs, and the step returns their mean."""
     st = rt.plan.stage
     join_sends(rt)
     status = rt.status if rt.status is not None and rt.status.active else None
-    if st.rank != src:
-        loss = torch.zeros(1)
-    elif st.grid is not None:   # this pipeline's loss as its step returns it (a token mean's term: times its scale)
-        loss = mean_loss(rt.losses, rt.rows, rt.token_scale).reshape(1)
-    else:
-        loss = torch.stack([x.float() for x in rt.losses]).mean().reshape(1)
+    loss = mean_loss(rt.losses, rt.rows, rt.token_scale).reshape(1) if st.rank == src else torch.zeros(1)
     summed = _loss_exchange(rt, loss, Words(status, STEP_KEY, None) if status is not None else None, src)
     if status is not None and status.seen:
         raise Aborted(f"rank {st.rank}: a rank's step failed before the loss was shared")
-    if st.grid is not None:      # the pipelines' mean, what the step returns from a list of one (``mean_loss``)
-        scale = rt.token_scale if rt.token_scale not in (None, 1) else 1
-        rt.losses = [summed[0] / st.grid.replicas / scale]
-    elif st.rank != src:
-        rt.losses = [summed[0]]
+    rt.shared_loss = summed[0] if st.grid is None else summed[0] / st.grid.replicas
 
 
 def _loss_exchange(rt, loss: torch.Tensor, words, src: int) -> torch.Tensor:

@@ -34,6 +34,10 @@ from harmony.base.units import fmt_bytes
 from harmony.runtime.comm.communicator import existing
 from harmony.runtime.comm.jobwide import Aborted, aborted_error
 
+# what runs over several ranks as one outcome of the job (runtime/comm/jobwide.py): a step; a pipeline's evaluation
+# (its status is active only there: data-parallel ranks evaluate alone)
+JOBWIDE = ("step", "evaluation")
+
 ROLLED_BACK, COMMITTED, TORN = "rolled back", "committed", "torn"
 
 
@@ -108,7 +112,7 @@ class Transaction:
         instead of ``error`` where another rank's step failed (``StepAbortedError``), else None."""
         held = self._restore()
         rt, state = self.rt, self.rt.state
-        status = getattr(rt, "status", None) if self.what == "step" else None
+        status = getattr(rt, "status", None) if self.what in JOBWIDE else None
         if status is not None and not status.active:
             status = None
         if status is not None and not isinstance(error, Aborted):
@@ -131,6 +135,7 @@ class Transaction:
         self._restore_holds()
         rt.rng.clear()
         rt.losses, rt.batch = [], {}
+        rt.__dict__.pop("shared_loss", None)
         if rt.gate is not None:
             rt.gate.deferred, rt.gate.open = [], False
         if rt.on_demand is not None:     # its record of what each op allocates is the last whole step's
@@ -165,11 +170,11 @@ class Transaction:
                 rt.torn = torn_record(rt, stepped, self.step_packs)
             rt.torn["ranks"] = where
             self.outcome = TORN
-        elif self.outcome == ROLLED_BACK:      # as if the step had not happened: the all-reduces' state too
+        elif self.outcome == ROLLED_BACK and self.what == "step":   # as if it had not happened: the all-reduces too
             comm = existing(rt)
             if comm is not None:
                 comm.undo_step()
-        return (aborted_error(status, got) if isinstance(error, Aborted) else None), ""
+        return (aborted_error(status, got, self.what) if isinstance(error, Aborted) else None), ""
 
     def _restore_holds(self) -> None:
         state = self.rt.state

@@ -52,14 +52,16 @@ def _train(steps=STEPS, save=None, **kw):
     model, data = _case()
     sm = _compile(model, data, **kw)
     losses = [sm(*harmony.data.shard(data[i % len(data)], pipeline_size=2)).item() for i in range(steps)]
+    evaluated = None
     if save is not None:
+        evaluated = sm.evaluate(*harmony.data.shard(data[0], pipeline_size=2)).item()   # the pipelines' mean
         harmony.save(sm, save)
         node = sm.simulate()        # this rank's server: its pipeline's ranks, their all-reduces on the shared link
         simulated = dict(devices=len(node.devices), step=node.step_seconds,
                          reduces=sum(1 for d in node.devices for e in d.events if e.name.startswith("ar")))
     out = dict(params={n: t.numpy().copy() for n, t in _mine(sm).items()}, losses=losses, text=sm.report(),
                optim=_optim(sm), files=sorted(os.listdir(save)) if save else None,
-               simulated=simulated if save is not None else None,
+               simulated=simulated if save is not None else None, evaluated=evaluated,
                stats=dict(sm.stats), ops=[n.target.__name__ for n in sm.graph.nodes if n.op == "call_function"])
     sm.close()
     return out
@@ -238,6 +240,12 @@ def test_a_two_by_two_grid_trains_bitwise_as_eager_accumulation(grid):
     losses = [grid[r]["fp32"]["losses"] for r in range(4)]
     assert all(lo == losses[0] for lo in losses), "every rank returns the job's mean loss"
     assert losses[0] == pytest.approx(ref["losses"], rel=1e-5)
+    evaluated = [grid[r]["fp32"]["evaluated"] for r in range(4)]     # sm.evaluate: every rank the job's mean
+    model, data = _case()
+    model.load_state_dict({n: t for n, t in ref.items() if n != "losses"}, strict=False)
+    with torch.no_grad():
+        eager = model.eval()(*data[0]).float().item()
+    assert all(e == evaluated[0] for e in evaluated) and evaluated[0] == pytest.approx(eager, rel=1e-5)
 
 
 @pytest.mark.slow

@@ -227,11 +227,12 @@ class StepStatus:
         return got
 
 
-def aborted_error(status: StepStatus, got: list) -> StepAbortedError:
-    """The error a rank whose own step did not fail raises: which ranks failed and how."""
+def aborted_error(status: StepStatus, got: list, what: str = "step") -> StepAbortedError:
+    """The error a rank whose own step (or evaluation, ``what``) did not fail raises: which ranks failed and how."""
     errors = {r: msg for r, (msg, _) in enumerate(got) if msg is not None}
     each = "; ".join(f"rank {r} failed: {msg}" for r, msg in errors.items())
-    return StepAbortedError(f"the training step was aborted on every rank of {status.world} because {each}. This "
+    what = "training step" if what == "step" else what
+    return StepAbortedError(f"the {what} was aborted on every rank of {status.world} because {each}. This "
                             f"rank (rank {status.rank}) stopped at the collective where it learned it", errors)
 
 
