@@ -55,6 +55,7 @@ from harmony.runtime.comm.compression import (
 )
 from harmony.runtime.comm.failures import guarded
 from harmony.runtime.comm.grid import groups as grid_groups
+from harmony.runtime.pipeline import share_norms
 
 NAME = "compress"
 REQUIRES = {"schedule", "placement"}
@@ -152,7 +153,21 @@ def insert(graph: torch.fx.Graph, packs: list[int], plan, kwargs: dict, policy: 
             _emit(graph, step.prev, ops.wait, (ars[p],), {}, f"join_ar{p}")
             mode[p] += ("; overlaps the ops before its step" if order[step] > order[ars[p]] + 1 else
                         "; nothing to overlap: its step follows at once")
+    _join_before_norms(graph)
     return mode
+
+
+def _join_before_norms(graph: torch.fx.Graph) -> None:
+    """A grid's pipeline rank under clipping: the norms' exchange (``share_norms``) reads the averaged gradients,
+    so every all-reduce is joined before it (the waits that followed it move up; the steps still follow)."""
+    norms = next((n for n in calls(graph) if n.target is share_norms), None)
+    if norms is None:
+        return
+    order = {n: i for i, n in enumerate(calls(graph))}
+    for n in calls(graph):
+        if n.target is ops.wait and order[n] > order[norms] and any(
+                a.target is ops.allreduce for a in n.all_input_nodes):
+            norms.prepend(n)
 
 
 def insert_sync(program: Program, world: int) -> dict:

@@ -185,17 +185,20 @@ def _loss_exchange(rt, loss: torch.Tensor, words, src: int) -> torch.Tensor:
 
 def norm_exchange(stage: Stages, status=lambda: None):
     """``GradClip``'s exchange on a pipeline rank: this rank's per-tensor gradient norms (by name) to every rank,
-    every rank's back, merged (each parameter lives on one rank)."""
+    every rank's back, merged (each parameter lives on one rank of a pipeline). In a grid the gather spans the job
+    (every rank meets it once a step, as the loss's all-reduce) and each rank takes its own pipeline's norms: those
+    of its averaged gradients, which every replica holds alike."""
     def exchange(local: dict) -> dict:
         import torch.distributed as dist
         what = "all-gather of the gradient norms (clip_grad_norm)"
         step = status()
         if step is not None:     # every rank's step got here (runtime/comm/jobwide.py)
             step.go(STEP_KEY, None, what)
-        got: list = [None] * stage.world
+        got: list = [None] * stage.job[1]
         guarded(what, dist.all_gather_object, got, {n: t.detach().cpu() for n, t in local.items()},
                 timeout=stage.timeout)
-        return {n: t for part in got for n, t in part.items()}
+        mine = range(len(got)) if stage.grid is None else stage.grid.pipeline_ranks()
+        return {n: t for r in mine for n, t in got[r].items()}
     return exchange
 
 

@@ -99,7 +99,6 @@ REFUSED = {      # option -> what the refusal names
     "shard_state": (dict(shard_state="full"), "shard_state='full'"),
     "balance": (dict(balance="uniform"), "balance="),
     "fp16": (dict(precision="fp16"), "precision='fp16'"),
-    "clip": (dict(clip_grad_norm=1.0), "clip_grad_norm="),
     "adaptive": (dict(compression="adaptive"), "compression='adaptive'"),
     "not_a_multiple": (dict(pipeline_size=3), "multiple"),
     "one_rank_pipelines": (dict(pipeline_size=1), "at least 2"),
@@ -144,16 +143,17 @@ def _load_into(rank, world, path):
     return out
 
 
-def _eager(replicas=2):
+def _eager(replicas=2, clip=None):
     """One process: each step, each pipeline's rows accumulated over its microbatches (loss / microbatches), the
-    pipelines' gradients summed and divided by their number (as the replica all-reduce does), one update."""
+    pipelines' gradients summed and divided by their number (as the replica all-reduce does), one update (after
+    ``clip_grad_norm_(clip)``: the norms in ``norms``)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         model, data = _case()
         model = copy.deepcopy(model)
         opt = SGD["optimizer"](model.parameters(), **optimizer_kwargs(SGD["optimizer"], SGD["optimizer_kwargs"]))
-        losses = []
+        losses, norms = [], []
         for i in range(STEPS):
             grads, total = [], 0.0
             for r in range(replicas):
@@ -168,10 +168,13 @@ def _eager(replicas=2):
                 for g in gs[1:]:
                     summed.add_(g)
                 p.grad = summed.div_(replicas)
+            if clip is not None:
+                norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item())
             opt.step()
             opt.zero_grad()
             losses.append(total)
-        return dict({n: p.detach().clone() for n, p in model.named_parameters()}, losses=losses)
+        return dict({n: p.detach().clone() for n, p in model.named_parameters()}, losses=losses,
+                    **({"norms": norms} if clip is not None else {}))
     finally:
         torch.set_num_threads(threads)
 

@@ -37,10 +37,7 @@ def refusals(cfg) -> list[tuple[bool, str, str]]:
             (bool(cfg.shard_state), f"shard_state={cfg.shard_state!r}", "shard_state=None (each pipeline rank "
                                                                          "holds only its packs' state already)"),
             (cfg.adaptive, "compression='adaptive'", "a fixed codec such as compression='4bit'"),
-            (cfg.clip_grad_norm is not None, "clip_grad_norm=", "no clipping, or parallel='pipeline'"),
             (cfg.policy == "ondemand", "policy='ondemand'", "policy='harmony' or 'sequential'"),
-            (getattr(cfg.weights_on, "value", cfg.weights_on) == "disk", "weights_on='disk'", "weights_on='host'"),
-            (cfg.pipeline_group == "auto", "pipeline_group='auto'", "a number of microbatches"),
             (cfg.pipeline_group is not None and cfg.policy != "harmony", f"policy={cfg.policy!r} and "
              f"pipeline_group=", "policy='harmony' (the sequential policy runs one microbatch at a time)")]
 

@@ -1,0 +1,60 @@
+"""A grid (``parallel=("pipeline", "data")``) with what a single pipeline has: ``clip_grad_norm=``, weights and
+optimizer state on disk, ``pipeline_group="auto"``; each bitwise one process's eager accumulation over each
+pipeline's rows, averaged over the pipelines (tests/test_hybrid.py's reference).
+
+Clipping: each pipeline rank takes the per-tensor norms of its packs' averaged gradients (every all-reduce joined
+first, passes/compress.py), the ranks gather them (runtime/pipeline.py ``norm_exchange``), and every rank clips by
+the global norm of the averaged gradient, as ``clip_grad_norm_`` does in one process."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from test_collectives import _spawn
+from test_hybrid import _eager, _train
+
+CLIP = 0.05        # below the gradient's norm at every step: every step clips
+RUNS = {"clip": dict(clip_grad_norm=CLIP), "disk": dict(weights_on="disk", frac=0.3),
+        "auto": dict(pipeline_group="auto", frac=0.6)}
+
+
+def _ranks(rank, world):
+    return {key: _train(**kw) for key, kw in RUNS.items()}
+
+
+@pytest.fixture(scope="module")
+def runs():
+    got = _spawn(4, _ranks, timeout=400, pg_timeout=30)
+    for r in range(4):
+        assert isinstance(got[r], dict), f"rank {r}: {got[r]}"
+    return got
+
+
+def _bitwise(got, key, ref):
+    seen = set()
+    for r in range(4):
+        for n, t in got[r][key]["params"].items():
+            assert torch.equal(torch.from_numpy(t), ref[n]), f"{key}: rank {r}: {n} differs from eager"
+            seen.add(n)
+    assert seen == set(ref) - {"losses", "norms"}, key
+
+
+@pytest.mark.slow
+def test_a_grid_clips_by_the_global_norm_of_the_averaged_gradient_bitwise(runs):
+    ref = _eager(clip=CLIP)
+    assert min(ref["norms"]) > CLIP
+    _bitwise(runs, "clip", ref)
+    for r in range(4):
+        assert "share_norms" in runs[r]["clip"]["ops"]
+        assert runs[r]["clip"]["stats"]["grad_norm"] == ref["norms"][-1], r
+
+
+@pytest.mark.slow
+def test_a_grid_trains_from_disk_and_picks_its_group_bitwise(runs):
+    ref = _eager()
+    _bitwise(runs, "disk", ref)
+    _bitwise(runs, "auto", ref)
+    for r in range(4):
+        assert runs[r]["disk"]["stats"]["disk_read_bytes"] > 0, r
+    for r in range(4):
+        assert "chosen by pipeline_group='auto'" in runs[r]["auto"]["text"], r
