@@ -34,6 +34,7 @@ class Handshake:
     def __init__(self, rank: int, world: int, timeout: float):
         import torch.distributed as dist
         self.rank, self.world, self.timeout = rank, world, timeout
+        self.same_shapes: list[list[int]] = []     # ranks that pass the same batch: a pipeline's (``attach``)
         self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout))
 
     def agree(self, call: str, steps: int, refused: Exception | None = None, plans: bool = False,
@@ -80,6 +81,11 @@ class Handshake:
                              f"({each}); nothing was run. Every rank must pass batches the same plan runs: shapes "
                              f"up to the compiled example's with at least one row a microbatch (drop_last=True, a "
                              f"DistributedSampler).")
+        if refused is None and any(len({int(got[r][4]) for r in ranks}) > 1 for ranks in self.same_shapes):
+            raise InputError(f"{call} on rank {self.rank} of {self.world}: the ranks of a pipeline passed batches of "
+                             f"different shapes; nothing was run on any rank. Every pipeline rank passes the whole "
+                             f"batch (the first reads its inputs, the last its targets): the same batch on every "
+                             f"rank (the same seed for the DataLoader's shuffle and padding).")
         if refused is None and routes[0] == 1 and len({int(t[4]) for t in got}) > 1:
             raise InputError(f"{call} on rank {self.rank} of {self.world}: the ranks passed batches of different "
                              f"shapes, each needing a plan of its own; nothing was run on any rank. Every rank must "
@@ -146,6 +152,11 @@ def attach(sm) -> None:
         import torch.distributed as dist
         if dist.is_available() and dist.is_initialized():
             sm.handshake = Handshake(dist.get_rank(), world, cfg.comm_timeout)
+            # a pipeline's ranks all pass its whole batch (a grid's pipelines each their own rows)
+            if plan.stage is not None:
+                grid = plan.stage.grid
+                sm.handshake.same_shapes = [list(range(world))] if grid is None else \
+                    [grid.pipeline_ranks(r) for r in range(grid.replicas)]
             # each step's outcome is the job's: a failure is told at the next collective (runtime/comm/jobwide.py)
             sm.runtime.status = StepStatus(sm.handshake.rank, world, sm.handshake.group, cfg.comm_timeout)
             if world > 2:       # the words beside each all-reduce of three ranks or more: a group of their own

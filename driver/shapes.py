@@ -177,7 +177,7 @@ class ShapeCache:
         same = all(t.shape == e.shape for t, e in zip(batch, base.example_batch))
         if same and microbatches == base.plan.microbatches:      # the example's shapes: every mode runs them
             return base.plan.microbatch_rows(), ""
-        refused = refuses_other_shapes(base)
+        refused = refuses_other_shapes(base, planning=False)
         if refused:
             return None, refused
         info = base.gm.meta.get(TRACE_INFO)
@@ -227,15 +227,18 @@ class ShapeCache:
         return rows
 
 
-def refuses_other_shapes(base: Program) -> str:
-    """Why the modes and policies that train the example batch's shapes only refuse another ("" where none does)."""
+def refuses_other_shapes(base: Program, planning: bool = True) -> str:
+    """Why the modes and policies that train the example batch's shapes only refuse another ("" where none does).
+    ``planning``: a shape that needs a plan of its own; else one the compiled plan runs (smaller in a dimension
+    the trace leaves free, fewer rows), which a pipeline's ranks run too: each message says its values' shapes."""
     if any(getattr(r, "shares", None) is not None for r in base.plan.residency.values()):
         return ("shard_state='full' trains the example batch's shapes only (each rank's shares of the packs are "
                 "laid out for its plan); compile again for this shape")
-    if base.plan.stage is not None:
-        return ("parallel='pipeline' trains the example batch's shapes only (the ranks' boundary sends and receives "
-                "are sized for its microbatches); compile again for this shape, or drop the last short batch "
-                "(DataLoader(drop_last=True))")
+    if base.plan.stage is not None and planning:
+        return ("parallel='pipeline' trains the compiled plan's shapes only: batches up to the example batch's "
+                "shapes in the dimensions its trace leaves free, with at least one row a microbatch (its stages "
+                "are placed for that plan); compile with an example batch of the largest shape, or drop the "
+                "last short batch (DataLoader(drop_last=True))")
     if base.config.policy == "ondemand":
         return ("the 'ondemand' baseline trains the example batch's shapes only (its runtime fetches and evicts "
                 "without a plan to reuse); compile again for this shape")

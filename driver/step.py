@@ -81,7 +81,7 @@ def train_step(sm, batch: tuple, named: dict) -> torch.Tensor:
         error = e
     # every rank steps now (not one saving), each with a batch it can train and all by the same kind of plan (new
     # plans of one shape): else an error on every rank at once, before any collective of the step
-    agree(sm, CALLS[0], error, plans, shape_digest(route.key) if plans else 0)
+    agree(sm, CALLS[0], error, plans, shape_digest(route.key) if route is not None else 0)
     if error is not None:
         raise error
     try:

@@ -74,7 +74,7 @@ def _receive(rt, src, tag, names, what) -> dict | None:
     values it says are there, on the host. None where the sender's step failed (its mask says ``ABORT``)."""
     import torch.distributed as dist
     st, status = rt.plan.stage, rt.status
-    mask = torch.zeros(len(names) + 1, dtype=torch.uint8)
+    mask = torch.zeros(_header_length(st, names), dtype=torch.int64)
     if status is not None and status.active:
         status.done[("recv", src)] += 1
     work = guarded(what, dist.irecv, mask, st.peer(src), tag=tag * SLOTS, timeout=st.timeout, peer=src)
@@ -84,11 +84,13 @@ def _receive(rt, src, tag, names, what) -> dict | None:
             status.heard(("recv", src), [], True)
         return None
     out, works = {}, []
+    dims = iter(mask[1 + len(names):].tolist())
     for i, n in enumerate(names):
         shape, dtype = st.values[n]
         if shape == "const":
             out[n] = dtype
             continue
+        shape = [next(dims) for _ in shape]       # the sender's (a batch smaller than the example's: smaller)
         if not mask[1 + i]:
             continue
         host = torch.empty(shape, dtype=getattr(torch, dtype))
@@ -113,15 +115,22 @@ def _recv_execute(rt, pack, mb, *, src, tag, names, grads=False):
     return Acts(out)
 
 
-def _send_mask(rt, dst, tag, present: list[bool], what: str) -> bool:
-    """Post a message's mask to ``dst``: this rank's word on the step, then which values follow. False: the step
-    failed here (or this rank knows one did): the mask says ``ABORT`` and no value follows."""
+def _header_length(st: Stages, names) -> int:
+    """A message's header: the sender's word, whether each value follows, and each tensor value's sizes."""
+    return 1 + len(names) + sum(len(st.values[n][0]) for n in names if st.values[n][0] != "const")
+
+
+def _send_mask(rt, dst, tag, present: list[bool], what: str, shapes: list) -> bool:
+    """Post a message's header to ``dst``: this rank's word on the step, which values follow, and their sizes
+    (``shapes``: each tensor value's, None where absent). False: the step failed here (or this rank knows one did):
+    the header says ``ABORT`` and no value follows."""
     import torch.distributed as dist
     st, status = rt.plan.stage, rt.status
     aborted = status is not None and status.active and (status.failed or status.seen)
     if status is not None and status.active:
         status.done[("send", dst)] += 1
-    mask = torch.tensor([ABORT if aborted else 0] + [p and not aborted for p in present], dtype=torch.uint8)
+    mask = torch.tensor([ABORT if aborted else 0] + [p and not aborted for p in present]
+                        + [d for shape in shapes for d in shape], dtype=torch.int64)
     rt.__dict__.setdefault("sends", []).append(
         (guarded(what, dist.isend, mask, st.peer(dst), tag=tag * SLOTS, timeout=st.timeout, peer=dst), mask,
          what, dst))
@@ -134,7 +143,7 @@ def _send_execute(rt, value, pack, mb, *, dst, tag, names, grads=False):
     what = f"send of {'gradients' if grads else 'activations'} (microbatch {mb}) to rank {dst}"
     vals = arrived(rt, value).values
     present = [isinstance(vals.get(n), torch.Tensor) for n in names]
-    if not _send_mask(rt, dst, tag, present, what):
+    if not _send_mask(rt, dst, tag, present, what, _shapes(st, names, vals)):
         return
     pending = rt.__dict__["sends"]
     for i, n in enumerate(names):
@@ -144,6 +153,17 @@ def _send_execute(rt, value, pack, mb, *, dst, tag, names, grads=False):
             work = guarded(what, dist.isend, host, st.peer(dst), tag=tag * SLOTS + 1 + i, timeout=st.timeout,
                            peer=dst)
             pending.append((work, host, what, dst))
+
+
+def _shapes(st: Stages, names, vals: dict) -> list:
+    """Each tensor value's sizes for the header, in ``names`` order: the value's, or zeros where it is absent."""
+    out = []
+    for n in names:
+        shape = st.values[n][0]
+        if shape != "const":
+            v = vals.get(n)
+            out.append(tuple(v.shape) if isinstance(v, torch.Tensor) else (0,) * len(shape))
+    return out
 
 
 def join_sends(rt) -> None:
@@ -259,7 +279,8 @@ def _recv_ghost(rt, node) -> None:
 def _send_ghost(rt, node) -> None:
     dst, names = node.kwargs["dst"], node.kwargs["names"]
     if not rt.status.skip(("send", dst)):
-        _send_mask(rt, dst, node.kwargs["tag"], [False] * len(names), f"send to rank {dst} (the step's rollback)")
+        _send_mask(rt, dst, node.kwargs["tag"], [False] * len(names), f"send to rank {dst} (the step's rollback)",
+                   _shapes(rt.plan.stage, names, {}))
 
 
 @ghost(share_loss)
