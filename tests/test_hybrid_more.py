@@ -1,6 +1,7 @@
 """A grid (``parallel=("pipeline", "data")``) with what a single pipeline has: ``clip_grad_norm=``, weights and
 optimizer state on disk, ``pipeline_group="auto"``; each bitwise one process's eager accumulation over each
-pipeline's rows, averaged over the pipelines (tests/test_hybrid.py's reference).
+pipeline's rows, averaged over the pipelines (tests/test_hybrid.py's reference). And CGX's layer-wise adaptive
+bits, chosen by each stage's replica group for its packs' gradients.
 
 Clipping: each pipeline rank takes the per-tensor norms of its packs' averaged gradients (every all-reduce joined
 first, passes/compress.py), the ranks gather them (runtime/pipeline.py ``norm_exchange``), and every rank clips by
@@ -15,7 +16,8 @@ from test_hybrid import _eager, _train
 
 CLIP = 0.05        # below the gradient's norm at every step: every step clips
 RUNS = {"clip": dict(clip_grad_norm=CLIP), "disk": dict(weights_on="disk", frac=0.3),
-        "auto": dict(pipeline_group="auto", frac=0.6)}
+        "auto": dict(pipeline_group="auto", frac=0.6),
+        "adaptive": dict(compression="adaptive", steps=5)}      # 3 warm-up steps in fp32, then bits
 
 
 def _ranks(rank, world):
@@ -58,3 +60,11 @@ def test_a_grid_trains_from_disk_and_picks_its_group_bitwise(runs):
         assert runs[r]["disk"]["stats"]["disk_read_bytes"] > 0, r
     for r in range(4):
         assert "chosen by pipeline_group='auto'" in runs[r]["auto"]["text"], r
+
+
+@pytest.mark.slow
+def test_a_grid_chooses_adaptive_bits_per_stage_and_its_replicas_stay_equal(runs):
+    for a, b in ((0, 2), (1, 3)):           # the two replicas of each stage
+        pa, pb = runs[a]["adaptive"]["params"], runs[b]["adaptive"]["params"]
+        assert pa.keys() == pb.keys() and all((pa[n] == pb[n]).all() for n in pa), (a, b)
+        assert runs[a]["adaptive"]["stats"]["comm_ratio"] > 1, a      # compressed after the warm-up

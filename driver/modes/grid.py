@@ -36,7 +36,6 @@ def refusals(cfg) -> list[tuple[bool, str, str]]:
             (cfg.balance is not None, "balance=", "memory_budget= (the servers alike)"),
             (bool(cfg.shard_state), f"shard_state={cfg.shard_state!r}", "shard_state=None (each pipeline rank "
                                                                          "holds only its packs' state already)"),
-            (cfg.adaptive, "compression='adaptive'", "a fixed codec such as compression='4bit'"),
             (cfg.policy == "ondemand", "policy='ondemand'", "policy='harmony' or 'sequential'"),
             (cfg.pipeline_group is not None and cfg.policy != "harmony", f"policy={cfg.policy!r} and "
              f"pipeline_group=", "policy='harmony' (the sequential policy runs one microbatch at a time)")]
