@@ -80,7 +80,8 @@ def _runtime(sm, tensors, optimizers, shares, device, simulated, filler) -> None
     sm.runtime.state.shares = shares
     weighting = weighting_of(program)      # tokens: each seed is its loss times the scale (driver/tokens.py)
     sm.runtime.token_scale = weighting.scale if weighting.tokens else None
-    if shares is not None and sm.runtime.scaler is not None:   # fp16: one overflow skips every rank's step
+    # fp16: one overflow skips every rank's step (ranks that each check only their shares, or their stages' packs)
+    if (shares is not None or plan.stage is not None) and sm.runtime.scaler is not None:
         sm.runtime.scaler.agree = overflow_agreement(sm.runtime)
     if shares is not None or sm.mode.guards_model(plan):
         guard(sm)     # the model refuses to be read while weights are in other ranks' shares or stages

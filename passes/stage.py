@@ -57,9 +57,7 @@ def check_config(cfg) -> None:
     if (cfg.world_size or 1) < 2:
         raise ConfigError("parallel='pipeline' places packs across the ranks of one node: launch N >= 2 processes "
                           "with `torchrun --nproc_per_node N train.py`, or drop parallel= to train one process")
-    refused = [(cfg.precision == "fp16", "precision='fp16' (the loss scaler's overflow check would span the ranks)",
-                "precision='fp32' or 'bf16'"),
-               (cfg.compression is not None and cfg.compression.kind != "none" or cfg.adaptive,
+    refused = [(cfg.compression is not None and cfg.compression.kind != "none" or cfg.adaptive,
                 "compression=", "no compression (there is no gradient all-reduce in a pipeline)"),
                (cfg.balance is not None, "balance=", "memory_budget= (one budget per device)"),
                (bool(cfg.shard_state), f"shard_state={cfg.shard_state!r}", "shard_state=None (each rank holds "

@@ -98,7 +98,6 @@ def _fault(rank):
 REFUSED = {      # option -> what the refusal names
     "shard_state": (dict(shard_state="full"), "shard_state='full'"),
     "balance": (dict(balance="uniform"), "balance="),
-    "fp16": (dict(precision="fp16"), "precision='fp16'"),
     "not_a_multiple": (dict(pipeline_size=3), "multiple"),
     "one_rank_pipelines": (dict(pipeline_size=1), "at least 2"),
     "one_pipeline": (dict(pipeline_size=4), "no replica")}

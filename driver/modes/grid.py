@@ -31,9 +31,7 @@ NOT_YET = "is not supported with parallel=('pipeline', 'data') yet"
 
 def refusals(cfg) -> list[tuple[bool, str, str]]:
     """(refused, what, what to use instead) of what a grid does not do yet."""
-    return [(cfg.precision == "fp16", "precision='fp16' (the loss scaler's overflow check would span the ranks)",
-             "precision='fp32' or 'bf16'"),
-            (cfg.balance is not None, "balance=", "memory_budget= (the servers alike)"),
+    return [(cfg.balance is not None, "balance=", "memory_budget= (the servers alike)"),
             (bool(cfg.shard_state), f"shard_state={cfg.shard_state!r}", "shard_state=None (each pipeline rank "
                                                                          "holds only its packs' state already)"),
             (cfg.policy == "ondemand", "policy='ondemand'", "policy='harmony' or 'sequential'"),
