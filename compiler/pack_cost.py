@@ -22,9 +22,10 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.nn.utils.stateless import _reparametrize_module
 
 from harmony.compiler import measured
-from harmony.compiler.cost import leaf, tensors_of
+from harmony.compiler.cost import tensors_of
 from harmony.compiler.fake import FakeRun
 from harmony.compiler.signature import pack_signature
+from harmony.runtime.pack_inputs import enter
 from harmony.runtime.precision import device_dtype
 from harmony.runtime.tiers.memory import CountAllocations, MemoryMeter
 
@@ -84,8 +85,9 @@ def _measure_pack(module, inputs, grad_inputs, run, loss_output, keep) -> dict:
 def _profile_pack(module, inputs, grad_inputs, loss_output, keep=False) -> dict:
     """The measurements of ``measure_pack``, on whatever tensors (fake or real) it is given."""
     out = {}
-    leaves = [(leaf(x).requires_grad_(g and x.is_floating_point()) if isinstance(x, torch.Tensor) else x)
-              for x, g in zip(inputs, grad_inputs)]
+
+    def entered():     # the pack's inputs as the runtime's forward and backward make them, afresh each time
+        return [enter(x, g) for x, g in zip(inputs, grad_inputs)]
 
     def measured(fn):
         meter = MemoryMeter("pack")
@@ -93,11 +95,12 @@ def _profile_pack(module, inputs, grad_inputs, loss_output, keep=False) -> dict:
             result = fn()
         return result, meter
 
-    outs, meter = measured(lambda: _no_grad(module, leaves))
+    outs, meter = measured(lambda: _no_grad(module, entered()))
     out["fwd_peak"] = meter.peak
     out["out_bytes"] = sum(t.untyped_storage().nbytes() for t in tensors_of(outs))
     del outs
     for suffix in ("", "_accum"):       # the second round finds the gradients of the first
+        leaves = entered()
         if loss_output or keep:         # the pack keeps its forward's graph for its backward
             with _saved_storages() as saved:
                 outs, meter = measured(lambda: _with_grad(module, leaves))

@@ -24,10 +24,6 @@ BF16_ROUNDING = 2.0 ** -6      # test_architectures' bound: 4 units of bf16's ro
 
 # name -> {check: why it fails}; checks: "trace" (compile raises), "bitwise", "peak"
 KNOWN: dict[str, dict[str, str]] = {
-    "convnext": {"bitwise": "cause not found yet: no value is read by several packs and no weight is shared; after "
-                            "one step the first to differ are the layer-scale parameters and depthwise convolutions, "
-                            "whose inputs cross pack boundaries as permuted (channels-last) views, and their "
-                            "gradients' reductions; bitwise in one pack"},
     "albert": {"bitwise": "ALBERT applies its one layer twice: at this budget its weights are read by two packs, so "
                           "their gradient contributions add in another order than eager's (DESIGN.md's allclose "
                           "exception for a weight two packs share), and step 2 reads them everywhere; bitwise in "
