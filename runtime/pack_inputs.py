@@ -32,7 +32,10 @@ class _Enter(torch.autograd.Function):
 
 def enter(x, grad: bool):
     """``x`` detached from whatever graph made it; a floating tensor with ``grad`` as a node whose gradient
-    ``grad_of`` gives after the backward. Anything else as it is."""
+    ``grad_of`` gives after the backward. A list or tuple of tensors (a ``chunk``'s) with each detached, and no
+    gradient: a pack's backward sends gradients back for tensor values only. Anything else as it is."""
+    if type(x) in (list, tuple):       # not as it is: its tensors may still be on the graph that made them, which
+        return type(x)(enter(v, False) for v in x)   # a backward here would run (freed: "a second time")
     if not isinstance(x, torch.Tensor):
         return x
     if not (grad and x.is_floating_point()):

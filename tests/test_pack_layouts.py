@@ -79,3 +79,24 @@ def test_a_pack_input_gets_its_gradient_as_autograd_computed_it():
     assert grad_of(y).stride() == (2, 1) and leaf.grad.stride() == x.stride()   # AccumulateGrad's contract
     assert torch.equal(grad_of(y), leaf.grad) and x.grad is None
     assert grad_of(enter(x, False)) is None and enter(3, True) == 3
+
+
+def test_a_list_input_is_measured_off_the_graph_that_made_it():
+    """A pack whose input is a list (mamba's ``chunk``, when the partition tries a cut between it and its
+    ``getitem``): the list's tensors were left on their producer's graph, which an earlier measurement's backward
+    had freed, so measuring this pack raised "backward through the graph a second time" (PassError in the
+    partition; benchmarks/zoo.py's minimum for mamba, after earlier compiles in the process)."""
+    from harmony.compiler.pack_cost import _profile_pack
+
+    w = torch.ones(4, requires_grad=True)
+    chunk = list((w * 2).chunk(2))
+    chunk[0].sum().backward()               # the producer's graph, freed
+
+    class First(torch.nn.Module):
+        def forward(self, chunk):
+            return (chunk[0] * 3,)
+
+    out = _profile_pack(torch.fx.symbolic_trace(First()), [chunk], [True], loss_output=False)
+    assert out["bwd_recompute_peak"] > 0 and w.grad.tolist() == [2.0, 2.0, 0.0, 0.0]
+    entered = enter(tuple(chunk), True)
+    assert type(entered) is tuple and all(t.grad_fn is None and not t.requires_grad for t in entered)
