@@ -31,9 +31,11 @@ KNOWN: dict[str, dict[str, str]] = {
     "pegasus": {"peak": "measured 1.0014x the predicted peak at 3 packs (BART and Marian, the same layers but for "
                         "Pegasus's sinusoidal positions and pre-norm, stay within): a cost-model miss not yet found"},
     "mobilenet-v2": {"peak": "measured 1.0093x the predicted peak at 3 packs: a cost-model miss not yet found"},
-    "wav2vec2-ctc": {"trace": "the model checks labels.max() >= vocab_size in Python: a branch on data no trace "
-                              "can take (torch.export: GuardOnDataDependentSymNode), named as a TraceError"},
-    "hubert-ctc": {"trace": "as wav2vec2-ctc: labels.max() >= vocab_size checked in Python"},
+    "wav2vec2-ctc": {"trace": "its labels.max() >= vocab_size check in Python now traces (a runtime check, "
+                              "compiler/trace/branches.py); the trace stops next at nn.functional.ctc_loss with "
+                              "tensor lengths: aten._ctc_loss.Tensor's log_alpha has a data-dependent shape that "
+                              "torch.export's fake tensors cannot give (DynamicOutputShapeException)"},
+    "hubert-ctc": {"trace": "as wav2vec2-ctc: its branch traces; ctc_loss with tensor lengths does not"},
     "clip": {"trace": "the contrastive loss's torch.arange(len(logits)) makes len() a Python int, which fixes the "
                       "traced batch at the example's 8 rows; the plan runs microbatches of 2 (InputError)"},
 }
