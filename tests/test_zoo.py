@@ -32,9 +32,6 @@ KNOWN: dict[str, dict[str, str]] = {
                           "their gradient contributions add in another order than eager's (DESIGN.md's allclose "
                           "exception for a weight two packs share), and step 2 reads them everywhere; bitwise in "
                           "one pack"},
-    "pegasus": {"peak": "measured 1.0014x the predicted peak at 3 packs (BART and Marian, the same layers but for "
-                        "Pegasus's sinusoidal positions and pre-norm, stay within): a cost-model miss not yet found"},
-    "mobilenet-v2": {"peak": "measured 1.0093x the predicted peak at 3 packs: a cost-model miss not yet found"},
     "wav2vec2-ctc": {"trace": "the model checks labels.max() >= vocab_size in Python: a branch on data no trace "
                               "can take (torch.export: GuardOnDataDependentSymNode), named as a TraceError"},
     "hubert-ctc": {"trace": "as wav2vec2-ctc: labels.max() >= vocab_size checked in Python"},
