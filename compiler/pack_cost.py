@@ -20,7 +20,7 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.nn.utils.stateless import _reparametrize_module
 
 from harmony.compiler import measured
-from harmony.compiler.cost import _Writes, leaf, tensors_of
+from harmony.compiler.cost import Writes, leaf, tensors_of
 from harmony.compiler.fake import FakeRun
 from harmony.compiler.signature import pack_signature
 from harmony.runtime.precision import device_dtype
@@ -90,7 +90,7 @@ def _profile_pack(module, inputs, grad_inputs, loss_output, keep=False) -> dict:
             result = fn()
         return result, meter
 
-    with _Writes() as writes:
+    with Writes() as writes:
         outs, meter = measured(lambda: _no_grad(module, leaves))
     written = [b for b in module.buffers() if id(b.untyped_storage()) in writes.written]
     out["fwd_peak"] = meter.peak
