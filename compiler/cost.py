@@ -125,7 +125,7 @@ def _node_state(gm, node, names) -> tuple:
     return ()
 
 
-class _Writes(TorchDispatchMode):
+class Writes(TorchDispatchMode):
     """Records the storages every op writes in place, from the op schemas (``Tensor(a!)`` arguments)."""
 
     def __init__(self):
@@ -229,7 +229,7 @@ class _Measure(torch.fx.Interpreter):
             return t
 
         meter = MemoryMeter("analysis")
-        writes = _Writes()
+        writes = Writes()
         # detached inputs keep the node's autograd graph local, so its backward is measured alone
         args, kwargs = self.fetch_args_kwargs_from_env(n)
         if real:

@@ -9,8 +9,6 @@ Packs of the same layers at other depths take the figures of one measured before
 """
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.fx
 from torch._subclasses.fake_tensor import (
@@ -22,7 +20,7 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.nn.utils.stateless import _reparametrize_module
 
 from harmony.compiler import measured
-from harmony.compiler.cost import tensors_of
+from harmony.compiler.cost import Writes, tensors_of
 from harmony.compiler.fake import FakeRun
 from harmony.compiler.signature import pack_signature
 from harmony.runtime.pack_inputs import enter
@@ -44,11 +42,10 @@ def measure_pack(module: torch.fx.GraphModule, inputs: list, grad_inputs: list[b
     """Bytes a pack allocates at its peak, run exactly as the runtime runs it, on fake tensors.
 
     Every figure counts the bytes newly allocated during the op, results included:
-    fwd_peak (no grad) and out_bytes; for a pack that keeps its forward's graph for its
-    backward (the last, ``loss_output``, always; any other with ``keep``) fwd_keep_peak,
-    saved_bytes, the backward's bwd_peak, and held_in_bytes (its inputs the graph saves); for the others, which
-    recompute,
-    bwd_recompute_peak (recompute + backward). Each when the parameters have no gradient
+    fwd_peak (no grad), out_bytes and held_in_bytes (the inputs a kept forward holds); for a pack that keeps its
+    forward's graph for its backward (the last, ``loss_output``, always; any other with ``keep``) fwd_keep_peak,
+    saved_bytes and the backward's bwd_peak; for the others, which recompute, bwd_recompute_peak (recompute and
+    backward, beside the copies of the running statistics it restores). Each when the parameters have no gradient
     yet and, suffixed ``_accum``, when they have one to accumulate into.
 
     ``reuse``: a pack like one measured before, in this compile or an earlier one of the process
@@ -95,51 +92,48 @@ def _profile_pack(module, inputs, grad_inputs, loss_output, keep=False) -> dict:
             result = fn()
         return result, meter
 
-    outs, meter = measured(lambda: _no_grad(module, entered()))
+    with Writes() as writes:
+        outs, meter = measured(lambda: _no_grad(module, entered()))
+    written = [b for b in module.buffers() if id(b.untyped_storage()) in writes.written]
     out["fwd_peak"] = meter.peak
+    out["held_in_bytes"] = _input_bytes(entered())
     out["out_bytes"] = sum(t.untyped_storage().nbytes() for t in tensors_of(outs))
     del outs
     for suffix in ("", "_accum"):       # the second round finds the gradients of the first
         leaves = entered()
         if loss_output or keep:         # the pack keeps its forward's graph for its backward
-            with _saved_storages() as saved:
-                outs, meter = measured(lambda: _with_grad(module, leaves))
+            outs, meter = measured(lambda: _with_grad(module, leaves))
             out["fwd_keep_peak" + suffix] = meter.peak
             out["saved_bytes" + suffix] = meter.live - out["out_bytes"]
-            out["held_in_bytes"] = _held_bytes(leaves, saved)
             seeds = _seeds(outs, loss_output)
             _, meter = measured(lambda: _run_backward(*seeds))
             out["bwd_peak" + suffix] = meter.peak
             del outs, seeds
             out["bwd_recompute_peak" + suffix] = 0
         else:                           # every other pack recomputes its forward inside its backward
-            _, meter = measured(lambda: _run_backward(*_seeds(_with_grad(module, leaves), loss_output)))
+            _, meter = measured(lambda: _recompute_backward(module, leaves, loss_output, written))
             out["bwd_recompute_peak" + suffix] = meter.peak
             out["fwd_keep_peak" + suffix] = out["saved_bytes" + suffix] = out["bwd_peak" + suffix] = 0
-            out["held_in_bytes"] = 0
     _clear_grads(module)
     return out
 
 
-@contextlib.contextmanager
-def _saved_storages():
-    """The storages (their ``StorageImpl`` addresses) of every tensor autograd saves for backward in the block."""
-    found: set[int] = set()
-
-    def pack(t):
-        found.add(t.untyped_storage()._cdata)
-        return t
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        yield found
-
-
-def _held_bytes(leaves, saved: set[int]) -> int:
-    """Bytes of the pack's inputs a kept graph holds until its backward: those whose storage it saved (a
-    convolution's input, for its weight's gradient; a view of an input counts its whole storage). ``saved_bytes``
-    counts only what the forward allocates, and the input's own value may die before the backward."""
+def _input_bytes(leaves) -> int:
+    """Bytes of the pack's inputs a kept forward holds until its backward: its leaves (runtime/ops/compute.py), whose
+    gradients the backward reads, hold every tensor input, of any dtype (a batch's token ids, an earlier pack's
+    integer positions or masks), after the values that brought them die; a view of an input counts its whole
+    storage."""
     storages = {x.untyped_storage()._cdata: x.untyped_storage().nbytes() for x in leaves
                 if isinstance(x, torch.Tensor)}
-    return sum(n for ptr, n in storages.items() if ptr in saved)
+    return sum(storages.values())
+
+
+def _recompute_backward(module, leaves, loss_output, written):
+    """A recompute and its backward as ``backward`` runs them: it copies the buffers the forward writes (running
+    statistics) before recomputing, to restore them after the backward, so the copies live through both."""
+    restore = [b.clone() for b in written]
+    _run_backward(*_seeds(_with_grad(module, leaves), loss_output))
+    return restore
 
 
 def _no_grad(module, leaves):

@@ -28,9 +28,6 @@ KNOWN: dict[str, dict[str, str]] = {
                           "their gradient contributions add in another order than eager's (DESIGN.md's allclose "
                           "exception for a weight two packs share), and step 2 reads them everywhere; bitwise in "
                           "one pack"},
-    "pegasus": {"peak": "measured 1.0014x the predicted peak at 3 packs (BART and Marian, the same layers but for "
-                        "Pegasus's sinusoidal positions and pre-norm, stay within): a cost-model miss not yet found"},
-    "mobilenet-v2": {"peak": "measured 1.0093x the predicted peak at 3 packs: a cost-model miss not yet found"},
     "wav2vec2-ctc": {"trace": "its labels.max() >= vocab_size check in Python now traces (a runtime check, "
                               "compiler/trace/branches.py); the trace stops next at nn.functional.ctc_loss with "
                               "tensor lengths: aten._ctc_loss.Tensor's log_alpha has a data-dependent shape that "

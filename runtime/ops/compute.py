@@ -93,17 +93,13 @@ def _forward_effect(m, pack, mb, *inputs, keep=False):
     spec = m.plan.packs[pack]
     m.dirty.update(spec.mutated)      # running statistics changed: written back with the pack's release
     if keep:
-        # the graph may hold the pack's inputs (a first op that saves its input) after the value that brought
-        # them dies, until the backward; not when that value is a kept forward's own, which lives until its
-        # (later) backward. The batch tensors a pack reads count too: ``in_bytes`` has the other packs' outputs
-        # only, and a first op that saves its input (a convolution's weight gradient needs it, an embedding its
-        # indices) keeps the microbatch ``load_batch`` brought after that value dies. The last pack's backward
-        # follows at once, but not before its inputs' values die: it holds those its graph saved
-        # (``held_in_bytes``, measured), which its backward's measured peak does not count.
+        # the kept forward's leaves hold every input until the backward, after the values that brought them die
+        # (``held_in_bytes``: the batch tensors ``load_batch`` brought and other packs' outputs of any dtype; a
+        # token-id input is not in ``in_bytes``, which counts the gradients coming back); not when a value is a
+        # kept forward's own, which lives until its (later) backward. The last pack's backward follows at once,
+        # but not before its inputs' values die, and its measured peak does not count them.
         last = "loss" in spec.outputs
-        batch = sum(m.plan.batch_bytes.get(n, 0) for n in spec.inputs if n in m.plan.input_names)
-        retained = (0 if any(isinstance(v, Predicted) and v.kept for v in inputs)
-                    else spec.held_in_bytes if last else spec.in_bytes + batch)
+        retained = 0 if any(isinstance(v, Predicted) and v.kept for v in inputs) else spec.held_in_bytes
         held = spec.saved_bytes + retained
         # a stash can send the graph's own tensors to the host; the last pack's and ondemand's keep no holders
         graph = 0 if last or m.plan.policy == "ondemand" else spec.saved_bytes
