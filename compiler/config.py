@@ -210,8 +210,9 @@ class ParallelConfig(Group):
     microbatches)`` or a sample count. Each rank's budget is its device's ``memory``; a ``speed_factor`` > 1
     makes the runtime emulate a slower device. ``sm(*global_batch)`` takes this rank's rows."""
     shard_state: bool | str | None = None
-    """True: each parameter's optimizer state is kept, and the parameter stepped, by one rank, which broadcasts it
-    (ZeRO stage 1; runtime/shard.py), in equal byte shares or under ``balance`` the shares its plan chose; False:
+    """True (or ``"optimizer"``): each parameter's optimizer state is kept, and the parameter stepped, by one rank,
+    which broadcasts it (ZeRO stage 1; runtime/shard.py), in equal byte shares or under ``balance`` the shares its
+    plan chose; under ``parallel=("pipeline", "data")`` each stage's over its replica group; False:
     every rank keeps all of it. None: True under ``balance``, False otherwise. ``"full"``: parameters, gradients and
     optimizer state partitioned (ZeRO stage 3; passes/shard.py): each rank keeps an equal chunk (under ``balance``,
     its planned share) of every pack's fp32 weights and its optimizer state on its host, weights are all-gathered for

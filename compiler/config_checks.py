@@ -103,11 +103,13 @@ def check_parallel(cfg) -> None:
     if isinstance(cfg.min_size, bool) or not isinstance(cfg.min_size, int) or cfg.min_size < 0:
         raise ConfigError(f"min_size={cfg.min_size!r}: give the number of elements below which a tensor travels "
                           f"uncompressed (an integer >= 0; CGX uses 16)")
+    if isinstance(cfg.shard_state, str) and cfg.shard_state == "optimizer":
+        cfg.shard_state = True          # ZeRO stage 1 by the name of what it shards
     for name in ("data_parallel", "shard_state"):
         value = getattr(cfg, name)
         if value is not None and not isinstance(value, bool) and not (name == "shard_state" and value == "full"):
             raise ConfigError(f"{name}={value!r}: use None (the default), True or False"
-                              + (", or 'full'" if name == "shard_state" else ""))
+                              + (", or 'full' ('optimizer' is True)" if name == "shard_state" else ""))
     spec = cfg.balance
     if not (spec is None or spec in ("auto", "uniform") or (isinstance(spec, (list, tuple)) and spec)):
         raise ConfigError(f"balance={spec!r}: use 'auto', 'uniform', or one entry per rank ((microbatch size, "

@@ -20,9 +20,10 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.nn.utils.stateless import _reparametrize_module
 
 from harmony.compiler import measured
-from harmony.compiler.cost import Writes, leaf, tensors_of
+from harmony.compiler.cost import Writes, tensors_of
 from harmony.compiler.fake import FakeRun
 from harmony.compiler.signature import pack_signature
+from harmony.runtime.pack_inputs import enter
 from harmony.runtime.precision import device_dtype
 from harmony.runtime.tiers.memory import CountAllocations, MemoryMeter
 
@@ -81,8 +82,9 @@ def _measure_pack(module, inputs, grad_inputs, run, loss_output, keep) -> dict:
 def _profile_pack(module, inputs, grad_inputs, loss_output, keep=False) -> dict:
     """The measurements of ``measure_pack``, on whatever tensors (fake or real) it is given."""
     out = {}
-    leaves = [(leaf(x).requires_grad_(g and x.is_floating_point()) if isinstance(x, torch.Tensor) else x)
-              for x, g in zip(inputs, grad_inputs)]
+
+    def entered():     # the pack's inputs as the runtime's forward and backward make them, afresh each time
+        return [enter(x, g) for x, g in zip(inputs, grad_inputs)]
 
     def measured(fn):
         meter = MemoryMeter("pack")
@@ -91,13 +93,14 @@ def _profile_pack(module, inputs, grad_inputs, loss_output, keep=False) -> dict:
         return result, meter
 
     with Writes() as writes:
-        outs, meter = measured(lambda: _no_grad(module, leaves))
+        outs, meter = measured(lambda: _no_grad(module, entered()))
     written = [b for b in module.buffers() if id(b.untyped_storage()) in writes.written]
     out["fwd_peak"] = meter.peak
-    out["held_in_bytes"] = _input_bytes(leaves)
+    out["held_in_bytes"] = _input_bytes(entered())
     out["out_bytes"] = sum(t.untyped_storage().nbytes() for t in tensors_of(outs))
     del outs
     for suffix in ("", "_accum"):       # the second round finds the gradients of the first
+        leaves = entered()
         if loss_output or keep:         # the pack keeps its forward's graph for its backward
             outs, meter = measured(lambda: _with_grad(module, leaves))
             out["fwd_keep_peak" + suffix] = meter.peak

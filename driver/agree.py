@@ -6,7 +6,9 @@ weights broadcast, ``balance=``'s plan from rank 0, the process groups the modul
 for ``comm_timeout``, then a raw backend error. So the compile meets at fixed points (``POINTS``), every rank in
 the same order whatever happened: after tracing (before ``balance=``'s plan from rank 0), after planning (before the
 passes, whose plan checks hear a rank that fails in them: passes/compress.py ``report_failure``), and once the
-runtime is built, before the module's first collective (driver/assemble.py). A rank that failed goes to the next
+runtime is built, before the module's first collective (driver/assemble.py), and once the module is built (the end
+of driver/compile.py: what comes after the runtime's process groups, its step status, shape cache, disk tiers and
+the weights of a model built without them, fails every rank's compile too). A rank that failed goes to the next
 point with its error; there every rank exchanges what it has and each raises: a failed rank its own error, the
 others the same class of error naming the rank, its error and the stage. No rank is left with a module: the others
 close what they built.
@@ -19,8 +21,9 @@ import threading
 from harmony.base import errors
 from harmony.base.errors import BudgetError, HarmonyError
 
-POINTS = ("after tracing", "after planning", "before the module's first collective")
-STAGES = ("tracing its example batch", "planning its batch", "running the compiler passes or building its runtime")
+POINTS = ("after tracing", "after planning", "before the module's first collective", "once the module is built")
+STAGES = ("tracing its example batch", "planning its batch", "running the compiler passes or building its runtime",
+          "finishing its module (its step status, shape cache, disk tiers or weights)")
 _HERE = threading.local()      # the compile under way on this thread (``compiling``)
 
 
@@ -32,13 +35,14 @@ class Agreement:
         self.next = 0            # the index in POINTS of the next point this rank has not met
 
     def meet(self, point: str, error: BaseException | None = None) -> None:
-        """Meet the others at ``point``, the next of ``POINTS`` (every rank meets each, in order); raise where any
+        """Meet the others at ``point``, the next of ``POINTS`` (every rank meets the same, in order); raise where any
         rank failed: ``error``, this rank's own failure, or the others'."""
         import torch.distributed as dist
 
         from harmony.runtime.comm.failures import guarded
-        assert POINTS.index(point) == self.next, (point, self.next)
-        self.next += 1
+        # in order; a simulated compile (device "meta") skips the runtime's point on every rank alike
+        assert POINTS.index(point) >= self.next, (point, self.next)
+        self.next = POINTS.index(point) + 1
         got: list = [None] * self.world
         try:
             guarded(f"harmony.compile's agreement {point}", dist.all_gather_object, got,

@@ -80,7 +80,8 @@ def _runtime(sm, tensors, optimizers, shares, device, simulated, filler) -> None
     sm.runtime.state.shares = shares
     weighting = weighting_of(program)      # tokens: each seed is its loss times the scale (driver/tokens.py)
     sm.runtime.token_scale = weighting.scale if weighting.tokens else None
-    if shares is not None and sm.runtime.scaler is not None:   # fp16: one overflow skips every rank's step
+    # fp16: one overflow skips every rank's step (ranks that each check only their shares, or their stages' packs)
+    if (shares is not None or plan.stage is not None) and sm.runtime.scaler is not None:
         sm.runtime.scaler.agree = overflow_agreement(sm.runtime)
     if shares is not None or sm.mode.guards_model(plan):
         guard(sm)     # the model refuses to be read while weights are in other ranks' shares or stages
@@ -91,12 +92,17 @@ def _runtime(sm, tensors, optimizers, shares, device, simulated, filler) -> None
         except BaseException:
             sm.close()
             raise
-        attach(sm)      # the ranks' calls that use collectives are checked alike (driver/handshake.py)
-    sm.shapes = ShapeCache(sm)     # a plan per batch shape, this one the example's (driver/shapes.py)
-    if cfg.host_memory_budget is not None:   # the host's memory is budgeted: freed buffers must go back
-        return_freed_memory()
-    if Tier.DISK in plan.by_pack("optim_on").values() and not simulated:   # the disk tiers: made now
-        disk_tiers(sm, tensors, optimizers, shares, device, filler)
+    try:     # a failure from here on is met at the end of compile (driver/agree.py): close what was built
+        if not simulated:
+            attach(sm)      # the ranks' calls that use collectives are checked alike (driver/handshake.py)
+        sm.shapes = ShapeCache(sm)     # a plan per batch shape, this one the example's (driver/shapes.py)
+        if cfg.host_memory_budget is not None:   # the host's memory is budgeted: freed buffers must go back
+            return_freed_memory()
+        if Tier.DISK in plan.by_pack("optim_on").values() and not simulated:   # the disk tiers: made now
+            disk_tiers(sm, tensors, optimizers, shares, device, filler)
+    except BaseException:
+        sm.close()
+        raise
 
 
 def fill_host(sm, tensors: dict):

@@ -87,6 +87,11 @@ def _compile(model, names, batch, cfg: CompileConfig, mode: modes.Mode, module: 
     sm = module(program, cfg.device)
     if balanced is not None:
         balanced.simulated(sm, cfg.hardware)
+    try:      # every rank built its module, or none keeps one (driver/agree.py)
+        agree.point(agree.POINTS[3])
+    except BaseException:
+        sm.close()
+        raise
     fill = sm.filled["seconds"] if sm.filled else 0.0     # an empty model's weights, made as placed
     sm.compile_seconds = dict(trace=t_trace - t0, **({"balance": t_plan - t_trace} if balanced else {}),
                               cost=t_cost - t_plan, passes=time.perf_counter() - t_cost - fill,

@@ -313,7 +313,7 @@ def run(program: Program, ctx) -> PassResult:
     owned = owned_grads(program)
     broadcast = _agree_replicas(program, comm, owned, grid) if grid else _agree_across_ranks(program, comm, owned)
     mode, overlap = _insert_allreduces(program, owned, comm)
-    shard = insert_sync(program, world)
+    shard = insert_sync(program, comm.world)     # a grid's broadcasts: over the stage's replica group
     _report_plan(report, plan, comm, owned, mode, shard, broadcast, start)
     report.notes.append(overlap)
     return PassResult(program, report)

@@ -24,13 +24,15 @@ import time
 import torch
 
 from harmony.base.errors import ConfigError
+from harmony.base.units import nbytes
 from harmony.compiler.config_checks import HYBRID
 from harmony.compiler.ir import PassReport, PassResult, Program
 from harmony.compiler.meta import PACK
 from harmony.passes import compress
-from harmony.passes.partition import build_packs, find_units, measure_kept
+from harmony.passes.partition import build_packs, find_units, measure_kept, own_state
 from harmony.runtime.comm.grid import Grid
 from harmony.runtime.pipeline import Stages
+from harmony.runtime.shard import owners_among
 
 NAME = "stage"
 REQUIRES = {"packs"}
@@ -57,9 +59,7 @@ def check_config(cfg) -> None:
     if (cfg.world_size or 1) < 2:
         raise ConfigError("parallel='pipeline' places packs across the ranks of one node: launch N >= 2 processes "
                           "with `torchrun --nproc_per_node N train.py`, or drop parallel= to train one process")
-    refused = [(cfg.precision == "fp16", "precision='fp16' (the loss scaler's overflow check would span the ranks)",
-                "precision='fp32' or 'bf16'"),
-               (cfg.compression is not None and cfg.compression.kind != "none" or cfg.adaptive,
+    refused = [(cfg.compression is not None and cfg.compression.kind != "none" or cfg.adaptive,
                 "compression=", "no compression (there is no gradient all-reduce in a pipeline)"),
                (cfg.balance is not None, "balance=", "memory_budget= (one budget per device)"),
                (bool(cfg.shard_state), f"shard_state={cfg.shard_state!r}", "shard_state=None (each rank holds "
@@ -253,6 +253,7 @@ def run(program: Program, ctx) -> PassResult:
                                        [(s.name, s.inputs, s.outputs, s.params) for s in plan.packs])))
     rows = _rows(plan, rank_of, costs, world)
     restrict(program, rank_of)
+    notes += shard_over_replicas(program)
     crossing = sum(_bytes(v) for v in program.plan.stage.values.values())
     worst, total = max(r["compute_s"] for r in rows), sum(costs)
     report = PassReport(f"stage: packs across {world} ranks ({cfg.placement})", rows, totals=dict(
@@ -276,6 +277,22 @@ def run(program: Program, ctx) -> PassResult:
         + ("contiguous stages never move a pack between devices, so no shared host copy is needed"
            if cfg.placement != "round_robin" else "packs stay on their ranks, so no shared host copy is needed")]
     return PassResult(program, report)
+
+
+def shard_over_replicas(program: Program) -> list[str]:
+    """A grid's ZeRO-1 (``shard_state=True``): this stage's parameters owned in equal byte shares by the ranks of its
+    replica group, contiguous in the model's order (runtime/shard.py ``owners``, over those ranks as data
+    parallelism does over the job's); each steps its own and broadcasts them to the group (``sync_state``)."""
+    grid, cfg = program.plan.stage.grid, program.config
+    if grid is None or cfg.shard_state is not True:
+        return []
+    params = dict(program.gm.named_parameters())
+    mine = {n for s in program.plan.packs for n in s.owned}
+    sizes = [(n, nbytes(p)) for n, p in params.items() if n in mine]
+    ranks = grid.replica_ranks()
+    own_state(program, owners_among(sizes, ranks))
+    return [f"shard_state=True: this stage's optimizer state is split over its replica group (ranks "
+            f"{','.join(map(str, ranks))}), each stepping its share and broadcasting it to the others"]
 
 
 def _live(cfg) -> bool:

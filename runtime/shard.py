@@ -44,6 +44,12 @@ def owners(sizes: list[tuple[str, int]], shares: list[float]) -> dict[str, int]:
     return out
 
 
+def owners_among(sizes: list[tuple[str, int]], ranks: list[int]) -> dict[str, int]:
+    """``owners`` in equal shares over ``ranks`` (job ranks): a grid's stage over its replica group
+    (``parallel=("pipeline", "data")``), whose ranks hold the same packs."""
+    return {n: ranks[r] for n, r in owners(sizes, [1.0] * len(ranks)).items()}
+
+
 def by_owner(plan) -> list[list[str]]:
     """The parameter names each rank owns, in the model's order (``plan.state_owner`` keeps it)."""
     world = max(plan.state_owner.values(), default=-1) + 1
@@ -65,16 +71,34 @@ def _sync_execute(rt, world):
     rt.finish_updates()                  # and those waiting in the StepGate (clipping) have run
     if rt.status is not None:            # every rank's step got here (runtime/comm/jobwide.py)
         rt.status.go(STEP_KEY, None, "the broadcast of the updated weights")
-    mine = rt.plan.rank
+    mine, group, first = rt.plan.rank, _group(rt.plan), _first(rt.plan)
     for owner, names in enumerate(by_owner(rt.plan)):
         if names:
-            _broadcast(st, names, owner, mine)
+            _broadcast(st, names, owner, mine, group)
     buffers = sorted(rt.plan.sync_buffers)
     for dtype in dict.fromkeys(st.tensors[n].dtype for n in buffers):
-        _broadcast(st, [n for n in buffers if st.tensors[n].dtype == dtype], 0, mine)
+        _broadcast(st, [n for n in buffers if st.tensors[n].dtype == dtype], first, mine, group)
 
 
-def _broadcast(st, names: list[str], src: int, mine: int) -> None:
+def _grid(plan):
+    return getattr(getattr(plan, "stage", None), "grid", None)
+
+
+def _group(plan):
+    """The process group of the broadcasts: the job's; in a grid this rank's replica group, the ranks holding the
+    same packs (owners are job ranks, as ``broadcast`` takes its source on any group)."""
+    if _grid(plan) is None:
+        return None
+    from harmony.runtime.comm.grid import replica_group
+    return replica_group(_grid(plan))
+
+
+def _first(plan) -> int:
+    """Where the buffers forward mutates come from: rank 0; in a grid the first rank of this rank's replica group."""
+    return 0 if _grid(plan) is None else _grid(plan).replica_ranks()[0]
+
+
+def _broadcast(st, names: list[str], src: int, mine: int, group=None) -> None:
     """``names`` (one dtype) from rank ``src`` into every other rank's copies, wherever each copy is now."""
     import torch.distributed as dist
 
@@ -85,7 +109,7 @@ def _broadcast(st, names: list[str], src: int, mine: int) -> None:
             st.moved["d2h"] += sum(nbytes(t) for t in ts if st._on_device(t.data))
         else:
             flat = torch.empty(sum(t.numel() for t in ts), dtype=ts[0].dtype)
-        guarded(f"the broadcast of rank {src}'s updated weights", dist.broadcast, flat, src=src, peer=src)
+        guarded(f"the broadcast of rank {src}'s updated weights", dist.broadcast, flat, src=src, group=group, peer=src)
         if src == mine:
             return
         off = 0
@@ -101,8 +125,9 @@ def _synced(plan):
     """(name, source rank, bytes) of everything ``sync_state`` broadcasts."""
     for name, r in plan.state_owner.items():
         yield name, r, plan.state_bytes.get(name, 0)
+    first = _first(plan)
     for name, b in plan.sync_buffers.items():
-        yield name, 0, b
+        yield name, first, b
 
 
 def _sync_effect(m, world):

@@ -67,12 +67,12 @@ def _train(steps=STEPS, save=None, **kw):
     return out
 
 
-def _fault(rank):
+def _fault(rank, **kw):
     """A bad batch on rank 1 (the last stage of pipeline 0) at step 1: every rank raises, and ends bitwise as a run
-    that skipped that step; the job trains on."""
+    that skipped that step (both compiled with ``kw``); the job trains on."""
     model, data = _case()
     ref_model = copy.deepcopy(model)
-    sm = _compile(model, data)
+    sm = _compile(model, data, **kw)
     raised = None
     for i in range(STEPS):
         x, y = harmony.data.shard(data[i % len(data)], pipeline_size=2)
@@ -87,7 +87,7 @@ def _fault(rank):
             raised = f"{type(e).__name__}: {e}"
     got, steps = _mine(sm), sm.steps
     sm.close()
-    ref = _compile(ref_model, data)
+    ref = _compile(ref_model, data, **kw)
     for i in (0, 2):
         ref(*harmony.data.shard(data[i % len(data)], pipeline_size=2))
     want = _mine(ref)
@@ -98,8 +98,6 @@ def _fault(rank):
 REFUSED = {      # option -> what the refusal names
     "shard_state": (dict(shard_state="full"), "shard_state='full'"),
     "balance": (dict(balance="uniform"), "balance="),
-    "fp16": (dict(precision="fp16"), "precision='fp16'"),
-    "adaptive": (dict(compression="adaptive"), "compression='adaptive'"),
     "not_a_multiple": (dict(pipeline_size=3), "multiple"),
     "one_rank_pipelines": (dict(pipeline_size=1), "at least 2"),
     "one_pipeline": (dict(pipeline_size=4), "no replica")}

@@ -32,31 +32,47 @@ def _float_ids(batch):
     return batch[0].float(), batch[1]      # an embedding's ids as floats: the trace fails
 
 
-def _cases(rank, world):
+CASES = {"dp, a bad example batch": ({}, "batch", True),
+         "zero3, a budget too small": (dict(shard_state="full", **ADAMW), "budget", True),
+         "balance, a bad example batch": (dict(balance="uniform"), "batch", False),
+         "pipeline, a budget too small": (dict(parallel="pipeline"), "budget", False),
+         "zero1, its runtime fails": (dict(shard_state=True), "runtime", True),
+         # after the runtime's process groups, the last of the compile's collectives (the end of compile meets)
+         "dp, its step status fails": ({}, "status", True),
+         "zero3, its shape cache fails": (dict(shard_state="full", **ADAMW), "shapes", True),
+         "pipeline, its step status fails": (dict(parallel="pipeline"), "status", False)}
+LATE = ["dp, its step status fails", "zero3, its shape cache fails", "pipeline, its step status fails"]
+
+
+def _injected(*a, **k):
+    raise OSError("injected: no room for the module's state")
+
+
+def _cases(rank, world, names=tuple(n for n in CASES if n not in LATE)):
     import harmony.driver.assemble as assemble
+    import harmony.driver.handshake as handshake
     _, data = _gpt()
     out = {}
-    cases = [("dp, a bad example batch", {}, "batch", True),
-             ("zero3, a budget too small", dict(shard_state="full", **ADAMW), "budget", True),
-             ("balance, a bad example batch", dict(balance="uniform"), "batch", False),
-             ("pipeline, a budget too small", dict(parallel="pipeline"), "budget", False),
-             ("zero1, its runtime fails", dict(shard_state=True), "runtime", True)]
-    for name, kw, fault, shard in cases:
-        batch, frac, real = data[0], 0.5, assemble.build_optimizers
+    faults = {"runtime": (assemble, "build_optimizers"), "status": (handshake, "StepStatus"),
+              "shapes": (assemble, "ShapeCache")}
+    for name in names:
+        kw, fault, shard = CASES[name]
+        batch, frac = data[0], 0.5
         if rank == 1 and fault == "batch":
             batch = _float_ids(batch)
         if rank == 1 and fault == "budget":
             frac = 0.001
-        if rank == 1 and fault == "runtime":
-            def build(*a, **k):
-                raise OSError("injected: no room for the optimizer state")
-            assemble.build_optimizers = build
+        where, attr = faults.get(fault, (None, None))
+        real = getattr(where, attr) if where is not None else None
+        if rank == 1 and where is not None:     # rank 1's compile fails there; rank 0's goes on
+            setattr(where, attr, _injected)
         try:
             _compile(rank, world, kw, batch, frac, shard)
             got = "no error"
         except Exception as e:      # noqa: BLE001
             got = f"{type(e).__name__}: {e}"
-        assemble.build_optimizers = real
+        if where is not None:
+            setattr(where, attr, real)
         sm = _compile(rank, world, kw, data[0], shard=shard)      # the ranks compile and train together after
         sm(*(harmony.data.shard(data[1]) if shard else data[1]))
         out[name] = (got, sm.steps)
@@ -65,7 +81,16 @@ def _cases(rank, world):
 
 
 def test_a_rank_whose_compile_fails_fails_every_ranks_compile_alike():
-    res = _spawn(2, _cases, timeout=400)
+    _check(_spawn(2, _cases, timeout=400))
+
+
+def test_a_rank_whose_compile_fails_after_the_runtimes_groups_fails_every_ranks_compile():
+    """A failure after the compile's last collective (the runtime's handshake, its shape cache) is met at the end
+    of compile: rank 0 does not leave with a module while rank 1 has none."""
+    _check(_spawn(2, _cases, LATE, timeout=400))
+
+
+def _check(res):
     assert sorted(res) == [0, 1], res
     for r, v in res.items():
         assert isinstance(v, dict), f"rank {r}: {v}"

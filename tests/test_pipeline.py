@@ -298,7 +298,6 @@ def test_one_process_is_refused():
 
 
 @pytest.mark.parametrize("field,value,named", [
-    ("precision", "fp16", "precision='fp16'"),
     ("shard_state", True, "shard_state=True"), ("data_parallel", True, "data_parallel=True"),
     ("balance", "auto", "balance="),
     ("policy", "ondemand", "ondemand"), ("compression", SimpleNamespace(kind="4bit"), "compression="),

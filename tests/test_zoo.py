@@ -24,17 +24,15 @@ BF16_ROUNDING = 2.0 ** -6      # test_architectures' bound: 4 units of bf16's ro
 
 # name -> {check: why it fails}; checks: "trace" (compile raises), "bitwise", "peak"
 KNOWN: dict[str, dict[str, str]] = {
-    "convnext": {"bitwise": "cause not found yet: no value is read by several packs and no weight is shared; after "
-                            "one step the first to differ are the layer-scale parameters and depthwise convolutions, "
-                            "whose inputs cross pack boundaries as permuted (channels-last) views, and their "
-                            "gradients' reductions; bitwise in one pack"},
     "albert": {"bitwise": "ALBERT applies its one layer twice: at this budget its weights are read by two packs, so "
                           "their gradient contributions add in another order than eager's (DESIGN.md's allclose "
                           "exception for a weight two packs share), and step 2 reads them everywhere; bitwise in "
                           "one pack"},
-    "wav2vec2-ctc": {"trace": "the model checks labels.max() >= vocab_size in Python: a branch on data no trace "
-                              "can take (torch.export: GuardOnDataDependentSymNode), named as a TraceError"},
-    "hubert-ctc": {"trace": "as wav2vec2-ctc: labels.max() >= vocab_size checked in Python"},
+    "wav2vec2-ctc": {"trace": "its labels.max() >= vocab_size check in Python now traces (a runtime check, "
+                              "compiler/trace/branches.py); the trace stops next at nn.functional.ctc_loss with "
+                              "tensor lengths: aten._ctc_loss.Tensor's log_alpha has a data-dependent shape that "
+                              "torch.export's fake tensors cannot give (DynamicOutputShapeException)"},
+    "hubert-ctc": {"trace": "as wav2vec2-ctc: its branch traces; ctc_loss with tensor lengths does not"},
     "clip": {"trace": "the contrastive loss's torch.arange(len(logits)) makes len() a Python int, which fixes the "
                       "traced batch at the example's 8 rows; the plan runs microbatches of 2 (InputError)"},
 }

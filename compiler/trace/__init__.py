@@ -32,8 +32,6 @@ place (BatchNorm statistics) are updated in the user's module when gm runs.
 from __future__ import annotations
 
 import contextlib
-import linecache
-import sys
 import time
 from collections.abc import Mapping
 from typing import Any, Callable, Sequence
@@ -41,7 +39,6 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.fx.experimental.symbolic_shapes import uninteresting_files
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.nn.utils.stateless import _reparametrize_module
 
@@ -50,12 +47,15 @@ from harmony.compiler.fake import device_of_batch, fake_twins
 from harmony.compiler.loss_weighting import counted
 from harmony.compiler.meta import MODULE_PATH
 from harmony.compiler.trace.batch import Batch, BatchForm
+from harmony.compiler.trace.branches import Branches, record, replayed, replaying
 from harmony.compiler.trace.effects import watch
 from harmony.compiler.trace.errors import (
+    data_dependent,
     eager_error,
     first_line,
     input_error,
     untraceable,
+    user_stack,
 )
 from harmony.compiler.trace.export import export_graph, retarget, torch_output_held
 from harmony.compiler.trace.functions import functions_kept
@@ -118,17 +118,18 @@ def trace(
     notes: list[str] = []
     failures: dict[str, Exception] = {}
     with _training_mode(model):
-        raw, used = None, None
         # a print or a counter in forward runs once, here: said (effects.py); a user's autograd.Function one node
         with watch(model, notes), functions_kept():
-            for name in ("fx", "export") if frontend == "auto" else (frontend,):
-                try:
-                    raw, used = _FRONT_ENDS[name](step, batch, leaf_modules, dtype), name
-                    break
-                except HarmonyError:
-                    raise
-                except Exception as error:  # any failure of a front end: try the next one
-                    failures[name] = error
+            raw, used = _front_ends(step, batch, leaf_modules, dtype, frontend, failures)
+            if raw is None and any(data_dependent(e) for e in failures.values()):
+                # a Python branch on a tensor's value: taken as on the example batch, checked per batch (branches.py)
+                branches = record(step, batch.tensors)
+                if branches:
+                    failures.clear()
+                    with replaying(branches):
+                        raw, used = _front_ends(step, batch, leaf_modules, dtype, frontend, failures, branches)
+                    notes += [f"a branch on tensor values is taken as the example batch took it and checked on "
+                              f"every batch: {where}" for where in branches.checked]
         if raw is None:
             raise untraceable(model, step, batch, failures)
         if "fx" in failures:
@@ -143,6 +144,22 @@ def trace(
     gm.meta[TRACE_INFO] = TraceInfo(used, time.perf_counter() - start, batch.names, constants, tuple(notes),
                                     sizes_of(gm, used, batch.tensors), 1 if used == "fx" else 2, batch.form)
     return gm
+
+
+def _front_ends(step, batch: Batch, leaf_modules: Sequence, dtype, frontend: str, failures: dict,
+                branches: Branches | None = None) -> tuple[torch.fx.GraphModule | None, str | None]:
+    """The first front end's graph that captures the step, and its name; (None, None) and ``failures`` filled if
+    none does."""
+    for name in ("fx", "export") if frontend == "auto" else (frontend,):
+        if branches is not None:
+            branches.restart()
+        try:
+            return _FRONT_ENDS[name](step, batch, leaf_modules, dtype), name
+        except HarmonyError:
+            raise
+        except Exception as error:  # any failure of a front end: try the next one
+            failures[name] = error
+    return None, None
 
 
 # ------------------------------------------------------- the traced function
@@ -262,40 +279,22 @@ class _LeafTracer(torch.fx.Tracer):
                 return True
         return super().is_leaf_module(module, module_qualified_name)
 
+    def to_bool(self, obj: torch.fx.Proxy) -> bool:
+        taken = replayed(obj)            # a branch on a tensor's value recorded on the example batch (branches.py)
+        return super().to_bool(obj) if taken is None else taken
+
     def proxy(self, node: torch.fx.Node) -> torch.fx.Proxy:
         return InPlaceProxy(node, self)          # records x += y as a write (fx's own Proxy runs x = x + y)
 
     def create_node(self, *args, **kwargs) -> torch.fx.Node:
         node = super().create_node(*args, **kwargs)
         if not node.stack_trace:
-            node.stack_trace = _user_stack()
+            node.stack_trace = user_stack()
         return node
 
 
-def _user_stack() -> str | None:
-    """The stack of user frames making a node, formatted as fx's ``record_stack_traces`` formats it (from the first
-    ``forward`` frame in, torch's own files left out), for errors that name a node's source line. fx's own recording
-    reads the source line of every frame of the stack, the test runner's and torch's included, for every node (the
-    first trace of a process loads all those files): here only the frames kept are read."""
-    frames, f = [], sys._getframe(2)
-    while f is not None:
-        frames.append((f.f_code.co_filename, f.f_lineno, f.f_code.co_name))
-        f = f.f_back
-    frames.reverse()                   # outermost first, as a traceback reads
-    first = next((i for i, frame in enumerate(frames) if frame[2] == "forward"), None)
-    if first is None:
-        return None                    # not made by a forward (fx records none either)
-    skip = uninteresting_files()
-    out = []
-    for file, line, name in frames[first:]:
-        if file not in skip:
-            code = linecache.getline(file, line).strip()
-            out.append(f'  File "{file}", line {line}, in {name}\n' + (f"    {code}\n" if code else ""))
-    return "".join(out).strip()
-
-
 def _trace_fx(step: _TrainStep, batch: Batch, leaf_modules: Sequence, dtype) -> torch.fx.GraphModule:
-    tracer = _LeafTracer(leaf_modules)     # records each node's source lines itself (``_user_stack``)
+    tracer = _LeafTracer(leaf_modules)     # records each node's source lines itself (``user_stack``)
     return torch.fx.GraphModule(step, tracer.trace(step))
 
 

@@ -12,10 +12,12 @@ import dataclasses
 import inspect
 import linecache
 import os
+import sys
 import sysconfig
 import traceback
 
 import torch
+from torch.fx.experimental.symbolic_shapes import uninteresting_files
 
 from harmony.base.errors import HarmonyError, InputError, TraceError
 from harmony.compiler.fake import fake_state_if_empty
@@ -167,3 +169,25 @@ def user_frame(error: BaseException, model: torch.nn.Module) -> _Frame | None:
             return _Frame(frame.f_code.co_filename, lineno, frame.f_code.co_name, module_path, module_class)
         error = error.__cause__ or error.__context__
     return None
+
+
+def user_stack() -> str | None:
+    """The stack of user frames making a node, formatted as fx's ``record_stack_traces`` formats it (from the first
+    ``forward`` frame in, torch's own files left out), for errors that name a node's source line. fx's own recording
+    reads the source line of every frame of the stack, the test runner's and torch's included, for every node (the
+    first trace of a process loads all those files): here only the frames kept are read."""
+    frames, f = [], sys._getframe(2)
+    while f is not None:
+        frames.append((f.f_code.co_filename, f.f_lineno, f.f_code.co_name))
+        f = f.f_back
+    frames.reverse()                   # outermost first, as a traceback reads
+    first = next((i for i, frame in enumerate(frames) if frame[2] == "forward"), None)
+    if first is None:
+        return None                    # not made by a forward (fx records none either)
+    skip = uninteresting_files()
+    out = []
+    for file, line, name in frames[first:]:
+        if file not in skip:
+            code = linecache.getline(file, line).strip()
+            out.append(f'  File "{file}", line {line}, in {name}\n' + (f"    {code}\n" if code else ""))
+    return "".join(out).strip()

@@ -1,6 +1,6 @@
 """Checkpoints over several ranks: the layout a checkpoint was saved in, and the one this run loads into.
 
-A checkpoint is saved in one of five layouts, named in its manifest (``world``, ``mode``):
+A checkpoint is saved in one of six layouts, named in its manifest (``world``, ``mode``):
 
 * ``whole``: one directory with the whole state, by one process or by replicated data-parallel ranks (rank 0
   writes it);
@@ -10,7 +10,9 @@ A checkpoint is saved in one of five layouts, named in its manifest (``world``, 
   their optimizer state (``share:<name>[a:b]``, elements ``a:b`` of the flattened parameter);
 * ``pipeline``: ``rank-R-of-W`` directories, each with the weights and optimizer state of the packs rank R runs;
 * ``grid`` (``parallel=("pipeline", "data")``): ``rank-R-of-W`` directories, pipeline 0's ranks each with its packs'
-  state (each stage once), every other rank's with its RNG only (its pipeline holds the same state).
+  state (each stage once), every other rank's with its RNG only (its pipeline holds the same state);
+* ``grid_zero1`` (a grid with ``shard_state=True``): ``rank-R-of-W`` directories, each with the weights of rank R's
+  packs and the optimizer state of the parameters it owns (its share of its stage's, over the stage's replicas).
 
 ``saved_layout(path)`` reads which, ``this_layout(sm)`` says the run's own. Where the two are the same, each rank
 reads its own directory; otherwise ``harmony.driver.checkpoint.reshard`` assembles the run's layout from the pieces the
@@ -27,7 +29,7 @@ from pathlib import Path
 from harmony.base.errors import CheckpointError
 
 _RANK_DIR = re.compile(r"rank-(\d+)-of-(\d+)(\.old)?")
-MODES = ("whole", "zero1", "full", "pipeline", "grid")
+MODES = ("whole", "zero1", "full", "pipeline", "grid", "grid_zero1")
 
 
 @dataclass
@@ -50,7 +52,9 @@ def describe(layout: Layout) -> str:
             "zero1": f"{n} with shard_state=True (each its shard of the optimizer state)",
             "full": f"{n} with shard_state='full' (each its share of the weights and optimizer state)",
             "pipeline": f"{n} of a pipeline (each its packs' state)",
-            "grid": f"{n} of a pipeline x data-parallel grid (each stage's state once)"}.get(
+            "grid": f"{n} of a pipeline x data-parallel grid (each stage's state once)",
+            "grid_zero1": f"{n} of a pipeline x data-parallel grid with shard_state=True (each rank its share of "
+                          f"its stage's optimizer state)"}.get(
         layout.mode, f"{n} in mode {layout.mode!r}")
 
 

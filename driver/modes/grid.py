@@ -31,12 +31,9 @@ NOT_YET = "is not supported with parallel=('pipeline', 'data') yet"
 
 def refusals(cfg) -> list[tuple[bool, str, str]]:
     """(refused, what, what to use instead) of what a grid does not do yet."""
-    return [(cfg.precision == "fp16", "precision='fp16' (the loss scaler's overflow check would span the ranks)",
-             "precision='fp32' or 'bf16'"),
-            (cfg.balance is not None, "balance=", "memory_budget= (the servers alike)"),
-            (bool(cfg.shard_state), f"shard_state={cfg.shard_state!r}", "shard_state=None (each pipeline rank "
-                                                                         "holds only its packs' state already)"),
-            (cfg.adaptive, "compression='adaptive'", "a fixed codec such as compression='4bit'"),
+    return [(cfg.balance is not None, "balance=", "memory_budget= (the servers alike)"),
+            (cfg.shard_state == "full", "shard_state='full'", "shard_state=True (each stage's optimizer state split "
+                                                               "over its replica group), or None"),
             (cfg.policy == "ondemand", "policy='ondemand'", "policy='harmony' or 'sequential'"),
             (cfg.pipeline_group is not None and cfg.policy != "harmony", f"policy={cfg.policy!r} and "
              f"pipeline_group=", "policy='harmony' (the sequential policy runs one microbatch at a time)")]
@@ -81,10 +78,14 @@ class Grid(Pipeline):
         return super().plan_rank(model, gm, batch, cfg)
 
     def checkpoint_layout(self, plan) -> str:
-        return "whole" if plan.stage is None else "grid"     # each stage once, by pipeline 0's ranks
+        if plan.stage is None:
+            return "whole"
+        # each stage once, by pipeline 0's ranks; under shard_state=True every rank its packs' weights and the
+        # optimizer state of the parameters it owns
+        return "grid_zero1" if plan.state_owner else "grid"
 
     def saves_state(self, plan) -> bool:
-        return plan.stage is None or plan.stage.grid is None or plan.stage.grid.replica == 0
+        return plan.stage is None or plan.stage.grid is None or plan.stage.grid.replica == 0 or bool(plan.state_owner)
 
     def report(self, program):
         return grid_report(program)

@@ -228,6 +228,19 @@ def _count_state(program: Program, spec: PackSpec, sizes: dict, master: dict) ->
                                               late=not program.config.copies_block)
 
 
+def own_state(program: Program, owner: dict[str, int]) -> None:
+    """``program``'s packs step, and keep optimizer state for, only the parameters ``owner`` gives this rank: ZeRO
+    stage 1 where the owners are known only once the packs are placed (a grid's stage over its replica group,
+    passes/stage.py); the plan's ``state_owner`` and ``state_bytes`` say so, as when the partition planned them."""
+    cfg = program.config
+    cfg.state_owner = dict(owner)
+    sizes, master = device_sizes(program), {n: nbytes(t) for n, t in program.gm.named_parameters()}
+    for spec in program.plan.packs:
+        _count_state(program, spec, sizes, master)
+    program.plan.state_owner = dict(owner)
+    program.plan.state_bytes = {n: sizes[n] for n in owner}
+
+
 def _measure_peaks(program: Program, spec: PackSpec, inputs: list, nodes: list, units: list[Unit]) -> None:
     """``spec``'s forward and backward peaks, measured on fake tensors once per pack (the DP's corrections revisit
     the same packs), and the bytes it saves, takes in and gives out."""

@@ -96,8 +96,8 @@ class Communicator:
                 specs = NO_COMPRESSION
             else:
                 if self.bits is None:                    # once, on every rank at the same point
-                    self.bits, self.bits_report = choose_bits_across_ranks(
-                        self.meter.errors(), self.meter.sizes, self.base.bits,
+                    self.bits, self.bits_report = choose_bits_across_ranks(     # a grid: the stage's replicas
+                        self.meter.errors(), self.meter.sizes, self.base.bits, group=self.group,
                         bucket_size=self.base.bucket_size, meta_dtype=self.base.meta_dtype)
                 specs = specs_for_bits(names, self.bits, self.base)
         ef = self.ef.setdefault(tuple(owned), {}) if self.base.error_feedback else None

@@ -8,6 +8,7 @@ import contextlib
 import torch
 
 from harmony.runtime.ops import Acts, Predicted, Saved, arrived, backward, forward, label_args, register
+from harmony.runtime.pack_inputs import enter, grad_of
 from harmony.runtime.plan import loss_seed
 from harmony.runtime.rng import rng_state, set_rng_state
 
@@ -30,7 +31,7 @@ def _forward_execute(rt, pack, mb, *inputs, keep=False):
         rt.rng[(pack, mb)] = rng_state(rt.device)
     with rt.counting():
         if keep:
-            leaves = {n: _leaf(x, n not in rt.plan.input_names) for n, x in zip(spec.inputs, xs)}
+            leaves = {n: enter(x, n not in rt.plan.input_names) for n, x in zip(spec.inputs, xs)}
             graph: list = []
             with torch.enable_grad(), _state_by_name(rt, spec, graph):
                 outs = spec.module(*leaves.values())
@@ -86,12 +87,6 @@ def _state_by_name(rt, spec, graph: list):
         data = rt.state.tensors[n].data
         return data.as_strided(size, stride, data.storage_offset() + offset)
     return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
-
-
-def _leaf(x, grad: bool):
-    if not isinstance(x, torch.Tensor):
-        return x
-    return x.detach().requires_grad_(grad and x.is_floating_point())
 
 
 def _forward_effect(m, pack, mb, *inputs, keep=False):
@@ -163,7 +158,7 @@ def _backward_execute(rt, pack, mb, *inputs, saved=None, grads=(), chain=(), tot
     spec = rt.plan.packs[pack]
     with rt.counting():
         if saved is None:  # recompute the pack's forward from its stashed inputs
-            leaves = {n: _leaf(x, n not in rt.plan.input_names)
+            leaves = {n: enter(x, n not in rt.plan.input_names)
                       for n, x in zip(spec.inputs, _gather(rt, spec, inputs))}
             restore = [(t, t.clone()) for t in (rt.state.tensors[n] for n in spec.mutated)]
             rng = rng_state(rt.device) if spec.random else None
@@ -198,8 +193,8 @@ def _backward_execute(rt, pack, mb, *inputs, saved=None, grads=(), chain=(), tot
             torch.autograd.backward(tensors, seeds)
         for t, old in restore:  # running statistics advance once per microbatch, not again on recompute
             t.copy_(old)        # (after backward: batch norm saves them for it)
-        result = Acts({n: x.grad for n, x in leaves.items()
-                       if isinstance(x, torch.Tensor) and x.grad is not None and n not in rt.plan.input_names})
+        found = {n: grad_of(x) for n, x in leaves.items() if n not in rt.plan.input_names}
+        result = Acts({n: g for n, g in found.items() if g is not None})
     if saved is not None:
         saved.leaves = saved.outs = saved.graph = None
     return result

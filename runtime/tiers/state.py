@@ -266,8 +266,8 @@ class TieredState:
         """Copy device tensor ``src`` to the host (into ``dst``, or a new pinned tensor) without waiting for it: a
         reader of the host copy waits for it with ``landed`` (the host thread's jobs and ``drain`` do). ``src`` is
         held until the copy lands, on the meter too. Counted as bytes moved device-to-host."""
-        if dst is None:
-            dst = torch.empty(src.shape, dtype=src.dtype, pin_memory=self.pin)
+        if dst is None:    # its strides too: a value's readers run the kernels they would on the original
+            dst = torch.empty_like(src, device="cpu", pin_memory=self.pin)
             if self.copier.late is not None:
                 _poison(dst)
         self.moved["d2h"] += nbytes(src)
