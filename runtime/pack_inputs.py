@@ -46,3 +46,8 @@ def enter(x, grad: bool):
 def grad_of(x) -> torch.Tensor | None:
     """The gradient the backward computed for ``x`` (an ``enter``'s result), or None where none reached it."""
     return getattr(getattr(x, "grad_fn", None), "input_grad", None)
+
+
+def entered_base(x) -> torch.Tensor | None:
+    """The detached tensor an ``enter``'s result views (it holds the same storage), or None for anything else."""
+    return x._base if isinstance(getattr(x, "grad_fn", None), _Enter._backward_cls) else None

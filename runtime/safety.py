@@ -38,6 +38,7 @@ import torch.fx
 
 from harmony.base.units import nbytes
 from harmony.runtime.ops import Acts, arrived, op_of
+from harmony.runtime.pack_inputs import entered_base
 from harmony.runtime.placeholders import is_placeholder
 
 
@@ -269,7 +270,9 @@ def _tensors(values) -> list[torch.Tensor]:
         for d in (value.values, value.leaves, value.outs):
             out += [t for t in (d or {}).values() if isinstance(t, torch.Tensor)]
         out += [held.t for held in value.graph or () if held.t is not None]
-    return out
+    # a pack's input enters its graph as a view of a detached tensor (runtime/pack_inputs.py), which holds the
+    # storage too: it goes with the view
+    return out + [b for b in map(entered_base, out) if b is not None]
 
 
 def _weights_read(plan, node) -> list[str]:
