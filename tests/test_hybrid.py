@@ -182,16 +182,22 @@ def ckpt(tmp_path_factory):
     return tmp_path_factory.mktemp("grid") / "ckpt"
 
 
-@pytest.fixture(scope="module")
-def grid(ckpt):
+def spawn_grid(fn, path) -> dict:
+    """``fn(rank, world, path)`` on 4 gloo ranks as 2 x 2, the eager reference (``_eager``) computed meanwhile in
+    ``["ref"]``; every rank must have returned a dict."""
     from concurrent.futures import ThreadPoolExecutor
     with ThreadPoolExecutor(1) as pool:
         ref = pool.submit(_eager)
-        res = _spawn(4, _ranks, str(ckpt), timeout=400, pg_timeout=30)
+        res = _spawn(4, fn, str(path), timeout=400, pg_timeout=30)
         res["ref"] = ref.result()
     for r in range(4):
         assert isinstance(res.get(r), dict), f"rank {r}: {res.get(r)}"
     return res
+
+
+@pytest.fixture(scope="module")
+def grid(ckpt):
+    return spawn_grid(_ranks, ckpt)
 
 
 @pytest.mark.slow

@@ -15,8 +15,7 @@ import harmony
 import harmony.data
 from harmony.compiler.config import Config
 from harmony.runtime.shard import owners_among
-from test_collectives import _spawn
-from test_hybrid import _case, _compile, _eager, _fault, _mine, _optim, _train
+from test_hybrid import _case, _compile, _fault, _mine, _optim, _train, spawn_grid
 
 ZERO1 = dict(shard_state="optimizer")
 
@@ -48,14 +47,7 @@ def ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def runs(ckpt):
-    from concurrent.futures import ThreadPoolExecutor
-    with ThreadPoolExecutor(1) as pool:
-        ref = pool.submit(_eager)
-        got = _spawn(4, _ranks, str(ckpt), timeout=400, pg_timeout=30)
-        got["ref"] = ref.result()
-    for r in range(4):
-        assert isinstance(got.get(r), dict), f"rank {r}: {got.get(r)}"
-    return got
+    return spawn_grid(_ranks, ckpt)
 
 
 @pytest.mark.slow
