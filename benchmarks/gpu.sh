@@ -20,7 +20,7 @@ python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >"$OUT/
   python3 -c "import torch, sys; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'python', sys.version.split()[0])"
   nproc; free -g | head -2; df -h /tmp | tail -1; } 2>&1 | tee "$OUT/machine.txt"
 if [ "$TESTS" != 0 ]; then
-  timeout "$TESTS" python3 -m pytest -q -p no:cacheprovider --timeout 120 -rA -s tests/test_cuda.py ${CUDA_TESTS:+-k "$CUDA_TESTS"} 2>&1 \
+  timeout "$TESTS" python3 -m pytest -q -p no:cacheprovider --timeout 120 -rA -s tests/test_cuda.py tests/test_cuda_ranks.py ${CUDA_TESTS:+-k "$CUDA_TESTS"} 2>&1 \
     | grep -v "^PASSED\|^$\|^DEBUG" | tee "$OUT/tests.log" | tail -60
 fi
 if [ "$BENCH" != 0 ]; then
