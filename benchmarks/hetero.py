@@ -57,6 +57,8 @@ from harmony.compiler.balance import ModelCost, balance, evaluate, uniform
 from harmony.compiler.hardware import Device, Hardware
 
 LAYERS, WIDTH, HEADS, SEQ, VOCAB = 32, 2560, 32, 1024, 50304
+PROFILE_LOADS = {"idle": "rank 0, the others idle", "full": "every rank at once, the median",
+                 "duty": "rank 0, the others at their emulated duty"}
 
 
 def gpt_cost() -> ModelCost:
@@ -153,8 +155,8 @@ def real(args):
     for k in ("real_batch", "layers", "width", "seq", "uniform_microbatches", "steps", "warmup", "profile_seconds",
               "profile_load"):
         cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
-    print(f"\n3 ranks under torchrun: profile this machine on every rank at once ({args.profile_seconds:g} s, "
-          f"1 thread), measure the network, compile both splits, run ...", flush=True)
+    print(f"\n3 ranks under torchrun: profile this machine ({args.profile_load}: {PROFILE_LOADS[args.profile_load]}; "
+          f"{args.profile_seconds:g} s, 1 thread), measure the network, compile both splits, run ...", flush=True)
     env = dict(os.environ, OMP_NUM_THREADS="1", HARMONY_COMM_TIMEOUT="120")
     t0 = time.perf_counter()
     subprocess.run(cmd, check=True, env=env)
