@@ -32,7 +32,11 @@ share of peak a transformer block sustains, memcpy) and the gloo all-reduce amon
 ranks (``process_group.measure_network``; the preset network figure is a nominal 10 Gb/s).
 Three processes share this machine's 2 cores (and other users' jobs). The simulator shares
 the node's cores among the ranks itself, so the profile measures one core's speed: rank 0
-profiles with the others idle (``--profile-load idle``, the default). Before the simulator
+profiles with the others idle (``--profile-load idle``, the default), and its figures are
+scaled to a whole core by the share of one it got (its CPU time over wall time while it
+multiplied, before and after profiling), the host's cores to that share (``on_whole_cores``;
+``--no-core-share``: as measured): the emulation stretches each op's CPU time, not its wait
+for a core, so a profile slowed by other jobs would be stretched with it. Before the simulator
 shared the host, each rank was simulated as if it had a core of its own: profiled idle, the
 balanced step's prediction ran 22-36% short (5 runs), and profiled on all three ranks at once
 (``full``, then the default, which counts the sharing into the speed instead) -6% to +21% off
@@ -98,6 +102,9 @@ def main():
     ap.add_argument("--profile-seconds", type=float, default=6.0)
     ap.add_argument("--profile-load", choices=("idle", "full", "duty"), default="idle",
                     help="what the other ranks do while rank 0 profiles the machine (see profile_under_load)")
+    ap.add_argument("--no-core-share", dest="core_share", action="store_false",
+                    help="take the profile as measured (idle: by default it is scaled to a whole core, and the host's "
+                         "cores to the share of one the machine's other jobs left it; see on_whole_cores)")
     common.add_json_arg(ap)
     ap.add_argument("--worker", help=argparse.SUPPRESS)      # a rank of the real run, under torchrun
     args = ap.parse_args()
@@ -155,6 +162,7 @@ def real(args):
     for k in ("real_batch", "layers", "width", "seq", "uniform_microbatches", "steps", "warmup", "profile_seconds",
               "profile_load"):
         cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
+    cmd += [] if args.core_share else ["--no-core-share"]
     print(f"\n3 ranks under torchrun: profile this machine ({args.profile_load}: {PROFILE_LOADS[args.profile_load]}; "
           f"{args.profile_seconds:g} s, 1 thread), measure the network, compile both splits, run ...", flush=True)
     env = dict(os.environ, OMP_NUM_THREADS="1", HARMONY_COMM_TIMEOUT="120")
@@ -186,7 +194,8 @@ def real(args):
           f"(target within 15%); ILP solve {b['solve_s']:.2f} s; run {time.perf_counter() - t0:.0f} s")
     p = res["profile"]
     print(f"profile ({args.profile_load}): {p['peak'] / 1e9:.1f} GFLOP/s fp32 matmul peak, "
-          f"{p['efficiency']:.0%} sustained by a block, {p['kernel_latency'] * 1e6:.1f} us per tensor op; network "
+          f"{p['efficiency']:.0%} sustained by a block, {p['kernel_latency'] * 1e6:.1f} us per tensor op, "
+          f"{p['cores']:.2g} of the host's cores left by other jobs; network "
           f"(gloo all-reduce among the 3 ranks): {res['network'][0] / 1e9:.2f} GB/s + {res['network'][1] * 1e6:.0f} "
           f"us per message")
     print("SIMULATED step of each rank alone on its device, s: " + "; ".join(
@@ -228,7 +237,10 @@ def profile_under_load(args, factors):
         fields["peak_flops"] = {"fp32": statistics.median(d["peak_flops"]["fp32"] for d in every)}
         return prof.replace(devices=(prof.devices[0].replace(**fields),))
     if rank == 0:
+        share = core_share(tokens, args.width) if args.core_share else 1.0
         hw = Hardware.profile(seconds=args.profile_seconds, threads=1, block=block, save=False)
+        share = (share + core_share(tokens, args.width)) / 2 if args.core_share else 1.0
+        hw = on_whole_cores(hw, share)
         dist.broadcast(done, src=0)
     elif args.profile_load == "idle":
         dist.broadcast(done, src=0)
@@ -244,6 +256,32 @@ def profile_under_load(args, factors):
     box = [hw]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def core_share(tokens: int, width: int, seconds: float = 1.0) -> float:
+    """The share of a core this process got while it multiplied for ``seconds``: its CPU time over the wall time.
+    Below 1 where the machine's other jobs (not this benchmark's) took the cores meanwhile."""
+    import torch
+
+    a, b = torch.randn(tokens, width), torch.randn(width, 4 * width)
+    w0, c0 = time.perf_counter(), time.thread_time()
+    while time.perf_counter() - w0 < seconds:
+        torch.mm(a, b)
+    return min(1.0, max(0.05, (time.thread_time() - c0) / (time.perf_counter() - w0)))
+
+
+def on_whole_cores(hw, share: float):
+    """``hw`` as a core alone would have measured it, where the profile got only ``share`` of one (wall-clock
+    rates and per-op times scaled by it), on the ``share`` of the host's cores the other jobs leave: the simulator
+    then shares those among the ranks, as the emulation stretches each op's CPU time, not its wait for a core."""
+    d = hw.devices[0]
+    dev = d.replace(peak_flops={k: v / share for k, v in d.peak_flops.items()},
+                    kernel_latency=d.kernel_latency * share, h2d_bandwidth=d.h2d_bandwidth / share,
+                    d2h_bandwidth=d.d2h_bandwidth / share, memory_bandwidth=d.memory_bandwidth / share)
+    return hw.replace(devices=(dev,), host_cores=hw.host_cores * share,
+                      host_memory_bandwidth=hw.host_memory_bandwidth / share,
+                      notes=hw.notes + (f"the profile got {share:.0%} of a core (its CPU time over wall time): "
+                                        f"figures scaled to a whole core, the host's cores to that share",))
 
 
 def worker(args):
@@ -317,7 +355,7 @@ def worker(args):
     if dist.get_rank() == 0:
         d = hw.devices[0]
         res = dict(network=[bandwidth, latency], profile=dict(peak=d.flops, efficiency=d.efficiency,
-                                                             kernel_latency=d.kernel_latency))
+                                                             kernel_latency=d.kernel_latency, cores=hw.host_cores))
         for mode in compiled:
             ranks = [e[mode] for e in every]
             steps = [max(r["times"][k] for r in ranks) for k in range(len(ranks[0]["times"]))]
