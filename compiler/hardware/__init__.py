@@ -10,6 +10,7 @@
 device 0: cpu (2 cores, AMD EPYC), 23.5 GiB, 0.1 TFLOP/s fp32 (90% sustained by a layer pack), 16.7 us per tensor op, \
 h2d 16.4 GB/s (memcpy), memory 32.75 GB/s
 host: 23.5 GiB, disk read 1.13 GB/s, write 2.06 GB/s, network 1.25 GB/s + 50 us
+device 0's host: 2 cores, memory 32.75 GB/s
 measured by Hardware.profile: fp32 matmul at 1 threads, tensor-op latency, a transformer block of width 512 on 512 \
 tokens, memcpy, disk (O_DIRECT); nominal, not measured: network
 

@@ -80,8 +80,8 @@ def describe_hosts(hw) -> list[str]:
     """A line per host whose devices share its cores (for ``Hardware.describe``)."""
     if not hw.host_cores:
         return []
-    return [f"devices {', '.join(map(str, g))} share one host: {hw.host_cores:g} cores, memory "
-            f"{hw.host_memory_bandwidth / GB:.3g} GB/s" for g in host_groups(hw)]
+    return [(f"devices {', '.join(map(str, g))} share one host" if len(g) > 1 else f"device {g[0]}'s host") +
+            f": {hw.host_cores:g} cores, memory {hw.host_memory_bandwidth / GB:.3g} GB/s" for g in host_groups(hw)]
 
 
 NODES = {"4x1080ti": lambda hw: _commodity(hw, 4), "8x1080ti": lambda hw: _commodity(hw, 8), "8xa100-40gb": _a100}
