@@ -240,7 +240,7 @@ def profile_under_load(args, factors):
         share = core_share(tokens, args.width) if args.core_share else 1.0
         hw = Hardware.profile(seconds=args.profile_seconds, threads=1, block=block, save=False)
         share = (share + core_share(tokens, args.width)) / 2 if args.core_share else 1.0
-        hw = on_whole_cores(hw, share)
+        hw = on_whole_cores(hw, share) if share < 1 else hw
         dist.broadcast(done, src=0)
     elif args.profile_load == "idle":
         dist.broadcast(done, src=0)
