@@ -28,11 +28,6 @@ KNOWN: dict[str, dict[str, str]] = {
                           "their gradient contributions add in another order than eager's (DESIGN.md's allclose "
                           "exception for a weight two packs share), and step 2 reads them everywhere; bitwise in "
                           "one pack"},
-    "wav2vec2-ctc": {"trace": "its labels.max() >= vocab_size check in Python now traces (a runtime check, "
-                              "compiler/trace/branches.py); the trace stops next at nn.functional.ctc_loss with "
-                              "tensor lengths: aten._ctc_loss.Tensor's log_alpha has a data-dependent shape that "
-                              "torch.export's fake tensors cannot give (DynamicOutputShapeException)"},
-    "hubert-ctc": {"trace": "as wav2vec2-ctc: its branch traces; ctc_loss with tensor lengths does not"},
     "clip": {"trace": "the contrastive loss's torch.arange(len(logits)) makes len() a Python int, which fixes the "
                       "traced batch at the example's 8 rows; the plan runs microbatches of 2 (InputError)"},
 }

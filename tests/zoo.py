@@ -106,7 +106,7 @@ FRACTIONS = {'llama': 0.38, 'mistral': 0.38, 'qwen2': 0.38, 'qwen3': 0.39, 'gemm
              'mixtral': 0.38, 'qwen2-moe': 0.37, 'olmoe': 0.38, 'mamba': 0.53, 'bart': 0.31, 'pegasus': 0.31,
              'marian': 0.31, 'bert': 0.32, 'roberta': 0.32, 'distilbert': 0.32, 'albert': 0.68, 'electra': 0.43,
              'vit': 0.87, 'deit': 0.9, 'swin': 1.2, 'convnext': 0.53, 'resnet': 0.51, 'mobilenet-v2': 0.31,
-             'whisper': 0.31}
+             'whisper': 0.31, 'wav2vec2-ctc': 0.6, 'hubert-ctc': 0.6}
 
 BATCHES = {"lm": _lm, "seq2seq": _seq2seq, "classify": _classify, "image": _image, "ctc": _ctc,
            "whisper": _whisper, "clip": _clip}

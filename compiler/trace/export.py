@@ -24,6 +24,7 @@ import torch.fx
 from torch.nn.utils.stateless import _reparametrize_module
 
 from harmony.compiler.fake import fake_state_if_empty
+from harmony.compiler.trace.bounded import bounded_shapes
 
 __all__ = ["drop_metadata_asserts", "export_graph", "graph_modules", "retarget", "torch_output_held"]
 
@@ -37,7 +38,9 @@ def export_graph(step: torch.nn.Module, tensors: tuple[torch.Tensor, ...],
     if dtype is not None:
         tensors = tuple(t.to(dtype) if t.is_floating_point() else t for t in tensors)
     # a model built without its weights is exported on fake twins of its state (compiler/fake.py)
-    with torch_output_held(), _state_in(step, dtype), fake_state_if_empty(step, tensors) as (_, tensors):
+    # ops whose output shapes depend on values (ctc_loss) traced with shapes bounded by their inputs' (bounded.py)
+    with torch_output_held(), _state_in(step, dtype), bounded_shapes(), \
+            fake_state_if_empty(step, tensors) as (_, tensors):
         program = torch.export.export(step, tensors, strict=False, dynamic_shapes=dynamic)
     # ep.module() would add a guard node that rejects other batch sizes.
     gm = program.module(check_guards=False)
