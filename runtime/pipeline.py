@@ -47,6 +47,8 @@ class Stages:
     placement: str = "contiguous"
     timeout: float = 300.0
     grid: object = None                 # parallel=("pipeline", "data"): runtime/comm/grid.Grid; None: one pipeline
+    tied: dict = field(default_factory=dict)   # a weight packs on several ranks use -> those (pipeline) ranks, sorted
+    tied_bytes: dict = field(default_factory=dict)     # those weights -> their bytes
 
     @property
     def loss_rank(self) -> int:
@@ -55,6 +57,14 @@ class Stages:
     def peer(self, rank: int) -> int:
         """The job rank of pipeline rank ``rank`` (itself in a pipeline alone; in a grid, of this rank's pipeline)."""
         return rank if self.grid is None else self.grid.pipeline_ranks()[rank]
+
+    def tied_sets(self) -> dict[tuple, list[str]]:
+        """Each set of job ranks (this rank's pipeline's) holding copies of tied weights -> those weights, in
+        name order: one all-reduce group each (passes/tied.py)."""
+        out: dict = {}
+        for n in sorted(self.tied):
+            out.setdefault(tuple(self.peer(r) for r in self.tied[n]), []).append(n)
+        return dict(sorted(out.items()))
 
     @property
     def job(self) -> tuple[int, int]:
