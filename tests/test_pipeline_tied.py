@@ -8,8 +8,13 @@ the tied copies bitwise equal to each other.
 """
 from __future__ import annotations
 
+import json
+import os
+from pathlib import Path
+
 import numpy as np
 import pytest
+import torch
 
 import harmony
 from models import CASES, eager_accumulate, training_state_bytes
@@ -43,18 +48,41 @@ def _train(frac=0.5, steps=3, keep=False, **extra):
     return out
 
 
-def _ranks(rank, world):
-    return {key: _train(**extra) for key, extra in RUNS.items()} if world == 2 else {"adamw": _train()}
+def _resume(path):
+    """Save after one step; train two more, load, train the same two: the same parameters (the tied copy that was not
+    written loads from the rank that wrote it, its optimizer state too)."""
+    out = _train(steps=1, keep=True)
+    sm, data = out.pop("sm")
+    harmony.save(sm, path)
+    saved = {n: t.detach().numpy().copy() for n, t in sm.training_state_dict()["model"].items()}
+    after = []
+    for _ in range(2):
+        for b in data[1:3]:
+            sm(*b)
+        after.append({n: t.detach().clone() for n, t in sm.training_state_dict()["model"].items()})
+        harmony.load(sm, path)
+    sm.close()
+    written = {d: sorted(json.loads((Path(path) / d / "manifest.json").read_text())["files"][0]["model"])
+               for d in sorted(os.listdir(path))}
+    return dict(same=all(torch.equal(after[0][n], after[1][n]) for n in after[0]), saved=saved, written=written,
+                tied=after[1]["tok.weight"].numpy())
+
+
+def _ranks(rank, world, path):
+    if world == 3:
+        return {"adamw": _train()}
+    return dict({key: _train(**extra) for key, extra in RUNS.items()}, resume=_resume(path))
 
 
 @pytest.fixture(scope="module")
-def two():
-    return spawn_ok(2, _ranks, timeout=600)
+def two(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tied") / "ck"
+    return dict(spawn_ok(2, _ranks, str(path), timeout=600), path=path)
 
 
 @pytest.fixture(scope="module")
-def three():
-    return spawn_ok(3, _ranks, timeout=600)
+def three(tmp_path_factory):
+    return spawn_ok(3, _ranks, str(tmp_path_factory.mktemp("tied3")), timeout=600)
 
 
 def _compare(got: dict, want: dict) -> None:
@@ -110,3 +138,25 @@ def test_two_ranks_clip_counts_the_tied_gradient_once(two):
 
 def test_three_ranks_embedding_first_head_last(three):
     _check(three, 3, "adamw")
+
+
+def test_two_ranks_checkpoint_writes_the_tied_weight_once_and_loads_back(two):
+    written = two[0]["resume"]["written"]
+    assert sorted(written) == ["rank-0-of-2", "rank-1-of-2"]
+    assert "tok.weight" in written["rank-0-of-2"] and "tok.weight" not in written["rank-1-of-2"]
+    for r in (0, 1):
+        assert two[r]["resume"]["same"]
+    assert np.array_equal(two[0]["resume"]["tied"], two[1]["resume"]["tied"])
+    # into one process: every weight as the ranks held it when saved, the tied one once
+    model, data = _data()
+    sm = harmony.compile(model, data[0], memory_budget=int(training_state_bytes(model) * 0.5),
+                         microbatches=MICROBATCHES)
+    harmony.load(sm, two["path"])
+    got = sm.training_state_dict()["model"]
+    saved = dict(two[1]["resume"]["saved"], **two[0]["resume"]["saved"])
+    assert sorted(got) == sorted(saved)
+    for n, t in got.items():
+        assert np.array_equal(t.numpy(), saved[n]), n
+    assert np.array_equal(two[0]["resume"]["saved"]["tok.weight"], two[1]["resume"]["saved"]["tok.weight"])
+    sm(*data[1])          # and it trains on
+    sm.close()
