@@ -27,6 +27,7 @@ from harmony.base.units import nbytes
 from harmony.runtime.comm.failures import guarded, wait_work
 from harmony.runtime.comm.jobwide import ABORT, STEP_KEY, Aborted, Words, ghost
 from harmony.runtime.ops import Acts, Predicted, arrived, register
+from harmony.runtime.ops.reduce import replay_tied
 from harmony.runtime.plan import NOMINAL_NETWORK_BANDWIDTH, NOMINAL_NETWORK_LATENCY, mean_loss
 
 SLOTS = 256          # tags per message: the mask, then one per value
@@ -295,6 +296,7 @@ def _send_ghost(rt, node) -> None:
 
 @ghost(share_loss)
 def _share_loss_ghost(rt, node) -> None:
+    replay_tied(rt)
     join_sends(rt)
     if not rt.status.skip(STEP_KEY):
         _loss_exchange(rt, torch.zeros(1), Words(rt.status, STEP_KEY, None), (node.args or [node.kwargs.get("src")])[0])
@@ -302,6 +304,7 @@ def _share_loss_ghost(rt, node) -> None:
 
 @ghost(share_norms)
 def _share_norms_ghost(rt, node) -> None:
+    replay_tied(rt)
     rt.status.meet(STEP_KEY, None, "the all-gather of the gradient norms")
 
 

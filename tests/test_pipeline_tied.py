@@ -68,10 +68,27 @@ def _resume(path):
                 tied=after[1]["tok.weight"].numpy())
 
 
+def _faults(rank, world):
+    """A bad batch on one stage (the last rank's targets with the state swapped, the sum synchronous; rank 0's ids
+    with it resident, the sum on the host thread): every rank raises, and the step is undone on every rank, bit for
+    bit as a run that skipped it (test_jobwide.py's ``_run``, on the tied model)."""
+    import test_jobwide
+    test_jobwide._gpt = lambda batch=8: CASES["gpt"](batch=batch, tie=True)
+    out = {}
+    for name, fail_rank, bad, frac in (("last", world - 1, "y", 0.5), ("first", 0, "x", 3.0)):
+        try:
+            out[name] = test_jobwide._run(rank, world, fail_rank, 1, shard=False, bad=bad, frac=frac,
+                                          parallel="pipeline")
+        except Exception as e:         # noqa: BLE001
+            out[name] = f"{type(e).__name__}: {e}"
+    return out
+
+
 def _ranks(rank, world, path):
     if world == 3:
         return {"adamw": _train()}
-    return dict({key: _train(**extra) for key, extra in RUNS.items()}, resume=_resume(path))
+    out = {key: _train(**extra) for key, extra in RUNS.items()}
+    return dict(out, resume=_resume(path), faults=_faults(rank, world))
 
 
 @pytest.fixture(scope="module")
@@ -160,3 +177,9 @@ def test_two_ranks_checkpoint_writes_the_tied_weight_once_and_loads_back(two):
     assert np.array_equal(two[0]["resume"]["saved"]["tok.weight"], two[1]["resume"]["saved"]["tok.weight"])
     sm(*data[1])          # and it trains on
     sm.close()
+
+
+def test_two_ranks_a_failed_step_on_one_stage_is_undone_on_both(two):
+    from test_jobwide import _check as check_outcome
+    for name, fail_rank in (("last", 1), ("first", 0)):
+        check_outcome({r: two[r]["faults"][name] for r in (0, 1)}, 2, fail_rank)

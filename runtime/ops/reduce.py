@@ -147,6 +147,8 @@ def _tied_execute(rt, pack, *, names, ranks, sync=False):
     fut = rt.state.host_pool.submit(job)      # (a pipeline refuses the ondemand policy)
     if sync:
         fut.result()
+    else:       # a rollback's replay joins it (``replay_tied``); the step's ``wait`` otherwise
+        rt.__dict__["tied_inflight"] = [f for f in rt.__dict__.get("tied_inflight", []) if not f.done()] + [fut]
     fut.harmony_jobs = ()
     return fut
 
@@ -171,13 +173,27 @@ def _tied_cost(plan, hw, pack, *, names, ranks, sync=False):
 
 @ghost(allreduce_tied)
 def _tied_ghost(rt, node) -> None:
-    """In a replay: the all-reduce on zeros with this rank's word, where the step had not made it yet."""
-    comm = tied.communicator(rt, node.kwargs["ranks"])
-    if not rt.status.skip(comm.key):
-        words = Words(rt.status, comm.key, comm.group)
-        reduce_all([torch.zeros(rt.state.tensors[n].shape) for n in node.kwargs["names"]], NO_COMPRESSION,
-                   group=comm.group, words=words)
-        words.settle(raises=False)
+    """In a replay: deferred to ``replay_tied``, as a peer may wait for this rank's sends that come after the
+    all-reduce in the schedule (one launched from the last backward) before it makes its own."""
+    rt.__dict__.setdefault("tied_replays", []).append(node)
+
+
+def replay_tied(rt) -> None:
+    """The replay's tied all-reduces this rank had not made, on zeros with its word (in schedule order, which is
+    the sets' order on every rank), after every message's ghost and before the norms' and the loss's collectives;
+    then any it had launched is joined, so nothing writes into the gradients the rollback drops."""
+    for node in rt.__dict__.pop("tied_replays", []):
+        comm = tied.communicator(rt, node.kwargs["ranks"])
+        if not rt.status.skip(comm.key):
+            words = Words(rt.status, comm.key, comm.group)
+            reduce_all([torch.zeros(rt.state.tensors[n].shape) for n in node.kwargs["names"]], NO_COMPRESSION,
+                       group=comm.group, words=words)
+            words.settle(raises=False)
+    for fut in rt.__dict__.pop("tied_inflight", []):
+        try:
+            fut.result()
+        except BaseException:      # noqa: BLE001 (Aborted, where a peer's word said its step failed)
+            pass
 
 
 register(allreduce_tied, _tied_execute, _tied_effect, _tied_cost, "copy", needs=lambda kw: ("grads",),
