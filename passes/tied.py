@@ -16,13 +16,17 @@ anything more from it (its sends are posted and never wait for their receiver), 
 launch, whatever the others do. A rank's all-reduces over several sets run on its one host thread in one sorted
 order on every rank, so two ranks in two sets cannot each wait in the other's. Where the packs' state is swapped or
 steps on the host, the all-reduce is synchronous, just before the first step of its weights (the same point of no
-further backward). Numerics: eager adds the head's and the embedding's contributions microbatch by microbatch in
-autograd's order, a pipeline each rank's accumulated part, then the sum: allclose to eager, not bitwise.
+further backward). In a grid (``parallel=("pipeline", "data")``) each pipeline sums its copies first, then the
+replica all-reduce averages the sums over the replica groups, both on the host thread in that order; a grid whose
+packs swap or step on the host is refused for now. Numerics: eager adds the head's and the embedding's
+contributions microbatch by microbatch in autograd's order, a pipeline each rank's accumulated part, then the sum:
+allclose to eager, not bitwise.
 """
 from __future__ import annotations
 
 import time
 
+from harmony.base.errors import ConfigError
 from harmony.base.tiers import Tier
 from harmony.base.units import nbytes
 from harmony.compiler.ir import PassReport, PassResult, Program, add_call, calls, copy_graph
@@ -115,6 +119,13 @@ def insert(program: Program) -> list[dict]:
     owner = {n: s.index for s in plan.packs for n in s.owned if n in st.tied}
     users = {n: {s.index for s in plan.packs if n in s.params} for n in owner}
     sync = not everything_fits(program) or any(plan.at(p).step_on == Tier.HOST for p in set(owner.values()))
+    if sync and st.grid is not None:
+        # the replica all-reduce of a host-stepped pack reduces the gradients the swap pass sends to the host, which
+        # the tied sum would have to follow there: not built yet
+        raise ConfigError(f"parallel=('pipeline', 'data') with {', '.join(sorted(owner))} tied across stages needs "
+                          f"this rank's packs' training state to fit its memory_budget (here it is swapped or "
+                          f"stepped on the host): give a larger memory_budget, untie the weight (GPTConfig(tie=False), "
+                          f"tie_word_embeddings=False), or use parallel='pipeline'")
     rows, prev = [], None
     for ranks, names in st.tied_sets().items():
         if me not in ranks:
