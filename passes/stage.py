@@ -13,8 +13,10 @@ plan this rank's schedule, swaps and steps under its own budget, as for one devi
 adds the ``recv`` and ``send`` of each microbatch's values at the boundaries that cross ranks
 (passes/stage_schedule.py).
 
-A weight two ranks' packs use (a tied embedding and head) would need its gradient summed over the
-ranks: refused here by name, for now.
+A weight packs on several ranks use (an embedding tied to the output head) is tied across those ranks, as Megatron's
+embedding group: each keeps a full copy and its own optimizer state, owned by its earliest pack using it (whose
+backward completes its gradient there), and the tied pass (passes/tied.py) sums the copies' gradients over exactly
+those ranks before they step, so every copy takes the same update. A buffer forward writes may not be shared.
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ from harmony.compiler.ir import PassReport, PassResult, Program
 from harmony.compiler.meta import PACK
 from harmony.passes import compress
 from harmony.passes.partition import build_packs, find_units, measure_kept, own_state
+from harmony.passes.tied import own_tied, tie_copies
 from harmony.runtime.comm.grid import Grid
 from harmony.runtime.pipeline import Stages
 from harmony.runtime.shard import owners_among
@@ -179,8 +182,9 @@ def place(costs: list[float], world: int, placement: str) -> list[int]:
     return contiguous(costs, world)
 
 
-def _check_shared(plan, rank_of: list[int]) -> list[str]:
-    """Refuse a weight (or a buffer written in forward) that packs on two ranks use; note read-only buffers."""
+def _check_shared(plan, rank_of: list[int]) -> tuple[dict, list[str]]:
+    """The weights packs on several ranks use (tied: name -> those ranks, sorted); refuse a buffer written in forward
+    that packs on two ranks use; note read-only buffers (each of those ranks keeps a copy)."""
     ranks: dict[str, set] = {}
     for spec in plan.packs:
         for n in spec.params + spec.buffers:
@@ -188,15 +192,16 @@ def _check_shared(plan, rank_of: list[int]) -> list[str]:
     params = {n for s in plan.packs for n in s.params}
     mutated = {n for s in plan.packs for n in s.mutated}
     shared = {n: r for n, r in ranks.items() if len(r) > 1}
-    bad = [n for n in shared if n in params or n in mutated]
+    bad = [n for n in shared if n in mutated]
     if bad:
         users = [s.index for s in plan.packs if bad[0] in s.params + s.buffers]
-        raise ConfigError(f"parallel='pipeline': {bad[0]!r} is used by packs {users} on ranks "
-                          f"{sorted(shared[bad[0]])} (a tied weight, such as an embedding shared with the output "
-                          f"head{'; ' + str(len(bad) - 1) + ' more' if len(bad) > 1 else ''}); its gradient would need "
-                          f"summing across ranks, which is not built yet. Untie it (GPTConfig(tie=False), "
-                          f"tie_word_embeddings=False in a Hugging Face config), or use parallel=None")
-    return [f"{len(shared)} read-only buffers are used on several ranks: each of those keeps a copy"] if shared else []
+        raise ConfigError(f"parallel='pipeline': buffer {bad[0]!r} is written in forward by packs {users} on ranks "
+                          f"{sorted(shared[bad[0]])}; its copies would drift apart. Keep the layers that update it "
+                          f"on one rank (placement=, or a stage pass choice), or use parallel=None")
+    tied = {n: tuple(sorted(r)) for n, r in shared.items() if n in params}
+    buffers = len(shared) - len(tied)
+    return tied, [f"{buffers} read-only buffers are used on several ranks: each of those keeps a copy"] if buffers \
+        else []
 
 
 # -- (4) this rank's packs ----------------------------------------------------------------------------
@@ -216,8 +221,9 @@ def _crossing_values(program: Program, rank_of: list[int]) -> dict:
     return out
 
 
-def restrict(program: Program, rank_of: list[int]) -> None:
-    """``program.plan`` becomes this rank's packs, re-indexed from 0, with the whole model's in ``plan.stage``."""
+def restrict(program: Program, rank_of: list[int], tied: dict | None = None) -> None:
+    """``program.plan`` becomes this rank's packs, re-indexed from 0, with the whole model's in ``plan.stage``; a weight
+    ``tied`` across ranks is owned here by this rank's earliest pack using it."""
     plan, cfg = program.plan, program.config
     grid = grid_of(cfg)
     rank, world = (cfg.rank, cfg.world_size) if grid is None else (grid.stage, grid.pipeline)
@@ -225,9 +231,11 @@ def restrict(program: Program, rank_of: list[int]) -> None:
     stage = Stages(rank=rank, world=world, rank_of=list(rank_of), local=local, grid=grid,
                    inputs=[list(s.inputs) for s in plan.packs], outputs=[list(s.outputs) for s in plan.packs],
                    names=[s.name for s in plan.packs], values=_crossing_values(program, rank_of),
-                   placement=cfg.placement, timeout=cfg.comm_timeout)
+                   placement=cfg.placement, timeout=cfg.comm_timeout, tied=dict(tied or {}))
     specs = [dataclasses.replace(plan.packs[g], index=i) for i, g in enumerate(local)]
     program.plan = dataclasses.replace(plan, packs=specs, residency={}, stage=stage)
+    if stage.tied:
+        own_tied(program)
 
 
 def run(program: Program, ctx) -> PassResult:
@@ -247,12 +255,14 @@ def run(program: Program, ctx) -> PassResult:
         rank_of = list(ctx)
     else:
         rank_of = place(costs, world, cfg.placement)
-    notes += _check_shared(plan, rank_of)
+    tied, shared_notes = _check_shared(plan, rank_of)
+    notes += shared_notes
     if _live(cfg):     # the ranks of a running node agree; a node planned in one process (pipeline_plan) has none
         compress.check_same_plan(repr((world, cfg.policy, cfg.microbatches, cfg.pipeline_group, rank_of,
                                        [(s.name, s.inputs, s.outputs, s.params) for s in plan.packs])))
     rows = _rows(plan, rank_of, costs, world)
-    restrict(program, rank_of)
+    restrict(program, rank_of, tied)
+    notes += tie_copies(program, _live(cfg))
     notes += shard_over_replicas(program)
     crossing = sum(_bytes(v) for v in program.plan.stage.values.values())
     worst, total = max(r["compute_s"] for r in rows), sum(costs)

@@ -138,6 +138,8 @@ def lower_stages(program: Program) -> torch.fx.Graph:
     b = StageBuilder(program)
     clipping = program.config.clip_grad_norm is not None
     steps = []        # under clipping: after the last backward and the norms' exchange (runtime/pipeline.py)
+    tied = [b.mine[g] for g in b.st.local if set(b.plan.packs[b.mine[g]].owned) & set(b.st.tied)]
+    late = []         # a pack owning a tied weight: after the last backward, once the sum is in (passes/tied.py)
     for event in global_order(b.n, b.m, program.config.policy, program.config.pipeline_group, b.st.rank_of):
         g = event[1]
         if g not in b.mine:
@@ -150,12 +152,14 @@ def lower_stages(program: Program) -> torch.fx.Graph:
             b.backward(g, event[2], None)
         elif clipping:
             steps.append(b.mine[g])
+        elif b.mine[g] in tied:
+            late.append(b.mine[g])
         else:
             b.emit(ops.step, b.mine[g])
     if clipping:
         b.emit(share_norms)
-        for p in steps:
-            b.emit(ops.step, p)
+    for p in steps + late:
+        b.emit(ops.step, p)
     b.emit(share_loss, b.st.loss_rank)
     b.g.output(None)
     return b.g

@@ -27,6 +27,7 @@ from harmony.base.units import nbytes
 from harmony.runtime.comm.failures import guarded, wait_work
 from harmony.runtime.comm.jobwide import ABORT, STEP_KEY, Aborted, Words, ghost
 from harmony.runtime.ops import Acts, Predicted, arrived, register
+from harmony.runtime.ops.reduce import replay_tied
 from harmony.runtime.plan import NOMINAL_NETWORK_BANDWIDTH, NOMINAL_NETWORK_LATENCY, mean_loss
 
 SLOTS = 256          # tags per message: the mask, then one per value
@@ -47,6 +48,8 @@ class Stages:
     placement: str = "contiguous"
     timeout: float = 300.0
     grid: object = None                 # parallel=("pipeline", "data"): runtime/comm/grid.Grid; None: one pipeline
+    tied: dict = field(default_factory=dict)   # a weight packs on several ranks use -> those (pipeline) ranks, sorted
+    tied_bytes: dict = field(default_factory=dict)     # those weights -> their bytes
 
     @property
     def loss_rank(self) -> int:
@@ -55,6 +58,14 @@ class Stages:
     def peer(self, rank: int) -> int:
         """The job rank of pipeline rank ``rank`` (itself in a pipeline alone; in a grid, of this rank's pipeline)."""
         return rank if self.grid is None else self.grid.pipeline_ranks()[rank]
+
+    def tied_sets(self) -> dict[tuple, list[str]]:
+        """Each set of job ranks (this rank's pipeline's) holding copies of tied weights -> those weights, in
+        name order: one all-reduce group each (passes/tied.py)."""
+        out: dict = {}
+        for n in sorted(self.tied):
+            out.setdefault(tuple(self.peer(r) for r in self.tied[n]), []).append(n)
+        return dict(sorted(out.items()))
 
     @property
     def job(self) -> tuple[int, int]:
@@ -285,6 +296,7 @@ def _send_ghost(rt, node) -> None:
 
 @ghost(share_loss)
 def _share_loss_ghost(rt, node) -> None:
+    replay_tied(rt)
     join_sends(rt)
     if not rt.status.skip(STEP_KEY):
         _loss_exchange(rt, torch.zeros(1), Words(rt.status, STEP_KEY, None), (node.args or [node.kwargs.get("src")])[0])
@@ -292,6 +304,7 @@ def _share_loss_ghost(rt, node) -> None:
 
 @ghost(share_norms)
 def _share_norms_ghost(rt, node) -> None:
+    replay_tied(rt)
     rt.status.meet(STEP_KEY, None, "the all-gather of the gradient norms")
 
 

@@ -94,20 +94,8 @@ def _resume(rank, path, world):
                 other_shape=other_shape)
 
 
-def _refused(rank):
-    """A tied weight used by packs on two ranks: refused by name, on every rank (none is left waiting)."""
-    model, data = CASES["gpt"](batch=8, tie=True)
-    try:
-        harmony.compile(model, data[0], memory_budget=int(training_state_bytes(model) * 0.5),
-                        microbatches=MICROBATCHES, parallel="pipeline", comm_timeout=20)
-        return "no error"
-    except ConfigError as e:
-        return str(e)
-
-
 def _ranks(rank, world, path):
     out = {key: _train(*args) for key, args in RUNS.items()}
-    out["tied"] = _refused(rank)
     if world == 2:
         out["resume"] = _resume(rank, path, world)
         return out
@@ -256,12 +244,6 @@ def test_two_ranks_resume_from_their_checkpoints(two):
         assert two[r]["resume"]["same"]
         assert two[r]["resume"]["files"] == ["rank-0-of-2", "rank-1-of-2"]
         assert "the ranks of a pipeline passed batches of different shapes" in two[r]["resume"]["other_shape"]
-
-
-@pytest.mark.slow
-def test_a_tied_weight_across_ranks_is_refused_on_every_rank(two):
-    for r in (0, 1):
-        assert "tied weight" in two[r]["tied"] and "tie=False" in two[r]["tied"], two[r]["tied"]
 
 
 @pytest.mark.slow

@@ -16,6 +16,7 @@ from harmony.driver.modes.base import Mode
 from harmony.driver.modes.pipeline_plan import choose_group, simulate_rank_node
 from harmony.passes import compress
 from harmony.passes.stage import check_config
+from harmony.runtime.comm.tied import tied_stats
 from harmony.runtime.placeholders import is_placeholder, withhold
 
 
@@ -68,7 +69,7 @@ class Pipeline(Mode):
     """``parallel="pipeline"``: this rank's packs of a pipeline over the node's ranks."""
 
     name = "pipeline"
-    adds = (("stage", "partition"),)
+    adds = (("stage", "partition"), ("tied", "compress"))
 
     @classmethod
     def applies(cls, options, world: dict) -> bool:
@@ -102,7 +103,7 @@ class Pipeline(Mode):
         return plan.stage is not None
 
     def step_stats(self, sm) -> dict:
-        return state_bytes(sm) if sm.plan.stage is not None else {}
+        return dict(state_bytes(sm), **tied_stats(sm.runtime)) if sm.plan.stage is not None else {}
 
     def simulate(self, sm, hardware):
         if sm.plan.stage is None:

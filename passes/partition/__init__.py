@@ -248,13 +248,19 @@ def own_state(program: Program, owner: dict[str, int]) -> None:
     """``program``'s packs step, and keep optimizer state for, only the parameters ``owner`` gives this rank: ZeRO
     stage 1 where the owners are known only once the packs are placed (a grid's stage over its replica group,
     passes/stage.py); the plan's ``state_owner`` and ``state_bytes`` say so, as when the partition planned them."""
-    cfg = program.config
-    cfg.state_owner = dict(owner)
+    program.config.state_owner = dict(owner)
+    sizes = count_state(program)
+    program.plan.state_owner = dict(owner)
+    program.plan.state_bytes = {n: sizes[n] for n in owner}
+
+
+def count_state(program: Program) -> dict:
+    """Each pack's stepped parameters and state bytes, counted again after what packs own changed (ZeRO-1's owners,
+    a weight tied across pipeline ranks: passes/tied.py)."""
     sizes, master = device_sizes(program), {n: nbytes(t) for n, t in program.gm.named_parameters()}
     for spec in program.plan.packs:
         _count_state(program, spec, sizes, master)
-    program.plan.state_owner = dict(owner)
-    program.plan.state_bytes = {n: sizes[n] for n in owner}
+    return sizes
 
 
 def _measure_peaks(program: Program, spec: PackSpec, inputs: list, nodes: list, units: list[Unit]) -> None:

@@ -65,6 +65,11 @@ class Communicator:
             if words is not None:
                 words.settle(raises=True)
 
+    def reduce_names(self, rt, names: list[str], words=None) -> None:
+        """The gradients of ``names`` over the ranks, in place, as one communication group (a weight tied across
+        pipeline ranks, runtime/comm/tied.py); ``words``: the step's, made by the caller."""
+        self._reduce(rt, names, words)
+
     def rides(self) -> bool:
         """Whether the ranks' words on a step ride on each all-reduce (fp32, no adaptive bits: a replay sends the same
         collectives on zeros), else a meet comes first; the same on every rank."""

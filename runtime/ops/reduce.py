@@ -1,11 +1,13 @@
-"""The data-parallel op: ``allreduce`` of a pack's gradients over the ranks (inserted by the compress pass),
-registered in the op table (runtime/ops/) with all it needs.
+"""The data-parallel op: ``allreduce`` of a pack's gradients over the ranks (inserted by the compress pass), and
+``allreduce_tied``, the sum of a weight's gradient over the pipeline ranks that hold copies of it (inserted by the
+tied pass), registered in the op table (runtime/ops/) with all they need.
 """
 from __future__ import annotations
 
 import torch
 
 from harmony.base.tiers import Tier
+from harmony.runtime.comm import tied
 from harmony.runtime.comm.collectives import allreduce as reduce_all
 from harmony.runtime.comm.communicator import comm_groups, communicator, existing, scope
 from harmony.runtime.comm.compression import DEFAULT_MIN_SIZE, NO_COMPRESSION
@@ -122,3 +124,78 @@ def rides(comm, node) -> bool:
 
 register(allreduce, _allreduce_execute, _allreduce_effect, _allreduce_cost, "copy",
          needs=lambda kw: () if kw.get("where") == Tier.HOST else ("grads",), colour="#fc9272", reduces=True)
+
+
+# -- a weight tied across pipeline ranks --------------------------------------------------------------
+def allreduce_tied(pack: int, *, names: tuple, ranks: tuple, sync: bool = False): ...
+
+
+def _tied_execute(rt, pack, *, names, ranks, sync=False):
+    """Sum the gradients of the weights ``names``, tied across job ranks ``ranks``, over those ranks, in place, on the
+    host thread; a ``wait`` joins it before the weights step (``sync``: here). The step's words ride on it (made here,
+    on the thread issuing ops, so a replay knows it was made): a peer whose step failed says so before any copy
+    steps, and the copies stay equal."""
+    comm = tied.communicator(rt, ranks)
+    status = rt.status if rt.status is not None and rt.status.active else None
+    words = Words(status, comm.key, comm.group) if status is not None else None
+
+    def job():
+        with CountAllocations(rt.meter):
+            comm.reduce_names(rt, list(names), words)
+        if words is not None:
+            words.settle(raises=True)
+    fut = rt.state.host_pool.submit(job)      # (a pipeline refuses the ondemand policy)
+    if sync:
+        fut.result()
+    else:       # a rollback's replay joins it (``replay_tied``); the step's ``wait`` otherwise
+        rt.__dict__["tied_inflight"] = [f for f in rt.__dict__.get("tied_inflight", []) if not f.done()] + [fut]
+    fut.harmony_jobs = ()
+    return fut
+
+
+def _tied_bytes(m, names) -> int:
+    return sum(m.sizes.get(("grads", n), 0) for n in names)
+
+
+def _tied_effect(m, pack, *, names, ranks, sync=False):
+    held = comm_buffer_bytes(_tied_bytes(m, names), "none", len(ranks))
+    return (None, held) if sync else (Predicted(held), 0)
+
+
+def _tied_cost(plan, hw, pack, *, names, ranks, sync=False):
+    """A ring all-reduce of the tied weights' fp32 gradients over their ranks, at network speed."""
+    size = sum(plan.stage.tied_bytes.get(n, 0) for n in names)
+    world = len(ranks)
+    bandwidth = getattr(hw, "network_bandwidth", NOMINAL_NETWORK_BANDWIDTH)
+    return "network", 2 * (world - 1) / world * size / bandwidth + 2 * (world - 1) * getattr(
+        hw, "network_latency", NOMINAL_NETWORK_LATENCY)
+
+
+@ghost(allreduce_tied)
+def _tied_ghost(rt, node) -> None:
+    """In a replay: deferred to ``replay_tied``, as a peer may wait for this rank's sends that come after the
+    all-reduce in the schedule (one launched from the last backward) before it makes its own."""
+    rt.__dict__.setdefault("tied_replays", []).append(node)
+
+
+def replay_tied(rt) -> None:
+    """The replay's tied all-reduces this rank had not made, on zeros with its word (in schedule order, which is
+    the sets' order on every rank), after every message's ghost and before the norms' and the loss's collectives;
+    then any it had launched is joined, so nothing writes into the gradients the rollback drops."""
+    for node in rt.__dict__.pop("tied_replays", []):
+        comm = tied.communicator(rt, node.kwargs["ranks"])
+        if not rt.status.skip(comm.key):
+            words = Words(rt.status, comm.key, comm.group)
+            reduce_all([torch.zeros(rt.state.tensors[n].shape) for n in node.kwargs["names"]], NO_COMPRESSION,
+                       group=comm.group, words=words)
+            words.settle(raises=False)
+    for fut in rt.__dict__.pop("tied_inflight", []):
+        try:
+            fut.result()
+        except BaseException:      # noqa: BLE001 (Aborted, where a peer's word said its step failed)
+            pass
+
+
+register(allreduce_tied, _tied_execute, _tied_effect, _tied_cost, "copy", needs=lambda kw: ("grads",),
+         colour="#fc9272", reduces=True, label=lambda args, kwargs: f"{','.join(kwargs['names'])} over ranks "
+                                                                     f"{','.join(map(str, kwargs['ranks']))}")

@@ -133,9 +133,12 @@ class LiveState:
 
     def layout(self) -> list[tuple[str, int | None, list[str]]]:
         """(file stem, pack, names) per file: a parameter goes with the pack that owns its update,
-        a buffer (or an un-owned parameter) with the first pack that reads it."""
-        packs = getattr(getattr(self.sm.program, "plan", None), "packs", None) or []
-        home: dict[str, int] = {}
+        a buffer (or an un-owned parameter) with the first pack that reads it. A weight tied across pipeline ranks
+        is written once, by the first of them (the others load it from there: driver/checkpoint/reshard.py)."""
+        plan = getattr(self.sm.program, "plan", None)
+        packs = getattr(plan, "packs", None) or []
+        stage = getattr(plan, "stage", None)
+        home: dict[str, int] = {n: -1 for n, ranks in getattr(stage, "tied", {}).items() if ranks[0] != stage.rank}
         for spec in packs:
             for n in spec.owned:
                 home.setdefault(n, spec.index)

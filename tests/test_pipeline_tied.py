@@ -1,0 +1,249 @@
+"""A weight tied across pipeline stages (issue 64): the built-in GPT with its embedding tied to the output head, the
+embedding on rank 0 and the head on the last rank, over 2 and 3 gloo ranks. Each of those ranks keeps a copy and its
+own AdamW state; their gradients are summed over exactly those ranks before they step (passes/tied.py).
+
+Eager adds the head's and the embedding's contributions microbatch by microbatch in autograd's order, a pipeline each
+rank's accumulated part and then the sum: allclose to one process's eager gradient accumulation (not bitwise), and
+the tied copies bitwise equal to each other.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import harmony
+from models import CASES, eager_accumulate, training_state_bytes
+from test_collectives import spawn_ok
+
+MICROBATCHES = 4
+RTOL, ATOL = 1e-6, 1e-6
+# "adamw": the packs' state swapped under the budget (the sum is synchronous, before the step); "fits": everything
+# resident (the sum runs on the host thread from the last backward, joined before the step)
+RUNS = {"adamw": dict(), "fits": dict(frac=3.0), "clip": dict(clip_grad_norm=0.05), "rr": dict(placement="round_robin")}
+
+
+def _data():
+    return CASES["gpt"](batch=8, tie=True)
+
+
+def _train(frac=0.5, steps=3, keep=False, **extra):
+    model, data = _data()
+    extra = dict(dict(placement="contiguous"), **extra)
+    sm = harmony.compile(model, data[0], memory_budget=int(training_state_bytes(model) * frac),
+                         microbatches=MICROBATCHES, parallel="pipeline", comm_timeout=30, **extra)
+    losses = [sm(*data[i % len(data)]).item() for i in range(steps)]
+    mine = sm.training_state_dict()["model"]
+    out = dict(params={n: t.detach().numpy().copy() for n, t in mine.items()}, losses=losses,
+               tied=dict(sm.plan.stage.tied), rank_of=list(sm.plan.stage.rank_of), text=sm.report(),
+               stats=dict(sm.stats), ops=[n.target.__name__ for n in sm.graph.nodes if n.op == "call_function"])
+    if keep:
+        out["sm"] = (sm, data)
+    else:
+        sm.close()
+    return out
+
+
+def _resume(path):
+    """Save after one step; train two more, load, train the same two: the same parameters (the tied copy that was not
+    written loads from the rank that wrote it, its optimizer state too)."""
+    out = _train(steps=1, keep=True)
+    sm, data = out.pop("sm")
+    harmony.save(sm, path)
+    saved = {n: t.detach().numpy().copy() for n, t in sm.training_state_dict()["model"].items()}
+    after = []
+    for _ in range(2):
+        for b in data[1:3]:
+            sm(*b)
+        after.append({n: t.detach().clone() for n, t in sm.training_state_dict()["model"].items()})
+        harmony.load(sm, path)
+    sm.close()
+    written = {d: sorted(json.loads((Path(path) / d / "manifest.json").read_text())["files"][0]["model"])
+               for d in sorted(os.listdir(path))}
+    return dict(same=all(torch.equal(after[0][n], after[1][n]) for n in after[0]), saved=saved, written=written,
+                tied=after[1]["tok.weight"].numpy())
+
+
+def _faults(rank, world):
+    """A bad batch on one stage (the last rank's targets with the state swapped, the sum synchronous; rank 0's ids
+    with it resident, the sum on the host thread): every rank raises, and the step is undone on every rank, bit for
+    bit as a run that skipped it (test_jobwide.py's ``_run``, on the tied model)."""
+    import test_jobwide
+    test_jobwide._gpt = lambda batch=8: CASES["gpt"](batch=batch, tie=True)
+    out = {}
+    for name, fail_rank, bad, frac in (("last", world - 1, "y", 0.5), ("first", 0, "x", 3.0)):
+        try:
+            out[name] = test_jobwide._run(rank, world, fail_rank, 1, shard=False, bad=bad, frac=frac,
+                                          parallel="pipeline")
+        except Exception as e:         # noqa: BLE001
+            out[name] = f"{type(e).__name__}: {e}"
+    return out
+
+
+def _ranks(rank, world, path):
+    if world == 3:
+        return {"adamw": _train()}
+    out = {key: _train(**extra) for key, extra in RUNS.items()}
+    return dict(out, resume=_resume(path), faults=_faults(rank, world))
+
+
+@pytest.fixture(scope="module")
+def two(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tied") / "ck"
+    return dict(spawn_ok(2, _ranks, str(path), timeout=600), path=path)
+
+
+@pytest.fixture(scope="module")
+def three(tmp_path_factory):
+    return spawn_ok(3, _ranks, str(tmp_path_factory.mktemp("tied3")), timeout=600)
+
+
+def _compare(got: dict, want: dict) -> None:
+    """Each parameter within ``ATOL`` of eager's and the whole model within ``RTOL`` (relative, in norm)."""
+    num = den = 0.0
+    for n, a in got.items():
+        b = want[n].detach().numpy()
+        if n.endswith("qkv.bias"):   # the key's bias has no gradient in exact arithmetic (softmax ignores a shift):
+            w = b.shape[0] // 3      # its gradient is rounding noise, which AdamW scales to lr-sized steps
+            assert np.abs(a[w:2 * w] - b[w:2 * w]).max() < 1e-2, n
+            a, b = np.r_[a[:w], a[2 * w:]], np.r_[b[:w], b[2 * w:]]
+        assert np.abs(a - b).max() <= ATOL, (n, np.abs(a - b).max())
+        num, den = num + float(((a - b) ** 2).sum()), den + float((b ** 2).sum())
+    assert (num / den) ** 0.5 <= RTOL, (num / den) ** 0.5
+
+
+def _check(res, world, key, clip=None):
+    model, data = _data()
+    ref, losses = eager_accumulate(model, data, MICROBATCHES, clip=clip)
+    want = dict(ref.named_parameters())
+    last = world - 1
+    for r in range(world):
+        got = res[r][key]
+        assert got["tied"] == {"tok.weight": (0, last)}, got["tied"]
+        assert np.allclose(got["losses"], losses, rtol=RTOL, atol=0), (got["losses"], losses)
+        _compare(got["params"], want)
+    a, b = res[0][key]["params"]["tok.weight"], res[last][key]["params"]["tok.weight"]
+    assert np.array_equal(a, b)           # the copies take the same updates, bit for bit
+    for r in range(1, last):
+        assert "tok.weight" not in res[r][key]["params"] and "allreduce_tied" not in res[r][key]["ops"]
+    assert res[0][key]["ops"].count("allreduce_tied") == res[last][key]["ops"].count("allreduce_tied") == 1
+    assert res[last][key]["stats"]["tied_wire_bytes"] > 0
+    text = " ".join(res[0][key]["text"].split())
+    assert f"tok.weight tied across ranks 0 and {last}" in text, text
+
+
+def test_two_ranks_tied_embedding_and_head_train_as_eager(two):
+    _check(two, 2, "adamw")
+
+
+def test_two_ranks_sum_overlaps_where_the_state_fits(two):
+    _check(two, 2, "fits")
+    assert "host thread from the last backward" in two[0]["fits"]["text"]
+
+
+def test_two_ranks_round_robin_tied_weight(two):
+    _check(two, 2, "rr")
+
+
+def test_two_ranks_clip_counts_the_tied_gradient_once(two):
+    _check(two, 2, "clip", clip=0.05)
+
+
+def test_three_ranks_embedding_first_head_last(three):
+    _check(three, 3, "adamw")
+
+
+def test_two_ranks_checkpoint_writes_the_tied_weight_once_and_loads_back(two):
+    written = two[0]["resume"]["written"]
+    assert sorted(written) == ["rank-0-of-2", "rank-1-of-2"]
+    assert "tok.weight" in written["rank-0-of-2"] and "tok.weight" not in written["rank-1-of-2"]
+    for r in (0, 1):
+        assert two[r]["resume"]["same"]
+    assert np.array_equal(two[0]["resume"]["tied"], two[1]["resume"]["tied"])
+    # into one process: every weight as the ranks held it when saved, the tied one once
+    model, data = _data()
+    sm = harmony.compile(model, data[0], memory_budget=int(training_state_bytes(model) * 0.5),
+                         microbatches=MICROBATCHES)
+    harmony.load(sm, two["path"])
+    got = sm.training_state_dict()["model"]
+    saved = dict(two[1]["resume"]["saved"], **two[0]["resume"]["saved"])
+    assert sorted(got) == sorted(saved)
+    for n, t in got.items():
+        assert np.array_equal(t.numpy(), saved[n]), n
+    assert np.array_equal(two[0]["resume"]["saved"]["tok.weight"], two[1]["resume"]["saved"]["tok.weight"])
+    sm(*data[1])          # and it trains on
+    sm.close()
+
+
+def test_two_ranks_a_failed_step_on_one_stage_is_undone_on_both(two):
+    from test_jobwide import _check as check_outcome
+    for name, fail_rank in (("last", 1), ("first", 0)):
+        check_outcome({r: two[r]["faults"][name] for r in (0, 1)}, 2, fail_rank)
+
+
+# -- a grid: parallel=("pipeline", "data"), 2 pipelines of 2 -------------------------------------------------
+GRID = dict(parallel=("pipeline", "data"), pipeline_size=2, comm_timeout=30)
+
+
+def _grid_ranks(rank, world):
+    """Each pipeline sums its tied copies, the replica all-reduce averages the sums; where a rank's state is swapped,
+    refused (not built yet) on every rank."""
+    import harmony.data
+    from harmony.errors import ConfigError
+
+    def compiled(frac):
+        model, data = _data()
+        return harmony.compile(model, harmony.data.shard(data[0], pipeline_size=2), microbatches=2,
+                               memory_budget=int(training_state_bytes(model) * frac), **GRID), data
+    sm, data = compiled(2.0)
+    losses = [sm(*harmony.data.shard(data[i % 3], pipeline_size=2)).item() for i in range(3)]
+    out = dict(params={n: t.detach().numpy().copy() for n, t in sm.training_state_dict()["model"].items()},
+               losses=losses)
+    sm.close()
+    try:
+        compiled(0.5)
+        out["refused"] = "no error"
+    except ConfigError as e:
+        out["refused"] = str(e)
+    return out
+
+
+def _grid_eager():
+    """One process: each pipeline's rows accumulated over its 2 microbatches, the two pipelines' gradients
+    averaged, one AdamW update."""
+    import harmony.data
+    from models import call, split
+    model, data = _data()
+    opt = torch.optim.AdamW(model.parameters(), fused=True)
+    losses = []
+    for i in range(3):
+        grads, total = [], 0.0
+        for r in range(2):
+            for mb in split(harmony.data.shard(data[i % 3], r, 2), 2):
+                loss = call(model, mb)
+                (loss / 2).backward()
+                total += loss.item() / 4
+            grads.append([p.grad for p in model.parameters()])
+            model.zero_grad(set_to_none=True)
+        for p, a, b in zip(model.parameters(), *grads):
+            p.grad = (a + b) / 2
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    return dict(model.named_parameters()), losses
+
+
+def test_grid_two_pipelines_of_two_sum_the_tied_copies_then_average_the_replicas():
+    res = spawn_ok(4, _grid_ranks, timeout=600)
+    want, losses = _grid_eager()
+    for r in range(4):
+        assert np.allclose(res[r]["losses"], losses, rtol=RTOL, atol=0), (res[r]["losses"], losses)
+        _compare(res[r]["params"], want)
+        assert "tied across stages needs" in res[r]["refused"] and "memory_budget" in res[r]["refused"], \
+            res[r]["refused"]
+    for r in range(1, 4):       # every copy in every pipeline, bit for bit
+        assert np.array_equal(res[r]["params"]["tok.weight"], res[0]["params"]["tok.weight"])
