@@ -16,8 +16,10 @@ import torch
 
 import harmony
 import harmony.data
+from harmony.errors import ConfigError
 from models import training_state_bytes
-from test_hybrid import MICROBATCHES, SGD, STEPS, _case, _compile, _fault, _mine, _optim, _train, spawn_grid
+from test_hybrid import MICROBATCHES, SGD, STEPS, _case, _compile, _eager, _fault, _mine, _optim, _train, spawn_grid
+from test_hybrid_more import CLIP
 
 # 0.3 of the model's training state per device: a stage's packs swap (ZeRO-3 gathers them; a plan that keeps a
 # pack's weights on the device has no partitioned pack to gather)
@@ -60,8 +62,18 @@ def _on_disk() -> dict:
     return out
 
 
+def _refused() -> str:
+    model, data = _case()
+    try:
+        _compile(model, data, precision="fp16", **ZERO3)
+    except ConfigError as e:
+        return str(e)
+    return "no error"
+
+
 def _ranks(rank, world, path):
-    return dict(zero3=_train(save=path, **ZERO3), disk=_on_disk(), q4=_train(compression="4bit", **ZERO3),
+    return dict(zero3=_train(save=path, **ZERO3), disk=_on_disk(), clip=_train(clip_grad_norm=CLIP, **ZERO3),
+                refused=_refused(), q4=_train(compression="4bit", **ZERO3),
                 q4_replicated=_train(compression="4bit", frac=0.3), fault=_fault(rank, **ZERO3),
                 loaded={shape: _load(path, shape) for shape in SHAPES})
 
@@ -122,6 +134,23 @@ def test_chunks_on_disk_carry_weights_across_the_step_and_sync_model_gives_every
         assert got["synced"] and got["model"].keys() == set(ref) - {"losses"}
         for n, t in got["model"].items():
             assert torch.equal(torch.from_numpy(t), ref[n]), f"rank {r}: {n} differs from eager accumulation"
+
+
+@pytest.mark.slow
+def test_a_zero3_grid_clips_by_the_global_norm_of_the_averaged_gradient_bitwise(runs):
+    """Each rank takes its chunks' gradient norms from the whole averaged buffer in the reduce-scatter, and the
+    pipeline's exchange of norms carries them (``GradClip.known``)."""
+    ref = _eager(clip=CLIP)
+    assert min(ref["norms"]) > CLIP
+    for a in (0, 1):
+        for n, t in _stage(runs, "clip", a).items():
+            assert torch.equal(t, ref[n]), f"stage {a}: {n} differs from eager clip_grad_norm_"
+
+
+@pytest.mark.slow
+def test_what_a_zero3_grid_does_not_do_yet_is_refused_by_name(runs):
+    for r in range(4):
+        assert "precision='fp16' with shard_state='full'" in runs[r]["refused"] and "bf16" in runs[r]["refused"]
 
 
 @pytest.mark.slow
