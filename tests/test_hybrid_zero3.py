@@ -62,13 +62,17 @@ def _on_disk() -> dict:
     return out
 
 
-def _refused() -> str:
-    model, data = _case()
-    try:
-        _compile(model, data, precision="fp16", **ZERO3)
-    except ConfigError as e:
-        return str(e)
-    return "no error"
+def _refused() -> dict:
+    """What a ZeRO-3 grid refuses, on every rank alike: fp16, and a budget that keeps the packs on the device."""
+    out = {}
+    for key, kw in (("fp16", dict(ZERO3, precision="fp16")), ("resident", dict(ZERO3, frac=2.0))):
+        model, data = _case()
+        try:
+            _compile(model, data, **kw)
+            out[key] = "no error"
+        except ConfigError as e:
+            out[key] = str(e)
+    return out
 
 
 def _ranks(rank, world, path):
@@ -150,7 +154,10 @@ def test_a_zero3_grid_clips_by_the_global_norm_of_the_averaged_gradient_bitwise(
 @pytest.mark.slow
 def test_what_a_zero3_grid_does_not_do_yet_is_refused_by_name(runs):
     for r in range(4):
-        assert "precision='fp16' with shard_state='full'" in runs[r]["refused"] and "bf16" in runs[r]["refused"]
+        said = runs[r]["refused"]
+        assert "precision='fp16' with shard_state='full'" in said["fp16"] and "bf16" in said["fp16"], said
+        assert "keeps some of its state on the device" in said["resident"], said
+        assert "memory_budget below" in said["resident"] and "shard_state=True" in said["resident"], said
 
 
 @pytest.mark.slow
