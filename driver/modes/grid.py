@@ -40,8 +40,6 @@ NOT_YET = "is not supported with parallel=('pipeline', 'data') yet"
 def refusals(cfg) -> list[tuple[bool, str, str]]:
     """(refused, what, what to use instead) of what a grid does not do yet."""
     return [(cfg.balance is not None, "balance=", "memory_budget= (the servers alike)"),
-            (cfg.shard_state == "full" and cfg.precision == "fp16", "precision='fp16' with shard_state='full'",
-             "precision='bf16', or shard_state='optimizer' (ZeRO-1) with fp16"),
             (cfg.policy == "ondemand", "policy='ondemand'", "policy='harmony' or 'sequential'"),
             (cfg.pipeline_group is not None and cfg.policy != "harmony", f"policy={cfg.policy!r} and "
              f"pipeline_group=", "policy='harmony' (the sequential policy runs one microbatch at a time)")]
