@@ -235,3 +235,36 @@ def test_a_zero3_grid_checkpoint_loads_into_itself_the_replicated_grid_one_pipel
             for k, t in got["optim"].items():
                 assert torch.equal(torch.from_numpy(t), momentum[k.rsplit(":", 1)[0]]), (shape, r, k)
         assert seen == set(saved), shape
+
+
+def _three_replicas(rank, world) -> dict:
+    """2 x 3: three pipelines, so each stage's chunks are cut in three and reduce-scattered by gloo's all-reduce of
+    the replicated buffer over the replica group (runtime/partitioned/reduce.py ``all_reduce_chunk``), not swapped."""
+    from models import CASES
+    out = {}
+    for key, kw in (("zero3", dict(shard_state="full")), ("replicated", {})):
+        model, data = CASES["gpt"](batch=12)
+        sm = harmony.compile(model, harmony.data.shard(data[0], pipeline_size=2), microbatches=MICROBATCHES,
+                             memory_budget=int(training_state_bytes(model) * 0.3), parallel=("pipeline", "data"),
+                             pipeline_size=2, comm_timeout=60, **SGD, **kw)
+        for i in range(STEPS):
+            sm(*harmony.data.shard(data[i % len(data)], pipeline_size=2))
+        out[key] = {n: t.numpy().copy() for n, t in _mine(sm).items()}
+        sm.close()
+    return out
+
+
+@pytest.mark.slow
+def test_a_two_by_three_zero3_grid_trains_bitwise_as_the_replicated_grid():
+    from test_collectives import _spawn
+    got = _spawn(6, _three_replicas, timeout=500, pg_timeout=60)
+    for r in range(6):
+        assert isinstance(got.get(r), dict), f"rank {r}: {got.get(r)}"
+    replicated = {n: torch.from_numpy(t) for r in range(6) for n, t in got[r]["replicated"].items()}
+    pieces = {k: t for r in range(6) for k, t in got[r]["zero3"].items()}
+    for stage in (0, 1):          # a stage's three replicas (ranks stage, stage + 2, stage + 4): a chunk each
+        held = [set(got[r]["zero3"]) for r in (stage, stage + 2, stage + 4)]
+        assert all(held) and not (held[0] & held[1] or held[0] & held[2] or held[1] & held[2]), stage
+    for n, t in _whole(pieces, replicated).items():
+        assert torch.equal(t, replicated[n]), f"{n} differs from the replicated grid"
+    assert {_PIECE.fullmatch(k).group(1) for k in pieces} == set(replicated)
