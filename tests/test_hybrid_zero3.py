@@ -5,7 +5,9 @@ data-parallel ZeRO-3 runtime, runtime/partitioned/, on the replica group). 4 glo
 process's eager accumulation (tests/test_hybrid.py ``_eager``, which the replicated grid equals) in fp32, bitwise the
 replicated grid under 4-bit gradients; the two ranks of a replica group hold disjoint chunks that cover the stage; a
 bad batch on one rank rolls back every rank; the checkpoint (``grid_zero3``: every rank its chunks) loads into itself,
-into the replicated grid, into one pipeline of 4 and into 4 data-parallel ranks."""
+into the replicated grid, into one pipeline of 4 and into 4 data-parallel ranks; clipping bitwise eager's, fp16 the
+replicated grid's, chunks on disk with carried weights, ``sm.sync_model()``. And 2 x 3 (three replicas: the chunks cut
+in three, reduce-scattered by an all-reduce over the replica group) bitwise the replicated grid."""
 from __future__ import annotations
 
 import os
