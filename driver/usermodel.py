@@ -93,7 +93,12 @@ def _gather_stages(sm) -> list[str]:
     """A pipeline rank's model gets every rank's packs' weights and buffers (an all-gather over the handshake's
     group); returns the names it got from the others."""
     import torch.distributed as dist
-    mine = {n: t.detach().to("cpu", copy=True) for n, t in sm.training_state_dict()["model"].items()}
+    state = sm.runtime.state
+    # a grid's ZeRO-3: this stage's weights whole first, from its replica group's chunks (every rank calls it)
+    whole = state.shares.gather_all(state.tensors) if getattr(state, "shares", None) is not None else []
+    mine = {n: t.detach().to("cpu", copy=True) for n, t in sm.training_state_dict()["model"].items()
+            if not n.startswith("share:")}
+    mine.update({n: state.tensors[n].detach().to("cpu", copy=True) for n in whole})
     every: list = [None] * dist.get_world_size()
     guarded("sm.sync_model()'s all-gather of every stage's weights", dist.all_gather_object, every, mine,
             group=sm.handshake.group, timeout=sm.handshake.timeout)
@@ -112,8 +117,8 @@ def _gather_stages(sm) -> list[str]:
             else:
                 target.data = t
             brought.append(n)
-    sm._synced = [own[n] for n in brought if isinstance(own[n], torch.nn.Parameter)]
-    return brought
+    sm._synced = [own[n] for n in dict.fromkeys(brought + whole) if isinstance(own.get(n), torch.nn.Parameter)]
+    return list(dict.fromkeys(whole + brought))
 
 
 def withhold_synced(sm) -> None:

@@ -215,8 +215,10 @@ SAME_PLAN = ("every rank must compile the same model with the same policy, globa
 
 
 def check_same_plan(signature: str | None, failed: str | None = None, what: str = "communication plan",
-                    advice: str = SAME_PLAN) -> None:
-    """Every rank must issue the same collectives: compare a digest of the communication plan."""
+                    advice: str = SAME_PLAN, among: list[int] | None = None) -> None:
+    """Every rank must issue the same collectives: compare a digest of the communication plan (with the ranks
+    ``among``, job ranks, where only those issue them together: a grid's replica group; gathered from every rank
+    all the same, so a rank that failed to compile is heard)."""
     import torch.distributed as dist
 
     digest = FAILED if failed else int.from_bytes(hashlib.sha256(signature.encode()).digest()[:7], "little")
@@ -232,7 +234,7 @@ def check_same_plan(signature: str | None, failed: str | None = None, what: str 
                             f"again")
         error.harmony_echo = True    # another rank's failure heard: the compile's agreement names it (driver/agree.py)
         raise error
-    differ = [r for r, d in enumerate(every) if int(d) != digest]
+    differ = [r for r, d in enumerate(every) if int(d) != digest and (among is None or r in among)]
     if differ:
         raise ConfigError(f"rank {dist.get_rank()} compiled another {what} than ranks {differ}: {advice}")
 

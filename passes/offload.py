@@ -59,6 +59,7 @@ from harmony.base.errors import BudgetError, ConfigError
 from harmony.base.tiers import Tier
 from harmony.base.units import fmt_bytes
 from harmony.compiler.config import PLACES, WEIGHTS
+from harmony.compiler.config_checks import HYBRID
 from harmony.compiler.ir import PassReport, PassResult, Program
 from harmony.compiler.verify import memory_curve
 from harmony.passes.host_budget import HostBytes, files_in_memory, least_host_bytes, packs_to_disk
@@ -199,7 +200,7 @@ def _rows(program: Program, place: Tier, whole: set, need: dict, in_memory: list
     # weights are read for the forward and the backward; under harmony the step takes the backward's
     # (runtime/tiers/params_disk.py)
     weight_reads = 2 if cfg.policy == "harmony" else 3
-    world = cfg.world_size if full_sharding(cfg) else 1
+    world = sharing_world(cfg)
     gathers = [n.args[0] for n, op in ops.ops_of(program.schedule.nodes) if op.fetches and op.state_copy
                and n.args[1] == "params"] if world > 1 else []
     rows = []
@@ -275,6 +276,15 @@ def full_sharding(cfg) -> bool:
     return getattr(cfg, "shard_state", None) == "full" and (cfg.world_size or 1) > 1
 
 
+def sharing_world(cfg) -> int:
+    """The ranks each pack's state is partitioned over: the job's under ``shard_state="full"`` (a grid's: its
+    stage's replica group, one rank per pipeline); 1 where each rank keeps its packs whole."""
+    if not full_sharding(cfg):
+        return 1
+    size = getattr(cfg, "pipeline_size", None) if getattr(cfg, "parallel", None) == HYBRID else None
+    return cfg.world_size if not size else cfg.world_size // size
+
+
 def _place(program: Program, place: Tier, disk: set, whole: set, need: dict) -> None:
     """Write where each pack steps and where its optimizer state and fp32 weights live into its residency record
     and its ``step`` op: ``disk`` packs keep their optimizer state on disk, ``whole`` ones their weights too
@@ -321,7 +331,7 @@ def place_state(program: Program) -> tuple[set[int], set[int], dict]:
     """
     cfg, plan = program.config, program.plan
     budget = getattr(cfg, "host_memory_budget", None)
-    host = HostBytes.of(program, cfg.world_size if full_sharding(cfg) else 1, holds_every_gradient(cfg))
+    host = HostBytes.of(program, sharing_world(cfg), holds_every_gradient(cfg))
     order = [n.args[0] for n, op in ops.ops_of(program.schedule.nodes) if op.steps]
     order = list(dict.fromkeys(order + [s.index for s in plan.packs]))   # packs without a step op last
     weights_on = _weights_on(cfg)

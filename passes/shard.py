@@ -125,7 +125,7 @@ def run(program: Program, ctx) -> PassResult:
     if getattr(cfg, "shard_state", None) != FULL:
         report.notes.append("shard_state is not 'full': every rank keeps its whole copy of the weights")
         return PassResult(program, report)
-    world, rank = cfg.world_size, cfg.rank
+    world, rank = sharing(program)
     owned = compress.owned_grads(program)
     base = cfg.compression or NO_COMPRESSION
     specs = {n: spec_for(t, base, cfg.min_size) for named in owned.values() for n, t in named}
@@ -143,7 +143,8 @@ def run(program: Program, ctx) -> PassResult:
             _replicated_bytes(record.shares, groups, dict(named), specs, world)
         _count_share(program, plan.packs[p], record.shares, dict(named))
     program.schedule = rewrite(program.schedule, plan, world, fp32=cfg.compute_dtype is None)
-    _check_same_collectives(program.schedule)
+    if not getattr(cfg, "offline", False):     # (not a peer's plan made here: driver/modes/pipeline_plan.py)
+        _check_same_collectives(program.schedule, _grid(plan), cfg.rank)
     if partitioned.step_stats not in program.step_hooks:
         program.step_hooks.append(partitioned.step_stats)
     report.rows, report.totals = _rows(program, owned), _totals(program, owned)
@@ -151,7 +152,7 @@ def run(program: Program, ctx) -> PassResult:
     how = ("equal elements" if cfg.state_shares is None else
            "the balance plan's state shares " + ", ".join(f"{f:.3f}" for f in cfg.state_shares))
     report.notes.append(
-        f"each of the {world} ranks keeps one contiguous chunk of every pack's parameters ({how}, cut in "
+        f"each of the {world} ranks{_over(plan)} keeps one contiguous chunk of every pack's parameters ({how}, cut in "
         f"the all-reduce's fused buffers) and its optimizer state on its host; a pack's weights come to the device "
         f"by an all-gather of the chunks (gather), its gradients go to their owners by a reduce-scatter "
         f"(reduce_scatter), each rank steps its chunk, and nothing is broadcast after the step")
@@ -164,14 +165,33 @@ def run(program: Program, ctx) -> PassResult:
     return PassResult(program, report)
 
 
+def _grid(plan):
+    return getattr(getattr(plan, "stage", None), "grid", None)
+
+
+def sharing(program: Program) -> tuple[int, int]:
+    """(ranks, this rank's place among them) that share each pack's state: the job's data-parallel ranks; in a grid
+    (``parallel=("pipeline", "data")``) the replica group of this rank's stage, one rank per pipeline."""
+    grid, cfg = _grid(program.plan), program.config
+    return (cfg.world_size, cfg.rank) if grid is None else (grid.replicas, grid.replica)
+
+
+def _over(plan) -> str:
+    grid = _grid(plan)
+    return "" if grid is None else (f" of stage {grid.stage}'s replica group (job ranks "
+                                    f"{','.join(map(str, grid.replica_ranks()))})")
+
+
 def _check_pack(plan, p: int) -> None:
     r = plan.at(p)
     why = ("it steps on the device" if r.step_on != Tier.HOST else
            "the plan keeps some of its state on the device" if r.kept or r.device_parts or r.optim_kept else "")
     if why:
+        # the swap pass keeps state resident only where the budget holds it: a smaller budget makes the pack swap
+        fix = ("give a memory_budget below this rank's training state, so its packs swap (and are gathered)"
+               if r.step_on == Tier.HOST else f"pass optimizer_on={Tier.HOST!r}")
         raise ConfigError(f"shard_state='full' partitions packs that step on the host with their state there, but "
-                          f"pack {p} ({plan.packs[p].name}): {why}; pass optimizer_on={Tier.HOST!r}, or use "
-                          f"shard_state=True")
+                          f"pack {p} ({plan.packs[p].name}): {why}; {fix}, or use shard_state=True")
 
 
 def _replicated_bytes(shares, groups: list[list[str]], tensors: dict, specs: dict, world: int) -> None:
@@ -236,17 +256,19 @@ def _gathers(node) -> bool:
     return op.fetches and op.partitioned
 
 
-def _check_same_collectives(graph) -> None:
+def _check_same_collectives(graph, grid=None, rank: int | None = None) -> None:
     """Every rank must gather and reduce-scatter the same packs in the same order, with the same carried copies
-    (runtime/partitioned/carry.py): a digest compared over the ranks, so a difference is named at compile time."""
+    (runtime/partitioned/carry.py): a digest compared over the ranks (a grid's: over each replica group, whose ranks
+    hold the same packs), so a difference is named at compile time."""
     import torch.distributed as dist
-    if not (dist.is_available() and dist.is_initialized()):
+    if not (dist.is_available() and dist.is_initialized()) or (rank is not None and rank != dist.get_rank()):
         return
     compress.check_same_plan(repr([(n.target.__name__, n.args[0], bool(n.kwargs.get("carried")))
                                    for n in calls(graph) if ops.op_of(n).partitioned]),
                              what="order of gathers and reduce-scatters (shard_state='full')",
                              advice="every rank must plan the same packs and swaps, since each gather is a collective: "
-                                    "give every rank the same memory_budget and host_memory_budget")
+                                    "give every rank the same memory_budget and host_memory_budget",
+                             among=None if grid is None else grid.replica_ranks())
 
 
 def _rows(program, owned) -> list[dict]:
@@ -269,9 +291,10 @@ def _rows(program, owned) -> list[dict]:
 
 
 def _totals(program, owned) -> dict:
-    plan, cfg = program.plan, program.config
+    plan = program.plan
     shares = [plan.at(p).shares for p in owned]
-    per_rank = [sum(4 * s.elements(r) for s in shares) for r in range(cfg.world_size)]
+    world, rank = sharing(program)
+    per_rank = [sum(4 * s.elements(r) for s in shares) for r in range(world)]
     whole = sum(4 * s.elements(-1) for s in shares)
     wire = {"gather": 0, "reduce_scatter": 0}
     for n in calls(program.schedule):
@@ -282,8 +305,8 @@ def _totals(program, owned) -> dict:
         elif s is not None:
             wire["reduce_scatter"] += sum(seg.sent for seg in s.segments)
     disk = _disk_bytes(program, owned)
-    return dict(world_size=cfg.world_size, rank=cfg.rank, partitioned_packs=len(shares),
-                master_bytes_whole=whole, master_bytes_this_rank=per_rank[cfg.rank],
+    return dict(world_size=world, rank=rank, partitioned_packs=len(shares),
+                master_bytes_whole=whole, master_bytes_this_rank=per_rank[rank],
                 master_bytes_by_rank=per_rank,
                 optim_bytes_this_rank=sum(plan.packs[p].optim_bytes for p in owned),
                 gather_wire_bytes_per_step=int(wire["gather"]),

@@ -222,10 +222,11 @@ class GradClip:
     def norm(self) -> torch.Tensor:
         if self.total is None:
             self.settle()
-            if self.exchange is not None:
-                local = [(n, g) for n, g in ((n, self.grad_of(n)) for n in self.order) if g is not None]
+            if self.exchange is not None:     # (with the norms of this rank's partitioned gradients, ``known``)
+                local = [(n, g) for n, g in ((n, self.grad_of(n)) for n in self.order if n not in self.known)
+                         if g is not None]
                 norms = torch._foreach_norm([g for _, g in local], self.norm_type) if local else []
-                self.known = self.exchange(dict(zip([n for n, _ in local], norms)))
+                self.known = self.exchange({**dict(zip([n for n, _ in local], norms)), **self.known})
             if not self.known:
                 grads = [g for g in map(self.grad_of, self.order) if g is not None]
                 self.total = torch.nn.utils.get_total_norm(grads, self.norm_type)

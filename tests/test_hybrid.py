@@ -96,7 +96,7 @@ def _fault(rank, **kw):
 
 
 REFUSED = {      # option -> what the refusal names
-    "shard_state": (dict(shard_state="full"), "shard_state='full'"),
+    "ondemand": (dict(policy="ondemand"), "policy='ondemand'"),
     "balance": (dict(balance="uniform"), "balance="),
     "not_a_multiple": (dict(pipeline_size=3), "multiple"),
     "one_rank_pipelines": (dict(pipeline_size=1), "at least 2"),

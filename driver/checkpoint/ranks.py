@@ -1,6 +1,6 @@
 """Checkpoints over several ranks: the layout a checkpoint was saved in, and the one this run loads into.
 
-A checkpoint is saved in one of six layouts, named in its manifest (``world``, ``mode``):
+A checkpoint is saved in one of seven layouts, named in its manifest (``world``, ``mode``):
 
 * ``whole``: one directory with the whole state, by one process or by replicated data-parallel ranks (rank 0
   writes it);
@@ -12,7 +12,9 @@ A checkpoint is saved in one of six layouts, named in its manifest (``world``, `
 * ``grid`` (``parallel=("pipeline", "data")``): ``rank-R-of-W`` directories, pipeline 0's ranks each with its packs'
   state (each stage once), every other rank's with its RNG only (its pipeline holds the same state);
 * ``grid_zero1`` (a grid with ``shard_state=True``): ``rank-R-of-W`` directories, each with the weights of rank R's
-  packs and the optimizer state of the parameters it owns (its share of its stage's, over the stage's replicas).
+  packs and the optimizer state of the parameters it owns (its share of its stage's, over the stage's replicas);
+* ``grid_zero3`` (a grid with ``shard_state="full"``): ``rank-R-of-W`` directories, each with rank R's pieces of its
+  stage's weights and their optimizer state (``share:<name>[a:b]``, its chunks over the stage's replica group).
 
 ``saved_layout(path)`` reads which, ``this_layout(sm)`` says the run's own. Where the two are the same, each rank
 reads its own directory; otherwise ``harmony.driver.checkpoint.reshard`` assembles the run's layout from the pieces the
@@ -29,7 +31,7 @@ from pathlib import Path
 from harmony.base.errors import CheckpointError
 
 _RANK_DIR = re.compile(r"rank-(\d+)-of-(\d+)(\.old)?")
-MODES = ("whole", "zero1", "full", "pipeline", "grid", "grid_zero1")
+MODES = ("whole", "zero1", "full", "pipeline", "grid", "grid_zero1", "grid_zero3")
 
 
 @dataclass
@@ -54,7 +56,9 @@ def describe(layout: Layout) -> str:
             "pipeline": f"{n} of a pipeline (each its packs' state)",
             "grid": f"{n} of a pipeline x data-parallel grid (each stage's state once)",
             "grid_zero1": f"{n} of a pipeline x data-parallel grid with shard_state=True (each rank its share of "
-                          f"its stage's optimizer state)"}.get(
+                          f"its stage's optimizer state)",
+            "grid_zero3": f"{n} of a pipeline x data-parallel grid with shard_state='full' (each rank its share of "
+                          f"its stage's weights and optimizer state)"}.get(
         layout.mode, f"{n} in mode {layout.mode!r}")
 
 

@@ -9,8 +9,14 @@ host thread, compressed as ``compression=`` says, while the pipeline's backward 
 job's: a failure travels along a pipeline in the messages' masks, across pipelines in the replica all-reduces' meets,
 and every rank hears every rank's word in the loss's all-reduce that ends the step (runtime/comm/jobwide.py).
 
-A checkpoint holds each stage once, written by pipeline 0's ranks (``grid`` layout, driver/checkpoint/ranks.py); it
-loads into another grid, one pipeline or data-parallel ranks through the reshard machinery.
+``shard_state=True`` (ZeRO-1) splits each stage's optimizer state over its replica group (passes/stage.py);
+``shard_state="full"`` (ZeRO-3) partitions each stage's weights, gradients and optimizer state over it: the shard pass
+and runtime/partitioned/ of data parallelism, with the replica group for the job (its gathers and carried-weight
+agreements on replica groups of their own, made here at plan time on every rank).
+
+A checkpoint holds each stage once, written by pipeline 0's ranks (``grid`` layout, driver/checkpoint/ranks.py), or
+under sharding every rank its share (``grid_zero1``, ``grid_zero3``); it loads into another grid, one pipeline or
+data-parallel ranks through the reshard machinery.
 """
 from __future__ import annotations
 
@@ -20,11 +26,13 @@ from harmony.base.errors import ConfigError
 from harmony.compiler.config_checks import HYBRID
 from harmony.compiler.ir import PassReport
 from harmony.driver.modes.base import Mode
+from harmony.driver.modes.data import Partitioned
 from harmony.driver.modes.pipeline import Pipeline
 from harmony.driver.modes.pipeline_plan import node_hardware, simulate_rank_node
+from harmony.passes import shard
 from harmony.passes.compress import label
 from harmony.passes.stage import grid_of as stage_grid
-from harmony.runtime.comm.grid import grid_of, groups
+from harmony.runtime.comm.grid import grid_of, groups, replica_groups_for
 
 NOT_YET = "is not supported with parallel=('pipeline', 'data') yet"
 
@@ -32,8 +40,6 @@ NOT_YET = "is not supported with parallel=('pipeline', 'data') yet"
 def refusals(cfg) -> list[tuple[bool, str, str]]:
     """(refused, what, what to use instead) of what a grid does not do yet."""
     return [(cfg.balance is not None, "balance=", "memory_budget= (the servers alike)"),
-            (cfg.shard_state == "full", "shard_state='full'", "shard_state=True (each stage's optimizer state split "
-                                                               "over its replica group), or None"),
             (cfg.policy == "ondemand", "policy='ondemand'", "policy='harmony' or 'sequential'"),
             (cfg.pipeline_group is not None and cfg.policy != "harmony", f"policy={cfg.policy!r} and "
              f"pipeline_group=", "policy='harmony' (the sequential policy runs one microbatch at a time)")]
@@ -64,28 +70,47 @@ class Grid(Pipeline):
         grid_of(world["world_size"], size, world["rank"])      # a bad shape refused, saying what to launch
         return dict(Mode.resolve(self, options, world), data_parallel=True, pipeline_size=size)
 
+    def passes(self, entries) -> tuple:
+        """The stage pass after the partition; under ``shard_state="full"`` the shard pass last (after compress,
+        whose all-reduces it rewrites into reduce-scatters over the replica group), as data parallelism adds it."""
+        entries = super().passes(entries)
+        if self.options is not None and self.options.shard_state == "full":
+            entries = Partitioned.passes(self, entries)
+        return entries
+
     def check(self, cfg, options) -> None:
         for bad, what, instead in refusals(cfg):
             if bad:
                 raise ConfigError(f"{what} {NOT_YET}: use {instead}, or parallel='pipeline' (one server) or "
                                   f"parallel=None (data parallelism)")
+        if cfg.shard_state == "full":
+            shard.check_config(cfg, options.optimizer_kwargs or {})   # what ZeRO-3 does not do yet, refused there
 
     def plan_rank(self, model, gm, batch, cfg):
         """The job's process groups (every rank makes every one, in one order), then this rank's device."""
         import torch.distributed as dist
         if not cfg.offline and dist.is_available() and dist.is_initialized():
-            groups(stage_grid(cfg), cfg.comm_timeout)
+            grid = stage_grid(cfg)
+            groups(grid, cfg.comm_timeout)
+            if cfg.shard_state == "full":    # ZeRO-3's gathers and carried-weight agreements: groups of their own
+                for purpose in ("gather", "carry"):
+                    replica_groups_for(grid, purpose, cfg.comm_timeout)
         return super().plan_rank(model, gm, batch, cfg)
+
+    def shares(self, plan, tensors: dict, cfg, fill=None):
+        """``shard_state="full"``: this rank's chunks of its stage's packs, cut over its replica group."""
+        return Partitioned.shares(self, plan, tensors, cfg, fill)
 
     def checkpoint_layout(self, plan) -> str:
         if plan.stage is None:
             return "whole"
         # each stage once, by pipeline 0's ranks; under shard_state=True every rank its packs' weights and the
-        # optimizer state of the parameters it owns
-        return "grid_zero1" if plan.state_owner else "grid"
+        # optimizer state of the parameters it owns; under "full" every rank its chunks of its packs' state
+        return "grid_zero3" if _partitioned(plan) else "grid_zero1" if plan.state_owner else "grid"
 
     def saves_state(self, plan) -> bool:
-        return plan.stage is None or plan.stage.grid is None or plan.stage.grid.replica == 0 or bool(plan.state_owner)
+        return (plan.stage is None or plan.stage.grid is None or plan.stage.grid.replica == 0
+                or bool(plan.state_owner) or _partitioned(plan))
 
     def report(self, program):
         return grid_report(program)
@@ -97,6 +122,24 @@ class Grid(Pipeline):
             return None
         hw = node_hardware(sm.program.config, hardware)
         return simulate_rank_node(sm, hw.replace(network_bandwidth=hw.network_bandwidth / sm.plan.stage.world))
+
+
+_SHARDING = {True: "optimizer (ZeRO-1)", "full": "full (ZeRO-3)"}
+
+
+def _sharding_note(shard_state) -> str:
+    if shard_state == "full":
+        return ("shard_state='full' (ZeRO-3): each rank keeps one chunk of its stage's weights and optimizer state; a "
+                "pack's weights are gathered from its replica group before it runs, its gradients reduce-scattered "
+                "over the group after its last backward, and each rank steps its chunk")
+    if shard_state is True:
+        return ("shard_state='optimizer' (ZeRO-1): each rank keeps and steps its share of its stage's optimizer "
+                "state and broadcasts the stepped weights to its replica group")
+    return "every rank of a replica group keeps its stage's whole training state"
+
+
+def _partitioned(plan) -> bool:
+    return any(r.shares is not None for r in plan.residency.values())
 
 
 def grid_report(program) -> PassReport | None:
@@ -113,12 +156,14 @@ def grid_report(program) -> PassReport | None:
                          ranks=",".join(map(str, grid.replica_ranks(s)))))
     report = PassReport(f"grid: {grid.pipeline} x {grid.replicas} (pipeline x data parallel)", rows, totals=dict(
         pipeline_size=grid.pipeline, replicas=grid.replicas, world=grid.world, this_rank=grid.rank,
-        stage=grid.stage, replica=grid.replica, compression=label(cfg.compression) if cfg.compression else "fp32"))
+        stage=grid.stage, replica=grid.replica, compression=label(cfg.compression) if cfg.compression else "fp32",
+        shard_state=_SHARDING.get(cfg.shard_state, "replicated")))
     report.notes += [
         "pipelines: " + "; ".join(f"ranks {','.join(map(str, grid.pipeline_ranks(r)))}"
                                   for r in range(grid.replicas)) + " (each a server's ranks, one replica each)",
         "each row's ranks hold that stage's packs, one per pipeline, and average the packs' gradients over "
         "themselves (its replica group) right after each pack's last backward, overlapping the pipeline's backward",
+        _sharding_note(cfg.shard_state),
         f"each pipeline trains on its {cfg.batch_size} rows of the global batch of {cfg.batch_size * grid.replicas}"
         " (harmony.data.shard(batch, pipeline_size=P)); the loss is the mean over the pipelines"]
     return report

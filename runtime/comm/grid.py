@@ -81,6 +81,22 @@ def groups(grid: Grid, timeout: float = 300.0) -> tuple[list, list]:
     return _GROUPS[key]
 
 
+_MORE: dict = {}       # (the default group, P, R, purpose) -> replica groups of their own, made once per process
+
+
+def replica_groups_for(grid: Grid, purpose: str, timeout: float = 300.0) -> list:
+    """A second set of replica groups (one per stage), for collectives that run on another thread than the host
+    thread's all-reduces (``shard_state="full"``: the copy thread's gathers, ``"gather"``; the schedule thread's
+    agreement on carried weights, ``"carry"``), so the two never interleave on one group. Made by every rank of the
+    job at its first call for ``purpose``, in the same order (driver/modes/grid.py calls it at plan time)."""
+    import torch.distributed as dist
+    key = (id(dist.group.WORLD), grid.pipeline, grid.replicas, purpose)
+    if key not in _MORE:
+        t = datetime.timedelta(seconds=timeout)
+        _MORE[key] = [dist.new_group(grid.replica_ranks(s), timeout=t, backend="gloo") for s in range(grid.pipeline)]
+    return _MORE[key]
+
+
 def replica_group(grid: Grid):
     """This rank's replica group (made by ``groups``)."""
     return groups(grid)[1][grid.stage]

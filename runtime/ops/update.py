@@ -13,7 +13,7 @@ from harmony.runtime.comm.jobwide import STEP_KEY
 from harmony.runtime.ops import register, step
 from harmony.runtime.ops.compute import kernels_cost, ondemand_seconds, pack_compute_cost
 from harmony.runtime.ops.move import step_disk_io
-from harmony.runtime.partitioned import share_params
+from harmony.runtime.partitioned import scope, share_params
 from harmony.runtime.placeholders import point
 from harmony.runtime.plan import step_traffic
 from harmony.runtime.precision import master_grads
@@ -136,6 +136,7 @@ def _step_host(rt, pack, spec) -> None:
     disk = getattr(rt.state, "disk", None)   # optimizer state of disk-placed packs (runtime/tiers/disk.py)
     shares = getattr(rt.state, "shares", None)
     carry = shares.carry if shares is not None and pack in shares.carry_packs else None
+    key, group = scope(rt) if carry is not None else (STEP_KEY, None)    # the refill's ranks (a grid's replicas)
 
     status = rt.status
 
@@ -143,7 +144,7 @@ def _step_host(rt, pack, spec) -> None:
         if status is not None and status.aborted_on(STEP_KEY):   # a rank's step failed: every rank skips it alike
             rt.transaction.unstep(pack)
             if carry is not None:       # (its refill's meet, made by every rank: runtime/partitioned/meet.py)
-                status.meet(STEP_KEY, None, "the refill of carried weights")
+                status.meet(key, group, "the refill of carried weights")
             return
         start = time.perf_counter()
         rt.state.unpark(spec.owned)   # gradients that reached the host before their weights (TieredState.parked)
@@ -156,8 +157,8 @@ def _step_host(rt, pack, spec) -> None:
                 if not skip:
                     opt.step()
             if carry is not None:    # partitioned: the updated chunks into the device copy carried to the forward
-                if status is None or status.meet(STEP_KEY, None, "the refill of carried weights"):
-                    carry.refill(rt.state.shares, pack)
+                if status is None or status.meet(key, group, "the refill of carried weights"):
+                    carry.refill(rt.state.shares, pack, group)
                 else:
                     carry.stepping.pop(pack, None)
         except BaseException:

@@ -55,7 +55,7 @@ from harmony.runtime.ops import moving_names, register
 from harmony.runtime.ops.move import gather_disk_io, pack_what, swap_in_effect
 from harmony.runtime.partitioned.carry import Carry
 from harmony.runtime.partitioned.layout import ALIGN, PREFIX, PackShares, Piece, Segment, layout  # noqa: F401
-from harmony.runtime.partitioned.meet import GATHERS, Words, rides, swapped
+from harmony.runtime.partitioned.meet import GATHERS, Words, grid_of, own_groups, rides, scope, swapped
 from harmony.runtime.partitioned.reduce import (
     all_reduce_chunk,
     reduce_scatter_quantized,
@@ -85,7 +85,9 @@ class Shares:
         self.pieces: dict[int, list[torch.nn.Parameter]] = {}
         self.stats = {"gather_wire_bytes": 0, "reduce_scatter_wire_bytes": 0, "carried_gathers": 0}
         kw = {"timeout": datetime.timedelta(seconds=timeout)} if timeout else {}
-        self.group = dist.new_group(backend="gloo", **kw)   # the copy thread's all-gathers: a group of their own
+        grid = grid_of(plan)
+        # the copy thread's all-gathers: a group of their own (a grid's: of this rank's replica group's ranks)
+        self.group = dist.new_group(backend="gloo", **kw) if grid is None else own_groups(grid, "gather")
         self.timeout = timeout
         self.tier = None            # runtime/partitioned_disk.ShareTier, where some packs' chunks live on disk
         self.error_feedback: dict = {}   # a quantized reduce-scatter's residuals (runtime/partitioned/reduce.py)
@@ -99,7 +101,7 @@ class Shares:
                     self._carve(p, record.shares, tensors)
         # weights carried on the device across their pack's step (runtime/partitioned/carry.py)
         self.carry_packs = {p for p, r in plan.residency.items() if r.shares is not None and r.carried}
-        self.carry = Carry() if self.carry_packs else None
+        self.carry = Carry(None if grid is None else own_groups(grid, "carry")) if self.carry_packs else None
 
     def _carve(self, pack: int, shares: PackShares, tensors: dict) -> None:
         """Keep this rank's chunk of each segment, hand its pieces to ``tensors``, and drop the rest."""
@@ -398,18 +400,18 @@ def _reduce_scatter_execute(rt, pack, *, world=1, weight=None, comm=None):
                 t.grad = out[piece.start - base: piece.end - base]
 
     communicator = replicated_communicator(rt, reduce_scatter, world, weight, comm) if comm is not None else None
-    status = rt.status
+    status, (key, group) = rt.status, scope(rt)      # a grid's: over this rank's replica group
 
     def job():
         words = beside = None
         try:
-            if status is not None and rides(shares, comm):    # the words ride on the first swap, or beside
+            if status is not None and rides(shares, comm, rt.plan):   # the words ride on the first swap, or beside
                 words = Words(status, STEP_KEY, None)
                 beside = not swapped(shares)
                 if beside:
                     words.launch(world, shares.rank, status.timeout)
             elif status is not None:    # every rank's step got here (runtime/comm/jobwide.py)
-                status.go(STEP_KEY, None, f"the reduce-scatter of pack {pack}'s gradients")
+                status.go(key, group, f"the reduce-scatter of pack {pack}'s gradients")
             if communicator is not None:
                 through_allreduce(rt, pack, communicator, grads, keep, clipper)
                 return
@@ -418,7 +420,7 @@ def _reduce_scatter_execute(rt, pack, *, world=1, weight=None, comm=None):
                 if s in done:
                     continue
                 if any(g.codec is not None for g in shares.segments if g.call == seg.call):
-                    done.update(reduce_scatter_quantized(st, shares, seg.call, grads, keep, clipper, weight))
+                    done.update(reduce_scatter_quantized(st, shares, seg.call, grads, keep, clipper, weight, group))
                     continue
                 flat = torch.empty(seg.size)
                 shapes = {}
@@ -428,9 +430,9 @@ def _reduce_scatter_execute(rt, pack, *, world=1, weight=None, comm=None):
                 if scale != 1.0:             # collectives.allreduce's weighting, on the same values
                     flat.mul_(scale)
                 if seg.pairwise:             # two ranks: each sends the other its chunk, x + y is y + x bitwise
-                    out = swap_chunks(flat, seg, shares.rank, None if beside else words).div_(world)
+                    out = swap_chunks(flat, seg, shares.rank, None if beside else words, group).div_(world)
                 else:
-                    out = all_reduce_chunk(flat, seg, shares.rank, world, clipper, shapes)
+                    out = all_reduce_chunk(flat, seg, shares.rank, world, clipper, shapes, group)
                 st.shares.stats["reduce_scatter_wire_bytes"] += seg.sent
                 keep(s, seg, out)
             if words is not None:

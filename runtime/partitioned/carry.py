@@ -22,9 +22,12 @@ CARRY = "carried weights"    # the key of ``take``'s agreements among a step's c
 class Carry:
     """The device copies of the carried packs' weights between a pack's backward and the next forward."""
 
-    def __init__(self):
+    def __init__(self, group=None):
+        """``group``: the ranks that share the packs' chunks (a grid's replica group, a set of its own); by default
+        the job's, in a process group of its own."""
         import torch.distributed as dist
-        self.group = dist.new_group(backend="gloo")          # ``take``'s agreement: the schedule's thread only
+        # ``take``'s agreement: the schedule's thread only
+        self.group = dist.new_group(backend="gloo") if group is None else group
         self.stepping: dict[int, dict[str, torch.Tensor]] = {}   # released by the backward, step not done yet
         self.ready: dict[int, dict[str, torch.Tensor]] = {}      # the stepped weights: the next gather takes them
 
@@ -42,9 +45,10 @@ class Carry:
             st.set_data(n, st.master[n])
             st.dirty.discard(n)
 
-    def refill(self, shares, pack: int) -> None:
+    def refill(self, shares, pack: int, group=None) -> None:
         """On the host thread, once the pack's chunks are stepped: every rank's updated chunks into the copies
-        (a collective of the default group, which the host thread's reduce-scatters use, in schedule order)."""
+        (a collective of the group the host thread's reduce-scatters use, in schedule order: ``group``, by default
+        the job's)."""
         copies = self.stepping.pop(pack, None)
         if copies is None:        # no release handed this pack over (on no rank: the schedule is every rank's)
             return
@@ -53,7 +57,7 @@ class Carry:
         for s, seg in enumerate(shares.plan.at(pack).shares.segments):
             # every segment, whatever this rank kept: a collective every rank joins alike ("take" then agrees)
             shares.gather_into(pack, s, chunks[s], {n: copies[n].view(-1) for n in seg.names if n in copies},
-                               group=dist.group.WORLD)
+                               group=dist.group.WORLD if group is None else group)
         self.ready[pack] = copies
 
     def take(self, st, pack: int, names, status=None) -> bool:

@@ -18,7 +18,7 @@ from harmony.runtime.comm.jobwide import STEP_KEY, Words, ghost
 from harmony.runtime.partitioned.carry import CARRY
 
 GATHERS = "gathers"       # the key of the gathers' words (their own group, the copy thread's)
-__all__ = ["GATHERS", "Words", "rides", "swapped"]
+__all__ = ["GATHERS", "Words", "grid_of", "own_groups", "rides", "scope", "swapped"]
 
 
 @ghost("gather")
@@ -50,7 +50,7 @@ def _gather_ghost(rt, node) -> None:
 def _step_ghost(rt, node) -> None:
     """In a replay: the meet before a carried pack's refill."""
     if refills(rt, node.args[0], node.kwargs.get("where")):
-        rt.status.meet(STEP_KEY, None, "the refill of carried weights")
+        rt.status.meet(*scope(rt), "the refill of carried weights")
 
 
 def refills(rt, pack: int, where) -> bool:
@@ -60,11 +60,32 @@ def refills(rt, pack: int, where) -> bool:
             and where == Tier.HOST and rt.status is not None)
 
 
-def rides(shares, comm) -> bool:
+def rides(shares, comm, plan=None) -> bool:
     """Whether a reduce-scatter's words ride on its collectives (fp32 buffers, no codec): on its first swap of chunks
-    (``swapped``: two ranks), else beside its all-reduces (``Words.launch``); else it meets first. The same on every
-    rank (the plan's)."""
-    return comm is None and bool(shares.segments) and all(seg.codec is None for seg in shares.segments)
+    (``swapped``: two ranks), else beside its all-reduces (``Words.launch``); else it meets first, as a grid's
+    reduce-scatters do (over the replica group: as its replicated all-reduces meet). The same on every rank (the
+    plan's)."""
+    return (comm is None and bool(shares.segments) and all(seg.codec is None for seg in shares.segments)
+            and grid_of(plan) is None)
+
+
+def grid_of(plan):
+    """A grid's ``runtime.comm.grid.Grid`` (``parallel=("pipeline", "data")``: the chunks are cut over this rank's
+    replica group), else None."""
+    return getattr(getattr(plan, "stage", None), "grid", None)
+
+
+def own_groups(grid, purpose: str):
+    """This rank's replica group in the set made for ``purpose`` (runtime/comm/grid.py ``replica_groups_for``)."""
+    from harmony.runtime.comm.grid import replica_groups_for
+    return replica_groups_for(grid, purpose)[grid.stage]
+
+
+def scope(rt) -> tuple:
+    """(meet key, process group) of the host thread's collectives of the partitioned state (the reduce-scatters, a
+    carried pack's refill): the default group's; in a grid this rank's replica group's (as its all-reduces')."""
+    from harmony.runtime.comm.communicator import scope as comm_scope
+    return comm_scope(rt)
 
 
 def swapped(shares) -> bool:
@@ -79,8 +100,8 @@ def _reduce_scatter_ghost(rt, node) -> None:
     from harmony.runtime.partitioned.reduce import all_reduce_chunk, swap_chunks
     args = inspect.signature(reduce_scatter).bind(*node.args, **node.kwargs).arguments
     shares, status = rt.plan.at(args["pack"]).shares, rt.status
-    if not rides(shares, args.get("comm")):
-        status.meet(STEP_KEY, None, "a reduce-scatter of gradients")
+    if not rides(shares, args.get("comm"), rt.plan):
+        status.meet(*scope(rt), "a reduce-scatter of gradients")
         return
     if status.skip(STEP_KEY):
         return

@@ -14,7 +14,8 @@ from harmony.runtime.comm.communicator import communicator
 from harmony.runtime.comm.compression import DEFAULT_MIN_SIZE, NO_COMPRESSION, CompressionSpec
 
 
-def reduce_scatter_quantized(st, shares, call: int, grads, keep, clipper=None, weight=None) -> list[int]:
+def reduce_scatter_quantized(st, shares, call: int, grads, keep, clipper=None, weight=None,
+                             group=None) -> list[int]:
     """One all-reduce group with quantized buffers: ``collectives.reduce_scatter`` of its gradients (the replicated
     run's buffers, codec and generator draws); each segment keeps this rank's chunk. Returns the segments done.
 
@@ -35,7 +36,7 @@ def reduce_scatter_quantized(st, shares, call: int, grads, keep, clipper=None, w
     key = tuple(n for s in mine for n in shares.segments[s].names)
     ef = st.shares.error_feedback.setdefault(key, {}) if any(sp.error_feedback for sp in specs) else None
     if clipper is not None or not all(shares.segments[s].codec_chunks for s in mine if shares.segments[s].codec):
-        stats = allreduce(tensors, specs, timeout=st.shares.timeout, generator=st.shares.generator,
+        stats = allreduce(tensors, specs, group, timeout=st.shares.timeout, generator=st.shares.generator,
                           error_feedback_state=ef, weight=weight)
         at = 0
         for s in mine:
@@ -44,7 +45,7 @@ def reduce_scatter_quantized(st, shares, call: int, grads, keep, clipper=None, w
             at += len(seg.names)
         st.shares.stats["reduce_scatter_wire_bytes"] += stats.wire_bytes
         return mine
-    results, stats = reduce_scatter(tensors, specs, timeout=st.shares.timeout, generator=st.shares.generator,
+    results, stats = reduce_scatter(tensors, specs, group, timeout=st.shares.timeout, generator=st.shares.generator,
                                     error_feedback_state=ef, weight=weight)
     if len(results) != len(mine):
         raise HarmonyError(f"the reduce-scatter fused {len(results)} buffers where the layout has {len(mine)}: "
@@ -93,12 +94,13 @@ def chunk_of_whole(seg, rank: int, got: list[torch.Tensor], clipper=None) -> tor
     return chunk
 
 
-def all_reduce_chunk(flat: torch.Tensor, seg, rank: int, world: int, clipper, shapes: dict) -> torch.Tensor:
+def all_reduce_chunk(flat: torch.Tensor, seg, rank: int, world: int, clipper, shapes: dict,
+                     group=None) -> torch.Tensor:
     """This rank's chunk of the average from gloo's all-reduce of the whole buffer: the replicated run's collective on
     its buffer, so the same sums. Under clipping every rank has the whole average here, and takes each gradient's
-    own norm from it (``clipper.known``)."""
+    own norm from it (``clipper.known``). ``group``: the ranks sharing the chunks (a grid's replica group)."""
     import torch.distributed as dist
-    guarded("the reduce-scatter of gradients (shard_state='full')", dist.all_reduce, flat)
+    guarded("the reduce-scatter of gradients (shard_state='full')", dist.all_reduce, flat, group=group)
     base, end = seg.bounds[rank], seg.bounds[rank + 1]
     if clipper is None:
         return flat[base: end].div_(world).clone()       # averaged as the all-reduce averages
@@ -108,16 +110,17 @@ def all_reduce_chunk(flat: torch.Tensor, seg, rank: int, world: int, clipper, sh
     return flat[base: end].clone()
 
 
-def swap_chunks(flat: torch.Tensor, seg, rank: int, words=None) -> torch.Tensor:
+def swap_chunks(flat: torch.Tensor, seg, rank: int, words=None, group=None) -> torch.Tensor:
     """Two ranks' reduce-scatter of an fp32 buffer: this rank's chunk of the sum, the peer's part sent to it and its
     part of this one received (``Segment.pairwise``); ``words``: the ranks' words on the step go with it
-    (runtime/partitioned/meet.py)."""
+    (runtime/partitioned/meet.py). ``rank``: this rank's place in ``group`` (a grid's replica group; by default
+    the job's)."""
     import torch.distributed as dist
-    peer = 1 - rank
+    peer = 1 - rank if group is None else dist.get_global_rank(group, 1 - rank)
     mine = flat[seg.bounds[rank]: seg.bounds[rank + 1]].clone()
     got = torch.empty_like(mine)
     exchange("the reduce-scatter of gradients (shard_state='full')",
              (words.ops(2, rank) if words is not None else [])
-             + [dist.P2POp(dist.isend, flat[seg.bounds[peer]: seg.bounds[peer + 1]], peer),
-                dist.P2POp(dist.irecv, got, peer)], peer=peer)
+             + [dist.P2POp(dist.isend, flat[seg.bounds[1 - rank]: seg.bounds[2 - rank]], peer, group),
+                dist.P2POp(dist.irecv, got, peer, group)], group=group, peer=peer)
     return mine.add_(got)
