@@ -22,8 +22,10 @@ further run): this machine moves some figures by 20-40% between runs of the same
 new shape's first step), so a figure is compared with the worst value the baseline's runs gave it, and the table
 shows the baseline's range. A figure flagged is then worse than anything the same build was seen to do here.
 
-The 1 Gbit/s all-reduce runs in a network namespace with a tc rate limit (benchmarks/netns.sh), which needs
-root and iproute2; elsewhere it is skipped and says so. DeepSpeed's figure is there only where it is
+The 1 Gbit/s all-reduce runs in a network namespace with a tc rate limit (benchmarks/netns.sh), and the hybrid
+row (a 2 x 2 grid of two emulated servers, 4-bit gradients, its measured throughput and its SIMULATED step over the
+measured one) in two namespaces joined by one (benchmarks/netns2.sh); both need root and iproute2, and elsewhere
+they are skipped and say so. DeepSpeed's figure is there only where it is
 installed (``pip install -e ".[bench]"``, and ``apt-get install -y libaio-dev`` for its NVMe op); a figure the
 baseline has and a run lacks is shown MISSING and listed under the table, without counting as flagged.
 
@@ -82,6 +84,8 @@ FIGURES = [
     Figure("pipeline", "2 ranks layers group 1", "(none: placement='layers', pipeline_group=1, 2 ranks vs 1)",
            "higher"),
     Figure("pipeline", "simulated 4x1080ti gpt-0.4b vPP-rr/vDP", "(none: SIMULATED)", "higher"),
+    Figure("hybrid", "emulated grid 4bit samples/s", "(none: a 2 x 2 grid, 4-bit gradients over 1 Gbit/s)", "higher"),
+    Figure("hybrid", "emulated grid 4bit predicted/measured", "within 15% (SIMULATED over measured)", "one"),
 ]
 
 
@@ -90,7 +94,7 @@ def commands(out: Path, py: str) -> dict[str, list[str]]:
     b = str(HERE)
     j = {name: str(out / f"{name}.json") for name in ("overhead", "swap_volume", "offload", "allreduce", "hetero",
                                                       "calibration", "loop", "evaluate", "shapes", "partition",
-                                                      "pipeline")}
+                                                      "pipeline", "hybrid")}
     return {
         "overhead": [py, f"{b}/overhead.py", "--layers", "4", "--width", "384", "--steps", "10",
                      "--json", j["overhead"]],
@@ -112,6 +116,9 @@ def commands(out: Path, py: str) -> dict[str, list[str]]:
                       "--json", j["partition"], "--modes", "replicated", "full"] +
                      (["deepspeed"] if _deepspeed() else []),
         "pipeline": [py, f"{b}/pipeline.py", "--quick", "--json", j["pipeline"]],
+        # the 2 x 2 grid with 4-bit gradients only, in two namespaces joined by 1 Gbit/s (needs root, as allreduce)
+        "hybrid": [py, f"{b}/hybrid.py", "--emulated", "--systems", "grid 4bit", "--layers", "2", "--width", "256",
+                   "--steps", "3", "--out", str(out / "hybrid"), "--json", j["hybrid"]],
     }
 
 
@@ -263,7 +270,7 @@ def main() -> int:
         ap.error(f"unknown benchmarks {sorted(unknown)}; choose from {', '.join(cmds)}")
     results = {}
     for name in only:
-        if name == "allreduce" and _can_shape_links():
+        if name in ("allreduce", "hybrid") and _can_shape_links():
             results[name] = dict(skipped=_can_shape_links())
             print(f"{name}: skipped, {results[name]['skipped']}", flush=True)
             continue

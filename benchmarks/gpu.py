@@ -1,8 +1,9 @@
 """Harmony on one GPU against eager PyTorch, its own baseline policies and FSDP2 with CPU offload.
 
-The built-in GPT (untied head, random weights) trains the same batches under each system, each row in
-its own subprocess (a fresh CUDA context, allocator and peak counters; a row that hangs or dies costs
-only itself):
+The built-in GPT (untied head, random weights), or with ``--model llama`` Hugging Face's LlamaForCausalLM at the
+Llama-3-8B shape (benchmarks/gpu_models.py; Harmony's rows build it under ``harmony.empty_weights()``), trains the
+same batches under each system, each row in its own subprocess (a fresh CUDA context, allocator and peak counters; a
+row that hangs or dies costs only itself):
 
   eager        the model and AdamW (fused) on the GPU, gradient accumulation over the same microbatches:
                the compute reference, where the training state and activations fit the card
@@ -13,6 +14,8 @@ only itself):
                (driver/mixed_steps.py; the row's device_steps says how many)
   alloc-F      harmony-F counting device memory with the caching allocator's counters (accounting="allocator"),
                no hook around each tensor op: what that hook costs a host issuing ops to the card
+  torchao      torchao's CPUOffloadOptimizer: bf16 weights and gradients on the card, AdamW's state and step on the
+               host (pure bf16, no fp32 masters: a cheaper recipe than the others')
   fsdp2        torch's fully_shard per block and at the root with CPUOffloadPolicy(pin_memory=True)
                on a one-GPU NCCL mesh: parameters, gradients and optimizer state on the host,
                AdamW stepping on the CPU (peak allocated beside its time)
@@ -29,7 +32,9 @@ at the compute dtype, h2d / d2h GB/s the runtime moved against the probe, peak a
 against the budget, the predicted step and peak against the measured ones.
 
     python benchmarks/gpu.py --width 2048 --layers 24 --out results/     # on a GPU machine
+    python benchmarks/gpu.py --model llama --precision bf16 --rows harmony-50,torchao,fsdp2 --out results/
     python benchmarks/gpu.py --quick                                     # a small model, a minute
+    python benchmarks/gpu.py --quick --model llama --device cpu --rows eager,harmony-50   # the dry run, here
 
 ``benchmarks/gpu.sh`` runs it with the CUDA tests on the GPU machine (offline install of the wheels).
 """
@@ -45,14 +50,10 @@ import time
 import traceback
 
 import common
+from gpu_models import LLAMA_8B, LLAMA_QUICK, shape_of
 
 GiB = 2**30
 LR, WD = 3e-4, 0.1
-
-
-def model_config(a):
-    from harmony.models import GPTConfig
-    return GPTConfig(vocab=a.vocab, seq=a.seq, layers=a.layers, width=a.width, heads=a.width // 128 or 1, tie=False)
 
 
 def batches(c, a):
@@ -65,10 +66,6 @@ def batches(c, a):
     return out
 
 
-def state_bytes(c) -> int:
-    return 16 * c.n_params()    # fp32 weights, gradients and AdamW's two moments
-
-
 def adamw_kwargs(device_types=("cpu", "cuda")) -> dict:
     import torch
     from harmony.runtime.optim import optimizer_kwargs
@@ -78,9 +75,7 @@ def adamw_kwargs(device_types=("cpu", "cuda")) -> dict:
 # -- the rows ---------------------------------------------------------------------------------------
 def setup_eager(a, c, data):
     import torch
-    from harmony.models import GPT
-    torch.manual_seed(0)
-    model = GPT(c).to(a.device)
+    model = c.build().to(a.device)
     opt = torch.optim.AdamW(model.parameters(), **adamw_kwargs((torch.device(a.device).type,)))
     amp = torch.autocast(torch.device(a.device).type, dtype=torch.bfloat16) if a.precision == "bf16" else None
 
@@ -90,9 +85,9 @@ def setup_eager(a, c, data):
             xm, ym = xm.to(a.device), ym.to(a.device)
             if amp is not None:
                 with amp:
-                    loss = model(xm, ym)
+                    loss = c.loss(model, xm, ym)
             else:
-                loss = model(xm, ym)
+                loss = c.loss(model, xm, ym)
             (loss / a.microbatches).backward()
             total += loss.detach()
         opt.step()
@@ -106,17 +101,15 @@ def setup_fsdp2(a, c, data):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-    from harmony.models import GPT
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(29500 + os.getpid() % 1000))
     dist.init_process_group("nccl", rank=0, world_size=1)
     mesh = init_device_mesh("cuda", (1,))
-    torch.manual_seed(0)
-    model = GPT(c)
+    model = c.build()
     kw = dict(offload_policy=CPUOffloadPolicy(pin_memory=True), mesh=mesh)
     if a.precision == "bf16":
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for block in model.blocks:
+    for block in c.blocks(model):
         fully_shard(block, **kw)
     fully_shard(model, **kw)
     opt = torch.optim.AdamW(model.parameters(), **adamw_kwargs(("cpu",)))
@@ -124,7 +117,7 @@ def setup_fsdp2(a, c, data):
     def step(x, y):
         total = 0.0
         for xm, ym in zip(x.chunk(a.microbatches), y.chunk(a.microbatches)):
-            loss = model(xm.cuda(), ym.cuda())
+            loss = c.loss(model, xm.cuda(), ym.cuda())
             (loss / a.microbatches).backward()
             total += loss.detach()
         opt.step()
@@ -137,14 +130,13 @@ def setup_harmony(a, c, data, policy, frac):
     import torch
     import harmony
     from harmony.compiler.hardware import Hardware
-    from harmony.models import GPT
-    torch.manual_seed(0)
-    model = GPT(c)
-    budget = int(state_bytes(c) * frac)
+    model = c.build(empty=c.kind != "gpt")     # a Hugging Face model at its full size: made as compile places it
+    budget = int(c.state_bytes() * frac)
     hw = Hardware.this_machine()       # the parent's profile of this card (cached), planned for and simulated on
     hw = hw.computing_in(a.precision, "allocator" if policy == "alloc" else "ops")   # as compile costs the plan
     where = dict(hostonly=dict(optimizer_on="host"), alloc=dict(accounting="allocator")).get(policy, {})
-    sm = harmony.compile(model, data[0], optimizer=torch.optim.AdamW, optimizer_kwargs=dict(lr=LR, weight_decay=WD),
+    sm = harmony.compile(model, c.batch(*data[0]), optimizer=torch.optim.AdamW,
+                         optimizer_kwargs=dict(lr=LR, weight_decay=WD),
                          memory_budget=budget, microbatches=a.microbatches, device=a.device, precision=a.precision,
                          hardware=hw, policy="harmony" if policy in ("hostonly", "alloc") else policy, **where)
     cfg = sm.program.config
@@ -159,13 +151,35 @@ def setup_harmony(a, c, data, policy, frac):
                 hardware=hw.devices[0].name)
 
     def step(x, y):
-        loss = float(sm(x, y))
+        loss = float(c.call(sm, x, y))
         stats.append({k: v for k, v in sm.stats.items() if isinstance(v, (int, float, str, bool))})
         return loss
     return step, info, sm.close
 
 
-SETUPS = {"eager": setup_eager, "fsdp2": setup_fsdp2}
+def setup_torchao(a, c, data):
+    """torchao's CPUOffloadOptimizer: the model's weights and gradients in bf16 on the card, AdamW's state and its
+    step on the host (fused CPU AdamW), each parameter's update copied back after it. Pure bf16 training (no fp32
+    masters): cheaper than the other rows' state, and numerically another recipe."""
+    import torch
+    from torchao.optim import CPUOffloadOptimizer
+    model = c.build().to(torch.bfloat16).to(a.device)
+    opt = CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW, offload_gradients=False, fused=True,
+                              lr=LR, weight_decay=WD)
+
+    def step(x, y):
+        total = 0.0
+        for xm, ym in zip(x.chunk(a.microbatches), y.chunk(a.microbatches)):
+            loss = c.loss(model, xm.to(a.device), ym.to(a.device))
+            (loss / a.microbatches).backward()
+            total += loss.detach()
+        opt.step()
+        opt.zero_grad()
+        return float(total) / a.microbatches
+    return step, {}, lambda: None
+
+
+SETUPS = {"eager": setup_eager, "fsdp2": setup_fsdp2, "torchao": setup_torchao}
 
 
 def probe_hardware(a):
@@ -185,9 +199,9 @@ def sync(a):
 def row(a) -> dict:
     """One system, in this process: its steps' times and the allocator's peaks."""
     import torch
-    c = model_config(a)
+    c = shape_of(a)
     data = batches(c, a)
-    out = dict(system=a.row, params=c.n_params(), state_bytes=state_bytes(c))
+    out = dict(system=a.row, params=c.n_params(), state_bytes=c.state_bytes())
     kind, _, frac = a.row.partition("-")
     t0 = time.perf_counter()
     if kind in SETUPS:
@@ -350,7 +364,8 @@ def show(path: str) -> None:
     with open(path) as f:
         d = json.load(f)
     print(f"{d['card']['name']}, torch {d['card']['torch']}, CUDA {d['card']['cuda']}; {d['args']['precision']}, "
-          f"GPT width {d['args']['width']} x {d['args']['layers']} layers, batch {d['args']['batch']} x "
+          f"{d['args'].get('model', 'gpt')} width {d['args']['width']} x {d['args']['layers']} layers, "
+          f"batch {d['args']['batch']} x "
           f"{d['args']['seq']} in {d['args']['microbatches']} microbatches")
     print(common.table(d["rows"]))
     print("\n".join(ratios(d["rows"])))
@@ -358,10 +373,15 @@ def show(path: str) -> None:
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--width", type=int, default=2048)
-    p.add_argument("--layers", type=int, default=24)
-    p.add_argument("--seq", type=int, default=1024)
-    p.add_argument("--vocab", type=int, default=50304)
+    p.add_argument("--model", default="gpt", choices=("gpt", "llama"),
+                   help="the built-in GPT, or Hugging Face's LlamaForCausalLM (default: the 8B shape)")
+    p.add_argument("--width", type=int, default=None, help="hidden size (gpt 2048, llama 4096)")
+    p.add_argument("--layers", type=int, default=None, help="(gpt 24, llama 32)")
+    p.add_argument("--heads", type=int, default=None, help="llama's attention heads (32)")
+    p.add_argument("--kv-heads", type=int, default=None, help="llama's key/value heads (8)")
+    p.add_argument("--intermediate", type=int, default=None, help="llama's MLP width (14336)")
+    p.add_argument("--seq", type=int, default=None, help="(gpt 1024, llama 2048)")
+    p.add_argument("--vocab", type=int, default=None, help="(gpt 50304, llama 32000)")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--microbatches", type=int, default=4)
     p.add_argument("--steps", type=int, default=4)
@@ -372,14 +392,18 @@ def main():
     p.add_argument("--profile-step", type=int, default=1, help="1: one more step under torch.profiler for compute_idle")
     p.add_argument("--device", default="cuda", help="cuda (cpu: a dry run of the script, no FSDP2 row)")
     p.add_argument("--quick", action="store_true", help="a small model: width 512, 4 layers, sequence 256")
-    p.add_argument("--out", default=None, help="folder for gpu-<precision>.json")
+    p.add_argument("--out", default=None, help="folder for gpu-<precision>.json (gpu-llama-<precision>.json)")
     p.add_argument("--show", default=None, help="print a saved JSON's table and ratios, run nothing")
     p.add_argument("--row", default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.show:
         return show(a.show)
-    if a.quick:
-        a.width, a.layers, a.seq, a.vocab = 512, 4, 256, 8192
+    gpt = dict(width=2048, layers=24, seq=1024, vocab=50304)
+    defaults = (LLAMA_QUICK if a.quick else LLAMA_8B) if a.model == "llama" else \
+        (dict(width=512, layers=4, seq=256, vocab=8192) if a.quick else gpt)
+    for k, v in defaults.items():       # --quick: the small model, whatever else is given
+        if getattr(a, k) is None or a.quick:
+            setattr(a, k, v)
     if a.row:
         try:
             print(json.dumps(row(a)))
@@ -388,7 +412,7 @@ def main():
             sys.exit(1)
         return
     import torch
-    c = model_config(a)
+    c = shape_of(a)
     hw = probe_hardware(a)
     dev = hw.devices[0]
     card = dict(name=dev.name, fp32_flops=dev.peak_flops.get("fp32"), bf16_flops=dev.peak_flops.get("bf16"),
@@ -398,7 +422,8 @@ def main():
                 # what else the simulator's predictions rest on, so that plans can be simulated again off the card
                 efficiency=dev.efficiency, host_memory_bandwidth=hw.host_memory_bandwidth, host_flops=hw.host_flops)
     print(f"card: {hw.describe()}", flush=True)
-    print(f"model: {c.n_params() / 1e9:.2f}B parameters, training state {state_bytes(c) / GiB:.1f} GiB, "
+    print(f"model: {c.describe()}, {c.n_params() / 1e9:.2f}B parameters, training state "
+          f"{c.state_bytes() / GiB:.1f} GiB, "
           f"batch {a.batch} x {a.seq} in {a.microbatches} microbatches, {a.precision}", flush=True)
     tokens = a.batch * a.seq
     raw, rows = [], []
@@ -411,7 +436,8 @@ def main():
             print(r.get("log", ""), flush=True)
         if a.out:       # after every row: a run cut off by its time limit keeps the rows it finished
             os.makedirs(a.out, exist_ok=True)
-            with open(os.path.join(a.out, f"gpu-{a.precision}.json"), "w") as f:
+            name = f"gpu-{a.precision}.json" if a.model == "gpt" else f"gpu-{a.model}-{a.precision}.json"
+            with open(os.path.join(a.out, name), "w") as f:
                 json.dump(dict(card=card, args=vars(a), rows=rows, raw=raw), f, indent=1)
     print(common.table(rows))
     print("\n".join(ratios(rows)))

@@ -522,6 +522,19 @@ def hetero():
 
 
 @pytest.mark.slow
+def test_balanced_ranks_on_one_host_are_simulated_together(hetero):
+    """The three ranks share this machine's cores: each rank's report has the node's step (every rank's plan
+    simulated together, gathered from the ranks), no shorter than its own plan simulated alone, and says so."""
+    s = [hetero[r]["auto"] for r in range(3)]
+    totals = [x["balance"]["totals"] for x in s]
+    assert len({t["simulated_step_s"] for t in totals}) == 1
+    assert all(t["simulated_step_s"] >= t["simulated_alone_s"] - 1e-12 for t in totals)
+    text = " ".join(s[0]["text"].split())             # (the report wraps its notes)
+    assert "simulated node: 3 devices" in text and "host 0: devices 0, 1, 2 share" in text
+    assert "simulated together on the node" in " ".join(s[1]["balance"]["notes"])
+
+
+@pytest.mark.slow
 def test_uneven_shares_train_like_one_process_on_the_global_batch(hetero):
     ref = hetero["ref"]
     for key in ("shares", "uniform"):

@@ -101,11 +101,12 @@ def summary(sm) -> dict:
 
 
 def _node(node) -> dict | None:
-    """A pipeline rank's simulated node (``sm.simulate()``): a row per device."""
+    """A simulated node (a pipeline rank's ``sm.simulate()``, a balanced rank's node): a row per device, and a line
+    per host whose devices shared its cores."""
     if node is None:
         return None
     return dict(title=f"simulated node: {len(node.devices)} devices, step {fmt_seconds(node.step_seconds)}",
-                rows=node.rows())
+                rows=node.rows(), notes=list(getattr(node, "sharing", [])))
 
 
 def _evaluation(sm) -> dict | None:
@@ -267,6 +268,7 @@ class _Writer:
         if d.get("node"):
             self.heading(d["node"]["title"])
             self.table(d["node"]["rows"])
+            self.notes(d["node"].get("notes", []))
         self.heading("last step")
         self.last_step(d["last_step"], d["config"]["memory_budget"])
         if d.get("evaluation"):

@@ -10,6 +10,7 @@
 device 0: cpu (2 cores, AMD EPYC), 23.5 GiB, 0.1 TFLOP/s fp32 (90% sustained by a layer pack), 16.7 us per tensor op, \
 h2d 16.4 GB/s (memcpy), memory 32.75 GB/s
 host: 23.5 GiB, disk read 1.13 GB/s, write 2.06 GB/s, network 1.25 GB/s + 50 us
+device 0's host: 2 cores, memory 32.75 GB/s
 measured by Hardware.profile: fp32 matmul at 1 threads, tensor-op latency, a transformer block of width 512 on 512 \
 tokens, memcpy, disk (O_DIRECT); nominal, not measured: network
 
@@ -175,12 +176,16 @@ class Hardware:
     notes: tuple[str, ...] = field(default_factory=tuple)          # what is measured, nominal or emulated
     switches: tuple[tuple[int, ...], ...] = ()   # devices whose host links share one upstream link (a PCIe switch)
     switch_bandwidth: float = 0.0                # bytes/s of that upstream link, per direction
+    host_cores: float = 0.0      # CPU cores of each host its devices' ranks share (0: not given, host work unshared)
+    hosts: tuple[tuple[int, ...], ...] = ()      # devices of each host (server); (): all on one host
 
     def __post_init__(self):
         object.__setattr__(self, "devices", tuple(self.devices))
         object.__setattr__(self, "switches", tuple(tuple(g) for g in self.switches))
+        object.__setattr__(self, "hosts", tuple(tuple(g) for g in self.hosts))
         if not self.devices:
             raise ConfigError("a Hardware needs at least one device")
+        nodes.check_hosts(self)
         shared = [d for g in self.switches for d in g]
         if len(shared) != len(set(shared)) or any(not 0 <= d < len(self.devices) for d in shared) or \
                 (shared and self.switch_bandwidth <= 0):
@@ -267,6 +272,7 @@ class Hardware:
         lines.append(f"host: {self.host_memory / GiB:.1f} GiB, disk read {self.disk_read_bandwidth / GB:.3g} GB/s, "
                      f"write {self.disk_write_bandwidth / GB:.3g} GB/s, network {self.network_bandwidth / GB:.3g} "
                      f"GB/s + {self.network_latency * 1e6:.0f} us")
+        lines += nodes.describe_hosts(self)
         return "\n".join(lines + list(self.notes))
 
     # -- this machine ----------------------------------------------------------------------------
@@ -288,7 +294,7 @@ class Hardware:
                      d2h_bandwidth=NOMINAL_MEMCPY, memory_bandwidth=2 * NOMINAL_MEMCPY, link="memcpy",
                      sync_copies=True,
                      source="Hardware.detect: nominal per-core FLOP/s and memcpy rate, not measured")
-        return cls((dev,), host_memory=ram, host_flops=cores * NOMINAL_CORE_FLOPS,
+        return cls((dev,), host_memory=ram, host_flops=cores * NOMINAL_CORE_FLOPS, host_cores=cores,
                    host_memory_bandwidth=2 * NOMINAL_MEMCPY, disk_free=machine.disk_free(path),
                    notes=("detected, not measured: speeds are nominal; Hardware.profile() measures them",))
 
@@ -394,7 +400,8 @@ class Hardware:
         if cached.host_memory != detected.host_memory or cached.devices[0].name.split(",")[0] != \
                 detected.devices[0].name.split(",")[0]:
             return detected
-        return cached.replace(disk_free=detected.disk_free)
+        # (a profile cached before hosts had cores still has them: the cores are detected, not measured)
+        return cached.replace(disk_free=detected.disk_free, host_cores=cached.host_cores or detected.host_cores)
 
     @classmethod
     def from_dict(cls, d: dict) -> "Hardware":
@@ -402,6 +409,7 @@ class Hardware:
         d["devices"] = tuple(Device(**dev) for dev in d["devices"])
         d["notes"] = tuple(d.get("notes", ()))
         d["switches"] = tuple(tuple(g) for g in d.get("switches", ()))
+        d["hosts"] = tuple(tuple(g) for g in d.get("hosts", ()))
         return cls(**d)
 
 

@@ -9,7 +9,14 @@ The simulator (runtime/simulate/node.py) reads three things beyond one device's 
 - ``Device.p2p_bandwidth``: bytes/s one device sends to a peer (a pipeline's boundary values);
 - ``Hardware.switches``: groups of devices whose host links meet in one upstream link (a PCIe switch), and
   ``Hardware.switch_bandwidth``, that link's bytes/s per direction: concurrent swaps of the devices of one group
-  share it, while each device alone still copies at its own link's rate.
+  share it, while each device alone still copies at its own link's rate;
+- ``Hardware.hosts``: groups of devices of one server (default: every device on one), whose ranks share the host's
+  ``Hardware.host_cores`` CPU cores and its ``host_memory_bandwidth``: the host's optimizer steps, its copies, and
+  the compute of a device that is the CPU itself (a logical device, ``sync_copies``) each take a core, and the
+  steps and copies their bytes of the memory bus, so ranks on one host slow each other as they really do.
+  ``host_cores=0`` (the presets': no figure) leaves every rank's host work unshared, as does a host with one rank.
+  Where several servers are emulated on one machine, give each its part of the machine's cores
+  (``hw.replace(host_cores=cores / servers)``).
 
 The presets and why each figure:
 
@@ -54,6 +61,27 @@ def _a100(hardware):
     return hw.replace(devices=devices, switches=((0, 1), (2, 3), (4, 5), (6, 7)), switch_bandwidth=link,
                       notes=hw.notes + ("8 A100 SXM4 on NVSwitch (NVLink 3, 300 GB/s one way); two GPUs per "
                                         "PCIe Gen4 switch to the host (assumed DGX A100 layout)",))
+
+
+def host_groups(hw) -> tuple[tuple[int, ...], ...]:
+    """The devices of each host: ``hw.hosts``, or every device on one."""
+    return hw.hosts or (tuple(range(len(hw.devices))),)
+
+
+def check_hosts(hw) -> None:
+    """``Hardware.hosts`` names each device at most once, ``host_cores`` is not negative; else a ConfigError."""
+    named = [d for g in hw.hosts for d in g]
+    if len(named) != len(set(named)) or any(not 0 <= d < len(hw.devices) for d in named) or hw.host_cores < 0:
+        raise ConfigError(f"hosts={hw.hosts!r}, host_cores={hw.host_cores!r}: each of the {len(hw.devices)} devices "
+                          f"on at most one host, and host_cores >= 0 (0: not given)")
+
+
+def describe_hosts(hw) -> list[str]:
+    """A line per host whose devices share its cores (for ``Hardware.describe``)."""
+    if not hw.host_cores:
+        return []
+    return [(f"devices {', '.join(map(str, g))} share one host" if len(g) > 1 else f"device {g[0]}'s host") +
+            f": {hw.host_cores:g} cores, memory {hw.host_memory_bandwidth / GB:.3g} GB/s" for g in host_groups(hw)]
 
 
 NODES = {"4x1080ti": lambda hw: _commodity(hw, 4), "8x1080ti": lambda hw: _commodity(hw, 8), "8xa100-40gb": _a100}

@@ -21,10 +21,12 @@ from harmony.compiler.balance import ModelCost
 from harmony.compiler.cost import Affine
 from harmony.compiler.ir import CompileConfig, PassReport, Program
 from harmony.compiler.meta import COST
+from harmony.driver.modes.pipeline_plan import portable_inputs
 from harmony.passes.partition import find_units, smallest_budget, tensor_bytes
 from harmony.runtime.comm.failures import guarded
 from harmony.runtime.comm.world import rank_and_world
 from harmony.runtime.plan import optim_state_bytes, step_traffic
+from harmony.runtime.simulate.node import shared_hosts, simulate_node
 
 
 @dataclass
@@ -38,14 +40,31 @@ class Balanced:
     device: object                # this rank's compiler.hardware.Device
 
     def simulated(self, sm, hardware) -> None:
-        """Add this rank's compiled plan simulated on its device to the report."""
+        """Add this rank's compiled plan simulated to the report: on its device alone, and where ranks share a host
+        whose cores the hardware gives (``Hardware.host_cores``, ``hosts``), with every rank's plan together on
+        the node (each rank's plan gathered from it), so ranks on one host slow each other as they do."""
         if sm.predicted is None:
             return
-        sim = sm.simulate(hardware.replace(devices=(self.device,)))
-        self.report.totals["simulated_step_s"] = sim.step_seconds
+        sim = sm.simulate(hardware.replace(devices=(self.device,), hosts=()))
+        totals = self.report.totals
+        totals["simulated_step_s"] = sim.step_seconds
         self.report.notes.append(f"simulated_step_s: this rank's compiled plan simulated on its device "
                                  f"({self.device.name}), compute and all-reduces included; the slowest rank sets "
                                  f"the step")
+        _, world = rank_and_world()
+        if world < 2 or not shared_hosts(hardware, world):
+            return
+        import torch.distributed as dist
+        every = [None] * world
+        guarded("balance='s node simulation (every rank's plan, gathered)", dist.all_gather_object, every,
+                portable_inputs(sm.program))
+        node = simulate_node(every, hardware)
+        sm.node_simulation = node
+        totals["simulated_alone_s"], totals["simulated_step_s"] = sim.step_seconds, node.step_seconds
+        self.report.notes[-1] = ("simulated_step_s: every rank's compiled plan simulated together on the node, its "
+                                 "ranks sharing their host's cores and memory (" + "; ".join(node.sharing) +
+                                 "); the slowest rank sets the step; simulated_alone_s: this rank's alone on its "
+                                 "device")
 
 
 def plan_this_rank(model, gm, batch, spec, config: CompileConfig, hardware, sharded: bool) -> Balanced:

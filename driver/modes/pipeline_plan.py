@@ -21,6 +21,14 @@ def rank_inputs(program) -> tuple:
     return (program.schedule, program.plan, memory_curve(program, check_residency=False), state_sizes(program))
 
 
+def portable_inputs(program) -> tuple:
+    """``rank_inputs`` to send to another rank (pickled): the plan without its packs' modules, whose weights the
+    simulation does not read."""
+    graph, plan, memory, sizes = rank_inputs(program)
+    lean = dataclasses.replace(plan, packs=[dataclasses.replace(p, module=None) for p in plan.packs])
+    return graph, lean, memory, sizes
+
+
 def simulate_programs(programs, hardware, replicas: int = 1):
     """The node's step with device r running ``programs[r]`` (``replicas``: each program run by that many devices
     in a row, e.g. one data-parallel plan on every device of the node)."""

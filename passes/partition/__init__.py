@@ -98,13 +98,29 @@ def find_units(program: Program) -> list[Unit]:
     positive = sorted(c for c in cross[1:] if c > 0)
     median = positive[len(positive) // 2] if positive else 0.0
     least = min((c for c in positive if c >= 0.25 * median), default=0.0)   # ignore tiny index tensors
-    cuts = [0] + [g for g in range(1, len(nodes)) if count[g] <= fewest or cross[g] <= 1.5 * least] + [len(nodes)]
+    closed = _inside_lists(program, nodes)
+    cuts = [0] + [g for g in range(1, len(nodes)) if (count[g] <= fewest or cross[g] <= 1.5 * least)
+                  and g not in closed] + [len(nodes)]
     names = dict(program.gm.named_parameters())
     units = []
     for s, e in zip(cuts, cuts[1:]):
         if e > s:
             units.append(_summarise(nodes[s:e], cross[s], names, b))
     return units
+
+
+def _inside_lists(program: Program, nodes) -> set[int]:
+    """The gaps no pack may start at: those a list of floating tensors (a ``chunk``'s, a ``split``'s) crosses on
+    its way to a reader. A pack's inputs carry gradients back as tensors only: cut there, the later pack would read
+    the list with its gradients going nowhere, and the earlier pack's parameters would train on part of theirs."""
+    index = {n: i for i, n in enumerate(nodes)}
+    closed: set[int] = set()
+    for i, n in enumerate(nodes):
+        v = program.fake.vals.get(n)
+        if type(v) in (list, tuple) and any(isinstance(t, torch.Tensor) and t.is_floating_point() for t in v):
+            last = max((index.get(u, len(nodes)) for u in n.users), default=i)
+            closed.update(range(i + 1, min(last, len(nodes) - 1) + 1))
+    return closed
 
 
 def _state_of(node):

@@ -290,10 +290,11 @@ class _Clock:
         self.landing: list[tuple[float, int]] = []  # copies out: (when they land, device bytes held until then)
 
     def run(self, stream: str, start: float, seconds: float, name: str, kind: str) -> SimEvent:
-        """``seconds`` on ``stream`` from ``start``; a host copy whose link shares a switch may take longer."""
+        """``seconds`` on ``stream`` from ``start``; on a node, work that shares a switch or its host's cores and memory
+        with other devices (runtime/simulate/node.py) may take longer."""
         end = start + seconds
-        if self.peers is not None and stream in ("h2d", "d2h") and seconds:
-            end = self.peers.host_copy(self.label, stream, start, seconds)
+        if self.peers is not None and seconds:
+            end = self.peers.occupy(stream, start, seconds)
         self.free.setdefault(stream, 0.0)
         self.busy[stream] = self.busy.get(stream, 0.0) + (seconds if end == start + seconds else end - start)
         self.free[stream] = end

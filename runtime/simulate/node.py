@@ -24,9 +24,17 @@ The devices are replayed one op at a time, always the one whose compute stream i
 waiting for a message, so the copies are booked on a shared link roughly in time order. A device whose next op
 is a ``recv`` not yet sent waits; if every device waits, the schedules deadlock and that is an error.
 
-What is not modelled: the host's CPU and memory bandwidth shared by the devices' optimizer steps (each device's
-host steps run as if it had the host alone), P2P traffic contending with swaps on a device's own link, and the
-receiver's link (a message takes only the sender's). With one device the result is ``simulate``'s, op for op.
+- **a shared host** (``Hardware.hosts``, ``Hardware.host_cores``): the devices of one server share its cores and
+  its memory bus. A host step takes a core and the bus; on a device that is the host's CPU (a logical device,
+  ``sync_copies``) compute takes a core (an emulated one only for its own time: the rest is slept), and a copy a
+  core and twice its bytes of the bus (a memcpy reads and writes them); a GPU's copy takes its bytes of the bus.
+  Booked as the links are (runtime/simulate/shared.py), so three ranks computing on two cores take half as long
+  again as on three, and the summary says, per host, which devices shared it and how long their work waited.
+
+What is not modelled: the CPU time of the collectives (gloo's reductions and a codec's packing, on the host), P2P
+traffic contending with swaps on a device's own link, the receiver's link (a message takes only the sender's), and
+the host work of a rank alone on its host or of a host without ``host_cores`` (each as if it had the host alone).
+With one device the result is ``simulate``'s, op for op.
 """
 from __future__ import annotations
 
@@ -36,6 +44,7 @@ from harmony.base.errors import ConfigError
 from harmony.runtime.ops import op_of
 from harmony.runtime.pipeline import message_bytes
 from harmony.runtime.simulate import OnHost, Replay, SimEvent, Simulation, fmt_seconds
+from harmony.runtime.simulate.shared import Shared
 
 MiB = 2**20
 
@@ -47,6 +56,8 @@ class NodeSimulation:
     devices: list[Simulation]
     sent: list[int] = field(default_factory=list)          # bytes each device sent to its peers
     messages: list[int] = field(default_factory=list)      # messages each device sent
+    waited: list[float] = field(default_factory=list)      # seconds each device's work took longer for what it shares
+    sharing: list[str] = field(default_factory=list)       # a line per host whose devices share its cores
 
     @property
     def step_seconds(self) -> float:
@@ -80,7 +91,8 @@ class NodeSimulation:
                             d2h_s=d.busy.get("d2h", 0.0), swapped_in_MiB=d.moved.get("h2d", 0) / MiB,
                             swapped_out_MiB=d.moved.get("d2h", 0) / MiB,
                             sends=self.messages[i] if self.messages else 0,
-                            sent_MiB=(self.sent[i] if self.sent else 0) / MiB, peak_MiB=d.peak_bytes / MiB))
+                            sent_MiB=(self.sent[i] if self.sent else 0) / MiB, peak_MiB=d.peak_bytes / MiB,
+                            shared_wait_s=self.waited[i] if self.waited else 0.0))
         return out
 
     def summary(self) -> str:
@@ -93,7 +105,7 @@ class NodeSimulation:
         lines.append("  ".join(c.rjust(w) if k else c.ljust(w) for k, (c, w) in enumerate(zip(cols, widths))))
         lines += ["  ".join(v.rjust(w) if k else v.ljust(w) for k, (v, w) in enumerate(zip(row, widths)))
                   for row in cells]
-        return "\n".join(lines)
+        return "\n".join(lines + self.sharing)
 
     def __repr__(self) -> str:
         return (f"NodeSimulation(step {fmt_seconds(self.step_seconds)} on {len(self.devices)} devices; "
@@ -107,37 +119,78 @@ def _cell(v) -> str:
 
 
 class _Links:
-    """What the devices share: the messages sent so far, and the bookings of each shared host link."""
+    """What the devices share: the messages sent so far, and the bookings of each shared resource (``Shared``): a
+    switch's upstream link per direction, and each host's cores and memory bus."""
 
     def __init__(self, hw, plans):
         self.hw, self.plans = hw, plans
         self.group = {d: k for k, g in enumerate(getattr(hw, "switches", ())) if len(g) > 1 for d in g}
-        self.booked: dict[tuple, list[tuple[float, float, float]]] = {}   # (group, stream) -> (t0, t1, bytes/s)
+        self.host = shared_hosts(hw, len(plans))                       # device -> its host, where shared
+        self.shared = Shared()
         self.arrivals: dict[tuple, float] = {}                           # (src, dst, tag) -> when the send ends
         self.sent = [0] * len(plans)
         self.messages = [0] * len(plans)
+        self.waited = [0.0] * len(plans)           # seconds each device's work took longer for what it shares
+
+    def needs(self, rank: int, stream: str) -> dict:
+        """What work on ``stream`` of device ``rank`` asks of the resources it shares: ``key -> (demand, capacity)``.
+
+        A copy through a switch: its link's rate of the switch's. On a host whose cores its ranks share: a host
+        step, and on a device that is the host's CPU (``sync_copies``) its compute and its copies (memcpy), a core
+        each; a step and a copy, the bytes per second they move of the host's memory bus (a copy the CPU makes reads
+        and writes each byte, a GPU's DMA writes or reads it once; a host step is costed at the whole bus)."""
+        dev, hw, out = self.hw.devices[rank], self.hw, {}
+        copy = stream in ("h2d", "d2h")
+        if copy and rank in self.group:
+            out[("switch", self.group[rank], stream)] = (getattr(dev, f"{stream}_bandwidth"), hw.switch_bandwidth)
+        host = self.host.get(rank)
+        if host is None:
+            return out
+        cpu, bus = getattr(dev, "sync_copies", False), hw.host_memory_bandwidth
+        if stream == "host" or (cpu and (copy or stream == "compute")):
+            out[("cores", host)] = (1.0, hw.host_cores)
+        if stream == "host":
+            out[("memory", host)] = (bus, bus)
+        elif copy:
+            out[("memory", host)] = (min(bus, getattr(dev, f"{stream}_bandwidth") * (2 if cpu else 1)), bus)
+        return out
+
+    def occupy(self, rank: int, stream: str, start: float, seconds: float) -> float:
+        """When work of ``seconds`` (at the device's own rate, alone) on ``stream`` that starts at ``start`` ends.
+
+        An emulated device's compute (``speed_factor`` > 1) needs a core for only its own time (the runtime sleeps
+        the rest out, runtime/executor.emulation_pause): it ends at the later of its stretched time and its core
+        work done."""
+        needs = self.needs(rank, stream)
+        if not needs:
+            return start + seconds
+        factor = getattr(self.hw.devices[rank], "speed_factor", 1.0) if stream == "compute" else 1.0
+        end = max(start + seconds, self.shared.book(needs, start, seconds / factor))
+        self.waited[rank] += end - start - seconds
+        return end
+
+    def sharing(self) -> list[str]:
+        """A line per host whose devices shared its cores: which, how many cores, how busy they kept them."""
+        out = []
+        for host in sorted(set(self.host.values())):
+            devices = [d for d, h in self.host.items() if h == host]
+            out.append(f"host {host}: devices {', '.join(map(str, devices))} share {self.hw.host_cores:g} cores "
+                       f"({self.shared.used(('cores', host)):.3g} core-seconds of work) and "
+                       f"{self.hw.host_memory_bandwidth / 1e9:.3g} GB/s of memory; their work waited "
+                       f"{sum(self.waited[d] for d in devices):.3g} s for them in all")
+        return out
 
     def book(self, rank: int, stream: str, start: float, seconds: float) -> float:
         """When a host copy of ``seconds`` (at the device's own rate) that starts at ``start`` ends."""
-        if rank not in self.group:
-            return start + seconds
-        rate = getattr(self.hw.devices[rank], f"{stream}_bandwidth")
-        room = self.hw.switch_bandwidth
-        booked = self.booked.setdefault((self.group[rank], stream), [])
-        live = [b for b in booked if b[1] > start]
-        edges = sorted({t for b in live for t in b[:2] if t > start})
-        t, left = start, seconds          # seconds still to copy at the device's own rate
-        for nxt in edges + [float("inf")]:
-            share = min(rate, room - sum(r for t0, t1, r in live if t0 <= t < t1)) / rate
-            if share > 0:
-                need = left if share == 1 else left / share
-                if t + need <= nxt:
-                    booked.append((t, t + need, share * rate))
-                    return t + need
-                booked.append((t, nxt, share * rate))
-                left -= (nxt - t) * share
-            t = nxt
-        raise AssertionError("unreachable: the last interval is unbounded")
+        return self.occupy(rank, stream, start, seconds)
+
+
+def shared_hosts(hw, count: int) -> dict[int, int]:
+    """Device -> host, for the first ``count`` devices on hosts with cores given and more than one of them."""
+    if not getattr(hw, "host_cores", 0):
+        return {}
+    groups = getattr(hw, "hosts", ()) or (tuple(range(len(hw.devices))),)
+    return {d: k for k, g in enumerate(groups) if sum(x < count for x in g) > 1 for d in g if d < count}
 
 
 class _Port:
@@ -161,8 +214,8 @@ class _Port:
         self.links.sent[self.rank] += message_bytes(self.links.plans[self.rank], node.kwargs["names"])
         self.links.messages[self.rank] += 1
 
-    def host_copy(self, label: str, stream: str, start: float, seconds: float) -> float:
-        return self.links.book(self.rank, stream, start, seconds)
+    def occupy(self, stream: str, start: float, seconds: float) -> float:
+        return self.links.occupy(self.rank, stream, start, seconds)
 
 
 def simulate_node(ranks, hw) -> NodeSimulation:
@@ -191,4 +244,5 @@ def simulate_node(ranks, hw) -> NodeSimulation:
                               f"({stuck}); each rank's schedule must be the single-device order restricted to "
                               f"its packs (passes/stage_schedule.py)")
         min(free, key=lambda r: r.clock.free["compute"]).advance()
-    return NodeSimulation([r.result() for r in replays], sent=links.sent, messages=links.messages)
+    return NodeSimulation([r.result() for r in replays], sent=links.sent, messages=links.messages,
+                          waited=links.waited, sharing=links.sharing())
