@@ -28,8 +28,6 @@ KNOWN: dict[str, dict[str, str]] = {
                           "their gradient contributions add in another order than eager's (DESIGN.md's allclose "
                           "exception for a weight two packs share), and step 2 reads them everywhere; bitwise in "
                           "one pack"},
-    "clip": {"trace": "the contrastive loss's torch.arange(len(logits)) makes len() a Python int, which fixes the "
-                      "traced batch at the example's 8 rows; the plan runs microbatches of 2 (InputError)"},
 }
 
 

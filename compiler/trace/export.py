@@ -25,6 +25,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 
 from harmony.compiler.fake import fake_state_if_empty
 from harmony.compiler.trace.bounded import bounded_shapes
+from harmony.compiler.trace.sizes import symbolic_len
 
 __all__ = ["drop_metadata_asserts", "export_graph", "graph_modules", "retarget", "torch_output_held"]
 
@@ -38,8 +39,9 @@ def export_graph(step: torch.nn.Module, tensors: tuple[torch.Tensor, ...],
     if dtype is not None:
         tensors = tuple(t.to(dtype) if t.is_floating_point() else t for t in tensors)
     # a model built without its weights is exported on fake twins of its state (compiler/fake.py)
-    # ops whose output shapes depend on values (ctc_loss) traced with shapes bounded by their inputs' (bounded.py)
-    with torch_output_held(), _state_in(step, dtype), bounded_shapes(), \
+    # ops whose output shapes depend on values (ctc_loss) traced with shapes bounded by their inputs' (bounded.py);
+    # len(x) the symbol x.shape[0] is, not the example's rows (sizes.py)
+    with torch_output_held(), _state_in(step, dtype), bounded_shapes(), symbolic_len(), \
             fake_state_if_empty(step, tensors) as (_, tensors):
         program = torch.export.export(step, tensors, strict=False, dynamic_shapes=dynamic)
     # ep.module() would add a guard node that rejects other batch sizes.
