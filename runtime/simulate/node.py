@@ -139,9 +139,10 @@ class _Links:
         """What work on ``stream`` of device ``rank`` asks of the resources it shares: ``key -> (demand, capacity)``.
 
         A copy through a switch: its link's rate of the switch's. On a host whose cores its ranks share: a host
-        step, and on a device that is the host's CPU (``sync_copies``) its compute and its copies (memcpy), a core
-        each; a step and a copy, the bytes per second they move of the host's memory bus (a copy the CPU makes reads
-        and writes each byte, a GPU's DMA writes or reads it once; a host step is costed at the whole bus)."""
+        step, a quantized all-reduce's codec, and on a device that is the host's CPU (``sync_copies``) its compute
+        and its copies (memcpy), a core each; a step and a copy, the bytes per second they move of the host's memory
+        bus (a copy the CPU makes reads and writes each byte, a GPU's DMA writes or reads it once; a host step is
+        costed at the whole bus)."""
         dev, hw, out = self.hw.devices[rank], self.hw, {}
         copy = stream in ("h2d", "d2h")
         if copy and rank in self.group:
