@@ -21,6 +21,16 @@ def optim_state_bytes(profile: dict, nbytes: int) -> int:
 # (compiler/hardware.NOMINAL holds these). Nominal placeholders, not measurements.
 NOMINAL_NETWORK_BANDWIDTH = 1.25e9     # bytes/s per rank
 NOMINAL_NETWORK_LATENCY = 50e-6        # seconds per message
+# fp32 gradient bytes per second one core quantizes and dequantizes once (CGX's codec, runtime/comm/compression.py),
+# by bits: a rough figure (one AMD EPYC core's, in its CPU time, once), not this machine's; Hardware.profile measures.
+NOMINAL_CODEC_RATES = ((1, 0.5e9), (4, 0.75e9), (8, 0.85e9))
+
+
+def codec_rate(hw, bits: int) -> float:
+    """Bytes/s per core of the codec at ``bits``: ``hw.codec_rates``' figure for the nearest bits measured (nominal
+    where the description gives none)."""
+    rates = getattr(hw, "codec_rates", ()) or NOMINAL_CODEC_RATES
+    return min(rates, key=lambda r: (abs(r[0] - bits), r[0]))[1]
 
 
 def step_traffic(param_bytes: float, optim_bytes: float) -> float:

@@ -431,9 +431,12 @@ def test_profile_measures_and_this_machine_uses_the_cache(tmp_path, monkeypatch)
     assert all(v >= 0 and math.isfinite(v) for v in (dev.ondemand_call_latency, dev.ondemand_op_latency))
     assert "per tensor op" in hw.describe()
     assert "measured" in hw.notes[0]
+    assert [b for b, _ in hw.codec_rates] == [1, 4, 8] and all(r > 0 and math.isfinite(r) for _, r in hw.codec_rates)
+    assert "gradient codec per core" in hw.describe()
     assert list(tmp_path.glob("harmony-disk-*")) == []                  # the temp file is gone
     cached = Hardware.this_machine()
     assert cached.devices[0] == dev and cached.disk_read_bandwidth == hw.disk_read_bandwidth
+    assert cached.codec_rates == hw.codec_rates
     budgeted = cached.logical([512 * 2**20])                              # a logical CPU device with a budget
     assert budgeted.devices[0].memory == 512 * 2**20 and budgeted.devices[0].h2d_bandwidth == dev.h2d_bandwidth
 

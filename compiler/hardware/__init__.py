@@ -178,11 +178,15 @@ class Hardware:
     switch_bandwidth: float = 0.0                # bytes/s of that upstream link, per direction
     host_cores: float = 0.0      # CPU cores of each host its devices' ranks share (0: not given, host work unshared)
     hosts: tuple[tuple[int, ...], ...] = ()      # devices of each host (server); (): all on one host
+    # (bits, fp32 bytes/s) one core quantizes and dequantizes once with CGX's codec; (): nominal (runtime/plan.py), as
+    # in a profile cached before profile() measured it (the version is kept: only this figure is missing there)
+    codec_rates: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self):
         object.__setattr__(self, "devices", tuple(self.devices))
         object.__setattr__(self, "switches", tuple(tuple(g) for g in self.switches))
         object.__setattr__(self, "hosts", tuple(tuple(g) for g in self.hosts))
+        object.__setattr__(self, "codec_rates", tuple((int(b), float(r)) for b, r in self.codec_rates))
         if not self.devices:
             raise ConfigError("a Hardware needs at least one device")
         nodes.check_hosts(self)
@@ -272,6 +276,9 @@ class Hardware:
         lines.append(f"host: {self.host_memory / GiB:.1f} GiB, disk read {self.disk_read_bandwidth / GB:.3g} GB/s, "
                      f"write {self.disk_write_bandwidth / GB:.3g} GB/s, network {self.network_bandwidth / GB:.3g} "
                      f"GB/s + {self.network_latency * 1e6:.0f} us")
+        if self.codec_rates:
+            lines.append("gradient codec per core (quantize + dequantize): " + ", ".join(
+                f"{b} bits {r / GB:.3g} GB/s" for b, r in self.codec_rates))
         lines += nodes.describe_hosts(self)
         return "\n".join(lines + list(self.notes))
 

@@ -258,6 +258,29 @@ def memcpy_bandwidth(budget: float, size: int = 128 * 2**20) -> float:
     return size / _median(_timed(lambda: dst.copy_(src), budget))
 
 
+def codec_rates(budget: float, bits=(1, 4, 8), numel: int = 1 << 20) -> tuple[tuple[int, float], ...]:
+    """(bits, fp32 bytes/s) one thread quantizes (stochastic rounding, CGX's default) and dequantizes once: the
+    codec a quantized all-reduce runs on the host thread (runtime/comm/compression.py). Timed in the thread's CPU
+    time, a rate per core however busy the machine is (the simulator books the core's sharing itself)."""
+    import torch
+
+    from harmony.runtime.comm.compression import dequantize, quantize
+    x, before = torch.randn(numel), torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        rates = []
+        for b in bits:
+            dequantize(quantize(x, bits=b, bucket_size=512))        # warm-up
+            runs, t0, stop = 0, time.thread_time(), time.perf_counter() + budget / len(bits)
+            while runs < 2 or time.perf_counter() < stop:
+                dequantize(quantize(x, bits=b, bucket_size=512))
+                runs += 1
+            rates.append((b, runs * x.nbytes / max(time.thread_time() - t0, 1e-9)))
+        return tuple(rates)
+    finally:
+        torch.set_num_threads(before)
+
+
 def disk_bandwidth(budget: float, path=None, block: int = 16 * 2**20, cap: int = 1 * GiB):
     """(read, write) bytes/s of a temporary file, and how it was measured.
 

@@ -13,7 +13,7 @@ from harmony.runtime.comm.communicator import comm_groups, communicator, existin
 from harmony.runtime.comm.compression import DEFAULT_MIN_SIZE, NO_COMPRESSION
 from harmony.runtime.comm.jobwide import STEP_KEY, Words, ghost
 from harmony.runtime.ops import Predicted, allreduce, register
-from harmony.runtime.plan import NOMINAL_NETWORK_BANDWIDTH, NOMINAL_NETWORK_LATENCY
+from harmony.runtime.plan import NOMINAL_NETWORK_BANDWIDTH, NOMINAL_NETWORK_LATENCY, codec_rate
 from harmony.runtime.tiers.memory import CountAllocations
 
 
@@ -96,6 +96,20 @@ def _allreduce_cost(plan, hw, pack, kind="none", *, world=1, bits=4, **kw):
     sent = 2 * (world - 1) / max(world, 1) * size * per_byte
     bandwidth = getattr(hw, "network_bandwidth", NOMINAL_NETWORK_BANDWIDTH)
     return "network", sent / bandwidth + 2 * (world - 1) * getattr(hw, "network_latency", NOMINAL_NETWORK_LATENCY)
+
+
+def codec_seconds(plan, hw, pack, kind="none", *, world=1, bits=4, **kw) -> float:
+    """Seconds of one core's work a rank spends in the codec of a quantized all-reduce of the pack's gradients.
+
+    Each rank quantizes every element once (the chunks it sends, then its reduced chunk) and dequantizes the
+    w - 1 chunks it receives and then all w gathered ones: 1 quantize and (2w - 1) / w dequantizes per element,
+    each taken as half of ``codec_rate``'s quantize + dequantize pair. It runs on the thread that runs the
+    all-reduce (the host thread), before and between the transfers. Other kinds: 0 (not costed).
+    """
+    if kind != "quantized" or world < 2:
+        return 0.0
+    passes = (1 + (2 * world - 1) / world) / 2
+    return plan.packs[pack].param_bytes * passes / codec_rate(hw, bits)
 
 
 @ghost(allreduce)

@@ -49,7 +49,9 @@ at a time. An op starts when its stream is free and:
 Each rule reads what the op does from its table entry (runtime/ops/'s ``OpDef``: ``fetches``,
 ``releases``, ``steps``, ``stashes``, ``copy_thread``, ...), never its name: a ``gather`` is timed
 as a fetch because its entry says it is one, as is any new op declared one. Stream names
-(``compute``, ``h2d``, ``d2h``, ``disk``, ``network``, ``p2p``, ``host``) are strings; where state lives
+(``compute``, ``h2d``, ``d2h``, ``disk``, ``network``, ``p2p``, ``host``, and ``codec``: a quantized
+all-reduce's quantizing and dequantizing on the host thread, ``codec_seconds`` at ``Hardware.codec_rates``, which
+the transfer waits for) are strings; where state lives
 (a step's ``where=``) is a ``Tier``.
 
 A ``swap_in`` or ``release`` moves only the state that is not already where it goes,
@@ -79,6 +81,7 @@ import torch.fx
 from harmony.base.tiers import Tier
 from harmony.runtime.executor import TraceEvent
 from harmony.runtime.ops import MemoryModel, moving_names, op_of, ops_of, resident_state
+from harmony.runtime.ops.reduce import codec_seconds
 from harmony.runtime.ops.update import device_part_cost, streamed_optim_bytes
 from harmony.runtime.plan import Plan
 
@@ -358,6 +361,10 @@ class _Clock:
         sync = getattr(dev, "sync_copies", False) and op.kind == "copy"
         if sync:                       # issued once the compute before it is done
             ready = max(ready, free["compute"])
+        if op.reduces:       # a quantized all-reduce's codec, on the host thread, before the transfers it feeds
+            codec = codec_seconds(self.plan, dev, *node.args, **node.kwargs)
+            if codec:
+                ready = self.run("codec", max(free.get(stream, 0.0), ready), codec, f"{node.name}.codec", "codec").end
         ev = self.run(stream, max(free.get(stream, 0.0), ready), seconds, node.name, op.kind)
         if stream == "d2h" and seconds:     # (its device bytes, for ``room_for``)
             self.landing.append((ev.end, round(seconds * dev.d2h_bandwidth)))

@@ -31,7 +31,10 @@ is a ``recv`` not yet sent waits; if every device waits, the schedules deadlock 
   Booked as the links are (runtime/simulate/shared.py), so three ranks computing on two cores take half as long
   again as on three, and the summary says, per host, which devices shared it and how long their work waited.
 
-What is not modelled: the CPU time of the collectives (gloo's reductions and a codec's packing, on the host), P2P
+A quantized all-reduce's codec (the ``codec`` stream) takes a core of the host too, so it contends with the
+host steps and a CPU device's compute there.
+
+What is not modelled: gloo's own CPU time (its reductions and copies; fp16 / bf16 conversions), P2P
 traffic contending with swaps on a device's own link, the receiver's link (a message takes only the sender's), and
 the host work of a rank alone on its host or of a host without ``host_cores`` (each as if it had the host alone).
 With one device the result is ``simulate``'s, op for op.
@@ -136,9 +139,10 @@ class _Links:
         """What work on ``stream`` of device ``rank`` asks of the resources it shares: ``key -> (demand, capacity)``.
 
         A copy through a switch: its link's rate of the switch's. On a host whose cores its ranks share: a host
-        step, and on a device that is the host's CPU (``sync_copies``) its compute and its copies (memcpy), a core
-        each; a step and a copy, the bytes per second they move of the host's memory bus (a copy the CPU makes reads
-        and writes each byte, a GPU's DMA writes or reads it once; a host step is costed at the whole bus)."""
+        step, a quantized all-reduce's codec, and on a device that is the host's CPU (``sync_copies``) its compute
+        and its copies (memcpy), a core each; a step and a copy, the bytes per second they move of the host's memory
+        bus (a copy the CPU makes reads and writes each byte, a GPU's DMA writes or reads it once; a host step is
+        costed at the whole bus)."""
         dev, hw, out = self.hw.devices[rank], self.hw, {}
         copy = stream in ("h2d", "d2h")
         if copy and rank in self.group:
@@ -147,7 +151,7 @@ class _Links:
         if host is None:
             return out
         cpu, bus = getattr(dev, "sync_copies", False), hw.host_memory_bandwidth
-        if stream == "host" or (cpu and (copy or stream == "compute")):
+        if stream in ("host", "codec") or (cpu and (copy or stream == "compute")):
             out[("cores", host)] = (1.0, hw.host_cores)
         if stream == "host":
             out[("memory", host)] = (bus, bus)
