@@ -5,8 +5,9 @@ Each rank says how its step stands (a word: it runs; its own step failed; it kno
 collectives that come before an optimizer update, each on its own group and thread, in the schedule's order:
 
 * data parallel (fp32 all-reduces): on each gradient all-reduce (runtime/comm/collectives.py ``allreduce(words=)``):
-  two ranks at the end of its buffer; three or more beside it (``Words.launch``: their own small all-reduce,
-  launched with it and joined after it, so it costs no wait of its own); ``shard_state="full"``: on the first swap
+  at the end of its first fp32 buffer (padded alike on every step over three ranks or more, so no sum changes
+  with them); with no fp32 buffer beside it (``Words.launch``: their own small all-reduce, launched with it and
+  joined after it); ``shard_state="full"``: on the first swap
   of each reduce-scatter (two ranks), else beside its all-reduces (runtime/partitioned/meet.py); a pipeline: in the
   mask before each message (``ABORT``);
 * elsewhere (compression, adaptive bits), and before ZeRO-1's broadcasts and a pipeline's norms' all-gather: a
