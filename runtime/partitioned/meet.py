@@ -18,7 +18,7 @@ from harmony.runtime.comm.jobwide import STEP_KEY, Words, ghost
 from harmony.runtime.partitioned.carry import CARRY
 
 GATHERS = "gathers"       # the key of the gathers' words (their own group, the copy thread's)
-__all__ = ["GATHERS", "Words", "first_of_call", "rides", "swapped"]
+__all__ = ["GATHERS", "Words", "pads", "rides", "swapped"]
 
 
 @ghost("gather")
@@ -67,10 +67,12 @@ def rides(shares, comm) -> bool:
     return comm is None and bool(shares.segments) and all(seg.codec is None for seg in shares.segments)
 
 
-def first_of_call(shares, s: int) -> bool:
-    """Whether segment ``s`` is the first of its all-reduce call's: the buffer the replicated run's words ride at the
-    end of (runtime/comm/collectives.py ``allreduce``), which a riding reduce-scatter pads alike."""
-    return next(i for i, seg in enumerate(shares.segments) if seg.call == shares.segments[s].call) == s
+def pads(shares, s: int) -> bool:
+    """Whether segment ``s``'s all-reduce is padded: the first buffer of its all-reduce call, where the replicated
+    run's words ride at the end of it (runtime/comm/collectives.py ``allreduce``; ``PackShares.padded``: not under
+    compression), which a riding reduce-scatter pads alike."""
+    first = next(i for i, seg in enumerate(shares.segments) if seg.call == shares.segments[s].call)
+    return shares.padded and first == s
 
 
 def swapped(shares) -> bool:
@@ -99,7 +101,7 @@ def _reduce_scatter_ghost(rt, node) -> None:
             swap_chunks(torch.zeros(seg.size), seg, shares.rank, None if beside else words)
         else:
             all_reduce_chunk(torch.zeros(seg.size), seg, shares.rank, shares.world, None, {},
-                             padded=first_of_call(shares, s))
+                             padded=pads(shares, s))
     if beside:
         words.join(status.timeout)
     words.settle(raises=False)
