@@ -5,8 +5,8 @@ words on each collective of a step) cost: gloo ranks, one small model.
 
 Prints the handshake's own time per call and a step's time four ways, interleaved step by step, each way taking
 each place in turn (on a shared machine the place in the rotation moved a way's median by up to 10%; median of each):
-as the module runs (the handshake, and the words riding on the step's collectives: at the end of a buffer; under
-shard_state="full" over three ranks or more, beside it), "before" (the words in a meet of their own before each
+as the module runs (the handshake, and the words riding on the step's collectives: at the end of a buffer, or on
+shard_state="full"'s first swap of chunks), "before" (the words in a meet of their own before each
 collective except on two ranks' buffers: how three ranks or more ran before the words rode), without the words (the
 handshake only: the step before the job-wide outcome), and with neither; and the handshake only again, a fifth way
 that runs the same code as the fourth (``noise``: how far two medians of one code fall apart in the run; a cost

@@ -18,7 +18,7 @@ from harmony.runtime.comm.jobwide import STEP_KEY, Words, ghost
 from harmony.runtime.partitioned.carry import CARRY
 
 GATHERS = "gathers"       # the key of the gathers' words (their own group, the copy thread's)
-__all__ = ["GATHERS", "Words", "pads", "rides", "swapped"]
+__all__ = ["GATHERS", "Words", "apart", "pads", "rides", "swapped"]
 
 
 @ghost("gather")
@@ -62,8 +62,8 @@ def refills(rt, pack: int, where) -> bool:
 
 def rides(shares, comm) -> bool:
     """Whether a reduce-scatter's words ride on its collectives (fp32 buffers, no codec): on its first swap of chunks
-    (``swapped``: two ranks), else beside its all-reduces (``Words.launch``); else it meets first. The same on every
-    rank (the plan's)."""
+    (``swapped``: two ranks), else in the pad of its first all-reduce (``pads``), else beside its all-reduces
+    (``apart``: ``Words.launch``); else it meets first. The same on every rank (the plan's)."""
     return comm is None and bool(shares.segments) and all(seg.codec is None for seg in shares.segments)
 
 
@@ -80,9 +80,17 @@ def swapped(shares) -> bool:
     return all(seg.pairwise for seg in shares.segments)
 
 
+def apart(shares) -> bool:
+    """Whether a riding reduce-scatter's words go beside its collectives (their own all-reduce, ``Words.launch``):
+    where it swaps no chunks (``swapped``) and its first buffer has no pad to carry them (``pads``: under
+    compression, a pack whose buffers are all fp32)."""
+    return not swapped(shares) and not pads(shares, 0)
+
+
 @ghost("reduce_scatter")
 def _reduce_scatter_ghost(rt, node) -> None:
-    """In a replay: the reduce-scatter's meet, or its swaps of chunks (zeros sent) with this rank's word."""
+    """In a replay: the reduce-scatter's meet, or its swaps of chunks or all-reduces (zeros sent) with this rank's
+    word, where the step's own carry it."""
     from harmony.runtime.partitioned import reduce_scatter
     from harmony.runtime.partitioned.reduce import all_reduce_chunk, swap_chunks
     args = inspect.signature(reduce_scatter).bind(*node.args, **node.kwargs).arguments
@@ -93,7 +101,7 @@ def _reduce_scatter_ghost(rt, node) -> None:
     if status.skip(STEP_KEY):
         return
     words = Words(status, STEP_KEY, None)
-    beside = not swapped(shares)
+    beside = apart(shares)
     if beside:
         words.launch(shares.world, shares.rank, status.timeout)
     for s, seg in enumerate(shares.segments):
@@ -101,7 +109,7 @@ def _reduce_scatter_ghost(rt, node) -> None:
             swap_chunks(torch.zeros(seg.size), seg, shares.rank, None if beside else words)
         else:
             all_reduce_chunk(torch.zeros(seg.size), seg, shares.rank, shares.world, None, {},
-                             padded=pads(shares, s))
+                             padded=pads(shares, s), words=None if beside else words)
     if beside:
         words.join(status.timeout)
     words.settle(raises=False)

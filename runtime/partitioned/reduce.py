@@ -94,15 +94,22 @@ def chunk_of_whole(seg, rank: int, got: list[torch.Tensor], clipper=None) -> tor
 
 
 def all_reduce_chunk(flat: torch.Tensor, seg, rank: int, world: int, clipper, shapes: dict,
-                     padded: bool = False) -> torch.Tensor:
+                     padded: bool = False, words=None) -> torch.Tensor:
     """This rank's chunk of the average from gloo's all-reduce of the whole buffer: the replicated run's collective on
     its buffer, so the same sums. Under clipping every rank has the whole average here, and takes each gradient's
     own norm from it (``clipper.known``). ``padded``: the buffer is one the replicated run's step words ride at the
-    end of (collectives.py ``allreduce``'s ``words``): padded alike, so gloo's ring cuts it where that run's does."""
+    end of (collectives.py ``allreduce``'s ``words``): padded alike, so gloo's ring cuts it where that run's does;
+    ``words``: the ranks' words on the step ride in that pad, as they do there (the first buffer that has one)."""
     import torch.distributed as dist
+    n = flat.numel()
+    carries = padded and words is not None and words.got is None
     if padded:
         flat = torch.cat([flat, torch.zeros(words_pad(world))])
+    if carries:
+        flat[n: n + world].copy_(words.vector(world, rank))
     guarded("the reduce-scatter of gradients (shard_state='full')", dist.all_reduce, flat)
+    if carries:
+        words.read(flat[n: n + world])
     base, end = seg.bounds[rank], seg.bounds[rank + 1]
     if clipper is None:
         return flat[base: end].div_(world).clone()       # averaged as the all-reduce averages
