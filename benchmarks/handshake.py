@@ -5,10 +5,12 @@ words on each collective of a step) cost: gloo ranks, one small model.
 
 Prints the handshake's own time per call and a step's time four ways, interleaved step by step, each way taking
 each place in turn (on a shared machine the place in the rotation moved a way's median by up to 10%; median of each):
-as the module runs (the handshake, and the words riding on the step's collectives: at the end of a buffer on two
-ranks, beside it on more), "before" (the words in a meet of their own before each collective wherever they do not
-ride at the end of a buffer: how three ranks or more ran before the words rode beside), without the words (the
-handshake only: the step before the job-wide outcome), and with neither. Not a test: a measurement, run by hand.
+as the module runs (the handshake, and the words riding on the step's collectives: at the end of a buffer, or on
+shard_state="full"'s first swap of chunks), "before" (the words in a meet of their own before each
+collective except on two ranks' buffers: how three ranks or more ran before the words rode), without the words (the
+handshake only: the step before the job-wide outcome), and with neither; and the handshake only again, a fifth way
+that runs the same code as the fourth (``noise``: how far two medians of one code fall apart in the run; a cost
+within it is no measured cost). Not a test: a measurement, run by hand.
 """
 from __future__ import annotations
 
@@ -54,9 +56,10 @@ def _measure(rank, world, case, calls, steps, mode="dp"):
     for _ in range(calls):
         handshake.agree("sm(...) (a training step)", sm.steps)
     per_call = (time.perf_counter() - t0) / calls
-    times: dict = {"both": [], "before": [], "handshake": [], "neither": []}
-    for i in range(4 * steps):
-        way = list(times)[(i + i // 4) % 4]     # each way at each place of the rounds alike: the place moves a step
+    times: dict = {"both": [], "before": [], "handshake": [], "neither": [], "again": []}
+    ways = len(times)
+    for i in range(ways * steps):
+        way = list(times)[(i + i // ways) % ways]     # each way at each place of the rounds alike: it moves a step
         sm.handshake = handshake if way != "neither" else None
         sm.runtime.status = status if way in ("both", "before") else None
         _before(way == "before")
@@ -83,4 +86,5 @@ if __name__ == "__main__":
               f"({(t['both'] - t['handshake']) / t['handshake'] * 100:+.1f}% on the handshake only), "
               f"{t['before'] * 1e3:.2f} ms with meets of their own where not at the end of a buffer (before; "
               f"{(t['before'] - t['handshake']) / t['handshake'] * 100:+.1f}%), {t['handshake'] * 1e3:.2f} ms with the "
-              f"handshake only, {t['neither'] * 1e3:.2f} ms with neither")
+              f"handshake only, {t['neither'] * 1e3:.2f} ms with neither; noise: the handshake only again "
+              f"{t['again'] * 1e3:.2f} ms ({(t['again'] - t['handshake']) / t['handshake'] * 100:+.1f}%)")

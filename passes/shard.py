@@ -139,6 +139,7 @@ def run(program: Program, ctx) -> PassResult:
         record.shares = partitioned.layout([[(n, numel[n]) for n in g] for g in groups], world, rank, which,
                                            specs=None if via else specs, fractions=cfg.state_shares,
                                            pairwise=cfg.clip_grad_norm is None and not via)   # clipping: whole
+        record.shares.padded = base.kind == "none"     # where the replicated run's words ride (its buffers padded)
         if via:
             _replicated_bytes(record.shares, groups, dict(named), specs, world)
         _count_share(program, plan.packs[p], record.shares, dict(named))

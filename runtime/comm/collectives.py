@@ -51,6 +51,11 @@ DEFAULT_FUSION_BYTES = 64 << 20  # fp32 bytes per fused buffer
 WORDS_PAD = 32                   # elements a step's words take at the end of a buffer (``allreduce``'s ``words``)
 
 
+def words_pad(world: int) -> int:
+    """The elements a step's words add at the end of the fp32 buffer they ride on (``allreduce``'s ``words``)."""
+    return WORDS_PAD * -(-world // WORDS_PAD)
+
+
 # -- byte and time accounting ---------------------------------------------------------------------
 @dataclass
 class CommStats:
@@ -144,10 +149,11 @@ def allreduce(tensors: Sequence[torch.Tensor], spec: CompressionSpec | Sequence[
     there instead of waiting for the backend.
     ``workspace``: a ``Workspace`` to take the fused buffers and messages from and give them back to, so that
     repeated calls over the same tensors allocate nothing (``None``: fresh buffers, freed on return).
-    ``words``: the ranks' words on a training step (runtime/comm/jobwide.py ``Words``): two ranks carry them at the
-    end of the first fp32 buffer (a sum of two is the same bits wherever an element sits); more ranks send them in
-    an all-reduce of their own launched beside the buffers' (gloo's ring sums an element in an order set by its
-    place in the buffer: a longer buffer would change the gradients' bits).
+    ``words``: the ranks' words on a training step (runtime/comm/jobwide.py ``Words``): they ride at the end of the
+    first fp32 buffer, padded by ``words_pad(world)`` (no gradient element moves; gloo's ring sums an element in an
+    order set by where it sits and the buffer's length, so over three ranks or more a step's buffers are summed as
+    padded: ``shard_state="full"`` pads the same buffers alike, runtime/partitioned/reduce.py); with no fp32 buffer,
+    in an all-reduce of their own launched beside the buffers'.
     With one rank there is nothing to average: tensors are left as they are.
 
     Typical use, after ``loss.backward()`` on every rank (under torchrun):
@@ -167,10 +173,10 @@ def allreduce(tensors: Sequence[torch.Tensor], spec: CompressionSpec | Sequence[
     scale = _weight_scale(weight, world)
     jobs = [_Job(idx, tensors, s, group, world, error_feedback_state, timeout, generator, scale, release,
                  workspace=workspace) for s, idx in fuse(tensors, specs, fusion_bytes)]
-    carrier = next((j for j in jobs if j.spec.kind == "none"), None) if words is not None and world == 2 else None
+    carrier = next((j for j in jobs if j.spec.kind == "none"), None) if words is not None else None
     if carrier is not None:
         carrier.words = words
-    elif words is not None:      # three ranks or more: beside the buffers, not in one (``Words.launch``)
+    elif words is not None:      # no fp32 buffer: beside the buffers, not in one (``Words.launch``)
         words.launch(world, dist.get_rank(group), timeout)
         if release is not None:      # a few bytes, not the gradients': never part of a device's peak
             release(words.pending)
@@ -309,7 +315,7 @@ class _Job:
         size = off
         extra = self.words.vector(w, dist.get_rank(self.group)) if self.words is not None else None
         if extra is not None:   # (padded: the ranks' halves of the buffer stay as aligned as without it)
-            size += WORDS_PAD * -(-w // WORDS_PAD)
+            size += words_pad(w)
         if s.kind == "quantized":
             chunk = -(-off // (w * align)) * align if off >= w * align else -(-off // w)
             self.state["chunk"] = chunk

@@ -5,10 +5,11 @@ Each rank says how its step stands (a word: it runs; its own step failed; it kno
 collectives that come before an optimizer update, each on its own group and thread, in the schedule's order:
 
 * data parallel (fp32 all-reduces): on each gradient all-reduce (runtime/comm/collectives.py ``allreduce(words=)``):
-  two ranks at the end of its buffer; three or more beside it (``Words.launch``: their own small all-reduce,
-  launched with it and joined after it, so it costs no wait of its own); ``shard_state="full"``: on the first swap
-  of each reduce-scatter (two ranks), else beside its all-reduces (runtime/partitioned/meet.py); a pipeline: in the
-  mask before each message (``ABORT``);
+  at the end of its first fp32 buffer (padded alike on every step over three ranks or more, so no sum changes
+  with them); with no fp32 buffer beside it (``Words.launch``: their own small all-reduce, launched with it and
+  joined after it); ``shard_state="full"``: on the first swap of each reduce-scatter (two ranks), else in the pad
+  of its first all-reduce (the replicated run's padded buffer), or beside it where that run pads none (a compressed
+  run's pack of fp32 buffers: runtime/partitioned/meet.py); a pipeline: in the mask before each message (``ABORT``);
 * elsewhere (compression, adaptive bits), and before ZeRO-1's broadcasts and a pipeline's norms' all-gather: a
   ``meet`` of its own, one small all-reduce before the collective.
 

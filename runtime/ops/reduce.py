@@ -64,10 +64,13 @@ def comm_buffer_bytes(grad_bytes: int, kind: str, world: int, bits: int = 4, err
     quantized adds the quantizer's temporaries, the packed chunks sent and received, and the
     decoded chunk, per rank's share of the buffer: 1.3x + (2.3 + 0.15 bits) / world, fitted to
     measurements on 2 and 3 ranks at 1 to 8 bits (2.0x to 3.0x) with 3% to spare. Error feedback
-    adds a residual buffer (1x).
+    adds a residual buffer (1x). An fp32 buffer over several ranks carries the ranks' words on the step at its end
+    (``words_pad``, and the words themselves before they are copied in: runtime/comm/collectives.py).
     """
     if kind == "none":
-        factor = 1.0
+        from harmony.runtime.comm.collectives import words_pad
+        words = 4 * (words_pad(world) + world) if world > 1 else 0
+        return int(grad_bytes * (1.0 + (1.0 if error_feedback else 0.0))) + words
     elif kind in ("fp16", "bf16"):
         factor = 2.5
     else:

@@ -55,7 +55,7 @@ from harmony.runtime.ops import moving_names, register
 from harmony.runtime.ops.move import gather_disk_io, pack_what, swap_in_effect
 from harmony.runtime.partitioned.carry import Carry
 from harmony.runtime.partitioned.layout import ALIGN, PREFIX, PackShares, Piece, Segment, layout  # noqa: F401
-from harmony.runtime.partitioned.meet import GATHERS, Words, grid_of, own_groups, rides, scope, swapped
+from harmony.runtime.partitioned.meet import GATHERS, Words, apart, grid_of, own_groups, pads, rides, scope
 from harmony.runtime.partitioned.reduce import (
     all_reduce_chunk,
     reduce_scatter_quantized,
@@ -405,9 +405,9 @@ def _reduce_scatter_execute(rt, pack, *, world=1, weight=None, comm=None):
     def job():
         words = beside = None
         try:
-            if status is not None and rides(shares, comm, rt.plan):   # the words ride on the first swap, or beside
+            if status is not None and rides(shares, comm, rt.plan):   # the words ride on the first swap or pad, or beside
                 words = Words(status, STEP_KEY, None)
-                beside = not swapped(shares)
+                beside = apart(shares)
                 if beside:
                     words.launch(world, shares.rank, status.timeout)
             elif status is not None:    # every rank's step got here (runtime/comm/jobwide.py)
@@ -431,8 +431,10 @@ def _reduce_scatter_execute(rt, pack, *, world=1, weight=None, comm=None):
                     flat.mul_(scale)
                 if seg.pairwise:             # two ranks: each sends the other its chunk, x + y is y + x bitwise
                     out = swap_chunks(flat, seg, shares.rank, None if beside else words, group).div_(world)
-                else:
-                    out = all_reduce_chunk(flat, seg, shares.rank, world, clipper, shapes, group)
+                else:      # the first buffer of a call: padded where the replicated run's words ride on it
+                    out = all_reduce_chunk(flat, seg, shares.rank, world, clipper, shapes, group,
+                                           padded=words is not None and pads(shares, s),
+                                           words=None if beside else words)
                 st.shares.stats["reduce_scatter_wire_bytes"] += seg.sent
                 keep(s, seg, out)
             if words is not None:

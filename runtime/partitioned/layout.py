@@ -77,13 +77,20 @@ class PackShares:
 
     ``allreduce``: the gradients are averaged by the replicated run's own all-reduce (its ``Communicator``: fp16 or
     bf16 compression, adaptive bits), each rank then keeping its chunks; the segments are cut as fp32 buffers, since
-    the codec's buffers change when adaptive bits are chosen, and the chunks must not."""
+    the codec's buffers change when adaptive bits are chosen, and the chunks must not.
+
+    ``padded``: the replicated run's words on a step ride at the end of the first buffer of each all-reduce call
+    (no compression: runtime/comm/communicator.py ``Communicator.rides``), so this run's all-reduces of those buffers
+    are padded alike (gloo's ring cuts a buffer by its length: over three ranks or more another length sums an
+    element in another order). Not under compression, even where a pack's buffers are all fp32 (small tensors):
+    the replicated run's words meet apart there, and its buffers go unpadded."""
 
     world: int
     rank: int
     segments: list[Segment]
     pieces: list[Piece] = field(default_factory=list)
     allreduce: bool = False
+    padded: bool = False
 
     def names(self) -> list[str]:
         return [n for s in self.segments for n in s.names]

@@ -18,7 +18,7 @@ from harmony.runtime.comm.jobwide import STEP_KEY, Words, ghost
 from harmony.runtime.partitioned.carry import CARRY
 
 GATHERS = "gathers"       # the key of the gathers' words (their own group, the copy thread's)
-__all__ = ["GATHERS", "Words", "grid_of", "own_groups", "rides", "scope", "swapped"]
+__all__ = ["GATHERS", "Words", "apart", "grid_of", "own_groups", "pads", "rides", "scope", "swapped"]
 
 
 @ghost("gather")
@@ -62,9 +62,9 @@ def refills(rt, pack: int, where) -> bool:
 
 def rides(shares, comm, plan=None) -> bool:
     """Whether a reduce-scatter's words ride on its collectives (fp32 buffers, no codec): on its first swap of chunks
-    (``swapped``: two ranks), else beside its all-reduces (``Words.launch``); else it meets first, as a grid's
-    reduce-scatters do (over the replica group: as its replicated all-reduces meet). The same on every rank (the
-    plan's)."""
+    (``swapped``: two ranks), else in the pad of its first all-reduce (``pads``), else beside its all-reduces
+    (``apart``: ``Words.launch``); else it meets first, as a grid's reduce-scatters do (over the replica group: as
+    its replicated all-reduces meet). The same on every rank (the plan's)."""
     return (comm is None and bool(shares.segments) and all(seg.codec is None for seg in shares.segments)
             and grid_of(plan) is None)
 
@@ -88,14 +88,30 @@ def scope(rt) -> tuple:
     return comm_scope(rt)
 
 
+def pads(shares, s: int) -> bool:
+    """Whether segment ``s``'s all-reduce is padded: the first buffer of its all-reduce call, where the replicated
+    run's words ride at the end of it (runtime/comm/collectives.py ``allreduce``; ``PackShares.padded``: not under
+    compression), which a riding reduce-scatter pads alike."""
+    first = next(i for i, seg in enumerate(shares.segments) if seg.call == shares.segments[s].call)
+    return shares.padded and first == s
+
+
 def swapped(shares) -> bool:
     """Whether every segment of a riding reduce-scatter swaps chunks (two ranks), so the words go in its first swap."""
     return all(seg.pairwise for seg in shares.segments)
 
 
+def apart(shares) -> bool:
+    """Whether a riding reduce-scatter's words go beside its collectives (their own all-reduce, ``Words.launch``):
+    where it swaps no chunks (``swapped``) and its first buffer has no pad to carry them (``pads``: under
+    compression, a pack whose buffers are all fp32)."""
+    return not swapped(shares) and not pads(shares, 0)
+
+
 @ghost("reduce_scatter")
 def _reduce_scatter_ghost(rt, node) -> None:
-    """In a replay: the reduce-scatter's meet, or its swaps of chunks (zeros sent) with this rank's word."""
+    """In a replay: the reduce-scatter's meet, or its swaps of chunks or all-reduces (zeros sent) with this rank's
+    word, where the step's own carry it."""
     from harmony.runtime.partitioned import reduce_scatter
     from harmony.runtime.partitioned.reduce import all_reduce_chunk, swap_chunks
     args = inspect.signature(reduce_scatter).bind(*node.args, **node.kwargs).arguments
@@ -106,14 +122,15 @@ def _reduce_scatter_ghost(rt, node) -> None:
     if status.skip(STEP_KEY):
         return
     words = Words(status, STEP_KEY, None)
-    beside = not swapped(shares)
+    beside = apart(shares)
     if beside:
         words.launch(shares.world, shares.rank, status.timeout)
-    for seg in shares.segments:
+    for s, seg in enumerate(shares.segments):
         if seg.pairwise:
             swap_chunks(torch.zeros(seg.size), seg, shares.rank, None if beside else words)
         else:
-            all_reduce_chunk(torch.zeros(seg.size), seg, shares.rank, shares.world, None, {})
+            all_reduce_chunk(torch.zeros(seg.size), seg, shares.rank, shares.world, None, {},
+                             padded=pads(shares, s), words=None if beside else words)
     if beside:
         words.join(status.timeout)
     words.settle(raises=False)

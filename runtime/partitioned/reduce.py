@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from harmony.base.errors import HarmonyError
-from harmony.runtime.comm.collectives import allreduce, exchange, guarded, reduce_scatter
+from harmony.runtime.comm.collectives import allreduce, exchange, guarded, reduce_scatter, words_pad
 from harmony.runtime.comm.communicator import communicator
 from harmony.runtime.comm.compression import DEFAULT_MIN_SIZE, NO_COMPRESSION, CompressionSpec
 
@@ -95,12 +95,23 @@ def chunk_of_whole(seg, rank: int, got: list[torch.Tensor], clipper=None) -> tor
 
 
 def all_reduce_chunk(flat: torch.Tensor, seg, rank: int, world: int, clipper, shapes: dict,
-                     group=None) -> torch.Tensor:
+                     group=None, padded: bool = False, words=None) -> torch.Tensor:
     """This rank's chunk of the average from gloo's all-reduce of the whole buffer: the replicated run's collective on
     its buffer, so the same sums. Under clipping every rank has the whole average here, and takes each gradient's
-    own norm from it (``clipper.known``). ``group``: the ranks sharing the chunks (a grid's replica group)."""
+    own norm from it (``clipper.known``). ``group``: the ranks sharing the chunks (a grid's replica group).
+    ``padded``: the buffer is one the replicated run's step words ride at the end of (collectives.py ``allreduce``'s
+    ``words``): padded alike, so gloo's ring cuts it where that run's does; ``words``: the ranks' words on the step
+    ride in that pad, as they do there (the first buffer that has one)."""
     import torch.distributed as dist
+    n = flat.numel()
+    carries = padded and words is not None and words.got is None
+    if padded:
+        flat = torch.cat([flat, torch.zeros(words_pad(world))])
+    if carries:
+        flat[n: n + world].copy_(words.vector(world, rank))
     guarded("the reduce-scatter of gradients (shard_state='full')", dist.all_reduce, flat, group=group)
+    if carries:
+        words.read(flat[n: n + world])
     base, end = seg.bounds[rank], seg.bounds[rank + 1]
     if clipper is None:
         return flat[base: end].div_(world).clone()       # averaged as the all-reduce averages
