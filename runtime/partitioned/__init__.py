@@ -405,7 +405,7 @@ def _reduce_scatter_execute(rt, pack, *, world=1, weight=None, comm=None):
     def job():
         words = beside = None
         try:
-            if status is not None and rides(shares, comm, rt.plan):   # the words ride on the first swap or pad, or beside
+            if status is not None and rides(shares, comm, rt.plan):   # the words ride a swap or a pad, or beside
                 words = Words(status, STEP_KEY, None)
                 beside = apart(shares)
                 if beside:
@@ -432,9 +432,8 @@ def _reduce_scatter_execute(rt, pack, *, world=1, weight=None, comm=None):
                 if seg.pairwise:             # two ranks: each sends the other its chunk, x + y is y + x bitwise
                     out = swap_chunks(flat, seg, shares.rank, None if beside else words, group).div_(world)
                 else:      # the first buffer of a call: padded where the replicated run's words ride on it
-                    out = all_reduce_chunk(flat, seg, shares.rank, world, clipper, shapes, group,
-                                           padded=words is not None and pads(shares, s),
-                                           words=None if beside else words)
+                    pad, ride = words is not None and pads(shares, s), None if beside else words
+                    out = all_reduce_chunk(flat, seg, shares.rank, world, clipper, shapes, group, pad, ride)
                 st.shares.stats["reduce_scatter_wire_bytes"] += seg.sent
                 keep(s, seg, out)
             if words is not None:
