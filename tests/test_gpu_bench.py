@@ -20,7 +20,7 @@ def test_gpu_benchmark_dry_run_trains_a_llama_beside_eager(tmp_path):
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert p.returncode == 0, p.stdout + p.stderr
     assert "LlamaForCausalLM hidden 256 x 2 layers" in p.stdout, p.stdout
-    res = json.loads((tmp_path / "gpu-fp32.json").read_text())
+    res = json.loads((tmp_path / "gpu-llama-fp32.json").read_text())
     assert res["args"]["model"] == "llama"
     rows = {r["system"]: r for r in res["rows"]}
     assert set(rows) == {"eager", "harmony-50"} and not any("error" in r for r in rows.values()), rows

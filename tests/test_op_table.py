@@ -197,7 +197,8 @@ def test_what_each_op_does_is_declared_in_its_entry():
         return {op.name for op in ops.OPS.values() if getattr(op, field)}
     assert named("fetches") == {"swap_in", "gather"} and named("steps") == {"step"}
     assert named("releases") == {"release"} and named("copy_thread") == {"swap_in", "gather", "unstash"}
-    assert named("reduces") == {"allreduce", "reduce_scatter"} and named("partitioned") == {"gather", "reduce_scatter"}
+    assert named("reduces") == {"allreduce", "allreduce_tied", "reduce_scatter"}
+    assert named("partitioned") == {"gather", "reduce_scatter"}
     assert named("runs_forward") == {"forward"} and named("runs_backward") == {"backward"}
     assert named("sends") == {"send"} and named("receives") == {"recv"}
     assert named("stashes") == {"stash"} and named("unstashes") == {"unstash"} and named("joins") == {"wait"}
