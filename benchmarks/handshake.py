@@ -35,7 +35,8 @@ def _before(on: bool) -> None:
     rides, shares_rides = _before.saved
     if on:
         Communicator.rides = lambda self: self.world == 2 and rides(self)
-        partitioned.rides = meet.rides = lambda shares, comm: shares_rides(shares, comm) and meet.swapped(shares)
+        partitioned.rides = meet.rides = \
+            lambda shares, comm, plan=None: shares_rides(shares, comm, plan) and meet.swapped(shares)
     else:
         Communicator.rides, partitioned.rides, meet.rides = rides, shares_rides, shares_rides
 
