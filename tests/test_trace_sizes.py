@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from models import params, split, training_state_bytes
+from models import assert_bitwise, split, training_state_bytes
 
 import harmony
 from harmony.compiler.trace import TRACE_INFO, trace
@@ -76,11 +76,9 @@ def test_a_contrastive_loss_over_len_trains_bitwise_at_the_microbatch_and_at_oth
     assert len(sm.plan.packs) > 1
     losses = [sm(**batch).item() for batch in data]
     assert sm.shapes.compiles == 0                     # the compiled plan ran the 6 rows too
-    got = params(sm)
-    sm.close()
     ref, eager_losses = eager(model, data, 2)
-    for name, p in ref.named_parameters():
-        assert torch.equal(got[name], p.detach()), name
+    assert_bitwise(sm, {n: p.detach() for n, p in ref.named_parameters()})
+    sm.close()
     assert losses == pytest.approx(eager_losses, rel=1e-6)
 
 
