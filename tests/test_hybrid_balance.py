@@ -37,8 +37,10 @@ def _given(path) -> dict:
     model, data = _case()
     sm = _balanced(model, data)
     losses = [sm(*data[i % len(data)]).item() for i in range(STEPS)]    # the global batch: each pipeline its rows
+    evaluated = sm.evaluate(*data[0]).item()          # the same: the global batch's mean on every rank
     harmony.save(sm, path)
     out = dict(params={n: t.numpy().copy() for n, t in _mine(sm).items()}, losses=losses, text=sm.report(),
+               evaluated=evaluated,
                rows=sm.program.rows, microbatches=sm.plan.microbatches, balance=sm.program.reports[0].rows,
                weights={n.kwargs.get("weight") for n in sm.graph.nodes if n.op == "call_function"
                         and n.target.__name__ == "allreduce"}, optim=_optim(sm))
@@ -159,6 +161,12 @@ def test_a_balanced_grid_gives_its_pipelines_their_rows_and_trains_as_eager(runs
         assert got["losses"] == pytest.approx(ref["losses"], rel=1e-5)      # the global batch's mean
         assert got["losses"] == runs[0]["given"]["losses"], "every rank returns the job's loss"
     assert seen == set(ref) - {"losses"}
+    evaluated = {runs[r]["given"]["evaluated"] for r in range(4)}
+    model, data = _case()
+    model.load_state_dict({n: t for n, t in ref.items() if n != "losses"}, strict=False)
+    with torch.no_grad():
+        eager = model.eval()(*data[0]).float().item()
+    assert len(evaluated) == 1 and evaluated.pop() == pytest.approx(eager, rel=1e-5)
     rows = runs[0]["given"]["balance"]
     assert [(row["samples"], row["microbatches"], row["weight"]) for row in rows] == [(6, 3, 0.75), (2, 2, 0.25)]
     text = runs[0]["given"]["text"]
