@@ -14,6 +14,10 @@ and every rank hears every rank's word in the loss's all-reduce that ends the st
 and runtime/partitioned/ of data parallelism, with the replica group for the job (its gathers and carried-weight
 agreements on replica groups of their own, made here at plan time on every rank).
 
+``balance=`` (driver/modes/grid_balance.py) gives each pipeline its rows of the global batch by its speed, weighting
+its gradients and loss by its rows; the pipelines cut the model into the same packs, so the replica groups still
+hold the same parameters.
+
 A checkpoint holds each stage once, written by pipeline 0's ranks (``grid`` layout, driver/checkpoint/ranks.py), or
 under sharding every rank its share (``grid_zero1``, ``grid_zero3``); it loads into another grid, one pipeline or
 data-parallel ranks through the reshard machinery.
