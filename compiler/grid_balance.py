@@ -10,9 +10,9 @@ a microbatch's work (forward, backward, recompute: ``ModelCost``) equally by FLO
 each stretched by its device's speed; Harmony's grouping runs ``g`` microbatches through a stage before handing
 them on (``pipeline_group``, all of them by default), so a step of ``m`` microbatches in ``G = m / g`` groups takes
 ``g * (sum_k t_k + (G - 1) * max_k t_k)``: the first group crosses every stage, each later one waits for the slowest.
-The split minimising the slowest replica's step is found exactly, by dynamic programming over the replicas and the
-rows given so far (``plan_replicas``). The state (the optimizer's, under ``shard_state=True``) is split over each
-stage's replica group in equal byte shares: every replica steps its stage's share alike.
+The split minimising the slowest replica's step is found exactly (``fastest_split``: the least step bound under which
+the replicas' row counts can sum to the batch). The state (the optimizer's, under ``shard_state=True``) is split over
+each stage's replica group in equal byte shares: every replica steps its stage's share alike.
 """
 from __future__ import annotations
 
@@ -72,8 +72,10 @@ def _given(spec: list, microbatches: int) -> list[tuple[int, int]]:
 def fastest_split(cost: ModelCost, replicas: list, global_batch: int, budget: float, group: int | None = None,
                   max_microbatches: int = 16) -> list[tuple[int, int]]:
     """Each replica's ``(microbatch size, count)`` minimising the slowest replica's ``pipeline_seconds``, the rows
-    adding up to ``global_batch`` and each microbatch's working set within ``budget``: an exact DP over the replicas
-    and the rows given so far (ties: the least step time summed over the replicas, then the fewest microbatches)."""
+    adding up to ``global_batch`` and each microbatch's working set within ``budget``. Exact: the least step bound
+    ``T`` (a binary search over the options' steps) for which the replicas' options within ``T`` can sum to the batch
+    (the row counts each can reach, as bit sets); then, from the last replica back, each takes the fastest option
+    within ``T`` that leaves rows the earlier ones can make (ties: fewer microbatches)."""
     largest = 0
     while largest < global_batch and rank_memory_floor(cost, None, largest + 1) <= budget:
         largest += 1
@@ -83,25 +85,46 @@ def fastest_split(cost: ModelCost, replicas: list, global_batch: int, budget: fl
                           f"devices more memory", min_budget=int(rank_memory_floor(cost, None, 1)))
     # fewer microbatches first: where the model prices two options alike, the larger microbatch dispatches less
     options = [(b, m) for m in range(1, max_microbatches + 1) for b in range(largest, 0, -1) if b * m <= global_batch]
-    worst = (float("inf"),)
-    best = [{0: ((0.0, 0.0), [])}]     # replicas so far -> rows given -> ((slowest step, sum of steps), choices)
+    fastest = []        # per replica: rows -> (the fastest option's step, the option)
     for devices in replicas:
-        times = {(b, m): pipeline_seconds(cost, devices, b, m, group) for b, m in options}
-        nxt: dict = {}
-        for rows, ((slowest, summed), picked) in best[-1].items():
-            for (b, m), t in times.items():
-                total = rows + b * m
-                if total > global_batch:
-                    continue
-                value = (max(slowest, t), summed + t)      # the slowest replica first, then the work in all
-                if value < nxt.get(total, (worst,))[0]:
-                    nxt[total] = (value, picked + [(b, m)])
-        best.append(nxt)
-    if global_batch not in best[-1]:
+        mine: dict = {}
+        for b, m in options:
+            t = pipeline_seconds(cost, devices, b, m, group)
+            if b * m not in mine or t < mine[b * m][0]:
+                mine[b * m] = (t, (b, m))
+        fastest.append(mine)
+    mask = (1 << (global_batch + 1)) - 1
+
+    def reachable(bound: float) -> list[int]:
+        """Bit ``s`` of entry ``r``: the first ``r`` replicas can make ``s`` rows with options within ``bound``."""
+        sets = [1]
+        for mine in fastest:
+            reach = 0
+            for k, (t, _) in mine.items():
+                if t <= bound:
+                    reach |= sets[-1] << k
+            sets.append(reach & mask)
+        return sets
+    bounds = sorted({t for mine in fastest for t, _ in mine.values()})
+    if not reachable(bounds[-1])[-1] >> global_batch & 1:
         raise BudgetError(f"the global batch of {global_batch} does not split over {len(replicas)} pipelines in "
                           f"microbatches of at most {largest} samples (the grid's smallest device memory) and at most "
                           f"{max_microbatches} microbatches each; give more rows or devices with more memory")
-    return best[-1][global_batch][1]
+    lo, hi = 0, len(bounds) - 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if reachable(bounds[mid])[-1] >> global_batch & 1:
+            hi = mid
+        else:
+            lo = mid + 1
+    sets, rest, choice = reachable(bounds[lo]), global_batch, []
+    for r in reversed(range(len(replicas))):
+        k, (_, bm) = min(((k, v) for k, v in fastest[r].items()
+                          if v[0] <= bounds[lo] and k <= rest and sets[r] >> (rest - k) & 1),
+                         key=lambda kv: (kv[1][0], kv[1][1][1]))
+        choice.append(bm)
+        rest -= k
+    return choice[::-1]
 
 
 def plan_replicas(spec, cost: ModelCost, replicas: list, global_batch: int, budget: float, microbatches: int = 1,

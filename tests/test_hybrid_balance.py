@@ -6,6 +6,7 @@ bad balance inputs are ConfigErrors on every rank. The solver itself is checked 
 from __future__ import annotations
 
 import copy
+import itertools
 from dataclasses import dataclass
 
 import pytest
@@ -53,7 +54,7 @@ def _auto() -> dict:
     sm = _balanced(model, data, balance="auto", factors=(1, 1, 3, 3))     # pipeline 1 emulated 3x slower
     sm(*data[0])
     out = dict(rows=sm.program.rows, balance=sm.program.reports[0].rows, totals=sm.program.reports[0].totals,
-               text=sm.report())
+               text=sm.report(), simulated=sm.simulate().step_seconds)      # this rank's server, its own rows
     sm.close()
     return out
 
@@ -182,6 +183,7 @@ def test_auto_gives_the_slower_pipeline_fewer_rows_and_reports_each_pipelines_st
     assert a[0]["rows"] == a[1]["rows"] == (0, samples[0]) and a[2]["rows"] == a[3]["rows"] == (samples[0], 8)
     assert all(row["predicted_s"] > 0 for row in rows) and rows[1]["speed"] == "1/3x EMULATED"
     assert a[0]["totals"]["predicted_step_s"] == max(row["predicted_s"] for row in rows)
+    assert all(x["simulated"] > 0 for x in a)
     assert "(this)" in str(a[2]["balance"][1]["pipeline"]) and "EMULATION" in a[0]["text"]
 
 
@@ -229,6 +231,18 @@ def test_the_split_follows_the_pipelines_speeds_and_is_the_best_there_is():
     assert pipeline_seconds(COST, slow, 1, 4) == pytest.approx(4 * (0.5 + 1.5))
     assert [s.samples for s in plan_replicas("uniform", COST, [fast, slow], 12, 4e9, 2).shares] == [6, 6]
     assert [s.samples for s in plan_replicas([3, (3, 3)], COST, [fast, slow], 12, 4e9, 3).shares] == [3, 9]
+
+
+def test_auto_is_the_brute_force_optimum_over_three_pipelines_with_and_without_groups():
+    cost = ModelCost(flops_const=5e8, flops_per_sample=1e9, act_const=0.0, act_per_sample=1e8, state_bytes=1e9,
+                     layer_bytes=1e8)       # a fixed cost per microbatch: how many microbatches matters
+    reps = [[Dev("a"), Dev("b", speed_factor=2.0)], [Dev("c", speed_factor=3.0)] * 2, [Dev("d")] * 2]
+    opts = [(b, m) for b in range(1, 11) for m in range(1, 11) if b * m <= 10]
+    for group in (None, 1):
+        plan = plan_replicas("auto", cost, reps, 10, 4e9, group=group)
+        best = min(max(pipeline_seconds(cost, d, b, m, group) for d, (b, m) in zip(reps, c))
+                   for c in itertools.product(opts, repeat=3) if sum(b * m for b, m in c) == 10)
+        assert plan.step_seconds == pytest.approx(best) and sum(s.samples for s in plan.shares) == 10, group
 
 
 def test_an_entry_per_rank_is_its_pipelines_and_must_agree_within_it():
