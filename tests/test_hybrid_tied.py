@@ -7,7 +7,8 @@ swapped, or stepped on the host.
 The reference is one process's eager gradient accumulation over the global batch that keeps the embedding's and the
 head's contributions apart until the end, as the stages do: an untied copy of the model runs each pipeline's rows
 (its microbatches accumulated), each contribution is averaged over the pipelines, and the tied weight's gradient is
-their sum. fp32 and SGD: bitwise. Under 4-bit gradients: every rank's copy of every parameter equal.
+their sum. fp32 and SGD: bitwise. Under 4-bit gradients: every rank's copy of every parameter equal. A bad batch on
+either stage rolls the step back on every rank; ``shard_state="full"`` is refused by name on every rank.
 """
 from __future__ import annotations
 
@@ -36,6 +37,9 @@ _PIECE = re.compile(r"share:(.+)\[(\d+):(\d+)\]")
 RUNS = {"fits": dict(frac=2.0), "host": dict(frac=0.3), "mixed": dict(frac=0.5),
         "device": dict(frac=0.5, optimizer_on="device"), "zero1": dict(frac=0.5, shard_state=True),
         "fits_q4": dict(frac=2.0, compression="4bit"), "host_q4": dict(frac=0.3, compression="4bit")}
+# a bad batch on one stage: the last stage's targets with every pack on the host (its sum on the host copies), the
+# first stage's ids with it resident and the last stage's packs on the host
+FAULTS = {"fault_last": dict(fail_rank=1, frac=0.3), "fault_first": dict(fail_rank=0, frac=0.5)}
 MODES = {"fits": ("async", "async"), "host": ("host", "host"), "mixed": ("async", "host"),
          "device": ("async", "sync"), "zero1": ("async", "host")}     # each stage's tied sum: how it runs
 
@@ -44,10 +48,14 @@ def _case():
     return CASES["gpt"](batch=8, tie=True)     # 3 blocks, width 64: the global batch of 8 rows, 4 a pipeline
 
 
+def _compile(model, data, frac, **kw):
+    return harmony.compile(model, harmony.data.shard(data[0], pipeline_size=2), microbatches=MICROBATCHES,
+                           memory_budget=int(training_state_bytes(model) * frac), **{**SGD, **GRID, **kw})
+
+
 def _train(frac, steps=STEPS, **kw):
     model, data = _case()
-    sm = harmony.compile(model, harmony.data.shard(data[0], pipeline_size=2), microbatches=MICROBATCHES,
-                         memory_budget=int(training_state_bytes(model) * frac), **{**SGD, **GRID, **kw})
+    sm = _compile(model, data, frac, **kw)
     losses = [sm(*harmony.data.shard(data[i % len(data)], pipeline_size=2)).item() for i in range(steps)]
     out = dict(params={n: t.detach().numpy().copy() for n, t in sm.training_state_dict()["model"].items()},
                losses=losses, text=sm.report(), stats=dict(sm.stats),
@@ -58,8 +66,36 @@ def _train(frac, steps=STEPS, **kw):
     return out
 
 
-def _ranks(rank, world, runs):
+def _fault(rank, fail_rank, frac) -> dict:
+    """A bad batch on ``fail_rank`` at step 1 (the first stage's token ids, or the last stage's targets, out of
+    range: an IndexError): every rank raises, and ends bitwise as a run that skipped that step; the job trains on."""
+    model, data = _case()
+    ref_model = copy.deepcopy(model)
+    sm, raised = _compile(model, data, frac), None
+    for i in range(STEPS):
+        x, y = harmony.data.shard(data[i % len(data)], pipeline_size=2)
+        if i == 1 and rank == fail_rank:
+            x, y = x.clone(), y.clone()
+            (x if fail_rank % 2 == 0 else y)[-1, -1] = 10_000
+        try:
+            sm(x, y)
+        except Exception as e:       # noqa: BLE001
+            if i != 1:
+                raise
+            raised = f"{type(e).__name__}: {e}"
+    got, steps = sm.training_state_dict()["model"], sm.steps
+    sm.close()
+    ref = _compile(ref_model, data, frac)
+    for i in (0, 2):
+        ref(*harmony.data.shard(data[i % len(data)], pipeline_size=2))
+    want = ref.training_state_dict()["model"]
+    ref.close()
+    return dict(raised=raised, steps=steps, differ=[n for n in want if not torch.equal(got[n], want[n])])
+
+
+def _ranks(rank, world, runs, faults=FAULTS):
     out = {key: _train(**kw) for key, kw in runs.items()}
+    out.update({key: _fault(rank, **kw) for key, kw in faults.items()})
     from harmony.errors import ConfigError
     try:
         _train(frac=0.3, steps=0, shard_state="full")
@@ -188,3 +224,16 @@ def test_zero3_with_a_weight_tied_across_stages_is_refused_by_name_on_every_rank
     for r in range(4):
         said = grid[r]["zero3"]
         assert "shard_state='full'" in said and "tok.weight" in said and "shard_state=True" in said, (r, said)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("key", list(FAULTS))
+def test_a_failed_step_on_one_stage_rolls_back_every_rank_and_the_job_trains_on(grid, key):
+    fail_rank = FAULTS[key]["fail_rank"]
+    for r in range(4):
+        f = grid[r][key]
+        if r == fail_rank:
+            assert f["raised"].startswith("IndexError"), f["raised"]
+        else:
+            assert f["raised"].startswith("StepAbortedError") and f"rank {fail_rank}" in f["raised"], (r, f)
+        assert f["steps"] == 2 and f["differ"] == [], (r, f)
