@@ -36,7 +36,8 @@ _PIECE = re.compile(r"share:(.+)\[(\d+):(\d+)\]")
 # device (the sum synchronous, before the step): each stage of a pipeline in its own way, one order on all
 RUNS = {"fits": dict(frac=2.0), "host": dict(frac=0.3), "mixed": dict(frac=0.5),
         "device": dict(frac=0.5, optimizer_on="device"), "zero1": dict(frac=0.5, shard_state=True),
-        "fits_q4": dict(frac=2.0, compression="4bit"), "host_q4": dict(frac=0.3, compression="4bit")}
+        "fits_q4": dict(frac=2.0, compression="4bit"), "host_q4": dict(frac=0.3, compression="4bit"),
+        "clip": dict(frac=0.5, clip_grad_norm=0.05)}      # below the gradient's norm at every step: every step clips
 # a bad batch on one stage: the last stage's targets with every pack on the host (its sum on the host copies), the
 # first stage's ids with it resident and the last stage's packs on the host
 FAULTS = {"fault_last": dict(fail_rank=1, frac=0.3), "fault_first": dict(fail_rank=0, frac=0.5)}
@@ -112,7 +113,7 @@ def _untied(model):
     return untied
 
 
-def _eager(replicas=2):
+def _eager(replicas=2, clip=None):
     """One process, SGD: each step, each pipeline's rows run through an untied copy of the model (its microbatches
     accumulated, loss / microbatches); each parameter's gradient averaged over the pipelines as the replica
     all-reduce does (summed in replica order, divided by their number); the tied weight's the sum of the averaged
@@ -141,6 +142,8 @@ def _eager(replicas=2):
                 mean[n] = summed.div_(replicas)
             for n, p in model.named_parameters():
                 p.grad = mean[TIED] + mean[HEAD] if n == TIED else mean[n]
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
             opt.step()
             opt.zero_grad()
             losses.append(total)
@@ -167,8 +170,8 @@ def grid():
     return spawn_tied(RUNS)
 
 
-def _bitwise(res, key):
-    ref, seen = res["ref"], set()
+def _bitwise(res, key, ref=None):
+    ref, seen = ref or res["ref"], set()
     for r in range(4):
         got = res[r][key]
         for n, t in got["params"].items():
@@ -237,3 +240,11 @@ def test_a_failed_step_on_one_stage_rolls_back_every_rank_and_the_job_trains_on(
         else:
             assert f["raised"].startswith("StepAbortedError") and f"rank {fail_rank}" in f["raised"], (r, f)
         assert f["steps"] == 2 and f["differ"] == [], (r, f)
+
+
+@pytest.mark.slow
+def test_a_tied_grid_clips_by_the_global_norm_counting_the_tied_gradient_once(grid):
+    """The norms' exchange after every sum is in (the first stage's on the host thread, the last stage's on the host
+    copies): bitwise ``clip_grad_norm_`` over the tied model's parameters in the reference."""
+    _bitwise(grid, "clip", _eager(clip=RUNS["clip"]["clip_grad_norm"]))
+    assert [_mode(grid, "clip", r) for r in range(4)] == ["async", "host"] * 2
