@@ -22,8 +22,8 @@ from test_collectives import spawn_ok
 
 MICROBATCHES = 4
 RTOL, ATOL = 1e-6, 1e-6
-# "adamw": the packs' state swapped under the budget (the sum is synchronous, before the step); "fits": everything
-# resident (the sum runs on the host thread from the last backward, joined before the step)
+# "adamw": the packs' state swapped under the budget and stepped on the host (the sum on the host copies, on the host
+# thread ahead of the host step); "fits": everything resident (the sum on the host thread, joined before the step)
 RUNS = {"adamw": dict(), "fits": dict(frac=3.0), "clip": dict(clip_grad_norm=0.05), "rr": dict(placement="round_robin")}
 
 
@@ -138,6 +138,8 @@ def _check(res, world, key, clip=None):
 
 def test_two_ranks_tied_embedding_and_head_train_as_eager(two):
     _check(two, 2, "adamw")
+    for r in (0, 1):     # summed where the gradient is: not brought back to the device for it
+        assert "on the host copies" in " ".join(two[r]["adamw"]["text"].split()), r
 
 
 def test_two_ranks_sum_overlaps_where_the_state_fits(two):
