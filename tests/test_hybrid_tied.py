@@ -37,7 +37,9 @@ _PIECE = re.compile(r"share:(.+)\[(\d+):(\d+)\]")
 RUNS = {"fits": dict(frac=2.0), "host": dict(frac=0.3), "mixed": dict(frac=0.5),
         "device": dict(frac=0.5, optimizer_on="device"), "zero1": dict(frac=0.5, shard_state=True),
         "fits_q4": dict(frac=2.0, compression="4bit"), "host_q4": dict(frac=0.3, compression="4bit"),
-        "clip": dict(frac=0.5, clip_grad_norm=0.05)}      # below the gradient's norm at every step: every step clips
+        "clip": dict(frac=0.5, clip_grad_norm=0.05),      # below the gradient's norm at every step: every step clips
+        "bf16": dict(frac=0.3, precision="bf16"),
+        "fp16": dict(frac=0.3, precision="fp16", loss_scaling=dict(init_scale=2.0 ** 10))}
 # a bad batch on one stage: the last stage's targets with every pack on the host (its sum on the host copies), the
 # first stage's ids with it resident and the last stage's packs on the host
 FAULTS = {"fault_last": dict(fail_rank=1, frac=0.3), "fault_first": dict(fail_rank=0, frac=0.5)}
@@ -206,10 +208,11 @@ def test_a_grid_with_tied_weights_trains_bitwise_as_eager_wherever_the_state_liv
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("key", ["fits_q4", "host_q4"])
-def test_four_bit_gradients_keep_every_copy_of_the_tied_weight_equal(grid, key):
+@pytest.mark.parametrize("key", ["fits_q4", "host_q4", "bf16", "fp16"])
+def test_four_bit_gradients_and_half_precision_keep_every_copy_of_the_tied_weight_equal(grid, key):
     """The replicas of each stage equal, and the two stages' copies of the tied weight too: each stage's quantized
-    average is decoded alike on its replicas, and the sum of the two averages is fp32."""
+    average is decoded alike on its replicas, and the sum of the two averages is fp32 (half precision: the compute
+    dtype's gradients made fp32 on the host first)."""
     for a, b in ((0, 2), (1, 3)):
         pa, pb = grid[a][key]["params"], grid[b][key]["params"]
         assert pa.keys() == pb.keys()
@@ -218,8 +221,12 @@ def test_four_bit_gradients_keep_every_copy_of_the_tied_weight_equal(grid, key):
     for r in (1, 2, 3):
         assert (grid[r][key]["params"][TIED] == grid[0][key]["params"][TIED]).all(), (key, r)
     ref = grid["ref"]
-    assert not torch.equal(torch.from_numpy(grid[0][key]["params"][TIED]), ref[TIED]), "the codec ran"
-    assert grid[0][key]["stats"]["comm_ratio"] > 4
+    assert not torch.equal(torch.from_numpy(grid[0][key]["params"][TIED]), ref[TIED]), "codec or half ran"
+    assert grid[0][key]["losses"] == pytest.approx(ref["losses"], rel=1e-2)
+    if key.endswith("q4"):
+        assert grid[0][key]["stats"]["comm_ratio"] > 4
+    else:
+        assert _mode(grid, key, 0) == _mode(grid, key, 1) == "host"     # the fp32 masters step on the host
 
 
 @pytest.mark.slow
