@@ -5,22 +5,32 @@ whole on each of those ranks, with its own optimizer state, as Megatron keeps it
 (passes/stage.py) gives it to this rank's earliest pack using it (``own_tied``: its backward completes the rank's
 part of the gradient), makes the process group of each set of such ranks on every rank at compile, and starts the
 copies equal (``tie_copies``: the set's first rank's weights, broadcast). This pass then inserts, on each such rank,
-one ``allreduce_tied`` per set of ranks, right after the rank's last backward of its weights: it sums the copies'
-gradients over the set, asynchronously on the host thread, and a ``wait`` joins it before the owning packs' steps
-(and before the norms' exchange under ``clip_grad_norm``, which then sees the sum, counted once). Every copy then
-steps from the same summed gradient: the copies stay bitwise equal.
+one ``allreduce_tied`` per set of ranks: it sums the copies' gradients over the set, and it is in before the owning
+packs' steps (and before the norms' exchange under ``clip_grad_norm``, which then sees the sum, counted once). Every
+copy then steps from the same summed gradient: the copies stay bitwise equal.
+
+Where it runs follows the gradient (``_mode``): every state resident, on the host thread, joined by a ``wait``
+before the step; the owning packs stepped on the host, on the host thread on the host copies the swap pass sent
+there, ahead of the host step queued behind it (nothing brings them back to the device); swapped but stepped on the
+device, synchronously before the step, on the gradients brought back for it.
 
 Neither stage blocks the other's backward: the schedule pass puts the steps of a pack that owns a tied weight after
-the rank's last backward (passes/stage_schedule.py), so a rank waits for the sum only when no other rank needs
-anything more from it (its sends are posted and never wait for their receiver), and every rank of a set reaches its
-launch, whatever the others do. A rank's all-reduces over several sets run on its one host thread in one sorted
-order on every rank, so two ranks in two sets cannot each wait in the other's. Where the packs' state is swapped or
-steps on the host, the all-reduce is synchronous, just before the first step of its weights (the same point of no
-further backward). In a grid (``parallel=("pipeline", "data")``) each pipeline sums its copies first, then the
-replica all-reduce averages the sums over the replica groups, both on the host thread in that order; a grid whose
-packs swap or step on the host is refused for now. Numerics: eager adds the head's and the embedding's
-contributions microbatch by microbatch in autograd's order, a pipeline each rank's accumulated part, then the sum:
-allclose to eager, not bitwise.
+the rank's last backward (passes/stage_schedule.py), and the sum starts only after the rank's last backward, its last
+send and its replica all-reduces, so it waits for its peers only when no other rank needs anything more from it and
+nothing a peer waits for is queued behind it on the host thread. A rank's all-reduces over several sets run on its
+one host thread in one sorted order on every rank, so two ranks in two sets cannot each wait in the other's.
+
+In a grid (``parallel=("pipeline", "data")``) every rank, whatever its residency, averages its copy's gradient over
+its replica group first (the compress pass's all-reduce, compressed as ``compression=`` says) and then sums the
+stages' averages in fp32: the sum of two averages each decoded alike on its replicas, so under 4-bit gradients too
+every copy in every pipeline steps from the same bits. (The other order, each pipeline's sum then the replica
+average, gives each stage its own quantization of the sum: the copies of one pipeline drift apart.) The two run on
+the same host thread, in that order. When the sum once went to the device (brought back by the swap pass for it)
+while the host thread still averaged the host copies in place, the copy raced the average: the order is now the
+host thread's alone. ``shard_state="full"`` is refused: each stage's reduce-scatter cuts its copy's gradient at its
+own offsets. Numerics: eager adds the head's and the embedding's contributions microbatch by microbatch in
+autograd's order, a pipeline each rank's accumulated part, then the sum: allclose to eager, not bitwise (bitwise to
+an eager run that keeps the two contributions apart until the end: tests/test_hybrid_tied.py).
 """
 from __future__ import annotations
 
@@ -110,48 +120,81 @@ def _emit(graph, anchor, fn, args, kwargs, name, before=False):
     return node
 
 
+def _before_sum(node) -> bool:
+    """Whether ``node`` goes before a tied sum: a backward, a send to a peer, a replica all-reduce."""
+    op = ops.op_of(node)
+    return op.runs_backward or op.sends or (op.reduces and node.target is not allreduce_tied)
+
+
+def _mode(program: Program, owners: set[int], nodes) -> str:
+    """How a set's sum runs on this rank: ``"async"`` (every state resident and the replica all-reduces, if any, on
+    the host thread too: there, joined before the step), ``"host"`` (the owning packs step on the host: on the host
+    thread, on the gradients the swap pass sent there, ahead of the host step) or ``"sync"`` (the state swaps but
+    steps on the device: there, before the step, on the gradients brought back for it)."""
+    plan = program.plan
+    if all(plan.at(p).step_on == Tier.HOST for p in owners):
+        return "host"
+    # synchronous replica all-reduces: the compress pass found the state does not fit beside theirs in flight
+    if any(ops.op_of(n).reduces and n.kwargs.get("sync") for n in nodes) or not everything_fits(program):
+        return "sync"
+    return "async"
+
+
+_OVERLAP = {"async": "host thread from the last backward, joined before the step",
+            "host": "host thread, on the host copies, before the host step",
+            "sync": "synchronous, before the step"}
+
+
 def insert(program: Program) -> list[dict]:
-    """The all-reduces (and their waits) into ``program.schedule``; a row per set of ranks."""
+    """The all-reduces (and their waits) into ``program.schedule``; a row per set of ranks.
+
+    In a grid each owning pack's replica all-reduce (the compress pass's ``allreduce``, after its last backward) comes
+    first and the tied sum after it, on the same host thread, on every rank whatever its residency: the sum adds the
+    stages' averages, each decoded alike on every replica (see the module's docstring)."""
     plan = program.plan
     st = plan.stage
     graph = program.schedule = copy_graph(program.schedule)
     me = st.job[0]
+    if st.grid is not None and program.config.shard_state == "full":     # (on every rank: st.tied is the job's)
+        raise ConfigError(f"parallel=('pipeline', 'data') with shard_state='full' and {', '.join(sorted(st.tied))} "
+                          f"tied across stages is not supported yet: each stage's replica group reduce-scatters "
+                          f"its copy's gradient into chunks cut at other offsets than the other stages', which the "
+                          f"tied sum cannot add. Use shard_state=True (ZeRO-1) or shard_state=False, untie the "
+                          f"weight (GPTConfig(tie=False), tie_word_embeddings=False), or use parallel='pipeline'")
     owner = {n: s.index for s in plan.packs for n in s.owned if n in st.tied}
-    users = {n: {s.index for s in plan.packs if n in s.params} for n in owner}
-    sync = not everything_fits(program) or any(plan.at(p).step_on == Tier.HOST for p in set(owner.values()))
-    if sync and st.grid is not None:
-        # the replica all-reduce of a host-stepped pack reduces the gradients the swap pass sends to the host, which
-        # the tied sum would have to follow there: not built yet
-        raise ConfigError(f"parallel=('pipeline', 'data') with {', '.join(sorted(owner))} tied across stages needs "
-                          f"this rank's packs' training state to fit its memory_budget (here it is swapped or "
-                          f"stepped on the host): give a larger memory_budget, untie the weight (GPTConfig(tie=False), "
-                          f"tie_word_embeddings=False), or use parallel='pipeline'")
     rows, prev = [], None
     for ranks, names in st.tied_sets().items():
         if me not in ranks:
             continue
         mine = [n for n in names if n in owner]
+        owners = {owner[m] for m in mine}
         nodes = calls(graph)
+        mode = _mode(program, owners, nodes)
         order = {n: i for i, n in enumerate(nodes)}
-        packs = {p for n in mine for p in users[n]}
-        last = max((n for n in nodes if ops.op_of(n).runs_backward and n.args[0] in packs), key=order.get)
-        steps = [n for n in nodes if ops.op_of(n).steps and n.args[0] in {owner[m] for m in mine}]
+        steps = [n for n in nodes if ops.op_of(n).steps and n.args[0] in owners]
         # the sum is in before the first of its weights' steps, and before the norms' exchange under clipping
         join = min(steps + [n for n in nodes if n.target is share_norms], key=order.get)
+        # and it starts once this rank has nothing more to give: after its last backward, its last send and its
+        # replica all-reduces, so nothing a peer waits for queues behind it on the host thread
+        last = max((n for n in nodes if _before_sum(n)), key=order.get)
+        if order[last] > order[join]:
+            raise ConfigError(f"the tied sum of {', '.join(mine)} would come after their step in this rank's "
+                              f"schedule (a plan the stage pass should not make): report it with the model")
         kw = dict(names=tuple(mine), ranks=ranks)
-        if sync:      # there (after the rank's last backward), in the sets' order
-            node = _emit(graph, join, allreduce_tied, (owner[mine[0]],), dict(kw, sync=True),
-                         f"tied_ar{len(rows)}", before=True)
+        name = f"tied_ar{len(rows)}"
+        if mode == "host":      # behind the replica all-reduce on the host thread, ahead of the host step
+            node = _emit(graph, join, allreduce_tied, (owner[mine[0]],), dict(kw, where=Tier.HOST.value), name,
+                         before=True)
+        elif mode == "sync":    # there (after the rank's last backward), in the sets' order
+            node = _emit(graph, join, allreduce_tied, (owner[mine[0]],), dict(kw, sync=True), name, before=True)
         else:
             anchor = last if prev is None or order[last] > order[prev] else prev
-            node = _emit(graph, anchor, allreduce_tied, (owner[mine[0]],), kw, f"tied_ar{len(rows)}")
+            node = _emit(graph, anchor, allreduce_tied, (owner[mine[0]],), kw, name)
             _emit(graph, join, ops.wait, (node,), {}, f"join_tied{len(rows)}", before=True)
         prev = node
         size = sum(st.tied_bytes[n] for n in mine)
         rows.append(dict(ranks=",".join(map(str, ranks)), weights=",".join(mine), MiB=size / 2**20,
-                         wire_MiB=ring_bytes(size, len(ranks)) / 2**20, pack=owner[mine[0]],
-                         overlap="synchronous, before the step" if sync else
-                         "host thread from the last backward, joined before the step"))
+                         wire_MiB=ring_bytes(size, len(ranks)) / 2**20, pack=owner[mine[0]], overlap=_OVERLAP[mode]))
     return rows
 
 

@@ -144,42 +144,63 @@ register(allreduce, _allreduce_execute, _allreduce_effect, _allreduce_cost, "cop
 
 
 # -- a weight tied across pipeline ranks --------------------------------------------------------------
-def allreduce_tied(pack: int, *, names: tuple, ranks: tuple, sync: bool = False): ...
+def allreduce_tied(pack: int, *, names: tuple, ranks: tuple, sync: bool = False, where: str = Tier.DEVICE): ...
 
 
-def _tied_execute(rt, pack, *, names, ranks, sync=False):
+def _tied_execute(rt, pack, *, names, ranks, sync=False, where=Tier.DEVICE):
     """Sum the gradients of the weights ``names``, tied across job ranks ``ranks``, over those ranks, in place, on the
     host thread; a ``wait`` joins it before the weights step (``sync``: here). The step's words ride on it (made here,
     on the thread issuing ops, so a replay knows it was made): a peer whose step failed says so before any copy
-    steps, and the copies stay equal."""
+    steps, and the copies stay equal.
+
+    ``where="host"``: the gradients were released to the host (the pack steps there); the host thread sums the host
+    copies behind what it was given before (the pack's replica all-reduce, in a grid) and ahead of the host step
+    queued next, whose drain joins it, as ``allreduce(where="host")`` does. No copy to or from the device touches
+    them meanwhile: the sum follows the gradients to where they are instead of bringing them back."""
     comm = tied.communicator(rt, ranks)
     status = rt.status if rt.status is not None and rt.status.active else None
     words = Words(status, comm.key, comm.group) if status is not None else None
+    host = where == Tier.HOST
 
     def job():
-        with CountAllocations(rt.meter):
-            comm.reduce_names(rt, list(names), words)
-        if words is not None:
-            words.settle(raises=True)
+        try:
+            if host and any(rt.state.grad(n) is None for n in names):
+                # the replica all-reduce ahead of it failed (a peer's step did) and dropped them: the copies' ranks
+                # still wait for this one, on zeros with this rank's word, as a replay sends it
+                _zeros(rt, comm, names, words)
+            else:
+                with CountAllocations(rt.meter):
+                    comm.reduce_names(rt, list(names), words)
+            if words is not None:
+                words.settle(raises=True)
+        except BaseException:
+            if host:        # the host step behind it must not apply a gradient the other copies did not
+                for n in names:
+                    rt.state.set_grad(n, None)
+            raise
     fut = rt.state.host_pool.submit(job)      # (a pipeline refuses the ondemand policy)
+    if host:
+        rt.state.pending[("tied", pack)] = fut
     if sync:
         fut.result()
-    else:       # a rollback's replay joins it (``replay_tied``); the step's ``wait`` otherwise
+    else:       # a rollback's replay joins it (``replay_tied``); the step's ``wait`` (or drain) otherwise
         rt.__dict__["tied_inflight"] = [f for f in rt.__dict__.get("tied_inflight", []) if not f.done()] + [fut]
     fut.harmony_jobs = ()
-    return fut
+    return None if host else fut
 
 
 def _tied_bytes(m, names) -> int:
     return sum(m.sizes.get(("grads", n), 0) for n in names)
 
 
-def _tied_effect(m, pack, *, names, ranks, sync=False):
+def _tied_effect(m, pack, *, names, ranks, sync=False, where=Tier.DEVICE):
+    if where == Tier.HOST:          # the host copies: nothing on the device
+        return None, 0
     held = comm_buffer_bytes(_tied_bytes(m, names), "none", len(ranks))
     return (None, held) if sync else (Predicted(held), 0)
 
 
-def _tied_cost(plan, hw, pack, *, names, ranks, sync=False):
+def _tied_cost(plan, hw, pack, *, names, ranks, sync=False, where=Tier.DEVICE):
     """A ring all-reduce of the tied weights' fp32 gradients over their ranks, at network speed."""
     size = sum(plan.stage.tied_bytes.get(n, 0) for n in names)
     world = len(ranks)
@@ -203,8 +224,7 @@ def replay_tied(rt) -> None:
         comm = tied.communicator(rt, node.kwargs["ranks"])
         if not rt.status.skip(comm.key):
             words = Words(rt.status, comm.key, comm.group)
-            reduce_all([torch.zeros(rt.state.tensors[n].shape) for n in node.kwargs["names"]], NO_COMPRESSION,
-                       group=comm.group, words=words)
+            _zeros(rt, comm, node.kwargs["names"], words)
             words.settle(raises=False)
     for fut in rt.__dict__.pop("tied_inflight", []):
         try:
@@ -213,6 +233,12 @@ def replay_tied(rt) -> None:
             pass
 
 
-register(allreduce_tied, _tied_execute, _tied_effect, _tied_cost, "copy", needs=lambda kw: ("grads",),
+def _zeros(rt, comm, names, words) -> None:
+    """The tied all-reduce on zeros in the gradients' place, carrying ``words``."""
+    reduce_all([torch.zeros(rt.state.tensors[n].shape) for n in names], NO_COMPRESSION, group=comm.group, words=words)
+
+
+register(allreduce_tied, _tied_execute, _tied_effect, _tied_cost, "copy",
+         needs=lambda kw: () if kw.get("where") == Tier.HOST else ("grads",),
          colour="#fc9272", reduces=True, label=lambda args, kwargs: f"{','.join(kwargs['names'])} over ranks "
                                                                      f"{','.join(map(str, kwargs['ranks']))}")
