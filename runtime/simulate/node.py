@@ -32,9 +32,10 @@ is a ``recv`` not yet sent waits; if every device waits, the schedules deadlock 
   again as on three, and the summary says, per host, which devices shared it and how long their work waited.
 
 A quantized all-reduce's codec (the ``codec`` stream) takes a core of the host too, so it contends with the
-host steps and a CPU device's compute there.
+host steps and a CPU device's compute there, and so does gloo's CPU work beside a CPU device's transfer (its socket
+copies and sums, the fused buffer's copies: runtime/ops/reduce.socket_seconds).
 
-What is not modelled: gloo's own CPU time (its reductions and copies; fp16 / bf16 conversions), P2P
+What is not modelled: fp16 / bf16 conversions, gloo's work in a tied weight's all-reduce, P2P
 traffic contending with swaps on a device's own link, the receiver's link (a message takes only the sender's), and
 the host work of a rank alone on its host or of a host without ``host_cores`` (each as if it had the host alone).
 With one device the result is ``simulate``'s, op for op.
@@ -159,12 +160,19 @@ class _Links:
             out[("memory", host)] = (min(bus, getattr(dev, f"{stream}_bandwidth") * (2 if cpu else 1)), bus)
         return out
 
-    def occupy(self, rank: int, stream: str, start: float, seconds: float) -> float:
+    def occupy(self, rank: int, stream: str, start: float, seconds: float, cpu: float = 0.0) -> float:
         """When work of ``seconds`` (at the device's own rate, alone) on ``stream`` that starts at ``start`` ends.
 
         An emulated device's compute (``speed_factor`` > 1) needs a core for only its own time (the runtime sleeps
         the rest out, runtime/executor.emulation_pause): it ends at the later of its stretched time and its core
-        work done."""
+        work done. ``cpu``: a transfer's seconds of a core's work beside it (gloo's): it ends at the later of its
+        own time and that work done on a core of the host."""
+        if cpu:
+            host = self.host.get(rank)
+            end = start + max(seconds, cpu) if host is None else max(
+                start + seconds, self.shared.book({("cores", host): (1.0, self.hw.host_cores)}, start, cpu))
+            self.waited[rank] += end - start - max(seconds, cpu)
+            return end
         needs = self.needs(rank, stream)
         if not needs:
             return start + seconds
@@ -218,8 +226,8 @@ class _Port:
         self.links.sent[self.rank] += message_bytes(self.links.plans[self.rank], node.kwargs["names"])
         self.links.messages[self.rank] += 1
 
-    def occupy(self, stream: str, start: float, seconds: float) -> float:
-        return self.links.occupy(self.rank, stream, start, seconds)
+    def occupy(self, stream: str, start: float, seconds: float, cpu: float = 0.0) -> float:
+        return self.links.occupy(self.rank, stream, start, seconds, cpu)
 
 
 def simulate_node(ranks, hw) -> NodeSimulation:
