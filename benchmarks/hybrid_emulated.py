@@ -33,10 +33,15 @@ median measured step. The ranks compile and simulate with this machine as profil
 (``measure_hardware``: one core of server A, at one thread, scaled to a whole core where other jobs took part of it;
 before, the ranks read ``Hardware.this_machine()``, nominal figures where no profile was cached). Beside the grid's
 measurement, rank 0's ``sm.simulate()`` of its server (the profile as logical devices, the link's rate as
-``network_bandwidth``, the server's cores, times the share of a core the profile got, as ``host_cores``) gives the
-SIMULATED step. Every system's figures carry the budget, the cores each server ran on, the speed factor and the
-machine's load average before and after the run (``load``); rank 0's measured and simulated op timelines of the last
-step are written beside them (``--out``, Chrome trace JSON).
+``network_bandwidth``, pooled by the server's ranks, ``network_shared``: a stage's all-reduce that runs while the
+other stage computes has the whole link, as it does here; the server's cores as ``host_cores``) gives the SIMULATED
+step. The host's cores are not scaled by the share of a core the profile got: the machine's other jobs take a share
+of each runnable thread, not of this benchmark as a whole, and an emulated rank's compute is slept out from its CPU
+time whatever they take; what they do slow is the work the speed factor does not scale (codec, gloo, host steps),
+so on a loaded machine the prediction runs short of the measurement there. Every system's figures carry the budget,
+the cores each server ran on, the speed factor and the machine's load average before and after the run (``load``);
+rank 0's measured and simulated op timelines of the last step are written beside them (``--out``, Chrome trace
+JSON).
 
     python benchmarks/hybrid.py --emulated          # as root: makes and removes the namespaces
 """
@@ -244,9 +249,9 @@ def worker(args) -> None:
         chrome_trace(sm.runtime.events, f"{stem}.measured.trace.json")
         if args.worker == "grid":
             hw = measured_hardware(args).logical([budget] * 2, [args.speed_factor] * 2)
-            share = json.loads((Path(args.result).parent / "hardware.json").read_text())["core_share"]
-            # the server's two ranks share its cores (os.sched_setaffinity), as much of them as other jobs leave
-            node = sm.simulate(hw.replace(network_bandwidth=args.rate_bytes, host_cores=args.host_cores * share))
+            # the server's two ranks share its cores (os.sched_setaffinity) and its one link to the other server
+            node = sm.simulate(hw.replace(network_bandwidth=args.rate_bytes, host_cores=args.host_cores,
+                                          network_shared=True))
             out["SIMULATED_step_s"] = node.step_seconds
             out["SIMULATED_sharing"] = " | ".join(node.sharing)
             out["SIMULATED_rank0_busy"] = node.devices[0].busy

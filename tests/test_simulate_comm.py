@@ -1,8 +1,9 @@
-"""The simulator's host thread and gloo's CPU work (runtime/simulate/, runtime/ops/reduce.socket_seconds): a 2 x 2
-grid's first pipeline planned on meta tensors (driver/node.plan_node), simulated. The runtime runs a rank's
-all-reduces and host optimizer steps on one host thread, one at a time, so the simulator does; where the device is
-the CPU, gloo's socket copies, sums and fused-buffer copies are CPU work the transfer lasts at least, on a core of the
-host; on a GPU (NCCL) nothing changes. No processes."""
+"""The simulator's all-reduces (runtime/simulate/, runtime/ops/reduce.socket_seconds): a 2 x 2 grid's first pipeline
+planned on meta tensors (driver/node.plan_node), simulated. The runtime runs a rank's all-reduces and host optimizer
+steps on one host thread, one at a time, so the simulator does; where the device is the CPU, gloo's socket copies,
+sums and fused-buffer copies are CPU work the transfer lasts at least, on a core of the host; on a GPU (NCCL) nothing
+changes; a server's ranks pooling their link (``Hardware.network_shared``) send one at a time at the whole link's
+rate. No processes."""
 from __future__ import annotations
 
 import pytest
@@ -15,6 +16,7 @@ from harmony.runtime.ops import op_of
 from harmony.runtime.ops.reduce import sent_bytes, socket_seconds
 from harmony.runtime.plan import NOMINAL_SOCKET_RATE, socket_rate
 from harmony.runtime.simulate import OnHost
+from harmony.runtime.simulate.node import pooled_links
 
 def _grid(hw, compression, budget=2**30, layers=4):
     with torch.device("meta"):
@@ -96,3 +98,25 @@ def test_the_host_thread_runs_all_reduces_and_host_steps_one_at_a_time():
             assert after.start >= before.end - 1e-12, (before, after)
         # the step ends after all of the thread's work, done back to back at the least
         assert sim.step_seconds >= sum(e.end - e.start for e in thread)
+
+
+def test_a_servers_ranks_pooling_their_link_send_one_at_a_time_at_its_whole_rate():
+    hw = Hardware.node("4x1080ti").replace(network_bandwidth=1e7, network_latency=0.0)
+    programs = _grid(hw, None)
+    apart, pooled = simulate_programs(programs, hw), simulate_programs(programs, hw.replace(network_shared=True))
+
+    def transfers(node):
+        return [next(e for e in sim.events if e.name == n.name) for sim, p in zip(node.devices, programs)
+                for n in _reduces(p)]
+    alone = {(e.device, e.name): e.end - e.start for e in transfers(apart)}
+    # each device's share alone, its transfer took its time; pooled, they go at the four shares' rate, one after the
+    # other (here all four are issued together, as the stages' compute is short): the last lands when the link has
+    # carried them all
+    pooled_transfers = sorted(transfers(pooled), key=lambda e: e.start)
+    assert len(pooled_transfers) == len(programs) == 4
+    for e in pooled_transfers:
+        assert e.end - e.start <= alone[(e.device, e.name)] + 1e-12
+    last = max(e.end for e in pooled_transfers)
+    assert last - pooled_transfers[0].start == pytest.approx(sum(alone.values()) / 4)
+    assert pooled.step_seconds <= apart.step_seconds
+    assert not pooled_links(hw, 4) and pooled_links(hw.replace(network_shared=True), 4)[3] == (0, 4)
