@@ -188,7 +188,7 @@ def emulated(args) -> dict:
         if got.get(k) and got[k].get("SIMULATED_step_s"):
             figures[f"emulated {k} predicted/measured"] = got[k]["SIMULATED_step_s"] / got[k]["step_s"]
     figures["setting"] = dict(rate=args.rate, speed_factor=args.speed_factor, budget_per_param=args.budget_per_param,
-                              server_cores=cores or "all (not pinned)")
+                              server_cores=cores or "all (not pinned)", nice=args.nice)
     figures["load before/after each run (1, 5, 15 min)"] = {k: v["load"] for k, v in got.items() if v}
     numbers = {k: v for k, v in figures.items() if isinstance(v, float)}
     print(common.table([numbers], "EMULATED: ratios, measured; predicted/measured: the SIMULATED step over the "
@@ -211,6 +211,8 @@ def main(argv=None) -> dict:
                     "parameter (default 14: one stage's AdamW state fits, the whole model's 16 does not)")
     ap.add_argument("--profile-seconds", type=float, default=6.0, help="seconds the machine is profiled for, once "
                                                                        "before the runs (default 6)")
+    ap.add_argument("--nice", type=int, default=0, help="the ranks' priority (as root, negative: ahead of the "
+                                                        "machine's other jobs; default 0)")
     ap.add_argument("--no-pin", action="store_true", help="every rank on every core (default: each emulated server's "
                                                           "ranks on half of the cores)")
     ap.add_argument("--systems", default=None, help="the emulated systems to run, comma-separated (default: all: grid "
