@@ -58,7 +58,6 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-PROFILE_NICE = -10       # the profile's priority (measure_hardware)
 SYSTEMS = {"grid fp32": ("grid", "none", 2), "grid 4bit": ("grid", "4bit", 2),
            "data parallel 4bit": ("data", "4bit", 2), "pipeline alone (2 ranks)": ("pipeline", "none", 1)}
 
@@ -142,29 +141,22 @@ def measure_hardware(args) -> dict:
     server A's cores, with a transformer block of the GPT's width and a microbatch's tokens. Other jobs on this
     machine slow a profile down, and the emulation stretches an op's CPU time, not its wait for a core: the figures
     are scaled to a whole core by the share of one the profile got (benchmarks/hetero.py's ``core_share``,
-    ``on_whole_cores``), and the profile runs at a raised priority (``PROFILE_NICE``, as root) so that the share
-    stays near a whole core; the share is reported (``core_share``)."""
-    from hetero import core_share, on_whole_cores
+    ``on_whole_cores``), and the profile runs at a raised priority (``ahead_of_other_jobs``, as root) so that the
+    share stays near a whole core; the share is reported (``core_share``)."""
+    from hetero import ahead_of_other_jobs, core_share, on_whole_cores
 
     from harmony.compiler.hardware import Hardware
-    mine, nice = os.sched_getaffinity(0), os.getpriority(os.PRIO_PROCESS, 0)
+    mine = os.sched_getaffinity(0)
     os.sched_setaffinity(0, server_cores(not args.no_pin)[0])
     try:
-        # ahead of the machine's other jobs for these seconds (as root), so that the share to scale by stays near 1
-        os.setpriority(os.PRIO_PROCESS, 0, PROFILE_NICE)
-    except OSError:
-        pass
-    try:
-        tokens = 2 * 64                                      # a microbatch of 2 rows of 64 tokens, every system's
-        share = core_share(tokens, args.width)
-        hw = Hardware.profile(seconds=args.profile_seconds, threads=1, block=(args.width, tokens, 64), save=False)
-        share = min(1.0, (share + core_share(tokens, args.width)) / 2)
+        with ahead_of_other_jobs():
+            tokens = 2 * 64                                  # a microbatch of 2 rows of 64 tokens, every system's
+            share = core_share(tokens, args.width)
+            hw = Hardware.profile(seconds=args.profile_seconds, threads=1, block=(args.width, tokens, 64),
+                                  save=False)
+            share = min(1.0, (share + core_share(tokens, args.width)) / 2)
     finally:
         os.sched_setaffinity(0, mine)
-        try:
-            os.setpriority(os.PRIO_PROCESS, 0, nice)
-        except OSError:
-            pass
     hw = on_whole_cores(hw, share) if share < 1 else hw
     got = dict(hardware=dataclasses.asdict(hw), core_share=share)
     (Path(args.out) / "hardware.json").write_text(json.dumps(got))
@@ -240,6 +232,9 @@ def worker(args) -> None:
     import torch
     from harmony.models import GPT, GPTConfig, copy_task
     from harmony.viz.timeline import chrome_trace
+    if args.nice:       # torchrun starts each rank in a session of its own: its nice, and the session's
+        from hetero import set_priority
+        set_priority(args.nice, args.nice)
     torch.manual_seed(0)
     c = GPTConfig(vocab=256, seq=64, layers=args.layers, width=args.width, heads=4, tie=False)
     model = GPT(c)
