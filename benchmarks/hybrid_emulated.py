@@ -31,17 +31,17 @@ Every run is launched as users launch: one ``torchrun`` per namespace (``--nnode
 pipeline alone with one; ``--nice -10`` (as root) runs them ahead of the machine's other jobs, whose load otherwise
 slows the work the speed factor does not scale. Each trains the same GPT on the same global batch; throughput is the
 global batch over the median measured step. The ranks compile and simulate with this machine as profiled once before
-the runs (``measure_hardware``: one core of server A, at one thread, scaled to a whole core where other jobs took
-part of it; before, the ranks read ``Hardware.this_machine()``, nominal figures where no profile was cached). Beside
-the grid's measurement, rank 0's ``sm.simulate()`` of its server (the profile as logical devices, the link's rate as
-``network_bandwidth``, pooled by the server's ranks, ``network_shared``: a stage's all-reduce that runs while the
-other stage computes has the whole link, as it does here; the server's cores as ``host_cores``) gives the SIMULATED
-step. The host's cores are not scaled by the share of a core the profile got: the machine's other jobs take a share
-of each runnable thread, not of this benchmark as a whole, and an emulated rank's compute is slept out from its CPU
-time whatever they take; what they do slow is the work the speed factor does not scale (codec, gloo, host steps), so
-on a loaded machine the prediction runs short of the measurement there. Every system's figures carry the budget, the
-cores each server ran on, the speed factor and the machine's load average before and after the run (``load``); rank
-0's measured and simulated op timelines of the last step are written beside them (``--out``, Chrome trace JSON).
+the runs (``measure_hardware``: one core of server A, at one thread; before, the ranks read
+``Hardware.this_machine()``, nominal figures where no profile was cached). Beside the grid's measurement, rank 0's
+``sm.simulate()`` of its server (the profile as logical devices, the link's rate as ``network_bandwidth``, pooled by
+the server's ranks, ``network_shared``: a stage's all-reduce that runs while the other stage computes has the whole
+link, as it does here; the server's cores as ``host_cores``) gives the SIMULATED step. The host's cores are not
+scaled by the share of a core the profile got: the machine's other jobs take a share of each runnable thread, not of
+this benchmark as a whole, and an emulated rank's compute is slept out from its CPU time whatever they take; what
+they do slow is the work the speed factor does not scale (codec, gloo, host steps), so on a loaded machine the
+prediction runs short of the measurement there. Every system's figures carry the budget, the cores each server ran
+on, the speed factor and the machine's load average before and after the run (``load``); rank 0's measured and
+simulated op timelines of the last step are written beside them (``--out``, Chrome trace JSON).
 
     python benchmarks/hybrid.py --emulated          # as root: makes and removes the namespaces
     python benchmarks/hybrid.py --emulated --nice -10 --steps 6     # ahead of the machine's other jobs
@@ -138,12 +138,12 @@ def chosen(args) -> list[str]:
 def measure_hardware(args) -> dict:
     """This machine as the ranks see it, measured once before the runs and written to ``--out``/hardware.json,
     which every rank compiles and simulates with: ``Hardware.profile`` at one intra-op thread (as the ranks run) on
-    server A's cores, with a transformer block of the GPT's width and a microbatch's tokens. Other jobs on this
-    machine slow a profile down, and the emulation stretches an op's CPU time, not its wait for a core: the figures
-    are scaled to a whole core by the share of one the profile got (benchmarks/hetero.py's ``core_share``,
-    ``on_whole_cores``), and the profile runs at a raised priority (``ahead_of_other_jobs``, as root) so that the
-    share stays near a whole core; the share is reported (``core_share``)."""
-    from hetero import ahead_of_other_jobs, core_share, on_whole_cores
+    server A's cores, with a transformer block of the GPT's width and a microbatch's tokens, at a raised priority
+    (benchmarks/hetero.py's ``ahead_of_other_jobs``, as root) so that the machine's other jobs slow it less. The
+    share of a core it got (``core_share``, its CPU time over wall time while it multiplied) is reported, not
+    scaled by: the profile takes the median of short runs, which mostly got the core, and scaled up by the share it
+    overshot a core's speed by 1.5-2x at load 10-17."""
+    from hetero import ahead_of_other_jobs, core_share
 
     from harmony.compiler.hardware import Hardware
     mine = os.sched_getaffinity(0)
@@ -157,7 +157,6 @@ def measure_hardware(args) -> dict:
             share = min(1.0, (share + core_share(tokens, args.width)) / 2)
     finally:
         os.sched_setaffinity(0, mine)
-    hw = on_whole_cores(hw, share) if share < 1 else hw
     got = dict(hardware=dataclasses.asdict(hw), core_share=share)
     (Path(args.out) / "hardware.json").write_text(json.dumps(got))
     return got
