@@ -39,7 +39,9 @@ A quantized all-reduce's codec (the ``codec`` stream) takes a core of the host t
 host steps and a CPU device's compute there, and so does gloo's CPU work beside a CPU device's transfer (its socket
 copies and sums, the fused buffer's copies: runtime/ops/reduce.socket_seconds).
 
-What is not modelled: fp16 / bf16 conversions, gloo's work in a tied weight's all-reduce, P2P
+What is not modelled: a collective's wait for the ranks that reach it later (each rank's all-reduce starts when it
+reaches it: ranks of unequal speed, under ``balance=``, wait for one another there), fp16 / bf16 conversions, gloo's
+work in a tied weight's all-reduce, P2P
 traffic contending with swaps on a device's own link, the receiver's link (a message takes only the sender's), and
 the host work of a rank alone on its host or of a host without ``host_cores`` (each as if it had the host alone).
 With one device the result is ``simulate``'s, op for op.
