@@ -21,7 +21,8 @@ row that hangs or dies costs only itself):
                AdamW stepping on the CPU (peak allocated beside its time)
 
 Before the rows the card is probed in the parent (``Hardware.profile`` on CUDA: matmul FLOP/s per dtype,
-pinned h2d / d2h GB/s, kernel launch latency, device memory bandwidth); each Harmony row also reports
+pinned h2d / d2h GB/s, kernel launch latency, device memory bandwidth), and the host's AdamW step traffic per second
+in each torch implementation against its memory-bandwidth probe (benchmarks/host_step.py); each Harmony row also reports
 ``sm.simulate`` on that measured description against its measured step.
 
 A row that runs past ``--row-timeout`` reports the steps it finished (``timed_out`` says how many).
@@ -422,6 +423,10 @@ def main():
                 # what else the simulator's predictions rest on, so that plans can be simulated again off the card
                 efficiency=dev.efficiency, host_memory_bandwidth=hw.host_memory_bandwidth, host_flops=hw.host_flops)
     print(f"card: {hw.describe()}", flush=True)
+    if a.probe_seconds > 0:    # the host's AdamW against its memory bandwidth (what bounds a host step)
+        from host_step import adamw_rates, describe
+        card["host_adamw"] = adamw_rates(mib=16 if a.quick else 512, seconds=min(a.probe_seconds, 4.0))
+        print(describe(card["host_adamw"]), flush=True)
     print(f"model: {c.describe()}, {c.n_params() / 1e9:.2f}B parameters, training state "
           f"{c.state_bytes() / GiB:.1f} GiB, "
           f"batch {a.batch} x {a.seq} in {a.microbatches} microbatches, {a.precision}", flush=True)

@@ -208,7 +208,10 @@ class ParallelConfig(Group):
     ``example_batch`` the global batch. ``"auto"``: an integer program chooses each rank's microbatch size and
     count; ``"uniform"``: equal shares of ``microbatches`` each; or one entry per rank, ``(microbatch size,
     microbatches)`` or a sample count. Each rank's budget is its device's ``memory``; a ``speed_factor`` > 1
-    makes the runtime emulate a slower device. ``sm(*global_batch)`` takes this rank's rows."""
+    makes the runtime emulate a slower device. ``sm(*global_batch)`` takes this rank's rows. Under
+    ``parallel=("pipeline", "data")`` the share is a pipeline's (every rank of a pipeline trains on its rows): an
+    entry per pipeline, or one per rank where each pipeline's ranks agree; ``"auto"`` weighs each pipeline's
+    predicted step (compiler/grid_balance.py), and every rank plans under the smallest device's memory."""
     shard_state: bool | str | None = None
     """True (or ``"optimizer"``): each parameter's optimizer state is kept, and the parameter stepped, by one rank,
     which broadcasts it (ZeRO stage 1; runtime/shard.py), in equal byte shares or under ``balance`` the shares its

@@ -78,9 +78,10 @@ def _compile(model, names, batch, cfg: CompileConfig, mode: modes.Mode, module: 
     agree.point(agree.POINTS[1])        # before the passes' plan checks and broadcasts
     program = run_passes(mode, program, cfg.passes)
     tokens.settle(program, weighting, items)
-    report = balanced.report if balanced is not None else mode.report(program)
-    if report is not None:
-        program.reports.insert(0, report)
+    # the balance's section first, then the mode's (a grid's under balance=: both)
+    for report in (mode.report(program), balanced.report if balanced is not None else None):
+        if report is not None:
+            program.reports.insert(0, report)
     if balanced is not None:
         program.rows = balanced.rows
     t_passes = time.perf_counter()

@@ -35,6 +35,7 @@ class Handshake:
         import torch.distributed as dist
         self.rank, self.world, self.timeout = rank, world, timeout
         self.same_shapes: list[list[int]] = []     # ranks that pass the same batch: a pipeline's (``attach``)
+        self.own_shapes = False     # a balanced grid's pipelines: each its rows, of its own shape (``attach``)
         self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout))
 
     def agree(self, call: str, steps: int, refused: Exception | None = None, plans: bool = False,
@@ -86,7 +87,7 @@ class Handshake:
                              f"different shapes; nothing was run on any rank. Every pipeline rank passes the whole "
                              f"batch (the first reads its inputs, the last its targets): the same batch on every "
                              f"rank (the same seed for the DataLoader's shuffle and padding).")
-        if refused is None and routes[0] == 1 and len({int(t[4]) for t in got}) > 1:
+        if refused is None and routes[0] == 1 and not self.own_shapes and len({int(t[4]) for t in got}) > 1:
             raise InputError(f"{call} on rank {self.rank} of {self.world}: the ranks passed batches of different "
                              f"shapes, each needing a plan of its own; nothing was run on any rank. Every rank must "
                              f"pass the same shapes at a step (drop_last=True, a DistributedSampler, the same "
@@ -157,6 +158,7 @@ def attach(sm) -> None:
                 grid = plan.stage.grid
                 sm.handshake.same_shapes = [list(range(world))] if grid is None else \
                     [grid.pipeline_ranks(r) for r in range(grid.replicas)]
+                sm.handshake.own_shapes = grid is not None and plan.stage.weight is not None
             # each step's outcome is the job's: a failure is told at the next collective (runtime/comm/jobwide.py)
             sm.runtime.status = StepStatus(sm.handshake.rank, world, sm.handshake.group, cfg.comm_timeout)
             if world > 2:       # the words beside each all-reduce of three ranks or more: a group of their own

@@ -85,7 +85,7 @@ def lower_stage(program: Program) -> torch.fx.Graph:
         b.forward(current, event[2], keep=False)
     if current is not None:
         release()
-    b.emit(share_loss, b.st.loss_rank)
+    b.emit(share_loss, b.st.loss_rank, **({} if b.st.weight is None else {"weight": b.st.weight}))
     b.g.output(None)
     return b.g
 

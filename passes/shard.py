@@ -188,8 +188,9 @@ def _check_pack(plan, p: int) -> None:
     why = ("it steps on the device" if r.step_on != Tier.HOST else
            "the plan keeps some of its state on the device" if r.kept or r.device_parts or r.optim_kept else "")
     if why:
-        # the swap pass keeps state resident only where the budget holds it: a smaller budget makes the pack swap
-        fix = ("give a memory_budget below this rank's training state, so its packs swap (and are gathered)"
+        # the swap pass swaps every partitioned pack whatever the room (passes/swap): only a swap choice handed to
+        # compile can keep its state resident
+        fix = ("let the swap pass choose what moves (do not hand it a choice that keeps state resident)"
                if r.step_on == Tier.HOST else f"pass optimizer_on={Tier.HOST!r}")
         raise ConfigError(f"shard_state='full' partitions packs that step on the host with their state there, but "
                           f"pack {p} ({plan.packs[p].name}): {why}; {fix}, or use shard_state=True")

@@ -231,7 +231,8 @@ def restrict(program: Program, rank_of: list[int], tied: dict | None = None) -> 
     stage = Stages(rank=rank, world=world, rank_of=list(rank_of), local=local, grid=grid,
                    inputs=[list(s.inputs) for s in plan.packs], outputs=[list(s.outputs) for s in plan.packs],
                    names=[s.name for s in plan.packs], values=_crossing_values(program, rank_of),
-                   placement=cfg.placement, timeout=cfg.comm_timeout, tied=dict(tied or {}))
+                   placement=cfg.placement, timeout=cfg.comm_timeout, tied=dict(tied or {}),
+                   weight=getattr(cfg, "sample_weight", None) if grid is not None else None)
     specs = [dataclasses.replace(plan.packs[g], index=i) for i, g in enumerate(local)]
     program.plan = dataclasses.replace(plan, packs=specs, residency={}, stage=stage)
     if stage.tied:
@@ -254,12 +255,19 @@ def run(program: Program, ctx) -> PassResult:
                               f"rank 0..{world - 1} given at least one; got {ctx!r}")
         rank_of = list(ctx)
     else:
-        rank_of = place(costs, world, cfg.placement)
+        # a balanced grid's pipelines run different microbatches: placed by one microbatch's compute, alike on all
+        rank_of = place(pack_seconds(dataclasses.replace(plan, microbatches=1), cfg.flops) if _balanced(cfg)
+                        else costs, world, cfg.placement)
     tied, shared_notes = _check_shared(plan, rank_of)
     notes += shared_notes
     if _live(cfg):     # the ranks of a running node agree; a node planned in one process (pipeline_plan) has none
-        compress.check_same_plan(repr((world, cfg.policy, cfg.microbatches, cfg.pipeline_group, rank_of,
-                                       [(s.name, s.inputs, s.outputs, s.params) for s in plan.packs])))
+        packs = [(s.name, s.inputs, s.outputs, s.params) for s in plan.packs]
+        if not _balanced(cfg):
+            compress.check_same_plan(repr((world, cfg.policy, cfg.microbatches, cfg.pipeline_group, rank_of, packs)))
+        else:     # the job's packs and placement alike; the microbatches a pipeline's own
+            compress.check_same_plan(repr((world, cfg.policy, rank_of, packs)))
+            compress.check_same_plan(repr((cfg.microbatches, cfg.pipeline_group)), what="microbatches",
+                                     among=grid_of(cfg).pipeline_ranks())
     rows = _rows(plan, rank_of, costs, world)
     restrict(program, rank_of, tied)
     notes += tie_copies(program, _live(cfg))
@@ -303,6 +311,11 @@ def shard_over_replicas(program: Program) -> list[str]:
     own_state(program, owners_among(sizes, ranks))
     return [f"shard_state=True: this stage's optimizer state is split over its replica group (ranks "
             f"{','.join(map(str, ranks))}), each stepping its share and broadcasting it to the others"]
+
+
+def _balanced(cfg) -> bool:
+    """A grid under ``balance=``: its pipelines run their own rows (driver/modes/grid_balance.py)."""
+    return grid_of(cfg) is not None and getattr(cfg, "sample_weight", None) is not None
 
 
 def _live(cfg) -> bool:

@@ -160,6 +160,6 @@ def lower_stages(program: Program) -> torch.fx.Graph:
         b.emit(share_norms)
     for p in steps + late:
         b.emit(ops.step, p)
-    b.emit(share_loss, b.st.loss_rank)
+    b.emit(share_loss, b.st.loss_rank, **({} if b.st.weight is None else {"weight": b.st.weight}))
     b.g.output(None)
     return b.g

@@ -50,6 +50,7 @@ class Stages:
     grid: object = None                 # parallel=("pipeline", "data"): runtime/comm/grid.Grid; None: one pipeline
     tied: dict = field(default_factory=dict)   # a weight packs on several ranks use -> those (pipeline) ranks, sorted
     tied_bytes: dict = field(default_factory=dict)     # those weights -> their bytes
+    weight: float | None = None         # a balanced grid's pipeline: its rows / the global batch (None: equal shares)
 
     @property
     def loss_rank(self) -> int:
@@ -76,7 +77,7 @@ class Stages:
 # -- stubs: the names a schedule graph calls ----------------------------------------------------
 def recv(pack: int, mb: int, *, src: int, tag: int, names: tuple, grads: bool = False): ...
 def send(value, pack: int, mb: int, *, dst: int, tag: int, names: tuple, grads: bool = False): ...
-def share_loss(src: int): ...
+def share_loss(src: int, *, weight: float | None = None): ...
 def share_norms(): ...
 
 
@@ -184,15 +185,18 @@ def join_sends(rt) -> None:
         wait_work(work, what, timeout, peer=dst)
 
 
-def _share_loss_execute(rt, src):
+def _share_loss_execute(rt, src, weight=None):
     """Join this step's sends; the job's loss to every rank, in one all-reduce that carries each rank's word on the
     step too (runtime/comm/jobwide.py). The loss rank adds its step's loss as one process returns it (``mean_loss``:
     by rows, or a token mean's term) and every other rank zeros, so each rank returns the loss rank's bits; in a grid
-    the pipelines' loss ranks all add theirs, and the step returns their mean."""
+    the pipelines' loss ranks all add theirs, and the step returns their mean; ``weight`` (a balanced grid's step:
+    this pipeline's rows over the global batch) weighs each pipeline's loss by its rows, the global batch's mean."""
     st = rt.plan.stage
     join_sends(rt)
     status = rt.status if rt.status is not None and rt.status.active else None
     loss = mean_loss(rt.losses, rt.rows, rt.token_scale).reshape(1) if st.rank == src else torch.zeros(1)
+    if weight is not None and st.rank == src:
+        loss = loss * (weight * st.grid.replicas)      # the mean over the pipelines is then the weighted sum
     summed = _loss_exchange(rt, loss, Words(status, STEP_KEY, None) if status is not None else None, src)
     if status is not None and status.seen:
         raise Aborted(f"rank {st.rank}: a rank's step failed before the loss was shared")
@@ -268,7 +272,7 @@ def _p2p_cost(plan, hw, *args, names=(), **kw):
                                                                          NOMINAL_NETWORK_LATENCY)
 
 
-def _share_loss_cost(plan, hw, src):
+def _share_loss_cost(plan, hw, src, **kw):
     return "network", getattr(hw, "network_latency", NOMINAL_NETWORK_LATENCY)
 
 

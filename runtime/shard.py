@@ -20,7 +20,8 @@ import torch
 
 from harmony.base.units import nbytes
 from harmony.runtime.comm.collectives import guarded
-from harmony.runtime.comm.jobwide import STEP_KEY, ghost
+from harmony.runtime.comm.communicator import scope
+from harmony.runtime.comm.jobwide import ghost
 from harmony.runtime.ops import register
 from harmony.runtime.plan import NOMINAL_NETWORK_BANDWIDTH, NOMINAL_NETWORK_LATENCY
 
@@ -69,8 +70,11 @@ def _sync_execute(rt, world):
     st = rt.state
     st.settle(list(st.pending))          # host steps (and the host all-reduces ahead of them) are done
     rt.finish_updates()                  # and those waiting in the StepGate (clipping) have run
-    if rt.status is not None:            # every rank's step got here (runtime/comm/jobwide.py)
-        rt.status.go(STEP_KEY, None, "the broadcast of the updated weights")
+    # every rank's step got here (runtime/comm/jobwide.py): in a grid the ranks of this rank's replica group, which
+    # hold the same packs and so all make this op (a stage with nothing to broadcast makes none: a meet of the whole
+    # job here would wait for its ranks)
+    if rt.status is not None:
+        rt.status.go(*scope(rt), "the broadcast of the updated weights")
     mine, group, first = rt.plan.rank, _group(rt.plan), _first(rt.plan)
     for owner, names in enumerate(by_owner(rt.plan)):
         if names:
@@ -150,7 +154,7 @@ def _sync_cost(plan, hw, world):
 
 @ghost(sync_state)
 def _sync_ghost(rt, node) -> None:
-    rt.status.meet(STEP_KEY, None, "the broadcast of the updated weights")
+    rt.status.meet(*scope(rt), "the broadcast of the updated weights")
 
 
 register(sync_state, _sync_execute, _sync_effect, _sync_cost, "copy", colour="#fcbba1")

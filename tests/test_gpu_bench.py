@@ -33,3 +33,14 @@ def test_gpu_benchmark_dry_run_trains_a_llama_beside_eager(tmp_path):
         assert r["losses"][0] == pytest.approx(math.log(512), rel=0.03), r["losses"]
     assert rows["harmony-50"]["meter_peak_gib"] <= rows["harmony-50"]["budget_gib"]
     assert "harmony-50 / eager tokens/s" in p.stdout
+
+
+def test_host_step_benchmark_prints_each_adamw_against_the_memory_probe():
+    """benchmarks/host_step.py (gpu.py prints it for the card's host): every torch AdamW implementation's step traffic
+    per second beside the memory-bandwidth probe, as shares of it."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "host_step.py"), "--mib", "4", "--seconds", "0.3"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert p.returncode == 0, p.stdout + p.stderr
+    for impl in ("for-loop", "foreach", "fused"):
+        assert f" {impl} " in p.stdout, p.stdout
+    assert "of the memory-bandwidth probe's" in p.stdout and "%)" in p.stdout, p.stdout

@@ -1,7 +1,7 @@
 """parallel=("pipeline", "data") (issue 64): 4 gloo ranks as 2 pipelines of 2, bitwise against one process's eager
 gradient accumulation; every replica equal under 4-bit gradients; a failed step rolled back on every rank; a 2 x 2
 checkpoint loaded into one pipeline of 4 and into 4 data-parallel ranks; bad grids and what a grid does not do yet
-refused by name.
+refused by name (``balance=`` itself: tests/test_hybrid_balance.py).
 
 The ranks are spawned once (``_spawn`` from test_collectives, one thread each) and run every check; the eager
 reference is computed in the parent meanwhile, on one thread too (another thread count sums in another order).
@@ -97,7 +97,7 @@ def _fault(rank, **kw):
 
 REFUSED = {      # option -> what the refusal names
     "ondemand": (dict(policy="ondemand"), "policy='ondemand'"),
-    "balance": (dict(balance="uniform"), "balance="),
+    "balance": (dict(balance="uniform", shard_state="full"), "balance= with shard_state='full'"),
     "not_a_multiple": (dict(pipeline_size=3), "multiple"),
     "one_rank_pipelines": (dict(pipeline_size=1), "at least 2"),
     "one_pipeline": (dict(pipeline_size=4), "no replica")}

@@ -35,9 +35,26 @@ def _load_into(path) -> dict:
     return out
 
 
+def _frozen(**kw) -> dict:
+    """The model's second half frozen (as a user fine-tuning its first layers): the last stage has no parameter to
+    step or broadcast, so it makes no ``sync_state``, and the other stage's meet before its broadcasts must not wait
+    for it (a meet of its replica group, not of the job)."""
+    model, data = _case()
+    names = [n for n, _ in model.named_parameters()]
+    for n, p in model.named_parameters():
+        p.requires_grad_(n not in names[len(names) // 2:])
+    sm = _compile(model, data, **kw)
+    losses = [sm(*harmony.data.shard(data[i % len(data)], pipeline_size=2)).item() for i in range(3)]
+    out = dict(losses=losses, params={n: t.numpy().copy() for n, t in _mine(sm).items()},
+               syncs=sum(n.target.__name__ == "sync_state" for n in sm.graph.nodes if n.op == "call_function"))
+    sm.close()
+    return out
+
+
 def _ranks(rank, world, path):
     trained = _train(save=path, **ZERO1)
-    return dict(zero1=trained, fault=_fault(rank, **ZERO1), loaded=_load_into(path))
+    return dict(zero1=trained, fault=_fault(rank, **ZERO1), loaded=_load_into(path),
+                frozen={"zero1": _frozen(**ZERO1), "replicated": _frozen()})
 
 
 @pytest.fixture(scope="module")
@@ -108,3 +125,13 @@ def test_shard_state_optimizer_is_zero1_and_a_grids_owners_are_its_replica_ranks
     assert got == {"a": 1, "b": 1, "c": 3, "d": 3}
     with pytest.raises(harmony.errors.ConfigError, match="'optimizer' is True"):
         Config(shard_state="half")
+
+
+@pytest.mark.slow
+def test_a_zero1_grid_whose_last_stage_trains_nothing_steps_as_the_replicated_grid(runs):
+    for r in range(4):
+        zero1, replicated = runs[r]["frozen"]["zero1"], runs[r]["frozen"]["replicated"]
+        assert zero1["syncs"] == (1 if r in (0, 2) else 0), r        # stage 0's ranks broadcast; stage 1's have none
+        assert zero1["losses"] == replicated["losses"], r
+        for n, t in replicated["params"].items():
+            assert (zero1["params"][n] == t).all(), (r, n)

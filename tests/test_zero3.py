@@ -26,16 +26,16 @@ ADAMW = dict(optimizer=torch.optim.AdamW, optimizer_kwargs=dict(lr=1e-3))
 STEPS = 3
 
 
-def _compile(batch, tie=False, **kw):
+def _compile(batch, tie=False, frac=0.5, **kw):
     model, data = CASES["gpt"](batch=batch, tie=tie)
     sm = harmony.compile(model, example_batch=harmony.data.shard(data[0]), microbatches=2,
-                         memory_budget=int(training_state_bytes(model) * 0.5), **{**ADAMW, **kw})
+                         memory_budget=int(training_state_bytes(model) * frac), **{**ADAMW, **kw})
     return model, data, sm
 
 
-def _train(rank, batch, shard_state):
+def _train(rank, batch, shard_state, frac=0.5):
     """Three steps with the optimizer on the host (the plan ``shard_state="full"`` makes): parameters, bytes, ops."""
-    model, data, sm = _compile(batch, shard_state=shard_state, optimizer_on="host")
+    model, data, sm = _compile(batch, frac=frac, shard_state=shard_state, optimizer_on="host")
     for i in range(STEPS):
         sm(*harmony.data.shard(data[i % len(data)]))
     state = sm.runtime.state
@@ -107,6 +107,9 @@ def _refused(rank, world):
 def _ranks(rank, world, path, other):
     out = {mode: _train(rank, 4 * world, mode) for mode in (False, True, "full")}
     if world == 2:
+        # a budget that holds the whole training state: the replicated run keeps it all on the device; the
+        # partitioned packs still swap (their state lives in chunks on the hosts), and train alike
+        out["roomy"] = {mode: _train(rank, 4 * world, mode, frac=4.0) for mode in (False, "full")}
         out["resume"] = _resume(rank, world, path)
         out["refused"] = _refused(rank, world)
     else:       # the checkpoint the 2-rank run saved loads into 3 ranks
@@ -165,6 +168,16 @@ def _check_partitioned(res, world):
 @pytest.mark.slow
 def test_two_ranks_partitioned_train_bitwise_like_replicated_with_half_the_host_state(two):
     _check_partitioned(two, 2)
+
+
+@pytest.mark.slow
+def test_a_budget_that_holds_everything_still_partitions_and_trains_like_replicated(two):
+    for r in (0, 1):
+        rep, full = two[r]["roomy"][False], two[r]["roomy"]["full"]
+        assert rep["digest"] == full["digest"] == two[0]["roomy"]["full"]["digest"]
+        assert "swap_in" not in rep["ops"] and "gather" not in rep["ops"]     # the replicated run: all resident
+        assert "gather" in full["ops"] and "reduce_scatter" in full["ops"] and full["placeholders"] > 0
+        assert full["stats"]["measured_peak"] <= full["stats"]["budget"]
 
 
 @pytest.mark.slow

@@ -14,6 +14,10 @@ and every rank hears every rank's word in the loss's all-reduce that ends the st
 and runtime/partitioned/ of data parallelism, with the replica group for the job (its gathers and carried-weight
 agreements on replica groups of their own, made here at plan time on every rank).
 
+``balance=`` (driver/modes/grid_balance.py) gives each pipeline its rows of the global batch by its speed, weighting
+its gradients and loss by its rows; the pipelines cut the model into the same packs, so the replica groups still
+hold the same parameters.
+
 A checkpoint holds each stage once, written by pipeline 0's ranks (``grid`` layout, driver/checkpoint/ranks.py), or
 under sharding every rank its share (``grid_zero1``, ``grid_zero3``); it loads into another grid, one pipeline or
 data-parallel ranks through the reshard machinery.
@@ -27,6 +31,7 @@ from harmony.compiler.config_checks import HYBRID
 from harmony.compiler.ir import PassReport
 from harmony.driver.modes.base import Mode
 from harmony.driver.modes.data import Partitioned
+from harmony.driver.modes.grid_balance import plan_grid_rank
 from harmony.driver.modes.pipeline import Pipeline
 from harmony.driver.modes.pipeline_plan import node_hardware, simulate_rank_node
 from harmony.passes import shard
@@ -39,7 +44,8 @@ NOT_YET = "is not supported with parallel=('pipeline', 'data') yet"
 
 def refusals(cfg) -> list[tuple[bool, str, str]]:
     """(refused, what, what to use instead) of what a grid does not do yet."""
-    return [(cfg.balance is not None, "balance=", "memory_budget= (the servers alike)"),
+    return [(cfg.balance is not None and cfg.shard_state == "full", "balance= with shard_state='full'",
+             "shard_state=True or False under balance= (or shard_state='full' without balance=)"),
             (cfg.policy == "ondemand", "policy='ondemand'", "policy='harmony' or 'sequential'"),
             (cfg.pipeline_group is not None and cfg.policy != "harmony", f"policy={cfg.policy!r} and "
              f"pipeline_group=", "policy='harmony' (the sequential policy runs one microbatch at a time)")]
@@ -95,6 +101,8 @@ class Grid(Pipeline):
             if cfg.shard_state == "full":    # ZeRO-3's gathers and carried-weight agreements: groups of their own
                 for purpose in ("gather", "carry"):
                     replica_groups_for(grid, purpose, cfg.comm_timeout)
+        if cfg.balance is not None:        # each pipeline's rows of the global batch (driver/modes/grid_balance.py)
+            return plan_grid_rank(model, gm, batch, cfg)
         return super().plan_rank(model, gm, batch, cfg)
 
     def shares(self, plan, tensors: dict, cfg, fill=None):
@@ -138,6 +146,15 @@ def _sharding_note(shard_state) -> str:
     return "every rank of a replica group keeps its stage's whole training state"
 
 
+def _rows_note(cfg, grid) -> str:
+    if cfg.sample_weight is not None:
+        return (f"balance=: this pipeline trains on its {cfg.batch_size} rows of the global batch of "
+                f"{cfg.global_batch} (sm(*global_batch) takes them), its gradients and loss weighted by "
+                f"{cfg.batch_size}/{cfg.global_batch} over the pipelines (the balance section shows every pipeline's)")
+    return (f"each pipeline trains on its {cfg.batch_size} rows of the global batch of {cfg.batch_size * grid.replicas}"
+            " (harmony.data.shard(batch, pipeline_size=P)); the loss is the mean over the pipelines")
+
+
 def _partitioned(plan) -> bool:
     return any(r.shares is not None for r in plan.residency.values())
 
@@ -164,6 +181,5 @@ def grid_report(program) -> PassReport | None:
         "each row's ranks hold that stage's packs, one per pipeline, and average the packs' gradients over "
         "themselves (its replica group) right after each pack's last backward, overlapping the pipeline's backward",
         _sharding_note(cfg.shard_state),
-        f"each pipeline trains on its {cfg.batch_size} rows of the global batch of {cfg.batch_size * grid.replicas}"
-        " (harmony.data.shard(batch, pipeline_size=P)); the loss is the mean over the pipelines"]
+        _rows_note(cfg, grid)]
     return report

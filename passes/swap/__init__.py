@@ -177,7 +177,12 @@ def run(program: Program, ctx) -> PassResult:
     place(plan, everything, sizes, program.optim_profile)
     mixed = program.config.precision != "fp32"   # host steps update fp32 masters: compute copies come in afresh
     graphs = graph_candidates(program)
-    if not mixed and ctx in (None, LEAST) and memory_curve(program, check_residency=False).peak <= budget:
+    # shard_state="full": each pack's state lives partitioned on the hosts and is gathered for each use, whatever the
+    # room: its packs swap (the search may still hold a pack's weights between its visits, or carry them to the next
+    # forward)
+    partitioned = getattr(program.config, "shard_state", None) == "full"
+    if not (mixed or partitioned) and ctx in (None, LEAST) \
+            and memory_curve(program, check_residency=False).peak <= budget:
         return _all_resident(program, everything, graphs, sizes, report)
 
     # start from the least memory: every pack swapped, every activation handle stashed, every pack recomputed ...
