@@ -46,6 +46,7 @@ run it twice. Balanced / uniform measured 0.48x to 0.67x over those runs.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -237,9 +238,10 @@ def profile_under_load(args, factors):
         fields["peak_flops"] = {"fp32": statistics.median(d["peak_flops"]["fp32"] for d in every)}
         return prof.replace(devices=(prof.devices[0].replace(**fields),))
     if rank == 0:
-        share = core_share(tokens, args.width) if args.core_share else 1.0
-        hw = Hardware.profile(seconds=args.profile_seconds, threads=1, block=block, save=False)
-        share = (share + core_share(tokens, args.width)) / 2 if args.core_share else 1.0
+        with ahead_of_other_jobs():
+            share = core_share(tokens, args.width) if args.core_share else 1.0
+            hw = Hardware.profile(seconds=args.profile_seconds, threads=1, block=block, save=False)
+            share = (share + core_share(tokens, args.width)) / 2 if args.core_share else 1.0
         hw = on_whole_cores(hw, share) if share < 1 else hw
         dist.broadcast(done, src=0)
     elif args.profile_load == "idle":
@@ -256,6 +258,42 @@ def profile_under_load(args, factors):
     box = [hw]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+@contextlib.contextmanager
+def ahead_of_other_jobs(nice: int = -10):
+    """This process's session at a raised priority for the block (as root; elsewhere as it is), so that a profile
+    gets nearly a whole core on a machine other jobs load: scaled up from a third of one, a profile overshot the
+    cores' speed. Linux shares the CPU between sessions first (autogroups) and a thread's nice counts only within its
+    own, so the session's nice is raised (/proc/self/autogroup) as well as the process's."""
+    before = os.getpriority(os.PRIO_PROCESS, 0)
+    group = autogroup_nice()
+    set_priority(nice, nice)
+    try:
+        yield
+    finally:
+        set_priority(before, group)
+
+
+def autogroup_nice() -> int | None:
+    """The nice of this process's session (its autogroup), None where the kernel has none."""
+    try:
+        return int(Path("/proc/self/autogroup").read_text().split("nice")[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def set_priority(nice: int, group: int | None) -> None:
+    """This process's nice and its session's (``group``; None: left alone), where this user may set them."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, 0, nice)
+    except OSError:
+        pass
+    if group is not None:
+        try:
+            Path("/proc/self/autogroup").write_text(str(group))
+        except OSError:
+            pass
 
 
 def core_share(tokens: int, width: int, seconds: float = 1.0) -> float:

@@ -168,9 +168,15 @@ def emulated(args) -> dict:
         return hybrid_emulated.inner(args)
     got = hybrid_emulated.outer(args)
     speed = {k: v["samples_per_s"] for k, v in got.items() if v}
-    rows = [dict(system=k, **{f: x for f, x in v.items() if f != "SIMULATED_sharing"}) for k, v in got.items() if v]
-    print(common.table(rows, f"EMULATED: two servers of 2 ranks on this machine, {args.rate} between them, "
-                             f"speed factor {args.speed_factor:g}"))
+    rows = [dict(system=k, **{f: x for f, x in v.items() if isinstance(x, (int, float, str)) and f not in (
+        "SIMULATED_sharing", "server_cores")}, load_1min=v["load"]["before"][0]) for k, v in got.items() if v]
+    cores = next((v["server_cores"] for v in got.values() if v), "")
+    print(common.table(rows, f"EMULATED: two servers of 2 ranks on this machine, {args.rate} between them, speed "
+                             f"factor {args.speed_factor:g}, budget {args.budget_per_param:g} B/parameter, servers' "
+                             f"cores {cores or 'all'}"))
+    print(common.table([dict(system=k, **v["rank0"]) for k, v in got.items() if v], "EMULATED: rank 0's step "
+                       "(medians): its process's CPU seconds, its compute ops' wall seconds and the CPU seconds they "
+                       "were slept out from, the host thread's optimizer steps and all-reduces, state swapped"))
     for k, v in got.items():
         if v and v.get("SIMULATED_sharing"):
             print(f"{k}, SIMULATED server: {v['SIMULATED_sharing']}")
@@ -181,7 +187,11 @@ def emulated(args) -> dict:
     for k in ("grid fp32", "grid 4bit"):
         if got.get(k) and got[k].get("SIMULATED_step_s"):
             figures[f"emulated {k} predicted/measured"] = got[k]["SIMULATED_step_s"] / got[k]["step_s"]
-    print(common.table([figures], "EMULATED: ratios, measured; predicted/measured: the SIMULATED step over the "
+    figures["setting"] = dict(rate=args.rate, speed_factor=args.speed_factor, budget_per_param=args.budget_per_param,
+                              server_cores=cores or "all (not pinned)", nice=args.nice)
+    figures["load before/after each run (1, 5, 15 min)"] = {k: v["load"] for k, v in got.items() if v}
+    numbers = {k: v for k, v in figures.items() if isinstance(v, float)}
+    print(common.table([numbers], "EMULATED: ratios, measured; predicted/measured: the SIMULATED step over the "
                                   "measured one (target: grid 4bit >= 1.5x the better other; the simulator within "
                                   "15%)"))
     return figures
@@ -197,12 +207,22 @@ def main(argv=None) -> dict:
     ap.add_argument("--layers", type=int, default=4, help="the emulated GPT's blocks (default 4)")
     ap.add_argument("--speed-factor", type=float, default=4.0, help="emulated devices: compute slept out to this "
                                                                      "many times its CPU time (default 4)")
+    ap.add_argument("--budget-per-param", type=float, default=14.0, help="each rank's memory budget in bytes per "
+                    "parameter (default 14: one stage's AdamW state fits, the whole model's 16 does not)")
+    ap.add_argument("--profile-seconds", type=float, default=6.0, help="seconds the machine is profiled for, once "
+                                                                       "before the runs (default 6)")
+    ap.add_argument("--nice", type=int, default=0, help="the ranks' priority (as root, negative: ahead of the "
+                                                        "machine's other jobs; default 0)")
+    ap.add_argument("--no-pin", action="store_true", help="every rank on every core (default: each emulated server's "
+                                                          "ranks on half of the cores)")
     ap.add_argument("--systems", default=None, help="the emulated systems to run, comma-separated (default: all: grid "
                                                     "fp32, grid 4bit, data parallel 4bit, pipeline alone (2 ranks))")
     ap.add_argument("--emulated-inner", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--compression", default="none", help=argparse.SUPPRESS)
     ap.add_argument("--result", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--host-cores", type=int, default=1, help=argparse.SUPPRESS)
+    ap.add_argument("--cores", default="", help=argparse.SUPPRESS)
     ap.add_argument("--rate-bytes", type=float, default=0.0, help=argparse.SUPPRESS)
     ap.add_argument("--quick", action="store_true", help="the 1.3B GPT only (a few minutes)")
     ap.add_argument("--models", nargs="+", default=None, choices=sorted(MODELS), help="default: gpt-13b gpt-30b")

@@ -18,7 +18,12 @@ burst=${BURST:-$(( rate_bits / 8 / 1000 > 262144 ? rate_bits / 8 / 1000 : 262144
 a="harmony-a-$$"
 b="harmony-b-$$"
 
-cleanup() { ip netns del "$a" 2>/dev/null || true; ip netns del "$b" 2>/dev/null || true; }
+cleanup() {
+    # what the link's queues did (bytes sent, drops, overlimits): a drop costs its TCP flow a retransmission
+    ip netns exec "$a" tc -s qdisc show dev va 2>/dev/null | sed "s/^/$a: /" >&2 || true
+    ip netns exec "$b" tc -s qdisc show dev vb 2>/dev/null | sed "s/^/$b: /" >&2 || true
+    ip netns del "$a" 2>/dev/null || true; ip netns del "$b" 2>/dev/null || true
+}
 trap cleanup EXIT
 trap 'exit 130' INT TERM
 

@@ -24,6 +24,11 @@ NOMINAL_NETWORK_LATENCY = 50e-6        # seconds per message
 # fp32 gradient bytes per second one core quantizes and dequantizes once (CGX's codec, runtime/comm/compression.py),
 # by bits: a rough figure (one AMD EPYC core's, in its CPU time, once), not this machine's; Hardware.profile measures.
 NOMINAL_CODEC_RATES = ((1, 0.5e9), (4, 0.75e9), (8, 0.85e9))
+# Bytes/s of an all-reduce's TCP traffic (sent and received, each byte counted once) one core's gloo carries, its
+# sums included, where the device is the CPU: a rough figure of one AMD EPYC core's, measured once with two ranks
+# on loopback (process CPU time, kernel's included, of fp32 all-reduces less their fused-buffer copies), not this
+# machine's. A description may carry its own as ``socket_rate``.
+NOMINAL_SOCKET_RATE = 2.5e9
 
 
 def codec_rate(hw, bits: int) -> float:
@@ -31,6 +36,11 @@ def codec_rate(hw, bits: int) -> float:
     where the description gives none)."""
     rates = getattr(hw, "codec_rates", ()) or NOMINAL_CODEC_RATES
     return min(rates, key=lambda r: (abs(r[0] - bits), r[0]))[1]
+
+
+def socket_rate(hw) -> float:
+    """Bytes/s per core of gloo's TCP traffic: ``hw.socket_rate`` where the description gives one, else nominal."""
+    return getattr(hw, "socket_rate", 0.0) or NOMINAL_SOCKET_RATE
 
 
 def step_traffic(param_bytes: float, optim_bytes: float) -> float:

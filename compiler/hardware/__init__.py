@@ -181,6 +181,8 @@ class Hardware:
     # (bits, fp32 bytes/s) one core quantizes and dequantizes once with CGX's codec; (): nominal (runtime/plan.py), as
     # in a profile cached before profile() measured it (the version is kept: only this figure is missing there)
     codec_rates: tuple[tuple[int, float], ...] = ()
+    socket_rate: float = 0.0     # bytes/s of all-reduce TCP traffic one core's gloo carries (CPU devices); 0: nominal
+    network_shared: bool = False    # a host's devices pool their network_bandwidth: one transfer at a time gets it all
 
     def __post_init__(self):
         object.__setattr__(self, "devices", tuple(self.devices))

@@ -13,7 +13,7 @@ from harmony.runtime.comm.communicator import comm_groups, communicator, existin
 from harmony.runtime.comm.compression import DEFAULT_MIN_SIZE, NO_COMPRESSION
 from harmony.runtime.comm.jobwide import STEP_KEY, Words, ghost
 from harmony.runtime.ops import Predicted, allreduce, register
-from harmony.runtime.plan import NOMINAL_NETWORK_BANDWIDTH, NOMINAL_NETWORK_LATENCY, codec_rate
+from harmony.runtime.plan import NOMINAL_NETWORK_BANDWIDTH, NOMINAL_NETWORK_LATENCY, codec_rate, socket_rate
 from harmony.runtime.tiers.memory import CountAllocations
 
 
@@ -94,11 +94,29 @@ def _allreduce_cost(plan, hw, pack, kind="none", *, world=1, bits=4, **kw):
 
     The pack's parameter bytes stand for its owned gradients (equal unless a weight is shared).
     """
-    size = plan.packs[pack].param_bytes
-    per_byte = {"none": 1.0, "fp16": 0.5, "bf16": 0.5}.get(kind, bits / 32 + 2 * 4 / 512 / 4)
-    sent = 2 * (world - 1) / max(world, 1) * size * per_byte
+    sent = sent_bytes(plan.packs[pack].param_bytes, kind, world, bits)
     bandwidth = getattr(hw, "network_bandwidth", NOMINAL_NETWORK_BANDWIDTH)
     return "network", sent / bandwidth + 2 * (world - 1) * getattr(hw, "network_latency", NOMINAL_NETWORK_LATENCY)
+
+
+def sent_bytes(size: int, kind: str, world: int, bits: int = 4) -> float:
+    """Bytes one rank sends in an all-reduce of ``size`` fp32 gradient bytes: a ring's ``2 (w - 1) / w`` of them,
+    in half precision or as packed levels with a bucket's two fp32 per 512 values."""
+    per_byte = {"none": 1.0, "fp16": 0.5, "bf16": 0.5}.get(kind, bits / 32 + 2 * 4 / 512 / 4)
+    return 2 * (world - 1) / max(world, 1) * size * per_byte
+
+
+def socket_seconds(plan, hw, pack, kind="none", *, world=1, bits=4, **kw) -> float:
+    """Seconds of one core's work gloo spends on an all-reduce of the pack's gradients where the device is the CPU
+    (``sync_copies``; on a GPU, NCCL's copies and sums run on the GPU): the bytes it sends and as many received, at
+    ``socket_rate`` (the kernel's socket copies and gloo's sums), and the fused buffer's two copies (the gradients
+    in, the average out) at the device's ``memory_bandwidth``. It runs on the host thread while the bytes travel:
+    the transfer lasts at least this long, and takes a core of the host meanwhile. 0 on one rank."""
+    if world < 2 or not getattr(hw, "sync_copies", False):
+        return 0.0
+    size = plan.packs[pack].param_bytes
+    copies = 2 * size / hw.memory_bandwidth if getattr(hw, "memory_bandwidth", 0) else 0.0
+    return 2 * sent_bytes(size, kind, world, bits) / socket_rate(hw) + copies
 
 
 def codec_seconds(plan, hw, pack, kind="none", *, world=1, bits=4, **kw) -> float:

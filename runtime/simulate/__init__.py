@@ -51,7 +51,9 @@ Each rule reads what the op does from its table entry (runtime/ops/'s ``OpDef``:
 as a fetch because its entry says it is one, as is any new op declared one. Stream names
 (``compute``, ``h2d``, ``d2h``, ``disk``, ``network``, ``p2p``, ``host``, and ``codec``: a quantized
 all-reduce's quantizing and dequantizing on the host thread, ``codec_seconds`` at ``Hardware.codec_rates``, which
-the transfer waits for) are strings; where state lives
+the transfer waits for; on a CPU device the transfer lasts at least gloo's CPU work, ``socket_seconds``) are strings.
+The host thread runs all-reduces (codec and transfer) and host steps one at a time in program order, as the
+runtime's one host thread does; where state lives
 (a step's ``where=``) is a ``Tier``.
 
 A ``swap_in`` or ``release`` moves only the state that is not already where it goes,
@@ -81,7 +83,7 @@ import torch.fx
 from harmony.base.tiers import Tier
 from harmony.runtime.executor import TraceEvent
 from harmony.runtime.ops import MemoryModel, moving_names, op_of, ops_of, resident_state
-from harmony.runtime.ops.reduce import codec_seconds
+from harmony.runtime.ops.reduce import codec_seconds, socket_seconds
 from harmony.runtime.ops.update import device_part_cost, streamed_optim_bytes
 from harmony.runtime.plan import Plan
 
@@ -291,15 +293,18 @@ class _Clock:
         self.host_steps: dict[int, float] = {}      # pack -> end of its optimizer step on the host
         self.disk_after: dict[int, float] = {}      # pack -> when the step before it started (its files' read-ahead)
         self.landing: list[tuple[float, int]] = []  # copies out: (when they land, device bytes held until then)
+        self.host_thread = 0.0                      # when the host thread (all-reduces, host steps) is next free
 
-    def run(self, stream: str, start: float, seconds: float, name: str, kind: str) -> SimEvent:
+    def run(self, stream: str, start: float, seconds: float, name: str, kind: str, cpu: float = 0.0) -> SimEvent:
         """``seconds`` on ``stream`` from ``start``; on a node, work that shares a switch or its host's cores and memory
-        with other devices (runtime/simulate/node.py) may take longer."""
-        end = start + seconds
-        if self.peers is not None and seconds:
-            end = self.peers.occupy(stream, start, seconds)
+        with other devices (runtime/simulate/node.py) may take longer. ``cpu``: seconds of a core's work the op does
+        meanwhile (gloo's, beside a transfer): it lasts at least that long, and on a node takes a core of the host."""
+        end = start + max(seconds, cpu)
+        if self.peers is not None and (seconds or cpu):
+            end = self.peers.occupy(stream, start, seconds, cpu)
         self.free.setdefault(stream, 0.0)
-        self.busy[stream] = self.busy.get(stream, 0.0) + (seconds if end == start + seconds else end - start)
+        alone = max(seconds, cpu)
+        self.busy[stream] = self.busy.get(stream, 0.0) + (alone if end == start + alone else end - start)
         self.free[stream] = end
         self.events.append(SimEvent(name, kind, stream, start, end, 0, 0, self.label))
         return self.events[-1]
@@ -347,6 +352,9 @@ class _Clock:
             ready = max(ready, free["compute"])
         if op.fetches:
             ready = max(ready, self.written_back.get(tuple(node.args[:2]), 0.0))
+        thread = op.reduces or (op.steps and stream == "host")
+        if thread:    # the host thread runs all-reduces and host steps one at a time, in program order
+            ready = max(ready, self.host_thread)
         if op.steps and stream == "host":   # it updates the host copies the releases wrote
             first = device_part_cost(self.plan, dev, node.args[0]) * dev.speed_factor
             if first:      # its parameters stepping on the device go first, on the thread that issues it
@@ -361,11 +369,15 @@ class _Clock:
         sync = getattr(dev, "sync_copies", False) and op.kind == "copy"
         if sync:                       # issued once the compute before it is done
             ready = max(ready, free["compute"])
+        cpu = 0.0
         if op.reduces:       # a quantized all-reduce's codec, on the host thread, before the transfers it feeds
             codec = codec_seconds(self.plan, dev, *node.args, **node.kwargs)
             if codec:
                 ready = self.run("codec", max(free.get(stream, 0.0), ready), codec, f"{node.name}.codec", "codec").end
-        ev = self.run(stream, max(free.get(stream, 0.0), ready), seconds, node.name, op.kind)
+            cpu = socket_seconds(self.plan, dev, *node.args, **node.kwargs)
+        ev = self.run(stream, max(free.get(stream, 0.0), ready), seconds, node.name, op.kind, cpu)
+        if thread:
+            self.host_thread = ev.end
         if stream == "d2h" and seconds:     # (its device bytes, for ``room_for``)
             self.landing.append((ev.end, round(seconds * dev.d2h_bandwidth)))
         if sync and not op.copy_thread:      # a copy the issuing thread makes itself

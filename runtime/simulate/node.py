@@ -30,11 +30,18 @@ is a ``recv`` not yet sent waits; if every device waits, the schedules deadlock 
   core and twice its bytes of the bus (a memcpy reads and writes them); a GPU's copy takes its bytes of the bus.
   Booked as the links are (runtime/simulate/shared.py), so three ranks computing on two cores take half as long
   again as on three, and the summary says, per host, which devices shared it and how long their work waited.
+- **a pooled link between servers** (``Hardware.network_shared``): each device's ``network_bandwidth`` is its share
+  of its server's link, and the server's devices pool them: a transfer alone takes the whole link (its device's
+  rate times the server's devices), and transfers that meet there go one after the other. Without it each device
+  has its share alone, also when the others' transfers are done (a pipeline's stages reduce at different times).
 
 A quantized all-reduce's codec (the ``codec`` stream) takes a core of the host too, so it contends with the
-host steps and a CPU device's compute there.
+host steps and a CPU device's compute there, and so does gloo's CPU work beside a CPU device's transfer (its socket
+copies and sums, the fused buffer's copies: runtime/ops/reduce.socket_seconds).
 
-What is not modelled: gloo's own CPU time (its reductions and copies; fp16 / bf16 conversions), P2P
+What is not modelled: a collective's wait for the ranks that reach it later (each rank's all-reduce starts when it
+reaches it: ranks of unequal speed, under ``balance=``, wait for one another there), fp16 / bf16 conversions, gloo's
+work in a tied weight's all-reduce, P2P
 traffic contending with swaps on a device's own link, the receiver's link (a message takes only the sender's), and
 the host work of a rank alone on its host or of a host without ``host_cores`` (each as if it had the host alone).
 With one device the result is ``simulate``'s, op for op.
@@ -129,6 +136,7 @@ class _Links:
         self.hw, self.plans = hw, plans
         self.group = {d: k for k, g in enumerate(getattr(hw, "switches", ())) if len(g) > 1 for d in g}
         self.host = shared_hosts(hw, len(plans))                       # device -> its host, where shared
+        self.pooled = pooled_links(hw, len(plans))          # device -> (its host, devices pooling its host's link)
         self.shared = Shared()
         self.arrivals: dict[tuple, float] = {}                           # (src, dst, tag) -> when the send ends
         self.sent = [0] * len(plans)
@@ -159,12 +167,24 @@ class _Links:
             out[("memory", host)] = (min(bus, getattr(dev, f"{stream}_bandwidth") * (2 if cpu else 1)), bus)
         return out
 
-    def occupy(self, rank: int, stream: str, start: float, seconds: float) -> float:
+    def occupy(self, rank: int, stream: str, start: float, seconds: float, cpu: float = 0.0) -> float:
         """When work of ``seconds`` (at the device's own rate, alone) on ``stream`` that starts at ``start`` ends.
 
         An emulated device's compute (``speed_factor`` > 1) needs a core for only its own time (the runtime sleeps
         the rest out, runtime/executor.emulation_pause): it ends at the later of its stretched time and its core
-        work done."""
+        work done. ``cpu``: a transfer's seconds of a core's work beside it (gloo's): it ends at the later of its
+        own time and that work done on a core of the host."""
+        if cpu or (stream == "network" and rank in self.pooled):
+            end = start + seconds
+            if stream == "network" and rank in self.pooled:     # one transfer at a time, at the pool's rate
+                host, count = self.pooled[rank]
+                end = self.shared.book({("network", host): (1.0, 1.0)}, start, seconds / count)
+            host = self.host.get(rank)
+            if cpu:
+                end = max(end, start + cpu if host is None else
+                          self.shared.book({("cores", host): (1.0, self.hw.host_cores)}, start, cpu))
+            self.waited[rank] += max(0.0, end - start - max(seconds, cpu))
+            return end
         needs = self.needs(rank, stream)
         if not needs:
             return start + seconds
@@ -187,6 +207,16 @@ class _Links:
     def book(self, rank: int, stream: str, start: float, seconds: float) -> float:
         """When a host copy of ``seconds`` (at the device's own rate) that starts at ``start`` ends."""
         return self.occupy(rank, stream, start, seconds)
+
+
+def pooled_links(hw, count: int) -> dict[int, tuple[int, int]]:
+    """Device -> (host, devices of the host), for the first ``count`` devices on hosts of more than one whose
+    ``Hardware.network_shared`` pools their links to other servers."""
+    if not getattr(hw, "network_shared", False):
+        return {}
+    groups = getattr(hw, "hosts", ()) or (tuple(range(len(hw.devices))),)
+    return {d: (k, n) for k, g in enumerate(groups) for n in [sum(x < count for x in g)] if n > 1 for d in g
+            if d < count}
 
 
 def shared_hosts(hw, count: int) -> dict[int, int]:
@@ -218,8 +248,8 @@ class _Port:
         self.links.sent[self.rank] += message_bytes(self.links.plans[self.rank], node.kwargs["names"])
         self.links.messages[self.rank] += 1
 
-    def occupy(self, stream: str, start: float, seconds: float) -> float:
-        return self.links.occupy(self.rank, stream, start, seconds)
+    def occupy(self, stream: str, start: float, seconds: float, cpu: float = 0.0) -> float:
+        return self.links.occupy(self.rank, stream, start, seconds, cpu)
 
 
 def simulate_node(ranks, hw) -> NodeSimulation:
