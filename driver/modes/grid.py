@@ -125,11 +125,13 @@ class Grid(Pipeline):
 
     def simulate(self, sm, hardware):
         """This rank's server simulated (``Pipeline.simulate``), its ranks' replica all-reduces sharing the server's
-        link to the others (``network_bandwidth``: each rank gets 1/P of it)."""
+        link to the others (``network_bandwidth``, the server's link: each rank's share 1/P of it, pooled by
+        ``network_shared``, so a stage that reduces while the others compute has the whole link)."""
         if sm.plan.stage is None:
             return None
         hw = node_hardware(sm.program.config, hardware)
-        return simulate_rank_node(sm, hw.replace(network_bandwidth=hw.network_bandwidth / sm.plan.stage.world))
+        return simulate_rank_node(sm, hw.replace(network_bandwidth=hw.network_bandwidth / sm.plan.stage.world,
+                                                 network_shared=True))
 
 
 _SHARDING = {True: "optimizer (ZeRO-1)", "full": "full (ZeRO-3)"}
