@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from models import gpt_case, hf_gpt2_case, hf_small_llama_case, mlp_case
+from models import bypass_case, gpt_case, hf_gpt2_case, hf_small_llama_case, mlp_case
 
 import harmony
 from harmony.base.errors import BudgetError
@@ -60,7 +60,7 @@ def mamba_case():
     return transformers.MambaForCausalLM(config), [{"input_ids": ids, "labels": ids.clone()}]
 
 
-CASES = {"mlp": mlp_case, "gpt": gpt_case, "frozen-gpt": frozen_gpt_case, "lora": lora_case,
+CASES = {"mlp": mlp_case, "gpt": gpt_case, "frozen-gpt": frozen_gpt_case, "lora": lora_case, "bypass": bypass_case,
          "hf-gpt2": hf_gpt2_case, "hf-small-llama": hf_small_llama_case,
          "mamba": pytest.param(mamba_case, marks=pytest.mark.slow)}
 
