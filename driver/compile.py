@@ -105,10 +105,11 @@ def _compile(model, names, batch, cfg: CompileConfig, mode: modes.Mode, module: 
 
 
 def run_passes(mode: modes.Mode, program: Program, passes) -> Program:
-    """``mode.run_passes``; the budget a ``BudgetError`` of theirs names is the smallest that plans, found by planning
-    again from the same trace (driver/min_budget.py), with the pass's explanation."""
+    """``mode.run_passes``, or with every layer a pack of its own where the partition's packs do not plan; the budget a
+    ``BudgetError`` of theirs names is the smallest that plans, found by planning again from the same trace
+    (driver/min_budget.py), with the pass's explanation."""
     try:
-        return mode.run_passes(program, passes)
+        return min_budget.run_or_layers_alone(mode, program, passes)
     except BudgetError as e:
         if not min_budget.searchable(program, e):
             raise

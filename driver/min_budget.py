@@ -10,6 +10,12 @@ plan (``passes.swap.LEAST``: it fits wherever the pass fits anything), so no try
 
 The figure found is the smallest budget at which the passes plan, to within 1%; where the tries run out (``TRIES``,
 ``SECONDS``) before one plans, the pass's figure stands.
+
+Halving the gap finds the smallest budget only where a larger budget plans wherever a smaller one does. The partition
+checks each pack alone, and at some budgets picks packs whose whole schedule does not fit (a pack's gradients arrive
+from several later packs; activations wait for their next use) while at a smaller budget it picks others that do. So
+where the packs it chose do not plan, the passes plan again with every layer a pack of its own (``layers_alone``),
+the packs the partition falls back to where nothing else fits: a budget at which they plan plans whatever it picks.
 """
 from __future__ import annotations
 
@@ -20,7 +26,9 @@ import time
 
 from harmony.base.errors import BudgetError
 from harmony.base.units import fmt_bytes
+from harmony.compiler.passmanager import split_choices
 from harmony.driver.replan import another_rank
+from harmony.passes.partition import first_nodes
 from harmony.passes.swap import LEAST
 
 TOLERANCE = 0.01        # the named budget plans; one 1% below it does not
@@ -61,7 +69,7 @@ def smallest_budget(program, mode, passes, error: BudgetError) -> Search:
             search.tries += 1
             config = dataclasses.replace(program.config, offline=True, **{option: budget})
             try:
-                mode.run_passes(another_rank(program, config), entries)
+                run_or_layers_alone(mode, another_rank(program, config), entries)
             except BudgetError as e:
                 search.refused = max(search.refused, budget)
                 return e
@@ -78,6 +86,30 @@ def smallest_budget(program, mode, passes, error: BudgetError) -> Search:
         log.setLevel(quiet)
         search.seconds = time.perf_counter() - start
     return search
+
+
+def run_or_layers_alone(mode, program, passes):
+    """``mode.run_passes(program, passes)``, or where that raises a ``BudgetError`` and the partition chose its packs,
+    the passes on a copy of ``program`` with every layer a pack of its own, where they plan (the first error stands
+    where they do not); the partition's report then says so."""
+    try:
+        return mode.run_passes(program, passes)
+    except BudgetError as refused:
+        names, given = split_choices(passes)
+        cfg = program.config      # ranks that plan together would each have to try it
+        if "partition" not in names or "partition" in given or (cfg.world_size or 1) > 1 or cfg.balance is not None:
+            raise
+        entries = tuple(("partition", first_nodes(program)[1:]) if e == "partition" else e for e in passes)
+        alone = another_rank(program, dataclasses.replace(program.config))
+        try:
+            mode.run_passes(alone, entries)
+        except BudgetError:
+            raise refused from None
+        for report in alone.reports:
+            if report.title.startswith("partition"):
+                report.notes.append(f"every layer a pack of its own: the packs the search chose do not plan as a "
+                                    f"whole at this budget ({str(refused).splitlines()[0]})")
+        return alone
 
 
 def _up(plans, spent, option: str, guess: int) -> None:

@@ -33,6 +33,29 @@ class CNN(nn.Module):
         return F.cross_entropy(self.body(x), y)
 
 
+class Bypass(nn.Module):
+    """A wide block between two narrow layers, and a narrow side path from the first layer to the head past it: at
+    the block's backward, every microbatch's input gradients of the head wait for the first layer's (the side path's
+    share) as well as the block's."""
+
+    def __init__(self, width: int = 32, hidden: int = 128, side: int = 8):
+        super().__init__()
+        self.inp, self.side = nn.Linear(width, width), nn.Linear(width, side)
+        self.up, self.down = nn.Linear(width, hidden), nn.Linear(hidden, width)
+        self.head = nn.Linear(width + side, width)
+
+    def forward(self, x, y):
+        h = torch.tanh(self.inp(x))
+        s = self.side(h)
+        h = self.down(torch.tanh(self.up(h)))
+        return F.mse_loss(self.head(torch.cat([h, s], -1)), y)
+
+
+def bypass_case(batch=256, seed=0):
+    torch.manual_seed(seed)
+    return Bypass(), [(torch.randn(batch, 32), torch.randn(batch, 32)) for _ in range(2)]
+
+
 def mlp_case(batch=16, seed=0):
     torch.manual_seed(seed)
     return MLP(), [(torch.randn(batch, 32), torch.randint(0, 10, (batch,))) for _ in range(3)]

@@ -6,7 +6,12 @@
    before its first op and ``release`` after its last, for the kinds of state the ops
    need: parameters (forward), plus gradients (backward), plus optimizer state (step).
 3. Every activation handle that a later op reads is stashed to the host (after its
-   first use when it has two, the pack's forward and its recompute).
+   first use when it has two, the pack's forward and its recompute). Where that does not fit
+   (every microbatch's outputs of a pack wait on the device for the next pack's forward, its
+   input gradients for the pack before's backward), each is stashed as soon as it is made and
+   brought back for every use (``Choice.early``), the least memory any schedule of these packs
+   needs: the partition's check of each pack alone then holds for the whole schedule, so a
+   larger budget never fails where a smaller one plans.
 4. From that least-memory plan, state and activation groups are kept on the device,
    most bytes moved saved per byte held first (parameters: 3 per byte, optimizer
    state and activations: 2), while the predicted peak fits.
@@ -139,6 +144,7 @@ class _Fits:
     def __init__(self, program: Program, base, groups: dict, sizes: dict):
         self.program, self.base, self.groups, self.sizes = program, base, groups, sizes
         self.tried: OrderedDict = OrderedDict()
+        self.early = frozenset()     # the stashed groups sent at once, in every choice tried (``Choice.early``)
 
     def __call__(self, c: Choice):
         program, key = self.program, tuple(frozenset(part) for part in c)
@@ -147,7 +153,7 @@ class _Fits:
             program.schedule, curve = self.tried[key]
         else:
             program.schedule = build(self.base, c.resident, c.stashed, self.groups, c.kept, c.held, c.device, c.parts,
-                                     c.carried, c.offloaded)
+                                     c.carried, c.offloaded, c.early | self.early)
             curve = None
         place(program.plan, c, self.sizes, program.optim_profile)
         if curve is None:
@@ -199,6 +205,7 @@ def run(program: Program, ctx) -> PassResult:
     else:
         made = choose(program, least, curve, base, groups, sizes, graphs, fits, report)
         chosen, rows, how, curve = _graphs_first(program, made, least, base, groups, sizes, graphs, fits, report)
+    chosen = chosen._replace(early=chosen.early | fits.early)
     program.swap_choice = chosen
     for p in chosen.device:
         plan.at(p).step_on = plan.at(p).optim_on = Tier.DEVICE
@@ -210,7 +217,8 @@ def run(program: Program, ctx) -> PassResult:
 
 def _least_memory(program: Program, fits: _Fits, least: Choice, report: PassReport):
     """The memory curve of the least-memory plan (``least``: nothing kept). Disk steps that overlap the next
-    backward run inline where it does not fit (such a step holds its gradients that long); raises
+    backward run inline where it does not fit (such a step holds its gradients that long), then activations go to
+    the host as soon as made (``fits.early``: each choice tried from here on stashes them so); raises
     ``BudgetError`` naming the budget needed where even then it does not."""
     budget = program.config.usable_budget
     curve = fits(least)
@@ -222,6 +230,12 @@ def _least_memory(program: Program, fits: _Fits, least: Choice, report: PassRepo
         curve = fits(least)
         report.notes.append(f"{len(inline)} disk steps run inline: the device cannot also hold a pack's gradients "
                             f"through the next pack's backward")
+    if curve.peak > budget:      # every microbatch's activations waiting on the device for their first use
+        fits.early = frozenset(fits.groups)
+        fits.forget()
+        curve = fits(least)
+        report.notes.append("every activation goes to the host as soon as it is made and comes back for each use: "
+                            "the device cannot hold every microbatch's activations until their first use")
     if curve.peak > budget:
         at = curve.nodes[curve.argmax()]
         need = program.config.budget_for(curve.peak)
@@ -241,7 +255,7 @@ def _given(program: Program, ctx, groups: dict, fits: _Fits) -> tuple:
         raise ConfigError(f"the swap pass's choice is a harmony.passes.swap.graph.Choice (a compiled module's "
                           f"program.swap_choice is one), got {type(ctx).__name__}")
     # a choice made at another batch shape (driver/shapes.py) may name activation groups this schedule lacks
-    chosen = ctx._replace(stashed=set(ctx.stashed) & set(groups))
+    chosen = ctx._replace(stashed=set(ctx.stashed) & set(groups), early=frozenset(ctx.early) & set(groups))
     curve = fits(chosen)
     if curve.peak > budget:
         raise BudgetError(f"the swap choice given peaks at {fmt_bytes(curve.peak)}, over the {fmt_bytes(budget)} "

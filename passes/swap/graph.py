@@ -37,6 +37,8 @@ class Choice(NamedTuple):
     optim: frozenset = frozenset()    # (pack, param): single parameters' optimizer state kept on the device, where
                                       # the whole pack's is not
     offloaded: frozenset = frozenset()    # kept packs whose graph waits for the backward on the host, not the device
+    early: frozenset = frozenset()    # stashed activation groups sent to the host as soon as they are made, not
+                                      # after their first use (``stash_value``'s ``early``)
 
 
 def place(plan, chosen: Choice, sizes: dict, profile: dict) -> None:
@@ -117,11 +119,16 @@ def mark_streams(graph: torch.fx.Graph, resident: set) -> None:
             n.kwargs = {**n.kwargs, "stream": (n.args[0], "optim") not in resident}
 
 
-def stash_value(graph: torch.fx.Graph, value: torch.fx.Node, order: dict | None = None) -> bool:
+def stash_value(graph: torch.fx.Graph, value: torch.fx.Node, order: dict | None = None,
+                early: bool = False) -> bool:
     """Send ``value`` to the host and bring it back before its later uses.
 
     A value used twice (a pack's input: its forward now, its recompute later) stays for
-    its first use and is stashed after it; a value used once is stashed at once.
+    its first use and is stashed after it; a value used once is stashed at once. ``early``:
+    stashed at once and brought back for its first use too. Under the harmony policy a first use
+    can be far off (a pack's outputs wait for the pack to run every other microbatch, the next
+    pack's input gradients for it to run every other backward), and every microbatch's value
+    then waits on the device.
     ``order``: each node's position in the schedule, where the caller stashes many values.
     """
     if order is None:
@@ -129,7 +136,7 @@ def stash_value(graph: torch.fx.Graph, value: torch.fx.Node, order: dict | None 
     users = sorted((u for u in value.users if u.op == "call_function"), key=lambda u: order.get(u, len(order)))
     if not users:
         return False
-    keep = users[:1] if len(users) >= 2 else []
+    keep = users[:1] if len(users) >= 2 and not early else []
     with graph.inserting_after(keep[0] if keep else value):
         s = add_call(graph, ops.stash, (value,))
     s.meta[SCHEDULE] = {"pack": None}
@@ -278,12 +285,12 @@ def step_on_device(graph: torch.fx.Graph, packs) -> None:
 
 def build(base: torch.fx.Graph, resident: set, stashed: set, groups: dict, kept: frozenset = frozenset(),
            held: frozenset = frozenset(), device: frozenset = frozenset(), parts: frozenset = frozenset(),
-           carried: frozenset = frozenset(), offloaded: frozenset = frozenset()):
+           carried: frozenset = frozenset(), offloaded: frozenset = frozenset(), early: frozenset = frozenset()):
     """The swapped schedule: ``resident`` state left in place, the ``stashed`` groups sent to the host,
     the ``kept`` packs' graphs held for their backward, the ``held`` packs' weights (and the ``parts``,
     single weights) held between visits, the ``device`` packs (host-stepped in ``base``) stepped on the device,
     the ``carried`` packs' stepped weights kept on the device for the next iteration's forward, the ``offloaded``
-    (kept) packs' graphs sent to the host until their backward."""
+    (kept) packs' graphs sent to the host until their backward; the ``early`` groups stashed as soon as made."""
     g = copy_graph(base)
     keep_graphs(g, kept)
     step_on_device(g, device)
@@ -297,6 +304,6 @@ def build(base: torch.fx.Graph, resident: set, stashed: set, groups: dict, kept:
         if ops.op_named(key[0]).runs_forward and key[1] in kept:
             continue      # a kept forward's outputs carry its graph: they stay on the device
         for name in groups[key]:
-            stash_value(g, by_name[name], order)
+            stash_value(g, by_name[name], order, early=key in early)
     offload_graphs(g, offloaded)
     return g
