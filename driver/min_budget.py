@@ -89,15 +89,17 @@ def smallest_budget(program, mode, passes, error: BudgetError) -> Search:
 
 
 def run_or_layers_alone(mode, program, passes):
-    """``mode.run_passes(program, passes)``, or where that raises a ``BudgetError`` and the partition chose its packs,
-    the passes on a copy of ``program`` with every layer a pack of its own, where they plan (the first error stands
-    where they do not); the partition's report then says so."""
+    """``mode.run_passes(program, passes)``, or where that raises a ``BudgetError`` of the device's budget and the
+    partition chose its packs, the passes on a copy of ``program`` with every layer a pack of its own, where they plan
+    (the first error stands where they do not); the partition's report then says so."""
     try:
         return mode.run_passes(program, passes)
     except BudgetError as refused:
         names, given = split_choices(passes)
         cfg = program.config      # ranks that plan together would each have to try it
-        if "partition" not in names or "partition" in given or (cfg.world_size or 1) > 1 or cfg.balance is not None:
+        # the device budget's refusals only: the host's (``host_memory_budget``) is a sum the partition counts whole
+        if refused.option != "memory_budget" or "partition" not in names or "partition" in given \
+                or (cfg.world_size or 1) > 1 or cfg.balance is not None:
             raise
         entries = tuple(("partition", first_nodes(program)[1:]) if e == "partition" else e for e in passes)
         alone = another_rank(program, dataclasses.replace(program.config))
