@@ -233,6 +233,23 @@ def uniform(cost: ModelCost, devices, global_batch: int, microbatches: int = 1) 
     return evaluate(cost, devices, [(b, microbatches)] * n, [1 / n] * n)
 
 
+def given_shares(spec, microbatches: int, name) -> list[tuple[int, int]]:
+    """``(microbatch size, microbatches)`` of each explicit ``balance`` entry: a pair, or a sample count that
+    ``microbatches`` divides; ``ConfigError`` naming the entry (``name(r)``) otherwise."""
+    choice = []
+    for r, item in enumerate(spec):
+        if isinstance(item, int) and not isinstance(item, bool) and item > 0 and item % microbatches == 0:
+            choice.append((item // microbatches, microbatches))
+        elif (isinstance(item, (list, tuple)) and len(item) == 2
+              and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in item)):
+            choice.append((int(item[0]), int(item[1])))
+        else:
+            raise ConfigError(f"{name(r)}={item!r}: give (microbatch size, microbatches) or a sample count that "
+                              f"microbatches={microbatches} divides")
+    return choice
+
+
+
 def plan_ranks(spec, cost: ModelCost, devices, global_batch: int, microbatches: int = 1,
                max_microbatches: int = 16, same_shape: bool = False) -> BalancePlan:
     """Each rank's share of ``global_batch`` under ``spec``.
@@ -252,16 +269,7 @@ def plan_ranks(spec, cost: ModelCost, devices, global_batch: int, microbatches: 
                               f"shares of {microbatches} equal microbatches; use balance='auto' or explicit shares")
         return uniform(cost, devices, global_batch, microbatches)
     if isinstance(spec, (list, tuple)) and len(spec) == n:
-        choice = []
-        for r, item in enumerate(spec):
-            if isinstance(item, int) and not isinstance(item, bool) and item > 0 and item % microbatches == 0:
-                choice.append((item // microbatches, microbatches))
-            elif (isinstance(item, (list, tuple)) and len(item) == 2
-                  and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in item)):
-                choice.append((int(item[0]), int(item[1])))
-            else:
-                raise ConfigError(f"balance[{r}]={item!r}: give (microbatch size, microbatches) or a sample count "
-                                  f"that microbatches={microbatches} divides")
+        choice = given_shares(spec, microbatches, lambda r: f"balance[{r}]")
         if same_shape and len(set(choice)) > 1:
             raise ConfigError(f"balance={list(spec)!r} gives the ranks different microbatches ({choice}), but under "
                               f"shard_state='full' every rank runs the same schedule (each gather of a pack is a "

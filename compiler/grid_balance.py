@@ -20,7 +20,7 @@ import time
 
 from harmony.base.errors import BudgetError, ConfigError
 from harmony.base.units import fmt_bytes
-from harmony.compiler.balance import BalancePlan, ModelCost, RankShare, rank_memory_floor, rank_time
+from harmony.compiler.balance import BalancePlan, ModelCost, RankShare, given_shares, rank_memory_floor, rank_time
 from harmony.compiler.ir import PassReport
 
 
@@ -56,17 +56,7 @@ def per_replica(spec, replicas: int, pipeline: int) -> list:
 
 
 def _given(spec: list, microbatches: int) -> list[tuple[int, int]]:
-    choice = []
-    for r, item in enumerate(spec):
-        if isinstance(item, int) and not isinstance(item, bool) and item > 0 and item % microbatches == 0:
-            choice.append((item // microbatches, microbatches))
-        elif (isinstance(item, (list, tuple)) and len(item) == 2
-              and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in item)):
-            choice.append((int(item[0]), int(item[1])))
-        else:
-            raise ConfigError(f"balance entry {r} (pipeline {r}) = {item!r}: give (microbatch size, microbatches) "
-                              f"or a sample count that microbatches={microbatches} divides")
-    return choice
+    return given_shares(spec, microbatches, lambda r: f"balance entry {r} (pipeline {r})")
 
 
 def fastest_split(cost: ModelCost, replicas: list, global_batch: int, budget: float, group: int | None = None,
