@@ -40,7 +40,6 @@ import dataclasses
 import json
 import os
 import re
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -48,6 +47,7 @@ from harmony.base.env import env_default
 from harmony.base.errors import ConfigError
 from harmony.compiler.hardware import machine, nodes
 from harmony.compiler.hardware.cpu_profile import profile_cpu
+from harmony.compiler.hardware.cuda_profile import profile_cuda
 from harmony.compiler.hardware.nodes import PCIE
 from harmony.runtime.plan import NOMINAL_NETWORK_BANDWIDTH, NOMINAL_NETWORK_LATENCY
 
@@ -322,36 +322,6 @@ class Hardware:
                                                     f"measures them",))
 
     @classmethod
-    def _profile_cuda(cls, seconds, path, device, block) -> "Hardware":
-        """The GPU measured: matmul FLOP/s per dtype, pinned copies both ways, device memory, launches, a
-        transformer block at ``block`` (width, tokens) run as a recomputing backward runs it; the host's
-        memcpy and disk as for the CPU."""
-        import torch
-        base = cls._detect_cuda(path, device)
-        flops = {dt: machine.cuda_matmul_flops(0.06 * seconds, device, dt) for dt in ("fp32", "tf32", "bf16", "fp16")}
-        h2d, d2h, d2d = machine.cuda_copy_bandwidth(0.12 * seconds, device)
-        launch = machine.cuda_launch_latency(0.03 * seconds, device)
-        latency = machine.kernel_latency(0.05 * seconds, torch.get_num_threads(), device=device)
-        plain = machine.kernel_latency(0.03 * seconds, torch.get_num_threads(), device=device, metered=False)
-        call, op = machine.ondemand_latency(0.04 * seconds, torch.get_num_threads(), device=device)
-        efficiency = machine.block_efficiency(0.16 * seconds, flops["fp32"], latency, torch.get_num_threads(),
-                                              *block, device=device)
-        copy = machine.memcpy_bandwidth(0.08 * seconds)
-        read, write, how = machine.disk_bandwidth(0.25 * seconds, path)
-        dev = base.devices[0].replace(
-            peak_flops=flops, efficiency=efficiency, kernel_latency=latency, plain_kernel_latency=plain,
-            h2d_bandwidth=h2d, d2h_bandwidth=d2h,
-            ondemand_call_latency=call, ondemand_op_latency=op,
-            memory_bandwidth=d2d, link="pinned copies", queued=True,
-            source=f"Hardware.profile {time.strftime('%Y-%m-%d %H:%M')}: measured on {base.devices[0].name}")
-        return base.replace(devices=(dev,), host_memory_bandwidth=2 * copy, disk_read_bandwidth=read,
-                            disk_write_bandwidth=write,
-                            notes=(f"measured by Hardware.profile: matmul {8192}^3 per dtype, pinned copies, "
-                                   f"device copies, {launch * 1e6:.3g} us per bare launch, tensor-op latency under "
-                                   f"the runtime's accounting, a transformer block of width {block[0]} on "
-                                   f"{block[1]} tokens, host memcpy, disk ({how}); nominal, not measured: network",))
-
-    @classmethod
     def profile(cls, seconds: float = 8.0, path=None, threads: int | None = None, save: bool = True,
                 block: tuple[int, ...] | None = None, device: str | None = None) -> "Hardware":
         """Measure this machine in about ``seconds``: FLOP/s, per-op latency, memcpy and disk bandwidth.
@@ -387,7 +357,8 @@ class Hardware:
         The result is cached for ``this_machine()`` when ``save``.
         """
         if machine.wants_cuda(device):
-            hw = cls._profile_cuda(seconds, path, device or "cuda", block or (2048, 4096))
+            hw = profile_cuda(cls._detect_cuda(path, device or "cuda"), seconds, path, device or "cuda",
+                              block or (2048, 4096))
         else:
             hw = profile_cpu(cls.detect(path, device="cpu"), seconds, path, threads, block or (512, 512))
         if save:
