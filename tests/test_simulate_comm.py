@@ -120,3 +120,44 @@ def test_a_servers_ranks_pooling_their_link_send_one_at_a_time_at_its_whole_rate
     assert last - pooled_transfers[0].start == pytest.approx(sum(alone.values()) / 4)
     assert pooled.step_seconds <= apart.step_seconds
     assert not pooled_links(hw, 4) and pooled_links(hw.replace(network_shared=True), 4)[3] == (0, 4)
+
+
+def _data_parallel(world=2):
+    """A GPT planned as one of ``world`` data-parallel ranks (offline: no process group), packs swapping."""
+    import dataclasses
+
+    import harmony
+    from harmony.compiler.passmanager import run_passes
+    from harmony.driver.replan import another_rank
+    from harmony.models import copy_task
+    cfg = GPTConfig(layers=4, width=64, heads=4, vocab=128, seq=32, tie=False)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    budget = int(0.6 * 16 * sum(p.numel() for p in model.parameters()))
+    sm = harmony.compile(model, next(iter(copy_task(cfg, 8, 1, seed=0))), memory_budget=budget, microbatches=2)
+    config = dataclasses.replace(sm.program.config, data_parallel=True, world_size=world, offline=True)
+    program = run_passes(another_rank(sm.program, config), config.passes)
+    sm.close()
+    return program, budget
+
+
+def test_a_collective_starts_when_its_last_rank_reaches_it():
+    from harmony.runtime.simulate import simulate
+    program, budget = _data_parallel()
+    reduces = _reduces(program)
+    assert len(reduces) > 1
+    fast_alone = simulate(program.schedule, program.plan, Hardware.detect().logical([budget]))
+    hw = Hardware.detect().logical([budget] * 2, [1.0, 4.0]).replace(hosts=((0,), (1,)), host_cores=1)
+    node = simulate_programs([program], hw, replicas=2)
+    fast, slow = node.devices
+
+    def at(sim, n):
+        return next(e for e in sim.events if e.name == n.name)
+    for n in reduces:     # the fast rank waits for the slow one, whose backward made the gradients 4x later
+        assert at(fast, n).start == at(slow, n).start > at(fast_alone, n).start
+    assert fast.step_seconds > 2 * fast_alone.step_seconds
+    # equal ranks: nobody waits, each as alone; a rank whose partner is not simulated here starts alone too
+    even = simulate_programs([program], hw.replace(devices=(hw.devices[0],) * 2), replicas=2)
+    assert [d.step_seconds for d in even.devices] == [fast_alone.step_seconds] * 2
+    one = hw.replace(devices=(hw.devices[1],), hosts=())
+    assert simulate_programs([program], one).step_seconds == simulate(program.schedule, program.plan, one).step_seconds
