@@ -161,3 +161,17 @@ def test_a_collective_starts_when_its_last_rank_reaches_it():
     assert [d.step_seconds for d in even.devices] == [fast_alone.step_seconds] * 2
     one = hw.replace(devices=(hw.devices[1],), hosts=())
     assert simulate_programs([program], one).step_seconds == simulate(program.schedule, program.plan, one).step_seconds
+
+
+def test_a_pack_of_several_communication_groups_pays_a_collectives_latency_each():
+    import dataclasses
+    program, budget = _data_parallel()
+    node = _reduces(program)[0]
+    pack = node.args[0]
+    owned = sorted(program.plan.packs[pack].owned)
+    hw = Hardware.detect().logical([budget]).replace(network_latency=1e-3)
+    op = op_of(node)
+    one = op.cost(program.plan, OnHost(hw.devices[0], hw), *node.args, **node.kwargs)[1]
+    split = dataclasses.replace(program.plan, comm_groups={pack: [owned[:1], owned[1:2], owned[2:]]})
+    three = op.cost(split, OnHost(hw.devices[0], hw), *node.args, **node.kwargs)[1]
+    assert len(owned) >= 3 and three - one == pytest.approx(2 * 2 * (2 - 1) * 1e-3)

@@ -90,13 +90,17 @@ def _allreduce_effect(m, pack, kind="none", *, world=1, where=Tier.DEVICE, sync=
 
 
 def _allreduce_cost(plan, hw, pack, kind="none", *, world=1, bits=4, **kw):
-    """Ring all-reduce bytes (fp32, half) or scatter-reduce + all-gather of packed levels, at network speed.
+    """Ring all-reduce bytes (fp32, half) or scatter-reduce + all-gather of packed levels, at network speed, and a
+    ring's latency per collective: one per communication group of the pack (``Plan.comm_groups``: where ranks cut
+    the model into other packs, a pack's all-reduce is several collectives, one per group every rank shares).
 
     The pack's parameter bytes stand for its owned gradients (equal unless a weight is shared).
     """
     sent = sent_bytes(plan.packs[pack].param_bytes, kind, world, bits)
     bandwidth = getattr(hw, "network_bandwidth", NOMINAL_NETWORK_BANDWIDTH)
-    return "network", sent / bandwidth + 2 * (world - 1) * getattr(hw, "network_latency", NOMINAL_NETWORK_LATENCY)
+    collectives = len(getattr(plan, "comm_groups", {}).get(pack) or ()) or 1
+    return "network", sent / bandwidth + 2 * (world - 1) * getattr(hw, "network_latency",
+                                                                   NOMINAL_NETWORK_LATENCY) * collectives
 
 
 def sent_bytes(size: int, kind: str, world: int, bits: int = 4) -> float:
