@@ -66,3 +66,25 @@ def measure_network(nbytes: int = 16 << 20, repeats: int = 5, group=None) -> tup
     figures = torch.tensor([bandwidth, latency], dtype=torch.float64)
     guarded("the broadcast of rank 0's network figures", dist.broadcast, figures, src=0, group=group, peer=0)
     return float(figures[0]), float(figures[1])
+
+
+def measure_socket_rate(nbytes: int = 16 << 20, repeats: int = 3, group=None) -> float:
+    """Bytes/s of all-reduce traffic one core's gloo carries (``Hardware.socket_rate``, what the simulator costs a
+    CPU device's all-reduce's socket work at): the bytes a rank sends and receives in an fp32 ring all-reduce of
+    ``nbytes``, over the CPU seconds its process spends in it (every thread's: gloo's own do the socket work), the
+    median of ``repeats`` on each rank, averaged over the ranks. CPU time, not wall time: a machine busy with other
+    work does not make the figure lower. A collective: every rank of ``group`` calls it and gets the same figure."""
+    world = dist.get_world_size(group)
+    if world == 1:
+        return math.inf
+    buf = torch.zeros(max(nbytes // 4, 1))
+    seconds = []
+    for _ in range(repeats):
+        guarded("the socket measurement's barrier", dist.barrier, group=group)
+        t0 = time.process_time()
+        guarded("the socket measurement's all-reduce", dist.all_reduce, buf, group=group)
+        seconds.append(time.process_time() - t0)
+    moved = 2 * 2 * (world - 1) / world * buf.numel() * 4       # sent and as many received
+    rate = torch.tensor([moved / max(sorted(seconds)[len(seconds) // 2], 1e-9)], dtype=torch.float64)
+    guarded("the socket measurement's average", dist.all_reduce, rate, group=group)
+    return float(rate[0]) / world
