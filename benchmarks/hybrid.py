@@ -8,8 +8,9 @@ Harmony and simulated:
 
 - **hybrid**: one pipeline of 8 per server (``plan_node(..., replicas=S)``: the stage pass's placement, each rank's
   schedule with its packs' all-reduces over the S servers right after their last backward), the 8 pipeline ranks
-  simulated together (runtime/simulate/node.py); a rank's all-reduce gets 1/8 of the server's link (the 8 stages
-  reduce at once through it). fp32 and 4-bit gradients.
+  simulated together (runtime/simulate/node.py); the 8 stages pool the server's link (``Hardware.server_link``, as
+  ``Grid.simulate`` does): an all-reduce alone there has the whole link, all-reduces that meet take turns. fp32 and
+  4-bit gradients.
 - **data parallel**: every GPU runs the whole model's plan under its 40 GB on its share of the batch (8 copies per
   server simulated together, sharing the PCIe switches), and the gradient all-reduce costs a hierarchical
   all-reduce's inter-server traffic, ``2 (S - 1) / S`` of the gradient bytes through each server's link, taken as
@@ -138,7 +139,8 @@ def rows_of(name: str, got: dict, args) -> tuple[list[dict], list[dict]]:
             row("pipeline alone", pipe, 0.0, plans["pipeline"])
             for codec in (None, "4bit"):
                 progs = plans[("hybrid", s, codec)]
-                node = simulate_programs(progs, hw.replace(network_bandwidth=link / GPUS, network_latency=LATENCY))
+                # the server's 8 stages pool its one link (Grid.simulate's sharing: Hardware.server_link)
+                node = simulate_programs(progs, hw.replace(network_latency=LATENCY).server_link(link, GPUS))
                 comm = max(sum(e.end - e.start for e in d.events if e.name.startswith("ar")) for d in node.devices)
                 row(f"hybrid {codec or 'fp32'}", node, 0.0, progs)        # its all-reduces are in the simulation
                 row(f"data parallel {codec or 'fp32'}", dp_node, dp_allreduce(params, s, link, codec),
