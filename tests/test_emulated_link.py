@@ -113,3 +113,25 @@ def test_the_simulator_lets_an_emulated_links_copies_out_run_beside_compute():
     sm.close()
     assert on_thread.busy["d2h"] == pytest.approx(blocking.busy["d2h"]) and on_thread.busy["d2h"] > 0
     assert on_thread.step_seconds < blocking.step_seconds
+
+
+def test_the_hybrid_benchmarks_a100_setting_gives_each_link_the_named_servers_ratio_to_compute():
+    """benchmarks/hybrid.py --emulated --link a100: the emulated host link and network are as many bytes per
+    emulated FLOP as the 8 x A100 server's PCIe 4 link and 10 Gbit/s are per A100 FLOP; --link none keeps the
+    memcpy and the given rate."""
+    import dataclasses
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from hybrid_emulated import link_setting
+    hw = dataclasses.asdict(Hardware.this_machine())
+    named = Hardware.node("8xa100-40gb").devices[0]
+    a100 = link_setting(hw, 4.0, "a100", 125e6)
+    compute = Hardware.this_machine().devices[0].effective_flops / 4
+    assert a100["compute_flops"] == pytest.approx(compute)
+    assert a100["host_link"] / compute == pytest.approx(named.h2d_bandwidth / named.effective_flops)
+    assert a100["network"] / compute == pytest.approx(10e9 / 8 / named.effective_flops, rel=1e-3)
+    assert a100["tc_rate"].endswith("kbit") and a100["bytes_per_flop"]["host_link"] == pytest.approx(
+        a100["named_bytes_per_flop"]["host_link"])
+    none = link_setting(hw, 4.0, "none", 125e6)
+    assert none["host_link"] == 0 and none["network"] == 125e6 and none["tc_rate"] == "1000000kbit"
