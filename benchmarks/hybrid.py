@@ -27,7 +27,7 @@ parallelism), and over the better of those that fit the host. Results: benchmark
 
     python benchmarks/hybrid.py                 # both models (about half an hour of planning on 2 cores)
     python benchmarks/hybrid.py --quick         # a 1.3B GPT only, a few minutes
-    python benchmarks/hybrid.py --emulated      # as root: two namespaces on a 1 Gbit/s link (hybrid_emulated.py)
+    python benchmarks/hybrid.py --emulated      # as root: two namespaces, links as an A100 server's (hybrid_emulated)
 """
 from __future__ import annotations
 

@@ -27,6 +27,13 @@ The scenario is issue 64's: a model that needs a server's worth of devices, on t
   buffers' copies. Rank 0 reports its process's CPU seconds per step beside its compute ops' (``cpu_s``,
   ``compute_cpu_s``), so the share that is not scaled is a figure of each run.
 
+- **Links** (``--link``): ``a100`` (default) gives each link the named server's bytes per FLOP (``link_setting``: a
+  server of 8 x A100 40 GB, PCIe 4 x16 to the host, 10 Gbit/s between servers), scaled to a rank's emulated compute:
+  the host link through ``Hardware.logical(..., link_bandwidth=)``, whose copies the runtime paces (before, a
+  logical device's copies were memcpys, hundreds of times cheaper against compute than PCIe is against an A100, and
+  data parallelism's swaps nearly free), the network as the tc rate. ``none``: a memcpy and ``--rate``, as before.
+  ``both``: one after the other, on one profile.
+
 Every run is launched as users launch: one ``torchrun`` per namespace (``--nnodes 2 --rdzv-backend c10d``), the
 pipeline alone with one; ``--nice -10`` (as root) runs them ahead of the machine's other jobs, whose load otherwise
 slows the work the speed factor does not scale. Each trains the same GPT on the same global batch; throughput is the
@@ -44,7 +51,7 @@ on, the speed factor and the machine's load average before and after the run (``
 simulated op timelines of the last step are written beside them (``--out``, Chrome trace JSON).
 
     python benchmarks/hybrid.py --emulated          # as root: makes and removes the namespaces
-    python benchmarks/hybrid.py --emulated --nice -10 --steps 6     # ahead of the machine's other jobs
+    python benchmarks/hybrid.py --emulated --link both --nice -10 --steps 4 --width 256     # both settings
 """
 from __future__ import annotations
 
