@@ -120,3 +120,18 @@ def test_a_servers_ranks_pooling_their_link_send_one_at_a_time_at_its_whole_rate
     assert last - pooled_transfers[0].start == pytest.approx(sum(alone.values()) / 4)
     assert pooled.step_seconds <= apart.step_seconds
     assert not pooled_links(hw, 4) and pooled_links(hw.replace(network_shared=True), 4)[3] == (0, 4)
+
+
+def test_server_link_is_the_one_way_a_servers_ranks_pool_their_link():
+    """``Hardware.server_link(bandwidth, ranks)``: what Grid.simulate and benchmarks/hybrid.py's simulated servers
+    both give the simulator; each rank's share and the pool, so a transfer alone has the whole link."""
+    from harmony.errors import ConfigError
+    hw = Hardware.node("4x1080ti").replace(network_latency=0.0)
+    pooled = hw.server_link(4e7, 4)
+    assert pooled.network_bandwidth == 1e7 and pooled.network_shared
+    programs = _grid(hw, None)
+    assert simulate_programs(programs, pooled).step_seconds == pytest.approx(
+        simulate_programs(programs, hw.replace(network_bandwidth=1e7, network_shared=True)).step_seconds)
+    for bad in ((0.0, 4), (4e7, 0)):
+        with pytest.raises(ConfigError, match="positive bytes/s"):
+            hw.server_link(*bad)
