@@ -175,3 +175,18 @@ def test_a_pack_of_several_communication_groups_pays_a_collectives_latency_each(
     split = dataclasses.replace(program.plan, comm_groups={pack: [owned[:1], owned[1:2], owned[2:]]})
     three = op.cost(split, OnHost(hw.devices[0], hw), *node.args, **node.kwargs)[1]
     assert len(owned) >= 3 and three - one == pytest.approx(2 * 2 * (2 - 1) * 1e-3)
+
+
+def test_server_link_is_the_one_way_a_servers_ranks_pool_their_link():
+    """``Hardware.server_link(bandwidth, ranks)``: what Grid.simulate and benchmarks/hybrid.py's simulated servers
+    both give the simulator; each rank's share and the pool, so a transfer alone has the whole link."""
+    from harmony.errors import ConfigError
+    hw = Hardware.node("4x1080ti").replace(network_latency=0.0)
+    pooled = hw.server_link(4e7, 4)
+    assert pooled.network_bandwidth == 1e7 and pooled.network_shared
+    programs = _grid(hw, None)
+    assert simulate_programs(programs, pooled).step_seconds == pytest.approx(
+        simulate_programs(programs, hw.replace(network_bandwidth=1e7, network_shared=True)).step_seconds)
+    for bad in ((0.0, 4), (4e7, 0)):
+        with pytest.raises(ConfigError, match="positive bytes/s"):
+            hw.server_link(*bad)

@@ -130,8 +130,7 @@ class Grid(Pipeline):
         if sm.plan.stage is None:
             return None
         hw = node_hardware(sm.program.config, hardware)
-        return simulate_rank_node(sm, hw.replace(network_bandwidth=hw.network_bandwidth / sm.plan.stage.world,
-                                                 network_shared=True))
+        return simulate_rank_node(sm, hw.server_link(hw.network_bandwidth, sm.plan.stage.world))
 
 
 _SHARDING = {True: "optimizer (ZeRO-1)", "full": "full (ZeRO-3)"}

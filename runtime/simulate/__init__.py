@@ -44,7 +44,8 @@ at a time. An op starts when its stream is free and:
 - on a device with ``sync_copies`` (the CPU, where one thread runs compute and issues
   copies) a copy starts only after the compute before it, and every copy but a
   ``swap_in`` or an ``unstash`` (copies in, on the copy thread) holds the compute stream
-  until it is done.
+  until it is done; an emulated link's copies out (``Device.link_emulated``) run on a
+  thread of their own, as the runtime's do, and hold it no longer.
 
 Each rule reads what the op does from its table entry (runtime/ops/'s ``OpDef``: ``fetches``,
 ``releases``, ``steps``, ``stashes``, ``copy_thread``, ...), never its name: a ``gather`` is timed
@@ -407,7 +408,8 @@ class _Clock:
             self.host_thread = ev.end
         if stream == "d2h" and seconds:     # (its device bytes, for ``room_for``)
             self.landing.append((ev.end, round(seconds * dev.d2h_bandwidth)))
-        if sync and not op.copy_thread:      # a copy the issuing thread makes itself
+        if sync and not op.copy_thread and not (stream == "d2h" and getattr(dev, "link_emulated", False)):
+            # a copy the issuing thread makes itself (an emulated link's copies out run on a thread: CopyEngine)
             free["compute"] = ev.end
         if op.steps and stream == "host":
             self.host_steps[node.args[0]] = ev.end

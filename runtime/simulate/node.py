@@ -192,7 +192,9 @@ class _Links:
         needs = self.needs(rank, stream)
         if not needs:
             return start + seconds
-        factor = getattr(self.hw.devices[rank], "speed_factor", 1.0) if stream == "compute" else 1.0
+        dev = self.hw.devices[rank]       # compute slept out to its speed factor, an emulated link's copies to its rate
+        factor = dev.stretch(stream) if hasattr(dev, "stretch") else \
+            getattr(dev, "speed_factor", 1.0) if stream == "compute" else 1.0
         end = max(start + seconds, self.shared.book(needs, start, seconds / factor))
         self.waited[rank] += end - start - seconds
         return end
