@@ -50,8 +50,13 @@ its chunks of the result (``PackShares.allreduce``): bitwise the replicated run,
 reduce-scatter's). Their chunks are cut as fp32 buffers are, once: adaptive bits change the codec's buffers when
 they are chosen, and a cut that followed them would move the live state between ranks mid-training.
 
-What is not built yet is refused at compile with a ``ConfigError`` (``check_config``): device steps, CUDA devices,
-the ondemand policy, and optimizers that are not element-wise.
+On a CUDA device the chunks are pinned host memory, cut once; a gather's collective runs on the copy thread on host
+tensors (into a pinned staging buffer, allocated once) and its copies to the device on the copy stream, behind an
+event the ``wait`` makes the compute stream wait for; a reduce-scatter's gradients come to the host on the copy-out
+stream, and the host thread's collective starts once their event has passed (runtime/partitioned/).
+
+What is not built yet is refused at compile with a ``ConfigError`` (``check_config``): device steps, devices other
+than CUDA and the CPU, the ondemand policy, and optimizers that are not element-wise.
 
 A weight two packs read (a tied embedding and head) is partitioned with the pack that steps it; the other pack's
 ``swap_in`` becomes a ``gather`` too, of the segments of the first pack's chunks that hold the weight
@@ -85,9 +90,9 @@ def check_config(cfg, given_kwargs: dict) -> None:
     refused = [
         (cfg.optimizer_on == Tier.DEVICE, f"optimizer_on={Tier.DEVICE!r} (partitioned packs step on the host): use "
                                           f"optimizer_on={Tier.HOST!r} or 'auto', or {instead}"),
-        (str(cfg.device).split(":")[0] not in ("cpu", "meta"),   # meta: a plan to simulate, never run
-         f"device={cfg.device!r} (the gathers are gloo collectives on host "
-                                                 f"tensors; CUDA is not built yet): use device='cpu', or {instead}"),
+        (str(cfg.device).split(":")[0] not in ("cpu", "cuda", "meta"),   # meta: a plan to simulate, never run
+         f"device={cfg.device!r} (the gathers are gloo collectives on host tensors, whose copies to the device "
+         f"are built for CUDA devices and the CPU): use device='cuda' or 'cpu', or {instead}"),
         (cfg.policy == "ondemand", f"policy='ondemand': use policy='harmony', or {instead}"),
     ]
     for bad, why in refused:
