@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from harmony.errors import ConfigError
-from harmony.passes.shard import check_config
+from harmony.passes.shard import check_config, host_collectives
 from harmony.runtime.partitioned.layout import Segment
 from harmony.runtime.partitioned.staging import Staging, to_device
 from harmony.runtime.tiers.state import CopyEngine
@@ -106,3 +106,9 @@ def test_what_is_not_built_on_a_device_is_refused_by_name():
         check_config(_cfg("xpu"), {})
     with pytest.raises(ConfigError, match="optimizer_on='device'"):
         check_config(_cfg("cuda", optimizer_on="device"), {})
+
+
+def test_a_default_group_without_gloo_is_refused_for_its_host_collectives():
+    assert host_collectives(None) and host_collectives("gloo") and host_collectives("cpu:gloo,cuda:nccl")
+    assert host_collectives("undefined")     # torch's default with no backend named: gloo on the CPU, NCCL on GPUs
+    assert not host_collectives("nccl")
