@@ -16,7 +16,9 @@ from harmony.runtime.comm.failures import guarded
 def init_process_group(timeout: float = 60.0, backend: str | None = None, **kwargs) -> None:
     """``dist.init_process_group`` from the torchrun environment with a timeout in seconds.
 
-    The backend defaults to nccl when CUDA is available, else gloo. The timeout bounds every
+    The backend defaults to gloo for host tensors beside nccl for CUDA ones when CUDA is available
+    (``"cpu:gloo,cuda:nccl"``: the ranks' words on a step, a pipeline's messages and ZeRO-3's reduce-scatters are
+    collectives on host tensors, which nccl alone does not take), else gloo. The timeout bounds every
     collective: a rank that dies or stalls makes the others fail instead of hanging.
 
     The group made here is destroyed at exit (``atexit``) unless the caller destroyed it first: a gloo
@@ -25,7 +27,7 @@ def init_process_group(timeout: float = 60.0, backend: str | None = None, **kwar
     last work without the interpreter they need.
     """
     if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout), **kwargs)
     atexit.register(_destroy_at_exit, dist.group.WORLD)
 

@@ -17,7 +17,7 @@ import torch
 
 from harmony.base.process import Pool, run_when_idle, started_pool
 from harmony.base.units import nbytes
-from harmony.runtime.placeholders import point
+from harmony.runtime.placeholders import is_placeholder, point
 from harmony.runtime.precision import GradBuffer, master_grads
 from harmony.runtime.tiers.link import EmulatedLink
 from harmony.runtime.tiers.memory import MemoryMeter
@@ -62,6 +62,25 @@ class CopyEngine:
         event.record(self.stream)
         fut.set_result(event)
         return fut
+
+    def submit_host(self, fn) -> Future:
+        """Run ``fn`` on the copy thread, its copies to the device on the copy stream: host work first (a gather's
+        collective on host tensors, runtime/partitioned/), then copies it queues on the stream current there. Where
+        CUDA exists the issuing thread goes on at once (``submit`` there queues the copies inline, which would hold
+        it for the host work), and the future's result is the event recorded behind ``fn``'s copies, which ``join``
+        makes the compute stream wait for (not a device-wide sync); on the CPU device it is ``submit``: the thread
+        runs ``fn`` and the future's result is its own."""
+        if self.stream is None:
+            return self.submit(fn)
+        # the copies write into blocks the caching allocator handed out on the compute stream (as ``submit``'s): they
+        # start after the kernels queued there so far, which is now, on the issuing thread
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+
+        def job():
+            with torch.cuda.stream(self.stream):
+                fn()
+                return self.stream.record_event()
+        return self.pool.submit(job)
 
     def join(self, fut: Future) -> None:
         res = fut.result()
@@ -153,8 +172,8 @@ class TieredState:
         self.link = self.copier.link      # an emulated host link's pace (runtime/tiers/link.py), or None
         self.refs: Counter = Counter()    # (kind, name) -> holds on the device copy
         if device.type == "cuda":        # host copies in pinned memory, once: copies from them run async on the
-            for t in tensors.values():   # copy stream (a pageable copy blocks the thread that issues it)
-                if t.device.type == "cpu" and not t.is_pinned():
+            for t in tensors.values():   # copy stream (a pageable copy blocks the thread that issues it); not a
+                if t.device.type == "cpu" and not t.is_pinned() and not is_placeholder(t):   # placeholder's NaN
                     t.data = t.data.pin_memory()
         self.master = {name: t.data for name, t in tensors.items()}  # host copies of params and buffers
         self.dirty: set[str] = set()      # params changed on the device since they came in
