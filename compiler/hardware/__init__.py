@@ -46,7 +46,8 @@ from pathlib import Path
 from harmony.base.env import env_default
 from harmony.base.errors import ConfigError
 from harmony.compiler.hardware import machine, nodes
-from harmony.compiler.hardware.cpu_profile import profile_cpu, profile_cuda
+from harmony.compiler.hardware.cpu_profile import profile_cpu
+from harmony.compiler.hardware.cuda_profile import profile_cuda
 from harmony.compiler.hardware.logical import logical
 from harmony.compiler.hardware.nodes import PCIE
 from harmony.runtime.plan import NOMINAL_NETWORK_BANDWIDTH, NOMINAL_NETWORK_LATENCY
