@@ -51,17 +51,7 @@ def measure_network(nbytes: int = 16 << 20, repeats: int = 5, group=None) -> tup
     if world == 1:
         return math.inf, 0.0
 
-    def timed(n):
-        buf = torch.zeros(max(n // 4, 1))
-        times = []
-        for _ in range(repeats):
-            guarded("the network measurement's barrier", dist.barrier, group=group)
-            t0 = time.perf_counter()
-            guarded("the network measurement's all-reduce", dist.all_reduce, buf, group=group)
-            times.append(time.perf_counter() - t0)
-        return sorted(times)[len(times) // 2]
-
-    small, big = timed(4096), timed(nbytes)
+    small, big = (_timed(n, repeats, group, time.perf_counter, "network") for n in (4096, nbytes))
     hops = 2 * (world - 1)
     latency = max(small / hops, 1e-6)
     bandwidth = hops / world * nbytes / max(big - hops * latency, 1e-9)
@@ -79,14 +69,21 @@ def measure_socket_rate(nbytes: int = 16 << 20, repeats: int = 3, group=None) ->
     world = dist.get_world_size(group)
     if world == 1:
         return math.inf
-    buf = torch.zeros(max(nbytes // 4, 1))
-    seconds = []
-    for _ in range(repeats):
-        guarded("the socket measurement's barrier", dist.barrier, group=group)
-        t0 = time.process_time()
-        guarded("the socket measurement's all-reduce", dist.all_reduce, buf, group=group)
-        seconds.append(time.process_time() - t0)
-    moved = 2 * 2 * (world - 1) / world * buf.numel() * 4       # sent and as many received
-    rate = torch.tensor([moved / max(sorted(seconds)[len(seconds) // 2], 1e-9)], dtype=torch.float64)
+    seconds = _timed(nbytes, repeats, group, time.process_time, "socket")
+    moved = 2 * 2 * (world - 1) / world * max(nbytes // 4, 1) * 4       # sent and as many received
+    rate = torch.tensor([moved / max(seconds, 1e-9)], dtype=torch.float64)
     guarded("the socket measurement's average", dist.all_reduce, rate, group=group)
     return float(rate[0]) / world
+
+
+def _timed(nbytes: int, repeats: int, group, clock, what: str) -> float:
+    """The median over ``repeats`` of ``clock``'s seconds for an fp32 all-reduce of ``nbytes``, each after a
+    barrier."""
+    buf = torch.zeros(max(nbytes // 4, 1))
+    times = []
+    for _ in range(repeats):
+        guarded(f"the {what} measurement's barrier", dist.barrier, group=group)
+        t0 = clock()
+        guarded(f"the {what} measurement's all-reduce", dist.all_reduce, buf, group=group)
+        times.append(clock() - t0)
+    return sorted(times)[len(times) // 2]
