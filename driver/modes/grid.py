@@ -44,9 +44,7 @@ NOT_YET = "is not supported with parallel=('pipeline', 'data') yet"
 
 def refusals(cfg) -> list[tuple[bool, str, str]]:
     """(refused, what, what to use instead) of what a grid does not do yet."""
-    return [(cfg.balance is not None and cfg.shard_state == "full", "balance= with shard_state='full'",
-             "shard_state=True or False under balance= (or shard_state='full' without balance=)"),
-            (cfg.policy == "ondemand", "policy='ondemand'", "policy='harmony' or 'sequential'"),
+    return [(cfg.policy == "ondemand", "policy='ondemand'", "policy='harmony' or 'sequential'"),
             (cfg.pipeline_group is not None and cfg.policy != "harmony", f"policy={cfg.policy!r} and "
              f"pipeline_group=", "policy='harmony' (the sequential policy runs one microbatch at a time)")]
 
