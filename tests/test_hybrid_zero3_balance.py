@@ -4,12 +4,13 @@ every pack swaps. Each rank's swap search weighs its own microbatches, so the ra
 different packs' weights between visits; they keep only the holds all of them chose (passes/swap/agree.py) and gather
 alike. The chunks train bitwise as tests/test_hybrid_balance.py's eager reference (each pipeline's accumulated
 gradient weighted as the replica all-reduce weighs it); "auto" with an emulated slower pipeline gives it fewer rows
-and trains."""
+and trains; ``pipeline_group=`` with it is refused by name on every rank."""
 from __future__ import annotations
 
 import pytest
 import torch
 
+from harmony.errors import ConfigError
 from test_collectives import _spawn
 from test_hybrid import _case, _mine
 from test_hybrid_balance import STEPS, _balanced, _eager
@@ -30,6 +31,11 @@ def _ranks(rank, world) -> dict:
     sm = _balanced(model, data, balance="auto", factors=(1, 1, 3, 3), **ZERO3)     # pipeline 1 emulated 3x slower
     out["auto"] = dict(rows=sm.program.rows, loss=sm(*data[0]).item())
     sm.close()
+    try:
+        _balanced(model, data, pipeline_group=1, **ZERO3).close()
+        out["grouped"] = "no error"
+    except ConfigError as e:
+        out["grouped"] = str(e)
     return out
 
 
@@ -71,3 +77,10 @@ def test_auto_in_a_zero3_grid_gives_the_slower_pipeline_fewer_rows(runs):
     assert rows[0] == rows[1] and rows[2] == rows[3] and rows[0][0] == 0 and rows[2][1] == 8
     assert rows[0][1] - rows[0][0] > rows[2][1] - rows[2][0], rows
     assert len({runs[r]["auto"]["loss"] for r in range(4)}) == 1
+
+
+@pytest.mark.slow
+def test_pipeline_group_with_balance_in_a_zero3_grid_is_refused_by_name_on_every_rank(runs):
+    for r in range(4):
+        said = runs[r]["grouped"]
+        assert "pipeline_group=" in said and "shard_state='full'" in said and "pipeline_group=None" in said, (r, said)

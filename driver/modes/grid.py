@@ -44,7 +44,11 @@ NOT_YET = "is not supported with parallel=('pipeline', 'data') yet"
 
 def refusals(cfg) -> list[tuple[bool, str, str]]:
     """(refused, what, what to use instead) of what a grid does not do yet."""
-    return [(cfg.policy == "ondemand", "policy='ondemand'", "policy='harmony' or 'sequential'"),
+    return [(cfg.balance is not None and cfg.shard_state == "full" and cfg.pipeline_group is not None,
+             "pipeline_group= with balance= and shard_state='full'", "pipeline_group=None (each pipeline's "
+             "microbatches in one group: the pipelines' rows differ, and other groupings would gather other packs "
+             "over the replica groups)"),
+            (cfg.policy == "ondemand", "policy='ondemand'", "policy='harmony' or 'sequential'"),
             (cfg.pipeline_group is not None and cfg.policy != "harmony", f"policy={cfg.policy!r} and "
              f"pipeline_group=", "policy='harmony' (the sequential policy runs one microbatch at a time)")]
 
