@@ -12,11 +12,13 @@ and every rank hears every rank's word in the loss's all-reduce that ends the st
 ``shard_state=True`` (ZeRO-1) splits each stage's optimizer state over its replica group (passes/stage.py);
 ``shard_state="full"`` (ZeRO-3) partitions each stage's weights, gradients and optimizer state over it: the shard pass
 and runtime/partitioned/ of data parallelism, with the replica group for the job (its gathers and carried-weight
-agreements on replica groups of their own, made here at plan time on every rank).
+agreements on replica groups of their own, made here at plan time on every rank; a weight tied across stages is
+an all-reduce group of its own, so its chunks line up across the stages for the tied sum: passes/tied.py).
 
 ``balance=`` (driver/modes/grid_balance.py) gives each pipeline its rows of the global batch by its speed, weighting
 its gradients and loss by its rows; the pipelines cut the model into the same packs, so the replica groups still
-hold the same parameters.
+hold the same parameters. Under ``shard_state="full"`` the ranks of a replica group, whose microbatches differ,
+keep only the holds all of them chose (passes/swap/agree.py), so they gather alike.
 
 A checkpoint holds each stage once, written by pipeline 0's ranks (``grid`` layout, driver/checkpoint/ranks.py), or
 under sharding every rank its share (``grid_zero1``, ``grid_zero3``); it loads into another grid, one pipeline or
