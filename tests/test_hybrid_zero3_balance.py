@@ -23,7 +23,9 @@ def _ranks(rank, world) -> dict:
     model, data = _case()
     sm = _balanced(model, data, **ZERO3)
     losses = [sm(*data[i % len(data)]).item() for i in range(STEPS)]
+    evaluated = sm.evaluate(*data[0]).item()        # each pipeline its rows, gathered alike; the global mean
     out = dict(given=dict(params={n: t.numpy().copy() for n, t in _mine(sm).items()}, losses=losses,
+                          evaluated=evaluated,
                           rows=sm.program.rows, text=sm.report(),
                           ops=[n.target.__name__ for n in sm.graph.nodes if n.op == "call_function"]))
     sm.close()
@@ -66,6 +68,12 @@ def test_a_balanced_zero3_grid_trains_bitwise_as_eager_with_the_all_reduces_weig
         assert got["losses"] == pytest.approx(ref["losses"], rel=1e-5)
         assert "full (ZeRO-3)" in got["text"] and "every rank of a replica group keeps the holds" in \
             " ".join(got["text"].split()), r
+    evaluated = {runs[r]["given"]["evaluated"] for r in range(4)}
+    model, data = _case()
+    model.load_state_dict({n: t for n, t in ref.items() if n != "losses"}, strict=False)
+    with torch.no_grad():
+        eager = model.eval()(*data[0]).float().item()
+    assert len(evaluated) == 1 and evaluated.pop() == pytest.approx(eager, rel=1e-5)
     for a in (0, 1):      # the two pipelines' ranks of a stage gather alike
         assert [o for o in runs[a]["given"]["ops"] if o == "gather"] == \
             [o for o in runs[a + 2]["given"]["ops"] if o == "gather"]
