@@ -4,30 +4,40 @@ every pack swaps. Each rank's swap search weighs its own microbatches, so the ra
 different packs' weights between visits; they keep only the holds all of them chose (passes/swap/agree.py) and gather
 alike. The chunks train bitwise as tests/test_hybrid_balance.py's eager reference (each pipeline's accumulated
 gradient weighted as the replica all-reduce weighs it); "auto" with an emulated slower pipeline gives it fewer rows
-and trains; ``pipeline_group=`` with it is refused by name on every rank."""
+and trains; the checkpoint loads into an unbalanced ZeRO-3 grid; ``pipeline_group=`` with it is refused by name on
+every rank."""
 from __future__ import annotations
 
 import pytest
 import torch
 
+import harmony
+import harmony.data
 from harmony.errors import ConfigError
 from test_collectives import _spawn
-from test_hybrid import _case, _mine
+from test_hybrid import _case, _compile, _mine
 from test_hybrid_balance import STEPS, _balanced, _eager
 from test_hybrid_zero3 import _whole
 
 ZERO3 = dict(shard_state="full", frac=0.3)
 
 
-def _ranks(rank, world) -> dict:
+def _ranks(rank, world, path) -> dict:
     model, data = _case()
     sm = _balanced(model, data, **ZERO3)
     losses = [sm(*data[i % len(data)]).item() for i in range(STEPS)]
     evaluated = sm.evaluate(*data[0]).item()        # each pipeline its rows, gathered alike; the global mean
+    harmony.save(sm, path)
     out = dict(given=dict(params={n: t.numpy().copy() for n, t in _mine(sm).items()}, losses=losses,
                           evaluated=evaluated,
                           rows=sm.program.rows, text=sm.report(),
                           ops=[n.target.__name__ for n in sm.graph.nodes if n.op == "call_function"]))
+    sm.close()
+    model, data = _case()         # the checkpoint into an unbalanced ZeRO-3 grid (equal rows), which trains on
+    sm = _compile(model, data, **ZERO3)
+    info = harmony.load(sm, path)
+    out["loaded"] = dict(params={n: t.numpy().copy() for n, t in _mine(sm).items()}, step=info.step)
+    sm(*harmony.data.shard(data[0], pipeline_size=2))
     sm.close()
     model, data = _case()
     sm = _balanced(model, data, balance="auto", factors=(1, 1, 3, 3), **ZERO3)     # pipeline 1 emulated 3x slower
@@ -42,11 +52,11 @@ def _ranks(rank, world) -> dict:
 
 
 @pytest.fixture(scope="module")
-def runs():
+def runs(tmp_path_factory):
     from concurrent.futures import ThreadPoolExecutor
     with ThreadPoolExecutor(1) as pool:
         ref = pool.submit(_eager)
-        res = _spawn(4, _ranks, timeout=500, pg_timeout=60)
+        res = _spawn(4, _ranks, str(tmp_path_factory.mktemp("zero3_balance") / "ckpt"), timeout=500, pg_timeout=60)
         res["ref"] = ref.result()
     for r in range(4):
         assert isinstance(res.get(r), dict), f"rank {r}: {res.get(r)}"
@@ -92,3 +102,14 @@ def test_pipeline_group_with_balance_in_a_zero3_grid_is_refused_by_name_on_every
     for r in range(4):
         said = runs[r]["grouped"]
         assert "pipeline_group=" in said and "shard_state='full'" in said and "pipeline_group=None" in said, (r, said)
+
+
+@pytest.mark.slow
+def test_a_balanced_zero3_grids_checkpoint_loads_into_an_unbalanced_zero3_grid(runs):
+    """The unbalanced grid plans its own packs (its microbatches differ), so its chunks are cut elsewhere: the
+    weights its ranks hold together are the saved ones."""
+    ref = runs["ref"]
+    saved = _whole({k: t for r in range(4) for k, t in runs[r]["given"]["params"].items()}, ref)
+    loaded = _whole({k: t for r in range(4) for k, t in runs[r]["loaded"]["params"].items()}, ref)
+    assert saved.keys() == loaded.keys() and all(torch.equal(loaded[n], t) for n, t in saved.items())
+    assert all(runs[r]["loaded"]["step"] == STEPS for r in range(4))
