@@ -117,7 +117,8 @@ def commands(out: Path, py: str) -> dict[str, list[str]]:
                      (["deepspeed"] if _deepspeed() else []),
         "pipeline": [py, f"{b}/pipeline.py", "--quick", "--json", j["pipeline"]],
         # the 2 x 2 grid with 4-bit gradients only, in two namespaces joined by 1 Gbit/s (needs root, as allreduce)
-        "hybrid": [py, f"{b}/hybrid.py", "--emulated", "--systems", "grid 4bit", "--layers", "2", "--width", "256",
+        "hybrid": [py, f"{b}/hybrid.py", "--emulated", "--link", "none", "--systems", "grid 4bit", "--layers", "2",
+                   "--width", "256",
                    "--steps", "3", "--out", str(out / "hybrid"), "--json", j["hybrid"]],
     }
 

@@ -198,7 +198,7 @@ def real(args):
           f"{p['efficiency']:.0%} sustained by a block, {p['kernel_latency'] * 1e6:.1f} us per tensor op, "
           f"{p['cores']:.2g} of the host's cores left by other jobs; network "
           f"(gloo all-reduce among the 3 ranks): {res['network'][0] / 1e9:.2f} GB/s + {res['network'][1] * 1e6:.0f} "
-          f"us per message")
+          f"us per message, its socket work {res['network'][2] / 1e9:.2f} GB/s per core (by CPU time)")
     print("SIMULATED step of each rank alone on its device, s: " + "; ".join(
         f"{m}: {' '.join(f'{x:.2f}' for x in res[m]['alone_ranks'])}" for m in ("uniform", "auto")))
     print("SIMULATED node: " + " | ".join(res["auto"]["sharing"] or ["(ranks not simulated together)"]))
@@ -338,11 +338,12 @@ def worker(args):
     if not dist.is_initialized():
         from harmony.runtime.comm.process_group import init_process_group
         init_process_group(timeout=120.0)
-    from harmony.runtime.comm.process_group import measure_network
+    from harmony.runtime.comm.process_group import measure_network, measure_socket_rate
     c = gpt_config(args)
     hw = profile_under_load(args, given["speed_factors"])
     bandwidth, latency = measure_network()      # gloo on this machine, not the nominal 10 Gb/s Ethernet
-    hw = hw.replace(network_bandwidth=bandwidth, network_latency=latency,
+    socket = measure_socket_rate()              # and gloo's CPU work per byte, not the nominal rate
+    hw = hw.replace(network_bandwidth=bandwidth, network_latency=latency, socket_rate=socket,
                     notes=hw.notes + ("network: gloo all-reduce among the ranks, measured before the run",))
     hw = hw.logical(given["budgets"], speed_factors=given["speed_factors"])
     data = list(copy_task(c, args.real_batch, args.warmup + args.steps))
@@ -392,7 +393,7 @@ def worker(args):
     dist.all_gather_object(every, mine)
     if dist.get_rank() == 0:
         d = hw.devices[0]
-        res = dict(network=[bandwidth, latency], profile=dict(peak=d.flops, efficiency=d.efficiency,
+        res = dict(network=[bandwidth, latency, socket], profile=dict(peak=d.flops, efficiency=d.efficiency,
                                                              kernel_latency=d.kernel_latency, cores=hw.host_cores))
         for mode in compiled:
             ranks = [e[mode] for e in every]

@@ -8,8 +8,9 @@ Harmony and simulated:
 
 - **hybrid**: one pipeline of 8 per server (``plan_node(..., replicas=S)``: the stage pass's placement, each rank's
   schedule with its packs' all-reduces over the S servers right after their last backward), the 8 pipeline ranks
-  simulated together (runtime/simulate/node.py); a rank's all-reduce gets 1/8 of the server's link (the 8 stages
-  reduce at once through it). fp32 and 4-bit gradients.
+  simulated together (runtime/simulate/node.py); the 8 stages pool the server's link (``Hardware.server_link``, as
+  ``Grid.simulate`` does): an all-reduce alone there has the whole link, all-reduces that meet take turns. fp32 and
+  4-bit gradients.
 - **data parallel**: every GPU runs the whole model's plan under its 40 GB on its share of the batch (8 copies per
   server simulated together, sharing the PCIe switches), and the gradient all-reduce costs a hierarchical
   all-reduce's inter-server traffic, ``2 (S - 1) / S`` of the gradient bytes through each server's link, taken as
@@ -26,7 +27,7 @@ parallelism), and over the better of those that fit the host. Results: benchmark
 
     python benchmarks/hybrid.py                 # both models (about half an hour of planning on 2 cores)
     python benchmarks/hybrid.py --quick         # a 1.3B GPT only, a few minutes
-    python benchmarks/hybrid.py --emulated      # as root: two namespaces on a 1 Gbit/s link (hybrid_emulated.py)
+    python benchmarks/hybrid.py --emulated      # as root: two namespaces, links as an A100 server's (hybrid_emulated)
 """
 from __future__ import annotations
 
@@ -139,7 +140,8 @@ def rows_of(name: str, got: dict, args) -> tuple[list[dict], list[dict]]:
             row("pipeline alone", pipe, 0.0, plans["pipeline"])
             for codec in (None, "4bit"):
                 progs = plans[("hybrid", s, codec)]
-                node = simulate_programs(progs, hw.replace(network_bandwidth=link / GPUS, network_latency=LATENCY))
+                # the server's 8 stages pool its one link (Grid.simulate's sharing: Hardware.server_link)
+                node = simulate_programs(progs, hw.replace(network_latency=LATENCY).server_link(link, GPUS))
                 comm = max(sum(e.end - e.start for e in d.events if e.name.startswith("ar")) for d in node.devices)
                 row(f"hybrid {codec or 'fp32'}", node, 0.0, progs)        # its all-reduces are in the simulation
                 row(f"data parallel {codec or 'fp32'}", dp_node, dp_allreduce(params, s, link, codec),
@@ -159,49 +161,81 @@ def rows_of(name: str, got: dict, args) -> tuple[list[dict], list[dict]]:
 
 
 def emulated(args) -> dict:
-    """The EMULATED part (benchmarks/hybrid_emulated.py): measured throughput of each system, the grid's predicted
-    step beside its measured one, ratios."""
+    """The EMULATED part (benchmarks/hybrid_emulated.py): measured throughput of each system, its predicted step
+    beside its measured one, ratios; ``{link setting: figures}``."""
     import hybrid_emulated
     if args.worker:
         hybrid_emulated.worker(args)
         return {}
     if args.emulated_inner:
         return hybrid_emulated.inner(args)
-    got = hybrid_emulated.outer(args)
-    speed = {k: v["samples_per_s"] for k, v in got.items() if v}
+    return {link: _setting_figures(args, got) for link, got in hybrid_emulated.outer(args).items()}
+
+
+def _links_table(setting: dict) -> str:
+    """What each link is against compute: in the emulation and in the named server (bytes per FLOP, and the
+    seconds a byte takes over the seconds a FLOP takes, the same thing)."""
+    rows = [dict(link=k, emulated_bytes_per_s=setting[k] if k == "network" else setting["host_link"] or "memcpy",
+                 emulated_bytes_per_FLOP=setting["bytes_per_flop"][k],
+                 named_server_bytes_per_FLOP=setting["named_bytes_per_flop"][k],
+                 emulated_over_named=setting["bytes_per_flop"][k] / setting["named_bytes_per_flop"][k])
+            for k in ("host_link", "network")]
+    return common.table(rows, f"EMULATED links, --link {setting['link']}: compute {setting['compute_flops'] / 1e9:.3g} "
+                              f"GFLOP/s a rank (the profile's sustained FLOP/s over the speed factor); named server: "
+                              f"{setting['named']}")
+
+
+def _setting_figures(args, got: dict) -> dict:
+    """One link setting's tables and figures."""
+    systems, setting = got["systems"], got["setting"]
+    speed = {k: v["samples_per_s"] for k, v in systems.items() if v}
     rows = [dict(system=k, **{f: x for f, x in v.items() if isinstance(x, (int, float, str)) and f not in (
-        "SIMULATED_sharing", "server_cores")}, load_1min=v["load"]["before"][0]) for k, v in got.items() if v]
-    cores = next((v["server_cores"] for v in got.values() if v), "")
-    print(common.table(rows, f"EMULATED: two servers of 2 ranks on this machine, {args.rate} between them, speed "
-                             f"factor {args.speed_factor:g}, budget {args.budget_per_param:g} B/parameter, servers' "
-                             f"cores {cores or 'all'}"))
-    print(common.table([dict(system=k, **v["rank0"]) for k, v in got.items() if v], "EMULATED: rank 0's step "
+        "SIMULATED_sharing", "server_cores")}, load_1min=v["load"]["before"][0]) for k, v in systems.items() if v]
+    cores = next((v["server_cores"] for v in systems.values() if v), "")
+    print(_links_table(setting))
+    print(common.table(rows, f"EMULATED: two servers of 2 ranks on this machine, {setting['tc_rate']} between them, "
+                             f"host link {setting['host_link'] / 1e6:.4g} MB/s" if setting["host_link"] else
+                             f"EMULATED: two servers of 2 ranks on this machine, {setting['tc_rate']} between them, "
+                             f"host link a memcpy" + f", speed factor {args.speed_factor:g}, budget "
+                             f"{args.budget_per_param:g} B/parameter, servers' cores {cores or 'all'}"))
+    print(common.table([dict(system=k, **v["rank0"]) for k, v in systems.items() if v], "EMULATED: rank 0's step "
                        "(medians): its process's CPU seconds, its compute ops' wall seconds and the CPU seconds they "
-                       "were slept out from, the host thread's optimizer steps and all-reduces, state swapped"))
-    for k, v in got.items():
+                       "were slept out from, the host thread's optimizer steps and all-reduces, state swapped, its "
+                       "copies' seconds on the emulated host link"))
+    for k, v in systems.items():
         if v and v.get("SIMULATED_sharing"):
             print(f"{k}, SIMULATED server: {v['SIMULATED_sharing']}")
     figures = {f"emulated {k} samples/s": v for k, v in speed.items()}
     others = [speed[k] for k in ("data parallel 4bit", "pipeline alone (2 ranks)") if k in speed]
     if "grid 4bit" in speed and others:
         figures["emulated grid 4bit / best other"] = speed["grid 4bit"] / max(others)
-    for k in ("grid fp32", "grid 4bit"):
-        if got.get(k) and got[k].get("SIMULATED_step_s"):
-            figures[f"emulated {k} predicted/measured"] = got[k]["SIMULATED_step_s"] / got[k]["step_s"]
-    figures["setting"] = dict(rate=args.rate, speed_factor=args.speed_factor, budget_per_param=args.budget_per_param,
-                              server_cores=cores or "all (not pinned)", nice=args.nice)
-    figures["load before/after each run (1, 5, 15 min)"] = {k: v["load"] for k, v in got.items() if v}
+    for k, v in systems.items():
+        if v and v.get("SIMULATED_step_s"):
+            figures[f"emulated {k} predicted/measured"] = v["SIMULATED_step_s"] / v["step_s"]
+    figures["setting"] = dict(link=setting["link"], rate=setting["tc_rate"], network_bytes_per_s=setting["network"],
+                              host_link_bytes_per_s=setting["host_link"] or "memcpy (not emulated)",
+                              compute_flops_per_rank=setting["compute_flops"],
+                              bytes_per_flop=setting["bytes_per_flop"],
+                              named_server_bytes_per_flop=setting["named_bytes_per_flop"],
+                              named_server=setting["named"],
+                              speed_factor=args.speed_factor, budget_per_param=args.budget_per_param,
+                              width=args.width, layers=args.layers, server_cores=cores or "all (not pinned)",
+                              nice=args.nice, core_share=got["core_share"])
+    figures["load before/after each run (1, 5, 15 min)"] = {k: v["load"] for k, v in systems.items() if v}
     numbers = {k: v for k, v in figures.items() if isinstance(v, float)}
-    print(common.table([numbers], "EMULATED: ratios, measured; predicted/measured: the SIMULATED step over the "
-                                  "measured one (target: grid 4bit >= 1.5x the better other; the simulator within "
-                                  "15%)"))
+    print(common.table([numbers], f"EMULATED, --link {setting['link']}: ratios, measured; predicted/measured: the "
+                                  "SIMULATED step over the measured one (target: grid 4bit >= 1.5x the better other; "
+                                  "the simulator within 15%)"))
     return figures
 
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--emulated", action="store_true", help="the EMULATED part only (as root: network namespaces)")
-    ap.add_argument("--rate", default="1gbit", help="the emulated link between the two servers (default 1gbit)")
+    ap.add_argument("--rate", default="1gbit", help="--link none's link between the two servers (default 1gbit)")
+    ap.add_argument("--link", default="a100", choices=("a100", "none", "both"), help="the emulated links: a100 (each "
+                    "link against the emulated compute as the 8 x A100 40 GB server's PCIe 4 and 10 Gbit/s are "
+                    "against an A100's), none (the host link a memcpy, --rate between servers), both (default a100)")
     ap.add_argument("--out", default="hybrid-emulated", help="the emulated part's files (default hybrid-emulated)")
     ap.add_argument("--steps", type=int, default=6, help="emulated steps timed after 2 warm-up (default 6)")
     ap.add_argument("--width", type=int, default=512, help="the emulated GPT's width (default 512)")
@@ -225,6 +259,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--host-cores", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--cores", default="", help=argparse.SUPPRESS)
     ap.add_argument("--rate-bytes", type=float, default=0.0, help=argparse.SUPPRESS)
+    ap.add_argument("--host-link", type=float, default=0.0, help=argparse.SUPPRESS)
     ap.add_argument("--quick", action="store_true", help="the 1.3B GPT only (a few minutes)")
     ap.add_argument("--models", nargs="+", default=None, choices=sorted(MODELS), help="default: gpt-13b gpt-30b")
     ap.add_argument("--servers", nargs="+", type=int, default=list(SERVERS), help="server counts (default 2 4)")
@@ -239,9 +274,13 @@ def main(argv=None) -> dict:
             args.rate_bytes = float(m[1]) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[m[2]] / 8 if m else 125e6
         figures = emulated(args)
         if args.emulated:
-            name = "hybrid-emulated" + ("" if args.speed_factor == 4 else f"-speed{args.speed_factor:g}") + ".json"
-            # --json given (python -m benchmarks): there; else beside the simulated results
-            common.save_json(args.json if args.json != str(RESULTS) else str(RESULTS.with_name(name)), figures)
+            for link, got in figures.items():
+                name = "hybrid-emulated" + ("" if link == "a100" else "-memcpy") + \
+                    ("" if args.speed_factor == 4 else f"-speed{args.speed_factor:g}") + ".json"
+                # --json given (python -m benchmarks, one setting): there; else beside the simulated results
+                mine = args.json != str(RESULTS) and len(figures) == 1
+                common.save_json(args.json if mine else str(RESULTS.with_name(name)), got)
+            return next(iter(figures.values())) if len(figures) == 1 else figures
         return figures
     models = args.models or (["gpt-1.3b"] if args.quick else ["gpt-13b", "gpt-30b"])
     print(f"SIMULATED, not measured: servers of {GPUS} x A100 SXM4 40 GB, {', '.join(map(str, args.servers))} of "

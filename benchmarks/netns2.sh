@@ -13,8 +13,12 @@ rate=${1:?"usage: $0 RATE COMMAND...   (RATE e.g. 1gbit)"}
 shift
 rate_bits=$(python3 -c "import re,sys; m=re.fullmatch(r'(\d+(?:\.\d+)?)([kmg]?)bit', sys.argv[1].lower()); \
 print(int(float(m[1]) * {'': 1, 'k': 1e3, 'm': 1e6, 'g': 1e9}[m[2]])) if m else sys.exit('RATE must look like 1gbit')" "$rate")
-# tbf needs a bucket of at least rate / HZ bytes to reach its rate: 1 ms of traffic, >= 256 kB.
-burst=${BURST:-$(( rate_bits / 8 / 1000 > 262144 ? rate_bits / 8 / 1000 : 262144 ))}
+# tbf needs a bucket of at least rate / HZ bytes to reach its rate: 1 ms of traffic, >= 256 kB. Below a few Mbit/s
+# that floor is a large share of a second's traffic, which the bucket, refilled while the link idles, sends at once:
+# there the floor is 50 ms of traffic, at least 70000 bytes (a 64 KiB GSO segment and its headers, which tbf would
+# otherwise drop whole).
+floor=$(( rate_bits / 8 / 20 < 262144 ? (rate_bits / 8 / 20 > 70000 ? rate_bits / 8 / 20 : 70000) : 262144 ))
+burst=${BURST:-$(( rate_bits / 8 / 1000 > floor ? rate_bits / 8 / 1000 : floor ))}
 a="harmony-a-$$"
 b="harmony-b-$$"
 

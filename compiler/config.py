@@ -317,7 +317,8 @@ class PlanConfig(Group):
     hardware: Any = None
     """A ``Hardware``, ``Device`` or preset name such as ``"a100-40gb"``: the FLOP/s and host link the planner weighs
     compute against traffic with. None: this machine (its cached profile on CUDA). A device whose ``speed_factor``
-    is above 1 (``hw.logical(budgets, speed_factors)``) is emulated: the runtime stretches every compute op."""
+    is above 1 (``hw.logical(budgets, speed_factors)``) is emulated: the runtime stretches every compute op; one with
+    an emulated link (``hw.logical(budgets, speed_factors, link_bandwidth=)``) has every copy paced to its rate."""
     accounting: str = "ops"
     """How the runtime counts the device's bytes: ``"ops"``, each tensor every op allocates, exactly (a Python hook
     around each tensor op); ``"allocator"`` (CUDA, not ondemand): torch's caching allocator's counters, read between
@@ -436,6 +437,7 @@ class CompileConfig(Config):
     sample_weight: float | None = None  # this rank's share b_r / B of the gradient average (balance); None: 1/world
     state_shares: list | None = None   # shard_state="full" under balance: each rank's share of every pack's parameters
     speed_factor: float = 1.0          # emulation: the runtime stretches compute ops' time by this (>= 1)
+    link_bandwidth: float = 0.0        # emulation: the runtime paces host-link copies to this bytes/s (0: a real link)
     state_owner: dict | None = None    # param -> the rank stepping it (runtime/shard.py); None: each rank steps all
     offline: bool = False              # planned in this process for another rank or a choice: meets no rank
     group_predicted: dict | None = None   # pipeline_group="auto": each candidate's predicted node step (s)
@@ -462,7 +464,8 @@ class CompileConfig(Config):
     def plan_for_device(self, dev, hardware=None) -> None:
         """What the planner weighs, from the device it plans for (a ``compiler.hardware.Device``): its FLOP/s (an
         emulated slower device's, slowed), its host link, and its host's memory bandwidth and measured optimizer step
-        rates; the runtime stretches compute by an emulated device's ``speed_factor``."""
+        rates; the runtime stretches compute by an emulated device's ``speed_factor``, and paces copies to an emulated
+        link's rate (``Device.link_emulated``: ``Hardware.logical(..., link_bandwidth=)``)."""
         if dev.speed_factor < 1:
             raise ConfigError(f"device {dev.name!r} has speed_factor {dev.speed_factor:g} < 1: emulation can only "
                               f"slow a device down; divide every factor by the smallest so the fastest device is 1")
@@ -471,6 +474,7 @@ class CompileConfig(Config):
         self.host_bandwidth = getattr(hardware, "host_memory_bandwidth", self.host_bandwidth)
         self.host_step_rates = tuple(getattr(hardware, "host_step_rates", ()) or ())
         self.speed_factor = float(dev.speed_factor)
+        self.link_bandwidth = float(dev.h2d_bandwidth) if getattr(dev, "link_emulated", False) else 0.0
 
     def budget_for(self, peak: int) -> int:
         """The memory_budget an error suggests for a plan whose device peak is ``peak``: the planner's headroom

@@ -11,8 +11,9 @@ each stretched by its device's speed; Harmony's grouping runs ``g`` microbatches
 them on (``pipeline_group``, all of them by default), so a step of ``m`` microbatches in ``G = m / g`` groups takes
 ``g * (sum_k t_k + (G - 1) * max_k t_k)``: the first group crosses every stage, each later one waits for the slowest.
 The split minimising the slowest replica's step is found exactly (``fastest_split``: the least step bound under which
-the replicas' row counts can sum to the batch). The state (the optimizer's, under ``shard_state=True``) is split over
-each stage's replica group in equal byte shares: every replica steps its stage's share alike.
+the replicas' row counts can sum to the batch). The state (the optimizer's, under ``shard_state=True``; everything,
+under ``shard_state="full"``) is split over each stage's replica group in equal shares: every replica steps its
+stage's share alike.
 """
 from __future__ import annotations
 
@@ -183,4 +184,9 @@ def _state_note(sharded) -> str:
     if sharded is True:
         return ("shard_state=True: each stage's optimizer state is split over its replica group in equal byte "
                 "shares (the state's share does not follow the pipelines' speeds)")
+    if sharded == "full":
+        return ("shard_state='full': each stage's weights and optimizer state are cut in equal chunks over its replica "
+                "group; every rank of a replica group keeps the holds (weights kept between a pack's visits) that all "
+                "of them chose, so that they gather the same packs in the same order whatever their rows "
+                "(passes/swap/agree.py)")
     return "shard_state=False: every rank of a replica group keeps its stage's whole training state"

@@ -76,7 +76,8 @@ def _runtime(sm, tensors, optimizers, shares, device, simulated, filler) -> None
     program, plan, cfg = sm.program, sm.program.plan, sm.program.config
     sm.runtime = Runtime(plan, program.schedule, tensors, optimizers, cfg.state_budget, device,
                          on_demand=OnDemand if cfg.policy == "ondemand" else None,
-                         speed_factor=getattr(cfg, "speed_factor", 1.0), accounting=cfg.accounting)
+                         speed_factor=getattr(cfg, "speed_factor", 1.0), accounting=cfg.accounting,
+                         link_bandwidth=getattr(cfg, "link_bandwidth", 0.0))
     sm.runtime.state.shares = shares
     weighting = weighting_of(program)      # tokens: each seed is its loss times the scale (driver/tokens.py)
     sm.runtime.token_scale = weighting.scale if weighting.tokens else None

@@ -1,6 +1,6 @@
 """Data parallel training under torchrun, gradients all-reduced in 4 bits (CGX-style compression).
 
-    torchrun --nproc_per_node 2 examples/data_parallel.py            # 2 ranks (gloo on the CPU, nccl on GPUs)
+    torchrun --nproc_per_node 2 examples/data_parallel.py            # 2 ranks (gloo; on GPUs beside nccl)
     torchrun --nproc_per_node 2 examples/data_parallel.py --tiny     # a few seconds: the size CI runs
 
 Every rank runs this same script: it builds the same model, takes its share of each global

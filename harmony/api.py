@@ -136,7 +136,8 @@ class ScheduledModule(torch.nn.Module):
         if hardware is None or isinstance(hardware, str):
             cfg = self.program.config
             hardware = Hardware.preset(hardware) if hardware else \
-                Hardware.this_machine(cache_dir=cfg.cache_dir).logical([cfg.memory_budget], [cfg.speed_factor])
+                Hardware.this_machine(cache_dir=cfg.cache_dir).logical([cfg.memory_budget], [cfg.speed_factor],
+                                                                       cfg.link_bandwidth or None)
         return simulate(self.graph, self.plan, hardware, device, memory=self.predicted,
                         sizes=state_sizes(self.program))
 

@@ -43,6 +43,7 @@ from harmony.compiler.ir import PassReport, PassResult, Program, add_call, calls
 from harmony.compiler.meta import SCHEDULE
 from harmony.passes.broadcast import broadcast_state
 from harmony.passes.offload import everything_fits
+from harmony.passes.tied import tied_apart
 from harmony.runtime import ops, shard  # shard registers sync_state
 from harmony.runtime.comm.collectives import DEFAULT_FUSION_BYTES, ring_bytes
 from harmony.runtime.comm.communicator import comm_stats
@@ -242,14 +243,12 @@ def check_same_plan(signature: str | None, failed: str | None = None, what: str 
 def comm_groups(program: Program, owned: dict[int, list], issue: list[int]) -> dict[int, list[list[str]]]:
     """Each pack's gradients cut into all-reduce groups that every rank issues alike.
 
-    Ranks with different memory budgets cut the model into different packs, so one
-    all-reduce per pack would not match across ranks. Each parameter is keyed by the
-    position, on every rank, of the all-reduce that carries it (``issue``: this rank's packs
-    in the order their all-reduces run); parameters with equal keys form a group (the
-    common refinement of every rank's packs), groups run in key order, and a pack's
-    all-reduce reduces its groups one after another. With equal packs on every rank a
-    group is a pack. Needs the live process group (one ``all_gather_object``).
-    """
+    Ranks with different memory budgets cut the model into different packs, so one all-reduce per pack would not
+    match across ranks. Each parameter is keyed by the position, on every rank, of the all-reduce that carries it
+    (``issue``: this rank's packs in the order their all-reduces run); parameters with equal keys form a group (the
+    common refinement of every rank's packs), groups run in key order, and a pack's all-reduce reduces its groups
+    one after another. With equal packs on every rank a group is a pack. Needs the live process group (one
+    ``all_gather_object``)."""
     import torch.distributed as dist
 
     position = {p: i for i, p in enumerate(issue)}
@@ -341,16 +340,17 @@ def _agree_across_ranks(program: Program, comm: _Comm, owned: dict) -> int | Non
 
 
 def _agree_replicas(program: Program, comm: _Comm, owned: dict, grid) -> int | None:
-    """``_agree_across_ranks`` in a grid (``parallel=("pipeline", "data")``) for a live rank's own plan: the job's ranks
-    check their codecs agree; this stage's weights come from pipeline 0's rank; a pack's gradients are a group."""
+    """``_agree_across_ranks`` in a grid for a live rank's own plan: the ranks check their codecs agree; this stage's
+    weights come from pipeline 0's rank; a pack's gradients are a group (ZeRO-3's tied weights: ``tied_apart``)."""
     import torch.distributed as dist
     if program.config.offline or not dist.is_initialized() or dist.get_rank() != program.config.rank:
         return None
     check_same_plan(repr((comm.world, comm.spec, comm.adaptive, comm.min_size, comm.policy, comm.global_batch)))
     sent = broadcast_state(program, {n for s in program.plan.packs for n in s.params + s.buffers},
                            src=grid.replica_ranks()[0], group=grid_groups(grid)[1][grid.stage])
-    program.plan.comm_groups = {p: [[n for n, _ in owned[p]]] for p in owned}
+    program.plan.comm_groups = tied_apart(owned, program.plan.stage.tied, program.config.shard_state == "full")
     return sent
+
 
 
 def _insert_allreduces(program: Program, owned: dict, comm: _Comm) -> tuple[dict, str]:
@@ -395,7 +395,7 @@ def _report_plan(report: PassReport, plan, comm: _Comm, owned: dict, mode: dict,
     report.totals.update(shard)
     if shard.get("stepped_params"):
         report.notes.append(_shard_note(plan, comm.world, shard))
-    if any(len(g) > 1 for g in plan.comm_groups.values()):
+    if getattr(plan, "stage", None) is None and any(len(g) > 1 for g in plan.comm_groups.values()):
         report.notes.append("other ranks cut the model into other packs: a pack's all-reduce runs one collective per "
                             "group of parameters that every rank's packs agree on (column groups)")
     if warmup:

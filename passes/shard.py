@@ -50,8 +50,13 @@ its chunks of the result (``PackShares.allreduce``): bitwise the replicated run,
 reduce-scatter's). Their chunks are cut as fp32 buffers are, once: adaptive bits change the codec's buffers when
 they are chosen, and a cut that followed them would move the live state between ranks mid-training.
 
-What is not built yet is refused at compile with a ``ConfigError`` (``check_config``): device steps, CUDA devices,
-the ondemand policy, and optimizers that are not element-wise.
+On a CUDA device the chunks are pinned host memory, cut once; a gather's collective runs on the copy thread on host
+tensors (into a pinned staging buffer, allocated once) and its copies to the device on the copy stream, behind an
+event the ``wait`` makes the compute stream wait for; a reduce-scatter's gradients come to the host on the copy-out
+stream, and the host thread's collective starts once their event has passed (runtime/partitioned/).
+
+What is not built yet is refused at compile with a ``ConfigError`` (``check_config``): device steps, devices other
+than CUDA and the CPU, the ondemand policy, and optimizers that are not element-wise.
 
 A weight two packs read (a tied embedding and head) is partitioned with the pack that steps it; the other pack's
 ``swap_in`` becomes a ``gather`` too, of the segments of the first pack's chunks that hold the weight
@@ -82,13 +87,18 @@ def check_config(cfg, given_kwargs: dict) -> None:
     implementation (an element-wise one) and the default ``optimizer_on`` (``Tier.HOST``) on ``cfg`` (a
     CompileConfig)."""
     instead = "use shard_state=True (ZeRO stage 1: optimizer state sharded, weights replicated), which supports it"
+    kind = str(cfg.device).split(":")[0]
     refused = [
         (cfg.optimizer_on == Tier.DEVICE, f"optimizer_on={Tier.DEVICE!r} (partitioned packs step on the host): use "
                                           f"optimizer_on={Tier.HOST!r} or 'auto', or {instead}"),
-        (str(cfg.device).split(":")[0] not in ("cpu", "meta"),   # meta: a plan to simulate, never run
-         f"device={cfg.device!r} (the gathers are gloo collectives on host "
-                                                 f"tensors; CUDA is not built yet): use device='cpu', or {instead}"),
+        (kind not in ("cpu", "cuda", "meta"),   # meta: a plan to simulate, never run (no collective either)
+         f"device={cfg.device!r} (the gathers are gloo collectives on host tensors, whose copies to the device "
+         f"are built for CUDA devices and the CPU): use device='cuda' or 'cpu', or {instead}"),
         (cfg.policy == "ondemand", f"policy='ondemand': use policy='harmony', or {instead}"),
+        (kind != "meta" and not host_collectives(default_backend()),
+         f"a default process group of backend {default_backend()!r} (its reduce-scatters and the ranks' words "
+         f"on a step are collectives on host tensors, which NCCL does not take): call "
+         f"torch.distributed.init_process_group('cpu:gloo,cuda:nccl') (or 'gloo') before compile"),
     ]
     for bad, why in refused:
         if bad:
@@ -104,6 +114,18 @@ def check_config(cfg, given_kwargs: dict) -> None:
                           f"element-wise optimizer; {cfg.optimizer.__name__}({cfg.optimizer_kwargs}) updates a "
                           f"chunk differently from the whole tensor: use AdamW, Adam or SGD (without fused=True), "
                           f"or {instead}")
+
+
+def default_backend() -> str | None:
+    """The default process group's backend (None where there is none)."""
+    import torch.distributed as dist
+    return str(dist.get_backend()) if dist.is_available() and dist.is_initialized() else None
+
+
+def host_collectives(backend: str | None) -> bool:
+    """Whether a default group of ``backend`` runs collectives on host tensors: gloo's, alone or beside NCCL (as
+    ``'cpu:gloo,cuda:nccl'``, which torch's ``'undefined'``, no backend named, stands for); no group at all."""
+    return backend is None or backend == "undefined" or "gloo" in backend
 
 
 def _quantized(cfg) -> bool:

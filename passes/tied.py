@@ -27,10 +27,23 @@ every copy in every pipeline steps from the same bits. (The other order, each pi
 average, gives each stage its own quantization of the sum: the copies of one pipeline drift apart.) The two run on
 the same host thread, in that order. When the sum once went to the device (brought back by the swap pass for it)
 while the host thread still averaged the host copies in place, the copy raced the average: the order is now the
-host thread's alone. ``shard_state="full"`` is refused: each stage's reduce-scatter cuts its copy's gradient at its
-own offsets. Numerics: eager adds the head's and the embedding's contributions microbatch by microbatch in
-autograd's order, a pipeline each rank's accumulated part, then the sum: allclose to eager, not bitwise (bitwise to
-an eager run that keeps the two contributions apart until the end: tests/test_hybrid_tied.py).
+host thread's alone.
+
+Under ``shard_state="full"`` (ZeRO-3 over each stage's replica group) the order stays: each stage's reduce-scatter
+averages its copy's gradient over its replicas, and the tied sum adds the stages' averaged chunks. The chunks line up
+because the tied weight is its own all-reduce group (``tied_apart``: the compress pass's ``plan.comm_groups``), so its
+own buffer (runtime/partitioned/layout.py), cut the same on every stage (the same tensor, the same replica count,
+codec and state shares), whatever else each stage's pack holds: rank r of every stage holds the same elements of it
+(``share:tok.weight[a:b]``), and the sum over the ranks of a pipeline adds chunk to chunk, on the host thread behind
+the reduce-scatter and ahead of the host step (runtime/ops/reduce.py takes the pieces this rank holds of the weights
+it is given). It is the replicated grid's arithmetic element for element (the replica average first, then the fp32
+sum), with 1/R of its bytes; summing the stages first and reduce-scattering the sum would need the stages' buffers cut
+alike anyway, and give another order than the replicated grid's (and, under quantized gradients, each stage its own
+quantization of the sum). ``clip_grad_norm`` is refused there: the reduce-scatter takes each gradient's norm from the
+stage's average, before the tied sum. Numerics: eager adds the head's and the embedding's contributions microbatch by
+microbatch in autograd's order, a pipeline each rank's accumulated part, then the sum: allclose to eager, not bitwise
+(bitwise to an eager run that keeps the two contributions apart until the end: tests/test_hybrid_tied.py,
+tests/test_hybrid_zero3_tied.py).
 """
 from __future__ import annotations
 
@@ -70,6 +83,20 @@ def own_tied(program: Program) -> None:
     params = dict(program.gm.named_parameters())
     st.tied_bytes = {n: nbytes(params[n]) for n in st.tied}
     count_state(program)
+
+
+def tied_apart(owned: dict, tied, partitioned: bool) -> dict[int, list[list[str]]]:
+    """A grid's all-reduce groups (``plan.comm_groups``): each pack's gradients (``owned``: pack -> [(name, tensor)])
+    one group; ``partitioned`` (``shard_state="full"``), each weight tied across stages one of its own, last, so
+    that its chunks are cut alike on every stage (the module's docstring). The replicated grid keeps one group a
+    pack: its replica all-reduce meets once per group (runtime/comm/jobwide.py), and a rank whose step failed
+    replays those meets only after the pipeline's messages, which the other stage's rank may wait for first."""
+    out = {}
+    for p, named in owned.items():
+        names = [n for n, _ in named]
+        apart = [n for n in names if n in tied] if partitioned else []
+        out[p] = [g for g in [[n for n in names if n not in apart]] + [[n] for n in apart] if g]
+    return out
 
 
 def all_sets(st) -> list[tuple]:
@@ -155,12 +182,13 @@ def insert(program: Program) -> list[dict]:
     st = plan.stage
     graph = program.schedule = copy_graph(program.schedule)
     me = st.job[0]
-    if st.grid is not None and program.config.shard_state == "full":     # (on every rank: st.tied is the job's)
-        raise ConfigError(f"parallel=('pipeline', 'data') with shard_state='full' and {', '.join(sorted(st.tied))} "
-                          f"tied across stages is not supported yet: each stage's replica group reduce-scatters "
-                          f"its copy's gradient into chunks cut at other offsets than the other stages', which the "
-                          f"tied sum cannot add. Use shard_state=True (ZeRO-1) or shard_state=False, untie the "
-                          f"weight (GPTConfig(tie=False), tie_word_embeddings=False), or use parallel='pipeline'")
+    cfg = program.config
+    if st.grid is not None and cfg.shard_state == "full" and cfg.clip_grad_norm is not None:   # (st.tied: the job's)
+        raise ConfigError(f"parallel=('pipeline', 'data') with shard_state='full', clip_grad_norm= and "
+                          f"{', '.join(sorted(st.tied))} tied across stages is not supported yet: each stage's "
+                          f"reduce-scatter takes the tied gradient's norm before the stages' sum. Use "
+                          f"shard_state=True (ZeRO-1) or shard_state=False with clipping, or untie the weight "
+                          f"(GPTConfig(tie=False), tie_word_embeddings=False)")
     owner = {n: s.index for s in plan.packs for n in s.owned if n in st.tied}
     rows, prev = [], None
     for ranks, names in st.tied_sets().items():

@@ -16,6 +16,7 @@ from harmony.runtime.plan import Plan, mean_loss
 from harmony.runtime.precision import GradClip, LossScaler, StepGate, compute_dtype
 from harmony.runtime.rng import MicrobatchStreams, rng_state, set_rng_state
 from harmony.runtime.safety import SafetyNet
+from harmony.runtime.tiers.link import EmulatedLink
 from harmony.runtime.tiers.memory import AllocatorMeter, CountAllocations, MemoryMeter
 from harmony.runtime.tiers.state import TieredState
 from harmony.runtime.transaction import COMMITTED, JOBWIDE, Transaction
@@ -154,7 +155,9 @@ class Runtime:
     ``speed_factor`` > 1 emulates a slower device: each compute op (forward, backward, an
     optimizer step on the device) is followed by a sleep that makes it last ``speed_factor`` times
     its time alone on a core (``emulation_pause``), as the simulator stretches the compute stream.
-    Copies, all-reduces and steps on the host are not stretched.
+    Copies, all-reduces and steps on the host are not stretched by it; ``link_bandwidth`` (bytes/s, 0: none)
+    emulates a slower host link instead: every copy to or from the device lasts at least its bytes over that rate
+    (runtime/tiers/link.py), and copies out run on a thread of their own.
 
     ``accounting="allocator"`` (CUDA): the meter is the caching allocator's (``AllocatorMeter``), and no hook runs
     around each tensor op.
@@ -162,7 +165,7 @@ class Runtime:
 
     def __init__(self, plan: Plan, graph: torch.fx.Graph, tensors: dict, optimizers: dict,
                  budget: int | None, device: torch.device | str = "cpu", on_demand=None, speed_factor: float = 1.0,
-                 accounting: str = "ops"):
+                 accounting: str = "ops", link_bandwidth: float = 0.0):
         self.plan = plan
         self.speed_factor = speed_factor      # > 1: an emulated slower device (see ``run``)
         self.graph = graph
@@ -171,7 +174,8 @@ class Runtime:
         self.meter = AllocatorMeter(name, budget, self.device) if accounting == "allocator" else \
             MemoryMeter(name, budget)
         reduces = any(op.reduces for _, op in ops_of(graph.nodes))
-        self.state = TieredState(tensors, optimizers, self.meter, self.device, idle_host=not reduces)
+        link = EmulatedLink(link_bandwidth, link_bandwidth) if link_bandwidth else None
+        self.state = TieredState(tensors, optimizers, self.meter, self.device, idle_host=not reduces, link=link)
         self.compute_dtype = compute_dtype(getattr(plan, "precision", "fp32"))   # None: fp32, no casts
         self.state.compute_dtype = self.compute_dtype
         self.scaler = LossScaler(**plan.loss_scaling) if getattr(plan, "precision", "fp32") == "fp16" else None

@@ -194,7 +194,8 @@ def _share_loss_execute(rt, src, weight=None):
     st = rt.plan.stage
     join_sends(rt)
     status = rt.status if rt.status is not None and rt.status.active else None
-    loss = mean_loss(rt.losses, rt.rows, rt.token_scale).reshape(1) if st.rank == src else torch.zeros(1)
+    # on the host, as the words it travels with (a GPU's losses are its tensors: copied here, after their kernels)
+    loss = mean_loss(rt.losses, rt.rows, rt.token_scale).reshape(1).cpu() if st.rank == src else torch.zeros(1)
     if weight is not None and st.rank == src:
         loss = loss * (weight * st.grid.replicas)      # the mean over the pipelines is then the weighted sum
     summed = _loss_exchange(rt, loss, Words(status, STEP_KEY, None) if status is not None else None, src)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import os
+import threading
 
 import pytest
 import torch
@@ -305,3 +306,46 @@ def test_a_copy_never_overwrites_memory_queued_compute_still_reads():
         assert torch.equal(dst.cpu(), host)
     finally:
         engine.close()
+
+
+def test_a_gathers_copies_run_off_the_issuing_thread_and_the_wait_joins_their_event():
+    """``CopyEngine.submit_host`` (a ``shard_state="full"`` gather): ``fn`` runs on the copy thread with the copy
+    stream current there, and its copies land before anything the compute stream runs after ``join``. A kernel that
+    spins on the copy stream first holds them back: a compute stream that did not wait for their event would read
+    the destination before they land."""
+    from harmony.runtime.tiers.state import CopyEngine
+    n = 1 << 24
+    host = torch.arange(n, dtype=torch.float32).pin_memory()
+    engine = CopyEngine(DEV)
+    try:
+        dst, seen = torch.zeros(n, device=DEV), {}
+
+        def copy():
+            seen.update(thread=threading.current_thread().name, stream=torch.cuda.current_stream(DEV) == engine.stream)
+            torch.cuda._sleep(200_000_000)          # (cycles: a fraction of a second)
+            dst.copy_(host, non_blocking=True)
+        engine.join(engine.submit_host(copy))
+        out = dst.clone()                           # on the compute stream, after the wait for the event
+        assert seen == dict(thread=seen["thread"], stream=True) and seen["thread"].startswith("harmony-copy")
+        assert torch.equal(out.cpu(), host)
+    finally:
+        engine.close()
+
+
+def test_a_staging_buffer_is_written_again_only_after_the_copies_that_read_it():
+    """runtime/partitioned/staging.py on a GPU: the buffers are pinned, and one handed back with a copy still queued
+    on a stream (held back by a spinning kernel) is handed out again only once that copy has read it."""
+    from harmony.runtime.partitioned.staging import Staging
+    n = 1 << 24
+    staging, side = Staging(DEV), torch.cuda.Stream(DEV)
+    dst = torch.empty(n, device=DEV)
+    with torch.cuda.stream(side), staging.hold(n) as buf:
+        assert buf.is_pinned()
+        buf.fill_(1.0)
+        torch.cuda._sleep(200_000_000)
+        dst.copy_(buf, non_blocking=True)
+    with staging.hold(n) as again:
+        assert again.data_ptr() == buf.data_ptr() and staging.allocations == 1
+        again.fill_(2.0)
+    torch.cuda.synchronize()
+    assert torch.equal(dst.cpu(), torch.ones(n))

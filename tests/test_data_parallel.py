@@ -494,8 +494,9 @@ def _hetero_ranks(rank, world):
         allreduce([x], spec, weight=w, min_size=0)
         out["weighted"][spec.kind] = x.numpy().copy()
     out["inputs"] = t.numpy().copy()
-    from harmony.runtime.comm.process_group import measure_network
+    from harmony.runtime.comm.process_group import measure_network, measure_socket_rate
     out["network"] = measure_network(1 << 20, repeats=3)
+    out["socket"] = measure_socket_rate(1 << 20, repeats=3)
     for key, kw in (("wrong_count", dict(hardware=cpu.logical(budgets[:2]), balance="auto")),
                     ("too_small", dict(hardware=cpu.logical([1 << 16] * 3), balance="auto")),
                     ("bad_shares", dict(hardware=cpu.logical(budgets), balance=[(2, 1), (2, 1), (2, 1)])),
@@ -600,6 +601,8 @@ def test_weighted_allreduce_sums_weighted_tensors_in_every_kind(hetero):
     assert float((got["quantized"] - xs[0].add(xs[1]).add(xs[2]).div(3)).abs().max()) > 0.1   # not the plain mean
     bandwidth, latency = hetero[0]["network"]             # measured once, the same figures on every rank
     assert bandwidth > 0 and latency > 0 and all(hetero[r]["network"] == (bandwidth, latency) for r in (1, 2))
+    # gloo's socket work per byte, by CPU time: finite, the same figure on every rank
+    assert 0 < hetero[0]["socket"] < float("inf") and all(hetero[r]["socket"] == hetero[0]["socket"] for r in (1, 2))
 
 
 @pytest.mark.slow

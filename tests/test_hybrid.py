@@ -97,7 +97,6 @@ def _fault(rank, **kw):
 
 REFUSED = {      # option -> what the refusal names
     "ondemand": (dict(policy="ondemand"), "policy='ondemand'"),
-    "balance": (dict(balance="uniform", shard_state="full"), "balance= with shard_state='full'"),
     "not_a_multiple": (dict(pipeline_size=3), "multiple"),
     "one_rank_pipelines": (dict(pipeline_size=1), "at least 2"),
     "one_pipeline": (dict(pipeline_size=4), "no replica")}
@@ -107,11 +106,8 @@ def _refusals() -> dict:
     """Each refused combination compiled on every rank: the ConfigError's text (every rank refuses alike, before
     any collective)."""
     out = {}
-    from harmony.compiler.hardware import Hardware
     for key, (kw, _) in REFUSED.items():
         model, data = _case()
-        if key == "balance":      # each rank's budget its device's, as balance= takes it
-            kw = dict(kw, memory_budget=None, hardware=Hardware.this_machine().logical([1 << 30] * 4))
         try:
             _compile(model, data, **kw)
             out[key] = "no error"

@@ -120,3 +120,73 @@ def test_a_servers_ranks_pooling_their_link_send_one_at_a_time_at_its_whole_rate
     assert last - pooled_transfers[0].start == pytest.approx(sum(alone.values()) / 4)
     assert pooled.step_seconds <= apart.step_seconds
     assert not pooled_links(hw, 4) and pooled_links(hw.replace(network_shared=True), 4)[3] == (0, 4)
+
+
+def _data_parallel(world=2):
+    """A GPT planned as one of ``world`` data-parallel ranks (offline: no process group), packs swapping."""
+    import dataclasses
+
+    import harmony
+    from harmony.compiler.passmanager import run_passes
+    from harmony.driver.replan import another_rank
+    from harmony.models import copy_task
+    cfg = GPTConfig(layers=4, width=64, heads=4, vocab=128, seq=32, tie=False)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    budget = int(0.6 * 16 * sum(p.numel() for p in model.parameters()))
+    sm = harmony.compile(model, next(iter(copy_task(cfg, 8, 1, seed=0))), memory_budget=budget, microbatches=2)
+    config = dataclasses.replace(sm.program.config, data_parallel=True, world_size=world, offline=True)
+    program = run_passes(another_rank(sm.program, config), config.passes)
+    sm.close()
+    return program, budget
+
+
+def test_a_collective_starts_when_its_last_rank_reaches_it():
+    from harmony.runtime.simulate import simulate
+    program, budget = _data_parallel()
+    reduces = _reduces(program)
+    assert len(reduces) > 1
+    fast_alone = simulate(program.schedule, program.plan, Hardware.detect().logical([budget]))
+    hw = Hardware.detect().logical([budget] * 2, [1.0, 4.0]).replace(hosts=((0,), (1,)), host_cores=1)
+    node = simulate_programs([program], hw, replicas=2)
+    fast, slow = node.devices
+
+    def at(sim, n):
+        return next(e for e in sim.events if e.name == n.name)
+    for n in reduces:     # the fast rank waits for the slow one, whose backward made the gradients 4x later
+        assert at(fast, n).start == at(slow, n).start > at(fast_alone, n).start
+    assert fast.step_seconds > 2 * fast_alone.step_seconds
+    # equal ranks: nobody waits, each as alone; a rank whose partner is not simulated here starts alone too
+    even = simulate_programs([program], hw.replace(devices=(hw.devices[0],) * 2), replicas=2)
+    assert [d.step_seconds for d in even.devices] == [fast_alone.step_seconds] * 2
+    one = hw.replace(devices=(hw.devices[1],), hosts=())
+    assert simulate_programs([program], one).step_seconds == simulate(program.schedule, program.plan, one).step_seconds
+
+
+def test_a_pack_of_several_communication_groups_pays_a_collectives_latency_each():
+    import dataclasses
+    program, budget = _data_parallel()
+    node = _reduces(program)[0]
+    pack = node.args[0]
+    owned = sorted(program.plan.packs[pack].owned)
+    hw = Hardware.detect().logical([budget]).replace(network_latency=1e-3)
+    op = op_of(node)
+    one = op.cost(program.plan, OnHost(hw.devices[0], hw), *node.args, **node.kwargs)[1]
+    split = dataclasses.replace(program.plan, comm_groups={pack: [owned[:1], owned[1:2], owned[2:]]})
+    three = op.cost(split, OnHost(hw.devices[0], hw), *node.args, **node.kwargs)[1]
+    assert len(owned) >= 3 and three - one == pytest.approx(2 * 2 * (2 - 1) * 1e-3)
+
+
+def test_server_link_is_the_one_way_a_servers_ranks_pool_their_link():
+    """``Hardware.server_link(bandwidth, ranks)``: what Grid.simulate and benchmarks/hybrid.py's simulated servers
+    both give the simulator; each rank's share and the pool, so a transfer alone has the whole link."""
+    from harmony.errors import ConfigError
+    hw = Hardware.node("4x1080ti").replace(network_latency=0.0)
+    pooled = hw.server_link(4e7, 4)
+    assert pooled.network_bandwidth == 1e7 and pooled.network_shared
+    programs = _grid(hw, None)
+    assert simulate_programs(programs, pooled).step_seconds == pytest.approx(
+        simulate_programs(programs, hw.replace(network_bandwidth=1e7, network_shared=True)).step_seconds)
+    for bad in ((0.0, 4), (4e7, 0)):
+        with pytest.raises(ConfigError, match="positive bytes/s"):
+            hw.server_link(*bad)

@@ -18,6 +18,7 @@ import harmony
 import harmony.data
 from harmony.errors import ConfigError
 from harmony.runtime import ops, partitioned
+from harmony.runtime.partitioned import shares as live_shares
 from harmony.runtime.placeholders import is_placeholder
 from models import CASES, training_state_bytes, withheld
 from test_collectives import _digest, spawn_ok
@@ -36,14 +37,16 @@ def _compile(batch, tie=False, frac=0.5, **kw):
 def _train(rank, batch, shard_state, frac=0.5):
     """Three steps with the optimizer on the host (the plan ``shard_state="full"`` makes): parameters, bytes, ops."""
     model, data, sm = _compile(batch, frac=frac, shard_state=shard_state, optimizer_on="host")
+    state, staged = sm.runtime.state, []
     for i in range(STEPS):
         sm(*harmony.data.shard(data[i % len(data)]))
-    state = sm.runtime.state
+        if state.shares is not None:     # the staging buffers the gathers received into, made so far
+            staged.append((state.shares.staging.allocations, state.shares.carry is not None))
     out = dict(stats=dict(sm.stats), host_bytes=partitioned.host_state_bytes(state),
                largest=max(p.numel() * 4 for p in model.parameters()),
                placeholders=sum(is_placeholder(p.data) for p in model.parameters()), withheld=len(withheld(model)),
                ops=[n.target.__name__ for n in sm.graph.nodes if n.op == "call_function"],
-               text=sm.report(), network=sm.simulate("a100-40gb").busy.get("network", 0.0))
+               text=sm.report(), network=sm.simulate("a100-40gb").busy.get("network", 0.0), staged=staged)
     report = next((r for r in sm.program.reports if r.title.startswith("shard")), None)
     out["totals"] = dict(report.totals) if report is not None else {}
     try:
@@ -79,11 +82,11 @@ def _resume(rank, world, path):
 def direct_gathers():
     """Every gather received piece by piece into the device copies (``Shares.gather_into``), as large parameters are;
     the tests' small ones would otherwise go through the staging buffer."""
-    threshold, partitioned.DIRECT_BYTES = partitioned.DIRECT_BYTES, 0
+    threshold, live_shares.DIRECT_BYTES = live_shares.DIRECT_BYTES, 0
     try:
         yield
     finally:
-        partitioned.DIRECT_BYTES = threshold
+        live_shares.DIRECT_BYTES = threshold
 
 
 def refusals(world: int, cases: dict) -> dict:
@@ -163,6 +166,10 @@ def _check_partitioned(res, world):
         assert full["network"] > 0 and "== shard:" in full["text"]
         assert "shard_state='full'" in full["guard"] and full["synced"] > 0
         assert full["withheld"] == full["placeholders"] and rep["withheld"] == 0   # each refuses to be read
+        # the gathers' staging buffers: made in the first step, reused after (a carried pack's refill, on the host
+        # thread, may take one beside the copy thread's gather at another moment of another step)
+        made = [n for n, carried in full["staged"] if not carried]
+        assert made == [] or (made[0] > 0 and made == [made[0]] * len(made)), full["staged"]
 
 
 @pytest.mark.slow

@@ -48,6 +48,7 @@ from harmony.base.errors import ConfigError
 from harmony.compiler.hardware import machine, nodes
 from harmony.compiler.hardware.cpu_profile import profile_cpu
 from harmony.compiler.hardware.cuda_profile import profile_cuda
+from harmony.compiler.hardware.logical import logical
 from harmony.compiler.hardware.nodes import PCIE
 from harmony.runtime.plan import NOMINAL_NETWORK_BANDWIDTH, NOMINAL_NETWORK_LATENCY
 
@@ -96,6 +97,10 @@ class Device:
     so a copy is issued only when the compute before it is done, and every copy but a
     ``swap_in`` (the one with a copy engine, a worker thread) blocks the compute stream:
     write-backs, stashes, unstashes and batch loads run on that thread.
+    ``real_link_bandwidth`` is for emulation only (``Hardware.logical(..., link_bandwidth=)``): the bytes/s the
+    host link's copies really run at, while ``h2d_bandwidth`` and ``d2h_bandwidth`` are the slower link emulated;
+    the runtime paces every copy to them, and copies out of the device go on a thread of their own, as a GPU's
+    copy engine takes them (``link_emulated``).
     """
 
     name: str
@@ -116,6 +121,7 @@ class Device:
     queued: bool = False                   # ops are queued to the device (a GPU): launches hide behind kernels
     link: str = ""                         # what the host link is, for reports ("pcie4", "memcpy", ...)
     p2p_bandwidth: float = 0.0             # bytes/s to a peer device of the node, one direction (0: none given)
+    real_link_bandwidth: float = 0.0       # an emulated link's real rate: h2d/d2h are paced down from it (0: real)
     source: str = ""                       # where the figures come from
     step_rates: tuple[tuple[str, float], ...] = ()   # optimizer kernel -> bytes/s of its step traffic (measured)
 
@@ -126,6 +132,10 @@ class Device:
                               f"it has {', '.join(self.peak_flops)}")
         if self.speed_factor <= 0:
             raise ConfigError(f"device {self.name!r}: speed_factor must be positive, got {self.speed_factor}")
+        if self.real_link_bandwidth < 0 or min(self.h2d_bandwidth, self.d2h_bandwidth) <= 0:
+            raise ConfigError(f"device {self.name!r}: h2d_bandwidth and d2h_bandwidth must be positive and "
+                              f"real_link_bandwidth >= 0, got {self.h2d_bandwidth:g}, {self.d2h_bandwidth:g}, "
+                              f"{self.real_link_bandwidth:g}")
         if not 0 < self.efficiency <= 1:
             raise ConfigError(f"device {self.name!r}: efficiency is a share of peak FLOP/s in (0, 1], "
                               f"got {self.efficiency}")
@@ -142,7 +152,21 @@ class Device:
 
     @property
     def emulated(self) -> bool:
-        return self.speed_factor != 1.0
+        return self.speed_factor != 1.0 or self.link_emulated
+
+    @property
+    def link_emulated(self) -> bool:
+        """Whether the host link is an emulated slower one (the runtime paces copies to ``h2d_bandwidth``)."""
+        return self.real_link_bandwidth > 0
+
+    def stretch(self, stream: str) -> float:
+        """How many times longer work on ``stream`` takes than the CPU time it needs: compute ``speed_factor``; an
+        emulated link's copies their real rate over the emulated one (the rest is slept out); else 1."""
+        if stream == "compute":
+            return self.speed_factor
+        if stream in ("h2d", "d2h") and self.link_emulated:
+            return max(1.0, self.real_link_bandwidth / getattr(self, f"{stream}_bandwidth"))
+        return 1.0
 
     def replace(self, **changes) -> "Device":
         """A copy with some fields changed: ``dev.replace(memory=8 * GiB, dtype="bf16")``."""
@@ -250,28 +274,26 @@ class Hardware:
         "8xa100-40gb"."""
         return nodes.node(name, cls)
 
-    def logical(self, budgets, speed_factors=None) -> "Hardware":
+    def server_link(self, bandwidth: float, ranks: int) -> "Hardware":
+        """Each server's one link of ``bandwidth`` bytes/s to the others, pooled by its ``ranks`` ranks: each device's
+        ``network_bandwidth`` its 1/``ranks`` share, and a transfer alone there has the whole link
+        (``network_shared``; runtime/simulate/node.py)."""
+        return nodes.server_link(self, bandwidth, ranks)
+
+    def logical(self, budgets, speed_factors=None, link_bandwidth=None) -> "Hardware":
         """This hardware's first device as several logical devices, each with its own memory budget.
 
-        ``speed_factors`` (one per device) stretch compute time: emulated slower devices.
-        """
-        budgets = list(budgets)
-        factors = list(speed_factors) if speed_factors is not None else [1.0] * len(budgets)
-        if len(factors) != len(budgets):
-            raise ConfigError(f"{len(budgets)} budgets but {len(factors)} speed factors")
-        base = self.devices[0]
-        devices = tuple(base.replace(name=base.name + (f" #{i}" if len(budgets) > 1 else "")
-                                     + (f" (emulated x{f:g})" if f != 1 else ""),
-                                     memory=int(b), speed_factor=float(f))
-                        for i, (b, f) in enumerate(zip(budgets, factors)))
-        notes = self.notes + (("emulated: speed factors stretch compute time",) if any(f != 1 for f in factors) else ())
-        return self.replace(devices=devices, notes=notes)
+        ``speed_factors`` (one per device) stretch compute time: emulated slower devices. ``link_bandwidth``
+        (bytes/s, one for every device or one per device) emulates a slower host link: its devices' h2d and d2h
+        rate, to which the runtime paces each of their copies (compiler/hardware/logical.py)."""
+        return logical(self, budgets, speed_factors, link_bandwidth)
 
     def describe(self) -> str:
         """One line per device and one for the host, as a person reads them."""
         lines = []
         for i, d in enumerate(self.devices):
-            emu = f", emulated: compute x{d.speed_factor:g}" if d.emulated else ""
+            emu = f", emulated: compute x{d.speed_factor:g}" if d.speed_factor != 1 else ""
+            emu += f", emulated link (really {d.real_link_bandwidth / GB:.3g} GB/s)" if d.link_emulated else ""
             eff = f" ({d.efficiency:.0%} sustained by a layer pack)" if d.efficiency != 1 else ""
             lat = f", {d.kernel_latency * 1e6:.3g} us per tensor op" if d.kernel_latency else ""
             if d.ondemand_call_latency or d.ondemand_op_latency:

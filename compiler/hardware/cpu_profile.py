@@ -1,5 +1,5 @@
-"""The CPU as ``Hardware.profile`` measures it, when it is the device: the timings of ``machine`` put into the
-description ``Hardware.detect`` made of this machine.
+"""The CPU as ``Hardware.profile`` measures it, when it is the device: the timings of ``machine`` put into
+the description ``Hardware.detect`` made of this machine.
 """
 from __future__ import annotations
 

@@ -84,6 +84,15 @@ def describe_hosts(hw) -> list[str]:
             f": {hw.host_cores:g} cores, memory {hw.host_memory_bandwidth / GB:.3g} GB/s" for g in host_groups(hw)]
 
 
+def server_link(hw, bandwidth: float, ranks: int):
+    """``hw`` with each server's one link of ``bandwidth`` bytes/s to the others pooled by its ``ranks`` ranks
+    (``Hardware.server_link``)."""
+    if bandwidth <= 0 or ranks < 1:
+        raise ConfigError(f"server_link(bandwidth={bandwidth!r}, ranks={ranks!r}): a link of positive bytes/s "
+                          f"shared by one rank or more")
+    return hw.replace(network_bandwidth=bandwidth / ranks, network_shared=True)
+
+
 NODES = {"4x1080ti": lambda hw: _commodity(hw, 4), "8x1080ti": lambda hw: _commodity(hw, 8), "8xa100-40gb": _a100}
 
 

@@ -104,4 +104,4 @@ class Partitioned(DataParallel):
     def shares(self, plan, tensors: dict, cfg, fill=None):
         if not any(r.shares is not None for r in plan.residency.values()):
             return None
-        return Shares(plan, tensors, cfg.comm_timeout, fill=fill)
+        return Shares(plan, tensors, cfg.comm_timeout, fill=fill, device=cfg.device)   # (pinned chunks on a GPU)

@@ -12,11 +12,13 @@ and every rank hears every rank's word in the loss's all-reduce that ends the st
 ``shard_state=True`` (ZeRO-1) splits each stage's optimizer state over its replica group (passes/stage.py);
 ``shard_state="full"`` (ZeRO-3) partitions each stage's weights, gradients and optimizer state over it: the shard pass
 and runtime/partitioned/ of data parallelism, with the replica group for the job (its gathers and carried-weight
-agreements on replica groups of their own, made here at plan time on every rank).
+agreements on replica groups of their own, made here at plan time on every rank; a weight tied across stages is
+an all-reduce group of its own, so its chunks line up across the stages for the tied sum: passes/tied.py).
 
 ``balance=`` (driver/modes/grid_balance.py) gives each pipeline its rows of the global batch by its speed, weighting
 its gradients and loss by its rows; the pipelines cut the model into the same packs, so the replica groups still
-hold the same parameters.
+hold the same parameters. Under ``shard_state="full"`` the ranks of a replica group, whose microbatches differ,
+keep only the holds all of them chose (passes/swap/agree.py), so they gather alike.
 
 A checkpoint holds each stage once, written by pipeline 0's ranks (``grid`` layout, driver/checkpoint/ranks.py), or
 under sharding every rank its share (``grid_zero1``, ``grid_zero3``); it loads into another grid, one pipeline or
@@ -44,8 +46,10 @@ NOT_YET = "is not supported with parallel=('pipeline', 'data') yet"
 
 def refusals(cfg) -> list[tuple[bool, str, str]]:
     """(refused, what, what to use instead) of what a grid does not do yet."""
-    return [(cfg.balance is not None and cfg.shard_state == "full", "balance= with shard_state='full'",
-             "shard_state=True or False under balance= (or shard_state='full' without balance=)"),
+    return [(cfg.balance is not None and cfg.shard_state == "full" and cfg.pipeline_group is not None,
+             "pipeline_group= with balance= and shard_state='full'", "pipeline_group=None (each pipeline's "
+             "microbatches in one group: the pipelines' rows differ, and other groupings would gather other packs "
+             "over the replica groups)"),
             (cfg.policy == "ondemand", "policy='ondemand'", "policy='harmony' or 'sequential'"),
             (cfg.pipeline_group is not None and cfg.policy != "harmony", f"policy={cfg.policy!r} and "
              f"pipeline_group=", "policy='harmony' (the sequential policy runs one microbatch at a time)")]
@@ -130,8 +134,7 @@ class Grid(Pipeline):
         if sm.plan.stage is None:
             return None
         hw = node_hardware(sm.program.config, hardware)
-        return simulate_rank_node(sm, hw.replace(network_bandwidth=hw.network_bandwidth / sm.plan.stage.world,
-                                                 network_shared=True))
+        return simulate_rank_node(sm, hw.server_link(hw.network_bandwidth, sm.plan.stage.world))
 
 
 _SHARDING = {True: "optimizer (ZeRO-1)", "full": "full (ZeRO-3)"}

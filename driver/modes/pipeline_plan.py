@@ -43,7 +43,8 @@ def node_hardware(cfg, hardware=None):
     world = len(pipeline_ranks(cfg))
     if hardware is None:
         return Hardware.this_machine(cache_dir=cfg.cache_dir).logical([cfg.memory_budget] * world,
-                                                                      [cfg.speed_factor] * world)
+                                                                      [cfg.speed_factor] * world,
+                                                                      getattr(cfg, "link_bandwidth", 0.0) or None)
     if isinstance(hardware, str):
         return Hardware.node(hardware) if hardware in NODES else Hardware.preset(hardware, count=world)
     if len(hardware.devices) < world:        # one device given for the rank: every rank's alike

@@ -80,7 +80,7 @@ from harmony.base.tiers import Tier
 from harmony.base.units import fmt_bytes
 from harmony.compiler.ir import PassReport, PassResult, Program, calls
 from harmony.compiler.verify import memory_curve, state_sizes
-from harmony.passes.swap import compare
+from harmony.passes.swap import agree, compare
 from harmony.passes.swap.graph import Choice, build, insert_swaps, place, stash_groups
 from harmony.passes.swap.parts import may_step_on_device, mixed_placement
 from harmony.passes.swap.search import choose, greedy, peak_bound
@@ -206,6 +206,9 @@ def run(program: Program, ctx) -> PassResult:
         made = choose(program, least, curve, base, groups, sizes, graphs, fits, report)
         chosen, rows, how, curve = _graphs_first(program, made, least, base, groups, sizes, graphs, fits, report)
     chosen = chosen._replace(early=chosen.early | fits.early)
+    if agree.applies(program):      # a balanced ZeRO-3 grid: the replica group gathers alike (passes/swap/agree.py)
+        chosen = agree.common_holds(program, chosen)
+        curve = fits(chosen)
     program.swap_choice = chosen
     for p in chosen.device:
         plan.at(p).step_on = plan.at(p).optim_on = Tier.DEVICE

@@ -37,7 +37,7 @@ def resolve(data_parallel=None, comm_timeout: float = 300.0) -> dict:
 
     ``None``: data parallel when this process is one of several -- a process group is initialised
     with more than one rank, or torchrun's ``WORLD_SIZE`` > 1 (then the group is initialised here,
-    gloo on the CPU, nccl with CUDA, timeout ``comm_timeout`` seconds: ``HARMONY_COMM_TIMEOUT``).
+    gloo, beside nccl for CUDA tensors where CUDA exists, timeout ``comm_timeout`` seconds: ``HARMONY_COMM_TIMEOUT``).
     ``True``: the same, but one process is an error. ``False``: each rank trains on its own.
     """
     if data_parallel is False:

@@ -3,6 +3,8 @@
 """
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.fx
 
@@ -114,7 +116,7 @@ def _free(plan, hw, *args, **kwargs):
 # -- load_batch / stash / unstash ------------------------------------------------------------
 def _load_batch_execute(rt, mb, names):
     start, size = sum(rt.rows[:mb]), rt.rows[mb]      # this step's rows (Runtime.run)
-    out = {}
+    out, began = {}, time.perf_counter()
     for n in names:
         src = rt.batch[n][start:start + size] if rt.batch[n].dim() else rt.batch[n]   # (a 0-dim count: whole)
         dst = torch.empty(src.shape, dtype=device_dtype(src, rt.compute_dtype), device=rt.device)
@@ -122,6 +124,8 @@ def _load_batch_execute(rt, mb, names):
         dst.copy_(src)
         rt.state.moved["h2d"] += nbytes(dst)
         out[n] = dst
+    if rt.state.link is not None:     # an emulated host link (runtime/tiers/link.py)
+        rt.state.link.pace("h2d", sum(nbytes(t) for t in out.values()), began)
     return Acts(out)
 
 

@@ -13,6 +13,7 @@ from harmony.runtime.comm.communicator import comm_groups, communicator, existin
 from harmony.runtime.comm.compression import DEFAULT_MIN_SIZE, NO_COMPRESSION
 from harmony.runtime.comm.jobwide import STEP_KEY, Words, ghost
 from harmony.runtime.ops import Predicted, allreduce, register
+from harmony.runtime.partitioned.layout import PREFIX
 from harmony.runtime.plan import NOMINAL_NETWORK_BANDWIDTH, NOMINAL_NETWORK_LATENCY, codec_rate, socket_rate
 from harmony.runtime.tiers.memory import CountAllocations
 
@@ -90,13 +91,17 @@ def _allreduce_effect(m, pack, kind="none", *, world=1, where=Tier.DEVICE, sync=
 
 
 def _allreduce_cost(plan, hw, pack, kind="none", *, world=1, bits=4, **kw):
-    """Ring all-reduce bytes (fp32, half) or scatter-reduce + all-gather of packed levels, at network speed.
+    """Ring all-reduce bytes (fp32, half) or scatter-reduce + all-gather of packed levels, at network speed, and a
+    ring's latency per collective: one per communication group of the pack (``Plan.comm_groups``: where ranks cut
+    the model into other packs, a pack's all-reduce is several collectives, one per group every rank shares).
 
     The pack's parameter bytes stand for its owned gradients (equal unless a weight is shared).
     """
     sent = sent_bytes(plan.packs[pack].param_bytes, kind, world, bits)
     bandwidth = getattr(hw, "network_bandwidth", NOMINAL_NETWORK_BANDWIDTH)
-    return "network", sent / bandwidth + 2 * (world - 1) * getattr(hw, "network_latency", NOMINAL_NETWORK_LATENCY)
+    collectives = len(getattr(plan, "comm_groups", {}).get(pack) or ()) or 1
+    return "network", sent / bandwidth + 2 * (world - 1) * getattr(hw, "network_latency",
+                                                                   NOMINAL_NETWORK_LATENCY) * collectives
 
 
 def sent_bytes(size: int, kind: str, world: int, bits: int = 4) -> float:
@@ -176,6 +181,7 @@ def _tied_execute(rt, pack, *, names, ranks, sync=False, where=Tier.DEVICE):
     queued next, whose drain joins it, as ``allreduce(where="host")`` does. No copy to or from the device touches
     them meanwhile: the sum follows the gradients to where they are instead of bringing them back."""
     comm = tied.communicator(rt, ranks)
+    names = held(rt.plan, names)
     status = rt.status if rt.status is not None and rt.status.active else None
     words = Words(status, comm.key, comm.group) if status is not None else None
     host = where == Tier.HOST
@@ -207,6 +213,18 @@ def _tied_execute(rt, pack, *, names, ranks, sync=False, where=Tier.DEVICE):
     return None if host else fut
 
 
+def held(plan, names) -> list[str]:
+    """What this rank holds of the gradients of the tied weights ``names``: the weights', or where its packs'
+    state is partitioned (``shard_state="full"``) the pieces of them in its chunks (``share:<name>[a:b]``, the same
+    elements on every stage of its pipeline: passes/tied.py)."""
+    out = []
+    for n in names:
+        shares = next((r.shares for r in plan.residency.values()
+                       if r.shares is not None and n in r.shares.names()), None)
+        out += [n] if shares is None else [q.name for q in shares.pieces if q.name.startswith(f"{PREFIX}{n}[")]
+    return out
+
+
 def _tied_bytes(m, names) -> int:
     return sum(m.sizes.get(("grads", n), 0) for n in names)
 
@@ -221,6 +239,9 @@ def _tied_effect(m, pack, *, names, ranks, sync=False, where=Tier.DEVICE):
 def _tied_cost(plan, hw, pack, *, names, ranks, sync=False, where=Tier.DEVICE):
     """A ring all-reduce of the tied weights' fp32 gradients over their ranks, at network speed."""
     size = sum(plan.stage.tied_bytes.get(n, 0) for n in names)
+    shares = plan.at(pack).shares
+    if shares is not None:      # shard_state="full": this rank's chunk of them
+        size //= shares.world
     world = len(ranks)
     bandwidth = getattr(hw, "network_bandwidth", NOMINAL_NETWORK_BANDWIDTH)
     return "network", 2 * (world - 1) / world * size / bandwidth + 2 * (world - 1) * getattr(
@@ -242,7 +263,7 @@ def replay_tied(rt) -> None:
         comm = tied.communicator(rt, node.kwargs["ranks"])
         if not rt.status.skip(comm.key):
             words = Words(rt.status, comm.key, comm.group)
-            _zeros(rt, comm, node.kwargs["names"], words)
+            _zeros(rt, comm, held(rt.plan, node.kwargs["names"]), words)
             words.settle(raises=False)
     for fut in rt.__dict__.pop("tied_inflight", []):
         try:

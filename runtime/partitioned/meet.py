@@ -16,6 +16,7 @@ import torch
 from harmony.base.tiers import Tier
 from harmony.runtime.comm.jobwide import STEP_KEY, Words, ghost
 from harmony.runtime.partitioned.carry import CARRY
+from harmony.runtime.partitioned.shares import grid_of, own_groups
 
 GATHERS = "gathers"       # the key of the gathers' words (their own group, the copy thread's)
 __all__ = ["GATHERS", "Words", "apart", "grid_of", "own_groups", "pads", "rides", "scope", "swapped"]
@@ -67,18 +68,6 @@ def rides(shares, comm, plan=None) -> bool:
     its replicated all-reduces meet). The same on every rank (the plan's)."""
     return (comm is None and bool(shares.segments) and all(seg.codec is None for seg in shares.segments)
             and grid_of(plan) is None)
-
-
-def grid_of(plan):
-    """A grid's ``runtime.comm.grid.Grid`` (``parallel=("pipeline", "data")``: the chunks are cut over this rank's
-    replica group), else None."""
-    return getattr(getattr(plan, "stage", None), "grid", None)
-
-
-def own_groups(grid, purpose: str):
-    """This rank's replica group in the set made for ``purpose`` (runtime/comm/grid.py ``replica_groups_for``)."""
-    from harmony.runtime.comm.grid import replica_groups_for
-    return replica_groups_for(grid, purpose)[grid.stage]
 
 
 def scope(rt) -> tuple:

@@ -44,7 +44,8 @@ at a time. An op starts when its stream is free and:
 - on a device with ``sync_copies`` (the CPU, where one thread runs compute and issues
   copies) a copy starts only after the compute before it, and every copy but a
   ``swap_in`` or an ``unstash`` (copies in, on the copy thread) holds the compute stream
-  until it is done.
+  until it is done; an emulated link's copies out (``Device.link_emulated``) run on a
+  thread of their own, as the runtime's do, and hold it no longer.
 
 Each rule reads what the op does from its table entry (runtime/ops/'s ``OpDef``: ``fetches``,
 ``releases``, ``steps``, ``stashes``, ``copy_thread``, ...), never its name: a ``gather`` is timed
@@ -63,7 +64,7 @@ bytes copied each way.
 
 The ``ondemand`` policy plans no copies: its runtime fetches state when an op touches
 it and evicts the least recently used. The simulator replays that at the granularity of
-a pack's parameters, gradients or optimizer state (``_OnDemand``), in the room the memory
+a pack's parameters, gradients or optimizer state (runtime/simulate/ondemand.py), in the room the memory
 curve's activations leave under the budget, and puts the fetches and write-backs before
 the op that needs them, which waits for them (events ``<op>.fetch``, ``<op>.evict``).
 
@@ -75,7 +76,7 @@ the caller.
 """
 from __future__ import annotations
 
-from collections import OrderedDict, defaultdict
+from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch.fx
@@ -86,6 +87,7 @@ from harmony.runtime.ops import MemoryModel, moving_names, op_of, ops_of, reside
 from harmony.runtime.ops.reduce import codec_seconds, socket_seconds
 from harmony.runtime.ops.update import device_part_cost, streamed_optim_bytes
 from harmony.runtime.plan import Plan
+from harmony.runtime.simulate.ondemand import OnDemand
 
 STREAMS = ("compute", "h2d", "d2h", "disk", "network", "p2p")
 READS_DEVICE = {"d2h", "network", "p2p"}      # copies out of device memory: after the compute issued before them
@@ -202,8 +204,9 @@ class Replay:
         self.model.carry_in(graph)
         self.values: dict[torch.fx.Node, object] = {}
         self.op_events: list[SimEvent] = []     # one per schedule op, in program order
-        self.on_demand = _OnDemand(plan, dev, self.nodes, memory) if plan.policy == "ondemand" else None
+        self.on_demand = OnDemand(plan, dev, self.nodes, memory) if plan.policy == "ondemand" else None
         self.i = 0
+        self.not_before = 0.0      # the next op starts no earlier (a collective's last rank: runtime/simulate/node.py)
 
     @property
     def finished(self) -> bool:
@@ -232,8 +235,8 @@ class Replay:
             optim = streamed_optim_bytes(self.plan, node.args[0])
             clock.moved["h2d"] += optim
             clock.moved["d2h"] += optim
-        ready = max((done[n] if op.unstashes else self.through.get(n, done[n]) for n in node.all_input_nodes),
-                    default=0.0)
+        ready = max(self.inputs_ready(node, op), self.not_before)
+        self.not_before = 0.0
         if op.stashes and values[node].away:
             # a kept forward's graph going to the host: the forward's outputs stay on the device, and the ops that
             # read them (not its unstash) need not wait for the copy
@@ -259,6 +262,21 @@ class Replay:
         self.op_events.append(ev)
         self.i += 1
         return ev
+
+    def arrival(self) -> float:
+        """When the next op, a collective, would start on its stream were its peers there already: its values ready,
+        and what its stream and thread wait for (runtime/simulate/node.py waits for the collective's last rank)."""
+        node = self.next_node
+        op = op_of(node)
+        args = torch.fx.node.map_arg(node.args, self.values.__getitem__)
+        kwargs = torch.fx.node.map_arg(node.kwargs, self.values.__getitem__)
+        stream, _ = op.cost(self.plan, self.dev, *args, **kwargs)
+        return self.clock.entry(op, stream, self.inputs_ready(node, op))
+
+    def inputs_ready(self, node, op) -> float:
+        """When the values ``node`` reads are ready."""
+        return max((self.done[n] if op.unstashes else self.through.get(n, self.done[n]) for n in node.all_input_nodes),
+                   default=0.0)
 
     def result(self) -> Simulation:
         clock = self.clock
@@ -332,6 +350,16 @@ class _Clock:
         self.free["compute"] = end
         return self.events[-1]
 
+    def entry(self, op, stream: str, ready: float) -> float:
+        """When a copy that waits for nothing but its inputs (``ready``), its stream and its thread starts (as
+        ``issue`` gates it: after the compute issued before it where it reads device memory or copies are
+        synchronous, after the host thread's work where it runs there)."""
+        if stream in READS_DEVICE or (getattr(self.dev, "sync_copies", False) and op.kind == "copy"):
+            ready = max(ready, self.free["compute"])
+        if op.reduces:
+            ready = max(ready, self.host_thread)
+        return max(ready, self.free.get(stream, 0.0))
+
     def fetch(self, on_demand, i: int, node, ready: float) -> None:
         """The ondemand runtime fetches what an op touches, and evicts to make room, before it runs."""
         fetched, evicted = on_demand.touch(i, node)
@@ -380,7 +408,8 @@ class _Clock:
             self.host_thread = ev.end
         if stream == "d2h" and seconds:     # (its device bytes, for ``room_for``)
             self.landing.append((ev.end, round(seconds * dev.d2h_bandwidth)))
-        if sync and not op.copy_thread:      # a copy the issuing thread makes itself
+        if sync and not op.copy_thread and not (stream == "d2h" and getattr(dev, "link_emulated", False)):
+            # a copy the issuing thread makes itself (an emulated link's copies out run on a thread: CopyEngine)
             free["compute"] = ev.end
         if op.steps and stream == "host":
             self.host_steps[node.args[0]] = ev.end
@@ -405,70 +434,6 @@ class OnHost:
             return getattr(self._device, name)
         except AttributeError:
             return getattr(self._hardware, name)
-
-
-class _OnDemand:
-    """What the ``ondemand`` runtime moves, replayed at the granularity of a pack's state of one kind.
-
-    The schedule has no copies: the runtime fetches each parameter, gradient or optimizer
-    state an op touches when it is not on the device, on the thread that runs the op, and
-    evicts the least recently used state the op does not touch until the op's own bytes
-    fit (written back unless it is an unchanged parameter). The replay does the same with
-    whole (pack, kind) groups: a forward touches the pack's parameters, a backward its
-    parameters and gradients (made by the first backward of the step), a step all three.
-    The room at each op is the budget less the activations and transients the memory curve
-    predicts there (the curve of an ondemand schedule holds no state). The schedule is
-    replayed once first, so the step simulated starts from where the previous one left off.
-    """
-
-    def __init__(self, plan, dev, nodes, curve):
-        self.plan = plan
-        self.lru: OrderedDict[tuple, int] = OrderedDict()    # (pack, kind) -> bytes, least recent first
-        self.dirty: set[int] = set()                         # packs whose parameters changed
-        self.grads: set[int] = set()                         # packs whose gradients exist
-        self.optim: set[int] = set()                         # packs whose optimizer state exists
-        taken = curve.peak_at if curve is not None else [0] * len(nodes)
-        self.room = [dev.memory - t for t in taken]
-        for i, node in enumerate(nodes):                     # the previous step
-            if op_of(node).kind == "compute":
-                self.touch(i, node)
-
-    def size(self, pack, kind) -> int:
-        spec = self.plan.packs[pack]
-        return {"params": spec.param_bytes + spec.buffer_bytes, "grads": spec.param_bytes,
-                "optim": spec.optim_bytes}[kind]
-
-    def touch(self, i, node) -> tuple[int, int]:
-        """Bytes fetched and written back before op ``i`` runs; updates residency to after it."""
-        op, pack = op_of(node), node.args[0]
-        kinds = list(op.needs(node.kwargs))                  # (a step on host copies touches nothing here)
-        exists = {"params": True, "grads": pack in self.grads, "optim": pack in self.optim}
-        fetch = [k for k in kinds if exists[k] and (pack, k) not in self.lru]
-        # gradients a first backward makes, and optimizer state a first step makes, are new bytes too
-        new = [k for k in kinds if not exists[k]]
-        need = sum(self.size(pack, k) for k in fetch + new)
-        evicted = 0
-        for key in list(self.lru):
-            if sum(self.lru.values()) + need <= self.room[i]:
-                break
-            if key[0] == pack and key[1] in kinds:
-                continue
-            size = self.lru.pop(key)
-            if key[1] != "params" or key[0] in self.dirty:
-                evicted += size
-            if key[1] == "params":
-                self.dirty.discard(key[0])
-        for k in kinds:
-            self.lru[(pack, k)] = self.size(pack, k)
-            self.lru.move_to_end((pack, k))
-        if op.runs_backward:                                 # it makes the pack's gradients
-            self.grads.add(pack)
-        if op.steps:                                         # gradients are freed; weights and state changed
-            self.grads.discard(pack)
-            self.lru.pop((pack, "grads"), None)
-            self.optim.add(pack)
-            self.dirty.add(pack)
-        return sum(self.size(pack, k) for k in fetch), evicted
 
 
 def _place_memory(sim: Simulation, nodes: list, op_events: list, curve) -> None:

@@ -39,8 +39,12 @@ A quantized all-reduce's codec (the ``codec`` stream) takes a core of the host t
 host steps and a CPU device's compute there, and so does gloo's CPU work beside a CPU device's transfer (its socket
 copies and sums, the fused buffer's copies: runtime/ops/reduce.socket_seconds).
 
-What is not modelled: a collective's wait for the ranks that reach it later (each rank's all-reduce starts when it
-reaches it: ranks of unequal speed, under ``balance=``, wait for one another there), fp16 / bf16 conversions, gloo's
+- **collectives**: a data-parallel all-reduce of a communication group starts when the last of its ranks reaches
+  it (ranks of unequal speed, under ``balance=``, wait for one another there), where all its ranks are simulated
+  together (``_Meets``).
+
+What is not modelled: the codec of a quantized all-reduce on the ranks that waited (it runs after the last arrival,
+not before), a partitioned pack's gathers and reduce-scatters waiting for one another, fp16 / bf16 conversions, gloo's
 work in a tied weight's all-reduce, P2P
 traffic contending with swaps on a device's own link, the receiver's link (a message takes only the sender's), and
 the host work of a rank alone on its host or of a host without ``host_cores`` (each as if it had the host alone).
@@ -51,7 +55,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from harmony.base.errors import ConfigError
-from harmony.runtime.ops import op_of
+from harmony.runtime.ops import allreduce, op_of
 from harmony.runtime.pipeline import message_bytes
 from harmony.runtime.simulate import OnHost, Replay, SimEvent, Simulation, fmt_seconds
 from harmony.runtime.simulate.shared import Shared
@@ -188,7 +192,9 @@ class _Links:
         needs = self.needs(rank, stream)
         if not needs:
             return start + seconds
-        factor = getattr(self.hw.devices[rank], "speed_factor", 1.0) if stream == "compute" else 1.0
+        dev = self.hw.devices[rank]       # compute slept out to its speed factor, an emulated link's copies to its rate
+        factor = dev.stretch(stream) if hasattr(dev, "stretch") else \
+            getattr(dev, "speed_factor", 1.0) if stream == "compute" else 1.0
         end = max(start + seconds, self.shared.book(needs, start, seconds / factor))
         self.waited[rank] += end - start - seconds
         return end
@@ -252,6 +258,53 @@ class _Port:
         return self.links.occupy(self.rank, stream, start, seconds, cpu)
 
 
+class _Meets:
+    """The data-parallel all-reduces of the node's ranks, matched: one of a communication group's collectives
+    (``Plan.comm_groups``, the same on every rank whatever its packs) starts when the last of its ranks reaches it,
+    as gloo's does. Matched only where every rank of the collective (its ``world``) is simulated here; a rank whose
+    partners are elsewhere (a grid's replicas on other servers, ``sm.simulate`` of one rank) starts it alone."""
+
+    def __init__(self, replays):
+        self.keys: dict[tuple, list] = {}           # (rank, node) -> the collectives it runs: (group, occurrence)
+        holders: dict[tuple, set] = {}
+        for rank, r in enumerate(replays):
+            seen: dict[frozenset, int] = {}
+            for node in r.nodes:
+                if node.target is not allreduce or (node.kwargs.get("world") or 1) < 2:
+                    continue
+                pack = node.args[0]
+                keys = []
+                for group in r.plan.comm_groups.get(pack) or [r.plan.packs[pack].owned]:
+                    g = frozenset(group)
+                    keys.append((g, seen.get(g, 0)))
+                    seen[g] = seen.get(g, 0) + 1
+                    holders.setdefault(keys[-1], set()).add(rank)
+                self.keys[(rank, node)] = keys
+        self.holders = {k: ranks for k, ranks in holders.items() if len(ranks) > 1}
+        self.keys = {at: keys for at, keys in self.keys.items()
+                     if all(len(holders[k]) >= (at[1].kwargs.get("world") or 1) for k in keys)}
+        self.arrived: dict[tuple, float] = {}       # (collective, rank) -> when the rank reached it
+
+    def reach(self, rank: int, replay) -> None:
+        """Where ``replay``'s next op is a collective, note when the rank reaches it (once)."""
+        keys = self.keys.get((rank, replay.next_node))
+        if keys is not None and (keys[0], rank) not in self.arrived:
+            at = replay.arrival()
+            self.arrived.update({(k, rank): at for k in keys})
+
+    def waiting(self, rank: int, replay) -> bool:
+        """Whether ``replay``'s next op is a collective some of whose ranks have not reached it (``reach``); once all
+        have, the op may start no earlier than the last's arrival (``Replay.not_before``)."""
+        keys = self.keys.get((rank, replay.next_node))
+        if keys is None:
+            return False
+        every = [(k, q) for k in keys for q in self.holders[k]]
+        if any(x not in self.arrived for x in every):
+            return True
+        replay.not_before = max(self.arrived[x] for x in every)
+        return False
+
+
 def simulate_node(ranks, hw) -> NodeSimulation:
     """Simulate one step of ``len(ranks)`` devices of ``hw`` together; ``ranks[r]`` is device r's schedule as
     ``(graph, plan, memory, sizes)`` (``simulate``'s arguments: the memory curve and state sizes may be None).
@@ -267,16 +320,20 @@ def simulate_node(ranks, hw) -> NodeSimulation:
     for i, (graph, plan, memory, sizes) in enumerate(ranks):
         dev = OnHost(hw.devices[i], hw)
         replays.append(Replay(graph, plan, dev, f"device {i} ({dev.name})", memory, sizes, peers=_Port(links, i)))
+    meets = _Meets(replays)
     while True:
         active = [r for r in replays if not r.finished]
         if not active:
             break
-        free = [r for r in active if not r.peers.waiting(r.next_node)]
+        for r in active:
+            meets.reach(r.peers.rank, r)
+        free = [r for r in active if not r.peers.waiting(r.next_node) and not meets.waiting(r.peers.rank, r)]
         if not free:
             stuck = ", ".join(f"device {r.peers.rank} at {r.next_node.name}" for r in active)
-            raise ConfigError(f"the ranks' schedules deadlock: every device waits for a message never sent "
-                              f"({stuck}); each rank's schedule must be the single-device order restricted to "
-                              f"its packs (passes/stage_schedule.py)")
+            raise ConfigError(f"the ranks' schedules deadlock: every device waits for a message never sent or a "
+                              f"collective its peers never reach ({stuck}); each rank's schedule must be the "
+                              f"single-device order restricted to its packs (passes/stage_schedule.py), and every "
+                              f"rank's all-reduces the same groups in one order (Plan.comm_groups)")
         min(free, key=lambda r: r.clock.free["compute"]).advance()
     return NodeSimulation([r.result() for r in replays], sent=links.sent, messages=links.messages,
                           waited=links.waited, sharing=links.sharing())

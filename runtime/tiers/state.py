@@ -9,6 +9,7 @@ as ZeRO-Offload does. Moving a tensor between tiers is a real copy, counted in
 from __future__ import annotations
 
 import threading
+import time
 from collections import Counter, deque
 from concurrent.futures import Future
 
@@ -16,8 +17,9 @@ import torch
 
 from harmony.base.process import Pool, run_when_idle, started_pool
 from harmony.base.units import nbytes
-from harmony.runtime.placeholders import point
+from harmony.runtime.placeholders import is_placeholder, point
 from harmony.runtime.precision import GradBuffer, master_grads
+from harmony.runtime.tiers.link import EmulatedLink
 from harmony.runtime.tiers.memory import MemoryMeter
 
 
@@ -30,22 +32,25 @@ class CopyEngine:
     old value, and a test that compares with eager catches it, as a use before the copy lands would on a GPU.
     ``late_in``: the same for copies in (``submit``), whose device tensors ``TieredState.bring`` hands out poisoned
     until they land: a reader that does not join them (``ops.arrived``) reads NaN.
+    ``link`` (an ``EmulatedLink``, runtime/tiers/link.py; the CPU device only): every copy is paced to a slower
+    link's rate, and copies out run on a thread of their own as a GPU's other copy engine runs them.
     """
 
     late_out: float | None = None
     late_in: float | None = None
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, link: EmulatedLink | None = None):
         self.device = device
+        self.link = link if device.type != "cuda" else None
         self.pool = started_pool(1, "harmony-copy")    # at this thread's priority, not the idle host thread's
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.out_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.late = None if device.type == "cuda" else self.late_out
         self.late_back = None if device.type == "cuda" else self.late_in
-        self.out_pool = started_pool(1, "harmony-copy-out") if self.late is not None else None
+        self.out_pool = started_pool(1, "harmony-copy-out") if self.late is not None or self.link else None
 
     def submit(self, fn) -> Future:
-        if self.stream is None:
+        if self.stream is None:   # (an emulated link's pace is the job's own: TieredState._copy_in)
             return self.pool.submit(fn) if self.late_back is None else self.pool.submit(_late, self.late_back, fn)
         # The copy writes into blocks the caching allocator handed out on the compute stream, which may have
         # held tensors that kernels queued there still read: the copy starts only after them.
@@ -58,15 +63,34 @@ class CopyEngine:
         fut.set_result(event)
         return fut
 
+    def submit_host(self, fn) -> Future:
+        """Run ``fn`` on the copy thread, its copies to the device on the copy stream: host work first (a gather's
+        collective on host tensors, runtime/partitioned/), then copies it queues on the stream current there. Where
+        CUDA exists the issuing thread goes on at once (``submit`` there queues the copies inline, which would hold
+        it for the host work), and the future's result is the event recorded behind ``fn``'s copies, which ``join``
+        makes the compute stream wait for (not a device-wide sync); on the CPU device it is ``submit``: the thread
+        runs ``fn`` and the future's result is its own."""
+        if self.stream is None:
+            return self.submit(fn)
+        # the copies write into blocks the caching allocator handed out on the compute stream (as ``submit``'s): they
+        # start after the kernels queued there so far, which is now, on the issuing thread
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+
+        def job():
+            with torch.cuda.stream(self.stream):
+                fn()
+                return self.stream.record_event()
+        return self.pool.submit(job)
+
     def join(self, fut: Future) -> None:
         res = fut.result()
         if self.stream is not None:
             torch.cuda.current_stream(self.device).wait_event(res)
 
-    def send(self, fn):
-        """Run ``fn``, copies out of device memory, after the compute issued so far (it wrote what they read): on
-        the out stream, returning the event that marks them done; at once on the CPU device (None), or late on a
-        thread under ``late_out`` (a future)."""
+    def send(self, fn, nbytes: int = 0):
+        """Run ``fn``, copies out of device memory (``nbytes`` of them), after the compute issued so far (it wrote
+        what they read): on the out stream, returning the event that marks them done; at once on the CPU device
+        (None), or on a thread under ``late_out`` or an emulated link (a future)."""
         if self.out_stream is not None:
             self.out_stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.out_stream):
@@ -74,6 +98,9 @@ class CopyEngine:
             event = torch.cuda.Event()
             event.record(self.out_stream)
             return event
+        if self.link is not None:
+            job = fn if self.late is None else (lambda: _late(self.late, fn))
+            return self.out_pool.submit(self.link.run, "d2h", nbytes, job)
         if self.out_pool is not None:
             return self.out_pool.submit(_late, self.late, fn)
         fn()
@@ -136,16 +163,17 @@ class TieredState:
     """
 
     def __init__(self, tensors: dict[str, torch.Tensor], optimizers: dict[str, torch.optim.Optimizer],
-                 meter: MemoryMeter, device: torch.device, idle_host: bool = True):
+                 meter: MemoryMeter, device: torch.device, idle_host: bool = True, link: EmulatedLink | None = None):
         self.tensors = tensors            # name -> the user's Parameter / buffer object (never replaced)
         self.optimizers = optimizers      # param name -> the optimizer that steps it
         self.meter = meter
         self.device = device
-        self.copier = CopyEngine(device)
+        self.copier = CopyEngine(device, link)
+        self.link = self.copier.link      # an emulated host link's pace (runtime/tiers/link.py), or None
         self.refs: Counter = Counter()    # (kind, name) -> holds on the device copy
         if device.type == "cuda":        # host copies in pinned memory, once: copies from them run async on the
-            for t in tensors.values():   # copy stream (a pageable copy blocks the thread that issues it)
-                if t.device.type == "cpu" and not t.is_pinned():
+            for t in tensors.values():   # copy stream (a pageable copy blocks the thread that issues it); not a
+                if t.device.type == "cpu" and not t.is_pinned() and not is_placeholder(t):   # placeholder's NaN
                     t.data = t.data.pin_memory()
         self.master = {name: t.data for name, t in tensors.items()}  # host copies of params and buffers
         self.dirty: set[str] = set()      # params changed on the device since they came in
@@ -257,7 +285,10 @@ class TieredState:
         """A host copy of a device tensor, made now, counted as bytes moved device-to-host (``count``: the caller
         counts them on the main thread, for a copy made on another)."""
         dst = torch.empty(src.shape, dtype=src.dtype, pin_memory=self.pin)
+        started = time.perf_counter()
         dst.copy_(src)
+        if self.link is not None:
+            self.link.pace("d2h", nbytes(src), started)
         if count:
             self.moved["d2h"] += nbytes(src)
         return dst
@@ -271,7 +302,7 @@ class TieredState:
             if self.copier.late is not None:
                 _poison(dst)
         self.moved["d2h"] += nbytes(src)
-        handle = self.copier.send(lambda: dst.copy_(src, non_blocking=self.pin))
+        handle = self.copier.send(lambda: dst.copy_(src, non_blocking=self.pin), nbytes(src))
         if handle is not None:
             key = id(dst.untyped_storage())
             self._reap()
@@ -403,11 +434,14 @@ class TieredState:
             for _, dst, src in jobs:     # a host copy still coming back from the device (``send``): after it
                 if dst is not src:
                     self.landed(src, device=True)
+            started = time.perf_counter()
             for _, dst, src in jobs:
                 if dst is not src:
                     dst.copy_(src, non_blocking=self.pin)
                     if dst.is_cuda:   # freed before its ``wait`` (a failed step), it is not reused while the copy runs
                         dst.record_stream(torch.cuda.current_stream(dst.device))
+            if self.link is not None:
+                self.link.pace("h2d", sum(nbytes(dst) for _, dst, src in jobs if dst is not src), started)
         fut = self.copier.submit(copy)
         fut.harmony_jobs = jobs
         return fut
