@@ -421,8 +421,7 @@ def main():
                 plain_kernel_latency=dev.plain_kernel_latency,
                 memory_bandwidth=dev.memory_bandwidth, torch=torch.__version__, cuda=torch.version.cuda,
                 # what else the simulator's predictions rest on, so that plans can be simulated again off the card
-                efficiency=dev.efficiency, host_memory_bandwidth=hw.host_memory_bandwidth, host_flops=hw.host_flops,
-                host_step_rates=hw.host_step_rates)
+                efficiency=dev.efficiency, host_memory_bandwidth=hw.host_memory_bandwidth, host_flops=hw.host_flops)
     print(f"card: {hw.describe()}", flush=True)
     if a.probe_seconds > 0:    # the host's AdamW against its memory bandwidth (what bounds a host step)
         from host_step import adamw_rates, describe

@@ -68,13 +68,12 @@ def host_bytes(programs, copies=1) -> int:
 
 def host_seconds(programs, hw, copies=1) -> float:
     """A bound the simulator does not apply itself: the server's host memory carries every rank's host optimizer
-    steps (``step_traffic`` of each host-stepped pack at the host's rate for the optimizer's kernel, ``step_rate``),
-    ``copies`` times."""
+    steps (``step_traffic`` of each host-stepped pack), ``copies`` times, at its ``host_memory_bandwidth``."""
     from harmony.base.tiers import Tier
-    from harmony.runtime.plan import step_rate, step_traffic
-    return copies * sum(step_traffic(s.master_bytes, s.optim_bytes, p.plan.step_kernel.name)
-                        / step_rate(hw, p.plan.step_kernel.name, host=True) for p in programs for s in p.plan.packs
-                        if p.plan.at(s.index).step_on == Tier.HOST)
+    from harmony.runtime.plan import step_traffic
+    traffic = sum(step_traffic(s.master_bytes, s.optim_bytes) for p in programs for s in p.plan.packs
+                  if p.plan.at(s.index).step_on == Tier.HOST)
+    return copies * traffic / hw.host_memory_bandwidth
 
 
 def plan_model(name: str, args) -> dict:

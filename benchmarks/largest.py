@@ -56,7 +56,7 @@ def card_hardware(path: str):
                                                  ("kernel_latency", "kernel_latency"), ("efficiency", "efficiency"),
                                                  ("plain_kernel_latency", "plain_kernel_latency"),
                                                  ("memory_bandwidth", "memory_bandwidth")) if card.get(k)})
-    host = {f: card[f] for f in ("host_memory_bandwidth", "host_flops", "host_step_rates") if card.get(f)}
+    host = {f: card[f] for f in ("host_memory_bandwidth", "host_flops") if card.get(f)}
     return hw.replace(devices=(dev,), **host)
 
 

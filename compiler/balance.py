@@ -48,7 +48,6 @@ from harmony.base import ilp
 from harmony.base.errors import BudgetError, ConfigError
 from harmony.base.units import fmt_bytes
 from harmony.compiler.ir import PassReport
-from harmony.runtime.plan import step_rate
 
 GB = 1e9     # the unit of the integer program's memory rows
 
@@ -69,7 +68,6 @@ class ModelCost:
                                       # each rank's own plan: not in the memory rows
     step_bytes: float = 0.0           # memory traffic of one optimizer step over the whole model: a rank's
                                       # share of the state is its share of the stepping
-    step_kernel: str = "for-loop"     # the optimizer's implementation (runtime/plan.py STEP_KERNELS): its rate
 
 
 @dataclass
@@ -126,13 +124,12 @@ SWAP_PASSES = 2.0     # bytes a step moves per byte of replicated state that doe
 
 
 def step_seconds(cost: ModelCost, device, share: float) -> float:
-    """Seconds of the optimizer step over a rank's share of the state: memory-bound, at the device's rate for the
-    optimizer's kernel as the op table costs it (runtime/ops/, ``plan.step_rate``), stretched by an emulation speed
-    factor like the compute it follows."""
-    if not getattr(device, "memory_bandwidth", None) or not cost.step_bytes:
+    """Seconds of the optimizer step over a rank's share of the state: memory-bound, as the op table costs it
+    (runtime/ops/), stretched by an emulation speed factor like the compute it follows."""
+    bandwidth = getattr(device, "memory_bandwidth", None)
+    if not bandwidth or not cost.step_bytes:
         return 0.0
-    return share * cost.step_bytes / step_rate(device, cost.step_kernel, host=False) * \
-        getattr(device, "speed_factor", 1.0)
+    return share * cost.step_bytes / bandwidth * getattr(device, "speed_factor", 1.0)
 
 
 def swap_seconds(cost: ModelCost, device, b: int, share: float) -> float:

@@ -424,7 +424,6 @@ class CompileConfig(Config):
     copy_bandwidth: float = 8e9        # bytes/s host<->device, for the planner's time model
     flops: float = 60e9                # FLOP/s of the device, for the planner's time model
     host_bandwidth: float = NOMINAL["host_memory_bandwidth"]   # bytes/s of host memory: the planner's host steps
-    host_step_rates: tuple = ()        # (optimizer kernel, bytes/s) of the host's steps, measured (Hardware's)
     copies_block: bool = True          # the device's copies hold its compute up (sync_copies; assumed unless planned)
     headroom: float = 0.05             # share of the budget the planner leaves for its prediction error
     device_reserved: int = 0           # bytes of the budget the device's libraries hold (CUDA: cuBLAS workspaces)
@@ -463,16 +462,15 @@ class CompileConfig(Config):
 
     def plan_for_device(self, dev, hardware=None) -> None:
         """What the planner weighs, from the device it plans for (a ``compiler.hardware.Device``): its FLOP/s (an
-        emulated slower device's, slowed), its host link, and its host's memory bandwidth and measured optimizer step
-        rates; the runtime stretches compute by an emulated device's ``speed_factor``, and paces copies to an emulated
-        link's rate (``Device.link_emulated``: ``Hardware.logical(..., link_bandwidth=)``)."""
+        emulated slower device's, slowed), its host link, and its host's memory bandwidth; the runtime stretches
+        compute by an emulated device's ``speed_factor``, and paces copies to an emulated link's rate
+        (``Device.link_emulated``: ``Hardware.logical(..., link_bandwidth=)``)."""
         if dev.speed_factor < 1:
             raise ConfigError(f"device {dev.name!r} has speed_factor {dev.speed_factor:g} < 1: emulation can only "
                               f"slow a device down; divide every factor by the smallest so the fastest device is 1")
         self.flops, self.copy_bandwidth = dev.flops / dev.speed_factor, dev.h2d_bandwidth
         self.copies_block = dev.sync_copies
         self.host_bandwidth = getattr(hardware, "host_memory_bandwidth", self.host_bandwidth)
-        self.host_step_rates = tuple(getattr(hardware, "host_step_rates", ()) or ())
         self.speed_factor = float(dev.speed_factor)
         self.link_bandwidth = float(dev.h2d_bandwidth) if getattr(dev, "link_emulated", False) else 0.0
 

@@ -34,7 +34,6 @@ from harmony.compiler.fake import FakeRun, device_of_batch, fake_twin
 from harmony.compiler.meta import COST, STATE
 from harmony.compiler.signature import Unknown, describe, getattr_path, graph_signature, module_signature
 from harmony.compiler.trace.inplace import inplace_error
-from harmony.runtime.plan import step_kernel_of
 from harmony.runtime.precision import device_dtype
 from harmony.runtime.tiers.memory import CountAllocations, MemoryMeter
 
@@ -375,27 +374,12 @@ def annotate(gm: torch.fx.GraphModule, batch: tuple, microbatch: int, dtype: tor
     return run
 
 
-class _OpCount:
-    """An observer of ``CountAllocations`` that counts the tensor ops run under it."""
-
-    def __init__(self):
-        self.n = 0
-
-    def before_op(self, func, args, kwargs):
-        self.n += 1
-
-    def after_op(self, new_bytes):
-        pass
-
-
 def optimizer_profile(optimizer: type, kwargs: dict) -> dict:
-    """Optimizer-state bytes per parameter byte, the step's transient bytes and tensor ops, and its implementation
-    (``runtime.plan.step_kernel_of``), measured on real tensors.
+    """Optimizer-state bytes per parameter byte, and the step's transient bytes, measured on real tensors.
 
     Steps over one, two and three equal tensors tell a for-loop implementation (temporaries
     of the largest tensor, plus one left over from the tensor before) from a foreach or
-    fused one (temporaries of every tensor at once), and the ops one ``step()`` dispatches
-    per call from those per tensor (``runtime.plan.StepKernel``).
+    fused one (temporaries of every tensor at once).
     """
     n = 3000
 
@@ -407,18 +391,16 @@ def optimizer_profile(optimizer: type, kwargs: dict) -> dict:
         opt.step()                      # creates the state
         state = sum(v.untyped_storage().nbytes() for st in opt.state.values() for v in st.values()
                     if isinstance(v, torch.Tensor))
-        meter, ops = MemoryMeter("optimizer"), _OpCount()
-        with CountAllocations(meter, ops):
+        meter = MemoryMeter("optimizer")
+        with CountAllocations(meter):
             opt.step()
-        return state, meter.peak / (4 * n), ops.n
+        return state, meter.peak / (4 * n)
 
-    state, one, ops_one = measure(1)
-    double, _, _ = measure(1, 2 * n)      # state = a * bytes + c per tensor (Adam's step counter is c)
-    _, two, _ = measure(2)
-    _, three, ops_three = measure(3)
+    state, one = measure(1)
+    double, _ = measure(1, 2 * n)      # state = a * bytes + c per tensor (Adam's step counter is c)
+    _, two = measure(2)
+    _, three = measure(3)
     follows = "sum" if three - two > 0.5 * max(two - one, 1e-9) and three - two > 0.5 else "largest"
     per_byte = (double - state) / (4 * n)
-    per_tensor = (ops_three - ops_one) / 2
     return {"state_per_byte": per_byte, "state_per_tensor": state - per_byte * 4 * n, "extra_first": one,
-            "extra_second": two - one, "extra_follows": follows, "kernel": step_kernel_of(kwargs),
-            "ops_per_call": max(0.0, ops_one - per_tensor), "ops_per_tensor": per_tensor}
+            "extra_second": two - one, "extra_follows": follows}

@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from harmony.base.errors import ConfigError
 from harmony.base.tiers import Tier
 
 
@@ -44,79 +43,10 @@ def socket_rate(hw) -> float:
     return getattr(hw, "socket_rate", 0.0) or NOMINAL_SOCKET_RATE
 
 
-# How torch runs an optimizer's update (runtime/optim.py asks for the fused kernel where torch has one): a Python
-# loop over the parameters (torch's default on the CPU), ``foreach`` (each op over a list of tensors) or ``fused``
-# (one kernel updating each parameter in one pass over its memory).
-STEP_KERNELS = ("for-loop", "foreach", "fused")
-KERNEL_KWARGS = {"for-loop": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}
-
-
-def step_kernel_of(kwargs: dict) -> str:
-    """Which implementation torch steps with under the optimizer arguments as compile resolved them
-    (``runtime.optim.optimizer_kwargs``): "fused", "foreach", else "for-loop" (torch's default for CPU tensors; on
-    CUDA its default is foreach, priced the same: both make the loop's temporaries).
-
-    >>> step_kernel_of({"lr": 1e-3, "fused": True}), step_kernel_of({"foreach": False})
-    ('fused', 'for-loop')
-    """
-    return "fused" if kwargs.get("fused") else "foreach" if kwargs.get("foreach") else "for-loop"
-
-
-@dataclass(frozen=True)
-class StepKernel:
-    """An optimizer step as the cost model prices it: its implementation (``STEP_KERNELS``) and the tensor ops one
-    ``step()`` call dispatches, ``ops_per_call`` plus ``ops_per_tensor`` for each parameter it steps
-    (``compiler.cost.optimizer_profile`` counts them). The default is a for-loop Adam(W) as counted before the
-    profile counted: 21 ops per parameter."""
-
-    name: str = "for-loop"
-    ops_per_call: float = 0.0
-    ops_per_tensor: float = 21.0
-
-    def __post_init__(self):
-        if self.name not in STEP_KERNELS:
-            raise ConfigError(f"StepKernel name {self.name!r}: one of {', '.join(STEP_KERNELS)}")
-
-    @classmethod
-    def of(cls, profile: dict) -> "StepKernel":
-        """The step that ``profile`` (``compiler.cost.optimizer_profile``) measured; the default where it has no
-        counts."""
-        if "kernel" not in profile:
-            return cls()
-        return cls(profile["kernel"], profile["ops_per_call"], profile["ops_per_tensor"])
-
-    def ops(self, tensors: int) -> float:
-        """Tensor ops one ``step()`` dispatches stepping ``tensors`` parameters."""
-        return self.ops_per_call + self.ops_per_tensor * max(tensors, 1)
-
-
-def step_traffic(param_bytes: float, optim_bytes: float, kernel: str) -> float:
-    """Memory bytes an optimizer step moves under ``kernel`` (``STEP_KERNELS``). Every step reads parameter,
-    gradient and state and writes parameter and state, 3 P + 2 O; the fused kernel moves only those, in one pass.
-    The for-loop and foreach forms make temporaries of the parameter's size on the way (Adam(W): the denominator's
-    square root and quotient, into fresh memory): 4 x (2 P + O).
-
-    >>> step_traffic(100, 200, "fused"), step_traffic(100, 200, "for-loop")
-    (700, 1600)
-    """
-    if kernel not in STEP_KERNELS:
-        raise ConfigError(f"step kernel {kernel!r}: one of {', '.join(STEP_KERNELS)}")
-    if kernel == "fused":
-        return 3 * param_bytes + 2 * optim_bytes
+def step_traffic(param_bytes: float, optim_bytes: float) -> float:
+    """Memory bytes an optimizer step moves: Adam(W) reads parameter, gradient and state and writes parameter
+    and state, and its for-loop form makes temporaries of the parameter's size on the way: 4 x (2 P + O)."""
     return 4 * (2 * param_bytes + optim_bytes)
-
-
-def step_rate(hw, kernel: str, host: bool) -> float:
-    """Bytes/s of ``step_traffic`` a step under ``kernel`` reaches on ``hw`` (a ``Hardware``, a ``Device``, or a
-    device with its host's figures): the rate ``Hardware.profile`` measured for that kernel (``host_step_rates``
-    for a step on the host, the device's ``step_rates``), else the memory bandwidth (``host_memory_bandwidth``; a
-    description without host figures: the device's)."""
-    rates = dict(getattr(hw, "host_step_rates" if host else "step_rates", ()) or ())
-    if rates.get(kernel):
-        return rates[kernel]
-    if host:
-        return getattr(hw, "host_memory_bandwidth", None) or hw.memory_bandwidth
-    return hw.memory_bandwidth
 
 
 def step_extra(profile: dict, sizes: list[int]) -> int:
@@ -234,7 +164,6 @@ class Plan:
     comm_groups: dict = field(default_factory=dict)  # pack -> its gradients' all-reduce groups (lists of names)
     stage: object = None           # pipeline (runtime/pipeline.Stages): the whole model's packs and their ranks;
                                    # ``packs`` are then this rank's only
-    step_kernel: StepKernel = field(default_factory=StepKernel)   # how the optimizer steps (its cost)
     rows: tuple = ()      # rows of each microbatch where they differ (the last one smaller: driver/shapes.py);
                           # () where every microbatch has ``microbatch_size`` rows
 

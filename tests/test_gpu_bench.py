@@ -36,16 +36,11 @@ def test_gpu_benchmark_dry_run_trains_a_llama_beside_eager(tmp_path):
 
 
 def test_host_step_benchmark_prints_each_adamw_against_the_memory_probe():
-    """benchmarks/host_step.py (gpu.py prints it for the card's host): every torch AdamW implementation's step
-    measured beside the simulator's price of it (now and before), and its traffic per second beside the
-    memory-bandwidth probe, as shares of it."""
+    """benchmarks/host_step.py (gpu.py prints it for the card's host): every torch AdamW implementation's step traffic
+    per second beside the memory-bandwidth probe, as shares of it."""
     cmd = [sys.executable, str(ROOT / "benchmarks" / "host_step.py"), "--mib", "4", "--seconds", "0.3"]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert p.returncode == 0, p.stdout + p.stderr
     for impl in ("for-loop", "foreach", "fused"):
         assert f" {impl} " in p.stdout, p.stdout
     assert "of the memory-bandwidth probe's" in p.stdout and "%)" in p.stdout, p.stdout
-    rows = {line.split()[0]: line.split() for line in p.stdout.splitlines() if line.split()[:1] in (["fused"],
-                                                                                                   ["for-loop"])}
-    assert set(rows) == {"fused", "for-loop"} and all(len(r) == 6 and r[3].endswith("%") for r in rows.values())
-    assert "measured  predicted" in p.stdout and "step rates" in p.stdout, p.stdout

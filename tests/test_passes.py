@@ -8,17 +8,11 @@ import torch
 
 import harmony
 from harmony.base.units import fmt_bytes
-from harmony.compiler.hardware import Hardware
 from harmony.compiler.meta import PACK
 from harmony.compiler.verify import memory_curve
 from harmony.errors import ConfigError, PassError
 from harmony.runtime import ops
 from models import CASES, assert_bitwise, eager_accumulate, training_state_bytes
-
-# A GTX 1080 Ti whose host steps take as long as its nominal host priced them before steps were priced by kernel
-# (4 x (2 P + O) at 100 GB/s; the fused kernel's 3 P + 2 O here): the partition splits the model so that the backward
-# overlaps the host steps, which the swap pass's holding and mixed placement then work on.
-SLOW_HOST = Hardware.preset("gtx1080ti", host_memory_bandwidth=100e9 * 7 / 16)
 
 
 def compiled(frac=0.5, policy="harmony", microbatches=4, passes=None, case="gpt", layers=6, optimizer_on="auto",
@@ -118,7 +112,7 @@ def test_host_stepped_weights_held_between_visits_come_in_once_per_step(policy):
     model, data = CASES["gpt"](layers=6)
     sm = harmony.compile(copy.deepcopy(model), example_batch=data[0], microbatches=4, policy=policy,
                          memory_budget=int(training_state_bytes(model) * 0.33), optimizer_on="host",
-                         hardware=SLOW_HOST)
+                         hardware="gtx1080ti")
     held, n = sm.plan.packs_with("held"), len(sm.plan.packs)
     assert held and not {p for p, _ in set(sm.plan.kept())}
     seq = calls(sm)
@@ -227,7 +221,7 @@ def test_mixed_placement_steps_some_packs_on_the_device_with_all_their_state_res
     """Room left after holding weights: a host-stepped pack moves to a device step with its state resident for
     good (it moves nothing), beside host-stepped ones; the training is bitwise eager's."""
     model, data = CASES["mlp"]()
-    sm = harmony.compile(copy.deepcopy(model), example_batch=data[0], microbatches=4, hardware=SLOW_HOST,
+    sm = harmony.compile(copy.deepcopy(model), example_batch=data[0], microbatches=4, hardware="gtx1080ti",
                          memory_budget=int(training_state_bytes(model) * 0.75))
     device = {p for p, on in sm.plan.by_pack("step_on").items() if on == "device"}
     assert device and set(sm.plan.by_pack("step_on").values()) == {"device", "host"}

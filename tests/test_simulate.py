@@ -342,10 +342,8 @@ def test_simulate_a_compiled_schedule(tmp_path):
         # is not stepped on the device first
         rest = {n: sm.plan.packs[n.args[0]].param_bytes
                 - sum(ops_step.device_part_bytes(sm.plan, sm.plan.packs[n.args[0]]).values()) for n in host}
-        # (the fused kernel, as compile resolves AdamW here: 3 P + 2 O bytes)
-        assert sm.plan.step_kernel.name == "fused"
         assert sim.busy.get("host", 0.0) == pytest.approx(sum(
-            (3 * rest[n] + 2 * sm.plan.packs[n.args[0]].optim_bytes * rest[n] / sm.plan.packs[n.args[0]].param_bytes)
+            4 * (2 * rest[n] + sm.plan.packs[n.args[0]].optim_bytes * rest[n] / sm.plan.packs[n.args[0]].param_bytes)
             / hw.host_memory_bandwidth for n in host))
         assert sim.step_seconds >= max(sim.busy.values())
         assert all(0.0 <= u <= 1.0 + 1e-9 for u in sim.utilisation.values())
@@ -435,13 +433,10 @@ def test_profile_measures_and_this_machine_uses_the_cache(tmp_path, monkeypatch)
     assert "measured" in hw.notes[0]
     assert [b for b, _ in hw.codec_rates] == [1, 4, 8] and all(r > 0 and math.isfinite(r) for _, r in hw.codec_rates)
     assert "gradient codec per core" in hw.describe()
-    assert [k for k, _ in hw.host_step_rates] == ["for-loop", "foreach", "fused"] and dev.step_rates == \
-        hw.host_step_rates and all(r > 0 and math.isfinite(r) for _, r in hw.host_step_rates)
-    assert "host optimizer step" in hw.describe()
     assert list(tmp_path.glob("harmony-disk-*")) == []                  # the temp file is gone
     cached = Hardware.this_machine()
     assert cached.devices[0] == dev and cached.disk_read_bandwidth == hw.disk_read_bandwidth
-    assert cached.codec_rates == hw.codec_rates and cached.host_step_rates == hw.host_step_rates
+    assert cached.codec_rates == hw.codec_rates
     budgeted = cached.logical([512 * 2**20])                              # a logical CPU device with a budget
     assert budgeted.devices[0].memory == 512 * 2**20 and budgeted.devices[0].h2d_bandwidth == dev.h2d_bandwidth
 

@@ -90,9 +90,6 @@ class Device:
     ``plain_kernel_latency`` (CUDA): ``kernel_latency`` without the runtime's accounting (``accounting="allocator"``).
     ``queued``: the host queues ops to the device (CUDA), so a pack's compute takes the longer of its
     kernels' time and its launches' time, not their sum.
-    ``step_rates``: (kernel, bytes/s) of an optimizer step's ``runtime.plan.step_traffic`` under each of torch's
-    implementations (``runtime.plan.STEP_KERNELS``), measured on AdamW; a kernel not given steps at
-    ``memory_bandwidth``.
     ``sync_copies``: the runtime on the CPU runs compute on the thread that issues the ops,
     so a copy is issued only when the compute before it is done, and every copy but a
     ``swap_in`` (the one with a copy engine, a worker thread) blocks the compute stream:
@@ -123,10 +120,8 @@ class Device:
     p2p_bandwidth: float = 0.0             # bytes/s to a peer device of the node, one direction (0: none given)
     real_link_bandwidth: float = 0.0       # an emulated link's real rate: h2d/d2h are paced down from it (0: real)
     source: str = ""                       # where the figures come from
-    step_rates: tuple[tuple[str, float], ...] = ()   # optimizer kernel -> bytes/s of its step traffic (measured)
 
     def __post_init__(self):
-        object.__setattr__(self, "step_rates", tuple((str(k), float(r)) for k, r in self.step_rates))
         if self.dtype not in self.peak_flops:
             raise ConfigError(f"device {self.name!r} has no {self.dtype} FLOP/s figure; "
                               f"it has {', '.join(self.peak_flops)}")
@@ -212,16 +207,12 @@ class Hardware:
     codec_rates: tuple[tuple[int, float], ...] = ()
     socket_rate: float = 0.0     # bytes/s of all-reduce TCP traffic one core's gloo carries (CPU devices); 0: nominal
     network_shared: bool = False    # a host's devices pool their network_bandwidth: one transfer at a time gets it all
-    # (kernel, bytes/s) of an optimizer step's traffic on the host under each implementation (Device.step_rates); ():
-    # host_memory_bandwidth, as in a profile cached before profile() measured it
-    host_step_rates: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self):
         object.__setattr__(self, "devices", tuple(self.devices))
         object.__setattr__(self, "switches", tuple(tuple(g) for g in self.switches))
         object.__setattr__(self, "hosts", tuple(tuple(g) for g in self.hosts))
         object.__setattr__(self, "codec_rates", tuple((int(b), float(r)) for b, r in self.codec_rates))
-        object.__setattr__(self, "host_step_rates", tuple((str(k), float(r)) for k, r in self.host_step_rates))
         if not self.devices:
             raise ConfigError("a Hardware needs at least one device")
         nodes.check_hosts(self)
@@ -309,9 +300,6 @@ class Hardware:
         lines.append(f"host: {self.host_memory / GiB:.1f} GiB, disk read {self.disk_read_bandwidth / GB:.3g} GB/s, "
                      f"write {self.disk_write_bandwidth / GB:.3g} GB/s, network {self.network_bandwidth / GB:.3g} "
                      f"GB/s + {self.network_latency * 1e6:.0f} us")
-        if self.host_step_rates:
-            lines.append("host optimizer step (AdamW traffic): " + ", ".join(
-                f"{k} {r / GB:.3g} GB/s" for k, r in self.host_step_rates))
         if self.codec_rates:
             lines.append("gradient codec per core (quantize + dequantize): " + ", ".join(
                 f"{b} bits {r / GB:.3g} GB/s" for b, r in self.codec_rates))

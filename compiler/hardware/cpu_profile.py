@@ -21,16 +21,14 @@ def profile_cpu(base, seconds: float, path, threads: int | None, block: tuple[in
     efficiency = machine.block_efficiency(0.2 * seconds, flops, latency, threads, *block)
     copy = machine.memcpy_bandwidth(0.12 * seconds)
     codec = machine.codec_rates(0.03 * seconds)
-    steps = machine.step_rates(0.05 * seconds, threads)
-    read, write, how = machine.disk_bandwidth(0.3 * seconds, path)
+    read, write, how = machine.disk_bandwidth(0.35 * seconds, path)
     cpu = base.devices[0]
     dev = cpu.replace(peak_flops={"fp32": flops}, efficiency=efficiency, kernel_latency=latency,
                       ondemand_call_latency=call, ondemand_op_latency=op,
-                      h2d_bandwidth=copy, d2h_bandwidth=copy, memory_bandwidth=2 * copy, step_rates=steps,
+                      h2d_bandwidth=copy, d2h_bandwidth=copy, memory_bandwidth=2 * copy,
                       source=f"Hardware.profile {time.strftime('%Y-%m-%d %H:%M')}: measured")
-    return base.replace(devices=(dev,), host_flops=flops, host_memory_bandwidth=2 * copy, host_step_rates=steps,
+    return base.replace(devices=(dev,), host_flops=flops, host_memory_bandwidth=2 * copy,
                         disk_read_bandwidth=read, disk_write_bandwidth=write, codec_rates=codec,
                         notes=(f"measured by Hardware.profile: fp32 matmul at {threads} threads, tensor-op "
                                f"latency, a transformer block of width {block[0]} on {block[1]} tokens, "
-                               f"memcpy, AdamW steps, the gradient codec, disk ({how}); nominal, not measured: "
-                               f"network",))
+                               f"memcpy, the gradient codec, disk ({how}); nominal, not measured: network",))

@@ -22,18 +22,16 @@ def profile_cuda(base, seconds: float, path, device, block: tuple[int, ...]):
     efficiency = machine.block_efficiency(0.16 * seconds, flops["fp32"], latency, torch.get_num_threads(),
                                           *block, device=device)
     copy = machine.memcpy_bandwidth(0.08 * seconds)
-    steps = machine.step_rates(0.05 * seconds, torch.get_num_threads())     # the host's: its steps
-    read, write, how = machine.disk_bandwidth(0.2 * seconds, path)
+    read, write, how = machine.disk_bandwidth(0.25 * seconds, path)
     dev = base.devices[0].replace(
         peak_flops=flops, efficiency=efficiency, kernel_latency=latency, plain_kernel_latency=plain,
         h2d_bandwidth=h2d, d2h_bandwidth=d2h,
         ondemand_call_latency=call, ondemand_op_latency=op,
         memory_bandwidth=d2d, link="pinned copies", queued=True,
         source=f"Hardware.profile {time.strftime('%Y-%m-%d %H:%M')}: measured on {base.devices[0].name}")
-    return base.replace(devices=(dev,), host_memory_bandwidth=2 * copy, host_step_rates=steps, disk_read_bandwidth=read,
+    return base.replace(devices=(dev,), host_memory_bandwidth=2 * copy, disk_read_bandwidth=read,
                         disk_write_bandwidth=write,
                         notes=(f"measured by Hardware.profile: matmul {8192}^3 per dtype, pinned copies, "
                                f"device copies, {launch * 1e6:.3g} us per bare launch, tensor-op latency under "
                                f"the runtime's accounting, a transformer block of width {block[0]} on "
-                               f"{block[1]} tokens, host memcpy, host AdamW steps, disk ({how}); nominal, not "
-                               f"measured: network",))
+                               f"{block[1]} tokens, host memcpy, disk ({how}); nominal, not measured: network",))

@@ -18,7 +18,6 @@ from pathlib import Path
 
 from harmony.base.errors import ConfigError
 from harmony.runtime.ondemand import OnDemand
-from harmony.runtime.plan import KERNEL_KWARGS, STEP_KERNELS, step_traffic
 from harmony.runtime.tiers.memory import CountAllocations, MemoryMeter
 
 GiB = 2**30
@@ -257,38 +256,6 @@ def memcpy_bandwidth(budget: float, size: int = 128 * 2**20) -> float:
     src = torch.ones(size // 4)
     dst = torch.full_like(src, 2.0)         # touched, so the timed copies take no page faults
     return size / _median(_timed(lambda: dst.copy_(src), budget))
-
-
-def step_rates(budget: float, threads: int, mib: int = 32, tensors: int = 4) -> tuple[tuple[str, float], ...]:
-    """(kernel, bytes/s) of torch's AdamW step under each implementation it has here (``runtime.plan.STEP_KERNELS``:
-    the for-loop, foreach, fused), as ``runtime.plan.step_traffic`` of that kernel per second of its median step:
-    ``mib`` MiB of fp32 parameters in ``tensors`` tensors, with their gradients and state (four times that: beyond
-    the caches), at ``threads`` intra-op threads, in about ``budget`` seconds. The fused kernel updates in place in
-    one pass and reaches more than the memcpy probe (which writes where it does not read); the loop forms pay for
-    their temporaries. Also what ``benchmarks/host_step.py`` measures."""
-    import torch
-
-    numel, before = mib * 2**20 // 4 // tensors, torch.get_num_threads()
-    torch.set_num_threads(threads)
-    rates = []
-    try:
-        for kernel in STEP_KERNELS:
-            params = [torch.nn.Parameter(torch.randn(numel)) for _ in range(tensors)]
-            for p in params:
-                p.grad = torch.randn(numel)
-            try:
-                opt = torch.optim.AdamW(params, lr=1e-4, **KERNEL_KWARGS[kernel])
-                opt.step()             # the state made and touched: the timed steps take no page faults for it
-            except (RuntimeError, TypeError, ValueError):
-                continue               # no such kernel in this torch
-            state = sum(v.nbytes for s in opt.state.values() for v in s.values()
-                        if isinstance(v, torch.Tensor) and v.numel() > 1)
-            seconds = _median(_timed(opt.step, budget / len(STEP_KERNELS)))
-            rates.append((kernel, step_traffic(4 * numel * tensors, state, kernel) / seconds))
-            del opt, params
-    finally:
-        torch.set_num_threads(before)
-    return tuple(rates)
 
 
 def codec_rates(budget: float, bits=(1, 4, 8), numel: int = 1 << 20) -> tuple[tuple[int, float], ...]:

@@ -25,7 +25,7 @@ from harmony.driver.modes.pipeline_plan import portable_inputs
 from harmony.passes.partition import find_units, smallest_budget, tensor_bytes
 from harmony.runtime.comm.failures import guarded
 from harmony.runtime.comm.world import rank_and_world
-from harmony.runtime.plan import StepKernel, optim_state_bytes, step_traffic
+from harmony.runtime.plan import optim_state_bytes, step_traffic
 from harmony.runtime.simulate.node import shared_hosts, simulate_node
 
 
@@ -174,8 +174,7 @@ def model_cost(program, kernel_ops_per_param_tensor: float = 2.7 + 5.8 + 2.7) ->
     optim = sum(optim_state_bytes(program.optim_profile, nbytes(p)) for p in params
                 if p.requires_grad)
     replicated = pbytes + grads + sum(nbytes(t) for t in program.gm.buffers())
-    kernel = StepKernel.of(program.optim_profile).name
     return ModelCost(flops_const=flops.c0, flops_per_sample=flops.c1, act_const=act.c0, act_per_sample=act.c1,
                      state_bytes=float(optim), layer_bytes=0.0, replicated_bytes=float(replicated),
-                     step_bytes=step_traffic(pbytes, optim, kernel), step_kernel=kernel,
+                     step_bytes=step_traffic(pbytes, optim),
                      ops_per_microbatch=kernel_ops_per_param_tensor * len(params))

@@ -35,7 +35,7 @@ from harmony.passes.partition.search import plan_packs, working_set_cap
 from harmony.passes.partition.units import COMPUTE_OPS, Unit, compute_nodes, find_units, state_of, storage_root  # noqa: F401
 from harmony.runtime.comm.compression import NO_COMPRESSION
 from harmony.runtime.ops.reduce import comm_buffer_bytes
-from harmony.runtime.plan import PackSpec, Plan, StepKernel, optim_state_bytes, step_extra
+from harmony.runtime.plan import PackSpec, Plan, optim_state_bytes, step_extra
 
 NAME = "partition"
 REQUIRES = {"cost"}
@@ -340,8 +340,7 @@ def run(program: Program, ctx) -> PassResult:
                         clip_grad_norm=cfg.clip_grad_norm, clip_norm_type=cfg.clip_norm_type,
                         param_order=param_order(program),
                         state_owner=dict(cfg.state_owner or {}), rank=cfg.rank,
-                        state_bytes={n: b for n, b in device_sizes(program).items() if n in (cfg.state_owner or {})},
-                        step_kernel=StepKernel.of(program.optim_profile))
+                        state_bytes={n: b for n, b in device_sizes(program).items() if n in (cfg.state_owner or {})})
     rows = [dict(pack=s.index, layers=s.name, units=e - b, params_MiB=s.param_bytes / 2**20,
                  saved_MiB=s.saved_bytes / 2**20,
                  need_MiB=measured_need(program, s, i == len(cuts) - 1) / 2**20,

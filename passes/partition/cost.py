@@ -20,7 +20,7 @@ from harmony.compiler.ir import Program
 from harmony.passes.offload import step_place
 from harmony.passes.partition.units import Unit
 from harmony.passes.swap import mixed_placement
-from harmony.runtime.plan import StepKernel, step_extra, step_traffic
+from harmony.runtime.plan import step_extra, step_traffic
 from harmony.runtime.precision import device_bytes
 
 # The planner's fixed cost of one more pack: about ten schedule ops (a swap_in, wait and release of its
@@ -42,7 +42,6 @@ class PackCost:
         self.sizes = device_sizes(program)       # bytes on the device (compute copies under mixed precision)
         self.master = {n: nbytes(t) for n, t in program.gm.named_parameters()}
         self.state_per_byte = program.optim_profile["state_per_byte"]   # per byte of fp32 master
-        self.kernel = StepKernel.of(program.optim_profile).name          # how the optimizer steps (its traffic)
         # the searches price thousands of spans: their sums and maxima come from per-unit figures, not per parameter
         prof, master = program.optim_profile, self.master
         self.param_sum = _SpanSum(units, "params", self.sizes)
@@ -272,15 +271,9 @@ class PackCost:
         last, cfg = len(cuts) - 1, self.p.config
         flops = sum(u.fwd_flops * (1 if i == last else 2) + u.bwd_flops
                     for i, (s, e) in enumerate(cuts) for u in self.units[s:e])
-        return max(flops * cfg.microbatches / cfg.flops, self.host_step_seconds(self.master_sum(0, len(self.units))))
-
-    def host_step_seconds(self, master: float) -> float:
-        """Seconds the host steps ``master`` fp32 bytes of parameters with their optimizer state, as the simulator
-        prices it (``plan.step_rate``): the traffic of the optimizer's kernel at the host's measured rate for it
-        (``CompileConfig.host_step_rates``), else at its memory bandwidth."""
-        cfg = self.p.config
-        rate = dict(cfg.host_step_rates).get(self.kernel) or cfg.host_bandwidth
-        return step_traffic(master, master * self.state_per_byte, self.kernel) / rate
+        master = self.master_sum(0, len(self.units))
+        return max(flops * cfg.microbatches / cfg.flops,
+                   step_traffic(master, master * self.state_per_byte) / cfg.host_bandwidth)
 
     def residency(self, cuts, budget: float) -> tuple[float, list[float]]:
         """(bytes saved, bytes of each pack stepped on the device) of a partition under the harmony policy with host
@@ -314,14 +307,15 @@ class PackCost:
         Each pack steps on the host once its backward ends, one pack at a time, behind the packs before
         it in backward order; the first pack steps last, and the next forward waits for its weights.
         A step moves ``plan.step_traffic`` bytes of the fp32 masters, gradients and optimizer state at the
-        host's rate for the optimizer's kernel (``host_step_seconds``); ``shares[i]`` of pack i's step on the host.
+        host's memory bandwidth, as the simulator prices it; ``shares[i]`` of pack i's step on the host.
         """
         if not any(shares):
             return 0.0
         t = free = 0.0
         for i in reversed(range(len(cuts))):
             t += backward[i]
-            step = self.host_step_seconds(self.master_sum(*cuts[i]))
+            master = self.master_sum(*cuts[i])
+            step = step_traffic(master, master * self.state_per_byte) / self.p.config.host_bandwidth
             free = max(free, t) + shares[i] * step
         return max(0.0, free - t)
 

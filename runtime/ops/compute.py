@@ -124,17 +124,17 @@ def pack_compute_cost(hw, flops: float, tensor_ops: float, extra: float = 0.0) -
 
 
 def kernels_cost(spec, phase: str) -> float:
-    """Tensor ops one ``phase`` ("forward", "backward") of a pack dispatches, estimated (a step's:
-    ``plan.StepKernel``, counted by the optimizer's profile).
+    """Tensor ops one ``phase`` ("forward", "backward", "step") of a pack dispatches, estimated.
 
     The plan does not keep the ops a pack dispatches, so they are estimated from the
     parameter tensors it reads, which they follow closely in layer stacks: a linear layer's
     weight and bias take a matmul, a view and an add forward and about twice that backward.
     Counted on the built-in GPT (fx front end, packs of one to three blocks): 2.6 to 2.8
-    ops per parameter tensor forward, 5.6 to 5.9 backward (without the recompute).
+    ops per parameter tensor forward, 5.6 to 5.9 backward (without the recompute), and
+    21 per parameter for an Adam(W) step (its for-loop implementation, the CPU default).
     """
-    per_tensor = {"forward": 2.7, "backward": 5.8}[phase]
-    tensors = len(spec.params) + len(spec.buffers)
+    per_tensor = {"forward": 2.7, "backward": 5.8, "step": 21.0}[phase]
+    tensors = len(spec.stepped) if phase == "step" else len(spec.params) + len(spec.buffers)
     return per_tensor * max(tensors, 1)
 
 

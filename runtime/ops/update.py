@@ -11,11 +11,11 @@ from harmony.base.tiers import Tier
 from harmony.base.units import nbytes
 from harmony.runtime.comm.jobwide import STEP_KEY
 from harmony.runtime.ops import register, step
-from harmony.runtime.ops.compute import ondemand_seconds, pack_compute_cost
+from harmony.runtime.ops.compute import kernels_cost, ondemand_seconds, pack_compute_cost
 from harmony.runtime.ops.move import step_disk_io
 from harmony.runtime.partitioned import scope, share_params
 from harmony.runtime.placeholders import point
-from harmony.runtime.plan import step_rate, step_traffic
+from harmony.runtime.plan import step_traffic
 from harmony.runtime.precision import master_grads
 
 
@@ -193,25 +193,22 @@ def device_part_bytes(plan, spec) -> dict[str, int]:
     return {n: sizes.get(n, 0) for n in _device_parts(plan, spec)}
 
 
-def _share_traffic(plan, spec, master: float) -> float:
-    """``step_traffic`` of ``master`` fp32 bytes of the pack's parameters, with their share of its optimizer state,
-    under the plan's optimizer kernel."""
+def _share_traffic(spec, master: float) -> float:
+    """``step_traffic`` of ``master`` fp32 bytes of the pack's parameters, with their share of its optimizer state."""
     whole = spec.master_bytes or spec.param_bytes
-    return step_traffic(master, spec.optim_bytes * master / whole if whole else 0, plan.step_kernel.name)
+    return step_traffic(master, spec.optim_bytes * master / whole if whole else 0)
 
 
 def device_part_cost(plan, hw, pack: int) -> float:
     """Seconds a host-stepped pack's ``step`` spends on the compute stream first, stepping its
-    ``Residency.device_parts`` on the device one at a time: their traffic at the device's rate for the optimizer's
-    kernel (``plan.step_rate``) and the tensor ops of one ``step()`` call each."""
+    ``Residency.device_parts`` on the device one at a time: their traffic at the device's memory bandwidth and
+    their tensor ops."""
     spec = plan.packs[pack]
     parts = device_part_bytes(plan, spec)
     if not parts:
         return 0.0
-    kernel = plan.step_kernel
-    ops = kernel.ops(1) * len(parts)
-    return _share_traffic(plan, spec, sum(parts.values())) / step_rate(hw, kernel.name, host=False) + \
-        pack_compute_cost(hw, 0, ops)
+    ops = kernels_cost(spec, "step") / max(1, len(spec.stepped)) * len(parts)
+    return _share_traffic(spec, sum(parts.values())) / hw.memory_bandwidth + pack_compute_cost(hw, 0, ops)
 
 
 def _device_parts(plan, spec) -> list[str]:
@@ -271,12 +268,10 @@ def mixed_master_bytes(plan, spec) -> int:
 
 
 def _step_cost(plan, hw, pack, stream=False, where=Tier.DEVICE, overlap=False):
-    """An optimizer step is memory-bound: its traffic at the rate its kernel reaches (``plan.step_rate``: measured
-    by ``Hardware.profile``, else memory bandwidth), plus a fixed cost per tensor op (``plan.StepKernel.ops``).
+    """An optimizer step is memory-bound: its traffic at memory bandwidth, plus a fixed cost per tensor op.
 
-    Traffic: ``plan.step_traffic`` of the plan's kernel (fused: 3 P + 2 O bytes; the loop forms 4 x (2 P + O)). A
-    streamed step also copies each parameter's optimizer state in and back out, one parameter at a time, the copies
-    in on the compute stream's critical path; under mixed precision
+    Traffic: ``plan.step_traffic``, 4 x (2 P + O) bytes. A streamed step also copies each parameter's optimizer state in
+    and back out, one parameter at a time, the copies in on the compute stream's critical path; under mixed precision
     its fp32 master too (M bytes), stepped in place of the device copy, with the casts of its gradient to fp32 and of
     the master back into the copy (1.5 M bytes of traffic each); there the next parameter's copies in run beside this
     one's step. The copies out land on the other copy engine while the next parameters come in and step
@@ -284,15 +279,14 @@ def _step_cost(plan, hw, pack, stream=False, where=Tier.DEVICE, overlap=False):
     """
     spec = plan.packs[pack]
     master = mixed_master_bytes(plan, spec)
-    kernel = plan.step_kernel
-    traffic = step_traffic(master or spec.param_bytes, spec.optim_bytes, kernel.name) + 3 * master
+    traffic = step_traffic(master or spec.param_bytes, spec.optim_bytes) + 3 * master
     if where in (Tier.HOST, Tier.DISK):   # the host's own memory, outside the runtime's accounting: plain dispatch
         master = spec.master_bytes or spec.param_bytes      # fp32 masters, less those stepped on the device first
         host = master - sum(device_part_bytes(plan, spec).values()) if where == Tier.HOST else master
-        return "host", _share_traffic(plan, spec, host) / step_rate(hw, kernel.name, host=True)
-    ops = kernel.ops(len(spec.stepped))
-    seconds = traffic / step_rate(hw, kernel.name, host=False) + \
-        pack_compute_cost(hw, 0, ops, ondemand_seconds(plan, hw, ops))
+        traffic = _share_traffic(spec, host)
+        return "host", traffic / getattr(hw, "host_memory_bandwidth", hw.memory_bandwidth)
+    ops = kernels_cost(spec, "step")
+    seconds = traffic / hw.memory_bandwidth + pack_compute_cost(hw, 0, ops, ondemand_seconds(plan, hw, ops))
     copies = (streamed_optim_bytes(plan, pack) if stream else 0) + master
     ins, out = copies / hw.h2d_bandwidth, copies / hw.d2h_bandwidth
     if getattr(hw, "sync_copies", False):
